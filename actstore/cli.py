@@ -1,0 +1,242 @@
+"""The ``actstore`` command line.  Every error is one line on stderr and a non-zero exit.
+
+Heavy modules (torch, transformers, the ingest and query packages) are imported inside the
+commands that need them, so ``actstore sql`` starts fast and the core does not depend on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from actstore.errors import ActstoreError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str, code: int = 1) -> None:
+    click.echo(f"error: {' '.join(str(message).split())}", err=True)
+    sys.exit(code)
+
+
+def friendly(fn: F) -> F:
+    """Turn expected errors into one line and exit status 1 (2 for usage errors, as click does)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except click.exceptions.ClickException:
+            raise
+        except (ActstoreError, ValueError, FileNotFoundError, PermissionError, KeyError, OSError) as e:
+            fail(str(e) if not isinstance(e, KeyError) else f"missing {e}")
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def parse_int_list(text: str | None, what: str = "layers") -> list[int] | None:
+    """``"0,3,5-7"`` -> [0, 3, 5, 6, 7]."""
+    if text is None or text.strip() == "":
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ValueError(f"--{what}: {part!r} is not an integer or a range like 5-7") from None
+    return out
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="actstore")
+def main() -> None:
+    """actstore: ingest a corpus once with fused capture, then query per-head and per-token features."""
+
+
+# --------------------------------------------------------------------------------------- ingest
+@main.command()
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
+              help="Alias (smollm2-135m, gemma3-270m, tiny-llama, ...), local folder or hub name.")
+@click.option("--dataset", "dataset_spec", default="demo", show_default=True,
+              help="KIND:PATH with KIND in fewrel, lre, known1000, maps, jsonl; or demo.")
+@click.option("--relations", default=None, help="Comma-separated relation ids to keep.")
+@click.option("--limit-per-relation", type=int, default=None)
+@click.option("--template", default=None, help="Prompt template for maps pairs, e.g. 'The capital of {} is'.")
+@click.option("--batch-size", type=int, default=16, show_default=True)
+@click.option("--dtype", "storage_dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float16",
+              show_default=True, help="Storage dtype of the captured arrays.")
+@click.option("--model-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--segment-size", type=int, default=256, show_default=True, help="Examples per commit.")
+@click.option("--padding-side", type=click.Choice(["left", "right"]), default="right", show_default=True)
+@click.option("--out", required=True, help="Store directory or URL.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted ingest from its last commit.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing store at --out.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@friendly
+def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_relation: int | None,
+           template: str | None, batch_size: int, storage_dtype: str, model_dtype: str, device: str,
+           segment_size: int, padding_side: str, out: str, resume: bool, overwrite: bool, quiet: bool,
+           as_json: bool) -> None:
+    """Run MODEL once over DATASET with fused capture and write the store OUT."""
+    from ingest.run import IngestRequest, ingest_corpus
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    req = IngestRequest(
+        model=model_name, dataset=dataset_spec,
+        relations=[r.strip() for r in relations.split(",") if r.strip()] if relations else None,
+        limit_per_relation=limit_per_relation, template=template, batch_size=batch_size,
+        storage_dtype=storage_dtype, model_dtype=model_dtype, device=device, segment_size=segment_size,
+        padding_side=padding_side, out=out, resume=resume, overwrite=overwrite, progress=not quiet,
+        rank=rank, world_size=world,
+    )
+    report = ingest_corpus(req, log=lambda m: click.echo(m, err=True) if not quiet else None)
+    summary = {"store": report.store, "examples": report.n_examples, "segments_written": report.segments_written,
+               "segments_already_committed": report.segments_skipped, "seconds": round(report.seconds, 2)}
+    click.echo(json.dumps(summary) if as_json else
+               f"wrote {report.store}: {report.n_examples} examples, {report.segments_written} segments "
+               f"({report.segments_skipped} already committed) in {report.seconds:.1f}s")
+
+
+# --------------------------------------------------------------------------------------- info
+@main.command()
+@click.argument("store")
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def info(store: str, as_json: bool) -> None:
+    """Summarise a store: model, geometry, corpus, sizes."""
+    import actstore
+
+    s = actstore.open(store)
+    rel = s.sql("SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
+                "FROM examples GROUP BY 1 ORDER BY 1").to_pylist()
+    tables = {name: len(files) for name, files in s.table_files().items()}
+    d = {
+        "store": s.url, "format_version": s.manifest.format_version, "model": s.manifest.model,
+        "geometry": s.geometry.to_dict(), "storage_dtype": s.manifest.storage_dtype,
+        "examples": s.manifest.n_examples, "rows_committed": s.n_rows,
+        "segments": {"committed": len(s.commits), "total": s.manifest.n_segments}, "complete": s.complete,
+        "relations": rel, "tables": tables, "bytes": _du(s),
+    }
+    if as_json:
+        click.echo(json.dumps(d, indent=2, default=str))
+        return
+    g = s.geometry
+    click.echo(f"store     {s.url}  (format v{s.manifest.format_version})")
+    click.echo(f"model     {s.manifest.model.get('name')}  [{s.manifest.model.get('architecture')}]  "
+               f"weights sha256 {str(s.manifest.model.get('weight_hash', ''))[:16]}")
+    click.echo(f"geometry  L={g.n_layers} H={g.n_heads} H_kv={g.n_kv_heads} d_head={g.d_head} "
+               f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}")
+    click.echo(f"rows      {s.n_rows}/{s.manifest.n_examples} in {len(s.commits)}/{s.manifest.n_segments} "
+               f"segments, {s.manifest.storage_dtype}{'' if s.complete else '  (INCOMPLETE: resume the ingest)'}")
+    click.echo(f"size      {d['bytes'] / 1e6:.1f} MB")
+    click.echo(f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}")
+    for r in rel:
+        click.echo(f"  {r['relation_id']:<24} {r['n']:>6}  {r['relation_name']}")
+
+
+def _du(s: Any) -> int:
+    if s.location.is_local:
+        total = 0
+        for root, _, files in os.walk(s.location.root):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        return total
+    return int(s.location.fs.du(s.location.root))
+
+
+# --------------------------------------------------------------------------------------- sql
+@main.command()
+@click.argument("store")
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@friendly
+def sql(store: str, query: str, fmt: str) -> None:
+    """Run one read-only SELECT over the store's tables."""
+    import actstore
+
+    table = actstore.open(store).sql(query)
+    if fmt == "json":
+        click.echo(json.dumps(table.to_pylist(), default=str))
+    elif fmt == "csv":
+        import pyarrow.csv as pacsv
+
+        sink = sys.stdout.buffer
+        pacsv.write_csv(table, sink)
+    else:
+        import pandas as pd
+
+        with pd.option_context("display.max_rows", 200, "display.max_columns", 50, "display.width", 200,
+                               "display.max_colwidth", 60):
+            click.echo(table.to_pandas().to_string(index=False))
+
+
+# --------------------------------------------------------------------------------------- features
+@main.command()
+@click.argument("store")
+@click.option("--kind", required=True, help="z, attn_head, attn, attn_head_token, attn_entity, attn_prob, mlp, mlp_group, resid")
+@click.option("--where", default=None, help="SQL predicate over examples, e.g. \"relation_id = 'P17'\".")
+@click.option("--layers", default=None, help="e.g. 0,3,5-7")
+@click.option("--heads", default=None, help="e.g. 0-3")
+@click.option("--groups", type=int, default=None, help="mlp_group: number of neuron groups (default: heads).")
+@click.option("--out", "out_path", required=True, help="Output .npy file.")
+@click.option("--ids-out", default=None, help="Parquet file of (example_id, row) in the array's order.")
+@friendly
+def features(store: str, kind: str, where: str | None, layers: str | None, heads: str | None, groups: int | None,
+             out_path: str, ids_out: str | None) -> None:
+    """Write the features of the selected target rows to a .npy file (target-row order)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    import actstore
+
+    s = actstore.open(store)
+    sel = s.select(where)
+    x = sel.features(kind, layers=parse_int_list(layers), heads=parse_int_list(heads, "heads"), groups=groups)
+    tmp = out_path + ".tmp.npy"
+    np.save(tmp, x)
+    os.replace(tmp, out_path if out_path.endswith(".npy") else out_path)
+    if ids_out:
+        pq.write_table(sel.rows.select(["example_id", "row"]), ids_out)
+    click.echo(f"wrote {out_path}: {kind} {list(x.shape)} float32 for {len(sel)} rows")
+
+
+# --------------------------------------------------------------------------------------- verify
+@main.command()
+@click.argument("store")
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def verify(store: str, as_json: bool) -> None:
+    """Check every chunk's checksum, every table's hash, offsets and the manifest."""
+    import actstore
+    from actstore.verify import verify_store
+
+    report = verify_store(actstore.open(store))
+    if as_json:
+        click.echo(json.dumps({"store": report.store, "ok": report.ok, "segments": report.segments_checked,
+                               "chunks": report.chunks_checked, "problems": report.problems}))
+    else:
+        for p in report.problems:
+            click.echo(f"PROBLEM {p}", err=True)
+        click.echo(f"{'ok' if report.ok else 'CORRUPT'}: {report.segments_checked} segments, "
+                   f"{report.chunks_checked} chunks checked, {len(report.problems)} problems")
+    if not report.ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Reading a store: the manifest, committed segments, arrays, weights and tables.
+
+Layout under the store root::
+
+    manifest.json                      format, model, geometry, settings
+    weights/                           zarr group: W_O, b_O, W_V, b_V, W_down, b_down, embed, unembed, ...
+    segments/NNNNNN/                   zarr group per segment: z, attn, v, resid, mlp
+    tables/{examples,tokens,targets}/NNNNNN.parquet   one shard per segment
+    tables/heads/heads.parquet, tables/<result>/<run>.parquet
+    commits/NNNNNN.json                written last: the segment is visible once this exists
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zarr
+
+from actstore.arrays import read_ranges, read_rows, widen
+from actstore.errors import CorruptStoreError, QueryError, StoreNotFoundError
+from actstore.fs import StoreLocation, locate
+from actstore.manifest import Geometry, Manifest, SegmentCommit
+from actstore.tables import SCHEMAS, SEGMENT_TABLES
+
+if TYPE_CHECKING:
+    import duckdb
+
+SEGMENT_ARRAYS = ("z", "attn", "v", "resid", "mlp")
+
+
+def segment_name(seg: int) -> str:
+    return f"{seg:06d}"
+
+
+@dataclass(frozen=True)
+class TableFile:
+    name: str
+    path: str  # relative to the store root
+
+
+class Store:
+    """A read-only view of a store as of the moment it was opened (or last :meth:`refresh`)."""
+
+    def __init__(self, location: StoreLocation) -> None:
+        self.location = location
+        if not location.exists("manifest.json"):
+            raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)")
+        self.manifest = Manifest.from_json(location.read_bytes("manifest.json"), location.url)
+        self._arrays: dict[tuple[int, str], zarr.Array] = {}
+        self.commits: dict[int, SegmentCommit] = {}
+        self.refresh()
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.manifest.geometry
+
+    def refresh(self) -> None:
+        """Pick up segments committed since the store was opened."""
+        commits: dict[int, SegmentCommit] = {}
+        for name in self.location.listdir("commits"):
+            if not name.endswith(".json"):
+                continue
+            rel = f"commits/{name}"
+            c = SegmentCommit.from_json(self.location.read_bytes(rel), f"{self.url}/{rel}")
+            commits[c.segment] = c
+        self.commits = dict(sorted(commits.items()))
+        self.__dict__.pop("_row_index", None)
+
+    @property
+    def n_rows(self) -> int:
+        return sum(c.n_rows for c in self.commits.values())
+
+    @property
+    def complete(self) -> bool:
+        return len(self.commits) == self.manifest.n_segments
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (
+            f"<actstore.Store {self.url!r}: model={self.manifest.model.get('name')!r} "
+            f"L={g.n_layers} H={g.n_heads} d_model={g.d_model}, {self.n_rows} rows in "
+            f"{len(self.commits)}/{self.manifest.n_segments} segments, dtype={self.manifest.storage_dtype}>"
+        )
+
+    # ------------------------------------------------------------------ arrays
+    def array(self, seg: int, name: str) -> zarr.Array:
+        key = (seg, name)
+        if key not in self._arrays:
+            if seg not in self.commits:
+                raise QueryError(f"segment {seg} is not committed in {self.url}")
+            rel = f"segments/{segment_name(seg)}"
+            try:
+                group = zarr.open_group(store=self.location.zarr_store(rel, read_only=True), mode="r")
+                arr = group[name]
+            except Exception as e:
+                raise CorruptStoreError(f"{self.url}/{rel}/{name}: cannot open array ({e})") from None
+            assert isinstance(arr, zarr.Array)
+            self._arrays[key] = arr
+        return self._arrays[key]
+
+    def read_segment_rows(self, seg: int, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows (sorted, segment-local) of a per-target array, as float32."""
+        arr = self.array(seg, name)
+        data = read_rows(arr, rows, f"{self.url}/segments/{segment_name(seg)}/{name}")
+        return widen(data, self.manifest.storage_dtype)
+
+    def read_segment_ranges(self, seg: int, name: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Concatenated ranges of a flat (ragged) array, as float32."""
+        arr = self.array(seg, name)
+        data = read_ranges(arr, starts.tolist(), lengths.tolist(), f"{self.url}/segments/{segment_name(seg)}/{name}")
+        return widen(data, self.manifest.storage_dtype)
+
+    @cached_property
+    def _weights_group(self) -> zarr.Group:
+        try:
+            return zarr.open_group(store=self.location.zarr_store("weights", read_only=True), mode="r")
+        except Exception as e:
+            raise CorruptStoreError(f"{self.url}/weights: cannot open ({e})") from None
+
+    def weight(self, name: str) -> np.ndarray:
+        """A stored weight as float32 (``W_O`` [L,H,d_head,d_model], ``unembed`` [V,d_model], ...)."""
+        group = self._weights_group
+        if name == "unembed" and group.attrs.get("tied_unembed"):
+            name = "embed"
+        if name not in group:
+            raise QueryError(f"{self.url}: no stored weight {name!r} (have {sorted(group.array_keys())})")
+        arr = group[name]
+        assert isinstance(arr, zarr.Array)
+        try:
+            return np.asarray(arr[...], dtype=np.float32)
+        except Exception as e:
+            raise CorruptStoreError(f"{self.url}/weights/{name}: read failed ({type(e).__name__}: {e})") from None
+
+    def has_weight(self, name: str) -> bool:
+        return name in self._weights_group
+
+    @property
+    def weight_attrs(self) -> dict[str, Any]:
+        return dict(self._weights_group.attrs)
+
+    # ------------------------------------------------------------------ tables
+    def table_files(self) -> dict[str, list[str]]:
+        """Visible Parquet files per table name (segment tables: committed shards only)."""
+        out: dict[str, list[str]] = {}
+        for name in SEGMENT_TABLES:
+            out[name] = [f"tables/{name}/{segment_name(s)}.parquet" for s in self.commits]
+        for name in self.location.listdir("tables"):
+            if name in SEGMENT_TABLES:
+                continue
+            files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
+            out[name] = [f"tables/{name}/{f}" for f in files]
+        return out
+
+    def table(self, name: str, columns: list[str] | None = None) -> pa.Table:
+        """A whole table as Arrow (for small tables and tests; use :meth:`sql` for selections)."""
+        files = self.table_files().get(name)
+        if files is None:
+            raise QueryError(f"{self.url}: no table {name!r}")
+        parts = [self._read_table_file(f, columns) for f in files]
+        if not parts:
+            schema = SCHEMAS.get(name)
+            if schema is None:
+                raise QueryError(f"{self.url}: table {name!r} is empty")
+            empty = schema.empty_table()
+            return empty.select(columns) if columns else empty
+        return pa.concat_tables(parts, promote_options="default")
+
+    def _read_table_file(self, rel: str, columns: list[str] | None) -> pa.Table:
+        try:
+            return pq.read_table(
+                self.location.path(rel), columns=columns, filesystem=self.location.arrow_filesystem()
+            )
+        except Exception as e:
+            raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})") from None
+
+    def sql(self, query: str, *, format: str = "arrow") -> Any:
+        """Run one read-only SELECT over the store's tables; ``format`` is ``arrow`` or ``pandas``."""
+        from actstore.sql import run_sql
+
+        table = run_sql(self, query)
+        if format == "pandas":
+            return table.to_pandas()
+        if format != "arrow":
+            raise QueryError(f"unknown result format {format!r} (arrow, pandas)")
+        return table
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        from actstore.sql import connect
+
+        return connect(self)
+
+    # ------------------------------------------------------------------ convenience
+    def select(self, where: str | None = None, *, query: str | None = None) -> Any:
+        """A :class:`query.Selection` of target rows (imported lazily: the core does not depend on it)."""
+        from query.selection import Selection
+
+        return Selection.from_sql(self, where=where, query=query)
+
+    def iter_segments(self) -> Iterator[SegmentCommit]:
+        yield from self.commits.values()
+
+
+def open_store(url: str | os.PathLike[str]) -> Store:
+    """Open an existing store (local path or URL) for reading."""
+    return Store(locate(url))

@@ -1,0 +1,80 @@
+"""Schemas of the store's Parquet tables and their (de)serialisation.
+
+``examples``, ``tokens`` and ``targets`` are written one shard per segment and become
+visible when the segment commits.  Other tables (``heads``, ``runs`` and analysis results)
+are written whole, one file per run, each file atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SEGMENT_TABLES = ("examples", "tokens", "targets")
+
+EXAMPLES = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("text", pa.string()),
+        ("relation_id", pa.string()),
+        ("relation_name", pa.string()),
+        ("subject", pa.string()),
+        ("object", pa.string()),
+        ("split", pa.string()),
+        ("source", pa.string()),
+        ("subject_start", pa.int32()),  # token span of the subject, -1 when absent
+        ("subject_end", pa.int32()),
+        ("object_start", pa.int32()),
+        ("object_end", pa.int32()),
+        ("n_tokens", pa.int32()),  # tokens stored for this example (positions 0 .. n_tokens-1)
+        ("segment", pa.int32()),
+        ("tok_start", pa.int64()),  # offset of position 0 in the segment's flat token axis (array v)
+        ("meta", pa.string()),  # JSON object with the dataset's extra fields
+    ]
+)
+
+TOKENS = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("position", pa.int32()),
+        ("token_id", pa.int32()),
+        ("token", pa.string()),
+        ("role", pa.string()),  # subject | object | other
+        ("char_start", pa.int32()),
+        ("char_end", pa.int32()),
+    ]
+)
+
+TARGETS = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("position", pa.int32()),  # token position of the target
+        ("row", pa.int64()),  # global row in the per-target arrays
+        ("segment", pa.int32()),
+        ("seg_row", pa.int32()),  # row within the segment's arrays
+        ("src_start", pa.int64()),  # offset in the segment's flat source axis (array attn)
+        ("n_src", pa.int32()),  # sources = positions 0 .. position
+        ("top_token_id", pa.int32()),  # greedy next token at the target
+        ("top_token", pa.string()),
+        ("object_token_id", pa.int32()),  # first token of " " + object, -1 without an object
+        ("object_logprob", pa.float32()),
+        ("object_rank", pa.int32()),  # 0 = the model's top prediction
+    ]
+)
+
+HEADS = pa.schema([("layer", pa.int32()), ("head", pa.int32()), ("kv_head", pa.int32())])
+
+SCHEMAS: dict[str, pa.Schema] = {"examples": EXAMPLES, "tokens": TOKENS, "targets": TARGETS, "heads": HEADS}
+
+
+def to_parquet_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,131 @@
+"""Writing a store: create or resume, write a segment, commit it.
+
+Commit protocol (SPEC section 3): a segment's arrays are written first, then its table
+shards, then its commit marker, atomically.  A segment without a marker is garbage: a
+resume deletes it and writes it again.  Segments are independent, so several writers (one
+per process or GPU) can each take a disjoint set of segments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import pyarrow as pa
+import zarr
+
+from actstore.arrays import create_array
+from actstore.errors import StoreExistsError, StoreMismatchError
+from actstore.fs import StoreLocation, locate
+from actstore.manifest import Manifest, SegmentCommit
+from actstore.store import SEGMENT_ARRAYS, Store, segment_name
+from actstore.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
+
+# Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
+RESUME_KEYS = ("geometry", "model", "storage_dtype", "segment_size", "n_examples", "chunk_rows", "chunk_flat", "ingest")
+
+
+class StoreWriter:
+    """Writes segments of one store.  Use :meth:`create` or :meth:`resume`."""
+
+    def __init__(self, location: StoreLocation, manifest: Manifest) -> None:
+        self.location = location
+        self.manifest = manifest
+
+    @classmethod
+    def create(
+        cls,
+        url: str | os.PathLike[str],
+        manifest: Manifest,
+        weights: Mapping[str, np.ndarray],
+        weight_attrs: Mapping[str, object],
+        *,
+        overwrite: bool = False,
+    ) -> StoreWriter:
+        loc = locate(url)
+        if loc.exists("manifest.json"):
+            if not overwrite:
+                raise StoreExistsError(f"{loc.url} already holds a store (use --resume or another --out)")
+            loc.remove_tree("")
+        elif loc.exists("") and loc.listdir(""):
+            raise StoreExistsError(f"{loc.url} exists and is not an empty directory; refusing to write there")
+        loc.makedirs("")
+        group = zarr.open_group(store=loc.zarr_store("weights", read_only=False), mode="w")
+        group.attrs.update(dict(weight_attrs))
+        for name, value in weights.items():
+            create_array(group, name, np.ascontiguousarray(value, dtype=np.float32), max(1, value.shape[0]), logical_dtype="float32")
+        g = manifest.geometry
+        heads = pa.table(
+            {
+                "layer": np.repeat(np.arange(g.n_layers), g.n_heads).astype(np.int32),
+                "head": np.tile(np.arange(g.n_heads), g.n_layers).astype(np.int32),
+                "kv_head": np.tile(np.arange(g.n_heads) // g.kv_group, g.n_layers).astype(np.int32),
+            },
+            schema=HEADS,
+        )
+        loc.write_bytes_atomic("tables/heads/heads.parquet", to_parquet_bytes(heads))
+        # The manifest goes last: until it exists the directory is not a store.
+        loc.write_bytes_atomic("manifest.json", manifest.to_json())
+        return cls(loc, manifest)
+
+    @classmethod
+    def resume(cls, url: str | os.PathLike[str], manifest: Manifest) -> StoreWriter:
+        """Reopen a store for writing; ``manifest`` must describe the same ingest."""
+        store = Store(locate(url))
+        old = json.loads(store.manifest.to_json())
+        new = json.loads(manifest.to_json())
+        diffs = [k for k in RESUME_KEYS if old.get(k) != new.get(k)]
+        if diffs:
+            raise StoreMismatchError(
+                f"cannot resume {store.url}: the store was written with different {', '.join(diffs)}"
+            )
+        return cls(store.location, store.manifest)
+
+    def committed(self) -> set[int]:
+        return {int(n.split(".")[0]) for n in self.location.listdir("commits") if n.endswith(".json")}
+
+    def write_segment(
+        self,
+        seg: int,
+        row_start: int,
+        arrays: Mapping[str, np.ndarray],
+        tables: Mapping[str, pa.Table],
+    ) -> SegmentCommit:
+        """Write one segment's arrays and tables, then commit it (the marker is the last write)."""
+        m = self.manifest
+        missing = set(SEGMENT_ARRAYS) - set(arrays)
+        if missing or set(SEGMENT_TABLES) - set(tables):
+            raise ValueError(f"segment {seg}: missing arrays/tables {sorted(missing)}")
+        rel = f"segments/{segment_name(seg)}"
+        self.location.remove_tree(rel)  # leftovers of a killed attempt
+        group = zarr.open_group(store=self.location.zarr_store(rel, read_only=False), mode="w")
+        for name in SEGMENT_ARRAYS:
+            data = np.ascontiguousarray(arrays[name])
+            chunk = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
+            create_array(group, name, data, chunk, logical_dtype=m.storage_dtype)
+        digests: dict[str, str] = {}
+        for name in SEGMENT_TABLES:
+            data_bytes = to_parquet_bytes(tables[name])
+            digests[name] = sha256(data_bytes)
+            self.location.write_bytes_atomic(f"tables/{name}/{segment_name(seg)}.parquet", data_bytes)
+        commit = SegmentCommit(
+            segment=seg,
+            row_start=row_start,
+            n_rows=int(arrays["z"].shape[0]),
+            n_sources=int(arrays["attn"].shape[0]),
+            n_tokens=int(arrays["v"].shape[0]),
+            table_sha256=digests,
+        )
+        self.location.write_bytes_atomic(f"commits/{segment_name(seg)}.json", commit.to_json())
+        return commit
+
+
+def write_result_table(store: Store, name: str, run_id: str, table: pa.Table) -> str:
+    """Add an analysis result (one file per run, written atomically) and return its path."""
+    if name in SEGMENT_TABLES or name == "heads" or not name.replace("_", "").isalnum():
+        raise ValueError(f"invalid result table name {name!r}")
+    rel = f"tables/{name}/{run_id}.parquet"
+    store.location.write_bytes_atomic(rel, to_parquet_bytes(table))
+    return rel

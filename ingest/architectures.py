@@ -1,0 +1,222 @@
+"""Where each supported architecture keeps its blocks, and how its weights map onto the store's.
+
+The store speaks one vocabulary for every model (SPEC section 3):
+
+    W_O     [L, H, d_head, d_model]   per-head slice of the attention output projection
+    b_O     [L, d_model]
+    W_V     [L, H_kv, d_model, d_head] value projection, per key/value head
+    b_V     [L, H_kv, d_head]
+    W_down  [L, d_mlp, d_model]       MLP output projection;  b_down [L, d_model]
+    embed   [V, d_model]  (times ``embed_scale``);  unembed [V, d_model] (omitted when tied)
+    final_norm_weight/bias [d_model]  (effective weight: Gemma's 1 + w is folded in)
+
+An :class:`Architecture` knows the modules of one family; :func:`architecture_for` picks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from actstore.manifest import Geometry
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The modules capture hooks onto, one entry per layer."""
+
+    layers: list[nn.Module]
+    attention: list[nn.Module]
+    out_proj: list[nn.Module]
+    down_proj: list[nn.Module]
+
+
+class Architecture:
+    """Llama-style layout (Llama, SmolLM2, Qwen2/3, Mistral, Gemma 3): ``model.model.layers[i].self_attn``."""
+
+    name = "llama"
+    conv1d = False  # GPT-2 stores Linear weights transposed (Conv1D: [in, out])
+
+    def backbone(self, model: nn.Module) -> nn.Module:
+        return model.model  # type: ignore[no-any-return]
+
+    def blocks(self, model: nn.Module) -> Blocks:
+        layers = list(self.backbone(model).layers)  # type: ignore[arg-type]
+        return Blocks(
+            layers=layers,
+            attention=[layer.self_attn for layer in layers],
+            out_proj=[layer.self_attn.o_proj for layer in layers],
+            down_proj=[layer.mlp.down_proj for layer in layers],
+        )
+
+    def geometry(self, model: nn.Module) -> Geometry:
+        cfg = _text_config(model)
+        n_heads = int(cfg.num_attention_heads)
+        d_model = int(cfg.hidden_size)
+        d_head = int(getattr(cfg, "head_dim", None) or d_model // n_heads)
+        return Geometry(
+            n_layers=int(cfg.num_hidden_layers),
+            n_heads=n_heads,
+            n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
+            d_head=d_head,
+            d_model=d_model,
+            d_mlp=int(self.blocks(model).down_proj[0].in_features if not self.conv1d else self.blocks(model).down_proj[0].weight.shape[0]),
+            vocab_size=int(model.get_output_embeddings().weight.shape[0]),  # type: ignore[union-attr, operator]
+        )
+
+    # --- weights --------------------------------------------------------------------------
+    def _linear(self, mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight as [in, out], bias) of a Linear or Conv1D."""
+        w = mod.weight if self.conv1d else mod.weight.T  # type: ignore[union-attr]
+        return w, getattr(mod, "bias", None)  # type: ignore[return-value]
+
+    def value_weights(self, attn: nn.Module, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W_V [d_model, H_kv*d_head], b_V [H_kv*d_head] or None) in kv-head-major order."""
+        return self._linear(attn.v_proj)  # type: ignore[arg-type]
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return self.backbone(model).norm  # type: ignore[return-value]
+
+    def embedding(self, model: nn.Module) -> nn.Module:
+        return model.get_input_embeddings()  # type: ignore[operator, no-any-return]
+
+    def norm_params(self, model: nn.Module) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
+        norm = self.final_norm(model)
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        w = norm.weight  # type: ignore[union-attr]
+        if type(norm).__name__.startswith("Gemma"):
+            w = 1.0 + w  # Gemma's RMSNorm scales by (1 + weight)
+        if isinstance(norm, nn.LayerNorm):
+            return "layernorm", w, norm.bias, eps  # type: ignore[return-value]
+        return "rmsnorm", w, None, eps  # type: ignore[return-value]
+
+    def weights(self, model: nn.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        g = self.geometry(model)
+        b = self.blocks(model)
+        L, H, Hkv, dh, d = g.n_layers, g.n_heads, g.n_kv_heads, g.d_head, g.d_model
+        W_O = np.zeros((L, H, dh, d), np.float32)
+        b_O = np.zeros((L, d), np.float32)
+        W_V = np.zeros((L, Hkv, d, dh), np.float32)
+        b_V = np.zeros((L, Hkv, dh), np.float32)
+        W_down = np.zeros((L, g.d_mlp, d), np.float32)
+        b_down = np.zeros((L, d), np.float32)
+        for layer in range(L):
+            w, bias = self._linear(b.out_proj[layer])
+            W_O[layer] = _np(w).reshape(H, dh, d)
+            if bias is not None:
+                b_O[layer] = _np(bias)
+            wv, bv = self.value_weights(b.attention[layer], g)
+            W_V[layer] = _np(wv).reshape(d, Hkv, dh).transpose(1, 0, 2)
+            if bv is not None:
+                b_V[layer] = _np(bv).reshape(Hkv, dh)
+            w, bias = self._linear(b.down_proj[layer])
+            W_down[layer] = _np(w)
+            if bias is not None:
+                b_down[layer] = _np(bias)
+        emb = self.embedding(model)
+        out = model.get_output_embeddings()  # type: ignore[operator]
+        tied = out.weight.data_ptr() == emb.weight.data_ptr()  # type: ignore[union-attr]
+        kind, nw, nb, eps = self.norm_params(model)
+        weights = {
+            "W_O": W_O, "b_O": b_O, "W_V": W_V, "b_V": b_V, "W_down": W_down, "b_down": b_down,
+            "embed": _np(emb.weight),  # type: ignore[arg-type]
+            "final_norm_weight": _np(nw),
+        }
+        if not tied:
+            weights["unembed"] = _np(out.weight)
+        if nb is not None:
+            weights["final_norm_bias"] = _np(nb)
+        if getattr(out, "bias", None) is not None:
+            weights["unembed_bias"] = _np(out.bias)
+        cfg = _text_config(model)
+        attrs: dict[str, Any] = {
+            "tied_unembed": bool(tied),
+            "final_norm": kind,
+            "final_norm_eps": eps,
+            "embed_scale": float(getattr(emb, "scalar_embed_scale", 1.0)),
+            "final_logit_softcapping": getattr(cfg, "final_logit_softcapping", None),
+            "architecture": self.name,
+        }
+        return weights, attrs
+
+
+class GPT2(Architecture):
+    name = "gpt2"
+    conv1d = True
+
+    def backbone(self, model: nn.Module) -> nn.Module:
+        return model.transformer  # type: ignore[return-value]
+
+    def blocks(self, model: nn.Module) -> Blocks:
+        layers = list(self.backbone(model).h)  # type: ignore[arg-type]
+        return Blocks(layers, [x.attn for x in layers], [x.attn.c_proj for x in layers], [x.mlp.c_proj for x in layers])
+
+    def value_weights(self, attn: nn.Module, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        d = g.d_model
+        w, b = attn.c_attn.weight, attn.c_attn.bias  # type: ignore[union-attr]  # Conv1D: [d, 3d] = q | k | v
+        return w[:, 2 * d:], (b[2 * d:] if b is not None else None)  # type: ignore[index]
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return self.backbone(model).ln_f  # type: ignore[return-value]
+
+
+class GPTNeoX(Architecture):
+    name = "gpt_neox"
+
+    def backbone(self, model: nn.Module) -> nn.Module:
+        return model.gpt_neox  # type: ignore[return-value]
+
+    def blocks(self, model: nn.Module) -> Blocks:
+        layers = list(self.backbone(model).layers)  # type: ignore[arg-type]
+        return Blocks(
+            layers, [x.attention for x in layers], [x.attention.dense for x in layers], [x.mlp.dense_4h_to_h for x in layers]
+        )
+
+    def value_weights(self, attn: nn.Module, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # query_key_value packs, per head, [q | k | v] of d_head each.
+        H, dh = g.n_heads, g.d_head
+        w = attn.query_key_value.weight.view(H, 3, dh, g.d_model)[:, 2]  # type: ignore[union-attr, operator]
+        b = attn.query_key_value.bias  # type: ignore[union-attr]
+        bv = b.view(H, 3, dh)[:, 2].reshape(-1) if b is not None else None  # type: ignore[operator]
+        return w.reshape(H * dh, g.d_model).T, bv
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return self.backbone(model).final_layer_norm  # type: ignore[return-value]
+
+
+_BY_TYPE: dict[str, type[Architecture]] = {
+    "llama": Architecture,
+    "mistral": Architecture,
+    "qwen2": Architecture,
+    "qwen3": Architecture,
+    "gemma3_text": Architecture,
+    "gemma3": Architecture,
+    "gemma2": Architecture,
+    "olmo2": Architecture,
+    "gpt2": GPT2,
+    "gpt_neox": GPTNeoX,
+}
+
+
+def _text_config(model: nn.Module) -> Any:
+    cfg = model.config
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def architecture_for(model: nn.Module) -> Architecture:
+    model_type = str(getattr(model.config, "model_type", ""))
+    cls = _BY_TYPE.get(model_type)
+    if cls is None:
+        raise ValueError(f"unsupported architecture {model_type!r} (supported: {', '.join(sorted(_BY_TYPE))})")
+    arch = cls()
+    if model_type.startswith("gemma"):
+        arch.name = "gemma3"
+    return arch

@@ -1,0 +1,305 @@
+"""Ingest: run the model once over a corpus with fused capture and write a store.
+
+The corpus is tokenized up front, which fixes every example's row and segment before
+the model runs.  Each segment is captured batch by batch; its host arrays go to a writer
+thread that compresses, writes and commits them while the next segment runs.  At most
+``max_pending`` segments wait for the writer, so memory is bounded by the segment size,
+not the corpus size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+import actstore
+from actstore.manifest import STORAGE_DTYPES, Manifest
+from actstore.tables import EXAMPLES, TARGETS, TOKENS, to_parquet_bytes
+from actstore.writer import StoreWriter
+from ingest.architectures import Architecture, architecture_for
+from ingest.batches import pad_batch
+from ingest.capture import FusedCapture
+from ingest.records import TokenizedPrompt
+
+ARRAY_NAMES = ("z", "attn", "v", "resid", "mlp")
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """Settings of one ingest.  Everything except ``device``, ``rank``/``world_size`` and ``progress``
+    must match on ``--resume`` (they cannot change the stored bytes)."""
+
+    out: str
+    batch_size: int = 16  # prompts per forward pass
+    storage_dtype: str = "float16"  # float32 | float16 | bfloat16
+    segment_size: int = 256  # examples per commit unit; a multiple of batch_size and chunk_rows
+    chunk_rows: int = 32  # rows per chunk of the per-target arrays (z, resid, mlp)
+    chunk_flat: int = 512  # entries per chunk of the flat token/source arrays (attn, v)
+    padding_side: str = "right"
+    device: str = "cpu"
+    resume: bool = False
+    overwrite: bool = False
+    rank: int = 0
+    world_size: int = 1
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)  # dataset spec and options, recorded in the manifest
+
+    def validate(self) -> None:
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}")
+        if self.batch_size < 1 or self.segment_size < 1:
+            raise ValueError("--batch-size and segment size must be positive")
+        if self.segment_size % self.batch_size:
+            raise ValueError(f"segment size {self.segment_size} must be a multiple of --batch-size {self.batch_size}")
+        if self.padding_side not in ("left", "right"):
+            raise ValueError(f"padding side must be left or right, not {self.padding_side!r}")
+
+
+@dataclass
+class IngestReport:
+    store: str
+    n_examples: int
+    segments_written: int
+    segments_skipped: int
+    seconds: float
+    forward_seconds: float
+
+
+def corpus_sha256(prompts: Sequence[TokenizedPrompt]) -> str:
+    h = hashlib.sha256()
+    for p in prompts:
+        r = p.record
+        h.update(json.dumps([r.text, r.relation_id, r.subject, r.object, p.input_ids, p.target_position]).encode())
+    return h.hexdigest()
+
+
+def build_manifest(model: torch.nn.Module, arch: Architecture, model_info: dict[str, Any],
+                   prompts: Sequence[TokenizedPrompt], cfg: IngestConfig) -> Manifest:
+    ingest_settings = {
+        "batch_size": cfg.batch_size,
+        "padding_side": cfg.padding_side,
+        "corpus_sha256": corpus_sha256(prompts),
+        "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        **cfg.extra,
+    }
+    return Manifest(
+        geometry=arch.geometry(model),
+        model=model_info,
+        storage_dtype=cfg.storage_dtype,
+        segment_size=cfg.segment_size,
+        n_examples=len(prompts),
+        chunk_rows=cfg.chunk_rows,
+        chunk_flat=cfg.chunk_flat,
+        ingest=ingest_settings,
+        architecture={"family": arch.name},
+        code_version=actstore.__version__,
+    )
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """One device-to-host copy; bfloat16 travels as its uint16 bits."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+        return t.cpu().numpy().view(np.uint16)
+    return t.cpu().numpy()
+
+
+def run_ingest(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    model_info: dict[str, Any],
+    prompts: Sequence[TokenizedPrompt],
+    cfg: IngestConfig,
+    *,
+    on_segment: Callable[[int], None] | None = None,
+) -> IngestReport:
+    """Capture ``prompts`` into the store ``cfg.out`` (create, or resume an interrupted ingest)."""
+    cfg.validate()
+    if not prompts:
+        raise ValueError("the corpus is empty: no prompts to ingest")
+    arch = architecture_for(model)
+    manifest = build_manifest(model, arch, model_info, prompts, cfg)
+    if cfg.resume:
+        writer = StoreWriter.resume(cfg.out, manifest)
+    elif cfg.rank == 0:
+        weights, attrs = arch.weights(model)
+        writer = StoreWriter.create(cfg.out, manifest, weights, attrs, overwrite=cfg.overwrite)
+    else:
+        writer = StoreWriter.resume(cfg.out, manifest)
+    done = writer.committed()
+    mine = [s for s in range(manifest.n_segments) if s % cfg.world_size == cfg.rank]
+    todo = [s for s in mine if s not in done]
+    device = torch.device(cfg.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    started = time.time()
+    forward_s = 0.0
+    pending: list[Future[None]] = []
+    n_todo = sum(len(prompts[s * cfg.segment_size:(s + 1) * cfg.segment_size]) for s in todo)
+    bar = _progress(n_todo, cfg.progress and cfg.rank == 0)
+    object_ids = _object_token_ids(tokenizer, prompts)
+    with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
+        for seg in todo:
+            lo = seg * cfg.segment_size
+            seg_prompts = prompts[lo:lo + cfg.segment_size]
+            parts: dict[str, list[np.ndarray]] = {k: [] for k in (*ARRAY_NAMES, "top", "obj_lp", "obj_rank")}
+            for b0 in range(0, len(seg_prompts), cfg.batch_size):
+                chunk = seg_prompts[b0:b0 + cfg.batch_size]
+                batch = pad_batch(chunk, pad_id, cfg.padding_side, device)
+                t0 = time.perf_counter()
+                out = capture.run(batch.input_ids, batch.attention_mask, batch.index)
+                for name in ARRAY_NAMES:
+                    parts[name].append(_host(out[name]))
+                top, lp, rank = _predictions(out["logits"], object_ids[lo + b0: lo + b0 + len(chunk)])
+                parts["top"].append(top)
+                parts["obj_lp"].append(lp)
+                parts["obj_rank"].append(rank)
+                forward_s += time.perf_counter() - t0
+                bar.update(len(chunk))
+            arrays = {k: np.concatenate(parts[k]) for k in ARRAY_NAMES}
+            preds = (np.concatenate(parts["top"]), np.concatenate(parts["obj_lp"]), np.concatenate(parts["obj_rank"]))
+            tables = segment_tables(seg, lo, seg_prompts, tokenizer, preds, object_ids[lo:lo + len(seg_prompts)])
+            while len(pending) >= 2:  # backpressure: bounded host memory
+                pending.pop(0).result()
+            pending.append(pool.submit(_write, writer, seg, lo, arrays, tables, on_segment))
+        for f in pending:
+            f.result()
+    bar.close()
+    _write_run(writer, cfg, manifest, started, len(todo))
+    return IngestReport(cfg.out, len(prompts), len(todo), len(mine) - len(todo), time.time() - started, forward_s)
+
+
+def _write(writer: StoreWriter, seg: int, lo: int, arrays: dict[str, np.ndarray], tables: dict[str, pa.Table],
+           on_segment: Callable[[int], None] | None) -> None:
+    writer.write_segment(seg, lo, arrays, tables)
+    if on_segment is not None:
+        on_segment(seg)
+
+
+def _write_run(writer: StoreWriter, cfg: IngestConfig, manifest: Manifest, started: float, n_segments: int) -> None:
+    run_id = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    config = {k: v for k, v in asdict(cfg).items() if k != "extra"} | {"extra": cfg.extra}
+    table = pa.table({
+        "run_id": [run_id], "kind": ["ingest"], "started": [started], "finished": [time.time()],
+        "segments_written": [n_segments], "rank": [cfg.rank], "world_size": [cfg.world_size],
+        "config": [json.dumps(config, sort_keys=True, default=str)], "code_version": [manifest.code_version],
+    })
+    writer.location.write_bytes_atomic(f"tables/runs/{run_id}.parquet", to_parquet_bytes(table))
+
+
+def _object_token_ids(tokenizer: Any, prompts: Sequence[TokenizedPrompt]) -> np.ndarray:
+    """First token id of " " + object for each prompt (-1 without an object)."""
+    objects = [p.record.object for p in prompts]
+    out = np.full(len(prompts), -1, dtype=np.int64)
+    idx = [i for i, o in enumerate(objects) if o]
+    if idx:
+        enc = tokenizer([" " + objects[i] for i in idx], add_special_tokens=False)["input_ids"]
+        for i, ids in zip(idx, enc):
+            if ids:
+                out[i] = ids[0]
+    return out
+
+
+def _predictions(logits: torch.Tensor, object_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.argmax(-1).cpu().numpy().astype(np.int32)
+    obj = torch.as_tensor(object_ids, device=logp.device)
+    safe = obj.clamp(min=0)
+    lp = logp.gather(1, safe[:, None])[:, 0]
+    rank = (logp > lp[:, None]).sum(-1)
+    has = obj >= 0
+    lp_np = torch.where(has, lp, torch.full_like(lp, float("nan"))).cpu().numpy().astype(np.float32)
+    rank_np = torch.where(has, rank, torch.full_like(rank, -1)).cpu().numpy().astype(np.int32)
+    return top, lp_np, rank_np
+
+
+def segment_tables(seg: int, lo: int, prompts: Sequence[TokenizedPrompt], tokenizer: Any,
+                   preds: tuple[np.ndarray, np.ndarray, np.ndarray], object_ids: np.ndarray) -> dict[str, pa.Table]:
+    """The examples, tokens and targets shards of one segment."""
+    n = len(prompts)
+    n_tok = np.array([p.target_position + 1 for p in prompts], dtype=np.int64)
+    tok_start = np.concatenate([[0], np.cumsum(n_tok)[:-1]]).astype(np.int64)
+    ids = np.arange(lo, lo + n, dtype=np.int64)
+
+    def span(s: tuple[int, int] | None, i: int) -> int:
+        return -1 if s is None else int(s[i])
+
+    recs = [p.record for p in prompts]
+    examples = pa.table({
+        "example_id": ids,
+        "text": [r.text for r in recs],
+        "relation_id": [r.relation_id for r in recs],
+        "relation_name": [r.relation_name for r in recs],
+        "subject": [r.subject for r in recs],
+        "object": [r.object for r in recs],
+        "split": [r.split for r in recs],
+        "source": [r.source for r in recs],
+        "subject_start": [span(p.subject_tokens, 0) for p in prompts],
+        "subject_end": [span(p.subject_tokens, 1) for p in prompts],
+        "object_start": [span(p.object_tokens, 0) for p in prompts],
+        "object_end": [span(p.object_tokens, 1) for p in prompts],
+        "n_tokens": n_tok.astype(np.int32),
+        "segment": np.full(n, seg, dtype=np.int32),
+        "tok_start": tok_start,
+        "meta": [json.dumps(r.meta, sort_keys=True, default=str) for r in recs],
+    }, schema=EXAMPLES)
+    tok_rows: dict[str, list[Any]] = {k: [] for k in TOKENS.names}
+    for eid, p in zip(ids.tolist(), prompts):
+        n_p = p.target_position + 1
+        pieces = tokenizer.convert_ids_to_tokens(p.input_ids[:n_p])
+        for pos in range(n_p):
+            cs, ce = p.offsets[pos]
+            role = "other"
+            if p.subject_tokens and p.subject_tokens[0] <= pos < p.subject_tokens[1]:
+                role = "subject"
+            elif p.object_tokens and p.object_tokens[0] <= pos < p.object_tokens[1]:
+                role = "object"
+            tok_rows["example_id"].append(eid)
+            tok_rows["position"].append(pos)
+            tok_rows["token_id"].append(p.input_ids[pos])
+            tok_rows["token"].append(p.record.text[cs:ce] if ce > cs else str(pieces[pos]))
+            tok_rows["role"].append(role)
+            tok_rows["char_start"].append(cs)
+            tok_rows["char_end"].append(ce)
+    tokens = pa.table(tok_rows, schema=TOKENS)
+    top, lp, rank = preds
+    targets = pa.table({
+        "example_id": ids,
+        "position": (n_tok - 1).astype(np.int32),
+        "row": ids,
+        "segment": np.full(n, seg, dtype=np.int32),
+        "seg_row": np.arange(n, dtype=np.int32),
+        "src_start": tok_start,
+        "n_src": n_tok.astype(np.int32),
+        "top_token_id": top,
+        "top_token": [str(t) for t in tokenizer.convert_ids_to_tokens(top.tolist())],
+        "object_token_id": object_ids.astype(np.int32),
+        "object_logprob": lp,
+        "object_rank": rank,
+    }, schema=TARGETS)
+    return {"examples": examples, "tokens": tokens, "targets": targets}
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="prompt", desc="ingest", dynamic_ncols=True)

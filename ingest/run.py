@@ -1,0 +1,80 @@
+"""The ``actstore ingest`` job: load the data set, then the model, tokenize, capture, write.
+
+Checks that cannot need the model (data set, output location, resume compatibility of the
+settings) run before the model is loaded, so bad input fails in a second, not a minute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from actstore.errors import StoreExistsError
+from actstore.fs import locate
+from ingest.align import tokenize_records
+from ingest.datasets import load_dataset
+from ingest.pipeline import IngestConfig, IngestReport, run_ingest
+
+MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class IngestRequest:
+    model: str = "smollm2-135m"
+    dataset: str = "demo"
+    out: str = ""
+    relations: list[str] | None = None
+    limit_per_relation: int | None = None
+    template: str | None = None
+    batch_size: int = 16
+    storage_dtype: str = "float16"
+    model_dtype: str = "float32"
+    device: str = "cpu"
+    segment_size: int = 256
+    padding_side: str = "right"
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+    rank: int = 0
+    world_size: int = 1
+
+
+def _log_nothing(message: str) -> None:
+    pass
+
+
+def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing) -> IngestReport:
+    from ingest.models import load_model
+
+    options = {"relations": req.relations, "limit_per_relation": req.limit_per_relation, "template": req.template}
+    data = load_dataset(req.dataset, **options)
+    if not data.records:
+        raise ValueError(f"{req.dataset}: no records left after filtering")
+    skipped = sum(sum(v.values()) for v in data.skipped.values())
+    log(f"dataset {req.dataset}: {len(data.records)} prompts in {len(data.kept)} relations ({skipped} skipped)")
+    loc = locate(req.out)
+    if loc.exists("manifest.json") and not (req.resume or req.overwrite) and req.rank == 0:
+        raise StoreExistsError(f"{loc.url} already holds a store (use --resume to continue it, or --overwrite)")
+    if req.resume and not loc.exists("manifest.json"):
+        raise FileNotFoundError(f"--resume: no store at {loc.url} to resume")
+    segment = req.segment_size - req.segment_size % req.batch_size or req.batch_size
+    loaded = load_model(req.model, device=req.device, dtype=MODEL_DTYPES[req.model_dtype])
+    max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(loaded.model.config, "n_positions", None)
+    prompts = tokenize_records(data.records, loaded.tokenizer, max_length=max_len)
+    model_info = {
+        "name": loaded.name,
+        "source": loaded.source,
+        "architecture": loaded.architecture,
+        "weight_hash": loaded.weight_hash,
+        "dtype": req.model_dtype,
+    }
+    cfg = IngestConfig(
+        out=loc.url, batch_size=req.batch_size, storage_dtype=req.storage_dtype, segment_size=segment,
+        padding_side=req.padding_side, device=req.device, resume=req.resume, overwrite=req.overwrite,
+        rank=req.rank, world_size=req.world_size, progress=req.progress,
+        extra={"dataset": req.dataset, "relations": req.relations, "limit_per_relation": req.limit_per_relation,
+               "template": req.template, "skipped": data.skipped},
+    )
+    return run_ingest(loaded.model, loaded.tokenizer, model_info, prompts, cfg)

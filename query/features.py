@@ -1,0 +1,161 @@
+"""Feature kinds computed from the stored factors (SPEC sections 1 and 4).
+
+For n selected target rows (float32 accumulation throughout):
+
+    z               [n, L, H, d_head]        stored
+    attn_head       [n, L, H, d_model]       Delta_att,h(t) = z_h(t) W_O,h
+    attn            [n, L, d_model]          sum_h Delta_att,h(t) + b_O  (the attention block output)
+    attn_head_token [n, L, H, S, d_model]    Delta_att,h(t,j) = A_h(t,j) V_kv(h)(j) W_O,h, zero-padded to S sources
+    attn_entity     [n, L, H, d_model]       sum over the subject's source tokens j of Delta_att,h(t,j)
+    attn_prob       [n, L, H, S]             A_h(t,j), zero-padded
+    mlp             [n, L, d_model]          a(t) W_down + b_down
+    mlp_group       [n, L, G, d_model]       Delta_MLP,g(t) = a[block g](t) W_down[block g]  (G contiguous blocks)
+    resid           [n, L+1, d_model]        index 0 = embeddings, l+1 = after layer l (before any final norm)
+
+``layers`` keeps only those layers (for ``resid``: those residual indices); ``heads`` keeps
+only those heads (for ``mlp_group``: those groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from actstore.errors import QueryError
+
+if TYPE_CHECKING:
+    from actstore.store import Store
+
+KINDS = ("z", "attn_head", "attn", "attn_head_token", "attn_entity", "attn_prob", "mlp", "mlp_group", "resid")
+HEAD_KINDS = ("z", "attn_head", "attn_head_token", "attn_entity", "attn_prob", "mlp_group")
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """Target rows of one segment, in store order, with what ragged reads need."""
+
+    segment: int
+    seg_rows: np.ndarray  # [n] rows within the segment
+    src_start: np.ndarray  # [n] offset of source 0 in the segment's flat axis
+    n_src: np.ndarray  # [n]
+    subject_start: np.ndarray  # [n] token positions, -1 when absent
+    subject_end: np.ndarray
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    kind: str
+    layers: tuple[int, ...]
+    heads: tuple[int, ...] | None
+    groups: int | None = None
+
+    @classmethod
+    def parse(cls, store: Store, kind: str, layers: Sequence[int] | None, heads: Sequence[int] | None,
+              groups: int | None = None) -> FeatureSpec:
+        g = store.geometry
+        if kind not in KINDS:
+            raise QueryError(f"unknown feature kind {kind!r} (one of {', '.join(KINDS)})")
+        n_layer_slots = g.n_layers + 1 if kind == "resid" else g.n_layers
+        ls = tuple(range(n_layer_slots)) if layers is None else tuple(int(x) for x in layers)
+        bad = [x for x in ls if not 0 <= x < n_layer_slots]
+        if bad or not ls:
+            raise QueryError(f"layer {bad[0] if bad else '(none)'} out of range for {kind}: valid 0..{n_layer_slots - 1}")
+        if heads is not None:
+            if kind not in HEAD_KINDS:
+                raise QueryError(f"--heads does not apply to feature kind {kind!r}")
+            n_h = (groups or g.n_heads) if kind == "mlp_group" else g.n_heads
+            hs = tuple(int(x) for x in heads)
+            badh = [x for x in hs if not 0 <= x < n_h]
+            if badh or not hs:
+                raise QueryError(f"head {badh[0] if badh else '(none)'} out of range: valid 0..{n_h - 1}")
+            heads = hs
+        if kind == "mlp_group":
+            G = groups or g.n_heads
+            if g.d_mlp % G:
+                raise QueryError(f"d_mlp={g.d_mlp} is not divisible into {G} groups")
+        return cls(kind, ls, None if heads is None else tuple(heads), groups)
+
+
+class WeightCache:
+    """Weights as float32 torch tensors, loaded once per store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._w: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._w:
+            self._w[name] = torch.from_numpy(self.store.weight(name))
+        return self._w[name]
+
+
+def _weights(store: Store) -> WeightCache:
+    cache = store.__dict__.get("_weight_cache")
+    if cache is None:
+        cache = WeightCache(store)
+        store.__dict__["_weight_cache"] = cache
+    return cache
+
+
+def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarray:
+    """Features of one segment's rows."""
+    g = store.geometry
+    W = _weights(store)
+    L = list(spec.layers)
+    Hs = list(spec.heads) if spec.heads is not None else list(range(g.n_heads))
+    seg, rows = block.segment, block.seg_rows
+    kind = spec.kind
+    if kind == "resid":
+        return store.read_segment_rows(seg, "resid", rows)[:, L]
+    if kind in ("mlp", "mlp_group"):
+        a = torch.from_numpy(store.read_segment_rows(seg, "mlp", rows)[:, L])  # [n, l, d_mlp]
+        Wd = W["W_down"][L]  # [l, d_mlp, d]
+        if kind == "mlp":
+            return (torch.einsum("nlf,lfd->nld", a, Wd) + W["b_down"][L]).numpy()
+        G = spec.groups or g.n_heads
+        keep = list(spec.heads) if spec.heads is not None else list(range(G))
+        a = a.reshape(a.shape[0], len(L), G, -1)[:, :, keep]
+        Wg = Wd.reshape(len(L), G, -1, g.d_model)[:, keep]
+        return torch.einsum("nlgf,lgfd->nlgd", a, Wg).numpy()
+    if kind in ("z", "attn_head", "attn"):
+        z = torch.from_numpy(store.read_segment_rows(seg, "z", rows)[:, L])  # [n, l, H, dh]
+        if kind == "z":
+            return z[:, :, Hs].numpy()
+        WO = W["W_O"][L]  # [l, H, dh, d]
+        if kind == "attn":
+            zf = z.reshape(z.shape[0], len(L), -1)
+            return (torch.einsum("nlk,lkd->nld", zf, WO.reshape(len(L), -1, g.d_model)) + W["b_O"][L]).numpy()
+        return torch.einsum("nlhk,lhkd->nlhd", z[:, :, Hs], WO[:, Hs]).numpy()
+    # Kinds that need the per-source factors A and V.
+    if kind == "attn_entity":
+        has = block.subject_start >= 0
+        starts = block.src_start + np.where(has, block.subject_start, 0)
+        lengths = np.where(has, block.subject_end - block.subject_start, 0)
+    else:
+        starts, lengths = block.src_start, block.n_src
+    A = torch.from_numpy(store.read_segment_ranges(seg, "attn", starts, lengths)[:, L][:, :, Hs])  # [N, l, h]
+    kv = torch.tensor([h // g.kv_group for h in Hs])
+    V = torch.from_numpy(store.read_segment_ranges(seg, "v", starts, lengths)[:, L])[:, :, kv]  # [N, l, h, dh]
+    n = len(rows)
+    owner = torch.repeat_interleave(torch.arange(n), torch.as_tensor(lengths, dtype=torch.long))
+    if kind == "attn_entity":
+        ze = torch.zeros((n, len(L), len(Hs), g.d_head))
+        ze.index_add_(0, owner, A[..., None] * V)  # z restricted to the subject's sources
+        return torch.einsum("nlhk,lhkd->nlhd", ze, W["W_O"][L][:, Hs]).numpy()
+    S = int(lengths.max()) if n else 0
+    local = torch.arange(A.shape[0]) - torch.repeat_interleave(
+        torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)[:-1]]) if n else np.zeros(0), dtype=torch.long),
+        torch.as_tensor(lengths, dtype=torch.long),
+    )
+    if kind == "attn_prob":
+        out = torch.zeros((n, len(L), len(Hs), S))
+        out[owner, :, :, local] = A
+        return out.numpy()
+    contrib = torch.einsum("slhk,lhkd->slhd", A[..., None] * V, W["W_O"][L][:, Hs])  # [N, l, h, d]
+    out = torch.zeros((n, len(L), len(Hs), S, g.d_model))
+    out[owner, :, :, local] = contrib
+    return out.numpy()
