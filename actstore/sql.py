@@ -68,7 +68,8 @@ def run_sql(store: Store, query: str, con: duckdb.DuckDBPyConnection | None = No
         rel = con.sql(query)
         if rel is None:
             raise QueryError("SQL returned no result set")
-        return rel.fetch_arrow_table()
+        fetch = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table
+        return fetch()
     except duckdb.PermissionException as e:
         raise ReadOnlySQLError(f"SQL may only read the store's tables: {_one_line(e)}") from None
     except duckdb.Error as e:

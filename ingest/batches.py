@@ -15,6 +15,7 @@ from ingest.records import TokenizedPrompt
 class PaddedBatch:
     input_ids: torch.Tensor  # [B, T]
     attention_mask: torch.Tensor  # [B, T]
+    position_ids: torch.Tensor  # [B, T] each example's own positions 0.., whatever the padding
     index: BatchIndex
     n_tokens: list[int]  # stored tokens per example (= target_position + 1)
 
@@ -45,4 +46,7 @@ def pad_batch(prompts: Sequence[TokenizedPrompt], pad_id: int, side: str, device
         tok_b=tok_b.to(device),
         tok_pos=tok_pos.to(device),
     )
-    return PaddedBatch(ids.to(device), mask.to(device), index, lengths)
+    # Explicit positions: with left padding, absolute position embeddings (GPT-2) would
+    # otherwise see shifted positions.
+    positions = (torch.cumsum(mask, 1) - 1).clamp(min=0)
+    return PaddedBatch(ids.to(device), mask.to(device), positions.to(device), index, lengths)

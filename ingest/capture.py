@@ -211,7 +211,8 @@ class FusedCapture:
 
     # --- one batch ------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: BatchIndex) -> dict[str, torch.Tensor]:
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: BatchIndex,
+            position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Forward one padded batch through the backbone (no LM head over all positions).
 
         Returns device tensors ``z, attn, v, mlp, resid`` in the storage dtype and ``logits``
@@ -221,7 +222,7 @@ class FusedCapture:
         self.state = _Capture(index, self.geometry, self.dtype, device)
         try:
             backbone = self.arch.backbone(self.model)
-            backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
             state = self.state
             assert state.final is not None
             normed = self.arch.final_norm(self.model)(state.final)

@@ -146,7 +146,11 @@ def fill_template(template: str, subject: str) -> tuple[str, tuple[int, int]]:
     fields = [p for p in parts if p[1] is not None]
     if len(fields) != 1 or fields[0][1] not in ("", "0") or fields[0][2] or fields[0][3]:
         raise ValueError(f"template {template!r} must contain exactly one plain {{}} field")
-    start = len(parts[0][0])
+    start = 0
+    for literal, name, _, _ in parts:
+        start += len(literal)
+        if name is not None:
+            break
     return template.format(subject), (start, start + len(subject))
 
 
@@ -592,7 +596,8 @@ def _jsonl_record(row: Any, where: str) -> PromptRecord:
         subject_span = _find_span(text, strings["subject"])
         if subject_span is None:
             raise DatasetError(f"{where}: subject {strings['subject']!r} not found in text")
-    meta = {k: v for k, v in row.items() if k not in _JSONL_FIELDS}
+    # null means "not given" (a Parquet file has every column in every row)
+    meta = {k: v for k, v in row.items() if k not in _JSONL_FIELDS and v is not None}
     if isinstance(row.get("meta"), dict):
         meta = {**row["meta"], **meta}
     elif row.get("meta") is not None:

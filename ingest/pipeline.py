@@ -156,7 +156,7 @@ def run_ingest(
                 chunk = seg_prompts[b0:b0 + cfg.batch_size]
                 batch = pad_batch(chunk, pad_id, cfg.padding_side, device)
                 t0 = time.perf_counter()
-                out = capture.run(batch.input_ids, batch.attention_mask, batch.index)
+                out = capture.run(batch.input_ids, batch.attention_mask, batch.index, batch.position_ids)
                 for name in ARRAY_NAMES:
                     parts[name].append(_host(out[name]))
                 top, lp, rank = _predictions(out["logits"], object_ids[lo + b0: lo + b0 + len(chunk)])
