@@ -93,16 +93,16 @@ def verify_store(store: Store) -> VerifyReport:
             if rows.size and not np.array_equal(rows, np.arange(commit.row_start, commit.row_start + rows.size)):
                 report.problems.append(f"tables/targets/{segment_name(seg)}: rows are not {commit.row_start}..")
         if "examples" in tables:
-            e = tables["examples"]
-            end = e.column("tok_start").to_numpy() + e.column("n_tokens").to_numpy()
+            ex = tables["examples"]
+            end = ex.column("tok_start").to_numpy() + ex.column("n_tokens").to_numpy()
             if end.size and end.max() > commit.n_tokens:
                 report.problems.append(f"tables/examples/{segment_name(seg)}: token offsets run past the v array")
     try:
         group = store._weights_group
         for name in sorted(group.array_keys()):
-            arr = group[name]
-            assert isinstance(arr, zarr.Array)
-            _check_array(report, f"weights/{name}", arr)
+            warr = group[name]
+            assert isinstance(warr, zarr.Array)
+            _check_array(report, f"weights/{name}", warr)
     except ActstoreError as e:
         report.problems.append(str(e))
     return report

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -40,7 +41,7 @@ class StoreWriter:
         url: str | os.PathLike[str],
         manifest: Manifest,
         weights: Mapping[str, np.ndarray],
-        weight_attrs: Mapping[str, object],
+        weight_attrs: Mapping[str, Any],
         *,
         overwrite: bool = False,
     ) -> StoreWriter:

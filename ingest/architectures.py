@@ -45,11 +45,11 @@ class Architecture:
     name = "llama"
     conv1d = False  # GPT-2 stores Linear weights transposed (Conv1D: [in, out])
 
-    def backbone(self, model: nn.Module) -> nn.Module:
-        return model.model  # type: ignore[no-any-return]
+    def backbone(self, model: Any) -> Any:
+        return model.model
 
-    def blocks(self, model: nn.Module) -> Blocks:
-        layers = list(self.backbone(model).layers)  # type: ignore[arg-type]
+    def blocks(self, model: Any) -> Blocks:
+        layers = list(self.backbone(model).layers)
         return Blocks(
             layers=layers,
             attention=[layer.self_attn for layer in layers],
@@ -57,7 +57,7 @@ class Architecture:
             down_proj=[layer.mlp.down_proj for layer in layers],
         )
 
-    def geometry(self, model: nn.Module) -> Geometry:
+    def geometry(self, model: Any) -> Geometry:
         cfg = _text_config(model)
         n_heads = int(cfg.num_attention_heads)
         d_model = int(cfg.hidden_size)
@@ -68,37 +68,37 @@ class Architecture:
             n_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or n_heads),
             d_head=d_head,
             d_model=d_model,
-            d_mlp=int(self.blocks(model).down_proj[0].in_features if not self.conv1d else self.blocks(model).down_proj[0].weight.shape[0]),
-            vocab_size=int(model.get_output_embeddings().weight.shape[0]),  # type: ignore[union-attr, operator]
+            d_mlp=int(self._linear(self.blocks(model).down_proj[0])[0].shape[0]),
+            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         )
 
     # --- weights --------------------------------------------------------------------------
-    def _linear(self, mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _linear(self, mod: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight as [in, out], bias) of a Linear or Conv1D."""
-        w = mod.weight if self.conv1d else mod.weight.T  # type: ignore[union-attr]
-        return w, getattr(mod, "bias", None)  # type: ignore[return-value]
+        w: torch.Tensor = mod.weight if self.conv1d else mod.weight.T
+        return w, getattr(mod, "bias", None)
 
-    def value_weights(self, attn: nn.Module, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def value_weights(self, attn: Any, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(W_V [d_model, H_kv*d_head], b_V [H_kv*d_head] or None) in kv-head-major order."""
-        return self._linear(attn.v_proj)  # type: ignore[arg-type]
+        return self._linear(attn.v_proj)
 
-    def final_norm(self, model: nn.Module) -> nn.Module:
-        return self.backbone(model).norm  # type: ignore[return-value]
+    def final_norm(self, model: Any) -> Any:
+        return self.backbone(model).norm
 
-    def embedding(self, model: nn.Module) -> nn.Module:
-        return model.get_input_embeddings()  # type: ignore[operator, no-any-return]
+    def embedding(self, model: Any) -> Any:
+        return model.get_input_embeddings()
 
-    def norm_params(self, model: nn.Module) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
-        norm = self.final_norm(model)
+    def norm_params(self, model: Any) -> tuple[str, torch.Tensor, torch.Tensor | None, float]:
+        norm: Any = self.final_norm(model)
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-        w = norm.weight  # type: ignore[union-attr]
+        w: torch.Tensor = norm.weight
         if type(norm).__name__.startswith("Gemma"):
             w = 1.0 + w  # Gemma's RMSNorm scales by (1 + weight)
         if isinstance(norm, nn.LayerNorm):
-            return "layernorm", w, norm.bias, eps  # type: ignore[return-value]
-        return "rmsnorm", w, None, eps  # type: ignore[return-value]
+            return "layernorm", w, norm.bias, eps
+        return "rmsnorm", w, None, eps
 
-    def weights(self, model: nn.Module) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def weights(self, model: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         g = self.geometry(model)
         b = self.blocks(model)
         L, H, Hkv, dh, d = g.n_layers, g.n_heads, g.n_kv_heads, g.d_head, g.d_model
@@ -122,12 +122,12 @@ class Architecture:
             if bias is not None:
                 b_down[layer] = _np(bias)
         emb = self.embedding(model)
-        out = model.get_output_embeddings()  # type: ignore[operator]
-        tied = out.weight.data_ptr() == emb.weight.data_ptr()  # type: ignore[union-attr]
+        out = model.get_output_embeddings()
+        tied = out.weight.data_ptr() == emb.weight.data_ptr()
         kind, nw, nb, eps = self.norm_params(model)
         weights = {
             "W_O": W_O, "b_O": b_O, "W_V": W_V, "b_V": b_V, "W_down": W_down, "b_down": b_down,
-            "embed": _np(emb.weight),  # type: ignore[arg-type]
+            "embed": _np(emb.weight),
             "final_norm_weight": _np(nw),
         }
         if not tied:
@@ -152,44 +152,44 @@ class GPT2(Architecture):
     name = "gpt2"
     conv1d = True
 
-    def backbone(self, model: nn.Module) -> nn.Module:
-        return model.transformer  # type: ignore[return-value]
+    def backbone(self, model: Any) -> Any:
+        return model.transformer
 
-    def blocks(self, model: nn.Module) -> Blocks:
-        layers = list(self.backbone(model).h)  # type: ignore[arg-type]
+    def blocks(self, model: Any) -> Blocks:
+        layers = list(self.backbone(model).h)
         return Blocks(layers, [x.attn for x in layers], [x.attn.c_proj for x in layers], [x.mlp.c_proj for x in layers])
 
-    def value_weights(self, attn: nn.Module, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def value_weights(self, attn: Any, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
         d = g.d_model
-        w, b = attn.c_attn.weight, attn.c_attn.bias  # type: ignore[union-attr]  # Conv1D: [d, 3d] = q | k | v
-        return w[:, 2 * d:], (b[2 * d:] if b is not None else None)  # type: ignore[index]
+        w, b = attn.c_attn.weight, attn.c_attn.bias  # Conv1D: [d, 3d] = q | k | v
+        return w[:, 2 * d:], (b[2 * d:] if b is not None else None)
 
-    def final_norm(self, model: nn.Module) -> nn.Module:
-        return self.backbone(model).ln_f  # type: ignore[return-value]
+    def final_norm(self, model: Any) -> Any:
+        return self.backbone(model).ln_f
 
 
 class GPTNeoX(Architecture):
     name = "gpt_neox"
 
-    def backbone(self, model: nn.Module) -> nn.Module:
-        return model.gpt_neox  # type: ignore[return-value]
+    def backbone(self, model: Any) -> Any:
+        return model.gpt_neox
 
-    def blocks(self, model: nn.Module) -> Blocks:
-        layers = list(self.backbone(model).layers)  # type: ignore[arg-type]
+    def blocks(self, model: Any) -> Blocks:
+        layers = list(self.backbone(model).layers)
         return Blocks(
             layers, [x.attention for x in layers], [x.attention.dense for x in layers], [x.mlp.dense_4h_to_h for x in layers]
         )
 
-    def value_weights(self, attn: nn.Module, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def value_weights(self, attn: Any, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
         # query_key_value packs, per head, [q | k | v] of d_head each.
         H, dh = g.n_heads, g.d_head
-        w = attn.query_key_value.weight.view(H, 3, dh, g.d_model)[:, 2]  # type: ignore[union-attr, operator]
-        b = attn.query_key_value.bias  # type: ignore[union-attr]
-        bv = b.view(H, 3, dh)[:, 2].reshape(-1) if b is not None else None  # type: ignore[operator]
+        w = attn.query_key_value.weight.view(H, 3, dh, g.d_model)[:, 2]
+        b = attn.query_key_value.bias
+        bv = b.view(H, 3, dh)[:, 2].reshape(-1) if b is not None else None
         return w.reshape(H * dh, g.d_model).T, bv
 
-    def final_norm(self, model: nn.Module) -> nn.Module:
-        return self.backbone(model).final_layer_norm  # type: ignore[return-value]
+    def final_norm(self, model: Any) -> Any:
+        return self.backbone(model).final_layer_norm
 
 
 _BY_TYPE: dict[str, type[Architecture]] = {
@@ -206,12 +206,12 @@ _BY_TYPE: dict[str, type[Architecture]] = {
 }
 
 
-def _text_config(model: nn.Module) -> Any:
+def _text_config(model: Any) -> Any:
     cfg = model.config
     return getattr(cfg, "text_config", None) or cfg
 
 
-def architecture_for(model: nn.Module) -> Architecture:
+def architecture_for(model: Any) -> Architecture:
     model_type = str(getattr(model.config, "model_type", ""))
     cls = _BY_TYPE.get(model_type)
     if cls is None:
