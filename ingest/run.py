@@ -7,12 +7,13 @@ settings) run before the model is loaded, so bad input fails in a second, not a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from actstore.errors import StoreExistsError
 from actstore.fs import locate
+from actstore.writer import creation_interrupted
 from ingest.align import tokenize_records
 from ingest.datasets import load_dataset
 from ingest.pipeline import IngestConfig, IngestReport, run_ingest
@@ -58,7 +59,9 @@ def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing)
     if loc.exists("manifest.json") and not (req.resume or req.overwrite) and req.rank == 0:
         raise StoreExistsError(f"{loc.url} already holds a store (use --resume to continue it, or --overwrite)")
     if req.resume and not loc.exists("manifest.json"):
-        raise FileNotFoundError(f"--resume: no store at {loc.url} to resume")
+        if not creation_interrupted(loc.url):
+            raise FileNotFoundError(f"--resume: no store at {loc.url} to resume")
+        req = replace(req, resume=False)  # killed while creating: nothing was committed, start afresh
     segment = req.segment_size - req.segment_size % req.batch_size or req.batch_size
     loaded = load_model(req.model, device=req.device, dtype=MODEL_DTYPES[req.model_dtype])
     max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(loaded.model.config, "n_positions", None)

@@ -79,7 +79,9 @@ def test_fewrel_counts_add_up_per_relation(fewrel: DatasetResult, fewrel_raw: di
 
 
 @needs_data
-def test_fewrel_prompt_ends_right_before_object(fewrel: DatasetResult, fewrel_raw: dict[str, list[Any]]) -> None:
+def test_fewrel_prompt_ends_right_before_object(
+    fewrel: DatasetResult, fewrel_raw: dict[str, list[Any]]
+) -> None:
     assert_valid(fewrel.records)
     for r in fewrel.records:
         inst = fewrel_raw[r.relation_id][r.meta["fewrel_index"]]
@@ -91,7 +93,9 @@ def test_fewrel_prompt_ends_right_before_object(fewrel: DatasetResult, fewrel_ra
         assert r.text == before_object
         assert sentence[len(r.text) :].startswith(" " + " ".join(nonblank(tokens[tail[0] : tail[-1] + 1])))
         assert r.subject_span is not None
-        assert r.text[r.subject_span[0] : r.subject_span[1]] == " ".join(nonblank(tokens[head[0] : head[-1] + 1]))
+        assert r.text[r.subject_span[0] : r.subject_span[1]] == " ".join(
+            nonblank(tokens[head[0] : head[-1] + 1])
+        )
         assert (r.subject, r.object) == (inst["h"][0], inst["t"][0])
         assert (r.meta["subject_qid"], r.meta["object_qid"]) == (inst["h"][1], inst["t"][1])
         assert (r.source, r.split, r.target, r.object_span) == ("fewrel", "val", "last", None)
@@ -272,7 +276,13 @@ def test_demo_corpus() -> None:
 # --------------------------------------------------------------------------- JSONL / Parquet
 
 GOOD_ROWS: list[dict[str, Any]] = [
-    {"text": "The capital of France is", "subject": "France", "object": "Paris", "relation_id": "capital", "tag": 7},
+    {
+        "text": "The capital of France is",
+        "subject": "France",
+        "object": "Paris",
+        "relation_id": "capital",
+        "tag": 7,
+    },
     {
         "text": "Paris is the capital of France.",
         "target": 5,
@@ -347,12 +357,19 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path, line: str, problem: str
 
 @needs_data
 def test_load_dataset_dispatch() -> None:
-    assert load_dataset(f"fewrel:{FEWREL}", relations=["P26"]).records == load_fewrel(FEWREL, relations=["P26"]).records
+    assert (
+        load_dataset(f"fewrel:{FEWREL}", relations=["P26"]).records
+        == load_fewrel(FEWREL, relations=["P26"]).records
+    )
     assert load_dataset(f"lre:{LRE}", templates="first").n_kept == 11089
     assert load_dataset(f"known1000:{KNOWN}", limit=3).n_kept == 3
-    assert load_dataset(f"maps:{MAPS}", template="{} ->", relations=["adj_antonym"]).records[0].text == "love ->"
+    assert (
+        load_dataset(f"maps:{MAPS}", template="{} ->", relations=["adj_antonym"]).records[0].text == "love ->"
+    )
     # options that do not apply are fine when unset
-    assert load_dataset(f"lre:{LRE}", keep_object_first=False, template=None, limit_per_relation=1).n_kept == 47
+    assert (
+        load_dataset(f"lre:{LRE}", keep_object_first=False, template=None, limit_per_relation=1).n_kept == 47
+    )
 
 
 def test_load_dataset_errors(tmp_path: Path) -> None:
