@@ -92,8 +92,10 @@ class LazyGroup(click.Group):
             module, attr = LAZY_COMMANDS[cmd_name].split(":")
             try:
                 cmd = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise click.ClickException(f"command {cmd_name!r} is not available: {e}") from None
+            except ModuleNotFoundError as e:
+                if e.name == module:
+                    return None  # not built (yet): click reports "No such command"
+                raise
             assert isinstance(cmd, click.Command)
             return cmd
         return super().get_command(ctx, cmd_name)

@@ -68,7 +68,8 @@ def test_tiny_model_shape(arch: str) -> None:
     assert loaded.name == f"tiny-{arch}" and loaded.source == f"config:tiny-{arch}"
     assert loaded.architecture == model.config.model_type
     assert tok.is_fast and tok.pad_token is not None
-    assert model.config.vocab_size == len(tok) == model.get_input_embeddings().weight.shape[0]
+    embeddings: Any = model.get_input_embeddings()
+    assert model.config.vocab_size == len(tok) == embeddings.weight.shape[0]
     assert not model.training
     assert all(p.dtype == torch.float32 and not p.requires_grad for p in model.parameters())
     assert model.config._attn_implementation == "sdpa"
@@ -130,7 +131,7 @@ def test_weight_hash_counts_tied_tensors_once_and_sees_every_weight() -> None:
     with torch.no_grad():
         changed.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3
     assert weight_hash(changed) != loaded.weight_hash
-    assert weight_hash(model.to(torch.bfloat16)) != loaded.weight_hash  # dtype is part of the hash
+    assert weight_hash(model.bfloat16()) != loaded.weight_hash  # dtype is part of the hash
 
 
 def test_tiny_tokenizers_are_independent_objects() -> None:
@@ -424,8 +425,9 @@ def test_smollm2_generates_paris(smollm2: LoadedModel) -> None:
     enc = tok(prompt, return_tensors="pt", return_offsets_mapping=True)
     assert enc.pop("offset_mapping")[0, -1].tolist() == [len(prompt) - 3, len(prompt)]
     with torch.no_grad():
-        out = smollm2.model.generate(**enc, max_new_tokens=3, do_sample=False)
-    completion = tok.decode(out[0, enc["input_ids"].shape[1] :])
+        generator: Any = smollm2.model
+        out = generator.generate(**enc, max_new_tokens=3, do_sample=False)
+    completion = str(tok.decode(out[0, enc["input_ids"].shape[1] :]))
     assert completion.startswith(" Paris"), completion
 
 
