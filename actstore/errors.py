@@ -37,3 +37,7 @@ class QueryError(ActstoreError, ValueError):
 
 class ReadOnlySQLError(QueryError, PermissionError):
     """A SQL statement tried to write, attach, install, or reach outside the store."""
+
+
+class StorageError(ActstoreError, OSError):
+    """The storage backend (an object store) cannot be reached or refuses access (credentials, network)."""

@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 import pyarrow.fs as pafs
+
+from actstore.errors import ActstoreError, StorageError, StoreNotFoundError
 
 
 @dataclass(frozen=True)
@@ -24,19 +28,54 @@ class StoreLocation:
     url: str
     fs: Any
     root: str
+    options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # fsspec options
 
     @property
     def is_local(self) -> bool:
         return "file" in _protocols(self.fs)
 
+    @property
+    def endpoint(self) -> str:
+        """Where an object store is served (``AWS_ENDPOINT_URL``, else the provider's default)."""
+        return str(self.options.get("client_kwargs", {}).get("endpoint_url") or "the default AWS endpoint")
+
+    @contextmanager
+    def io(self) -> Iterator[None]:
+        """Turn an object store's network, credential and bucket failures into one-line errors.
+
+        ``FileNotFoundError`` of a missing object passes through (callers test for it); local
+        filesystem errors pass through unchanged.
+        """
+        try:
+            yield
+        except ActstoreError:
+            raise
+        except Exception as e:
+            if self.is_local:
+                raise
+            mapped = _object_store_error(self, e)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    def probe(self) -> None:
+        """Fail early, with one line, when an object store's endpoint, credentials or bucket are wrong."""
+        if self.is_local:
+            return
+        bucket = self.root.split("/", 1)[0]
+        with self.io():
+            self.fs.ls(bucket, detail=False)
+
     def path(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if rel else self.root
 
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self.path(rel)))
+        with self.io():
+            return bool(self.fs.exists(self.path(rel)))
 
     def read_bytes(self, rel: str) -> bytes:
-        data: bytes = self.fs.cat_file(self.path(rel))
+        with self.io():
+            data: bytes = self.fs.cat_file(self.path(rel))
         return data
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
@@ -51,19 +90,22 @@ class StoreLocation:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
         else:
-            self.fs.pipe_file(target, data)
+            with self.io():
+                self.fs.pipe_file(target, data)
 
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under ``rel``; empty when it does not exist."""
         p = self.path(rel)
-        if not self.fs.exists(p):
-            return []
-        return sorted(posixpath.basename(e.rstrip("/")) for e in self.fs.ls(p, detail=False))
+        with self.io():
+            if not self.fs.exists(p):
+                return []
+            return sorted(posixpath.basename(e.rstrip("/")) for e in self.fs.ls(p, detail=False))
 
     def remove_tree(self, rel: str) -> None:
         p = self.path(rel)
-        if self.fs.exists(p):
-            self.fs.rm(p, recursive=True)
+        with self.io():
+            if self.fs.exists(p):
+                self.fs.rm(p, recursive=True)
 
     def makedirs(self, rel: str) -> None:
         if self.is_local:
@@ -75,7 +117,22 @@ class StoreLocation:
 
         if self.is_local:
             return zarr.storage.LocalStore(self.path(rel), read_only=read_only)
-        return zarr.storage.FsspecStore(self.fs, path=self.path(rel), read_only=read_only)
+        return zarr.storage.FsspecStore(self._async_fs(), path=self.path(rel), read_only=read_only)
+
+    def _async_fs(self) -> Any:
+        """An ``asynchronous=True`` twin of ``fs`` for zarr, which runs it on zarr's own event loop
+        (sharing fsspec's loop-bound instance fails with "attached to a different loop")."""
+        afs = self.__dict__.get("_afs")
+        if afs is None:
+            proto = _protocols(self.fs)[0]
+            if getattr(self.fs, "async_impl", False):
+                afs = fsspec.filesystem(proto, asynchronous=True, **self.options)
+            else:
+                from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+                afs = AsyncFileSystemWrapper(self.fs, asynchronous=True)
+            object.__setattr__(self, "_afs", afs)  # frozen dataclass: a cache, not state
+        return afs
 
     def arrow_filesystem(self) -> pafs.FileSystem:
         if self.is_local:
@@ -97,9 +154,53 @@ def locate(url: str | os.PathLike[str]) -> StoreLocation:
         return StoreLocation(url=text, fs=fs, root=text)
     options: dict[str, Any] = {}
     if text.startswith("s3://"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             options["client_kwargs"] = {"endpoint_url": endpoint}
+        # Other writers (ranks, a running ingest) add objects: never answer from a stale listing.
+        options["use_listings_cache"] = False
         options["skip_instance_cache"] = True
-    fs, root = fsspec.core.url_to_fs(text, **options)
-    return StoreLocation(url=text, fs=fs, root=root.rstrip("/"))
+    try:
+        fs, root = fsspec.core.url_to_fs(text, **options)
+    except ImportError as e:
+        raise StorageError(f"{text}: no filesystem for this URL scheme ({e})") from None
+    except ValueError as e:
+        raise StorageError(f"{text}: not a store URL ({e})") from None
+    return StoreLocation(url=text, fs=fs, root=root.rstrip("/"), options=options)
+
+
+def _object_store_error(loc: StoreLocation, e: BaseException) -> ActstoreError | None:
+    """The one-line error an object-store failure means, or None for a plain missing object."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    chain = {cls.__name__ for x in _causes(e) for cls in type(x).__mro__}
+    bucket = loc.root.split("/", 1)[0]
+    if isinstance(e, FileNotFoundError):
+        if "bucket" in text.lower():
+            return StoreNotFoundError(f"{loc.url}: bucket {bucket!r} does not exist at {loc.endpoint}")
+        return None
+    if isinstance(e, PermissionError) or any(n in ("NoCredentialsError", "PartialCredentialsError") for n in chain):
+        return StorageError(
+            f"{loc.url}: access denied by {loc.endpoint} ({text}); check AWS_ACCESS_KEY_ID, "
+            f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions"
+        )
+    network = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+               "ClientConnectorError", "ServerDisconnectedError", "ConnectionRefusedError", "TimeoutError",
+               "FSTimeoutError", "HTTPClientError", "gaierror")
+    if isinstance(e, ConnectionError) or any(n in network for n in chain):
+        return StorageError(
+            f"{loc.url}: cannot reach the object store at {loc.endpoint} ({text}); "
+            f"check AWS_ENDPOINT_URL and the network"
+        )
+    if isinstance(e, OSError) or "ClientError" in chain or "BotoCoreError" in chain:
+        return StorageError(f"{loc.url}: object store error ({type(e).__name__}: {text})")
+    return None
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from (at most 10)."""
+    out: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and len(out) < 10:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out

@@ -8,6 +8,7 @@ writer leaves at most an uncommitted segment that a resume rewrites from scratch
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -17,6 +18,25 @@ from actstore.errors import CorruptStoreError, FormatVersionError
 FORMAT_NAME = "actstore"
 FORMAT_VERSION = 1
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+CHECKSUM_KEY = "checksum"  # SHA-256 of the rest of the JSON object, so a flipped byte is caught
+
+
+def _digest(d: dict[str, Any]) -> str:
+    body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with its checksum added (manifests and commit markers are written sealed)."""
+    return {**d, CHECKSUM_KEY: _digest(d)}
+
+
+def checksum_ok(d: dict[str, Any], known: set[str]) -> bool:
+    """True when ``d``'s checksum matches; files from before checksums pass if every key is known
+    (a flipped byte in the key name itself leaves an unknown key)."""
+    if CHECKSUM_KEY in d:
+        return d[CHECKSUM_KEY] == _digest(d)
+    return set(d) <= known
 
 
 @dataclass(frozen=True)
@@ -56,12 +76,14 @@ class SegmentCommit:
     table_sha256: dict[str, str]
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        return json.dumps(seal(asdict(self)), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> SegmentCommit:
         try:
             d = json.loads(data)
+            if not isinstance(d, dict) or not checksum_ok(d, {f.name for f in fields(cls)}):
+                raise CorruptStoreError(f"{where}: commit marker fails its checksum (the file is corrupt)")
             return cls(
                 segment=int(d["segment"]),
                 row_start=int(d["row_start"]),
@@ -97,7 +119,7 @@ class Manifest:
     def to_json(self) -> bytes:
         d = asdict(self)
         d["format"] = FORMAT_NAME
-        return json.dumps(d, indent=2, sort_keys=True).encode()
+        return json.dumps(seal(d), indent=2, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -113,6 +135,8 @@ class Manifest:
                 f"{where}: store format version {version} is newer than this actstore reads "
                 f"({FORMAT_VERSION}); upgrade actstore"
             )
+        if not checksum_ok(d, {f.name for f in fields(cls)} | {"format"}):
+            raise CorruptStoreError(f"{where}: manifest.json fails its checksum (the file is corrupt)")
         try:
             return cls(
                 geometry=Geometry.from_dict(d["geometry"]),

@@ -33,6 +33,7 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
     )
     loc = store.location
     if loc.is_local:
+        store.check_table_shards()  # a corrupt shard is an error, never silently wrong rows
         con.execute("SET allowed_directories = ?", [[loc.root.rstrip("/") + "/"]])
     for name, files in store.table_files().items():
         view = _quote(name)

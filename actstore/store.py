@@ -27,7 +27,7 @@ from actstore.arrays import read_ranges, read_rows, widen
 from actstore.errors import CorruptStoreError, QueryError, StoreNotFoundError
 from actstore.fs import StoreLocation, locate
 from actstore.manifest import Geometry, Manifest, SegmentCommit
-from actstore.tables import SCHEMAS, SEGMENT_TABLES
+from actstore.tables import SCHEMAS, SEGMENT_TABLES, sha256
 
 if TYPE_CHECKING:
     import duckdb
@@ -51,9 +51,11 @@ class Store:
     def __init__(self, location: StoreLocation) -> None:
         self.location = location
         if not location.exists("manifest.json"):
+            location.probe()  # a wrong endpoint, credentials or bucket says so, not "no store"
             raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)")
         self.manifest = Manifest.from_json(location.read_bytes("manifest.json"), location.url)
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
+        self._verified: set[str] = set()  # table shards whose SHA-256 matched their commit marker
         self.commits: dict[int, SegmentCommit] = {}
         self.refresh()
 
@@ -178,12 +180,37 @@ class Store:
         return pa.concat_tables(parts, promote_options="default")
 
     def _read_table_file(self, rel: str, columns: list[str] | None) -> pa.Table:
+        data = self._table_bytes(rel)
         try:
-            return pq.read_table(
-                self.location.path(rel), columns=columns, filesystem=self.location.arrow_filesystem()
-            )
+            return pq.read_table(pa.BufferReader(data), columns=columns)
         except Exception as e:
             raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})") from None
+
+    def _table_bytes(self, rel: str) -> bytes:
+        """A table file's bytes; a segment shard must match the SHA-256 in its commit marker."""
+        try:
+            data = self.location.read_bytes(rel)
+        except FileNotFoundError:
+            raise CorruptStoreError(f"{self.url}/{rel}: missing") from None
+        parts = rel.split("/")
+        if len(parts) == 3 and parts[1] in SEGMENT_TABLES and rel not in self._verified:
+            seg = int(parts[2].split(".")[0])
+            commit = self.commits.get(seg)
+            if commit is not None and sha256(data) != commit.table_sha256.get(parts[1]):
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: SHA-256 does not match commit marker commits/{segment_name(seg)}.json "
+                    f"(the table shard or the marker is corrupt; run actstore verify)"
+                )
+            self._verified.add(rel)
+        return data
+
+    def check_table_shards(self) -> None:
+        """Hash every committed segment shard not yet checked (DuckDB reads local shards directly)."""
+        for name in SEGMENT_TABLES:
+            for seg in self.commits:
+                rel = f"tables/{name}/{segment_name(seg)}.parquet"
+                if rel not in self._verified:
+                    self._table_bytes(rel)
 
     def sql(self, query: str, *, format: str = "arrow") -> Any:
         """Run one read-only SELECT over the store's tables; ``format`` is ``arrow`` or ``pandas``."""

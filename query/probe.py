@@ -1,0 +1,428 @@
+"""Episodic relation probes over the store, many episodes trained as one tensor problem.
+
+    fm = load_features(store, "attn_head", where="split = 'val'")
+    out = run_probe(store, ProbeConfig(kind="attn_head", n_way=5, k_shot=5), features=fm)
+    out.accuracy, out.ci95
+    write_probe_tables(store, out)         # probe_runs, probe_episodes, probe_predictions, ...
+
+The features of every selected row are computed once from the store's factors (streamed in
+batches of rows) and kept as one ``[N, F]`` matrix (float32, or float16 to halve memory).
+Episodes are then processed in chunks of B: RelSpec picks each episode's features on its
+support set (:mod:`query.relspec`), only those entries are gathered, and a multinomial
+logistic probe per episode (weights ``[B, Fm, C]``, zero-initialised, cross-entropy, Adam,
+full-batch, ``epochs`` steps) is trained jointly: the loss is the sum over episodes of each
+episode's mean cross-entropy, so every episode gets exactly its own gradient, and padded
+features stay at weight 0 (their gradient is 0).  :func:`train_reference` is the plain
+one-episode trainer (``nn.Linear`` + ``torch.optim.Adam``) the tests compare against.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from actstore.errors import QueryError
+from actstore.store import Store
+from query.attribution import TOKEN_KINDS, TokenGeometry, contrast_coefficients, token_scores, unit_scores
+from query.episodes import EpisodeSet, sample_seeds
+from query.features import FeatureSpec
+from query.relspec import gather_standardized, select_features
+
+PROBE_KINDS = ("attn_head", "attn", "attn_entity", "mlp", "mlp_group", "resid", "z")
+
+
+# ----------------------------------------------------------------------------------- features
+@dataclass(frozen=True)
+class FeatureMatrix:
+    """Flattened features of selected rows, with what attribution needs to name them."""
+
+    kind: str
+    layers: tuple[int, ...]
+    heads: tuple[int, ...] | None
+    groups: int | None
+    example_ids: np.ndarray  # [N]
+    labels: list[str]  # relation_id per row
+    data: torch.Tensor  # [N, F]
+    unit_shape: tuple[int, ...]  # per-row shape: (L', H', d) or (L', d)
+
+    @property
+    def n_features(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def unit_size(self) -> int:
+        return self.unit_shape[-1]
+
+    @property
+    def n_units(self) -> int:
+        return self.n_features // self.unit_size
+
+    def unit_labels(self) -> tuple[np.ndarray, np.ndarray]:
+        """(layer, head) of each unit; head is -1 for per-layer kinds.  For ``resid`` the layer is
+        the residual index (0 = embeddings)."""
+        layers = np.asarray(self.layers, dtype=np.int32)
+        if len(self.unit_shape) == 2:
+            return layers, np.full(layers.size, -1, dtype=np.int32)
+        n_h = self.unit_shape[1]
+        heads = np.asarray(self.heads if self.heads is not None else range(n_h), dtype=np.int32)
+        return np.repeat(layers, n_h), np.tile(heads, layers.size)
+
+
+def load_features(store: Store, kind: str, *, where: str | None = None, example_ids: Sequence[int] | None = None,
+                  layers: Sequence[int] | None = None, heads: Sequence[int] | None = None,
+                  groups: int | None = None, dtype: str = "float32", batch_rows: int = 64) -> FeatureMatrix:
+    """Stream the selection's features into one ``[N, F]`` matrix."""
+    from query.selection import Selection
+
+    if kind not in PROBE_KINDS:
+        raise QueryError(f"feature kind {kind!r} cannot be probed (one of {', '.join(PROBE_KINDS)})")
+    if dtype not in ("float32", "float16"):
+        raise QueryError(f"feature dtype must be float32 or float16, not {dtype!r}")
+    spec = FeatureSpec.parse(store, kind, layers, heads, groups)
+    sel = Selection.from_ids(store, example_ids) if example_ids is not None else store.select(where)
+    if len(sel) == 0:
+        raise QueryError("the selection is empty")
+    ids = sel.example_ids
+    rel = {int(r["example_id"]): r["relation_id"] for r in
+           store.sql("SELECT example_id, relation_id FROM examples").to_pylist()}
+    data: torch.Tensor | None = None
+    shape: tuple[int, ...] = ()
+    i = 0
+    for _, x in sel.iter_features(kind, layers=spec.layers, heads=spec.heads, groups=groups, batch_rows=batch_rows):
+        if data is None:
+            shape = tuple(x.shape[1:])
+            data = torch.empty((len(ids), int(np.prod(shape))), dtype=getattr(torch, dtype))
+        data[i:i + x.shape[0]] = torch.from_numpy(x.reshape(x.shape[0], -1))
+        i += x.shape[0]
+    assert data is not None
+    return FeatureMatrix(kind, spec.layers, spec.heads, groups, ids, [rel[int(e)] for e in ids], data, shape)
+
+
+# ----------------------------------------------------------------------------------- training
+def train_batched(xs: torch.Tensor, y: torch.Tensor, n_classes: int, *, epochs: int = 200,
+                  lr: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train B independent probes at once: ``xs`` [B, S, F], labels ``y`` [S] (shared) or [B, S].
+    Returns W [B, F, C] and b [B, C]."""
+    B, S, F = xs.shape
+    W = torch.zeros((B, F, n_classes), requires_grad=True)
+    b = torch.zeros((B, n_classes), requires_grad=True)
+    yy = (y.expand(B, S) if y.dim() == 1 else y).reshape(-1)
+    opt = torch.optim.Adam([W, b], lr=lr)
+    for _ in range(epochs):
+        opt.zero_grad(set_to_none=False)
+        logits = torch.baddbmm(b[:, None, :], xs, W)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(B * S, n_classes), yy, reduction="sum") / S
+        loss.backward()
+        opt.step()
+    return W.detach(), b.detach()
+
+
+def train_reference(xs: torch.Tensor, y: torch.Tensor, n_classes: int, *, epochs: int = 200,
+                    lr: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain one-episode trainer: ``xs`` [S, F] -> W [F, C], b [C]."""
+    lin = torch.nn.Linear(xs.shape[1], n_classes)
+    torch.nn.init.zeros_(lin.weight)
+    torch.nn.init.zeros_(lin.bias)
+    opt = torch.optim.Adam(lin.parameters(), lr=lr)
+    for _ in range(epochs):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(lin(xs), y).backward()
+        opt.step()
+    return lin.weight.detach().T.contiguous(), lin.bias.detach().clone()
+
+
+# ----------------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class ProbeConfig:
+    kind: str = "attn_head"
+    where: str | None = None
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    groups: int | None = None
+    n_way: int = 5
+    k_shot: int = 5
+    queries: int = 5
+    episodes: int = 500
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    top_k: int = 3000
+    epochs: int = 200
+    lr: float = 1e-3
+    feature_dtype: str = "float32"
+    token_scores: str = "errors"  # none | errors | all (kinds with per-source factors only)
+    memory_mb: int = 1024
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ProbeConfig:
+        d = json.loads(text)
+        for k in ("layers", "heads", "seeds"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class ProbeOutput:
+    run_id: str
+    config: ProbeConfig
+    episodes: EpisodeSet
+    example_ids: np.ndarray  # [N] of the feature matrix (positions index into it)
+    labels: list[str]
+    relation_names: dict[str, str]
+    unit_layer: np.ndarray
+    unit_head: np.ndarray
+    episode_accuracy: np.ndarray  # [E]
+    n_selected: np.ndarray  # [E]
+    pred: np.ndarray  # [E, Q] class index in the episode
+    prob: np.ndarray  # [E, Q] softmax probability of the prediction
+    head_total: np.ndarray  # [E, Q] sum of the prediction's head scores (= dW . x')
+    hs_sum: np.ndarray  # [R, U] head scores summed over predictions, per gold relation
+    hs_abs: np.ndarray  # [R, U] sum of |head score|
+    hs_n: np.ndarray  # [R]
+    token_rows: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    started: float = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return float(self.episode_accuracy.mean())
+
+    @property
+    def ci95(self) -> tuple[float, float]:
+        a = self.episode_accuracy
+        half = 1.96 * float(a.std(ddof=1)) / np.sqrt(a.size) if a.size > 1 else 0.0
+        return self.accuracy - half, self.accuracy + half
+
+    def summary(self) -> dict[str, Any]:
+        c = self.config
+        lo, hi = self.ci95
+        return {"run_id": self.run_id, "kind": c.kind, "n_way": c.n_way, "k_shot": c.k_shot, "queries": c.queries,
+                "episodes": len(self.episodes), "seeds": list(c.seeds), "accuracy": round(self.accuracy, 6),
+                "ci95": [round(lo, 6), round(hi, 6)], "rows": int(self.example_ids.size),
+                "relations": len(self.episodes.relations), "mean_selected_features": float(self.n_selected.mean()),
+                "seconds": round(self.seconds, 2)}
+
+
+def _chunk_size(n_way: int, k_shot: int, queries: int, n_features: int, top_k: int, memory_mb: int) -> int:
+    S, Q = n_way * k_shot, n_way * queries
+    fm = n_way * min(top_k, n_features)
+    per_episode = max(4 * n_features * (2 * S + n_way), 4 * fm * (S + Q) * 4)
+    return int(max(1, min(128, memory_mb * 2**20 // per_episode)))
+
+
+def run_probe(store: Store, cfg: ProbeConfig, *, features: FeatureMatrix | None = None,
+              episodes: EpisodeSet | None = None, progress: bool = False, run_id: str | None = None) -> ProbeOutput:
+    """Sample episodes, select features, train and evaluate the probes, attribute predictions."""
+    started = time.time()
+    fm = features or load_features(store, cfg.kind, where=cfg.where, layers=cfg.layers, heads=cfg.heads,
+                                   groups=cfg.groups, dtype=cfg.feature_dtype)
+    if cfg.top_k < 1 or cfg.epochs < 1 or cfg.lr <= 0:
+        raise QueryError("--top-k and --epochs must be positive and --lr above 0")
+    if cfg.token_scores not in ("none", "errors", "all"):
+        raise QueryError(f"token scores must be none, errors or all (got {cfg.token_scores!r})")
+    ep = episodes or sample_seeds(fm.labels, n_way=cfg.n_way, k_shot=cfg.k_shot, queries=cfg.queries,
+                                  episodes=cfg.episodes, seeds=cfg.seeds)
+    n, k, q = ep.n_way, ep.k_shot, ep.queries
+    E, Q, R = len(ep), n * q, len(ep.relations)
+    U, usize = fm.n_units, fm.unit_size
+    unit_layer, unit_head = fm.unit_labels()
+    want_tokens = cfg.token_scores != "none" and fm.kind in TOKEN_KINDS
+    geo = TokenGeometry.of(store, fm.kind, fm.layers, fm.heads) if want_tokens else None
+    ysup = torch.from_numpy(ep.support_labels)
+    yq = torch.from_numpy(ep.query_labels)
+    acc = np.zeros(E)
+    n_sel = np.zeros(E, dtype=np.int64)
+    pred_all = np.zeros((E, Q), dtype=np.int64)
+    prob_all = np.zeros((E, Q), dtype=np.float32)
+    total_all = np.zeros((E, Q), dtype=np.float32)
+    hs_sum = torch.zeros((R, U), dtype=torch.float64)
+    hs_abs = torch.zeros((R, U), dtype=torch.float64)
+    hs_n = torch.zeros(R, dtype=torch.float64)
+    pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (episode, query, p, centering per layer)
+    token_rows: list[dict[str, Any]] = []
+    pending_limit = max(1, cfg.memory_mb * 2**20 // 2)
+    B = _chunk_size(n, k, q, fm.n_features, cfg.top_k, cfg.memory_mb)
+    from tqdm import tqdm
+
+    bar = tqdm(total=E, desc=f"probe {fm.kind} {n}-way {k}-shot", unit="ep", disable=not progress, file=sys.stderr)
+    for lo in range(0, E, B):
+        hi = min(E, lo + B)
+        sup = torch.from_numpy(ep.support[lo:hi])
+        qry = torch.from_numpy(ep.query[lo:hi])
+        sel = select_features(fm.data[sup].to(torch.float32), n, k, cfg.top_k)
+        xs = gather_standardized(fm.data, sup, sel)
+        xq = gather_standardized(fm.data, qry, sel)
+        W, b = train_batched(xs, ysup, n, epochs=cfg.epochs, lr=cfg.lr)
+        del xs
+        logits = torch.baddbmm(b[:, None, :], xq, W)  # [B, Q, C]
+        probs = torch.softmax(logits, -1)
+        pred = probs.argmax(-1)
+        acc[lo:hi] = (pred == yq).to(torch.float64).mean(1).numpy()
+        n_sel[lo:hi] = sel.counts.numpy()
+        pred_all[lo:hi] = pred.numpy()
+        prob_all[lo:hi] = probs.gather(2, pred[..., None])[..., 0].numpy()
+        dW = torch.einsum("bfc,bqc->bqf", W, contrast_coefficients(probs, pred))  # [B, Q, Fm]
+        units = torch.where(sel.valid, sel.index // usize, torch.full_like(sel.index, U))
+        hs = unit_scores(dW * xq, units, U)  # [B, Q, U]
+        total_all[lo:hi] = hs.sum(-1).numpy()
+        gold = torch.from_numpy(ep.classes[lo:hi][:, ep.query_labels]).reshape(-1)  # relation index per prediction
+        hs_flat = hs.reshape(-1, U).to(torch.float64)
+        hs_sum.index_add_(0, gold, hs_flat)
+        hs_abs.index_add_(0, gold, hs_flat.abs())
+        hs_n.index_add_(0, gold, torch.ones(gold.numel(), dtype=torch.float64))
+        if geo is not None:
+            pick = (pred != yq[None]) if cfg.token_scores == "errors" else torch.ones_like(pred, dtype=torch.bool)
+            where = pick.nonzero()
+            for g0 in range(0, where.shape[0], 64):
+                e_loc, qi = where[g0:g0 + 64, 0], where[g0:g0 + 64, 1]
+                u_sel = dW[e_loc, qi] / sel.std[e_loc]  # [g, Fm], zero on padding (W is 0 there)
+                cent = unit_scores((u_sel * (geo.offset[sel.index[e_loc]] - sel.mean[e_loc]))[:, None], units[e_loc], U)
+                u = torch.zeros((e_loc.numel(), fm.n_features)).scatter_add_(1, sel.index[e_loc], u_sel)
+                p = geo.project(u)
+                for j in range(e_loc.numel()):
+                    pending.append((lo + int(e_loc[j]), int(qi[j]), p[j], _per_layer(cent[j, 0], len(fm.layers))))
+            if sum(x[2].numel() * 4 for x in pending) > pending_limit:
+                token_rows += _flush_tokens(store, geo, pending, fm, ep, pred_all, total_all)
+                pending = []
+        bar.update(hi - lo)
+    bar.close()
+    if geo is not None and pending:
+        token_rows += _flush_tokens(store, geo, pending, fm, ep, pred_all, total_all)
+    names = {r["relation_id"]: r["relation_name"] for r in
+             store.sql("SELECT relation_id, any_value(relation_name) AS relation_name FROM examples "
+                       "GROUP BY 1").to_pylist()}
+    return ProbeOutput(
+        run_id=run_id or f"probe-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}", config=cfg,
+        episodes=ep, example_ids=fm.example_ids, labels=fm.labels, relation_names=names,
+        unit_layer=unit_layer, unit_head=unit_head, episode_accuracy=acc, n_selected=n_sel, pred=pred_all,
+        prob=prob_all, head_total=total_all, hs_sum=hs_sum.numpy(), hs_abs=hs_abs.numpy(), hs_n=hs_n.numpy(),
+        token_rows=token_rows, seconds=time.time() - started, started=started)
+
+
+def _per_layer(unit_values: torch.Tensor, n_layers: int) -> torch.Tensor:
+    return unit_values.reshape(n_layers, -1).sum(1)
+
+
+def _flush_tokens(store: Store, geo: TokenGeometry, pending: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+                  fm: FeatureMatrix, ep: EpisodeSet, pred: np.ndarray, total: np.ndarray) -> list[dict[str, Any]]:
+    ids = [int(fm.example_ids[ep.query[e, qi]]) for e, qi, _, _ in pending]
+    scores = token_scores(store, geo, ids, torch.stack([x[2] for x in pending]))
+    rows = []
+    for (e, qi, _, cent), ex, ts in zip(pending, ids, scores):
+        rel = ep.relations
+        rows.append({"seed": int(ep.seed[e]), "episode": int(ep.index[e]), "example_id": ex,
+                     "relation_id": rel[ep.classes[e, ep.query_labels[qi]]], "predicted": rel[ep.classes[e, pred[e, qi]]],
+                     "scores": ts.sum(0).astype(np.float32).tolist(), "centering": float(cent.sum()),
+                     "head_score_total": float(total[e, qi])})
+    return rows
+
+
+# ----------------------------------------------------------------------------------- tables
+def probe_tables(out: ProbeOutput) -> dict[str, pa.Table]:
+    """The run's result tables (all carry ``run_id``)."""
+    ep, c, rid = out.episodes, out.config, out.run_id
+    rel = np.asarray(ep.relations, dtype=object)
+    E, Q = out.pred.shape
+    gold_idx = ep.classes[:, ep.query_labels]  # [E, Q]
+    pred_idx = np.take_along_axis(ep.classes, out.pred, 1)
+    lo, hi = out.ci95
+    runs = pa.table({
+        "run_id": [rid], "kind": [c.kind], "where": [c.where], "layers": [_ints(c.layers)], "heads": [_ints(c.heads)],
+        "groups": pa.array([c.groups], pa.int32()), "n_way": [c.n_way], "k_shot": [c.k_shot], "queries": [c.queries],
+        "episodes": [len(ep)], "seeds": [_ints(c.seeds)], "top_k": [c.top_k], "epochs": [c.epochs], "lr": [c.lr],
+        "rows": [int(out.example_ids.size)], "relations": [len(ep.relations)],
+        "mean_selected_features": [float(out.n_selected.mean())], "accuracy": [out.accuracy],
+        "ci95_low": [lo], "ci95_high": [hi], "seconds": [out.seconds], "started": [out.started],
+        "config": [c.to_json()],
+    })
+    qids = out.example_ids[ep.query]
+    episodes = pa.table({
+        "run_id": [rid] * E, "seed": ep.seed, "episode": ep.index,
+        "relations": [list(rel[x]) for x in ep.classes],
+        "support_ids": [list(x) for x in out.example_ids[ep.support]], "query_ids": [list(x) for x in qids],
+        "n_selected": out.n_selected, "accuracy": out.episode_accuracy,
+    })
+    predictions = pa.table({
+        "run_id": [rid] * (E * Q), "seed": np.repeat(ep.seed, Q), "episode": np.repeat(ep.index, Q),
+        "example_id": qids.reshape(-1), "relation_id": rel[gold_idx].reshape(-1),
+        "predicted": rel[pred_idx].reshape(-1), "correct": (gold_idx == pred_idx).reshape(-1),
+        "prob": out.prob.reshape(-1), "head_score_total": out.head_total.reshape(-1),
+    })
+    metrics = relation_metrics(rel[gold_idx].reshape(-1), rel[pred_idx].reshape(-1), list(ep.relations))
+    metrics = metrics.add_column(0, "run_id", pa.array([rid] * metrics.num_rows))
+    metrics = metrics.append_column("relation_name", pa.array([out.relation_names.get(r) for r in
+                                                               metrics.column("relation_id").to_pylist()]))
+    R, U = out.hs_sum.shape
+    n = np.maximum(out.hs_n, 1)[:, None]
+    heads = pa.table({
+        "run_id": [rid] * (R * U), "relation_id": np.repeat(rel, U),
+        "layer": np.tile(out.unit_layer, R), "head": np.tile(out.unit_head, R),
+        "score": (out.hs_sum / n).reshape(-1), "abs_score": (out.hs_abs / n).reshape(-1),
+        "n": np.repeat(out.hs_n.astype(np.int64), U),
+    })
+    tables = {"probe_runs": runs, "probe_episodes": episodes, "probe_predictions": predictions,
+              "relation_metrics": metrics, "head_scores": heads}
+    if out.token_rows:
+        t = pa.Table.from_pylist(out.token_rows)
+        tables["token_scores"] = t.add_column(0, "run_id", pa.array([rid] * t.num_rows))
+    return tables
+
+
+def relation_metrics(gold: np.ndarray, pred: np.ndarray, relations: Sequence[str]) -> pa.Table:
+    """Per-relation precision, recall and F1 over pooled query predictions."""
+    rows = []
+    for r in relations:
+        tp = int(np.sum((gold == r) & (pred == r)))
+        n_gold, n_pred = int(np.sum(gold == r)), int(np.sum(pred == r))
+        p = tp / n_pred if n_pred else 0.0
+        rc = tp / n_gold if n_gold else 0.0
+        rows.append({"relation_id": r, "n_queries": n_gold, "n_predicted": n_pred, "tp": tp, "precision": p,
+                     "recall": rc, "f1": 2 * p * rc / (p + rc) if p + rc else 0.0})
+    return pa.Table.from_pylist(rows)
+
+
+def write_probe_tables(store: Store, out: ProbeOutput) -> list[str]:
+    """Write every result table of the run (one file each, atomically); return their paths."""
+    from actstore.writer import write_result_table
+
+    paths = [write_result_table(store, name, out.run_id, t) for name, t in probe_tables(out).items()]
+    run = pa.table({"run_id": [out.run_id], "kind": ["probe"], "started": [out.started],
+                    "finished": [out.started + out.seconds], "segments_written": [0], "rank": [0], "world_size": [1],
+                    "config": [out.config.to_json()], "code_version": [store.manifest.code_version]})
+    paths.append(write_result_table(store, "runs", out.run_id, run))
+    return paths
+
+
+def _ints(x: Sequence[int] | None) -> str | None:
+    return None if x is None else ",".join(str(int(v)) for v in x)
+
+
+# ----------------------------------------------------------------------------------- reference
+def run_reference(fm: FeatureMatrix, ep: EpisodeSet, cfg: ProbeConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One episode at a time with :func:`train_reference`: (accuracy [E], predictions [E, Q],
+    probabilities [E, Q, C])."""
+    ysup = torch.from_numpy(ep.support_labels)
+    yq = torch.from_numpy(ep.query_labels)
+    accs, preds, probs = [], [], []
+    for e in range(len(ep)):
+        sup = torch.from_numpy(ep.support[e:e + 1])
+        sel = select_features(fm.data[sup].to(torch.float32), ep.n_way, ep.k_shot, cfg.top_k)
+        xs = gather_standardized(fm.data, sup, sel)[0]
+        xq = gather_standardized(fm.data, torch.from_numpy(ep.query[e:e + 1]), sel)[0]
+        W, b = train_reference(xs, ysup, ep.n_way, epochs=cfg.epochs, lr=cfg.lr)
+        p = torch.softmax(xq @ W + b, -1)
+        preds.append(p.argmax(-1).numpy())
+        probs.append(p.numpy())
+        accs.append(float((p.argmax(-1) == yq).to(torch.float64).mean()))
+    return np.asarray(accs), np.stack(preds), np.stack(probs)
