@@ -9,7 +9,8 @@ For n selected target rows (float32 accumulation throughout):
     attn_entity     [n, L, H, d_model]       sum over the subject's source tokens j of Delta_att,h(t,j)
     attn_prob       [n, L, H, S]             A_h(t,j), zero-padded
     mlp             [n, L, d_model]          a(t) W_down + b_down
-    mlp_group       [n, L, G, d_model]       Delta_MLP,g(t) = a[block g](t) W_down[block g]  (G contiguous blocks)
+    mlp_group       [n, L, G, d_model]       Delta_MLP,g(t) = a[block g](t) W_down[block g]  (G contiguous blocks,
+                                             G = heads by default; sizes differ by at most one)
     resid           [n, L+1, d_model]        index 0 = embeddings, l+1 = after layer l (before any final norm)
 
 ``layers`` keeps only those layers (for ``resid``: those residual indices); ``heads`` keeps
@@ -75,9 +76,23 @@ class FeatureSpec:
             heads = hs
         if kind == "mlp_group":
             G = groups or g.n_heads
-            if g.d_mlp % G:
-                raise QueryError(f"d_mlp={g.d_mlp} is not divisible into {G} groups")
+            if not 1 <= G <= g.d_mlp:
+                raise QueryError(f"--groups must be between 1 and d_mlp={g.d_mlp}, not {G}")
         return cls(kind, ls, None if heads is None else tuple(heads), groups)
+
+
+def group_bounds(d_mlp: int, groups: int) -> list[int]:
+    """Boundaries of ``groups`` contiguous neuron blocks whose sizes differ by at most one.
+
+    Our definition (SPEC section 1): block g holds neurons [bounds[g], bounds[g+1]); when
+    ``d_mlp`` divides evenly these are equal blocks, otherwise the first ``d_mlp % groups``
+    blocks hold one neuron more (SmolLM2: 1536 neurons in 9 groups of 171 or 170).
+    """
+    base, extra = divmod(d_mlp, groups)
+    bounds = [0]
+    for g in range(groups):
+        bounds.append(bounds[-1] + base + (1 if g < extra else 0))
+    return bounds
 
 
 class WeightCache:
@@ -118,9 +133,12 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarra
             return (torch.einsum("nlf,lfd->nld", a, Wd) + W["b_down"][L]).numpy()
         G = spec.groups or g.n_heads
         keep = list(spec.heads) if spec.heads is not None else list(range(G))
-        a = a.reshape(a.shape[0], len(L), G, -1)[:, :, keep]
-        Wg = Wd.reshape(len(L), G, -1, g.d_model)[:, keep]
-        return torch.einsum("nlgf,lgfd->nlgd", a, Wg).numpy()
+        bounds = group_bounds(g.d_mlp, G)
+        out = torch.empty((a.shape[0], len(L), len(keep), g.d_model))
+        for i, grp in enumerate(keep):
+            lo, hi = bounds[grp], bounds[grp + 1]
+            out[:, :, i] = torch.einsum("nlf,lfd->nld", a[:, :, lo:hi], Wd[:, lo:hi])
+        return out.numpy()
     if kind in ("z", "attn_head", "attn"):
         z = torch.from_numpy(store.read_segment_rows(seg, "z", rows)[:, L])  # [n, l, H, dh]
         if kind == "z":

@@ -26,9 +26,12 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
 
 
-def reference(arch: str, store: actstore.Store) -> dict[str, np.ndarray]:
-    """Per target row: o_proj input/output, down_proj output, hidden states, from plain hooks."""
-    loaded = tiny_model(arch)
+def reference(arch: str | Any, store: actstore.Store) -> dict[str, np.ndarray]:
+    """Per target row: o_proj input/output, down_proj output, hidden states, from plain hooks.
+
+    ``arch`` is a tiny architecture name or an already loaded :class:`LoadedModel`.
+    """
+    loaded = tiny_model(arch) if isinstance(arch, str) else arch
     model, a = loaded.model, architecture_for(loaded.model)
     blocks = a.blocks(model)
     rows = store.sql("SELECT t.row, t.position, e.example_id FROM targets t JOIN examples e USING (example_id) ORDER BY t.row")
@@ -65,7 +68,30 @@ def reference(arch: str, store: actstore.Store) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_store_reconstructs_module_outputs(arch: str, padding_side: str, store_factory: Callable[..., Path]) -> None:
     store = actstore.open(store_factory(arch, padding_side=padding_side))
-    ref = reference(arch, store)
+    check_identities(store, reference(arch, store))
+
+
+@pytest.mark.slow
+def test_smollm2_store_reconstructs_module_outputs(tmp_path: Path) -> None:
+    """The same identities on the real default model, on real FewRel prompts, at float32."""
+    from ingest.align import tokenize_records
+    from ingest.datasets import load_dataset
+    from ingest.models import load_model
+    from ingest.pipeline import IngestConfig, run_ingest
+
+    from conftest import FEWREL
+
+    loaded = load_model("smollm2-135m")
+    records = load_dataset(f"fewrel:{FEWREL}", relations=["P177", "P26"], limit_per_relation=3).records
+    prompts = tokenize_records(records, loaded.tokenizer)
+    cfg = IngestConfig(out=str(tmp_path / "s"), batch_size=4, storage_dtype="float32", segment_size=4,
+                       padding_side="left", progress=False)
+    run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
+    store = actstore.open(tmp_path / "s")
+    check_identities(store, reference(loaded, store))
+
+
+def check_identities(store: actstore.Store, ref: dict[str, np.ndarray]) -> None:
     sel = store.select()
     g = store.geometry
     n = len(sel)

@@ -1,0 +1,156 @@
+"""Ingest benchmark: capture + compression + writes against a plain forward pass, side by side.
+
+One run measures, on the same batches of FewRel prompts and the same loaded model:
+
+* ``plain``    the model's own forward (``model(input_ids, attention_mask)``, logits for every position)
+* ``backbone`` the decoder stack alone (no LM head): the strictest floor
+* ``ingest``   ``run_ingest`` end to end: fused capture, device-to-host copy, compression and
+               Zarr/Parquet writes on the writer thread, commits
+
+Rounds alternate the three in a shuffled order and the ratios are medians over rounds, so
+load from other processes on this shared machine hits all three alike.  Peak memory is
+measured in fresh subprocesses for a corpus and a corpus 4x (``--quick``) or 10x larger.
+
+    python benchmarks/bench_ingest.py [--quick] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FEWREL = REPO.parent / "shared" / "data" / "fewrel" / "val_wiki.json"
+
+
+def load(n_prompts: int) -> tuple[Any, list[Any]]:
+    from ingest.align import tokenize_records
+    from ingest.datasets import load_dataset
+    from ingest.models import load_model
+
+    loaded = load_model("smollm2-135m")
+    per_rel = max(1, n_prompts // 16 + 1)
+    records = load_dataset(f"fewrel:{FEWREL}", limit_per_relation=per_rel).records[:n_prompts]
+    return loaded, tokenize_records(records, loaded.tokenizer)
+
+
+def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool) -> float:
+    import torch
+
+    from ingest.architectures import architecture_for
+    from ingest.batches import pad_batch
+
+    arch = architecture_for(loaded.model)
+    fn = arch.backbone(loaded.model) if backbone_only else loaded.model
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            b = pad_batch(prompts[i:i + batch], loaded.tokenizer.pad_token_id, "right", torch.device("cpu"))
+            fn(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids, use_cache=False)
+    return time.perf_counter() - t0
+
+
+def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str) -> float:
+    from ingest.pipeline import IngestConfig, run_ingest
+
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False)
+    t0 = time.perf_counter()
+    run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
+    return time.perf_counter() - t0
+
+
+def du(path: str, sub: str = "") -> int:
+    total = 0
+    for root, _, files in os.walk(os.path.join(path, sub)):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
+
+
+def peak_rss_mb(n_prompts: int, batch: int) -> float:
+    """Peak RSS of a fresh process that loads the model and ingests ``n_prompts``."""
+    code = (
+        "import sys, tempfile; sys.path.insert(0, %r)\n"
+        "from benchmarks.bench_ingest import load, time_ingest\n"
+        "l, p = load(%d)\n"
+        "time_ingest(l, p, %d, tempfile.mkdtemp() + '/s', 'float16')\n"
+    ) % (str(REPO), n_prompts, batch)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(before, after) / 1024  # ru_maxrss is in KiB on Linux (max over children so far)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="64 prompts, 3 rounds, memory at 64 vs 256 prompts")
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args()
+    n = args.prompts or (64 if args.quick else 256)
+    rounds = args.rounds or (3 if args.quick else 5)
+
+    import torch
+
+    loaded, prompts = load(n)
+    tmp = tempfile.mkdtemp(prefix="actstore-bench-")
+    out = os.path.join(tmp, "store")
+    time_plain(loaded, prompts[: args.batch], args.batch, False)  # warm-up
+    times: dict[str, list[float]] = {"plain": [], "backbone": [], "ingest": []}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = list(times)
+        rng.shuffle(order)
+        for name in order:
+            if name == "ingest":
+                times[name].append(time_ingest(loaded, prompts, args.batch, out, args.dtype))
+            else:
+                times[name].append(time_plain(loaded, prompts, args.batch, name == "backbone"))
+    ratio_plain = statistics.median(i / p for i, p in zip(times["ingest"], times["plain"]))
+    ratio_backbone = statistics.median(i / p for i, p in zip(times["ingest"], times["backbone"]))
+
+    import actstore
+
+    s = actstore.open(out)
+    g = s.geometry
+    n_tok = int(s.sql("SELECT sum(n_tokens) AS t FROM examples").to_pylist()[0]["t"])
+    data_bytes = du(out, "segments") + du(out, "tables")
+    # A materialised per-(head, source token) array: L * H * tokens * d_model float16 numbers per target.
+    materialised = g.n_layers * g.n_heads * n_tok * g.d_model * 2
+    result: dict[str, Any] = {
+        "model": "smollm2-135m", "prompts": n, "batch": args.batch, "rounds": rounds, "dtype": args.dtype,
+        "threads": torch.get_num_threads(), "mean_tokens": n_tok / n,
+        "seconds_median": {k: statistics.median(v) for k, v in times.items()},
+        "ingest_over_plain": ratio_plain, "ingest_over_backbone": ratio_backbone,
+        "store_bytes_per_target": data_bytes / n, "weights_bytes": du(out, "weights"),
+        "materialised_bytes_per_target": materialised / n,
+        "size_ratio_materialised_over_store": materialised / data_bytes,
+    }
+    if not args.no_memory:
+        small = max(16, n // 4) if args.quick else n
+        result["peak_rss_mb"] = {str(small): peak_rss_mb(small, args.batch), str(small * (4 if args.quick else 10)):
+                                 peak_rss_mb(small * (4 if args.quick else 10), args.batch)}
+    shutil.rmtree(tmp, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
