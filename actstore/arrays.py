@@ -23,8 +23,13 @@ def compressors() -> list[Any]:
     return [BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), Crc32cCodec()]
 
 
-def create_array(group: zarr.Group, name: str, data: np.ndarray, chunk0: int, *, logical_dtype: str) -> None:
-    """Write ``data`` as a new array chunked only along axis 0 (``chunk0`` rows per chunk)."""
+def create_array(group: zarr.Group, name: str, data: np.ndarray, chunk0: int, *, logical_dtype: str,
+                 compress: bool = True) -> None:
+    """Write ``data`` as a new array chunked only along axis 0 (``chunk0`` rows per chunk).
+
+    ``compress=False`` keeps only the checksum: float32 weights barely compress (about 5%)
+    and zstd on them would cost seconds at every store creation.
+    """
     chunks = (max(1, min(chunk0, max(1, data.shape[0]))), *data.shape[1:])
     arr = group.create_array(
         name,
@@ -32,7 +37,7 @@ def create_array(group: zarr.Group, name: str, data: np.ndarray, chunk0: int, *,
         chunks=chunks,
         dtype=data.dtype,
         serializer=BytesCodec(),
-        compressors=compressors(),
+        compressors=compressors() if compress else [Crc32cCodec()],
         fill_value=0,
         overwrite=True,
         attributes={"logical_dtype": logical_dtype},

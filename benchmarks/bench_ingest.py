@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import statistics
 import subprocess
@@ -81,15 +80,15 @@ def du(path: str, sub: str = "") -> int:
 def peak_rss_mb(n_prompts: int, batch: int) -> float:
     """Peak RSS of a fresh process that loads the model and ingests ``n_prompts``."""
     code = (
-        "import sys, tempfile; sys.path.insert(0, %r)\n"
+        "import resource, sys, tempfile; sys.path.insert(0, %r)\n"
         "from benchmarks.bench_ingest import load, time_ingest\n"
         "l, p = load(%d)\n"
         "time_ingest(l, p, %d, tempfile.mkdtemp() + '/s', 'float16')\n"
+        "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     ) % (str(REPO), n_prompts, batch)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(before, after) / 1024  # ru_maxrss is in KiB on Linux (max over children so far)
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True).stdout
+    peak_kib = int(next(line for line in out.splitlines() if line.startswith("PEAK")).split()[1])
+    return peak_kib / 1024  # ru_maxrss is in KiB on Linux
 
 
 def main() -> None:
