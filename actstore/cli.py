@@ -10,7 +10,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -82,6 +82,25 @@ LAZY_COMMANDS: dict[str, str] = {
 class LazyGroup(click.Group):
     """A click group whose listed commands are imported on first use (keeps startup fast)."""
 
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        """Usage errors (bad option values, unknown options) as one ``error:`` line, like every error."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # bare ``actstore``: the help, as click shows it
+                e.show()
+                sys.exit(e.exit_code)
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            fail(e.format_message() + where, e.exit_code)
+        except click.ClickException as e:
+            fail(e.format_message(), e.exit_code)
+        except click.exceptions.Abort:
+            fail("aborted", 1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
 
@@ -134,10 +153,12 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
            segment_size: int, padding_side: str, out: str, resume: bool, overwrite: bool, quiet: bool,
            as_json: bool) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
+    from ingest.distributed import leave_process_group, ranks_from_env
     from ingest.run import IngestRequest, ingest_corpus
 
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = ranks_from_env()  # set by torchrun: each rank ingests every world-th segment
+    if device == "cuda" and world > 1 and os.environ.get("LOCAL_RANK", "").isdigit():
+        device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per rank on each node
     req = IngestRequest(
         model=model_name, dataset=dataset_spec,
         relations=[r.strip() for r in relations.split(",") if r.strip()] if relations else None,
@@ -146,7 +167,10 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
         padding_side=padding_side, out=out, resume=resume, overwrite=overwrite, progress=not quiet,
         rank=rank, world_size=world,
     )
-    report = ingest_corpus(req, log=lambda m: click.echo(m, err=True) if not quiet else None)
+    try:
+        report = ingest_corpus(req, log=lambda m: click.echo(m, err=True) if not quiet and rank == 0 else None)
+    finally:
+        leave_process_group()
     summary = {"store": report.store, "examples": report.n_examples, "segments_written": report.segments_written,
                "segments_already_committed": report.segments_skipped, "seconds": round(report.seconds, 2)}
     click.echo(json.dumps(summary) if as_json else

@@ -7,6 +7,7 @@ since a PUT is atomic per object.
 
 from __future__ import annotations
 
+import atexit
 import os
 import posixpath
 import uuid
@@ -62,9 +63,13 @@ class StoreLocation:
         """Fail early, with one line, when an object store's endpoint, credentials or bucket are wrong."""
         if self.is_local:
             return
-        bucket = self.root.split("/", 1)[0]
-        with self.io():
-            self.fs.ls(bucket, detail=False)
+        try:
+            with self.io():
+                self.fs.ls(self.root, detail=False)  # one LIST of the store's own prefix
+        except StoreNotFoundError:
+            raise  # the bucket does not exist
+        except FileNotFoundError:
+            pass  # no store there yet
 
     def path(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if rel else self.root
@@ -97,9 +102,16 @@ class StoreLocation:
         """Names (not paths) directly under ``rel``; empty when it does not exist."""
         p = self.path(rel)
         with self.io():
-            if not self.fs.exists(p):
-                return []
-            return sorted(posixpath.basename(e.rstrip("/")) for e in self.fs.ls(p, detail=False))
+            if self.is_local:
+                if not self.fs.exists(p):
+                    return []
+                entries = self.fs.ls(p, detail=False)
+            else:  # one LIST request instead of an existence check plus the listing
+                try:
+                    entries = self.fs.ls(p, detail=False)
+                except FileNotFoundError:
+                    return []
+            return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
     def remove_tree(self, rel: str) -> None:
         p = self.path(rel)
@@ -119,6 +131,26 @@ class StoreLocation:
             return zarr.storage.LocalStore(self.path(rel), read_only=read_only)
         return zarr.storage.FsspecStore(self._async_fs(), path=self.path(rel), read_only=read_only)
 
+    @contextmanager
+    def zarr_group_writer(self, rel: str) -> Iterator[Any]:
+        """A new, empty zarr group at ``rel`` to fill inside the ``with`` block.
+
+        Locally the group is written in place.  On an object store it is built in memory and
+        its objects are uploaded together on exit (concurrent PUTs instead of zarr's many
+        small sequential requests); the bytes are the same either way.
+        """
+        import zarr
+        import zarr.storage
+
+        if self.is_local:
+            yield zarr.open_group(store=self.zarr_store(rel, read_only=False), mode="w")
+            return
+        objects: dict[str, Any] = {}
+        yield zarr.open_group(store=zarr.storage.MemoryStore(objects), mode="w")
+        payload = {posixpath.join(self.path(rel), key): buf.to_bytes() for key, buf in objects.items()}
+        with self.io():
+            self.fs.pipe(payload)
+
     def _async_fs(self) -> Any:
         """An ``asynchronous=True`` twin of ``fs`` for zarr, which runs it on zarr's own event loop
         (sharing fsspec's loop-bound instance fails with "attached to a different loop")."""
@@ -127,6 +159,7 @@ class StoreLocation:
             proto = _protocols(self.fs)[0]
             if getattr(self.fs, "async_impl", False):
                 afs = fsspec.filesystem(proto, asynchronous=True, **self.options)
+                _ASYNC_FILESYSTEMS.append(afs)
             else:
                 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
@@ -138,6 +171,26 @@ class StoreLocation:
         if self.is_local:
             return pafs.LocalFileSystem()
         return pafs.PyFileSystem(pafs.FSSpecHandler(self.fs))
+
+
+_ASYNC_FILESYSTEMS: list[Any] = []
+
+
+@atexit.register
+def _close_async_filesystems() -> None:
+    """Close the HTTP sessions of zarr's async filesystems (else aiohttp warns at exit)."""
+    if not _ASYNC_FILESYSTEMS:
+        return
+    from zarr.core.sync import sync
+
+    for afs in _ASYNC_FILESYSTEMS:
+        creator = getattr(afs, "_s3creator", None)
+        if creator is not None:
+            try:
+                sync(creator.__aexit__(None, None, None))
+            except Exception:
+                pass
+    _ASYNC_FILESYSTEMS.clear()
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -175,7 +228,7 @@ def _object_store_error(loc: StoreLocation, e: BaseException) -> ActstoreError |
     chain = {cls.__name__ for x in _causes(e) for cls in type(x).__mro__}
     bucket = loc.root.split("/", 1)[0]
     if isinstance(e, FileNotFoundError):
-        if "bucket" in text.lower():
+        if "NoSuchBucket" in chain or "bucket does not exist" in text.lower():
             return StoreNotFoundError(f"{loc.url}: bucket {bucket!r} does not exist at {loc.endpoint}")
         return None
     if isinstance(e, PermissionError) or any(n in ("NoCredentialsError", "PartialCredentialsError") for n in chain):

@@ -41,7 +41,7 @@ def connect(store: Store) -> duckdb.DuckDBPyConnection:
             paths = ", ".join("'" + loc.path(f).replace("'", "''") + "'" for f in files)
             con.execute(f"CREATE VIEW {view} AS SELECT * FROM read_parquet([{paths}], union_by_name=true)")
         else:
-            con.register(f"__arrow_{name}", store.table(name))
+            con.register(f"__arrow_{name}", store.table(name, files=files))
             con.execute(f"CREATE VIEW {view} AS SELECT * FROM {_quote('__arrow_' + name)}")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")

@@ -56,6 +56,7 @@ class Store:
         self.manifest = Manifest.from_json(location.read_bytes("manifest.json"), location.url)
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
         self._verified: set[str] = set()  # table shards whose SHA-256 matched their commit marker
+        self._tables: dict[str, pa.Table] = {}  # table files read so far (immutable once visible)
         self.commits: dict[int, SegmentCommit] = {}
         self.refresh()
 
@@ -165,9 +166,10 @@ class Store:
             out[name] = [f"tables/{name}/{f}" for f in files]
         return out
 
-    def table(self, name: str, columns: list[str] | None = None) -> pa.Table:
-        """A whole table as Arrow (for small tables and tests; use :meth:`sql` for selections)."""
-        files = self.table_files().get(name)
+    def table(self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None) -> pa.Table:
+        """A whole table as Arrow (for small tables and tests; use :meth:`sql` for selections).
+        ``files``: the table's files when already listed by :meth:`table_files`."""
+        files = self.table_files().get(name) if files is None else files
         if files is None:
             raise QueryError(f"{self.url}: no table {name!r}")
         parts = [self._read_table_file(f, columns) for f in files]
@@ -180,11 +182,15 @@ class Store:
         return pa.concat_tables(parts, promote_options="default")
 
     def _read_table_file(self, rel: str, columns: list[str] | None) -> pa.Table:
-        data = self._table_bytes(rel)
-        try:
-            return pq.read_table(pa.BufferReader(data), columns=columns)
-        except Exception as e:
-            raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})") from None
+        cached = self._tables.get(rel)  # files never change once visible: read each one once
+        if cached is None:
+            data = self._table_bytes(rel)
+            try:
+                cached = pq.read_table(pa.BufferReader(data))
+            except Exception as e:
+                raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})") from None
+            self._tables[rel] = cached
+        return cached.select(columns) if columns else cached
 
     def _table_bytes(self, rel: str) -> bytes:
         """A table file's bytes; a segment shard must match the SHA-256 in its commit marker."""

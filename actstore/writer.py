@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import zarr
 
 from actstore.arrays import create_array
 from actstore.errors import StoreExistsError, StoreMismatchError
@@ -65,10 +64,10 @@ class StoreWriter:
             raise StoreExistsError(f"{loc.url} exists and is not an empty directory; refusing to write there")
         loc.makedirs("")
         loc.write_bytes_atomic(CREATING, b"")
-        group = zarr.open_group(store=loc.zarr_store("weights", read_only=False), mode="w")
-        group.attrs.update(dict(weight_attrs))
-        for name, value in weights.items():
-            create_array(group, name, np.ascontiguousarray(value, dtype=np.float32), max(1, value.shape[0]), logical_dtype="float32")
+        with loc.zarr_group_writer("weights") as group:
+            group.attrs.update(dict(weight_attrs))
+            for name, value in weights.items():
+                create_array(group, name, np.ascontiguousarray(value, dtype=np.float32), max(1, value.shape[0]), logical_dtype="float32", compress=False)
         g = manifest.geometry
         heads = pa.table(
             {
@@ -92,9 +91,16 @@ class StoreWriter:
         new = json.loads(manifest.to_json())
         diffs = [k for k in RESUME_KEYS if old.get(k) != new.get(k)]
         if diffs:
+            detail = ""
+            if "model" in diffs:
+                was, now = old["model"].get("weight_hash", "?"), new["model"].get("weight_hash", "?")
+                detail = f" (store: {old['model'].get('name')} weights {str(was)[:12]}, given: " \
+                         f"{new['model'].get('name')} weights {str(now)[:12]})"
             raise StoreMismatchError(
-                f"cannot resume {store.url}: the store was written with different {', '.join(diffs)}"
+                f"cannot resume {store.url}: the store was written with different {', '.join(diffs)}{detail}"
             )
+        if store.location.exists(CREATING):  # killed between writing the manifest and removing the flag
+            store.location.fs.rm(store.location.path(CREATING))
         return cls(store.location, store.manifest)
 
     def committed(self) -> set[int]:
@@ -114,11 +120,11 @@ class StoreWriter:
             raise ValueError(f"segment {seg}: missing arrays/tables {sorted(missing)}")
         rel = f"segments/{segment_name(seg)}"
         self.location.remove_tree(rel)  # leftovers of a killed attempt
-        group = zarr.open_group(store=self.location.zarr_store(rel, read_only=False), mode="w")
-        for name in SEGMENT_ARRAYS:
-            data = np.ascontiguousarray(arrays[name])
-            chunk = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
-            create_array(group, name, data, chunk, logical_dtype=m.storage_dtype)
+        with self.location.zarr_group_writer(rel) as group:
+            for name in SEGMENT_ARRAYS:
+                data = np.ascontiguousarray(arrays[name])
+                chunk = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
+                create_array(group, name, data, chunk, logical_dtype=m.storage_dtype)
         digests: dict[str, str] = {}
         for name in SEGMENT_TABLES:
             data_bytes = to_parquet_bytes(tables[name])

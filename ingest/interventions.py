@@ -205,10 +205,9 @@ class InterventionRunner:
                        position_ids=batch.position_ids, use_cache=False)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # after the final norm
         last = hidden[batch.index.target_b, batch.index.target_pos]
-        head: Any = self.model.get_output_embeddings()
-        logits = head(last).float()
-        softcap = getattr(getattr(self.model.config, "get_text_config", lambda: self.model.config)(),
-                          "final_logit_softcapping", None)
+        model: Any = self.model
+        logits = model.get_output_embeddings()(last).float()
+        softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         logp = torch.log_softmax(logits, dim=-1)
@@ -250,12 +249,11 @@ class InterventionRunner:
         view = x.view(x.shape[0], x.shape[1], self.geometry.n_heads, -1) if key[0] == "head" else x
         for e in edits:
             iv = e.iv
+            idx: tuple[Any, ...] = (e.row, e.positions)
             if key[0] == "head":
                 hs = torch.as_tensor(iv.heads if iv.heads is not None else range(self.geometry.n_heads),
                                      device=x.device)
                 idx = (e.row, e.positions[:, None], hs[None, :])
-            else:
-                idx = (e.row, e.positions)
             cur = view[idx]
             view[idx] = _apply_op(iv, cur)
         if key in self._record:

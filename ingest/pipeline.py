@@ -29,6 +29,7 @@ from actstore.writer import StoreWriter
 from ingest.architectures import Architecture, architecture_for
 from ingest.batches import pad_batch
 from ingest.capture import FusedCapture
+from ingest.distributed import rank_zero_first
 from ingest.records import TokenizedPrompt
 
 ARRAY_NAMES = ("z", "attn", "v", "resid", "mlp")
@@ -63,6 +64,8 @@ class IngestConfig:
             raise ValueError(f"segment size {self.segment_size} must be a multiple of --batch-size {self.batch_size}")
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"padding side must be left or right, not {self.padding_side!r}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0..world_size-1 (world_size {self.world_size})")
 
 
 @dataclass
@@ -110,8 +113,27 @@ def _host(t: torch.Tensor) -> np.ndarray:
     """One device-to-host copy; bfloat16 travels as its uint16 bits."""
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-        return t.cpu().numpy().view(np.uint16)
+        return _host(t).view(np.uint16)
     return t.cpu().numpy()
+
+
+def to_host(tensors: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Copy a batch's captured arrays to host memory.
+
+    On CUDA every array goes into a freshly pinned buffer with a non-blocking copy, and the
+    stream is synchronised once for the whole batch; on the CPU the tensors already live in
+    host memory and are only viewed as numpy.
+    """
+    if not any(tensors[n].is_cuda for n in names):
+        return {n: _host(tensors[n]) for n in names}
+    pinned: dict[str, torch.Tensor] = {}
+    for n in names:
+        src = tensors[n].view(torch.int16) if tensors[n].dtype == torch.bfloat16 else tensors[n]
+        buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        buf.copy_(src, non_blocking=True)
+        pinned[n] = buf
+    torch.cuda.current_stream().synchronize()
+    return {n: (b.numpy().view(np.uint16) if tensors[n].dtype == torch.bfloat16 else b.numpy()) for n, b in pinned.items()}
 
 
 def run_ingest(
@@ -131,11 +153,13 @@ def run_ingest(
     manifest = build_manifest(model, arch, model_info, prompts, cfg)
     if cfg.resume:
         writer = StoreWriter.resume(cfg.out, manifest)
-    elif cfg.rank == 0:
-        weights, attrs = arch.weights(model)
-        writer = StoreWriter.create(cfg.out, manifest, weights, attrs, overwrite=cfg.overwrite)
-    else:
-        writer = StoreWriter.resume(cfg.out, manifest)
+    else:  # rank 0 creates the store; other ranks wait for it (ingest.distributed)
+        def create() -> StoreWriter:
+            weights, attrs = arch.weights(model)
+            return StoreWriter.create(cfg.out, manifest, weights, attrs, overwrite=cfg.overwrite)
+
+        writer = rank_zero_first(create, lambda: StoreWriter.resume(cfg.out, manifest), cfg.rank,
+                                 cfg.world_size, cfg.out)
     done = writer.committed()
     mine = [s for s in range(manifest.n_segments) if s % cfg.world_size == cfg.rank]
     todo = [s for s in mine if s not in done]
@@ -157,8 +181,8 @@ def run_ingest(
                 batch = pad_batch(chunk, pad_id, cfg.padding_side, device)
                 t0 = time.perf_counter()
                 out = capture.run(batch.input_ids, batch.attention_mask, batch.index, batch.position_ids)
-                for name in ARRAY_NAMES:
-                    parts[name].append(_host(out[name]))
+                for name, host in to_host(out, ARRAY_NAMES).items():
+                    parts[name].append(host)
                 top, lp, rank = _predictions(out["logits"], object_ids[lo + b0: lo + b0 + len(chunk)])
                 parts["top"].append(top)
                 parts["obj_lp"].append(lp)

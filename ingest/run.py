@@ -16,6 +16,7 @@ from actstore.fs import locate
 from actstore.writer import creation_interrupted
 from ingest.align import tokenize_records
 from ingest.datasets import load_dataset
+from ingest.distributed import barrier, join_process_group
 from ingest.pipeline import IngestConfig, IngestReport, run_ingest
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -56,13 +57,24 @@ def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing)
     skipped = sum(sum(v.values()) for v in data.skipped.values())
     log(f"dataset {req.dataset}: {len(data.records)} prompts in {len(data.kept)} relations ({skipped} skipped)")
     loc = locate(req.out)
-    if loc.exists("manifest.json") and not (req.resume or req.overwrite) and req.rank == 0:
+    loc.probe()  # a wrong S3 endpoint, credentials or bucket fails here, before the model loads
+    grouped = join_process_group(req.rank, req.world_size)
+    exists = loc.exists("manifest.json")
+    if grouped:
+        barrier()  # every rank has looked before rank 0 can create the store
+    if exists and not (req.resume or req.overwrite) and (req.rank == 0 or grouped):
         raise StoreExistsError(f"{loc.url} already holds a store (use --resume to continue it, or --overwrite)")
     if req.resume and not loc.exists("manifest.json"):
         if not creation_interrupted(loc.url):
             raise FileNotFoundError(f"--resume: no store at {loc.url} to resume")
         req = replace(req, resume=False)  # killed while creating: nothing was committed, start afresh
+    if req.batch_size < 1 or req.segment_size < 1:
+        raise ValueError(f"--batch-size ({req.batch_size}) and --segment-size ({req.segment_size}) must be positive")
     segment = req.segment_size - req.segment_size % req.batch_size or req.batch_size
+    if not req.progress:  # --quiet: no "Loading weights" bar from transformers either
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     loaded = load_model(req.model, device=req.device, dtype=MODEL_DTYPES[req.model_dtype])
     max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(loaded.model.config, "n_positions", None)
     prompts = tokenize_records(data.records, loaded.tokenizer, max_length=max_len)

@@ -34,7 +34,14 @@ import pyarrow as pa
 import torch
 
 from actstore.store import Store
-from query.maps import DEFAULT_K, IMPLEMENTS_THRESHOLD, MapsError, VocabProjection, projected_ranks, store_pairs
+from query.maps import (
+    DEFAULT_K,
+    IMPLEMENTS_THRESHOLD,
+    MapsError,
+    VocabProjection,
+    projected_ranks,
+    store_pairs,
+)
 from query.selection import Selection
 
 

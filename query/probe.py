@@ -18,11 +18,12 @@ one-episode trainer (``nn.Linear`` + ``torch.optim.Adam``) the tests compare aga
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from query.episodes import EpisodeSet, sample_seeds
 from query.features import FeatureSpec
 from query.relspec import gather_standardized, select_features
 
+TRAIN_BATCH = 8  # episodes per training call: their inputs stay in cache across the epochs
 PROBE_KINDS = ("attn_head", "attn", "attn_entity", "mlp", "mlp_group", "resid", "z")
 
 
@@ -108,22 +110,58 @@ def load_features(store: Store, kind: str, *, where: str | None = None, example_
 
 
 # ----------------------------------------------------------------------------------- training
-def train_batched(xs: torch.Tensor, y: torch.Tensor, n_classes: int, *, epochs: int = 200,
-                  lr: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+def train_batched(xs: torch.Tensor, y: torch.Tensor, n_classes: int, *, epochs: int = 200, lr: float = 1e-3,
+                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """Train B independent probes at once: ``xs`` [B, S, F], labels ``y`` [S] (shared) or [B, S].
-    Returns W [B, F, C] and b [B, C]."""
+    Returns W [B, F, C] and b [B, C].
+
+    Full-batch gradient steps of each episode's mean cross-entropy, computed by hand (softmax
+    minus one-hot, no autograd graph) and applied with Adam's update (no weight decay): two
+    batched matmuls and one fused optimizer kernel per step."""
     B, S, F = xs.shape
-    W = torch.zeros((B, F, n_classes), requires_grad=True)
-    b = torch.zeros((B, n_classes), requires_grad=True)
-    yy = (y.expand(B, S) if y.dim() == 1 else y).reshape(-1)
-    opt = torch.optim.Adam([W, b], lr=lr)
+    C = n_classes
+    onehot = torch.nn.functional.one_hot(y.expand(B, S) if y.dim() == 1 else y, C).to(xs.dtype)
+    Wt = torch.zeros((B, C, F))  # [B, C, F]: the fastest layout for both matmuls with small C
+    b = torch.zeros((B, C))
+    params, grads = [Wt, b], [torch.empty_like(Wt), torch.empty_like(b)]
+    adam = _Adam(params, lr, betas, eps)
     for _ in range(epochs):
-        opt.zero_grad(set_to_none=False)
-        logits = torch.baddbmm(b[:, None, :], xs, W)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(B * S, n_classes), yy, reduction="sum") / S
-        loss.backward()
-        opt.step()
-    return W.detach(), b.detach()
+        logits = torch.baddbmm(b[:, None, :], xs, Wt.transpose(1, 2))
+        g = torch.softmax(logits, -1).sub_(onehot).div_(S)  # d(mean cross-entropy)/d(logits)
+        torch.bmm(g.transpose(1, 2), xs, out=grads[0])
+        torch.sum(g, 1, out=grads[1])
+        adam.step(grads)
+    return Wt.transpose(1, 2), b
+
+
+class _Adam:
+    """Adam (the update of ``torch.optim.Adam``, no weight decay) on plain tensors.  Uses the
+    fused kernel that ``torch.optim.Adam(fused=True)`` runs, without constructing a
+    ``torch.optim`` optimizer (whose first construction imports torch._dynamo: seconds)."""
+
+    use_fused = True  # the tests switch it off to check the plain path
+
+    def __init__(self, params: list[torch.Tensor], lr: float, betas: tuple[float, float], eps: float) -> None:
+        self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in params]
+        self.fused = self.use_fused and hasattr(torch, "_fused_adam_")
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        b1, b2 = self.betas
+        for t in self.steps:
+            t += 1
+        if self.fused:
+            torch._fused_adam_(self.params, grads, self.m, self.v, [], self.steps, amsgrad=False, lr=self.lr,
+                               beta1=b1, beta2=b2, weight_decay=0.0, eps=self.eps, maximize=False)
+            return
+        n = float(self.steps[0])
+        bc1, bc2 = 1 - b1**n, 1 - b2**n
+        for p, g, m, v in zip(self.params, grads, self.m, self.v):
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            p.addcdiv_(m, v.sqrt().div_(bc2**0.5).add_(self.eps), value=-self.lr / bc1)
 
 
 def train_reference(xs: torch.Tensor, y: torch.Tensor, n_classes: int, *, epochs: int = 200,
@@ -159,6 +197,7 @@ class ProbeConfig:
     feature_dtype: str = "float32"
     token_scores: str = "errors"  # none | errors | all (kinds with per-source factors only)
     memory_mb: int = 1024
+    threads: int = 1  # torch CPU threads during the run; 0 = leave torch's setting
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -215,15 +254,36 @@ class ProbeOutput:
 
 
 def _chunk_size(n_way: int, k_shot: int, queries: int, n_features: int, top_k: int, memory_mb: int) -> int:
+    """Episodes per chunk so that selection ([B, S, F] support rows plus [B, n, F] statistics)
+    and the gathered, standardised [B, S + Q, Fm] inputs stay within ``memory_mb``."""
     S, Q = n_way * k_shot, n_way * queries
     fm = n_way * min(top_k, n_features)
-    per_episode = max(4 * n_features * (2 * S + n_way), 4 * fm * (S + Q) * 4)
-    return int(max(1, min(128, memory_mb * 2**20 // per_episode)))
+    per_episode = 4 * n_features * (S + 4 * n_way) + 4 * fm * (2 * S + Q + 5 * n_way)
+    return int(max(1, min(64, memory_mb * 2**20 // per_episode)))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Temporarily use ``n`` torch CPU threads (0: unchanged).  The probe's many small ops run
+    much faster on one thread than on several when the cores are shared with other work."""
+    old = torch.get_num_threads()
+    if n > 0:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def run_probe(store: Store, cfg: ProbeConfig, *, features: FeatureMatrix | None = None,
               episodes: EpisodeSet | None = None, progress: bool = False, run_id: str | None = None) -> ProbeOutput:
     """Sample episodes, select features, train and evaluate the probes, attribute predictions."""
+    with torch_threads(cfg.threads):
+        return _run_probe(store, cfg, features, episodes, progress, run_id)
+
+
+def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, episodes: EpisodeSet | None,
+               progress: bool, run_id: str | None) -> ProbeOutput:
     started = time.time()
     fm = features or load_features(store, cfg.kind, where=cfg.where, layers=cfg.layers, heads=cfg.heads,
                                    groups=cfg.groups, dtype=cfg.feature_dtype)
@@ -263,8 +323,10 @@ def run_probe(store: Store, cfg: ProbeConfig, *, features: FeatureMatrix | None 
         sel = select_features(fm.data[sup].to(torch.float32), n, k, cfg.top_k)
         xs = gather_standardized(fm.data, sup, sel)
         xq = gather_standardized(fm.data, qry, sel)
-        W, b = train_batched(xs, ysup, n, epochs=cfg.epochs, lr=cfg.lr)
-        del xs
+        parts = [train_batched(xs[i:i + TRAIN_BATCH], ysup, n, epochs=cfg.epochs, lr=cfg.lr)
+                 for i in range(0, hi - lo, TRAIN_BATCH)]
+        W, b = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        del xs, parts
         logits = torch.baddbmm(b[:, None, :], xq, W)  # [B, Q, C]
         probs = torch.softmax(logits, -1)
         pred = probs.argmax(-1)
@@ -338,7 +400,7 @@ def probe_tables(out: ProbeOutput) -> dict[str, pa.Table]:
     pred_idx = np.take_along_axis(ep.classes, out.pred, 1)
     lo, hi = out.ci95
     runs = pa.table({
-        "run_id": [rid], "kind": [c.kind], "where": [c.where], "layers": [_ints(c.layers)], "heads": [_ints(c.heads)],
+        "run_id": [rid], "kind": [c.kind], "selection": [c.where], "layers": [_ints(c.layers)], "heads": [_ints(c.heads)],
         "groups": pa.array([c.groups], pa.int32()), "n_way": [c.n_way], "k_shot": [c.k_shot], "queries": [c.queries],
         "episodes": [len(ep)], "seeds": [_ints(c.seeds)], "top_k": [c.top_k], "epochs": [c.epochs], "lr": [c.lr],
         "rows": [int(out.example_ids.size)], "relations": [len(ep.relations)],
@@ -363,13 +425,14 @@ def probe_tables(out: ProbeOutput) -> dict[str, pa.Table]:
     metrics = metrics.add_column(0, "run_id", pa.array([rid] * metrics.num_rows))
     metrics = metrics.append_column("relation_name", pa.array([out.relation_names.get(r) for r in
                                                                metrics.column("relation_id").to_pylist()]))
-    R, U = out.hs_sum.shape
-    n = np.maximum(out.hs_n, 1)[:, None]
+    seen = np.flatnonzero(out.hs_n > 0)  # relations with at least one query prediction
+    R, U = seen.size, out.hs_sum.shape[1]
+    n = out.hs_n[seen][:, None]
     heads = pa.table({
-        "run_id": [rid] * (R * U), "relation_id": np.repeat(rel, U),
+        "run_id": [rid] * (R * U), "relation_id": np.repeat(rel[seen], U),
         "layer": np.tile(out.unit_layer, R), "head": np.tile(out.unit_head, R),
-        "score": (out.hs_sum / n).reshape(-1), "abs_score": (out.hs_abs / n).reshape(-1),
-        "n": np.repeat(out.hs_n.astype(np.int64), U),
+        "score": (out.hs_sum[seen] / n).reshape(-1), "abs_score": (out.hs_abs[seen] / n).reshape(-1),
+        "n": np.repeat(out.hs_n[seen].astype(np.int64), U),
     })
     tables = {"probe_runs": runs, "probe_episodes": episodes, "probe_predictions": predictions,
               "relation_metrics": metrics, "head_scores": heads}

@@ -1,0 +1,247 @@
+"""``actstore maps`` (static scores and salient operations, weights only) and ``actstore
+maps-dynamic`` (scores from stored head outputs, and their correlation with the static ones).
+
+Both write their results as store tables (one file per run) unless ``--no-write``:
+
+    maps_scores       relation, layer, head, kv_head, score, suppression, implements, suppresses, k, ...
+    maps_relations    per relation: pairs used, multi-token and unknown counts, heads implementing R
+    maps_salient      layer, head, rank, token, sigma, mapped_tokens
+    maps_dynamic      relation, template, layer, head, static_score, dyn_w_context, dyn_wo_context, ...
+    maps_correlation  per relation: Pearson r (and p) static vs dynamic, with and without context
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import click
+import numpy as np
+import pyarrow as pa
+
+from actstore.cli import friendly
+from query.maps import DEFAULT_K, IMPLEMENTS_THRESHOLD
+
+
+def new_run_id(kind: str) -> str:
+    return f"{kind}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def write_run(store: Any, run_id: str, kind: str, started: float, config: dict[str, Any]) -> None:
+    """A row in the store's ``runs`` table describing this analysis run."""
+    import actstore
+    from actstore.writer import write_result_table
+
+    write_result_table(store, "runs", run_id, pa.table({
+        "run_id": [run_id], "kind": [kind], "started": [started], "finished": [time.time()],
+        "segments_written": [0], "rank": [0], "world_size": [1],
+        "config": [json.dumps(config, sort_keys=True, default=str)], "code_version": [actstore.__version__],
+    }))
+
+
+def with_run_id(table: pa.Table, run_id: str) -> pa.Table:
+    """``table`` with a leading ``run_id`` column, so runs can be told apart in SQL."""
+    return table.add_column(0, "run_id", pa.array([run_id] * table.num_rows, pa.string()))
+
+
+def _check_k(k: int, threshold: float) -> None:
+    if k < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--k")
+    if not 0.0 <= threshold <= 1.0:
+        raise click.BadParameter("must be between 0 and 1", param_hint="--threshold")
+
+
+def _top(scores: np.ndarray, n: int = 3) -> str:
+    H = scores.shape[1]
+    flat = np.argsort(-scores.ravel(), kind="stable")[:n]
+    return " ".join(f"{i // H}.{i % H}={scores.ravel()[i]:.2f}" for i in flat)
+
+
+# ----------------------------------------------------------------------------------- maps
+
+
+@click.command("maps")
+@click.argument("store")
+@click.option("--pairs", "pair_paths", multiple=True, required=True,
+              help="MAPS pair file ([[source, target], ...]) or a directory of them; repeatable.")
+@click.option("--relations", default=None, help="Comma-separated relation names (file stems) to keep.")
+@click.option("--k", type=int, default=DEFAULT_K, show_default=True, help="Top-k of a source's row that counts as a hit.")
+@click.option("--threshold", type=float, default=IMPLEMENTS_THRESHOLD, show_default=True,
+              help="A head implements R when its score is at least this.")
+@click.option("--multi-token", type=click.Choice(["first", "skip"]), default="first", show_default=True,
+              help="Words of several tokens: use the first token, or skip the pair (the paper's filter).")
+@click.option("--no-final-norm", is_flag=True, help="Read heads through the raw unembedding (the paper's code) "
+              "instead of the final norm's weight times it.")
+@click.option("--tokenizer", default=None, help="Tokenizer folder or name (default: the store's model).")
+@click.option("--salient-heads", default="all", show_default=True,
+              help="Heads for salient operations: all, none, or LAYER.HEAD list (12.3,7.*).")
+@click.option("--salient-tokens", type=int, default=10, show_default=True, help="Salient tokens per head (by sigma).")
+@click.option("--mappings", type=int, default=5, show_default=True, help="Top mapped tokens per salient token.")
+@click.option("--heatmaps", "heatmap_dir", default=None, help="Write a layer x head PNG per relation here.")
+@click.option("--no-write", is_flag=True, help="Do not write result tables into the store.")
+@click.option("--json", "as_json", is_flag=True, help="Print per-relation results as JSON.")
+@friendly
+def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int, threshold: float, multi_token: str,
+         no_final_norm: bool, tokenizer: str | None, salient_heads: str, salient_tokens: int, mappings: int,
+         heatmap_dir: str | None, no_write: bool, as_json: bool) -> None:
+    """Static MAPS scores of every head for each relation in --pairs, from STORE's weights alone."""
+    import actstore
+    from actstore.writer import write_result_table
+    from query.maps import (
+        VocabProjection,
+        load_pair_files,
+        parse_heads,
+        relation_summary,
+        salient_operations,
+        salient_table,
+        scores_table,
+        static_scores,
+        token_decoder,
+        tokenize_pairs,
+    )
+    from query.store_tokenizer import tokenizer_for_store
+
+    _check_k(k, threshold)
+    started = time.time()
+    s = actstore.open(store)
+    g = s.geometry
+    wanted = [r.strip() for r in relations.split(",") if r.strip()] if relations else None
+    rels = load_pair_files(list(pair_paths), wanted)
+    want_salient = salient_heads.strip().lower() != "none"
+    sal_heads = parse_heads(salient_heads, g.n_layers, g.n_heads) if want_salient else None
+    tok = tokenizer_for_store(s, tokenizer)
+    tokenized = [tokenize_pairs(r, tok, vocab_size=g.vocab_size, multi_token=multi_token) for r in rels]  # type: ignore[arg-type]
+    proj = VocabProjection(s, final_norm=not no_final_norm)
+    scores = static_scores(proj, tokenized)
+    summaries = [relation_summary(name, sc, k, threshold) for name, sc in scores.items()]
+    run_id = new_run_id("maps")
+    written: list[str] = []
+    figures: list[str] = []
+    ops = salient_operations(proj, sal_heads, n_tokens=salient_tokens, n_mappings=mappings,
+                             vocab_limit=len(tok)) if want_salient else []
+    decode = token_decoder(tok)
+    if not no_write:
+        tables = {"maps_scores": scores_table(scores, k, threshold, g.kv_group),
+                  "maps_relations": pa.Table.from_pylist(summaries)}
+        if ops:
+            tables["maps_salient"] = salient_table(ops, decode)
+        for name, table in tables.items():
+            written.append(write_result_table(s, name, run_id, with_run_id(table, run_id)))
+        write_run(s, run_id, "maps", started, {"pairs": list(pair_paths), "relations": wanted, "k": k,
+                                               "threshold": threshold, "multi_token": multi_token,
+                                               "final_norm": not no_final_norm, "tokenizer": tokenizer})
+    if heatmap_dir:
+        from query.maps_figures import head_heatmap, safe_name
+
+        for name, sc in scores.items():
+            figures.append(str(head_heatmap(sc.score(k), f"{heatmap_dir}/maps_{safe_name(name)}.png",
+                                            f"MAPS static score, {name} (k={k})", vmax=1.0, threshold=threshold)))
+            figures.append(str(head_heatmap(sc.suppression(k), f"{heatmap_dir}/maps_{safe_name(name)}_suppression.png",
+                                            f"MAPS suppression score, {name} (k={k})", vmax=1.0, threshold=threshold)))
+    if as_json:
+        out_rel = []
+        for summ in summaries:
+            sc = scores[summ["relation"]]
+            phi, sup = sc.score(k), sc.suppression(k)
+            heads = [{"relation": summ["relation"], "layer": layer, "head": h, "score": float(phi[layer, h]),
+                      "suppression": float(sup[layer, h])} for layer in range(g.n_layers) for h in range(g.n_heads)]
+            out_rel.append({**summ, "heads": heads})
+        salient = [{"layer": op.layer, "head": op.head, "tokens": [
+            {"token": t, "token_id": int(i), "sigma": float(sg), "mapped": decode([int(x) for x in m])}
+            for i, t, sg, m in zip(op.token_ids.tolist(), decode(op.token_ids.tolist()), op.sigma.tolist(), op.mapped_ids)]}
+            for op in ops]
+        click.echo(json.dumps({"store": s.url, "run_id": run_id, "k": k, "threshold": threshold,
+                               "final_norm": not no_final_norm, "multi_token": multi_token, "relations": out_rel,
+                               "salient": salient, "tables": written, "heatmaps": figures}))
+        return
+    click.echo(f"MAPS static scores, k={k}, threshold={threshold}, {g.n_layers}x{g.n_heads} heads, run {run_id}")
+    click.echo(f"{'relation':<40} {'pairs':>11} {'multi':>5} {'impl':>4} {'supp':>4}  best heads")
+    for summ in summaries:
+        sc = scores[summ["relation"]]
+        click.echo(f"{summ['relation']:<40} {summ['n_used']:>5}/{summ['n_pairs']:<5} {summ['n_multi_token']:>5} "
+                   f"{summ['n_implementing']:>4} {summ['n_suppressing']:>4}  {_top(sc.score(k))}")
+    if ops:
+        click.echo(f"salient operations for {len(ops)} heads (table maps_salient)" if not no_write else
+                   f"salient operations for {len(ops)} heads")
+    for f in written:
+        click.echo(f"wrote {f}")
+
+
+# ----------------------------------------------------------------------------------- maps-dynamic
+
+
+@click.command("maps-dynamic")
+@click.argument("store")
+@click.option("--where", default=None, help="SQL predicate over examples, e.g. \"source = 'maps'\".")
+@click.option("--relations", default=None, help="Comma-separated relation ids.")
+@click.option("--k", type=int, default=DEFAULT_K, show_default=True)
+@click.option("--threshold", type=float, default=IMPLEMENTS_THRESHOLD, show_default=True)
+@click.option("--source-token", type=click.Choice(["first", "last"]), default="first", show_default=True,
+              help="Which subject token is the static source and the no-context attention target.")
+@click.option("--no-final-norm", is_flag=True, help="Raw unembedding instead of final norm weight times it.")
+@click.option("--heatmaps", "heatmap_dir", default=None, help="Write static and dynamic heatmaps here.")
+@click.option("--no-write", is_flag=True, help="Do not write result tables into the store.")
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, threshold: float, source_token: str,
+                 no_final_norm: bool, heatmap_dir: str | None, no_write: bool, as_json: bool) -> None:
+    """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
+    import actstore
+    from actstore.writer import write_result_table
+    from query.maps_dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
+
+    _check_k(k, threshold)
+    started = time.time()
+    s = actstore.open(store)
+    wanted = [r.strip() for r in relations.split(",") if r.strip()] if relations else None
+    ranks = dynamic_ranks(s, where=where, relations=wanted, source_token=source_token,  # type: ignore[arg-type]
+                          final_norm=not no_final_norm)
+    summaries = [correlation_summary(d, k, threshold) for d in ranks.values()]
+    run_id = new_run_id("maps-dynamic")
+    written: list[str] = []
+    figures: list[str] = []
+    if not no_write:
+        heads_t = pa.concat_tables([head_table(d, k) for d in ranks.values()])
+        written.append(write_result_table(s, "maps_dynamic", run_id, with_run_id(heads_t, run_id)))
+        written.append(write_result_table(s, "maps_correlation", run_id,
+                                          with_run_id(correlation_table(summaries), run_id)))
+        write_run(s, run_id, "maps-dynamic", started, {"where": where, "relations": wanted, "k": k,
+                                                       "source_token": source_token, "final_norm": not no_final_norm})
+    if heatmap_dir:
+        from query.maps_figures import head_heatmap, safe_name
+
+        for name, d in ranks.items():
+            for key, arr in (("static", d.static_up), ("dynamic_w_context", d.w_up), ("dynamic_wo_context", d.wo_up)):
+                figures.append(str(head_heatmap(d.per_template(arr, k).mean(0),
+                                                f"{heatmap_dir}/maps_{key}_{safe_name(name)}.png",
+                                                f"{key.replace('_', ' ')}, {name} (k={k})", vmax=1.0,
+                                                threshold=threshold)))
+    if as_json:
+        out = []
+        for summ in summaries:
+            d = ranks[summ["relation"]]
+            st, w, o = (d.per_template(a, k).mean(0) for a in (d.static_up, d.w_up, d.wo_up))
+            L, H = st.shape
+            heads = [{"relation": d.relation, "layer": layer, "head": h, "static": float(st[layer, h]),
+                      "dyn_w_context": float(w[layer, h]), "dyn_wo_context": float(o[layer, h])}
+                     for layer in range(L) for h in range(H)]
+            out.append({**_nan_to_none(summ), "templates": d.templates, "heads": heads})
+        click.echo(json.dumps({"store": s.url, "run_id": run_id, "k": k, "final_norm": not no_final_norm,
+                               "source_token": source_token, "relations": out, "tables": written,
+                               "heatmaps": figures}))
+        return
+    click.echo(f"MAPS static vs dynamic (Pearson over heads x templates), k={k}, run {run_id}")
+    click.echo(f"{'relation':<40} {'prompts':>7} {'tmpl':>4} {'r w/o ctx':>9} {'r w/ ctx':>9} "
+               f"{'supp w/o':>8} {'supp w/':>8} {'impl s/wo/w':>12}")
+    for m in summaries:
+        click.echo(f"{m['relation']:<40} {m['n_prompts']:>7} {m['n_templates']:>4} {m['corr_wo_context']:>9.3f} "
+                   f"{m['corr_w_context']:>9.3f} {m['supp_corr_wo_context']:>8.3f} {m['supp_corr_w_context']:>8.3f} "
+                   f"{m['n_implementing_static']:>4}/{m['n_implementing_wo_context']}/{m['n_implementing_w_context']}")
+    for f in written:
+        click.echo(f"wrote {f}")
+
+
+def _nan_to_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}

@@ -1,0 +1,205 @@
+"""Corpus-wide feature statistics, computed block by block, optionally on a Dask cluster.
+
+A selection's target rows are split into blocks (one segment, or ``rows_per_task`` rows of it,
+so every task reads whole zarr chunks).  Each task opens the store by URL in its own process,
+computes the block's features (:func:`query.features.compute_block`) and reduces them to
+per-group moments: count, mean and the sum of squared deviations (float64).  The driver merges
+the blocks' moments in block order (Chan et al.'s pairwise update), so the result does not
+depend on which worker ran what: with a ``dask.distributed.Client`` it is bitwise the result
+of ``client=None``, which runs the same tasks in this process.
+
+    from dask.distributed import Client, LocalCluster
+    client = Client(LocalCluster(n_workers=8, threads_per_worker=1))
+    m = feature_moments("s3://bucket/store", "attn_head", layers=[10], client=client)
+    d = relation_scores("s3://bucket/store", "attn_head", layers=[10], client=client)
+
+Workers read the store themselves: a local path must be visible to every worker (a shared
+filesystem), an ``s3://`` store needs the AWS variables in the workers' environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from actstore.errors import QueryError
+from actstore.store import Store, open_store
+from query.features import FeatureSpec, RowBlock, compute_block
+from query.selection import Selection
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Per-feature count, mean and sum of squared deviations (``m2``) over a set of rows."""
+
+    count: int
+    mean: np.ndarray  # float64, the shape of one row's features
+    m2: np.ndarray  # float64, sum over rows of (x - mean)^2
+
+    @property
+    def var(self) -> np.ndarray:
+        """Population variance (divide by n); ``m2 / (count - 1)`` gives the sample variance."""
+        return self.m2 / self.count if self.count else np.full_like(self.m2, np.nan)
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(self.var)
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> Moments:
+        """Moments of the rows of ``x`` [n, ...]."""
+        x64 = x.astype(np.float64, copy=False)
+        mean = x64.mean(0) if len(x64) else np.zeros(x.shape[1:])
+        return cls(len(x), mean, np.square(x64 - mean).sum(0))
+
+    def merge(self, other: Moments) -> Moments:
+        """The moments of the union of both row sets (Chan, Golub and LeVeque's update)."""
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        n = self.count + other.count
+        delta = other.mean - self.mean
+        mean = self.mean + delta * (other.count / n)
+        m2 = self.m2 + other.m2 + np.square(delta) * (self.count * other.count / n)
+        return Moments(n, mean, m2)
+
+
+# Stores opened by this process (a Dask worker keeps them between tasks).
+_OPEN: dict[str, Store] = {}
+
+
+def _store(url: str) -> Store:
+    if url not in _OPEN:
+        _OPEN[url] = open_store(url)
+    return _OPEN[url]
+
+
+def block_moments(url: str, kind: str, layers: tuple[int, ...] | None, heads: tuple[int, ...] | None,
+                  groups: int | None, block: RowBlock, labels: np.ndarray) -> dict[str, Moments]:
+    """One task: the features of ``block`` reduced to moments per label (``labels`` [n] str)."""
+    store = _store(url)
+    spec = FeatureSpec.parse(store, kind, layers, heads, groups)
+    x = compute_block(store, spec, block)  # [n, ...] float32
+    return {str(g): Moments.of(x[labels == g]) for g in np.unique(labels)}
+
+
+def feature_moments(
+    store: str | Store,
+    kind: str,
+    *,
+    where: str | None = None,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    groups: int | None = None,
+    by: str | None = None,
+    client: Any = None,
+    rows_per_task: int | None = None,
+) -> Any:
+    """Per-feature moments of ``kind`` over the rows ``where`` selects.
+
+    ``by``: a column (or expression) of ``examples`` to group by, e.g. ``"relation_id"``; the
+    result is then a dict ``{group: Moments}`` (groups as strings, sorted), else one
+    :class:`Moments`.  ``client``: a ``dask.distributed.Client``; ``None`` computes here.
+    ``rows_per_task``: split segments into tasks of at most this many rows (rounded to whole
+    chunks); default one task per segment.
+    """
+    st = store if isinstance(store, Store) else open_store(store)
+    FeatureSpec.parse(st, kind, layers, heads, groups)  # fail on the driver, not in every task
+    sel = Selection.from_sql(st, where=where)
+    if len(sel) == 0:
+        raise QueryError("the selection is empty")
+    label_of = _labels(st, sel, by)
+    step = None
+    if rows_per_task:
+        chunk = st.manifest.chunk_rows
+        step = max(chunk, rows_per_task // chunk * chunk)
+    tasks = [(block, label_of[ids]) for ids, block in sel.blocks(step)]
+    args = (st.url, kind, _tuple(layers), _tuple(heads), groups)
+    if client is None:
+        parts = [block_moments(*args, block, labels) for block, labels in tasks]
+    else:
+        futures = client.map(block_moments, *zip(*[(*args, b, lab) for b, lab in tasks]), pure=False)
+        parts = client.gather(futures)
+    merged: dict[str, Moments] = {}
+    for part in parts:  # block order: the same float operations whoever computed the blocks
+        for g, m in part.items():
+            merged[g] = merged[g].merge(m) if g in merged else m
+    if by is None:
+        return merged["all"]
+    return dict(sorted(merged.items()))
+
+
+def relation_scores(
+    store: str | Store,
+    kind: str,
+    *,
+    where: str | None = None,
+    by: str = "relation_id",
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    groups: int | None = None,
+    client: Any = None,
+    rows_per_task: int | None = None,
+) -> tuple[list[str], np.ndarray]:
+    """RelSpec scores over whole relations: Cohen's d of each group against all other rows.
+
+    The definition of :mod:`query.relspec` (pooled within-group variance over ``N - 2``
+    degrees of freedom, floored at ``POOLED_EPS`` times the feature's variance), applied to
+    every selected row instead of an episode's support set.  Returns the groups and ``d``
+    [n_groups, *feature shape].
+    """
+    from query.relspec import POOLED_EPS
+
+    by_group: dict[str, Moments] = feature_moments(store, kind, where=where, layers=layers, heads=heads,
+                                                   groups=groups, by=by, client=client,
+                                                   rows_per_task=rows_per_task)
+    names = list(by_group)
+    if len(names) < 2:
+        raise QueryError(f"relation scores need at least two groups of {by}, got {len(names)}")
+    total = Moments(0, np.zeros(()), np.zeros(()))
+    for g in names:
+        total = total.merge(by_group[g])
+    scores = []
+    for g in names:
+        c = by_group[g]
+        rest_n = total.count - c.count
+        rest_mean = (total.mean * total.count - c.mean * c.count) / rest_n
+        # m2 of the rest: remove c from the total (the inverse of Moments.merge).
+        rest_m2 = total.m2 - c.m2 - np.square(c.mean - rest_mean) * (c.count * rest_n / total.count)
+        pooled = np.maximum(c.m2 + np.maximum(rest_m2, 0), 0) / max(total.count - 2, 1)
+        floor = POOLED_EPS * total.var + 1e-30  # relative to each feature's own variance, as in relspec
+        scores.append((c.mean - rest_mean) / np.sqrt(pooled + floor))
+    return names, np.stack(scores)
+
+
+def _tuple(xs: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if xs is None else tuple(int(x) for x in xs)
+
+
+def _labels(store: Store, sel: Selection, by: str | None) -> Any:
+    """An array mapping each selected row (in selection order) to its group label."""
+    if by is None:
+        return _Const("all")
+    table = store.sql(f"SELECT example_id, CAST(({by}) AS VARCHAR) AS g FROM examples")
+    lookup = dict(zip(table.column("example_id").to_pylist(), table.column("g").to_pylist()))
+    return _Lookup({int(i): str(lookup.get(int(i))) for i in sel.example_ids})
+
+
+class _Const:
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray:
+        return np.full(len(ids), self.value, dtype=object)
+
+
+class _Lookup:
+    def __init__(self, mapping: dict[int, str]) -> None:
+        self.mapping = mapping
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray:
+        return np.array([self.mapping[int(i)] for i in ids], dtype=object)

@@ -1,0 +1,157 @@
+"""Lexical shortcut analysis of probe errors (SPEC section 5, seed 000; our definitions).
+
+Lexical association: every relation of the run's selection is one document, the bag of its
+instances' prompt tokens (the store's tokens, stripped and lower-cased; tokens without a
+letter or digit are ignored), and TF-IDF over these documents (scikit-learn) gives
+``assoc[c, term]``.  The *lexical cues* of class c are its ``n_cues`` highest-weighted terms.
+
+For each probe error (a query predicted as c_hat != gold) with TokenScore s_j over the
+prompt's tokens (summed over layers; stored by ``actstore probe`` in ``token_scores``):
+
+- ``rho``: Spearman correlation over the prompt's tokens between s_j and assoc[c_hat, token_j]
+  (NaN when either is constant); reported as the mean over errors;
+- ``mass``: sum of |s_j| over tokens that are cues of c_hat, divided by sum of |s_j|;
+  ``mass_baseline`` is the share of the prompt's tokens that are cues (the mass a uniform
+  TokenScore would put on them);
+- ``strong_align``: whether the token with the highest s_j is a cue of c_hat;
+  StrongAlign-x is the share of errors where it is.
+
+These numbers depend on ``n_cues`` and on the tokenizer, so they are comparable across runs of
+this tool, not directly with the paper's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from actstore.errors import QueryError
+from actstore.store import Store
+from query.attribution import run_row, sql_quote
+
+
+def normalize(token: str | None) -> str | None:
+    t = (token or "").strip().lower()
+    return t if any(ch.isalnum() for ch in t) else None
+
+
+@dataclass(frozen=True)
+class LexicalModel:
+    relations: tuple[str, ...]
+    vocab: dict[str, int]
+    weights: np.ndarray  # [R, V] TF-IDF weight of each term in each relation's document
+    n_cues: int
+
+    def cues(self, relation: str) -> set[str]:
+        r = self.relations.index(relation)
+        row = self.weights[r]
+        top = np.argsort(-row, kind="stable")[: self.n_cues]
+        inv = {i: t for t, i in self.vocab.items()}
+        return {inv[int(i)] for i in top if row[i] > 0}
+
+    def assoc(self, relation: str, terms: list[str | None]) -> np.ndarray:
+        row = self.weights[self.relations.index(relation)]
+        return np.asarray([row[self.vocab[t]] if t is not None and t in self.vocab else 0.0 for t in terms])
+
+
+def lexical_model(store: Store, where: str | None, n_cues: int = 20) -> LexicalModel:
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    if n_cues < 1:
+        raise QueryError("--cues must be at least 1")
+    cond = where if where and where.strip() else "TRUE"
+    rows = store.sql(f"SELECT e.relation_id, list(t.token ORDER BY t.position) AS toks FROM examples e "
+                     f"JOIN tokens t USING (example_id) WHERE e.example_id IN (SELECT example_id FROM examples "
+                     f"WHERE {cond}) GROUP BY e.example_id, e.relation_id").to_pylist()
+    docs: dict[str, list[str]] = {}
+    for r in rows:
+        docs.setdefault(r["relation_id"], []).extend(t for t in map(normalize, r["toks"]) if t is not None)
+    relations = tuple(sorted(docs))
+    vec = TfidfVectorizer(analyzer=lambda d: d, lowercase=False)
+    X = vec.fit_transform([docs[r] for r in relations]).toarray()
+    return LexicalModel(relations, {t: int(i) for t, i in vec.vocabulary_.items()}, X, n_cues)
+
+
+@dataclass(frozen=True)
+class ShortcutResult:
+    run_id: str
+    errors: pa.Table  # one row per error
+    summary: pa.Table  # one row
+
+
+def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> ShortcutResult:
+    """Spearman rho, Mass and StrongAlign-x over the run's stored error TokenScores."""
+    from scipy import stats
+
+    cfg = json.loads(str(run_row(store, run_id)["config"]))
+    if "token_scores" not in store.table_files():
+        raise QueryError(f"run {run_id} has no token scores (probe an attention kind with --token-scores errors)")
+    ts = store.sql(f"SELECT seed, episode, example_id, relation_id, predicted, scores FROM token_scores "
+                   f"WHERE run_id = '{sql_quote(run_id)}' AND relation_id <> predicted").to_pylist()
+    if not ts:
+        raise QueryError(f"run {run_id} has no stored error token scores "
+                         f"(kind {cfg.get('kind')!r}, token scores {cfg.get('token_scores')!r})")
+    lex = lexical_model(store, cfg.get("where"), n_cues)
+    ids = sorted({int(r["example_id"]) for r in ts})
+    toks = store.sql("SELECT example_id, list(token ORDER BY position) AS toks FROM tokens WHERE example_id IN "
+                     f"({', '.join(map(str, ids))}) GROUP BY 1").to_pylist()
+    tokens = {int(r["example_id"]): [normalize(t) for t in r["toks"]] for r in toks}
+    cue_sets = {r: lex.cues(r) for r in lex.relations}
+    out = []
+    for r in ts:
+        s = np.asarray(r["scores"], dtype=np.float64)
+        terms = tokens[int(r["example_id"])][: s.size]
+        a = lex.assoc(r["predicted"], terms)
+        is_cue = np.asarray([t in cue_sets[r["predicted"]] for t in terms])
+        rho = float(stats.spearmanr(s, a).statistic) if np.ptp(s) > 0 and np.ptp(a) > 0 else float("nan")
+        mag = np.abs(s).sum()
+        top = int(np.argmax(s))
+        out.append({"run_id": run_id, "seed": r["seed"], "episode": r["episode"], "example_id": r["example_id"],
+                    "relation_id": r["relation_id"], "predicted": r["predicted"], "rho": rho,
+                    "mass": float(np.abs(s[is_cue]).sum() / mag) if mag > 0 else float("nan"),
+                    "mass_baseline": float(is_cue.mean()), "strong_align": bool(is_cue[top]),
+                    "top_token": terms[top], "top_position": top})
+    errors = pa.Table.from_pylist(out)
+    rhos = np.asarray([x["rho"] for x in out])
+    mass = np.asarray([x["mass"] for x in out])
+    summary = pa.table({
+        "run_id": [run_id], "n_errors": [len(out)], "n_cues": [n_cues],
+        "spearman_rho": [float(np.nanmean(rhos)) if np.isfinite(rhos).any() else float("nan")],
+        "mass": [float(np.nanmean(mass)) if np.isfinite(mass).any() else float("nan")],
+        "mass_baseline": [float(np.mean([x["mass_baseline"] for x in out]))],
+        "strong_align": [float(np.mean([x["strong_align"] for x in out]))],
+    })
+    return ShortcutResult(run_id, errors, summary)
+
+
+def shortcut_figure(result: ShortcutResult, path: str | os.PathLike[str]) -> str:
+    """Three panels: per-error rho, Mass against its baseline, StrongAlign-x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    e = result.errors.to_pylist()
+    s = result.summary.to_pylist()[0]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    rho = [x["rho"] for x in e if np.isfinite(x["rho"])]
+    axes[0].hist(rho, bins=20, range=(-1, 1))
+    axes[0].axvline(s["spearman_rho"], color="k", ls="--")
+    axes[0].set_title(f"Spearman rho per error (mean {s['spearman_rho']:.3f})", fontsize=9)
+    axes[1].hist([x["mass"] for x in e if np.isfinite(x["mass"])], bins=20, range=(0, 1), alpha=0.7, label="mass")
+    axes[1].hist([x["mass_baseline"] for x in e], bins=20, range=(0, 1), alpha=0.5, label="baseline")
+    axes[1].legend(fontsize=8)
+    axes[1].set_title(f"TokenScore mass on cues (mean {s['mass']:.3f}, baseline {s['mass_baseline']:.3f})", fontsize=9)
+    axes[2].bar(["aligned", "not aligned"], [s["strong_align"], 1 - s["strong_align"]])
+    axes[2].set_title(f"StrongAlign-x {100 * s['strong_align']:.1f}% of {s['n_errors']} errors", fontsize=9)
+    fig.tight_layout()
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return os.fspath(path)

@@ -1,0 +1,246 @@
+"""MAPS: static scores against a brute-force computation from the model's own weights, dynamic
+scores against plain forward hooks, the ablation experiment, the command line and bad input.
+
+Pairs are the MAPS authors' files in ../shared/data/maps/datasets (read in place)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import actstore
+from actstore.cli import main
+from ingest.models import tiny_model
+from query.maps import (
+    VocabProjection,
+    load_pair_files,
+    salient_operations,
+    static_scores,
+    store_pairs,
+    tokenize_pairs,
+)
+from query.maps_dynamic import correlation_summary, dynamic_ranks
+from query.store_tokenizer import tokenizer_for_store
+
+MAPS_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "maps" / "datasets"
+RELS = ("country_to_capital_wikidata", "adj_antonym")
+
+pytestmark = pytest.mark.skipif(not MAPS_DATA.is_dir(), reason="MAPS pair files not available")
+
+
+@pytest.fixture(scope="module")
+def maps_store(store_factory: Callable[..., Path]) -> Path:
+    return store_factory("llama", dataset=f"maps:{MAPS_DATA}", template="This is a document about {}",
+                         relations=RELS, limit=12)
+
+
+# ----------------------------------------------------------------------------------- brute force
+
+
+def full_maps(model: Any, layer: int, head: int, final_norm: bool) -> torch.Tensor:
+    """M = E W_V W_O U for the whole (tiny) vocabulary, float64, from the model's modules."""
+    cfg = model.config
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    attn = model.model.layers[layer].self_attn
+    Wv = attn.v_proj.weight.double()  # [Hkv*dh, d]  (nn.Linear: out x in)
+    Wo = attn.o_proj.weight.double()  # [d, H*dh]
+    kv = head // (H // Hkv)
+    W_vo = Wv[kv * dh:(kv + 1) * dh].T @ Wo[:, head * dh:(head + 1) * dh].T  # [d, d]
+    E = model.model.embed_tokens.weight.double()
+    U = model.lm_head.weight.double()  # [V, d]
+    if final_norm:
+        w = model.model.norm.weight.double()
+        if "Gemma" in type(model.model.norm).__name__:
+            w = 1.0 + w
+        U = U * w
+    return E @ W_vo @ U.T
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_static_scores_equal_brute_force(arch: str, final_norm: bool, store_factory: Callable[..., Path]) -> None:
+    store = actstore.open(store_factory(arch, limit=1))
+    model = tiny_model(arch).model
+    tok = tokenizer_for_store(store)
+    rels = load_pair_files([MAPS_DATA], list(RELS))
+    pairs = [tokenize_pairs(r, tok, vocab_size=store.geometry.vocab_size) for r in rels]
+    assert pairs[0].n_multi_token > 0  # the tiny vocabulary splits most names: first tokens stand in
+    scores = static_scores(VocabProjection(store, final_norm=final_norm), pairs)
+    g = store.geometry
+    for layer, head in [(0, 0), (g.n_layers - 1, 1), (1, g.n_heads - 1)]:
+        M = full_maps(model, layer, head, final_norm)
+        for p in pairs:
+            s = scores[p.relation]
+            for k in (1, 10):
+                top = torch.topk(M[torch.from_numpy(p.src)], k, dim=1).indices
+                phi = (top == torch.from_numpy(p.dst)[:, None]).any(1).double().mean().item()
+                bot = torch.topk(-M[torch.from_numpy(p.src)], k, dim=1).indices
+                sup = (bot == torch.from_numpy(p.dst)[:, None]).any(1).double().mean().item()
+                assert s.score(k)[layer, head] == pytest.approx(phi, abs=1e-12), (p.relation, layer, head, k)
+                assert s.suppression(k)[layer, head] == pytest.approx(sup, abs=1e-12)
+
+
+def test_salient_operations_equal_brute_force(store_factory: Callable[..., Path]) -> None:
+    store = actstore.open(store_factory("llama", limit=1))
+    model = tiny_model("llama").model
+    V = len(tokenizer_for_store(store))
+    ops = salient_operations(VocabProjection(store), [(1, 2)], n_tokens=5, n_mappings=3, vocab_limit=V)
+    attn = model.model.layers[1].self_attn
+    dh = 16
+    W_vo = attn.v_proj.weight.double()[1 * dh:2 * dh].T @ attn.o_proj.weight.double()[:, 2 * dh:3 * dh].T
+    E = model.model.embed_tokens.weight.double()[:V]
+    sigma = ((E @ W_vo).norm(dim=1) / E.norm(dim=1)).nan_to_num(0.0)  # the padding row is all zeros
+    top = torch.topk(sigma, 5).indices
+    assert ops[0].token_ids.tolist() == top.tolist()
+    np.testing.assert_allclose(ops[0].sigma, sigma[top].numpy(), rtol=1e-4)
+    M = full_maps(model, 1, 2, True)
+    assert ops[0].mapped_ids.tolist() == torch.topk(M[top], 3, dim=1).indices.tolist()
+
+
+# ----------------------------------------------------------------------------------- dynamic
+
+
+def test_dynamic_ranks_equal_forward_hooks(maps_store: Path) -> None:
+    """From the store alone == from hooks on a fresh forward pass of each prompt."""
+    store = actstore.open(maps_store)
+    ranks = dynamic_ranks(store)
+    assert set(ranks) == set(RELS)
+    model = tiny_model("llama").model
+    g = store.geometry
+    pairs = store_pairs(store).to_pylist()
+    ids = store.sql("SELECT example_id, list(token_id ORDER BY position) AS ids FROM tokens GROUP BY 1")
+    token_ids = dict(zip(ids.column("example_id").to_pylist(), ids.column("ids").to_pylist()))
+    seen: dict[str, torch.Tensor] = {}
+    layer = g.n_layers - 1
+    attn = model.model.layers[layer].self_attn
+    h1 = attn.o_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("z", a[0]))
+    h2 = attn.v_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("v", o))
+    U = model.lm_head.weight.double() * model.model.norm.weight.double()
+    try:
+        for p in pairs[:6]:
+            with torch.no_grad():
+                model(input_ids=torch.tensor([token_ids[p["example_id"]]]))
+            d = ranks[p["relation_id"]]
+            i = int(np.flatnonzero(d.example_ids == p["example_id"])[0])
+            for head in range(g.n_heads):
+                Wo = attn.o_proj.weight.double()[:, head * 16:(head + 1) * 16]
+                z = seen["z"][0, -1, head * 16:(head + 1) * 16].double()
+                row = (z @ Wo.T) @ U.T
+                kv = head // g.kv_group
+                v = seen["v"][0, p["src_position"], kv * 16:(kv + 1) * 16].double()
+                row_wo = (v @ Wo.T) @ U.T
+                assert abs(int((row > row[p["dst_id"]]).sum()) - int(d.w_up[i, layer, head])) <= 1
+                assert abs(int((row_wo > row_wo[p["dst_id"]]).sum()) - int(d.wo_up[i, layer, head])) <= 1
+    finally:
+        h1.remove()
+        h2.remove()
+    summary = correlation_summary(ranks[RELS[0]], k=10)
+    assert summary["n_prompts"] == 12 and summary["n_templates"] == 1
+
+
+def test_dynamic_groups_templates(tmp_path: Path) -> None:
+    from tests.conftest import build_store
+
+    data = json.loads((MAPS_DATA / RELS[0] / f"{RELS[0]}.json").read_text())[:4]
+    lines = []
+    for t in ("No {} means no", "The story of {} contains"):
+        for s, o in data:
+            lines.append({"text": t.format(s), "subject": s, "object": o, "relation_id": RELS[0], "template": t})
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines))
+    store = actstore.open(build_store(tmp_path / "s", dataset=f"jsonl:{f}", limit=20))
+    d = dynamic_ranks(store)[RELS[0]]
+    assert d.templates == sorted({"No {} means no", "The story of {} contains"})
+    assert np.bincount(d.group).tolist() == [4, 4]
+    # The static score only depends on the pair: identical across the two templates.
+    st = d.per_template(d.static_up, 10)
+    np.testing.assert_array_equal(st[0], st[1])
+
+
+# ----------------------------------------------------------------------------------- ablation
+
+
+def test_ablation_experiment(maps_store: Path) -> None:
+    from ingest.interventions import InterventionRunner
+    from ingest.maps_ablation import AblationConfig, run_ablation
+
+    store = actstore.open(maps_store)
+    runner = InterventionRunner(tiny_model("llama").model)
+    res = run_ablation(runner, store, AblationConfig(RELS[0], k=50, top_m=3, random_draws=2))
+    m = res.summary
+    # The runner reproduces the greedy predictions recorded at ingest.
+    assert m["base"] == pytest.approx(m["store_base"])
+    conditions = [r["condition"] for r in res.rows]
+    assert conditions[:2] == ["none", "relation_heads"] and conditions.count("random_heads") == 2
+    assert all(r["n_heads"] == len(res.heads) for r in res.rows if r["condition"] == "random_heads")
+    random_heads = {h for r in res.rows if r["condition"] == "random_heads" for h in r["heads"].split(",")}
+    assert not random_heads & {f"{a}.{b}" for a, b in res.heads}
+    explicit = run_ablation(runner, store, AblationConfig(RELS[0], heads=((0, 0), (1, 3)), controls=(RELS[1],),
+                                                         random_draws=0, mode="mean"))
+    assert explicit.summary["n_heads"] == 2 and explicit.summary["controls"][0]["relation"] == RELS[1]
+
+
+# ----------------------------------------------------------------------------------- command line
+
+
+def test_cli_maps_json_and_tables(maps_store: Path, tmp_path: Path) -> None:
+    r = CliRunner().invoke(main, ["maps", str(maps_store), "--pairs", str(MAPS_DATA), "--relations", ",".join(RELS),
+                                  "--salient-heads", "1.*", "--heatmaps", str(tmp_path / "fig"), "--json"])
+    assert r.exit_code == 0, r.output + str(r.stderr)
+    out = json.loads(r.stdout)
+    assert {x["relation"] for x in out["relations"]} == set(RELS)
+    rel = out["relations"][0]
+    assert {"relation", "layer", "head", "score", "suppression"} <= set(rel["heads"][0])
+    assert len(rel["heads"]) == 2 * 4 and rel["n_multi_token"] > 0
+    assert len(out["salient"]) == 4 and len(out["salient"][0]["tokens"][0]["mapped"]) == 5
+    assert all(Path(p).is_file() for p in out["heatmaps"])
+    s = actstore.open(maps_store)
+    n = s.sql(f"SELECT count(*) AS n FROM maps_scores WHERE run_id = '{out['run_id']}'").column("n")[0].as_py()
+    assert n == 2 * 8
+    r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--json", "--no-write"])
+    assert r.exit_code == 0, r.output + str(r.stderr)
+    dyn = json.loads(r.stdout)
+    assert {x["relation"] for x in dyn["relations"]} == set(RELS)
+    assert "corr_w_context" in dyn["relations"][0] and len(dyn["relations"][0]["heads"]) == 8
+
+
+def test_cli_ablate_json(maps_store: Path) -> None:
+    r = CliRunner().invoke(main, ["ablate", "--model", "tiny-llama", "--store", str(maps_store), "--relation", RELS[0],
+                                  "--heads", "1.0,1.1", "--random-draws", "1", "--no-controls", "--json", "--quiet"])
+    assert r.exit_code == 0, r.output + str(r.stderr)
+    out = json.loads(r.stdout)
+    assert out["relations"][0]["n_heads"] == 2 and len(out["rows"]) == 3
+
+
+@pytest.mark.parametrize("case", ["not_pairs", "unknown_words", "head_out_of_range", "ablate_head", "no_relation"])
+def test_bad_input_is_one_line(case: str, maps_store: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    store = str(maps_store)
+    if case == "not_pairs":
+        bad.write_text(json.dumps({"France": "Paris"}))
+        args = ["maps", store, "--pairs", str(bad)]
+    elif case == "unknown_words":
+        bad.write_text(json.dumps([["", " "], [" ", ""]]))
+        args = ["maps", store, "--pairs", str(bad)]
+    elif case == "head_out_of_range":
+        args = ["maps", store, "--pairs", str(MAPS_DATA / RELS[1]), "--salient-heads", "7.2"]
+    elif case == "ablate_head":
+        args = ["ablate", "--model", "tiny-llama", "--store", store, "--relation", RELS[0], "--heads", "0.9"]
+    else:
+        args = ["ablate", "--model", "tiny-llama", "--store", store, "--relation", "no_such_relation"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    expect = {"not_pairs": "list of [source, target]",
+              "unknown_words": "none of its 2 pairs", "head_out_of_range": "out of range",
+              "ablate_head": "out of range", "no_relation": "no prompts"}[case]
+    assert expect in lines[0]
