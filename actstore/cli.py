@@ -158,7 +158,9 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
 
     rank, world = ranks_from_env()  # set by torchrun: each rank ingests every world-th segment
     if device == "cuda" and world > 1 and os.environ.get("LOCAL_RANK", "").isdigit():
-        device = f"cuda:{os.environ['LOCAL_RANK']}"  # one GPU per rank on each node
+        import torch  # one GPU per rank on each node (ranks share GPUs when there are fewer)
+
+        device = f"cuda:{int(os.environ['LOCAL_RANK']) % max(1, torch.cuda.device_count())}"
     req = IngestRequest(
         model=model_name, dataset=dataset_spec,
         relations=[r.strip() for r in relations.split(",") if r.strip()] if relations else None,

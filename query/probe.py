@@ -232,6 +232,7 @@ class ProbeOutput:
     token_rows: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     started: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def accuracy(self) -> float:
@@ -250,7 +251,8 @@ class ProbeOutput:
                 "episodes": len(self.episodes), "seeds": list(c.seeds), "accuracy": round(self.accuracy, 6),
                 "ci95": [round(lo, 6), round(hi, 6)], "rows": int(self.example_ids.size),
                 "relations": len(self.episodes.relations), "mean_selected_features": float(self.n_selected.mean()),
-                "seconds": round(self.seconds, 2)}
+                "seconds": round(self.seconds, 2),
+                "timings": {k: round(v, 2) for k, v in self.timings.items()}}
 
 
 def _chunk_size(n_way: int, k_shot: int, queries: int, n_features: int, top_k: int, memory_mb: int) -> int:
@@ -285,6 +287,7 @@ def run_probe(store: Store, cfg: ProbeConfig, *, features: FeatureMatrix | None 
 def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, episodes: EpisodeSet | None,
                progress: bool, run_id: str | None) -> ProbeOutput:
     started = time.time()
+    clock = _Clock()
     fm = features or load_features(store, cfg.kind, where=cfg.where, layers=cfg.layers, heads=cfg.heads,
                                    groups=cfg.groups, dtype=cfg.feature_dtype)
     if cfg.top_k < 1 or cfg.epochs < 1 or cfg.lr <= 0:
@@ -320,13 +323,17 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         hi = min(E, lo + B)
         sup = torch.from_numpy(ep.support[lo:hi])
         qry = torch.from_numpy(ep.query[lo:hi])
+        clock.lap("features")
         sel = select_features(fm.data[sup].to(torch.float32), n, k, cfg.top_k)
+        clock.lap("select")
         xs = gather_standardized(fm.data, sup, sel)
         xq = gather_standardized(fm.data, qry, sel)
+        clock.lap("gather")
         parts = [train_batched(xs[i:i + TRAIN_BATCH], ysup, n, epochs=cfg.epochs, lr=cfg.lr)
                  for i in range(0, hi - lo, TRAIN_BATCH)]
         W, b = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         del xs, parts
+        clock.lap("train")
         logits = torch.baddbmm(b[:, None, :], xq, W)  # [B, Q, C]
         probs = torch.softmax(logits, -1)
         pred = probs.argmax(-1)
@@ -343,6 +350,7 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         hs_sum.index_add_(0, gold, hs_flat)
         hs_abs.index_add_(0, gold, hs_flat.abs())
         hs_n.index_add_(0, gold, torch.ones(gold.numel(), dtype=torch.float64))
+        clock.lap("headscore")
         if geo is not None:
             pick = (pred != yq[None]) if cfg.token_scores == "errors" else torch.ones_like(pred, dtype=torch.bool)
             where = pick.nonzero()
@@ -357,10 +365,12 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
             if sum(x[2].numel() * 4 for x in pending) > pending_limit:
                 token_rows += _flush_tokens(store, geo, pending, fm, ep, pred_all, total_all)
                 pending = []
+            clock.lap("tokenscore")
         bar.update(hi - lo)
     bar.close()
     if geo is not None and pending:
         token_rows += _flush_tokens(store, geo, pending, fm, ep, pred_all, total_all)
+        clock.lap("tokenscore")
     names = {r["relation_id"]: r["relation_name"] for r in
              store.sql("SELECT relation_id, any_value(relation_name) AS relation_name FROM examples "
                        "GROUP BY 1").to_pylist()}
@@ -369,7 +379,20 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         episodes=ep, example_ids=fm.example_ids, labels=fm.labels, relation_names=names,
         unit_layer=unit_layer, unit_head=unit_head, episode_accuracy=acc, n_selected=n_sel, pred=pred_all,
         prob=prob_all, head_total=total_all, hs_sum=hs_sum.numpy(), hs_abs=hs_abs.numpy(), hs_n=hs_n.numpy(),
-        token_rows=token_rows, seconds=time.time() - started, started=started)
+        token_rows=token_rows, seconds=time.time() - started, started=started, timings=clock.laps)
+
+
+class _Clock:
+    """Wall seconds per phase (features, select, gather, train, headscore, tokenscore)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def _per_layer(unit_values: torch.Tensor, n_layers: int) -> torch.Tensor:

@@ -2,8 +2,11 @@
 
 Lexical association: every relation of the run's selection is one document, the bag of its
 instances' prompt tokens (the store's tokens, stripped and lower-cased; tokens without a
-letter or digit are ignored), and TF-IDF over these documents (scikit-learn) gives
-``assoc[c, term]``.  The *lexical cues* of class c are its ``n_cues`` highest-weighted terms.
+letter or digit are ignored), and TF-IDF over these documents gives ``assoc[c, term]`` =
+(count / document length) * ln(R / document frequency), counts from scikit-learn's
+``CountVectorizer``.  The idf is unsmoothed on purpose: a term found in every relation's
+document (``the``, ``of``) has association 0 and cannot be a cue.  The *lexical cues* of
+class c are its ``n_cues`` highest-weighted terms (with positive weight).
 
 For each probe error (a query predicted as c_hat != gold) with TokenScore s_j over the
 prompt's tokens (summed over layers; stored by ``actstore probe`` in ``token_scores``):
@@ -59,7 +62,7 @@ class LexicalModel:
 
 
 def lexical_model(store: Store, where: str | None, n_cues: int = 20) -> LexicalModel:
-    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.feature_extraction.text import CountVectorizer
 
     if n_cues < 1:
         raise QueryError("--cues must be at least 1")
@@ -71,9 +74,11 @@ def lexical_model(store: Store, where: str | None, n_cues: int = 20) -> LexicalM
     for r in rows:
         docs.setdefault(r["relation_id"], []).extend(t for t in map(normalize, r["toks"]) if t is not None)
     relations = tuple(sorted(docs))
-    vec = TfidfVectorizer(analyzer=lambda d: d, lowercase=False)
-    X = vec.fit_transform([docs[r] for r in relations]).toarray()
-    return LexicalModel(relations, {t: int(i) for t, i in vec.vocabulary_.items()}, X, n_cues)
+    vec = CountVectorizer(analyzer=lambda d: d, lowercase=False)
+    counts = vec.fit_transform([docs[r] for r in relations]).toarray().astype(np.float64)  # [R, V]
+    tf = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    idf = np.log(len(relations) / np.maximum((counts > 0).sum(0), 1))  # 0 for terms in every document
+    return LexicalModel(relations, {t: int(i) for t, i in vec.vocabulary_.items()}, tf * idf, n_cues)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,248 @@
+"""The analyses ``actstore demo`` runs after its ingest, then the HTML report.
+
+    summary = run_demo_analyses(store, out="demo-out", episodes=100, step=print)
+    summary["report"]                                    # demo-out/report.html
+
+Each step imports its analysis module when it runs; a module that is not built (or a step that
+fails) is skipped with a note in the summary, so the demo always ends with a report.  The
+settings are kept modest so that ingest plus analyses finish in a few minutes on two CPU
+cores: one seed of ``episodes`` 5-way 5-shot episodes per probe, TokenScores for every query
+prediction of the ``attn_head`` probe, static MAPS scores for every relation of the store (one
+pass over the heads serves all relations) and dynamic MAPS scores for two of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actstore.store import Store
+
+Step = Callable[[str], None]
+
+
+@dataclass
+class DemoLog:
+    """What ran, how long it took, and what was skipped and why."""
+
+    step: Step
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, name: str, title: str, modules: tuple[str, ...], fn: Callable[[], Any]) -> Any:
+        missing = [m for m in modules if not _importable(m)]
+        if missing:
+            self.notes.append(f"{name}: skipped ({', '.join(missing)} not built)")
+            self.step(f"{title}: skipped ({', '.join(missing)} not built)")
+            return None
+        self.step(title)
+        started = time.time()
+        try:
+            out = fn()
+        except Exception as e:  # a failing analysis must not cost the user the rest of the demo
+            self.notes.append(f"{name}: failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+            _echo(f"    skipped: {type(e).__name__}: {e}")
+            return None
+        finally:
+            self.timings[name] = round(time.time() - started, 1)
+        if out is not None:
+            self.results[name] = out
+        return out
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module.startswith(e.name):
+            return False
+        raise
+    return True
+
+
+def _echo(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------- steps
+def probe_step(store: Store, kind: str, episodes: int, token_scores: str) -> dict[str, Any]:
+    from query.probe import ProbeConfig, run_probe, write_probe_tables
+
+    cfg = ProbeConfig(kind=kind, n_way=5, k_shot=5, queries=5, episodes=episodes, seeds=(0,),
+                      token_scores=token_scores, threads=1)
+    out = run_probe(store, cfg, progress=True)
+    write_probe_tables(store, out)
+    lo, hi = out.ci95
+    _echo(f"    {kind} 5-way 5-shot: accuracy {100 * out.accuracy:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}) "
+          f"over {len(out.episodes)} episodes in {out.seconds:.0f}s")
+    return {"run_id": out.run_id, "accuracy": round(out.accuracy, 4), "ci95": [round(lo, 4), round(hi, 4)]}
+
+
+def predictors_step(store: Store, run_id: str) -> dict[str, Any]:
+    from actstore.writer import write_result_table
+    from query.predictors import relation_predictors
+
+    res = relation_predictors(store, run_id)
+    write_result_table(store, "relation_predictors", run_id, res.relations)
+    write_result_table(store, "correlations", run_id, res.correlations)
+    return {r["predictor"]: r["spearman_rho"] for r in res.correlations.to_pylist()}
+
+
+def shortcuts_step(store: Store, run_id: str) -> dict[str, Any]:
+    from actstore.writer import write_result_table
+    from query.shortcuts import shortcut_analysis
+
+    res = shortcut_analysis(store, run_id)
+    write_result_table(store, "shortcut_errors", run_id, res.errors)
+    write_result_table(store, "shortcut_summary", run_id, res.summary)
+    return dict(res.summary.to_pylist()[0])
+
+
+def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[Any]:
+    """Each relation's distinct (subject's first token, object's first token) pairs, from the
+    store's own prompts (no tokenizer needed): the MAPS pairs of the demo corpus."""
+    from query.maps import TokenPairs, store_pairs
+
+    t = store_pairs(store)
+    rel = np.asarray(t.column("relation_id").to_pylist())
+    src, dst = t.column("src_id").to_numpy(), t.column("dst_id").to_numpy()
+    out = []
+    for name in sorted(set(rel.tolist())):
+        if relations is not None and name not in relations:
+            continue
+        m = rel == name
+        pairs = np.unique(np.stack([src[m], dst[m]], axis=1), axis=0)
+        out.append(TokenPairs(name, pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64),
+                              int(pairs.shape[0]), 0, 0))
+    return out
+
+
+def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15) -> dict[str, Any]:
+    import pyarrow as pa
+
+    from actstore.writer import write_result_table
+    from query.cli_maps import new_run_id, with_run_id, write_run
+    from query.maps import relation_summary, scores_table, static_scores
+
+    started = time.time()
+    pairs = store_token_pairs(store)
+    scores = static_scores(proj, pairs)
+    summaries = [relation_summary(name, sc, k, threshold) for name, sc in scores.items()]
+    run_id = new_run_id("maps")
+    write_result_table(store, "maps_scores", run_id,
+                       with_run_id(scores_table(scores, k, threshold, store.geometry.kv_group), run_id))
+    write_result_table(store, "maps_relations", run_id, with_run_id(pa.Table.from_pylist(summaries), run_id))
+    write_run(store, run_id, "maps", started, {"pairs": "store prompts", "k": k, "threshold": threshold})
+    for s in summaries:
+        _echo(f"    {s['relation']:<22} {s['n_used']:>3} pairs, {s['n_implementing']:>3} heads implement it, "
+              f"best {s['best_layer']}.{s['best_head']} (phi={s['max_score']:.2f})")
+    return {"run_id": run_id, "relations": {s["relation"]: s["n_implementing"] for s in summaries}}
+
+
+def maps_dynamic_step(store: Store, proj: Any, relations: list[str], k: int = 10) -> dict[str, Any]:
+    import pyarrow as pa
+
+    from actstore.writer import write_result_table
+    from query.cli_maps import new_run_id, with_run_id, write_run
+    from query.maps_dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
+
+    started = time.time()
+    ranks = dynamic_ranks(store, relations=relations, proj=proj)
+    summaries = [correlation_summary(d, k) for d in ranks.values()]
+    run_id = new_run_id("maps-dynamic")
+    write_result_table(store, "maps_dynamic", run_id,
+                       with_run_id(pa.concat_tables([head_table(d, k) for d in ranks.values()]), run_id))
+    write_result_table(store, "maps_correlation", run_id, with_run_id(correlation_table(summaries), run_id))
+    write_run(store, run_id, "maps-dynamic", started, {"relations": relations, "k": k})
+    for s in summaries:
+        _echo(f"    {s['relation']:<22} static vs dynamic r = {s['corr_wo_context']:.2f} (no context), "
+              f"{s['corr_w_context']:.2f} (context)")
+    return {"run_id": run_id, "correlation": {s["relation"]: s["corr_wo_context"] for s in summaries}}
+
+
+def _demo_relations(store: Store, n: int) -> list[str]:
+    """The ``n`` relations with the most prompts the model answers (ties by name)."""
+    rows = store.sql("SELECT e.relation_id, sum(CASE WHEN t.object_rank = 0 THEN 1 ELSE 0 END) AS ok "
+                     "FROM examples e JOIN targets t USING (example_id) WHERE e.subject_start >= 0 "
+                     "GROUP BY 1 ORDER BY ok DESC, 1").to_pylist()
+    return [str(r["relation_id"]) for r in rows[:n]]
+
+
+# ----------------------------------------------------------------------------------- entry point
+def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step = _echo,
+                      probe_kinds: tuple[str, ...] = ("attn_head", "attn"), dynamic_relations: int = 1,
+                      budget_s: float = 300.0) -> dict[str, Any]:
+    """Run the demo's analyses over ``store``, write ``out/report.html``; return a summary dict
+    with ``report`` (the path), per-step results, ``timings`` (seconds) and ``notes`` (skips).
+
+    Optional steps (probes after the first, dynamic MAPS) are skipped with a note once the
+    analyses have taken ``budget_s`` seconds, so a slow or busy machine still gets its report
+    in time."""
+    log = DemoLog(step)
+    started = time.time()
+
+    def over_budget(name: str) -> bool:
+        if time.time() - started <= budget_s:
+            return False
+        log.notes.append(f"{name}: skipped (the analyses took over {budget_s:.0f}s already)")
+        step(f"{name}: skipped to stay within the time budget")
+        return True
+
+    first_run: str | None = None
+    for i, kind in enumerate(probe_kinds):
+        if i > 0 and over_budget(f"probe_{kind}"):
+            continue
+        # TokenScores for every prediction of the first probe: the report shows correct ones too.
+        token_scores = "all" if i == 0 else "none"
+        res = log.run(f"probe_{kind}", f"probe {kind}: {episodes} episodes, 5-way 5-shot, HeadScore"
+                      + ("/TokenScore" if i == 0 else ""), ("query.probe",),
+                      functools.partial(probe_step, store, kind, episodes, token_scores))
+        if res is not None and first_run is None:
+            first_run = str(res["run_id"])
+    if first_run is not None:
+        run_id = first_run
+        log.run("predictors", "predictors of per-relation F1", ("query.predictors",),
+                lambda: predictors_step(store, run_id))
+        log.run("shortcuts", "lexical shortcuts in probe errors", ("query.shortcuts",),
+                lambda: shortcuts_step(store, run_id))
+    proj_cache: dict[str, Any] = {}
+
+    def proj() -> Any:
+        if "p" not in proj_cache:
+            from query.maps import VocabProjection
+
+            proj_cache["p"] = VocabProjection(store)
+        return proj_cache["p"]
+
+    log.run("maps", "MAPS static scores of every head (weights only)", ("query.maps", "query.cli_maps"),
+            lambda: maps_step(store, proj()))
+    if dynamic_relations > 0 and not over_budget("maps_dynamic"):
+        rels = _demo_relations(store, dynamic_relations)
+        log.run("maps_dynamic", f"MAPS dynamic scores from stored head outputs ({', '.join(rels)})",
+                ("query.maps_dynamic", "query.cli_maps"), lambda: maps_dynamic_step(store, proj(), rels))
+    proj_cache.clear()
+    summary: dict[str, Any] = dict(log.results)
+    report_path = os.path.join(out, "report.html")
+    res = log.run("report", "HTML report", ("query.report",), lambda: _write_report(store, report_path))
+    if res is not None:
+        summary["report"] = res
+    summary["timings"] = log.timings
+    summary["notes"] = log.notes
+    for n in log.notes:
+        _echo(f"    note: {n}")
+    return summary
+
+
+def _write_report(store: Store, path: str) -> str:
+    from query.report import write_report
+
+    return write_report(store, path)

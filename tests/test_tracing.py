@@ -1,0 +1,168 @@
+"""Causal tracing and activation patching: identities on tiny models, batching, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import SHARED_DATA
+
+import actstore
+from ingest.interventions import Intervention, InterventionRunner, RunItem
+from ingest.models import tiny_model
+from ingest.patching import ActivationPatcher, PatchConfig, PatchError, PatchPair
+from ingest.tracing import (
+    CausalTracer,
+    GroupedEditRunner,
+    StoredFact,
+    TraceConfig,
+    TraceError,
+    stored_facts,
+    subject_embedding_std,
+    window_layers,
+)
+
+KNOWN = f"known1000:{SHARED_DATA / 'known_1000' / 'known_1000.json'}"
+STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 5, "relations": ("P30", "P103")}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()  # tiny tensors: extra threads only contend with each other
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def llama_store(store_factory: Callable[..., Path]) -> Path:
+    return store_factory("llama", **STORE_KW)
+
+
+def _tracer(arch: str, cfg: TraceConfig, noise: float | None = None, grouped: bool = True) -> tuple[Any, CausalTracer]:
+    loaded = tiny_model(arch)
+    runner = (GroupedEditRunner if grouped else InterventionRunner)(loaded.model)
+    return loaded, CausalTracer(runner, cfg, 0.1 if noise is None else noise)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_restoring_the_last_layer_at_the_last_position_recovers_the_clean_output(
+        arch: str, store_factory: Callable[..., Path]) -> None:
+    """Necessary identity: IE(resid, L-1, last) = TE, and p_restored there = p_clean."""
+    store = actstore.open(store_factory(arch, **STORE_KW))
+    facts = stored_facts(store, correct_only=False, limit=2)
+    loaded, tracer = _tracer(arch, TraceConfig(samples=2, window=1, components=("resid",)))
+    tracer.noise_std = 3 * subject_embedding_std(loaded.model, store)
+    for r in tracer.trace(facts):
+        assert abs(r.total_effect) > 0  # the noise does change the output
+        ie = r.indirect_effect("resid")
+        assert ie[-1, -1] == pytest.approx(r.total_effect, abs=1e-6)
+        assert r.restored["resid"][-1, -1] == pytest.approx(r.p_clean, abs=1e-6)
+        # Positions before the subject: the noise cannot reach them; IE = 0 exactly.
+        assert np.all(ie[:, :r.fact.subject_span[0]] == 0)
+
+
+def test_restoring_every_position_recovers_the_clean_probability(llama_store: Path) -> None:
+    store = actstore.open(llama_store)
+    fact = stored_facts(store, correct_only=False, limit=1)[0]
+    loaded, tracer = _tracer("llama", TraceConfig(samples=1, window=1), noise=0.5)
+    clean = tracer.clean([fact])[0]
+    noise = tracer._noise_edit(fact, 0)
+    items = [RunItem(fact.input_ids, (noise,), fact.target_id)]
+    for layer in range(tracer.n_layers):
+        value = clean.states[("resid", layer + 1)]
+        items.append(RunItem(fact.input_ids, (noise, Intervention("resid", layer + 1, "set", None, value=value)),
+                             fact.target_id))
+    p = np.exp(tracer.runner.run(items).target_logprob)
+    assert abs(p[0] - clean.p) > 1e-6
+    np.testing.assert_allclose(p[1:], clean.p, rtol=1e-5, atol=1e-7)
+
+
+def test_zero_noise_gives_zero_effect(llama_store: Path) -> None:
+    store = actstore.open(llama_store)
+    facts = stored_facts(store, correct_only=False, limit=1)
+    _, tracer = _tracer("llama", TraceConfig(samples=2, window=2), noise=0.0)
+    r = tracer.trace(facts)[0]
+    assert r.total_effect == pytest.approx(0, abs=1e-7)
+    for c in r.restored:
+        np.testing.assert_allclose(r.indirect_effect(c), 0, atol=1e-7)
+
+
+def test_batched_restorations_equal_one_at_a_time_runs(llama_store: Path) -> None:
+    """Many restorations per forward pass (vectorised edits, two facts of different lengths per batch)
+    give what one restoration per forward pass of the plain runner gives."""
+    store = actstore.open(llama_store)
+    facts = stored_facts(store, correct_only=False, limit=2)
+    assert facts[0].n_tokens != facts[1].n_tokens or facts[0].subject_span != facts[1].subject_span
+    cfg = TraceConfig(samples=1, window=2, batch_size=4096)
+    _, batched = _tracer("llama", cfg, noise=0.2)
+    _, single = _tracer("llama", replace(cfg, batch_size=1), noise=0.2, grouped=False)
+    for a, b in zip(batched.trace(facts), single.trace(facts)):
+        assert a.p_corrupt == pytest.approx(b.p_corrupt, rel=1e-5)
+        for c in a.restored:
+            np.testing.assert_allclose(a.restored[c], b.restored[c], rtol=1e-4, atol=1e-7)
+
+
+def test_window_layers_follow_rome() -> None:
+    assert list(window_layers(0, 10, 30)) == list(range(0, 5))
+    assert list(window_layers(15, 10, 30)) == list(range(10, 20))
+    assert list(window_layers(29, 10, 30)) == list(range(24, 30))
+    assert list(window_layers(3, 1, 30)) == [3]
+
+
+def test_bad_tracing_input_is_refused() -> None:
+    fact = StoredFact(7, "P1", "Mars", "Sol", (1, 2, 3), ("a", "b", "c"), (-1, -1), 5, True)
+    with pytest.raises(TraceError, match="subject 'Mars' is not in its prompt"):
+        fact.check()
+    with pytest.raises(TraceError, match="larger than the model"):
+        TraceConfig(window=3).validate(2)
+    with pytest.raises(TraceError, match="samples"):
+        TraceConfig(samples=0).validate(2)
+
+
+def test_patching_the_last_layer_at_the_last_position_recovers_fully(llama_store: Path) -> None:
+    store = actstore.open(llama_store)
+    facts = {f.example_id: f for f in stored_facts(store, correct_only=False)}
+    loaded = tiny_model("llama")
+    patcher = ActivationPatcher(GroupedEditRunner(loaded.model), PatchConfig(batch_size=256))
+    r = patcher.patch([PatchPair(facts[0], facts[1])])[0]
+    L, H = patcher.n_layers, patcher.n_heads
+    assert r.recovery[("resid", "last")][-1] == pytest.approx(1.0, abs=1e-4)
+    assert r.head_recovery["last"].shape == (L, H) and np.isfinite(r.head_recovery["last"]).all()
+    # Patching the last layer's output at the subject (not the last token) cannot change the output.
+    assert r.recovery[("resid", "subject_last")][-1] == pytest.approx(0.0, abs=1e-4)
+    other = next(f for f in facts.values() if f.relation_id != facts[0].relation_id)
+    with pytest.raises(PatchError, match="same relation"):
+        PatchPair(facts[0], other).check()
+
+
+def test_cli_trace_json_and_bad_input_exits(llama_store: Path) -> None:
+    from actstore.cli import main
+
+    runner = CliRunner()
+    args = ["--model", "tiny-llama", "--store", str(llama_store), "--all-facts", "--quiet"]
+    res = runner.invoke(main, ["trace", *args, "--limit", "1", "--samples", "1", "--window", "2", "--json", "--no-write"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    out = json.loads(res.stdout)
+    fact = out["facts"][0]
+    L = actstore.open(llama_store).geometry.n_layers
+    assert set(fact["indirect_effect"]) == {"resid", "mlp", "attn"}
+    assert np.array(fact["indirect_effect"]["mlp"]).shape == (L, len(fact["tokens"]))
+    assert "total_effect" in fact
+    bad = runner.invoke(main, ["trace", *args, "--window", "99"])
+    assert bad.exit_code == 1 and bad.stderr.strip().count("\n") == 0 and "larger than the model" in bad.stderr
+    s = actstore.open(llama_store)
+    rel = s.sql("SELECT example_id, relation_id FROM examples ORDER BY 1").to_pylist()
+    a = rel[0]
+    b = next(r for r in rel if r["relation_id"] != a["relation_id"])
+    bad = runner.invoke(main, ["patch", "--model", "tiny-llama", "--store", str(llama_store),
+                               "--pair", f"{a['example_id']}:{b['example_id']}", "--quiet"])
+    assert bad.exit_code == 1 and "same relation" in bad.stderr and bad.stderr.strip().count("\n") == 0
