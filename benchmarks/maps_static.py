@@ -51,7 +51,7 @@ def main() -> None:
     t_load = time.perf_counter() - t0
     rss_before = peak_rss_bytes()
     t0 = time.perf_counter()
-    scores = static_scores(proj, pairs)
+    scores = static_scores(proj, pairs, k_max=args.k)
     t_static = time.perf_counter() - t0
     rss_static = peak_rss_bytes()
     out = {

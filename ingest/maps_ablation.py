@@ -154,7 +154,7 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     def scores_for(rel: str) -> np.ndarray:
         if rel not in pairs:
             pairs[rel] = pairs_from_store(store, rel, cfg.where)
-        return static_scores(proj, [pairs[rel]])[rel].score(cfg.k)
+        return static_scores(proj, [pairs[rel]], k_max=cfg.k)[rel].score(cfg.k)
 
     score = scores_for(cfg.relation)
     if cfg.heads is not None:

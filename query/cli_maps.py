@@ -114,7 +114,7 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
     tok = tokenizer_for_store(s, tokenizer)
     tokenized = [tokenize_pairs(r, tok, vocab_size=g.vocab_size, multi_token=multi_token) for r in rels]  # type: ignore[arg-type]
     proj = VocabProjection(s, final_norm=not no_final_norm)
-    scores = static_scores(proj, tokenized)
+    scores = static_scores(proj, tokenized, k_max=k)
     summaries = [relation_summary(name, sc, k, threshold) for name, sc in scores.items()]
     run_id = new_run_id("maps")
     written: list[str] = []
@@ -197,7 +197,7 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
     s = actstore.open(store)
     wanted = [r.strip() for r in relations.split(",") if r.strip()] if relations else None
     ranks = dynamic_ranks(s, where=where, relations=wanted, source_token=source_token,  # type: ignore[arg-type]
-                          final_norm=not no_final_norm)
+                          final_norm=not no_final_norm, k_max=k)
     summaries = [correlation_summary(d, k, threshold) for d in ranks.values()]
     run_id = new_run_id("maps-dynamic")
     written: list[str] = []

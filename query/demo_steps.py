@@ -34,7 +34,8 @@ class DemoLog:
     """What ran, how long it took, and what was skipped and why."""
 
     step: Step
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # wall-clock seconds per step
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per step (all threads)
     notes: list[str] = field(default_factory=list)
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -45,7 +46,7 @@ class DemoLog:
             self.step(f"{title}: skipped ({', '.join(missing)} not built)")
             return None
         self.step(title)
-        started = time.time()
+        started, cpu = time.time(), time.process_time()
         try:
             out = fn()
         except Exception as e:  # a failing analysis must not cost the user the rest of the demo
@@ -54,6 +55,7 @@ class DemoLog:
             return None
         finally:
             self.timings[name] = round(time.time() - started, 1)
+            self.cpu[name] = round(time.process_time() - cpu, 1)
         if out is not None:
             self.results[name] = out
         return out
@@ -236,6 +238,7 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
     if res is not None:
         summary["report"] = res
     summary["timings"] = log.timings
+    summary["cpu_seconds"] = log.cpu
     summary["notes"] = log.notes
     for n in log.notes:
         _echo(f"    note: {n}")

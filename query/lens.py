@@ -111,7 +111,7 @@ def read_objects(readout: FinalReadout, resid: np.ndarray | torch.Tensor, object
     prob = np.zeros((n, K))
     rank = np.zeros((n, K), np.int64)
     top = np.zeros((n, K), np.int64)
-    obj = torch.as_tensor(objects, dtype=torch.long)
+    obj = torch.as_tensor(np.array(objects, dtype=np.int64))
     for i in range(0, n, batch):
         lg = readout.logits(x[i:i + batch])  # [b, K, V]
         logp = torch.log_softmax(lg.double(), dim=-1)

@@ -13,7 +13,9 @@ so peak memory is a few chunks of ``[rows, |V|]`` whatever the vocabulary.
 Scores, per relation R with token pairs (s, t):
 
 * ``rank_up(s, t)``   = number of vocabulary entries of row m_s strictly greater than m_s[t]
-  (0 = t is the row's maximum); ``rank_down`` the same for ``-m_s``.
+  (0 = t is the row's maximum); ``rank_down`` the same for ``-m_s``.  Ranks are kept up to
+  ``k_max`` (only each row's k_max largest and smallest entries are needed: a top-k, not a
+  sort), so any k <= k_max can be scored afterwards.
 * relation score  phi_R(h)  = share of pairs with ``rank_up < k``  (t in the top-k of m_s);
 * suppression score         = share of pairs with ``rank_down < k`` (t in the top-k of -m_s);
 * head h *implements* R when phi_R(h) >= 0.15 (:data:`IMPLEMENTS_THRESHOLD`), and
@@ -227,15 +229,26 @@ class VocabProjection:
         return self.embed[token_ids] @ self.W_V[layer, kv]
 
 
-def target_ranks(rows: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entries strictly above, entries strictly below) each row's target value: [n] int32 each."""
-    val = rows.gather(1, targets[:, None])
-    up = (rows > val).sum(1, dtype=torch.int32)
-    down = (rows < val).sum(1, dtype=torch.int32)
-    return up, down
+def target_ranks(rows: torch.Tensor, targets: torch.Tensor, k_max: int,
+                 local: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranks of each target in its row, censored at ``k_max``: ([p], [p]) int32.
+
+    ``rank_up`` counts the row's entries strictly greater than the target's value, ``rank_down``
+    those strictly smaller; either is reported as ``k_max`` when it is ``k_max`` or more.  Only
+    the ``k_max`` largest and smallest entries of each row are kept (``torch.topk``), which is
+    exact: fewer than k entries exceed v  <=>  the k-th largest entry is <= v.  ``local`` maps
+    each target to its row (default: target i is in row i); the target's value is read from
+    the same computed row, so the comparison is free of rounding differences.
+    """
+    idx = torch.arange(rows.shape[0]) if local is None else local
+    val = rows[idx, targets][:, None]
+    K = min(int(k_max), int(rows.shape[1]))
+    hi = torch.topk(rows, K, dim=1, largest=True, sorted=False).values[idx]
+    lo = torch.topk(rows, K, dim=1, largest=False, sorted=False).values[idx]
+    return (hi > val).sum(1, dtype=torch.int32), (lo < val).sum(1, dtype=torch.int32)
 
 
-def projected_ranks(x: torch.Tensor, readout: torch.Tensor, targets: torch.Tensor,
+def projected_ranks(x: torch.Tensor, readout: torch.Tensor, targets: torch.Tensor, k_max: int,
                     rows_per_chunk: int = ROW_CHUNK) -> tuple[np.ndarray, np.ndarray]:
     """:func:`target_ranks` of the rows ``x @ readout`` ([n, d_head] @ [d_head, |V|]), in chunks."""
     n = int(x.shape[0])
@@ -243,7 +256,7 @@ def projected_ranks(x: torch.Tensor, readout: torch.Tensor, targets: torch.Tenso
     down = np.empty(n, np.int32)
     for lo in range(0, n, rows_per_chunk):
         hi = min(n, lo + rows_per_chunk)
-        u, d = target_ranks(x[lo:hi] @ readout, targets[lo:hi])
+        u, d = target_ranks(x[lo:hi] @ readout, targets[lo:hi], k_max)
         up[lo:hi] = u.numpy()
         down[lo:hi] = d.numpy()
     return up, down
@@ -252,28 +265,40 @@ def projected_ranks(x: torch.Tensor, readout: torch.Tensor, targets: torch.Tenso
 # ----------------------------------------------------------------------------------- static scores
 
 
+def check_k(k: int, k_max: int) -> None:
+    if not 1 <= k <= k_max:
+        raise MapsError(f"k={k} is outside 1..{k_max}, the ranks computed (ranks are kept up to k_max)")
+
+
 @dataclass(frozen=True)
 class StaticScores:
-    """Per pair and head: the target's rank in m_s and in -m_s.  Scores follow for any k."""
+    """Per pair and head: the target's rank in m_s and in -m_s (censored at ``k_max``).
+    Scores follow for any k <= k_max."""
 
     pairs: TokenPairs
     rank_up: np.ndarray  # [n_pairs, L, H] int32
     rank_down: np.ndarray  # [n_pairs, L, H] int32
+    k_max: int = DEFAULT_K
 
     def score(self, k: int = DEFAULT_K) -> np.ndarray:
         """phi_R per head: [L, H]."""
+        check_k(k, self.k_max)
         return (self.rank_up < k).mean(axis=0)
 
     def suppression(self, k: int = DEFAULT_K) -> np.ndarray:
+        check_k(k, self.k_max)
         return (self.rank_down < k).mean(axis=0)
 
 
-def pair_ranks(proj: VocabProjection, src: np.ndarray, dst: np.ndarray, *,
-               heads: Iterable[tuple[int, int]] | None = None, rows_per_chunk: int = ROW_CHUNK) -> tuple[np.ndarray, np.ndarray]:
-    """Ranks of ``dst[i]`` in row ``src[i]`` of every head's M: ([n, L, H], [n, L, H]) int32.
+def pair_ranks(proj: VocabProjection, src: np.ndarray, dst: np.ndarray, *, k_max: int = DEFAULT_K,
+               heads: Iterable[tuple[int, int]] | None = None,
+               rows_per_chunk: int = ROW_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks (censored at ``k_max``) of ``dst[i]`` in row ``src[i]`` of every head's M:
+    ([n, L, H], [n, L, H]) int32.
 
-    Each distinct source token's row is computed once per head (rows of a chunk of distinct
-    sources, then gathered for their pairs).  Heads not in ``heads`` get rank -1.
+    Each distinct source token's row is computed once per head, in chunks of distinct sources;
+    only its ``k_max`` extreme values and the pairs' target entries are kept.  Heads not in
+    ``heads`` get rank -1.
     """
     g = proj.geometry
     n = int(src.size)
@@ -282,6 +307,7 @@ def pair_ranks(proj: VocabProjection, src: np.ndarray, dst: np.ndarray, *,
     if n == 0:
         return up, down
     uniq, inverse = np.unique(src, return_inverse=True)
+    inverse = inverse.reshape(-1)
     order = np.argsort(inverse, kind="stable")  # pairs grouped by distinct source
     inv_sorted = inverse[order]
     bounds = np.searchsorted(inv_sorted, np.arange(0, uniq.size + rows_per_chunk, rows_per_chunk))
@@ -304,27 +330,29 @@ def pair_ranks(proj: VocabProjection, src: np.ndarray, dst: np.ndarray, *,
                     u0 = c * rows_per_chunk
                     rows = x[u0:u0 + rows_per_chunk] @ B  # [chunk, V]
                     local = torch.from_numpy(inv_sorted[lo:hi] - u0)
-                    r_up, r_down = target_ranks(rows[local], dst_sorted[lo:hi])
+                    r_up, r_down = target_ranks(rows, dst_sorted[lo:hi], k_max, local)
                     up[order[lo:hi], layer, head] = r_up.numpy()
                     down[order[lo:hi], layer, head] = r_down.numpy()
     return up, down
 
 
-def static_scores(proj: VocabProjection, relations: Sequence[TokenPairs], *,
+def static_scores(proj: VocabProjection, relations: Sequence[TokenPairs], *, k_max: int = DEFAULT_K,
                   heads: Iterable[tuple[int, int]] | None = None) -> dict[str, StaticScores]:
     """Ranks for every relation's pairs, all relations in one pass (shared source rows computed once)."""
     if not relations:
         return {}
+    if k_max < 1:
+        raise MapsError(f"k must be at least 1, not {k_max}")
     src = np.concatenate([r.src for r in relations])
     dst = np.concatenate([r.dst for r in relations])
     if int(max(src.max(), dst.max())) >= proj.vocab_size or int(src.max()) >= proj.embed.shape[0]:
         raise MapsError(f"token ids exceed the store's vocabulary of {proj.vocab_size}: wrong tokenizer?")
-    up, down = pair_ranks(proj, src, dst, heads=heads)
+    up, down = pair_ranks(proj, src, dst, k_max=k_max, heads=heads)
     out: dict[str, StaticScores] = {}
     start = 0
     for r in relations:
         stop = start + r.n_used
-        out[r.relation] = StaticScores(r, up[start:stop], down[start:stop])
+        out[r.relation] = StaticScores(r, up[start:stop], down[start:stop], k_max)
         start = stop
     return out
 

@@ -39,6 +39,7 @@ from query.maps import (
     IMPLEMENTS_THRESHOLD,
     MapsError,
     VocabProjection,
+    check_k,
     projected_ranks,
     store_pairs,
 )
@@ -48,7 +49,7 @@ from query.selection import Selection
 @dataclass(frozen=True)
 class DynamicRanks:
     """Per prompt and head, the object token's rank (entries strictly above; and below) in
-    the static row, and in the head's output with and without context."""
+    the static row, and in the head's output with and without context, censored at k_max."""
 
     relation: str
     templates: list[str]
@@ -60,15 +61,17 @@ class DynamicRanks:
     w_down: np.ndarray
     wo_up: np.ndarray
     wo_down: np.ndarray
+    k_max: int = DEFAULT_K  # ranks are censored there
 
     def per_template(self, ranks: np.ndarray, k: int) -> np.ndarray:
         """Share of each template's prompts with rank < k: [n_templates, L, H]."""
+        check_k(k, self.k_max)
         return np.stack([(ranks[self.group == t] < k).mean(axis=0) for t in range(len(self.templates))])
 
 
 def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence[str] | None = None,
                   source_token: Literal["first", "last"] = "first", final_norm: bool = True,
-                  proj: VocabProjection | None = None) -> dict[str, DynamicRanks]:
+                  k_max: int = DEFAULT_K, proj: VocabProjection | None = None) -> dict[str, DynamicRanks]:
     """Ranks for every relation in the (filtered) store; see the module docstring."""
     pairs = store_pairs(store, where, source_token=source_token)
     if pairs.num_rows == 0:
@@ -85,11 +88,11 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
     rel_col = np.asarray(pairs.column("relation_id").to_pylist())
     for name in names:
         mask = rel_col == name
-        out[name] = _relation_ranks(store, proj, name, pairs.filter(pa.array(mask)))
+        out[name] = _relation_ranks(store, proj, name, pairs.filter(pa.array(mask)), k_max)
     return out
 
 
-def _relation_ranks(store: Store, proj: VocabProjection, name: str, pairs: pa.Table) -> DynamicRanks:
+def _relation_ranks(store: Store, proj: VocabProjection, name: str, pairs: pa.Table, k_max: int) -> DynamicRanks:
     g = store.geometry
     ids = pairs.column("example_id").to_numpy()
     src = torch.from_numpy(pairs.column("src_id").to_numpy().astype(np.int64))
@@ -112,12 +115,12 @@ def _relation_ranks(store: Store, proj: VocabProjection, name: str, pairs: pa.Ta
             for head in range(g.n_heads):
                 B = proj.readout(layer, head)
                 kv = proj.kv(head)
-                su, sd = projected_ranks(xs[kv], B, u_dst)
+                su, sd = projected_ranks(xs[kv], B, u_dst, k_max)
                 arrays["su"][:, layer, head], arrays["sd"][:, layer, head] = su[inverse], sd[inverse]
-                arrays["wu"][:, layer, head], arrays["wd"][:, layer, head] = projected_ranks(z[:, layer, head], B, dst)
-                arrays["ou"][:, layer, head], arrays["od"][:, layer, head] = projected_ranks(v[:, layer, kv], B, dst)
+                arrays["wu"][:, layer, head], arrays["wd"][:, layer, head] = projected_ranks(z[:, layer, head], B, dst, k_max)
+                arrays["ou"][:, layer, head], arrays["od"][:, layer, head] = projected_ranks(v[:, layer, kv], B, dst, k_max)
     return DynamicRanks(name, templates, group, ids, arrays["su"], arrays["sd"], arrays["wu"], arrays["wd"],
-                        arrays["ou"], arrays["od"])
+                        arrays["ou"], arrays["od"], k_max)
 
 
 def _read_factors(store: Store, ids: np.ndarray, src_pos: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,12 +75,18 @@ def test_per_row_edits_in_one_batch_equal_separate_runs() -> None:
     runner = InterventionRunner(loaded.model)
     ids = loaded.tokenizer(PROMPTS[0])["input_ids"]
     edits = [Intervention("resid", 1, "add_noise", (p,), noise_std=1.0, seed=p) for p in range(len(ids))]
-    edits += [Intervention("mlp", 0, "zero", (2,)), Intervention("attn", 1, "set", None, value=torch.ones(64))]
+    edits += [Intervention("mlp", 0, "zero", (2,)), Intervention("attn", 1, "set", None, value=torch.ones(64)),
+              Intervention("resid", 0, "add", (0, -1), value=torch.full((2, 64), 0.5)),
+              Intervention("resid", 2, "set", (-1,), value=torch.zeros(64)),
+              Intervention("head", 0, "add_noise", (1,), heads=(0, 3), noise_std=2.0)]
     batched = runner.run([RunItem(ids, (e,)) for e in edits], keep_logits=True, batch_size=len(edits))
     for i, e in enumerate(edits):
         alone = runner.run([RunItem(ids)], shared=[e], keep_logits=True)
         assert alone.logits is not None and batched.logits is not None
         torch.testing.assert_close(batched.logits[i], alone.logits[0], rtol=1e-4, atol=1e-5)
+    clean = runner.run([RunItem(ids)], keep_logits=True).logits
+    assert clean is not None and batched.logits is not None
+    assert all(not torch.allclose(row, clean[0]) for row in batched.logits)  # every edit changes the output
 
 
 def test_mean_ablation_uses_stored_means(store_factory: Callable[..., Path]) -> None:

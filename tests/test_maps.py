@@ -137,8 +137,11 @@ def test_dynamic_ranks_equal_forward_hooks(maps_store: Path) -> None:
                 kv = head // g.kv_group
                 v = seen["v"][0, p["src_position"], kv * 16:(kv + 1) * 16].double()
                 row_wo = (v @ Wo.T) @ U.T
-                assert abs(int((row > row[p["dst_id"]]).sum()) - int(d.w_up[i, layer, head])) <= 1
-                assert abs(int((row_wo > row_wo[p["dst_id"]]).sum()) - int(d.wo_up[i, layer, head])) <= 1
+                # ranks are censored at k_max; allow one rank of float32-vs-float64 rounding
+                rank_w = min(int((row > row[p["dst_id"]]).sum()), d.k_max)
+                rank_wo = min(int((row_wo > row_wo[p["dst_id"]]).sum()), d.k_max)
+                assert abs(rank_w - int(d.w_up[i, layer, head])) <= 1
+                assert abs(rank_wo - int(d.wo_up[i, layer, head])) <= 1
     finally:
         h1.remove()
         h2.remove()
