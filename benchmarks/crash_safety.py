@@ -1,8 +1,11 @@
 """Crash safety: SIGKILL ``actstore ingest`` at random moments, resume, compare with an uninterrupted run.
 
-Each trial (its own seed) starts the real CLI in a subprocess, kills it with SIGKILL at a
-random moment between the data set being loaded and the end of the run (store creation,
-capture, segment writes, commits and the final run record are all in that window), checks
+Each trial (its own seed) starts the real CLI in a subprocess and kills it with SIGKILL at a
+random moment.  By default (``--anchor commits``) the moment is drawn as "k commit markers
+exist, then a random fraction of one segment's time more", k uniform in 0..n_segments, so
+kills spread over store creation, capture, segment writes, commits and the final run record
+whatever the machine's load; ``--anchor time`` instead draws a delay uniform over the
+reference run's duration (data set loaded -> store written).  The harness then checks
 what a reader sees in the killed store (only whole committed segments, every committed byte
 intact), sometimes kills the resumed ingest once more, resumes to the end and compares the
 result file by file with the uninterrupted store: every byte of the manifest, weights, segment
@@ -37,7 +40,8 @@ INGEST = ["--model", "tiny-llama", "--dataset", "demo", "--batch-size", "4", "--
 @dataclass
 class Trial:
     seed: int
-    kill_after_s: float
+    kill_after_s: float  # after the data set was loaded, or after `after_commits` markers existed
+    after_commits: int = 0
     phase: str = ""  # what the kill interrupted: startup | creation | capture | finished
     committed_at_kill: int = 0
     second_kill: bool = False
@@ -73,9 +77,12 @@ class Ingest:
                 event.set()
         event.set()  # the stream closed: the process is gone
 
-    def kill_after_load(self, delay: float) -> bool:
-        """SIGKILL ``delay`` seconds after the data set was loaded; False if it had already exited."""
+    def kill_after_load(self, delay: float, commits: Path | None = None, after_commits: int = 0) -> bool:
+        """SIGKILL ``delay`` seconds after the data set was loaded (and, with ``commits``, after
+        ``after_commits`` markers exist there); False if the process had already exited."""
         self.loaded.wait()
+        while commits is not None and self.proc.poll() is None and _count(commits) < after_commits:
+            time.sleep(0.002)
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline and self.proc.poll() is None:
             time.sleep(0.005)
@@ -86,10 +93,17 @@ class Ingest:
         return alive
 
 
-def run_and_kill(cmd: list[str], delay: float) -> bool:
-    """Start ``cmd``; once it has loaded its data set, wait ``delay`` s and SIGKILL it.
-    Returns False when it finished before the kill."""
-    return Ingest(cmd).kill_after_load(delay)
+def run_and_kill(cmd: list[str], delay: float, commits: Path | None = None, after_commits: int = 0) -> bool:
+    """Start ``cmd``; once it has loaded its data set (and ``after_commits`` segments are
+    committed), wait ``delay`` s and SIGKILL it.  Returns False when it finished before the kill."""
+    return Ingest(cmd).kill_after_load(delay, commits, after_commits)
+
+
+def _count(commits: Path) -> int:
+    try:
+        return sum(1 for n in os.listdir(commits) if n.endswith(".json"))
+    except FileNotFoundError:
+        return 0
 
 
 def _env() -> dict[str, str]:
@@ -128,20 +142,30 @@ def check_partial(out: Path, trial: Trial) -> None:
         trial.problems.extend(f"partial: {p}" for p in report.problems)
 
 
-def run_trial(seed: int, workdir: Path, reference: dict[str, bytes], window: float, limit: int) -> Trial:
+def run_trial(seed: int, workdir: Path, reference: dict[str, bytes], window: float, limit: int,
+              n_segments: int, anchor: str) -> Trial:
     rng = random.Random(seed)
-    trial = Trial(seed, round(rng.uniform(0.0, window), 3))
     out = workdir / f"trial-{seed}"
+    if anchor == "commits":
+        after = rng.randint(0, n_segments)
+        trial = Trial(seed, round(rng.uniform(0.0, window / n_segments), 3), after_commits=after)
+    else:
+        trial = Trial(seed, round(rng.uniform(0.0, window), 3))
     t0 = time.monotonic()
     try:
-        killed = run_and_kill(cli(out, limit), trial.kill_after_s)
+        killed = run_and_kill(cli(out, limit), trial.kill_after_s, out / "commits" if anchor == "commits" else None,
+                              trial.after_commits)
         check_partial(out, trial)
         if not killed:
             trial.phase = "finished"
         resume = (out / "manifest.json").exists() or (out / ".creating").exists()
         if rng.random() < 0.25:  # kill the resumed ingest too
             trial.second_kill = True
-            run_and_kill(cli(out, limit, resume=resume), rng.uniform(0.0, window))
+            if anchor == "commits":
+                run_and_kill(cli(out, limit, resume=resume), rng.uniform(0.0, window / n_segments), out / "commits",
+                             rng.randint(_count(out / "commits"), n_segments))
+            else:
+                run_and_kill(cli(out, limit, resume=resume), rng.uniform(0.0, window))
             resume = (out / "manifest.json").exists() or (out / ".creating").exists()
         done = subprocess.run(cli(out, limit, resume=resume) + ["--quiet"], capture_output=True, text=True,
                               env=_env(), timeout=900)
@@ -169,6 +193,8 @@ def main() -> int:
     ap.add_argument("--limit-per-relation", type=int, default=30, help="corpus size (demo: 6 relations)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write the trials and summary here")
+    ap.add_argument("--anchor", choices=["commits", "time"], default="commits",
+                    help="draw the kill moment after k commits (default) or over the reference run's duration")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="actstore-crash-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -184,21 +210,23 @@ def main() -> int:
         print("reference ingest failed:", "".join(run.output)[-500:], file=sys.stderr)
         return 2
     reference = files(ref)
+    n_segments = len([k for k in reference if k.startswith("commits/")])
     print(f"reference: {len(reference)} files, {sum(map(len, reference.values())) / 1e6:.1f} MB, "
           f"kill window {window:.1f}s (startup {t_data - t0:.1f}s)", flush=True)
     trials = []
     for i in range(args.trials):
-        t = run_trial(args.seed + i, workdir, reference, window * 1.05, args.limit_per_relation)
+        t = run_trial(args.seed + i, workdir, reference, window * 1.05, args.limit_per_relation, n_segments,
+                      args.anchor)
         trials.append(t)
         status = "ok  " if t.ok else "FAIL"
-        print(f"{status} seed={t.seed:<3} kill@{t.kill_after_s:6.2f}s phase={t.phase:<8} "
+        print(f"{status} seed={t.seed:<3} kill@{t.after_commits:>2}+{t.kill_after_s:5.2f}s phase={t.phase:<8} "
               f"committed={t.committed_at_kill:<3} second_kill={t.second_kill!s:<5} {t.seconds:5.1f}s "
               f"{'; '.join(t.problems)}", flush=True)
     phases = {p: sum(t.phase == p for t in trials) for p in ("startup", "creation", "capture", "finished")}
     summary = {
         "trials": len(trials), "passed": sum(t.ok for t in trials), "failed": sum(not t.ok for t in trials),
         "second_kills": sum(t.second_kill for t in trials), "phases_at_kill": phases,
-        "segments_per_store": len([k for k in reference if k.startswith("commits/")]),
+        "segments_per_store": n_segments, "anchor": args.anchor,
         "seconds": round(time.monotonic() - t0, 1),
     }
     print(json.dumps(summary))

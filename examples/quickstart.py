@@ -52,10 +52,11 @@ def run(model: str, limit: int, folder: str) -> dict[str, object]:
     print(f"sum over source tokens equals attn_head: max |difference| = {err:.2e}")
 
     # 4. Streaming: batches of rows, whole chunks per read, bounded memory.
-    rows = 0
-    for ids, batch in s.select().iter_features("z", batch_rows=16):
-        rows += len(ids)  # batch: [<=16, L, H, d_head]
-    print(f"streamed z for {rows} rows")
+    rows, norm = 0, 0.0
+    for ids, batch in s.select().iter_features("z", batch_rows=16):  # batch: [<=16, L, H, d_head]
+        rows += len(ids)
+        norm = max(norm, float(abs(batch).max()))
+    print(f"streamed z for {rows} rows (max |z| = {norm:.3g})")
 
     # 5. A self-contained HTML report of the store (and of every analysis result it holds).
     from query.report import write_report

@@ -249,6 +249,8 @@ def lens(store_path: str, where: str | None, correct_only: bool, train_fraction:
 @click.option("--methods", default=",".join(("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")),
               show_default=True, help="Methods to compare (comma-separated).")
 @click.option("--tolerance", type=int, default=None, help="Key layers agree within this many layers (default L/10).")
+@click.option("--plateau", type=float, default=0.9, show_default=True,
+              help="Key layer = middle of the run of layers within this fraction of the peak (1 = argmax).")
 @click.option("--probe-min-count", type=int, default=5, show_default=True,
               help="Objects with fewer facts in the store are not probe classes.")
 @click.option("--probe-folds", type=int, default=3, show_default=True)
@@ -258,7 +260,7 @@ def lens(store_path: str, where: str | None, correct_only: bool, train_fraction:
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def agree(store_path: str, trace_run: str | None, patch_run: str | None, methods: str, tolerance: int | None,
-          probe_min_count: int, probe_folds: int, fig_dir: str | None, no_write: bool, quiet: bool,
+          plateau: float, probe_min_count: int, probe_folds: int, fig_dir: str | None, no_write: bool, quiet: bool,
           as_json: bool) -> None:
     """Key layers and MLP-vs-attention verdicts of each method per fact, and how far the methods agree."""
     import actstore
@@ -274,6 +276,7 @@ def agree(store_path: str, trace_run: str | None, patch_run: str | None, methods
         attention_reading,
         causal_shares,
         default_tolerance,
+        key_mlp_at_subject,
         lens_reading,
         patch_reading,
         probe_reading,
@@ -293,14 +296,16 @@ def agree(store_path: str, trace_run: str | None, patch_run: str | None, methods
                            "--methods: give at least two methods")
     if tolerance is not None and tolerance < 0:
         raise click.BadParameter("must be >= 0", param_hint="--tolerance")
+    if not 0 < plateau <= 1:
+        raise click.BadParameter("must be in (0, 1]", param_hint="--plateau")
     s = actstore.open(store_path)
     L = s.geometry.n_layers
     tol = default_tolerance(L) if tolerance is None else tolerance
     readings: dict[str, MethodReading] = {}
     if "trace" in wanted:
-        readings["trace"] = trace_reading(s, trace_run)
+        readings["trace"] = trace_reading(s, trace_run, plateau)
     if "patch" in wanted:
-        readings["patch"] = patch_reading(s, patch_run)
+        readings["patch"] = patch_reading(s, patch_run, plateau)
     if readings:
         ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
     else:
@@ -311,7 +316,7 @@ def agree(store_path: str, trace_run: str | None, patch_run: str | None, methods
     out = stored_outputs(s, ids)
     extra: dict[str, Any] = {"sublayers_additive": out.additive}
     if "logit_lens" in wanted:
-        readings["logit_lens"] = lens_reading(s, out)
+        readings["logit_lens"] = lens_reading(s, out, plateau=plateau)
     if "tuned_lens" in wanted:
         train = np.setdiff1d(_fact_ids(s, None, False), ids)
         if train.size < 5:
@@ -319,20 +324,22 @@ def agree(store_path: str, trace_run: str | None, patch_run: str | None, methods
                                "(ingest more facts, or drop tuned_lens from --methods)")
         log(f"tuned lens: fitting on {train.size} other facts")
         tl = TunedLens.fit(stored_residuals(s, train)[0])
-        readings["tuned_lens"] = lens_reading(s, out, tl)
+        readings["tuned_lens"] = lens_reading(s, out, tl, plateau)
         extra["tuned_lens_train_facts"] = int(train.size)
     if "attention" in wanted:
-        readings["attention"] = attention_reading(s, out)
+        readings["attention"] = attention_reading(s, out, plateau)
     if "probe" in wanted:
         log("probes: cross-validated object probes on every residual index")
         readings["probe"], extra["probe"] = probe_reading(s, out, ProbeConfig(min_count=probe_min_count,
-                                                                               folds=probe_folds))
+                                                                               folds=probe_folds), plateau)
     ordered = [readings[m] for m in wanted]
     result = agreement(ordered, tol)
     if "trace" in readings:
-        result["causal_shares"] = causal_shares(readings["trace"], readings.get("patch"), L)
+        result["causal_shares"] = causal_shares(readings["trace"], readings.get("patch"), L,
+                                                key_mlp_at_subject(s, trace_run))
     result.update(extra)
     result["n_layers"] = L
+    result["plateau"] = plateau
     result["model"] = s.manifest.model.get("name")
     result["verdict_mlp_share"] = {r.method: (float(np.mean(r.verdict[r.verdict != ""] == "mlp"))
                                               if (r.verdict != "").any() else None) for r in ordered}
@@ -347,7 +354,7 @@ def agree(store_path: str, trace_run: str | None, patch_run: str | None, methods
         written.append(_write(s, "method_readings", run_id, pa.concat_tables([r.table() for r in ordered])))
         written.append(_write(s, "method_agreement", run_id, agreement_table(result)))
         write_run(s, run_id, "agree", started, {"trace_run": trace_run, "patch_run": patch_run, "methods": wanted,
-                                                 "tolerance": tol})
+                                                 "tolerance": tol, "plateau": plateau})
     if fig_dir:
         Path(fig_dir).mkdir(parents=True, exist_ok=True)
         figs.append(str(profile_curves(ordered, Path(fig_dir) / "method_profiles.png",
@@ -370,10 +377,16 @@ def agree(store_path: str, trace_run: str | None, patch_run: str | None, methods
                f"{'':>27}   {SEED_CONSENSUS_TEXT}")
     cs = result.get("causal_shares")
     if cs:
-        rel = cs["key_mlp_layer_relative"]
         click.echo(f"MLP share of the causal effect: tracing {_fmt(cs['trace_mlp_share'])}, "
-                   f"patching {_fmt(cs.get('patch_mlp_share'))}; key MLP layer at {100 * rel['median']:.0f}% of depth "
-                   f"(IQR {100 * rel['q25']:.0f}-{100 * rel['q75']:.0f}%)")
+                   f"patching {_fmt(cs.get('patch_mlp_share'))}")
+        for name, key in (("at the subject's last token", "key_mlp_layer_relative_subject_last"),
+                          ("at any position", "key_mlp_layer_relative")):
+            rel = cs.get(key)
+            if rel:
+                click.echo(f"key MLP layer {name}: {100 * rel['median']:.0f}% of depth "
+                           f"(IQR {100 * rel['q25']:.0f}-{100 * rel['q75']:.0f}%)")
+    click.echo("median key layer: " + ", ".join(f"{m} {v:.1f}" for m, v in result["key_layer_median"].items()
+                                                if v is not None))
     for f in (*written, *figs):
         click.echo(f"wrote {f}")
 

@@ -60,6 +60,8 @@ def _echo_json(d: Any) -> None:
               help="In-memory feature matrix dtype (float16 halves memory).")
 @click.option("--token-scores", type=click.Choice(["errors", "all", "none"]), default="errors", show_default=True,
               help="Which predictions get TokenScores stored (attention kinds only).")
+@click.option("--train-batch", type=int, default=2, show_default=True,
+              help="Episodes per training tensor problem (1-2 is fastest on a CPU).")
 @click.option("--memory-mb", type=int, default=1024, show_default=True, help="Working-memory budget per chunk.")
 @click.option("--threads", type=int, default=1, show_default=True,
               help="torch CPU threads (1 is fastest on a shared machine; 0 = torch's default).")
@@ -69,7 +71,7 @@ def _echo_json(d: Any) -> None:
 @friendly
 def probe(store: str, kind: str, where: str | None, layers: str | None, heads: str | None, groups: int | None,
           n_way: int, k_shot: int, queries: int, episodes: int, seeds: int, seed_start: int, top_k: int, epochs: int,
-          lr: float, feature_dtype: str, token_scores: str, memory_mb: int, threads: int, no_save: bool,
+          lr: float, feature_dtype: str, token_scores: str, train_batch: int, memory_mb: int, threads: int, no_save: bool,
           quiet: bool, as_json: bool) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
     from query.probe import ProbeConfig, run_probe, write_probe_tables
@@ -83,7 +85,7 @@ def probe(store: str, kind: str, where: str | None, layers: str | None, heads: s
                       heads=None if hs is None else tuple(hs), groups=groups, n_way=n_way, k_shot=k_shot,
                       queries=queries, episodes=episodes, seeds=tuple(range(seed_start, seed_start + seeds)),
                       top_k=top_k, epochs=epochs, lr=lr, feature_dtype=feature_dtype, token_scores=token_scores,
-                      memory_mb=memory_mb, threads=threads)
+                      memory_mb=memory_mb, threads=threads, train_batch=train_batch)
     s = _open(store)
     out = run_probe(s, cfg, progress=not quiet and sys.stderr.isatty())
     summary = out.summary()

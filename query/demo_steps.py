@@ -130,14 +130,20 @@ def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[
 
 def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15) -> dict[str, Any]:
     import pyarrow as pa
+    from tqdm import tqdm
 
     from actstore.writer import write_result_table
     from query.cli_maps import new_run_id, with_run_id, write_run
-    from query.maps import relation_summary, scores_table, static_scores
+    from query.maps import StaticScores, relation_summary, scores_table, static_scores
 
     started = time.time()
     pairs = store_token_pairs(store)
-    scores = static_scores(proj, pairs)
+    g = store.geometry
+    parts = []  # one pass per layer, for the progress bar; other layers' ranks are -1 in each part
+    for layer in tqdm(range(g.n_layers), desc="MAPS static", unit="layer", file=sys.stderr):
+        parts.append(static_scores(proj, pairs, heads=[(layer, h) for h in range(g.n_heads)]))
+    scores = {name: StaticScores(parts[0][name].pairs, np.max([p[name].rank_up for p in parts], axis=0),
+                                 np.max([p[name].rank_down for p in parts], axis=0)) for name in parts[0]}
     summaries = [relation_summary(name, sc, k, threshold) for name, sc in scores.items()]
     run_id = new_run_id("maps")
     write_result_table(store, "maps_scores", run_id,

@@ -5,8 +5,8 @@ names a *key layer* and an *MLP-vs-attention verdict*.  Our definitions (the pap
 open):
 
     trace        causal tracing (``trace_effects``): mlp[l] = max over positions of the windowed-MLP
-                 indirect effect, attn[l] likewise; profile = max(mlp, attn); key = argmax profile;
-                 verdict = the component with the larger peak.
+                 indirect effect, attn[l] likewise; profile = max(mlp, attn); key = peak of the
+                 profile (below); verdict = the component with the larger peak.
     patch        activation patching (``patch_effects``): mlp[l], attn[l] = max over the patched
                  positions of the logit-difference recovery of layer l's MLP / attention output;
                  profile, key and verdict as for tracing.
@@ -28,6 +28,12 @@ open):
 The verdicts that split a residual step into its attention and MLP parts need the two outputs to
 add up to the step (Llama, Qwen, GPT-2, GPT-NeoX); for models that normalise a sublayer's output
 before adding it (Gemma 3) the store's outputs do not, and those verdicts are left undefined.
+
+Key layer = the middle of the contiguous run of layers around the profile's maximum whose values
+are at least ``plateau`` (0.9) times it.  A restoration window of w layers smears one decisive
+layer over a plateau of about w layers (every window containing it restores it); the middle of the
+plateau undoes that, while for a single sharp peak it is the argmax.  ``plateau`` = 1 is the plain
+argmax.
 
 Agreement over facts where both methods are defined: key layers agree when they differ by at most
 ``tolerance`` layers (default max(1, round(L/10))); verdicts agree when equal; profiles are
@@ -91,18 +97,44 @@ class MethodReading:
         })
 
 
-def _from_components(method: str, ids: np.ndarray, mlp: np.ndarray, attn: np.ndarray) -> MethodReading:
+PLATEAU = 0.9
+
+
+def key_layer(profile: np.ndarray, plateau: float = PLATEAU) -> int:
+    """The middle of the run of layers around the maximum of ``profile`` within ``plateau`` of it
+    (-1 when the profile is undefined); see the module docstring."""
+    q = np.where(np.isfinite(profile), profile, -np.inf)
+    if not np.isfinite(q).any():
+        return -1
+    k = int(np.argmax(q))
+    top = q[k]
+    if top <= 0 or plateau >= 1:
+        return k
+    lo, hi = k, k
+    while lo > 0 and q[lo - 1] >= plateau * top:
+        lo -= 1
+    while hi < q.size - 1 and q[hi + 1] >= plateau * top:
+        hi += 1
+    return (lo + hi) // 2
+
+
+def _keys(profile: np.ndarray, plateau: float) -> np.ndarray:
+    return np.asarray([key_layer(p, plateau) for p in profile], dtype=np.int64)
+
+
+def _from_components(method: str, ids: np.ndarray, mlp: np.ndarray, attn: np.ndarray,
+                     plateau: float = PLATEAU) -> MethodReading:
     profile = np.fmax(mlp, attn)
     ok = np.isfinite(profile).any(axis=1)
-    key = np.where(ok, np.nanargmax(np.where(np.isfinite(profile), profile, -np.inf), axis=1), -1)
+    key = _keys(profile, plateau)
     verdict = np.where(np.nanmax(mlp, axis=1) >= np.nanmax(attn, axis=1), "mlp", "attn")
     verdict = np.where(ok, verdict, "")
     return MethodReading(method, ids, profile, key.astype(np.int64), verdict.astype(object), mlp, attn)
 
 
 def _key_and_split(method: str, ids: np.ndarray, profile: np.ndarray, d_attn: np.ndarray | None,
-                   d_mlp: np.ndarray | None) -> MethodReading:
-    key = np.argmax(profile, axis=1)
+                   d_mlp: np.ndarray | None, plateau: float = PLATEAU) -> MethodReading:
+    key = _keys(profile, plateau)
     rows = np.arange(len(ids))
     if d_attn is None or d_mlp is None:
         verdict = np.array([""] * len(ids), dtype=object)
@@ -140,22 +172,22 @@ def _component_grid(store: Any, table: str, run_id: str, comp: str, extra: str =
     return grid.index.to_numpy(np.int64), grid.to_numpy(np.float64)
 
 
-def trace_reading(store: Any, run_id: str | None = None) -> MethodReading:
+def trace_reading(store: Any, run_id: str | None = None, plateau: float = PLATEAU) -> MethodReading:
     run = latest_run(store, "trace_effects", run_id)
     ids, mlp = _component_grid(store, "trace_effects", run, "mlp")
     ids2, attn = _component_grid(store, "trace_effects", run, "attn")
     if not np.array_equal(ids, ids2):
         raise MethodsError(f"run {run}: mlp and attn traces cover different facts")
-    return _from_components("trace", ids, mlp, attn)
+    return _from_components("trace", ids, mlp, attn, plateau)
 
 
-def patch_reading(store: Any, run_id: str | None = None) -> MethodReading:
+def patch_reading(store: Any, run_id: str | None = None, plateau: float = PLATEAU) -> MethodReading:
     run = latest_run(store, "patch_effects", run_id)
     ids, mlp = _component_grid(store, "patch_effects", run, "mlp", "AND head = -1")
     ids2, attn = _component_grid(store, "patch_effects", run, "attn", "AND head = -1")
     if not np.array_equal(ids, ids2):
         raise MethodsError(f"run {run}: mlp and attn patches cover different facts")
-    return _from_components("patch", ids, mlp, attn)
+    return _from_components("patch", ids, mlp, attn, plateau)
 
 
 # ------------------------------------------------------------------------------------ from the store
@@ -190,7 +222,7 @@ def stored_outputs(store: Any, example_ids: Sequence[int] | np.ndarray) -> Store
     return StoredOutputs(ids, resid, sel.features("attn")[order], sel.features("mlp")[order], obj)
 
 
-def lens_reading(store: Any, out: StoredOutputs, tuned: Any = None) -> MethodReading:
+def lens_reading(store: Any, out: StoredOutputs, tuned: Any = None, plateau: float = PLATEAU) -> MethodReading:
     """Logit lens (``tuned`` None) or tuned lens reading of the facts in ``out``."""
     from query.lens import FinalReadout, read_objects
 
@@ -209,10 +241,10 @@ def lens_reading(store: Any, out: StoredOutputs, tuned: Any = None) -> MethodRea
     else:
         d_attn = d_mlp = None
     return _key_and_split("tuned_lens" if tuned is not None else "logit_lens", out.example_ids, profile,
-                          d_attn, d_mlp)
+                          d_attn, d_mlp, plateau)
 
 
-def attention_reading(store: Any, out: StoredOutputs) -> MethodReading:
+def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) -> MethodReading:
     """Attention from the last token to the subject tokens per layer and head (``attn_prob``)."""
     from query.selection import Selection
 
@@ -230,7 +262,7 @@ def attention_reading(store: Any, out: StoredOutputs) -> MethodReading:
     mask = ((j[None] >= s0[:, None]) & (j[None] < s1[:, None])).astype(np.float32)  # [n, S]
     mass = np.einsum("nlhs,ns->nlh", A, mask)
     profile = mass.max(axis=2)
-    key = profile.argmax(axis=1)
+    key = _keys(profile, plateau)
     r = np.arange(len(key))
     verdict = np.where(np.linalg.norm(ent[r, key], axis=-1) >= np.linalg.norm(out.mlp[r, key], axis=-1),
                        "attn", "mlp").astype(object)
@@ -268,7 +300,8 @@ class ProbeConfig:
     seed: int = 0
 
 
-def probe_reading(store: Any, out: StoredOutputs, cfg: ProbeConfig = ProbeConfig()) -> tuple[MethodReading, dict[str, Any]]:
+def probe_reading(store: Any, out: StoredOutputs, cfg: ProbeConfig = ProbeConfig(),
+                  plateau: float = PLATEAU) -> tuple[MethodReading, dict[str, Any]]:
     """Cross-validated object probes on every residual index; the reading of ``out``'s facts whose
     object is a probe class, and a summary (classes, facts, per-index accuracy)."""
     t = store.sql("""SELECT e.example_id, e.object FROM examples e JOIN targets t USING (example_id)
@@ -291,7 +324,7 @@ def probe_reading(store: Any, out: StoredOutputs, cfg: ProbeConfig = ProbeConfig
     eval_ids = out.example_ids[keep]
     pos = np.searchsorted(ids, eval_ids)
     profile = p_true[pos, 1:] - p_true[pos, :-1]  # [n, L]
-    key = profile.argmax(axis=1)
+    key = _keys(profile, plateau)
     verdict = np.array([""] * len(eval_ids), dtype=object)
     if out.additive:
         sub = np.flatnonzero(keep)
@@ -420,12 +453,36 @@ def agreement_table(result: dict[str, Any]) -> pa.Table:
         ("verdict_agreement", pa.float64()), ("profile_correlation", pa.float64())]))
 
 
-def causal_shares(trace: MethodReading, patch: MethodReading | None, n_layers: int) -> dict[str, Any]:
+def key_mlp_at_subject(store: Any, run_id: str | None = None) -> np.ndarray:
+    """Per traced fact, the layer whose windowed-MLP restoration at the subject's last token has the
+    largest indirect effect (ROME's decisive MLP site), as a fraction of the depth."""
+    run = latest_run(store, "trace_effects", run_id)
+    t = store.sql(f"""SELECT e.example_id, e.layer, e.indirect_effect AS ie FROM trace_effects e
+                      JOIN trace_facts f ON f.run_id = e.run_id AND f.example_id = e.example_id
+                      WHERE e.run_id = '{run}' AND e.component = 'mlp' AND e.position = f.subject_end - 1
+                      ORDER BY 1, 2""").to_pandas()
+    if t.empty:
+        return np.zeros(0)
+    grid = t.pivot(index="example_id", columns="layer", values="ie").to_numpy()
+    return np.argmax(grid, axis=1) / max(1, grid.shape[1] - 1)
+
+
+def _spread(rel: np.ndarray) -> dict[str, float] | None:
+    if rel.size == 0:
+        return None
+    return {"median": float(np.median(rel)), "q25": float(np.quantile(rel, 0.25)),
+            "q75": float(np.quantile(rel, 0.75)), "mean": float(rel.mean())}
+
+
+def causal_shares(trace: MethodReading, patch: MethodReading | None, n_layers: int,
+                  subject_site: np.ndarray | None = None) -> dict[str, Any]:
     """MLP vs attention share of the causal effect, and where the key MLP layers sit (relative depth).
 
     Tracing: per fact, peak windowed-MLP effect / (peak MLP + peak attention effect), positive parts.
     Patching: per fact, sum over layers of positive MLP recovery / (that + attention's).
-    Key MLP layer: argmax of the tracing MLP profile, as a fraction of the depth (layer / (L - 1)).
+    Key MLP layer, as a fraction of the depth (layer / (L - 1)): at the subject's last token
+    (``subject_site``, from :func:`key_mlp_at_subject`; ROME's site), and over all positions
+    (argmax of the tracing MLP profile).
     """
     out: dict[str, Any] = {}
     assert trace.mlp is not None and trace.attn is not None
@@ -441,6 +498,6 @@ def causal_shares(trace: MethodReading, patch: MethodReading | None, n_layers: i
         out["patch_mlp_share"] = float(np.mean(sm[okp] / (sm[okp] + sa[okp]))) if okp.any() else None
         out["patch_facts"] = int(okp.sum())
     rel = np.nanargmax(np.where(np.isfinite(trace.mlp), trace.mlp, -np.inf), axis=1) / max(1, n_layers - 1)
-    out["key_mlp_layer_relative"] = {"median": float(np.median(rel)), "q25": float(np.quantile(rel, 0.25)),
-                                     "q75": float(np.quantile(rel, 0.75)), "mean": float(rel.mean())}
+    out["key_mlp_layer_relative"] = _spread(rel)
+    out["key_mlp_layer_relative_subject_last"] = _spread(np.zeros(0) if subject_site is None else subject_site)
     return out

@@ -152,8 +152,10 @@ def fmt(v: object, digits: int = 3) -> str:
         f = float(v)
         if not math.isfinite(f):
             return "–"
-        if f != 0 and (abs(f) >= 1e5 or abs(f) < 10 ** -digits):
+        if f != 0 and (abs(f) >= 1e7 or abs(f) < 10 ** -digits):
             return f"{f:.{digits}g}"
+        if abs(f) >= 100:
+            return f"{f:,.0f}" if f == int(f) or abs(f) >= 1e4 else f"{f:.1f}"
         return f"{f:.{digits}f}"
     if isinstance(v, list | tuple):
         s = ", ".join(fmt(x, digits) for x in v[:8])
@@ -211,16 +213,25 @@ def heatmap(grid: np.ndarray, *, rows: Sequence[object], cols: Sequence[object],
         ys, xs = np.nonzero(g >= threshold)
         for y, x in zip(ys, xs):
             ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=0.8))
-    step_x = max(1, len(cols) // 16)
-    step_y = max(1, len(rows) // 16)
-    ax.set_xticks(range(0, len(cols), step_x), [str(c) for c in cols][::step_x], fontsize=7)
-    ax.set_yticks(range(0, len(rows), step_y), [str(r) for r in rows][::step_y], fontsize=7)
+    int_ticks(ax, "x", cols)
+    int_ticks(ax, "y", rows)
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=8)
     fig.colorbar(im, ax=ax, fraction=0.05)
     fig.tight_layout()
     return figure_html(fig, title, dpi)
+
+
+def int_ticks(ax: Any, axis: str, labels: Sequence[object], fontsize: int = 7) -> None:
+    """Tick at every cell (at most ~16 ticks) of an ``imshow`` axis, labelled with ``labels``."""
+    step = max(1, len(labels) // 16)
+    pos = list(range(0, len(labels), step))
+    names = [str(labels[i]) for i in pos]
+    if axis == "x":
+        ax.set_xticks(pos, names, fontsize=fontsize)
+    else:
+        ax.set_yticks(pos, names, fontsize=fontsize)
 
 
 def _grid(t: pa.Table, value: str, row: str = "layer", col: str = "head") -> tuple[np.ndarray, list[Any], list[Any]]:
@@ -348,11 +359,15 @@ def probes_section(ctx: _Ctx) -> Section | None:
     if metrics is not None:
         for run in ctx.latest_runs(metrics):
             sub = _filter(metrics, "run_id", run) if run else metrics
+            cols = [c for c in ("relation_id", "relation_name", "n_queries", "n_predicted", "precision", "recall",
+                                "f1") if c in sub.column_names]
+            recs = _rows(sub, cols)
+            drawn = [r for r in recs if r.get("n_queries") or r.get("n_predicted")]
             parts.append(f"<h3>Per relation, {esc(_run_label(run))}</h3>")
-            parts.append(html_table(_rows(sub, ["relation_id", "relation_name", "n_queries", "n_predicted",
-                                                "precision", "recall", "f1"]),
-                                    [c for c in ("relation_id", "relation_name", "n_queries", "n_predicted",
-                                                 "precision", "recall", "f1") if c in sub.column_names]))
+            parts.append(html_table(drawn, cols))
+            if len(drawn) < len(recs):
+                parts.append(note(f"{len(recs) - len(drawn)} relations were never drawn as queries in this run's "
+                                  "episodes (too few episodes): not shown"))
     ctx.used.update({"probe_episodes", "probe_predictions"})
     return Section("probes", "Probes: episodic relation classification", "\n".join(parts))
 
@@ -372,7 +387,7 @@ def headscore_section(ctx: _Ctx) -> Section | None:
         sub = _filter(t, "run_id", run) if run else t
         parts.append(f"<h3>{esc(_run_label(run))}{esc(' (' + kinds[run] + ')' if run in kinds else '')}</h3>")
         grid, layers, heads = _grid(sub, "score")
-        imgs = [heatmap(grid, rows=layers, cols=heads, title=f"all relations, {run or 'all runs'}", dpi=ctx.opts.dpi)]
+        imgs = [heatmap(grid, rows=layers, cols=heads, title="HeadScore, all relations", dpi=ctx.opts.dpi)]
         if "relation_id" in sub.column_names:
             rels = sorted({str(r) for r in sub.column("relation_id").to_pylist()})
             for rel in rels[: ctx.opts.max_relations]:
@@ -610,13 +625,10 @@ def maps_section(ctx: _Ctx) -> Section | None:
                 one = _filter(sub, "relation", name)
                 g, ls, hs = _grid(one, "score")
                 k = one.column("k")[0].as_py() if "k" in one.column_names else "?"
-                imgs.append(heatmap(g, rows=ls, cols=hs, title=f"MAPS {name} (k={k})", cmap="viridis",
-                                    symmetric=False, vmin=0.0, vmax=1.0, threshold=thr, dpi=ctx.opts.dpi))
+                panels = [("score", g, "viridis")]
                 if "suppression" in one.column_names:
-                    g, ls, hs = _grid(one, "suppression")
-                    imgs.append(heatmap(g, rows=ls, cols=hs, title=f"MAPS suppression {name} (k={k})",
-                                        cmap="magma", symmetric=False, vmin=0.0, vmax=1.0, threshold=thr,
-                                        dpi=ctx.opts.dpi))
+                    panels.append(("suppression", _grid(one, "suppression")[0], "magma"))
+                imgs.append(_maps_figure(name, k, panels, ls, hs, thr, ctx.opts.dpi))
             parts.append('<div class="grid">' + "".join(imgs) + "</div>")
     if rel is not None:
         run = ctx.latest_runs(rel)[0]
@@ -631,6 +643,29 @@ def maps_section(ctx: _Ctx) -> Section | None:
         parts.append("<h3>Most salient operations (largest sigma_t = |e_t W_VO| / |e_t|)</h3>")
         parts.append(html_table(recs, [c for c in ("layer", "head", "token", "sigma", "mapped_tokens") if c in sub.column_names]))
     return Section("maps", "MAPS: head functions from the weights", "\n".join(parts))
+
+
+def _maps_figure(name: str, k: object, panels: list[tuple[str, np.ndarray, str]], layers: list[Any],
+                 heads: list[Any], threshold: float, dpi: int) -> str:
+    """Relation and suppression scores side by side (layer x head, 0..1, heads >= threshold outlined)."""
+    plt = _plt()
+    w = min(5.5, 1.4 + 0.3 * len(heads))
+    fig, axes = plt.subplots(1, len(panels), figsize=(w * len(panels), min(6.5, 1.5 + 0.15 * len(layers))),
+                             squeeze=False)
+    for ax, (label, g, cmap) in zip(axes[0], panels):
+        im = ax.imshow(g, aspect="auto", origin="lower", cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
+        ys, xs = np.nonzero(g >= threshold)
+        for y, x in zip(ys, xs):
+            ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=0.8))
+        int_ticks(ax, "x", heads)
+        int_ticks(ax, "y", layers)
+        ax.set_xlabel("head", fontsize=8)
+        ax.set_ylabel("layer", fontsize=8)
+        ax.set_title(f"{label} (k={k})", fontsize=8)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.suptitle(f"MAPS {name}", fontsize=9)
+    fig.tight_layout()
+    return figure_html(fig, f"MAPS {name}: relation and suppression scores", dpi)
 
 
 def maps_dynamic_section(ctx: _Ctx) -> Section | None:
@@ -659,8 +694,10 @@ def maps_dynamic_section(ctx: _Ctx) -> Section | None:
                 one = _filter(sub, "relation", name)
                 grids = [_grid(one, c) for c in value_cols]
                 fig, axes = plt.subplots(1, len(value_cols) + 1, figsize=(3.4 * (len(value_cols) + 1), 3.0))
-                for ax, c, (g, _ls, _hs) in zip(axes, value_cols, grids):
+                for ax, c, (g, ls, hs) in zip(axes, value_cols, grids):
                     im = ax.imshow(g, aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=1)
+                    int_ticks(ax, "x", hs)
+                    int_ticks(ax, "y", ls)
                     ax.set_title(c.replace("_", " "), fontsize=8)
                     ax.set_xlabel("head", fontsize=7)
                     ax.set_ylabel("layer", fontsize=7)
@@ -774,6 +811,7 @@ def tracing_section(ctx: _Ctx) -> Section | None:
                     grid[k, li] = vals[m].mean()
         im = ax.imshow(grid, aspect="auto", cmap=cmaps.get(c, "viridis"), interpolation="nearest")
         ax.set_yticks(range(len(TRACE_CLASSES)), [x.replace("_", " ") for x in TRACE_CLASSES], fontsize=7)
+        int_ticks(ax, "x", list(range(L)))
         ax.set_xlabel("layer", fontsize=8)
         ax.set_title(f"mean indirect effect: {c or value}", fontsize=8)
         fig.colorbar(im, ax=ax, fraction=0.05)
@@ -791,12 +829,13 @@ def tracing_section(ctx: _Ctx) -> Section | None:
         if "token" in one.column_names:
             for p, tok in zip(pos.tolist(), one.column("token").to_pylist()):
                 toks[p] = str(tok)
-        fig, axes = plt.subplots(1, len(comps), figsize=(4.2 * len(comps), 0.3 * T + 1.6), squeeze=False)
+        fig, axes = plt.subplots(1, len(comps), figsize=(4.2 * len(comps), min(9.0, 0.22 * T + 1.6)), squeeze=False)
         for ax, c in zip(axes[0], comps):
             part = _filter(one, "component", c) if c else one
             g, ls, ps = _grid(part, "prob" if "prob" in part.column_names else value, row="position", col="layer")
             im = ax.imshow(g, aspect="auto", cmap=cmaps.get(c, "viridis"), interpolation="nearest")
-            ax.set_yticks(range(len(ls)), [toks[int(p)] for p in ls], fontsize=7)
+            ax.set_yticks(range(len(ls)), [toks[int(p)] for p in ls], fontsize=6 if len(ls) > 30 else 7)
+            int_ticks(ax, "x", ps)
             ax.set_xlabel("layer", fontsize=8)
             ax.set_title(c or value, fontsize=8)
             fig.colorbar(im, ax=ax, fraction=0.05)
@@ -827,6 +866,7 @@ def patching_section(ctx: _Ctx) -> Section | None:
              f"<h3>{esc(_run_label(run))}</h3>"]
     plt = _plt()
     import pyarrow.compute as pc
+    from matplotlib.ticker import MaxNLocator
 
     whole = sub.filter(pc.not_equal(sub.column("component"), "head"))
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -840,6 +880,7 @@ def patching_section(ctx: _Ctx) -> Section | None:
             m = (comp == c) & (pos == p)
             ls = sorted(set(layer[m].tolist()))
             ax.plot(ls, [np.nanmean(rec[m & (layer == li)]) for li in ls], marker=".", label=f"{c} @ {p}" if p else c)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("mean recovery")
     ax.legend(fontsize=7)
@@ -869,6 +910,8 @@ def lens_section(ctx: _Ctx) -> Section | None:
         np.full(sub.num_rows, "lens")
     x = np.asarray(sub.column(xcol).to_pylist())
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, len(ycols) + ("object_rank" in ycols), figsize=(4.2 * (len(ycols) + 1), 3.2),
                              squeeze=False)
     panels: list[tuple[str, Callable[[np.ndarray], float], str]] = []
@@ -882,6 +925,7 @@ def lens_section(ctx: _Ctx) -> Section | None:
         for name in sorted(set(lens.tolist())):
             xs = sorted(set(x[lens == name].tolist()))
             ax.plot(xs, [agg(y[(lens == name) & (x == xi)]) for xi in xs], marker=".", label=f"{name} lens")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("residual index (0 = embeddings)" if xcol == "index" else "layer", fontsize=8)
         ax.set_ylabel(label, fontsize=8)
         if label.startswith("median"):

@@ -123,3 +123,14 @@ def test_cli_agree_end_to_end(store_factory: Callable[..., Path], tmp_path: Path
     assert {r["method"] for r in t} == {"trace", "patch", "probe", "attention", "logit_lens", "tuned_lens"}
     bad = cli.invoke(main, ["agree", "--store", path, "--trace-run", "nope"])
     assert bad.exit_code == 1 and "no run 'nope'" in bad.stderr
+
+
+def test_key_layer_is_the_middle_of_the_peak_plateau() -> None:
+    from query.methods import key_layer
+
+    p = np.array([0.0, 0.1, 0.95, 1.0, 0.97, 0.96, 0.2, 0.0])
+    assert key_layer(p, 1.0) == 3  # plain argmax
+    assert key_layer(p, 0.9) == 3  # plateau 2..5 -> middle 3
+    flat = np.array([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0])  # a window smearing one layer over five
+    assert key_layer(flat, 0.9) == 3
+    assert key_layer(np.array([np.nan, np.nan]), 0.9) == -1

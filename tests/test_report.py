@@ -239,3 +239,17 @@ def test_report_in_headless_chromium(report_store: Path, tmp_path: Path) -> None
     res = _browser(path, tmp_path, "--window-size=1280,6000", f"--screenshot={shot}")
     assert res.returncode == 0, res.stderr[-2000:]
     assert shot.read_bytes()[:8] == PNG_MAGIC and shot.stat().st_size > 50_000
+
+
+def test_demo_steps_skip_missing_modules_and_failures() -> None:
+    from query.demo_steps import DemoLog
+
+    seen: list[str] = []
+    log = DemoLog(seen.append)
+    assert log.run("a", "step a", ("query.not_built_yet",), lambda: 1) is None
+    assert log.run("b", "step b", ("query.report",), lambda: 1 / 0) is None
+    assert log.run("c", "step c", ("query.report",), lambda: {"x": 1}) == {"x": 1}
+    assert log.notes[0] == "a: skipped (query.not_built_yet not built)"
+    assert log.notes[1].startswith("b: failed (ZeroDivisionError")
+    assert log.results == {"c": {"x": 1}} and set(log.timings) == {"b", "c"}
+    assert seen == ["step a: skipped (query.not_built_yet not built)", "step b", "step c"]
