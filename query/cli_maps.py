@@ -183,10 +183,11 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
 @click.option("--no-final-norm", is_flag=True, help="Raw unembedding instead of final norm weight times it.")
 @click.option("--heatmaps", "heatmap_dir", default=None, help="Write static and dynamic heatmaps here.")
 @click.option("--no-write", is_flag=True, help="Do not write result tables into the store.")
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, threshold: float, source_token: str,
-                 no_final_norm: bool, heatmap_dir: str | None, no_write: bool, as_json: bool) -> None:
+                 no_final_norm: bool, heatmap_dir: str | None, no_write: bool, quiet: bool, as_json: bool) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
     import actstore
     from actstore.writer import write_result_table
@@ -197,7 +198,8 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
     s = actstore.open(store)
     wanted = [r.strip() for r in relations.split(",") if r.strip()] if relations else None
     ranks = dynamic_ranks(s, where=where, relations=wanted, source_token=source_token,  # type: ignore[arg-type]
-                          final_norm=not no_final_norm, k_max=k)
+                          final_norm=not no_final_norm, k_max=k,
+                          log=None if quiet else lambda m: click.echo(m, err=True))
     summaries = [correlation_summary(d, k, threshold) for d in ranks.values()]
     run_id = new_run_id("maps-dynamic")
     written: list[str] = []

@@ -8,7 +8,8 @@ fails) is skipped with a note in the summary, so the demo always ends with a rep
 settings are kept modest so that ingest plus analyses finish in a few minutes on two CPU
 cores: one seed of ``episodes`` 5-way 5-shot episodes per probe, TokenScores for every query
 prediction of the ``attn_head`` probe, static MAPS scores for every relation of the store (one
-pass over the heads serves all relations) and dynamic MAPS scores for two of them.
+pass over the heads serves all relations) and dynamic MAPS scores for one of them (the
+optional steps give way to a time budget, see :func:`run_demo_analyses`).
 """
 
 from __future__ import annotations
@@ -190,11 +191,14 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
                       probe_kinds: tuple[str, ...] = ("attn_head", "attn"), dynamic_relations: int = 1,
                       budget_s: float = 300.0) -> dict[str, Any]:
     """Run the demo's analyses over ``store``, write ``out/report.html``; return a summary dict
-    with ``report`` (the path), per-step results, ``timings`` (seconds) and ``notes`` (skips).
+    with ``report`` (the path), per-step results, ``timings`` and ``cpu_seconds`` per step, and
+    ``notes`` (what was skipped and why).
 
-    Optional steps (probes after the first, dynamic MAPS) are skipped with a note once the
-    analyses have taken ``budget_s`` seconds, so a slow or busy machine still gets its report
-    in time."""
+    The main steps run first: the first probe kind with HeadScore and TokenScore (stored for
+    every prediction, so the report shows correct predictions as well as errors), predictors,
+    shortcuts and static MAPS.  The optional ones (further probe kinds, dynamic MAPS) are skipped
+    with a note once the analyses have taken ``budget_s`` seconds, so a slow or busy machine
+    still gets its report in time."""
     log = DemoLog(step)
     started = time.time()
 
@@ -205,19 +209,15 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
         step(f"{name}: skipped to stay within the time budget")
         return True
 
-    first_run: str | None = None
-    for i, kind in enumerate(probe_kinds):
-        if i > 0 and over_budget(f"probe_{kind}"):
-            continue
-        # TokenScores for every prediction of the first probe: the report shows correct ones too.
-        token_scores = "all" if i == 0 else "none"
-        res = log.run(f"probe_{kind}", f"probe {kind}: {episodes} episodes, 5-way 5-shot, HeadScore"
-                      + ("/TokenScore" if i == 0 else ""), ("query.probe",),
-                      functools.partial(probe_step, store, kind, episodes, token_scores))
-        if res is not None and first_run is None:
-            first_run = str(res["run_id"])
-    if first_run is not None:
-        run_id = first_run
+    def probe(kind: str, token_scores: str) -> Any:
+        title = f"probe {kind}: {episodes} episodes, 5-way 5-shot, HeadScore" + (
+            "/TokenScore" if token_scores != "none" else "")
+        return log.run(f"probe_{kind}", title, ("query.probe",),
+                       functools.partial(probe_step, store, kind, episodes, token_scores))
+
+    first = probe(probe_kinds[0], "all") if probe_kinds else None
+    if first is not None:
+        run_id = str(first["run_id"])
         log.run("predictors", "predictors of per-relation F1", ("query.predictors",),
                 lambda: predictors_step(store, run_id))
         log.run("shortcuts", "lexical shortcuts in probe errors", ("query.shortcuts",),
@@ -233,6 +233,9 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
 
     log.run("maps", "MAPS static scores of every head (weights only)", ("query.maps", "query.cli_maps"),
             lambda: maps_step(store, proj()))
+    for kind in probe_kinds[1:]:
+        if not over_budget(f"probe_{kind}"):
+            probe(kind, "none")
     if dynamic_relations > 0 and not over_budget("maps_dynamic"):
         rels = _demo_relations(store, dynamic_relations)
         log.run("maps_dynamic", f"MAPS dynamic scores from stored head outputs ({', '.join(rels)})",

@@ -24,8 +24,9 @@ the negated rows) are correlated the same way.
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,7 +72,8 @@ class DynamicRanks:
 
 def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence[str] | None = None,
                   source_token: Literal["first", "last"] = "first", final_norm: bool = True,
-                  k_max: int = DEFAULT_K, proj: VocabProjection | None = None) -> dict[str, DynamicRanks]:
+                  k_max: int = DEFAULT_K, proj: VocabProjection | None = None,
+                  log: Callable[[str], None] | None = None) -> dict[str, DynamicRanks]:
     """Ranks for every relation in the (filtered) store; see the module docstring."""
     pairs = store_pairs(store, where, source_token=source_token)
     if pairs.num_rows == 0:
@@ -84,27 +86,35 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
             raise MapsError(f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}")
         names = [n for n in names if n in set(relations)]
     proj = proj or VocabProjection(store, final_norm=final_norm)
-    out: dict[str, DynamicRanks] = {}
     rel_col = np.asarray(pairs.column("relation_id").to_pylist())
+    keep = np.isin(rel_col, names)
+    pairs, rel_col = pairs.filter(pa.array(keep)), rel_col[keep]
+    ranks = _ranks(store, proj, pairs, k_max, log)  # every relation in one pass over the heads
+    ids = pairs.column("example_id").to_numpy()
+    templates_col = np.asarray(pairs.column("template").to_pylist(), dtype=object)
+    out: dict[str, DynamicRanks] = {}
     for name in names:
-        mask = rel_col == name
-        out[name] = _relation_ranks(store, proj, name, pairs.filter(pa.array(mask)), k_max)
+        m = rel_col == name
+        templates = sorted(set(templates_col[m].tolist()))
+        group = np.asarray([templates.index(t) for t in templates_col[m]])
+        r = {key: arr[m] for key, arr in ranks.items()}
+        out[name] = DynamicRanks(name, templates, group, ids[m], r["su"], r["sd"], r["wu"], r["wd"], r["ou"], r["od"],
+                                 k_max)
     return out
 
 
-def _relation_ranks(store: Store, proj: VocabProjection, name: str, pairs: pa.Table, k_max: int) -> DynamicRanks:
+def _ranks(store: Store, proj: VocabProjection, pairs: pa.Table, k_max: int,
+           log: Callable[[str], None] | None) -> dict[str, np.ndarray]:
+    """Static (su/sd), with-context (wu/wd) and without-context (ou/od) ranks: [n, L, H] int32 each."""
     g = store.geometry
+    t0 = time.perf_counter()
     ids = pairs.column("example_id").to_numpy()
     src = torch.from_numpy(pairs.column("src_id").to_numpy().astype(np.int64))
     dst = torch.from_numpy(pairs.column("dst_id").to_numpy().astype(np.int64))
     src_pos = dict(zip(ids.tolist(), pairs.column("src_position").to_pylist()))
-    templates_col = pairs.column("template").to_pylist()
-    templates = sorted(set(templates_col))
-    group = np.asarray([templates.index(t) for t in templates_col])
     z, v = _read_factors(store, ids, src_pos)  # [n, L, H, dh], [n, L, Hkv, dh] in example order
-    n = ids.size
-    shape = (n, g.n_layers, g.n_heads)
-    arrays = {key: np.empty(shape, np.int32) for key in ("su", "sd", "wu", "wd", "ou", "od")}
+    shape = (ids.size, g.n_layers, g.n_heads)
+    out = {key: np.empty(shape, np.int32) for key in ("su", "sd", "wu", "wd", "ou", "od")}
     # The static row depends only on the (source, object) pair: rank each distinct pair once.
     uniq, inverse = np.unique(np.stack([src.numpy(), dst.numpy()], axis=1), axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
@@ -112,15 +122,19 @@ def _relation_ranks(store: Store, proj: VocabProjection, name: str, pairs: pa.Ta
     with torch.inference_mode():
         for layer in range(g.n_layers):
             xs = {kv: proj.values(layer, kv, u_src) for kv in range(g.n_kv_heads)}
+            zl = z[:, layer].contiguous()
+            vl = v[:, layer].contiguous()
             for head in range(g.n_heads):
-                B = proj.readout(layer, head)
+                B = proj.readout(layer, head)  # once per head for every relation and prompt
                 kv = proj.kv(head)
                 su, sd = projected_ranks(xs[kv], B, u_dst, k_max)
-                arrays["su"][:, layer, head], arrays["sd"][:, layer, head] = su[inverse], sd[inverse]
-                arrays["wu"][:, layer, head], arrays["wd"][:, layer, head] = projected_ranks(z[:, layer, head], B, dst, k_max)
-                arrays["ou"][:, layer, head], arrays["od"][:, layer, head] = projected_ranks(v[:, layer, kv], B, dst, k_max)
-    return DynamicRanks(name, templates, group, ids, arrays["su"], arrays["sd"], arrays["wu"], arrays["wd"],
-                        arrays["ou"], arrays["od"], k_max)
+                out["su"][:, layer, head], out["sd"][:, layer, head] = su[inverse], sd[inverse]
+                out["wu"][:, layer, head], out["wd"][:, layer, head] = projected_ranks(zl[:, head], B, dst, k_max)
+                out["ou"][:, layer, head], out["od"][:, layer, head] = projected_ranks(vl[:, kv], B, dst, k_max)
+            if log is not None:
+                log(f"layer {layer + 1}/{g.n_layers}: {ids.size} prompts, {uniq.shape[0]} distinct pairs, "
+                    f"{time.perf_counter() - t0:.0f}s")
+    return out
 
 
 def _read_factors(store: Store, ids: np.ndarray, src_pos: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
