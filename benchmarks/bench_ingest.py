@@ -80,12 +80,12 @@ def du(path: str, sub: str = "") -> int:
 def peak_rss_mb(n_prompts: int, batch: int) -> float:
     """Peak RSS of a fresh process that loads the model and ingests ``n_prompts``."""
     code = (
-        "import resource, sys, tempfile; sys.path.insert(0, %r)\n"
+        f"import resource, sys, tempfile; sys.path.insert(0, {str(REPO)!r})\n"
         "from benchmarks.bench_ingest import load, time_ingest\n"
-        "l, p = load(%d)\n"
-        "time_ingest(l, p, %d, tempfile.mkdtemp() + '/s', 'float16')\n"
+        f"l, p = load({n_prompts})\n"
+        f"time_ingest(l, p, {batch}, tempfile.mkdtemp() + '/s', 'float16')\n"
         "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
-    ) % (str(REPO), n_prompts, batch)
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True).stdout
     peak_kib = int(next(line for line in out.splitlines() if line.startswith("PEAK")).split()[1])
     return peak_kib / 1024  # ru_maxrss is in KiB on Linux

@@ -150,11 +150,24 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     g = store.geometry
     proj = VocabProjection(store, final_norm=cfg.final_norm)
     pairs = dict(pairs or {})
+    # Static scores of R and of every relation that may serve as a control, in one pass over
+    # the heads (each head's readout is the expensive part).
+    needed = [cfg.relation] + (list(prompts) if cfg.controls is None and cfg.heads is None else controls)
+    for rel in dict.fromkeys(needed):
+        if rel not in pairs:
+            try:
+                pairs[rel] = pairs_from_store(store, rel, cfg.where)
+            except AblationError:
+                if rel == cfg.relation:
+                    raise
+    all_scores = static_scores(proj, [pairs[r] for r in dict.fromkeys(needed) if r in pairs], k_max=cfg.k)
 
     def scores_for(rel: str) -> np.ndarray:
-        if rel not in pairs:
-            pairs[rel] = pairs_from_store(store, rel, cfg.where)
-        return static_scores(proj, [pairs[rel]], k_max=cfg.k)[rel].score(cfg.k)
+        if rel not in all_scores:
+            if rel not in pairs:
+                pairs[rel] = pairs_from_store(store, rel, cfg.where)
+            all_scores.update(static_scores(proj, [pairs[rel]], k_max=cfg.k))
+        return all_scores[rel].score(cfg.k)
 
     score = scores_for(cfg.relation)
     if cfg.heads is not None:

@@ -7,7 +7,7 @@ For head h of layer l (Elhelo & Geva, 2025; SPEC section 5, seed 004) the vocabu
 and its row for source token s scores every vocabulary token as a target.  We never build
 the |V| x |V| matrix: W_VO has rank d_head, so a row is ``x_s B_h`` with
 ``x_s = e_s W_V[l, kv(h)]`` (d_head numbers) and ``B_h = W_O[l, h] U`` ([d_head, |V|], made
-once per head).  Rows are computed only for the source tokens a relation needs, in chunks,
+once per head; for few rows ``(x_s W_O[l, h]) U`` is cheaper, see :class:`HeadMap`).  Rows are computed only for the source tokens a relation needs, in chunks,
 so peak memory is a few chunks of ``[rows, |V|]`` whatever the vocabulary.
 
 Scores, per relation R with token pairs (s, t):
@@ -220,13 +220,32 @@ class VocabProjection:
     def kv(self, head: int) -> int:
         return head // self.geometry.kv_group
 
-    def readout(self, layer: int, head: int) -> torch.Tensor:
-        """B_h = W_O[l, h] U'  : [d_head, |V|]."""
-        return self.W_O[layer, head] @ self.U_T
+    def readout(self, layer: int, head: int, n_rows: int) -> HeadMap:
+        """The map x -> x W_O[l, h] U' for about ``n_rows`` vectors x (see :class:`HeadMap`)."""
+        return HeadMap(self.W_O[layer, head], self.U_T, n_rows)
 
     def values(self, layer: int, kv: int, token_ids: torch.Tensor) -> torch.Tensor:
         """x_s = e_s W_V[l, kv] for the given source tokens: [n, d_head]."""
         return self.embed[token_ids] @ self.W_V[layer, kv]
+
+
+class HeadMap:
+    """x [n, d_head] -> rows x W_O U' [n, |V|], in the cheaper of two orders.
+
+    Through B = W_O U' ([d_head, |V|], made once) a row costs d_head*|V|; directly, (x W_O) U'
+    costs d_model*|V| per row but nothing up front.  B pays off from about
+    d_head*d_model / (d_model - d_head) rows: 72 for SmolLM2 (64, 576), 427 for Gemma-3-270M
+    (256, 640, whose |V| = 262144 makes B cost as much as 640 direct rows).
+    """
+
+    def __init__(self, W_O: torch.Tensor, U_T: torch.Tensor, n_rows: int) -> None:
+        dh, d = W_O.shape
+        self.W_O = W_O
+        self.U_T = U_T
+        self.B = W_O @ U_T if n_rows * (d - dh) >= dh * d else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.B if self.B is not None else (x @ self.W_O) @ self.U_T
 
 
 def target_ranks(rows: torch.Tensor, targets: torch.Tensor, k_max: int,
@@ -248,15 +267,15 @@ def target_ranks(rows: torch.Tensor, targets: torch.Tensor, k_max: int,
     return (hi > val).sum(1, dtype=torch.int32), (lo < val).sum(1, dtype=torch.int32)
 
 
-def projected_ranks(x: torch.Tensor, readout: torch.Tensor, targets: torch.Tensor, k_max: int,
+def projected_ranks(x: torch.Tensor, readout: HeadMap, targets: torch.Tensor, k_max: int,
                     rows_per_chunk: int = ROW_CHUNK) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`target_ranks` of the rows ``x @ readout`` ([n, d_head] @ [d_head, |V|]), in chunks."""
+    """:func:`target_ranks` of the rows ``readout(x)`` (x: [n, d_head]), in chunks."""
     n = int(x.shape[0])
     up = np.empty(n, np.int32)
     down = np.empty(n, np.int32)
     for lo in range(0, n, rows_per_chunk):
         hi = min(n, lo + rows_per_chunk)
-        u, d = target_ranks(x[lo:hi] @ readout, targets[lo:hi], k_max)
+        u, d = target_ranks(readout(x[lo:hi]), targets[lo:hi], k_max)
         up[lo:hi] = u.numpy()
         down[lo:hi] = d.numpy()
     return up, down
@@ -321,14 +340,14 @@ def pair_ranks(proj: VocabProjection, src: np.ndarray, dst: np.ndarray, *, k_max
         for layer, hs in by_layer.items():
             xs = {kv: proj.values(layer, kv, uniq_t) for kv in sorted({proj.kv(h) for h in hs})}
             for head in hs:
-                B = proj.readout(layer, head)
+                B = proj.readout(layer, head, int(uniq.size))
                 x = xs[proj.kv(head)]
                 for c in range(len(bounds) - 1):
                     lo, hi = int(bounds[c]), int(bounds[c + 1])
                     if lo == hi:
                         continue
                     u0 = c * rows_per_chunk
-                    rows = x[u0:u0 + rows_per_chunk] @ B  # [chunk, V]
+                    rows = B(x[u0:u0 + rows_per_chunk])  # [chunk, V]
                     local = torch.from_numpy(inv_sorted[lo:hi] - u0)
                     r_up, r_down = target_ranks(rows, dst_sorted[lo:hi], k_max, local)
                     up[order[lo:hi], layer, head] = r_up.numpy()

@@ -125,7 +125,7 @@ def _ranks(store: Store, proj: VocabProjection, pairs: pa.Table, k_max: int,
             zl = z[:, layer].contiguous()
             vl = v[:, layer].contiguous()
             for head in range(g.n_heads):
-                B = proj.readout(layer, head)  # once per head for every relation and prompt
+                B = proj.readout(layer, head, 2 * ids.size + uniq.shape[0])  # once per head for all prompts
                 kv = proj.kv(head)
                 su, sd = projected_ranks(xs[kv], B, u_dst, k_max)
                 out["su"][:, layer, head], out["sd"][:, layer, head] = su[inverse], sd[inverse]

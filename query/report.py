@@ -309,7 +309,8 @@ def summary_section(ctx: _Ctx) -> Section:
         except Exception:
             n = -1
         tables.append({"table": name, "files": len(files), "rows": n if n >= 0 else None,
-                       "kind": "corpus" if name in SEGMENT_TABLES or name == "heads" else "result"})
+                       "kind": "corpus" if name in SEGMENT_TABLES or name == "heads" else
+                       "run log" if name == "runs" else "result"})
     parts += ["<h3>Tables</h3>", html_table(tables, ["table", "kind", "files", "rows"])]
     if ctx.has("runs"):
         runs = ctx.sql('SELECT * FROM "runs"')

@@ -74,12 +74,12 @@ def test_store_reconstructs_module_outputs(arch: str, padding_side: str, store_f
 @pytest.mark.slow
 def test_smollm2_store_reconstructs_module_outputs(tmp_path: Path) -> None:
     """The same identities on the real default model, on real FewRel prompts, at float32."""
+    from conftest import FEWREL
+
     from ingest.align import tokenize_records
     from ingest.datasets import load_dataset
     from ingest.models import load_model
     from ingest.pipeline import IngestConfig, run_ingest
-
-    from conftest import FEWREL
 
     loaded = load_model("smollm2-135m")
     records = load_dataset(f"fewrel:{FEWREL}", relations=["P177", "P26"], limit_per_relation=3).records
