@@ -150,7 +150,7 @@ def test_dynamic_ranks_equal_forward_hooks(maps_store: Path) -> None:
 
 
 def test_dynamic_groups_templates(tmp_path: Path) -> None:
-    from tests.conftest import build_store
+    from conftest import build_store
 
     data = json.loads((MAPS_DATA / RELS[0] / f"{RELS[0]}.json").read_text())[:4]
     lines = []
