@@ -42,6 +42,7 @@ def _pct(x: float | None) -> str:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--model-dtype", type=click.Choice(MODEL_DTYPES), default="float32", show_default=True)
 @click.option("--no-final-norm", is_flag=True, help="Static scores through the raw unembedding.")
+@click.option("--first-mlp", is_flag=True, help="Static scores through the first MLP's output (the paper's code).")
 @click.option("--allow-other-model", is_flag=True, help="Run even if the model's weights differ from the store's.")
 @click.option("--no-write", is_flag=True, help="Do not write the result table into the store.")
 @click.option("--quiet", is_flag=True)
@@ -50,8 +51,8 @@ def _pct(x: float | None) -> str:
 def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str, ...], no_controls: bool,
            pair_paths: tuple[str, ...], k: int, threshold: float, top_m: int | None, heads_text: str | None,
            random_draws: int, seed: int, mode: str, all_positions: bool, where: str | None, batch_size: int,
-           device: str, model_dtype: str, no_final_norm: bool, allow_other_model: bool, no_write: bool, quiet: bool,
-           as_json: bool) -> None:
+           device: str, model_dtype: str, no_final_norm: bool, first_mlp: bool, allow_other_model: bool,
+           no_write: bool, quiet: bool, as_json: bool) -> None:
     """Accuracy on RELATION's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations."""
     import torch
@@ -89,7 +90,7 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
         relation=relation, controls=() if no_controls else (tuple(controls) if controls else None), k=k,
         threshold=threshold, top_m=top_m, heads=tuple(heads) if heads else None, random_draws=random_draws,
         seed=seed, mode=mode, all_positions=all_positions, where=where, batch_size=batch_size,
-        final_norm=not no_final_norm)
+        final_norm=not no_final_norm, first_mlp=first_mlp)
     runner = InterventionRunner(loaded.model)
     res = run_ablation(runner, s, cfg, pairs=pairs, log=log)
     run_id = new_run_id("ablate")
@@ -103,7 +104,8 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
                                "tables": written}))
         return
     m = res.summary
-    click.echo(f"{relation}: {m['n_prompts']} prompts, {m['n_heads']} heads removed ({m['head_selection']}, k={k}, "
+    click.echo(f"{relation}: {m['n_prompts']} prompts, {m['n_heads']} heads removed ({m['head_selection']}, k={k}"
+               f"{', first MLP' if first_mlp else ''}, "
                f"{mode} ablation at {m['positions']} position(s)); run {run_id}")
     click.echo(f"  heads: {m['heads'] or '(none)'}")
     click.echo(f"  base accuracy            {m['base']:.3f}   (ingest recorded {m['store_base']:.3f})")

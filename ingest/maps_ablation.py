@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from actstore.errors import ActstoreError
 from actstore.store import Store
+from ingest.first_mlp import first_mlp_transform
 from ingest.interventions import InterventionRunner, RunItem, head_ablation, stored_head_means
 from query.maps import (
     DEFAULT_K,
@@ -62,6 +63,7 @@ class AblationConfig:
     where: str | None = None
     batch_size: int = 32
     final_norm: bool = True
+    first_mlp: bool = False  # static scores through the first MLP (the paper's code)
     max_controls: int = 3
     max_head_overlap: float = 0.15
     max_accuracy_gap: float = 0.2
@@ -148,7 +150,8 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     if missing:
         raise AblationError(f"control relation(s) {', '.join(missing)} have no prompts in {store.url}")
     g = store.geometry
-    proj = VocabProjection(store, final_norm=cfg.final_norm)
+    proj = VocabProjection(store, final_norm=cfg.final_norm,
+                           first_mlp=first_mlp_transform(runner.model) if cfg.first_mlp else None)
     pairs = dict(pairs or {})
     # Static scores of R and of every relation that may serve as a control, in one pass over
     # the heads (each head's readout is the expensive part).
@@ -222,7 +225,7 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
         "relation": cfg.relation, "n_prompts": len(p.targets), "n_heads": len(heads), "heads": _fmt(heads),
         "head_selection": "explicit" if cfg.heads is not None else (f"top {cfg.top_m}" if cfg.top_m is not None else
                                                                      f"score >= {cfg.threshold}"),
-        "k": cfg.k, "mode": cfg.mode, "positions": pos_name,
+        "k": cfg.k, "mode": cfg.mode, "positions": pos_name, "first_mlp": cfg.first_mlp,
         "base": base, "store_base": float((p.store_top == p.targets).mean()),
         "ablated": ablated, "drop_pct": _drop(base, ablated),
         "random_mean": float(np.mean(random_accs)) if random_accs else None,

@@ -75,6 +75,9 @@ def _top(scores: np.ndarray, n: int = 3) -> str:
 @click.option("--no-final-norm", is_flag=True, help="Read heads through the raw unembedding (the paper's code) "
               "instead of the final norm's weight times it.")
 @click.option("--tokenizer", default=None, help="Tokenizer folder or name (default: the store's model).")
+@click.option("--first-mlp", is_flag=True, help="Read layers >= 1 through the first MLP's output on the embeddings "
+              "(the paper's code); loads the model, since the store lacks that block's input weights.")
+@click.option("--model", "model_name", default=None, help="Model for --first-mlp (default: the store's).")
 @click.option("--salient-heads", default="all", show_default=True,
               help="Heads for salient operations: all, none, or LAYER.HEAD list (12.3,7.*).")
 @click.option("--salient-tokens", type=int, default=10, show_default=True, help="Salient tokens per head (by sigma).")
@@ -84,8 +87,8 @@ def _top(scores: np.ndarray, n: int = 3) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print per-relation results as JSON.")
 @friendly
 def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int, threshold: float, multi_token: str,
-         no_final_norm: bool, tokenizer: str | None, salient_heads: str, salient_tokens: int, mappings: int,
-         heatmap_dir: str | None, no_write: bool, as_json: bool) -> None:
+         no_final_norm: bool, tokenizer: str | None, first_mlp: bool, model_name: str | None, salient_heads: str,
+         salient_tokens: int, mappings: int, heatmap_dir: str | None, no_write: bool, as_json: bool) -> None:
     """Static MAPS scores of every head for each relation in --pairs, from STORE's weights alone."""
     import actstore
     from actstore.writer import write_result_table
@@ -113,7 +116,7 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
     sal_heads = parse_heads(salient_heads, g.n_layers, g.n_heads) if want_salient else None
     tok = tokenizer_for_store(s, tokenizer)
     tokenized = [tokenize_pairs(r, tok, vocab_size=g.vocab_size, multi_token=multi_token) for r in rels]  # type: ignore[arg-type]
-    proj = VocabProjection(s, final_norm=not no_final_norm)
+    proj = VocabProjection(s, final_norm=not no_final_norm, first_mlp=_first_mlp(s, model_name) if first_mlp else None)
     scores = static_scores(proj, tokenized, k_max=k)
     summaries = [relation_summary(name, sc, k, threshold) for name, sc in scores.items()]
     run_id = new_run_id("maps")
@@ -131,7 +134,8 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
             written.append(write_result_table(s, name, run_id, with_run_id(table, run_id)))
         write_run(s, run_id, "maps", started, {"pairs": list(pair_paths), "relations": wanted, "k": k,
                                                "threshold": threshold, "multi_token": multi_token,
-                                               "final_norm": not no_final_norm, "tokenizer": tokenizer})
+                                               "final_norm": not no_final_norm, "tokenizer": tokenizer,
+                                               "first_mlp": first_mlp})
     if heatmap_dir:
         from query.maps_figures import head_heatmap, safe_name
 
@@ -153,10 +157,12 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
             for i, t, sg, m in zip(op.token_ids.tolist(), decode(op.token_ids.tolist()), op.sigma.tolist(), op.mapped_ids)]}
             for op in ops]
         click.echo(json.dumps({"store": s.url, "run_id": run_id, "k": k, "threshold": threshold,
-                               "final_norm": not no_final_norm, "multi_token": multi_token, "relations": out_rel,
+                               "final_norm": not no_final_norm, "first_mlp": first_mlp, "multi_token": multi_token,
+                               "relations": out_rel,
                                "salient": salient, "tables": written, "heatmaps": figures}))
         return
-    click.echo(f"MAPS static scores, k={k}, threshold={threshold}, {g.n_layers}x{g.n_heads} heads, run {run_id}")
+    click.echo(f"MAPS static scores, k={k}, threshold={threshold}, {g.n_layers}x{g.n_heads} heads"
+               f"{', first MLP' if first_mlp else ''}, run {run_id}")
     click.echo(f"{'relation':<40} {'pairs':>11} {'multi':>5} {'impl':>4} {'supp':>4}  best heads")
     for summ in summaries:
         sc = scores[summ["relation"]]
@@ -181,16 +187,20 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
 @click.option("--source-token", type=click.Choice(["first", "last"]), default="first", show_default=True,
               help="Which subject token is the static source and the no-context attention target.")
 @click.option("--no-final-norm", is_flag=True, help="Raw unembedding instead of final norm weight times it.")
+@click.option("--first-mlp", is_flag=True, help="Static scores through the first MLP (loads the model; see maps).")
+@click.option("--model", "model_name", default=None, help="Model for --first-mlp (default: the store's).")
 @click.option("--heatmaps", "heatmap_dir", default=None, help="Write static and dynamic heatmaps here.")
 @click.option("--no-write", is_flag=True, help="Do not write result tables into the store.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, threshold: float, source_token: str,
-                 no_final_norm: bool, heatmap_dir: str | None, no_write: bool, quiet: bool, as_json: bool) -> None:
+                 no_final_norm: bool, first_mlp: bool, model_name: str | None, heatmap_dir: str | None, no_write: bool,
+                 quiet: bool, as_json: bool) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
     import actstore
     from actstore.writer import write_result_table
+    from query.maps import VocabProjection
     from query.maps_dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 
     _check_k(k, threshold)
@@ -199,6 +209,8 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
     wanted = [r.strip() for r in relations.split(",") if r.strip()] if relations else None
     ranks = dynamic_ranks(s, where=where, relations=wanted, source_token=source_token,  # type: ignore[arg-type]
                           final_norm=not no_final_norm, k_max=k,
+                          proj=VocabProjection(s, final_norm=not no_final_norm,
+                                               first_mlp=_first_mlp(s, model_name) if first_mlp else None),
                           log=None if quiet else lambda m: click.echo(m, err=True))
     summaries = [correlation_summary(d, k, threshold) for d in ranks.values()]
     run_id = new_run_id("maps-dynamic")
@@ -210,7 +222,8 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
         written.append(write_result_table(s, "maps_correlation", run_id,
                                           with_run_id(correlation_table(summaries), run_id)))
         write_run(s, run_id, "maps-dynamic", started, {"where": where, "relations": wanted, "k": k,
-                                                       "source_token": source_token, "final_norm": not no_final_norm})
+                                                       "source_token": source_token, "final_norm": not no_final_norm,
+                                                       "first_mlp": first_mlp})
     if heatmap_dir:
         from query.maps_figures import head_heatmap, safe_name
 
@@ -231,7 +244,7 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
                      for layer in range(L) for h in range(H)]
             out.append({**_nan_to_none(summ), "templates": d.templates, "heads": heads})
         click.echo(json.dumps({"store": s.url, "run_id": run_id, "k": k, "final_norm": not no_final_norm,
-                               "source_token": source_token, "relations": out, "tables": written,
+                               "first_mlp": first_mlp, "source_token": source_token, "relations": out, "tables": written,
                                "heatmaps": figures}))
         return
     click.echo(f"MAPS static vs dynamic (Pearson over heads x templates), k={k}, run {run_id}")
@@ -243,6 +256,21 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
                    f"{m['n_implementing_static']:>4}/{m['n_implementing_wo_context']}/{m['n_implementing_w_context']}")
     for f in written:
         click.echo(f"wrote {f}")
+
+
+def _first_mlp(store: Any, model_name: str | None) -> Any:
+    """The first-MLP source transform of the store's model (loaded on the CPU, float32)."""
+    from ingest.first_mlp import first_mlp_transform
+    from ingest.models import load_model
+
+    name = model_name or str(store.manifest.model.get("name") or "")
+    if not name:
+        raise ValueError("--first-mlp: the store names no model; pass --model")
+    loaded = load_model(name)
+    want = str(store.manifest.model.get("weight_hash") or "")
+    if want and loaded.weight_hash != want:
+        raise ValueError(f"--first-mlp: model {name!r} has other weights than the store's")
+    return first_mlp_transform(loaded.model)
 
 
 def _nan_to_none(d: dict[str, Any]) -> dict[str, Any]:

@@ -41,9 +41,15 @@ Choices where the paper leaves room (documented, and parameters where it matters
   logits (the norm's 1/rms is one positive number per position and cannot change a rank).
   The paper's code (TransformerLens without weight processing) uses the raw W_U;
   ``final_norm=False`` reproduces that.  Dynamic scores use the same U'.
+* First MLP: the paper's code (``apply_first_mlp``, on for every model but Llama-3.1-70B)
+  replaces the source embeddings by the first MLP's output on them, MLP0(norm(e_s)), for
+  layers >= 1.  The store does not hold that MLP's input weights, so this needs the model:
+  pass ``first_mlp`` (:func:`ingest.first_mlp.first_mlp_transform`; ``--first-mlp`` on the
+  command line).  Off by default, so that static scores need only the store.  On SmolLM2 it
+  matters a great deal: it lifts the static-dynamic correlation from 0.0-0.6 to 0.7-1.0.
 * Not applied, because the store does not hold them: the attention block's input norm
-  weight (before W_V), Gemma's post-attention norm, and the paper's optional pass of the
-  embeddings through the first MLP.  Biases b_V, b_O are left out, as in the paper.
+  weight (before W_V) and Gemma's post-attention norm.  Biases b_V, b_O are left out, as in
+  the paper.
 
 Salient operations (:func:`salient_operations`): sigma_t = |e_t W_VO| / |e_t| for every
 vocabulary token t (through the Gram matrix W_O W_O^T, so again no [|V|, d_model] product
@@ -53,7 +59,7 @@ per head), the top tokens by sigma and, for each, its top mapped tokens in m_t.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -64,6 +70,8 @@ import torch
 
 from actstore.errors import QueryError
 from actstore.store import Store
+
+SourceTransform = Callable[[torch.Tensor], torch.Tensor]
 
 DEFAULT_K = 10
 IMPLEMENTS_THRESHOLD = 0.15
@@ -194,10 +202,12 @@ def tokenize_pairs(
 class VocabProjection:
     """The store's weights arranged for vocabulary projections of heads (float32 torch)."""
 
-    def __init__(self, store: Store, *, final_norm: bool = True) -> None:
+    def __init__(self, store: Store, *, final_norm: bool = True, first_mlp: SourceTransform | None = None) -> None:
         g = store.geometry
         self.geometry = g
         self.final_norm = final_norm
+        self.first_mlp = first_mlp
+        self._sources: tuple[bytes, torch.Tensor] | None = None
         attrs = store.weight_attrs
         self.W_V = torch.from_numpy(store.weight("W_V"))  # [L, Hkv, d, dh]
         self.W_O = torch.from_numpy(store.weight("W_O"))  # [L, H, dh, d]
@@ -224,9 +234,22 @@ class VocabProjection:
         """The map x -> x W_O[l, h] U' for about ``n_rows`` vectors x (see :class:`HeadMap`)."""
         return HeadMap(self.W_O[layer, head], self.U_T, n_rows)
 
+    def sources(self, layer: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """The source vectors layer ``layer`` reads: the embeddings, or with ``first_mlp``
+        (the paper's option) the first MLP's output on them for layers >= 1.  [n, d_model]."""
+        e = self.embed[token_ids]
+        if self.first_mlp is None or layer == 0:
+            return e
+        key = token_ids.numpy().tobytes()
+        if self._sources is None or self._sources[0] != key:
+            with torch.inference_mode():
+                out = torch.cat([self.first_mlp(e[i:i + 4096]).float() for i in range(0, e.shape[0], 4096)])
+            self._sources = (key, out)
+        return self._sources[1]
+
     def values(self, layer: int, kv: int, token_ids: torch.Tensor) -> torch.Tensor:
-        """x_s = e_s W_V[l, kv] for the given source tokens: [n, d_head]."""
-        return self.embed[token_ids] @ self.W_V[layer, kv]
+        """x_s = src_s W_V[l, kv] for the given source tokens (see :meth:`sources`): [n, d_head]."""
+        return self.sources(layer, token_ids) @ self.W_V[layer, kv]
 
 
 class HeadMap:
@@ -445,8 +468,7 @@ def salient_operations(proj: VocabProjection, heads: Iterable[tuple[int, int]] |
     if n_tokens < 1 or n_mappings < 1:
         raise MapsError("--salient-tokens and --mappings must be positive")
     V_in = int(proj.embed.shape[0]) if vocab_limit is None else min(int(vocab_limit), int(proj.embed.shape[0]))
-    E = proj.embed[:V_in]
-    e_norm = E.norm(dim=1)
+    all_ids = torch.arange(V_in)
     wanted = _head_list(proj, heads)
     out: list[SalientOps] = []
     with torch.inference_mode():
@@ -455,6 +477,8 @@ def salient_operations(proj: VocabProjection, heads: Iterable[tuple[int, int]] |
             key = (layer, proj.kv(head))
             if key not in cache:
                 cache.clear()  # heads come layer by layer: keep one layer's values
+                E = proj.sources(layer, all_ids)
+                e_norm = E.norm(dim=1)
                 cache[key] = E @ proj.W_V[layer, key[1]]  # [V, dh]
             x = cache[key]
             WO = proj.W_O[layer, head]

@@ -88,6 +88,38 @@ def test_static_scores_equal_brute_force(arch: str, final_norm: bool, store_fact
                 assert s.suppression(k)[layer, head] == pytest.approx(sup, abs=1e-12)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_first_mlp_static_scores_equal_brute_force(arch: str, store_factory: Callable[..., Path]) -> None:
+    """Layers >= 1 read MLP0(norm(e)) (Gemma: post-norm too); layer 0 the embeddings."""
+    from ingest.first_mlp import first_mlp_transform
+
+    store = actstore.open(store_factory(arch, limit=1))
+    model = tiny_model(arch).model
+    rel = load_pair_files([MAPS_DATA], [RELS[1]])[0]
+    pairs = tokenize_pairs(rel, tokenizer_for_store(store), vocab_size=store.geometry.vocab_size)
+    proj = VocabProjection(store, first_mlp=first_mlp_transform(model))
+    s = static_scores(proj, [pairs])[RELS[1]]
+    block = model.model.layers[0]
+    scale = float(getattr(model.model.embed_tokens, "embed_scale", 1.0))
+    E = model.model.embed_tokens.weight.detach() * scale
+    with torch.no_grad():
+        if arch == "gemma3":
+            eff = block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(E)))
+        else:
+            eff = block.mlp(block.post_attention_layernorm(E))
+    g = store.geometry
+    for layer, head in [(0, 1), (1, 0), (g.n_layers - 1, g.n_heads - 1)]:
+        src_rows = (E if layer == 0 else eff).double()
+        attn = model.model.layers[layer].self_attn
+        kv = head // g.kv_group
+        W_vo = attn.v_proj.weight.double()[kv * 16:(kv + 1) * 16].T @ attn.o_proj.weight.double()[:, head * 16:(head + 1) * 16].T
+        w = model.model.norm.weight.double() + (1.0 if arch == "gemma3" else 0.0)
+        rows = src_rows[torch.from_numpy(pairs.src)] @ W_vo @ (model.lm_head.weight.double() * w).T
+        top = torch.topk(rows, 10, dim=1).indices
+        phi = (top == torch.from_numpy(pairs.dst)[:, None]).any(1).double().mean().item()
+        assert s.score(10)[layer, head] == pytest.approx(phi, abs=1e-12), (arch, layer, head)
+
+
 def test_salient_operations_equal_brute_force(store_factory: Callable[..., Path]) -> None:
     store = actstore.open(store_factory("llama", limit=1))
     model = tiny_model("llama").model
