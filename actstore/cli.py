@@ -135,6 +135,8 @@ def main() -> None:
 @click.option("--relations", default=None, help="Comma-separated relation ids to keep.")
 @click.option("--limit-per-relation", type=int, default=None)
 @click.option("--template", default=None, help="Prompt template for maps pairs, e.g. 'The capital of {} is'.")
+@click.option("--keep-object-first", is_flag=True,
+              help="fewrel: keep instances whose object comes before the subject (skipped by default).")
 @click.option("--batch-size", type=int, default=16, show_default=True)
 @click.option("--dtype", "storage_dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float16",
               show_default=True, help="Storage dtype of the captured arrays.")
@@ -149,7 +151,7 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @friendly
 def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_relation: int | None,
-           template: str | None, batch_size: int, storage_dtype: str, model_dtype: str, device: str,
+           template: str | None, keep_object_first: bool, batch_size: int, storage_dtype: str, model_dtype: str, device: str,
            segment_size: int, padding_side: str, out: str, resume: bool, overwrite: bool, quiet: bool,
            as_json: bool) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
@@ -164,7 +166,8 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
     req = IngestRequest(
         model=model_name, dataset=dataset_spec,
         relations=[r.strip() for r in relations.split(",") if r.strip()] if relations else None,
-        limit_per_relation=limit_per_relation, template=template, batch_size=batch_size,
+        limit_per_relation=limit_per_relation, template=template, keep_object_first=keep_object_first,
+        batch_size=batch_size,
         storage_dtype=storage_dtype, model_dtype=model_dtype, device=device, segment_size=segment_size,
         padding_side=padding_side, out=out, resume=resume, overwrite=overwrite, progress=not quiet,
         rank=rank, world_size=world,

@@ -30,6 +30,7 @@ class IngestRequest:
     relations: list[str] | None = None
     limit_per_relation: int | None = None
     template: str | None = None
+    keep_object_first: bool = False  # fewrel: keep instances whose object precedes the subject
     batch_size: int = 16
     storage_dtype: str = "float16"
     model_dtype: str = "float32"
@@ -50,7 +51,8 @@ def _log_nothing(message: str) -> None:
 def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing) -> IngestReport:
     from ingest.models import load_model
 
-    options = {"relations": req.relations, "limit_per_relation": req.limit_per_relation, "template": req.template}
+    options: dict[str, object] = {"relations": req.relations, "limit_per_relation": req.limit_per_relation,
+                                  "template": req.template, "keep_object_first": req.keep_object_first}
     data = load_dataset(req.dataset, **options)
     if not data.records:
         raise ValueError(f"{req.dataset}: no records left after filtering")
@@ -90,6 +92,6 @@ def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing)
         padding_side=req.padding_side, device=req.device, resume=req.resume, overwrite=req.overwrite,
         rank=req.rank, world_size=req.world_size, progress=req.progress,
         extra={"dataset": req.dataset, "relations": req.relations, "limit_per_relation": req.limit_per_relation,
-               "template": req.template, "skipped": data.skipped},
+               "template": req.template, "keep_object_first": req.keep_object_first, "skipped": data.skipped},
     )
     return run_ingest(loaded.model, loaded.tokenizer, model_info, prompts, cfg)

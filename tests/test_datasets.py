@@ -393,3 +393,27 @@ def test_fill_template() -> None:
     for bad in ("{} and {}", "{name}", "none", "{:>5}"):
         with pytest.raises(ValueError):
             fill_template(bad, "Rome")
+
+
+@needs_data
+def test_cli_keep_object_first_ingests_the_flipped_instances(tmp_path: Path) -> None:
+    """``ingest --keep-object-first`` stores exactly the loader's flipped instances, without a subject span."""
+    from click.testing import CliRunner
+
+    import actstore
+    from actstore.cli import main
+
+    args = ["ingest", "--model", "tiny-llama", "--dataset", f"fewrel:{FEWREL}", "--relations", "P155",
+            "--limit-per-relation", "12", "--batch-size", "8", "--quiet"]
+    r = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "skip")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, [*args, "--keep-object-first", "--out", str(tmp_path / "keep")])
+    assert r.exit_code == 0, r.output
+    want = load_fewrel(FEWREL, relations=["P155"], limit_per_relation=12, keep_object_first=True)
+    flipped = sorted(x.text for x in want.records if x.meta["object_first"])
+    assert flipped
+    keep, skip = actstore.open(tmp_path / "keep"), actstore.open(tmp_path / "skip")
+    got = keep.sql("SELECT text FROM examples WHERE subject_start < 0 ORDER BY text").column("text").to_pylist()
+    assert got == flipped
+    assert skip.sql("SELECT count(*) AS n FROM examples WHERE subject_start < 0").column("n")[0].as_py() == 0
+    assert keep.manifest.ingest["keep_object_first"] is True
