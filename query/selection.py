@@ -58,6 +58,33 @@ class Selection:
     def __repr__(self) -> str:
         return f"<Selection of {len(self)} target rows from {self.store.url!r}>"
 
+    def _repr_html_(self) -> str:
+        """For notebooks: the row count, rows per relation and the first few prompts."""
+        from html import escape
+
+        n = len(self)
+        ids = self.example_ids[:5].tolist()
+        head = ""
+        if ids:
+            listed = ", ".join(str(int(i)) for i in ids)
+            ex = self.store.sql(f"SELECT example_id, relation_id, text FROM examples WHERE example_id IN ({listed}) "
+                                "ORDER BY example_id").to_pylist()
+            head = "".join(f"<tr><td>{r['example_id']}</td><td>{escape(str(r['relation_id']))}</td>"
+                           f"<td style='text-align:left'>{escape(str(r['text']))}</td></tr>" for r in ex)
+            head = f"<table><tr><th>example_id</th><th>relation</th><th>text</th></tr>{head}</table>"
+        rel = ""
+        if n:
+            counts: dict[str, int] = {}
+            ex_rel = self.store.table("examples", ["example_id", "relation_id"])
+            id_rel = dict(zip(ex_rel.column(0).to_pylist(), ex_rel.column(1).to_pylist()))
+            for e in self.example_ids.tolist():
+                r = str(id_rel.get(e))
+                counts[r] = counts.get(r, 0) + 1
+            rel = ", ".join(f"{escape(k)} ({v})" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:12])
+            rel = f"<p>per relation: {rel}{', ...' if len(counts) > 12 else ''}</p>"
+        return (f"<div><b>Selection</b> of {n} target rows from <code>{escape(self.store.url)}</code>{rel}"
+                f"{head}</div>")
+
     @property
     def example_ids(self) -> np.ndarray:
         return self.rows.column("example_id").to_numpy()

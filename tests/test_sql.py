@@ -102,3 +102,19 @@ def test_where_predicate_cannot_smuggle_statements(store: actstore.Store) -> Non
     with pytest.raises(QueryError):
         store.select("TRUE); DROP VIEW examples; SELECT (1")
     assert store.sql("SELECT count(*) AS n FROM examples").to_pylist()[0]["n"] == store.n_rows
+
+
+def test_notebook_reprs_show_the_stores_contents(store: actstore.Store, examples: pd.DataFrame) -> None:
+    """``_repr_html_`` of a store and of a selection report the same counts as pandas over the tables."""
+    html = store._repr_html_()
+    assert f"{store.n_rows} target rows" in html
+    assert f"{store.geometry.n_layers} layers x {store.geometry.n_heads} heads" in html
+    per_rel = examples.groupby("relation_id").size()
+    assert f"relations</th><td style='text-align:left'>{len(per_rel)}:" in html
+    rel = str(per_rel.index[0])
+    sel = store.select(f"relation_id = '{rel}'")
+    sel_html = sel._repr_html_()
+    assert f"of {int(per_rel[rel])} target rows" in sel_html
+    assert f"per relation: {rel} ({int(per_rel[rel])})" in sel_html
+    first = examples[examples.relation_id == rel].sort_values("example_id").iloc[0]
+    assert f"<td>{int(first.example_id)}</td>" in sel_html
