@@ -166,3 +166,35 @@ def test_cli_trace_json_and_bad_input_exits(llama_store: Path) -> None:
     bad = runner.invoke(main, ["patch", "--model", "tiny-llama", "--store", str(llama_store),
                                "--pair", f"{a['example_id']}:{b['example_id']}", "--quiet"])
     assert bad.exit_code == 1 and "same relation" in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+def test_cli_fact_whose_subject_is_not_in_its_prompt_exits_with_one_line(store_factory: Callable[..., Path]) -> None:
+    """A stored fact without its subject's tokens (a FewRel instance whose object precedes the subject,
+    kept with keep_object_first: the prompt ends before the object): trace and patch refuse it with one
+    error line, before loading the model; selecting only well-formed facts works."""
+    import json
+
+    from actstore.cli import main
+
+    fewrel = f"fewrel:{SHARED_DATA / 'fewrel' / 'val_wiki.json'}"
+    path = store_factory("llama", dataset=fewrel, limit=3, relations=("P364",), keep_object_first=True)
+    s = actstore.open(path)
+    spans = s.sql("SELECT example_id, subject, subject_start FROM examples ORDER BY 1").to_pylist()
+    bad = [r for r in spans if r["subject_start"] < 0]
+    good = [r for r in spans if r["subject_start"] >= 0]
+    assert bad and len(good) >= 1
+    with pytest.raises(TraceError, match="not in its prompt"):
+        stored_facts(s, correct_only=False)
+    assert len(stored_facts(s, correct_only=False, check=False)) == len(spans)
+    b, g = bad[0]["example_id"], good[0]["example_id"]
+    cli = CliRunner()
+    for cmd in (["trace", "--all-facts", "--window", "1"], ["patch", "--all-facts"], ["patch", "--pair", f"{g}:{b}"],
+                ["patch", "--pair", f"{b}:{g}"]):
+        res = cli.invoke(main, [cmd[0], "--model", "tiny-llama", "--store", str(path), *cmd[1:], "--quiet"])
+        assert res.exit_code == 1, (cmd, res.output)
+        assert res.stderr.startswith("error: ") and res.stderr.strip().count("\n") == 0, res.stderr
+        assert f"subject {bad[0]['subject']!r} is not in its prompt" in res.stderr, res.stderr
+    res = cli.invoke(main, ["trace", "--model", "tiny-llama", "--store", str(path), "--all-facts", "--where",
+                            "subject_start >= 0", "--samples", "1", "--window", "1", "--no-write", "--quiet", "--json"])
+    assert res.exit_code == 0, res.output
+    assert sorted(f["example_id"] for f in json.loads(res.stdout)["facts"]) == [r["example_id"] for r in good]
