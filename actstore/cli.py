@@ -149,14 +149,29 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing store at --out.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+@click.option("--procs", type=click.IntRange(min=1), default=None,
+              help="Run as N ranks on this machine (torchrun --nproc_per_node N, gloo; one summary line per rank).")
 @friendly
 def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_relation: int | None,
            template: str | None, keep_object_first: bool, batch_size: int, storage_dtype: str, model_dtype: str, device: str,
            segment_size: int, padding_side: str, out: str, resume: bool, overwrite: bool, quiet: bool,
-           as_json: bool) -> None:
+           as_json: bool, procs: int | None) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
-    from ingest.distributed import leave_process_group, ranks_from_env
+    from ingest.distributed import launch_ranks, leave_process_group, ranks_from_env
     from ingest.run import IngestRequest, ingest_corpus
+
+    if procs is not None and procs > 1:  # the same command, without --procs, under torchrun
+        ctx = click.get_current_context()
+        args: list[str] = []
+        for p in ctx.command.params:
+            value = ctx.params.get(p.name or "")
+            if p.name == "procs" or value is None or not isinstance(p, click.Option) or value is False:
+                continue
+            args += [p.opts[-1]] if p.is_flag else [p.opts[-1], str(value)]
+        rc, error = launch_ranks(procs, args)
+        if rc != 0:
+            fail(error or f"torchrun exited with status {rc}")
+        return
 
     rank, world = ranks_from_env()  # set by torchrun: each rank ingests every world-th segment
     if device == "cuda" and world > 1 and os.environ.get("LOCAL_RANK", "").isdigit():

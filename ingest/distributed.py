@@ -15,10 +15,13 @@ its prompts, the settings and the arithmetic; keep the number of intra-op thread
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 import torch.distributed as dist
 
@@ -98,3 +101,66 @@ def _wait_for_manifest(out: str) -> None:
         if time.monotonic() > deadline:
             raise RankError(f"rank 0 did not create {out} within {WAIT_SECONDS:.0f}s (ACTSTORE_RANK_WAIT)")
         time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------------------- --procs
+
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+# torchrun's own lines (its logger: "E0101 12:00:00.123000 4242 torch/distributed/...") and the
+# traceback it prints after a rank failed; the ranks' own "error: ..." lines say what went wrong.
+_LAUNCHER_LINE = re.compile(r"^(\[[^\]]*\]:)?[EWI]\d{4} \d\d:\d\d:\d\d")
+
+
+def torchrun_command(procs: int, ingest_args: Sequence[str]) -> list[str]:
+    """The ``torchrun --standalone --nproc_per_node N -m actstore.cli ingest ...`` command line."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
+            "-m", "actstore.cli", "ingest", *ingest_args]
+
+
+def launch_ranks(procs: int, ingest_args: Sequence[str], *, stderr: TextIO | None = None) -> tuple[int, str | None]:
+    """Run the ingest as ``procs`` ranks under torchrun on this machine and wait for it.
+
+    Ranks get ``OMP_NUM_THREADS=1`` unless it is set (torchrun's default too, and what makes
+    a rank's arithmetic that of a one-thread single-process ingest).  The ranks' output passes
+    through (progress on stderr, one summary line per rank on stdout), except their ``error:``
+    lines and torchrun's own report of a failed rank.  Returns (exit status, the first error
+    line of a rank, without ``error: ``).
+    """
+    if procs < 1:
+        raise RankError(f"--procs must be at least 1, not {procs}")
+    if os.environ.get("WORLD_SIZE") not in (None, "", "1") or "LOCAL_RANK" in os.environ:
+        raise RankError("--procs starts the ranks itself: run it without torchrun (or torchrun without --procs)")
+    err = stderr or sys.stderr
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(torchrun_command(procs, ingest_args), env=env, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    errors: list[str] = []
+    quiet = False  # set once torchrun starts reporting a failure: what follows is its traceback
+
+    def handle(piece: bytes) -> None:
+        nonlocal quiet
+        text = piece.decode("utf-8", "replace")
+        launcher = _LAUNCHER_LINE.match(text)
+        if text.startswith("error: "):
+            errors.append(text.strip()[len("error: "):])
+        elif launcher:  # torchrun's log: drop it; its first error line starts the failure report
+            quiet = quiet or text[len(launcher.group(1) or ""):].startswith("E")
+        elif not quiet:
+            err.write(text)
+            err.flush()
+
+    buf = b""
+    while True:
+        chunk = proc.stderr.read1(65536) if hasattr(proc.stderr, "read1") else proc.stderr.read(65536)
+        if not chunk:
+            break
+        buf += chunk
+        *pieces, buf = re.split(rb"(?<=[\r\n])", buf)  # whole lines, and progress-bar updates ending in \r
+        for p in pieces:
+            handle(p)
+    if buf:
+        handle(buf)
+    rc = proc.wait()
+    return rc, (errors[0] if errors else None)

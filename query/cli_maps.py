@@ -192,14 +192,21 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
 @click.option("--heatmaps", "heatmap_dir", default=None, help="Write static and dynamic heatmaps here.")
 @click.option("--no-write", is_flag=True, help="Do not write result tables into the store.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
+@click.option("--dask", "dask_address", default=None, metavar="SCHEDULER_ADDRESS",
+              help="Run the projections on this Dask scheduler's workers (they open STORE themselves).")
+@click.option("--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes.")
+@click.option("--prompts-per-task", type=int, default=None,
+              help="Prompts per Dask task (whole chunks of 256; default: one task per worker).")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, threshold: float, source_token: str,
                  no_final_norm: bool, first_mlp: bool, model_name: str | None, heatmap_dir: str | None, no_write: bool,
-                 quiet: bool, as_json: bool) -> None:
+                 quiet: bool, dask_address: str | None, workers: int | None, prompts_per_task: int | None,
+                 as_json: bool) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
     import actstore
     from actstore.writer import write_result_table
+    from query.distributed import dask_client
     from query.maps import VocabProjection
     from query.maps_dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 
@@ -207,11 +214,12 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
     started = time.time()
     s = actstore.open(store)
     wanted = [r.strip() for r in relations.split(",") if r.strip()] if relations else None
-    ranks = dynamic_ranks(s, where=where, relations=wanted, source_token=source_token,  # type: ignore[arg-type]
-                          final_norm=not no_final_norm, k_max=k,
-                          proj=VocabProjection(s, final_norm=not no_final_norm,
-                                               first_mlp=_first_mlp(s, model_name) if first_mlp else None),
-                          log=None if quiet else lambda m: click.echo(m, err=True))
+    proj = VocabProjection(s, final_norm=not no_final_norm, first_mlp=_first_mlp(s, model_name) if first_mlp else None)
+    with dask_client(dask_address, workers) as client:
+        ranks = dynamic_ranks(s, where=where, relations=wanted, source_token=source_token,  # type: ignore[arg-type]
+                              final_norm=not no_final_norm, k_max=k, proj=proj,
+                              log=None if quiet else lambda m: click.echo(m, err=True),
+                              client=client, prompts_per_task=prompts_per_task)
     summaries = [correlation_summary(d, k, threshold) for d in ranks.values()]
     run_id = new_run_id("maps-dynamic")
     written: list[str] = []

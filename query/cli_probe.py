@@ -212,13 +212,17 @@ def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episo
 @click.option("--direction", type=click.Choice(["out", "both"]), default="out", show_default=True,
               help="An entity's properties: those it has as head, or in either position.")
 @click.option("--plots", default=None, help="Directory for one scatter PNG per predictor.")
+@click.option("--dask", "dask_address", default=None, metavar="SCHEDULER_ADDRESS",
+              help="Run the predictor tasks on this Dask scheduler's workers (they open STORE and the --kb files).")
+@click.option("--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes.")
 @click.option("--no-save", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, ...], direction: str,
-              plots: str | None, no_save: bool, as_json: bool) -> None:
+              plots: str | None, dask_address: str | None, workers: int | None, no_save: bool, as_json: bool) -> None:
     """Per-relation F1 vs output range, KG connectivity, TF-IDF similarity, HeadScore concentration."""
     from actstore.writer import write_result_table
+    from query.distributed import dask_client
     from query.predictors import relation_predictors, scatter_plots
 
     files: list[str] = []
@@ -228,7 +232,9 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
             raise QueryError(f"--kb {pattern}: no such file")
         files += hits
     s = _open(store)
-    res = relation_predictors(s, run_id, kb=files, direction=direction)
+    with dask_client(dask_address, workers) as client:
+        res = relation_predictors(s, run_id, kb=[os.path.abspath(f) for f in files], direction=direction,
+                                  client=client)
     pngs = scatter_plots(res, plots) if plots else []
     if not no_save:
         write_result_table(s, "relation_predictors", run_id, res.relations)

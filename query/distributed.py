@@ -19,7 +19,10 @@ filesystem), an ``s3://`` store needs the AWS variables in the workers' environm
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +79,82 @@ def _store(url: str) -> Store:
     if url not in _OPEN:
         _OPEN[url] = open_store(url)
     return _OPEN[url]
+
+
+def store_of(store: str | Store) -> Store:
+    """A task's store: the caller's :class:`Store` in process, else opened by URL once per process."""
+    return store if isinstance(store, Store) else _store(store)
+
+
+def run_tasks(client: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]], *,
+              shared: dict[str, Any] | None = None, on_done: Callable[[int, int], None] | None = None) -> list[Any]:
+    """``[fn(*a, **shared) for a in args]``, in that order, here (``client=None``) or on a Dask cluster.
+
+    ``shared``: keyword arguments common to every task; on a cluster they are scattered to every
+    worker once instead of being sent with each task.  ``on_done(done, total)`` is called on
+    this process as tasks finish (for progress lines).  Results come back in task order, so the
+    caller merges them in a fixed order whichever worker ran what.
+    """
+    shared = dict(shared or {})
+    if client is None:
+        out = []
+        for i, a in enumerate(args):
+            out.append(fn(*a, **shared))
+            if on_done is not None:
+                on_done(i + 1, len(args))
+        return out
+    from dask.distributed import as_completed
+
+    if shared:
+        shared = dict(zip(shared, client.scatter(list(shared.values()), broadcast=True)))
+    futures = [client.submit(fn, *a, **shared, pure=False) for a in args]
+    if on_done is not None:
+        for i, _ in enumerate(as_completed(futures)):
+            on_done(i + 1, len(futures))
+    return list(client.gather(futures))
+
+
+def client_threads(client: Any) -> int:
+    """Worker threads of a Dask cluster (1 without one)."""
+    if client is None:
+        return 1
+    return max(1, sum(int(n) for n in client.nthreads().values()))
+
+
+@contextmanager
+def dask_client(address: str | None = None, workers: int | None = None) -> Iterator[Any]:
+    """The client for ``--dask ADDRESS`` (a running scheduler) or ``--workers N`` (a local cluster
+    of N single-threaded worker processes, closed on exit); ``None`` when neither is given."""
+    if address and workers is not None:
+        raise QueryError("give --dask SCHEDULER_ADDRESS or --workers N, not both")
+    if not address and workers is None:
+        yield None
+        return
+    if workers is not None and workers < 1:
+        raise QueryError(f"--workers must be at least 1, not {workers}")
+    try:
+        from dask.distributed import Client, LocalCluster
+    except ImportError:
+        raise QueryError("Dask is not installed: pip install 'dask[distributed]'") from None
+    if workers is not None:
+        with warnings.catch_warnings():  # "Port 8787 is already in use": its HTTP server moves elsewhere
+            warnings.simplefilter("ignore", UserWarning)
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                                   silence_logs=logging.ERROR)
+        try:
+            with Client(cluster) as client:
+                yield client
+        finally:
+            cluster.close()
+        return
+    try:
+        client = Client(address, timeout="10s")
+    except (OSError, TimeoutError) as e:
+        raise QueryError(f"cannot reach the Dask scheduler at {address}: {' '.join(str(e).split())}") from None
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 def block_moments(url: str, kind: str, layers: tuple[int, ...] | None, heads: tuple[int, ...] | None,

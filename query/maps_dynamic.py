@@ -20,6 +20,13 @@ its last) and the target the first token of " " + object (``targets.object_token
 Per relation, the Pearson correlation is taken over (head, template) points, the static
 score repeated for each template, as in the paper's code; the suppression scores (top-k of
 the negated rows) are correlated the same way.
+
+Many prompts, on a Dask cluster: ``dynamic_ranks(..., client=client)`` splits the prompts into
+tasks of whole projection chunks (``rows_per_chunk`` rows, the unit in which rows are projected
+to the vocabulary); each task opens the store by URL, reads its prompts' z and V (whole zarr
+chunks) and ranks them for every head, and the driver concatenates the tasks' ranks in prompt
+order.  Every row is projected in the same chunk, through the same per-head map, as in one
+process, so the ranks are the same; ``client=None`` runs the same tasks here.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ import pyarrow as pa
 import torch
 
 from actstore.store import Store
+from query.distributed import client_threads, run_tasks, store_of
 from query.maps import (
     DEFAULT_K,
     IMPLEMENTS_THRESHOLD,
+    ROW_CHUNK,
     MapsError,
     VocabProjection,
     check_k,
@@ -73,8 +82,16 @@ class DynamicRanks:
 def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence[str] | None = None,
                   source_token: Literal["first", "last"] = "first", final_norm: bool = True,
                   k_max: int = DEFAULT_K, proj: VocabProjection | None = None,
-                  log: Callable[[str], None] | None = None) -> dict[str, DynamicRanks]:
-    """Ranks for every relation in the (filtered) store; see the module docstring."""
+                  log: Callable[[str], None] | None = None, client: Any = None,
+                  prompts_per_task: int | None = None, rows_per_chunk: int = ROW_CHUNK) -> dict[str, DynamicRanks]:
+    """Ranks for every relation in the (filtered) store; see the module docstring.
+
+    ``client``: a ``dask.distributed.Client`` to run the tasks on (its workers open the store
+    by URL and build their own projection with ``proj``'s ``final_norm``; the source vectors,
+    first MLP included, come from ``proj`` here).  ``prompts_per_task``: prompts per task,
+    rounded up to whole ``rows_per_chunk`` chunks; by default all prompts in one task without a
+    client, and about one task per worker thread with one.
+    """
     pairs = store_pairs(store, where, source_token=source_token)
     if pairs.num_rows == 0:
         raise MapsError(f"{store.url}: no prompts with a subject and an object token"
@@ -85,11 +102,15 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
         if missing:
             raise MapsError(f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}")
         names = [n for n in names if n in set(relations)]
+    if rows_per_chunk < 1:
+        raise MapsError(f"rows_per_chunk must be at least 1, not {rows_per_chunk}")
+    if prompts_per_task is not None and prompts_per_task < 1:
+        raise MapsError(f"prompts_per_task must be at least 1, not {prompts_per_task}")
     proj = proj or VocabProjection(store, final_norm=final_norm)
     rel_col = np.asarray(pairs.column("relation_id").to_pylist())
     keep = np.isin(rel_col, names)
     pairs, rel_col = pairs.filter(pa.array(keep)), rel_col[keep]
-    ranks = _ranks(store, proj, pairs, k_max, log)  # every relation in one pass over the heads
+    ranks = _ranks(store, proj, pairs, k_max, log, client, prompts_per_task, rows_per_chunk)  # all relations at once
     ids = pairs.column("example_id").to_numpy()
     templates_col = np.asarray(pairs.column("template").to_pylist(), dtype=object)
     out: dict[str, DynamicRanks] = {}
@@ -103,37 +124,113 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
     return out
 
 
-def _ranks(store: Store, proj: VocabProjection, pairs: pa.Table, k_max: int,
-           log: Callable[[str], None] | None) -> dict[str, np.ndarray]:
-    """Static (su/sd), with-context (wu/wd) and without-context (ou/od) ranks: [n, L, H] int32 each."""
+def _ranks(store: Store, proj: VocabProjection, pairs: pa.Table, k_max: int, log: Callable[[str], None] | None,
+           client: Any = None, prompts_per_task: int | None = None,
+           rows_per_chunk: int = ROW_CHUNK) -> dict[str, np.ndarray]:
+    """Static (su/sd), with-context (wu/wd) and without-context (ou/od) ranks: [n, L, H] int32 each.
+
+    Task j ranks prompts [j P, (j + 1) P) with and without context, and the distinct (source,
+    object) pairs [j P, (j + 1) P) statically (P a whole number of ``rows_per_chunk`` chunks).
+    """
     g = store.geometry
     t0 = time.perf_counter()
     ids = pairs.column("example_id").to_numpy()
-    src = torch.from_numpy(pairs.column("src_id").to_numpy().astype(np.int64))
-    dst = torch.from_numpy(pairs.column("dst_id").to_numpy().astype(np.int64))
-    src_pos = dict(zip(ids.tolist(), pairs.column("src_position").to_pylist()))
-    z, v = _read_factors(store, ids, src_pos)  # [n, L, H, dh], [n, L, Hkv, dh] in example order
-    shape = (ids.size, g.n_layers, g.n_heads)
-    out = {key: np.empty(shape, np.int32) for key in ("su", "sd", "wu", "wd", "ou", "od")}
+    src = pairs.column("src_id").to_numpy().astype(np.int64)
+    dst = pairs.column("dst_id").to_numpy().astype(np.int64)
+    src_pos = pairs.column("src_position").to_numpy().astype(np.int64)
+    n = int(ids.size)
     # The static row depends only on the (source, object) pair: rank each distinct pair once.
-    uniq, inverse = np.unique(np.stack([src.numpy(), dst.numpy()], axis=1), axis=0, return_inverse=True)
+    uniq, inverse = np.unique(np.stack([src, dst], axis=1), axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
-    u_src, u_dst = torch.from_numpy(uniq[:, 0].copy()), torch.from_numpy(uniq[:, 1].copy())
+    u_src = torch.from_numpy(uniq[:, 0].copy())
+    n_rows = 2 * n + uniq.shape[0]  # decides how each head's map is applied (HeadMap): the same in every task
+    with torch.inference_mode():
+        # Source vectors here (the first MLP, when given, lives only in this process): layer 0
+        # reads the embeddings, layers >= 1 the same or the first MLP's output on them.
+        s0 = proj.sources(0, u_src)
+        s1 = proj.sources(1, u_src) if proj.first_mlp is not None and g.n_layers > 1 else None
+    if prompts_per_task is None:
+        prompts_per_task = n if client is None else -(-n // client_threads(client))
+    step = max(1, -(-prompts_per_task // rows_per_chunk)) * rows_per_chunk
+    tasks = []
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        ulo, uhi = min(lo, uniq.shape[0]), min(hi, uniq.shape[0])
+        tasks.append((ids[lo:hi], src_pos[lo:hi], dst[lo:hi], s0[ulo:uhi], None if s1 is None else s1[ulo:uhi],
+                      uniq[ulo:uhi, 1].copy()))
+    one_here = client is None and len(tasks) == 1
+    on_layer = None
+    if log is not None and one_here:
+        def on_layer(layer: int) -> None:
+            log(f"layer {layer + 1}/{g.n_layers}: {n} prompts, {uniq.shape[0]} distinct pairs, "
+                f"{time.perf_counter() - t0:.0f}s")
+
+    def on_done(done: int, total: int) -> None:
+        if log is not None and not one_here:
+            log(f"task {done}/{total} done: {n} prompts in tasks of {step}, {uniq.shape[0]} distinct pairs, "
+                f"{time.perf_counter() - t0:.0f}s")
+
+    target: Any = (store, proj) if client is None else (store.url, proj.final_norm)
+    parts = run_tasks(client, rank_block, [(*target, *t) for t in tasks],
+                      shared={"k_max": k_max, "n_rows": n_rows, "rows_per_chunk": rows_per_chunk,
+                              **({"on_layer": on_layer} if on_layer is not None else {})},
+                      on_done=on_done)
+    out = {key: np.concatenate([p[key] for p in parts]) for key in ("wu", "wd", "ou", "od")}
+    for key in ("su", "sd"):
+        out[key] = np.concatenate([p[key] for p in parts])[inverse]
+    assert all(a.shape == (n, g.n_layers, g.n_heads) for a in out.values())
+    return out
+
+
+# Projections built by this process from a store URL (a Dask worker keeps them between tasks).
+_PROJ: dict[tuple[str, bool], VocabProjection] = {}
+
+
+def rank_block(store: str | Store, proj: VocabProjection | bool, ids: np.ndarray, src_pos: np.ndarray,
+               dst: np.ndarray, s0: torch.Tensor, s1: torch.Tensor | None, u_dst: np.ndarray, *, k_max: int,
+               n_rows: int, rows_per_chunk: int = ROW_CHUNK,
+               on_layer: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """One task: ranks of the prompts ``ids`` with and without context (``wu/wd/ou/od``
+    [n, L, H]) and the static ranks of the distinct pairs whose source vectors are ``s0``
+    (layer 0) and ``s1`` (layers >= 1; None: ``s0``) and targets ``u_dst`` (``su/sd``).
+
+    ``proj``: the projection (in this process), or on a worker the ``final_norm`` flag of the
+    one to build from the store's weights.  ``n_rows`` fixes how heads' maps are applied.
+    """
+    st = store_of(store)
+    if isinstance(proj, VocabProjection):
+        vp = proj
+    else:
+        key = (st.url, bool(proj))
+        if key not in _PROJ:
+            _PROJ[key] = VocabProjection(st, final_norm=bool(proj))
+        vp = _PROJ[key]
+    g = st.geometry
+    n, nu = int(ids.size), int(u_dst.size)
+    out = {key: np.empty((n, g.n_layers, g.n_heads), np.int32) for key in ("wu", "wd", "ou", "od")}
+    out.update({key: np.empty((nu, g.n_layers, g.n_heads), np.int32) for key in ("su", "sd")})
+    z, v = _read_factors(st, ids, dict(zip(ids.tolist(), src_pos.tolist()))) if n else (None, None)
+    dst_t = torch.from_numpy(dst)
+    u_dst_t = torch.from_numpy(u_dst)
     with torch.inference_mode():
         for layer in range(g.n_layers):
-            xs = {kv: proj.values(layer, kv, u_src) for kv in range(g.n_kv_heads)}
-            zl = z[:, layer].contiguous()
-            vl = v[:, layer].contiguous()
+            s = s0 if layer == 0 or s1 is None else s1
+            xs = {kv: s @ vp.W_V[layer, kv] for kv in range(g.n_kv_heads)} if nu else {}
+            zl = z[:, layer].contiguous() if z is not None else None
+            vl = v[:, layer].contiguous() if v is not None else None
             for head in range(g.n_heads):
-                B = proj.readout(layer, head, 2 * ids.size + uniq.shape[0])  # once per head for all prompts
-                kv = proj.kv(head)
-                su, sd = projected_ranks(xs[kv], B, u_dst, k_max)
-                out["su"][:, layer, head], out["sd"][:, layer, head] = su[inverse], sd[inverse]
-                out["wu"][:, layer, head], out["wd"][:, layer, head] = projected_ranks(zl[:, head], B, dst, k_max)
-                out["ou"][:, layer, head], out["od"][:, layer, head] = projected_ranks(vl[:, kv], B, dst, k_max)
-            if log is not None:
-                log(f"layer {layer + 1}/{g.n_layers}: {ids.size} prompts, {uniq.shape[0]} distinct pairs, "
-                    f"{time.perf_counter() - t0:.0f}s")
+                B = vp.readout(layer, head, n_rows)
+                kv = vp.kv(head)
+                if nu:
+                    out["su"][:, layer, head], out["sd"][:, layer, head] = projected_ranks(
+                        xs[kv], B, u_dst_t, k_max, rows_per_chunk)
+                if zl is not None and vl is not None:
+                    out["wu"][:, layer, head], out["wd"][:, layer, head] = projected_ranks(
+                        zl[:, head], B, dst_t, k_max, rows_per_chunk)
+                    out["ou"][:, layer, head], out["od"][:, layer, head] = projected_ranks(
+                        vl[:, kv], B, dst_t, k_max, rows_per_chunk)
+            if on_layer is not None:
+                on_layer(layer)
     return out
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import pyarrow as pa
 from actstore.errors import QueryError
 from actstore.store import Store
 from query.attribution import run_row, sql_quote
+from query.distributed import client_threads, run_tasks, store_of
 
 PREDICTORS = ("output_range", "output_range_ratio", "connectivity", "tfidf_similarity", "head_concentration")
 
@@ -119,22 +121,65 @@ def connectivity(rows: Sequence[Mapping[str, Any]], kg: KnowledgeGraph) -> dict[
     return out
 
 
-def tfidf_similarity(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """relation -> mean pairwise cosine similarity of its instances' TF-IDF vectors."""
+def _analyzer() -> Callable[[str], list[str]]:
+    """scikit-learn's default word analyzer (lower-case, tokens of two or more word characters)."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
+    analyze: Callable[[str], list[str]] = TfidfVectorizer().build_analyzer()
+    return analyze
+
+
+def document_frequencies(texts: Iterable[str]) -> Counter[str]:
+    """term -> number of texts holding it (what TF-IDF's inverse document frequency needs)."""
+    analyze = _analyzer()
+    df: Counter[str] = Counter()
+    for t in texts:
+        df.update(set(analyze(t)))
+    return df
+
+
+def inverse_document_frequency(df: Mapping[str, int], n_docs: int) -> tuple[list[str], np.ndarray]:
+    """(sorted terms, smoothed idf) exactly as scikit-learn's ``TfidfTransformer.fit`` computes
+    them from the same counts: ``ln((1 + n) / (1 + df)) + 1`` in float64."""
+    terms = sorted(df)
+    if not terms:
+        raise QueryError("TF-IDF: the selected texts hold no words")
+    d = np.asarray([df[t] for t in terms], dtype=np.float64)
+    d += 1.0
+    idf = np.full_like(d, fill_value=n_docs + 1, dtype=np.float64)
+    idf /= d
+    np.log(idf, out=idf)
+    idf += 1.0
+    return terms, idf
+
+
+def mean_pairwise_similarity(texts: Sequence[str], terms: Sequence[str], idf: np.ndarray) -> float:
+    """Mean cosine similarity over the distinct pairs of ``texts``' TF-IDF vectors (scikit-learn's
+    count vectorizer over ``terms`` and its TF-IDF transformer with ``idf``: L2-normalised rows)."""
+    from sklearn.feature_extraction.text import CountVectorizer, TfidfTransformer
+
+    n = len(texts)
+    if n < 2:
+        return float("nan")
+    counts = CountVectorizer(vocabulary={t: i for i, t in enumerate(terms)}).transform(list(texts))
+    tf = TfidfTransformer()
+    tf.idf_ = idf
+    tf.n_features_in_ = len(terms)
+    X = tf.transform(counts)  # each row's terms in column order, whatever else was fitted
+    sim = (X @ X.T).toarray()
+    return float((sim.sum() - np.trace(sim)) / (n * (n - 1)))
+
+
+def tfidf_similarity(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """relation -> mean pairwise cosine similarity of its instances' TF-IDF vectors (idf fitted
+    on every row).  Equal to scikit-learn's ``TfidfVectorizer().fit_transform`` of all texts up
+    to the order in which each row's terms are summed (1e-12, see the tests); computed this way
+    so that :func:`relation_predictors` gets the same numbers from any split of the rows."""
     texts = [str(r["text"] or "") for r in rows]
-    X = TfidfVectorizer().fit_transform(texts)  # rows are L2-normalised
+    terms, idf = inverse_document_frequency(document_frequencies(texts), len(texts))
     rel = np.asarray([str(r["relation_id"]) for r in rows], dtype=object)
-    out = {}
-    for r in sorted(set(rel.tolist())):
-        idx = np.flatnonzero(rel == r)
-        if idx.size < 2:
-            out[r] = float("nan")
-            continue
-        sim = (X[idx] @ X[idx].T).toarray()
-        out[r] = float((sim.sum() - np.trace(sim)) / (idx.size * (idx.size - 1)))
-    return out
+    return {r: mean_pairwise_similarity([texts[i] for i in np.flatnonzero(rel == r)], terms, idf)
+            for r in sorted(set(rel.tolist()))}
 
 
 def head_concentration(scores: np.ndarray, share: float = 0.95) -> int:
@@ -173,29 +218,62 @@ class PredictorResult:
 
 
 def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.PathLike[str]] = (),
-                        direction: str = "out", share: float = 0.95) -> PredictorResult:
-    """Per-relation F1 and predictors for a probe run, and their correlations with F1."""
+                        direction: str = "out", share: float = 0.95, client: Any = None,
+                        segments_per_task: int | None = None,
+                        relations_per_task: int | None = None) -> PredictorResult:
+    """Per-relation F1 and predictors for a probe run, and their correlations with F1.
+
+    The work is split into tasks (see :func:`query.distributed.run_tasks`): one per
+    ``segments_per_task`` segments reads their ``examples`` rows (object keys, entity ids and
+    document frequencies); then one per knowledge-graph file reads the graph for the entities
+    those rows name, and one per ``relations_per_task`` relations computes their TF-IDF
+    similarity and HeadScore concentration.  ``client``: a ``dask.distributed.Client`` runs
+    them on its workers (which open the store by URL and read the graph files by path),
+    ``None`` runs them here.  By default there is one task of each kind here, and about two
+    per worker thread on a cluster.  The merge is in task order with exact arithmetic (set
+    unions, integer sums) and each relation is computed whole, so the result is the same, bit
+    for bit, however the work is split.
+    """
+    if direction not in ("out", "both"):
+        raise QueryError(f"direction must be 'out' or 'both', not {direction!r}")
+    for name, value in (("segments_per_task", segments_per_task), ("relations_per_task", relations_per_task)):
+        if value is not None and value < 1:
+            raise QueryError(f"{name} must be at least 1, not {value}")
     where = json.loads(str(run_row(store, run_id)["config"])).get("where")
-    rows = _instances(store, where)
     metrics = {r["relation_id"]: r for r in
                store.sql(f"SELECT * FROM relation_metrics WHERE run_id = '{sql_quote(run_id)}'").to_pylist()}
-    hs = store.sql(f"SELECT relation_id, score FROM head_scores WHERE run_id = '{sql_quote(run_id)}'").to_pandas()
+    src: str | Store = store if client is None else store.url
+    segs = sorted(store.commits)
+    parts = run_tasks(client, _rows_task, [(src, b, where) for b in _split(segs, segments_per_task, client)])
+    df: Counter[str] = Counter()
+    n_docs = 0
+    for _, d, n in parts:  # task order; integer sums
+        df.update(d)
+        n_docs += n
+    rows = pa.concat_tables([p[0] for p in parts]).sort_by("example_id").to_pylist()
     ranges = output_ranges(rows)
-    sims = tfidf_similarity(rows)
-    graph = KnowledgeGraph.load(kb, direction) if kb else None
+    terms, idf = inverse_document_frequency(df, n_docs)
+    files = tuple(str(f) for f in kb)
+    rels = sorted(metrics)
+    groups = _split(rels, relations_per_task, client)
+    jobs = [("kg", (f,)) for f in files] + [("relations", g) for g in groups]
+    done = run_tasks(client, _relations_or_graph_task, [(src, run_id, where, kind, x) for kind, x in jobs],
+                     shared={"terms": terms, "idf": idf, "share": share, "direction": direction,
+                             "wanted": _entities(rows) if files else frozenset()})
+    graph = _merge_graphs(files, done[:len(files)]) if files else None
+    per_rel = {r: v for part in done[len(files):] for r, v in part.items()}
     conn = connectivity(rows, graph) if graph is not None else {}
     table = []
-    for rel in sorted(metrics):
+    for rel in rels:
         n_inst, distinct = ranges.get(rel, (0, 0))
         c = conn.get(rel, (float("nan"), float("nan"), 0))
-        scores = hs.loc[hs["relation_id"] == rel, "score"].to_numpy()
+        sim, conc = per_rel[rel]
         table.append({"run_id": run_id, "relation_id": rel, "relation_name": metrics[rel].get("relation_name"),
                       "f1": float(metrics[rel]["f1"]), "n_queries": int(metrics[rel]["n_queries"]),
                       "n_instances": n_inst, "output_range": float(distinct),
                       "output_range_ratio": distinct / n_inst if n_inst else float("nan"),
                       "connectivity": c[0], "connectivity_coverage": c[1], "connectivity_covered": c[2],
-                      "tfidf_similarity": sims.get(rel, float("nan")),
-                      "head_concentration": float(head_concentration(scores, share)) if scores.size else float("nan")})
+                      "tfidf_similarity": sim, "head_concentration": conc})
     rel_table = pa.Table.from_pylist(table)
     f1 = [r["f1"] for r in table]
     covered = sum(r["connectivity_covered"] for r in table)
@@ -210,6 +288,86 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
                      "coverage": coverage if name == "connectivity" else float("nan"),
                      "kb": ",".join(os.path.basename(f) for f in graph.files) if graph and name == "connectivity" else None})
     return PredictorResult(run_id, rel_table, pa.Table.from_pylist(corr), graph.files if graph else (), coverage)
+
+
+def _cond(where: str | None) -> str:
+    return f"({where})" if where and where.strip() else "TRUE"
+
+
+def _split(items: Sequence[Any], per_task: int | None, client: Any) -> list[tuple[Any, ...]]:
+    """``items`` in consecutive groups: ``per_task`` each, else all in one group without a
+    client and about two groups per worker thread with one."""
+    if not items:
+        return []
+    if per_task is None:
+        per_task = len(items) if client is None else -(-len(items) // (2 * client_threads(client)))
+    return [tuple(items[i:i + per_task]) for i in range(0, len(items), per_task)]
+
+
+def _rows_task(store: str | Store, segments: tuple[int, ...], where: str | None) -> tuple[pa.Table, dict[str, int], int]:
+    """One task: the selected ``examples`` rows of ``segments`` (without their text) and the
+    document frequencies of their texts."""
+    st = store_of(store)
+    segs = ", ".join(str(int(s)) for s in segments)
+    t = st.sql(f"SELECT example_id, relation_id, object, text, meta FROM examples "
+               f"WHERE segment IN ({segs}) AND {_cond(where)} ORDER BY example_id")
+    df = document_frequencies(str(x or "") for x in t.column("text").to_pylist())
+    return t.drop_columns(["text"]), dict(df), t.num_rows
+
+
+def _relations_or_graph_task(store: str | Store, run_id: str, where: str | None, kind: str, what: tuple[str, ...], *,
+                             terms: list[str], idf: np.ndarray, share: float, direction: str,
+                             wanted: frozenset[str]) -> Any:
+    """One task: ``{relation: (TF-IDF similarity, HeadScore concentration)}`` for the relations
+    ``what``, or for ``kind="kg"`` the graph file ``what[0]`` cut down to the ``wanted`` entities
+    (properties, entities present, triples read)."""
+    from actstore.sql import run_sql
+
+    if kind == "kg":
+        g = KnowledgeGraph.load(what, direction)
+        return ({e: g.properties[e] for e in wanted if e in g.properties}, wanted & g.entities, g.n_triples)
+    st = store_of(store)
+    con = st.connect()  # one connection for both reads
+    listed = ", ".join(f"'{sql_quote(r)}'" for r in what)
+    ex = run_sql(st, f"SELECT relation_id, text FROM examples WHERE relation_id IN ({listed}) AND {_cond(where)} "
+                     "ORDER BY example_id", con)
+    hs = run_sql(st, f"SELECT relation_id, score FROM head_scores WHERE run_id = '{sql_quote(run_id)}' "
+                     f"AND relation_id IN ({listed})", con)
+    con.close()
+    ex_rel = np.asarray(ex.column("relation_id").to_pylist(), dtype=object)
+    texts = [str(x or "") for x in ex.column("text").to_pylist()]
+    hs_rel = np.asarray(hs.column("relation_id").to_pylist(), dtype=object)
+    scores = hs.column("score").to_numpy(zero_copy_only=False)
+    out = {}
+    for r in what:
+        sim = mean_pairwise_similarity([texts[i] for i in np.flatnonzero(ex_rel == r)], terms, idf)
+        s = scores[hs_rel == r]
+        out[r] = (sim, float(head_concentration(s, share)) if s.size else float("nan"))
+    return out
+
+
+def _entities(rows: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """Subject and object ids of the rows that carry both (the only ones connectivity looks up)."""
+    out: set[str] = set()
+    for r in rows:
+        m = _meta(r)
+        s, o = m.get("subject_qid"), m.get("object_qid")
+        if s and o:
+            out.update((str(s), str(o)))
+    return frozenset(out)
+
+
+def _merge_graphs(files: tuple[str, ...], parts: Sequence[Any]) -> KnowledgeGraph:
+    """One :class:`KnowledgeGraph` (restricted to the looked-up entities) from per-file parts."""
+    props: dict[str, set[str]] = {}
+    entities: set[str] = set()
+    n = 0
+    for p, present, count in parts:  # file order; unions and integer sums are exact
+        for e, ps in p.items():
+            props.setdefault(e, set()).update(ps)
+        entities |= present
+        n += count
+    return KnowledgeGraph({k: frozenset(v) for k, v in props.items()}, frozenset(entities), files, n)
 
 
 def scatter_plots(result: PredictorResult, out_dir: str | os.PathLike[str]) -> list[str]:
