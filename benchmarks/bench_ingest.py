@@ -12,6 +12,7 @@ load from other processes on this shared machine hits all three alike.  Peak mem
 measured in fresh subprocesses for a corpus and a corpus 4x (``--quick``) or 10x larger.
 
     python benchmarks/bench_ingest.py [--quick] [--json OUT]
+    python benchmarks/bench_ingest.py --memory-only --memory-prompts 64,640 [--segment-size 32]
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool)
     return time.perf_counter() - t0
 
 
-def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str) -> float:
+def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str, segment_size: int = 256) -> float:
     from ingest.pipeline import IngestConfig, run_ingest
 
     shutil.rmtree(out, ignore_errors=True)
-    cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False)
+    cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False, segment_size=segment_size)
     t0 = time.perf_counter()
     run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
     return time.perf_counter() - t0
@@ -77,13 +78,15 @@ def du(path: str, sub: str = "") -> int:
     return total
 
 
-def peak_rss_mb(n_prompts: int, batch: int) -> float:
+def peak_rss_mb(n_prompts: int, batch: int, segment_size: int = 256) -> float:
     """Peak RSS of a fresh process that loads the model and ingests ``n_prompts``."""
     code = (
-        f"import resource, sys, tempfile; sys.path.insert(0, {str(REPO)!r})\n"
+        f"import resource, shutil, sys, tempfile; sys.path.insert(0, {str(REPO)!r})\n"
         "from benchmarks.bench_ingest import load, time_ingest\n"
         f"l, p = load({n_prompts})\n"
-        f"time_ingest(l, p, {batch}, tempfile.mkdtemp() + '/s', 'float16')\n"
+        "d = tempfile.mkdtemp()\n"
+        f"time_ingest(l, p, {batch}, d + '/s', 'float16', {segment_size})\n"
+        "shutil.rmtree(d)\n"
         "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True).stdout
@@ -99,6 +102,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-only", action="store_true", help="only the peak-memory measurement")
+    ap.add_argument("--memory-prompts", default=None,
+                    help="corpus sizes for peak memory, e.g. 64,640 (default: 16,64 with --quick, N,10N)")
+    ap.add_argument("--segment-size", type=int, default=256, help="segment size of the peak-memory ingests")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     n = args.prompts or (64 if args.quick else 256)
@@ -106,6 +113,14 @@ def main() -> None:
 
     import torch
 
+    if args.memory_only:
+        sizes = [int(x) for x in args.memory_prompts.split(",")] if args.memory_prompts else [n, 10 * n]
+        mem = {"segment_size": args.segment_size, "batch": args.batch, "threads": torch.get_num_threads(),
+               "peak_rss_mb": {str(k): peak_rss_mb(k, args.batch, args.segment_size) for k in sizes}}
+        print(json.dumps(mem, indent=2))
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(mem, indent=2))
+        return
     loaded, prompts = load(n)
     tmp = tempfile.mkdtemp(prefix="actstore-bench-")
     out = os.path.join(tmp, "store")
@@ -142,8 +157,10 @@ def main() -> None:
     }
     if not args.no_memory:
         small = max(16, n // 4) if args.quick else n
-        result["peak_rss_mb"] = {str(small): peak_rss_mb(small, args.batch), str(small * (4 if args.quick else 10)):
-                                 peak_rss_mb(small * (4 if args.quick else 10), args.batch)}
+        sizes = [int(x) for x in args.memory_prompts.split(",")] if args.memory_prompts else [
+            small, small * (4 if args.quick else 10)]
+        result["peak_rss_mb"] = {str(k): peak_rss_mb(k, args.batch, args.segment_size) for k in sizes}
+        result["peak_rss_segment_size"] = args.segment_size
     shutil.rmtree(tmp, ignore_errors=True)
     text = json.dumps(result, indent=2)
     print(text)
