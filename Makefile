@@ -28,6 +28,7 @@ test: lint
 	$(BIN)/pytest
 
 bench: install
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/run.py --quick
 
 clean:
