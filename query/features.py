@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -116,6 +116,18 @@ def _weights(store: Store) -> WeightCache:
     return cache
 
 
+def _pick(x: Any, idx: list[int], dim: int) -> Any:
+    """``x`` restricted to positions ``idx`` along ``dim`` (numpy or torch).
+
+    A contiguous ascending ``idx`` (all layers, a layer range) is a slice, i.e. a view; fancy
+    indexing would copy, e.g. all of ``W_down`` (106 MB for SmolLM2) for every row block.
+    """
+    pre = (slice(None),) * dim
+    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
+        return x[(*pre, slice(idx[0], idx[0] + len(idx)))]
+    return x[(*pre, idx)]
+
+
 def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarray:
     """Features of one segment's rows."""
     g = store.geometry
@@ -125,12 +137,12 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarra
     seg, rows = block.segment, block.seg_rows
     kind = spec.kind
     if kind == "resid":
-        return store.read_segment_rows(seg, "resid", rows)[:, L]
+        return _pick(store.read_segment_rows(seg, "resid", rows), L, 1)
     if kind in ("mlp", "mlp_group"):
-        a = torch.from_numpy(store.read_segment_rows(seg, "mlp", rows)[:, L])  # [n, l, d_mlp]
-        Wd = W["W_down"][L]  # [l, d_mlp, d]
+        a = torch.from_numpy(_pick(store.read_segment_rows(seg, "mlp", rows), L, 1))  # [n, l, d_mlp]
+        Wd = _pick(W["W_down"], L, 0)  # [l, d_mlp, d]
         if kind == "mlp":
-            return (torch.einsum("nlf,lfd->nld", a, Wd) + W["b_down"][L]).numpy()
+            return (torch.einsum("nlf,lfd->nld", a, Wd) + _pick(W["b_down"], L, 0)).numpy()
         G = spec.groups or g.n_heads
         keep = list(spec.heads) if spec.heads is not None else list(range(G))
         bounds = group_bounds(g.d_mlp, G)
@@ -140,14 +152,14 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarra
             out[:, :, i] = torch.einsum("nlf,lfd->nld", a[:, :, lo:hi], Wd[:, lo:hi])
         return out.numpy()
     if kind in ("z", "attn_head", "attn"):
-        z = torch.from_numpy(store.read_segment_rows(seg, "z", rows)[:, L])  # [n, l, H, dh]
+        z = torch.from_numpy(_pick(store.read_segment_rows(seg, "z", rows), L, 1))  # [n, l, H, dh]
         if kind == "z":
-            return z[:, :, Hs].numpy()
-        WO = W["W_O"][L]  # [l, H, dh, d]
+            return _pick(z, Hs, 2).numpy()
+        WO = _pick(W["W_O"], L, 0)  # [l, H, dh, d]
         if kind == "attn":
             zf = z.reshape(z.shape[0], len(L), -1)
-            return (torch.einsum("nlk,lkd->nld", zf, WO.reshape(len(L), -1, g.d_model)) + W["b_O"][L]).numpy()
-        return torch.einsum("nlhk,lhkd->nlhd", z[:, :, Hs], WO[:, Hs]).numpy()
+            return (torch.einsum("nlk,lkd->nld", zf, WO.reshape(len(L), -1, g.d_model)) + _pick(W["b_O"], L, 0)).numpy()
+        return torch.einsum("nlhk,lhkd->nlhd", _pick(z, Hs, 2), _pick(WO, Hs, 1)).numpy()
     # Kinds that need the per-source factors A and V.
     if kind == "attn_entity":
         has = block.subject_start >= 0
@@ -155,15 +167,15 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarra
         lengths = np.where(has, block.subject_end - block.subject_start, 0)
     else:
         starts, lengths = block.src_start, block.n_src
-    A = torch.from_numpy(store.read_segment_ranges(seg, "attn", starts, lengths)[:, L][:, :, Hs])  # [N, l, h]
+    A = torch.from_numpy(_pick(_pick(store.read_segment_ranges(seg, "attn", starts, lengths), L, 1), Hs, 2))  # [N, l, h]
     kv = torch.tensor([h // g.kv_group for h in Hs])
-    V = torch.from_numpy(store.read_segment_ranges(seg, "v", starts, lengths)[:, L])[:, :, kv]  # [N, l, h, dh]
+    V = torch.from_numpy(_pick(store.read_segment_ranges(seg, "v", starts, lengths), L, 1))[:, :, kv]  # [N, l, h, dh]
     n = len(rows)
     owner = torch.repeat_interleave(torch.arange(n), torch.as_tensor(lengths, dtype=torch.long))
     if kind == "attn_entity":
         ze = torch.zeros((n, len(L), len(Hs), g.d_head))
         ze.index_add_(0, owner, A[..., None] * V)  # z restricted to the subject's sources
-        return torch.einsum("nlhk,lhkd->nlhd", ze, W["W_O"][L][:, Hs]).numpy()
+        return torch.einsum("nlhk,lhkd->nlhd", ze, _pick(_pick(W["W_O"], L, 0), Hs, 1)).numpy()
     S = int(lengths.max()) if n else 0
     local = torch.arange(A.shape[0]) - torch.repeat_interleave(
         torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)[:-1]]) if n else np.zeros(0), dtype=torch.long),
@@ -173,7 +185,7 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarra
         out = torch.zeros((n, len(L), len(Hs), S))
         out[owner, :, :, local] = A
         return out.numpy()
-    contrib = torch.einsum("slhk,lhkd->slhd", A[..., None] * V, W["W_O"][L][:, Hs])  # [N, l, h, d]
+    contrib = torch.einsum("slhk,lhkd->slhd", A[..., None] * V, _pick(_pick(W["W_O"], L, 0), Hs, 1))  # [N, l, h, d]
     out = torch.zeros((n, len(L), len(Hs), S, g.d_model))
     out[owner, :, :, local] = contrib
     return out.numpy()
