@@ -189,6 +189,9 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
 @click.option("--no-final-norm", is_flag=True, help="Raw unembedding instead of final norm weight times it.")
 @click.option("--first-mlp", is_flag=True, help="Static scores through the first MLP (loads the model; see maps).")
 @click.option("--model", "model_name", default=None, help="Model for --first-mlp (default: the store's).")
+@click.option("--compare-first-mlp", is_flag=True,
+              help="Static scores both from the embeddings and through the first MLP (loads the model), sharing "
+              "one dynamic pass: a correlation row per relation and variant.")
 @click.option("--heatmaps", "heatmap_dir", default=None, help="Write static and dynamic heatmaps here.")
 @click.option("--no-write", is_flag=True, help="Do not write result tables into the store.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
@@ -200,8 +203,8 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, threshold: float, source_token: str,
-                 no_final_norm: bool, first_mlp: bool, model_name: str | None, heatmap_dir: str | None, no_write: bool,
-                 quiet: bool, dask_address: str | None, workers: int | None, prompts_per_task: int | None,
+                 no_final_norm: bool, first_mlp: bool, model_name: str | None, compare_first_mlp: bool,
+                 heatmap_dir: str | None, no_write: bool, quiet: bool, dask_address: str | None, workers: int | None, prompts_per_task: int | None,
                  as_json: bool) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
     import actstore
@@ -214,37 +217,42 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
     started = time.time()
     s = actstore.open(store)
     wanted = [r.strip() for r in relations.split(",") if r.strip()] if relations else None
-    proj = VocabProjection(s, final_norm=not no_final_norm, first_mlp=_first_mlp(s, model_name) if first_mlp else None)
+    mlp = _first_mlp(s, model_name) if first_mlp or compare_first_mlp else None
+    proj = VocabProjection(s, final_norm=not no_final_norm, first_mlp=None if compare_first_mlp else mlp)
+    alt = VocabProjection(s, final_norm=not no_final_norm, first_mlp=mlp) if compare_first_mlp else None
     with dask_client(dask_address, workers) as client:
         ranks = dynamic_ranks(s, where=where, relations=wanted, source_token=source_token,  # type: ignore[arg-type]
                               final_norm=not no_final_norm, k_max=k, proj=proj,
                               log=None if quiet else lambda m: click.echo(m, err=True),
-                              client=client, prompts_per_task=prompts_per_task)
-    summaries = [correlation_summary(d, k, threshold) for d in ranks.values()]
+                              client=client, prompts_per_task=prompts_per_task, alt_proj=alt)
+    variants = [v for d in ranks.values() for v in (d, d.alt) if v is not None]  # per relation: plain, first MLP
+    summaries = [correlation_summary(d, k, threshold) for d in variants]
     run_id = new_run_id("maps-dynamic")
     written: list[str] = []
     figures: list[str] = []
     if not no_write:
-        heads_t = pa.concat_tables([head_table(d, k) for d in ranks.values()])
+        heads_t = pa.concat_tables([head_table(d, k) for d in variants])
         written.append(write_result_table(s, "maps_dynamic", run_id, with_run_id(heads_t, run_id)))
         written.append(write_result_table(s, "maps_correlation", run_id,
                                           with_run_id(correlation_table(summaries), run_id)))
         write_run(s, run_id, "maps-dynamic", started, {"where": where, "relations": wanted, "k": k,
                                                        "source_token": source_token, "final_norm": not no_final_norm,
-                                                       "first_mlp": first_mlp})
+                                                       "first_mlp": first_mlp, "compare_first_mlp": compare_first_mlp})
     if heatmap_dir:
         from query.maps_figures import head_heatmap, safe_name
 
         for name, d in ranks.items():
-            for key, arr in (("static", d.static_up), ("dynamic_w_context", d.w_up), ("dynamic_wo_context", d.wo_up)):
+            maps_: list[tuple[str, Any]] = [("static_first_mlp" if d.first_mlp else "static", d.static_up)]
+            if d.alt is not None:
+                maps_.append(("static_first_mlp", d.alt.static_up))
+            for key, arr in (*maps_, ("dynamic_w_context", d.w_up), ("dynamic_wo_context", d.wo_up)):
                 figures.append(str(head_heatmap(d.per_template(arr, k).mean(0),
                                                 f"{heatmap_dir}/maps_{key}_{safe_name(name)}.png",
                                                 f"{key.replace('_', ' ')}, {name} (k={k})", vmax=1.0,
                                                 threshold=threshold)))
     if as_json:
         out = []
-        for summ in summaries:
-            d = ranks[summ["relation"]]
+        for summ, d in zip(summaries, variants):
             st, w, o = (d.per_template(a, k).mean(0) for a in (d.static_up, d.w_up, d.wo_up))
             L, H = st.shape
             heads = [{"relation": d.relation, "layer": layer, "head": h, "static": float(st[layer, h]),
@@ -252,14 +260,16 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
                      for layer in range(L) for h in range(H)]
             out.append({**_nan_to_none(summ), "templates": d.templates, "heads": heads})
         click.echo(json.dumps({"store": s.url, "run_id": run_id, "k": k, "final_norm": not no_final_norm,
-                               "first_mlp": first_mlp, "source_token": source_token, "relations": out, "tables": written,
+                               "first_mlp": first_mlp, "compare_first_mlp": compare_first_mlp,
+                               "source_token": source_token, "relations": out, "tables": written,
                                "heatmaps": figures}))
         return
     click.echo(f"MAPS static vs dynamic (Pearson over heads x templates), k={k}, run {run_id}")
     click.echo(f"{'relation':<40} {'prompts':>7} {'tmpl':>4} {'r w/o ctx':>9} {'r w/ ctx':>9} "
                f"{'supp w/o':>8} {'supp w/':>8} {'impl s/wo/w':>12}")
     for m in summaries:
-        click.echo(f"{m['relation']:<40} {m['n_prompts']:>7} {m['n_templates']:>4} {m['corr_wo_context']:>9.3f} "
+        name = m["relation"] + (" (first MLP)" if m["first_mlp"] else "")
+        click.echo(f"{name:<40} {m['n_prompts']:>7} {m['n_templates']:>4} {m['corr_wo_context']:>9.3f} "
                    f"{m['corr_w_context']:>9.3f} {m['supp_corr_wo_context']:>8.3f} {m['supp_corr_w_context']:>8.3f} "
                    f"{m['n_implementing_static']:>4}/{m['n_implementing_wo_context']}/{m['n_implementing_w_context']}")
     for f in written:

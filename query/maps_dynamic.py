@@ -50,6 +50,7 @@ from query.maps import (
     MapsError,
     VocabProjection,
     check_k,
+    pair_ranks,
     projected_ranks,
     store_pairs,
 )
@@ -72,6 +73,8 @@ class DynamicRanks:
     wo_up: np.ndarray
     wo_down: np.ndarray
     k_max: int = DEFAULT_K  # ranks are censored there
+    first_mlp: bool = False  # the static side read its sources through the first MLP
+    alt: DynamicRanks | None = None  # the same prompts with the other static variant (``alt_proj``)
 
     def per_template(self, ranks: np.ndarray, k: int) -> np.ndarray:
         """Share of each template's prompts with rank < k: [n_templates, L, H]."""
@@ -83,8 +86,14 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
                   source_token: Literal["first", "last"] = "first", final_norm: bool = True,
                   k_max: int = DEFAULT_K, proj: VocabProjection | None = None,
                   log: Callable[[str], None] | None = None, client: Any = None,
-                  prompts_per_task: int | None = None, rows_per_chunk: int = ROW_CHUNK) -> dict[str, DynamicRanks]:
+                  prompts_per_task: int | None = None, rows_per_chunk: int = ROW_CHUNK,
+                  alt_proj: VocabProjection | None = None) -> dict[str, DynamicRanks]:
     """Ranks for every relation in the (filtered) store; see the module docstring.
+
+    ``alt_proj``: a second static variant (the same store's weights, usually with the other
+    ``first_mlp`` setting) ranked on the same distinct pairs; each result's ``alt`` then holds
+    the same dynamic ranks with these static ranks.  The dynamic side is computed once (it only
+    reads W_O and U', so ``alt_proj`` must share ``proj``'s ``final_norm``).
 
     ``client``: a ``dask.distributed.Client`` to run the tasks on (its workers open the store
     by URL and build their own projection with ``proj``'s ``final_norm``; the source vectors,
@@ -107,10 +116,19 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
     if prompts_per_task is not None and prompts_per_task < 1:
         raise MapsError(f"prompts_per_task must be at least 1, not {prompts_per_task}")
     proj = proj or VocabProjection(store, final_norm=final_norm)
+    if alt_proj is not None and alt_proj.final_norm != proj.final_norm:
+        raise MapsError("alt_proj must have the same final_norm setting as proj")
     rel_col = np.asarray(pairs.column("relation_id").to_pylist())
     keep = np.isin(rel_col, names)
     pairs, rel_col = pairs.filter(pa.array(keep)), rel_col[keep]
     ranks = _ranks(store, proj, pairs, k_max, log, client, prompts_per_task, rows_per_chunk)  # all relations at once
+    if alt_proj is not None:
+        # The alternative static side needs only the distinct (source, object) pairs.
+        both = np.stack([pairs.column("src_id").to_numpy(), pairs.column("dst_id").to_numpy()], axis=1).astype(np.int64)
+        uniq, inverse = np.unique(both, axis=0, return_inverse=True)
+        a_up, a_down = pair_ranks(alt_proj, uniq[:, 0].copy(), uniq[:, 1].copy(), k_max=k_max,
+                                  rows_per_chunk=rows_per_chunk)
+        alt_up, alt_down = a_up[inverse.reshape(-1)], a_down[inverse.reshape(-1)]
     ids = pairs.column("example_id").to_numpy()
     templates_col = np.asarray(pairs.column("template").to_pylist(), dtype=object)
     out: dict[str, DynamicRanks] = {}
@@ -119,8 +137,11 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
         templates = sorted(set(templates_col[m].tolist()))
         group = np.asarray([templates.index(t) for t in templates_col[m]])
         r = {key: arr[m] for key, arr in ranks.items()}
+        alt = None if alt_proj is None else DynamicRanks(
+            name, templates, group, ids[m], alt_up[m], alt_down[m], r["wu"], r["wd"], r["ou"], r["od"], k_max,
+            first_mlp=alt_proj.first_mlp is not None)
         out[name] = DynamicRanks(name, templates, group, ids[m], r["su"], r["sd"], r["wu"], r["wd"], r["ou"], r["od"],
-                                 k_max)
+                                 k_max, first_mlp=proj.first_mlp is not None, alt=alt)
     return out
 
 
@@ -276,7 +297,8 @@ def correlation_summary(d: DynamicRanks, k: int = DEFAULT_K, threshold: float = 
     rs_wo, ps_wo = _pearson(sd, od)
     rs_w, ps_w = _pearson(sd, wd)
     return {
-        "relation": d.relation, "n_prompts": int(d.group.size), "n_templates": len(d.templates), "k": k,
+        "relation": d.relation, "first_mlp": d.first_mlp, "n_prompts": int(d.group.size),
+        "n_templates": len(d.templates), "k": k,
         "corr_wo_context": r_wo, "pval_wo_context": p_wo, "corr_w_context": r_w, "pval_w_context": p_w,
         "supp_corr_wo_context": rs_wo, "supp_pval_wo_context": ps_wo,
         "supp_corr_w_context": rs_w, "supp_pval_w_context": ps_w,
@@ -288,8 +310,8 @@ def correlation_summary(d: DynamicRanks, k: int = DEFAULT_K, threshold: float = 
 
 
 CORRELATION_SCHEMA = pa.schema([
-    ("relation", pa.string()), ("n_prompts", pa.int32()), ("n_templates", pa.int32()), ("k", pa.int32()),
-    ("corr_wo_context", pa.float64()), ("pval_wo_context", pa.float64()),
+    ("relation", pa.string()), ("first_mlp", pa.bool_()), ("n_prompts", pa.int32()), ("n_templates", pa.int32()),
+    ("k", pa.int32()), ("corr_wo_context", pa.float64()), ("pval_wo_context", pa.float64()),
     ("corr_w_context", pa.float64()), ("pval_w_context", pa.float64()),
     ("supp_corr_wo_context", pa.float64()), ("supp_pval_wo_context", pa.float64()),
     ("supp_corr_w_context", pa.float64()), ("supp_pval_w_context", pa.float64()),
@@ -314,7 +336,7 @@ def head_table(d: DynamicRanks, k: int = DEFAULT_K) -> pa.Table:
     counts = np.bincount(d.group, minlength=T)
     t_idx, l_idx, h_idx = np.meshgrid(np.arange(T), np.arange(L), np.arange(H), indexing="ij")
     cols: dict[str, Any] = {
-        "relation": [d.relation] * (T * L * H),
+        "relation": [d.relation] * (T * L * H), "first_mlp": [d.first_mlp] * (T * L * H),
         "template": [d.templates[t] for t in t_idx.ravel()],
         "layer": l_idx.ravel().astype(np.int32), "head": h_idx.ravel().astype(np.int32),
         "n_prompts": counts[t_idx.ravel()].astype(np.int32), "k": np.full(T * L * H, k, np.int32),

@@ -200,6 +200,28 @@ def test_dynamic_groups_templates(tmp_path: Path) -> None:
     np.testing.assert_array_equal(st[0], st[1])
 
 
+def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> None:
+    """--compare-first-mlp: one dynamic pass with a second static side == two separate runs."""
+    from ingest.first_mlp import first_mlp_transform
+
+    store = actstore.open(maps_store)
+    mlp = VocabProjection(store, first_mlp=first_mlp_transform(tiny_model("llama").model))
+    both = dynamic_ranks(store, alt_proj=mlp)
+    plain = dynamic_ranks(store)
+    alone = dynamic_ranks(store, proj=mlp)
+    for rel in RELS:
+        d, alt = both[rel], both[rel].alt
+        assert alt is not None and alt.first_mlp and not d.first_mlp
+        for a, b in ((d, plain[rel]), (alt, alone[rel])):
+            np.testing.assert_array_equal(a.example_ids, b.example_ids)
+            for key in ("static_up", "static_down", "w_up", "wo_up"):
+                # the alternative static ranks go through another product order: allow rare
+                # one-rank moves from float rounding at near-ties
+                assert (np.abs(getattr(a, key) - getattr(b, key)) > 1).sum() == 0, (rel, key)
+                assert (getattr(a, key) != getattr(b, key)).mean() < 0.01, (rel, key)
+        assert not np.array_equal(alt.static_up, d.static_up)  # layers >= 1 read other sources
+
+
 # ----------------------------------------------------------------------------------- ablation
 
 
@@ -245,6 +267,17 @@ def test_cli_maps_json_and_tables(maps_store: Path, tmp_path: Path) -> None:
     dyn = json.loads(r.stdout)
     assert {x["relation"] for x in dyn["relations"]} == set(RELS)
     assert "corr_w_context" in dyn["relations"][0] and len(dyn["relations"][0]["heads"]) == 8
+    r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--json", "--quiet", "--compare-first-mlp"])
+    assert r.exit_code == 0, r.output + str(r.stderr)
+    both = json.loads(r.stdout)
+    assert sorted((x["relation"], x["first_mlp"]) for x in both["relations"]) == sorted(
+        (rel, f) for rel in RELS for f in (False, True))
+    plain = {x["relation"]: x for x in dyn["relations"]}
+    for x in both["relations"]:
+        if not x["first_mlp"]:  # the plain variant is the run without the flag
+            assert x["corr_w_context"] == pytest.approx(plain[x["relation"]]["corr_w_context"], nan_ok=True)
+    t = s.sql(f"SELECT first_mlp, count(*) AS n FROM maps_correlation WHERE run_id = '{both['run_id']}' GROUP BY 1")
+    assert sorted(t.column("n").to_pylist()) == [2, 2]
 
 
 def test_cli_ablate_json(maps_store: Path) -> None:
@@ -255,12 +288,16 @@ def test_cli_ablate_json(maps_store: Path) -> None:
     assert out["relations"][0]["n_heads"] == 2 and len(out["rows"]) == 3
 
 
-@pytest.mark.parametrize("case", ["not_pairs", "unknown_words", "head_out_of_range", "ablate_head", "no_relation"])
+@pytest.mark.parametrize("case", ["not_pairs", "not_pair_items", "unknown_words", "head_out_of_range", "ablate_head",
+                                  "no_relation"])
 def test_bad_input_is_one_line(case: str, maps_store: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     store = str(maps_store)
     if case == "not_pairs":
         bad.write_text(json.dumps({"France": "Paris"}))
+        args = ["maps", store, "--pairs", str(bad)]
+    elif case == "not_pair_items":
+        bad.write_text(json.dumps([["France", "Paris"], ["Spain"], ["Italy", 3]]))
         args = ["maps", store, "--pairs", str(bad)]
     elif case == "unknown_words":
         bad.write_text(json.dumps([["", " "], [" ", ""]]))
@@ -276,6 +313,7 @@ def test_bad_input_is_one_line(case: str, maps_store: Path, tmp_path: Path) -> N
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     expect = {"not_pairs": "list of [source, target]",
+              "not_pair_items": "item 1 is [\"Spain\"], not a [source, target]",
               "unknown_words": "none of its 2 pairs", "head_out_of_range": "out of range",
               "ablate_head": "out of range", "no_relation": "no prompts"}[case]
     assert expect in lines[0]
