@@ -130,12 +130,14 @@ def test_maps_dynamic_first_mlp_sources_reach_the_workers(maps_store: Path, clie
     assert all(np.array_equal(plain[r].w_up, there[r].w_up) for r in RELS)  # dynamic ranks do not use it
 
 
-def test_cli_maps_dynamic_dask(maps_store: Path, client: Any) -> None:
-    base = ["maps-dynamic", str(maps_store), "--json", "--no-write", "--quiet"]
-    plain = CliRunner().invoke(main, base)
+def test_cli_maps_dynamic_workers(maps_store: Path) -> None:
+    """``--workers 2`` starts its own LocalCluster of 2 processes (24 prompts: 1 task per worker)."""
+    base = ["maps-dynamic", str(maps_store), "--json", "--no-write"]
+    plain = CliRunner().invoke(main, [*base, "--quiet"])
     assert plain.exit_code == 0, plain.output
-    r = CliRunner().invoke(main, [*base, "--dask", client.scheduler.address, "--prompts-per-task", "8"])
+    r = CliRunner().invoke(main, [*base, "--workers", "2"])
     assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[-1].startswith("task 1/1 done: 24 prompts in tasks of 256")
     a, b = json.loads(plain.stdout), json.loads(r.stdout)
     assert a.pop("run_id") != b.pop("run_id")
     assert a == b
@@ -259,12 +261,12 @@ def test_predictors_equal_single_pass_functions(probe_run: tuple[Path, str], kg_
         assert 0 < want < 1
 
 
-def test_cli_correlate_workers(probe_run: tuple[Path, str], kg_files: list[Path]) -> None:
+def test_cli_correlate_dask(probe_run: tuple[Path, str], kg_files: list[Path], client: Any) -> None:
     path, rid = probe_run
     base = ["correlate", str(path), "--run", rid, "--kb", *map(str, kg_files), "--no-save", "--json"]
     plain = CliRunner().invoke(main, base)
     assert plain.exit_code == 0, plain.output
-    r = CliRunner().invoke(main, [*base, "--workers", "2"])
+    r = CliRunner().invoke(main, [*base, "--dask", client.scheduler.address])
     assert r.exit_code == 0, r.output
     assert json.loads(plain.stdout) == json.loads(r.stdout)
     bad = CliRunner().invoke(main, [*base, "--workers", "2", "--dask", "tcp://127.0.0.1:1"])
