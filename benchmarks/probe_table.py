@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--feature-dtype", default="float16")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--token-scores", default="none", choices=["none", "errors", "all"],
+                    help="TokenScores for attention kinds (the shortcut analysis needs errors).")
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -46,7 +48,7 @@ def main() -> None:
         for n_way in [int(w) for w in a.ways.split(",")]:
             episodes = a.episodes_16 if (n_way >= 16 and a.episodes_16) else a.episodes
             cfg = ProbeConfig(kind=kind, n_way=n_way, k_shot=5, queries=5, episodes=episodes,
-                              seeds=tuple(range(a.seeds)), token_scores="none", threads=a.threads,
+                              seeds=tuple(range(a.seeds)), token_scores=a.token_scores, threads=a.threads,
                               feature_dtype=a.feature_dtype)
             t1 = time.perf_counter()
             out = run_probe(store, cfg, features=fm)
