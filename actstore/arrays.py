@@ -1,7 +1,10 @@
 """Zarr v3 array conventions: dtypes, codecs, chunking, and chunk-coalesced reads.
 
-Every array is compressed (Blosc/zstd with byte shuffle) and ends in a CRC32C codec, so a
-flipped byte in any chunk fails decoding instead of returning wrong numbers.  bfloat16 has no
+Every array is compressed (Blosc/LZ4 with byte shuffle) and ends in a CRC32C codec, so a
+flipped byte in any chunk fails decoding instead of returning wrong numbers.  LZ4 rather than
+zstd: float16 activations barely compress (Blosc/zstd level 3 saves 6%), and LZ4 encodes about
+9x and decodes about 10x faster (benchmarks/bench_codecs.py; see benchmarks/README.md), which
+is what a GPU ingest's host side and every query pay for.  Stores written with zstd read as before.  bfloat16 has no
 numpy dtype; it is stored as its raw uint16 bits and widened to float32 on read.
 """
 
@@ -20,7 +23,7 @@ NUMPY_DTYPE = {"float32": np.dtype("float32"), "float16": np.dtype("float16"), "
 
 
 def compressors() -> list[Any]:
-    return [BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), Crc32cCodec()]
+    return [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), Crc32cCodec()]
 
 
 def create_array(group: zarr.Group, name: str, data: np.ndarray, chunk0: int, *, logical_dtype: str,
