@@ -3,7 +3,8 @@
 For the ``z``, ``attn`` and ``v`` arrays (and ``resid``, ``mlp``) of a real store, as stored
 (float16 unless the store says otherwise) and cut into the store's own chunks, each codec
 encodes and decodes every chunk; ratio = raw bytes / encoded bytes, speeds are raw MB/s on
-one thread.  The current choice (``actstore/arrays.py``) is Blosc(zstd, clevel 3, byte shuffle).
+one thread.  The current choice (``actstore/arrays.py``) is Blosc(LZ4, byte shuffle); it was
+Blosc(zstd, clevel 3, byte shuffle) until this study (results in benchmarks/README.md).
 
 Codecs: none (raw), zstd levels 1/3/9 (no shuffle), lz4 (no shuffle), Blosc with byte shuffle
 (zstd levels 1/3/5/9, lz4, lz4hc), Blosc with bit shuffle (zstd 3), and the same arrays
@@ -47,7 +48,7 @@ def codecs() -> dict[str, Any]:
     return out
 
 
-CURRENT = "blosc-zstd3-shuffle"
+CURRENT = "blosc-lz4-shuffle"
 
 
 def chunks_of(a: np.ndarray, rows: int) -> list[np.ndarray]:
