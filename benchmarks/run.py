@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="every script's --quick mode (make bench)")
     ap.add_argument("--only", default=None, help="comma-separated script names to run")
-    ap.add_argument("--store-prompts", type=int, default=None, help="prompts in the shared store (128; 512 full)")
+    ap.add_argument("--store-prompts", type=int, default=None, help="prompts in the shared store (192, 12 per relation, enough for 5-shot episodes with 5 queries; 512 full)")
     ap.add_argument("--out", default=None, help="keep JSON results and logs here")
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="actstore-bench-")
@@ -61,7 +61,7 @@ def main() -> None:
         steps = [s for s in steps if s[0] in keep]
     needs_store = any(store in a for _, a in steps)
     if needs_store and not os.path.exists(os.path.join(store, "manifest.json")):
-        n = args.store_prompts or (128 if args.quick else 512)
+        n = args.store_prompts or (192 if args.quick else 512)
         print(f"== shared store: ingesting {n} FewRel prompts into {store}", flush=True)
         code = ("import sys; sys.path.insert(0, sys.argv[1]); from benchmarks.bench_query import make_store; "
                 "make_store(sys.argv[2], int(sys.argv[3]))")
