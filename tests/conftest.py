@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,28 @@ FEWREL = SHARED_DATA / "fewrel" / "val_wiki.json"
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for the test: small ops are far faster so when the cores are shared.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    """A Dask client on a real 2-worker LocalCluster (processes), one per test module."""
+    from dask.distributed import Client, LocalCluster
+
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                           silence_logs=logging.ERROR)
+    with Client(cluster) as c:
+        yield c
+    cluster.close()
 
 
 def build_store(

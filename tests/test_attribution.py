@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,15 +22,7 @@ from query.probe import ProbeConfig, run_probe, write_probe_tables
 from query.selection import Selection
 
 FEWREL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "fewrel" / "val_wiki.json"
-pytestmark = pytest.mark.skipif(not FEWREL.exists(), reason="FewRel data not present")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = [pytest.mark.skipif(not FEWREL.exists(), reason="FewRel data not present"), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

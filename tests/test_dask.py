@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 import actstore
 from query.distributed import Moments, feature_moments, relation_scores
-
-
-@pytest.fixture(scope="module")
-def client() -> Iterator[Any]:
-    from dask.distributed import Client, LocalCluster
-
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                           silence_logs=logging.ERROR)
-    with Client(cluster) as c:
-        yield c
-    cluster.close()
 
 
 def numpy_moments(store: Path, kind: str, where: str | None = None, **kw: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -10,11 +10,10 @@ for the predictors).
 from __future__ import annotations
 
 import json
-import logging
 import random
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,24 +44,7 @@ MAPS_DATA = DATA / "maps" / "datasets"
 RELS = ("country_to_capital_wikidata", "adj_antonym")
 RANKS = ("static_up", "static_down", "w_up", "w_down", "wo_up", "wo_down")
 
-
-@pytest.fixture(scope="module")
-def client() -> Iterator[Any]:
-    from dask.distributed import Client, LocalCluster
-
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                           silence_logs=logging.ERROR)
-    with Client(cluster) as c:
-        yield c
-    cluster.close()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------- MAPS dynamic

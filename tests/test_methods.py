@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 from conftest import SHARED_DATA
 
@@ -27,13 +26,7 @@ from query.methods import (
 KNOWN = f"known1000:{SHARED_DATA / 'known_1000' / 'known_1000.json'}"
 STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 5, "relations": ("P30", "P103")}
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _reading(method: str, keys: list[int], verdicts: list[str], L: int = 10) -> MethodReading:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +32,7 @@ from query.shortcuts import normalize, shortcut_analysis, shortcut_figure
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 FEWREL = DATA / "fewrel" / "val_wiki.json"
 CODEX = sorted((DATA / "codex_m").glob("*.txt"))
-pytestmark = pytest.mark.skipif(not FEWREL.exists() or not CODEX, reason="FewRel / CoDEx-M data not present")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = [pytest.mark.skipif(not FEWREL.exists() or not CODEX, reason="FewRel / CoDEx-M data not present"), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,16 +29,7 @@ from query.probe import (
 from query.relspec import gather_standardized, select_features, smd_scores
 
 FEWREL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "fewrel" / "val_wiki.json"
-pytestmark = pytest.mark.skipif(not FEWREL.exists(), reason="FewRel data not present")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Small torch ops are far faster on one thread when the cores are shared."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = [pytest.mark.skipif(not FEWREL.exists(), reason="FewRel data not present"), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
