@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--token-scores", default="none", choices=["none", "errors", "all"],
                     help="TokenScores for attention kinds (the shortcut analysis needs errors).")
+    ap.add_argument("--token-scores-ways", default=None,
+                    help="Comma list of n-way settings that get --token-scores (default: all); the others get none.")
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -47,8 +49,10 @@ def main() -> None:
         load_s = time.perf_counter() - t0
         for n_way in [int(w) for w in a.ways.split(",")]:
             episodes = a.episodes_16 if (n_way >= 16 and a.episodes_16) else a.episodes
+            ts_ways = None if a.token_scores_ways is None else {int(w) for w in a.token_scores_ways.split(",")}
+            token_scores = a.token_scores if ts_ways is None or n_way in ts_ways else "none"
             cfg = ProbeConfig(kind=kind, n_way=n_way, k_shot=5, queries=5, episodes=episodes,
-                              seeds=tuple(range(a.seeds)), token_scores=a.token_scores, threads=a.threads,
+                              seeds=tuple(range(a.seeds)), token_scores=token_scores, threads=a.threads,
                               feature_dtype=a.feature_dtype)
             t1 = time.perf_counter()
             out = run_probe(store, cfg, features=fm)
