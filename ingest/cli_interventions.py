@@ -26,8 +26,18 @@ def _pct(x: float | None) -> str:
 @click.option("--control", "controls", multiple=True,
               help="Control relation (repeatable); default: chosen as in the paper among the store's relations.")
 @click.option("--no-controls", is_flag=True, help="Skip control relations.")
+@click.option("--max-controls", type=int, default=3, show_default=True, help="Automatic controls: at most this many.")
+@click.option("--max-head-overlap", type=float, default=0.15, show_default=True,
+              help="Automatic controls: share of RELATION's heads among a control's own top heads, below this.")
+@click.option("--max-accuracy-gap", type=float, default=0.2, show_default=True,
+              help="Automatic controls: base accuracy within this of RELATION's.")
 @click.option("--pairs", "pair_paths", multiple=True,
-              help="MAPS pair files for the static scores (default: the store's own prompts).")
+              help="MAPS pair files or directories for the static scores of RELATION and of the candidate controls "
+              "(default, and for relations without a file: the store's own prompts).")
+@click.option("--scores-store", default=None,
+              help="Read stored static scores (an `actstore maps` run with the same settings) from this store of "
+              "the same model instead of STORE's.")
+@click.option("--no-stored-scores", is_flag=True, help="Always compute the static scores from the weights.")
 @click.option("--k", type=int, default=DEFAULT_K, show_default=True)
 @click.option("--threshold", type=float, default=IMPLEMENTS_THRESHOLD, show_default=True)
 @click.option("--top-m", type=int, default=None, help="Remove the m best non-zero heads instead of those >= threshold.")
@@ -49,7 +59,8 @@ def _pct(x: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str, ...], no_controls: bool,
-           pair_paths: tuple[str, ...], k: int, threshold: float, top_m: int | None, heads_text: str | None,
+           max_controls: int, max_head_overlap: float, max_accuracy_gap: float, pair_paths: tuple[str, ...],
+           scores_store: str | None, no_stored_scores: bool, k: int, threshold: float, top_m: int | None, heads_text: str | None,
            random_draws: int, seed: int, mode: str, all_positions: bool, where: str | None, batch_size: int,
            device: str, model_dtype: str, no_final_norm: bool, first_mlp: bool, allow_other_model: bool,
            no_write: bool, quiet: bool, as_json: bool) -> None:
@@ -63,7 +74,7 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
     from ingest.maps_ablation import AblationConfig, relation_prompts, run_ablation
     from ingest.models import load_model
     from query.cli_maps import new_run_id, with_run_id, write_run
-    from query.maps import load_pair_files, parse_heads, tokenize_pairs
+    from query.maps import MapsError, load_pair_files, parse_heads, tokenize_pairs
 
     def log(m: str) -> None:
         if not quiet:
@@ -71,6 +82,8 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
 
     if k < 1 or not 0 <= threshold <= 1 or (top_m is not None and top_m < 1) or batch_size < 1:
         raise click.BadParameter("--k, --top-m and --batch-size must be positive and --threshold in [0, 1]")
+    if max_controls < 0 or not 0 <= max_head_overlap <= 1 or max_accuracy_gap < 0:
+        raise click.BadParameter("--max-controls and --max-accuracy-gap must not be negative, --max-head-overlap in [0, 1]")
     started = time.time()
     s = actstore.open(store_path)
     g = s.geometry
@@ -79,26 +92,45 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
     for r in (relation, *controls):
         if r not in have:
             raise ValueError(f"relation {r!r} has no prompts with an object in {s.url} (it holds: {', '.join(have) or 'none'})")
-    rels = load_pair_files(list(pair_paths), [relation]) if pair_paths else []
+    other = None
+    if scores_store is not None:
+        other = actstore.open(scores_store)
+        mine, theirs = (str(x.manifest.model.get("weight_hash") or "") for x in (s, other))
+        if not mine or mine != theirs or other.geometry != g:
+            raise ValueError(f"--scores-store {other.url} holds another model's weights than {s.url}")
+    rels = []
+    if pair_paths:
+        rels = load_pair_files(list(pair_paths), [relation])  # RELATION must have a pair file
+        if not controls and not no_controls:  # the candidate controls' pair files, where there are some
+            rels += [rp for rp in load_pair_files(list(pair_paths)) if rp.relation in have and rp.relation != relation]
     loaded = load_model(model_name, device=device, dtype=getattr(torch, model_dtype))
     want = str(s.manifest.model.get("weight_hash") or "")
     if want and want != loaded.weight_hash and not allow_other_model:
         raise ValueError(f"model {model_name!r} has other weights than the store's ({s.manifest.model.get('name')}); "
                          "use the store's model or --allow-other-model")
-    pairs = {r.relation: tokenize_pairs(r, loaded.tokenizer, vocab_size=g.vocab_size) for r in rels}
+    pairs = {}
+    for rp in rels:
+        try:
+            pairs[rp.relation] = tokenize_pairs(rp, loaded.tokenizer, vocab_size=g.vocab_size)
+        except MapsError:
+            if rp.relation == relation:
+                raise  # a candidate control without usable pairs is scored on its prompts instead
     cfg = AblationConfig(
         relation=relation, controls=() if no_controls else (tuple(controls) if controls else None), k=k,
         threshold=threshold, top_m=top_m, heads=tuple(heads) if heads else None, random_draws=random_draws,
         seed=seed, mode=mode, all_positions=all_positions, where=where, batch_size=batch_size,
-        final_norm=not no_final_norm, first_mlp=first_mlp)
+        final_norm=not no_final_norm, first_mlp=first_mlp, max_controls=max_controls,
+        max_head_overlap=max_head_overlap, max_accuracy_gap=max_accuracy_gap, reuse_stored=not no_stored_scores)
     runner = InterventionRunner(loaded.model)
-    res = run_ablation(runner, s, cfg, pairs=pairs, log=log)
+    res = run_ablation(runner, s, cfg, pairs=pairs, scores_store=other, log=log)
     run_id = new_run_id("ablate")
     written = []
     if not no_write:
         written.append(write_result_table(s, "maps_ablation", run_id, with_run_id(res.table(), run_id)))
         config: dict[str, Any] = {k_: v for k_, v in cfg.__dict__.items()}
-        write_run(s, run_id, "ablate", started, {**config, "model": model_name, "pairs": list(pair_paths)})
+        write_run(s, run_id, "ablate", started, {**config, "model": model_name, "pairs": list(pair_paths),
+                                                  "scores_store": scores_store, "static_scores": res.summary["static_scores"],
+                                                  "control_choice": res.summary["control_choice"]})
     if as_json:
         click.echo(json.dumps({"store": s.url, "run_id": run_id, "relations": [res.summary], "rows": res.rows,
                                "tables": written}))
@@ -115,6 +147,15 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
                    f"({m['random_draws']} draws)  {_pct(m['random_drop_pct'])} drop")
     for c in m["controls"]:
         click.echo(f"  control {c['relation']:<24} base {c['base']:.3f} -> {c['ablated']:.3f}  {_pct(c['drop_pct'])} drop")
+    if m["control_choice"]:
+        click.echo(f"  controls: {m['control_selection']}")
+        for c in m["control_choice"]:
+            click.echo(f"    {'chosen ' if c['chosen'] else 'skipped'} {c['relation']:<40} {c['reason']}")
+    sources: dict[str, list[str]] = {}
+    for rel, src in m["static_scores"].items():
+        sources.setdefault(src, []).append(rel)
+    for src, names in sources.items():
+        click.echo(f"  static scores {src}: {', '.join(names)}")
     for f in written:
         click.echo(f"wrote {f}")
 

@@ -8,14 +8,21 @@ For relation R, on its prompts in the store (greedy first token == first token o
   models with fewer than 300 heads);
 * ``random_heads``    as many heads drawn uniformly from the other heads, ``random_draws`` times;
 * on each control relation C: ``control_none`` and ``control_relation_heads`` (R's heads removed
-  on C's prompts).  Controls are given, or chosen as in the paper: relations in the store whose
-  own top heads (as many as R's) overlap R's by less than 15% and whose base accuracy is within
-  0.2 of R's; at most ``max_controls``.
+  on C's prompts).  Controls are given, or chosen as in the paper (:func:`choose_controls`):
+  relations in the store whose own top heads (as many as R's) overlap R's by less than 15% and
+  whose base accuracy is within 0.2 of R's, the closest in base accuracy first; at most
+  ``max_controls``.  The screening uses the accuracy recorded at ingest (the greedy token in
+  ``targets``, which the runner reproduces), so only the chosen controls are run; every
+  candidate's overlap, base accuracy and decision are reported.
 
 Removal is zero ablation (z_h = 0) or mean ablation (z_h = its mean over the store's rows),
-at the last prompt position (the paper) or at every position.  The static scores come from the
-store's weights (:mod:`query.maps`) on the relation's pairs: the store's own prompts (subject's
-first token -> object's first token), or given pair files.
+at the last prompt position (the paper) or at every position.  The static scores are those of
+:mod:`query.maps` on the relation's pairs: given pair files, or else the store's own prompts
+(subject's first token -> object's first token).  They are read from a stored ``actstore maps``
+run when one matches (same k, final-norm and first-MLP settings, first-token policy, and the same
+pair counts as the pair file gives here: :func:`query.maps.stored_static_scores`), which makes
+the automatic control choice cheap; otherwise they are computed from the store's weights, all
+missing relations in one pass over the heads.  The summary says which, per relation.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from query.maps import (
     implementing_heads,
     static_scores,
     store_pairs,
+    stored_static_scores,
     top_heads,
 )
 
@@ -67,6 +75,7 @@ class AblationConfig:
     max_controls: int = 3
     max_head_overlap: float = 0.15
     max_accuracy_gap: float = 0.2
+    reuse_stored: bool = True  # read static scores from a matching stored `maps` run when there is one
 
 
 @dataclass
@@ -134,13 +143,20 @@ def _fmt(heads: Sequence[tuple[int, int]]) -> str:
 
 
 def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, *,
-                 pairs: dict[str, TokenPairs] | None = None,
+                 pairs: dict[str, TokenPairs] | None = None, scores_store: Store | None = None,
                  log: Callable[[str], None] = lambda m: None) -> AblationResult:
-    """Run the experiment of the module docstring."""
+    """Run the experiment of the module docstring.
+
+    ``pairs``: token pairs per relation (from MAPS pair files); a relation without them is scored on the
+    store's own prompts.  ``scores_store``: where to look for stored static scores (default: ``store``;
+    another store of the same model also works, the caller checks that its weights are the same).
+    """
     if cfg.mode not in ("zero", "mean"):
         raise AblationError(f"--mode must be zero or mean, not {cfg.mode!r}")
     if cfg.random_draws < 0:
         raise AblationError("--random-draws must be >= 0")
+    if cfg.max_controls < 0 or not 0 <= cfg.max_head_overlap <= 1 or cfg.max_accuracy_gap < 0:
+        raise AblationError("--max-controls, --max-head-overlap (0..1) and --max-accuracy-gap must not be negative")
     prompts = relation_prompts(store, cfg.where)
     if cfg.relation not in prompts:
         have = ", ".join(prompts) or "none"
@@ -150,37 +166,19 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     if missing:
         raise AblationError(f"control relation(s) {', '.join(missing)} have no prompts in {store.url}")
     g = store.geometry
-    proj = VocabProjection(store, final_norm=cfg.final_norm,
-                           first_mlp=first_mlp_transform(runner.model) if cfg.first_mlp else None)
-    pairs = dict(pairs or {})
-    # Static scores of R and of every relation that may serve as a control, in one pass over
-    # the heads (each head's readout is the expensive part).
-    needed = [cfg.relation] + (list(prompts) if cfg.controls is None and cfg.heads is None else controls)
-    for rel in dict.fromkeys(needed):
-        if rel not in pairs:
-            try:
-                pairs[rel] = pairs_from_store(store, rel, cfg.where)
-            except AblationError:
-                if rel == cfg.relation:
-                    raise
-    all_scores = static_scores(proj, [pairs[r] for r in dict.fromkeys(needed) if r in pairs], k_max=cfg.k)
-
-    def scores_for(rel: str) -> np.ndarray:
-        if rel not in all_scores:
-            if rel not in pairs:
-                pairs[rel] = pairs_from_store(store, rel, cfg.where)
-            all_scores.update(static_scores(proj, [pairs[rel]], k_max=cfg.k))
-        return all_scores[rel].score(cfg.k)
-
-    score = scores_for(cfg.relation)
+    auto = cfg.controls is None
+    scorer = _Scorer(runner, store, cfg, dict(pairs or {}), scores_store)
+    # Static scores of R and, when controls are chosen here, of every other relation in the store: read from a
+    # matching stored `maps` run where there is one, the rest computed in one pass over the heads.
+    scorer.resolve(([cfg.relation] if cfg.heads is None else []) + ([r for r in prompts if r != cfg.relation] if auto else []))
     if cfg.heads is not None:
         for layer, h in cfg.heads:
-            proj.check_head(layer, h)
+            if not (0 <= layer < g.n_layers and 0 <= h < g.n_heads):
+                raise MapsError(f"head {layer}.{h} is out of range: layers 0..{g.n_layers - 1}, heads 0..{g.n_heads - 1}")
         heads = list(cfg.heads)
-    elif cfg.top_m is not None:
-        heads = top_heads(score, cfg.top_m)
     else:
-        heads = implementing_heads(score, cfg.threshold)
+        score = scorer.score(cfg.relation)
+        heads = top_heads(score, cfg.top_m) if cfg.top_m is not None else implementing_heads(score, cfg.threshold)
     positions: tuple[int, ...] | None = None if cfg.all_positions else (-1,)
     means = stored_head_means(store, cfg.where) if cfg.mode == "mean" else None
     pos_name = "all" if cfg.all_positions else "last"
@@ -211,8 +209,15 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
             acc = accuracy(cfg.relation, hs)
             random_accs.append(acc)
             add(cfg.relation, "random_heads", d, hs, acc)
-    if cfg.controls is None and heads:
-        controls = _choose_controls(cfg, prompts, heads, base, scores_for, accuracy, log)
+    choice: list[dict[str, Any]] = []
+    if auto:
+        if heads:
+            choice = choose_controls(cfg, prompts, heads, scorer)
+            controls = [c["relation"] for c in choice if c["chosen"]]
+            for cand in choice:
+                log(f"control {cand['relation']}: {'chosen' if cand['chosen'] else 'skipped'}, {cand['reason']}")
+        else:
+            log("no heads removed: no control relation chosen")
     control_summary = []
     for c in controls:
         c_base = accuracy(c, [])
@@ -226,37 +231,129 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
         "head_selection": "explicit" if cfg.heads is not None else (f"top {cfg.top_m}" if cfg.top_m is not None else
                                                                      f"score >= {cfg.threshold}"),
         "k": cfg.k, "mode": cfg.mode, "positions": pos_name, "first_mlp": cfg.first_mlp,
-        "base": base, "store_base": float((p.store_top == p.targets).mean()),
+        "base": base, "store_base": _store_base(p),
         "ablated": ablated, "drop_pct": _drop(base, ablated),
         "random_mean": float(np.mean(random_accs)) if random_accs else None,
         "random_std": float(np.std(random_accs)) if random_accs else None,
         "random_drop_pct": _drop(base, float(np.mean(random_accs))) if random_accs else None,
         "random_draws": len(random_accs), "controls": control_summary,
+        "control_selection": ("given" if not auto else
+                              f"automatic: {cfg.relation}'s head overlap < {cfg.max_head_overlap} and base accuracy "
+                              f"(recorded at ingest) within {cfg.max_accuracy_gap} of {cfg.relation}'s, closest base "
+                              f"first, at most {cfg.max_controls}"),
+        "control_choice": choice,
+        "static_scores": dict(scorer.source),
     }
     return res
 
 
-def _choose_controls(cfg: AblationConfig, prompts: dict[str, Prompts], heads: list[tuple[int, int]], base: float,
-                     scores_for: Callable[[str], np.ndarray], accuracy: Callable[[str, Sequence[tuple[int, int]]], float],
-                     log: Callable[[str], None]) -> list[str]:
-    chosen: list[str] = []
+def _store_base(p: Prompts) -> float:
+    """Accuracy of the greedy token recorded at ingest (the runner reproduces it on the store's model)."""
+    return float((p.store_top == p.targets).mean()) if p.targets.size else float("nan")
+
+
+class _Scorer:
+    """Static scores per relation at ``cfg.k``: from a stored ``maps`` run with the same settings and pair
+    counts, or computed from the store's weights; ``source`` says which, per relation."""
+
+    def __init__(self, runner: InterventionRunner, store: Store, cfg: AblationConfig, pairs: dict[str, TokenPairs],
+                 scores_store: Store | None) -> None:
+        self.runner, self.store, self.cfg, self.pairs = runner, store, cfg, pairs
+        self.scores_store = store if scores_store is None else scores_store
+        self.scores: dict[str, np.ndarray] = {}
+        self.source: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+        self.from_files = set(pairs)
+        self._proj: VocabProjection | None = None
+
+    def proj(self) -> VocabProjection:
+        if self._proj is None:
+            self._proj = VocabProjection(self.store, final_norm=self.cfg.final_norm,
+                                         first_mlp=first_mlp_transform(self.runner.model) if self.cfg.first_mlp else None)
+        return self._proj
+
+    def resolve(self, relations: Sequence[str]) -> None:
+        todo = [r for r in dict.fromkeys(relations) if r not in self.scores and r not in self.errors]
+        if not todo:
+            return
+        cfg = self.cfg
+        stored = stored_static_scores(self.scores_store, todo, k=cfg.k, final_norm=cfg.final_norm,
+                                      first_mlp=cfg.first_mlp) if cfg.reuse_stored else {}
+        compute: list[TokenPairs] = []
+        for rel in todo:
+            tp = self.pairs.get(rel)
+            st = stored.get(rel)
+            if tp is not None and st is not None and st.same_pairs(tp):
+                self.scores[rel] = st.score
+                self.source[rel] = f"stored run {st.run_id}"
+                continue
+            if tp is None:
+                try:
+                    tp = self.pairs[rel] = pairs_from_store(self.store, rel, cfg.where)
+                except AblationError as e:
+                    if rel == cfg.relation:
+                        raise
+                    self.errors[rel] = str(e)
+                    continue
+            compute.append(tp)
+        if compute:
+            for rel, sc in static_scores(self.proj(), compute, k_max=cfg.k).items():
+                self.scores[rel] = sc.score(cfg.k)
+                src = "computed from its pair file" if rel in self.from_files else "computed from the store's prompts"
+                st = stored.get(rel)
+                if st is not None:
+                    src += f" (stored run {st.run_id} " + ("has other pair counts)" if rel in self.from_files else
+                                                           "scored pair files, not these prompts)")
+                self.source[rel] = src
+
+    def score(self, rel: str) -> np.ndarray:
+        self.resolve([rel])
+        if rel not in self.scores:
+            raise AblationError(self.errors.get(rel, f"no static scores for {rel!r}"))
+        return self.scores[rel]
+
+
+def choose_controls(cfg: AblationConfig, prompts: dict[str, Prompts], heads: Sequence[tuple[int, int]],
+                    scorer: _Scorer) -> list[dict[str, Any]]:
+    """Every other relation of the store as a control candidate, with the decision and its reason.
+
+    A candidate C qualifies when its own top ``len(heads)`` heads (non-zero scores) share fewer than
+    ``max_head_overlap`` of R's heads and its base accuracy recorded at ingest is within ``max_accuracy_gap``
+    of R's; of those, the ``max_controls`` closest in base accuracy are chosen (ties: lower overlap, name).
+    """
+    r_base = _store_base(prompts[cfg.relation])
+    hs = set(heads)
+    rows: list[dict[str, Any]] = []
     for c in sorted(prompts):
-        if c == cfg.relation or len(chosen) >= cfg.max_controls:
+        if c == cfg.relation:
             continue
+        c_base = _store_base(prompts[c])
+        row: dict[str, Any] = {"relation": c, "store_base": c_base, "base_gap": abs(c_base - r_base),
+                               "head_overlap": None, "shared_heads": "", "score_source": None, "chosen": False}
         try:
-            c_heads = set(top_heads(scores_for(c), len(heads)))
-        except (MapsError, AblationError):
+            score = scorer.score(c)
+        except (MapsError, AblationError) as e:
+            rows.append({**row, "reason": f"no static scores ({e})"})
             continue
-        overlap = len(c_heads & set(heads)) / len(heads)
+        shared = sorted(set(top_heads(score, len(heads))) & hs)
+        overlap = len(shared) / len(heads)
+        row.update(head_overlap=overlap, shared_heads=_fmt(shared), score_source=scorer.source.get(c))
         if overlap >= cfg.max_head_overlap:
-            log(f"control {c}: skipped, head overlap {overlap:.2f}")
-            continue
-        c_base = accuracy(c, [])
-        if abs(c_base - base) >= cfg.max_accuracy_gap:
-            log(f"control {c}: skipped, base accuracy {c_base:.2f} vs {base:.2f}")
-            continue
-        chosen.append(c)
-    return chosen
+            row["reason"] = f"head overlap {overlap:.2f} >= {cfg.max_head_overlap}"
+        elif row["base_gap"] >= cfg.max_accuracy_gap:
+            row["reason"] = f"base accuracy {c_base:.2f} vs {r_base:.2f} (gap >= {cfg.max_accuracy_gap})"
+        else:
+            row["reason"] = f"head overlap {overlap:.2f}, base accuracy {c_base:.2f} vs {r_base:.2f}"
+            row["eligible"] = True
+        rows.append(row)
+    eligible = sorted((r for r in rows if r.pop("eligible", False)),
+                      key=lambda r: (r["base_gap"], r["head_overlap"], r["relation"]))
+    for i, r in enumerate(eligible):
+        if i < cfg.max_controls:
+            r["chosen"] = True
+        else:
+            r["reason"] += f"; qualifies, but {cfg.max_controls} ranked before it (closer base accuracy, then lower overlap)"
+    return rows
 
 
 def _drop(base: float, after: float) -> float | None:

@@ -587,3 +587,78 @@ def store_pairs(store: Store, where: str | None = None, *, source_token: Literal
         JOIN tokens tk ON tk.example_id = e.example_id AND tk.position = {pos}
         WHERE e.subject_start >= 0 AND t.object_token_id >= 0 {cond}
         ORDER BY e.example_id""")
+
+
+# ----------------------------------------------------------------------------------- stored scores
+
+
+@dataclass(frozen=True)
+class StoredScores:
+    """A relation's static scores as an ``actstore maps`` run wrote them (tables ``maps_scores``
+    and ``maps_relations``), with the pair counts that run saw."""
+
+    relation: str
+    run_id: str
+    score: np.ndarray  # [L, H] phi_R at the run's k
+    n_pairs: int
+    n_used: int
+    n_multi_token: int
+    n_unknown: int
+
+    def same_pairs(self, pairs: TokenPairs) -> bool:
+        """Whether ``pairs`` has the counts the stored run recorded (the check that it read the same pair file
+        with the same tokenizer; the ids themselves are not stored)."""
+        return (self.n_pairs, self.n_used, self.n_multi_token, self.n_unknown) == (
+            pairs.n_pairs, pairs.n_used, pairs.n_multi_token, pairs.n_unknown)
+
+
+def stored_static_scores(store: Store, relations: Sequence[str], *, k: int, final_norm: bool, first_mlp: bool,
+                         multi_token: str = "first") -> dict[str, StoredScores]:
+    """Static scores already in ``store`` for ``relations``, from the latest ``maps`` run whose settings match
+    (k, final norm, first MLP, multi-token policy); relations no matching run holds are left out.
+
+    A run counts for a relation only when it wrote a score for every head of the store's geometry.
+    """
+    files = store.table_files()
+    if not all(files.get(t) for t in ("runs", "maps_scores", "maps_relations")) or not relations:
+        return {}
+    runs = store.table("runs", ["run_id", "kind", "finished", "config"]).to_pylist()
+    matching: list[tuple[float, str]] = []
+    for r in runs:
+        if r["kind"] != "maps":
+            continue
+        try:
+            cfg = json.loads(r["config"] or "{}")
+        except json.JSONDecodeError:
+            continue
+        if (cfg.get("k") == k and bool(cfg.get("final_norm", True)) == final_norm
+                and bool(cfg.get("first_mlp", False)) == first_mlp and cfg.get("multi_token", "first") == multi_token):
+            matching.append((float(r["finished"] or 0.0), str(r["run_id"])))
+    if not matching:
+        return {}
+    g = store.geometry
+    ids = ", ".join("'" + rid.replace("'", "''") + "'" for _, rid in matching)
+    names = ", ".join("'" + n.replace("'", "''") + "'" for n in relations)
+    sc = store.sql(f"""SELECT run_id, relation, layer, head, score FROM maps_scores
+                       WHERE run_id IN ({ids}) AND relation IN ({names}) AND k = {int(k)}""")
+    rel = store.sql(f"""SELECT run_id, relation, n_pairs, n_used, n_multi_token, n_unknown FROM maps_relations
+                        WHERE run_id IN ({ids}) AND relation IN ({names})""").to_pylist()
+    counts = {(r["run_id"], r["relation"]): r for r in rel}
+    grids: dict[tuple[str, str], np.ndarray] = {}
+    cols = [sc.column(c).to_pylist() for c in ("run_id", "relation", "layer", "head", "score")]
+    for rid, name, layer, head, value in zip(*cols):
+        key = (rid, name)
+        if key not in grids:
+            grids[key] = np.full((g.n_layers, g.n_heads), np.nan)
+        if 0 <= layer < g.n_layers and 0 <= head < g.n_heads:
+            grids[key][layer, head] = value
+    out: dict[str, StoredScores] = {}
+    for _, rid in sorted(matching, reverse=True):  # latest run first
+        for name in relations:
+            key = (rid, name)
+            if name in out or key not in grids or key not in counts or np.isnan(grids[key]).any():
+                continue
+            c = counts[key]
+            out[name] = StoredScores(name, rid, grids[key], int(c["n_pairs"]), int(c["n_used"]),
+                                     int(c["n_multi_token"]), int(c["n_unknown"]))
+    return out

@@ -245,6 +245,91 @@ def test_ablation_experiment(maps_store: Path) -> None:
     assert explicit.summary["n_heads"] == 2 and explicit.summary["controls"][0]["relation"] == RELS[1]
 
 
+CONTROL_RELS = ("country_to_capital_wikidata", "adj_antonym", "name_copying", "verb_past_tense", "adj_comparative")
+
+
+def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[..., Path]) -> None:
+    """The control choice reads a matching stored `maps` run or recomputes the scores; both give the same
+    choice, and the overlaps and base accuracies reported equal a brute-force computation from the model."""
+    from ingest.interventions import InterventionRunner
+    from ingest.maps_ablation import AblationConfig, run_ablation
+
+    path = store_factory("llama", dataset=f"maps:{MAPS_DATA}", template="This is a document about {}",
+                         relations=CONTROL_RELS, limit=12)
+    store = actstore.open(path)
+    loaded = tiny_model("llama")
+    g = store.geometry
+    k, m = 20, 3
+    rels = load_pair_files([MAPS_DATA], list(CONTROL_RELS))
+    pairs = {r.relation: tokenize_pairs(r, loaded.tokenizer, vocab_size=g.vocab_size) for r in rels}
+    # Independent phi_R of every head: full |V| x |V| maps from the model's modules, targets' ranks by counting.
+    full = {(layer, h): full_maps(loaded.model, layer, h, final_norm=True)
+            for layer in range(g.n_layers) for h in range(g.n_heads)}
+
+    def brute_phi(rel: str) -> np.ndarray:
+        tp = pairs[rel]
+        out = np.zeros((g.n_layers, g.n_heads))
+        for (layer, h), M in full.items():
+            rows = M[torch.from_numpy(tp.src)]
+            val = rows[torch.arange(len(tp.src)), torch.from_numpy(tp.dst)][:, None]
+            out[layer, h] = float(((rows > val).sum(1) < k).double().mean())
+        return out
+
+    phi = {r: brute_phi(r) for r in CONTROL_RELS}
+    relation = CONTROL_RELS[0]
+    flat = np.argsort(-phi[relation].ravel(), kind="stable")[:m]
+    heads = {(int(i // g.n_heads), int(i % g.n_heads)) for i in flat}
+    base = store.sql("SELECT e.relation_id AS r, avg((t.top_token_id = t.object_token_id)::DOUBLE) AS acc "
+                     "FROM examples e JOIN targets t USING (example_id) WHERE t.object_token_id >= 0 GROUP BY 1")
+    store_base = dict(zip(base.column("r").to_pylist(), base.column("acc").to_pylist()))
+
+    runner = InterventionRunner(loaded.model)
+    cfg = AblationConfig(relation, k=k, top_m=m, random_draws=0, max_head_overlap=0.5, max_controls=2)
+    computed = run_ablation(runner, store, cfg, pairs=pairs).summary  # no stored run yet: computed
+    assert set(computed["static_scores"].values()) == {"computed from its pair file"}
+    r = CliRunner().invoke(main, ["maps", str(path), "--pairs", str(MAPS_DATA), "--relations", ",".join(CONTROL_RELS),
+                                  "--k", str(k), "--salient-heads", "none", "--json"])
+    assert r.exit_code == 0, r.output + str(r.stderr)
+    run_id = json.loads(r.stdout)["run_id"]
+    # A stored run with another k does not match and is not used.
+    r = CliRunner().invoke(main, ["maps", str(path), "--pairs", str(MAPS_DATA), "--relations", ",".join(CONTROL_RELS),
+                                  "--k", str(k + 1), "--salient-heads", "none"])
+    assert r.exit_code == 0, r.output + str(r.stderr)
+    stored = run_ablation(runner, store, cfg, pairs=pairs).summary
+    assert stored["static_scores"] == {rel: f"stored run {run_id}" for rel in CONTROL_RELS}
+    assert stored["heads"] == computed["heads"]
+    assert {tuple(map(int, h.split("."))) for h in stored["heads"].split(",")} == heads
+    assert stored["control_choice"] == [{**c, "score_source": f"stored run {run_id}"} for c in computed["control_choice"]]
+    # The settings must match: through the first MLP, nothing is stored, so everything is computed.
+    mlp = run_ablation(runner, store, AblationConfig(relation, k=k, top_m=m, random_draws=0, first_mlp=True),
+                       pairs=pairs).summary
+    assert all(v.startswith("computed") for v in mlp["static_scores"].values())
+
+    choice = {c["relation"]: c for c in stored["control_choice"]}
+    assert set(choice) == set(CONTROL_RELS[1:])
+    expected = []
+    for c in CONTROL_RELS[1:]:
+        cf = np.argsort(-phi[c].ravel(), kind="stable")[:m]
+        c_heads = {(int(i // g.n_heads), int(i % g.n_heads)) for i in cf if phi[c].ravel()[i] > 0}
+        overlap = len(c_heads & heads) / m
+        gap = abs(store_base[c] - store_base[relation])
+        assert choice[c]["head_overlap"] == pytest.approx(overlap), c
+        assert choice[c]["store_base"] == pytest.approx(store_base[c]), c
+        if overlap < 0.5 and gap < 0.2:
+            expected.append((gap, overlap, c))
+    chosen = [c for _, _, c in sorted(expected)[:2]]
+    assert [c["relation"] for c in stored["controls"]] == chosen
+    assert sorted(c for c in choice if choice[c]["chosen"]) == sorted(chosen)
+    assert chosen, "the test needs at least one control that qualifies"
+    assert any(not choice[c]["chosen"] for c in choice), "and at least one that does not"
+    for c in stored["controls"]:  # the chosen controls are run: their measured base is the recorded one
+        assert c["base"] == pytest.approx(store_base[c["relation"]])
+    strict = run_ablation(runner, store, AblationConfig(relation, k=k, top_m=m, random_draws=0, max_head_overlap=0.5,
+                                                        max_accuracy_gap=0.0), pairs=pairs).summary
+    assert strict["controls"] == [] and all("gap >= 0.0" in c["reason"] or "head overlap" in c["reason"]
+                                            for c in strict["control_choice"])
+
+
 # ----------------------------------------------------------------------------------- command line
 
 
