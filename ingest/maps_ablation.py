@@ -10,7 +10,7 @@ For relation R, on its prompts in the store (greedy first token == first token o
 * on each control relation C: ``control_none`` and ``control_relation_heads`` (R's heads removed
   on C's prompts).  Controls are given, or chosen as in the paper (:func:`choose_controls`):
   relations in the store whose own top heads (as many as R's) overlap R's by less than 15% and
-  whose base accuracy is within 0.2 of R's, the closest in base accuracy first; at most
+  whose base accuracy is above 0 and within 0.2 of R's, the closest in base accuracy first; at most
   ``max_controls``.  The screening uses the accuracy recorded at ingest (the greedy token in
   ``targets``, which the runner reproduces), so only the chosen controls are run; every
   candidate's overlap, base accuracy and decision are reported.
@@ -75,6 +75,7 @@ class AblationConfig:
     max_controls: int = 3
     max_head_overlap: float = 0.15
     max_accuracy_gap: float = 0.2
+    min_control_base: float = 0.0  # a control must answer some prompts (base accuracy above this)
     reuse_stored: bool = True  # read static scores from a matching stored `maps` run when there is one
 
 
@@ -318,8 +319,8 @@ def choose_controls(cfg: AblationConfig, prompts: dict[str, Prompts], heads: Seq
     """Every other relation of the store as a control candidate, with the decision and its reason.
 
     A candidate C qualifies when its own top ``len(heads)`` heads (non-zero scores) share fewer than
-    ``max_head_overlap`` of R's heads and its base accuracy recorded at ingest is within ``max_accuracy_gap``
-    of R's; of those, the ``max_controls`` closest in base accuracy are chosen (ties: lower overlap, name).
+    ``max_head_overlap`` of R's heads and its base accuracy recorded at ingest is above ``min_control_base``
+    (0: else no drop can show) and within ``max_accuracy_gap`` of R's; of those, the ``max_controls`` closest in base accuracy are chosen (ties: lower overlap, name).
     """
     r_base = _store_base(prompts[cfg.relation])
     hs = set(heads)
@@ -340,6 +341,8 @@ def choose_controls(cfg: AblationConfig, prompts: dict[str, Prompts], heads: Seq
         row.update(head_overlap=overlap, shared_heads=_fmt(shared), score_source=scorer.source.get(c))
         if overlap >= cfg.max_head_overlap:
             row["reason"] = f"head overlap {overlap:.2f} >= {cfg.max_head_overlap}"
+        elif c_base <= cfg.min_control_base:
+            row["reason"] = f"base accuracy {c_base:.2f} <= {cfg.min_control_base}: no drop to measure"
         elif row["base_gap"] >= cfg.max_accuracy_gap:
             row["reason"] = f"base accuracy {c_base:.2f} vs {r_base:.2f} (gap >= {cfg.max_accuracy_gap})"
         else:

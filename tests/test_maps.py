@@ -284,7 +284,9 @@ def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[...,
     store_base = dict(zip(base.column("r").to_pylist(), base.column("acc").to_pylist()))
 
     runner = InterventionRunner(loaded.model)
-    cfg = AblationConfig(relation, k=k, top_m=m, random_draws=0, max_head_overlap=0.5, max_controls=2)
+    # The tiny random model answers nothing (base 0 everywhere): let controls with base 0 qualify here.
+    cfg = AblationConfig(relation, k=k, top_m=m, random_draws=0, max_head_overlap=0.5, max_controls=2,
+                         min_control_base=-1.0)
     computed = run_ablation(runner, store, cfg, pairs=pairs).summary  # no stored run yet: computed
     assert set(computed["static_scores"].values()) == {"computed from its pair file"}
     r = CliRunner().invoke(main, ["maps", str(path), "--pairs", str(MAPS_DATA), "--relations", ",".join(CONTROL_RELS),
@@ -325,9 +327,13 @@ def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[...,
     for c in stored["controls"]:  # the chosen controls are run: their measured base is the recorded one
         assert c["base"] == pytest.approx(store_base[c["relation"]])
     strict = run_ablation(runner, store, AblationConfig(relation, k=k, top_m=m, random_draws=0, max_head_overlap=0.5,
-                                                        max_accuracy_gap=0.0), pairs=pairs).summary
+                                                        max_accuracy_gap=0.0, min_control_base=-1.0), pairs=pairs).summary
     assert strict["controls"] == [] and all("gap >= 0.0" in c["reason"] or "head overlap" in c["reason"]
                                             for c in strict["control_choice"])
+    default = run_ablation(runner, store, AblationConfig(relation, k=k, top_m=m, random_draws=0, max_head_overlap=0.5),
+                           pairs=pairs).summary  # by default a control with base accuracy 0 does not qualify
+    assert default["controls"] == [] and {c["relation"] for c in default["control_choice"]
+                                          if "no drop to measure" in c["reason"]} == {c for _, _, c in expected}
 
 
 # ----------------------------------------------------------------------------------- command line
