@@ -334,6 +334,16 @@ def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[...,
                            pairs=pairs).summary  # by default a control with base accuracy 0 does not qualify
     assert default["controls"] == [] and {c["relation"] for c in default["control_choice"]
                                           if "no drop to measure" in c["reason"]} == {c for _, _, c in expected}
+    # The command line: text output names each candidate's decision and where the scores came from.
+    args = ["ablate", "--model", "tiny-llama", "--store", str(path), "--relation", relation, "--pairs", str(MAPS_DATA),
+            "--k", str(k), "--top-m", str(m), "--random-draws", "0", "--max-head-overlap", "0.5", "--no-write", "--quiet"]
+    r = CliRunner().invoke(main, [*args, "--scores-store", str(path)])
+    assert r.exit_code == 0, r.output + str(r.stderr)
+    assert f"static scores stored run {run_id}: {relation}" in r.stdout
+    assert all(f"skipped {c:<40} base accuracy 0.00 <= 0.0" in r.stdout for _, _, c in expected), r.stdout
+    other = store_factory("gemma3", limit=1)  # another model's store: its scores cannot stand in
+    r = CliRunner().invoke(main, [*args, "--scores-store", str(other)])
+    assert r.exit_code == 1 and r.stderr.strip().count("\n") == 0 and "another model's weights" in r.stderr, r.stderr
 
 
 # ----------------------------------------------------------------------------------- command line
