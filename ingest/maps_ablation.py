@@ -329,7 +329,8 @@ def choose_controls(cfg: AblationConfig, prompts: dict[str, Prompts], heads: Seq
         if c == cfg.relation:
             continue
         c_base = _store_base(prompts[c])
-        row: dict[str, Any] = {"relation": c, "store_base": c_base, "base_gap": abs(c_base - r_base),
+        # rounded, so that a gap of exactly max_accuracy_gap (e.g. 18/60 - 6/60) is not below it by float error
+        row: dict[str, Any] = {"relation": c, "store_base": c_base, "base_gap": round(abs(c_base - r_base), 9),
                                "head_overlap": None, "shared_heads": "", "score_source": None, "chosen": False}
         try:
             score = scorer.score(c)
