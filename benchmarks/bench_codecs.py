@@ -16,7 +16,6 @@ widened to float32 under Blosc(zstd 3, byte shuffle), i.e. what float16 storage 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,6 +30,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from benchmarks.common import emit  # noqa: E402
 
 
 def codecs() -> dict[str, Any]:
@@ -132,16 +133,13 @@ def main() -> None:
     }
     result["current"] = CURRENT
     shutil.rmtree(tmp, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
+    emit(result, args.json_out)
     print("\nall arrays together (raw MB/s on one thread):")
     print(f"{'codec':28s} {'ratio':>6s} {'encode':>8s} {'decode':>8s}")
     for k, v in result["all_arrays"].items():
         mark = "  <- current" if k == CURRENT else ""
         enc, dec = (f"{x:8.0f}" if x else f"{'-':>8s}" for x in (v["encode_MBps"], v["decode_MBps"]))
         print(f"{k:28s} {v['ratio']:6.3f} {enc} {dec}{mark}")
-    if args.json_out:
-        Path(args.json_out).write_text(text)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import emit  # noqa: E402
+
 FEWREL = REPO.parent / "shared" / "data" / "fewrel" / "val_wiki.json"
 
 
@@ -162,10 +167,7 @@ def main() -> None:
         result["peak_rss_mb"] = {str(k): peak_rss_mb(k, args.batch, args.segment_size) for k in sizes}
         result["peak_rss_segment_size"] = args.segment_size
     shutil.rmtree(tmp, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text)
+    emit(result, args.json_out)
 
 
 if __name__ == "__main__":

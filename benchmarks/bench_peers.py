@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import random
 import shutil
@@ -63,6 +62,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_ingest import du, load  # noqa: E402
+from benchmarks.common import emit  # noqa: E402
 
 NAMES = ("z", "attn", "v", "mlp", "resid")
 PEERS = ("nnsight", "tlens", "hf", "nnsight_full", "hf_full")
@@ -382,10 +382,7 @@ def main() -> None:
         result["peer_over_actstore_after_store_creation"] = ratios[fastest] / ratios["actstore_after_store_creation"]
     if "actstore" in methods and "materialised" in methods:
         result["materialised_over_actstore"] = ratios["materialised"] / ratios["actstore"]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text)
+    emit(result, args.json_out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ alternate in a shuffled order per round; times are medians over rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -37,6 +36,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from benchmarks.common import emit  # noqa: E402
 
 
 def make_store(path: str, n_prompts: int, batch: int = 16) -> None:
@@ -192,10 +193,7 @@ def main() -> None:
         "load_average": os.getloadavg(),
     }
     shutil.rmtree(tmp, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text)
+    emit(result, args.json_out)
 
 
 if __name__ == "__main__":
