@@ -151,11 +151,14 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 @click.option("--procs", type=click.IntRange(min=1), default=None,
               help="Run as N ranks on this machine (torchrun --nproc_per_node N, gloo; one summary line per rank).")
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="torch CPU threads per process (0: torch's default, one per core). Use 1 when other jobs share "
+                   "the cores: oversubscribed threads slow the forward pass several-fold.")
 @friendly
 def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_relation: int | None,
            template: str | None, keep_object_first: bool, batch_size: int, storage_dtype: str, model_dtype: str, device: str,
            segment_size: int, padding_side: str, out: str, resume: bool, overwrite: bool, quiet: bool,
-           as_json: bool, procs: int | None) -> None:
+           as_json: bool, procs: int | None, threads: int) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
     from ingest.distributed import launch_ranks, leave_process_group, ranks_from_env
     from ingest.run import IngestRequest, ingest_corpus
@@ -185,7 +188,7 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
         batch_size=batch_size,
         storage_dtype=storage_dtype, model_dtype=model_dtype, device=device, segment_size=segment_size,
         padding_side=padding_side, out=out, resume=resume, overwrite=overwrite, progress=not quiet,
-        rank=rank, world_size=world,
+        rank=rank, world_size=world, threads=threads,
     )
     try:
         report = ingest_corpus(req, log=lambda m: click.echo(m, err=True) if not quiet and rank == 0 else None)

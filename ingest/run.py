@@ -42,6 +42,7 @@ class IngestRequest:
     progress: bool = True
     rank: int = 0
     world_size: int = 1
+    threads: int = 0  # torch CPU threads for this ingest (0: leave torch's setting)
 
 
 def _log_nothing(message: str) -> None:
@@ -49,6 +50,19 @@ def _log_nothing(message: str) -> None:
 
 
 def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing) -> IngestReport:
+    """Ingest ``req.dataset`` with ``req.model`` into ``req.out``; torch's thread count is restored after."""
+    if req.threads < 0:
+        raise ValueError(f"--threads must be 0 (torch's default) or more (got {req.threads})")
+    old = torch.get_num_threads()
+    if req.threads > 0:
+        torch.set_num_threads(req.threads)
+    try:
+        return _ingest_corpus(req, log)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _ingest_corpus(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
     from ingest.models import load_model
 
     options: dict[str, object] = {"relations": req.relations, "limit_per_relation": req.limit_per_relation,

@@ -53,3 +53,33 @@ def test_procs_command_line_and_bad_values(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=120)
     assert under.returncode == 1 and under.stderr.startswith("error: --procs starts the ranks itself"), under.stderr
     assert not (tmp_path / "s").exists() and not (tmp_path / "t").exists()
+
+
+def test_threads_option_is_applied_and_restored(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+
+    from ingest.run import IngestRequest, ingest_corpus
+
+    # In process: the thread count holds while the ingest runs (seen from its log callback) and is put back.
+    original = torch.get_num_threads()
+    torch.set_num_threads(1)
+    seen: list[int] = []
+    req = IngestRequest(model="tiny-llama", dataset="demo", limit_per_relation=4, batch_size=4, segment_size=8,
+                        out=str(tmp_path / "two"), progress=False, threads=2)
+    try:
+        ingest_corpus(req, log=lambda _: seen.append(torch.get_num_threads()))
+        assert seen and set(seen) == {2}
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(original)
+    # From the command line, with one thread: the same store up to float summation order.
+    one = ingest(tmp_path / "one", "--threads", "1")
+    assert one.returncode == 0, one.stderr
+    a = actstore.open(tmp_path / "one").select().features("attn_head")
+    b = actstore.open(tmp_path / "two").select().features("attn_head")
+    assert a.shape == b.shape and np.abs(a).max() > 0
+    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
+    bad = ingest(tmp_path / "bad", "--threads", "-1")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: Invalid value for '--threads'"), bad.stderr
+    assert not (tmp_path / "bad").exists()
