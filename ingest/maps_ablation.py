@@ -240,7 +240,8 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
         "random_draws": len(random_accs), "controls": control_summary,
         "control_selection": ("given" if not auto else
                               f"automatic: {cfg.relation}'s head overlap < {cfg.max_head_overlap} and base accuracy "
-                              f"(recorded at ingest) within {cfg.max_accuracy_gap} of {cfg.relation}'s, closest base "
+                              f"(recorded at ingest) above {cfg.min_control_base} and within {cfg.max_accuracy_gap} of "
+                              f"{cfg.relation}'s, closest base "
                               f"first, at most {cfg.max_controls}"),
         "control_choice": choice,
         "static_scores": dict(scorer.source),
