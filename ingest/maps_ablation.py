@@ -44,6 +44,7 @@ from query.maps import (
     MapsError,
     TokenPairs,
     VocabProjection,
+    check_head,
     implementing_heads,
     static_scores,
     store_pairs,
@@ -174,8 +175,7 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     scorer.resolve(([cfg.relation] if cfg.heads is None else []) + ([r for r in prompts if r != cfg.relation] if auto else []))
     if cfg.heads is not None:
         for layer, h in cfg.heads:
-            if not (0 <= layer < g.n_layers and 0 <= h < g.n_heads):
-                raise MapsError(f"head {layer}.{h} is out of range: layers 0..{g.n_layers - 1}, heads 0..{g.n_heads - 1}")
+            check_head(g, layer, h)
         heads = list(cfg.heads)
     else:
         score = scorer.score(cfg.relation)

@@ -69,6 +69,7 @@ import pyarrow as pa
 import torch
 
 from actstore.errors import QueryError
+from actstore.manifest import Geometry
 from actstore.store import Store
 
 SourceTransform = Callable[[torch.Tensor], torch.Tensor]
@@ -199,6 +200,12 @@ def tokenize_pairs(
 # ----------------------------------------------------------------------------------- projection
 
 
+def check_head(g: Geometry, layer: int, head: int) -> None:
+    """One error line for a head outside the store's geometry."""
+    if not (0 <= layer < g.n_layers and 0 <= head < g.n_heads):
+        raise MapsError(f"head {layer}.{head} is out of range: layers 0..{g.n_layers - 1}, heads 0..{g.n_heads - 1}")
+
+
 class VocabProjection:
     """The store's weights arranged for vocabulary projections of heads (float32 torch)."""
 
@@ -223,9 +230,7 @@ class VocabProjection:
         return int(self.U_T.shape[1])
 
     def check_head(self, layer: int, head: int) -> None:
-        g = self.geometry
-        if not (0 <= layer < g.n_layers and 0 <= head < g.n_heads):
-            raise MapsError(f"head {layer}.{head} is out of range: layers 0..{g.n_layers - 1}, heads 0..{g.n_heads - 1}")
+        check_head(self.geometry, layer, head)
 
     def kv(self, head: int) -> int:
         return head // self.geometry.kv_group
