@@ -190,7 +190,8 @@ class Store:
             if name in SEGMENT_TABLES:
                 continue
             files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
-            out[name] = [f"tables/{name}/{f}" for f in files]
+            if files:  # a directory whose first file is still being written is no table yet
+                out[name] = [f"tables/{name}/{f}" for f in files]
         return out
 
     def table(self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None) -> pa.Table:
