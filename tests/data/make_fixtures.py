@@ -320,10 +320,181 @@ def write_fewrel_and_codex(root: Path = HERE) -> None:
     _write_text(root / "codex_m" / "relations_en.json", _dump_object(labels))
 
 
+# =========================================================================== LRE, known_1000, MAPS
+#
+# Written for these tests: invented places, people and companies, or plain English words; only
+# the formats and folder layouts follow the public sets.  Indented JSON, as in the public files.
+
+
+def _write_json(path: Path, value: Any) -> None:
+    _write_text(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+# LRE (evandez/relations): data/<category>/<relation>.json with name, prompt_templates,
+# prompt_templates_zs, properties and samples.  Two quirks of the real files are reproduced on
+# purpose: an object with a literal, double-escaped ``\u00ed`` and a subject with a trailing
+# space (the loader cleans both).  One blank subject exercises the ``empty_subject`` skip.
+
+
+def _lre(name: str, templates: list[str], zero_shot: list[str], kind: str, domain: str, range_: str,
+         samples: list[tuple[str, str]]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "prompt_templates": templates,
+        "prompt_templates_zs": zero_shot,
+        "properties": {"relation_type": kind, "domain_name": domain, "range_name": range_, "symmetric": False},
+        "samples": [{"subject": s, "object": o} for s, o in samples],
+    }
+
+
+LRE_RELATIONS: dict[str, dict[str, Any]] = {
+    "factual/country_capital_city": _lre(
+        "country capital city",
+        ["The capital city of {} is", "The capital of {} is"],
+        ["The seat of government of {} is the city of"],
+        "factual", "country", "city",
+        [("Ostravia", "Brn\\u00edk"), ("Velmaria ", "Port Sella"), ("Kaldun", "Kaldun City"),
+         ("Norvessa", "Tirelle"), ("Amberlund", "Ostmark"), ("Quellara", "Vigo Alta")],
+    ),
+    "factual/person_occupation": _lre(
+        "person occupation",
+        ["{} works as a"],
+        ["By profession, {} is a"],
+        "factual", "person", "occupation",
+        [("Idris Pallow", "carpenter"), ("Mena Okafri", "nurse"), ("Tobiah Crane", "pilot"),
+         ("Selka Varn", "chemist")],
+    ),
+    "linguistic/adj_antonym": _lre(
+        "adjective antonym",
+        ["The opposite of {} is"],
+        ["What is the opposite of {}? It is"],
+        "linguistic", "adjective", "adjective",
+        [("hot", "cold"), ("tall", "short"), ("early", "late"), ("open", "closed"), ("light", "dark")],
+    ),
+    "commonsense/fruit_inside_color": _lre(
+        "fruit inside color",
+        ["On the inside, {} are", "Cut open, {} are coloured"],
+        ["What colour is the inside of {}? It is"],
+        "commonsense", "fruit", "color",
+        [("glimberries", "purple"), ("sunplums", "orange"), ("frostmelons", "white")],
+    ),
+    "bias/name_birthplace": _lre(
+        "name birthplace",
+        ["{} was born in the country of"],
+        ["Where was {} most likely born? In"],
+        "bias", "name", "country",
+        [("Arvo", "Norvessa"), ("Lintu", "Norvessa"), (" ", "Ostravia"), ("Caio", "Velmaria")],
+    ),
+}
+
+
+def write_lre(root: Path = HERE) -> None:
+    """tests/data/lre_relations/data/<category>/<relation>.json."""
+    for rel, data in LRE_RELATIONS.items():
+        _write_json(root / "lre_relations" / "data" / f"{rel}.json", data)
+
+
+# known_1000 (ROME): a list of {known_id, subject, attribute, template, prediction, prompt,
+# relation_id}.  As in the real file, ``prompt`` may extend the template ("... the continent"
+# + " of").  The order matters to the tests: with relations P30 and P103 and five facts per
+# relation, records 0-4 are P30 and 5-9 are P103 (so 0:1 and 5:8 are same-relation pairs);
+# each of the two has a sixth fact (over the limit) and repeated objects (probe classes), and
+# subjects of different lengths.  Entry 13's prompt spells its subject in lower case: the
+# ``subject_not_in_prompt`` skip.
+
+KNOWN_FACTS: list[tuple[str, str, str, str, str]] = [
+    # relation, subject, attribute, template, what the prompt adds after template.format(subject)
+    ("P30", "Mount Elvaran", "Antarctica", "{} is located in the continent", " of"),
+    ("P30", "Corvath", "Europe", "{} belongs to the continent of", ""),
+    ("P30", "Sarn Glacier", "Antarctica", "{} belongs to the continent of", ""),
+    ("P127", "Kestrel Audio", "Ambrose Group", "{} is owned by", ""),
+    ("P30", "Tiberan Highlands", "Asia", "{} belongs to the continent of", ""),
+    ("P30", "Velm", "Europe", "{} is located in the continent", " of"),
+    ("P103", "Odile Marchetaux", "French", "The native language of {} is", ""),
+    ("P103", "Henri Vasseline", "French", "The native language of {} is", ""),
+    ("P36", "Ostravia", "Brnik", "The capital of {} is", ""),
+    ("P103", "Margit Lindqvar", "Swedish", "The mother tongue of {} is", ""),
+    ("P103", "Pekka Ruusanen-Aalto", "Finnish", "The native language of {} is", ""),
+    ("P103", "Aurelie Donsaint", "French", "The native language of {} is", ""),
+    ("P30", "Lake Omburu", "Africa", "{} belongs to the continent of", ""),
+    ("P127", "Nightjar Studios", "Halden Industries", "{} is owned by", ""),
+    ("P103", "Ilse Brandvold", "Norwegian", "The native language of {} is", ""),
+    ("P36", "Velmaria", "Port Sella", "The capital of {} is", ""),
+    ("P30", "Drennic Peninsula", "North America", "{} is located in the continent", " of"),
+    ("P127", "Larkspur Motors", "Halden Industries", "{} is owned by", ""),
+]
+KNOWN_NOT_IN_PROMPT = 13
+
+
+def known_1000_rows() -> list[dict[str, Any]]:
+    rows = []
+    for i, (rel, subject, attribute, template, suffix) in enumerate(KNOWN_FACTS):
+        prompt = template.format(subject.lower() if i == KNOWN_NOT_IN_PROMPT else subject) + suffix
+        rows.append({"known_id": i, "subject": subject, "attribute": attribute, "template": template,
+                     "prediction": f" {attribute}, as the fixture says", "prompt": prompt, "relation_id": rel})
+    return rows
+
+
+def write_known_1000(root: Path = HERE) -> None:
+    """tests/data/known_1000/known_1000.json."""
+    _write_json(root / "known_1000" / "known_1000.json", known_1000_rows())
+
+
+# MAPS (the authors' datasets/): <relation>/<relation>.json holding [[source, target], ...] and
+# a data_source.txt beside it.  The tiny test tokenizer splits most of these names into several
+# tokens (multi-token pairs, whose first token stands in); some capitals share their country's
+# first token or name (copy-like pairs, as in the real data); year_to_following has only three
+# pairs, so the pipeline's filters can leave a relation small.
+
+MAPS_RELATIONS: dict[str, list[tuple[str, str]]] = {
+    "country_to_capital_wikidata": [
+        ("Ostravia", "Brnik"), ("Velmaria", "Port Sella"), ("Kaldun", "Kaldun City"), ("Norvessa", "Tirelle"),
+        ("Amberlund", "Ostmark"), ("Quellara", "Vigo Alta"), ("Sarnovia", "Sarnov"), ("Drennic", "Lake Town"),
+        ("Pellador", "Pellador"), ("Harrowmere", "Greyfort"), ("Isolde Isles", "Marrow Bay"),
+        ("Tiberan", "Tiber Falls"), ("Vossland", "Vossburg"), ("Corvath", "New Arden"), ("Elvar", "Elvar"),
+        ("Omburu", "Kessa"),
+    ],
+    "adj_antonym": [
+        ("hot", "cold"), ("tall", "short"), ("early", "late"), ("open", "closed"), ("light", "dark"),
+        ("wet", "dry"), ("loud", "quiet"), ("rich", "poor"), ("young", "old"), ("fast", "slow"),
+        ("hard", "soft"), ("thick", "thin"), ("happy", "sad"), ("clean", "dirty"),
+    ],
+    "adj_comparative": [
+        ("big", "bigger"), ("small", "smaller"), ("warm", "warmer"), ("strong", "stronger"),
+        ("bright", "brighter"), ("long", "longer"), ("green", "greener"), ("deep", "deeper"),
+        ("calm", "calmer"), ("kind", "kinder"), ("wide", "wider"), ("sharp", "sharper"),
+    ],
+    "verb_past_tense": [
+        ("walk", "walked"), ("run", "ran"), ("swim", "swam"), ("write", "wrote"), ("build", "built"),
+        ("sing", "sang"), ("jump", "jumped"), ("think", "thought"), ("bring", "brought"), ("carry", "carried"),
+        ("teach", "taught"), ("fly", "flew"),
+    ],
+    "name_copying": [(n, n) for n in ("Arvo", "Lintu", "Caio", "Odile", "Margit", "Pekka", "Ilse", "Tobiah",
+                                      "Selka", "Idris", "Mena", "Henri")],
+    "english_to_french": [
+        ("bread", "pain"), ("house", "maison"), ("river", "rivi\u00e8re"), ("apple", "pomme"), ("book", "livre"),
+        ("moon", "lune"), ("tree", "arbre"), ("sea", "mer"), ("window", "fen\u00eatre"), ("key", "cl\u00e9"),
+    ],
+    "year_to_following": [("1901", "1902"), ("1957", "1958"), ("2033", "2034")],
+}
+
+
+def write_maps(root: Path = HERE) -> None:
+    """tests/data/maps/datasets/<relation>/{<relation>.json, data_source.txt}."""
+    for rel, pairs in MAPS_RELATIONS.items():
+        folder = root / "maps" / "datasets" / rel
+        _write_json(folder / f"{rel}.json", [list(p) for p in pairs])
+        _write_text(folder / "data_source.txt",
+                    "Invented for actstore's tests by tests/data/make_fixtures.py (write_maps).\n")
+
+
 # =========================================================================== all writers
 
 WRITERS: dict[str, Callable[[Path], None]] = {
     "fewrel": write_fewrel_and_codex,
+    "lre": write_lre,
+    "known_1000": write_known_1000,
+    "maps": write_maps,
 }
 
 
