@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import SHARED_DATA
+from conftest import FIXTURES
 
 import actstore
 from ingest.models import tiny_model
@@ -25,7 +25,7 @@ from query.lens import (
     stored_residuals,
 )
 
-KNOWN = f"known1000:{SHARED_DATA / 'known_1000' / 'known_1000.json'}"
+KNOWN = f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}"  # invented facts
 STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 5, "relations": ("P30", "P103")}
 
 pytestmark = pytest.mark.usefixtures("one_thread")

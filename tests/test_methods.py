@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import SHARED_DATA
+from conftest import FIXTURES
 
 import actstore
 from query.methods import (
@@ -23,7 +23,7 @@ from query.methods import (
     stored_outputs,
 )
 
-KNOWN = f"known1000:{SHARED_DATA / 'known_1000' / 'known_1000.json'}"
+KNOWN = f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}"  # invented facts
 STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 5, "relations": ("P30", "P103")}
 
 pytestmark = pytest.mark.usefixtures("one_thread")

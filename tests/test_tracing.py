@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import SHARED_DATA
+from conftest import FIXTURES
 
 import actstore
 from ingest.interventions import Intervention, InterventionRunner, RunItem
@@ -28,7 +28,7 @@ from ingest.tracing import (
     window_layers,
 )
 
-KNOWN = f"known1000:{SHARED_DATA / 'known_1000' / 'known_1000.json'}"
+KNOWN = f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}"  # invented facts
 STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 5, "relations": ("P30", "P103")}
 
 
@@ -168,16 +168,30 @@ def test_cli_trace_json_and_bad_input_exits(llama_store: Path) -> None:
     assert bad.exit_code == 1 and "same relation" in bad.stderr and bad.stderr.strip().count("\n") == 0
 
 
-def test_cli_fact_whose_subject_is_not_in_its_prompt_exits_with_one_line(store_factory: Callable[..., Path]) -> None:
+def _fewrel_instance(sentence: str, head: list[int], tail: list[int]) -> dict[str, Any]:
+    tokens = sentence.split(" ")
+    return {"tokens": tokens, "h": [" ".join(tokens[i] for i in head).lower(), "Q9000001", [head]],
+            "t": [" ".join(tokens[i] for i in tail).lower(), "Q9000002", [tail]]}
+
+
+def test_cli_fact_whose_subject_is_not_in_its_prompt_exits_with_one_line(tmp_path: Path) -> None:
     """A stored fact without its subject's tokens (a FewRel instance whose object precedes the subject,
     kept with keep_object_first: the prompt ends before the object): trace and patch refuse it with one
     error line, before loading the model; selecting only well-formed facts works."""
     import json
 
+    from conftest import build_store
+
     from actstore.cli import main
 
-    fewrel = f"fewrel:{SHARED_DATA / 'fewrel' / 'val_wiki.json'}"
-    path = store_factory("llama", dataset=fewrel, limit=3, relations=("P364",), keep_object_first=True)
+    fewrel = tmp_path / "val_wiki.json"  # FewRel format, invented sentences: the middle one is object-first
+    fewrel.write_text(json.dumps({"P364": [
+        _fewrel_instance("Silent Harbour is a drama film shot in Velmish .", [0, 1], [8]),
+        _fewrel_instance("Most Velmish cinema of the decade , like Grey Morning , was silent .", [8, 9], [1]),
+        _fewrel_instance("The comedy Lark Song was written and filmed in Ostrish .", [2, 3], [9]),
+    ]}))
+    path = build_store(tmp_path / "store", dataset=f"fewrel:{fewrel}", limit=3, relations=("P364",),
+                       keep_object_first=True)
     s = actstore.open(path)
     spans = s.sql("SELECT example_id, subject, subject_start FROM examples ORDER BY 1").to_pylist()
     bad = [r for r in spans if r["subject_start"] < 0]

@@ -397,7 +397,8 @@ def write_lre(root: Path = HERE) -> None:
 # known_1000 (ROME): a list of {known_id, subject, attribute, template, prediction, prompt,
 # relation_id}.  As in the real file, ``prompt`` may extend the template ("... the continent"
 # + " of").  The order matters to the tests: with relations P30 and P103 and five facts per
-# relation, records 0-4 are P30 and 5-9 are P103 (so 0:1 and 5:8 are same-relation pairs);
+# relation, records 0-4 are P30 and 5-9 are P103 (so 0:1 and 5:8 are same-relation pairs whose
+# objects start with different tiny-tokenizer tokens, as activation patching needs);
 # each of the two has a sixth fact (over the limit) and repeated objects (probe classes), and
 # subjects of different lengths.  Entry 13's prompt spells its subject in lower case: the
 # ``subject_not_in_prompt`` skip.
@@ -414,7 +415,7 @@ KNOWN_FACTS: list[tuple[str, str, str, str, str]] = [
     ("P103", "Henri Vasseline", "French", "The native language of {} is", ""),
     ("P36", "Ostravia", "Brnik", "The capital of {} is", ""),
     ("P103", "Margit Lindqvar", "Swedish", "The mother tongue of {} is", ""),
-    ("P103", "Pekka Ruusanen-Aalto", "Finnish", "The native language of {} is", ""),
+    ("P103", "Pekka Ruusanen-Aalto", "Estonian", "The native language of {} is", ""),
     ("P103", "Aurelie Donsaint", "French", "The native language of {} is", ""),
     ("P30", "Lake Omburu", "Africa", "{} belongs to the continent of", ""),
     ("P127", "Nightjar Studios", "Halden Industries", "{} is owned by", ""),
