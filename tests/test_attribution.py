@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,17 +22,17 @@ from query.attribution import TokenGeometry, contrast_coefficients, explain_exam
 from query.probe import ProbeConfig, run_probe, write_probe_tables
 from query.selection import Selection
 
-FEWREL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "fewrel" / "val_wiki.json"
-pytestmark = [pytest.mark.skipif(not FEWREL.exists(), reason="FewRel data not present"), pytest.mark.usefixtures("one_thread")]
+FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def fewrel_store(store_factory: Callable[..., Path]) -> Path:
-    """The same float32 tiny-Llama FewRel store as tests/test_probe.py (built once per session)."""
+    """The same float32 tiny-Llama store of the FewRel fixture as tests/test_probe.py (built once per session)."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's many small ops: much faster on one thread on a busy machine
     try:
-        return store_factory("llama", dataset=f"fewrel:{FEWREL}", limit=10, segment_size=64)
+        return store_factory("llama", dataset=f"fewrel:{FEWREL_FIXTURE}", limit=10, segment_size=64)
     finally:
         torch.set_num_threads(old)
 

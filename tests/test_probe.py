@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import FIXTURES, real_data
 
 import actstore
 from actstore.cli import main
@@ -28,19 +29,25 @@ from query.probe import (
 )
 from query.relspec import gather_standardized, select_features, smd_scores
 
-FEWREL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "fewrel" / "val_wiki.json"
-pytestmark = [pytest.mark.skipif(not FEWREL.exists(), reason="FewRel data not present"), pytest.mark.usefixtures("one_thread")]
+FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
+N_RELATIONS = len(json.loads(FEWREL_FIXTURE.read_text(encoding="utf-8")))  # 8 invented relations
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def fewrel_store_at(store_factory: Callable[..., Path], path: Path) -> Path:
+    """Tiny Llama over the first 10 kept instances of each relation of the FewRel file ``path`` (float32)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model's many small ops: much faster on one thread on a busy machine
+    try:
+        return store_factory("llama", dataset=f"fewrel:{path}", limit=10, segment_size=64)
+    finally:
+        torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
 def fewrel_store(store_factory: Callable[..., Path]) -> Path:
-    """Tiny Llama over 10 real FewRel instances of each of the 16 relations (float32)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model's many small ops: much faster on one thread on a busy machine
-    try:
-        return store_factory("llama", dataset=f"fewrel:{FEWREL}", limit=10, segment_size=64)
-    finally:
-        torch.set_num_threads(old)
+    """The FewRel fixture (tests/data/fewrel: 8 relations x 10 kept instances)."""
+    return fewrel_store_at(store_factory, FEWREL_FIXTURE)
 
 
 @pytest.fixture()
@@ -133,8 +140,8 @@ def test_batched_trainer_equals_plain_loop_and_ignores_padding(fused: bool, monk
     assert (W[1, 20:] == 0).all()
 
 
-def test_batched_probe_agrees_with_reference_on_the_same_episodes(fewrel_store: Path) -> None:
-    store = actstore.open(fewrel_store)
+def check_batched_probe_agrees_with_reference(path: Path) -> None:
+    store = actstore.open(path)
     fm = load_features(store, "attn_head")
     cfg = ProbeConfig(kind="attn_head", top_k=40, epochs=50, episodes=6, seeds=(3,), token_scores="none")
     ep = sample_seeds(fm.labels, n_way=5, k_shot=5, queries=5, episodes=6, seeds=[3])
@@ -145,6 +152,20 @@ def test_batched_probe_agrees_with_reference_on_the_same_episodes(fewrel_store: 
     np.testing.assert_allclose(out.prob, np.take_along_axis(prob, pred[..., None], 2)[..., 0], atol=2e-3)
     assert (out.n_selected <= 5 * 40).all() and (out.n_selected > 40).all()
     assert out.accuracy > 0.2  # chance is 0.2; the tiny random model still separates some relations
+
+
+def test_batched_probe_agrees_with_reference_on_the_same_episodes(fewrel_store: Path) -> None:
+    check_batched_probe_agrees_with_reference(fewrel_store)
+
+
+@pytest.mark.real_data
+def test_batched_probe_agrees_with_reference_on_real_fewrel(store_factory: Callable[..., Path]) -> None:
+    """The same on 10 instances of each of the 16 real FewRel validation relations."""
+    path = fewrel_store_at(store_factory, real_data("fewrel/val_wiki.json"))
+    store = actstore.open(path)
+    counts = store.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1").to_pylist()
+    assert len(counts) == 16 and {r["n"] for r in counts} == {10}
+    check_batched_probe_agrees_with_reference(path)
 
 
 # ----------------------------------------------------------------------------------- tables, CLI
@@ -161,7 +182,7 @@ def test_result_tables_are_sql_visible(store_copy: Path) -> None:
     assert abs(n.column("a")[0].as_py() - out.accuracy) < 1e-9
     assert store.sql(f"SELECT count(*) FROM probe_episodes WHERE run_id = '{rid}'").column(0)[0].as_py() == 8
     f1 = store.sql(f"SELECT relation_id, f1 FROM relation_metrics WHERE run_id = '{rid}'").to_pylist()
-    assert len(f1) == 16 and all(0 <= x["f1"] <= 1 for x in f1)
+    assert len(f1) == N_RELATIONS and all(0 <= x["f1"] <= 1 for x in f1)
     hs = store.sql(f"SELECT DISTINCT layer, head FROM head_scores WHERE run_id = '{rid}'").num_rows
     assert hs == store.geometry.n_layers  # attn: one unit per layer
     assert store.sql(f"SELECT kind FROM runs WHERE run_id = '{rid}'").column(0)[0].as_py() == "probe"
@@ -191,7 +212,7 @@ def test_cli_probe_json_and_headscore(store_copy: Path) -> None:
 @pytest.mark.parametrize("args, message", [
     (["--features", "attn_prob"], "cannot be probed"),
     (["--features", "nope"], "cannot be probed"),
-    (["--features", "attn", "--n-way", "17"], "larger than the number of relations"),
+    (["--features", "attn", "--n-way", str(N_RELATIONS + 1)], "larger than the number of relations"),
     (["--features", "attn", "--k-shot", "8", "--queries", "5"], "fewer than k-shot + queries = 13"),
     (["--features", "attn", "--where", "relation_id = 'P177'"], "larger than the number of relations"),
 ])

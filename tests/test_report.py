@@ -2,8 +2,10 @@
 shortcut and MAPS results (run by the demo's own steps), plus tracing, patching, lens and
 agreement tables in their stored schema; checked as HTML and in a real headless Chromium.
 
-The browser test uses Debian's ``chromium`` (``apt-get install chromium``) and is skipped only
-when it is absent.  Set ``ACTSTORE_REPORT_SCREENSHOT=/path.png`` to keep its screenshot.
+The store is the FewRel fixture's (tests/data/fewrel, invented sentences).  The browser test uses
+Debian's ``chromium`` (``apt-get install chromium``); it is skipped when that is absent, and fails
+then under ``ACTSTORE_REQUIRE_REAL=1`` (CI).  Set ``ACTSTORE_REPORT_SCREENSHOT=/path.png`` to keep
+its screenshot.
 """
 
 from __future__ import annotations
@@ -24,15 +26,14 @@ import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import FIXTURES, require_chromium
 
 import actstore
 from actstore.cli import main
 from actstore.writer import write_result_table
 from query.report import SECTION_IDS, build_report, expected_sections, write_report
 
-FEWREL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "fewrel" / "val_wiki.json"
-pytestmark = pytest.mark.skipif(not FEWREL.exists(), reason="FewRel data not present")
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
+FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -101,7 +102,7 @@ def report_store(store_factory: Callable[..., Path], tmp_path_factory: pytest.Te
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = store_factory("llama", dataset=f"fewrel:{FEWREL}", limit=10, segment_size=64)
+        src = store_factory("llama", dataset=f"fewrel:{FEWREL_FIXTURE}", limit=10, segment_size=64)
         dst = tmp_path_factory.mktemp("report") / "store"
         shutil.copytree(src, dst)
         store = actstore.open(dst)
@@ -114,9 +115,8 @@ def report_store(store_factory: Callable[..., Path], tmp_path_factory: pytest.Te
     return dst
 
 
-def _browser(html_path: Path, tmp: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+def _browser(chromium: str, html_path: Path, tmp: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
            "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
            f"--user-data-dir={tmp / 'chromium-profile'}", "--virtual-time-budget=10000", *extra,
            html_path.resolve().as_uri()]
@@ -167,7 +167,7 @@ def test_report_html_is_self_contained_with_every_section(report_store: Path, tm
 
 
 def test_report_sections_only_for_present_tables(store_factory: Callable[..., Path], tmp_path: Path) -> None:
-    src = store_factory("llama", dataset=f"fewrel:{FEWREL}", limit=10, segment_size=64)
+    src = store_factory("llama", dataset=f"fewrel:{FEWREL_FIXTURE}", limit=10, segment_size=64)
     dst = tmp_path / "store"
     shutil.copytree(src, dst)
     store = actstore.open(dst)
@@ -211,12 +211,12 @@ window.addEventListener('load', () => {
 </script>"""
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install -y chromium)")
 def test_report_in_headless_chromium(report_store: Path, tmp_path: Path) -> None:
+    chromium = require_chromium()
     store = actstore.open(report_store)
     path = Path(write_report(store, tmp_path / "report.html"))
     # 1. The DOM as Chromium parsed it: every section and every image, with image data.
-    dom = _browser(path, tmp_path, "--dump-dom")
+    dom = _browser(chromium, path, tmp_path, "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-2000:]
     p = _Collect()
     p.feed(dom.stdout)
@@ -227,7 +227,7 @@ def test_report_in_headless_chromium(report_store: Path, tmp_path: Path) -> None
     # 2. After layout: every section has height and every image decoded (naturalWidth > 0).
     probe = tmp_path / "probe.html"
     probe.write_text(path.read_text(encoding="utf-8").replace("</body>", PROBE_SCRIPT + "</body>"), encoding="utf-8")
-    dom = _browser(probe, tmp_path, "--dump-dom")
+    dom = _browser(chromium, probe, tmp_path, "--dump-dom")
     m = re.search(r'<pre id="browser-check">(.*?)</pre>', dom.stdout)
     assert m, dom.stdout[-500:]
     check = json.loads(m.group(1).replace("&quot;", '"'))
@@ -236,7 +236,7 @@ def test_report_in_headless_chromium(report_store: Path, tmp_path: Path) -> None
     assert check["tokens"] > 20
     # 3. A screenshot of the top of the page renders.
     shot = Path(os.environ.get("ACTSTORE_REPORT_SCREENSHOT") or tmp_path / "report.png")
-    res = _browser(path, tmp_path, "--window-size=1280,6000", f"--screenshot={shot}")
+    res = _browser(chromium, path, tmp_path, "--window-size=1280,6000", f"--screenshot={shot}")
     assert res.returncode == 0, res.stderr[-2000:]
     assert shot.read_bytes()[:8] == PNG_MAGIC and shot.stat().st_size > 50_000
 
