@@ -22,6 +22,7 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import FIXTURES
 
 import actstore
 from actstore.cli import main
@@ -37,10 +38,10 @@ from query.predictors import (
     tfidf_similarity,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-FEWREL = DATA / "fewrel" / "val_wiki.json"
-CODEX = sorted((DATA / "codex_m").glob("*.txt"))
-MAPS_DATA = DATA / "maps" / "datasets"
+FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
+CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))
+N_RELATIONS = len(json.loads(FEWREL_FIXTURE.read_text(encoding="utf-8")))  # 8 invented relations
+MAPS_DATA = FIXTURES / "maps" / "datasets"  # invented pairs in the MAPS layout (the same store as tests/test_maps.py)
 RELS = ("country_to_capital_wikidata", "adj_antonym")
 RANKS = ("static_up", "static_down", "w_up", "w_down", "wo_up", "wo_down")
 
@@ -52,8 +53,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def maps_store(store_factory: Callable[..., Path]) -> Path:
-    if not MAPS_DATA.is_dir():
-        pytest.skip("MAPS pair files not available")
     return store_factory("llama", dataset=f"maps:{MAPS_DATA}", template="This is a document about {}",
                          relations=RELS, limit=12)
 
@@ -143,19 +142,18 @@ def test_cli_dask_options_bad_input(maps_store: Path) -> None:
 
 @pytest.fixture(scope="module")
 def probe_run(store_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A 16-way probe run over a FewRel store of 5 segments (tiny model, one short episode)."""
-    if not FEWREL.exists() or not CODEX:
-        pytest.skip("FewRel / CoDEx-M data not present")
+    """An 8-way probe run over a store of the FewRel fixture in 5 segments (80 prompts; tiny model,
+    one short episode)."""
     from query.probe import ProbeConfig, run_probe, write_probe_tables
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = store_factory("llama", dataset=f"fewrel:{FEWREL}", limit=10, segment_size=32)
+        src = store_factory("llama", dataset=f"fewrel:{FEWREL_FIXTURE}", limit=10, segment_size=16)
         dst = tmp_path_factory.mktemp("dask-pred") / "store"
         shutil.copytree(src, dst)
         store = actstore.open(dst)
-        out = run_probe(store, ProbeConfig(kind="attn_head", n_way=16, k_shot=5, queries=5, episodes=1,
+        out = run_probe(store, ProbeConfig(kind="attn_head", n_way=N_RELATIONS, k_shot=5, queries=5, episodes=1,
                                            seeds=(0,), top_k=40, epochs=5))
         write_probe_tables(store, out)
     finally:
@@ -165,8 +163,8 @@ def probe_run(store_factory: Callable[..., Path], tmp_path_factory: pytest.TempP
 
 @pytest.fixture(scope="module")
 def kg_files(probe_run: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """CoDEx-M (real, but it covers few FewRel pairs) plus two files that cover about half the
-    store's instances, with each entity's properties spread over both files."""
+    """The CoDEx-M fixture (it covers part of the FewRel fixture's pairs) plus two files that cover
+    about half the store's instances, with each entity's properties spread over both files."""
     store = actstore.open(probe_run[0])
     rng = random.Random(0)
     files = [tmp_path_factory.mktemp("kg") / f"part{i}.tsv" for i in range(2)]
@@ -181,7 +179,7 @@ def kg_files(probe_run: tuple[Path, str], tmp_path_factory: pytest.TempPathFacto
         lines[rng.randint(0, 1)].append(f"{m['subject_qid']}\tP{rng.randint(1, 6)}\t{m['object_qid']}")
     for f, ls in zip(files, lines):
         f.write_text("\n".join(ls) + "\n")
-    return [*CODEX, *files]
+    return [*CODEX_FIXTURE, *files]
 
 
 def frames_equal(a: Any, b: Any) -> None:
@@ -201,7 +199,14 @@ def test_predictors_on_dask_equal_in_process(probe_run: tuple[Path, str], kg_fil
         frames_equal(here.correlations, other.correlations)
         assert other.kb_files == here.kb_files == tuple(str(f) for f in kg_files)
         assert other.kb_coverage == here.kb_coverage
-    assert 0.3 < here.kb_coverage < 0.7  # the synthetic files cover about half the instances
+    # The share of instances whose subject and object are both in some file, counted with plain Python.
+    entities = {e for f in kg_files for line in f.read_text(encoding="utf-8").splitlines()
+                for e in line.split("\t")[::2]}
+    metas = [json.loads(str(r["meta"])) for r in _instances(store, None)]
+    covered = sum(m["subject_qid"] in entities and m["object_qid"] in entities for m in metas)
+    assert here.kb_coverage == covered / len(metas)
+    # CoDEx alone covers less than CoDEx plus the synthetic files, which cover about half the instances.
+    assert relation_predictors(store, rid, kb=CODEX_FIXTURE).kb_coverage < here.kb_coverage < 1
 
 
 def test_predictors_equal_single_pass_functions(probe_run: tuple[Path, str], kg_files: list[Path],
@@ -217,7 +222,7 @@ def test_predictors_equal_single_pass_functions(probe_run: tuple[Path, str], kg_
     ranges = output_ranges(rows)
     conn = connectivity(rows, KnowledgeGraph.load(kg_files))
     hs = store.sql(f"SELECT relation_id, score FROM head_scores WHERE run_id = '{rid}'").to_pandas()
-    assert len(rel) == 16
+    assert len(rel) == N_RELATIONS
     for name, r in rel.items():
         assert (r["n_instances"], r["output_range"]) == (ranges[name][0], ranges[name][1])
         assert (r["connectivity"], r["connectivity_coverage"], r["connectivity_covered"]) == conn[name] or (
