@@ -1,7 +1,8 @@
 """MAPS: static scores against a brute-force computation from the model's own weights, dynamic
 scores against plain forward hooks, the ablation experiment, the command line and bad input.
 
-Pairs are the MAPS authors' files in ../shared/data/maps/datasets (read in place)."""
+Pairs are invented fixtures in the MAPS authors' layout (tests/data/maps/datasets, written by
+tests/data/make_fixtures.py); the real pair files are not needed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import FIXTURES, real_data
 
 import actstore
 from actstore.cli import main
@@ -29,10 +31,8 @@ from query.maps import (
 from query.maps_dynamic import correlation_summary, dynamic_ranks
 from query.store_tokenizer import tokenizer_for_store
 
-MAPS_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "maps" / "datasets"
+MAPS_DATA = FIXTURES / "maps" / "datasets"
 RELS = ("country_to_capital_wikidata", "adj_antonym")
-
-pytestmark = pytest.mark.skipif(not MAPS_DATA.is_dir(), reason="MAPS pair files not available")
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,25 @@ def test_first_mlp_static_scores_equal_brute_force(arch: str, store_factory: Cal
         top = torch.topk(rows, 10, dim=1).indices
         phi = (top == torch.from_numpy(pairs.dst)[:, None]).any(1).double().mean().item()
         assert s.score(10)[layer, head] == pytest.approx(phi, abs=1e-12), (arch, layer, head)
+
+
+@pytest.mark.real_data
+def test_real_pair_files_score_like_brute_force(store_factory: Callable[..., Path]) -> None:
+    """The MAPS authors' own 20 pair files load, tokenize and score as the brute force says (one head)."""
+    real = real_data("maps/datasets")
+    store = actstore.open(store_factory("llama", limit=1))
+    model = tiny_model("llama").model
+    rels = load_pair_files([real])
+    assert len(rels) == 20 and {r.relation for r in rels} >= set(CONTROL_RELS)
+    pairs = [tokenize_pairs(r, tokenizer_for_store(store), vocab_size=store.geometry.vocab_size) for r in rels]
+    assert all(p.n_used + p.n_unknown == p.n_pairs for p in pairs)
+    scores = static_scores(VocabProjection(store), pairs)
+    M = full_maps(model, 1, 2, True)
+    for p in pairs:
+        rows = M[torch.from_numpy(p.src)]
+        target = rows[torch.arange(p.n_used), torch.from_numpy(p.dst)][:, None]
+        phi = float(((rows > target).sum(1) < 10).double().mean())
+        assert scores[p.relation].score(10)[1, 2] == pytest.approx(phi, abs=1e-12), p.relation
 
 
 def test_salient_operations_equal_brute_force(store_factory: Callable[..., Path]) -> None:

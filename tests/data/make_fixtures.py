@@ -444,8 +444,10 @@ def write_known_1000(root: Path = HERE) -> None:
 # MAPS (the authors' datasets/): <relation>/<relation>.json holding [[source, target], ...] and
 # a data_source.txt beside it.  The tiny test tokenizer splits most of these names into several
 # tokens (multi-token pairs, whose first token stands in); some capitals share their country's
-# first token or name (copy-like pairs, as in the real data); year_to_following has only three
-# pairs, so the pipeline's filters can leave a relation small.
+# first token or name (copy-like pairs, as in the real data).  Four of the first twelve antonyms
+# (young, deep, wild, polite) have a static rank inside k=10 at layer 1 of the tiny random Llama
+# with or without the first MLP, so the two static variants of test_maps differ on this relation.
+# year_to_following has only three pairs, so the pipeline's filters can leave a relation small.
 
 MAPS_RELATIONS: dict[str, list[tuple[str, str]]] = {
     "country_to_capital_wikidata": [
@@ -456,9 +458,9 @@ MAPS_RELATIONS: dict[str, list[tuple[str, str]]] = {
         ("Omburu", "Kessa"),
     ],
     "adj_antonym": [
-        ("hot", "cold"), ("tall", "short"), ("early", "late"), ("open", "closed"), ("light", "dark"),
-        ("wet", "dry"), ("loud", "quiet"), ("rich", "poor"), ("young", "old"), ("fast", "slow"),
-        ("hard", "soft"), ("thick", "thin"), ("happy", "sad"), ("clean", "dirty"),
+        ("hot", "cold"), ("young", "old"), ("tall", "short"), ("deep", "shallow"), ("early", "late"),
+        ("open", "closed"), ("wild", "tame"), ("light", "dark"), ("wet", "dry"), ("polite", "rude"),
+        ("loud", "quiet"), ("rich", "poor"), ("thick", "thin"), ("happy", "sad"),
     ],
     "adj_comparative": [
         ("big", "bigger"), ("small", "smaller"), ("warm", "warmer"), ("strong", "stronger"),
