@@ -6,20 +6,31 @@ zstd: float16 activations barely compress (Blosc/zstd level 3 saves 6%), and LZ4
 9x and decodes about 10x faster (benchmarks/bench_codecs.py; see benchmarks/README.md), which
 is what a GPU ingest's host side and every query pay for.  Stores written with zstd read as before.  bfloat16 has no
 numpy dtype; it is stored as its raw uint16 bits and widened to float32 on read.
+
+Every chunk is written, all-zero ones included (zarr skips those by default, and then a lost
+chunk would be indistinguishable from one never written).  Readers open arrays through
+:class:`ChunkGuard`, which turns a missing chunk of a store that writes every chunk into an
+error instead of zarr's silent fill value, and refuses special files (a named pipe as a chunk
+would block the read forever).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import zarr
+from zarr.abc.store import ByteRequest, Store
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
+from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.storage import WrapperStore
 
 from actstore.errors import CorruptStoreError
+from actstore.fs import check_regular_file
 
-NUMPY_DTYPE = {"float32": np.dtype("float32"), "float16": np.dtype("float16"), "bfloat16": np.dtype("uint16")}
+NUMPY_DTYPE: dict[str, np.dtype] = {"float32": np.dtype("float32"), "float16": np.dtype("float16"), "bfloat16": np.dtype("uint16")}
 
 
 def compressors() -> list[Any]:
@@ -44,6 +55,7 @@ def create_array(group: zarr.Group, name: str, data: np.ndarray, chunk0: int, *,
         fill_value=0,
         overwrite=True,
         attributes={"logical_dtype": logical_dtype},
+        config={"write_empty_chunks": True},  # a missing chunk is then always a lost one
     )
     if data.size:
         arr[...] = data
@@ -98,7 +110,69 @@ def read_ranges(arr: zarr.Array, starts: Sequence[int], lengths: Sequence[int], 
 def _read(arr: zarr.Array, sl: slice, where: str) -> np.ndarray:
     try:
         return np.asarray(arr[sl])
+    except MissingChunkError as e:
+        raise CorruptStoreError(f"{where}: chunk read failed for rows {sl.start}:{sl.stop} ({e})") from None
     except Exception as e:  # zarr raises codec-specific errors on checksum mismatch
         raise CorruptStoreError(
             f"{where}: chunk read failed for rows {sl.start}:{sl.stop} ({type(e).__name__}: {e})"
         ) from None
+
+
+class MissingChunkError(CorruptStoreError):
+    """A chunk that the store's writer wrote (every chunk, for stores of integrity 1) is not there."""
+
+
+def is_chunk_key(key: str) -> bool:
+    """True for a zarr v3 chunk key (``c/0/1`` below an array, ``z/c/0/0/0/0`` below a group)."""
+    parts = key.split("/")
+    return "c" in parts[:-1]
+
+
+class ChunkGuard(WrapperStore[Store]):
+    """A read-only view of a zarr store that raises :class:`MissingChunkError` for a missing chunk
+    (when ``strict``) instead of letting zarr return the fill value, and refuses special files of
+    a local store (``local_root``) before zarr opens them."""
+
+    def __init__(self, store: Store, *, where: str = "", strict: bool = True, local_root: str | None = None) -> None:
+        super().__init__(store)
+        self._where = where
+        self._strict = strict
+        self._local_root = local_root
+
+    def _with_store(self, store: Store) -> ChunkGuard:
+        return ChunkGuard(store, where=self._where, strict=self._strict, local_root=self._local_root)
+
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+        if self._local_root is not None:
+            check_regular_file(os.path.join(self._local_root, key))
+        buf = await self._store.get(key, prototype, byte_range)
+        if buf is None and self._strict and is_chunk_key(key):
+            raise MissingChunkError(f"{self._where}/{key}: chunk is missing (lost or deleted; run actstore verify)")
+        return buf
+
+    async def _get_many(
+        self, requests: Iterable[tuple[str, BufferPrototype, ByteRequest | None]]
+    ) -> AsyncGenerator[tuple[str, Buffer | None], None]:
+        for key, prototype, byte_range in requests:
+            yield key, await self.get(key, prototype, byte_range)
+
+
+def check_array(arr: zarr.Array, where: str, shape: tuple[int, ...] | None, dtype: np.dtype | None,
+                max_chunk_bytes: int | None = None, max_chunks: int = 1 << 20) -> None:
+    """Refuse (:class:`CorruptStoreError`) an array whose metadata disagrees with what the store's manifest
+    and commit markers say: its ``shape`` and ``dtype``, chunking along axis 0 only, at most
+    ``max_chunks`` chunks and ``max_chunk_bytes`` per chunk.  Run before any read, so a made-up shape
+    in a ``zarr.json`` can neither allocate its size nor make a loop over its chunks endless."""
+    got = tuple(int(n) for n in arr.shape)
+    if shape is not None and got != tuple(shape):
+        raise CorruptStoreError(f"{where}: shape {got} but the store says {tuple(shape)}")
+    if dtype is not None and arr.dtype != dtype:
+        raise CorruptStoreError(f"{where}: dtype {arr.dtype} but the store says {dtype}")
+    chunks = tuple(int(n) for n in arr.chunks)
+    if len(chunks) != len(got) or not got or chunks[0] < 1 or chunks[1:] != got[1:]:
+        raise CorruptStoreError(f"{where}: chunks {chunks} for shape {got}: not chunked along axis 0 only")
+    n_chunks = -(-got[0] // chunks[0])
+    if n_chunks > max_chunks:
+        raise CorruptStoreError(f"{where}: {n_chunks} chunks, more than the {max_chunks} an array may have")
+    if max_chunk_bytes is not None and int(np.prod(chunks, dtype=np.float64)) * arr.dtype.itemsize > max_chunk_bytes:
+        raise CorruptStoreError(f"{where}: chunks of {chunks} {arr.dtype} exceed {max_chunk_bytes >> 20} MiB")

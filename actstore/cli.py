@@ -20,8 +20,25 @@ from actstore.errors import ActstoreError
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def printable(text: object) -> str:
+    """``text`` with control and other non-printing characters escaped (``\\x1b``, ``\\u202e``), so that
+    strings from a store or a data set (relation names, model names, file names) cannot drive the
+    terminal with escape sequences when printed."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    out = []
+    for ch in s:
+        if ch.isprintable() or ch == " ":
+            out.append(ch)
+        else:
+            n = ord(ch)
+            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+    return "".join(out)
+
+
 def fail(message: str, code: int = 1) -> None:
-    click.echo(f"error: {' '.join(str(message).split())}", err=True)
+    click.echo(f"error: {printable(' '.join(str(message).split()))}", err=True)
     sys.exit(code)
 
 
@@ -58,6 +75,57 @@ def parse_int_list(text: str | None, what: str = "layers") -> list[int] | None:
         except ValueError:
             raise ValueError(f"--{what}: {part!r} is not an integer or a range like 5-7") from None
     return out
+
+
+def _sql_memory(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from actstore.errors import QueryError
+    from actstore.sql import check_memory_limit
+
+    try:
+        return check_memory_limit(value)
+    except QueryError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _where(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--where``: parsed as exactly one SQL expression before the command runs."""
+    if value is None or not value.strip():
+        return value
+    from actstore.errors import QueryError
+    from actstore.sql import predicate
+
+    try:
+        predicate(value)
+    except QueryError as e:
+        raise click.BadParameter(str(e)) from None
+    return value + "\n" if "--" in value else value  # a trailing -- comment ends before whatever follows
+
+
+def sql_limit_options(fn: F) -> F:
+    """``--sql-memory`` and ``--sql-timeout``: the limits of every SQL statement the command runs."""
+    from actstore.sql import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, sql_memory: str, sql_timeout: float, **kwargs: Any) -> Any:
+        from actstore.sql import limits
+
+        with limits(memory_limit=sql_memory, timeout=sql_timeout):
+            return fn(*args, **kwargs)
+
+    wrapper = click.option("--sql-timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
+                           help="Seconds one SQL statement may run (0: no limit).")(wrapper)
+    wrapper = click.option("--sql-memory", default=DEFAULT_MEMORY_LIMIT, show_default=True, callback=_sql_memory,
+                           help="Memory one SQL statement may use, e.g. 512MB; nothing spills to disk.")(wrapper)
+    return wrapper  # type: ignore[return-value]
+
+
+def where_option(help: str) -> Callable[[F], F]:
+    """``--where`` (one SQL expression, checked before the command runs) and the SQL limit options."""
+
+    def deco(fn: F) -> F:
+        return click.option("--where", default=None, callback=_where, help=help)(sql_limit_options(fn))
+
+    return deco
 
 
 # Commands that live with their analyses (query/, ingest/), imported only when invoked.
@@ -191,7 +259,7 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
         rank=rank, world_size=world, threads=threads,
     )
     try:
-        report = ingest_corpus(req, log=lambda m: click.echo(m, err=True) if not quiet and rank == 0 else None)
+        report = ingest_corpus(req, log=lambda m: click.echo(printable(m), err=True) if not quiet and rank == 0 else None)
     finally:
         leave_process_group()
     summary = {"store": report.store, "examples": report.n_examples, "segments_written": report.segments_written,
@@ -225,17 +293,20 @@ def info(store: str, as_json: bool) -> None:
         click.echo(json.dumps(d, indent=2, default=str))
         return
     g = s.geometry
-    click.echo(f"store     {s.url}  (format v{s.manifest.format_version})")
-    click.echo(f"model     {s.manifest.model.get('name')}  [{s.manifest.model.get('architecture')}]  "
-               f"weights sha256 {str(s.manifest.model.get('weight_hash', ''))[:16]}")
-    click.echo(f"geometry  L={g.n_layers} H={g.n_heads} H_kv={g.n_kv_heads} d_head={g.d_head} "
-               f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}")
-    click.echo(f"rows      {s.n_rows}/{s.manifest.n_examples} in {len(s.commits)}/{s.manifest.n_segments} "
-               f"segments, {s.manifest.storage_dtype}{'' if s.complete else '  (INCOMPLETE: resume the ingest)'}")
-    click.echo(f"size      {d['bytes'] / 1e6:.1f} MB")
-    click.echo(f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}")
-    for r in rel:
-        click.echo(f"  {r['relation_id']:<24} {r['n']:>6}  {r['relation_name']}")
+    out = [  # store-provided strings (model, relation names) are printed with control characters escaped
+        f"store     {s.url}  (format v{s.manifest.format_version})",
+        f"model     {s.manifest.model.get('name')}  [{s.manifest.model.get('architecture')}]  "
+        f"weights sha256 {str(s.manifest.model.get('weight_hash', ''))[:16]}",
+        f"geometry  L={g.n_layers} H={g.n_heads} H_kv={g.n_kv_heads} d_head={g.d_head} "
+        f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}",
+        f"rows      {s.n_rows}/{s.manifest.n_examples} in {len(s.commits)}/{s.manifest.n_segments} "
+        f"segments, {s.manifest.storage_dtype}{'' if s.complete else '  (INCOMPLETE: resume the ingest)'}",
+        f"size      {d['bytes'] / 1e6:.1f} MB",
+        f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}",
+        *(f"  {printable(r['relation_id']):<24} {r['n']:>6}  {r['relation_name']}" for r in rel),
+    ]
+    for line in out:
+        click.echo(printable(line))
 
 
 def _du(s: Any) -> int:
@@ -252,32 +323,21 @@ def _du(s: Any) -> int:
 @click.argument("store")
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@sql_limit_options
 @friendly
 def sql(store: str, query: str, fmt: str) -> None:
     """Run one read-only SELECT over the store's tables."""
     import actstore
+    from actstore.sql import render
 
-    table = actstore.open(store).sql(query)
-    if fmt == "json":
-        click.echo(json.dumps(table.to_pylist(), default=str))
-    elif fmt == "csv":
-        import pyarrow.csv as pacsv
-
-        sink = sys.stdout.buffer
-        pacsv.write_csv(table, sink)
-    else:
-        import pandas as pd
-
-        with pd.option_context("display.max_rows", 200, "display.max_columns", 50, "display.width", 200,
-                               "display.max_colwidth", 60):
-            click.echo(table.to_pandas().to_string(index=False))
+    click.echo(render(actstore.open(store).sql(query), fmt))
 
 
 # --------------------------------------------------------------------------------------- features
 @main.command()
 @click.argument("store")
 @click.option("--kind", required=True, help="z, attn_head, attn, attn_head_token, attn_entity, attn_prob, mlp, mlp_group, resid")
-@click.option("--where", default=None, help="SQL predicate over examples, e.g. \"relation_id = 'P17'\".")
+@where_option("SQL predicate over examples, e.g. \"relation_id = 'P17'\".")
 @click.option("--layers", default=None, help="e.g. 0,3,5-7")
 @click.option("--heads", default=None, help="e.g. 0-3")
 @click.option("--groups", type=int, default=None, help="mlp_group: number of neuron groups (default: heads).")
@@ -306,22 +366,28 @@ def features(store: str, kind: str, where: str | None, layers: str | None, heads
 # --------------------------------------------------------------------------------------- verify
 @main.command()
 @click.argument("store")
+@click.option("--values", is_flag=True, help="Also decode every chunk and report NaN or infinite values.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def verify(store: str, as_json: bool) -> None:
-    """Check every chunk's checksum, every table's hash, offsets and the manifest."""
+def verify(store: str, values: bool, as_json: bool) -> None:
+    """Check that every committed chunk and table is there with its recorded hash, offsets, the manifest."""
     import actstore
     from actstore.verify import verify_store
 
-    report = verify_store(actstore.open(store))
+    report = verify_store(actstore.open(store), values=values)
     if as_json:
-        click.echo(json.dumps({"store": report.store, "ok": report.ok, "segments": report.segments_checked,
-                               "chunks": report.chunks_checked, "problems": report.problems}))
+        click.echo(json.dumps({"store": report.store, "ok": report.ok, "status": report.status,
+                               "segments": report.segments_checked, "chunks": report.chunks_checked,
+                               "uncommitted_segments": report.uncommitted, "values_checked": report.values_checked,
+                               "problems": report.problems, "notes": report.notes}))
     else:
+        for n in report.notes:
+            click.echo(f"NOTE {printable(n)}", err=True)
         for p in report.problems:
-            click.echo(f"PROBLEM {p}", err=True)
-        click.echo(f"{'ok' if report.ok else 'CORRUPT'}: {report.segments_checked} segments, "
-                   f"{report.chunks_checked} chunks checked, {len(report.problems)} problems")
+            click.echo(f"PROBLEM {printable(p)}", err=True)
+        click.echo(f"{report.status}: {report.segments_checked} segments, "
+                   f"{report.chunks_checked} chunks checked{' (values scanned)' if values else ''}, "
+                   f"{len(report.problems)} problems")
     if not report.ok:
         sys.exit(1)
 

@@ -8,8 +8,10 @@ since a PUT is atomic per object.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import posixpath
+import stat
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +21,7 @@ from typing import Any
 import fsspec
 import pyarrow.fs as pafs
 
-from actstore.errors import ActstoreError, StorageError, StoreNotFoundError
+from actstore.errors import ActstoreError, CorruptStoreError, StorageError, StoreNotFoundError
 
 
 @dataclass(frozen=True)
@@ -78,13 +80,56 @@ class StoreLocation:
         with self.io():
             return bool(self.fs.exists(self.path(rel)))
 
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes:
+        """The bytes of the file ``rel``; a special file (a named pipe, a device, a directory) or, with
+        ``max_bytes``, a larger file is refused with :class:`CorruptStoreError` instead of read.
+
+        Locally the file is opened non-blocking (opening a named pipe cannot hang) and its type
+        checked on the open descriptor; on an object store at most ``max_bytes + 1`` bytes are
+        fetched (one ranged GET).
+        """
+        if self.is_local:
+            return _read_local(self.path(rel), max_bytes)
         with self.io():
-            data: bytes = self.fs.cat_file(self.path(rel))
+            if max_bytes is None:
+                data: bytes = self.fs.cat_file(self.path(rel))
+            else:
+                data = self.fs.cat_file(self.path(rel), start=0, end=max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:
+            raise CorruptStoreError(f"{self.url}/{rel}: larger than {max_bytes} bytes; refusing to read it")
         return data
 
+    def walk_files(self, rel: str) -> list[str]:
+        """Every non-directory entry below ``rel`` (recursively), as paths relative to ``rel``, sorted;
+        empty when ``rel`` does not exist.  Locally, links and special files are listed too (so that
+        a check can refuse them); nothing is opened."""
+        base = self.path(rel)
+        out: list[str] = []
+        if self.is_local:
+            for root, dirs, files in os.walk(base):
+                dirs.sort()
+                for name in files:
+                    out.append(posixpath.relpath(posixpath.join(root, name), base))
+            return sorted(out)
+        with self.io():
+            try:
+                found = self.fs.find(base, detail=False)
+            except FileNotFoundError:
+                return []
+        prefix = base.rstrip("/") + "/"
+        return sorted(p[len(prefix):] for p in found if p.startswith(prefix))
+
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
-        """Write ``data`` so that readers see either the old object or the whole new one."""
+        """Write ``data`` so that readers see either the old object or the whole new one.
+
+        A non-segment table file (:func:`actstore.tables.needs_hash_file`) gets its ``.sha256``
+        companion written first, so a reader that sees the table also sees its hash, whichever
+        writer (ingest, an analysis, a notebook) adds the file.
+        """
+        from actstore.tables import HASH_SUFFIX, needs_hash_file, sha256
+
+        if needs_hash_file(rel):
+            self.write_bytes_atomic(rel + HASH_SUFFIX, sha256(data).encode())
         target = self.path(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -132,22 +177,29 @@ class StoreLocation:
         return zarr.storage.FsspecStore(self._async_fs(), path=self.path(rel), read_only=read_only)
 
     @contextmanager
-    def zarr_group_writer(self, rel: str) -> Iterator[Any]:
+    def zarr_group_writer(self, rel: str, digests: dict[str, str] | None = None) -> Iterator[Any]:
         """A new, empty zarr group at ``rel`` to fill inside the ``with`` block.
 
         Locally the group is written in place.  On an object store it is built in memory and
         its objects are uploaded together on exit (concurrent PUTs instead of zarr's many
-        small sequential requests); the bytes are the same either way.
+        small sequential requests); the bytes are the same either way.  ``digests``, when
+        given, receives the SHA-256 of every object written, keyed by its path below ``rel``.
         """
         import zarr
         import zarr.storage
 
         if self.is_local:
             yield zarr.open_group(store=self.zarr_store(rel, read_only=False), mode="w")
+            if digests is not None:  # hashed from the page cache, just after writing
+                for key in self.walk_files(rel):
+                    digests[key] = hashlib.sha256(_read_local(posixpath.join(self.path(rel), key), None)).hexdigest()
             return
         objects: dict[str, Any] = {}
         yield zarr.open_group(store=zarr.storage.MemoryStore(objects), mode="w")
         payload = {posixpath.join(self.path(rel), key): buf.to_bytes() for key, buf in objects.items()}
+        if digests is not None:
+            digests.update({key: hashlib.sha256(payload[posixpath.join(self.path(rel), key)]).hexdigest()
+                            for key in objects})
         with self.io():
             self.fs.pipe(payload)
 
@@ -171,6 +223,43 @@ class StoreLocation:
         if self.is_local:
             return pafs.LocalFileSystem()
         return pafs.PyFileSystem(pafs.FSSpecHandler(self.fs))
+
+
+def _read_local(path: str, max_bytes: int | None) -> bytes:
+    """A local file's bytes, refusing anything but a regular file (checked on the open descriptor,
+    which ``O_NONBLOCK`` lets us get even for a named pipe without a writer) and, with
+    ``max_bytes``, a file larger than that."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb", closefd=True) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptStoreError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read it")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise CorruptStoreError(f"{path}: {st.st_size} bytes, more than the {max_bytes} such a file may have; "
+                                    "refusing to read it")
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:  # grew while we read it
+        raise CorruptStoreError(f"{path}: more than {max_bytes} bytes; refusing to read it")
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def check_regular_file(path: str) -> None:
+    """Refuse (:class:`CorruptStoreError`) a path that exists and is not a regular file (a named pipe
+    would block the reader that opens it); a missing path passes (the caller handles it)."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptStoreError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read it")
 
 
 _ASYNC_FILESYSTEMS: list[Any] = []

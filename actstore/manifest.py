@@ -4,12 +4,18 @@ A store is split into *segments* of ``segment_size`` consecutive examples.  A se
 arrays and table shards are written first; its commit marker ``commits/NNNNNN.json`` is
 written last and atomically.  Readers only see segments whose marker exists, so a killed
 writer leaves at most an uncommitted segment that a resume rewrites from scratch.
+
+A store's files may come from anyone (a shared folder, a download), so every field is checked
+for type and range before use, and every file for size and nesting depth before parsing: a
+hostile or damaged manifest or marker is one :class:`CorruptStoreError` line, never a crash,
+an allocation of a made-up size or a loop over a made-up count.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -17,8 +23,29 @@ from actstore.errors import CorruptStoreError, FormatVersionError
 
 FORMAT_NAME = "actstore"
 FORMAT_VERSION = 1
+# What a store's writer guarantees beyond format version 1 (readers of older levels ignore it):
+#   0  stores written before 2026-12: all-zero chunks may be absent, markers carry no object list;
+#   1  every chunk is written (all-zero ones too), each commit marker lists every object of its
+#      segment with its SHA-256, and every non-segment table file has a ``.sha256`` companion.
+INTEGRITY = 1
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 CHECKSUM_KEY = "checksum"  # SHA-256 of the rest of the JSON object, so a flipped byte is caught
+
+MAX_JSON_BYTES = 16 << 20  # a manifest or commit marker larger than this is refused unread
+MAX_JSON_DEPTH = 32  # nesting deeper than this is refused (real ones nest at most 4 deep)
+MAX_COUNT = 1 << 40  # examples, rows, sources, tokens: far above any corpus, far below int64
+MAX_CONTEXT = 1 << 22  # tokens per prompt a marker may claim
+
+# Geometry bounds: far beyond today's largest models, small enough that nothing derived from
+# them (the heads table, a row of z, a weight matrix) is an absurd allocation.
+GEOMETRY_LIMITS: dict[str, int] = {
+    "n_layers": 4096, "n_heads": 4096, "n_kv_heads": 4096, "d_head": 1 << 16,
+    "d_model": 1 << 20, "d_mlp": 1 << 22, "vocab_size": 1 << 24,
+}
+MAX_HEADS_TOTAL = 1 << 20  # n_layers * n_heads
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_OBJECT_KEY = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 
 
 def _digest(d: dict[str, Any]) -> str:
@@ -37,6 +64,75 @@ def checksum_ok(d: dict[str, Any], known: set[str]) -> bool:
     if CHECKSUM_KEY in d:
         return d[CHECKSUM_KEY] == _digest(d)
     return set(d) <= known
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (iterative: a deep value cannot exhaust the stack here)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            if d > MAX_JSON_DEPTH:
+                return d
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def parse_json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
+    """``data`` parsed as one JSON object, refusing oversized, deeply nested or non-object input."""
+    if len(data) > MAX_JSON_BYTES:
+        raise CorruptStoreError(f"{where}: {what} is larger than {MAX_JSON_BYTES >> 20} MiB; refusing to parse it")
+    try:
+        d = json.loads(data)
+    except RecursionError:
+        raise CorruptStoreError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise CorruptStoreError(f"{where}: {what} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CorruptStoreError(f"{where}: {what} is not a JSON object")
+    if _depth(d) > MAX_JSON_DEPTH:
+        raise CorruptStoreError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    return d
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def field_int(d: dict[str, Any], key: str, where: str, lo: int, hi: int) -> int:
+    """``d[key]`` as an int in ``lo..hi`` (a bool, float or string is refused, not converted)."""
+    if key not in d:
+        raise CorruptStoreError(f"{where}: field {key!r} is missing")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise CorruptStoreError(f"{where}: field {key!r} must be an integer, got {_kind(v)} {_show(v)}")
+    if not lo <= v <= hi:
+        raise CorruptStoreError(f"{where}: field {key!r} is {v}, outside {lo}..{hi}")
+    return v
+
+
+def _field_dict(d: dict[str, Any], key: str, where: str, default: dict[str, Any] | None = None) -> dict[str, Any]:
+    if key not in d and default is not None:
+        return dict(default)
+    v = d.get(key)
+    if not isinstance(v, dict):
+        raise CorruptStoreError(f"{where}: field {key!r} must be a JSON object, got {_kind(v)}")
+    return v
+
+
+def _field_str(d: dict[str, Any], key: str, where: str, default: str | None = None) -> str:
+    if key not in d and default is not None:
+        return default
+    v = d.get(key)
+    if not isinstance(v, str):
+        raise CorruptStoreError(f"{where}: field {key!r} must be a string, got {_kind(v)} {_show(v)}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -60,13 +156,26 @@ class Geometry:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Geometry:
-        return cls(**{f.name: int(d[f.name]) for f in fields(cls)})
+    def from_dict(cls, d: dict[str, Any], where: str = "geometry") -> Geometry:
+        """A geometry from stored JSON, every field checked (see :data:`GEOMETRY_LIMITS`)."""
+        if not isinstance(d, dict):
+            raise CorruptStoreError(f"{where}: geometry must be a JSON object, got {_kind(d)}")
+        values = {f.name: field_int(d, f.name, f"{where} geometry", 1, GEOMETRY_LIMITS[f.name]) for f in fields(cls)}
+        g = cls(**values)
+        if g.n_heads % g.n_kv_heads:
+            raise CorruptStoreError(f"{where}: geometry n_heads {g.n_heads} is not a multiple of n_kv_heads "
+                                    f"{g.n_kv_heads}")
+        if g.n_layers * g.n_heads > MAX_HEADS_TOTAL:
+            raise CorruptStoreError(f"{where}: geometry has {g.n_layers} x {g.n_heads} heads, more than "
+                                    f"{MAX_HEADS_TOTAL}")
+        return g
 
 
 @dataclass(frozen=True)
 class SegmentCommit:
-    """The commit marker of one segment: its row range and the sizes of its ragged axes."""
+    """The commit marker of one segment: its row range, the sizes of its ragged axes, the SHA-256 of
+    its table shards and (``objects``, stores of integrity 1) of every object under its
+    ``segments/NNNNNN/`` folder, keyed by the path below that folder (``z/c/0/0/0/0``, ``z/zarr.json``)."""
 
     segment: int
     row_start: int
@@ -74,26 +183,65 @@ class SegmentCommit:
     n_sources: int
     n_tokens: int
     table_sha256: dict[str, str]
+    objects: dict[str, str] | None = None  # None: a marker written before object lists
 
     def to_json(self) -> bytes:
-        return json.dumps(seal(asdict(self)), sort_keys=True).encode()
+        d = asdict(self)
+        if self.objects is None:
+            d.pop("objects")
+        return json.dumps(seal(d), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> SegmentCommit:
-        try:
-            d = json.loads(data)
-            if not isinstance(d, dict) or not checksum_ok(d, {f.name for f in fields(cls)}):
-                raise CorruptStoreError(f"{where}: commit marker fails its checksum (the file is corrupt)")
-            return cls(
-                segment=int(d["segment"]),
-                row_start=int(d["row_start"]),
-                n_rows=int(d["n_rows"]),
-                n_sources=int(d["n_sources"]),
-                n_tokens=int(d["n_tokens"]),
-                table_sha256={str(k): str(v) for k, v in d["table_sha256"].items()},
+        d = parse_json_object(data, where, "commit marker")
+        if not checksum_ok(d, {f.name for f in fields(cls)}):
+            raise CorruptStoreError(f"{where}: commit marker fails its checksum (the file is corrupt)")
+        from actstore.tables import SEGMENT_TABLES
+
+        where = f"{where}: commit marker"
+        tables = _field_dict(d, "table_sha256", where)
+        if set(tables) != set(SEGMENT_TABLES) or not all(isinstance(v, str) and _HEX64.fullmatch(v)
+                                                         for v in tables.values()):
+            raise CorruptStoreError(f"{where}: field 'table_sha256' must map {', '.join(SEGMENT_TABLES)} "
+                                    "to SHA-256 hex digests")
+        objects: dict[str, str] | None = None
+        if "objects" in d:
+            raw = _field_dict(d, "objects", where)
+            for k, v in raw.items():
+                if (not _OBJECT_KEY.fullmatch(k) or ".." in k.split("/") or len(k) > 512
+                        or not isinstance(v, str) or not _HEX64.fullmatch(v)):
+                    raise CorruptStoreError(f"{where}: field 'objects' has a bad entry {_show(k)}: {_show(v)}")
+            objects = dict(raw)
+        return cls(
+            segment=field_int(d, "segment", where, 0, MAX_COUNT),
+            row_start=field_int(d, "row_start", where, 0, MAX_COUNT),
+            n_rows=field_int(d, "n_rows", where, 0, MAX_COUNT),
+            n_sources=field_int(d, "n_sources", where, 0, MAX_COUNT),
+            n_tokens=field_int(d, "n_tokens", where, 0, MAX_COUNT),
+            table_sha256=dict(tables),
+            objects=objects,
+        )
+
+    def check_against(self, manifest: Manifest, name: str, where: str) -> None:
+        """Refuse a marker that disagrees with its file name ``name`` or with the manifest's row layout."""
+        if name != f"{self.segment:06d}.json":
+            raise CorruptStoreError(
+                f"{where}: the marker's segment field says {self.segment}, its file name says otherwise "
+                "(a marker copied or renamed; run actstore verify)"
             )
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptStoreError(f"{where}: unreadable commit marker ({e})") from None
+        if self.segment >= manifest.n_segments:
+            raise CorruptStoreError(f"{where}: segment {self.segment} is past the store's {manifest.n_segments} "
+                                    "segments")
+        want_start = self.segment * manifest.segment_size
+        want_rows = min(manifest.segment_size, manifest.n_examples - want_start)
+        if self.row_start != want_start or self.n_rows != want_rows:
+            raise CorruptStoreError(
+                f"{where}: rows {self.row_start}..{self.row_start + self.n_rows} but segment {self.segment} holds "
+                f"rows {want_start}..{want_start + want_rows}"
+            )
+        if max(self.n_sources, self.n_tokens) > max(1, self.n_rows) * MAX_CONTEXT:
+            raise CorruptStoreError(f"{where}: {max(self.n_sources, self.n_tokens)} sources or tokens for "
+                                    f"{self.n_rows} rows is more than {MAX_CONTEXT} per row")
 
 
 @dataclass(frozen=True)
@@ -111,6 +259,7 @@ class Manifest:
     architecture: dict[str, Any] = field(default_factory=dict)
     code_version: str = ""
     format_version: int = FORMAT_VERSION
+    integrity: int = INTEGRITY
 
     @property
     def n_segments(self) -> int:
@@ -123,33 +272,42 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        try:
-            d = json.loads(data)
-        except ValueError as e:
-            raise CorruptStoreError(f"{where}: manifest is not valid JSON ({e})") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        d = parse_json_object(data, f"{where}/manifest.json", "manifest")
+        if d.get("format") != FORMAT_NAME:
             raise CorruptStoreError(f"{where}: not an actstore manifest")
         version = d.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise FormatVersionError(
+                f"{where}: manifest field 'format_version' must be an integer, got {_kind(version)} {_show(version)}"
+            )
+        if version > FORMAT_VERSION:
             raise FormatVersionError(
                 f"{where}: store format version {version} is newer than this actstore reads "
-                f"({FORMAT_VERSION}); upgrade actstore"
+                f"(up to {FORMAT_VERSION}); upgrade actstore"
             )
+        if version < 1:
+            raise FormatVersionError(f"{where}: store format version {version} is not a valid actstore version")
         if not checksum_ok(d, {f.name for f in fields(cls)} | {"format"}):
             raise CorruptStoreError(f"{where}: manifest.json fails its checksum (the file is corrupt)")
-        try:
-            return cls(
-                geometry=Geometry.from_dict(d["geometry"]),
-                model=dict(d["model"]),
-                storage_dtype=str(d["storage_dtype"]),
-                segment_size=int(d["segment_size"]),
-                n_examples=int(d["n_examples"]),
-                chunk_rows=int(d["chunk_rows"]),
-                chunk_flat=int(d["chunk_flat"]),
-                ingest=dict(d.get("ingest", {})),
-                architecture=dict(d.get("architecture", {})),
-                code_version=str(d.get("code_version", "")),
-                format_version=version,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptStoreError(f"{where}: manifest is missing or has a bad field ({e})") from None
+        w = f"{where}: manifest"
+        storage_dtype = _field_str(d, "storage_dtype", w)
+        if storage_dtype not in STORAGE_DTYPES:
+            raise CorruptStoreError(f"{w} field 'storage_dtype' is {_show(storage_dtype)}, not one of "
+                                    f"{', '.join(STORAGE_DTYPES)}")
+        model = _field_dict(d, "model", w)
+        if "name" in model and model["name"] is not None and not isinstance(model["name"], str):
+            raise CorruptStoreError(f"{w} field 'model.name' must be a string, got {_kind(model['name'])}")
+        return cls(
+            geometry=Geometry.from_dict(d.get("geometry"), w),  # type: ignore[arg-type]
+            model=model,
+            storage_dtype=storage_dtype,
+            segment_size=field_int(d, "segment_size", w, 1, 1 << 24),
+            n_examples=field_int(d, "n_examples", w, 0, MAX_COUNT),
+            chunk_rows=field_int(d, "chunk_rows", w, 1, 1 << 24),
+            chunk_flat=field_int(d, "chunk_flat", w, 1, 1 << 30),
+            ingest=_field_dict(d, "ingest", w, {}),
+            architecture=_field_dict(d, "architecture", w, {}),
+            code_version=_field_str(d, "code_version", w, ""),
+            format_version=version,
+            integrity=field_int(d, "integrity", w, 0, 1 << 20) if "integrity" in d else 0,
+        )

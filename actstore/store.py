@@ -8,6 +8,13 @@ Layout under the store root::
     tables/{examples,tokens,targets}/NNNNNN.parquet   one shard per segment
     tables/heads/heads.parquet, tables/<result>/<run>.parquet
     commits/NNNNNN.json                written last: the segment is visible once this exists
+
+What a store says about itself is checked before it is used: the manifest and every commit
+marker field by type and range (:mod:`actstore.manifest`), each marker against its file name,
+each array's metadata against the shape the marker implies, every table file against its
+SHA-256 (in the marker, or in its ``.sha256`` companion) and its Parquet footer before DuckDB
+sees it, and every read offset against the array it reads.  A missing chunk is an error, not
+zeros (:class:`actstore.arrays.ChunkGuard`).
 """
 
 from __future__ import annotations
@@ -23,11 +30,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from actstore.arrays import read_ranges, read_rows, widen
+from actstore.arrays import NUMPY_DTYPE, ChunkGuard, check_array, read_ranges, read_rows, widen
 from actstore.errors import CorruptStoreError, QueryError, StoreNotFoundError
 from actstore.fs import StoreLocation, locate
-from actstore.manifest import Geometry, Manifest, SegmentCommit
-from actstore.tables import SCHEMAS, SEGMENT_TABLES, sha256
+from actstore.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit
+from actstore.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
 
 if TYPE_CHECKING:
     import duckdb
@@ -35,8 +42,48 @@ if TYPE_CHECKING:
 SEGMENT_ARRAYS = ("z", "attn", "v", "resid", "mlp")
 
 
+MAX_CHUNK_BYTES = 1 << 31  # a segment array chunk larger than this (uncompressed) is refused
+
+
 def segment_name(seg: int) -> str:
     return f"{seg:06d}"
+
+
+def expected_shape(g: Geometry, name: str, commit: SegmentCommit) -> tuple[int, ...]:
+    """The shape of segment array ``name`` that the geometry and ``commit``'s sizes imply."""
+    return {
+        "z": (commit.n_rows, g.n_layers, g.n_heads, g.d_head),
+        "attn": (commit.n_sources, g.n_layers, g.n_heads),
+        "v": (commit.n_tokens, g.n_layers, g.n_kv_heads, g.d_head),
+        "resid": (commit.n_rows, g.n_layers + 1, g.d_model),
+        "mlp": (commit.n_rows, g.n_layers, g.d_mlp),
+    }[name]
+
+
+def expected_weight_shape(g: Geometry, name: str) -> tuple[int, ...] | None:
+    """The shape of a stored weight the ingest writes (None for a name it does not write)."""
+    L, H, Hkv, dh, d = g.n_layers, g.n_heads, g.n_kv_heads, g.d_head, g.d_model
+    return {
+        "W_O": (L, H, dh, d), "b_O": (L, d), "W_V": (L, Hkv, d, dh), "b_V": (L, Hkv, dh),
+        "W_down": (L, g.d_mlp, d), "b_down": (L, d), "unembed": (g.vocab_size, d), "unembed_bias": (g.vocab_size,),
+        "final_norm_weight": (d,), "final_norm_bias": (d,),
+    }.get(name)
+
+
+def check_weight(g: Geometry, name: str, arr: zarr.Array, where: str) -> None:
+    """Refuse a weight whose metadata the geometry cannot explain (a made-up shape is never allocated).
+    ``embed`` may have other rows than the vocabulary; names the ingest does not write are bounded by the
+    largest weight it does."""
+    want = expected_weight_shape(g, name)
+    if want is None:
+        if name == "embed" and arr.ndim == 2 and int(arr.shape[1]) == g.d_model and arr.shape[0] <= 4 * g.vocab_size:
+            want = tuple(int(n) for n in arr.shape)
+        else:
+            limit = max(int(np.prod(s, dtype=np.float64)) for s in (
+                expected_weight_shape(g, n) or () for n in ("W_O", "W_V", "W_down", "unembed")))
+            if int(np.prod(arr.shape, dtype=np.float64)) > limit or arr.ndim > 4:
+                raise CorruptStoreError(f"{where}: shape {tuple(arr.shape)} is larger than any weight of this geometry")
+    check_array(arr, where, want, None, max_chunks=1 << 16)
 
 
 @dataclass(frozen=True)
@@ -53,7 +100,7 @@ class Store:
         if not location.exists("manifest.json"):
             location.probe()  # a wrong endpoint, credentials or bucket says so, not "no store"
             raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)")
-        self.manifest = Manifest.from_json(location.read_bytes("manifest.json"), location.url)
+        self.manifest = Manifest.from_json(location.read_bytes("manifest.json", MAX_JSON_BYTES), location.url)
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
         self._verified: set[str] = set()  # table shards whose SHA-256 matched their commit marker
         self._tables: dict[str, pa.Table] = {}  # table files read so far (immutable once visible)
@@ -71,14 +118,7 @@ class Store:
 
     def refresh(self) -> None:
         """Pick up segments committed since the store was opened."""
-        commits: dict[int, SegmentCommit] = {}
-        for name in self.location.listdir("commits"):
-            if not name.endswith(".json"):
-                continue
-            rel = f"commits/{name}"
-            c = SegmentCommit.from_json(self.location.read_bytes(rel), f"{self.url}/{rel}")
-            commits[c.segment] = c
-        self.commits = dict(sorted(commits.items()))
+        self.commits = read_commits(self.location, self.manifest)
         self.__dict__.pop("_row_index", None)
 
     @property
@@ -131,33 +171,66 @@ class Store:
             if seg not in self.commits:
                 raise QueryError(f"segment {seg} is not committed in {self.url}")
             rel = f"segments/{segment_name(seg)}"
+            commit = self.commits[seg]
+            strict = commit.objects is not None or self.manifest.integrity >= 1
             try:
-                group = zarr.open_group(store=self.location.zarr_store(rel, read_only=True), mode="r")
+                group = zarr.open_group(store=self._guarded(rel, strict), mode="r")
                 arr = group[name]
+            except CorruptStoreError:
+                raise
             except Exception as e:
                 raise CorruptStoreError(f"{self.url}/{rel}/{name}: cannot open array ({e})") from None
-            assert isinstance(arr, zarr.Array)
+            if not isinstance(arr, zarr.Array):
+                raise CorruptStoreError(f"{self.url}/{rel}/{name}: not an array")
+            check_array(arr, f"{self.url}/{rel}/{name}", expected_shape(self.geometry, name, commit),
+                        NUMPY_DTYPE[self.manifest.storage_dtype], MAX_CHUNK_BYTES)
             self._arrays[key] = arr
         return self._arrays[key]
+
+    def _guarded(self, rel: str, strict: bool) -> ChunkGuard:
+        """The zarr store at ``rel``, read through :class:`ChunkGuard` (missing chunks and special files refused)."""
+        loc = self.location
+        return ChunkGuard(loc.zarr_store(rel, read_only=True), where=f"{self.url}/{rel}", strict=strict,
+                          local_root=loc.path(rel) if loc.is_local else None)
 
     def read_segment_rows(self, seg: int, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows (sorted, segment-local) of a per-target array, as float32."""
         arr = self.array(seg, name)
-        data = read_rows(arr, rows, f"{self.url}/segments/{segment_name(seg)}/{name}")
+        where = f"{self.url}/segments/{segment_name(seg)}/{name}"
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= arr.shape[0]):
+            raise CorruptStoreError(f"{where}: rows {int(rows.min())}..{int(rows.max())} asked for, the array has "
+                                    f"{arr.shape[0]} (the targets table disagrees with the arrays; run actstore verify)")
+        data = read_rows(arr, rows, where)
         return widen(data, self.manifest.storage_dtype)
 
     def read_segment_ranges(self, seg: int, name: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Concatenated ranges of a flat (ragged) array, as float32."""
         arr = self.array(seg, name)
-        data = read_ranges(arr, starts.tolist(), lengths.tolist(), f"{self.url}/segments/{segment_name(seg)}/{name}")
+        where = f"{self.url}/segments/{segment_name(seg)}/{name}"
+        starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or lengths.min() < 0 or (starts + lengths).max() > arr.shape[0]):
+            raise CorruptStoreError(f"{where}: offsets outside the array's {arr.shape[0]} entries (a table's "
+                                    "src_start/n_src or tok_start/n_tokens is wrong; run actstore verify)")
+        data = read_ranges(arr, starts.tolist(), lengths.tolist(), where)
         return widen(data, self.manifest.storage_dtype)
 
     @cached_property
     def _weights_group(self) -> zarr.Group:
         try:
-            return zarr.open_group(store=self.location.zarr_store("weights", read_only=True), mode="r")
+            return zarr.open_group(store=self._guarded("weights", self.manifest.integrity >= 1), mode="r")
+        except CorruptStoreError:
+            raise
         except Exception as e:
             raise CorruptStoreError(f"{self.url}/weights: cannot open ({e})") from None
+
+    def weight_array(self, name: str) -> zarr.Array:
+        """The zarr array of a stored weight, its metadata checked against the geometry."""
+        arr = self._weights_group[name]
+        if not isinstance(arr, zarr.Array):
+            raise CorruptStoreError(f"{self.url}/weights/{name}: not an array")
+        check_weight(self.geometry, name, arr, f"{self.url}/weights/{name}")
+        return arr
 
     def weight(self, name: str) -> np.ndarray:
         """A stored weight as float32 (``W_O`` [L,H,d_head,d_model], ``unembed`` [V,d_model], ...)."""
@@ -166,8 +239,7 @@ class Store:
             name = "embed"
         if name not in group:
             raise QueryError(f"{self.url}: no stored weight {name!r} (have {sorted(group.array_keys())})")
-        arr = group[name]
-        assert isinstance(arr, zarr.Array)
+        arr = self.weight_array(name)
         try:
             return np.asarray(arr[...], dtype=np.float32)
         except Exception as e:
@@ -221,13 +293,16 @@ class Store:
         return cached.select(columns) if columns else cached
 
     def _table_bytes(self, rel: str) -> bytes:
-        """A table file's bytes; a segment shard must match the SHA-256 in its commit marker."""
+        """A table file's bytes; a segment shard must match the SHA-256 in its commit marker, any other
+        table file the one in its ``.sha256`` companion (files written before companions have none)."""
         try:
-            data = self.location.read_bytes(rel)
+            data = self.location.read_bytes(rel, MAX_TABLE_BYTES)
         except FileNotFoundError:
             raise CorruptStoreError(f"{self.url}/{rel}: missing") from None
+        if rel in self._verified:
+            return data
         parts = rel.split("/")
-        if len(parts) == 3 and parts[1] in SEGMENT_TABLES and rel not in self._verified:
+        if len(parts) == 3 and parts[1] in SEGMENT_TABLES:
             seg = int(parts[2].split(".")[0])
             commit = self.commits.get(seg)
             if commit is not None and sha256(data) != commit.table_sha256.get(parts[1]):
@@ -235,32 +310,59 @@ class Store:
                     f"{self.url}/{rel}: SHA-256 does not match commit marker commits/{segment_name(seg)}.json "
                     f"(the table shard or the marker is corrupt; run actstore verify)"
                 )
-            self._verified.add(rel)
+        else:
+            want = self.table_hash(rel)
+            if want is not None and sha256(data) != want:
+                raise CorruptStoreError(f"{self.url}/{rel}: SHA-256 does not match {parts[-1]}{HASH_SUFFIX} "
+                                        "(the table file or its hash is corrupt; run actstore verify)")
+        self._verified.add(rel)
         return data
 
-    def check_table_shards(self) -> None:
-        """Hash every committed segment shard not yet checked (DuckDB reads local shards directly)."""
-        for name in SEGMENT_TABLES:
-            for seg in self.commits:
-                rel = f"tables/{name}/{segment_name(seg)}.parquet"
-                if rel not in self._verified:
-                    self._table_bytes(rel)
+    def table_hash(self, rel: str) -> str | None:
+        """The SHA-256 recorded in the ``.sha256`` companion of table file ``rel`` (None without one)."""
+        try:
+            text = self.location.read_bytes(rel + HASH_SUFFIX, 256).decode("ascii", "replace").strip()
+        except FileNotFoundError:
+            return None
+        if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+            raise CorruptStoreError(f"{self.url}/{rel}{HASH_SUFFIX}: not a SHA-256 hex digest")
+        return text
 
-    def sql(self, query: str, *, format: str = "arrow") -> Any:
-        """Run one read-only SELECT over the store's tables; ``format`` is ``arrow`` or ``pandas``."""
+    def check_table_shards(self) -> None:
+        """Check every visible table file not yet checked: its hash and its Parquet footer (DuckDB reads
+        local files directly, and a garbage file must be one clear error, not a DuckDB one)."""
+        for files in self.table_files().values():
+            for rel in files:
+                if rel in self._verified:
+                    continue
+                data = self._table_bytes(rel)
+                try:
+                    pq.read_metadata(pa.BufferReader(data))
+                except Exception as e:
+                    self._verified.discard(rel)
+                    raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: "
+                                            f"{' '.join(str(e).split())[:160]})") from None
+
+    def sql(self, query: str, *, format: str = "arrow", memory_limit: str | None = None,
+            timeout: float | None = None) -> Any:
+        """Run one read-only SELECT over the store's tables; ``format`` is ``arrow`` or ``pandas``.
+
+        ``memory_limit`` (e.g. ``"1GB"``) and ``timeout`` (seconds, 0 for none) override the limits in
+        force (:func:`actstore.sql.limits`; defaults in :mod:`actstore.sql`)."""
         from actstore.sql import run_sql
 
-        table = run_sql(self, query)
+        table = run_sql(self, query, memory_limit=memory_limit, timeout=timeout)
         if format == "pandas":
             return table.to_pandas()
         if format != "arrow":
             raise QueryError(f"unknown result format {format!r} (arrow, pandas)")
         return table
 
-    def connect(self) -> duckdb.DuckDBPyConnection:
+    def connect(self, *, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+        """A locked-down DuckDB connection over the tables (no file access, see :mod:`actstore.sql`)."""
         from actstore.sql import connect
 
-        return connect(self)
+        return connect(self, memory_limit=memory_limit)
 
     # ------------------------------------------------------------------ convenience
     def select(self, where: str | None = None, *, query: str | None = None) -> Any:
@@ -271,6 +373,30 @@ class Store:
 
     def iter_segments(self) -> Iterator[SegmentCommit]:
         yield from self.commits.values()
+
+
+def commit_name_ok(name: str) -> bool:
+    """True for a commit marker's file name (``NNNNNN.json``, six or more digits)."""
+    stem, dot, ext = name.partition(".")
+    return ext == "json" and dot == "." and len(stem) >= 6 and stem.isascii() and stem.isdigit()
+
+
+def read_commits(location: StoreLocation, manifest: Manifest) -> dict[int, SegmentCommit]:
+    """Every commit marker under ``commits/``, checked: its size, fields and checksum, and that its
+    ``segment`` field matches its file name and the manifest's row layout.  Readers and a resuming
+    writer both use this one list, so they cannot disagree about what is committed."""
+    commits: dict[int, SegmentCommit] = {}
+    for name in location.listdir("commits"):
+        if not name.endswith(".json"):
+            continue  # temporary files of atomic writes
+        rel = f"commits/{name}"
+        where = f"{location.url}/{rel}"
+        if not commit_name_ok(name):
+            raise CorruptStoreError(f"{where}: not a commit marker name (NNNNNN.json)")
+        c = SegmentCommit.from_json(location.read_bytes(rel, MAX_JSON_BYTES), where)
+        c.check_against(manifest, name, where)
+        commits[c.segment] = c
+    return dict(sorted(commits.items()))
 
 
 def open_store(url: str | os.PathLike[str]) -> Store:

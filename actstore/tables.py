@@ -1,8 +1,10 @@
 """Schemas of the store's Parquet tables and their (de)serialisation.
 
 ``examples``, ``tokens`` and ``targets`` are written one shard per segment and become
-visible when the segment commits.  Other tables (``heads``, ``runs`` and analysis results)
-are written whole, one file per run, each file atomically.
+visible when the segment commits; their SHA-256 is in the commit marker.  Other tables
+(``heads``, ``runs`` and analysis results) are written whole, one file per run, each file
+atomically and preceded by a companion ``<file>.parquet.sha256`` holding its SHA-256 (hex),
+so that every table file of a store has a hash to check it against.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 SEGMENT_TABLES = ("examples", "tokens", "targets")
+HASH_SUFFIX = ".sha256"  # the companion of a non-segment table file: tables/<name>/<file>.parquet.sha256
+MAX_TABLE_BYTES = 8 << 30  # a table file larger than this is refused unread
 
 EXAMPLES = pa.schema(
     [
@@ -78,3 +82,10 @@ def to_parquet_bytes(table: pa.Table) -> bytes:
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def needs_hash_file(rel: str) -> bool:
+    """True for a non-segment table file (``tables/<name>/<file>.parquet``, name not a segment table),
+    which is written with a ``.sha256`` companion."""
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[0] == "tables" and parts[1] not in SEGMENT_TABLES and parts[2].endswith(".parquet")

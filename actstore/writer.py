@@ -17,23 +17,22 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.arrays import create_array
-from actstore.errors import StoreExistsError, StoreMismatchError
+from actstore.errors import StoreMismatchError
 from actstore.fs import StoreLocation, locate
 from actstore.manifest import Manifest, SegmentCommit
-from actstore.store import SEGMENT_ARRAYS, Store, segment_name
+from actstore.ownership import CREATING, creating_marker, prepare_root, signed_creating
+from actstore.store import SEGMENT_ARRAYS, Store, read_commits, segment_name
 from actstore.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
 RESUME_KEYS = ("geometry", "model", "storage_dtype", "segment_size", "n_examples", "chunk_rows", "chunk_flat", "ingest")
 
 
-CREATING = ".creating"  # present while a store is being created, before its manifest exists
-
-
 def creation_interrupted(url: str | os.PathLike[str]) -> bool:
-    """True when ``url`` holds only the remains of a creation killed before its manifest."""
+    """True when ``url`` holds only the remains of a creation killed before its manifest (a
+    ``.creating`` marker with actstore's signature: an empty or foreign one proves nothing)."""
     loc = locate(url)
-    return loc.exists(CREATING) and not loc.exists("manifest.json")
+    return loc.exists(CREATING) and not loc.exists("manifest.json") and signed_creating(loc)
 
 
 class StoreWriter:
@@ -53,17 +52,13 @@ class StoreWriter:
         *,
         overwrite: bool = False,
     ) -> StoreWriter:
+        """A new store at ``url``.  The caller holds the writer lock (:mod:`actstore.lock`); an existing
+        store is replaced only with ``overwrite`` and only when it provably is one, and the signed
+        remains of a killed creation are cleared (:func:`actstore.ownership.prepare_root`)."""
         loc = locate(url)
-        if loc.exists("manifest.json"):
-            if not overwrite:
-                raise StoreExistsError(f"{loc.url} already holds a store (use --resume or another --out)")
-            loc.remove_tree("")
-        elif loc.exists(CREATING):
-            loc.remove_tree("")  # a creation killed before its manifest: nothing committed, start over
-        elif loc.exists("") and loc.listdir(""):
-            raise StoreExistsError(f"{loc.url} exists and is not an empty directory; refusing to write there")
+        prepare_root(loc, overwrite=overwrite)
         loc.makedirs("")
-        loc.write_bytes_atomic(CREATING, b"")
+        loc.write_bytes_atomic(CREATING, creating_marker())
         with loc.zarr_group_writer("weights") as group:
             group.attrs.update(dict(weight_attrs))
             for name, value in weights.items():
@@ -104,7 +99,9 @@ class StoreWriter:
         return cls(store.location, store.manifest)
 
     def committed(self) -> set[int]:
-        return {int(n.split(".")[0]) for n in self.location.listdir("commits") if n.endswith(".json")}
+        """Segments with a valid commit marker, read exactly as readers read them (a marker whose
+        ``segment`` field disagrees with its file name is an error here too, not a skipped segment)."""
+        return set(read_commits(self.location, self.manifest))
 
     def write_segment(
         self,
@@ -120,7 +117,8 @@ class StoreWriter:
             raise ValueError(f"segment {seg}: missing arrays/tables {sorted(missing)}")
         rel = f"segments/{segment_name(seg)}"
         self.location.remove_tree(rel)  # leftovers of a killed attempt
-        with self.location.zarr_group_writer(rel) as group:
+        objects: dict[str, str] = {}  # SHA-256 of every object of the segment's group, for the marker
+        with self.location.zarr_group_writer(rel, digests=objects) as group:
             for name in SEGMENT_ARRAYS:
                 data = np.ascontiguousarray(arrays[name])
                 chunk = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
@@ -137,6 +135,7 @@ class StoreWriter:
             n_sources=int(arrays["attn"].shape[0]),
             n_tokens=int(arrays["v"].shape[0]),
             table_sha256=digests,
+            objects=objects,
         )
         self.location.write_bytes_atomic(f"commits/{segment_name(seg)}.json", commit.to_json())
         return commit
