@@ -1,81 +1,326 @@
-"""DuckDB over a store's tables, read-only and confined to the store.
+"""DuckDB over a store's tables: read-only, without file access, bounded in memory and time.
 
-Every table becomes a view before the connection is locked down: external access is then
-switched off (with the store's own directory the only one allowed), extensions cannot be
-installed or loaded, and the configuration is locked.  Only SELECT statements (including
-``WITH``) and EXPLAIN/DESCRIBE/SUMMARIZE-style reads are accepted.
+Three layers, each enough on its own to stop a statement from writing:
+
+1. **Statements.**  A query is parsed with DuckDB's own parser (``extract_statements``) and must be
+   exactly one statement of type SELECT (``WITH``, ``FROM``-first, ``VALUES``, ``DESCRIBE``,
+   ``SUMMARIZE`` and ``SHOW`` parse as SELECT).  Everything else is refused, EXPLAIN included:
+   ``EXPLAIN ANALYZE`` executes the statement it explains.  A SELECT cannot contain another kind of
+   statement (the grammar has no COPY or EXPLAIN subquery, and ``query()`` takes one SELECT).
+   ``--where`` predicates are parsed as exactly one expression (:func:`predicate`).
+2. **The connection.**  Every table is an Arrow dataset over the store's own Parquet files, read by
+   pyarrow and registered with DuckDB; DuckDB itself then gets no file access at all
+   (``enable_external_access = false`` with no allowed directories or paths), no temporary
+   directory (nothing spills, nothing is written), no extension loading, no Python replacement
+   scans (a query cannot read the caller's variables), and a locked configuration.
+3. **Limits.**  A memory limit (DuckDB's ``memory_limit``; with no temporary directory a query
+   that needs more fails) and a time limit (a timer thread interrupts the statement).  Defaults:
+   :data:`DEFAULT_MEMORY_LIMIT` and :data:`DEFAULT_TIMEOUT`; per call (``Store.sql(...,
+   memory_limit=, timeout=)``), per block of code (``with actstore.sql.limits(...)``), or per
+   command (``--sql-memory``, ``--sql-timeout``).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-import duckdb
 import pyarrow as pa
 
-from actstore.errors import QueryError, ReadOnlySQLError
+from actstore.errors import CorruptStoreError, QueryError, ReadOnlySQLError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # duckdb and pyarrow.dataset are imported when a statement runs: the CLI starts fast
+    import duckdb
+    import pyarrow.dataset as pads
+
     from actstore.store import Store
 
-ALLOWED_STATEMENTS = {"SELECT", "EXPLAIN"}
+ALLOWED_STATEMENTS = {"SELECT"}
+DEFAULT_MEMORY_LIMIT = "4GB"
+DEFAULT_TIMEOUT = 600.0  # seconds
+THREADS = 2
+
+_SIZE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+
+
+def check_memory_limit(text: str) -> str:
+    """``text`` if it is a size DuckDB understands (``512MB``, ``4GB``, ``1.5GiB``), else a QueryError."""
+    if not isinstance(text, str) or not _SIZE.match(text):
+        raise QueryError(f"SQL memory limit {text!r} is not a size like 512MB or 4GB")
+    return text.strip()
+
+
+@dataclass(frozen=True)
+class SQLLimits:
+    """What one SQL statement may use.  ``timeout``: seconds, ``None`` for no time limit."""
+
+    memory_limit: str = DEFAULT_MEMORY_LIMIT
+    timeout: float | None = DEFAULT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        check_memory_limit(self.memory_limit)
+        if self.timeout is not None and not self.timeout > 0:
+            raise QueryError(f"SQL time limit must be a positive number of seconds (got {self.timeout!r})")
+
+
+_LIMITS: ContextVar[SQLLimits | None] = ContextVar("actstore_sql_limits", default=None)  # None: the defaults
+
+
+def current_limits(memory_limit: str | None = None, timeout: float | None = None) -> SQLLimits:
+    """The limits in force (see :func:`limits`), with ``memory_limit`` / ``timeout`` overriding them."""
+    lim = _LIMITS.get() or SQLLimits()
+    if memory_limit is not None:
+        lim = replace(lim, memory_limit=memory_limit)
+    if timeout is not None:
+        lim = replace(lim, timeout=timeout if timeout > 0 else None)
+    return lim
+
+
+@contextmanager
+def limits(memory_limit: str | None = None, timeout: float | None = None) -> Iterator[SQLLimits]:
+    """Run every SQL statement inside the block with these limits (``timeout=0``: no time limit).
+
+    >>> with actstore.sql.limits(memory_limit="1GB", timeout=30):
+    ...     store.select("relation_id = 'P17'")
+    """
+    token = _LIMITS.set(current_limits(memory_limit, timeout))
+    try:
+        yield current_limits()
+    finally:
+        _LIMITS.reset(token)
 
 
 def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def connect(store: Store) -> duckdb.DuckDBPyConnection:
-    """A locked-down in-memory DuckDB connection with one view per store table."""
-    con = duckdb.connect(
-        ":memory:",
-        config={"autoinstall_known_extensions": False, "autoload_known_extensions": False, "threads": 2},
-    )
-    loc = store.location
-    if loc.is_local:
-        store.check_table_shards()  # a corrupt shard is an error, never silently wrong rows
-        con.execute("SET allowed_directories = ?", [[loc.root.rstrip("/") + "/"]])
-    for name, files in store.table_files().items():
-        view = _quote(name)
-        if files and loc.is_local:
-            paths = ", ".join("'" + loc.path(f).replace("'", "''") + "'" for f in files)
-            con.execute(f"CREATE VIEW {view} AS SELECT * FROM read_parquet([{paths}], union_by_name=true)")
-        else:
-            con.register(f"__arrow_{name}", store.table(name, files=files))
-            con.execute(f"CREATE VIEW {view} AS SELECT * FROM {_quote('__arrow_' + name)}")
-    con.execute("SET enable_external_access = false")
-    con.execute("SET lock_configuration = true")
+def _dataset(store: Store, files: list[str]) -> pads.Dataset:
+    """A table's local files as one dataset; columns missing from a file read as NULL (``union_by_name``)."""
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    paths = [store.location.path(f) for f in files]
+    schemas = []
+    for rel, path in zip(files, paths):
+        try:
+            schemas.append(pq.read_schema(path))
+        except (pa.ArrowException, OSError) as e:
+            raise CorruptStoreError(f"{store.url}/{rel}: unreadable Parquet ({_one_line(e)})") from None
+    try:
+        schema = pa.unify_schemas(schemas, promote_options="permissive") if len(schemas) > 1 else schemas[0]
+    except pa.ArrowException as e:
+        raise CorruptStoreError(f"{store.url}: the files of one table have incompatible schemas ({_one_line(e)})"
+                                ) from None
+    return pads.dataset(paths, schema=schema, format="parquet")
+
+
+def connect(store: Store, *, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+    """A locked-down in-memory DuckDB connection with one view per store table.
+
+    DuckDB has no file access on it (the tables are Arrow datasets read by pyarrow), no
+    temporary directory and the memory limit in force (:func:`limits`); the configuration is
+    locked.  A time limit applies to statements run through :func:`run_sql` only.
+    """
+    import duckdb
+
+    lim = current_limits(memory_limit)
+    con = duckdb.connect(":memory:", config={
+        "autoinstall_known_extensions": False, "autoload_known_extensions": False,
+        "allow_community_extensions": False, "threads": THREADS, "python_enable_replacements": False,
+        "temp_directory": "", "max_temp_directory_size": "0B", "memory_limit": lim.memory_limit,
+    })
+    try:
+        loc = store.location
+        if loc.is_local:
+            store.check_table_shards()  # a corrupt shard is an error, never silently wrong rows
+        for name, files in store.table_files().items():
+            source = f"__arrow_{name}"
+            data: pa.Table | pads.Dataset
+            if files and loc.is_local:
+                data = _dataset(store, files)
+            else:
+                data = store.table(name, files=files)
+            con.register(source, data)
+            con.execute(f"CREATE VIEW {_quote(name)} AS SELECT * FROM {_quote(source)}")
+        con.execute("SET enable_external_access = false")  # no allowed directories or paths: none at all
+        con.execute("SET lock_configuration = true")
+    except BaseException:
+        con.close()
+        raise
     return con
 
 
-def check_read_only(con: duckdb.DuckDBPyConnection, query: str) -> None:
-    """Reject anything but reads, naming the offending statement type."""
+def _statement(query: str) -> duckdb.Statement:
+    """The one statement ``query`` holds, parsed by DuckDB (nothing is bound or run)."""
+    import duckdb
+
+    if not isinstance(query, str):
+        raise QueryError(f"SQL must be a string (got {type(query).__name__})")
     try:
-        statements = con.extract_statements(query)
+        statements = duckdb.extract_statements(query)
     except duckdb.Error as e:
         raise QueryError(f"SQL error: {_one_line(e)}") from None
     if len(statements) != 1:
         raise QueryError(f"SQL must be exactly one statement (got {len(statements)})")
-    kind = statements[0].type.name
+    return statements[0]
+
+
+def check_read_only(query: str) -> duckdb.Statement:
+    """The parsed statement if it is one plain SELECT; otherwise an error naming its type."""
+    stmt = _statement(query)
+    kind = stmt.type.name
+    if kind == "EXPLAIN":
+        raise ReadOnlySQLError("SQL is read-only: EXPLAIN statements are not allowed (EXPLAIN ANALYZE runs the "
+                               "statement it explains; only SELECT)")
     if kind not in ALLOWED_STATEMENTS:
         raise ReadOnlySQLError(f"SQL is read-only: {kind} statements are not allowed (only SELECT)")
+    return stmt
 
 
-def run_sql(store: Store, query: str, con: duckdb.DuckDBPyConnection | None = None) -> pa.Table:
-    """Execute a read-only query eagerly and return its result as Arrow."""
-    con = con or connect(store)
-    check_read_only(con, query)
+def subquery(query: str) -> str:
+    """One SELECT statement as a parenthesised subquery, to be placed in a larger SELECT."""
+    text = check_read_only(query).query.strip()
+    while text.endswith(";"):
+        text = text[:-1].rstrip()
+    return "(\n" + text + "\n)"  # the newlines end a trailing -- comment inside the parentheses
+
+
+def predicate(where: str) -> str:
+    """A ``--where`` predicate, parsed as exactly one SQL expression, parenthesised for a WHERE clause.
+
+    ``x = 1) UNION SELECT ...``, ``x = 1; DROP ...``, ``x = 1 ORDER BY 1`` and the like are refused
+    by the parser; a trailing ``-- comment`` is fine (the parentheses are on their own lines).
+    """
+    if not isinstance(where, str):
+        raise QueryError(f"the WHERE predicate must be a string (got {type(where).__name__})")
+    import duckdb
+
     try:
-        rel = con.sql(query)
-        if rel is None:
-            raise QueryError("SQL returned no result set")
-        fetch = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table
-        return fetch()
+        duckdb.SQLExpression(where)
+    except (duckdb.Error, ValueError, TypeError) as e:
+        raise QueryError(f"SQL error: the WHERE predicate must be one SQL expression: {_one_line(e)}") from None
+    return "(\n" + where + "\n)"
+
+
+def run_sql(store: Store, query: str, con: duckdb.DuckDBPyConnection | None = None, *,
+            memory_limit: str | None = None, timeout: float | None = None) -> pa.Table:
+    """Execute one read-only SELECT eagerly, within the limits, and return its result as Arrow.
+
+    ``memory_limit`` / ``timeout`` override the limits in force (:func:`limits`); the memory limit
+    applies only when this call opens the connection (``con`` is None).
+    """
+    import duckdb
+
+    stmt = check_read_only(query)
+    lim = current_limits(memory_limit, timeout)
+    own = con is None
+    if con is None:
+        con = connect(store, memory_limit=lim.memory_limit)
+    fired = threading.Event()
+    timer = None
+    if lim.timeout is not None:
+        target = con
+
+        def stop() -> None:
+            fired.set()
+            target.interrupt()
+
+        timer = threading.Timer(lim.timeout, stop)
+        timer.daemon = True
+        timer.start()
+    try:
+        return con.sql(stmt).to_arrow_table()
+    except duckdb.InterruptException:
+        if fired.is_set():
+            raise QueryError(f"SQL error: the query ran longer than the time limit of {lim.timeout:g} s and was "
+                             "stopped (raise it with --sql-timeout or timeout=)") from None
+        raise QueryError("SQL error: the query was interrupted") from None
+    except duckdb.OutOfMemoryException:
+        raise QueryError(f"SQL error: the query needs more memory than the limit of {lim.memory_limit} "
+                         "(raise it with --sql-memory or memory_limit=)") from None
     except duckdb.PermissionException as e:
         raise ReadOnlySQLError(f"SQL may only read the store's tables: {_one_line(e)}") from None
     except duckdb.Error as e:
         raise QueryError(f"SQL error: {_one_line(e)}") from None
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if own:
+            con.close()
 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
+
+
+# ------------------------------------------------------------------ printing results
+def _is_plain(t: pa.DataType) -> bool:
+    """A type pandas and the Arrow CSV writer both print as is."""
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
+                or pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_decimal(t)
+                or pa.types.is_date(t) or pa.types.is_time(t) or pa.types.is_timestamp(t))
+
+
+def _text(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple, dict)):  # LIST, ARRAY, STRUCT, MAP: as JSON
+        return json.dumps(value, default=str, ensure_ascii=False)
+    return str(value)
+
+
+def _as_text(table: pa.Table) -> pa.Table:
+    """``table`` with every column that is not a plain scalar (LIST, STRUCT, MAP, UNION, INTERVAL, BLOB, ...)
+    turned into text, lists and structs as JSON."""
+    cols = [c if _is_plain(c.type) else pa.array([_text(v) for v in c.to_pylist()], pa.string())
+            for c in table.columns]
+    return pa.Table.from_arrays(cols, names=table.column_names)
+
+
+def _escape(text: str) -> str:
+    """Control characters as escapes (``\\x1b``, ``\\n``): a table printed to a terminal cannot drive it."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
+
+
+def render(table: pa.Table, fmt: str) -> str:
+    """A query result as text: ``table`` (aligned columns, for reading), ``csv`` or ``json``.
+
+    Every result prints, LIST, STRUCT and MAP columns included (as JSON); a failure is a QueryError
+    starting ``SQL error:``.
+    """
+    try:
+        if fmt == "json":
+            return json.dumps(table.to_pylist(), default=str)
+        text = _as_text(table)
+        if fmt == "csv":
+            import io
+
+            import pyarrow.csv as pacsv
+
+            buf = io.BytesIO()
+            pacsv.write_csv(text, buf)
+            return buf.getvalue().decode("utf-8").rstrip("\n")
+        if fmt != "table":
+            raise QueryError(f"unknown output format {fmt!r} (table, csv, json)")
+        import pandas as pd
+
+        df = text.to_pandas()
+        df.columns = [_escape(str(c)) for c in df.columns]
+        for i, t in enumerate(text.schema.types):
+            if pa.types.is_string(t) or pa.types.is_large_string(t):
+                df.isetitem(i, df.iloc[:, i].map(lambda v: _escape(v) if isinstance(v, str) else v))
+        with pd.option_context("display.max_rows", 200, "display.max_columns", 50, "display.width", 200,
+                               "display.max_colwidth", 60):
+            return str(df.to_string(index=False))
+    except QueryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any printing failure is one line naming the format
+        raise QueryError(f"SQL error: cannot print the result as {fmt}: {type(e).__name__}: {_one_line(e)}") from None

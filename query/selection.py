@@ -35,17 +35,25 @@ class Selection:
     rows: pa.Table  # columns of _ROWS_SQL
 
     @classmethod
-    def from_sql(cls, store: Store, where: str | None = None, *, query: str | None = None) -> Selection:
-        """``where``: a predicate over ``examples``; ``query``: any SELECT returning ``example_id``."""
+    def from_sql(cls, store: Store, where: str | None = None, *, query: str | None = None,
+                 memory_limit: str | None = None, timeout: float | None = None) -> Selection:
+        """``where``: one SQL expression over ``examples``; ``query``: one SELECT returning ``example_id``.
+
+        Each is parsed on its own (:func:`actstore.sql.predicate`, :func:`actstore.sql.subquery`) before
+        it is placed in the selection's query, so it cannot end that query or add a statement.
+        ``memory_limit`` / ``timeout``: the SQL limits (default: those in force, see :mod:`actstore.sql`).
+        """
+        from actstore.sql import predicate, run_sql, subquery
+
         if where is not None and query is not None:
             raise QueryError("give a WHERE predicate or a query, not both")
         if query is not None:
-            cond = f"t.example_id IN (SELECT example_id FROM ({query}))"
+            cond = f"t.example_id IN (SELECT example_id FROM {subquery(query)})"
         elif where is not None and where.strip():
-            cond = f"t.example_id IN (SELECT example_id FROM examples WHERE {where})"
+            cond = f"t.example_id IN (SELECT example_id FROM examples WHERE {predicate(where)})"
         else:
             cond = "TRUE"
-        return cls(store, store.sql(_ROWS_SQL.format(cond=cond)))
+        return cls(store, run_sql(store, _ROWS_SQL.format(cond=cond), memory_limit=memory_limit, timeout=timeout))
 
     @classmethod
     def from_ids(cls, store: Store, example_ids: Sequence[int]) -> Selection:
