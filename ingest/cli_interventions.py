@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from actstore.cli import friendly
+from actstore.cli import friendly, where_option
 from query.maps import DEFAULT_K, IMPLEMENTS_THRESHOLD
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
@@ -47,7 +47,7 @@ def _pct(x: float | None) -> str:
 @click.option("--mode", type=click.Choice(["zero", "mean"]), default="zero", show_default=True,
               help="zero: z_h = 0; mean: z_h = its mean over the store's rows.")
 @click.option("--all-positions", is_flag=True, help="Ablate at every position, not only the last prompt token.")
-@click.option("--where", default=None, help="SQL predicate over examples restricting the prompts.")
+@where_option("SQL predicate over examples restricting the prompts.")
 @click.option("--batch-size", type=int, default=32, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--model-dtype", type=click.Choice(MODEL_DTYPES), default="float32", show_default=True)
@@ -203,7 +203,7 @@ def _bar(total: int, desc: str, quiet: bool) -> Any:
 @click.command()
 @click.option("--model", "model_name", required=True, help="The store's model: alias, folder or hub name.")
 @click.option("--store", "store_path", required=True, help="Store holding the facts.")
-@click.option("--where", default=None, help="SQL predicate over examples JOIN targets choosing the facts.")
+@where_option("SQL predicate over examples JOIN targets choosing the facts.")
 @click.option("--limit", type=int, default=None, help="At most this many facts (in example order).")
 @click.option("--all-facts", is_flag=True, help="Also facts the model gets wrong (default: object_rank = 0 only).")
 @click.option("--samples", type=int, default=3, show_default=True, help="Noise samples per fact.")
@@ -320,7 +320,7 @@ def _parse_pairs(texts: tuple[str, ...]) -> list[tuple[int, int]]:
 @click.command()
 @click.option("--model", "model_name", required=True, help="The store's model: alias, folder or hub name.")
 @click.option("--store", "store_path", required=True, help="Store holding the facts.")
-@click.option("--where", default=None, help="SQL predicate over examples JOIN targets choosing the clean facts.")
+@where_option("SQL predicate over examples JOIN targets choosing the clean facts.")
 @click.option("--limit", type=int, default=None, help="At most this many clean facts.")
 @click.option("--all-facts", is_flag=True, help="Also clean facts the model gets wrong.")
 @click.option("--pair", "pair_texts", multiple=True,

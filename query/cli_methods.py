@@ -17,7 +17,7 @@ from typing import Any
 import click
 import numpy as np
 
-from actstore.cli import friendly
+from actstore.cli import friendly, where_option
 
 # ------------------------------------------------------------------------------------ figures
 
@@ -181,7 +181,7 @@ def _fmt(x: float | None, pct: bool = True) -> str:
 
 @click.command()
 @click.option("--store", "store_path", required=True)
-@click.option("--where", default=None, help="SQL predicate over examples JOIN targets choosing the facts.")
+@where_option("SQL predicate over examples JOIN targets choosing the facts.")
 @click.option("--correct-only", is_flag=True, help="Only facts the model answers correctly (object_rank = 0).")
 @click.option("--train-fraction", type=float, default=0.5, show_default=True,
               help="Share of the facts that train the tuned lens; the rest are held out and evaluated.")

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from actstore.cli import friendly, parse_int_list
+from actstore.cli import friendly, parse_int_list, where_option
 from actstore.errors import QueryError
 
 
@@ -43,7 +43,7 @@ def _echo_json(d: Any) -> None:
 @click.argument("store")
 @click.option("--features", "kind", required=True,
               help="Feature kind: attn_head, attn, attn_entity, mlp, mlp_group, resid or z.")
-@click.option("--where", default=None, help="SQL predicate over examples selecting the instances.")
+@where_option("SQL predicate over examples selecting the instances.")
 @click.option("--layers", default=None, help="Layer subset, e.g. 0,3,5-7 (resid: residual indices).")
 @click.option("--heads", default=None, help="Head (or mlp_group group) subset, e.g. 0-3.")
 @click.option("--groups", type=int, default=None, help="mlp_group: number of neuron groups (default: heads).")
