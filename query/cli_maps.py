@@ -21,7 +21,7 @@ import click
 import numpy as np
 import pyarrow as pa
 
-from actstore.cli import friendly
+from actstore.cli import friendly, where_option
 from query.maps import DEFAULT_K, IMPLEMENTS_THRESHOLD
 
 
@@ -180,7 +180,7 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int,
 
 @click.command("maps-dynamic")
 @click.argument("store")
-@click.option("--where", default=None, help="SQL predicate over examples, e.g. \"source = 'maps'\".")
+@where_option("SQL predicate over examples, e.g. \"source = 'maps'\".")
 @click.option("--relations", default=None, help="Comma-separated relation ids.")
 @click.option("--k", type=int, default=DEFAULT_K, show_default=True)
 @click.option("--threshold", type=float, default=IMPLEMENTS_THRESHOLD, show_default=True)
