@@ -55,7 +55,7 @@ class VerifyReport:
         """``ok``, ``INCOMPLETE`` (only uncommitted segments are wrong) or ``CORRUPT``."""
         if self.ok:
             return "ok"
-        n_uncommitted = sum(1 for p in self.problems if p.startswith("segment ") and "not committed" in p)
+        n_uncommitted = sum(1 for p in self.problems if p.startswith(("segment ", "segments ")) and "not committed" in p)
         return "INCOMPLETE" if n_uncommitted == len(self.problems) else "CORRUPT"
 
 
