@@ -108,12 +108,12 @@ def _kind(value: Any) -> str:
 def field_int(d: dict[str, Any], key: str, where: str, lo: int, hi: int) -> int:
     """``d[key]`` as an int in ``lo..hi`` (a bool, float or string is refused, not converted)."""
     if key not in d:
-        raise CorruptStoreError(f"{where}: field {key!r} is missing")
+        raise CorruptStoreError(f"{where} field {key!r} is missing")
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, int):
-        raise CorruptStoreError(f"{where}: field {key!r} must be an integer, got {_kind(v)} {_show(v)}")
+        raise CorruptStoreError(f"{where} field {key!r} must be an integer, got {_kind(v)} {_show(v)}")
     if not lo <= v <= hi:
-        raise CorruptStoreError(f"{where}: field {key!r} is {v}, outside {lo}..{hi}")
+        raise CorruptStoreError(f"{where} field {key!r} is {v}, outside {lo}..{hi}")
     return v
 
 
@@ -122,7 +122,7 @@ def _field_dict(d: dict[str, Any], key: str, where: str, default: dict[str, Any]
         return dict(default)
     v = d.get(key)
     if not isinstance(v, dict):
-        raise CorruptStoreError(f"{where}: field {key!r} must be a JSON object, got {_kind(v)}")
+        raise CorruptStoreError(f"{where} field {key!r} must be a JSON object, got {_kind(v)}")
     return v
 
 
@@ -131,7 +131,7 @@ def _field_str(d: dict[str, Any], key: str, where: str, default: str | None = No
         return default
     v = d.get(key)
     if not isinstance(v, str):
-        raise CorruptStoreError(f"{where}: field {key!r} must be a string, got {_kind(v)} {_show(v)}")
+        raise CorruptStoreError(f"{where} field {key!r} must be a string, got {_kind(v)} {_show(v)}")
     return v
 
 
@@ -156,17 +156,17 @@ class Geometry:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "geometry") -> Geometry:
+    def from_dict(cls, d: dict[str, Any], where: str = "manifest") -> Geometry:
         """A geometry from stored JSON, every field checked (see :data:`GEOMETRY_LIMITS`)."""
         if not isinstance(d, dict):
-            raise CorruptStoreError(f"{where}: geometry must be a JSON object, got {_kind(d)}")
+            raise CorruptStoreError(f"{where} field 'geometry' must be a JSON object, got {_kind(d)}")
         values = {f.name: field_int(d, f.name, f"{where} geometry", 1, GEOMETRY_LIMITS[f.name]) for f in fields(cls)}
         g = cls(**values)
         if g.n_heads % g.n_kv_heads:
-            raise CorruptStoreError(f"{where}: geometry n_heads {g.n_heads} is not a multiple of n_kv_heads "
+            raise CorruptStoreError(f"{where} geometry: n_heads {g.n_heads} is not a multiple of n_kv_heads "
                                     f"{g.n_kv_heads}")
         if g.n_layers * g.n_heads > MAX_HEADS_TOTAL:
-            raise CorruptStoreError(f"{where}: geometry has {g.n_layers} x {g.n_heads} heads, more than "
+            raise CorruptStoreError(f"{where} geometry: {g.n_layers} x {g.n_heads} heads, more than "
                                     f"{MAX_HEADS_TOTAL}")
         return g
 
@@ -202,7 +202,7 @@ class SegmentCommit:
         tables = _field_dict(d, "table_sha256", where)
         if set(tables) != set(SEGMENT_TABLES) or not all(isinstance(v, str) and _HEX64.fullmatch(v)
                                                          for v in tables.values()):
-            raise CorruptStoreError(f"{where}: field 'table_sha256' must map {', '.join(SEGMENT_TABLES)} "
+            raise CorruptStoreError(f"{where} field 'table_sha256' must map {', '.join(SEGMENT_TABLES)} "
                                     "to SHA-256 hex digests")
         objects: dict[str, str] | None = None
         if "objects" in d:
@@ -210,7 +210,7 @@ class SegmentCommit:
             for k, v in raw.items():
                 if (not _OBJECT_KEY.fullmatch(k) or ".." in k.split("/") or len(k) > 512
                         or not isinstance(v, str) or not _HEX64.fullmatch(v)):
-                    raise CorruptStoreError(f"{where}: field 'objects' has a bad entry {_show(k)}: {_show(v)}")
+                    raise CorruptStoreError(f"{where} field 'objects' has a bad entry {_show(k)}: {_show(v)}")
             objects = dict(raw)
         return cls(
             segment=field_int(d, "segment", where, 0, MAX_COUNT),
@@ -227,7 +227,7 @@ class SegmentCommit:
         if name != f"{self.segment:06d}.json":
             raise CorruptStoreError(
                 f"{where}: the marker's segment field says {self.segment}, its file name says otherwise "
-                "(a marker copied or renamed; run actstore verify)"
+                "(a copied or renamed marker; the store cannot be read until it is fixed)"
             )
         if self.segment >= manifest.n_segments:
             raise CorruptStoreError(f"{where}: segment {self.segment} is past the store's {manifest.n_segments} "

@@ -525,11 +525,97 @@ _JSONL_STRINGS = ("subject", "object", "relation_id", "relation_name", "split", 
 _JSONL_FIELDS = frozenset({"text", "target", "subject_span", "object_span", "meta", *_JSONL_STRINGS})
 
 
+# Bounds on what a JSONL data set may hold: a file is read whole into records, so its size is
+# bounded; a line is parsed at once, so its length is; nesting beyond a few levels is no prompt.
+MAX_JSONL_BYTES = 4 << 30
+MAX_JSONL_LINE = 16 << 20
+MAX_JSONL_DEPTH = 64
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, walked iteratively (stops counting past the limit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            if d > MAX_JSONL_DEPTH:
+                return d
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _parse_json_value(text: str, where: str) -> Any:
+    """One JSON value, as one clear :class:`DatasetError` for malformed text, deep nesting (which would
+    exhaust the parser's recursion) and strings that are not valid Unicode (lone surrogates such as
+    ``"\\ud800"``, which no tokenizer or Parquet file can take)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        at = f"column {e.colno}" if e.lineno == 1 else f"line {e.lineno} column {e.colno}"
+        raise DatasetError(f"{where}: malformed JSON ({e.msg} at {at})") from None
+    except RecursionError:
+        raise DatasetError(f"{where}: JSON nests deeper than {MAX_JSONL_DEPTH} levels") from None
+    if _json_depth(value) > MAX_JSONL_DEPTH:
+        raise DatasetError(f"{where}: JSON nests deeper than {MAX_JSONL_DEPTH} levels")
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end] if isinstance(e.object, str) else ""
+        raise DatasetError(f"{where}: a string holds {bad.encode('unicode_escape').decode()!s} (a lone surrogate), "
+                           "which is not valid Unicode text") from None
+    return value
+
+
+def _open_regular(path: Path) -> Any:
+    """``path`` opened for binary reading if it is a regular file of at most :data:`MAX_JSONL_BYTES`; a
+    named pipe, a device (``/dev/zero``) or a socket is refused before it is read (the type is checked
+    on the descriptor, opened non-blocking so that a pipe cannot hang the open)."""
+    import os
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise DatasetError(f"{path}: cannot read: {e.strerror or e}") from None
+    f = os.fdopen(fd, "rb")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        f.close()
+        raise DatasetError(f"{path}: not a regular file (a device, pipe or socket); jsonl reads files only")
+    if st.st_size > MAX_JSONL_BYTES:
+        f.close()
+        raise DatasetError(f"{path}: {st.st_size} bytes, more than the {MAX_JSONL_BYTES >> 30} GiB a jsonl file may have")
+    return f
+
+
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(number, line)`` of a regular UTF-8 file, each line at most :data:`MAX_JSONL_LINE` bytes."""
+    total = 0
+    with _open_regular(path) as f:
+        number = 0
+        while True:
+            raw = f.readline(MAX_JSONL_LINE + 1)
+            if not raw:
+                return
+            number += 1
+            total += len(raw)
+            if len(raw) > MAX_JSONL_LINE:
+                raise DatasetError(f"{path}, line {number}: longer than {MAX_JSONL_LINE >> 20} MiB")
+            if total > MAX_JSONL_BYTES:
+                raise DatasetError(f"{path}: more than {MAX_JSONL_BYTES >> 30} GiB")
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}, line {number}: not UTF-8 text ({e.reason})") from None
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` pairs; ``where`` names the file and the 1-based line or row."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
+        _open_regular(path).close()
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several unrelated types for bad files
@@ -537,24 +623,23 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
         for number, row in enumerate(rows, 1):
             yield f"{path}, row {number}", row
         return
-    try:
-        content = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: cannot read: {e}") from None
-    if path.suffix == ".json" and content.lstrip().startswith("["):
-        data = _read_json(path)
-        for number, row in enumerate(data, 1):
-            yield f"{path}, record {number}", row
-        return
-    for number, line in enumerate(content.splitlines(), 1):
+    if path.suffix == ".json":
+        with _open_regular(path) as f:
+            head = f.read(4096).decode("utf-8", "replace").lstrip()
+        if head.startswith("["):
+            with _open_regular(path) as f:
+                try:
+                    content = f.read().decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{path}: not UTF-8 text ({e.reason})") from None
+            data = _parse_json_value(content, str(path))
+            for number, row in enumerate(data, 1):
+                yield f"{path}, record {number}", row
+            return
+    for number, line in _text_lines(path):
         if not line.strip():
             continue
-        where = f"{path}, line {number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-        yield where, row
+        yield f"{path}, line {number}", _parse_json_value(line, f"{path}, line {number}")
 
 
 def _type_name(value: Any) -> str:

@@ -64,6 +64,7 @@ __all__ = [
     "LoadedModel",
     "ModelError",
     "default_cache_dir",
+    "known_alias",
     "load_model",
     "tiny_model",
     "tiny_tokenizer",
@@ -652,6 +653,25 @@ def _convert(gguf: Path, sha: str, alias: str, cache: Path, origin: str | None =
 # --------------------------------------------------------------------------------------------
 # Tiny models
 # --------------------------------------------------------------------------------------------
+
+
+def known_alias(name: str) -> str | None:
+    """The canonical form of ``name`` when it is one of actstore's own aliases (a packaged GGUF model or
+    ``tiny-<arch>``), else None.
+
+    Names that come from a store (its manifest's ``model.name``) are data, not instructions: a
+    command that would load the store's model on its own loads it only when this returns an alias,
+    and otherwise asks for an explicit flag, so that a store cannot make it read an arbitrary
+    folder or fetch an arbitrary hub repository.
+    """
+    key = name.strip().lower()
+    if key in GGUF_ALIASES:
+        return key
+    if key.startswith("tiny-"):
+        arch = _tiny_arch(key[5:])
+        if arch is not None:
+            return f"tiny-{arch}"
+    return None
 
 
 def _tiny_arch(arch: str) -> str | None:

@@ -279,11 +279,19 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int, t
 def _first_mlp(store: Any, model_name: str | None) -> Any:
     """The first-MLP source transform of the store's model (loaded on the CPU, float32)."""
     from ingest.first_mlp import first_mlp_transform
-    from ingest.models import load_model
+    from ingest.models import known_alias, load_model
 
-    name = model_name or str(store.manifest.model.get("name") or "")
-    if not name:
-        raise ValueError("--first-mlp: the store names no model; pass --model")
+    if model_name:
+        name = model_name
+    else:  # the store's own name is data: only actstore's aliases are loaded without --model
+        stored = str(store.manifest.model.get("name") or "").strip()
+        if not stored:
+            raise ValueError("--first-mlp: the store names no model; pass --model")
+        alias = known_alias(stored)
+        if alias is None:
+            raise ValueError(f"--first-mlp: the store's model {stored!r} is not one of actstore's aliases, and a name "
+                             "read from a store is never loaded from disk or the hub on its own; pass --model")
+        name = alias
     loaded = load_model(name)
     want = str(store.manifest.model.get("weight_hash") or "")
     if want and loaded.weight_hash != want:

@@ -3,11 +3,14 @@
 Weight-only analyses (MAPS) turn words into token ids and token ids back into text, so they
 need the tokenizer, but not the model.  :func:`tokenizer_for_store` resolves, in order:
 
-1. an explicit ``name`` (a local folder, ``tiny-<arch>``, a packaged alias or a hub name);
-2. the manifest's model: ``tiny-<arch>`` builds the deterministic tiny tokenizer; a packaged
-   GGUF alias (``smollm2-135m``, ``gemma3-270m``) reads the converted cache folder whose
-   recorded float32 weight hash equals the store's (any converted folder of that alias
-   otherwise); a local folder is read as is; anything else goes to ``AutoTokenizer``.
+1. an explicit ``name`` (the user's ``--tokenizer``: a local folder, ``tiny-<arch>``, a packaged
+   alias or a hub name);
+2. the manifest's model, only when it is one of actstore's own aliases: ``tiny-<arch>`` builds the
+   deterministic tiny tokenizer; a packaged GGUF alias (``smollm2-135m``, ``gemma3-270m``) reads
+   the converted cache folder whose recorded float32 weight hash equals the store's (any
+   converted folder of that alias otherwise).  Any other name in a manifest (a folder, a hub
+   repository, ``../../etc``) is data written by whoever made the store, not an instruction: it
+   is neither read from disk nor fetched from the hub, and the user is asked for ``--tokenizer``.
 
 Every failure is a :class:`~actstore.errors.QueryError` with one line naming what to pass.
 """
@@ -24,10 +27,23 @@ from actstore.store import Store
 
 def tokenizer_for_store(store: Store, name: str | None = None) -> Any:
     """A fast tokenizer for ``store``'s model (or for ``name`` when given)."""
-    key = (name or str(store.manifest.model.get("name") or "")).strip()
-    if not key:
-        raise QueryError(f"{store.url}: the manifest names no model; pass --tokenizer")
-    tok = _resolve(key, str(store.manifest.model.get("weight_hash") or ""))
+    from ingest.models import known_alias
+
+    weight_hash = str(store.manifest.model.get("weight_hash") or "")
+    if name is not None and name.strip():
+        key = name.strip()
+        tok = _resolve(key, weight_hash)
+    else:
+        key = str(store.manifest.model.get("name") or "").strip()
+        if not key:
+            raise QueryError(f"{store.url}: the manifest names no model; pass --tokenizer")
+        alias = known_alias(key)
+        if alias is None:
+            raise QueryError(
+                f"{store.url}: the store's model {key!r} is not one of actstore's aliases, and a name read from a "
+                "store is never loaded from disk or the hub on its own; pass --tokenizer FOLDER_OR_NAME"
+            )
+        tok = _resolve_alias(alias, weight_hash)
     vocab = store.geometry.vocab_size
     if len(tok) > vocab:
         raise QueryError(
@@ -38,26 +54,33 @@ def tokenizer_for_store(store: Store, name: str | None = None) -> Any:
 
 
 def _resolve(key: str, weight_hash: str) -> Any:
-    from ingest.models import GGUF_ALIASES, TINY_ARCHS, default_cache_dir, tiny_model
+    """A user-given tokenizer: a folder, an alias, or a name for ``AutoTokenizer``."""
+    from ingest.models import known_alias
 
     path = Path(key).expanduser()
     if path.is_dir():
         return _auto(str(path))
-    low = key.lower()
+    alias = known_alias(key)
+    if alias is not None:
+        return _resolve_alias(alias, weight_hash)
+    return _auto(key)
+
+
+def _resolve_alias(low: str, weight_hash: str) -> Any:
+    """The tokenizer of one of actstore's aliases (see :func:`ingest.models.known_alias`)."""
+    from ingest.models import GGUF_ALIASES, default_cache_dir, tiny_model
+
     if low.startswith("tiny-"):
-        arch = low[5:].replace("-", "_")
-        arch = {"gemma3_text": "gemma3", "neox": "gpt_neox"}.get(arch, arch)
-        if arch in TINY_ARCHS:
-            return tiny_model(arch).tokenizer
+        return tiny_model(low[5:]).tokenizer
     if low in GGUF_ALIASES:
         folder = _converted_folder(default_cache_dir(), low, weight_hash)
         if folder is None:
             raise QueryError(
-                f"no converted copy of {key!r} in {default_cache_dir()} to read its tokenizer from; "
-                f"load the model once (e.g. actstore ingest --model {key}) or pass --tokenizer FOLDER"
+                f"no converted copy of {low!r} in {default_cache_dir()} to read its tokenizer from; "
+                f"load the model once (e.g. actstore ingest --model {low}) or pass --tokenizer FOLDER"
             )
         return _auto(str(folder))
-    return _auto(key)
+    raise QueryError(f"{low!r} is not an actstore alias")
 
 
 def _converted_folder(cache: Path, alias: str, weight_hash: str) -> Path | None:
