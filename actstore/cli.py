@@ -239,7 +239,9 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
             if p.name == "procs" or value is None or not isinstance(p, click.Option) or value is False:
                 continue
             args += [p.opts[-1]] if p.is_flag else [p.opts[-1], str(value)]
-        rc, error = launch_ranks(procs, args)
+        # The launcher holds the store's writer lock until torchrun exits; the ranks run under it.
+        rc, error = launch_ranks(procs, args, out=out,
+                                 log=lambda m: click.echo(printable(m), err=True) if not quiet else None)
         if rc != 0:
             fail(error or f"torchrun exited with status {rc}")
         return
@@ -251,7 +253,7 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
         device = f"cuda:{int(os.environ['LOCAL_RANK']) % max(1, torch.cuda.device_count())}"
     req = IngestRequest(
         model=model_name, dataset=dataset_spec,
-        relations=[r.strip() for r in relations.split(",") if r.strip()] if relations else None,
+        relations=[r.strip() for r in relations.split(",") if r.strip()] if relations is not None else None,
         limit_per_relation=limit_per_relation, template=template, keep_object_first=keep_object_first,
         batch_size=batch_size,
         storage_dtype=storage_dtype, model_dtype=model_dtype, device=device, segment_size=segment_size,

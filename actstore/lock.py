@@ -493,6 +493,19 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT wait until the block is done (taking or letting go of the lock is short)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def writer_lock(url: str | os.PathLike[str] | StoreLocation, *, command: str = "actstore ingest",
                 log: Callable[[str], None] = _log_nothing) -> Iterator[WriterLock | None]:
     """Hold the writer lock of a store for the ``with`` block (re-entrant within a process).
@@ -508,12 +521,14 @@ def writer_lock(url: str | os.PathLike[str] | StoreLocation, *, command: str = "
         return
     lock = WriterLock(loc, command, log)
     with _sigterm_unwinds():
-        lock.acquire()
+        with _signals_deferred():  # a signal now would leave a record with no holder to remove it
+            lock.acquire()
         try:
             with _registered(loc.url):
                 yield lock
         finally:
-            lock.release()
+            with _signals_deferred():
+                lock.release()
 
 
 @contextlib.contextmanager

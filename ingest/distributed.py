@@ -4,8 +4,18 @@ Each rank takes the segments ``s % world_size == rank`` (see :func:`ingest.pipel
 so ranks write disjoint row ranges and never the same file.  Rank 0 alone creates the store
 (weights, heads table, manifest); the other ranks wait for it.  With a process group (what
 ``torchrun`` sets up through :func:`join_process_group`) rank 0 broadcasts the outcome, so a
-failed creation fails every rank at once; without one (ranks started by hand with ``RANK`` and
-``WORLD_SIZE``), the others poll for ``manifest.json``.
+failed creation fails every rank at once; without one (ranks started with ``RANK`` and
+``WORLD_SIZE`` under a launcher's lock), the others poll for ``manifest.json``.
+
+One writer per store (:mod:`actstore.lock`): under ``actstore ingest --procs N`` the launcher
+takes the store's writer lock before it starts torchrun and holds it until torchrun has exited;
+the ranks check its token (``ACTSTORE_WRITER_LOCK``) and run under it.  Under a bare torchrun,
+rank 0 takes the lock, broadcasts the outcome, and lets it go only after every rank finished
+(:func:`ranks_writer_lock`).  Ranks without a process group and without a launcher cannot share
+a lock and are refused.
+
+The ranks, and torchrun itself, start without the current directory on ``sys.path``
+(:func:`safe_python`): a user's ``ingest.py`` or ``torch.py`` there is never imported.
 
 Bitwise equality with a single-process ingest holds because a segment's bytes depend only on
 its prompts, the settings and the arithmetic; keep the number of intra-op threads the same
@@ -14,19 +24,21 @@ its prompts, the settings and the arithmetic; keep the number of intra-op thread
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TextIO, TypeVar
 
 import torch.distributed as dist
 
 from actstore.errors import ActstoreError
-from actstore.fs import locate
+from actstore.fs import StoreLocation, locate
+from actstore.lock import LOCK_ENV, held_by_peer, under_launcher, writer_lock
 
 T = TypeVar("T")
 
@@ -94,6 +106,41 @@ def rank_zero_first(create: Callable[[], T], open_existing: Callable[[], T], ran
     return open_existing()
 
 
+@contextlib.contextmanager
+def ranks_writer_lock(loc: StoreLocation, rank: int, world: int, grouped: bool,
+                      log: Callable[[str], None]) -> Iterator[None]:
+    """Hold the store's writer lock for this ingest: taken here (one process), checked (ranks under
+    ``--procs``, whose launcher holds it), or taken by rank 0 for every rank (bare torchrun)."""
+    token = os.environ.get(LOCK_ENV)
+    if token:
+        with under_launcher(loc, token):
+            yield
+        return
+    if world == 1:
+        with writer_lock(loc, log=log):
+            yield
+        return
+    if not grouped:
+        raise RankError("ranks started by hand (RANK and WORLD_SIZE without MASTER_ADDR) cannot share the store's "
+                        "writer lock: use actstore ingest --procs N, or torchrun")
+    with contextlib.ExitStack() as stack:
+        if rank == 0:
+            try:
+                stack.enter_context(writer_lock(loc, log=log))
+            except BaseException as e:
+                dist.broadcast_object_list([" ".join(str(e).split()) or type(e).__name__], src=0)
+                raise
+            dist.broadcast_object_list([None], src=0)
+        else:
+            box: list[object] = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is not None:
+                raise RankError(f"rank 0: {box[0]}")
+            stack.enter_context(held_by_peer(loc))
+        yield
+        barrier()  # every rank has written its segments before rank 0 lets the lock go
+
+
 def _wait_for_manifest(out: str) -> None:
     loc = locate(out)
     deadline = time.monotonic() + WAIT_SECONDS
@@ -112,29 +159,71 @@ _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RAN
 _LAUNCHER_LINE = re.compile(r"^(\[[^\]]*\]:)?[EWI]\d{4} \d\d:\d\d:\d\d")
 
 
+# ``python -c`` puts '' (the current directory) first on sys.path, as ``-m`` does; this removes it
+# before anything is imported (``sys`` is built in), then runs the module named by the first argument as ``-m`` would.
+# (``-P`` does the same from Python 3.11 on; this works on 3.10 too.)
+_BOOTSTRAP = ("import sys; sys.path[:] = [p for p in sys.path if p != '']; sys.argv[:] = sys.argv[1:]; "
+              "import runpy; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+
+
+def safe_python(module: str, *, unbuffered: bool = False) -> list[str]:
+    """``python -m MODULE`` without the current directory on ``sys.path``."""
+    return [sys.executable, *(["-u"] if unbuffered else []), "-c", _BOOTSTRAP, module]
+
+
 def torchrun_command(procs: int, ingest_args: Sequence[str]) -> list[str]:
-    """The ``torchrun --standalone --nproc_per_node N -m actstore.cli ingest ...`` command line."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
-            "-m", "actstore.cli", "ingest", *ingest_args]
+    """``torchrun --standalone --nproc_per_node N --no-python python -m actstore.cli ingest ...``, both
+    Pythons started by :func:`safe_python` (torchrun's own ``-m`` would put the cwd on sys.path)."""
+    return [*safe_python("torch.distributed.run"), "--standalone", "--nproc_per_node", str(procs), "--no-python",
+            *safe_python("actstore.cli", unbuffered=True), "ingest", *ingest_args]
 
 
-def launch_ranks(procs: int, ingest_args: Sequence[str], *, stderr: TextIO | None = None) -> tuple[int, str | None]:
+def launch_ranks(procs: int, ingest_args: Sequence[str], *, out: str | None = None, stderr: TextIO | None = None,
+                 log: Callable[[str], None] | None = None) -> tuple[int, str | None]:
     """Run the ingest as ``procs`` ranks under torchrun on this machine and wait for it.
 
+    With ``out``, the store's writer lock is taken first and held until torchrun has exited
+    (its token goes to the ranks in ``ACTSTORE_WRITER_LOCK``; locally the locked file stays
+    open in torchrun too, so the lock outlives a killed launcher while ranks still write).
     Ranks get ``OMP_NUM_THREADS=1`` unless it is set (torchrun's default too, and what makes
     a rank's arithmetic that of a one-thread single-process ingest).  The ranks' output passes
     through (progress on stderr, one summary line per rank on stdout), except their ``error:``
     lines and torchrun's own report of a failed rank.  Returns (exit status, the first error
-    line of a rank, without ``error: ``).
+    line of a rank, without ``error: ``).  An exception here (Ctrl-C, SIGTERM) stops torchrun
+    and its ranks before the lock is let go.
     """
     if procs < 1:
         raise RankError(f"--procs must be at least 1, not {procs}")
     if os.environ.get("WORLD_SIZE") not in (None, "", "1") or "LOCAL_RANK" in os.environ:
         raise RankError("--procs starts the ranks itself: run it without torchrun (or torchrun without --procs)")
     err = stderr or sys.stderr
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS and k != LOCK_ENV}
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen(torchrun_command(procs, ingest_args), env=env, stderr=subprocess.PIPE)
+    if out is None:
+        return _run_torchrun(procs, ingest_args, env, err, ())
+    with writer_lock(out, command=f"actstore ingest --procs {procs}", log=log or (lambda m: None)) as lock:
+        if lock is None:
+            raise RankError(f"this process already writes {out}")
+        env[LOCK_ENV] = lock.token
+        return _run_torchrun(procs, ingest_args, env, err, lock.inheritable_fds())
+
+
+def _run_torchrun(procs: int, ingest_args: Sequence[str], env: dict[str, str], err: TextIO,
+                  fds: tuple[int, ...]) -> tuple[int, str | None]:
+    proc = subprocess.Popen(torchrun_command(procs, ingest_args), env=env, stderr=subprocess.PIPE, pass_fds=fds)
+    try:
+        return _follow(proc, err)
+    except BaseException:
+        proc.terminate()  # torchrun passes SIGTERM on to the ranks
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def _follow(proc: subprocess.Popen[bytes], err: TextIO) -> tuple[int, str | None]:
     assert proc.stderr is not None
     errors: list[str] = []
     quiet = False  # set once torchrun starts reporting a failure: what follows is its traceback

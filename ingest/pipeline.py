@@ -23,13 +23,15 @@ import pyarrow as pa
 import torch
 
 import actstore
+from actstore.fs import locate
+from actstore.lock import holding, writer_lock
 from actstore.manifest import STORAGE_DTYPES, Manifest
 from actstore.tables import EXAMPLES, TARGETS, TOKENS, to_parquet_bytes
 from actstore.writer import StoreWriter
 from ingest.architectures import Architecture, architecture_for
 from ingest.batches import pad_batch
 from ingest.capture import FusedCapture
-from ingest.distributed import rank_zero_first
+from ingest.distributed import RankError, rank_zero_first
 from ingest.records import TokenizedPrompt
 
 ARRAY_NAMES = ("z", "attn", "v", "resid", "mlp")
@@ -145,10 +147,26 @@ def run_ingest(
     *,
     on_segment: Callable[[int], None] | None = None,
 ) -> IngestReport:
-    """Capture ``prompts`` into the store ``cfg.out`` (create, or resume an interrupted ingest)."""
+    """Capture ``prompts`` into the store ``cfg.out`` (create, or resume an interrupted ingest).
+
+    The store's writer lock (:mod:`actstore.lock`) is held throughout: taken here by a single
+    process unless its caller already holds it; ranks (``world_size > 1``) must run under the
+    lock their launcher or rank 0 holds (:func:`ingest.distributed.ranks_writer_lock`).
+    """
     cfg.validate()
     if not prompts:
         raise ValueError("the corpus is empty: no prompts to ingest")
+    url = locate(cfg.out).url
+    if cfg.world_size > 1 and not holding(url):
+        raise RankError(f"rank {cfg.rank} of {cfg.world_size} must run under the writer lock of {url} "
+                        "(ingest.distributed.ranks_writer_lock)")
+    with writer_lock(url):
+        return _run_ingest(model, tokenizer, model_info, prompts, cfg, on_segment)
+
+
+def _run_ingest(model: torch.nn.Module, tokenizer: Any, model_info: dict[str, Any],
+                prompts: Sequence[TokenizedPrompt], cfg: IngestConfig,
+                on_segment: Callable[[int], None] | None) -> IngestReport:
     arch = architecture_for(model)
     manifest = build_manifest(model, arch, model_info, prompts, cfg)
     if cfg.resume:

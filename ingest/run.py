@@ -6,17 +6,20 @@ settings) run before the model is loaded, so bad input fails in a second, not a 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from actstore.errors import StoreExistsError
-from actstore.fs import locate
+from actstore.fs import StoreLocation, locate
+from actstore.lock import LOCK_ENV, StoreLockedError, active_writer
+from actstore.ownership import check_root
 from actstore.writer import creation_interrupted
 from ingest.align import tokenize_records
-from ingest.datasets import load_dataset
-from ingest.distributed import barrier, join_process_group
+from ingest.datasets import DatasetResult, load_dataset
+from ingest.distributed import barrier, join_process_group, ranks_writer_lock
 from ingest.pipeline import IngestConfig, IngestReport, run_ingest
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,9 +65,37 @@ def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing)
         torch.set_num_threads(old)
 
 
-def _ingest_corpus(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
-    from ingest.models import load_model
+def check_sizes(batch_size: int, segment_size: int) -> None:
+    """A segment holds whole batches: ``segment_size`` must be a positive multiple of ``batch_size``
+    (it is used as given, never rounded)."""
+    if batch_size < 1 or segment_size < 1:
+        raise ValueError(f"--batch-size ({batch_size}) and --segment-size ({segment_size}) must be positive")
+    if segment_size % batch_size:
+        near = [m for m in (segment_size - segment_size % batch_size, segment_size - segment_size % batch_size
+                            + batch_size) if m > 0]
+        raise ValueError(f"--segment-size {segment_size} is not a multiple of --batch-size {batch_size} (a segment "
+                         f"holds whole batches): use --segment-size {' or '.join(map(str, near))}, or a "
+                         f"--batch-size that divides {segment_size}")
 
+
+def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestRequest:
+    """Whether ``req`` may write ``loc`` as asked; run before the writer lock (fail fast, touch
+    nothing) and again under it.  A ``--resume`` of a creation killed before its manifest (signed
+    remains, see :mod:`actstore.ownership`) becomes a fresh create."""
+    if req.resume and not loc.exists("manifest.json"):
+        if not creation_interrupted(loc.url):
+            check_root(loc, overwrite=False)  # a foreign .creating or a non-empty directory: say so
+            raise FileNotFoundError(f"--resume: no store at {loc.url} to resume")
+        return replace(req, resume=False)  # killed while creating: nothing was committed, start afresh
+    if not req.resume and (req.rank == 0 or grouped):  # every rank of a group refuses (none waits forever)
+        check_root(loc, overwrite=req.overwrite)
+    return req
+
+
+def _ingest_corpus(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
+    if req.relations is not None and not req.relations:
+        raise ValueError("--relations: no relation ids given (leave the option out to keep every relation)")
+    check_sizes(req.batch_size, req.segment_size)
     options: dict[str, object] = {"relations": req.relations, "limit_per_relation": req.limit_per_relation,
                                   "template": req.template, "keep_object_first": req.keep_object_first}
     data = load_dataset(req.dataset, **options)
@@ -75,18 +106,26 @@ def _ingest_corpus(req: IngestRequest, log: Callable[[str], None]) -> IngestRepo
     loc = locate(req.out)
     loc.probe()  # a wrong S3 endpoint, credentials or bucket fails here, before the model loads
     grouped = join_process_group(req.rank, req.world_size)
-    exists = loc.exists("manifest.json")
-    if grouped:
-        barrier()  # every rank has looked before rank 0 can create the store
-    if exists and not (req.resume or req.overwrite) and (req.rank == 0 or grouped):
-        raise StoreExistsError(f"{loc.url} already holds a store (use --resume to continue it, or --overwrite)")
-    if req.resume and not loc.exists("manifest.json"):
-        if not creation_interrupted(loc.url):
-            raise FileNotFoundError(f"--resume: no store at {loc.url} to resume")
-        req = replace(req, resume=False)  # killed while creating: nothing was committed, start afresh
-    if req.batch_size < 1 or req.segment_size < 1:
-        raise ValueError(f"--batch-size ({req.batch_size}) and --segment-size ({req.segment_size}) must be positive")
-    segment = req.segment_size - req.segment_size % req.batch_size or req.batch_size
+    if not os.environ.get(LOCK_ENV):  # (ranks under a launcher run under its lock: no holder to name)
+        try:
+            _check_out(loc, req, grouped)
+        except StoreExistsError:
+            busy = active_writer(loc)  # a refusal while another ingest writes there names that ingest
+            if busy is not None:
+                raise StoreLockedError(busy) from None
+            raise
+    # One writer per store, for the whole ingest: a second one fails here with one line naming the holder.
+    with ranks_writer_lock(loc, req.rank, req.world_size, grouped, log):
+        req = _check_out(loc, req, grouped)
+        if grouped:
+            barrier()  # every rank has looked before rank 0 can create (or overwrite) the store
+        return _ingest_locked(req, loc, data, log)
+
+
+def _ingest_locked(req: IngestRequest, loc: StoreLocation, data: DatasetResult, log: Callable[[str], None]) -> IngestReport:
+    from ingest.models import load_model
+
+    segment = req.segment_size
     if not req.progress:  # --quiet: no "Loading weights" bar from transformers either
         from transformers.utils import logging as hf_logging
 

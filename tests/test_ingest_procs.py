@@ -10,7 +10,7 @@ from test_crash_resume import assert_same_store
 from test_multiprocess import ARGS, env
 
 import actstore
-from ingest.distributed import torchrun_command
+from ingest.distributed import safe_python, torchrun_command
 
 
 def ingest(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -43,9 +43,10 @@ def test_procs_2_equals_one_process(tmp_path: Path) -> None:
 
 
 def test_procs_command_line_and_bad_values(tmp_path: Path) -> None:
-    cmd = torchrun_command(3, ["--out", "x"])
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3", "-m", "actstore.cli",
-                       "ingest", "--out", "x"]
+    cmd = torchrun_command(3, ["--out", "x"])  # both Pythons without the cwd on sys.path (test_writer_safety)
+    assert cmd == [*safe_python("torch.distributed.run"), "--standalone", "--nproc_per_node", "3", "--no-python",
+                   *safe_python("actstore.cli", unbuffered=True), "ingest", "--out", "x"]
+    assert "-m" not in cmd
     bad = ingest(tmp_path / "s", "--procs", "0")
     assert bad.returncode == 2 and bad.stderr.startswith("error: Invalid value for '--procs'")
     under = subprocess.run([sys.executable, "-m", "actstore.cli", "ingest", *ARGS, "--out", str(tmp_path / "t"),
