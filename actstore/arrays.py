@@ -130,21 +130,24 @@ def is_chunk_key(key: str) -> bool:
 
 class ChunkGuard(WrapperStore[Store]):
     """A read-only view of a zarr store that raises :class:`MissingChunkError` for a missing chunk
-    (when ``strict``) instead of letting zarr return the fill value, and refuses special files of
-    a local store (``local_root``) before zarr opens them."""
+    (when ``strict``) instead of letting zarr return the fill value, and refuses special files and
+    files larger than ``max_bytes`` of a local store (``local_root``) before zarr opens them."""
 
-    def __init__(self, store: Store, *, where: str = "", strict: bool = True, local_root: str | None = None) -> None:
+    def __init__(self, store: Store, *, where: str = "", strict: bool = True, local_root: str | None = None,
+                 max_bytes: int | None = None) -> None:
         super().__init__(store)
         self._where = where
         self._strict = strict
         self._local_root = local_root
+        self._max_bytes = max_bytes
 
     def _with_store(self, store: Store) -> ChunkGuard:
-        return ChunkGuard(store, where=self._where, strict=self._strict, local_root=self._local_root)
+        return ChunkGuard(store, where=self._where, strict=self._strict, local_root=self._local_root,
+                          max_bytes=self._max_bytes)
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         if self._local_root is not None:
-            check_regular_file(os.path.join(self._local_root, key))
+            check_regular_file(os.path.join(self._local_root, key), self._max_bytes)
         buf = await self._store.get(key, prototype, byte_range)
         if buf is None and self._strict and is_chunk_key(key):
             raise MissingChunkError(f"{self._where}/{key}: chunk is missing (lost or deleted; run actstore verify)")

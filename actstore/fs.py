@@ -251,15 +251,18 @@ def _file_kind(mode: int) -> str:
     return "a special file"
 
 
-def check_regular_file(path: str) -> None:
+def check_regular_file(path: str, max_bytes: int | None = None) -> None:
     """Refuse (:class:`CorruptStoreError`) a path that exists and is not a regular file (a named pipe
-    would block the reader that opens it); a missing path passes (the caller handles it)."""
+    would block the reader that opens it) or, with ``max_bytes``, is larger than that; a missing
+    path passes (the caller handles it)."""
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
         return
     if not stat.S_ISREG(st.st_mode):
         raise CorruptStoreError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read it")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise CorruptStoreError(f"{path}: {st.st_size} bytes, more than the {max_bytes} it may have; refusing to read it")
 
 
 _ASYNC_FILESYSTEMS: list[Any] = []

@@ -174,7 +174,7 @@ class Store:
             commit = self.commits[seg]
             strict = commit.objects is not None or self.manifest.integrity >= 1
             try:
-                group = zarr.open_group(store=self._guarded(rel, strict), mode="r")
+                group = zarr.open_group(store=self._guarded(rel, strict, MAX_CHUNK_BYTES + (1 << 20)), mode="r")
                 arr = group[name]
             except CorruptStoreError:
                 raise
@@ -187,11 +187,12 @@ class Store:
             self._arrays[key] = arr
         return self._arrays[key]
 
-    def _guarded(self, rel: str, strict: bool) -> ChunkGuard:
-        """The zarr store at ``rel``, read through :class:`ChunkGuard` (missing chunks and special files refused)."""
+    def _guarded(self, rel: str, strict: bool, max_bytes: int) -> ChunkGuard:
+        """The zarr store at ``rel``, read through :class:`ChunkGuard` (missing chunks, special files and
+        local files over ``max_bytes`` refused)."""
         loc = self.location
         return ChunkGuard(loc.zarr_store(rel, read_only=True), where=f"{self.url}/{rel}", strict=strict,
-                          local_root=loc.path(rel) if loc.is_local else None)
+                          local_root=loc.path(rel) if loc.is_local else None, max_bytes=max_bytes)
 
     def read_segment_rows(self, seg: int, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows (sorted, segment-local) of a per-target array, as float32."""
@@ -218,7 +219,11 @@ class Store:
     @cached_property
     def _weights_group(self) -> zarr.Group:
         try:
-            return zarr.open_group(store=self._guarded("weights", self.manifest.integrity >= 1), mode="r")
+            g = self.geometry
+            largest = 4 * max(g.n_layers * max(g.n_heads, g.n_kv_heads) * g.d_head * g.d_model,
+                              g.n_layers * g.d_mlp * g.d_model, 4 * g.vocab_size * g.d_model)
+            return zarr.open_group(store=self._guarded("weights", self.manifest.integrity >= 1, largest + (1 << 20)),
+                                   mode="r")
         except CorruptStoreError:
             raise
         except Exception as e:
