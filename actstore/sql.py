@@ -46,7 +46,18 @@ DEFAULT_MEMORY_LIMIT = "4GB"
 DEFAULT_TIMEOUT = 600.0  # seconds
 THREADS = 2
 
-_SIZE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def size_bytes(text: str) -> int:
+    """``"512MB"`` -> 512_000_000 (DuckDB's units: KB/MB/GB powers of 1000, KiB/MiB/GiB of 1024)."""
+    m = _SIZE.match(check_memory_limit(text))
+    assert m is not None
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def check_memory_limit(text: str) -> str:
@@ -208,6 +219,91 @@ def predicate(where: str) -> str:
     return "(\n" + where + "\n)"
 
 
+# DuckDB's memory_limit covers its buffer manager (hash tables, sorts, materialised results), not the
+# vectors a scalar function fills: range(1000000000) builds an 8 GB list whatever the limit.  So while a
+# statement runs, the process's data segment (RLIMIT_DATA: heap and private mappings, Linux) may grow by
+# at most GROWTH_FACTOR x the memory limit + GROWTH_SLACK (the result as Arrow, data in flight); an
+# allocation past that fails and DuckDB ends the statement with its out-of-memory error.
+GROWTH_FACTOR = 2
+GROWTH_SLACK = 256 << 20
+
+
+def _data_bytes() -> int | None:
+    """The process's data segment in bytes (VmData), None where /proc does not say."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmData:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class _GrowthCap:
+    """RLIMIT_DATA set to (data segment when the first statement started) + the sum of the running
+    statements' allowances; restored when the last one ends.  A no-op without RLIMIT_DATA or /proc."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self.budget = 0
+        self.saved: tuple[int, int] | None = None
+
+    def _apply(self) -> None:
+        import resource
+
+        assert self.saved is not None
+        soft, hard = self.saved
+        cap = self.budget
+        for other in (soft, hard):  # never looser than a limit the user set
+            if other != resource.RLIM_INFINITY:
+                cap = min(cap, other)
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+
+    def _enter(self, extra: int) -> bool:
+        try:
+            import resource
+        except ImportError:
+            return False
+        with self.lock:
+            if self.active == 0:
+                now = _data_bytes()
+                if now is None:
+                    return False
+                self.saved = resource.getrlimit(resource.RLIMIT_DATA)
+                self.budget = now
+            self.budget += extra
+            self.active += 1
+            self._apply()
+        return True
+
+    def _exit(self, extra: int) -> None:
+        import resource
+
+        with self.lock:
+            self.active -= 1
+            self.budget -= extra
+            if self.active == 0:
+                assert self.saved is not None
+                resource.setrlimit(resource.RLIMIT_DATA, self.saved)
+                self.saved = None
+            else:
+                self._apply()
+
+    @contextmanager
+    def __call__(self, extra: int) -> Iterator[None]:
+        entered = self._enter(extra)
+        try:
+            yield
+        finally:
+            if entered:
+                self._exit(extra)
+
+
+_process_growth_cap = _GrowthCap()
+
+
 def run_sql(store: Store, query: str, con: duckdb.DuckDBPyConnection | None = None, *,
             memory_limit: str | None = None, timeout: float | None = None) -> pa.Table:
     """Execute one read-only SELECT eagerly, within the limits, and return its result as Arrow.
@@ -235,13 +331,14 @@ def run_sql(store: Store, query: str, con: duckdb.DuckDBPyConnection | None = No
         timer.daemon = True
         timer.start()
     try:
-        return con.sql(stmt).to_arrow_table()
+        with _process_growth_cap(GROWTH_FACTOR * size_bytes(lim.memory_limit) + GROWTH_SLACK):
+            return con.sql(stmt).to_arrow_table()
     except duckdb.InterruptException:
         if fired.is_set():
             raise QueryError(f"SQL error: the query ran longer than the time limit of {lim.timeout:g} s and was "
                              "stopped (raise it with --sql-timeout or timeout=)") from None
         raise QueryError("SQL error: the query was interrupted") from None
-    except duckdb.OutOfMemoryException:
+    except (duckdb.OutOfMemoryException, MemoryError):
         raise QueryError(f"SQL error: the query needs more memory than the limit of {lim.memory_limit} "
                          "(raise it with --sql-memory or memory_limit=)") from None
     except duckdb.PermissionException as e:
