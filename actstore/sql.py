@@ -14,7 +14,9 @@ Three layers, each enough on its own to stop a statement from writing:
    directory (nothing spills, nothing is written), no extension loading, no Python replacement
    scans (a query cannot read the caller's variables), and a locked configuration.
 3. **Limits.**  A memory limit (DuckDB's ``memory_limit``; with no temporary directory a query
-   that needs more fails) and a time limit (a timer thread interrupts the statement).  Defaults:
+   that needs more fails; and, as DuckDB does not count what scalar functions build, the process
+   may grow by at most about twice the limit while the statement runs, see :data:`GROWTH_FACTOR`)
+   and a time limit (a timer thread interrupts the statement).  Defaults:
    :data:`DEFAULT_MEMORY_LIMIT` and :data:`DEFAULT_TIMEOUT`; per call (``Store.sql(...,
    memory_limit=, timeout=)``), per block of code (``with actstore.sql.limits(...)``), or per
    command (``--sql-memory``, ``--sql-timeout``).
