@@ -91,7 +91,7 @@ def current_limits(memory_limit: str | None = None, timeout: float | None = None
     if memory_limit is not None:
         lim = replace(lim, memory_limit=memory_limit)
     if timeout is not None:
-        lim = replace(lim, timeout=timeout if timeout > 0 else None)
+        lim = replace(lim, timeout=None if timeout == 0 else timeout)  # a negative one is refused
     return lim
 
 

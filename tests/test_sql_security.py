@@ -236,6 +236,9 @@ def test_library_limits_per_call_and_per_block(work: Work) -> None:
             store.select(HUGE_IN)
     with pytest.raises(QueryError, match="not a size"):
         store.sql("SELECT 1", memory_limit="a lot")
+    with pytest.raises(QueryError, match="positive number of seconds"):
+        store.sql("SELECT 1", timeout=-1)
+    assert store.sql("SELECT 7 AS x", timeout=0).to_pylist() == [{"x": 7}]  # 0: no time limit
     # the block's limits end with the block; a stopped query leaves nothing behind
     n = store.sql("SELECT count(*) AS n FROM examples").to_pylist()[0]["n"]
     assert n == store.manifest.n_examples
