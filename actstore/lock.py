@@ -444,29 +444,34 @@ def read_holder(url: str | os.PathLike[str] | StoreLocation) -> Holder | None:
 
 # --------------------------------------------------------------------------------------- holding it
 
-# Locks this process holds or runs under, by store URL: nested users (ingest_corpus, then
-# run_ingest) share one, and the outermost releases it.
-_HELD: dict[str, int] = {}
-_HELD_GUARD = threading.Lock()
+# Locks this thread holds or runs under, by store URL: nested users (ingest_corpus, then
+# run_ingest) share one, and the outermost releases it.  Per thread: two threads of one process
+# ingesting one store are two writers, and the second is refused like another process.
+_HELD = threading.local()
+
+
+def _held() -> dict[str, int]:
+    if not hasattr(_HELD, "urls"):
+        _HELD.urls = {}
+    urls: dict[str, int] = _HELD.urls
+    return urls
 
 
 def holding(url: str) -> bool:
-    """Whether this process holds (or runs under) the writer lock of ``url``."""
-    with _HELD_GUARD:
-        return _HELD.get(url, 0) > 0
+    """Whether this thread holds (or runs under) the writer lock of ``url``."""
+    return _held().get(url, 0) > 0
 
 
 @contextlib.contextmanager
 def _registered(url: str) -> Iterator[None]:
-    with _HELD_GUARD:
-        _HELD[url] = _HELD.get(url, 0) + 1
+    held = _held()
+    held[url] = held.get(url, 0) + 1
     try:
         yield
     finally:
-        with _HELD_GUARD:
-            _HELD[url] -= 1
-            if not _HELD[url]:
-                del _HELD[url]
+        held[url] -= 1
+        if not held[url]:
+            del held[url]
 
 
 class _Terminated(SystemExit):
@@ -508,7 +513,7 @@ def _signals_deferred() -> Iterator[None]:
 @contextlib.contextmanager
 def writer_lock(url: str | os.PathLike[str] | StoreLocation, *, command: str = "actstore ingest",
                 log: Callable[[str], None] = _log_nothing) -> Iterator[WriterLock | None]:
-    """Hold the writer lock of a store for the ``with`` block (re-entrant within a process).
+    """Hold the writer lock of a store for the ``with`` block (re-entrant within a thread).
 
     Yields the lock this call took, or None when this process already holds the lock (or runs
     under a launcher's, see :func:`under_launcher`).  Raises :class:`StoreLockedError`, with one
@@ -521,14 +526,14 @@ def writer_lock(url: str | os.PathLike[str] | StoreLocation, *, command: str = "
         return
     lock = WriterLock(loc, command, log)
     with _sigterm_unwinds():
-        with _signals_deferred():  # a signal now would leave a record with no holder to remove it
-            lock.acquire()
         try:
+            with _signals_deferred():  # (a signal inside would leave a record with no holder to remove it;
+                lock.acquire()         # one that arrived meanwhile is raised on leaving, and released below)
             with _registered(loc.url):
                 yield lock
         finally:
             with _signals_deferred():
-                lock.release()
+                lock.release()  # nothing when it was not taken
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ import pytest
 from click.testing import CliRunner
 
 from actstore.cli import main
+from actstore.fs import locate
 from actstore.lock import LOCK_NAME, Holder, StoreLockedError, WriterLock
 from actstore.manifest import seal
 from actstore.ownership import CREATING, creating_marker
@@ -404,6 +405,41 @@ def test_a_failed_ingest_leaves_no_lock_and_no_directory(tmp_path: Path) -> None
     assert not (tmp_path / "deep").exists()
 
 
+def test_lock_api_is_exclusive_reentrant_and_per_thread(tmp_path: Path) -> None:
+    import threading
+
+    from actstore.lock import active_writer, writer_lock
+
+    out = tmp_path / "s"
+    assert active_writer(out) is None
+    with writer_lock(out, command="test") as lock:
+        assert lock is not None and lock.holds()
+        record = lock_record(out)
+        assert record is not None and record["pid"] == os.getpid() and record["token"] == lock.token
+        with writer_lock(out) as inner:  # nested in the same thread: the same lock, not a second one
+            assert inner is None
+        busy = active_writer(out)
+        assert busy is not None and f"pid {os.getpid()} on host {socket.gethostname()}" in busy
+        with pytest.raises(StoreLockedError):  # a second lock object in this process
+            WriterLock(locate(out), "x", lambda m: None).acquire()
+        errors: list[BaseException] = []
+
+        def other_thread() -> None:
+            try:
+                with writer_lock(out):
+                    pass
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert len(errors) == 1 and isinstance(errors[0], StoreLockedError), errors
+        assert (out / LOCK_NAME).exists()
+    assert not out.exists()  # the lock created the folder, and removed it with nothing else in it
+    assert active_writer(out) is None
+
+
 # --------------------------------------------------------------------------- item 5: --procs runs no code from the cwd
 
 HOSTILE = """import os, pathlib
@@ -476,8 +512,6 @@ def s3_objects(info: dict[str, str]) -> dict[str, str]:
 
 
 def test_s3_one_writer_and_overwrite_rules(s3: dict[str, str]) -> None:
-    from actstore.fs import locate
-
     url = f"s3://{s3['bucket']}/stores/locked"
     code, err = invoke(["ingest", *SMALL, "--out", url])
     assert code == 0, err
