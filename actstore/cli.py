@@ -210,7 +210,8 @@ def main() -> None:
               show_default=True, help="Storage dtype of the captured arrays.")
 @click.option("--model-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--segment-size", type=int, default=256, show_default=True, help="Examples per commit.")
+@click.option("--segment-size", type=int, default=256, show_default=True,
+              help="Examples per commit, a multiple of --batch-size.")
 @click.option("--padding-side", type=click.Choice(["left", "right"]), default="right", show_default=True)
 @click.option("--out", required=True, help="Store directory or URL.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted ingest from its last commit.")
