@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from actstore.cli import friendly, where_option
-from query.maps import DEFAULT_K, IMPLEMENTS_THRESHOLD
+from query.maps import IMPLEMENTS_THRESHOLD, MIN_PAIRS
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -38,7 +38,12 @@ def _pct(x: float | None) -> str:
               help="Read stored static scores (an `actstore maps` run with the same settings) from this store of "
               "the same model instead of STORE's.")
 @click.option("--no-stored-scores", is_flag=True, help="Always compute the static scores from the weights.")
-@click.option("--k", type=int, default=DEFAULT_K, show_default=True)
+@click.option("--k", type=int, default=None,
+              help="Top-k for every relation (default: the authors' k per relation, 1 for copying relations, 10 otherwise).")
+@click.option("--min-pairs", type=int, default=MIN_PAIRS, show_default=True,
+              help="Relations with fewer usable pairs take no part (the authors' minimum).")
+@click.option("--multi-token", type=click.Choice(["skip", "first"]), default="skip", show_default=True,
+              help="Pair files: single-token pairs only (the authors' filter), or a word's first token (ours).")
 @click.option("--threshold", type=float, default=IMPLEMENTS_THRESHOLD, show_default=True)
 @click.option("--top-m", type=int, default=None, help="Remove the m best non-zero heads instead of those >= threshold.")
 @click.option("--heads", "heads_text", default=None, help="Remove these heads instead (LAYER.HEAD list).")
@@ -52,7 +57,8 @@ def _pct(x: float | None) -> str:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--model-dtype", type=click.Choice(MODEL_DTYPES), default="float32", show_default=True)
 @click.option("--no-final-norm", is_flag=True, help="Static scores through the raw unembedding.")
-@click.option("--first-mlp", is_flag=True, help="Static scores through the first MLP's output (the paper's code).")
+@click.option("--first-mlp/--no-first-mlp", "first_mlp", default=None,
+              help="Static scores through the first MLP's output (the paper's code; default on, except Llama-3.1-70B).")
 @click.option("--allow-other-model", is_flag=True, help="Run even if the model's weights differ from the store's.")
 @click.option("--no-write", is_flag=True, help="Do not write the result table into the store.")
 @click.option("--quiet", is_flag=True)
@@ -60,9 +66,9 @@ def _pct(x: float | None) -> str:
 @friendly
 def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str, ...], no_controls: bool,
            max_controls: int, max_head_overlap: float, max_accuracy_gap: float, pair_paths: tuple[str, ...],
-           scores_store: str | None, no_stored_scores: bool, k: int, threshold: float, top_m: int | None, heads_text: str | None,
+           scores_store: str | None, no_stored_scores: bool, k: int | None, min_pairs: int, multi_token: str, threshold: float, top_m: int | None, heads_text: str | None,
            random_draws: int, seed: int, mode: str, all_positions: bool, where: str | None, batch_size: int,
-           device: str, model_dtype: str, no_final_norm: bool, first_mlp: bool, allow_other_model: bool,
+           device: str, model_dtype: str, no_final_norm: bool, first_mlp: bool | None, allow_other_model: bool,
            no_write: bool, quiet: bool, as_json: bool) -> None:
     """Accuracy on RELATION's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations."""
@@ -74,13 +80,13 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
     from ingest.maps_ablation import AblationConfig, relation_prompts, run_ablation
     from ingest.models import load_model
     from query.cli_maps import new_run_id, with_run_id, write_run
-    from query.maps import MapsError, load_pair_files, parse_heads, tokenize_pairs
+    from query.maps import load_pair_files, parse_heads, tokenize_pairs
 
     def log(m: str) -> None:
         if not quiet:
             click.echo(m, err=True)
 
-    if k < 1 or not 0 <= threshold <= 1 or (top_m is not None and top_m < 1) or batch_size < 1:
+    if (k is not None and k < 1) or min_pairs < 0 or not 0 <= threshold <= 1 or (top_m is not None and top_m < 1) or batch_size < 1:
         raise click.BadParameter("--k, --top-m and --batch-size must be positive and --threshold in [0, 1]")
     if max_controls < 0 or not 0 <= max_head_overlap <= 1 or max_accuracy_gap < 0:
         raise click.BadParameter("--max-controls and --max-accuracy-gap must not be negative, --max-head-overlap in [0, 1]")
@@ -108,18 +114,15 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
     if want and want != loaded.weight_hash and not allow_other_model:
         raise ValueError(f"model {model_name!r} has other weights than the store's ({s.manifest.model.get('name')}); "
                          "use the store's model or --allow-other-model")
-    pairs = {}
-    for rp in rels:
-        try:
-            pairs[rp.relation] = tokenize_pairs(rp, loaded.tokenizer, vocab_size=g.vocab_size)
-        except MapsError:
-            if rp.relation == relation:
-                raise  # a candidate control without usable pairs is scored on its prompts instead
+    # single-token pairs (the authors' filter); a relation below --min-pairs is excluded by run_ablation
+    pairs = {rp.relation: tokenize_pairs(rp, loaded.tokenizer, vocab_size=g.vocab_size, allow_empty=True,
+                                         multi_token=multi_token) for rp in rels}  # type: ignore[arg-type]
     cfg = AblationConfig(
         relation=relation, controls=() if no_controls else (tuple(controls) if controls else None), k=k,
         threshold=threshold, top_m=top_m, heads=tuple(heads) if heads else None, random_draws=random_draws,
         seed=seed, mode=mode, all_positions=all_positions, where=where, batch_size=batch_size,
-        final_norm=not no_final_norm, first_mlp=first_mlp, max_controls=max_controls,
+        final_norm=not no_final_norm, first_mlp=first_mlp, min_pairs=min_pairs, multi_token=multi_token,
+        max_controls=max_controls,
         max_head_overlap=max_head_overlap, max_accuracy_gap=max_accuracy_gap, reuse_stored=not no_stored_scores)
     runner = InterventionRunner(loaded.model)
     res = run_ablation(runner, s, cfg, pairs=pairs, scores_store=other, log=log)
@@ -128,6 +131,7 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
     if not no_write:
         written.append(write_result_table(s, "maps_ablation", run_id, with_run_id(res.table(), run_id)))
         config: dict[str, Any] = {k_: v for k_, v in cfg.__dict__.items()}
+        config.update(first_mlp=res.summary["first_mlp"], k_per_relation={relation: res.summary["k"]})
         write_run(s, run_id, "ablate", started, {**config, "model": model_name, "pairs": list(pair_paths),
                                                   "scores_store": scores_store, "static_scores": res.summary["static_scores"],
                                                   "control_choice": res.summary["control_choice"]})
@@ -136,8 +140,8 @@ def ablate(model_name: str, store_path: str, relation: str, controls: tuple[str,
                                "tables": written}))
         return
     m = res.summary
-    click.echo(f"{relation}: {m['n_prompts']} prompts, {m['n_heads']} heads removed ({m['head_selection']}, k={k}"
-               f"{', first MLP' if first_mlp else ''}, "
+    click.echo(f"{relation}: {m['n_prompts']} prompts, {m['n_heads']} heads removed ({m['head_selection']}, k={m['k']}"
+               f"{', first MLP' if m['first_mlp'] else ''}, "
                f"{mode} ablation at {m['positions']} position(s)); run {run_id}")
     click.echo(f"  heads: {m['heads'] or '(none)'}")
     click.echo(f"  base accuracy            {m['base']:.3f}   (ingest recorded {m['store_base']:.3f})")

@@ -18,8 +18,13 @@ For relation R, on its prompts in the store (greedy first token == first token o
 Removal is zero ablation (z_h = 0) or mean ablation (z_h = its mean over the store's rows),
 at the last prompt position (the paper) or at every position.  The static scores are those of
 :mod:`query.maps` on the relation's pairs: given pair files, or else the store's own prompts
-(subject's first token -> object's first token).  They are read from a stored ``actstore maps``
-run when one matches (same k, final-norm and first-MLP settings, first-token policy, and the same
+(subject's first token -> object's first token).  As in the authors' code, by default each
+relation is scored at its own k (:func:`query.maps.paper_k`: 1 for copying relations, 10 otherwise)
+and through the first MLP (:func:`query.maps.paper_first_mlp`), and a relation whose pairs
+(single-token pairs of its pair file, or the distinct pairs of its stored prompts) number fewer
+than ``min_pairs`` (30, the authors' ``min_filtered_dataset_size``) takes no part: as R it is an
+error, as a control candidate it is skipped with that reason.  They are read from a stored ``actstore maps``
+run when one matches (same k, final-norm and first-MLP settings, multi-token policy, and the same
 pair counts as the pair file gives here: :func:`query.maps.stored_static_scores`), which makes
 the automatic control choice cheap; otherwise they are computed from the store's weights, all
 missing relations in one pass over the heads.  The summary says which, per relation.
@@ -28,7 +33,7 @@ missing relations in one pass over the heads.  The summary says which, per relat
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -39,13 +44,15 @@ from actstore.store import Store
 from ingest.first_mlp import first_mlp_transform
 from ingest.interventions import InterventionRunner, RunItem, head_ablation, stored_head_means
 from query.maps import (
-    DEFAULT_K,
     IMPLEMENTS_THRESHOLD,
+    MIN_PAIRS,
     MapsError,
     TokenPairs,
     VocabProjection,
     check_head,
     implementing_heads,
+    paper_first_mlp,
+    paper_k,
     static_scores,
     store_pairs,
     stored_static_scores,
@@ -61,7 +68,7 @@ class AblationError(ActstoreError, ValueError):
 class AblationConfig:
     relation: str
     controls: tuple[str, ...] | None = None  # None: choose as the paper does
-    k: int = DEFAULT_K
+    k: int | None = None  # None: the authors' k per relation (query.maps.paper_k)
     threshold: float = IMPLEMENTS_THRESHOLD
     top_m: int | None = None  # None: the heads with score >= threshold
     heads: tuple[tuple[int, int], ...] | None = None  # explicit heads instead of MAPS's
@@ -72,7 +79,9 @@ class AblationConfig:
     where: str | None = None
     batch_size: int = 32
     final_norm: bool = True
-    first_mlp: bool = False  # static scores through the first MLP (the paper's code)
+    first_mlp: bool | None = None  # static scores through the first MLP; None: as the authors (paper_first_mlp)
+    min_pairs: int = MIN_PAIRS  # relations with fewer usable pairs take no part (the authors' minimum)
+    multi_token: str = "skip"  # the policy the given pair files were tokenized with (to match stored runs)
     max_controls: int = 3
     max_head_overlap: float = 0.15
     max_accuracy_gap: float = 0.2
@@ -155,6 +164,11 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     """
     if cfg.mode not in ("zero", "mean"):
         raise AblationError(f"--mode must be zero or mean, not {cfg.mode!r}")
+    if cfg.min_pairs < 0:
+        raise AblationError("--min-pairs must not be negative")
+    model_name = str(store.manifest.model.get("name") or "")
+    if cfg.first_mlp is None:
+        cfg = replace(cfg, first_mlp=paper_first_mlp(model_name))
     if cfg.random_draws < 0:
         raise AblationError("--random-draws must be >= 0")
     if cfg.max_controls < 0 or not 0 <= cfg.max_head_overlap <= 1 or cfg.max_accuracy_gap < 0:
@@ -231,7 +245,8 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
         "relation": cfg.relation, "n_prompts": len(p.targets), "n_heads": len(heads), "heads": _fmt(heads),
         "head_selection": "explicit" if cfg.heads is not None else (f"top {cfg.top_m}" if cfg.top_m is not None else
                                                                      f"score >= {cfg.threshold}"),
-        "k": cfg.k, "mode": cfg.mode, "positions": pos_name, "first_mlp": cfg.first_mlp,
+        "k": scorer.k(cfg.relation), "k_policy": "given" if cfg.k is not None else "paper", "mode": cfg.mode,
+        "positions": pos_name, "first_mlp": cfg.first_mlp,
         "base": base, "store_base": _store_base(p),
         "ablated": ablated, "drop_pct": _drop(base, ablated),
         "random_mean": float(np.mean(random_accs)) if random_accs else None,
@@ -255,7 +270,7 @@ def _store_base(p: Prompts) -> float:
 
 
 class _Scorer:
-    """Static scores per relation at ``cfg.k``: from a stored ``maps`` run with the same settings and pair
+    """Static scores per relation at its k: from a stored ``maps`` run with the same settings and pair
     counts, or computed from the store's weights; ``source`` says which, per relation."""
 
     def __init__(self, runner: InterventionRunner, store: Store, cfg: AblationConfig, pairs: dict[str, TokenPairs],
@@ -266,7 +281,11 @@ class _Scorer:
         self.source: dict[str, str] = {}
         self.errors: dict[str, str] = {}
         self.from_files = set(pairs)
+        self.model_name = str(store.manifest.model.get("name") or "")
         self._proj: VocabProjection | None = None
+
+    def k(self, rel: str) -> int:
+        return int(self.cfg.k) if self.cfg.k is not None else paper_k(rel, self.model_name)
 
     def proj(self) -> VocabProjection:
         if self._proj is None:
@@ -279,16 +298,11 @@ class _Scorer:
         if not todo:
             return
         cfg = self.cfg
-        stored = stored_static_scores(self.scores_store, todo, k=cfg.k, final_norm=cfg.final_norm,
-                                      first_mlp=cfg.first_mlp) if cfg.reuse_stored else {}
+        stored = stored_static_scores(self.scores_store, todo, k={r: self.k(r) for r in todo}, final_norm=cfg.final_norm,
+                                      first_mlp=bool(cfg.first_mlp), multi_token=cfg.multi_token) if cfg.reuse_stored else {}
         compute: list[TokenPairs] = []
         for rel in todo:
             tp = self.pairs.get(rel)
-            st = stored.get(rel)
-            if tp is not None and st is not None and st.same_pairs(tp):
-                self.scores[rel] = st.score
-                self.source[rel] = f"stored run {st.run_id}"
-                continue
             if tp is None:
                 try:
                     tp = self.pairs[rel] = pairs_from_store(self.store, rel, cfg.where)
@@ -297,10 +311,24 @@ class _Scorer:
                         raise
                     self.errors[rel] = str(e)
                     continue
+            if tp.n_used < max(cfg.min_pairs, 1):
+                where = "in its pair file" if rel in self.from_files else "among its stored prompts"
+                msg = (f"relation {rel!r} has {tp.n_used} usable pairs {where} ({tp.n_pairs} in all), fewer than "
+                       f"{cfg.min_pairs}: excluded, as in the authors' code (--min-pairs to change)")
+                if rel == cfg.relation:
+                    raise AblationError(msg)
+                self.errors[rel] = msg
+                continue
+            st = stored.get(rel)
+            if rel in self.from_files and st is not None and st.same_pairs(tp):
+                self.scores[rel] = st.score
+                self.source[rel] = f"stored run {st.run_id}"
+                continue
             compute.append(tp)
         if compute:
-            for rel, sc in static_scores(self.proj(), compute, k_max=cfg.k).items():
-                self.scores[rel] = sc.score(cfg.k)
+            ks = {tp.relation: self.k(tp.relation) for tp in compute}
+            for rel, sc in static_scores(self.proj(), compute, k_max=max(ks.values())).items():
+                self.scores[rel] = sc.score(ks[rel])
                 src = "computed from its pair file" if rel in self.from_files else "computed from the store's prompts"
                 st = stored.get(rel)
                 if st is not None:

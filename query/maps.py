@@ -21,16 +21,24 @@ Scores, per relation R with token pairs (s, t):
 * head h *implements* R when phi_R(h) >= 0.15 (:data:`IMPLEMENTS_THRESHOLD`), and
   *suppresses* R when its suppression score is.
 
-``k`` defaults to :data:`DEFAULT_K` = 10, the paper's k for every model but Llama-3 (which
-used 25) and every relation but the copying ones (which used 1); pass ``k`` to change it.
+``k`` and the pairs follow the authors' released code by default (github.com/amitelhelo/MAPS,
+``src/utils.py`` ``get_k`` and ``src/maps.py`` ``preprocess_dataset`` / ``is_valid_dataset_for_model``):
+
+* ``k`` per relation (:func:`paper_k`): 1 for the copying relations (name containing "copying"),
+  10 for every other; for Llama-3 models 3 and 25.  A given ``k`` applies to every relation instead.
+* only pairs whose source and target are each one token (with the leading space) are scored
+  (``multi_token="skip"``); ``multi_token="first"`` (ours, a named variant) lets a multi-token word
+  stand as its first token, and the number of such pairs is reported.
+* a relation with fewer than :data:`MIN_PAIRS` = 30 usable pairs (the authors'
+  ``min_filtered_dataset_size``) is excluded: :func:`split_by_min_pairs` reports it with its counts,
+  and it enters no score table, summary or figure.
+
 Ties are broken in the target's favour (strictly greater entries are counted), which
 ``torch.topk`` leaves unspecified.
 
 Words to tokens (:func:`tokenize_pairs`): each word gets a leading space (the paper's
-``add_leading_space``) and, when it is several tokens, its *first* token stands for it; the
-number of such pairs is reported (``multi_token="skip"`` drops them instead, the paper's
-filter).  Pairs whose source or target has no token, or only the tokenizer's unknown token,
-are dropped and counted; a relation left with no pair is an error.
+``add_leading_space``).  Pairs whose source or target has no token, or only the tokenizer's
+unknown token, are dropped and counted.
 
 Choices where the paper leaves room (documented, and parameters where it matters):
 
@@ -41,12 +49,13 @@ Choices where the paper leaves room (documented, and parameters where it matters
   logits (the norm's 1/rms is one positive number per position and cannot change a rank).
   The paper's code (TransformerLens without weight processing) uses the raw W_U;
   ``final_norm=False`` reproduces that.  Dynamic scores use the same U'.
-* First MLP: the paper's code (``apply_first_mlp``, on for every model but Llama-3.1-70B)
-  replaces the source embeddings by the first MLP's output on them, MLP0(norm(e_s)), for
-  layers >= 1.  The store does not hold that MLP's input weights, so this needs the model:
-  pass ``first_mlp`` (:func:`ingest.first_mlp.first_mlp_transform`; ``--first-mlp`` on the
-  command line).  Off by default, so that static scores need only the store.  On SmolLM2 it
-  matters a great deal: it lifts the static-dynamic correlation from 0.0-0.6 to 0.7-1.0.
+* First MLP: the paper's code (``apply_first_mlp``, on for every model but Llama-3.1-70B:
+  :func:`paper_first_mlp`) replaces the source embeddings by the first MLP's output on them,
+  MLP0(norm(e_s)), for layers >= 1.  The store does not hold that MLP's input weights, so this
+  needs the model: pass ``first_mlp`` (:func:`ingest.first_mlp.first_mlp_transform`).  The
+  command line turns it on by default as the authors do (``--no-first-mlp``: from the store's
+  weights alone).  On SmolLM2 it matters a great deal: it lifts the static-dynamic correlation
+  from 0.0-0.6 to 0.7-1.0.
 * Not applied, because the store does not hold them: the attention block's input norm
   weight (before W_V) and Gemma's post-attention norm.  Biases b_V, b_O are left out, as in
   the paper.
@@ -59,7 +68,8 @@ per head), the top tokens by sigma and, for each, its top mapped tokens in m_t.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -74,7 +84,9 @@ from actstore.store import Store
 
 SourceTransform = Callable[[torch.Tensor], torch.Tensor]
 
-DEFAULT_K = 10
+DEFAULT_K = 10  # the paper's k for every relation but the copying ones, on every model but Llama-3
+COPYING_K = 1  # the paper's k for the copying relations
+MIN_PAIRS = 30  # the authors' min_filtered_dataset_size: fewer usable pairs and a relation is excluded
 IMPLEMENTS_THRESHOLD = 0.15
 ROW_CHUNK = 256  # source rows per [rows, |V|] block
 
@@ -157,15 +169,25 @@ class TokenPairs:
         return int(self.src.size)
 
 
+MultiToken = Literal["skip", "first"]
+
+
 def tokenize_pairs(
     rel: RelationPairs,
     tokenizer: Any,
     *,
     vocab_size: int | None = None,
     leading_space: bool = True,
-    multi_token: Literal["first", "skip"] = "first",
+    multi_token: MultiToken = "skip",
+    allow_empty: bool = False,
 ) -> TokenPairs:
-    """Token ids of a relation's words (see the module docstring for the policy)."""
+    """Token ids of a relation's words (see the module docstring for the policy).
+
+    ``multi_token="skip"`` (default, the authors' filter) keeps only pairs whose source and target
+    are one token each; ``"first"`` keeps every pair, a multi-token word standing as its first
+    token.  A relation left with no pair is an error unless ``allow_empty`` (then it comes back
+    with ``n_used == 0``, to be reported as excluded).
+    """
     if multi_token not in ("first", "skip"):
         raise MapsError(f"multi_token must be 'first' or 'skip', not {multi_token!r}")
     words = [w for pair in rel.pairs for w in pair]
@@ -189,12 +211,75 @@ def tokenize_pairs(
             multi += 1
         src.append(int(a[0]))
         dst.append(int(b[0]))
-    if not src:
+    if not src and not allow_empty:
         why = "has a source and a target the tokenizer knows" if unknown == len(rel.pairs) else (
             "is left after dropping multi-token words")
         raise MapsError(f"relation {rel.relation}: none of its {len(rel.pairs)} pairs {why}")
     return TokenPairs(rel.relation, np.asarray(src, np.int64), np.asarray(dst, np.int64), len(rel.pairs),
                       multi, unknown, skipped)
+
+
+def single_token_pairs(pairs: Sequence[tuple[str, str]], tokenizer: Any, *, vocab_size: int | None = None,
+                       leading_space: bool = True) -> np.ndarray:
+    """[n] bool: whether source and target are each one known token (the rule of
+    ``tokenize_pairs(..., multi_token="skip")``, pair by pair)."""
+    if not pairs:
+        return np.zeros(0, bool)
+    prefix = " " if leading_space else ""
+    words = [w for pair in pairs for w in pair]
+    enc = tokenizer([prefix + w.strip() if w.strip() else "" for w in words], add_special_tokens=False)["input_ids"]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    out = np.zeros(len(pairs), bool)
+    for i in range(len(pairs)):
+        a, b = list(enc[2 * i]), list(enc[2 * i + 1])
+        out[i] = (len(a) == 1 and len(b) == 1 and unk not in (a[0], b[0])
+                  and (vocab_size is None or max(a[0], b[0]) < vocab_size))
+    return out
+
+
+def paper_k(relation: str, model_name: str = "") -> int:
+    """The authors' k for ``relation`` (``get_k`` in their ``src/utils.py``): 1 for a copying relation
+    (its name contains "copying") and 10 otherwise; for Llama-3 models 3 and 25."""
+    copying = "copying" in relation
+    if re.search(r"llama-?3", model_name, re.IGNORECASE):
+        return 3 if copying else 25
+    return COPYING_K if copying else DEFAULT_K
+
+
+def paper_first_mlp(model_name: str = "") -> bool:
+    """Whether the authors read sources through the first MLP for this model (every model but
+    Llama-3.1-70B: ``apply_first_mlp`` in their ``src/experiment1_correlative.py``)."""
+    return re.search(r"llama-?3\.1-70b", model_name, re.IGNORECASE) is None
+
+
+def relation_ks(relations: Iterable[str], k: int | None, model_name: str = "") -> dict[str, int]:
+    """k per relation: the given ``k`` for all, or (``None``) the authors' :func:`paper_k`."""
+    return {r: (int(k) if k is not None else paper_k(r, model_name)) for r in relations}
+
+
+def k_of(k: int | Mapping[str, int], relation: str) -> int:
+    return int(k) if isinstance(k, int) else int(k[relation])
+
+
+def split_by_min_pairs(pairs: Sequence[TokenPairs], min_pairs: int = MIN_PAIRS
+                       ) -> tuple[list[TokenPairs], list[dict[str, Any]]]:
+    """(relations with at least ``min_pairs`` usable pairs, the others as report rows).
+
+    An excluded relation enters no score, summary or figure; its row says why (pairs in the file,
+    usable, multi-token dropped or kept, unknown)."""
+    if min_pairs < 0:
+        raise MapsError(f"the minimum number of pairs must not be negative, not {min_pairs}")
+    kept = [p for p in pairs if p.n_used >= max(min_pairs, 1)]
+    excluded = [{"relation": p.relation, "n_pairs": p.n_pairs, "n_used": p.n_used,
+                 "n_skipped_multi_token": p.n_skipped_multi_token, "n_multi_token": p.n_multi_token,
+                 "n_unknown": p.n_unknown, "min_pairs": int(min_pairs)}
+                for p in pairs if p.n_used < max(min_pairs, 1)]
+    return kept, excluded
+
+
+def excluded_line(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``year_to_following 0/700, english_to_spanish 6/82`` (usable / pairs in the file)."""
+    return ", ".join(f"{r['relation']} {r['n_used']}/{r['n_pairs']}" for r in rows)
 
 
 # ----------------------------------------------------------------------------------- projection
@@ -500,13 +585,15 @@ def salient_operations(proj: VocabProjection, heads: Iterable[tuple[int, int]] |
 # ----------------------------------------------------------------------------------- tables
 
 
-def scores_table(scores: dict[str, StaticScores], k: int, threshold: float, kv_group: int) -> pa.Table:
-    """One row per (relation, layer, head)."""
+def scores_table(scores: dict[str, StaticScores], k: int | Mapping[str, int], threshold: float,
+                 kv_group: int) -> pa.Table:
+    """One row per (relation, layer, head); ``k`` for all relations or per relation."""
     cols: dict[str, list[Any]] = {c: [] for c in (
         "relation", "layer", "head", "kv_head", "score", "suppression", "implements", "suppresses", "k",
         "n_pairs", "n_used", "n_multi_token")}
     for name, s in scores.items():
-        phi, sup = s.score(k), s.suppression(k)
+        kr = k_of(k, name)
+        phi, sup = s.score(kr), s.suppression(kr)
         L, H = phi.shape
         for layer in range(L):
             for h in range(H):
@@ -518,7 +605,7 @@ def scores_table(scores: dict[str, StaticScores], k: int, threshold: float, kv_g
                 cols["suppression"].append(float(sup[layer, h]))
                 cols["implements"].append(bool(phi[layer, h] >= threshold))
                 cols["suppresses"].append(bool(sup[layer, h] >= threshold))
-                cols["k"].append(k)
+                cols["k"].append(kr)
                 cols["n_pairs"].append(s.pairs.n_pairs)
                 cols["n_used"].append(s.pairs.n_used)
                 cols["n_multi_token"].append(s.pairs.n_multi_token)
@@ -534,7 +621,7 @@ def relation_summary(name: str, s: StaticScores, k: int, threshold: float) -> di
     best = np.unravel_index(int(np.argmax(phi)), phi.shape)
     p = s.pairs
     return {
-        "relation": name, "n_pairs": p.n_pairs, "n_used": p.n_used, "n_multi_token": p.n_multi_token,
+        "relation": name, "k": int(k), "n_pairs": p.n_pairs, "n_used": p.n_used, "n_multi_token": p.n_multi_token,
         "n_unknown": p.n_unknown, "n_skipped_multi_token": p.n_skipped_multi_token,
         "n_implementing": int((phi >= threshold).sum()), "n_suppressing": int((sup >= threshold).sum()),
         "max_score": float(phi.max()), "best_layer": int(best[0]), "best_head": int(best[1]),
@@ -617,16 +704,19 @@ class StoredScores:
             pairs.n_pairs, pairs.n_used, pairs.n_multi_token, pairs.n_unknown)
 
 
-def stored_static_scores(store: Store, relations: Sequence[str], *, k: int, final_norm: bool, first_mlp: bool,
-                         multi_token: str = "first") -> dict[str, StoredScores]:
+def stored_static_scores(store: Store, relations: Sequence[str], *, k: int | Mapping[str, int], final_norm: bool,
+                         first_mlp: bool, multi_token: str = "skip") -> dict[str, StoredScores]:
     """Static scores already in ``store`` for ``relations``, from the latest ``maps`` run whose settings match
-    (k, final norm, first MLP, multi-token policy); relations no matching run holds are left out.
+    (final norm, first MLP, multi-token policy) and that scored the relation at its ``k`` (one for all, or per
+    relation); relations no matching run holds are left out.
 
-    A run counts for a relation only when it wrote a score for every head of the store's geometry.
+    A run counts for a relation only when it wrote a score for every head of the store's geometry.  Runs
+    written before the multi-token policy was recorded used ``"first"``.
     """
     files = store.table_files()
     if not all(files.get(t) for t in ("runs", "maps_scores", "maps_relations")) or not relations:
         return {}
+    want_k = {r: k_of(k, r) for r in relations}
     runs = store.table("runs", ["run_id", "kind", "finished", "config"]).to_pylist()
     matching: list[tuple[float, str]] = []
     for r in runs:
@@ -636,22 +726,24 @@ def stored_static_scores(store: Store, relations: Sequence[str], *, k: int, fina
             cfg = json.loads(r["config"] or "{}")
         except json.JSONDecodeError:
             continue
-        if (cfg.get("k") == k and bool(cfg.get("final_norm", True)) == final_norm
-                and bool(cfg.get("first_mlp", False)) == first_mlp and cfg.get("multi_token", "first") == multi_token):
+        if (bool(cfg.get("final_norm", True)) == final_norm and bool(cfg.get("first_mlp", False)) == first_mlp
+                and cfg.get("multi_token", "first") == multi_token):
             matching.append((float(r["finished"] or 0.0), str(r["run_id"])))
     if not matching:
         return {}
     g = store.geometry
     ids = ", ".join("'" + rid.replace("'", "''") + "'" for _, rid in matching)
     names = ", ".join("'" + n.replace("'", "''") + "'" for n in relations)
-    sc = store.sql(f"""SELECT run_id, relation, layer, head, score FROM maps_scores
-                       WHERE run_id IN ({ids}) AND relation IN ({names}) AND k = {int(k)}""")
+    sc = store.sql(f"""SELECT run_id, relation, layer, head, score, k FROM maps_scores
+                       WHERE run_id IN ({ids}) AND relation IN ({names})""")
     rel = store.sql(f"""SELECT run_id, relation, n_pairs, n_used, n_multi_token, n_unknown FROM maps_relations
                         WHERE run_id IN ({ids}) AND relation IN ({names})""").to_pylist()
     counts = {(r["run_id"], r["relation"]): r for r in rel}
     grids: dict[tuple[str, str], np.ndarray] = {}
-    cols = [sc.column(c).to_pylist() for c in ("run_id", "relation", "layer", "head", "score")]
-    for rid, name, layer, head, value in zip(*cols):
+    cols = [sc.column(c).to_pylist() for c in ("run_id", "relation", "layer", "head", "score", "k")]
+    for rid, name, layer, head, value, row_k in zip(*cols):
+        if row_k != want_k[name]:
+            continue
         key = (rid, name)
         if key not in grids:
             grids[key] = np.full((g.n_layers, g.n_heads), np.nan)

@@ -46,12 +46,14 @@ from query.distributed import client_threads, run_tasks, store_of
 from query.maps import (
     DEFAULT_K,
     IMPLEMENTS_THRESHOLD,
+    MIN_PAIRS,
     ROW_CHUNK,
     MapsError,
     VocabProjection,
     check_k,
     pair_ranks,
     projected_ranks,
+    single_token_pairs,
     store_pairs,
 )
 from query.selection import Selection
@@ -87,8 +89,12 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
                   k_max: int = DEFAULT_K, proj: VocabProjection | None = None,
                   log: Callable[[str], None] | None = None, client: Any = None,
                   prompts_per_task: int | None = None, rows_per_chunk: int = ROW_CHUNK,
-                  alt_proj: VocabProjection | None = None) -> dict[str, DynamicRanks]:
+                  alt_proj: VocabProjection | None = None,
+                  example_ids: Sequence[int] | None = None) -> dict[str, DynamicRanks]:
     """Ranks for every relation in the (filtered) store; see the module docstring.
+
+    ``example_ids``: only these prompts (e.g. those of :func:`usable_prompts`: single-token pairs of the
+    relations not excluded).  The functions here apply no pair policy of their own; the command line does.
 
     ``alt_proj``: a second static variant (the same store's weights, usually with the other
     ``first_mlp`` setting) ranked on the same distinct pairs; each result's ``alt`` then holds
@@ -102,9 +108,12 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
     client, and about one task per worker thread with one.
     """
     pairs = store_pairs(store, where, source_token=source_token)
+    if example_ids is not None:
+        pairs = pairs.filter(pa.array(np.isin(pairs.column("example_id").to_numpy(), np.asarray(example_ids, np.int64))))
     if pairs.num_rows == 0:
         raise MapsError(f"{store.url}: no prompts with a subject and an object token"
-                        + (f" match {where!r}" if where else ""))
+                        + (f" match {where!r}" if where else "") + (" among the usable ones" if example_ids is not None
+                                                                   else ""))
     names = sorted(set(pairs.column("relation_id").to_pylist()))
     if relations is not None:
         missing = sorted(set(relations) - set(names))
@@ -143,6 +152,72 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
         out[name] = DynamicRanks(name, templates, group, ids[m], r["su"], r["sd"], r["wu"], r["wd"], r["ou"], r["od"],
                                  k_max, first_mlp=proj.first_mlp is not None, alt=alt)
     return out
+
+
+@dataclass(frozen=True)
+class PromptSelection:
+    """Which stored prompts a dynamic run uses, per relation, and which relations it excludes."""
+
+    example_ids: np.ndarray  # prompts kept (all relations)
+    relations: list[str]  # relations kept
+    excluded: list[dict[str, Any]]  # one report row per excluded relation
+    counts: dict[str, dict[str, Any]]  # per relation: prompts, prompts kept, distinct pairs, usable pairs
+
+
+def usable_prompts(store: Store, *, tokenizer: Any = None, where: str | None = None,
+                   relations: Sequence[str] | None = None, multi_token: str = "skip", min_pairs: int = MIN_PAIRS,
+                   pair_counts: dict[str, tuple[int, int]] | None = None) -> PromptSelection:
+    """The published pair policy applied to a store's prompts.
+
+    ``multi_token="skip"`` (the authors' filter) keeps a prompt only when its subject and its object
+    are each one token with a leading space (:func:`query.maps.single_token_pairs`, needs ``tokenizer``);
+    ``"first"`` keeps every prompt.  A relation is excluded when it has fewer than ``min_pairs``
+    usable pairs: counted in its pair file when ``pair_counts`` holds it (relation -> (usable, pairs in
+    the file), the authors' criterion), else as distinct usable (subject, object) pairs among the
+    store's prompts (which undercounts when the prompts are a sample of the file).
+    """
+    if multi_token not in ("skip", "first"):
+        raise MapsError(f"multi_token must be 'skip' or 'first', not {multi_token!r}")
+    if multi_token == "skip" and tokenizer is None:
+        raise MapsError("single-token prompts need the tokenizer")
+    cond = f"AND ({where})" if where and where.strip() else ""
+    t = store.sql(f"""SELECT e.example_id, e.relation_id, e.subject, e.object FROM examples e
+                      JOIN targets t USING (example_id)
+                      WHERE e.subject_start >= 0 AND t.object_token_id >= 0 {cond} ORDER BY e.example_id""")
+    ids = t.column("example_id").to_numpy()
+    rel = np.asarray(t.column("relation_id").to_pylist(), dtype=object)
+    subj = [str(x or "") for x in t.column("subject").to_pylist()]
+    obj = [str(x or "") for x in t.column("object").to_pylist()]
+    names = sorted(set(rel.tolist()))
+    if relations is not None:
+        missing = sorted(set(relations) - set(names))
+        if missing:
+            raise MapsError(f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}")
+        names = [n for n in names if n in set(relations)]
+    uniq = sorted(set(zip(subj, obj)))
+    ok = dict(zip(uniq, single_token_pairs(uniq, tokenizer, vocab_size=store.geometry.vocab_size).tolist())
+              if multi_token == "skip" else ((p, True) for p in uniq))
+    usable = np.asarray([ok[(a, b)] for a, b in zip(subj, obj)], bool)
+    counts: dict[str, dict[str, Any]] = {}
+    kept: list[str] = []
+    excluded: list[dict[str, Any]] = []
+    for name in names:
+        m = rel == name
+        pairs = {(subj[i], obj[i]) for i in np.flatnonzero(m)}
+        good = {(subj[i], obj[i]) for i in np.flatnonzero(m & usable)}
+        if pair_counts is not None and name in pair_counts:
+            n_used, n_pairs, source = pair_counts[name][0], pair_counts[name][1], "pair file"
+        else:
+            n_used, n_pairs, source = len(good), len(pairs), "store prompts"
+        c = {"relation": name, "n_prompts": int(m.sum()), "n_prompts_used": int((m & usable).sum()),
+             "n_pairs": int(n_pairs), "n_used": int(n_used), "counted_from": source, "min_pairs": int(min_pairs)}
+        counts[name] = c
+        if n_used < max(min_pairs, 1) or c["n_prompts_used"] == 0:
+            excluded.append(c)
+        else:
+            kept.append(name)
+    keep = np.isin(rel, kept) & usable
+    return PromptSelection(ids[keep], kept, excluded, counts)
 
 
 def _ranks(store: Store, proj: VocabProjection, pairs: pa.Table, k_max: int, log: Callable[[str], None] | None,

@@ -113,7 +113,7 @@ def test_maps_dynamic_first_mlp_sources_reach_the_workers(maps_store: Path, clie
 
 def test_cli_maps_dynamic_workers(maps_store: Path) -> None:
     """``--workers 2`` starts its own LocalCluster of 2 processes (24 prompts: 1 task per worker)."""
-    base = ["maps-dynamic", str(maps_store), "--json", "--no-write"]
+    base = ["maps-dynamic", str(maps_store), "--json", "--no-write", "--multi-token", "first", "--min-pairs", "1"]
     plain = CliRunner().invoke(main, [*base, "--quiet"])
     assert plain.exit_code == 0, plain.output
     r = CliRunner().invoke(main, [*base, "--workers", "2"])
@@ -131,7 +131,8 @@ def test_cli_dask_options_bad_input(maps_store: Path) -> None:
     for extra, want in ((["--dask", "tcp://127.0.0.1:1", "--workers", "2"], "not both"),
                         (["--workers", "0"], "--workers must be at least 1"),
                         (["--dask", f"tcp://127.0.0.1:{port}"], "cannot reach the Dask scheduler")):
-        r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--no-write", "--quiet", *extra])
+        r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--no-write", "--quiet", "--multi-token", "first",
+                                      "--min-pairs", "1", *extra])
         assert r.exit_code == 1
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and want in lines[0], r.stderr
