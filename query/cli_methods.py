@@ -186,19 +186,31 @@ def _fmt(x: float | None, pct: bool = True) -> str:
 @click.option("--train-fraction", type=float, default=0.5, show_default=True,
               help="Share of the facts that train the tuned lens; the rest are held out and evaluated.")
 @click.option("--no-tuned", is_flag=True, help="Logit lens only, on every selected fact.")
+@click.option("--tuned", "tuned_method", type=click.Choice(["adam", "sgd", "ridge"]), default="adam", show_default=True,
+              help="Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov SGD "
+                   "(Belrose et al., the tuned-lens package's settings), or the closed-form ridge fit (ours).")
+@click.option("--tuned-steps", type=int, default=250, show_default=True, help="Training steps (adam, sgd).")
+@click.option("--tuned-batch", type=int, default=2 ** 18, show_default=True,
+              help="Training facts per step (adam, sgd); at least the number of training facts = full batch.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--figures", "fig_dir", default=None, help="Folder for the lens curves (PNG).")
 @click.option("--no-write", is_flag=True, help="Do not write the result table into the store.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def lens(store_path: str, where: str | None, correct_only: bool, train_fraction: float, no_tuned: bool, seed: int,
-         fig_dir: str | None, no_write: bool, as_json: bool) -> None:
+def lens(store_path: str, where: str | None, correct_only: bool, train_fraction: float, no_tuned: bool,
+         tuned_method: str, tuned_steps: int, tuned_batch: int, seed: int, fig_dir: str | None, no_write: bool,
+         as_json: bool) -> None:
     """Logit lens and tuned lens from the stored residual stream: object probability and rank per layer."""
     import actstore
     from query.cli_maps import new_run_id, write_run
     from query.lens import LensError, lens_study, split_facts
+    from query.tuned_lens import TrainConfig
 
     started = time.time()
+    config = TrainConfig(optimizer=tuned_method if tuned_method != "ridge" else "adam", steps=tuned_steps,
+                         batch=tuned_batch, seed=seed, device="auto")
+    if tuned_method != "ridge" and not no_tuned:
+        config.check()
     s = actstore.open(store_path)
     ids = _fact_ids(s, where, correct_only)
     if ids.size == 0:
@@ -207,34 +219,49 @@ def lens(store_path: str, where: str | None, correct_only: bool, train_fraction:
         train, held = None, ids
     else:
         train, held = split_facts(ids, train_fraction, seed)
-    study, tuned = lens_study(s, held, train, seed=seed)
+    study, tuned = lens_study(s, held, train, method=tuned_method, seed=seed, train_config=config)
     summary = study.summary()
     final_match = float((study.logit.top[:, -1] == study.final_top).mean())
+    method = None if no_tuned else tuned_method
+    tuned_config: dict[str, Any] | None = None
+    if method == "ridge":
+        tuned_config = {"alphas": study.alphas}
+    elif method is not None:
+        tuned_config = config.describe()
     run_id = new_run_id("lens")
     written = []
     if not no_write:
         written.append(_write(s, "lens", run_id, study.table()))
         write_run(s, run_id, "lens", started, {"where": where, "correct_only": correct_only, "seed": seed,
-                                                "train_fraction": None if no_tuned else train_fraction})
+                                                "train_fraction": None if no_tuned else train_fraction,
+                                                "tuned": method, "tuned_config": tuned_config})
     figs = []
     if fig_dir:
         Path(fig_dir).mkdir(parents=True, exist_ok=True)
         figs.append(str(lens_curves(summary, Path(fig_dir) / "lens_curves.png",
                                     f"{s.manifest.model.get('name')}: {study.example_ids.size} held-out facts")))
+    training: dict[str, Any] = {}
+    if tuned is not None and method != "ridge":
+        training = {k: tuned.info[k] for k in ("rows", "loss_first", "loss_last", "train_kl_logit", "train_kl_tuned")}
     out = {"store": s.url, "run_id": run_id, "n_eval": int(study.example_ids.size), "n_train": int(study.train_ids.size),
-           "final_index_matches_model": final_match, "ridge_alphas": study.alphas, "per_index": summary,
+           "final_index_matches_model": final_match, "tuned_method": method, "tuned_config": tuned_config,
+           "tuned_training": training, "ridge_alphas": study.alphas, "per_index": summary,
            "tables": written, "figures": figs, "seconds": round(time.time() - started, 2)}
     if as_json:
         click.echo(json.dumps(out))
         return
+    how = "" if method is None else f"; tuned lens: {method}" + (
+        "" if method == "ridge" else f", {config.steps} steps, lr {config.learning_rate:g}")
     click.echo(f"{s.url}: lens on {study.example_ids.size} held-out facts "
-               f"({study.train_ids.size} train the tuned lens); final index = model output on {100 * final_match:.1f}%")
-    head = "index  logit p   tuned p   logit rank  tuned rank  logit top1  tuned top1"
+               f"({study.train_ids.size} train the tuned lens{how}); final index = model output on "
+               f"{100 * final_match:.1f}%")
+    head = "index  logit p   tuned p   logit rank  tuned rank  logit top1  tuned top1  logit KL  tuned KL"
     click.echo(head)
     for r in summary:
         click.echo(f"{r['index']:>5}  {r['logit_prob']:7.4f}  {r.get('tuned_prob', float('nan')):8.4f}   "
                    f"{r['logit_rank_median']:9.0f}  {r.get('tuned_rank_median', float('nan')):10.0f}  "
-                   f"{100 * r['logit_top1']:9.1f}%  {100 * r.get('tuned_top1', float('nan')):9.1f}%")
+                   f"{100 * r['logit_top1']:9.1f}%  {100 * r.get('tuned_top1', float('nan')):9.1f}%  "
+                   f"{r['logit_kl']:8.3f}  {r.get('tuned_kl', float('nan')):8.3f}")
     for f in (*written, *figs):
         click.echo(f"wrote {f}")
 
@@ -323,7 +350,7 @@ def agree(store_path: str, trace_run: str | None, patch_run: str | None, methods
             raise MethodsError(f"{s.url}: only {train.size} facts outside the compared ones to train the tuned lens "
                                "(ingest more facts, or drop tuned_lens from --methods)")
         log(f"tuned lens: fitting on {train.size} other facts")
-        tl = TunedLens.fit(stored_residuals(s, train)[0])
+        tl = TunedLens.fit_ridge(stored_residuals(s, train)[0])
         readings["tuned_lens"] = lens_reading(s, out, tl, plateau)
         extra["tuned_lens_train_facts"] = int(train.size)
     if "attention" in wanted:

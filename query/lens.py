@@ -9,33 +9,41 @@ unembedding.  For residual index i:
 
 At i = L the logit lens is the model's own output (the stored ``targets.top_token_id``).
 
-Tuned-lens translators (our fitting rule; Belrose et al. 2023 train them by gradient descent on
-the KL divergence to the final layer over a large corpus): ridge regression of the last residual
-h_L on h_i, shrunk toward the identity,
+Tuned-lens translators, two fitting rules:
+
+- ``adam`` / ``sgd`` (default ``adam``; :mod:`query.tuned_lens`): the tuned lens of Belrose et
+  al. (2023), identity-initialised translators trained by gradient descent on the KL divergence
+  from the model's final distribution to the lens distribution, with the ``tuned-lens``
+  package's optimiser settings;
+- ``ridge`` (ours, kept as an option): ridge regression of the last residual h_L on h_i, shrunk
+  toward the identity,
 
     min_{D,b} || (H_L - H_i) - H_i D - b ||^2 + lambda ||D||^2,
 
-solved in closed form on the training facts' stored residuals.  lambda is ``alpha`` times the
-mean eigenvalue of the centred H_i^T H_i; ``alpha`` is picked per index from ``ALPHAS`` by the
-error on a held-out fifth of the training facts (refit on all of them afterwards).  With a few
-hundred facts and d_model ~ 600 this is cheap and deterministic; the identity prior keeps the
-translator close to the logit lens where the data say little.
+  solved in closed form on the training facts' stored residuals.  lambda is ``alpha`` times the
+  mean eigenvalue of the centred H_i^T H_i; ``alpha`` is picked per index from ``ALPHAS`` by the
+  error on a held-out fifth of the training facts (refit on all of them afterwards).  It matches
+  states, not distributions; its intercept learns which objects the training relations have.
 
 Reported per index: the object's (first token's) probability and rank, and whether it is the
-top token, for each fact; evaluated on facts held out from the translators' training.
+top token, for each fact, and the mean KL from the model's output; evaluated on facts held out
+from the translators' training.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from actstore.errors import QueryError
+
+if TYPE_CHECKING:
+    from query.tuned_lens import TrainConfig
 
 ALPHAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
@@ -126,13 +134,18 @@ def read_objects(readout: FinalReadout, resid: np.ndarray | torch.Tensor, object
 # ------------------------------------------------------------------------------------ tuned lens
 
 
+TUNED_METHODS = ("adam", "sgd", "ridge")
+
+
 @dataclass
 class TunedLens:
     """Affine translators h -> h + h D_i + b_i, one per residual index 0..L-1 (index L: identity)."""
 
     D: torch.Tensor  # [L, d, d]
     b: torch.Tensor  # [L, d]
-    alphas: list[float] = field(default_factory=list)
+    alphas: list[float] = field(default_factory=list)  # ridge only: the chosen alpha per index
+    method: str = "ridge"  # adam | sgd (trained on the KL, query.tuned_lens) | ridge (closed form)
+    info: dict[str, Any] = field(default_factory=dict)  # training record (config, losses)
 
     def translate(self, resid: np.ndarray | torch.Tensor) -> torch.Tensor:
         """[n, K, d] with K = L+1 (or fewer leading indices) -> translated states."""
@@ -150,8 +163,8 @@ class TunedLens:
         return h + h @ self.D[index] + self.b[index]
 
     @classmethod
-    def fit(cls, resid: np.ndarray, alphas: Sequence[float] = ALPHAS, seed: int = 0) -> TunedLens:
-        """Fit on training residuals [n, L+1, d] (see the module docstring)."""
+    def fit_ridge(cls, resid: np.ndarray, alphas: Sequence[float] = ALPHAS, seed: int = 0) -> TunedLens:
+        """The ridge fit (not Belrose et al.'s training) on residuals [n, L+1, d]: see the module docstring."""
         x = torch.as_tensor(resid, dtype=torch.float64)
         n, K, d = x.shape
         if n < 5:
@@ -168,7 +181,7 @@ class TunedLens:
             a = float(alphas[int(np.argmin(errs))])
             chosen.append(a)
             D[i], b[i] = _ridge(x[:, i], Y, a)
-        return cls(D.float(), b.float(), chosen)
+        return cls(D.float(), b.float(), chosen, method="ridge", info={"alphas": chosen})
 
 
 def _ridge(X: torch.Tensor, Y: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +226,9 @@ class LensStudy:
     tuned: LensReading | None
     final_top: np.ndarray  # [n] the model's greedy token recorded at ingest
     alphas: list[float] = field(default_factory=list)
+    method: str | None = None  # the tuned lens's fitting rule (None: logit lens only)
+    kl_logit: np.ndarray | None = None  # [L+1] mean KL(model output || logit lens) on the evaluated facts
+    kl_tuned: np.ndarray | None = None  # [L+1] the same for the tuned lens
 
     def summary(self) -> list[dict[str, Any]]:
         """Per residual index: mean object probability, median rank and top-1 share, both lenses."""
@@ -220,9 +236,11 @@ class LensStudy:
         K = self.logit.prob.shape[1]
         for i in range(K):
             row: dict[str, Any] = {"index": i, "layer": i - 1}
-            for name, r in (("logit", self.logit), ("tuned", self.tuned)):
+            for name, r, kl in (("logit", self.logit, self.kl_logit), ("tuned", self.tuned, self.kl_tuned)):
                 if r is None:
                     continue
+                if kl is not None:
+                    row[f"{name}_kl"] = float(kl[i])
                 row[f"{name}_prob"] = float(r.prob[:, i].mean())
                 row[f"{name}_logprob"] = float(np.log(np.maximum(r.prob[:, i], 1e-300)).mean())
                 row[f"{name}_rank_median"] = float(np.median(r.rank[:, i]))
@@ -276,22 +294,41 @@ def stored_residuals(store: Any, example_ids: Sequence[int] | np.ndarray) -> tup
 
 
 def lens_study(store: Any, eval_ids: Sequence[int] | np.ndarray, train_ids: Sequence[int] | np.ndarray | None, *,
-               alphas: Sequence[float] = ALPHAS, seed: int = 0) -> tuple[LensStudy, TunedLens | None]:
-    """Logit lens on ``eval_ids``; with ``train_ids``, a tuned lens fit on them and read on ``eval_ids``."""
+               method: str = "adam", alphas: Sequence[float] = ALPHAS, seed: int = 0,
+               train_config: TrainConfig | None = None) -> tuple[LensStudy, TunedLens | None]:
+    """Logit lens on ``eval_ids``; with ``train_ids``, a tuned lens fit on them and read on ``eval_ids``.
+
+    ``method``: ``adam`` or ``sgd`` (trained on the KL; ``train_config`` a
+    :class:`query.tuned_lens.TrainConfig`, its optimizer and seed replaced by ``method`` and
+    ``seed``) or ``ridge`` (closed form, ``alphas``)."""
+    from dataclasses import replace
+
+    from query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
+
+    if method not in TUNED_METHODS:
+        raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
     readout = FinalReadout.from_store(store)
     resid, obj, top = stored_residuals(store, eval_ids)
     if (obj < 0).any():
         raise LensError("some selected facts have no object token")
     logit = read_objects(readout, resid, obj)
-    tuned_reading, lens = None, None
+    kl_logit = kl_per_index(readout, resid)
+    tuned_reading, lens, kl_tuned = None, None, None
     train = np.asarray(train_ids if train_ids is not None else [], dtype=np.int64)
     if train_ids is not None:
         overlap = np.intersect1d(train, np.asarray(eval_ids))
         if overlap.size:
             raise LensError(f"{overlap.size} facts are both training and evaluation facts of the tuned lens")
         tr_resid, _, _ = stored_residuals(store, train)
-        lens = TunedLens.fit(tr_resid, alphas, seed)
+        if method == "ridge":
+            lens = TunedLens.fit_ridge(tr_resid, alphas, seed)
+        else:
+            lens = train_tuned_lens(readout, tr_resid, replace(train_config or TrainConfig(), optimizer=method,
+                                                               seed=seed))
+            lens.info["train_kl_logit"] = kl_per_index(readout, tr_resid).tolist()
+            lens.info["train_kl_tuned"] = kl_per_index(readout, tr_resid, lens).tolist()
         tuned_reading = read_objects(readout, lens.translate(resid), obj)
+        kl_tuned = kl_per_index(readout, resid, lens)
     study = LensStudy(np.asarray(eval_ids, dtype=np.int64), train, logit, tuned_reading, top,
-                      lens.alphas if lens else [])
+                      lens.alphas if lens else [], lens.method if lens else None, kl_logit, kl_tuned)
     return study, lens

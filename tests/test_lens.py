@@ -59,11 +59,11 @@ def test_tuned_lens_recovers_an_affine_map() -> None:
     A = np.eye(d) + 0.3 * rng.normal(size=(d, d))
     Y = X @ A + rng.normal(size=d)
     resid = np.stack([X, Y], axis=1).astype(np.float32)  # [n, 2, d]: index 0 and the last index
-    lens = TunedLens.fit(resid, alphas=(1e-9,))
+    lens = TunedLens.fit_ridge(resid, alphas=(1e-9,))
     pred = lens.translate(resid)
     np.testing.assert_allclose(pred[:, 0].numpy(), Y, atol=1e-3)
     np.testing.assert_array_equal(pred[:, 1].numpy(), resid[:, 1])  # the last index is not translated
-    shrunk = TunedLens.fit(resid, alphas=(1e6,))  # a huge ridge: the translator is the identity plus a shift
+    shrunk = TunedLens.fit_ridge(resid, alphas=(1e6,))  # a huge ridge: the translator is the identity plus a shift
     assert float(shrunk.D.abs().max()) < 1e-3
 
 
