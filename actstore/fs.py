@@ -237,7 +237,8 @@ def _read_local(path: str, max_bytes: int | None) -> bytes:
         if max_bytes is not None and st.st_size > max_bytes:
             raise CorruptStoreError(f"{path}: {st.st_size} bytes, more than the {max_bytes} such a file may have; "
                                     "refusing to read it")
-        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+        # read at most one byte past the size seen (never reserve a max_bytes buffer: 8 GiB limits exist)
+        data = f.read() if max_bytes is None else f.read(min(st.st_size, max_bytes) + 1)
     if max_bytes is not None and len(data) > max_bytes:  # grew while we read it
         raise CorruptStoreError(f"{path}: more than {max_bytes} bytes; refusing to read it")
     return data
