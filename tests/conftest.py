@@ -122,20 +122,37 @@ def build_store(
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A float32 store of the demo corpus (3 facts per relation) written by tiny Llama."""
-    return build_store(tmp_path_factory.mktemp("stores") / "tiny-llama")
+def recording_mutation_coverage() -> bool:
+    """True while mutmut runs the suite once to record which tests call which functions
+    (``make mutants``).  Cached stores must then be rebuilt in every test: mutmut reruns only the
+    tests it saw calling a mutated function, and a store built once for many tests would count
+    for the first of them alone, so the tests that check the store's values would never run."""
+    return os.environ.get("MUTANT_UNDER_TEST") == "stats"
+
+
+class BuildCache(dict[Any, Any]):
+    """Things built once and shared by many tests (stores, oracles), rebuilt per call while
+    :func:`recording_mutation_coverage`."""
+
+    def get_or_build(self, key: Any, build: Callable[[], Any]) -> Any:
+        if recording_mutation_coverage() or key not in self:
+            self[key] = build()
+        return self[key]
 
 
 @pytest.fixture(scope="session")
 def store_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    cache: dict[tuple[Any, ...], Path] = {}
+    cache = BuildCache()
 
     def make(arch: str = "llama", **kw: Any) -> Path:
         key = (arch, tuple(sorted(kw.items())))
-        if key not in cache:
-            cache[key] = build_store(tmp_path_factory.mktemp("stores") / f"{arch}", arch, **kw)
-        return cache[key]
+        return cache.get_or_build(key, lambda: build_store(tmp_path_factory.mktemp("stores") / f"{arch}", arch, **kw))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_store(store_factory: Callable[..., Path]) -> Path:
+    """A float32 store of the demo corpus (3 facts per relation) written by tiny Llama (shared; built
+    once per session even while mutmut records coverage: use ``store_factory`` for per-test builds)."""
+    return store_factory("llama")

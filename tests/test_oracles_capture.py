@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import BuildCache
 
 import actstore
 from ingest.models import TINY_ARCHS, LoadedModel, tiny_model
@@ -196,17 +197,19 @@ def write_store(out: Path, loaded: LoadedModel, padding_side: str, *, dataset: s
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], tuple[actstore.Store, Oracle]]:
     """(store, oracle) per (architecture, padding side), built on first use."""
-    cache: dict[tuple[str, str], tuple[actstore.Store, Oracle]] = {}
+    cache = BuildCache()
+
+    def build(arch: str, side: str) -> tuple[actstore.Store, Oracle]:
+        loaded = tiny_model(arch, **overrides(arch))
+        store = write_store(tmp_path_factory.mktemp("oracle") / f"{arch}-{side}", loaded, side,
+                            limit_per_relation=2)
+        twin = tiny_model(arch, **overrides(arch))  # a second instance: the oracle never touches the ingest's
+        assert twin.weight_hash == store.manifest.model["weight_hash"]
+        return store, run_oracle(eager(twin), store)
 
     def get(arch: str, side: str) -> tuple[actstore.Store, Oracle]:
-        if (arch, side) not in cache:
-            loaded = tiny_model(arch, **overrides(arch))
-            store = write_store(tmp_path_factory.mktemp("oracle") / f"{arch}-{side}", loaded, side,
-                                limit_per_relation=2)
-            twin = tiny_model(arch, **overrides(arch))  # a second instance: the oracle never touches the ingest's
-            assert twin.weight_hash == store.manifest.model["weight_hash"]
-            cache[arch, side] = (store, run_oracle(eager(twin), store))
-        return cache[arch, side]
+        result: tuple[actstore.Store, Oracle] = cache.get_or_build((arch, side), lambda: build(arch, side))
+        return result
 
     return get
 

@@ -189,14 +189,14 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spy]:
 def store_paths(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Tiny models (2 layers, 4 heads, d_mlp 128; Llama with GQA and no biases, GPT-2 with an output
     bias b_O), demo corpus: 6 relations x 6 prompts, float32; built on first use."""
-    from conftest import build_store
+    from conftest import BuildCache, build_store
 
-    cache: dict[str, Path] = {}
+    cache = BuildCache()
 
     def get(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = build_store(tmp_path_factory.mktemp("probe-oracle") / arch, arch, limit=6)
-        return cache[arch]
+        path: Path = cache.get_or_build(arch, lambda: build_store(tmp_path_factory.mktemp("probe-oracle") / arch,
+                                                                 arch, limit=6))
+        return path
 
     return get
 
