@@ -1,10 +1,15 @@
 """HeadScore and TokenScore for probe predictions (SPEC section 5, seed 000).
 
-For a prediction c_hat with softmax pi over the episode's classes, the contrast direction is
+For a prediction c_hat with softmax pi over the episode's classes, the contrast direction is one of
+two readings of the seed (``contrast``, recorded with every run):
 
-    dW = W[:, c_hat] - sum_{c != c_hat} pi'_c W[:, c],     pi' = pi renormalised over c != c_hat
+    renormalised (default, ours):  dW = W[:, c_hat] - sum_{c != c_hat} pi'_c W[:, c],   pi' = pi renormalised over c != c_hat
+    seed (the formula as written): dW = W[:, c_hat] - sum_{c != c_hat} pi_c  W[:, c]
 
-(our reading of the paper).  With x' the probe's (standardised) input features,
+They differ by the factor 1 - pi_c_hat on the competitor term: the seed's reading weighs the competitors
+less the more confident the prediction (dW -> W[:, c_hat] as pi_c_hat -> 1, so a confident prediction's
+HeadScore includes what raises every class's logit alike); ours keeps "the predicted class minus the
+expected competitor" at every confidence.  With x' the probe's (standardised) input features,
 
     HeadScore_{l,h} = sum_{m in unit (l,h)} dW_m x'_m
 
@@ -45,12 +50,25 @@ if TYPE_CHECKING:
     from query.probe import ProbeConfig
 
 TOKEN_KINDS = ("attn_head", "attn_entity", "attn")
+CONTRASTS = ("renormalised", "seed")
+DEFAULT_CONTRAST = "renormalised"
 
 
-def contrast_coefficients(probs: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
-    """``onehot(c_hat) - pi'`` per prediction ([..., C]): dW = W @ coef."""
+def check_contrast(reading: str) -> str:
+    if reading not in CONTRASTS:
+        raise QueryError(f"contrast must be one of {', '.join(CONTRASTS)}, not {reading!r}")
+    return reading
+
+
+def contrast_coefficients(probs: torch.Tensor, pred: torch.Tensor, reading: str = DEFAULT_CONTRAST) -> torch.Tensor:
+    """Per prediction ([..., C]), dW = W @ coef: ``onehot(c_hat) - pi'`` (``"renormalised"``, pi' the
+    softmax renormalised over the competitors) or ``onehot(c_hat) - pi * (1 - onehot)`` (``"seed"``,
+    the full softmax as the seed writes it)."""
+    check_contrast(reading)
     onehot = torch.nn.functional.one_hot(pred, probs.shape[-1]).to(probs.dtype)
     comp = probs * (1 - onehot)
+    if reading == "seed":
+        return onehot - comp
     denom = comp.sum(-1, keepdim=True)
     comp = torch.where(denom > 0, comp / denom.clamp_min(1e-30), torch.zeros_like(comp))
     return onehot - comp
@@ -159,6 +177,7 @@ class Explanation:
     token_scores: np.ndarray  # [L', n_src]
     centering: np.ndarray  # [L']
     tokens: list[str]
+    contrast: str = DEFAULT_CONTRAST  # the reading of dW used
 
     def layer_table(self) -> list[dict[str, float | int]]:
         """Per layer: the head-score sum, the token-score sum, the centering term and the residual
@@ -174,21 +193,25 @@ class Explanation:
 
 
 def explain_example(store: Store, run_id: str, example_id: int, *, seed: int | None = None,
-                    episode: int | None = None) -> Explanation:
+                    episode: int | None = None, contrast: str | None = None) -> Explanation:
     """Re-train the episode of run ``run_id`` in which ``example_id`` is a query (the first one,
     or the given seed/episode; the stored episode lists make this exact) and attribute its
-    prediction."""
+    prediction.  ``contrast``: the reading of dW (default: the run's own)."""
+    from dataclasses import replace
+
     from query.probe import ProbeConfig, torch_threads
 
     cfg = ProbeConfig.from_json(str(run_row(store, run_id)["config"]))
+    if contrast is not None:
+        cfg = replace(cfg, contrast=check_contrast(contrast))
     with torch_threads(cfg.threads):
         return _explain(store, run_id, cfg, example_id, seed, episode)
 
 
 def _explain(store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None,
              episode: int | None) -> Explanation:
-    from query.probe import load_features, train_batched
-    from query.relspec import gather_standardized, select_features
+    from query.probe import load_features, select_or_all, train_batched
+    from query.relspec import gather_standardized
 
     if cfg.kind not in TOKEN_KINDS:
         raise QueryError(f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}); "
@@ -212,14 +235,14 @@ def _explain(store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed:
     sup = torch.tensor([[pos[x] for x in sup_ids]])
     qry = torch.tensor([[pos[x] for x in q_ids]])
     geo = TokenGeometry.of(store, cfg.kind, fm.layers, fm.heads)
-    sel = select_features(fm.data[sup].to(torch.float32), n, k, cfg.top_k)
+    sel = select_or_all(fm.data[sup].to(torch.float32), n, k, cfg)
     xs = gather_standardized(fm.data, sup, sel)
     xq = gather_standardized(fm.data, qry, sel)
     W, b = train_batched(xs, torch.arange(n).repeat_interleave(k), n, epochs=cfg.epochs, lr=cfg.lr)
     qi = q_ids.index(int(example_id))
     probs = torch.softmax(xq[0, qi] @ W[0] + b[0], -1)
     pred = probs.argmax()
-    dW = W[0] @ contrast_coefficients(probs, pred)  # [Fm]
+    dW = W[0] @ contrast_coefficients(probs, pred, cfg.contrast)  # [Fm]
     U, usize = fm.n_units, fm.unit_size
     units = torch.where(sel.valid[0], sel.index[0] // usize, torch.full_like(sel.index[0], U))
     hs = unit_scores((dW * xq[0, qi])[None, None], units[None], U)[0, 0]
@@ -232,7 +255,7 @@ def _explain(store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed:
     return Explanation(run_id, int(e["seed"]), int(e["episode"]), int(example_id), e["relations"][qi // q],
                        e["relations"][int(pred)], float(probs[pred]), fm.layers, layer, head, hs.numpy(), ts,
                        cent.reshape(len(fm.layers), -1).sum(1).numpy(),
-                       toks.column("token").to_pylist()[:ts.shape[1]])
+                       toks.column("token").to_pylist()[:ts.shape[1]], cfg.contrast)
 
 
 def sql_quote(text: str) -> str:

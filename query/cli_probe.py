@@ -54,6 +54,11 @@ def _echo_json(d: Any) -> None:
 @click.option("--seeds", type=int, default=5, show_default=True, help="Number of seeds (0 .. N-1).")
 @click.option("--seed-start", type=int, default=0, show_default=True, help="First seed.")
 @click.option("--top-k", type=int, default=3000, show_default=True, help="RelSpec features per relation.")
+@click.option("--no-relspec", is_flag=True,
+              help="Baseline without RelSpec: every feature, the same standardisation and training.")
+@click.option("--contrast", type=click.Choice(["renormalised", "seed"]), default="renormalised", show_default=True,
+              help="dW for HeadScore/TokenScore: competitors weighted by the softmax renormalised over them (ours) "
+              "or by the full softmax (the seed's formula as written).")
 @click.option("--epochs", type=int, default=200, show_default=True)
 @click.option("--lr", type=float, default=1e-3, show_default=True, help="Adam learning rate.")
 @click.option("--feature-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
@@ -70,7 +75,8 @@ def _echo_json(d: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 @friendly
 def probe(store: str, kind: str, where: str | None, layers: str | None, heads: str | None, groups: int | None,
-          n_way: int, k_shot: int, queries: int, episodes: int, seeds: int, seed_start: int, top_k: int, epochs: int,
+          n_way: int, k_shot: int, queries: int, episodes: int, seeds: int, seed_start: int, top_k: int,
+          no_relspec: bool, contrast: str, epochs: int,
           lr: float, feature_dtype: str, token_scores: str, train_batch: int, memory_mb: int, threads: int, no_save: bool,
           quiet: bool, as_json: bool) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
@@ -85,7 +91,8 @@ def probe(store: str, kind: str, where: str | None, layers: str | None, heads: s
                       heads=None if hs is None else tuple(hs), groups=groups, n_way=n_way, k_shot=k_shot,
                       queries=queries, episodes=episodes, seeds=tuple(range(seed_start, seed_start + seeds)),
                       top_k=top_k, epochs=epochs, lr=lr, feature_dtype=feature_dtype, token_scores=token_scores,
-                      memory_mb=memory_mb, threads=threads, train_batch=train_batch)
+                      memory_mb=memory_mb, threads=threads, train_batch=train_batch, relspec=not no_relspec,
+                      contrast=contrast)
     s = _open(store)
     out = run_probe(s, cfg, progress=not quiet and sys.stderr.isatty())
     summary = out.summary()
@@ -95,11 +102,26 @@ def probe(store: str, kind: str, where: str | None, layers: str | None, heads: s
         _echo_json(summary)
         return
     lo, hi = out.ci95
+    selection = "no RelSpec (all features)" if no_relspec else f"RelSpec top {top_k}"
     click.echo(f"{kind} {n_way}-way {k_shot}-shot: accuracy {100 * out.accuracy:.2f}% "
                f"(95% CI {100 * lo:.2f}-{100 * hi:.2f}) over {len(out.episodes)} episodes "
-               f"({episodes} x {seeds} seeds), {summary['mean_selected_features']:.0f} features/episode, "
+               f"({episodes} x {seeds} seeds), {selection}, {summary['mean_selected_features']:.0f} features/episode, "
                f"{out.seconds:.1f}s")
+    click.echo(f"HeadScore contrast: {_contrast_text(contrast)}")
     click.echo(f"run {out.run_id}" + ("" if no_save else f" (tables: {', '.join(summary['tables'])})"))
+
+
+def _contrast_text(reading: str | None) -> str:
+    reading = reading or "renormalised"
+    return ("renormalised (dW = W_c_hat - sum pi'_c W_c, pi' renormalised over the competitors; ours)"
+            if reading == "renormalised" else "seed (dW = W_c_hat - sum pi_c W_c, the full softmax; the seed's formula)")
+
+
+def _run_contrast(s: Any, run_id: str) -> str:
+    from query.attribution import run_row
+    from query.probe import ProbeConfig
+
+    return ProbeConfig.from_json(str(run_row(s, run_id)["config"])).contrast
 
 
 # --------------------------------------------------------------------------------------- headscore
@@ -137,10 +159,10 @@ def headscore(store: str, run_id: str, relation: str | None, heatmap: str | None
         _heatmap(grid, layers, heads, heatmap, f"HeadScore {run_id}" + (f" {relation}" if relation else ""))
     if as_json:
         _echo_json({"run_id": run_id, "relation": relation, "predictions": n_pred, "layers": layers, "heads": heads,
-                    "scores": grid.tolist(), "heatmap": heatmap})
+                    "scores": grid.tolist(), "heatmap": heatmap, "contrast": _run_contrast(s, run_id)})
         return
     click.echo(f"mean HeadScore over {n_pred} predictions" + (f" of {relation}" if relation else "") +
-               " (rows: layers, columns: heads; -1 = whole layer)")
+               " (rows: layers, columns: heads; -1 = whole layer); contrast " + _contrast_text(_run_contrast(s, run_id)))
     click.echo("layer " + " ".join(f"{h:>8d}" for h in heads))
     for i, layer in enumerate(layers):
         click.echo(f"{layer:>5d} " + " ".join(f"{v:8.3f}" for v in grid[i]))
@@ -175,14 +197,16 @@ def _heatmap(grid: Any, layers: list[int], heads: list[int], path: str, title: s
 @click.option("--example", "example_id", type=int, required=True)
 @click.option("--seed", type=int, default=None, help="Episode seed (default: the first episode with this query).")
 @click.option("--episode", type=int, default=None)
+@click.option("--contrast", type=click.Choice(["renormalised", "seed"]), default=None,
+              help="Reading of dW (default: the run's own, see probe --contrast).")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episode: int | None,
-               as_json: bool) -> None:
+               contrast: str | None, as_json: bool) -> None:
     """TokenScore per layer over a query prompt's tokens (its episode is re-trained)."""
     from query.attribution import explain_example
 
-    ex = explain_example(_open(store), run_id, example_id, seed=seed, episode=episode)
+    ex = explain_example(_open(store), run_id, example_id, seed=seed, episode=episode, contrast=contrast)
     layers = ex.layer_table()
     total = ex.token_scores.sum(0)
     if as_json:
@@ -190,10 +214,10 @@ def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episo
             row["token_scores"] = ts.tolist()
         _echo_json({"run_id": run_id, "example_id": example_id, "seed": ex.seed, "episode": ex.episode,
                     "relation_id": ex.relation_id, "predicted": ex.predicted, "probability": ex.probability,
-                    "tokens": ex.tokens, "token_scores": total.tolist(), "layers": layers})
+                    "contrast": ex.contrast, "tokens": ex.tokens, "token_scores": total.tolist(), "layers": layers})
         return
     click.echo(f"example {example_id} (seed {ex.seed}, episode {ex.episode}): gold {ex.relation_id}, "
-               f"predicted {ex.predicted} (p={ex.probability:.3f})")
+               f"predicted {ex.predicted} (p={ex.probability:.3f}); contrast {_contrast_text(ex.contrast)}")
     for tok, v in zip(ex.tokens, total):
         click.echo(f"  {tok!r:>20} {v:+10.4f}")
     click.echo("layer  head_score_sum  token_score_sum  centering  residual")
@@ -212,6 +236,15 @@ def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episo
 @click.option("--direction", type=click.Choice(["out", "both"]), default="out", show_default=True,
               help="An entity's properties: those it has as head, or in either position.")
 @click.option("--plots", default=None, help="Directory for one scatter PNG per predictor.")
+@click.option("--concentration", type=click.Choice(["predicted-abs", "gold-signed"]), default="predicted-abs",
+              show_default=True, help="HeadScore concentration over the predictions assigned to each relation, "
+              "summing |score| (no labels needed, the seed's reading), or the earlier gold-label signed version.")
+@click.option("--dataset-file", default=None,
+              help="The FewRel JSON the store was ingested from: output range over every instance of each relation "
+              "in it, object-first ones included (ours; default when given).")
+@click.option("--output-range", "range_kind", type=click.Choice(["dataset", "sample"]), default=None,
+              help="Output range over the data set file or over the run's stored sample (default: dataset when "
+              "--dataset-file is given, else sample).")
 @click.option("--dask", "dask_address", default=None, metavar="SCHEDULER_ADDRESS",
               help="Run the predictor tasks on this Dask scheduler's workers (they open STORE and the --kb files).")
 @click.option("--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes.")
@@ -219,7 +252,8 @@ def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episo
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, ...], direction: str,
-              plots: str | None, dask_address: str | None, workers: int | None, no_save: bool, as_json: bool) -> None:
+              plots: str | None, concentration: str, dataset_file: str | None, range_kind: str | None,
+              dask_address: str | None, workers: int | None, no_save: bool, as_json: bool) -> None:
     """Per-relation F1 vs output range, KG connectivity, TF-IDF similarity, HeadScore concentration."""
     from actstore.writer import write_result_table
     from query.distributed import dask_client
@@ -234,14 +268,18 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
     s = _open(store)
     with dask_client(dask_address, workers) as client:
         res = relation_predictors(s, run_id, kb=[os.path.abspath(f) for f in files], direction=direction,
-                                  client=client)
+                                  client=client, concentration=concentration, dataset_file=dataset_file,
+                                  output_range=range_kind)
     pngs = scatter_plots(res, plots) if plots else []
     if not no_save:
         write_result_table(s, "relation_predictors", run_id, res.relations)
         write_result_table(s, "correlations", run_id, res.correlations)
+    rel_rows = res.relations.to_pylist()
+    range_source = rel_rows[0]["output_range_source"] if rel_rows else None
     if as_json:
-        _echo_json({"run_id": run_id, "relations": res.relations.to_pylist(),
-                    "correlations": res.correlations.to_pylist(), "kb_coverage": res.kb_coverage, "plots": pngs})
+        _echo_json({"run_id": run_id, "relations": rel_rows, "correlations": res.correlations.to_pylist(),
+                    "kb_coverage": res.kb_coverage, "plots": pngs, "concentration": concentration,
+                    "output_range": range_source})
         return
     click.echo(f"{'relation':<10} {'f1':>6} {'range':>6} {'conn':>6} {'cov':>5} {'tfidf':>6} {'conc':>5}")
     for r in res.relations.to_pylist():
@@ -253,6 +291,10 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
                    f"{c['pearson_r']:8.3f} {c['pearson_p']:8.3g}")
     if files:
         click.echo(f"knowledge-graph coverage: {100 * res.kb_coverage:.1f}% of instances")
+    click.echo(f"output range: {range_source}")
+    click.echo("HeadScore concentration: " + (
+        "predictions assigned to each relation, sum of |HeadScore| (no labels)" if concentration == "predicted-abs"
+        else "predictions of each gold relation, |mean signed HeadScore| (gold labels)"))
     for p in pngs:
         click.echo(f"wrote {p}")
 

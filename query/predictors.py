@@ -3,9 +3,14 @@
 For a probe run (typically 16-way 5-shot over all relations), per relation:
 
 - ``f1``: F1 of the run's pooled query predictions (table ``relation_metrics``);
-- ``output_range``: distinct objects among the relation's instances in the run's selection
-  (object Q-id when the record carries one, else the lower-cased object text), and
-  ``output_range_ratio`` = that count / instances (fairer when relations differ in size);
+- ``output_range``: distinct objects of the relation (object Q-id when the record carries one, else
+  the lower-cased object text), and ``output_range_ratio`` = that count / the instances counted
+  (fairer when relations differ in size).  With ``dataset_file`` (the FewRel JSON the store was
+  ingested from) over *every* instance of the relation in that file, object-first ones included
+  (``output_range="dataset"``, the default when a file is given): our reading of the seed's output
+  range, which counts a relation's objects in Wikidata.  Without one, over the run's stored
+  selection (``"sample"``: only the instances that qualified for ingest, e.g. P155 keeps 99);
+  ``output_range_source`` says which;
 - ``connectivity``: mean number of properties shared by subject and object in a knowledge
   graph given as Q-id triple files (``head<TAB>property<TAB>tail``); an entity's properties are
   those it has as head (``direction="out"``, Wikidata's statements) or in either position
@@ -13,8 +18,15 @@ For a probe run (typically 16-way 5-shot over all relations), per relation:
   ``connectivity_coverage`` is their share;
 - ``tfidf_similarity``: mean pairwise cosine similarity between the TF-IDF vectors
   (scikit-learn, fitted on every instance of the selection) of the relation's prompt texts;
-- ``head_concentration``: the number of units (heads) needed to reach 95% of the total
-  |mean HeadScore| of the relation's predictions, largest first.
+- ``head_concentration``: the number of units (heads) needed to reach 95% of the relation's total
+  HeadScore, largest first.  By default (``concentration="predicted-abs"``) over the predictions the
+  probe *assigned* to the relation, summing each unit's |HeadScore| (``head_scores.pred_abs_score``):
+  a property of the probe that needs no labels, as the seed presents it, and every prediction's dW
+  points at the class it is grouped under.  ``"gold-signed"`` is the earlier version: predictions
+  grouped by their gold relation (errors included, with a dW aimed at another class) and the
+  |mean signed score| per unit (``head_scores.score``), where heads of opposite sign cancel.  A run
+  stored before ``pred_abs_score`` existed has only the gold-signed column: asking it for the default
+  is one error line that names ``--concentration gold-signed`` (or re-run the probe).
 
 Each predictor is correlated with F1 across relations (Spearman and Pearson with p-values,
 scipy); NaN values (e.g. no coverage) are left out and the count used is reported.
@@ -38,6 +50,9 @@ from query.attribution import run_row, sql_quote
 from query.distributed import client_threads, run_tasks, store_of
 
 PREDICTORS = ("output_range", "output_range_ratio", "connectivity", "tfidf_similarity", "head_concentration")
+CONCENTRATIONS = ("predicted-abs", "gold-signed")
+OUTPUT_RANGES = ("dataset", "sample")
+MAX_DATASET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -104,6 +119,37 @@ def output_ranges(rows: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int
         qid = _meta(r).get("object_qid")
         objs.setdefault(str(r["relation_id"]), []).append(str(qid) if qid else str(r["object"] or "").strip().lower())
     return {k: (len(v), len(set(v))) for k, v in objs.items()}
+
+
+def dataset_output_ranges(path: str | os.PathLike[str]) -> dict[str, tuple[int, int]]:
+    """relation -> (instances, distinct objects) over every instance of a FewRel-format file
+    (``{relation: [{"tokens": [...], "h": [name, qid, spans], "t": [name, qid, spans]}, ...]}``), objects
+    that precede their subject included; the object is its Q-id, else its lower-cased name."""
+    p = os.fspath(path)
+    try:
+        if not os.path.isfile(p):
+            raise QueryError(f"--dataset-file {p}: not a regular file")
+        if os.path.getsize(p) > MAX_DATASET_BYTES:
+            raise QueryError(f"--dataset-file {p}: larger than {MAX_DATASET_BYTES >> 20} MiB")
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise QueryError(f"--dataset-file {p}: cannot read ({e})") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise QueryError(f"--dataset-file {p}: not JSON ({e})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+        raise QueryError(f"--dataset-file {p}: expected FewRel's layout, an object of relation -> list of instances")
+    out: dict[str, tuple[int, int]] = {}
+    for rel, insts in data.items():
+        objs = []
+        for i, inst in enumerate(insts):
+            t = inst.get("t") if isinstance(inst, dict) else None
+            if not (isinstance(t, list) and len(t) >= 2):
+                raise QueryError(f"--dataset-file {p}: {rel} instance {i} has no object ('t': [name, qid, spans])")
+            qid, name = t[1], t[0]
+            objs.append(str(qid) if qid else str(name or "").strip().lower())
+        out[str(rel)] = (len(objs), len(set(objs)))
+    return out
 
 
 def connectivity(rows: Sequence[Mapping[str, Any]], kg: KnowledgeGraph) -> dict[str, tuple[float, float, int]]:
@@ -220,8 +266,14 @@ class PredictorResult:
 def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.PathLike[str]] = (),
                         direction: str = "out", share: float = 0.95, client: Any = None,
                         segments_per_task: int | None = None,
-                        relations_per_task: int | None = None) -> PredictorResult:
+                        relations_per_task: int | None = None, concentration: str = "predicted-abs",
+                        dataset_file: str | os.PathLike[str] | None = None,
+                        output_range: str | None = None) -> PredictorResult:
     """Per-relation F1 and predictors for a probe run, and their correlations with F1.
+
+    ``concentration``: ``"predicted-abs"`` (default) or ``"gold-signed"`` (module docstring).
+    ``output_range``: ``"dataset"`` (every instance in ``dataset_file``; the default when it is given)
+    or ``"sample"`` (the run's stored selection; the default without a file).
 
     The work is split into tasks (see :func:`query.distributed.run_tasks`): one per
     ``segments_per_task`` segments reads their ``examples`` rows (object keys, entity ids and
@@ -236,12 +288,31 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
     """
     if direction not in ("out", "both"):
         raise QueryError(f"direction must be 'out' or 'both', not {direction!r}")
+    if concentration not in CONCENTRATIONS:
+        raise QueryError(f"concentration must be one of {', '.join(CONCENTRATIONS)}, not {concentration!r}")
+    if output_range is None:
+        output_range = "dataset" if dataset_file is not None else "sample"
+    if output_range not in OUTPUT_RANGES:
+        raise QueryError(f"output range must be one of {', '.join(OUTPUT_RANGES)}, not {output_range!r}")
+    if output_range == "dataset" and dataset_file is None:
+        raise QueryError("the output range over the data set needs its file (--dataset-file, the FewRel JSON the "
+                         "store was ingested from), or --output-range sample")
     for name, value in (("segments_per_task", segments_per_task), ("relations_per_task", relations_per_task)):
         if value is not None and value < 1:
             raise QueryError(f"{name} must be at least 1, not {value}")
     where = json.loads(str(run_row(store, run_id)["config"])).get("where")
     metrics = {r["relation_id"]: r for r in
                store.sql(f"SELECT * FROM relation_metrics WHERE run_id = '{sql_quote(run_id)}'").to_pylist()}
+    score_col = _concentration_column(store, run_id, concentration)
+    file_ranges = dataset_output_ranges(dataset_file) if output_range == "dataset" and dataset_file is not None else None
+    if file_ranges is not None:
+        missing = sorted(set(metrics) - set(file_ranges))
+        if missing:
+            raise QueryError(f"--dataset-file {os.fspath(dataset_file or '')}: relation(s) {', '.join(missing[:5])} of run "
+                             f"{run_id} are not in it (not the file the store was ingested from?)")
+    range_source = (f"data set file {os.path.basename(os.fspath(dataset_file or ''))}: every instance, object-first "
+                    "ones included (ours; the seed counts objects in Wikidata)" if file_ranges is not None
+                    else "stored sample: the run's selected instances")
     src: str | Store = store if client is None else store.url
     segs = sorted(store.commits)
     parts = run_tasks(client, _rows_task, [(src, b, where) for b in _split(segs, segments_per_task, client)])
@@ -258,7 +329,7 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
     groups = _split(rels, relations_per_task, client)
     jobs = [("kg", (f,)) for f in files] + [("relations", g) for g in groups]
     done = run_tasks(client, _relations_or_graph_task, [(src, run_id, where, kind, x) for kind, x in jobs],
-                     shared={"terms": terms, "idf": idf, "share": share, "direction": direction,
+                     shared={"terms": terms, "idf": idf, "share": share, "direction": direction, "score_col": score_col,
                              "wanted": _entities(rows) if files else frozenset()})
     graph = _merge_graphs(files, done[:len(files)]) if files else None
     per_rel = {r: v for part in done[len(files):] for r, v in part.items()}
@@ -266,14 +337,17 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
     table = []
     for rel in rels:
         n_inst, distinct = ranges.get(rel, (0, 0))
+        r_inst, r_distinct = file_ranges[rel] if file_ranges is not None else (n_inst, distinct)
         c = conn.get(rel, (float("nan"), float("nan"), 0))
         sim, conc = per_rel[rel]
         table.append({"run_id": run_id, "relation_id": rel, "relation_name": metrics[rel].get("relation_name"),
                       "f1": float(metrics[rel]["f1"]), "n_queries": int(metrics[rel]["n_queries"]),
-                      "n_instances": n_inst, "output_range": float(distinct),
-                      "output_range_ratio": distinct / n_inst if n_inst else float("nan"),
+                      "n_instances": n_inst, "output_range": float(r_distinct),
+                      "output_range_ratio": r_distinct / r_inst if r_inst else float("nan"),
+                      "output_range_instances": r_inst, "output_range_source": range_source,
                       "connectivity": c[0], "connectivity_coverage": c[1], "connectivity_covered": c[2],
-                      "tfidf_similarity": sim, "head_concentration": conc})
+                      "tfidf_similarity": sim, "head_concentration": conc,
+                      "head_concentration_method": concentration})
     rel_table = pa.Table.from_pylist(table)
     f1 = [r["f1"] for r in table]
     covered = sum(r["connectivity_covered"] for r in table)
@@ -286,8 +360,24 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
         corr.append({"run_id": run_id, "predictor": name, "n": int(stat["n"]),
                      **{k: v for k, v in stat.items() if k != "n"},
                      "coverage": coverage if name == "connectivity" else float("nan"),
-                     "kb": ",".join(os.path.basename(f) for f in graph.files) if graph and name == "connectivity" else None})
+                     "kb": ",".join(os.path.basename(f) for f in graph.files) if graph and name == "connectivity" else None,
+                     "definition": (concentration if name == "head_concentration" else
+                                    output_range if name.startswith("output_range") else None)})
     return PredictorResult(run_id, rel_table, pa.Table.from_pylist(corr), graph.files if graph else (), coverage)
+
+
+def _concentration_column(store: Store, run_id: str, concentration: str) -> str:
+    """The ``head_scores`` column the concentration reads; one error line when the run lacks it."""
+    if concentration == "gold-signed":
+        return "score"
+    cols = store.sql("SELECT * FROM head_scores LIMIT 0").column_names if "head_scores" in store.table_files() else []
+    have = "pred_abs_score" in cols and store.sql(
+        f"SELECT count(pred_abs_score) AS n FROM head_scores WHERE run_id = '{sql_quote(run_id)}'").column("n")[0].as_py()
+    if not have:
+        raise QueryError(f"probe run {run_id} was stored before per-predicted-class head scores "
+                         "(head_scores.pred_abs_score): re-run the probe, or use --concentration gold-signed (the "
+                         "gold-label signed version, which is what this run has)")
+    return "pred_abs_score"
 
 
 def _cond(where: str | None) -> str:
@@ -317,7 +407,7 @@ def _rows_task(store: str | Store, segments: tuple[int, ...], where: str | None)
 
 def _relations_or_graph_task(store: str | Store, run_id: str, where: str | None, kind: str, what: tuple[str, ...], *,
                              terms: list[str], idf: np.ndarray, share: float, direction: str,
-                             wanted: frozenset[str]) -> Any:
+                             wanted: frozenset[str], score_col: str = "score") -> Any:
     """One task: ``{relation: (TF-IDF similarity, HeadScore concentration)}`` for the relations
     ``what``, or for ``kind="kg"`` the graph file ``what[0]`` cut down to the ``wanted`` entities
     (properties, entities present, triples read)."""
@@ -331,8 +421,9 @@ def _relations_or_graph_task(store: str | Store, run_id: str, where: str | None,
     listed = ", ".join(f"'{sql_quote(r)}'" for r in what)
     ex = run_sql(st, f"SELECT relation_id, text FROM examples WHERE relation_id IN ({listed}) AND {_cond(where)} "
                      "ORDER BY example_id", con)
-    hs = run_sql(st, f"SELECT relation_id, score FROM head_scores WHERE run_id = '{sql_quote(run_id)}' "
-                     f"AND relation_id IN ({listed})", con)
+    only = " AND pred_n > 0" if score_col == "pred_abs_score" else ""  # never-predicted relations: no scores
+    hs = run_sql(st, f"SELECT relation_id, {score_col} AS score FROM head_scores WHERE run_id = '{sql_quote(run_id)}' "
+                     f"AND relation_id IN ({listed}){only}", con)
     con.close()
     ex_rel = np.asarray(ex.column("relation_id").to_pylist(), dtype=object)
     texts = [str(x or "") for x in ex.column("text").to_pylist()]

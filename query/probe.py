@@ -37,10 +37,18 @@ import torch
 
 from actstore.errors import QueryError
 from actstore.store import Store
-from query.attribution import TOKEN_KINDS, TokenGeometry, contrast_coefficients, token_scores, unit_scores
+from query.attribution import (
+    DEFAULT_CONTRAST,
+    TOKEN_KINDS,
+    TokenGeometry,
+    check_contrast,
+    contrast_coefficients,
+    token_scores,
+    unit_scores,
+)
 from query.episodes import EpisodeSet, sample_seeds
 from query.features import FeatureSpec
-from query.relspec import gather_standardized, select_features
+from query.relspec import Selected, gather_standardized, select_features
 
 PROBE_KINDS = ("attn_head", "attn", "attn_entity", "mlp", "mlp_group", "resid", "z")
 
@@ -202,6 +210,8 @@ class ProbeConfig:
     memory_mb: int = 1024
     threads: int = 1  # torch CPU threads during the run; 0 = leave torch's setting
     train_batch: int = 2  # episodes per training tensor problem (small is fastest on CPU caches)
+    relspec: bool = True  # False: every feature, the same standardisation and training (the baseline)
+    contrast: str = DEFAULT_CONTRAST  # reading of dW: "renormalised" (ours) or "seed" (query.attribution)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -233,6 +243,9 @@ class ProbeOutput:
     hs_sum: np.ndarray  # [R, U] head scores summed over predictions, per gold relation
     hs_abs: np.ndarray  # [R, U] sum of |head score|
     hs_n: np.ndarray  # [R]
+    hsp_sum: np.ndarray | None = None  # [R, U] the same per *predicted* relation (no labels needed)
+    hsp_abs: np.ndarray | None = None  # [R, U] sum of |head score| per predicted relation
+    hsp_n: np.ndarray | None = None  # [R] predictions of each relation
     token_rows: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     started: float = 0.0
@@ -252,7 +265,8 @@ class ProbeOutput:
         c = self.config
         lo, hi = self.ci95
         return {"run_id": self.run_id, "kind": c.kind, "n_way": c.n_way, "k_shot": c.k_shot, "queries": c.queries,
-                "episodes": len(self.episodes), "seeds": list(c.seeds), "accuracy": round(self.accuracy, 6),
+                "episodes": len(self.episodes), "seeds": list(c.seeds), "relspec": c.relspec, "contrast": c.contrast,
+                "accuracy": round(self.accuracy, 6),
                 "ci95": [round(lo, 6), round(hi, 6)], "rows": int(self.example_ids.size),
                 "relations": len(self.episodes.relations), "mean_selected_features": float(self.n_selected.mean()),
                 "seconds": round(self.seconds, 2),
@@ -298,6 +312,7 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         raise QueryError("--top-k and --epochs must be positive and --lr above 0")
     if cfg.token_scores not in ("none", "errors", "all"):
         raise QueryError(f"token scores must be none, errors or all (got {cfg.token_scores!r})")
+    check_contrast(cfg.contrast)
     ep = episodes or sample_seeds(fm.labels, n_way=cfg.n_way, k_shot=cfg.k_shot, queries=cfg.queries,
                                   episodes=cfg.episodes, seeds=cfg.seeds)
     n, k, q = ep.n_way, ep.k_shot, ep.queries
@@ -316,10 +331,11 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
     hs_sum = torch.zeros((R, U), dtype=torch.float64)
     hs_abs = torch.zeros((R, U), dtype=torch.float64)
     hs_n = torch.zeros(R, dtype=torch.float64)
+    hsp_sum, hsp_abs, hsp_n = torch.zeros_like(hs_sum), torch.zeros_like(hs_abs), torch.zeros_like(hs_n)
     pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (episode, query, p, centering per layer)
     token_rows: list[dict[str, Any]] = []
     pending_limit = max(1, cfg.memory_mb * 2**20 // 2)
-    B = _chunk_size(n, k, q, fm.n_features, cfg.top_k, cfg.memory_mb)
+    B = _chunk_size(n, k, q, fm.n_features, cfg.top_k if cfg.relspec else fm.n_features, cfg.memory_mb)
     from tqdm import tqdm
 
     bar = tqdm(total=E, desc=f"probe {fm.kind} {n}-way {k}-shot", unit="ep", disable=not progress, file=sys.stderr)
@@ -328,7 +344,7 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         sup = torch.from_numpy(ep.support[lo:hi])
         qry = torch.from_numpy(ep.query[lo:hi])
         clock.lap("features")
-        sel = select_features(fm.data[sup].to(torch.float32), n, k, cfg.top_k)
+        sel = select_or_all(fm.data[sup].to(torch.float32), n, k, cfg)
         clock.lap("select")
         xs = gather_standardized(fm.data, sup, sel)
         xq = gather_standardized(fm.data, qry, sel)
@@ -345,15 +361,15 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         n_sel[lo:hi] = sel.counts.numpy()
         pred_all[lo:hi] = pred.numpy()
         prob_all[lo:hi] = probs.gather(2, pred[..., None])[..., 0].numpy()
-        dW = torch.einsum("bfc,bqc->bqf", W, contrast_coefficients(probs, pred))  # [B, Q, Fm]
+        dW = torch.einsum("bfc,bqc->bqf", W, contrast_coefficients(probs, pred, cfg.contrast))  # [B, Q, Fm]
         units = torch.where(sel.valid, sel.index // usize, torch.full_like(sel.index, U))
         hs = unit_scores(dW * xq, units, U)  # [B, Q, U]
         total_all[lo:hi] = hs.sum(-1).numpy()
         gold = torch.from_numpy(ep.classes[lo:hi][:, ep.query_labels]).reshape(-1)  # relation index per prediction
+        predicted = torch.gather(torch.from_numpy(ep.classes[lo:hi]), 1, pred).reshape(-1)
         hs_flat = hs.reshape(-1, U).to(torch.float64)
-        hs_sum.index_add_(0, gold, hs_flat)
-        hs_abs.index_add_(0, gold, hs_flat.abs())
-        hs_n.index_add_(0, gold, torch.ones(gold.numel(), dtype=torch.float64))
+        accumulate_head_scores(hs_flat, gold, hs_sum, hs_abs, hs_n)
+        accumulate_head_scores(hs_flat, predicted, hsp_sum, hsp_abs, hsp_n)
         clock.lap("headscore")
         if geo is not None:
             pick = (pred != yq[None]) if cfg.token_scores == "errors" else torch.ones_like(pred, dtype=torch.bool)
@@ -383,7 +399,32 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         episodes=ep, example_ids=fm.example_ids, labels=fm.labels, relation_names=names,
         unit_layer=unit_layer, unit_head=unit_head, episode_accuracy=acc, n_selected=n_sel, pred=pred_all,
         prob=prob_all, head_total=total_all, hs_sum=hs_sum.numpy(), hs_abs=hs_abs.numpy(), hs_n=hs_n.numpy(),
-        token_rows=token_rows, seconds=time.time() - started, started=started, timings=clock.laps)
+        hsp_sum=hsp_sum.numpy(), hsp_abs=hsp_abs.numpy(), hsp_n=hsp_n.numpy(), token_rows=token_rows, seconds=time.time() - started, started=started, timings=clock.laps)
+
+
+def accumulate_head_scores(hs: torch.Tensor, relation: torch.Tensor, sums: torch.Tensor, abs_sums: torch.Tensor,
+                           counts: torch.Tensor) -> None:
+    """Add each prediction's head scores ``hs`` [P, U] (and their magnitudes) to the row of its ``relation``
+    [P] (an index into the run's relations: the gold one, or the predicted one)."""
+    sums.index_add_(0, relation, hs)
+    abs_sums.index_add_(0, relation, hs.abs())
+    counts.index_add_(0, relation, torch.ones(relation.numel(), dtype=counts.dtype))
+
+
+def all_features(xs: torch.Tensor) -> Selected:
+    """The no-RelSpec baseline: every feature of support sets ``xs`` [B, S, F], with the support mean
+    and population standard deviation (1 where constant) that RelSpec's standardisation uses."""
+    B, _, F = xs.shape
+    mean = xs.mean(1)
+    std = (xs - mean[:, None]).square().mean(1).sqrt()
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    index = torch.arange(F).expand(B, F).contiguous()
+    return Selected(index, torch.ones((B, F), dtype=torch.bool), mean, std)
+
+
+def select_or_all(xs: torch.Tensor, n_way: int, k_shot: int, cfg: ProbeConfig) -> Selected:
+    """RelSpec's features for each support set, or every feature with ``relspec=False``."""
+    return select_features(xs, n_way, k_shot, cfg.top_k) if cfg.relspec else all_features(xs)
 
 
 class _Clock:
@@ -429,7 +470,8 @@ def probe_tables(out: ProbeOutput) -> dict[str, pa.Table]:
     runs = pa.table({
         "run_id": [rid], "kind": [c.kind], "selection": [c.where], "layers": [_ints(c.layers)], "heads": [_ints(c.heads)],
         "groups": pa.array([c.groups], pa.int32()), "n_way": [c.n_way], "k_shot": [c.k_shot], "queries": [c.queries],
-        "episodes": [len(ep)], "seeds": [_ints(c.seeds)], "top_k": [c.top_k], "epochs": [c.epochs], "lr": [c.lr],
+        "episodes": [len(ep)], "seeds": [_ints(c.seeds)], "top_k": [c.top_k], "relspec": [c.relspec],
+        "contrast": [c.contrast], "epochs": [c.epochs], "lr": [c.lr],
         "rows": [int(out.example_ids.size)], "relations": [len(ep.relations)],
         "mean_selected_features": [float(out.n_selected.mean())], "accuracy": [out.accuracy],
         "ci95_low": [lo], "ci95_high": [hi], "seconds": [out.seconds], "started": [out.started],
@@ -452,15 +494,23 @@ def probe_tables(out: ProbeOutput) -> dict[str, pa.Table]:
     metrics = metrics.add_column(0, "run_id", pa.array([rid] * metrics.num_rows))
     metrics = metrics.append_column("relation_name", pa.array([out.relation_names.get(r) for r in
                                                                metrics.column("relation_id").to_pylist()]))
-    seen = np.flatnonzero(out.hs_n > 0)  # relations with at least one query prediction
+    seen = np.flatnonzero(out.hs_n > 0)  # relations with at least one query (every predicted one is among them)
     R, U = seen.size, out.hs_sum.shape[1]
     n = out.hs_n[seen][:, None]
-    heads = pa.table({
+    cols: dict[str, Any] = {
         "run_id": [rid] * (R * U), "relation_id": np.repeat(rel[seen], U),
         "layer": np.tile(out.unit_layer, R), "head": np.tile(out.unit_head, R),
         "score": (out.hs_sum[seen] / n).reshape(-1), "abs_score": (out.hs_abs[seen] / n).reshape(-1),
         "n": np.repeat(out.hs_n[seen].astype(np.int64), U),
-    })
+    }
+    if out.hsp_sum is not None and out.hsp_abs is not None and out.hsp_n is not None:
+        # per *predicted* relation (0 where the relation was never predicted; pred_n says so)
+        pn = out.hsp_n[seen][:, None]
+        safe = np.where(pn > 0, pn, 1.0)
+        cols.update(pred_score=(out.hsp_sum[seen] / safe).reshape(-1),
+                    pred_abs_score=(out.hsp_abs[seen] / safe).reshape(-1),
+                    pred_n=np.repeat(out.hsp_n[seen].astype(np.int64), U))
+    heads = pa.table(cols)
     tables = {"probe_runs": runs, "probe_episodes": episodes, "probe_predictions": predictions,
               "relation_metrics": metrics, "head_scores": heads}
     if out.token_rows:
@@ -507,7 +557,7 @@ def run_reference(fm: FeatureMatrix, ep: EpisodeSet, cfg: ProbeConfig) -> tuple[
     accs, preds, probs = [], [], []
     for e in range(len(ep)):
         sup = torch.from_numpy(ep.support[e:e + 1])
-        sel = select_features(fm.data[sup].to(torch.float32), ep.n_way, ep.k_shot, cfg.top_k)
+        sel = select_or_all(fm.data[sup].to(torch.float32), ep.n_way, ep.k_shot, cfg)
         xs = gather_standardized(fm.data, sup, sel)[0]
         xq = gather_standardized(fm.data, torch.from_numpy(ep.query[e:e + 1]), sel)[0]
         W, b = train_reference(xs, ysup, ep.n_way, epochs=cfg.epochs, lr=cfg.lr)

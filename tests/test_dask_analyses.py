@@ -222,7 +222,9 @@ def test_predictors_equal_single_pass_functions(probe_run: tuple[Path, str], kg_
     rows = _instances(store, None)  # the probe ran over the whole store (no where)
     ranges = output_ranges(rows)
     conn = connectivity(rows, KnowledgeGraph.load(kg_files))
-    hs = store.sql(f"SELECT relation_id, score FROM head_scores WHERE run_id = '{rid}'").to_pandas()
+    # the default concentration: each relation's predicted rows, mean |HeadScore| per unit (pred_abs_score)
+    hs = store.sql(f"SELECT relation_id, pred_abs_score AS score FROM head_scores WHERE run_id = '{rid}' "
+                   "AND pred_n > 0").to_pandas()
     assert len(rel) == N_RELATIONS
     for name, r in rel.items():
         assert (r["n_instances"], r["output_range"]) == (ranges[name][0], ranges[name][1])
