@@ -219,7 +219,13 @@ def lens(store_path: str, where: str | None, correct_only: bool, train_fraction:
         train, held = None, ids
     else:
         train, held = split_facts(ids, train_fraction, seed)
-    study, tuned = lens_study(s, held, train, method=tuned_method, seed=seed, train_config=config)
+    def progress(step: int, loss: float) -> None:
+        if step == 1 or step % 25 == 0 or step == config.steps:
+            click.echo(f"tuned lens ({tuned_method}): step {step}/{config.steps}, sum of per-index KL {loss:.4f}, "
+                       f"{time.time() - started:.0f} s", err=True)
+
+    study, tuned = lens_study(s, held, train, method=tuned_method, seed=seed, train_config=config,
+                              progress=None if as_json else progress)
     summary = study.summary()
     final_match = float((study.logit.top[:, -1] == study.final_top).mean())
     method = None if no_tuned else tuned_method
@@ -242,7 +248,8 @@ def lens(store_path: str, where: str | None, correct_only: bool, train_fraction:
                                     f"{s.manifest.model.get('name')}: {study.example_ids.size} held-out facts")))
     training: dict[str, Any] = {}
     if tuned is not None and method != "ridge":
-        training = {k: tuned.info[k] for k in ("rows", "loss_first", "loss_last", "train_kl_logit", "train_kl_tuned")}
+        training = {k: tuned.info[k] for k in ("rows", "loss_first", "loss_last", "seconds", "train_kl_logit",
+                                               "train_kl_tuned")}
     out = {"store": s.url, "run_id": run_id, "n_eval": int(study.example_ids.size), "n_train": int(study.train_ids.size),
            "final_index_matches_model": final_match, "tuned_method": method, "tuned_config": tuned_config,
            "tuned_training": training, "ridge_alphas": study.alphas, "per_index": summary,

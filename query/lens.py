@@ -32,7 +32,7 @@ from the translators' training.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -295,12 +295,14 @@ def stored_residuals(store: Any, example_ids: Sequence[int] | np.ndarray) -> tup
 
 def lens_study(store: Any, eval_ids: Sequence[int] | np.ndarray, train_ids: Sequence[int] | np.ndarray | None, *,
                method: str = "adam", alphas: Sequence[float] = ALPHAS, seed: int = 0,
-               train_config: TrainConfig | None = None) -> tuple[LensStudy, TunedLens | None]:
+               train_config: TrainConfig | None = None,
+               progress: Callable[[int, float], None] | None = None) -> tuple[LensStudy, TunedLens | None]:
     """Logit lens on ``eval_ids``; with ``train_ids``, a tuned lens fit on them and read on ``eval_ids``.
 
     ``method``: ``adam`` or ``sgd`` (trained on the KL; ``train_config`` a
     :class:`query.tuned_lens.TrainConfig`, its optimizer and seed replaced by ``method`` and
-    ``seed``) or ``ridge`` (closed form, ``alphas``)."""
+    ``seed``; ``progress`` as in :func:`query.tuned_lens.train_tuned_lens`) or ``ridge`` (closed
+    form, ``alphas``)."""
     from dataclasses import replace
 
     from query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
@@ -324,7 +326,7 @@ def lens_study(store: Any, eval_ids: Sequence[int] | np.ndarray, train_ids: Sequ
             lens = TunedLens.fit_ridge(tr_resid, alphas, seed)
         else:
             lens = train_tuned_lens(readout, tr_resid, replace(train_config or TrainConfig(), optimizer=method,
-                                                               seed=seed))
+                                                               seed=seed), progress=progress)
             lens.info["train_kl_logit"] = kl_per_index(readout, tr_resid).tolist()
             lens.info["train_kl_tuned"] = kl_per_index(readout, tr_resid, lens).tolist()
         tuned_reading = read_objects(readout, lens.translate(resid), obj)

@@ -32,7 +32,8 @@ chunks of ``chunk_elements / V`` so that memory stays bounded for large vocabula
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -154,8 +155,12 @@ def _batches(n: int, batch: int, steps: int, seed: int) -> Iterator[torch.Tensor
 
 
 def train_tuned_lens(readout: FinalReadout, resid: np.ndarray | torch.Tensor, config: TrainConfig | None = None,
-                     mask: np.ndarray | torch.Tensor | None = None) -> TunedLens:
-    """Translators for indices 0..L-1 trained on rows ``resid`` [n, L+1, d] (``mask`` [n]: rows to use)."""
+                     mask: np.ndarray | torch.Tensor | None = None,
+                     progress: Callable[[int, float], None] | None = None) -> TunedLens:
+    """Translators for indices 0..L-1 trained on rows ``resid`` [n, L+1, d] (``mask`` [n]: rows to use).
+
+    ``progress(step, loss)`` is called after every step (loss: the sum over indices of the mean KL)."""
+    started = time.time()
     cfg = config or TrainConfig()
     cfg.check()
     x = _rows(resid, mask)
@@ -197,10 +202,12 @@ def train_tuned_lens(readout: FinalReadout, resid: np.ndarray | torch.Tensor, co
         opt.step()
         sched.step()
         losses.append(step_loss)
+        if progress is not None:
+            progress(len(losses), step_loss)
     D = torch.stack([a.detach() for a in A]).cpu()
     bias = torch.stack([c.detach() for c in b]).cpu()
     info = {"config": cfg.describe(), "rows": int(n), "loss_first": losses[0], "loss_last": losses[-1],
-            "loss_per_step": losses}
+            "loss_per_step": losses, "seconds": round(time.time() - started, 2)}
     return TunedLens(D, bias, method=cfg.optimizer, info=info)
 
 

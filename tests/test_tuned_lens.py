@@ -133,7 +133,9 @@ def test_translators_match_an_independent_gradient_descent_loop(data: str, optim
 def test_kl_falls_below_the_logit_lens(store_factory: Callable[..., Path]) -> None:
     store, resid = _store_rows(store_factory, "llama")
     readout = FinalReadout.from_store(store)
-    lens = train_tuned_lens(readout, resid)
+    calls: list[tuple[int, float]] = []
+    lens = train_tuned_lens(readout, resid, progress=lambda step, loss: calls.append((step, loss)))
+    assert calls == list(enumerate(lens.info["loss_per_step"], start=1)) and len(calls) == 250
     identity = kl_per_index(readout, resid)
     tuned = kl_per_index(readout, resid, lens)
     L = resid.shape[1] - 1
@@ -259,6 +261,7 @@ def test_cli_lens_methods(store_factory: Callable[..., Path]) -> None:
     text = runner.invoke(main, ["lens", "--store", str(path), "--train-fraction", "0.6", "--tuned-steps", "5",
                                 "--no-write"])
     assert text.exit_code == 0 and "tuned lens: adam, 5 steps" in text.output and "tuned KL" in text.output
+    assert "tuned lens (adam): step 5/5" in text.output  # progress on stderr
     bad = runner.invoke(main, ["lens", "--store", str(path), "--tuned", "newton"])
     assert bad.exit_code != 0 and "newton" in bad.output
     bad = runner.invoke(main, ["lens", "--store", str(path), "--tuned-steps", "0"])
