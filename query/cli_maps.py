@@ -4,7 +4,8 @@ maps-dynamic`` (scores from stored head outputs, and their correlation with the 
 Both write their results as store tables (one file per run) unless ``--no-write``:
 
     maps_scores       relation, layer, head, kv_head, score, suppression, implements, suppresses, k, ...
-    maps_relations    per relation: pairs used, multi-token and unknown counts, heads implementing R
+    maps_relations    per relation: k, pairs used, multi-token and unknown counts, heads implementing R
+    maps_excluded     relations left out for having fewer usable pairs than --min-pairs, with their counts
     maps_salient      layer, head, rank, token, sigma, mapped_tokens
     maps_dynamic      relation, template, layer, head, static_score, dyn_w_context, dyn_wo_context, ...
     maps_correlation  per relation: Pearson r (and p) static vs dynamic, with and without context

@@ -14,6 +14,11 @@ neutral contexts such as "This is a document about {}") and each head (l, h):
   last position, downstream activations left clean), and the store holds V of every token,
   so it needs no new run.
 
+Which prompts and relations: the command line applies the authors' pair policy through
+:func:`usable_prompts` (only prompts whose subject and object are one token each, relations with at
+least 30 usable pairs, each relation at its own k); :func:`dynamic_ranks` itself ranks the prompts
+it is given.
+
 The static score used for the correlation is computed on exactly the same pairs: the
 source is the prompt's token at the subject's first position (``source_token="last"`` for
 its last) and the target the first token of " " + object (``targets.object_token_id``).
