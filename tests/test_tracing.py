@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from conftest import FIXTURES
 
 import actstore
+from ingest.architectures import architecture_for as architecture_for_model
 from ingest.interventions import Intervention, InterventionRunner, RunItem
 from ingest.models import tiny_model
 from ingest.patching import ActivationPatcher, PatchConfig, PatchError, PatchPair
@@ -96,11 +97,11 @@ def test_zero_noise_gives_zero_effect(llama_store: Path) -> None:
 
 def test_batched_restorations_equal_one_at_a_time_runs(llama_store: Path) -> None:
     """Many restorations per forward pass (vectorised edits, two facts of different lengths per batch)
-    give what one restoration per forward pass of the plain runner gives."""
+    give what one restoration per forward pass of the plain runner gives (the full-recomputation runner)."""
     store = actstore.open(llama_store)
     facts = stored_facts(store, correct_only=False, limit=2)
     assert facts[0].n_tokens != facts[1].n_tokens or facts[0].subject_span != facts[1].subject_span
-    cfg = TraceConfig(samples=1, window=2, batch_size=4096)
+    cfg = TraceConfig(samples=1, window=2, batch_size=4096, incremental=False)
     _, batched = _tracer("llama", cfg, noise=0.2)
     _, single = _tracer("llama", replace(cfg, batch_size=1), noise=0.2, grouped=False)
     for a, b in zip(batched.trace(facts), single.trace(facts)):
@@ -212,3 +213,123 @@ def test_cli_fact_whose_subject_is_not_in_its_prompt_exits_with_one_line(tmp_pat
                             "subject_start >= 0", "--samples", "1", "--window", "1", "--no-write", "--quiet", "--json"])
     assert res.exit_code == 0, res.output
     assert sorted(f["example_id"] for f in json.loads(res.stdout)["facts"]) == [r["example_id"] for r in good]
+
+
+# ------------------------------------------------------------------------------------ incremental tracing
+
+SHARP = 0.2  # tiny models' init std: larger than the default 0.02, so that the noise has visible effects
+
+
+def _trace_both(arch: str, facts: list[StoredFact], cfg: TraceConfig, store: Any,
+                incremental_batch: int | None = None) -> tuple[list[Any], list[Any], Any]:
+    """The same trace by the full-recomputation runner and by the incremental one (same model, noise)."""
+    loaded = tiny_model(arch, initializer_range=SHARP)
+    runner = InterventionRunner(loaded.model)
+    std = 3 * subject_embedding_std(loaded.model, store)
+    full = CausalTracer(runner, replace(cfg, incremental=False), std).trace(facts)
+    inc_cfg = replace(cfg, incremental=True, batch_size=incremental_batch or cfg.batch_size)
+    inc = CausalTracer(runner, inc_cfg, std).trace(facts)
+    return full, inc, loaded
+
+
+def _assert_same_effects(full: list[Any], inc: list[Any]) -> None:
+    """Equal within 1e-5 and within 1e-3 of the largest indirect effect (tiny models' effects are small,
+    so the relative bound is what makes the comparison sharp), corrupted baselines included."""
+    assert [r.fact.example_id for r in full] == [r.fact.example_id for r in inc]
+    biggest = 0.0
+    for a, b in zip(full, inc):
+        assert set(a.restored) == set(b.restored)
+        np.testing.assert_allclose(b.p_corrupt_samples, a.p_corrupt_samples, rtol=1e-5, atol=0)
+        assert b.p_clean == pytest.approx(a.p_clean, rel=1e-5)
+        for c in a.restored:
+            ie = np.abs(a.indirect_effect(c)).max()
+            biggest = max(biggest, ie)
+            diff = np.abs(a.restored[c] - b.restored[c]).max()
+            assert diff <= 1e-5 and diff <= 1e-3 * ie, (a.fact.example_id, c, diff, ie)
+    assert biggest > 1e-4  # the noise does move the output: equality is not between two constants
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "qwen2", "gemma3"])
+def test_incremental_tracing_equals_full_recomputation(arch: str, store_factory: Callable[..., Path]) -> None:
+    """Every tiny architecture (Gemma 3: sliding window 4 < the prompts' 18-23 tokens), every component,
+    windows 1, 2 and the whole model, two noise samples, facts of different lengths and subject spans in one
+    call; the incremental batches once one restoration per pass and once hundreds (rows of different start
+    layers and past lengths: left-padded pasts)."""
+    store = actstore.open(store_factory(arch, **STORE_KW))
+    facts = stored_facts(store, correct_only=False, limit=4)
+    assert len({f.n_tokens for f in facts}) > 1
+    L = store.geometry.n_layers
+    for window, inc_batch in ((1, 1), (2, 512), (L, 3)):
+        cfg = TraceConfig(samples=2, window=window, batch_size=16)
+        full, inc, loaded = _trace_both(arch, facts, cfg, store, inc_batch)
+        _assert_same_effects(full, inc)
+    # The layers' forwards and hooks are as they were.
+    for layer in loaded.model.modules():
+        assert "forward" not in layer.__dict__
+        assert not layer._forward_hooks and not layer._forward_pre_hooks
+
+
+def test_incremental_tracing_all_positions_and_one_component(store_factory: Callable[..., Path]) -> None:
+    """Positions before the subject run too (skip_before_subject off); one component at a time; zero noise."""
+    store = actstore.open(store_factory("llama", **STORE_KW))
+    facts = stored_facts(store, correct_only=False, limit=3)
+    assert all(f.subject_span[0] > 0 for f in facts)  # a BOS token: there are positions before the subject
+    for comps in (("mlp",), ("attn", "resid")):
+        cfg = TraceConfig(samples=1, window=2, components=comps, skip_before_subject=False, batch_size=8)
+        full, inc, _ = _trace_both("llama", facts, cfg, store)
+        _assert_same_effects(full, inc)
+        for r in inc:  # before the subject the noise cannot reach: IE ~ 0 without being forced to 0
+            for c in comps:
+                np.testing.assert_allclose(r.indirect_effect(c)[:, :r.fact.subject_span[0]], 0, atol=1e-8)
+    _, tracer = _tracer("llama", TraceConfig(samples=2, window=2), noise=0.0)
+    for r in tracer.trace(facts):
+        for c in r.restored:
+            np.testing.assert_allclose(r.indirect_effect(c), 0, atol=1e-8)
+
+
+def _count_positions(model: Any) -> tuple[list[int], list[Any]]:
+    """Positions x layers computed: every call of a layer's MLP down projection adds its rows x positions."""
+    from ingest.architectures import architecture_for
+
+    count = [0]
+
+    def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+        count[0] += int(args[0].shape[0] * args[0].shape[1])
+
+    return count, [m.register_forward_hook(hook) for m in architecture_for(model).blocks(model).down_proj]
+
+
+@pytest.mark.parametrize("arch,layers,window", [("llama", None, 2), ("gpt2", None, 1), ("llama", 12, 4)])
+def test_incremental_tracing_computes_only_the_changed_positions_and_layers(
+        arch: str, layers: int | None, window: int, store_factory: Callable[..., Path]) -> None:
+    """Counted with hooks, the incremental trace computes exactly: the clean pass and the corrupted passes
+    (T x L each), then for each restoration at (layer l, position p) only the layers from its first changed
+    one (resid: l + 1; mlp/attn: the window's first layer) at positions p..T-1.  The full runner computes
+    T x L for every restoration.  One fact per call, so nothing is padded."""
+    store = actstore.open(store_factory(arch, **STORE_KW))
+    facts = stored_facts(store, correct_only=False, limit=3)
+    loaded = tiny_model(arch, **({"num_hidden_layers": layers} if layers else {}))
+    L = architecture_for_model(loaded.model).geometry(loaded.model).n_layers
+    S = 2
+    cfg = TraceConfig(samples=S, window=window, batch_size=4)
+    runner = InterventionRunner(loaded.model)
+    measured = {}
+    for incremental in (False, True):
+        tracer = CausalTracer(runner, replace(cfg, incremental=incremental), 0.3)
+        count, handles = _count_positions(loaded.model)
+        for f in facts:
+            tracer.trace([f])
+        for h in handles:
+            h.remove()
+        measured[incremental] = count[0]
+    expect_full = expect_inc = 0
+    for f in facts:
+        T, positions = f.n_tokens, range(f.subject_span[0], f.n_tokens)
+        expect_full += T * L + S * (1 + 3 * L * len(positions)) * T * L
+        expect_inc += T * L + S * T * L
+        for layer in range(L):
+            for start in (layer + 1, window_layers(layer, window, L).start, window_layers(layer, window, L).start):
+                expect_inc += S * sum((L - start) * (T - p) for p in positions)
+    assert measured[False] == expect_full
+    assert measured[True] == expect_inc
+    assert measured[False] / measured[True] > (2.5 if L >= 12 else 1.5)
