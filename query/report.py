@@ -339,7 +339,8 @@ def probes_section(ctx: _Ctx) -> Section | None:
                                       f"({100 * float(r['ci95_low']):.2f}–{100 * float(r['ci95_high']):.2f})")
         r["setting"] = f"{r.get('n_way', '?')}-way {r.get('k_shot', '?')}-shot"
     parts.append(html_table(rows, [c for c in ("run_id", "kind", "setting", "episodes", "relations", "rows",
-                                               "mean_selected_features", "accuracy ± 95% CI", "seconds")
+                                               "mean_selected_features", "relspec", "contrast", "accuracy ± 95% CI",
+                                               "seconds")
                                    if c in rows[0] or c in ("setting", "accuracy ± 95% CI")],
                             headers={"mean_selected_features": "features / episode"}))
     if rows and "accuracy" in rows[0]:
