@@ -1,25 +1,29 @@
-"""Causal-tracing throughput: the batched intervention runner against one restoration per forward pass.
+"""Causal-tracing throughput: incremental restorations against today's batched runner, side by side.
 
-One run traces the same facts (same noise samples, same restorations) three ways and reports facts
-per minute for each, side by side:
+One run traces the same facts (same noise samples, same restorations) with each mode and reports
+facts per minute, the positions x layers each computed (counted by hooks on every layer's attention
+output projection and MLP down projection) and the FLOPs they make (those counts times the
+attention's and the MLP's matmul FLOPs per position, plus the LM head of every restoration):
 
-* ``vectorised``  :class:`ingest.tracing.GroupedEditRunner`, ``--batch-size`` corrupted copies per
-                  forward pass, the edits of a hook point applied as one indexed write
-* ``batched``     the shared :class:`ingest.interventions.InterventionRunner` (what the MAPS ablation
-                  uses), same batches, edits applied row by row
-* ``loop``        the shared runner with ``batch_size=1``: one restoration per forward pass, the way a
-                  hook-per-experiment script runs causal tracing
+* ``incremental``  :class:`ingest.tracing.CausalTracer` default: each restoration reuses the corrupted
+                   run (keys/values of the positions before it, the layer inputs below its window)
+                   and runs only layers start..L-1 at positions p..T-1
+* ``batched``      ``TraceConfig(incremental=False)`` with the shared
+                   :class:`ingest.interventions.InterventionRunner` (what ``actstore trace`` ran before
+                   the incremental runner): ``--batch-size`` full corrupted copies per forward pass
+* ``vectorised``   the same with :class:`ingest.tracing.GroupedEditRunner` (edits as one indexed write)
+* ``loop``         the shared runner with ``batch_size=1``, one restoration per forward pass (first fact only)
 
-and checks that the three give the same restored probabilities (max abs difference).  The batched
-modes are timed before and after the loop and the faster of the two runs is kept, so a load change
-on this shared machine during the (long) loop does not favour either side.  Facts come from a small
-store of LRE factual prompts that the model answers correctly (ingested into a temporary folder, or
-``--store``).
+Rounds are interleaved (the mode order alternates each round, so a load change on this shared machine
+does not favour one mode); the best round of each mode is kept and every round's results are checked
+against the batched runner's first (max abs difference of the restored probabilities).  Facts: the
+first ``--facts`` facts the model answers correctly from a small known_1000 store (one per relation),
+ingested into a temporary folder unless ``--store`` is given.
 
-    python benchmarks/bench_tracing.py [--quick] [--model smollm2-135m] [--threads 1] [--json OUT]
+    python benchmarks/bench_tracing.py [--facts 3] [--samples 1] [--rounds 2] [--modes incremental,batched]
+                                       [--model smollm2-135m] [--threads 1] [--json OUT]
 
-``--quick``: 2 facts, 1 noise sample (the loop runs 1 fact).  Default: 3 facts, 2 noise samples
-(the loop runs 1 fact).  Window 10, the three components (residual, MLP, attention) and every
+``--quick``: 2 facts, 1 round.  Window 10, the three components (residual, MLP, attention) and every
 position from the subject's first token on, as ``actstore trace`` runs them.
 """
 
@@ -37,22 +41,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-LRE = REPO.parent / "shared" / "data" / "lre_relations" / "data" / "factual"
-RELATIONS = "country_capital_city,country_language,landmark_on_continent"
+KNOWN = REPO.parent / "shared" / "data" / "known_1000" / "known_1000.json"
+MODES = ("incremental", "batched", "vectorised", "loop")
 
 
-def make_store(model: str, folder: Path) -> Path:
+def make_store(model: str, folder: Path, per_relation: int) -> Path:
     out = folder / "store"
-    cmd = [sys.executable, "-m", "actstore.cli", "ingest", "--model", model, "--dataset", f"lre:{LRE}",
-           "--relations", RELATIONS, "--limit-per-relation", "12", "--out", str(out), "--quiet"]
+    cmd = [sys.executable, "-m", "actstore.cli", "ingest", "--model", model, "--dataset", f"known1000:{KNOWN}",
+           "--limit-per-relation", str(per_relation), "--out", str(out), "--threads", "1", "--quiet"]
     subprocess.run(cmd, check=True, cwd=REPO)
     return out
-
-
-def timed(tracer: Any, facts: list[Any]) -> tuple[list[Any], float]:
-    t0 = time.perf_counter()
-    out = tracer.trace(facts)
-    return out, time.perf_counter() - t0
 
 
 def max_diff(a: list[Any], b: list[Any]) -> float:
@@ -62,14 +60,25 @@ def max_diff(a: list[Any], b: list[Any]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 facts, 1 round.")
+    ap.add_argument("--facts", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=1, help="Noise samples per fact.")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--modes", default="incremental,batched", help=f"Comma-separated, from {', '.join(MODES)}.")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--store", default=None, help="Existing store of the model (default: ingest a small one).")
+    ap.add_argument("--per-relation", type=int, default=2, help="Prompts per relation in the ingested store.")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (part of the measurement).")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or "batched" not in modes:
+        sys.exit(f"error: --modes takes {', '.join(MODES)} and must include batched (the reference), "
+                 f"not {args.modes!r}")
+    n_facts, rounds = (2, 1) if args.quick else (args.facts, args.rounds)
 
     import torch
 
@@ -85,55 +94,104 @@ def main() -> None:
         subject_embedding_std,
     )
 
-    n_facts, n_loop, samples = (2, 1, 1) if args.quick else (3, 1, 2)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp:
-        path = Path(args.store) if args.store else make_store(args.model, Path(tmp))
+        path = Path(args.store) if args.store else make_store(args.model, Path(tmp), args.per_relation)
         store = actstore.open(str(path))
         where = "example_id IN (SELECT min(example_id) FROM examples JOIN targets USING (example_id) " \
-                "WHERE object_rank = 0 GROUP BY relation_id, subject_end - subject_start)"
+                "WHERE object_rank = 0 GROUP BY relation_id)"
         facts = stored_facts(store, where, limit=n_facts)
         if len(facts) < n_facts:
             facts = stored_facts(store, limit=n_facts)
         loaded = load_model(args.model)
-        std = 3 * subject_embedding_std(loaded.model, store)
-        cfg = TraceConfig(samples=samples, window=10, batch_size=args.batch_size)
-        vec = CausalTracer(GroupedEditRunner(loaded.model), cfg, std)
-        bat = CausalTracer(InterventionRunner(loaded.model), cfg, std)
-        loop = CausalTracer(InterventionRunner(loaded.model), replace(cfg, batch_size=1), std)
-        rows = [vec.rows_per_fact(f) for f in facts]
-        vec.trace(facts[:1])  # warm-up (allocator, kernels)
-        v1, tv1 = timed(vec, facts)
-        b1, tb1 = timed(bat, facts)
-        lo, tl = timed(loop, facts[:n_loop])
-        v2, tv2 = timed(vec, facts)
-        b2, tb2 = timed(bat, facts)
-        tv, tb = min(tv1, tv2), min(tb1, tb2)
+        model = loaded.model
+        std = 3 * subject_embedding_std(model, store)
+    cfg = TraceConfig(samples=args.samples, window=10, batch_size=args.batch_size)
+    shared = InterventionRunner(model)
+    tracers = {
+        "incremental": CausalTracer(shared, cfg, std),
+        "batched": CausalTracer(shared, replace(cfg, incremental=False), std),
+        "vectorised": CausalTracer(GroupedEditRunner(model), replace(cfg, incremental=False), std),
+        "loop": CausalTracer(shared, replace(cfg, incremental=False, batch_size=1), std),
+    }
+    arch = shared.arch
+    blocks = arch.blocks(model)
+    count = {"attn": 0, "mlp": 0}
+
+    def counter(kind: str) -> Any:
+        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            count[kind] += int(inputs[0].shape[0] * inputs[0].shape[1])
+
+        return hook
+
+    handles = [m.register_forward_hook(counter("attn")) for m in blocks.out_proj]
+    handles += [m.register_forward_hook(counter("mlp")) for m in blocks.down_proj]
+    g = shared.geometry
+    # FLOPs of one position through one layer's attention (q, k, v, o projections; the scores are
+    # negligible at these lengths) and MLP, and of one restoration's LM head.
+    n_mlp_mats = 3 if hasattr(blocks.layers[0].mlp, "gate_proj") else 2
+    attn_flops = 2 * (2 * g.d_model * g.n_heads * g.d_head + 2 * g.d_model * g.n_kv_heads * g.d_head)
+    mlp_flops = 2 * n_mlp_mats * g.d_model * g.d_mlp
+    head_flops = 2 * g.vocab_size * g.d_model
+    rows_per_fact = [tracers["batched"].rows_per_fact(f) for f in facts]
+
+    tracers["incremental"].trace(facts[:1])  # warm-up (allocator, kernels)
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
+    positions: dict[str, dict[str, int]] = {}
+    results: dict[str, list[list[Any]]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            todo = facts[:1] if mode == "loop" else facts
+            count.update(attn=0, mlp=0)
+            t0 = time.perf_counter()
+            results[mode].append(tracers[mode].trace(todo))
+            seconds[mode].append(time.perf_counter() - t0)
+            positions[mode] = dict(count)
+    ref = results["batched"][0]  # every round of every mode against the reference's first round
+    diffs = {m: max(max_diff(ref[:len(out)], out) for out in results[m]) for m in modes}
+    for h in handles:
+        h.remove()
+    load_after = os.getloadavg()
 
     def rate(n: int, s: float) -> float:
         return 60 * n / s
 
     res: dict[str, Any] = {
-        "model": args.model, "threads": args.threads, "samples": samples, "window": 10, "batch_size": args.batch_size,
-        "facts": len(facts), "tokens_per_fact": [f.n_tokens for f in facts], "forward_rows_per_fact": rows,
-        "vectorised": {"facts": len(facts), "seconds": [tv1, tv2], "facts_per_minute": rate(len(facts), tv)},
-        "batched": {"facts": len(facts), "seconds": [tb1, tb2], "facts_per_minute": rate(len(facts), tb)},
-        "loop": {"facts": n_loop, "seconds": tl, "facts_per_minute": rate(n_loop, tl)},
-        "max_abs_diff_vectorised_vs_loop": max_diff(v1[:n_loop], lo),
-        "max_abs_diff_batched_vs_loop": max_diff(b1[:n_loop], lo),
-        "max_abs_diff_repeat": max_diff(v1, v2),
-        "load_average": list(os.getloadavg()),
+        "date": time.strftime("%Y-%m-%d"), "model": args.model, "threads": args.threads, "samples": args.samples,
+        "window": 10, "batch_size": args.batch_size, "rounds": rounds, "facts": len(facts),
+        "tokens_per_fact": [f.n_tokens for f in facts], "subject_spans": [list(f.subject_span) for f in facts],
+        "restorations_per_fact": rows_per_fact, "load_average_before": list(load_before),
+        "load_average_after": list(load_after), "uptime": subprocess.run(["uptime"], capture_output=True,
+                                                                         text=True).stdout.strip(),
     }
-    loop_rate = res["loop"]["facts_per_minute"]
-    res["speedup_vectorised_vs_loop"] = res["vectorised"]["facts_per_minute"] / loop_rate
-    res["speedup_batched_vs_loop"] = res["batched"]["facts_per_minute"] / loop_rate
-    print(f"{args.model}, {len(facts)} facts ({sum(rows) / len(rows):.0f} forward rows each: {samples} noise "
-          f"sample(s) x (1 + 3 components x layers x positions)), {args.threads} thread(s), batch {args.batch_size}")
-    for k in ("vectorised", "batched", "loop"):
-        print(f"  {k:<11} {res[k]['facts_per_minute']:8.2f} facts/min  ({res[k]['facts']} facts)")
-    print(f"  speedup vs loop: vectorised {res['speedup_vectorised_vs_loop']:.1f}x, "
-          f"batched {res['speedup_batched_vs_loop']:.1f}x; max |diff| vs loop "
-          f"{res['max_abs_diff_vectorised_vs_loop']:.2e} / {res['max_abs_diff_batched_vs_loop']:.2e}; "
-          f"load {res['load_average'][0]:.1f}")
+    for mode in modes:
+        n = 1 if mode == "loop" else len(facts)
+        rows = rows_per_fact[0] if mode == "loop" else sum(rows_per_fact)
+        pos = positions[mode]
+        flops = pos["attn"] * attn_flops + pos["mlp"] * mlp_flops + rows * head_flops
+        res[mode] = {"facts": n, "seconds": seconds[mode], "facts_per_minute": rate(n, min(seconds[mode])),
+                     "attn_positions_x_layers_per_fact": pos["attn"] / n,
+                     "mlp_positions_x_layers_per_fact": pos["mlp"] / n, "gflop_per_fact": flops / n / 1e9,
+                     "max_abs_diff_vs_batched": diffs[mode]}
+    base = res["batched"]
+    for mode in modes:
+        if mode != "batched":
+            res[mode]["speedup_vs_batched"] = res[mode]["facts_per_minute"] / base["facts_per_minute"]
+            res[mode]["flop_ratio_batched_over_this"] = base["gflop_per_fact"] / res[mode]["gflop_per_fact"]
+    print(f"{args.model}, {len(facts)} facts ({', '.join(str(f.n_tokens) for f in facts)} tokens; "
+          f"{sum(rows_per_fact) / len(rows_per_fact):.0f} restorations each: {args.samples} noise sample(s) x "
+          f"(1 + 3 components x layers x positions)), window 10, {args.threads} thread(s), batch {args.batch_size}, "
+          f"{rounds} interleaved round(s), best kept")
+    for mode in modes:
+        m = res[mode]
+        extra = f"  max |diff| {m['max_abs_diff_vs_batched']:.1e}" if mode == "batched" else (
+            f"  {m['speedup_vs_batched']:.2f}x faster, {m['flop_ratio_batched_over_this']:.2f}x fewer FLOPs, "
+            f"max |diff| {m['max_abs_diff_vs_batched']:.1e}")
+        print(f"  {mode:<11} {m['facts_per_minute']:7.2f} facts/min  {m['gflop_per_fact']:8.0f} GFLOP/fact  "
+              f"{m['attn_positions_x_layers_per_fact']:7.0f} / {m['mlp_positions_x_layers_per_fact']:7.0f} "
+              f"attn / mlp positions x layers/fact  "
+              f"rounds {', '.join(f'{s:.1f}' for s in m['seconds'])} s{extra}")
+    print(f"  {res['uptime']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1))
 

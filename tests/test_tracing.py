@@ -287,16 +287,22 @@ def test_incremental_tracing_all_positions_and_one_component(store_factory: Call
             np.testing.assert_allclose(r.indirect_effect(c), 0, atol=1e-8)
 
 
-def _count_positions(model: Any) -> tuple[list[int], list[Any]]:
-    """Positions x layers computed: every call of a layer's MLP down projection adds its rows x positions."""
+def _count_positions(model: Any) -> tuple[dict[str, int], list[Any]]:
+    """Positions x layers computed, per block: every call of a layer's attention output projection ("attn")
+    or MLP down projection ("mlp") adds its rows x positions."""
     from ingest.architectures import architecture_for
 
-    count = [0]
+    count = {"attn": 0, "mlp": 0}
 
-    def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
-        count[0] += int(args[0].shape[0] * args[0].shape[1])
+    def hook(kind: str) -> Callable[..., None]:
+        def add(module: Any, args: tuple[Any, ...], output: Any) -> None:
+            count[kind] += int(args[0].shape[0] * args[0].shape[1])
 
-    return count, [m.register_forward_hook(hook) for m in architecture_for(model).blocks(model).down_proj]
+        return add
+
+    blocks = architecture_for(model).blocks(model)
+    return count, ([m.register_forward_hook(hook("attn")) for m in blocks.out_proj]
+                   + [m.register_forward_hook(hook("mlp")) for m in blocks.down_proj])
 
 
 @pytest.mark.parametrize("arch,layers,window", [("llama", None, 2), ("gpt2", None, 1), ("llama", 12, 4)])
@@ -304,10 +310,11 @@ def test_incremental_tracing_computes_only_the_changed_positions_and_layers(
         arch: str, layers: int | None, window: int, store_factory: Callable[..., Path]) -> None:
     """Counted with hooks, the incremental trace computes exactly: the clean pass and the corrupted passes
     (T x L each), then for each restoration at (layer l, position p) only the layers from its first changed
-    one (resid: l + 1; mlp/attn: the window's first layer) at positions p..T-1.  The full runner computes
-    T x L for every restoration.  One fact per call, so nothing is padded."""
+    one (resid: l + 1; mlp/attn: the window's first layer) at positions p..T-1, the last layer's MLP at the
+    last position only.  The full runner computes T x L for every restoration.  One fact per call, so
+    nothing is padded."""
     store = actstore.open(store_factory(arch, **STORE_KW))
-    facts = stored_facts(store, correct_only=False, limit=3)
+    facts = stored_facts(store, correct_only=False, limit=2 if layers else 3)
     loaded = tiny_model(arch, **({"num_hidden_layers": layers} if layers else {}))
     L = architecture_for_model(loaded.model).geometry(loaded.model).n_layers
     S = 2
@@ -321,15 +328,18 @@ def test_incremental_tracing_computes_only_the_changed_positions_and_layers(
             tracer.trace([f])
         for h in handles:
             h.remove()
-        measured[incremental] = count[0]
-    expect_full = expect_inc = 0
+        measured[incremental] = count
+    full = attn = mlp = 0
     for f in facts:
         T, positions = f.n_tokens, range(f.subject_span[0], f.n_tokens)
-        expect_full += T * L + S * (1 + 3 * L * len(positions)) * T * L
-        expect_inc += T * L + S * T * L
+        full += T * L + S * (1 + 3 * L * len(positions)) * T * L
+        attn += T * L + S * T * L
+        mlp += T * L + S * T * L
         for layer in range(L):
             for start in (layer + 1, window_layers(layer, window, L).start, window_layers(layer, window, L).start):
-                expect_inc += S * sum((L - start) * (T - p) for p in positions)
-    assert measured[False] == expect_full
-    assert measured[True] == expect_inc
-    assert measured[False] / measured[True] > (2.5 if L >= 12 else 1.5)
+                if start < L:
+                    attn += S * sum((L - start) * (T - p) for p in positions)
+                    mlp += S * sum((L - 1 - start) * (T - p) + 1 for p in positions)
+    assert measured[False] == {"attn": full, "mlp": full}
+    assert measured[True] == {"attn": attn, "mlp": mlp}
+    assert 2 * full / (attn + mlp) > (3 if L >= 12 else 1.5)
