@@ -21,7 +21,7 @@ first ``--facts`` facts the model answers correctly from a small known_1000 stor
 ingested into a temporary folder unless ``--store`` is given.
 
     python benchmarks/bench_tracing.py [--facts 3] [--samples 1] [--rounds 2] [--modes incremental,batched]
-                                       [--model smollm2-135m] [--threads 1] [--json OUT]
+                                       [--model smollm2-135m] [--threads 1] [--profile] [--check64] [--json OUT]
 
 ``--quick``: 2 facts, 1 round.  Window 10, the three components (residual, MLP, attention) and every
 position from the subject's first token on, as ``actstore trace`` runs them.
@@ -59,6 +59,33 @@ def max_diff(a: list[Any], b: list[Any]) -> float:
     return float(max(np.abs(x.restored[c] - y.restored[c]).max() for x, y in zip(a, b) for c in y.restored))
 
 
+PROFILE_PARTS = {  # cProfile entries (built-in torch ops) -> report heading
+    "linear": "matmuls (linear)", "scaled_dot_product_attention": "attention (sdpa)", "cat": "copies (cat)",
+    "log_softmax": "log_softmax",
+}
+
+
+def profile(tracer: Any, facts: list[Any]) -> dict[str, Any]:
+    """Seconds of one trace under cProfile and the share of the main torch ops in it (tottime)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    tracer.trace(facts)
+    prof.disable()
+    total = time.perf_counter() - t0
+    stats: Any = pstats.Stats(prof).stats
+    parts = {v: 0.0 for v in PROFILE_PARTS.values()}
+    for (_, _, name), (_, _, tottime, _, _) in stats.items():
+        for key, heading in PROFILE_PARTS.items():
+            if name in (f"<built-in method torch._C._nn.{key}>", f"<built-in method torch.{key}>"):
+                parts[heading] += tottime
+    parts["the rest"] = total - sum(parts.values())
+    return {"seconds": total, "parts": parts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 facts, 1 round.")
@@ -71,6 +98,12 @@ def main() -> None:
     ap.add_argument("--per-relation", type=int, default=2, help="Prompts per relation in the ingested store.")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (part of the measurement).")
+    ap.add_argument("--profile", action="store_true",
+                    help="After the timed rounds, trace the first fact once per mode under cProfile and report "
+                         "where the time goes (matmuls, attention, the rest).")
+    ap.add_argument("--check64", action="store_true",
+                    help="Also trace the first fact in float64 (batched and incremental) and report each float32 "
+                         "mode's max |diff| from the float64 batched trace: float32's own rounding error.")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -147,10 +180,21 @@ def main() -> None:
             results[mode].append(tracers[mode].trace(todo))
             seconds[mode].append(time.perf_counter() - t0)
             positions[mode] = dict(count)
+    profiles = {m: profile(tracers[m], facts[:1]) for m in modes} if args.profile else {}
     ref = results["batched"][0]  # every round of every mode against the reference's first round
     diffs = {m: max(max_diff(ref[:len(out)], out) for out in results[m]) for m in modes}
     for h in handles:
         h.remove()
+    check64: dict[str, float] = {}
+    if args.check64:
+        model.double()  # the tracers' runners hold the model: they now run it in float64
+        truth = tracers["batched"].trace(facts[:1])
+        inc64 = tracers["incremental"].trace(facts[:1])
+        model.float()
+        check64 = {"batched_float32_vs_float64": max_diff(truth, results["batched"][0][:1]),
+                   "incremental_float32_vs_float64": max_diff(truth, results["incremental"][0][:1])
+                   if "incremental" in results else float("nan"),
+                   "incremental_float64_vs_batched_float64": max_diff(truth, inc64)}
     load_after = os.getloadavg()
 
     def rate(n: int, s: float) -> float:
@@ -175,6 +219,8 @@ def main() -> None:
                      "max_abs_diff_vs_batched": diffs[mode]}
     base = res["batched"]
     for mode in modes:
+        if mode in profiles:
+            res[mode]["profile_first_fact"] = profiles[mode]
         if mode != "batched":
             res[mode]["speedup_vs_batched"] = res[mode]["facts_per_minute"] / base["facts_per_minute"]
             res[mode]["flop_ratio_batched_over_this"] = base["gflop_per_fact"] / res[mode]["gflop_per_fact"]
@@ -191,6 +237,13 @@ def main() -> None:
               f"{m['attn_positions_x_layers_per_fact']:7.0f} / {m['mlp_positions_x_layers_per_fact']:7.0f} "
               f"attn / mlp positions x layers/fact  "
               f"rounds {', '.join(f'{s:.1f}' for s in m['seconds'])} s{extra}")
+    if check64:
+        res["float64_check_first_fact"] = check64
+        print("  first fact, max |diff| from the float64 batched trace: " + ", ".join(
+            f"{k.replace('_vs_float64', '').replace('_vs_batched_float64', '')} {v:.1e}" for k, v in check64.items()))
+    for mode, prof in profiles.items():
+        print(f"  profile {mode:<11} {prof['seconds']:.1f} s: " + ", ".join(
+            f"{k} {100 * v / prof['seconds']:.0f}%" for k, v in prof["parts"].items()))
     print(f"  {res['uptime']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1))
