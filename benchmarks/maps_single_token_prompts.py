@@ -1,13 +1,16 @@
-"""The MAPS dynamic prompt file of one model under the authors' pair policy.
+"""The MAPS prompt files of one model under the authors' pair policy.
 
 Like ``python -m query.maps_prompts dynamic`` (the paper's four neutral contexts, a seeded sample of
-``--per-relation`` pairs per relation), but the pairs are first filtered as the authors' code does
+``--per-relation`` pairs per relation) or ``... ablation`` (``--kind ablation``: the paper's few-shot
+prompt per relation, pairs whose source is one of its examples left out), but the pairs are first
+filtered as the authors' code does
 (``preprocess_dataset`` in github.com/amitelhelo/MAPS ``src/maps.py``): only pairs whose source and
 target are each one token of MODEL's tokenizer (with a leading space), and only relations with at least
 ``--min-pairs`` such pairs (their ``min_filtered_dataset_size`` = 30).  Prints the usable count of every
 relation, excluded ones included.
 
     python benchmarks/maps_single_token_prompts.py smollm2-135m --out /tmp/maps-work/dynamic-smol.jsonl
+    python benchmarks/maps_single_token_prompts.py smollm2-135m --kind ablation --per-relation 60 --out ABL.jsonl
     actstore ingest --model smollm2-135m --dataset jsonl:/tmp/maps-work/dynamic-smol.jsonl --out STORE
 """
 
@@ -20,20 +23,22 @@ from pathlib import Path
 
 from ingest.models import load_model
 from query.maps import MIN_PAIRS, load_pair_files, single_token_pairs
-from query.maps_prompts import MAPS_ROOT, dynamic_templates, prompt_rows
+from query.maps_prompts import MAPS_ROOT, ablation_templates, dynamic_templates, prompt_rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="model alias or folder whose tokenizer decides which pairs are single-token")
     ap.add_argument("--pairs", default=str(MAPS_ROOT / "datasets"), help="the authors' datasets/ folder")
+    ap.add_argument("--kind", choices=["dynamic", "ablation"], default="dynamic")
     ap.add_argument("--per-relation", type=int, default=40, help="pairs sampled per relation (all if fewer)")
     ap.add_argument("--min-pairs", type=int, default=MIN_PAIRS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     tok = load_model(a.model).tokenizer
-    rels = load_pair_files([a.pairs])
+    every = dynamic_templates(Path(a.pairs)) if a.kind == "dynamic" else ablation_templates()
+    rels = load_pair_files([a.pairs], sorted(every))
     with tempfile.TemporaryDirectory() as tmp:
         kept = []
         for rel in rels:
@@ -47,8 +52,9 @@ def main() -> None:
                 d.mkdir()
                 (d / f"{rel.relation}.json").write_text(json.dumps(good, ensure_ascii=False), encoding="utf-8")
                 kept.append(rel.relation)
-        templates = {r: t for r, t in dynamic_templates(Path(a.pairs)).items() if r in kept}
-        rows = prompt_rows(templates, a.per_relation, seed=a.seed, pairs_dir=Path(tmp))
+        templates = {r: t for r, t in every.items() if r in kept}
+        rows = prompt_rows(templates, a.per_relation, seed=a.seed, pairs_dir=Path(tmp),
+                           exclude_examples=a.kind == "ablation")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
