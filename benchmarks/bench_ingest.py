@@ -34,9 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import DATA, emit  # noqa: E402
 
-FEWREL = REPO.parent / "shared" / "data" / "fewrel" / "val_wiki.json"
+FEWREL = DATA / "fewrel" / "val_wiki.json"
 
 
 def load(n_prompts: int) -> tuple[Any, list[Any]]:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-KNOWN = REPO.parent / "shared" / "data" / "known_1000" / "known_1000.json"
+KNOWN = Path(os.environ.get("ACTSTORE_DATA") or REPO.parent / "shared" / "data") / "known_1000" / "known_1000.json"
 MODES = ("incremental", "batched", "vectorised", "loop")
 
 

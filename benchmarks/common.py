@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+# The public data sets: $ACTSTORE_DATA, or ../shared/data beside the repository (as the tests read them).
+DATA = Path(os.environ.get("ACTSTORE_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 def emit(result: dict[str, Any], json_out: str | None) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -34,7 +35,7 @@ def peak_rss_bytes() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store")
-    ap.add_argument("--pairs", default=str(REPO.parent / "shared" / "data" / "maps" / "datasets"))
+    ap.add_argument("--pairs", default=str(Path(os.environ.get("ACTSTORE_DATA") or REPO.parent / "shared" / "data") / "maps" / "datasets"))
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--salient", action="store_true", help="also time salient operations of every head")
     ap.add_argument("--threads", type=int, default=None)

@@ -1,6 +1,6 @@
 """Prompt files for the MAPS experiments on real models, in the ``jsonl`` dataset format.
 
-Two sets, both read from the MAPS authors' files in place (``../shared/data/maps``):
+Two sets, both read from the MAPS authors' files in place (``$ACTSTORE_DATA/maps``, default ``../shared/data/maps``):
 
 * ``dynamic``: every relation's pairs (a seeded sample of ``--per-relation`` pairs) in the
   paper's four neutral contexts (``reference_results/.../multiple_prompts/templates.json``:
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ import numpy as np
 
 from query.maps import MapsError, load_pair_files
 
-MAPS_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "maps"
+MAPS_ROOT = Path(os.environ.get("ACTSTORE_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data") / "maps"
 LLAMA_RESULTS = MAPS_ROOT / "reference_results" / "results" / "meta-llama" / "Meta-Llama-3.1-8B"
 NEUTRAL_TEMPLATES = LLAMA_RESULTS / "experiment1_correlative" / "multiple_prompts" / "templates.json"
 ABLATION_SETUPS = LLAMA_RESULTS / "experiment2_causal" / "vanilla" / "setups.json"
