@@ -66,14 +66,15 @@ def checksum_ok(d: dict[str, Any], known: set[str]) -> bool:
     return set(d) <= known
 
 
-def _depth(value: Any) -> int:
-    """Nesting depth of parsed JSON (iterative: a deep value cannot exhaust the stack here)."""
+def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of parsed JSON (iterative: a deep value cannot exhaust the stack here; stops
+    counting once past ``limit``)."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         v, d = todo.pop()
         if isinstance(v, dict | list):
             deepest = max(deepest, d)
-            if d > MAX_JSON_DEPTH:
+            if d > limit:
                 return d
             todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
     return deepest
@@ -91,7 +92,7 @@ def parse_json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
         raise CorruptStoreError(f"{where}: {what} is not valid JSON ({e})") from None
     if not isinstance(d, dict):
         raise CorruptStoreError(f"{where}: {what} is not a JSON object")
-    if _depth(d) > MAX_JSON_DEPTH:
+    if json_depth(d) > MAX_JSON_DEPTH:
         raise CorruptStoreError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
     return d
 

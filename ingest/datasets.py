@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from actstore.errors import ActstoreError
+from actstore.manifest import json_depth
 from ingest.records import PromptRecord
 
 DEMO_PATH = Path(__file__).parent / "data" / "demo.json"
@@ -532,19 +533,6 @@ MAX_JSONL_LINE = 16 << 20
 MAX_JSONL_DEPTH = 64
 
 
-def _json_depth(value: Any) -> int:
-    """Nesting depth of parsed JSON, walked iteratively (stops counting past the limit)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        if isinstance(v, dict | list):
-            deepest = max(deepest, d)
-            if d > MAX_JSONL_DEPTH:
-                return d
-            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
-
-
 def _parse_json_value(text: str, where: str) -> Any:
     """One JSON value, as one clear :class:`DatasetError` for malformed text, deep nesting (which would
     exhaust the parser's recursion) and strings that are not valid Unicode (lone surrogates such as
@@ -556,7 +544,7 @@ def _parse_json_value(text: str, where: str) -> Any:
         raise DatasetError(f"{where}: malformed JSON ({e.msg} at {at})") from None
     except RecursionError:
         raise DatasetError(f"{where}: JSON nests deeper than {MAX_JSONL_DEPTH} levels") from None
-    if _json_depth(value) > MAX_JSONL_DEPTH:
+    if json_depth(value, MAX_JSONL_DEPTH) > MAX_JSONL_DEPTH:
         raise DatasetError(f"{where}: JSON nests deeper than {MAX_JSONL_DEPTH} levels")
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
