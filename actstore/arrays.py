@@ -111,11 +111,33 @@ def _read(arr: zarr.Array, sl: slice, where: str) -> np.ndarray:
     try:
         return np.asarray(arr[sl])
     except MissingChunkError as e:
+        _settle_zarr_reads()
         raise CorruptStoreError(f"{where}: chunk read failed for rows {sl.start}:{sl.stop} ({e})") from None
     except Exception as e:  # zarr raises codec-specific errors on checksum mismatch
+        _settle_zarr_reads()
         raise CorruptStoreError(
             f"{where}: chunk read failed for rows {sl.start}:{sl.stop} ({type(e).__name__}: {e})"
         ) from None
+
+
+def _settle_zarr_reads() -> None:
+    """Wait for the other chunk reads of a failed zarr read (zarr runs them as tasks on its own
+    event loop and leaves them running when one fails).  Left pending, they are destroyed at
+    interpreter exit and print pages of asyncio tracebacks after the one error line."""
+    import asyncio
+
+    from zarr.core.sync import sync
+
+    async def settle() -> None:
+        me = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        if others:
+            await asyncio.gather(*others, return_exceptions=True)
+
+    try:
+        sync(settle())
+    except Exception:  # best effort: never hide the read error behind a second one
+        pass
 
 
 class MissingChunkError(CorruptStoreError):
