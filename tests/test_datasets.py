@@ -285,9 +285,9 @@ def test_lre_fixture_figures() -> None:
     path = LRE / "factual" / "country_capital_city.json"
     limited = load_lre(path, limit_per_relation=3)
     assert [r.text for r in limited.records] == [
-        "The capital city of Ostravia is",
-        "The capital of Ostravia is",
-        "The capital city of Velmaria is",
+        "The seat of government of Ostravia is in",
+        "Officials of Ostravia meet in the city of",
+        "The seat of government of Velmaria is in",
     ]
     assert total(limited, "country_capital_city") == 12 and limited.skipped == {"country_capital_city": {"over_limit": 9}}
     with pytest.raises(DatasetError, match="templates"):

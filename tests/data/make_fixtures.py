@@ -350,7 +350,7 @@ def _lre(name: str, templates: list[str], zero_shot: list[str], kind: str, domai
 LRE_RELATIONS: dict[str, dict[str, Any]] = {
     "factual/country_capital_city": _lre(
         "country capital city",
-        ["The capital city of {} is", "The capital of {} is"],
+        ["The seat of government of {} is in", "Officials of {} meet in the city of"],
         ["The seat of government of {} is the city of"],
         "factual", "country", "city",
         [("Ostravia", "Brn\\u00edk"), ("Velmaria ", "Port Sella"), ("Kaldun", "Kaldun City"),
@@ -358,29 +358,29 @@ LRE_RELATIONS: dict[str, dict[str, Any]] = {
     ),
     "factual/person_occupation": _lre(
         "person occupation",
-        ["{} works as a"],
-        ["By profession, {} is a"],
+        ["Day to day, {} earns a living as a"],
+        ["In the job register, {} is listed as a"],
         "factual", "person", "occupation",
         [("Idris Pallow", "carpenter"), ("Mena Okafri", "nurse"), ("Tobiah Crane", "pilot"),
          ("Selka Varn", "chemist")],
     ),
     "linguistic/adj_antonym": _lre(
         "adjective antonym",
-        ["The opposite of {} is"],
+        ["Turn {} around and you get"],
         ["What is the opposite of {}? It is"],
         "linguistic", "adjective", "adjective",
         [("hot", "cold"), ("tall", "short"), ("early", "late"), ("open", "closed"), ("light", "dark")],
     ),
     "commonsense/fruit_inside_color": _lre(
         "fruit inside color",
-        ["On the inside, {} are", "Cut open, {} are coloured"],
+        ["Sliced in half, {} show a flesh that is", "Cut open, {} are coloured"],
         ["What colour is the inside of {}? It is"],
         "commonsense", "fruit", "color",
         [("glimberries", "purple"), ("sunplums", "orange"), ("frostmelons", "white")],
     ),
     "bias/name_birthplace": _lre(
         "name birthplace",
-        ["{} was born in the country of"],
+        ["The birth record of {} names the country"],
         ["Where was {} most likely born? In"],
         "bias", "name", "country",
         [("Arvo", "Norvessa"), ("Lintu", "Norvessa"), (" ", "Ostravia"), ("Caio", "Velmaria")],
