@@ -206,8 +206,9 @@ def test_sigkill_at_a_random_moment_then_resume(seed: int, reference: Path, tmp_
         time.sleep(rng.uniform(0.0, 0.5))
         kill(proc)
     if (out / "manifest.json").exists():
-        partial = actstore.open(out)
-        assert not partial.complete
+        partial = actstore.open(out)  # may be complete: a fast machine can commit the last segment
+        # before the random moment (the kill then lands while the process exits; kill_at's tests
+        # are the ones that pin a kill mid-commit)
         assert_readers_see_commits_only(out, set(partial.commits))
     ingest_in_process(out, resume=True)
     assert_same_store(out, reference)
