@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from query.lens import FinalReadout, LensError, TunedLens
+from query.readout import FinalReadout, LensError, TunedLens
 
 OPTIMIZERS = ("adam", "sgd")
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1}
