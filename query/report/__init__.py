@@ -1,0 +1,56 @@
+"""A self-contained HTML report of a store and every analysis result it holds.
+
+    html = build_report(actstore.open("/tmp/s"))          # one string, no external assets
+    write_report(store, "report.html")                   # written atomically
+
+The report discovers result tables by name (``tables/<name>/<run_id>.parquet``) and renders a
+section only when its tables exist; a table that lacks a column a figure needs gets a note
+instead of the figure, so results written by older or newer code never break the report, and a
+table whose files cannot be read (missing, damaged) costs only its own section, which says so.
+Figures are matplotlib PNGs (:mod:`query.plotting`) embedded as base64 ``data:`` URIs; the page
+is rendered from the Jinja2 templates in ``templates/`` with autoescaping.  Every section has a
+stable element id (:data:`SECTION_IDS`) so tests and links can find it.
+
+Modules: :mod:`~query.report.builder` (section order, page, atomic write),
+:mod:`~query.report.context` (blocks, options, table access), :mod:`~query.report.render`
+(templates), and one module per section or group of related sections:
+
+* ``section-summary``     model, geometry, corpus per relation, sizes, runs (always)           summary
+* ``section-probes``      probe accuracy per run and per relation                                probes
+* ``section-headscore``   mean HeadScore heatmap (layer x head) per relation                     probes
+* ``section-tokenscore``  TokenScore over the prompt's tokens, errors and correct predictions    tokens
+* ``section-predictors``  F1 against each predictor, with correlations                           predictors
+* ``section-shortcuts``   lexical shortcut figures of probe errors                               predictors
+* ``section-maps``        static MAPS score heatmaps per relation                                maps
+* ``section-maps-dynamic`` static vs dynamic MAPS scores                                         maps
+* ``section-maps-ablation`` accuracy with a relation's heads removed                             maps
+* ``section-tracing``     causal tracing heatmaps (ROME position classes x layer)                interventions
+* ``section-patching``    activation patching recovery per layer and per head                    interventions
+* ``section-lens``        logit / tuned lens curves per layer                                    lens
+* ``section-agreement``   method agreement table                                                 lens
+* ``section-tables``      any other result table: name, rows, columns and a preview              tables
+
+The tables each section reads are :data:`SECTION_TABLES`.
+"""
+
+from query.report.builder import (
+    SECTION_TABLES,
+    SECTIONS,
+    SectionSpec,
+    build_report,
+    collect_sections,
+    expected_sections,
+    render_html,
+    write_report,
+    write_text_atomically,
+)
+from query.report.context import READ_ERRORS, SECTION_IDS, ReportContext, ReportOptions, Section, fmt
+from query.report.interventions import TRACE_CLASSES, trace_classes
+from query.report.summary import store_bytes
+from query.report.tokens import token_colour
+
+__all__ = [
+    "READ_ERRORS", "SECTIONS", "SECTION_IDS", "SECTION_TABLES", "TRACE_CLASSES", "ReportContext", "ReportOptions",
+    "Section", "SectionSpec", "build_report", "collect_sections", "expected_sections", "fmt", "render_html",
+    "store_bytes", "token_colour", "trace_classes", "write_report", "write_text_atomically",
+]
