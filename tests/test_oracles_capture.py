@@ -85,14 +85,14 @@ def values_from_hook(out: torch.Tensor, family: str, H: int, H_kv: int, dh: int)
 
 def out_proj_per_head(mod: torch.nn.Module, family: str, H: int, dh: int) -> np.ndarray:
     """W_O as [H, d_head, d_model]: the model computes out = z_flat @ W (+ bias)."""
-    w = mod.weight.detach().float()
+    w = torch.as_tensor(mod.weight).detach().float()
     w = w if family == "gpt2" else w.T  # Conv1D keeps [in, out]; Linear keeps [out, in]
     return w.reshape(H, dh, -1).numpy()
 
 
 def down_proj_matrix(mod: torch.nn.Module, family: str) -> np.ndarray:
     """W_down as [d_mlp, d_model]."""
-    w = mod.weight.detach().float()
+    w = torch.as_tensor(mod.weight).detach().float()
     return (w if family == "gpt2" else w.T).numpy()
 
 
@@ -294,6 +294,71 @@ def test_attn_head_token_and_entity_rebuilt_from_hooks(arch: str, side: str, sto
     part = sel.features("attn_head_token", layers=[L - 1], heads=[H - 1, 1])
     for i, n in enumerate(o.n_src):
         assert rel_err(part[i, 0, :, :n], o.per_token(i)[L - 1][[H - 1, 1]]) < RTOL
+
+
+# ---------------------------------------------------------------------------------------- attention scale
+def attention_modules(model: Any) -> list[Any]:
+    """The attention module of each layer (its ``scaling`` is what the model passes to the kernel)."""
+    t = model.config.model_type
+    if t == "gpt2":
+        return [b.attn for b in model.transformer.h]
+    return [b.self_attn for b in model.model.layers]
+
+
+# Configurations whose attention scale is not 1/sqrt(d_head), and what the scale is per layer
+# (written out from the configuration, not read from the model).  Llama, Qwen2 and GPT-NeoX
+# have no such option in transformers (their scale is always 1/sqrt(d_head)).  GPT-2's weights are
+# drawn 10 times wider than its default: at 0.02 its attention is so near uniform that the scale
+# barely shows.
+SCALED = [
+    pytest.param("gemma3", {"query_pre_attn_scalar": 2}, lambda layer, dh: 2 ** -0.5,
+                 id="gemma3-query_pre_attn_scalar"),
+    pytest.param("gpt2", {"scale_attn_weights": False, "initializer_range": 0.2}, lambda layer, dh: 1.0,
+                 id="gpt2-unscaled"),
+    pytest.param("gpt2", {"scale_attn_by_inverse_layer_idx": True, "initializer_range": 0.2},
+                 lambda layer, dh: dh ** -0.5 / (layer + 1), id="gpt2-inverse-layer"),
+]
+
+
+@pytest.mark.parametrize(("arch", "config", "scale"), SCALED)
+def test_capture_uses_the_models_attention_scale(arch: str, config: dict[str, Any],
+                                                 scale: Callable[[int, int], float], tmp_path: Path) -> None:
+    """attn_prob, the stored A and attn_head_token against eager attention on models whose attention
+    scale is not 1/sqrt(d_head) (Gemma 3's query_pre_attn_scalar; GPT-2 unscaled, or scaled by the
+    inverse layer index).  A capture that recomputes the probabilities with the default scale
+    stores different numbers; the premise checks below show by how much."""
+    loaded = tiny_model(arch, **overrides(arch), **config)
+    store = write_store(tmp_path / "s", loaded, "left", limit_per_relation=2)
+    twin = eager(tiny_model(arch, **overrides(arch), **config))
+    g = store.geometry
+    mods = attention_modules(twin)
+    assert [float(m.scaling) for m in mods] == pytest.approx([scale(i, g.d_head) for i in range(g.n_layers)])
+    o = run_oracle(twin, store)
+    # Premise: the same weights with the default scale give attention far from the model's.
+    for m in mods:
+        m.scaling = g.d_head ** -0.5
+    try:
+        default = run_oracle(twin, store)
+    finally:
+        for i, m in enumerate(mods):
+            m.scaling = scale(i, g.d_head)
+    assert max(rel_err(d, p) for d, p in zip(default.probs, o.probs)) > 100 * RTOL
+    sel = store.select()
+    assert sel.example_ids.tolist() == o.example_ids
+    prob = sel.features("attn_prob")
+    tok = sel.features("attn_head_token")
+    head = sel.features("attn_head")
+    rows = store.sql("SELECT e.segment, t.src_start FROM targets t JOIN examples e USING (example_id) "
+                     "ORDER BY t.row").to_pylist()
+    for i, n in enumerate(o.n_src):
+        assert rel_err(o.z(i).reshape(g.n_layers, -1), o.o_in[i]) < RTOL  # the oracle reads the model right
+        assert rel_err(prob[i, :, :, :n], o.probs[i]) < RTOL, i
+        r = rows[i]
+        a = np.asarray(store.array(r["segment"], "attn")[r["src_start"]:r["src_start"] + n])  # [n, L, H]
+        assert rel_err(a, o.probs[i].transpose(2, 0, 1)) < RTOL, i
+        want = o.per_token(i)  # [L, H, n, d]
+        assert rel_err(tok[i, :, :, :n], want) < RTOL, i
+        assert rel_err(head[i], want.sum(2)) < RTOL, i
 
 
 # ---------------------------------------------------------------------------------------- MLP groups
