@@ -463,17 +463,15 @@ def _merge_graphs(files: tuple[str, ...], parts: Sequence[Any]) -> KnowledgeGrap
 
 def scatter_plots(result: PredictorResult, out_dir: str | os.PathLike[str]) -> list[str]:
     """One PNG per predictor: predictor vs F1, one labelled point per relation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from query import plotting
 
     os.makedirs(out_dir, exist_ok=True)
     rel = result.relations.to_pylist()
     paths = []
     for c in result.correlations.to_pylist():
         name = c["predictor"]
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig, axes = plotting.new_figure(figsize=(5, 4))
+        ax = axes[0, 0]
         xs = [r[name] for r in rel]
         ys = [r["f1"] for r in rel]
         ax.scatter(xs, ys)
@@ -485,7 +483,6 @@ def scatter_plots(result: PredictorResult, out_dir: str | os.PathLike[str]) -> l
         ax.set_title(f"{name}: Spearman {c['spearman_rho']:.2f} (p={c['spearman_p']:.2g}), n={c['n']}", fontsize=9)
         fig.tight_layout()
         path = os.path.join(str(out_dir), f"{result.run_id}_{name}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        plotting.save_png(fig, path, dpi=100)
         paths.append(path)
     return paths

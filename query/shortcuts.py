@@ -135,14 +135,12 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
 
 def shortcut_figure(result: ShortcutResult, path: str | os.PathLike[str]) -> str:
     """Three panels: per-error rho, Mass against its baseline, StrongAlign-x."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from query import plotting
 
     e = result.errors.to_pylist()
     s = result.summary.to_pylist()[0]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes_2d = plotting.new_figure(3, figsize=(12, 3.6))
+    axes = axes_2d[0]
     rho = [x["rho"] for x in e if np.isfinite(x["rho"])]
     axes[0].hist(rho, bins=20, range=(-1, 1))
     axes[0].axvline(s["spearman_rho"], color="k", ls="--")
@@ -154,9 +152,5 @@ def shortcut_figure(result: ShortcutResult, path: str | os.PathLike[str]) -> str
     axes[2].bar(["aligned", "not aligned"], [s["strong_align"], 1 - s["strong_align"]])
     axes[2].set_title(f"StrongAlign-x {100 * s['strong_align']:.1f}% of {s['n_errors']} errors", fontsize=9)
     fig.tight_layout()
-    parent = os.path.dirname(os.fspath(path))
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plotting.save_png(fig, path, dpi=100)
     return os.fspath(path)
