@@ -40,7 +40,9 @@ FIXTURE_FILES = {
     "maps": ["maps/datasets/*/*.json"],
     "codex-m": ["codex_m/train.txt", "codex_m/valid.txt", "codex_m/test.txt"],
 }
-LOADERS: dict[str, Callable[..., DatasetResult]] = {"fewrel": load_fewrel, "lre": load_lre, "known1000": load_known1000, "maps": load_maps}
+LOADERS: dict[str, Callable[..., DatasetResult]] = {
+    "fewrel": load_fewrel, "lre": load_lre, "known1000": load_known1000, "maps": load_maps,
+}
 
 
 def sha256(path: Path) -> str:
@@ -178,7 +180,8 @@ def test_offline_is_one_line_naming_the_url_and_the_variable(mirror: Mirror) -> 
     assert "maps/datasets" in message and "127.0.0.1" in message
 
 
-def test_a_missing_file_on_the_mirror_names_the_status(mirror: Mirror, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_file_on_the_mirror_names_the_status(mirror: Mirror,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     fewrel = registry.DATASETS["fewrel"]
     files = {**fewrel.files, "fewrel/absent.json": "0" * 64}
     monkeypatch.setitem(registry.DATASETS, "fewrel", dataclasses.replace(fewrel, files=files))
@@ -220,13 +223,15 @@ def test_public_urls_follow_the_provenance() -> None:
         f"{raw}/thunlp/FewRel/278a2315d2138810a379cd8d5718914dc56e2582/data/val_wiki.json"
     assert ds["lre"].url("lre_relations/data/bias/name_gender.json") == \
         f"{raw}/evandez/relations/1b9ec3cf2b8368e42bde7e80fcef384312a6ec07/data/bias/name_gender.json"
-    assert ds["maps"].url("maps/datasets/adj_antonym/adj_antonym.json") == \
-        f"{raw}/amitelhelo/MAPS/b320fcd972bab3e05f4a0b7d5d266641a0f1bcfe/datasets/adj_antonym/adj_antonym.json"
+    assert ds["maps"].url("maps/datasets/adj_antonym/adj_antonym.json") == (
+        f"{raw}/amitelhelo/MAPS/b320fcd972bab3e05f4a0b7d5d266641a0f1bcfe/datasets/adj_antonym/"
+        "adj_antonym.json")
     assert ds["known1000"].url("known_1000/known_1000.json") == \
         f"{raw}/khnhenriette/ProjectADL/6f1637bbf55cc8506e565513f31e24dda55b9858/dsets/known_1000.json"
     assert ds["codex-m"].url("codex_m/valid.txt") == \
         f"{raw}/tsafavi/codex/3132e426c2a6b643b70bad679905a3a6270be440/data/triples/codex-m/valid.txt"
-    assert ds["fewrel"].url("fewrel/val_wiki.json", "http://mirror/x/") == "http://mirror/x/fewrel/val_wiki.json"
+    mirrored = ds["fewrel"].url("fewrel/val_wiki.json", "http://mirror/x/")
+    assert mirrored == "http://mirror/x/fewrel/val_wiki.json"
     # every pinned file belongs to exactly one data set, under its folder
     owners = [name for path in SHA256 for name, d in ds.items() if path in d.files]
     assert len(owners) == len(SHA256)
@@ -263,7 +268,8 @@ def test_cli_ingest_by_name(mirror: Mirror, tmp_path: Path) -> None:
     # offline and not cached: one error line naming the URL and the variable, exit status 1
     url = mirror.url
     mirror.close()
-    offline = ["ingest", "--model", "tiny-llama", "--dataset", "lre", "--quiet", "--out", str(tmp_path / "offline")]
+    offline = ["ingest", "--model", "tiny-llama", "--dataset", "lre", "--quiet",
+               "--out", str(tmp_path / "offline")]
     r = CliRunner().invoke(main, offline)
     assert r.exit_code == 1
     lines = [line for line in r.output.splitlines() if line.strip()]

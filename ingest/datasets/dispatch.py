@@ -64,8 +64,8 @@ def load_dataset(spec: str, **options: Any) -> DatasetResult:
         named = registry.DATASETS.get(kind)
         if named is not None and named.kind is None:
             raise DatasetError(
-                f"{named.name} is a knowledge graph of Wikidata triples, not a prompt data set; fetch it with "
-                f"ingest.datasets.fetch({named.name!r}) and read its triple files as a knowledge graph"
+                f"{named.name} is a knowledge graph of Wikidata triples, not a prompt data set; fetch it "
+                f"with ingest.datasets.fetch({named.name!r}) and read its triple files as a knowledge graph"
             )
         raise DatasetError(
             f"unknown dataset kind {kind!r} in {spec!r}; expected one of {', '.join(KINDS)} "
@@ -81,8 +81,8 @@ def load_dataset(spec: str, **options: Any) -> DatasetResult:
             raise DatasetError(f"{spec!r}: no path given; write {kind}:PATH")
         return _LOADERS[kind](registry.fetch(kind), **opts)
     if not location:
-        raise DatasetError(f"{spec!r}: no path given; write {kind}:PATH, or {kind} alone for the public data set"
-                           if kind in _named_prompt_sets() else f"{spec!r}: no path given; write {kind}:PATH")
+        by_name = f", or {kind} alone for the public data set" if kind in _named_prompt_sets() else ""
+        raise DatasetError(f"{spec!r}: no path given; write {kind}:PATH{by_name}")
     return _LOADERS[kind](existing(location, kind), **opts)
 
 

@@ -39,7 +39,8 @@ def _parse_json_value(text: str, where: str) -> Any:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
         bad = e.object[e.start:e.end] if isinstance(e.object, str) else ""
-        raise DatasetError(f"{where}: a string holds {bad.encode('unicode_escape').decode()!s} (a lone surrogate), "
+        escaped = bad.encode("unicode_escape").decode()
+        raise DatasetError(f"{where}: a string holds {escaped} (a lone surrogate), "
                            "which is not valid Unicode text") from None
     return value
 
@@ -62,7 +63,9 @@ def _open_regular(path: Path) -> Any:
         raise DatasetError(f"{path}: not a regular file (a device, pipe or socket); jsonl reads files only")
     if st.st_size > MAX_JSONL_BYTES:
         f.close()
-        raise DatasetError(f"{path}: {st.st_size} bytes, more than the {MAX_JSONL_BYTES >> 30} GiB a jsonl file may have")
+        raise DatasetError(
+            f"{path}: {st.st_size} bytes, more than the {MAX_JSONL_BYTES >> 30} GiB a jsonl file may have"
+        )
     return f
 
 
@@ -218,6 +221,7 @@ def load_jsonl(
             out.add(record)
     if wanted is not None and wanted - seen:
         raise DatasetError(
-            f"{p}: unknown relation(s) {', '.join(sorted(wanted - seen))}; available: {', '.join(sorted(seen))}"
+            f"{p}: unknown relation(s) {', '.join(sorted(wanted - seen))}; "
+            f"available: {', '.join(sorted(seen))}"
         )
     return out.result()

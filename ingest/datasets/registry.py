@@ -171,8 +171,8 @@ def _retrieve(ds: NamedDataset, url: str, sha256: str, target: Path) -> None:
                            downloader=downloader, progressbar=False)
     except requests.exceptions.RequestException as e:
         raise DatasetError(
-            f"cannot download the {ds.name} data set: {url} failed ({_reason(e)}); set {DATA_ENV} to a folder "
-            f"holding {ds.entry} (see docs/datasets.md), or connect to {urlsplit(url).netloc}"
+            f"cannot download the {ds.name} data set: {url} failed ({_reason(e)}); set {DATA_ENV} to a "
+            f"folder holding {ds.entry} (see docs/datasets.md), or connect to {urlsplit(url).netloc}"
         ) from None
     except ValueError as e:  # pooch: the downloaded file's hash differs from the pin
         if "hash" not in str(e).lower():
