@@ -3,8 +3,8 @@
     summary = run_demo_analyses(store, out="demo-out", episodes=100, step=print)
     summary["report"]                                    # demo-out/report.html
 
-Each step imports its analysis module when it runs; a module that is not built (or a step that
-fails) is skipped with a note in the summary, so the demo always ends with a report.  The
+A step that fails is skipped with a note in the summary, so the demo always ends with a report;
+a missing module is not a failure of a step but of the installation, and raises.  The
 settings are kept modest so that ingest plus analyses finish in a few minutes on two CPU
 cores: one seed of ``episodes`` 5-way 5-shot episodes per probe, TokenScores for every query
 prediction of the ``attn_head`` probe, static MAPS scores for every relation of the store (one
@@ -15,7 +15,6 @@ optional steps give way to a time budget, see :func:`run_demo_analyses`).
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import sys
 import time
@@ -25,9 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from actstore.runs import new_run_id, with_run_id, write_run
 from actstore.store import Store
 
 Step = Callable[[str], None]
+
+
+def _quiet(text: str) -> None:
+    """The default log of the steps: nothing."""
 
 
 @dataclass
@@ -35,24 +39,24 @@ class DemoLog:
     """What ran, how long it took, and what was skipped and why."""
 
     step: Step
+    log: Step = _quiet  # the steps' detail lines
     timings: dict[str, float] = field(default_factory=dict)  # wall-clock seconds per step
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per step (all threads)
     notes: list[str] = field(default_factory=list)
     results: dict[str, Any] = field(default_factory=dict)
 
-    def run(self, name: str, title: str, modules: tuple[str, ...], fn: Callable[[], Any]) -> Any:
-        missing = [m for m in modules if not _importable(m)]
-        if missing:
-            self.notes.append(f"{name}: skipped ({', '.join(missing)} not built)")
-            self.step(f"{title}: skipped ({', '.join(missing)} not built)")
-            return None
+    def run(self, name: str, title: str, fn: Callable[[], Any]) -> Any:
+        """Run one step; a failure is noted and the demo goes on, but an ImportError (a packaging
+        mistake, not a failed analysis) propagates."""
         self.step(title)
         started, cpu = time.time(), time.process_time()
         try:
             out = fn()
+        except ImportError:
+            raise
         except Exception as e:  # a failing analysis must not cost the user the rest of the demo
             self.notes.append(f"{name}: failed ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
-            _echo(f"    skipped: {type(e).__name__}: {e}")
+            self.log(f"    skipped: {type(e).__name__}: {e}")
             return None
         finally:
             self.timings[name] = round(time.time() - started, 1)
@@ -62,22 +66,8 @@ class DemoLog:
         return out
 
 
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module.startswith(e.name):
-            return False
-        raise
-    return True
-
-
-def _echo(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------------- steps
-def probe_step(store: Store, kind: str, episodes: int, token_scores: str) -> dict[str, Any]:
+def probe_step(store: Store, kind: str, episodes: int, token_scores: str, log: Step = _quiet) -> dict[str, Any]:
     from query.probe import ProbeConfig, run_probe, write_probe_tables
 
     cfg = ProbeConfig(kind=kind, n_way=5, k_shot=5, queries=5, episodes=episodes, seeds=(0,),
@@ -85,7 +75,7 @@ def probe_step(store: Store, kind: str, episodes: int, token_scores: str) -> dic
     out = run_probe(store, cfg, progress=True)
     write_probe_tables(store, out)
     lo, hi = out.ci95
-    _echo(f"    {kind} 5-way 5-shot: accuracy {100 * out.accuracy:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}) "
+    log(f"    {kind} 5-way 5-shot: accuracy {100 * out.accuracy:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}) "
           f"over {len(out.episodes)} episodes in {out.seconds:.0f}s")
     return {"run_id": out.run_id, "accuracy": round(out.accuracy, 4), "ci95": [round(lo, 4), round(hi, 4)]}
 
@@ -129,12 +119,11 @@ def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[
     return out
 
 
-def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15) -> dict[str, Any]:
+def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet) -> dict[str, Any]:
     import pyarrow as pa
     from tqdm import tqdm
 
     from actstore.writer import write_result_table
-    from query.cli_maps import new_run_id, with_run_id, write_run
     from query.maps import StaticScores, relation_summary, scores_table, static_scores
 
     started = time.time()
@@ -152,16 +141,16 @@ def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15) -> 
     write_result_table(store, "maps_relations", run_id, with_run_id(pa.Table.from_pylist(summaries), run_id))
     write_run(store, run_id, "maps", started, {"pairs": "store prompts", "k": k, "threshold": threshold})
     for s in summaries:
-        _echo(f"    {s['relation']:<22} {s['n_used']:>3} pairs, {s['n_implementing']:>3} heads implement it, "
+        log(f"    {s['relation']:<22} {s['n_used']:>3} pairs, {s['n_implementing']:>3} heads implement it, "
               f"best {s['best_layer']}.{s['best_head']} (phi={s['max_score']:.2f})")
     return {"run_id": run_id, "relations": {s["relation"]: s["n_implementing"] for s in summaries}}
 
 
-def maps_dynamic_step(store: Store, proj: Any, relations: list[str], k: int = 10) -> dict[str, Any]:
+def maps_dynamic_step(store: Store, proj: Any, relations: list[str], k: int = 10,
+                      log: Step = _quiet) -> dict[str, Any]:
     import pyarrow as pa
 
     from actstore.writer import write_result_table
-    from query.cli_maps import new_run_id, with_run_id, write_run
     from query.maps_dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 
     started = time.time()
@@ -173,7 +162,7 @@ def maps_dynamic_step(store: Store, proj: Any, relations: list[str], k: int = 10
     write_result_table(store, "maps_correlation", run_id, with_run_id(correlation_table(summaries), run_id))
     write_run(store, run_id, "maps-dynamic", started, {"relations": relations, "k": k})
     for s in summaries:
-        _echo(f"    {s['relation']:<22} static vs dynamic r = {s['corr_wo_context']:.2f} (no context), "
+        log(f"    {s['relation']:<22} static vs dynamic r = {s['corr_wo_context']:.2f} (no context), "
               f"{s['corr_w_context']:.2f} (context)")
     return {"run_id": run_id, "correlation": {s["relation"]: s["corr_wo_context"] for s in summaries}}
 
@@ -187,41 +176,39 @@ def _demo_relations(store: Store, n: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- entry point
-def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step = _echo,
+def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step = _quiet,
                       probe_kinds: tuple[str, ...] = ("attn_head", "attn"), dynamic_relations: int = 1,
-                      budget_s: float = 300.0) -> dict[str, Any]:
+                      budget_s: float = 300.0, log: Step = _quiet) -> dict[str, Any]:
     """Run the demo's analyses over ``store``, write ``out/report.html``; return a summary dict
     with ``report`` (the path), per-step results, ``timings`` and ``cpu_seconds`` per step, and
-    ``notes`` (what was skipped and why).
+    ``notes`` (what was skipped and why).  ``step(title)`` is called as each step starts, ``log``
+    with the steps' detail lines.
 
     The main steps run first: the first probe kind with HeadScore and TokenScore (stored for
     every prediction, so the report shows correct predictions as well as errors), predictors,
     shortcuts and static MAPS.  The optional ones (further probe kinds, dynamic MAPS) are skipped
     with a note once the analyses have taken ``budget_s`` seconds, so a slow or busy machine
     still gets its report in time."""
-    log = DemoLog(step)
+    runs = DemoLog(step, log)
     started = time.time()
 
     def over_budget(name: str) -> bool:
         if time.time() - started <= budget_s:
             return False
-        log.notes.append(f"{name}: skipped (the analyses took over {budget_s:.0f}s already)")
+        runs.notes.append(f"{name}: skipped (the analyses took over {budget_s:.0f}s already)")
         step(f"{name}: skipped to stay within the time budget")
         return True
 
     def probe(kind: str, token_scores: str) -> Any:
         title = f"probe {kind}: {episodes} episodes, 5-way 5-shot, HeadScore" + (
             "/TokenScore" if token_scores != "none" else "")
-        return log.run(f"probe_{kind}", title, ("query.probe",),
-                       functools.partial(probe_step, store, kind, episodes, token_scores))
+        return runs.run(f"probe_{kind}", title, functools.partial(probe_step, store, kind, episodes, token_scores, log))
 
     first = probe(probe_kinds[0], "all") if probe_kinds else None
     if first is not None:
         run_id = str(first["run_id"])
-        log.run("predictors", "predictors of per-relation F1", ("query.predictors",),
-                lambda: predictors_step(store, run_id))
-        log.run("shortcuts", "lexical shortcuts in probe errors", ("query.shortcuts",),
-                lambda: shortcuts_step(store, run_id))
+        runs.run("predictors", "predictors of per-relation F1", lambda: predictors_step(store, run_id))
+        runs.run("shortcuts", "lexical shortcuts in probe errors", lambda: shortcuts_step(store, run_id))
     proj_cache: dict[str, Any] = {}
 
     def proj() -> Any:
@@ -231,26 +218,25 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
             proj_cache["p"] = VocabProjection(store)
         return proj_cache["p"]
 
-    log.run("maps", "MAPS static scores of every head (weights only)", ("query.maps", "query.cli_maps"),
-            lambda: maps_step(store, proj()))
+    runs.run("maps", "MAPS static scores of every head (weights only)", lambda: maps_step(store, proj(), log=log))
     for kind in probe_kinds[1:]:
         if not over_budget(f"probe_{kind}"):
             probe(kind, "none")
     if dynamic_relations > 0 and not over_budget("maps_dynamic"):
         rels = _demo_relations(store, dynamic_relations)
-        log.run("maps_dynamic", f"MAPS dynamic scores from stored head outputs ({', '.join(rels)})",
-                ("query.maps_dynamic", "query.cli_maps"), lambda: maps_dynamic_step(store, proj(), rels))
+        runs.run("maps_dynamic", f"MAPS dynamic scores from stored head outputs ({', '.join(rels)})",
+                 lambda: maps_dynamic_step(store, proj(), rels, log=log))
     proj_cache.clear()
-    summary: dict[str, Any] = dict(log.results)
+    summary: dict[str, Any] = dict(runs.results)
     report_path = os.path.join(out, "report.html")
-    res = log.run("report", "HTML report", ("query.report",), lambda: _write_report(store, report_path))
+    res = runs.run("report", "HTML report", lambda: _write_report(store, report_path))
     if res is not None:
         summary["report"] = res
-    summary["timings"] = log.timings
-    summary["cpu_seconds"] = log.cpu
-    summary["notes"] = log.notes
-    for n in log.notes:
-        _echo(f"    note: {n}")
+    summary["timings"] = runs.timings
+    summary["cpu_seconds"] = runs.cpu
+    summary["notes"] = runs.notes
+    for n in runs.notes:
+        log(f"    note: {n}")
     return summary
 
 

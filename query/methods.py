@@ -146,6 +146,17 @@ def _key_and_split(method: str, ids: np.ndarray, profile: np.ndarray, d_attn: np
 # ------------------------------------------------------------------------------------ from result tables
 
 
+def fact_ids(store: Any, where: str | None = None, correct_only: bool = False) -> np.ndarray:
+    """Example ids (sorted, int64) of the store's facts: prompts with an object token, optionally only
+    those the model answers (``object_rank = 0``) and those matching ``where`` (a SQL predicate over
+    the examples table)."""
+    conds = ["t.object_token_id >= 0"] + (["t.object_rank = 0"] if correct_only else [])
+    if where and where.strip():
+        conds.append(f"e.example_id IN (SELECT example_id FROM examples WHERE {where})")
+    q = f"SELECT e.example_id FROM examples e JOIN targets t USING (example_id) WHERE {' AND '.join(conds)} ORDER BY 1"
+    return np.asarray(store.sql(q).column("example_id").to_pylist(), dtype=np.int64)
+
+
 def latest_run(store: Any, table: str, run_id: str | None = None) -> str:
     """``run_id`` if it is in ``table``, else the newest run there."""
     if table not in store.table_files():
@@ -267,25 +278,6 @@ def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) 
     verdict = np.where(np.linalg.norm(ent[r, key], axis=-1) >= np.linalg.norm(out.mlp[r, key], axis=-1),
                        "attn", "mlp").astype(object)
     return MethodReading("attention", out.example_ids, profile, key.astype(np.int64), verdict)
-
-
-def attention_table(store: Any, out: StoredOutputs) -> pa.Table:
-    """Per (fact, layer, head): attention mass of the last token on the subject tokens."""
-    from query.selection import Selection
-
-    sel = Selection.from_ids(store, out.example_ids.tolist())
-    order = np.searchsorted(sel.example_ids, out.example_ids)
-    A = sel.features("attn_prob")[order]
-    rows = sel.rows.to_pandas().set_index("example_id").loc[out.example_ids]
-    s0, s1 = rows["subject_start"].to_numpy(), rows["subject_end"].to_numpy()
-    n, L, H, S = A.shape
-    j = np.arange(S)
-    mask = ((j[None] >= s0[:, None]) & (j[None] < s1[:, None])).astype(np.float32)
-    mass = np.einsum("nlhs,ns->nlh", A, mask)
-    e, layer, h = np.meshgrid(np.arange(n), np.arange(L), np.arange(H), indexing="ij")
-    return pa.table({"example_id": pa.array(out.example_ids[e.ravel()], pa.int64()),
-                     "layer": pa.array(layer.ravel(), pa.int32()), "head": pa.array(h.ravel(), pa.int32()),
-                     "subject_attention": pa.array(mass.ravel().astype(np.float64))})
 
 
 # ------------------------------------------------------------------------------------ probes

@@ -1,0 +1,272 @@
+"""What every command shares: the command class (hidden aliases of renamed options, the store as
+the first argument), the options defined once, and small parsing helpers.
+
+Renamed options keep their old spelling for one release as a hidden alias (:func:`alias`): the
+old spelling sets the new option's value and prints one ``note:`` line on stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import click
+from click.core import ParameterSource
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def printable(text: object) -> str:
+    """``text`` with control and other non-printing characters escaped (``\\x1b``, ``\\u202e``), so that
+    strings from a store or a data set (relation names, model names, file names) cannot drive the
+    terminal with escape sequences when printed."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    out = []
+    for ch in s:
+        if ch.isprintable() or ch == " ":
+            out.append(ch)
+        else:
+            n = ord(ch)
+            out.append(f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}")
+    return "".join(out)
+
+
+def parse_int_list(text: str | None, what: str = "layers") -> list[int] | None:
+    """``"0,3,5-7"`` -> [0, 3, 5, 6, 7]; None for no text."""
+    if text is None or text.strip() == "":
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise click.BadParameter(f"{part!r} is not an integer or a range like 5-7", param_hint=f"--{what}") from None
+    return out
+
+
+def split_list(text: str | None) -> tuple[str, ...] | None:
+    """``"a, b,,c"`` -> ("a", "b", "c"); None for None."""
+    if text is None:
+        return None
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def note(message: str) -> None:
+    click.echo(f"note: {printable(message)}", err=True)
+
+
+# --------------------------------------------------------------------------------------- aliases
+
+
+class AliasOption(click.Option):
+    """A hidden old spelling of another option (``alias_of``: the new option's parameter name)."""
+
+    def __init__(self, *args: Any, alias_of: str, new_flag: str, **kwargs: Any) -> None:
+        kwargs.setdefault("hidden", True)
+        super().__init__(*args, **kwargs)
+        self.alias_of = alias_of
+        self.new_flag = new_flag
+
+
+def alias(old: str, alias_of: str, new_flag: str, **kwargs: Any) -> Callable[[F], F]:
+    """A hidden option ``old`` setting parameter ``alias_of`` (spelled ``new_flag`` now)."""
+    name = "_alias_" + old.lstrip("-").replace("-", "_")
+    return click.option(old, name, cls=AliasOption, alias_of=alias_of, new_flag=new_flag, expose_value=True,
+                        help=f"Deprecated spelling of {new_flag}.", **kwargs)
+
+
+class ActstoreCommand(click.Command):
+    """A command whose hidden :class:`AliasOption` s fill the options they stand for (with a note),
+    and whose optional STORE argument may also come from the old ``--store`` option."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rest = super().parse_args(ctx, args)
+        for p in self.params:
+            if not isinstance(p, AliasOption) or p.name is None:
+                continue
+            value = ctx.params.pop(p.name, None)
+            if ctx.get_parameter_source(p.name) != ParameterSource.COMMANDLINE:
+                continue
+            old = p.opts[0]
+            if ctx.get_parameter_source(p.alias_of) == ParameterSource.COMMANDLINE:
+                raise click.UsageError(f"{old} and {p.new_flag} are the same option; give one", ctx)
+            note(f"{old} is deprecated and will be removed in the next release; use {p.new_flag}")
+            ctx.params[p.alias_of] = value
+            ctx.set_parameter_source(p.alias_of, ParameterSource.COMMANDLINE)
+        if any(getattr(p, "store_argument", False) for p in self.params) and not ctx.params.get("store"):
+            if not ctx.resilient_parsing:
+                raise click.MissingParameter(ctx=ctx, param=next(p for p in self.params if p.name == "store"))
+        return rest
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as e:
+            name_settings(self, e)
+            raise
+
+
+def command(name: str | None = None, *, example: str, **kwargs: Any) -> Callable[[Callable[..., Any]], click.Command]:
+    """``click.command`` with :class:`ActstoreCommand` and ``example`` as the help's epilog."""
+    epilog = "\b\nExample:\n  " + example.strip().replace("\n", "\n  ")
+    return click.command(name, cls=ActstoreCommand, epilog=epilog, **kwargs)
+
+
+# --------------------------------------------------------------------------------------- shared options
+
+
+class StoreArgument(click.Argument):
+    store_argument = True
+
+
+def store_argument(fn: F) -> F:
+    """STORE, the first positional argument of every command reading a store (old ``--store`` hidden)."""
+    fn = alias("--store", "store", "the STORE argument")(fn)
+    return click.argument("store", required=False, cls=StoreArgument, metavar="STORE")(fn)  # type: ignore[return-value]
+
+
+def json_option(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print one JSON object on stdout (errors too: {\"error\": ..., \"type\": ...}).")(fn)
+
+
+def quiet_option(fn: F) -> F:
+    return click.option("--quiet", is_flag=True, help="No progress bars or progress lines on stderr.")(fn)
+
+
+def no_save_option(fn: F) -> F:
+    """``--no-save`` (old ``--no-write``)."""
+    fn = alias("--no-write", "no_save", "--no-save", is_flag=True)(fn)
+    return click.option("--no-save", is_flag=True, help="Do not write result tables into the store.")(fn)
+
+
+def figures_option(*old: str, help: str = "Folder for the figures (PNG).") -> Callable[[F], F]:
+    """``--figures DIR`` (old spellings ``old``, e.g. ``--heatmaps``)."""
+
+    def deco(fn: F) -> F:
+        for o in old:
+            fn = alias(o, "figures", "--figures", metavar="DIR")(fn)
+        return click.option("--figures", default=None, metavar="DIR", help=help)(fn)  # type: ignore[return-value]
+
+    return deco
+
+
+def layers_option(help: str = "Layer subset, e.g. 0,3,5-7 (default: all).") -> Callable[[F], F]:
+    return click.option("--layers", default=None, metavar="LIST", help=help)
+
+
+def heads_option(help: str = "Head subset, e.g. 0-3 (default: all).") -> Callable[[F], F]:
+    return click.option("--heads", default=None, metavar="LIST", help=help)
+
+
+def model_option(help: str = "Model: alias, local folder or hub name (default: the store's model when it is one "
+                 "of actstore's aliases).") -> Callable[[F], F]:
+    return click.option("--model", "model", default=None, help=help)
+
+
+def device_options(fn: F) -> F:
+    fn = click.option("--model-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
+                      show_default=True, help="dtype the model runs in.")(fn)
+    fn = click.option("--device", default="cpu", show_default=True, help="torch device of the model (cpu, cuda, ...).")(fn)
+    return click.option("--allow-other-model", is_flag=True,
+                        help="Run even if the model's weights differ from the store's.")(fn)  # type: ignore[return-value]
+
+
+def _sql_memory(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from actstore.errors import QueryError
+    from actstore.sql import check_memory_limit
+
+    try:
+        return check_memory_limit(value)
+    except QueryError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _where(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--where``: parsed as exactly one SQL expression before the command runs."""
+    if value is None or not value.strip():
+        return value
+    from actstore.errors import QueryError
+    from actstore.sql import predicate
+
+    try:
+        predicate(value)
+    except QueryError as e:
+        raise click.BadParameter(str(e)) from None
+    return value + "\n" if "--" in value else value  # a trailing -- comment ends before whatever follows
+
+
+def sql_limit_options(fn: F) -> F:
+    """``--sql-memory`` and ``--sql-timeout``: the limits of every SQL statement the command runs."""
+    from actstore.sql import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, sql_memory: str, sql_timeout: float, **kwargs: Any) -> Any:
+        from actstore.sql import limits
+
+        with limits(memory_limit=sql_memory, timeout=sql_timeout):
+            return fn(*args, **kwargs)
+
+    wrapper = click.option("--sql-timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
+                           help="Seconds one SQL statement may run (0: no limit).")(wrapper)
+    wrapper = click.option("--sql-memory", default=DEFAULT_MEMORY_LIMIT, show_default=True, callback=_sql_memory,
+                           help="Memory one SQL statement may use, e.g. 512MB; nothing spills to disk.")(wrapper)
+    return wrapper  # type: ignore[return-value]
+
+
+WHERE_HELP = "SQL predicate over the examples table choosing the rows, e.g. \"relation_id = 'P17'\"."
+
+
+def where_option(fn: F) -> F:
+    """``--where`` (one SQL predicate over the examples table, checked before the command runs) and
+    the SQL limit options."""
+    return click.option("--where", default=None, callback=_where, help=WHERE_HELP)(sql_limit_options(fn))
+
+
+def check_where(store: Any, where: str | None) -> None:
+    """``--where`` must read the examples table alone: the same predicate means the same rows in
+    every command, whichever tables the command joins it with."""
+    if where is None or not where.strip():
+        return
+    from actstore.errors import ActstoreError
+
+    try:
+        store.sql(f"SELECT example_id FROM examples WHERE ({where}\n) LIMIT 0")
+    except ActstoreError as e:
+        raise click.BadParameter(f"a predicate over the examples table's columns: {e}", param_hint="--where") from None
+
+
+def open_store(path: str) -> Any:
+    import actstore
+
+    return actstore.open(path)
+
+
+def option_names(params: Sequence[click.Parameter]) -> dict[str, str]:
+    """Parameter name -> its (first long) option spelling, for naming settings in errors."""
+    out: dict[str, str] = {}
+    for p in params:
+        if isinstance(p, click.Option) and p.name and not isinstance(p, AliasOption):
+            longs = [o for o in p.opts if o.startswith("--")]
+            out[p.name] = longs[0] if longs else p.opts[0]
+    return out
+
+
+def name_settings(command: click.Command, error: Exception) -> None:
+    """Rewrite an :class:`actstore.invalid.InvalidSetting` to name the command's option for the
+    setting (``--model: ...``) instead of the library's parameter (``model: ...``)."""
+    from actstore.invalid import InvalidSetting
+
+    if isinstance(error, InvalidSetting):
+        flag = option_names(command.params).get(error.setting) or "--" + error.setting.replace("_", "-")
+        error.args = (f"{flag}: {error.detail}",)

@@ -1,0 +1,146 @@
+"""``actstore info | sql | features | verify``: read a store."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from actstore.cli._options import (
+    command,
+    heads_option,
+    json_option,
+    layers_option,
+    open_store,
+    parse_int_list,
+    printable,
+    sql_limit_options,
+    store_argument,
+    where_option,
+)
+
+EXIT_DAMAGED = 3  # verify found a problem (the store is damaged or incomplete)
+
+
+def _du(s: Any) -> int:
+    if s.location.is_local:
+        total = 0
+        for root, _, files in os.walk(s.location.root):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        return total
+    return int(s.location.fs.du(s.location.root))
+
+
+@command(example="actstore info /tmp/s --json")
+@store_argument
+@json_option
+def info(store: str, as_json: bool) -> None:
+    """Summarise a store: model, geometry, corpus, sizes."""
+    s = open_store(store)
+    rel = s.sql("SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
+                "FROM examples GROUP BY 1 ORDER BY 1").to_pylist()
+    tables = {name: len(files) for name, files in s.table_files().items()}
+    d = {
+        "store": s.url, "format_version": s.manifest.format_version, "model": s.manifest.model,
+        "geometry": s.geometry.to_dict(), "storage_dtype": s.manifest.storage_dtype,
+        "examples": s.manifest.n_examples, "rows_committed": s.n_rows,
+        "segments": {"committed": len(s.commits), "total": s.manifest.n_segments}, "complete": s.complete,
+        "relations": rel, "tables": tables, "bytes": _du(s),
+    }
+    if as_json:
+        click.echo(json.dumps(d, indent=2, default=str))
+        return
+    g = s.geometry
+    out = [  # store-provided strings (model, relation names) are printed with control characters escaped
+        f"store     {s.url}  (format v{s.manifest.format_version})",
+        f"model     {s.manifest.model.get('name')}  [{s.manifest.model.get('architecture')}]  "
+        f"weights sha256 {str(s.manifest.model.get('weight_hash', ''))[:16]}",
+        f"geometry  L={g.n_layers} H={g.n_heads} H_kv={g.n_kv_heads} d_head={g.d_head} "
+        f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}",
+        f"rows      {s.n_rows}/{s.manifest.n_examples} in {len(s.commits)}/{s.manifest.n_segments} "
+        f"segments, {s.manifest.storage_dtype}{'' if s.complete else '  (INCOMPLETE: resume the ingest)'}",
+        f"size      {d['bytes'] / 1e6:.1f} MB",
+        f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}",
+        *(f"  {printable(r['relation_id']):<24} {r['n']:>6}  {r['relation_name']}" for r in rel),
+    ]
+    for line in out:
+        click.echo(printable(line))
+
+
+@command(example="actstore sql /tmp/s \"SELECT relation_id, count(*) FROM examples GROUP BY 1\" --json")
+@store_argument
+@click.argument("query")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+              help="Output format (--json is the same as --format json).")
+@json_option
+@sql_limit_options
+def sql(store: str, query: str, fmt: str, as_json: bool) -> None:
+    """Run one read-only SELECT over the store's tables."""
+    from actstore.sql import render
+
+    click.echo(render(open_store(store).sql(query), "json" if as_json else fmt))
+
+
+FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, mlp, mlp_group, resid"
+
+
+@command(example="actstore features /tmp/s --kind attn_head --layers 0-3 --where \"relation_id = 'P17'\" "
+                 "--out x.npy")
+@store_argument
+@click.option("--kind", required=True, help=f"Feature kind: {FEATURE_KINDS}.")
+@where_option
+@layers_option()
+@heads_option()
+@click.option("--groups", type=int, default=None, help="mlp_group: number of neuron groups (default: heads).")
+@click.option("--out", "out_path", required=True, help="Output .npy file.")
+@click.option("--ids-out", default=None, help="Parquet file of (example_id, row) in the array's order.")
+def features(store: str, kind: str, where: str | None, layers: str | None, heads: str | None, groups: int | None,
+             out_path: str, ids_out: str | None) -> None:
+    """Write the features of the selected target rows to a .npy file (target-row order)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    s = open_store(store)
+    sel = s.select(where)
+    x = sel.features(kind, layers=parse_int_list(layers), heads=parse_int_list(heads, "heads"), groups=groups)
+    tmp = out_path + ".tmp.npy"
+    np.save(tmp, x)
+    os.replace(tmp, out_path)
+    if ids_out:
+        pq.write_table(sel.rows.select(["example_id", "row"]), ids_out)
+    click.echo(f"wrote {out_path}: {kind} {list(x.shape)} float32 for {len(sel)} rows")
+
+
+@command(example="actstore verify /tmp/s --values")
+@store_argument
+@click.option("--values", is_flag=True, help="Also decode every chunk and report NaN or infinite values.")
+@json_option
+def verify(store: str, values: bool, as_json: bool) -> None:
+    """Check that every committed chunk and table is there with its recorded hash, offsets, the manifest.
+
+    Exit status 3 when a problem is found (the store is damaged or incomplete), 1 when the store
+    cannot be checked at all."""
+    from actstore.verify import verify_store
+
+    report = verify_store(open_store(store), values=values)
+    if as_json:
+        click.echo(json.dumps({"store": report.store, "ok": report.ok, "status": report.status,
+                               "segments": report.segments_checked, "chunks": report.chunks_checked,
+                               "uncommitted_segments": report.uncommitted, "values_checked": report.values_checked,
+                               "problems": report.problems, "notes": report.notes}))
+    else:
+        for n in report.notes:
+            click.echo(f"NOTE {printable(n)}", err=True)
+        for p in report.problems:
+            click.echo(f"PROBLEM {printable(p)}", err=True)
+        click.echo(f"{report.status}: {report.segments_checked} segments, "
+                   f"{report.chunks_checked} chunks checked{' (values scanned)' if values else ''}, "
+                   f"{len(report.problems)} problems")
+    if not report.ok:
+        sys.exit(EXIT_DAMAGED)
+
+
+COMMANDS = [info, sql, features, verify]

@@ -1,0 +1,184 @@
+"""Run the method comparison (``actstore agree``): every method's reading of the store's facts,
+their pairwise agreement, and the result tables.
+
+    cfg = AgreeConfig(methods=("trace", "patch", "logit_lens"), runs=("trace-2026...",))
+    out = run_agreement(store, cfg)
+    out.result["pairs"]                       # per pair of methods: key-layer and verdict agreement
+    out.run_id, out.tables                    # written unless cfg.save is False
+
+The definitions of each reading are in :mod:`query.methods`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.runs import new_run_id, with_run_id, write_run
+from actstore.store import Store
+from query.methods import (
+    METHODS,
+    PLATEAU,
+    MethodReading,
+    MethodsError,
+    ProbeConfig,
+    agreement,
+    agreement_table,
+    attention_reading,
+    causal_shares,
+    default_tolerance,
+    fact_ids,
+    key_mlp_at_subject,
+    latest_run,
+    lens_reading,
+    patch_reading,
+    probe_reading,
+    stored_outputs,
+    trace_reading,
+)
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class AgreeConfig:
+    """Settings of one comparison.  ``runs``: trace and/or patch run ids to read, each found in its
+    own table (``trace_run``/``patch_run`` name them explicitly); the newest run of a table when no
+    run of it is named."""
+
+    methods: tuple[str, ...] = METHODS
+    runs: tuple[str, ...] = ()
+    trace_run: str | None = None
+    patch_run: str | None = None
+    tolerance: int | None = None  # key layers agree within this many layers (None: max(1, round(L/10)))
+    plateau: float = PLATEAU
+    probe_min_count: int = 5
+    probe_folds: int = 3
+    save: bool = True
+    figures: str | None = None  # folder for the profile curves
+
+    def check(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise MethodsError(f"{bad[0]!r} is not a method ({', '.join(METHODS)})")
+        if len(self.methods) < 2:
+            raise MethodsError("compare at least two methods")
+        if self.tolerance is not None and self.tolerance < 0:
+            raise MethodsError(f"the tolerance must be 0 or more layers (got {self.tolerance})")
+        if not 0 < self.plateau <= 1:
+            raise MethodsError(f"the plateau must be in (0, 1] (got {self.plateau})")
+
+
+@dataclass
+class AgreeOutcome:
+    run_id: str
+    result: dict[str, Any]  # JSON-ready: pairs, consensus, causal shares, per-method summaries
+    readings: list[MethodReading]
+    tables: list[str] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)
+
+
+def split_runs(store: Store, runs: Sequence[str]) -> tuple[str | None, str | None]:
+    """(trace run, patch run) among ``runs``: each id is looked up in ``trace_effects`` and
+    ``patch_effects``; an id in neither is an error.  None where no id names a run of that table."""
+    found: dict[str, str] = {}
+    files = store.table_files()
+    have = {kind: set(store.sql(f"SELECT DISTINCT run_id FROM {table}").column("run_id").to_pylist())
+            if table in files else set() for table, kind in (("trace_effects", "trace"), ("patch_effects", "patch"))}
+    for run in runs:
+        hit = next((kind for kind, ids in have.items() if run in ids), None)
+        if hit is None:
+            raise MethodsError(f"{store.url}: no run {run!r} in trace_effects or patch_effects")
+        if hit in found and found[hit] != run:
+            raise MethodsError(f"two {hit} runs given ({found[hit]}, {run}); compare one of each")
+        found[hit] = run
+    return found.get("trace"), found.get("patch")
+
+
+def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None) -> AgreeOutcome:
+    """Read each method of ``cfg.methods`` over the store's facts and compare their key layers and
+    verdicts; write ``method_readings``, ``method_agreement`` and a ``runs`` row unless
+    ``cfg.save`` is False, and the profile curves when ``cfg.figures`` names a folder."""
+    say = log or (lambda m: None)
+    cfg.check()
+    started = time.time()
+    trace_run, patch_run = split_runs(store, cfg.runs)
+    trace_run, patch_run = cfg.trace_run or trace_run, cfg.patch_run or patch_run
+    wanted = list(cfg.methods)
+    L = store.geometry.n_layers
+    tol = default_tolerance(L) if cfg.tolerance is None else cfg.tolerance
+    readings: dict[str, MethodReading] = {}
+    if "trace" in wanted:
+        readings["trace"] = trace_reading(store, trace_run, cfg.plateau)
+    if "patch" in wanted:
+        readings["patch"] = patch_reading(store, patch_run, cfg.plateau)
+    if readings:
+        ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
+    else:
+        ids = fact_ids(store, None, correct_only=True)
+    if ids.size == 0:
+        raise MethodsError(f"{store.url}: no facts to compare")
+    say(f"{ids.size} facts; reading the store")
+    out = stored_outputs(store, ids)
+    extra: dict[str, Any] = {"sublayers_additive": out.additive}
+    if "logit_lens" in wanted:
+        readings["logit_lens"] = lens_reading(store, out, plateau=cfg.plateau)
+    if "tuned_lens" in wanted:
+        from query.lens import TunedLens, stored_residuals
+
+        train = np.setdiff1d(fact_ids(store, None, correct_only=False), ids)
+        if train.size < 5:
+            raise MethodsError(f"{store.url}: only {train.size} facts outside the compared ones to train the tuned "
+                               "lens (ingest more facts, or leave tuned_lens out of the methods)")
+        say(f"tuned lens: fitting on {train.size} other facts")
+        tl = TunedLens.fit_ridge(stored_residuals(store, train)[0])
+        readings["tuned_lens"] = lens_reading(store, out, tl, cfg.plateau)
+        extra["tuned_lens_train_facts"] = int(train.size)
+    if "attention" in wanted:
+        readings["attention"] = attention_reading(store, out, cfg.plateau)
+    if "probe" in wanted:
+        say("probes: cross-validated object probes on every residual index")
+        readings["probe"], extra["probe"] = probe_reading(
+            store, out, ProbeConfig(min_count=cfg.probe_min_count, folds=cfg.probe_folds), cfg.plateau)
+    ordered = [readings[m] for m in wanted]
+    result = agreement(ordered, tol)
+    if "trace" in readings:
+        result["causal_shares"] = causal_shares(readings["trace"], readings.get("patch"), L,
+                                                key_mlp_at_subject(store, trace_run))
+    result.update(extra)
+    result["n_layers"] = L
+    result["plateau"] = cfg.plateau
+    result["model"] = store.manifest.model.get("name")
+    result["verdict_mlp_share"] = {r.method: (float(np.mean(r.verdict[r.verdict != ""] == "mlp"))
+                                              if (r.verdict != "").any() else None) for r in ordered}
+    result["key_layer_median"] = {r.method: float(np.median(r.key_layer[r.key_layer >= 0]))
+                                  if (r.key_layer >= 0).any() else None for r in ordered}
+    result["n_facts"] = {r.method: int(len(r.example_ids)) for r in ordered}
+    result["tolerance"] = tol
+    run_id = new_run_id("agree")
+    outcome = AgreeOutcome(run_id, result, ordered)
+    if cfg.save:
+        import pyarrow as pa
+
+        from actstore.writer import write_result_table
+
+        outcome.tables.append(write_result_table(store, "method_readings", run_id,
+                                                 with_run_id(pa.concat_tables([r.table() for r in ordered]), run_id)))
+        outcome.tables.append(write_result_table(store, "method_agreement", run_id,
+                                                 with_run_id(agreement_table(result), run_id)))
+        used = {"trace": latest_run(store, "trace_effects", trace_run) if "trace" in readings else trace_run,
+                "patch": latest_run(store, "patch_effects", patch_run) if "patch" in readings else patch_run}
+        write_run(store, run_id, "agree", started, {"trace_run": used["trace"], "patch_run": used["patch"],
+                                                     "methods": wanted, "tolerance": tol, "plateau": cfg.plateau})
+    if cfg.figures:
+        from query.figures_cli import profile_curves
+
+        Path(cfg.figures).mkdir(parents=True, exist_ok=True)
+        outcome.figures.append(str(profile_curves(ordered, Path(cfg.figures) / "method_profiles.png",
+                                                  f"{result['model']}: mean per-layer profiles")))
+    return outcome

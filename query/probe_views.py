@@ -1,0 +1,82 @@
+"""Views of a stored probe run for the command line: the layer x head HeadScore grid, the run's
+contrast reading, and the knowledge-base files a correlation reads.
+
+    grid = headscore_grid(store, "probe-2026...", relation="P17")
+    grid.scores                              # [len(grid.layers), len(grid.heads)], NaN where no head
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from actstore.invalid import InvalidSetting
+from actstore.store import Store
+
+CONTRAST_TEXT = {
+    "renormalised": "renormalised (dW = W_c_hat - sum pi'_c W_c, pi' renormalised over the competitors; ours)",
+    "seed": "seed (dW = W_c_hat - sum pi_c W_c, the full softmax; the seed's formula)",
+}
+
+
+def contrast_text(reading: str | None) -> str:
+    """One line saying which reading of dW a HeadScore/TokenScore used."""
+    return CONTRAST_TEXT[reading or "renormalised"]
+
+
+def run_contrast(store: Store, run_id: str) -> str:
+    """The contrast reading the probe run ``run_id`` was made with."""
+    from query.attribution import run_row
+    from query.probe import ProbeConfig
+
+    return ProbeConfig.from_json(str(run_row(store, run_id)["config"])).contrast
+
+
+@dataclass
+class HeadScoreGrid:
+    run_id: str
+    relation: str | None
+    layers: list[int]
+    heads: list[int]  # -1: the whole layer
+    scores: np.ndarray  # [len(layers), len(heads)] mean HeadScore weighted by predictions, NaN where none
+    n_predictions: int
+    contrast: str
+
+
+def headscore_grid(store: Store, run_id: str, relation: str | None = None) -> HeadScoreGrid:
+    """Mean HeadScore per layer x head over the run's query predictions (only those whose gold
+    relation is ``relation`` when given)."""
+    from query.attribution import run_row, sql_quote
+
+    run_row(store, run_id)  # an unknown run: one line naming the runs there are
+    cond = f"run_id = '{sql_quote(run_id)}'"
+    if relation is not None:
+        known = [r["relation_id"] for r in store.sql(f"SELECT DISTINCT relation_id FROM head_scores WHERE {cond} "
+                                                     "ORDER BY 1").to_pylist()]
+        if relation not in known:
+            raise InvalidSetting("relation", f"unknown relation {relation!r} for run {run_id} "
+                                             f"(one of {', '.join(known)})")
+        cond += f" AND relation_id = '{sql_quote(relation)}'"
+    rows = store.sql(f"SELECT layer, head, sum(score * n) / greatest(sum(n), 1) AS score, sum(n) AS n "
+                     f"FROM head_scores WHERE {cond} GROUP BY 1, 2 ORDER BY 1, 2").to_pylist()
+    layers = sorted({r["layer"] for r in rows})
+    heads = sorted({r["head"] for r in rows})
+    grid = np.full((len(layers), len(heads)), np.nan)
+    for r in rows:
+        grid[layers.index(r["layer"]), heads.index(r["head"])] = r["score"]
+    n_pred = int(max((r["n"] for r in rows), default=0))
+    return HeadScoreGrid(run_id, relation, layers, heads, grid, n_pred, run_contrast(store, run_id))
+
+
+def expand_files(patterns: Sequence[str]) -> list[str]:
+    """Every file the glob ``patterns`` match, in order; a pattern matching nothing is an error."""
+    files: list[str] = []
+    for pattern in patterns:
+        hits = sorted(glob.glob(pattern))
+        if not hits:
+            raise InvalidSetting("kb", f"{pattern}: no such file")
+        files += hits
+    return files
