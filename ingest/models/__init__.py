@@ -1,0 +1,31 @@
+"""Loading the models that ingest runs: real checkpoints, the packaged GGUF defaults, tiny random ones.
+
+- :mod:`.registry`: the names (aliases, ``known_alias``) and ``load_model``, which resolves a name
+  to a packaged GGUF model, a ``.gguf`` file, a local folder, a tiny model or a hub repository;
+- :mod:`.gguf`: the packaged GGUF models and their conversion into cached safetensors folders;
+- :mod:`.cache`: where the cache lives (``$ACTSTORE_CACHE``, else platformdirs' user cache folder)
+  and the per-folder file locks that let concurrent processes share it;
+- :mod:`.tiny`: tiny random-weight models built from configs, and their tokenizer;
+- :mod:`.base`: ``ModelError``, ``LoadedModel``, ``weight_hash``.
+
+Library code here reports through ``logging`` (logger names ``ingest.models.*``) and never prints.
+"""
+
+from .base import LoadedModel, ModelError, weight_hash
+from .cache import default_cache_dir
+from .gguf import GGUF_ALIASES
+from .registry import known_alias, load_model
+from .tiny import TINY_ARCHS, tiny_model, tiny_tokenizer
+
+__all__ = [
+    "GGUF_ALIASES",
+    "TINY_ARCHS",
+    "LoadedModel",
+    "ModelError",
+    "default_cache_dir",
+    "known_alias",
+    "load_model",
+    "tiny_model",
+    "tiny_tokenizer",
+    "weight_hash",
+]
