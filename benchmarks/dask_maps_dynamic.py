@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import actstore
-from query.maps_dynamic import dynamic_ranks
+from query.maps.dynamic import dynamic_ranks
 
 RANKS = ("static_up", "static_down", "w_up", "w_down", "wo_up", "wo_down", "example_ids")
 

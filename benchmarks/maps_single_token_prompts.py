@@ -1,6 +1,6 @@
 """The MAPS prompt files of one model under the authors' pair policy.
 
-Like ``python -m query.maps_prompts dynamic`` (the paper's four neutral contexts, a seeded sample of
+Like ``python benchmarks/maps_prompts.py dynamic`` (the paper's four neutral contexts, a seeded sample of
 ``--per-relation`` pairs per relation) or ``... ablation`` (``--kind ablation``: the paper's few-shot
 prompt per relation, pairs whose source is one of its examples left out), but the pairs are first
 filtered as the authors' code does
@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
-from ingest.models import load_model
-from query.maps import MIN_PAIRS, load_pair_files, single_token_pairs
-from query.maps_prompts import MAPS_ROOT, ablation_templates, dynamic_templates, prompt_rows
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.maps_prompts import MAPS_ROOT, ablation_templates, dynamic_templates, prompt_rows  # noqa: E402
+from ingest.models import load_model  # noqa: E402
+from query.maps import MIN_PAIRS, load_pair_files, single_token_pairs  # noqa: E402
 
 
 def main() -> None:

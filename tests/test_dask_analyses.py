@@ -70,7 +70,7 @@ def assert_same_ranks(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def test_maps_dynamic_on_dask_equals_single_pass(maps_store: Path, client: Any) -> None:
     from query.maps import VocabProjection, pair_ranks, store_pairs
-    from query.maps_dynamic import dynamic_ranks
+    from query.maps.dynamic import dynamic_ranks
 
     store = actstore.open(maps_store)
     single = dynamic_ranks(store)  # the existing single pass: every prompt in one task, 256-row chunks
@@ -99,7 +99,7 @@ def test_maps_dynamic_first_mlp_sources_reach_the_workers(maps_store: Path, clie
     from ingest.first_mlp import first_mlp_transform
     from ingest.models import tiny_model
     from query.maps import VocabProjection
-    from query.maps_dynamic import dynamic_ranks
+    from query.maps.dynamic import dynamic_ranks
 
     store = actstore.open(maps_store)
     proj = VocabProjection(store, first_mlp=first_mlp_transform(tiny_model("llama").model))
@@ -113,7 +113,7 @@ def test_maps_dynamic_first_mlp_sources_reach_the_workers(maps_store: Path, clie
 
 def test_cli_maps_dynamic_workers(maps_store: Path) -> None:
     """``--workers 2`` starts its own LocalCluster of 2 processes (24 prompts: 1 task per worker)."""
-    base = ["maps-dynamic", str(maps_store), "--json", "--no-write", "--multi-token", "first", "--min-pairs", "1"]
+    base = ["maps-dynamic", str(maps_store), "--json", "--no-save", "--multi-token", "first", "--min-pairs", "1"]
     plain = CliRunner().invoke(main, [*base, "--quiet"])
     assert plain.exit_code == 0, plain.output
     r = CliRunner().invoke(main, [*base, "--workers", "2"])
@@ -131,7 +131,7 @@ def test_cli_dask_options_bad_input(maps_store: Path) -> None:
     for extra, want in ((["--dask", "tcp://127.0.0.1:1", "--workers", "2"], "not both"),
                         (["--workers", "0"], "--workers must be at least 1"),
                         (["--dask", f"tcp://127.0.0.1:{port}"], "cannot reach the Dask scheduler")):
-        r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--no-write", "--quiet", "--multi-token", "first",
+        r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--no-save", "--quiet", "--multi-token", "first",
                                       "--min-pairs", "1", *extra])
         assert r.exit_code == 1
         lines = r.stderr.strip().splitlines()

@@ -28,7 +28,7 @@ from query.maps import (
     store_pairs,
     tokenize_pairs,
 )
-from query.maps_dynamic import correlation_summary, dynamic_ranks
+from query.maps.dynamic import correlation_summary, dynamic_ranks
 from query.store_tokenizer import tokenizer_for_store
 
 MAPS_DATA = FIXTURES / "maps" / "datasets"
@@ -249,7 +249,7 @@ def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> Non
 
 def test_ablation_experiment(maps_store: Path) -> None:
     from ingest.interventions import InterventionRunner
-    from ingest.maps_ablation import AblationConfig, run_ablation
+    from ingest.interventions.ablation import AblationConfig, run_ablation
 
     store = actstore.open(maps_store)
     runner = InterventionRunner(tiny_model("llama").model)
@@ -275,7 +275,7 @@ def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[...,
     """The control choice reads a matching stored `maps` run or recomputes the scores; both give the same
     choice, and the overlaps and base accuracies reported equal a brute-force computation from the model."""
     from ingest.interventions import InterventionRunner
-    from ingest.maps_ablation import AblationConfig, run_ablation
+    from ingest.interventions.ablation import AblationConfig, run_ablation
 
     path = store_factory("llama", dataset=f"maps:{MAPS_DATA}", template="This is a document about {}",
                          relations=CONTROL_RELS, limit=12)
@@ -363,8 +363,8 @@ def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[...,
     assert default["controls"] == [] and {c["relation"] for c in default["control_choice"]
                                           if "no drop to measure" in c["reason"]} == {c for _, _, c in expected}
     # The command line: text output names each candidate's decision and where the scores came from.
-    args = ["ablate", "--model", "tiny-llama", "--store", str(path), "--relation", relation, "--pairs", str(MAPS_DATA),
-            "--k", str(k), "--top-m", str(m), "--random-draws", "0", "--max-head-overlap", "0.5", "--no-write", "--quiet",
+    args = ["ablate", "--model", "tiny-llama", str(path), "--relation", relation, "--pairs", str(MAPS_DATA),
+            "--k", str(k), "--top-m", str(m), "--random-draws", "0", "--max-head-overlap", "0.5", "--no-save", "--quiet",
             *variant]
     r = CliRunner().invoke(main, [*args, "--scores-store", str(path)])
     assert r.exit_code == 0, r.output + str(r.stderr)
@@ -381,7 +381,7 @@ def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[...,
 def test_cli_maps_json_and_tables(maps_store: Path, tmp_path: Path) -> None:
     variant = ["--multi-token", "first", "--min-pairs", "1"]  # the fixture's words are several tiny tokens
     r = CliRunner().invoke(main, ["maps", str(maps_store), "--pairs", str(MAPS_DATA), "--relations", ",".join(RELS),
-                                  "--salient-heads", "1.*", "--heatmaps", str(tmp_path / "fig"), "--json", *variant])
+                                  "--salient-heads", "1.*", "--figures", str(tmp_path / "fig"), "--json", *variant])
     assert r.exit_code == 0, r.output + str(r.stderr)
     out = json.loads(r.stdout)
     assert {x["relation"] for x in out["relations"]} == set(RELS)
@@ -393,7 +393,7 @@ def test_cli_maps_json_and_tables(maps_store: Path, tmp_path: Path) -> None:
     s = actstore.open(maps_store)
     n = s.sql(f"SELECT count(*) AS n FROM maps_scores WHERE run_id = '{out['run_id']}'").column("n")[0].as_py()
     assert n == 2 * 8
-    r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--json", "--no-write", "--no-first-mlp", *variant])
+    r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--json", "--no-save", "--no-first-mlp", *variant])
     assert r.exit_code == 0, r.output + str(r.stderr)
     dyn = json.loads(r.stdout)
     assert {x["relation"] for x in dyn["relations"]} == set(RELS)
@@ -412,7 +412,7 @@ def test_cli_maps_json_and_tables(maps_store: Path, tmp_path: Path) -> None:
 
 
 def test_cli_ablate_json(maps_store: Path) -> None:
-    r = CliRunner().invoke(main, ["ablate", "--model", "tiny-llama", "--store", str(maps_store), "--relation", RELS[0],
+    r = CliRunner().invoke(main, ["ablate", "--model", "tiny-llama", str(maps_store), "--relation", RELS[0],
                                   "--heads", "1.0,1.1", "--random-draws", "1", "--no-controls", "--json", "--quiet"])
     assert r.exit_code == 0, r.output + str(r.stderr)
     out = json.loads(r.stdout)
@@ -436,9 +436,9 @@ def test_bad_input_is_one_line(case: str, maps_store: Path, tmp_path: Path) -> N
     elif case == "head_out_of_range":
         args = ["maps", store, "--pairs", str(MAPS_DATA / RELS[1]), "--salient-heads", "7.2"]
     elif case == "ablate_head":
-        args = ["ablate", "--model", "tiny-llama", "--store", store, "--relation", RELS[0], "--heads", "0.9"]
+        args = ["ablate", "--model", "tiny-llama", store, "--relation", RELS[0], "--heads", "0.9"]
     else:
-        args = ["ablate", "--model", "tiny-llama", "--store", store, "--relation", "no_such_relation"]
+        args = ["ablate", "--model", "tiny-llama", store, "--relation", "no_such_relation"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 1, r.output
     lines = r.stderr.strip().splitlines()

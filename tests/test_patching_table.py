@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.patching import PATCH_EFFECTS, PATCH_PAIRS, PatchPair, PatchResult, effects_table, pairs_table
+from ingest.interventions.patching import (
+    PATCH_EFFECTS,
+    PATCH_PAIRS,
+    PatchPair,
+    PatchResult,
+    effects_table,
+    pairs_table,
+)
 
 L, H = 3, 4
 

@@ -16,9 +16,8 @@ from conftest import FIXTURES
 import actstore
 from ingest.architectures import architecture_for as architecture_for_model
 from ingest.interventions import Intervention, InterventionRunner, RunItem
-from ingest.models import tiny_model
-from ingest.patching import ActivationPatcher, PatchConfig, PatchError, PatchPair
-from ingest.tracing import (
+from ingest.interventions.patching import ActivationPatcher, PatchConfig, PatchError, PatchPair
+from ingest.interventions.tracing import (
     CausalTracer,
     GroupedEditRunner,
     StoredFact,
@@ -28,6 +27,7 @@ from ingest.tracing import (
     subject_embedding_std,
     window_layers,
 )
+from ingest.models import tiny_model
 
 KNOWN = f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}"  # invented facts
 STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 5, "relations": ("P30", "P103")}
@@ -147,8 +147,8 @@ def test_cli_trace_json_and_bad_input_exits(llama_store: Path) -> None:
     from actstore.cli import main
 
     runner = CliRunner()
-    args = ["--model", "tiny-llama", "--store", str(llama_store), "--all-facts", "--quiet"]
-    res = runner.invoke(main, ["trace", *args, "--limit", "1", "--samples", "1", "--window", "2", "--json", "--no-write"])
+    args = ["--model", "tiny-llama", str(llama_store), "--all-facts", "--quiet"]
+    res = runner.invoke(main, ["trace", *args, "--limit", "1", "--samples", "1", "--window", "2", "--json", "--no-save"])
     assert res.exit_code == 0, res.output
     import json
 
@@ -164,7 +164,7 @@ def test_cli_trace_json_and_bad_input_exits(llama_store: Path) -> None:
     rel = s.sql("SELECT example_id, relation_id FROM examples ORDER BY 1").to_pylist()
     a = rel[0]
     b = next(r for r in rel if r["relation_id"] != a["relation_id"])
-    bad = runner.invoke(main, ["patch", "--model", "tiny-llama", "--store", str(llama_store),
+    bad = runner.invoke(main, ["patch", "--model", "tiny-llama", str(llama_store),
                                "--pair", f"{a['example_id']}:{b['example_id']}", "--quiet"])
     assert bad.exit_code == 1 and "same relation" in bad.stderr and bad.stderr.strip().count("\n") == 0
 
@@ -205,12 +205,12 @@ def test_cli_fact_whose_subject_is_not_in_its_prompt_exits_with_one_line(tmp_pat
     cli = CliRunner()
     for cmd in (["trace", "--all-facts", "--window", "1"], ["patch", "--all-facts"], ["patch", "--pair", f"{g}:{b}"],
                 ["patch", "--pair", f"{b}:{g}"]):
-        res = cli.invoke(main, [cmd[0], "--model", "tiny-llama", "--store", str(path), *cmd[1:], "--quiet"])
+        res = cli.invoke(main, [cmd[0], "--model", "tiny-llama", str(path), *cmd[1:], "--quiet"])
         assert res.exit_code == 1, (cmd, res.output)
         assert res.stderr.startswith("error: ") and res.stderr.strip().count("\n") == 0, res.stderr
         assert f"subject {bad[0]['subject']!r} is not in its prompt" in res.stderr, res.stderr
-    res = cli.invoke(main, ["trace", "--model", "tiny-llama", "--store", str(path), "--all-facts", "--where",
-                            "subject_start >= 0", "--samples", "1", "--window", "1", "--no-write", "--quiet", "--json"])
+    res = cli.invoke(main, ["trace", "--model", "tiny-llama", str(path), "--all-facts", "--where",
+                            "subject_start >= 0", "--samples", "1", "--window", "1", "--no-save", "--quiet", "--json"])
     assert res.exit_code == 0, res.output
     assert sorted(f["example_id"] for f in json.loads(res.stdout)["facts"]) == [r["example_id"] for r in good]
 

@@ -1,4 +1,5 @@
-"""Prompt files for the MAPS experiments on real models, in the ``jsonl`` dataset format.
+"""Prompt files for the MAPS experiments on real models, in the ``jsonl`` dataset format (a data-set
+builder for the experiments in docs/analyses.md, not part of the library).
 
 Two sets, both read from the MAPS authors' files in place (``$ACTSTORE_DATA/maps``, default ``../shared/data/maps``):
 
@@ -14,8 +15,8 @@ Two sets, both read from the MAPS authors' files in place (``$ACTSTORE_DATA/maps
 The subject span is given explicitly (the slot ``<X>``), so a few-shot example that happens to
 contain the subject never takes its place.  ``target`` is the last token.
 
-    python -m query.maps_prompts dynamic --per-relation 40 --out /tmp/maps-work/dynamic.jsonl
-    python -m query.maps_prompts ablation --per-relation 60 --out /tmp/maps-work/ablation.jsonl
+    python benchmarks/maps_prompts.py dynamic --per-relation 40 --out /tmp/maps-work/dynamic.jsonl
+    python benchmarks/maps_prompts.py ablation --per-relation 60 --out /tmp/maps-work/ablation.jsonl
     actstore ingest --model smollm2-135m --dataset jsonl:/tmp/maps-work/dynamic.jsonl --out STORE
 """
 
@@ -25,12 +26,17 @@ import argparse
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from query.maps import MapsError, load_pair_files
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from query.maps import MapsError, load_pair_files  # noqa: E402
 
 MAPS_ROOT = Path(os.environ.get("ACTSTORE_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data") / "maps"
 LLAMA_RESULTS = MAPS_ROOT / "reference_results" / "results" / "meta-llama" / "Meta-Llama-3.1-8B"
