@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
-import pyarrow.fs as pafs
 
 from actstore.errors import ActstoreError, CorruptStoreError, StorageError, StoreNotFoundError
 
@@ -218,11 +217,6 @@ class StoreLocation:
                 afs = AsyncFileSystemWrapper(self.fs, asynchronous=True)
             object.__setattr__(self, "_afs", afs)  # frozen dataclass: a cache, not state
         return afs
-
-    def arrow_filesystem(self) -> pafs.FileSystem:
-        if self.is_local:
-            return pafs.LocalFileSystem()
-        return pafs.PyFileSystem(pafs.FSSpecHandler(self.fs))
 
 
 def _read_local(path: str, max_bytes: int | None) -> bytes:

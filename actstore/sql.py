@@ -20,6 +20,11 @@ Three layers, each enough on its own to stop a statement from writing:
    :data:`DEFAULT_MEMORY_LIMIT` and :data:`DEFAULT_TIMEOUT`; per call (``Store.sql(...,
    memory_limit=, timeout=)``), per block of code (``with actstore.sql.limits(...)``), or per
    command (``--sql-memory``, ``--sql-timeout``).
+
+**Parameters.**  Values reach a statement as DuckDB parameters (``$name`` with a mapping, ``?`` or
+``$1`` with a sequence: :func:`run_sql`'s ``params``, ``Store.sql(..., params=)``), never as text
+pasted into it: the statement checked above is the statement that runs, and a value holding quotes,
+semicolons or keywords is compared as data.
 """
 
 from __future__ import annotations
@@ -27,11 +32,11 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -41,7 +46,26 @@ if TYPE_CHECKING:  # duckdb and pyarrow.dataset are imported when a statement ru
     import duckdb
     import pyarrow.dataset as pads
 
-    from actstore.store import Store
+    from actstore.fs import StoreLocation
+
+Params = Sequence[Any] | Mapping[str, Any]
+"""SQL parameter values: a sequence for ``?`` / ``$1`` placeholders, a mapping for ``$name`` ones."""
+
+
+class TableSource(Protocol):
+    """What this module needs of a store (:class:`actstore.store.Store` is one): its location and
+    its visible, checked table files.  A protocol, so the store imports this module and not back."""
+
+    location: StoreLocation
+
+    @property
+    def url(self) -> str: ...
+
+    def table_files(self) -> dict[str, list[str]]: ...
+
+    def table(self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None) -> pa.Table: ...
+
+    def check_table_shards(self) -> None: ...
 
 ALLOWED_STATEMENTS = {"SELECT"}
 DEFAULT_MEMORY_LIMIT = "4GB"
@@ -113,7 +137,7 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _dataset(store: Store, files: list[str]) -> pads.Dataset:
+def _dataset(store: TableSource, files: list[str]) -> pads.Dataset:
     """A table's local files as one dataset; columns missing from a file read as NULL (``union_by_name``)."""
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
@@ -133,7 +157,7 @@ def _dataset(store: Store, files: list[str]) -> pads.Dataset:
     return pads.dataset(paths, schema=schema, format="parquet")
 
 
-def connect(store: Store, *, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
+def connect(store: TableSource, *, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
     """A locked-down in-memory DuckDB connection with one view per store table.
 
     DuckDB has no file access on it (the tables are Arrow datasets read by pyarrow), no
@@ -306,16 +330,35 @@ class _GrowthCap:
 _process_growth_cap = _GrowthCap()
 
 
-def run_sql(store: Store, query: str, con: duckdb.DuckDBPyConnection | None = None, *,
-            memory_limit: str | None = None, timeout: float | None = None) -> pa.Table:
+def check_params(params: object) -> list[Any] | dict[str, Any] | None:
+    """``params`` as DuckDB takes them: a list (``?``, ``$1``), a dict with string keys (``$name``), or None.
+    A string or bytes is refused (it is a sequence, and would bind one character per placeholder)."""
+    if params is None:
+        return None
+    if isinstance(params, Mapping):
+        bad = [k for k in params if not isinstance(k, str)]
+        if bad:
+            raise QueryError(f"SQL parameter names must be strings (got {bad[0]!r})")
+        return dict(params)
+    if isinstance(params, (str, bytes, bytearray)) or not isinstance(params, Sequence):
+        raise QueryError(f"SQL parameters must be a list or a dict of values (got {type(params).__name__})")
+    return list(params)
+
+
+def run_sql(store: TableSource, query: str, con: duckdb.DuckDBPyConnection | None = None, *,
+            params: Params | None = None, memory_limit: str | None = None,
+            timeout: float | None = None) -> pa.Table:
     """Execute one read-only SELECT eagerly, within the limits, and return its result as Arrow.
 
-    ``memory_limit`` / ``timeout`` override the limits in force (:func:`limits`); the memory limit
-    applies only when this call opens the connection (``con`` is None).
+    ``params``: values bound to the statement's placeholders by DuckDB (see the module notes); the
+    statement checked read-only is the one that runs.  ``memory_limit`` / ``timeout`` override the
+    limits in force (:func:`limits`); the memory limit applies only when this call opens the
+    connection (``con`` is None).
     """
     import duckdb
 
     stmt = check_read_only(query)
+    bound = check_params(params)
     lim = current_limits(memory_limit, timeout)
     own = con is None
     if con is None:
@@ -334,7 +377,7 @@ def run_sql(store: Store, query: str, con: duckdb.DuckDBPyConnection | None = No
         timer.start()
     try:
         with _process_growth_cap(GROWTH_FACTOR * size_bytes(lim.memory_limit) + GROWTH_SLACK):
-            return con.sql(stmt).to_arrow_table()
+            return con.sql(stmt, params=bound).to_arrow_table()
     except duckdb.InterruptException:
         if fired.is_set():
             raise QueryError(f"SQL error: the query ran longer than the time limit of {lim.timeout:g} s and was "

@@ -20,10 +20,8 @@ zeros (:class:`actstore.arrays.ChunkGuard`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import pyarrow as pa
@@ -38,11 +36,23 @@ from actstore.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLE
 
 if TYPE_CHECKING:
     import duckdb
+    import pandas as pd
+
+    from actstore.sql import Params
 
 SEGMENT_ARRAYS = ("z", "attn", "v", "resid", "mlp")
 
 
 MAX_CHUNK_BYTES = 1 << 31  # a segment array chunk larger than this (uncompressed) is refused
+TOKENIZER_DIR = "tokenizer"  # the model's tokenizer files (``save_pretrained``), hashes in manifest model.tokenizer
+MAX_TOKENIZER_FILE_BYTES = 1 << 28
+_HEX = frozenset("0123456789abcdef")
+
+
+def tokenizer_file_name_ok(name: str) -> bool:
+    """True for a plain file name a tokenizer folder may hold (no path, no leading dot, 128 characters)."""
+    return (isinstance(name, str) and 0 < len(name) <= 128 and name.isascii() and name[0].isalnum()
+            and all(c.isalnum() or c in "._-" for c in name))
 
 
 def segment_name(seg: int) -> str:
@@ -86,14 +96,13 @@ def check_weight(g: Geometry, name: str, arr: zarr.Array, where: str) -> None:
     check_array(arr, where, want, None, max_chunks=1 << 16)
 
 
-@dataclass(frozen=True)
-class TableFile:
-    name: str
-    path: str  # relative to the store root
-
-
 class Store:
-    """A read-only view of a store as of the moment it was opened (or last :meth:`refresh`)."""
+    """A read-only view of a store as of the moment it was opened (or last :meth:`refresh`).
+
+    This is the store core: manifest, arrays, weights, tables and SQL.  It imports nothing from
+    ``ingest`` or ``query``; :func:`actstore.open` returns :class:`actstore.api.Store`, this class
+    plus the methods that need the query layer (``select``).
+    """
 
     def __init__(self, location: StoreLocation) -> None:
         self.location = location
@@ -119,7 +128,6 @@ class Store:
     def refresh(self) -> None:
         """Pick up segments committed since the store was opened."""
         self.commits = read_commits(self.location, self.manifest)
-        self.__dict__.pop("_row_index", None)
 
     @property
     def n_rows(self) -> int:
@@ -257,6 +265,46 @@ class Store:
     def weight_attrs(self) -> dict[str, Any]:
         return dict(self._weights_group.attrs)
 
+    # ------------------------------------------------------------------ tokenizer
+    def tokenizer_record(self) -> dict[str, str] | None:
+        """``{file name: SHA-256}`` of the tokenizer files the manifest records (None for a store ingested
+        before tokenizers were saved); a malformed record is a CorruptStoreError."""
+        rec = self.manifest.model.get("tokenizer")
+        if rec is None:
+            return None
+        where = f"{self.url}/manifest.json field 'model.tokenizer'"
+        files = rec.get("files") if isinstance(rec, dict) else None
+        if not isinstance(files, dict) or not files:
+            raise CorruptStoreError(f"{where}: expected {{'files': {{name: sha256}}}}")
+        for name, digest in files.items():
+            if not tokenizer_file_name_ok(name):
+                raise CorruptStoreError(f"{where}: {str(name)[:40]!r} is not a plain file name")
+            if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
+                raise CorruptStoreError(f"{where}: the hash of {name!r} is not a SHA-256 hex digest")
+        return dict(files)
+
+    def has_tokenizer(self) -> bool:
+        """True when the store holds its model's tokenizer (``tokenizer/``)."""
+        return self.tokenizer_record() is not None
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The bytes of each tokenizer file, checked against the manifest's SHA-256 (a folder for
+        ``AutoTokenizer.from_pretrained`` once written out; see :mod:`query.store_tokenizer`)."""
+        record = self.tokenizer_record()
+        if record is None:
+            raise QueryError(f"{self.url} holds no tokenizer (ingested before tokenizers were saved with stores)")
+        out: dict[str, bytes] = {}
+        for name, want in record.items():
+            rel = f"{TOKENIZER_DIR}/{name}"
+            try:
+                data = self.location.read_bytes(rel, MAX_TOKENIZER_FILE_BYTES)
+            except FileNotFoundError:
+                raise CorruptStoreError(f"{self.url}/{rel}: missing (the manifest records it)") from None
+            if sha256(data) != want:
+                raise CorruptStoreError(f"{self.url}/{rel}: SHA-256 does not match the manifest's model.tokenizer")
+            out[name] = data
+        return out
+
     # ------------------------------------------------------------------ tables
     def table_files(self) -> dict[str, list[str]]:
         """Visible Parquet files per table name (segment tables: committed shards only)."""
@@ -348,36 +396,38 @@ class Store:
                     raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: "
                                             f"{' '.join(str(e).split())[:160]})") from None
 
-    def sql(self, query: str, *, format: str = "arrow", memory_limit: str | None = None,
-            timeout: float | None = None) -> Any:
+    @overload
+    def sql(self, query: str, params: Params | None = None, *, format: Literal["arrow"] = "arrow",
+            memory_limit: str | None = None, timeout: float | None = None) -> pa.Table: ...
+
+    @overload
+    def sql(self, query: str, params: Params | None = None, *, format: Literal["pandas"],
+            memory_limit: str | None = None, timeout: float | None = None) -> pd.DataFrame: ...
+
+    def sql(self, query: str, params: Params | None = None, *, format: str = "arrow",
+            memory_limit: str | None = None, timeout: float | None = None) -> pa.Table | pd.DataFrame:
         """Run one read-only SELECT over the store's tables; ``format`` is ``arrow`` or ``pandas``.
+
+        ``params`` are bound by DuckDB, never pasted into the text: a list for ``?`` (or ``$1``)
+        placeholders, a dict for ``$name`` ones::
+
+            store.sql("SELECT * FROM probe_runs WHERE run_id = ?", [run_id])
+            store.sql("SELECT count(*) FROM examples WHERE relation_id = $rel", {"rel": "P17"})
 
         ``memory_limit`` (e.g. ``"1GB"``) and ``timeout`` (seconds, 0 for none) override the limits in
         force (:func:`actstore.sql.limits`; defaults in :mod:`actstore.sql`)."""
         from actstore.sql import run_sql
 
-        table = run_sql(self, query, memory_limit=memory_limit, timeout=timeout)
-        if format == "pandas":
-            return table.to_pandas()
-        if format != "arrow":
+        if format not in ("arrow", "pandas"):
             raise QueryError(f"unknown result format {format!r} (arrow, pandas)")
-        return table
+        table = run_sql(self, query, params=params, memory_limit=memory_limit, timeout=timeout)
+        return table.to_pandas() if format == "pandas" else table
 
     def connect(self, *, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
         """A locked-down DuckDB connection over the tables (no file access, see :mod:`actstore.sql`)."""
         from actstore.sql import connect
 
         return connect(self, memory_limit=memory_limit)
-
-    # ------------------------------------------------------------------ convenience
-    def select(self, where: str | None = None, *, query: str | None = None) -> Any:
-        """A :class:`query.Selection` of target rows (imported lazily: the core does not depend on it)."""
-        from query.selection import Selection
-
-        return Selection.from_sql(self, where=where, query=query)
-
-    def iter_segments(self) -> Iterator[SegmentCommit]:
-        yield from self.commits.values()
 
 
 def commit_name_ok(name: str) -> bool:

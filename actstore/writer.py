@@ -51,6 +51,7 @@ class StoreWriter:
         weight_attrs: Mapping[str, Any],
         *,
         overwrite: bool = False,
+        files: Mapping[str, bytes] | None = None,
     ) -> StoreWriter:
         """A new store at ``url``.  The caller holds the writer lock (:mod:`actstore.lock`); an existing
         store is replaced only with ``overwrite`` and only when it provably is one, and the signed
@@ -73,6 +74,8 @@ class StoreWriter:
             schema=HEADS,
         )
         loc.write_bytes_atomic("tables/heads/heads.parquet", to_parquet_bytes(heads))
+        for rel, data in (files or {}).items():  # e.g. tokenizer/*: before the manifest that records them
+            loc.write_bytes_atomic(rel, data)
         # The manifest goes last: until it exists the directory is not a store.
         loc.write_bytes_atomic("manifest.json", manifest.to_json())
         loc.fs.rm(loc.path(CREATING))

@@ -312,7 +312,7 @@ def check_ablation(cfg: Any) -> None:
 def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> AblateOutcome:
     """Accuracy on the relation's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations; the ``maps_ablation`` table and a ``runs`` row."""
-    import actstore
+    from actstore.store import open_store
     from ingest.interventions import InterventionRunner
     from ingest.maps_ablation import relation_prompts, run_ablation
     from query.maps import load_pair_files, tokenize_pairs
@@ -329,7 +329,7 @@ def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> Abla
                                              f"(it holds: {', '.join(have) or 'none'})")
     other = None
     if req.scores_store is not None:
-        other = actstore.open(req.scores_store)
+        other = open_store(req.scores_store)
         mine, theirs = (str(x.manifest.model.get("weight_hash") or "") for x in (store, other))
         if not mine or mine != theirs or other.geometry != g:
             raise InvalidSetting("scores_store", f"{other.url} holds another model's weights than {store.url}")

@@ -11,22 +11,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-import actstore
+from actstore._version import __version__
+from actstore.errors import StoreNotFoundError
 from actstore.fs import locate
 from actstore.lock import holding, writer_lock
 from actstore.manifest import STORAGE_DTYPES, Manifest
-from actstore.tables import EXAMPLES, TARGETS, TOKENS, to_parquet_bytes
+from actstore.store import TOKENIZER_DIR, Store, tokenizer_file_name_ok
+from actstore.tables import EXAMPLES, TARGETS, TOKENS, sha256, to_parquet_bytes
 from actstore.writer import StoreWriter
 from ingest.architectures import Architecture, architecture_for
 from ingest.batches import pad_batch
@@ -107,8 +111,41 @@ def build_manifest(model: torch.nn.Module, arch: Architecture, model_info: dict[
         chunk_flat=cfg.chunk_flat,
         ingest=ingest_settings,
         architecture={"family": arch.name},
-        code_version=actstore.__version__,
+        code_version=__version__,
     )
+
+
+def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
+    """The files ``tokenizer.save_pretrained`` writes, by name ({} for an object that cannot save itself).
+
+    The store keeps them under ``tokenizer/`` so that analyses that need only the tokenizer (MAPS)
+    read it from the store (:mod:`query.store_tokenizer`) instead of loading the model package."""
+    save = getattr(tokenizer, "save_pretrained", None)
+    if save is None:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="actstore-tokenizer-") as tmp:
+        save(tmp)
+        out: dict[str, bytes] = {}
+        for path in sorted(Path(tmp).iterdir()):
+            if not path.is_file() or not tokenizer_file_name_ok(path.name):
+                raise ValueError(f"tokenizer.save_pretrained wrote {path.name!r}, which a store cannot hold")
+            out[path.name] = path.read_bytes()
+    return out
+
+
+def _with_tokenizer(model_info: dict[str, Any], files: dict[str, bytes], cfg: IngestConfig) -> dict[str, Any]:
+    """``model_info`` recording the tokenizer files' SHA-256 (``model.tokenizer``), except when resuming a
+    store ingested before tokenizers were saved (its manifest must still match)."""
+    if not files:
+        return model_info
+    if cfg.resume or cfg.world_size > 1:
+        try:
+            old = Store(locate(cfg.out)).manifest.model
+        except StoreNotFoundError:
+            old = None
+        if old is not None and "tokenizer" not in old:
+            return model_info
+    return {**model_info, "tokenizer": {"files": {name: sha256(data) for name, data in files.items()}}}
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -168,13 +205,16 @@ def _run_ingest(model: torch.nn.Module, tokenizer: Any, model_info: dict[str, An
                 prompts: Sequence[TokenizedPrompt], cfg: IngestConfig,
                 on_segment: Callable[[int], None] | None) -> IngestReport:
     arch = architecture_for(model)
+    tok_files = tokenizer_files(tokenizer)
+    model_info = _with_tokenizer(model_info, tok_files, cfg)
     manifest = build_manifest(model, arch, model_info, prompts, cfg)
     if cfg.resume:
         writer = StoreWriter.resume(cfg.out, manifest)
     else:  # rank 0 creates the store; other ranks wait for it (ingest.distributed)
         def create() -> StoreWriter:
             weights, attrs = arch.weights(model)
-            return StoreWriter.create(cfg.out, manifest, weights, attrs, overwrite=cfg.overwrite)
+            files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()} if "tokenizer" in model_info else {}
+            return StoreWriter.create(cfg.out, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
 
         writer = rank_zero_first(create, lambda: StoreWriter.resume(cfg.out, manifest), cfg.rank,
                                  cfg.world_size, cfg.out)

@@ -32,22 +32,21 @@ exactly up to float rounding when the store holds float32 factors (with float16 
 stored z and the sum of the stored A V differ by storage rounding; that residual is reported).
 Only the projected directions p ([L, H, d_head]) and the stored A, V are used: no per-token
 d_model vector is ever materialised.  For ``attn_entity`` only the subject's tokens score.
+
+This module is the math (and the lookup of a stored probe run); re-deriving one stored prediction,
+which re-trains its episode's probe, is :mod:`query.explain`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from actstore.errors import QueryError
 from actstore.store import Store
-
-if TYPE_CHECKING:
-    from query.probe import ProbeConfig
 
 TOKEN_KINDS = ("attn_head", "attn_entity", "attn")
 CONTRASTS = ("renormalised", "seed")
@@ -159,107 +158,9 @@ def token_scores(store: Store, geo: TokenGeometry, example_ids: Sequence[int], p
     return [x for x in out if x is not None]
 
 
-@dataclass(frozen=True)
-class Explanation:
-    """HeadScore and TokenScore of one query prediction, re-derived from its episode."""
-
-    run_id: str
-    seed: int
-    episode: int
-    example_id: int
-    relation_id: str
-    predicted: str
-    probability: float
-    layers: tuple[int, ...]
-    unit_layer: np.ndarray  # [U]
-    unit_head: np.ndarray  # [U]
-    head_scores: np.ndarray  # [U]
-    token_scores: np.ndarray  # [L', n_src]
-    centering: np.ndarray  # [L']
-    tokens: list[str]
-    contrast: str = DEFAULT_CONTRAST  # the reading of dW used
-
-    def layer_table(self) -> list[dict[str, float | int]]:
-        """Per layer: the head-score sum, the token-score sum, the centering term and the residual
-        head_score_sum - (token_score_sum + centering)."""
-        rows: list[dict[str, float | int]] = []
-        for i, layer in enumerate(self.layers):
-            hs = float(self.head_scores[self.unit_layer == layer].sum())
-            ts = float(self.token_scores[i].sum())
-            c = float(self.centering[i])
-            rows.append({"layer": int(layer), "head_score_sum": hs, "token_score_sum": ts, "centering": c,
-                         "residual": hs - ts - c})
-        return rows
-
-
-def explain_example(store: Store, run_id: str, example_id: int, *, seed: int | None = None,
-                    episode: int | None = None, contrast: str | None = None) -> Explanation:
-    """Re-train the episode of run ``run_id`` in which ``example_id`` is a query (the first one,
-    or the given seed/episode; the stored episode lists make this exact) and attribute its
-    prediction.  ``contrast``: the reading of dW (default: the run's own)."""
-    from dataclasses import replace
-
-    from query.probe import ProbeConfig, torch_threads
-
-    cfg = ProbeConfig.from_json(str(run_row(store, run_id)["config"]))
-    if contrast is not None:
-        cfg = replace(cfg, contrast=check_contrast(contrast))
-    with torch_threads(cfg.threads):
-        return _explain(store, run_id, cfg, example_id, seed, episode)
-
-
-def _explain(store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None,
-             episode: int | None) -> Explanation:
-    from query.probe import load_features, select_or_all, train_batched
-    from query.relspec import gather_standardized
-
-    if cfg.kind not in TOKEN_KINDS:
-        raise QueryError(f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}); "
-                         f"run {run_id} probed {cfg.kind!r}")
-    cond = f"run_id = '{sql_quote(run_id)}' AND list_contains(query_ids, {int(example_id)})"
-    if seed is not None:
-        cond += f" AND seed = {int(seed)}"
-    if episode is not None:
-        cond += f" AND episode = {int(episode)}"
-    eps = store.sql(f"SELECT seed, episode, relations, support_ids, query_ids FROM probe_episodes WHERE {cond} "
-                    "ORDER BY seed, episode LIMIT 1").to_pylist()
-    if not eps:
-        raise QueryError(f"example {example_id} is not a query of any episode of run {run_id}"
-                         + ("" if seed is None and episode is None else " with that seed/episode"))
-    e = eps[0]
-    n, sup_ids, q_ids = len(e["relations"]), list(e["support_ids"]), list(e["query_ids"])
-    k, q = len(sup_ids) // n, len(q_ids) // n
-    fm = load_features(store, cfg.kind, example_ids=sup_ids + q_ids, layers=cfg.layers, heads=cfg.heads,
-                       groups=cfg.groups, dtype=cfg.feature_dtype)
-    pos = {int(x): i for i, x in enumerate(fm.example_ids.tolist())}
-    sup = torch.tensor([[pos[x] for x in sup_ids]])
-    qry = torch.tensor([[pos[x] for x in q_ids]])
-    geo = TokenGeometry.of(store, cfg.kind, fm.layers, fm.heads)
-    sel = select_or_all(fm.data[sup].to(torch.float32), n, k, cfg)
-    xs = gather_standardized(fm.data, sup, sel)
-    xq = gather_standardized(fm.data, qry, sel)
-    W, b = train_batched(xs, torch.arange(n).repeat_interleave(k), n, epochs=cfg.epochs, lr=cfg.lr)
-    qi = q_ids.index(int(example_id))
-    probs = torch.softmax(xq[0, qi] @ W[0] + b[0], -1)
-    pred = probs.argmax()
-    dW = W[0] @ contrast_coefficients(probs, pred, cfg.contrast)  # [Fm]
-    U, usize = fm.n_units, fm.unit_size
-    units = torch.where(sel.valid[0], sel.index[0] // usize, torch.full_like(sel.index[0], U))
-    hs = unit_scores((dW * xq[0, qi])[None, None], units[None], U)[0, 0]
-    u_sel = dW / sel.std[0]
-    cent = unit_scores((u_sel * (geo.offset[sel.index[0]] - sel.mean[0]))[None, None], units[None], U)[0, 0]
-    u = torch.zeros(fm.n_features).scatter_add_(0, sel.index[0], u_sel)
-    ts = token_scores(store, geo, [int(example_id)], geo.project(u[None]))[0]
-    toks = store.sql(f"SELECT token FROM tokens WHERE example_id = {int(example_id)} ORDER BY position")
-    layer, head = fm.unit_labels()
-    return Explanation(run_id, int(e["seed"]), int(e["episode"]), int(example_id), e["relations"][qi // q],
-                       e["relations"][int(pred)], float(probs[pred]), fm.layers, layer, head, hs.numpy(), ts,
-                       cent.reshape(len(fm.layers), -1).sum(1).numpy(),
-                       toks.column("token").to_pylist()[:ts.shape[1]], cfg.contrast)
-
-
 def sql_quote(text: str) -> str:
-    """Quote for a SQL string literal."""
+    """Quote for a SQL string literal.  Prefer parameters (``store.sql(query, [value])``); this stays
+    only for the modules that still paste literals into SQL text."""
     return text.replace("'", "''")
 
 
@@ -267,7 +168,7 @@ def run_row(store: Store, run_id: str) -> dict[str, object]:
     """The ``probe_runs`` row of ``run_id``; one clear error when there is none."""
     if "probe_runs" not in store.table_files():
         raise QueryError(f"{store.url} holds no probe runs (run `actstore probe` first)")
-    rows = store.sql(f"SELECT * FROM probe_runs WHERE run_id = '{sql_quote(run_id)}'").to_pylist()
+    rows = store.sql("SELECT * FROM probe_runs WHERE run_id = ?", [run_id]).to_pylist()
     if not rows:
         known = [r["run_id"] for r in store.sql("SELECT run_id FROM probe_runs ORDER BY started").to_pylist()]
         raise QueryError(f"unknown probe run {run_id!r} in {store.url} (known: {', '.join(known[-5:]) or 'none'})")

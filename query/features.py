@@ -19,6 +19,8 @@ only those heads (for ``mlp_group``: those groups).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -96,24 +98,32 @@ def group_bounds(d_mlp: int, groups: int) -> list[int]:
 
 
 class WeightCache:
-    """Weights as float32 torch tensors, loaded once per store."""
+    """Weights as float32 torch tensors, loaded once per store (weights never change once written)."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
+        self._store = weakref.ref(store)  # the cache must not keep its store alive (see _CACHES)
         self._w: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._w:
-            self._w[name] = torch.from_numpy(self.store.weight(name))
+            store = self._store()
+            if store is None:
+                raise QueryError("the store of this weight cache was closed")
+            self._w[name] = torch.from_numpy(store.weight(name))
         return self._w[name]
 
 
-def _weights(store: Store) -> WeightCache:
-    cache = store.__dict__.get("_weight_cache")
-    if cache is None:
-        cache = WeightCache(store)
-        store.__dict__["_weight_cache"] = cache
-    return cache
+_CACHES: weakref.WeakKeyDictionary[Store, WeightCache] = weakref.WeakKeyDictionary()
+_CACHES_LOCK = threading.Lock()
+
+
+def weights(store: Store) -> WeightCache:
+    """The weight cache of ``store``, made on first use and dropped with the store."""
+    with _CACHES_LOCK:
+        cache = _CACHES.get(store)
+        if cache is None:
+            cache = _CACHES[store] = WeightCache(store)
+        return cache
 
 
 def _pick(x: Any, idx: list[int], dim: int) -> Any:
@@ -131,7 +141,7 @@ def _pick(x: Any, idx: list[int], dim: int) -> Any:
 def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarray:
     """Features of one segment's rows."""
     g = store.geometry
-    W = _weights(store)
+    W = weights(store)
     L = list(spec.layers)
     Hs = list(spec.heads) if spec.heads is not None else list(range(g.n_heads))
     seg, rows = block.segment, block.seg_rows

@@ -101,7 +101,7 @@ def load_features(store: Store, kind: str, *, where: str | None = None, example_
     if dtype not in ("float32", "float16"):
         raise QueryError(f"feature dtype must be float32 or float16, not {dtype!r}")
     spec = FeatureSpec.parse(store, kind, layers, heads, groups)
-    sel = Selection.from_ids(store, example_ids) if example_ids is not None else store.select(where)
+    sel = Selection.from_ids(store, example_ids) if example_ids is not None else Selection.from_sql(store, where)
     if len(sel) == 0:
         raise QueryError("the selection is empty")
     ids = sel.example_ids

@@ -1,6 +1,7 @@
 """Selections: a SQL predicate (or query) over the tables picks target rows; features follow.
 
     sel = store.select("relation_id = 'P17' AND split = 'val'")
+    sel = Selection.from_sql(store, "relation_id = $rel", params={"rel": "P17"})   # values bound, not pasted
     x = sel.features("attn_head", layers=[3, 4])            # numpy [n, 2, H, d_model]
     for ids, x in sel.iter_features("z", batch_rows=256):   # streaming, whole chunks per read
         ...
@@ -16,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.errors import QueryError
+from actstore.sql import Params, predicate, run_sql, subquery
 from actstore.store import Store
 from query.features import FeatureSpec, RowBlock, compute_block
 
@@ -36,15 +38,16 @@ class Selection:
 
     @classmethod
     def from_sql(cls, store: Store, where: str | None = None, *, query: str | None = None,
-                 memory_limit: str | None = None, timeout: float | None = None) -> Selection:
+                 params: Params | None = None, memory_limit: str | None = None,
+                 timeout: float | None = None) -> Selection:
         """``where``: one SQL expression over ``examples``; ``query``: one SELECT returning ``example_id``.
 
         Each is parsed on its own (:func:`actstore.sql.predicate`, :func:`actstore.sql.subquery`) before
         it is placed in the selection's query, so it cannot end that query or add a statement.
+        ``params``: values for the placeholders of ``where`` / ``query`` (``?`` with a list, ``$name``
+        with a dict), bound by DuckDB.
         ``memory_limit`` / ``timeout``: the SQL limits (default: those in force, see :mod:`actstore.sql`).
         """
-        from actstore.sql import predicate, run_sql, subquery
-
         if where is not None and query is not None:
             raise QueryError("give a WHERE predicate or a query, not both")
         if query is not None:
@@ -53,12 +56,14 @@ class Selection:
             cond = f"t.example_id IN (SELECT example_id FROM examples WHERE {predicate(where)})"
         else:
             cond = "TRUE"
-        return cls(store, run_sql(store, _ROWS_SQL.format(cond=cond), memory_limit=memory_limit, timeout=timeout))
+        return cls(store, run_sql(store, _ROWS_SQL.format(cond=cond), params=params, memory_limit=memory_limit,
+                                  timeout=timeout))
 
     @classmethod
     def from_ids(cls, store: Store, example_ids: Sequence[int]) -> Selection:
-        ids = ", ".join(str(int(i)) for i in example_ids) or "NULL"
-        return cls.from_sql(store, query=f"SELECT unnest([{ids}]) AS example_id")
+        """The target rows of these examples (in store order; unknown ids select nothing)."""
+        ids = [int(i) for i in example_ids]
+        return cls.from_sql(store, query="SELECT unnest($ids::BIGINT[]) AS example_id", params={"ids": ids})
 
     def __len__(self) -> int:
         return self.rows.num_rows
@@ -74,9 +79,9 @@ class Selection:
         ids = self.example_ids[:5].tolist()
         head = ""
         if ids:
-            listed = ", ".join(str(int(i)) for i in ids)
-            ex = self.store.sql(f"SELECT example_id, relation_id, text FROM examples WHERE example_id IN ({listed}) "
-                                "ORDER BY example_id").to_pylist()
+            ex = self.store.sql("SELECT example_id, relation_id, text FROM examples "
+                                "WHERE list_contains($ids::BIGINT[], example_id) ORDER BY example_id",
+                                {"ids": [int(i) for i in ids]}).to_pylist()
             head = "".join(f"<tr><td>{r['example_id']}</td><td>{escape(str(r['relation_id']))}</td>"
                            f"<td style='text-align:left'>{escape(str(r['text']))}</td></tr>" for r in ex)
             head = f"<table><tr><th>example_id</th><th>relation</th><th>text</th></tr>{head}</table>"

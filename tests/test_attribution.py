@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import actstore
 from actstore.cli import main
-from query.attribution import TokenGeometry, contrast_coefficients, explain_example, token_scores
+from query.attribution import TokenGeometry, contrast_coefficients, token_scores
+from query.explain import explain_example
 from query.probe import ProbeConfig, run_probe, write_probe_tables
 from query.selection import Selection
 

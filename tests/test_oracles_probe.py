@@ -26,7 +26,8 @@ import torch
 
 import actstore
 import query.probe as probe_mod
-from query.attribution import contrast_coefficients, explain_example
+from query.attribution import contrast_coefficients
+from query.explain import explain_example
 from query.probe import ProbeConfig, ProbeOutput, run_probe, write_probe_tables
 from query.relspec import gather_standardized, select_features
 

@@ -1,0 +1,123 @@
+"""Explaining one stored probe prediction: re-train its episode and attribute it (SPEC section 5).
+
+:func:`explain_example` finds the episode of a probe run in which an example is a query (the stored
+episode lists make the re-training exact), trains that episode's probe again and returns the
+prediction's HeadScore per unit and TokenScore per source token, with the per-layer identity
+``sum_h HeadScore = sum_j TokenScore + centering`` (:meth:`Explanation.layer_table`).  The formulas
+are :mod:`query.attribution`; the training is :mod:`query.probe`.  This module imports both and
+neither imports it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from actstore.errors import QueryError
+from actstore.store import Store
+from query.attribution import (
+    DEFAULT_CONTRAST,
+    TOKEN_KINDS,
+    TokenGeometry,
+    check_contrast,
+    contrast_coefficients,
+    run_row,
+    token_scores,
+    unit_scores,
+)
+from query.probe import ProbeConfig, load_features, select_or_all, torch_threads, train_batched
+from query.relspec import gather_standardized
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """HeadScore and TokenScore of one query prediction, re-derived from its episode."""
+
+    run_id: str
+    seed: int
+    episode: int
+    example_id: int
+    relation_id: str
+    predicted: str
+    probability: float
+    layers: tuple[int, ...]
+    unit_layer: np.ndarray  # [U]
+    unit_head: np.ndarray  # [U]
+    head_scores: np.ndarray  # [U]
+    token_scores: np.ndarray  # [L', n_src]
+    centering: np.ndarray  # [L']
+    tokens: list[str]
+    contrast: str = DEFAULT_CONTRAST  # the reading of dW used
+
+    def layer_table(self) -> list[dict[str, float | int]]:
+        """Per layer: the head-score sum, the token-score sum, the centering term and the residual
+        head_score_sum - (token_score_sum + centering)."""
+        rows: list[dict[str, float | int]] = []
+        for i, layer in enumerate(self.layers):
+            hs = float(self.head_scores[self.unit_layer == layer].sum())
+            ts = float(self.token_scores[i].sum())
+            c = float(self.centering[i])
+            rows.append({"layer": int(layer), "head_score_sum": hs, "token_score_sum": ts, "centering": c,
+                         "residual": hs - ts - c})
+        return rows
+
+
+def explain_example(store: Store, run_id: str, example_id: int, *, seed: int | None = None,
+                    episode: int | None = None, contrast: str | None = None) -> Explanation:
+    """Re-train the episode of run ``run_id`` in which ``example_id`` is a query (the first one,
+    or the given seed/episode; the stored episode lists make this exact) and attribute its
+    prediction.  ``contrast``: the reading of dW (default: the run's own)."""
+    cfg = ProbeConfig.from_json(str(run_row(store, run_id)["config"]))
+    if contrast is not None:
+        cfg = replace(cfg, contrast=check_contrast(contrast))
+    with torch_threads(cfg.threads):
+        return _explain(store, run_id, cfg, example_id, seed, episode)
+
+
+def _explain(store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None,
+             episode: int | None) -> Explanation:
+    if cfg.kind not in TOKEN_KINDS:
+        raise QueryError(f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}); "
+                         f"run {run_id} probed {cfg.kind!r}")
+    eps = store.sql(
+        "SELECT seed, episode, relations, support_ids, query_ids FROM probe_episodes "
+        "WHERE run_id = $run AND list_contains(query_ids, $ex) "
+        "AND ($seed IS NULL OR seed = $seed) AND ($episode IS NULL OR episode = $episode) "
+        "ORDER BY seed, episode LIMIT 1",
+        {"run": run_id, "ex": int(example_id), "seed": None if seed is None else int(seed),
+         "episode": None if episode is None else int(episode)}).to_pylist()
+    if not eps:
+        raise QueryError(f"example {example_id} is not a query of any episode of run {run_id}"
+                         + ("" if seed is None and episode is None else " with that seed/episode"))
+    e = eps[0]
+    n, sup_ids, q_ids = len(e["relations"]), list(e["support_ids"]), list(e["query_ids"])
+    k, q = len(sup_ids) // n, len(q_ids) // n
+    fm = load_features(store, cfg.kind, example_ids=sup_ids + q_ids, layers=cfg.layers, heads=cfg.heads,
+                       groups=cfg.groups, dtype=cfg.feature_dtype)
+    pos = {int(x): i for i, x in enumerate(fm.example_ids.tolist())}
+    sup = torch.tensor([[pos[x] for x in sup_ids]])
+    qry = torch.tensor([[pos[x] for x in q_ids]])
+    geo = TokenGeometry.of(store, cfg.kind, fm.layers, fm.heads)
+    sel = select_or_all(fm.data[sup].to(torch.float32), n, k, cfg)
+    xs = gather_standardized(fm.data, sup, sel)
+    xq = gather_standardized(fm.data, qry, sel)
+    W, b = train_batched(xs, torch.arange(n).repeat_interleave(k), n, epochs=cfg.epochs, lr=cfg.lr)
+    qi = q_ids.index(int(example_id))
+    probs = torch.softmax(xq[0, qi] @ W[0] + b[0], -1)
+    pred = probs.argmax()
+    dW = W[0] @ contrast_coefficients(probs, pred, cfg.contrast)  # [Fm]
+    U, usize = fm.n_units, fm.unit_size
+    units = torch.where(sel.valid[0], sel.index[0] // usize, torch.full_like(sel.index[0], U))
+    hs = unit_scores((dW * xq[0, qi])[None, None], units[None], U)[0, 0]
+    u_sel = dW / sel.std[0]
+    cent = unit_scores((u_sel * (geo.offset[sel.index[0]] - sel.mean[0]))[None, None], units[None], U)[0, 0]
+    u = torch.zeros(fm.n_features).scatter_add_(0, sel.index[0], u_sel)
+    ts = token_scores(store, geo, [int(example_id)], geo.project(u[None]))[0]
+    toks = store.sql("SELECT token FROM tokens WHERE example_id = ? ORDER BY position", [int(example_id)])
+    layer, head = fm.unit_labels()
+    return Explanation(run_id, int(e["seed"]), int(e["episode"]), int(example_id), e["relations"][qi // q],
+                       e["relations"][int(pred)], float(probs[pred]), fm.layers, layer, head, hs.numpy(), ts,
+                       cent.reshape(len(fm.layers), -1).sum(1).numpy(),
+                       toks.column("token").to_pylist()[:ts.shape[1]], cfg.contrast)
