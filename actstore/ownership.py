@@ -27,7 +27,7 @@ from actstore.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
 CREATING = ".creating"  # present while a store is being created, before its manifest exists
 CREATING_SIGNATURE = "actstore store being created"
 # Top-level entries a store holds (and the temporary files of their atomic writes).
-STORE_ENTRIES = frozenset({"manifest.json", CREATING, "commits", "segments", "tables", "weights", LOCK_NAME})
+STORE_ENTRIES = frozenset({"manifest.json", CREATING, "commits", "segments", "tables", "weights", "tokenizer", LOCK_NAME})
 _TEMP = re.compile(r"^(manifest\.json|\.creating)\.tmp-[0-9a-f]{32}$")
 _MAX_SMALL_FILE = 16 * 1024 * 1024
 

@@ -17,6 +17,7 @@ import torch
 
 from actstore.errors import QueryError
 from actstore.store import Store
+from query import probe
 from query.attribution import (
     DEFAULT_CONTRAST,
     TOKEN_KINDS,
@@ -27,7 +28,7 @@ from query.attribution import (
     token_scores,
     unit_scores,
 )
-from query.probe import ProbeConfig, load_features, select_or_all, torch_threads, train_batched
+from query.probe import ProbeConfig, load_features, select_or_all, torch_threads
 from query.relspec import gather_standardized
 
 
@@ -103,7 +104,8 @@ def _explain(store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed:
     sel = select_or_all(fm.data[sup].to(torch.float32), n, k, cfg)
     xs = gather_standardized(fm.data, sup, sel)
     xq = gather_standardized(fm.data, qry, sel)
-    W, b = train_batched(xs, torch.arange(n).repeat_interleave(k), n, epochs=cfg.epochs, lr=cfg.lr)
+    # through the module, so that the trainer is the one run_probe calls (tests spy on it there)
+    W, b = probe.train_batched(xs, torch.arange(n).repeat_interleave(k), n, epochs=cfg.epochs, lr=cfg.lr)
     qi = q_ids.index(int(example_id))
     probs = torch.softmax(xq[0, qi] @ W[0] + b[0], -1)
     pred = probs.argmax()
