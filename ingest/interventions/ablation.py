@@ -163,16 +163,16 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     another store of the same model also works, the caller checks that its weights are the same).
     """
     if cfg.mode not in ("zero", "mean"):
-        raise AblationError(f"--mode must be zero or mean, not {cfg.mode!r}")
+        raise AblationError(f"the ablation mode must be zero or mean, not {cfg.mode!r}")
     if cfg.min_pairs < 0:
-        raise AblationError("--min-pairs must not be negative")
+        raise AblationError("the minimum number of pairs must not be negative")
     model_name = str(store.manifest.model.get("name") or "")
     if cfg.first_mlp is None:
         cfg = replace(cfg, first_mlp=paper_first_mlp(model_name))
     if cfg.random_draws < 0:
-        raise AblationError("--random-draws must be >= 0")
+        raise AblationError("the number of random draws must be >= 0")
     if cfg.max_controls < 0 or not 0 <= cfg.max_head_overlap <= 1 or cfg.max_accuracy_gap < 0:
-        raise AblationError("--max-controls, --max-head-overlap (0..1) and --max-accuracy-gap must not be negative")
+        raise AblationError("the number of controls, the head overlap (0..1) and the accuracy gap must not be negative")
     prompts = relation_prompts(store, cfg.where)
     if cfg.relation not in prompts:
         have = ", ".join(prompts) or "none"
@@ -314,7 +314,7 @@ class _Scorer:
             if tp.n_used < max(cfg.min_pairs, 1):
                 where = "in its pair file" if rel in self.from_files else "among its stored prompts"
                 msg = (f"relation {rel!r} has {tp.n_used} usable pairs {where} ({tp.n_pairs} in all), fewer than "
-                       f"{cfg.min_pairs}: excluded, as in the authors' code (--min-pairs to change)")
+                       f"{cfg.min_pairs}: excluded, as in the authors' code")
                 if rel == cfg.relation:
                     raise AblationError(msg)
                 self.errors[rel] = msg

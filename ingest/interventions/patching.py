@@ -67,7 +67,7 @@ class PatchConfig:
         if not self.components and not self.heads:
             raise PatchError("nothing to patch: give a component or heads")
         if self.batch_size < 1:
-            raise PatchError("--batch-size must be positive")
+            raise PatchError("the batch size must be positive")
 
 
 @dataclass(frozen=True)

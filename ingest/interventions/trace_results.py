@@ -35,15 +35,15 @@ class TraceConfig:
         if bad or not self.components:
             raise TraceError(f"unknown component {bad[0] if bad else '(none)'!r} (one of {', '.join(COMPONENTS)})")
         if self.samples < 1:
-            raise TraceError(f"--samples must be at least 1, not {self.samples}")
+            raise TraceError(f"the number of noise samples must be at least 1, not {self.samples}")
         if self.noise_scale < 0:
             raise TraceError(f"the noise scale must be >= 0, not {self.noise_scale}")
         if self.window < 1:
-            raise TraceError(f"--window must be at least 1, not {self.window}")
+            raise TraceError(f"the window must be at least 1 layer, not {self.window}")
         if self.window > n_layers:
-            raise TraceError(f"--window {self.window} is larger than the model ({n_layers} layers)")
+            raise TraceError(f"the window of {self.window} layers is larger than the model ({n_layers} layers)")
         if self.batch_size < 1:
-            raise TraceError("--batch-size must be positive")
+            raise TraceError("the batch size must be positive")
 
 
 def window_layers(layer: int, window: int, n_layers: int) -> range:

@@ -41,7 +41,7 @@ def load_pair_files(paths: Sequence[str | Path], relations: Sequence[str] | None
     The relation is the file's stem.  ``relations`` keeps only those (unknown ones are an error).
     """
     if not paths:
-        raise MapsError("no pair files given (--pairs FILE_OR_DIR)")
+        raise MapsError("no pair files given")
     files: dict[str, Path] = {}
     for raw in paths:
         p = Path(raw).expanduser()

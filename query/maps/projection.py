@@ -156,7 +156,7 @@ def parse_heads(text: str | None, n_layers: int, n_heads: int) -> list[tuple[int
         except ValueError:
             heads = []
         if not heads:
-            raise MapsError(f"--heads: {part!r} is not LAYER.HEAD (e.g. 12.3, or 12.* for a whole layer)")
+            raise MapsError(f"heads: {part!r} is not LAYER.HEAD (e.g. 12.3, or 12.* for a whole layer)")
         for h in heads:
             if not (0 <= layer < n_layers and 0 <= h < n_heads):
                 raise MapsError(f"head {layer}.{h} is out of range: layers 0..{n_layers - 1}, heads 0..{n_heads - 1}")

@@ -194,7 +194,7 @@ def salient_operations(proj: VocabProjection, heads: Iterable[tuple[int, int]] |
     so padding rows of the embedding never count).
     """
     if n_tokens < 1 or n_mappings < 1:
-        raise MapsError("--salient-tokens and --mappings must be positive")
+        raise MapsError("the numbers of salient tokens and of mappings per token must be positive")
     V_in = int(proj.embed.shape[0]) if vocab_limit is None else min(int(vocab_limit), int(proj.embed.shape[0]))
     all_ids = torch.arange(V_in)
     wanted = head_list(proj, heads)
