@@ -18,7 +18,7 @@ from actstore.errors import ActstoreError
 from ingest.records import PromptRecord
 
 # The prompt data set kinds ``load_dataset`` dispatches on (``KIND:PATH``, or ``demo``).
-KINDS = ("fewrel", "lre", "known1000", "maps", "jsonl", "demo")
+KINDS = ("fewrel", "lre", "known1000", "maps", "jsonl", "demo", "methods2k")
 
 
 class DatasetError(ActstoreError, ValueError):

@@ -13,6 +13,7 @@ from ingest.datasets.jsonl import load_jsonl
 from ingest.datasets.known1000 import load_known1000
 from ingest.datasets.lre import load_lre
 from ingest.datasets.maps import load_maps
+from ingest.datasets.methods2k import load_methods2k
 
 _OPTIONS: dict[str, frozenset[str]] = {
     "fewrel": frozenset({"relations", "limit_per_relation", "keep_object_first"}),
@@ -21,6 +22,7 @@ _OPTIONS: dict[str, frozenset[str]] = {
     "maps": frozenset({"relations", "limit_per_relation", "template"}),
     "jsonl": frozenset({"relations", "limit_per_relation"}),
     "demo": frozenset({"relations", "limit_per_relation"}),
+    "methods2k": frozenset({"relations", "limit_per_relation"}),
 }
 _ALL_OPTIONS = frozenset().union(*_OPTIONS.values())
 
@@ -47,6 +49,7 @@ _LOADERS: dict[str, Callable[..., DatasetResult]] = {
     "known1000": load_known1000,
     "maps": load_maps,
     "jsonl": load_jsonl,
+    "methods2k": load_methods2k,
 }
 
 
@@ -77,6 +80,8 @@ def load_dataset(spec: str, **options: Any) -> DatasetResult:
             raise DatasetError(f"the demo data set takes no path, got {spec!r}")
         return load_demo(**opts)
     if location is None:
+        if kind == "methods2k":  # by name: built from the public LRE and known_1000
+            return load_methods2k(None, **opts)
         if kind not in _named_prompt_sets():
             raise DatasetError(f"{spec!r}: no path given; write {kind}:PATH")
         return _LOADERS[kind](registry.fetch(kind), **opts)
