@@ -73,7 +73,7 @@ def test_flipped_chunk_byte_is_reported_by_verify_and_queries(store: Path) -> No
     assert not report.ok and len(report.problems) == 1
     assert report.problems[0].startswith("segments/000001/attn: chunk 0 (rows 0:")
     code, out, err = cli("verify", str(store))
-    assert code == 1 and "PROBLEM segments/000001/attn: chunk 0" in err and out.startswith("CORRUPT")
+    assert code == 3 and "PROBLEM segments/000001/attn: chunk 0" in err and out.startswith("CORRUPT")
     s = actstore.open(store)
     with pytest.raises(CorruptStoreError, match="segments/000001/attn"):
         s.select().features("attn_prob")

@@ -218,7 +218,7 @@ def with_model_name(name: str) -> Callable[[Path], None]:
 def maps_args(c: Ctx, store: Path, *extra: str) -> list[str]:
     pairs = c.root / "pairs.json"
     pairs.write_text('[["France", "Paris"], ["Germany", "Berlin"]]')
-    return ["maps", str(store), "--pairs", str(pairs), "--no-write", *extra]
+    return ["maps", str(store), "--pairs", str(pairs), "--no-save", *extra]
 
 
 def fifo_dataset(c: Ctx) -> list[str]:
@@ -371,7 +371,7 @@ CASES = [
         "name-hub", with_model_name("attacker/evil-model"))), "not one of actstore's aliases",
         env={"HF_ENDPOINT": "http://127.0.0.1:9"}),
     Case("maps-first-mlp-store-name", lambda c: maps_args(c, c.damaged(
-        "name-etc", with_model_name("../../../../etc")), "--tokenizer", "tiny-llama", "--first-mlp"), "pass --model"),
+        "name-etc", with_model_name("../../../../etc")), "--tokenizer", "tiny-llama", "--first-mlp"), "--model: the store's model"),
     Case("maps-store-name-escapes", lambda c: maps_args(c, c.damaged(
         "name-escapes", with_model_name("\x1b]0;owned\x07x"))), "\\x1b]0;owned\\x07x"),
     # ---- SQL: read-only, confined to the store
@@ -404,9 +404,9 @@ CASES = [
     Case("features-empty-selection", lambda c: ["features", str(c.store), "--kind", "z", "--where", "false",
                                                 "--out", str(c.root / "f.npy")], "empty"),
     # ---- probes
-    Case("probe-bad-layers", lambda c: ["probe", str(c.store), "--features", "attn_head", "--layers", "9",
+    Case("probe-bad-layers", lambda c: ["probe", str(c.store), "--kind", "attn_head", "--layers", "9",
                                         "--episodes", "2", "--seeds", "1", "--quiet", "--no-save"], "layer 9"),
-    Case("probe-bad-kind", lambda c: ["probe", str(c.store), "--features", "nothing", "--episodes", "2",
+    Case("probe-bad-kind", lambda c: ["probe", str(c.store), "--kind", "nothing", "--episodes", "2",
                                       "--seeds", "1", "--quiet", "--no-save"], "nothing"),
     # ---- S3
     Case("s3-wrong-secret", lambda c: ["info", f"s3://{bucket(c)}/store"], "access denied",
@@ -617,7 +617,7 @@ def test_verify_reports_loss(case: VerifyCase, ctx: Ctx) -> None:
     with unblock_fifos(ctx.fifos) as unblocked:
         result = CliRunner().invoke(main, ["verify", str(store), *(["--values"] if case.values else [])])
     assert not unblocked, f"verify blocked on {unblocked}"
-    assert result.exit_code == 1, (result.stdout, result.stderr)
+    assert result.exit_code == 3, (result.stdout, result.stderr)  # 3: verify found damage
     assert result.stdout.startswith(f"{case.status}: "), result.stdout
     problems = [line for line in result.stderr.splitlines() if line.startswith("PROBLEM ")]
     assert len(problems) == len(case.problems), result.stderr
@@ -682,7 +682,7 @@ def test_old_store_opens_and_verifies_with_notes(ctx: Ctx) -> None:
 def test_old_store_still_reports_a_lost_segment_chunk(ctx: Ctx) -> None:
     old = ctx.damaged("old-lost", lambda s: (make_old(s), delete("segments/000001/mlp/c/0/0/0")(s)))
     result = CliRunner().invoke(main, ["verify", str(old)])
-    assert result.exit_code == 1 and result.stdout.startswith("CORRUPT"), result.output
+    assert result.exit_code == 3 and result.stdout.startswith("CORRUPT"), result.output
     problems = [line for line in result.stderr.splitlines() if line.startswith("PROBLEM ")]
     assert problems == ["PROBLEM segments/000001/mlp: chunk 0 (rows 0:4) is missing (lost, or an all-zero chunk, "
                         "which stores written before integrity 1 did not write)"]

@@ -87,7 +87,7 @@ def test_cli_lens_json(store_factory: Callable[..., Path], tmp_path: Path) -> No
     from actstore.cli import main
 
     path = store_factory("llama", **STORE_KW)
-    res = CliRunner().invoke(main, ["lens", "--store", str(path), "--json", "--train-fraction", "0.6",
+    res = CliRunner().invoke(main, ["lens", str(path), "--json", "--train-fraction", "0.6",
                                     "--figures", str(tmp_path)])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)

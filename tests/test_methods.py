@@ -96,14 +96,14 @@ def test_cli_agree_end_to_end(store_factory: Callable[..., Path], tmp_path: Path
 
     path = str(store_factory("llama", **STORE_KW))
     cli = CliRunner()
-    common = ["--model", "tiny-llama", "--store", path, "--quiet"]
+    common = ["--model", "tiny-llama", path, "--quiet"]
     res = cli.invoke(main, ["trace", *common, "--all-facts", "--limit", "3", "--samples", "1", "--window", "2",
                             "--figures", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "trace_average.png").exists()
     res = cli.invoke(main, ["patch", *common, "--pair", "0:1", "--pair", "5:8"])
     assert res.exit_code == 0, res.output
-    res = cli.invoke(main, ["agree", "--store", path, "--quiet", "--json", "--probe-min-count", "2",
+    res = cli.invoke(main, ["agree", path, "--quiet", "--json", "--probe-min-count", "2",
                             "--probe-folds", "2", "--figures", str(tmp_path)])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
@@ -114,7 +114,7 @@ def test_cli_agree_end_to_end(store_factory: Callable[..., Path], tmp_path: Path
     t = s.sql(f"SELECT method, count(*) AS n FROM method_readings WHERE run_id = '{out['run_id']}' "
               "GROUP BY 1 ORDER BY 1").to_pylist()
     assert {r["method"] for r in t} == {"trace", "patch", "probe", "attention", "logit_lens", "tuned_lens"}
-    bad = cli.invoke(main, ["agree", "--store", path, "--trace-run", "nope"])
+    bad = cli.invoke(main, ["agree", path, "--run", "nope"])
     assert bad.exit_code == 1 and "no run 'nope'" in bad.stderr
 
 

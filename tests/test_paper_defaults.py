@@ -129,7 +129,7 @@ def test_maps_default_is_the_authors_method(pair_dir: tuple[Path, dict[str, list
     root, rels = pair_dir
     store = store_factory("llama", limit=1)
     r = CliRunner().invoke(main, ["maps", str(store), "--pairs", str(root), "--salient-heads", "none", "--json",
-                                  "--heatmaps", str(tmp_path / "fig")])
+                                  "--figures", str(tmp_path / "fig")])
     assert r.exit_code == 0, r.output + str(r.stderr)
     out = json.loads(r.stdout)
     assert out["first_mlp"] is True and out["multi_token"] == "skip" and out["k_policy"] == "paper"
@@ -162,7 +162,7 @@ def test_maps_relation_below_minimum_enters_no_summary(pair_dir: tuple[Path, dic
     shutil.copytree(src, store)
     fig = tmp_path / "fig"
     r = CliRunner().invoke(main, ["maps", str(store), "--pairs", str(root), "--salient-heads", "none", "--json",
-                                  "--heatmaps", str(fig)])
+                                  "--figures", str(fig)])
     assert r.exit_code == 0, r.output + str(r.stderr)
     out = json.loads(r.stdout)
     assert [x["relation"] for x in out["relations"]] == ["word_copying", "word_shift"]
@@ -178,13 +178,13 @@ def test_maps_relation_below_minimum_enters_no_summary(pair_dir: tuple[Path, dic
     row = s.sql(f"SELECT relation, n_used, n_pairs FROM maps_excluded WHERE run_id = '{run}'").to_pylist()
     assert row == [{"relation": "few_shift", "n_used": 29, "n_pairs": len(rels["few_shift"])}]
     # The text output: no table row for it, one line naming it with its count.
-    r = CliRunner().invoke(main, ["maps", str(store), "--pairs", str(root), "--salient-heads", "none", "--no-write"])
+    r = CliRunner().invoke(main, ["maps", str(store), "--pairs", str(root), "--salient-heads", "none", "--no-save"])
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert [ln for ln in lines if "few_shift" in ln] == [
         f"excluded, fewer than 30 usable pairs (usable/pairs): few_shift 29/{len(rels['few_shift'])}"]
     # At the minimum it is in: 29 usable pairs pass --min-pairs 29.
-    r = CliRunner().invoke(main, ["maps", str(store), "--pairs", str(root), "--salient-heads", "none", "--no-write",
+    r = CliRunner().invoke(main, ["maps", str(store), "--pairs", str(root), "--salient-heads", "none", "--no-save",
                                   "--min-pairs", "29", "--json"])
     assert {x["relation"] for x in json.loads(r.stdout)["relations"]} == set(rels)
 
@@ -202,7 +202,7 @@ def test_maps_dynamic_uses_single_token_prompts_and_excludes(pair_dir: tuple[Pat
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in lines))
     store = build_store(tmp_path / "s", dataset=f"jsonl:{f}", limit=100, segment_size=64)
-    r = CliRunner().invoke(main, ["maps-dynamic", str(store), "--json", "--no-write", "--quiet", "--pairs", str(root)])
+    r = CliRunner().invoke(main, ["maps-dynamic", str(store), "--json", "--no-save", "--quiet", "--pairs", str(root)])
     assert r.exit_code == 0, r.output + str(r.stderr)
     out = json.loads(r.stdout)
     (rel,) = out["relations"]
@@ -211,7 +211,7 @@ def test_maps_dynamic_uses_single_token_prompts_and_excludes(pair_dir: tuple[Pat
     (ex,) = out["excluded"]
     assert (ex["relation"], ex["n_used"], ex["counted_from"]) == ("few_shift", 29, "pair file")
     # The variant keeps every prompt (and, below the minimum, needs it lowered).
-    r = CliRunner().invoke(main, ["maps-dynamic", str(store), "--json", "--no-write", "--quiet", "--multi-token",
+    r = CliRunner().invoke(main, ["maps-dynamic", str(store), "--json", "--no-save", "--quiet", "--multi-token",
                                   "first", "--min-pairs", "1"])
     got = {x["relation"]: x["n_prompts"] for x in json.loads(r.stdout)["relations"]}
     assert got == {"word_shift": len(rels["word_shift"]), "few_shift": len(rels["few_shift"])}
@@ -381,7 +381,7 @@ def test_no_relspec_uses_every_feature(open_copy: Any, spy: Any) -> None:
 
 def test_cli_probe_no_relspec_and_contrast(open_copy: Any) -> None:
     store = open_copy("llama")
-    base = ["probe", str(store.url), "--features", "attn_head", "--n-way", "3", "--k-shot", "3", "--queries", "2",
+    base = ["probe", str(store.url), "--kind", "attn_head", "--n-way", "3", "--k-shot", "3", "--queries", "2",
             "--episodes", "2", "--seeds", "1", "--epochs", "5", "--quiet"]
     r = CliRunner().invoke(main, [*base, "--no-relspec", "--contrast", "seed", "--json"])
     assert r.exit_code == 0, r.output

@@ -230,7 +230,7 @@ def test_cli_correlate_and_shortcuts_write_tables(run_all: tuple[Path, str], tmp
     runner = CliRunner()
     small = [str(p) for p in CODEX_FIXTURE if p.name != "train.txt"]  # valid + test
     res = runner.invoke(main, ["correlate", str(path), "--run", rid, "--kb", small[0], *small[1:],
-                               "--plots", str(tmp_path / "p"), "--json"])
+                               "--figures", str(tmp_path / "p"), "--json"])
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert len(d["relations"]) == N_RELATIONS and len(d["correlations"]) == 5 and len(d["plots"]) == 5

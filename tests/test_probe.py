@@ -190,7 +190,7 @@ def test_result_tables_are_sql_visible(store_copy: Path) -> None:
 
 def test_cli_probe_json_and_headscore(store_copy: Path) -> None:
     runner = CliRunner()
-    res = runner.invoke(main, ["probe", str(store_copy), "--features", "attn_head", "--episodes", "3", "--seeds", "2",
+    res = runner.invoke(main, ["probe", str(store_copy), "--kind", "attn_head", "--episodes", "3", "--seeds", "2",
                                "--epochs", "20", "--top-k", "30", "--token-scores", "none", "--json"])
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
@@ -210,11 +210,11 @@ def test_cli_probe_json_and_headscore(store_copy: Path) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--features", "attn_prob"], "cannot be probed"),
-    (["--features", "nope"], "cannot be probed"),
-    (["--features", "attn", "--n-way", str(N_RELATIONS + 1)], "larger than the number of relations"),
-    (["--features", "attn", "--k-shot", "8", "--queries", "5"], "fewer than k-shot + queries = 13"),
-    (["--features", "attn", "--where", "relation_id = 'P177'"], "larger than the number of relations"),
+    (["--kind", "attn_prob"], "cannot be probed"),
+    (["--kind", "nope"], "cannot be probed"),
+    (["--kind", "attn", "--n-way", str(N_RELATIONS + 1)], "larger than the number of relations"),
+    (["--kind", "attn", "--k-shot", "8", "--queries", "5"], "fewer than k-shot + queries = 13"),
+    (["--kind", "attn", "--where", "relation_id = 'P177'"], "larger than the number of relations"),
 ])
 def test_cli_probe_bad_input_is_one_line(fewrel_store: Path, args: list[str], message: str) -> None:
     res = CliRunner().invoke(main, ["probe", str(fewrel_store), "--episodes", "1", "--seeds", "1", "--no-save", *args])
@@ -230,9 +230,9 @@ def test_cli_unknown_run_and_relation(store_copy: Path) -> None:
                 ["tokenscore", str(store_copy), "--run", "nope", "--example", "0"]):
         res = runner.invoke(main, cmd)
         assert res.exit_code != 0 and res.output.startswith("error:") and len(res.output.splitlines()) == 1, res.output
-    d = json.loads(runner.invoke(main, ["probe", str(store_copy), "--features", "attn", "--episodes", "1", "--seeds",
+    d = json.loads(runner.invoke(main, ["probe", str(store_copy), "--kind", "attn", "--episodes", "1", "--seeds",
                                         "1", "--epochs", "5", "--json"]).output)
     res = runner.invoke(main, ["headscore", str(store_copy), "--run", d["run_id"], "--relation", "P0"])
     assert res.exit_code != 0 and "unknown relation 'P0'" in res.output
-    res = runner.invoke(main, ["probe", str(store_copy), "--features", "attn_head", "--heads", "9"])
+    res = runner.invoke(main, ["probe", str(store_copy), "--kind", "attn_head", "--heads", "9"])
     assert res.exit_code != 0 and "head 9 out of range" in res.output

@@ -351,7 +351,7 @@ def test_where_with_trailing_comment(cwd: Work, tmp_path: Path) -> None:
 
 def test_where_comment_in_a_command_that_pastes_it(cwd: Work) -> None:
     """``lens`` places --where inside its own query text: a trailing comment must not swallow the rest."""
-    base = ["lens", "--store", "S", "--no-tuned", "--no-write", "--json"]
+    base = ["lens", "S", "--no-tuned", "--no-save", "--json"]
     store = actstore.open(cwd.store)
     rel = str(store.table("examples", ["relation_id"]).column(0)[0])
     res = []

@@ -243,7 +243,7 @@ def test_cli_lens_methods(store_factory: Callable[..., Path]) -> None:
     runner = CliRunner()
     outs = {}
     for method in ("adam", "ridge"):
-        res = runner.invoke(main, ["lens", "--store", str(path), "--json", "--train-fraction", "0.6",
+        res = runner.invoke(main, ["lens", str(path), "--json", "--train-fraction", "0.6",
                                    "--tuned", method, "--tuned-steps", "50"])
         assert res.exit_code == 0, res.output
         outs[method] = json.loads(res.stdout)
@@ -258,11 +258,11 @@ def test_cli_lens_methods(store_factory: Callable[..., Path]) -> None:
     for method, out in outs.items():
         cfg = store.sql(f"SELECT config FROM runs WHERE run_id = '{out['run_id']}'").column("config")[0].as_py()
         assert json.loads(cfg)["tuned"] == method
-    text = runner.invoke(main, ["lens", "--store", str(path), "--train-fraction", "0.6", "--tuned-steps", "5",
-                                "--no-write"])
+    text = runner.invoke(main, ["lens", str(path), "--train-fraction", "0.6", "--tuned-steps", "5",
+                                "--no-save"])
     assert text.exit_code == 0 and "tuned lens: adam, 5 steps" in text.output and "tuned KL" in text.output
     assert "tuned lens (adam): step 5/5" in text.output  # progress on stderr
-    bad = runner.invoke(main, ["lens", "--store", str(path), "--tuned", "newton"])
+    bad = runner.invoke(main, ["lens", str(path), "--tuned", "newton"])
     assert bad.exit_code != 0 and "newton" in bad.output
-    bad = runner.invoke(main, ["lens", "--store", str(path), "--tuned-steps", "0"])
+    bad = runner.invoke(main, ["lens", str(path), "--tuned-steps", "0"])
     assert bad.exit_code != 0 and "at least 1 training step" in bad.output
