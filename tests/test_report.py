@@ -30,8 +30,9 @@ from conftest import FIXTURES, require_chromium
 
 import actstore
 from actstore.cli import main
+from actstore.errors import CorruptStoreError
 from actstore.writer import write_result_table
-from query.report import SECTION_IDS, build_report, expected_sections, write_report
+from query.report import SECTION_IDS, build_report, collect_sections, expected_sections, write_report
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -241,15 +242,170 @@ def test_report_in_headless_chromium(report_store: Path, tmp_path: Path) -> None
     assert shot.read_bytes()[:8] == PNG_MAGIC and shot.stat().st_size > 50_000
 
 
-def test_demo_steps_skip_missing_modules_and_failures() -> None:
+def test_demo_steps_note_failures_and_raise_on_a_missing_module() -> None:
     from query.demo_steps import DemoLog
 
     seen: list[str] = []
-    log = DemoLog(seen.append)
-    assert log.run("a", "step a", ("query.not_built_yet",), lambda: 1) is None
-    assert log.run("b", "step b", ("query.report",), lambda: 1 / 0) is None
-    assert log.run("c", "step c", ("query.report",), lambda: {"x": 1}) == {"x": 1}
-    assert log.notes[0] == "a: skipped (query.not_built_yet not built)"
-    assert log.notes[1].startswith("b: failed (ZeroDivisionError")
-    assert log.results == {"c": {"x": 1}} and set(log.timings) == {"b", "c"}
-    assert seen == ["step a: skipped (query.not_built_yet not built)", "step b", "step c"]
+    details: list[str] = []
+    log = DemoLog(seen.append, details.append)
+    assert log.run("b", "step b", lambda: 1 / 0) is None
+    assert log.run("c", "step c", lambda: {"x": 1}) == {"x": 1}
+
+    def missing() -> None:
+        import query.not_built_yet  # noqa: F401  (a packaging mistake fails loudly, not as a skipped step)
+
+    with pytest.raises(ModuleNotFoundError, match="query.not_built_yet"):
+        log.run("a", "step a", missing)
+    assert log.notes == [log.notes[0]] and log.notes[0].startswith("b: failed (ZeroDivisionError")
+    assert log.results == {"c": {"x": 1}} and set(log.timings) == {"a", "b", "c"}
+    assert seen == ["step b", "step c", "step a"] and details[0].startswith("    skipped: ZeroDivisionError")
+
+
+# ----------------------------------------------------------------------------------- escaping, sections, failures
+HOSTILE_RELATION = "<script>document.title='pwned'</script>"
+HOSTILE_SUBJECT = '<img src=x onerror="document.title=1">'
+
+
+class _Tree(HTMLParser):
+    """Element names, text, and the sections (their element counts and CSS classes) of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.text: list[str] = []
+        self.section: str | None = None
+        self.per_section: dict[str, dict[str, int]] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        self.tags.append(tag)
+        if tag == "section":
+            self.section = str(a.get("id"))
+            self.per_section[self.section] = {}
+        if self.section is not None:
+            counts = self.per_section[self.section]
+            for key in [tag] + [f".{c}" for c in str(a.get("class") or "").split()]:
+                counts[key] = counts.get(key, 0) + 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "section":
+            self.section = None
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def _tree(text: str) -> _Tree:
+    t = _Tree()
+    t.feed(text)
+    t.close()
+    return t
+
+
+def test_report_escapes_names_from_the_store(store_factory: Callable[..., Path], tmp_path: Path) -> None:
+    data = tmp_path / "hostile.jsonl"
+    data.write_text("".join(json.dumps({"text": f"{s} is located in", "subject": s, "object": o, "relation_id": "P1",
+                                        "relation_name": HOSTILE_RELATION}) + "\n"
+                            for s, o in ((HOSTILE_SUBJECT, "Paris"), ("Lyon", "France"), ("Rome", "Italy"))),
+                    encoding="utf-8")
+    store = actstore.open(store_factory("llama", dataset=f"jsonl:{data}", limit=None))
+    assert store.sql("SELECT DISTINCT relation_name FROM examples").column(0).to_pylist() == [HOSTILE_RELATION]
+    text = build_report(store, title="<b>title</b>")
+    tree = _tree(text)
+    # The parser sees no script or img element and no bold title: every name arrived as text.
+    assert "script" not in tree.tags and "img" not in tree.tags and "b" not in tree.tags
+    page_text = "".join(tree.text)
+    assert HOSTILE_RELATION in page_text and "<b>title</b>" in page_text
+    assert "&lt;script&gt;" in text and "<script>" not in text
+    # The same in Chromium's DOM (the browser would have run the script and changed the title).
+    chromium = require_chromium()
+    path = Path(write_report(store, tmp_path / "hostile.html", title="<b>title</b>"))
+    dom = _browser(chromium, path, tmp_path, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert "<script" not in dom.stdout and "<img" not in dom.stdout and "pwned" in dom.stdout
+    assert "<title>&lt;b&gt;title&lt;/b&gt;</title>" in dom.stdout
+
+
+def test_every_section_renders_content_on_the_fixture_store(report_store: Path) -> None:
+    from query.report.context import Omitted
+
+    store = actstore.open(report_store)
+    sections = collect_sections(store)
+    assert [s.id for s in sections] == ALL_SECTIONS
+    for s in sections:
+        assert s.blocks and not any(isinstance(b, Omitted) for b in s.blocks), s.key
+    tree = _tree(build_report(store))
+    # each section holds its own data: a figure, a table or TokenScore examples; no section is a bare note
+    for sid in ALL_SECTIONS:
+        counts = tree.per_section[sid]
+        assert counts.get("img", 0) + counts.get("table", 0) + counts.get(".tokex", 0) > 0, (sid, counts)
+        assert ".omitted" not in counts, sid
+    assert tree.per_section[SECTION_IDS["headscore"]]["img"] >= 2  # all relations + one per relation
+    assert tree.per_section[SECTION_IDS["tracing"]]["img"] == 3  # the class average + two facts
+    assert tree.per_section[SECTION_IDS["tokenscore"]][".tokex"] >= 2
+
+
+def test_a_table_deleted_while_the_report_runs_omits_only_its_section(report_store: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    dst = tmp_path / "store"
+    shutil.copytree(report_store, dst)
+    before = _tree(build_report(actstore.open(dst))).per_section
+    store = actstore.open(dst)
+    rel = store.table_files()["head_scores"][0]  # one run's file of the table
+    connect = store.connect
+
+    def connect_then_delete(**kw: Any) -> Any:  # another process removes the run's results after the report began
+        con = connect(**kw)
+        os.remove(dst / rel)
+        return con
+
+    monkeypatch.setattr(store, "connect", connect_then_delete)
+    text = build_report(store)
+    tree = _tree(text)
+    assert list(tree.per_section) == ALL_SECTIONS  # the section stays, saying why it is empty
+    hs = SECTION_IDS["headscore"]
+    assert tree.per_section[hs].get(".omitted") == 1 and "img" not in tree.per_section[hs]
+    body = text.split(f'id="{hs}"')[1].split("</section>")[0]
+    assert "This section is omitted: a table it reads could not be read (CorruptStoreError" in body
+    assert f"{rel}: missing" in body
+    for sid in ALL_SECTIONS:
+        if sid != hs:
+            assert tree.per_section[sid] == before[sid], sid  # every other section as before
+    assert ".omitted" not in "".join(k for sid in ALL_SECTIONS if sid != hs for k in tree.per_section[sid])
+
+
+def test_a_damaged_table_file_is_one_clear_error_and_no_report(report_store: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "store"
+    shutil.copytree(report_store, dst)
+    store = actstore.open(dst)
+    rel = store.table_files()["head_scores"][0]
+    (dst / rel).write_bytes(b"PAR1 this is not parquet PAR1")
+    out = tmp_path / "report.html"
+    out.write_text("previous report", encoding="utf-8")
+    with pytest.raises(CorruptStoreError, match=re.escape(rel)):
+        write_report(actstore.open(dst), out)
+    assert out.read_text(encoding="utf-8") == "previous report"  # the old file is left whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "store"]  # no temporary file left
+
+
+def test_errors_other_than_reading_a_table_propagate(report_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from query.report import builder
+
+    def broken(ctx: Any) -> Any:
+        raise KeyError("a bug in a section")
+
+    monkeypatch.setattr(builder, "SECTIONS", (builder.SectionSpec("lens", "Lens", ("lens",), broken),))
+    with pytest.raises(KeyError, match="a bug in a section"):
+        collect_sections(actstore.open(report_store))
+
+
+def test_blocks_render_through_autoescaping_templates() -> None:
+    from query.report.context import Figure, Heading, Note, Table
+    from query.report.render import render_blocks
+
+    html = str(render_blocks([Heading("<h1>x</h1>"), Note("a & b"),
+                              Table([{"a": "<td>", "b": 1.23456}], ["a", "b"], {"a": "<th>"}),
+                              Figure("data:image/png;base64,AAAA", 'say "hi"')]))
+    assert "<h3>&lt;h1&gt;x&lt;/h1&gt;</h3>" in html and "a &amp; b" in html
+    assert "<th>&lt;th&gt;</th>" in html and "<td>&lt;td&gt;</td><td>1.235</td>" in html
+    assert 'alt="say &#34;hi&#34;"' in html
