@@ -361,6 +361,27 @@ def test_capture_uses_the_models_attention_scale(arch: str, config: dict[str, An
         assert rel_err(head[i], want.sum(2)) < RTOL, i
 
 
+def test_capture_attention_outside_a_batch_returns_the_models_own_output() -> None:
+    """The registered attention function records only inside :meth:`FusedCapture.run`.  Called while
+    the capture is installed but no batch is running, or by a second model that uses the registered
+    attention without being installed, it returns SDPA's output: the logits are the model's own."""
+    from ingest.architectures import architecture_for
+    from ingest.capture import CAPTURE_ATTENTION, FusedCapture
+
+    model = tiny_model("llama").model
+    other = tiny_model("llama", seed=1).model
+    ids = torch.tensor([[1, 5, 9, 12, 7, 3, 11]])
+    with torch.no_grad():
+        want, want_other = model(input_ids=ids).logits, other(input_ids=ids).logits
+    with FusedCapture(model, architecture_for(model)) as capture:
+        assert capture.state is None and model.config._attn_implementation == CAPTURE_ATTENTION
+        other.set_attn_implementation(CAPTURE_ATTENTION)
+        with torch.no_grad():
+            got, got_other = model(input_ids=ids).logits, other(input_ids=ids).logits
+    assert torch.equal(got, want) and torch.equal(got_other, want_other)
+    assert model.config._attn_implementation == "sdpa"
+
+
 # ---------------------------------------------------------------------------------------- MLP groups
 def leftover_first_blocks(d_mlp: int, groups: int) -> list[tuple[int, int]]:
     """Contiguous blocks, sizes differing by at most one, the larger ones first (SPEC section 1 and
