@@ -23,6 +23,7 @@ demo: install
 lint: install
 	$(BIN)/ruff check actstore ingest query tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache  # the layer contracts in pyproject.toml [tool.importlinter]
 
 test: lint
 	$(BIN)/pytest
