@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
@@ -266,6 +267,22 @@ def test_ablation_experiment(maps_store: Path) -> None:
     explicit = run_ablation(runner, store, AblationConfig(RELS[0], heads=((0, 0), (1, 3)), controls=(RELS[1],),
                                                          random_draws=0, mode="mean"))
     assert explicit.summary["n_heads"] == 2 and explicit.summary["controls"][0]["relation"] == RELS[1]
+
+
+def test_store_pairs_of_chosen_relations_are_bound_not_pasted(maps_store: Path) -> None:
+    from ingest.interventions.ablation import pairs_from_store
+
+    store = actstore.open(maps_store)
+    every = store_pairs(store)
+    rel = np.asarray(every.column("relation_id").to_pylist())
+    one = store_pairs(store, relations=[RELS[1]])
+    assert one.to_pylist() == every.filter(pa.array(rel == RELS[1])).to_pylist() and one.num_rows > 0
+    assert store_pairs(store, "e.example_id % 2 = 0", relations=list(RELS)).to_pylist() == [
+        r for r in every.to_pylist() if r["example_id"] % 2 == 0]
+    assert store_pairs(store, relations=["it's'); DROP TABLE examples; --"]).num_rows == 0
+    tp = pairs_from_store(store, RELS[0])
+    mine = {(r["src_id"], r["dst_id"]) for r in every.to_pylist() if r["relation_id"] == RELS[0]}
+    assert sorted(zip(tp.src.tolist(), tp.dst.tolist())) == sorted(mine) and tp.n_used == len(mine)
 
 
 CONTROL_RELS = ("country_to_capital_wikidata", "adj_antonym", "name_copying", "verb_past_tense", "adj_comparative")

@@ -69,6 +69,15 @@ def test_restoring_the_last_layer_at_the_last_position_recovers_the_clean_output
         assert np.all(ie[:, :r.fact.subject_span[0]] == 0)
 
 
+def test_stored_facts_of_chosen_examples(llama_store: Path) -> None:
+    store = actstore.open(llama_store)
+    every = stored_facts(store, correct_only=False)
+    pick = [every[-1].example_id, every[0].example_id, 10**9]  # any order; an unknown id selects nothing
+    got = stored_facts(store, correct_only=False, example_ids=pick)
+    assert [f.example_id for f in got] == sorted(pick[:2]) and got[0] == every[0] and got[1] == every[-1]
+    assert stored_facts(store, correct_only=False, example_ids=[]) == []
+
+
 def test_restoring_every_position_recovers_the_clean_probability(llama_store: Path) -> None:
     store = actstore.open(llama_store)
     fact = stored_facts(store, correct_only=False, limit=1)[0]

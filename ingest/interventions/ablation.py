@@ -140,9 +140,7 @@ def relation_prompts(store: Store, where: str | None = None) -> dict[str, Prompt
 
 def pairs_from_store(store: Store, relation: str, where: str | None = None) -> TokenPairs:
     """Distinct (subject first token, object first token) pairs of a relation's stored prompts."""
-    rel = relation.replace("'", "''")
-    w = f"e.relation_id = '{rel}'" + (f" AND ({where})" if where and where.strip() else "")
-    t = store_pairs(store, w)
+    t = store_pairs(store, where, relations=[relation])
     if t.num_rows == 0:
         raise AblationError(f"relation {relation!r} has no prompts with a subject and an object in {store.url}")
     pairs = np.unique(np.stack([t.column("src_id").to_numpy(), t.column("dst_id").to_numpy()], 1), axis=0)

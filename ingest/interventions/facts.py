@@ -77,9 +77,11 @@ def stored_facts(store: Any, where: str | None = None, *, correct_only: bool = T
         conds.append("t.object_rank = 0")
     if where and where.strip():
         conds.append(f"e.example_id IN (SELECT example_id FROM examples JOIN targets USING (example_id) WHERE {where})")
+    params = None
     if example_ids is not None:
-        conds.append(f"e.example_id IN ({', '.join(str(int(i)) for i in example_ids) or 'NULL'})")
-    rows = store.sql(_FACTS_SQL.format(cond=" AND ".join(f"({c})" for c in conds))).to_pylist()
+        conds.append("list_contains($ids, e.example_id)")
+        params = {"ids": [int(i) for i in example_ids]}
+    rows = store.sql(_FACTS_SQL.format(cond=" AND ".join(f"({c})" for c in conds)), params).to_pylist()
     if limit is not None:
         rows = rows[:limit]
     out = []

@@ -187,22 +187,26 @@ def excluded_line(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 
-def store_pairs(store: Store, where: str | None = None, *, source_token: Literal["first", "last"] = "first") -> pa.Table:
+def store_pairs(store: Store, where: str | None = None, *, source_token: Literal["first", "last"] = "first",
+                relations: Sequence[str] | None = None) -> pa.Table:
     """Per example with a subject and an object: (example_id, relation_id, template, src_id, dst_id).
 
     ``src_id`` is the prompt's token at the subject's first (or last) position, ``dst_id`` the
     first token of " " + object (``targets.object_token_id``), ``template`` the dataset's
-    template when its loader recorded one (``meta.template``), else ''.
+    template when its loader recorded one (``meta.template``), else ''.  ``where``: a SQL predicate
+    over ``examples e JOIN targets t``; ``relations``: only these relation ids (bound, not pasted).
     """
     if source_token not in ("first", "last"):
         raise MapsError(f"source token must be 'first' or 'last', not {source_token!r}")
     pos = "e.subject_start" if source_token == "first" else "e.subject_end - 1"
     cond = f"AND ({where})" if where and where.strip() else ""
+    if relations is not None:
+        cond += " AND list_contains($relations, e.relation_id)"
     return store.sql(f"""
         SELECT e.example_id, e.relation_id, coalesce(json_extract_string(e.meta, '$.template'), '') AS template,
                tk.token_id::BIGINT AS src_id, t.object_token_id::BIGINT AS dst_id, {pos} AS src_position
         FROM examples e JOIN targets t USING (example_id)
         JOIN tokens tk ON tk.example_id = e.example_id AND tk.position = {pos}
         WHERE e.subject_start >= 0 AND t.object_token_id >= 0 {cond}
-        ORDER BY e.example_id""")
+        ORDER BY e.example_id""", None if relations is None else {"relations": list(relations)})
 

@@ -347,12 +347,11 @@ def stored_static_scores(store: Store, relations: Sequence[str], *, k: int | Map
     if not matching:
         return {}
     g = store.geometry
-    ids = ", ".join("'" + rid.replace("'", "''") + "'" for _, rid in matching)
-    names = ", ".join("'" + n.replace("'", "''") + "'" for n in relations)
-    sc = store.sql(f"""SELECT run_id, relation, layer, head, score, k FROM maps_scores
-                       WHERE run_id IN ({ids}) AND relation IN ({names})""")
-    rel = store.sql(f"""SELECT run_id, relation, n_pairs, n_used, n_multi_token, n_unknown FROM maps_relations
-                        WHERE run_id IN ({ids}) AND relation IN ({names})""").to_pylist()
+    params = {"ids": [rid for _, rid in matching], "names": list(relations)}
+    sc = store.sql("""SELECT run_id, relation, layer, head, score, k FROM maps_scores
+                      WHERE list_contains($ids, run_id) AND list_contains($names, relation)""", params)
+    rel = store.sql("""SELECT run_id, relation, n_pairs, n_used, n_multi_token, n_unknown FROM maps_relations
+                       WHERE list_contains($ids, run_id) AND list_contains($names, relation)""", params).to_pylist()
     counts = {(r["run_id"], r["relation"]): r for r in rel}
     grids: dict[tuple[str, str], np.ndarray] = {}
     cols = [sc.column(c).to_pylist() for c in ("run_id", "relation", "layer", "head", "score", "k")]
