@@ -153,3 +153,29 @@ def test_a_resume_of_an_old_store_keeps_its_manifest(tmp_path: Path) -> None:
     assert report.segments_written == 1
     store = actstore.open(path)
     assert store.complete and not store.has_tokenizer() and not (path / "tokenizer").exists()
+
+
+def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written and read through the storage layer: the same files on an S3-compatible server (moto)."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from s3server import moto_server
+
+    from ingest.align import tokenize_records
+    from ingest.datasets import load_dataset
+    from ingest.pipeline import IngestConfig, run_ingest
+
+    with moto_server() as server:
+        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        loaded = tiny_model("llama")
+        prompts = tokenize_records(load_dataset("demo", limit_per_relation=1).records, loaded.tokenizer)
+        url = f"s3://{server.bucket}/stores/tok"
+        cfg = IngestConfig(out=url, batch_size=4, segment_size=8, chunk_rows=4, chunk_flat=64, progress=False)
+        run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts,
+                   cfg)
+        store = actstore.open(url)
+        assert store.has_tokenizer() and not store.location.is_local
+        same_tokenizer(tokenizer_for_store(store), loaded.tokenizer, TEXTS)
