@@ -21,7 +21,7 @@ demo: install
 	$(BIN)/actstore demo --out $(DEMO_OUT)
 
 lint: install
-	$(BIN)/ruff check actstore ingest query tests benchmarks examples
+	$(BIN)/ruff check actstore ingest query tests benchmarks examples tools
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache  # the layer contracts in pyproject.toml [tool.importlinter]
 

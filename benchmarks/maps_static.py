@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import actstore  # noqa: E402
+from actstore.api import tokenizer_for_store  # noqa: E402  (aliases and stores without a tokenizer too)
 from query.maps import VocabProjection, load_pair_files, salient_operations, static_scores, tokenize_pairs  # noqa: E402
-from query.store_tokenizer import tokenizer_for_store  # noqa: E402
 
 
 def peak_rss_bytes() -> int:
