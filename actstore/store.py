@@ -4,6 +4,7 @@ Layout under the store root::
 
     manifest.json                      format, model, geometry, settings
     weights/                           zarr group: W_O, b_O, W_V, b_V, W_down, b_down, embed, unembed, ...
+    tokenizer/                         the model's tokenizer (save_pretrained), SHA-256 in manifest model.tokenizer
     segments/NNNNNN/                   zarr group per segment: z, attn, v, resid, mlp
     tables/{examples,tokens,targets}/NNNNNN.parquet   one shard per segment
     tables/heads/heads.parquet, tables/<result>/<run>.parquet
