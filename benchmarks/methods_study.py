@@ -1,0 +1,251 @@
+"""The seed-001 method comparison on the methods2k data set, end to end, at the scale a time budget allows.
+
+    python benchmarks/methods_study.py build --out DATA                     # methods2k.json (2,000 facts)
+    actstore ingest --model smollm2-135m --dataset methods2k:DATA --out S  # the store (all 2,000 prompts)
+    python benchmarks/methods_study.py study S --state S.study.json --trace-minutes 30 --samples 2
+
+``study`` runs, each step recorded in the state file (so it resumes, and the results page can
+quote the run ids):
+
+1. the facts the model answers (``object_rank = 0``), ordered round-robin over the strata
+   (relation x frequency band x uniqueness; a seeded shuffle within each), so that every prefix of
+   the order is stratified;
+2. causal tracing of that order in chunks of ``--chunk`` facts (one trace run each) until
+   ``--trace-minutes`` have passed (or ``--max-facts`` are traced): MLP and attention, window 10;
+3. activation patching of the traced facts (MLP and attention outputs per layer, no heads);
+4. every method's reading (:func:`query.method_metrics.study_readings`), the located sites, and the
+   interventions on them and on random layers (``site_effects``, knock-out and restore);
+5. the metrics (:func:`query.method_metrics.compute_metrics`) per method, overall and per stratum,
+   the pair table with bootstrap intervals, and the cross-size row; written to the store
+   (``method_metrics``, ``method_pair_metrics``, ``method_cross_size``) and to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+METHODS = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def stratified_order(rows: list[dict[str, Any]], seed: int = 0) -> list[int]:
+    """Example ids round-robin over strata (sorted keys), seeded shuffle within each stratum."""
+    by: dict[str, list[int]] = defaultdict(list)
+    for r in rows:
+        by[str(r["stratum"])].append(int(r["example_id"]))
+    queues = []
+    for k in sorted(by):
+        ids = sorted(by[k])
+        random.Random(f"{seed}:{k}").shuffle(ids)
+        queues.append(ids)
+    out: list[int] = []
+    depth = 0
+    while any(depth < len(q) for q in queues):
+        out.extend(q[depth] for q in queues if depth < len(q))
+        depth += 1
+    return out
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {"trace_runs": [], "traced": []}
+
+
+def save_state(path: Path, state: dict[str, Any]) -> None:
+    path.write_text(json.dumps(state, indent=1) + "\n")
+
+
+def cmd_build(a: argparse.Namespace) -> None:
+    from ingest.datasets.methods2k import build_methods2k
+
+    p = build_methods2k(a.lre, a.known, a.out, size=a.size, seed=a.seed)
+    doc = json.loads(p.read_text())
+    log(f"wrote {p}: {doc['size']} facts from a pool of {doc['pool']}, {len(doc['strata'])} strata")
+
+
+def _where_ids(ids: list[int]) -> str:
+    return f"example_id IN ({', '.join(str(i) for i in ids)})"
+
+
+def cmd_study(a: argparse.Namespace) -> None:
+    from actstore.api import open_store
+    from ingest.intervention_runs import PatchRequest, TraceRequest, run_patch, run_trace
+    from ingest.interventions.patching import PatchConfig
+    from ingest.interventions.trace_results import TraceConfig
+
+    store = open_store(a.store)
+    state_path = Path(a.state)
+    state = load_state(state_path)
+    state.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%S"))
+    rows = store.sql("""SELECT e.example_id, coalesce(e.meta->>'stratum', e.relation_id) AS stratum
+                        FROM examples e JOIN targets t USING (example_id)
+                        WHERE t.object_token_id >= 0 AND e.subject_start >= 0"""
+                     + ("" if a.all_facts else " AND t.object_rank = 0")).to_pylist()
+    answered = store.sql("SELECT count(*) AS n FROM examples JOIN targets USING (example_id) "
+                         "WHERE object_token_id >= 0 AND object_rank = 0").column("n")[0].as_py()
+    n_facts = store.sql("SELECT count(*) AS n FROM examples JOIN targets USING (example_id) "
+                        "WHERE object_token_id >= 0").column("n")[0].as_py()
+    order = stratified_order(rows, a.seed)
+    state.update({"answered": int(answered), "facts": int(n_facts)})
+    log(f"{len(order)} facts to trace ({answered} answered of {n_facts}) in {len({r['stratum'] for r in rows})} strata")
+    # ---- tracing, chunk by chunk, within the budget
+    cfg = TraceConfig(samples=a.samples, window=a.window, components=("mlp", "attn"), seed=0)
+    t_start = time.time()
+    spent = float(state.get("trace_seconds", 0.0))
+    traced = list(state["traced"])
+    todo = [i for i in order if i not in set(traced)][: max(0, a.max_facts - len(traced))]
+    while todo and spent < a.trace_minutes * 60:
+        chunk, todo = todo[:a.chunk], todo[a.chunk:]
+        t0 = time.time()
+        out = run_trace(store, TraceRequest(where=_where_ids(chunk), trace=cfg, quiet=True, all_facts=a.all_facts))
+        dt = time.time() - t0
+        spent += dt
+        traced.extend(chunk)
+        state["trace_runs"].append(out.run_id)
+        state["traced"] = traced
+        state["trace_seconds"] = spent
+        state["trace_cpu_note"] = "wall seconds of run_trace calls (model load included)"
+        save_state(state_path, state)
+        log(f"traced {len(traced)} facts ({len(chunk)} in {dt:.0f}s, {60 * len(chunk) / dt:.2f} facts/min); "
+            f"run {out.run_id}")
+    log(f"tracing: {len(traced)} facts in {spent:.0f}s (this call {time.time() - t_start:.0f}s)")
+    # ---- patching the traced facts
+    if a.patch and not state.get("patch_run"):
+        t0 = time.time()
+        pout = run_patch(store, PatchRequest(where=_where_ids(traced), quiet=True,
+                                             patch=PatchConfig(components=("attn", "mlp"), heads=False)))
+        state.update({"patch_run": pout.run_id, "patch_seconds": time.time() - t0,
+                      "patch_pairs": len(pout.results), "patch_skipped": len(pout.skipped)})
+        save_state(state_path, state)
+        log(f"patched {len(pout.results)} pairs ({len(pout.skipped)} facts without a counterfactual) "
+            f"in {time.time() - t0:.0f}s; run {pout.run_id}")
+    effects_and_metrics(store, state, state_path, a)
+
+
+def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: argparse.Namespace) -> None:
+    import numpy as np
+
+    from actstore.runs import new_run_id, with_run_id, write_run
+    from actstore.writer import write_result_table
+    from ingest.intervention_runs import load_store_model, model_for_store
+    from ingest.interventions import InterventionRunner
+    from ingest.interventions.effectiveness import EffectConfig, noise_std_for, site_effects, sites_by_fact
+    from ingest.interventions.facts import stored_facts
+    from query.method_metrics import (
+        compute_metrics,
+        cross_size_rows,
+        located_sites,
+        store_strata,
+        study_readings,
+        write_tables,
+    )
+    from query.methods import default_tolerance, key_mlp_at_subject
+
+    started = time.time()
+    methods = [m for m in a.methods.split(",") if m]
+    if not state.get("patch_run") and "patch" in methods:
+        methods.remove("patch")
+    readings = study_readings(store, methods, state["trace_runs"], state.get("patch_run"))
+    log("readings: " + ", ".join(f"{m} {len(r.example_ids)}" for m, r in readings.items()))
+    sites = sites_by_fact(located_sites(r) for r in readings.values())
+    ids = sorted(sites)
+    effects: dict[str, Any] = {}
+    loaded = None
+    for mode in a.modes.split(","):
+        key = f"effects_{mode}_run"
+        if state.get(key):
+            effects[mode] = store.sql(f"SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = '{state[key]}'")
+            continue
+        if loaded is None:
+            loaded = load_store_model(store, model_for_store(store, None), quiet=True)
+            runner = InterventionRunner(loaded.model)
+        cfg = EffectConfig(mode=mode, random_draws=a.random_draws, samples=a.samples)
+        std = noise_std_for(loaded.model, store, runner, cfg.noise_scale) if mode == "restore" else 0.0
+        facts = stored_facts(store, correct_only=False, example_ids=ids)
+        t0 = time.time()
+        table = site_effects(runner, facts, sites, cfg, std)
+        rid = new_run_id("effects")
+        write_result_table(store, "site_effects", rid, with_run_id(table, rid))
+        write_run(store, rid, "effects", t0, {**cfg.__dict__, "noise_std": std, "facts": len(facts)})
+        state[key] = rid
+        state[f"effects_{mode}_seconds"] = time.time() - t0
+        save_state(state_path, state)
+        effects[mode] = table
+        log(f"{mode}: {table.num_rows} site effects of {len(facts)} facts in {time.time() - t0:.0f}s; run {rid}")
+    L = store.geometry.n_layers
+    tol = default_tolerance(L)
+    all_ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
+    strata = store_strata(store, all_ids)
+    summary: dict[str, Any] = {"model": store.manifest.model.get("name"), "n_layers": L, "tolerance": tol,
+                               "readings": {m: int(len(r.example_ids)) for m, r in readings.items()}}
+    for i, mode in enumerate(effects or {"none": None}):
+        res = compute_metrics(list(readings.values()), strata, tol, effects.get(mode), resamples=a.resamples)
+        trace = readings.get("trace")
+        site = np.concatenate([key_mlp_at_subject(store, r) for r in state["trace_runs"]]) \
+            if trace is not None else None
+        cross = cross_size_rows(str(summary["model"]), L, trace, readings.get("patch"), site,
+                                int(state["answered"]), int(state["facts"]), resamples=a.resamples) if i == 0 else None
+        rid = new_run_id("methods")
+        write_tables(store, rid, res, cross, {"mode": mode, "trace_runs": state["trace_runs"],
+                                              "patch_run": state.get("patch_run"),
+                                              "effects_run": state.get(f"effects_{mode}_run"),
+                                              "methods": list(readings), "tolerance": tol}, started)
+        state[f"metrics_{mode}_run"] = rid
+        summary[mode] = {"run_id": rid, "metrics": res.metrics.to_pylist(), "pairs": res.pairs.to_pylist()}
+        if cross is not None:
+            summary["cross_size"] = cross.to_pylist()
+        log(f"metrics ({mode}): run {rid}")
+    save_state(state_path, state)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"state": state, **summary}, indent=1, default=float) + "\n")
+        log(f"wrote {a.json}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="write methods2k.json")
+    b.add_argument("--lre", default=str(SHARED / "lre_relations" / "data" / "factual"))
+    b.add_argument("--known", default=str(SHARED / "known_1000" / "known_1000.json"))
+    b.add_argument("--out", required=True)
+    b.add_argument("--size", type=int, default=2000)
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=cmd_build)
+    s = sub.add_parser("study", help="trace, patch, intervene and measure on an ingested store")
+    s.add_argument("store")
+    s.add_argument("--state", required=True, help="JSON file recording the runs (resumable)")
+    s.add_argument("--trace-minutes", type=float, default=30.0)
+    s.add_argument("--max-facts", type=int, default=10**9)
+    s.add_argument("--chunk", type=int, default=8)
+    s.add_argument("--samples", type=int, default=2)
+    s.add_argument("--window", type=int, default=10)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--no-patch", dest="patch", action="store_false")
+    s.add_argument("--all-facts", action="store_true", help="also facts the model gets wrong (tests)")
+    s.add_argument("--methods", default=",".join(METHODS))
+    s.add_argument("--modes", default="knockout,restore")
+    s.add_argument("--random-draws", type=int, default=4)
+    s.add_argument("--resamples", type=int, default=2000)
+    s.add_argument("--json", default=None)
+    s.set_defaults(func=cmd_study)
+    a = p.parse_args(argv)
+    a.func(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
