@@ -174,10 +174,11 @@ class ReportContext:
     def has(self, name: str) -> bool:
         return bool(self.files.get(name))
 
-    def sql(self, query: str) -> pa.Table:
+    def sql(self, query: str, params: Sequence[Any] | None = None) -> pa.Table:
+        """One read-only SELECT over the store's tables; ``params`` bound by DuckDB (``?`` placeholders)."""
         from actstore.sql import run_sql
 
-        return run_sql(self.store, query, self.con)
+        return run_sql(self.store, query, self.con, params=params)
 
     def columns(self, name: str) -> list[str]:
         """Column names of a table of the store ([] when it is absent)."""

@@ -57,16 +57,16 @@ def prompt_tokens(ctx: ReportContext, ids: list[int]) -> dict[int, list[str]]:
     """Each prompt's tokens as they appear in its text (character spans when the store has them)."""
     if not ids:
         return {}
-    idl = ", ".join(str(int(i)) for i in ids)
+    wanted = [int(i) for i in ids]
     spans = {"char_start", "char_end"} <= set(ctx.columns("tokens")) and "text" in ctx.columns("examples")
     if spans:
         rows = ctx.sql("SELECT t.example_id, list(t.token ORDER BY t.position) AS toks, "
                        "list(t.char_start ORDER BY t.position) AS cs, list(t.char_end ORDER BY t.position) AS ce, "
                        "any_value(e.text) AS text FROM tokens t JOIN examples e USING (example_id) "
-                       f"WHERE t.example_id IN ({idl}) GROUP BY 1").to_pylist()
+                       "WHERE list_contains(?, t.example_id) GROUP BY 1", [wanted]).to_pylist()
     else:  # stores written before tokens carried character spans
         rows = ctx.sql("SELECT example_id, list(token ORDER BY position) AS toks FROM tokens "
-                       f"WHERE example_id IN ({idl}) GROUP BY 1").to_pylist()
+                       "WHERE list_contains(?, example_id) GROUP BY 1", [wanted]).to_pylist()
     out: dict[int, list[str]] = {}
     for r in rows:
         text = r.get("text")
