@@ -175,8 +175,8 @@ def _component_grid(store: Any, table: str, run_id: str, comp: str, extra: str =
     t = store.sql(f"""SELECT example_id, layer, max(CASE WHEN isnan({'recovery' if table == 'patch_effects'
                       else 'indirect_effect'}) THEN NULL ELSE {'recovery' if table == 'patch_effects'
                       else 'indirect_effect'} END) AS v
-                      FROM {table} WHERE run_id = '{run_id}' AND component = '{comp}' {extra}
-                      GROUP BY example_id, layer ORDER BY example_id, layer""").to_pandas()
+                      FROM {table} WHERE run_id = ? AND component = ? {extra}
+                      GROUP BY example_id, layer ORDER BY example_id, layer""", [run_id, comp]).to_pandas()
     if t.empty:
         raise MethodsError(f"{store.url}: run {run_id} of {table} has no {comp!r} effects")
     grid = t.pivot(index="example_id", columns="layer", values="v")
@@ -449,10 +449,10 @@ def key_mlp_at_subject(store: Any, run_id: str | None = None) -> np.ndarray:
     """Per traced fact, the layer whose windowed-MLP restoration at the subject's last token has the
     largest indirect effect (ROME's decisive MLP site), as a fraction of the depth."""
     run = latest_run(store, "trace_effects", run_id)
-    t = store.sql(f"""SELECT e.example_id, e.layer, e.indirect_effect AS ie FROM trace_effects e
+    t = store.sql("""SELECT e.example_id, e.layer, e.indirect_effect AS ie FROM trace_effects e
                       JOIN trace_facts f ON f.run_id = e.run_id AND f.example_id = e.example_id
-                      WHERE e.run_id = '{run}' AND e.component = 'mlp' AND e.position = f.subject_end - 1
-                      ORDER BY 1, 2""").to_pandas()
+                      WHERE e.run_id = ? AND e.component = 'mlp' AND e.position = f.subject_end - 1
+                      ORDER BY 1, 2""", [run]).to_pandas()
     if t.empty:
         return np.zeros(0)
     grid = t.pivot(index="example_id", columns="layer", values="ie").to_numpy()

@@ -49,19 +49,19 @@ class HeadScoreGrid:
 def headscore_grid(store: Store, run_id: str, relation: str | None = None) -> HeadScoreGrid:
     """Mean HeadScore per layer x head over the run's query predictions (only those whose gold
     relation is ``relation`` when given)."""
-    from query.attribution import run_row, sql_quote
+    from query.attribution import run_row
 
     run_row(store, run_id)  # an unknown run: one line naming the runs there are
-    cond = f"run_id = '{sql_quote(run_id)}'"
+    cond, params = "run_id = ?", [run_id]
     if relation is not None:
         known = [r["relation_id"] for r in store.sql(f"SELECT DISTINCT relation_id FROM head_scores WHERE {cond} "
-                                                     "ORDER BY 1").to_pylist()]
+                                                     "ORDER BY 1", params).to_pylist()]
         if relation not in known:
             raise InvalidSetting("relation", f"unknown relation {relation!r} for run {run_id} "
                                              f"(one of {', '.join(known)})")
-        cond += f" AND relation_id = '{sql_quote(relation)}'"
+        cond, params = cond + " AND relation_id = ?", [run_id, relation]
     rows = store.sql(f"SELECT layer, head, sum(score * n) / greatest(sum(n), 1) AS score, sum(n) AS n "
-                     f"FROM head_scores WHERE {cond} GROUP BY 1, 2 ORDER BY 1, 2").to_pylist()
+                     f"FROM head_scores WHERE {cond} GROUP BY 1, 2 ORDER BY 1, 2", params).to_pylist()
     layers = sorted({r["layer"] for r in rows})
     heads = sorted({r["head"] for r in rows})
     grid = np.full((len(layers), len(heads)), np.nan)
