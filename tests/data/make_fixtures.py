@@ -491,6 +491,50 @@ def write_maps(root: Path = HERE) -> None:
                     "Invented for actstore's tests by tests/data/make_fixtures.py (write_maps).\n")
 
 
+# =========================================================================== methods2k sources
+#
+# The method-comparison data set (ingest/datasets/methods2k.py) is built from LRE factual files and
+# a known_1000 file, tagged with a subject frequency and answer uniqueness.  These sources are
+# invented: two LRE-format relations (one where two subjects have two objects each: the
+# "several" uniqueness stratum), one known_1000-format relation, and a Zipf table for every
+# subject (invented values, with ties at a median, so the tests need no wordfreq).
+
+M2K_LRE: dict[str, dict[str, Any]] = {
+    "region_river": _lre(
+        "region river", ["The main river of {} is the"], ["Which river crosses {}? The"], "factual", "region", "river",
+        [("Ostravia", "Velta"), ("Ostravia", "Morn"), ("Kaldun", "Velta"), ("Norvessa", "Sarn"),
+         ("Amberlund", "Tiber"), ("Quellara", "Velta"), ("Pellador", "Morn"), ("Pellador", "Drisk"),
+         ("Harrowmere", "Drisk")],
+    ),
+    "guild_founder": _lre(
+        "guild founder", ["The guild {} was founded by"], ["Who founded {}?"], "factual", "guild", "person",
+        [("Brass Lantern", "Tavi Orsel"), ("Quiet Oar", "Mena Okafri"), ("Salt Anvil", "Idris Pallow"),
+         ("Grey Heron", "Selka Varn"), ("Iron Thimble", "Tavi Orsel")],
+    ),
+}
+M2K_KNOWN: list[tuple[str, str, str]] = [  # relation, subject, attribute
+    ("P9001", "Lake Omburu", "Kessa"), ("P9001", "Sarn Glacier", "Brnik"), ("P9001", "Velm", "Kessa"),
+    ("P9001", "Tiberan Highlands", "Port Sella"),
+]
+M2K_ZIPF: dict[str, float] = {
+    "Ostravia": 3.1, "Kaldun": 1.2, "Norvessa": 2.0, "Amberlund": 2.0, "Quellara": 0.0, "Pellador": 4.4,
+    "Harrowmere": 2.0, "Brass Lantern": 2.5, "Quiet Oar": 1.0, "Salt Anvil": 3.3, "Grey Heron": 4.0,
+    "Iron Thimble": 0.5, "Lake Omburu": 1.5, "Sarn Glacier": 0.0, "Velm": 2.2, "Tiberan Highlands": 0.4,
+}
+
+
+def write_methods2k(root: Path = HERE) -> None:
+    """tests/data/methods2k/{lre/factual/<relation>.json, known_1000.json, zipf.json}."""
+    folder = root / "methods2k"
+    for rel, data in M2K_LRE.items():
+        _write_json(folder / "lre" / "factual" / f"{rel}.json", data)
+    _write_json(folder / "known_1000.json", [
+        {"known_id": i, "subject": s, "attribute": o, "template": "{} drains into the sea near",
+         "prediction": f" {o}, as the fixture says", "prompt": f"{s} drains into the sea near", "relation_id": r}
+        for i, (r, s, o) in enumerate(M2K_KNOWN)])
+    _write_json(folder / "zipf.json", M2K_ZIPF)
+
+
 # =========================================================================== all writers
 
 WRITERS: dict[str, Callable[[Path], None]] = {
@@ -498,6 +542,7 @@ WRITERS: dict[str, Callable[[Path], None]] = {
     "lre": write_lre,
     "known_1000": write_known_1000,
     "maps": write_maps,
+    "methods2k": write_methods2k,
 }
 
 
