@@ -153,13 +153,6 @@ class Section:
     def id(self) -> str:
         return SECTION_IDS.get(self.key, f"section-{self.key.replace('_', '-')}")
 
-    @property
-    def body(self) -> str:
-        """The section's content as HTML."""
-        from query.report.render import render_blocks
-
-        return render_blocks(self.blocks)
-
 
 # ----------------------------------------------------------------------------------- context
 @dataclass
