@@ -390,3 +390,30 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     answered = s.sql("SELECT count(*) AS n FROM targets WHERE object_rank = 0").column("n")[0].as_py()
     assert cross["recall_success"]["value"] == pytest.approx(answered / 18)
     assert 0 <= cross["trace_mlp_share"]["value"] <= 1
+    # the report's section reads these tables; Chromium lays it out
+    from query.report import build_report
+
+    html = build_report(s)
+    assert 'id="section-method-metrics"' in html
+    part = html.split('id="section-method-metrics"', 1)[1].split("<section", 1)[0]
+    assert "trace vs logit_lens" in part and "across model sizes" in part and "by freq band" in part
+    assert "site_effects" not in html.split('id="section-tables"', 1)[-1] or 'id="section-tables"' not in html
+    _chromium_shows(html, tmp_path)
+
+
+def _chromium_shows(html: str, tmp: Path) -> None:
+    import os
+    import subprocess
+
+    from conftest import require_chromium
+
+    chromium = require_chromium()
+    page = tmp / "report.html"
+    page.write_text(html, encoding="utf-8")
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp / 'profile'}",
+           "--virtual-time-budget=5000", "--dump-dom", page.resolve().as_uri()]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "HOME": str(tmp)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    dom = res.stdout.split('id="section-method-metrics"', 1)
+    assert len(dom) == 2 and "precision" in dom[1].split("</section>", 1)[0]

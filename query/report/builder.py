@@ -19,6 +19,7 @@ from query.report.context import log as logger
 from query.report.interventions import patching_section, tracing_section
 from query.report.lens import agreement_section, lens_section
 from query.report.maps import maps_ablation_section, maps_dynamic_section, maps_section
+from query.report.method_metrics import method_metrics_section
 from query.report.predictors import predictors_section, shortcuts_section
 from query.report.probes import headscore_section, probes_section
 from query.report.render import render_page
@@ -57,6 +58,8 @@ SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("lens", "Logit and tuned lens", ("lens",), lens_section),
     SectionSpec("agreement", "Agreement between interpretability methods", ("method_agreement", "method_readings"),
                 agreement_section),
+    SectionSpec("method_metrics", "Method comparison (seed 001)",
+                ("method_metrics", "method_pair_metrics", "method_cross_size"), method_metrics_section),
 )
 
 #: Result tables each section reads (one of them must exist for the section to appear).
