@@ -111,7 +111,8 @@ def cmd_study(a: argparse.Namespace) -> None:
     while todo and spent < a.trace_minutes * 60:
         chunk, todo = todo[:a.chunk], todo[a.chunk:]
         t0 = time.time()
-        out = run_trace(store, TraceRequest(where=_where_ids(chunk), trace=cfg, quiet=True, all_facts=a.all_facts))
+        out = run_trace(store, TraceRequest(where=_where_ids(chunk), trace=cfg, quiet=True, all_facts=a.all_facts,
+                                            device=a.device))
         dt = time.time() - t0
         spent += dt
         traced.extend(chunk)
@@ -126,7 +127,7 @@ def cmd_study(a: argparse.Namespace) -> None:
     # ---- patching the traced facts
     if a.patch and not state.get("patch_run"):
         t0 = time.time()
-        pout = run_patch(store, PatchRequest(where=_where_ids(traced), quiet=True,
+        pout = run_patch(store, PatchRequest(where=_where_ids(traced), quiet=True, device=a.device,
                                              patch=PatchConfig(components=("attn", "mlp"), heads=False)))
         state.update({"patch_run": pout.run_id, "patch_seconds": time.time() - t0,
                       "patch_pairs": len(pout.results), "patch_skipped": len(pout.skipped)})
@@ -171,7 +172,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
             effects[mode] = store.sql(f"SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = '{state[key]}'")
             continue
         if loaded is None:
-            loaded = load_store_model(store, model_for_store(store, None), quiet=True)
+            loaded = load_store_model(store, model_for_store(store, None), quiet=True, device=a.device)
             runner = InterventionRunner(loaded.model)
         cfg = EffectConfig(mode=mode, random_draws=a.random_draws, samples=a.samples)
         std = noise_std_for(loaded.model, store, runner, cfg.noise_scale) if mode == "restore" else 0.0
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--random-draws", type=int, default=4)
     s.add_argument("--resamples", type=int, default=2000)
     s.add_argument("--json", default=None)
+    s.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
     s.set_defaults(func=cmd_study)
     a = p.parse_args(argv)
     a.func(a)

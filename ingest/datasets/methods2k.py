@@ -233,13 +233,20 @@ def build_methods2k(lre: str | Path | None, known: str | Path | None, out: str |
                     frequency: Frequency | Mapping[str, float] | None = None,
                     exclude: Sequence[str] = DEFAULT_EXCLUDE) -> Path:
     """Tag the pool of ``lre`` (LRE relation files: use the ``factual`` folder) and ``known``
-    (known_1000.json) facts, sample ``size`` of them and write ``out/methods2k.json``; returns its path."""
+    (known_1000.json) facts (a (relation, subject, object) repeated in the sources counted once), sample ``size`` of them and write ``out/methods2k.json``; returns its path."""
     if lre is None and known is None:
         raise DatasetError("methods2k needs LRE relation files, known_1000 or both")
     pool = (lre_facts(lre, exclude=exclude) if lre is not None else []) + \
         (known1000_facts(known) if known is not None else [])
     if not pool:
         raise DatasetError("methods2k: the sources hold no facts")
+    seen: set[tuple[str, str, str]] = set()
+    unique = []
+    for f in pool:  # a fact repeated in the sources (20 in LRE) is kept once, where it first occurs
+        if (f.relation_id, f.subject, f.object) not in seen:
+            seen.add((f.relation_id, f.subject, f.object))
+            unique.append(f)
+    pool = unique
     tagged = tag_facts(pool, frequency if frequency is not None else wordfreq_zipf())
     chosen = stratified_sample(tagged, size, seed)
     folder = Path(out).expanduser()
@@ -289,7 +296,7 @@ def load_methods2k(path: str | Path | None, *, relations: Sequence[str] | None =
     the default data set from the public LRE and known_1000 (:mod:`ingest.datasets.registry`) into
     the data set cache first."""
     if path is None:
-        from ingest.datasets import registry
+        import ingest.datasets.registry as registry
 
         lre_root = registry.fetch("lre")
         factual = lre_root / "data" / "factual" if (lre_root / "data" / "factual").is_dir() else lre_root
