@@ -272,7 +272,8 @@ def test_signed_remains_are_cleared_but_not_through_a_link(store: Path, tmp_path
     code, err = invoke(["ingest", *SMALL, "--resume", "--out", str(killed)])  # a resume of it starts afresh
     assert code == 0, err
     verify_ok(killed)
-    assert sorted(p.name for p in killed.iterdir()) == ["commits", "manifest.json", "segments", "tables", "weights"]
+    assert sorted(p.name for p in killed.iterdir()) == ["commits", "manifest.json", "segments", "tables", "tokenizer",
+                                                        "weights"]
     assert snapshot(outside) == {k: v for k, v in before.items() if k.startswith(str(outside) + "/")}
 
 
