@@ -94,7 +94,7 @@ class TraceRequest:
     limit: int | None = None
     all_facts: bool = False  # also facts the model gets wrong
     noise_std: float | None = None  # absolute noise std (overrides trace.noise_scale)
-    trace: Any = None  # ingest.tracing.TraceConfig (None: its defaults)
+    trace: Any = None  # ingest.interventions.tracing.TraceConfig (None: its defaults)
     device: str = "cpu"
     model_dtype: str = "float32"
     allow_other_model: bool = False
@@ -119,7 +119,7 @@ def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
     """Causal tracing of the store's facts: noise on the subject, clean states restored per layer
     and position.  Settings are checked before the model loads."""
     from ingest.interventions import InterventionRunner
-    from ingest.tracing import (
+    from ingest.interventions.tracing import (
         CausalTracer,
         TraceConfig,
         TraceError,
@@ -178,7 +178,7 @@ class PatchRequest:
     limit: int | None = None
     all_facts: bool = False
     pairs: tuple[tuple[int, int], ...] = ()  # (clean, counterfactual) example ids instead of choosing them
-    patch: Any = None  # ingest.patching.PatchConfig (None: its defaults)
+    patch: Any = None  # ingest.interventions.patching.PatchConfig (None: its defaults)
     device: str = "cpu"
     model_dtype: str = "float32"
     allow_other_model: bool = False
@@ -210,7 +210,7 @@ def parse_pair(text: str) -> tuple[int, int]:
 def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
     """Activation patching: clean activations into a counterfactual prompt of the same relation."""
     from ingest.interventions import InterventionRunner
-    from ingest.patching import (
+    from ingest.interventions.patching import (
         ActivationPatcher,
         PatchConfig,
         PatchError,
@@ -219,7 +219,7 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
         effects_table,
         pairs_table,
     )
-    from ingest.tracing import stored_facts
+    from ingest.interventions.tracing import stored_facts
 
     started = time.time()
     cfg = req.patch if req.patch is not None else PatchConfig()
@@ -268,7 +268,7 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
 
 @dataclass(frozen=True)
 class AblateRequest:
-    """One ablation run: ``ablation`` (ingest.maps_ablation.AblationConfig) says what is removed and
+    """One ablation run: ``ablation`` (ingest.interventions.ablation.AblationConfig) says what is removed and
     measured; the rest where the model, the pairs and the stored scores come from."""
 
     ablation: Any
@@ -314,7 +314,7 @@ def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> Abla
     random heads removed, and on control relations; the ``maps_ablation`` table and a ``runs`` row."""
     from actstore.store import open_store
     from ingest.interventions import InterventionRunner
-    from ingest.maps_ablation import relation_prompts, run_ablation
+    from ingest.interventions.ablation import relation_prompts, run_ablation
     from query.maps import load_pair_files, tokenize_pairs
 
     say = log or (lambda m: None)

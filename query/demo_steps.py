@@ -151,7 +151,7 @@ def maps_dynamic_step(store: Store, proj: Any, relations: list[str], k: int = 10
     import pyarrow as pa
 
     from actstore.writer import write_result_table
-    from query.maps_dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
+    from query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 
     started = time.time()
     ranks = dynamic_ranks(store, relations=relations, proj=proj)

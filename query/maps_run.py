@@ -238,7 +238,7 @@ def run_maps_dynamic(store: Store, cfg: MapsDynamicConfig, tokenizer: Callable[[
     client for the projections (None: in this process)."""
     from actstore.writer import write_result_table
     from query.maps import MapsError, VocabProjection, load_pair_files, relation_ks, tokenize_pairs
-    from query.maps_dynamic import (
+    from query.maps.dynamic import (
         correlation_summary,
         correlation_table,
         dynamic_ranks,

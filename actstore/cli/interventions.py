@@ -63,7 +63,7 @@ def trace(store: str, model: str | None, where: str | None, limit: int | None, a
     import numpy as np
 
     from ingest.intervention_runs import TraceRequest, run_trace
-    from ingest.tracing import TraceConfig
+    from ingest.interventions.tracing import TraceConfig
 
     s = open_store(store)
     check_where(s, where)
@@ -133,7 +133,7 @@ def patch(store: str, model: str | None, where: str | None, limit: int | None, a
     import numpy as np
 
     from ingest.intervention_runs import PatchRequest, run_patch
-    from ingest.patching import PatchConfig
+    from ingest.interventions.patching import PatchConfig
 
     s = open_store(store)
     check_where(s, where)
@@ -219,7 +219,7 @@ def ablate(store: str, model: str | None, relation: str, controls: tuple[str, ..
     """Accuracy on RELATION's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations."""
     from ingest.intervention_runs import AblateRequest, parse_heads_text, run_ablate
-    from ingest.maps_ablation import AblationConfig
+    from ingest.interventions.ablation import AblationConfig
 
     s = open_store(store)
     check_where(s, where)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ingest.datasets import registry
+import ingest.datasets.registry as registry
 from ingest.datasets.common import KINDS, DatasetError, DatasetResult, existing, parse_spec
 from ingest.datasets.demo import load_demo
 from ingest.datasets.fewrel import load_fewrel
