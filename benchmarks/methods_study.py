@@ -169,7 +169,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
     for mode in a.modes.split(","):
         key = f"effects_{mode}_run"
         if state.get(key):
-            effects[mode] = store.sql(f"SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = '{state[key]}'")
+            effects[mode] = store.sql("SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = ?", [state[key]])
             continue
         if loaded is None:
             loaded = load_store_model(store, model_for_store(store, None), quiet=True, device=a.device)
@@ -216,6 +216,84 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         log(f"wrote {a.json}")
 
 
+def _ci(r: dict[str, Any], pct: bool = False) -> str:
+    def f(x: Any) -> str:
+        if x is None or x != x:
+            return "n/a"
+        return f"{100 * x:.1f}%" if pct else f"{x:+.3f}" if abs(x) < 10 else f"{x:.0f}"
+    if r.get("value") is None or r["value"] != r["value"]:
+        return "n/a"
+    if r.get("low") is None or r["low"] != r["low"]:
+        return f(r["value"])
+    return f"{f(r['value'])} [{f(r['low'])}, {f(r['high'])}]"
+
+
+def cmd_tables(a: argparse.Namespace) -> None:
+    """Markdown tables of a study's --json output (for docs/results-methods.md)."""
+    d = json.loads(Path(a.json).read_text())
+    modes = [m for m in ("knockout", "restore") if m in d]
+    pct_metrics = {"consistency", "verdict_consistency", "beats_random"}
+    lines: list[str] = []
+    for mode in modes:
+        rows = d[mode]["metrics"]
+        lines.append(f"\n#### Per method, all facts ({mode}; run {d[mode]['run_id']})\n")
+        metrics = ["precision", "layer_precision", "consistency", "verdict_consistency", "located_effect",
+                   "random_effect", "effectiveness", "beats_random"]
+        lines.append("| method | facts | " + " | ".join(metrics) + " |")
+        lines.append("|---" * (len(metrics) + 2) + "|")
+        for m in d["readings"]:
+            got = {r["metric"]: r for r in rows if r["method"] == m and r["grouping"] == "all"}
+            n = max((r["n"] for r in got.values()), default=0)
+            lines.append(f"| {m} | {n} | " + " | ".join(
+                _ci(got[k], k in pct_metrics) + f" (n={got[k]['n']})" if k in got and got[k]["n"] != n else
+                _ci(got[k], k in pct_metrics) if k in got else "n/a" for k in metrics) + " |")
+        for grouping in a.groupings.split(","):
+            groups = sorted({r["group"] for r in rows if r["grouping"] == grouping})
+            if not groups:
+                continue
+            lines.append(f"\n#### By {grouping} ({mode})\n")
+            lines.append("| method | " + " | ".join(f"{g}: n / precision / consistency / effectiveness"
+                                                     for g in groups) + " |")
+            lines.append("|---" * (len(groups) + 1) + "|")
+            for m in d["readings"]:
+                cells = []
+                for g in groups:
+                    got = {r["metric"]: r for r in rows if r["method"] == m and r["grouping"] == grouping
+                           and r["group"] == g}
+                    n = got["precision"]["n"] if "precision" in got else 0
+                    cells.append(f"{n} / " + " / ".join(_ci(got[k], k == "consistency") if k in got else "n/a"
+                                                        for k in ("precision", "consistency", "effectiveness")))
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append(f"\n#### Pairs ({mode})\n")
+        lines.append("| methods | facts | key layer | seed | exact | MLP/attn | seed | effect r | seed |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        pairs: dict[tuple[str, str], dict[str, Any]] = {}
+        for r in d[mode]["pairs"]:
+            pairs.setdefault((r["method_a"], r["method_b"]), {})[r["metric"]] = r
+        for (x, y), got in pairs.items():
+            if x == "all":
+                c = got["consensus"]
+                lines.append(f"| all methods (consensus) | {c['n']} | {_ci(c, True)} | 47.6% | | | | | |")
+                continue
+            def paper(k: str, pct: bool, got: dict[str, Any] = got) -> str:
+                p = got.get(k, {}).get("paper")
+                return "" if p is None else (f"{100 * p:.1f}%" if pct else f"{p:.2f}")
+            lines.append(f"| {x} vs {y} | {got['key_layer']['n']} | {_ci(got['key_layer'], True)} | "
+                         f"{paper('key_layer', True)} | {_ci(got['key_layer_exact'], True)} | "
+                         f"{_ci(got['verdict'], True)} (n={got['verdict']['n']}) | {paper('verdict', True)} | "
+                         + (f"{_ci(got['effect_correlation'])} (n={got['effect_correlation']['n']})"
+                            if "effect_correlation" in got else "n/a")
+                         + f" | {paper('effect_correlation', False)} |")
+    if d.get("cross_size"):
+        lines.append("\n#### Cross-size row\n")
+        lines.append("| model | metric | n | mean [95% CI] | IQR |")
+        lines.append("|---|---|---|---|---|")
+        for r in d["cross_size"]:
+            q = "" if r["q25"] is None or r["q25"] != r["q25"] else f"{r['q25']:.2f}-{r['q75']:.2f}"
+            lines.append(f"| {r['model']} | {r['metric']} | {r['n']} | {_ci(r)} | {q} |")
+    print("\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -244,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--json", default=None)
     s.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
     s.set_defaults(func=cmd_study)
+    t = sub.add_parser("tables", help="Markdown tables of a study's --json output")
+    t.add_argument("json")
+    t.add_argument("--groupings", default="freq_band,uniqueness,source_set")
+    t.set_defaults(func=cmd_tables)
     a = p.parse_args(argv)
     a.func(a)
     return 0
