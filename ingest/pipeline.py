@@ -39,12 +39,55 @@ from ingest.distributed import RankError, rank_zero_first
 from ingest.records import TokenizedPrompt
 
 ARRAY_NAMES = ("z", "attn", "v", "resid", "mlp")
+FLAT_ARRAYS = ("attn", "v")  # one entry per stored token of each example, examples concatenated
+
+
+def forward_order(prompts: Sequence[TokenizedPrompt], by_length: bool) -> np.ndarray:
+    """The order in which a segment's prompts go through the model: [n] indices into ``prompts``.
+
+    Corpus order, or (``by_length``) sorted by stored token count, ties in corpus order, so that
+    each batch is padded only to the longest of prompts of similar length."""
+    n = len(prompts)
+    if not by_length:
+        return np.arange(n, dtype=np.int64)
+    lengths = np.array([p.target_position + 1 for p in prompts], dtype=np.int64)
+    return np.argsort(lengths, kind="stable").astype(np.int64)
+
+
+def corpus_order(data: np.ndarray, order: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
+    """Rows captured in ``order`` (see :func:`forward_order`) put back in corpus order.
+
+    ``data``: [n, ...] one row per prompt, or (``lengths`` [n] given, in corpus order) the flat
+    [sum(lengths), ...] concatenation of each prompt's ``lengths[i]`` entries in capture order.
+    Returns ``data`` itself when ``order`` is the identity."""
+    if np.array_equal(order, np.arange(order.size)):
+        return data
+    if lengths is None:
+        out = np.empty_like(data)
+        out[order] = data
+        return out
+    captured_len = lengths[order]  # entries per captured row, in capture order
+    captured_start = np.cumsum(captured_len) - captured_len
+    start = np.empty_like(captured_start)
+    start[order] = captured_start  # where corpus row i's entries begin in ``data``
+    # Gather index: for corpus row i, start[i] .. start[i] + lengths[i] - 1, rows concatenated.
+    base = np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
+    return data[base + np.arange(int(lengths.sum()), dtype=np.int64)]
 
 
 @dataclass(frozen=True)
 class IngestConfig:
     """Settings of one ingest.  Everything except ``device``, ``rank``/``world_size`` and ``progress``
-    must match on ``--resume`` (they cannot change the stored bytes)."""
+    must match on ``--resume`` (they cannot change the stored bytes).
+
+    ``length_batching``: each segment's prompts go through the model in batches of similar length
+    (sorted by token count, ties in corpus order) instead of corpus order, so batches are padded
+    less; the captured rows are put back in corpus order before they are written, so rows, tables
+    and token layout are as without it.  The float values may differ in their last bits: on the
+    CPU, torch's matmul and attention kernels give a row results that depend on the padded length
+    of its batch (measured: 1-2 float32 ulps, tests/test_length_batching.py), as they already
+    depend on ``batch_size``.  It is therefore recorded in the manifest (when on) like the batch size.
+    """
 
     out: str
     batch_size: int = 16  # prompts per forward pass
@@ -53,6 +96,7 @@ class IngestConfig:
     chunk_rows: int = 32  # rows per chunk of the per-target arrays (z, resid, mlp)
     chunk_flat: int = 512  # entries per chunk of the flat token/source arrays (attn, v)
     padding_side: str = "right"
+    length_batching: bool = False  # forward passes over a segment's rows sorted by length (less padding)
     device: str = "cpu"
     resume: bool = False
     overwrite: bool = False
@@ -97,6 +141,7 @@ def build_manifest(model: torch.nn.Module, arch: Architecture, model_info: dict[
     ingest_settings = {
         "batch_size": cfg.batch_size,
         "padding_side": cfg.padding_side,
+        **({"length_batching": True} if cfg.length_batching else {}),
         "corpus_sha256": corpus_sha256(prompts),
         "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         **cfg.extra,
@@ -234,21 +279,26 @@ def _run_ingest(model: torch.nn.Module, tokenizer: Any, model_info: dict[str, An
             lo = seg * cfg.segment_size
             seg_prompts = prompts[lo:lo + cfg.segment_size]
             parts: dict[str, list[np.ndarray]] = {k: [] for k in (*ARRAY_NAMES, "top", "obj_lp", "obj_rank")}
+            order = forward_order(seg_prompts, cfg.length_batching)
             for b0 in range(0, len(seg_prompts), cfg.batch_size):
-                chunk = seg_prompts[b0:b0 + cfg.batch_size]
+                members = order[b0:b0 + cfg.batch_size]
+                chunk = [seg_prompts[i] for i in members]
                 batch = pad_batch(chunk, pad_id, cfg.padding_side, device)
                 t0 = time.perf_counter()
                 out = capture.run(batch.input_ids, batch.attention_mask, batch.index, batch.position_ids)
                 for name, host in to_host(out, ARRAY_NAMES).items():
                     parts[name].append(host)
-                top, lp, rank = _predictions(out["logits"], object_ids[lo + b0: lo + b0 + len(chunk)])
+                top, lp, rank = _predictions(out["logits"], object_ids[lo + members])
                 parts["top"].append(top)
                 parts["obj_lp"].append(lp)
                 parts["obj_rank"].append(rank)
                 forward_s += time.perf_counter() - t0
                 bar.update(len(chunk))
-            arrays = {k: np.concatenate(parts[k]) for k in ARRAY_NAMES}
-            preds = (np.concatenate(parts["top"]), np.concatenate(parts["obj_lp"]), np.concatenate(parts["obj_rank"]))
+            n_tok = np.array([p.target_position + 1 for p in seg_prompts], dtype=np.int64)
+            arrays = {k: corpus_order(np.concatenate(parts[k]), order, n_tok if k in FLAT_ARRAYS else None)
+                      for k in ARRAY_NAMES}
+            preds = (corpus_order(np.concatenate(parts["top"]), order), corpus_order(np.concatenate(parts["obj_lp"]), order),
+                     corpus_order(np.concatenate(parts["obj_rank"]), order))
             tables = segment_tables(seg, lo, seg_prompts, tokenizer, preds, object_ids[lo:lo + len(seg_prompts)])
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
