@@ -1,13 +1,19 @@
 """actstore: an activation store and query engine for interpretability research on language models.
 
 >>> import actstore
->>> s = actstore.open("/tmp/s")                        # a store written by ``actstore ingest``
+>>> s = actstore.ingest("/tmp/s", model="tiny-llama", dataset="demo")   # or ``actstore ingest`` on the command line
+>>> s = actstore.open("/tmp/s")
 >>> s.sql("SELECT relation_name, count(*) FROM examples GROUP BY 1")
 >>> s.sql("SELECT count(*) AS n FROM examples WHERE relation_id = ?", ["P17"])
->>> s.select("relation_id = 'P17'").features("attn_head", layers=[3, 4])
+>>> sel = s.select().relations(["P17", "P131"]).sample(200, seed=0)      # lazy: nothing read yet
+>>> train, test = sel.split((0.8, 0.2), seed=1)
+>>> train.features("attn_head", layers=[3, 4])                          # numpy [n, 2, H, d_model]
+>>> test.to_xarray("attn_head_token", layers=[3])                        # labelled dims and coordinates
+>>> actstore.FeatureDataset(train, "attn_head", layers=[3])              # torch.utils.data, streamed
 
-This module is the facade (docs/architecture.md): it sits on top of the store core, ``query`` and
-``ingest`` and imports the heavy layers only when a function needs them.
+docs/api.md describes the Python API.  This module is the facade (docs/architecture.md): it sits on
+top of the store core, ``query`` and ``ingest`` and imports the heavy layers only when a function
+needs them (``import actstore`` loads no torch).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from actstore._version import __version__
-from actstore.api import Store, open_store
+from actstore.api import Store, ingest, open_store
 from actstore.errors import (
     ActstoreError,
     CorruptStoreError,
@@ -32,21 +38,29 @@ from actstore.manifest import FORMAT_VERSION, Geometry, Manifest
 open = open_store  # noqa: A001  (``actstore.open(path)`` is the documented entry point)
 
 if TYPE_CHECKING:
+    from query.feature_dataset import FeatureDataset
     from query.selection import Selection
 
 
 def __getattr__(name: str) -> Any:
-    """``actstore.Selection``, imported on first use (it loads torch; ``import actstore`` does not)."""
+    """``actstore.Selection`` and ``actstore.FeatureDataset``, imported on first use (they load torch;
+    ``import actstore`` does not)."""
     if name == "Selection":
         from query.selection import Selection
 
         return Selection
+    if name == "FeatureDataset":
+        from query.feature_dataset import FeatureDataset
+
+        return FeatureDataset
     raise AttributeError(f"module 'actstore' has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_VERSION",
     "ActstoreError",
     "CorruptStoreError",
+    "FeatureDataset",
     "FormatVersionError",
     "Geometry",
     "Manifest",
@@ -59,5 +73,6 @@ __all__ = [
     "StoreMismatchError",
     "StoreNotFoundError",
     "__version__",
+    "ingest",
     "open",
 ]

@@ -11,12 +11,19 @@ The query layer is imported when a method needs it, not when this module is: ``i
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, overload
 
+from actstore.errors import ActstoreError, QueryError
 from actstore.fs import locate
+from actstore.sql import Params
 from actstore.store import Store as CoreStore
 
 if TYPE_CHECKING:
+    import duckdb
+    import pandas as pd
+    import pyarrow as pa
+
     from query.selection import Selection
 
 
@@ -35,10 +42,79 @@ class Store(CoreStore):
 
         return Selection.from_sql(self, where=where, query=query, params=params)
 
+    @overload
+    def sql(self, query: str, params: Params | None = None, *, format: Literal["arrow"] = "arrow",
+            memory_limit: str | None = None, timeout: float | None = None) -> pa.Table: ...
+
+    @overload
+    def sql(self, query: str, params: Params | None = None, *, format: Literal["pandas"],
+            memory_limit: str | None = None, timeout: float | None = None) -> pd.DataFrame: ...
+
+    @overload
+    def sql(self, query: str, params: Params | None = None, *, format: Literal["relation"],
+            memory_limit: str | None = None, timeout: float | None = None) -> duckdb.DuckDBPyRelation: ...
+
+    def sql(self, query: str, params: Params | None = None, *, format: str = "arrow",
+            memory_limit: str | None = None,
+            timeout: float | None = None) -> pa.Table | pd.DataFrame | duckdb.DuckDBPyRelation:
+        """Run one read-only SELECT over the store's tables (:meth:`actstore.store.Store.sql`):
+        ``format="arrow"`` (a ``pyarrow.Table``, the default) or ``"pandas"`` run it now, within the
+        limits; ``"relation"`` returns a lazy ``duckdb.DuckDBPyRelation`` over the same locked-down
+        connection, to refine before anything runs (``.filter()``, ``.aggregate()``, ``.limit()``)
+        and read with ``.arrow()``, ``.df()`` or ``.fetchall()``.  A relation runs when read, under
+        the connection's memory limit but without the time limit.  ``params`` are bound by DuckDB::
+
+            store.sql("SELECT * FROM examples WHERE relation_id = ?", ["P17"], format="relation").limit(5).df()
+        """
+        if format != "relation":
+            return super().sql(query, params, format=format,  # type: ignore[call-overload]
+                               memory_limit=memory_limit, timeout=timeout)
+        import duckdb
+
+        from actstore.sql import check_params, check_read_only, connect, current_limits
+
+        stmt = check_read_only(query)
+        con = connect(self, memory_limit=current_limits(memory_limit, timeout).memory_limit)
+        try:
+            return con.sql(stmt, params=check_params(params))
+        except duckdb.Error as e:
+            raise QueryError(f"SQL error: {' '.join(str(e).split())}") from None
+
 
 def open_store(url: str | os.PathLike[str]) -> Store:
     """Open an existing store (local path or URL) for reading."""
     return Store(locate(url))
+
+
+def ingest(out: str | os.PathLike[str], *, model: str = "smollm2-135m", dataset: str = "demo",
+           relations: Sequence[str] | None = None, limit_per_relation: int | None = None,
+           storage_dtype: str = "float16", batch_size: int = 16, segment_size: int = 256,
+           device: str = "cpu", resume: bool = False, overwrite: bool = False, progress: bool = False,
+           **options: Any) -> Store:
+    """Run ``model`` once over ``dataset`` and write a store at ``out`` (a path or URL); returns it, open.
+
+    ``model``: an alias (``tiny-llama``, ``smollm2-135m``, ...) or a hub name / folder; ``dataset``: a
+    name (``demo``, ``fewrel``, ``lre``, ...) or ``kind:PATH``.  ``options``: any other field of
+    :class:`ingest.run.IngestRequest` (``template``, ``model_dtype``, ``padding_side``, ``threads``,
+    ...).  The same as ``actstore ingest`` on the command line::
+
+        store = actstore.ingest("/tmp/s", model="tiny-llama", dataset="demo", limit_per_relation=4)
+    """
+    from dataclasses import fields
+
+    from ingest.run import IngestRequest, ingest_corpus
+
+    known = {f.name for f in fields(IngestRequest)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ActstoreError(f"ingest() got unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    req = IngestRequest(model=model, dataset=dataset, out=os.fspath(out),
+                        relations=list(relations) if relations is not None else None,
+                        limit_per_relation=limit_per_relation, storage_dtype=storage_dtype, batch_size=batch_size,
+                        segment_size=segment_size, device=device, resume=resume, overwrite=overwrite,
+                        progress=progress, **options)
+    ingest_corpus(req)
+    return open_store(out)
 
 
 def tokenizer_for_store(store: CoreStore, name: str | None = None) -> Any:

@@ -1,40 +1,243 @@
-"""Selections: a SQL predicate (or query) over the tables picks target rows; features follow.
+"""Selections: lazy plans over a store's target rows; features follow.
 
-    sel = store.select("relation_id = 'P17' AND split = 'val'")
-    sel = Selection.from_sql(store, "relation_id = $rel", params={"rel": "P17"})   # values bound, not pasted
-    x = sel.features("attn_head", layers=[3, 4])            # numpy [n, 2, H, d_model]
+A :class:`Selection` records what to pick (a SQL predicate or query over the tables, then any chain of
+``filter``, ``relations``, ``limit``, ``sample`` and ``split``) and reads nothing until something asks
+for its rows (``len``, ``example_ids``, ``rows``, ``table()``, ``features()``, ...)::
+
+    sel = store.select("split = 'val'").relations(["P17", "P131"]).sample(500, seed=0)
+    train, test = sel.split((0.8, 0.2), seed=1)            # still nothing read
+    x = train.features("attn_head", layers=[3, 4])          # numpy [n, 2, H, d_model]
+    da = test.to_xarray("attn_head_token", layers=[3])      # labelled: row, layer, head, source, d_model
     for ids, x in sel.iter_features("z", batch_rows=256):   # streaming, whole chunks per read
         ...
+
+Values always reach SQL as DuckDB parameters (``params=``), never pasted into the text.  Each step
+keeps the store's row order; a selection's rows are computed once and shared by the selections made
+from it (the parts of a ``split`` run their parent's SQL once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from actstore.errors import QueryError
-from actstore.sql import Params, predicate, run_sql, subquery
+from actstore.sql import Params, check_params, predicate, run_sql, subquery
 from actstore.store import Store
 from query.features import FeatureSpec, RowBlock, compute_block
+from query.labelled import SOURCE_KINDS, dask_features, to_dataarray
+
+if TYPE_CHECKING:
+    import dask.array
+    import xarray
 
 _ROWS_SQL = """
-SELECT t.example_id, t.row, t.segment, t.seg_row, t.src_start, t.n_src, e.subject_start, e.subject_end
+SELECT t.example_id, t.row, t.segment, t.seg_row, t.src_start, t.n_src, e.subject_start, e.subject_end,
+       e.relation_id
 FROM targets t JOIN examples e USING (example_id)
 WHERE {cond}
 ORDER BY t.row
 """
 
+Output = Literal["numpy", "torch", "xarray"]
+
+
+# The steps of a plan.  Each maps its parent's rows (a table with the columns of _ROWS_SQL, in
+# store order) to a subset of them, in the same order.
 
 @dataclass(frozen=True)
-class Selection:
-    """Target rows of a store, in store (row) order."""
+class _Query:
+    """The first step: the target rows whose example matches ``where`` or whose id ``query`` returns."""
 
-    store: Store
-    rows: pa.Table  # columns of _ROWS_SQL
+    cond: str
+    params: list[Any] | dict[str, Any] | None
+    memory_limit: str | None
+    timeout: float | None
+    text: str
+
+    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+        return run_sql(store, _ROWS_SQL.format(cond=self.cond), params=self.params,
+                       memory_limit=self.memory_limit, timeout=self.timeout)
+
+
+@dataclass(frozen=True)
+class _Filter:
+    where: str
+    params: list[Any] | dict[str, Any] | None
+
+    @property
+    def text(self) -> str:
+        return f"filter({self.where})"
+
+    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        ids = run_sql(store, f"SELECT DISTINCT example_id FROM examples WHERE {predicate(self.where)}",
+                      params=self.params).column(0)
+        return rows.filter(pc.is_in(rows.column("example_id"), value_set=ids.combine_chunks()))
+
+
+@dataclass(frozen=True)
+class _Relations:
+    names: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return f"relations({', '.join(self.names)})"
+
+    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        keep = pc.is_in(rows.column("relation_id"), value_set=pa.array(self.names, pa.string()))
+        return rows.filter(pc.fill_null(keep, False))
+
+
+@dataclass(frozen=True)
+class _Limit:
+    n: int
+
+    @property
+    def text(self) -> str:
+        return f"limit({self.n})"
+
+    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        return rows.slice(0, self.n)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    n: int
+    seed: int | None
+
+    @property
+    def text(self) -> str:
+        return f"sample({self.n}, seed={self.seed})"
+
+    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        return rows.take(sample_indices(rows.num_rows, self.n, self.seed))
+
+
+@dataclass(frozen=True)
+class _Part:
+    index: int
+    fractions: tuple[float, ...]
+    seed: int | None
+    by: str | None
+    stratify: bool
+
+    @property
+    def text(self) -> str:
+        how = f", by={self.by}" if self.by else ", stratified" if self.stratify else ""
+        return f"split({', '.join(f'{f:g}' for f in self.fractions)}, seed={self.seed}{how})[{self.index}]"
+
+    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        groups = None
+        if self.by is not None or self.stratify:
+            groups = np.array([str(r) for r in rows.column("relation_id").to_pylist()], dtype=object)
+        parts = split_indices(rows.num_rows, self.fractions, self.seed, groups=groups,
+                              whole_groups=self.by is not None)
+        return rows.take(parts[self.index])
+
+
+_Step = _Query | _Filter | _Relations | _Limit | _Sample | _Part
+
+
+def sample_indices(n_rows: int, n: int, seed: int | None) -> np.ndarray:
+    """``min(n, n_rows)`` distinct positions out of ``n_rows``, drawn uniformly with ``seed``, sorted."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(n_rows, size=min(n, n_rows), replace=False)).astype(np.int64)
+
+
+def _cut(n: int, fractions: Sequence[float]) -> np.ndarray:
+    """Boundaries of consecutive parts of ``n`` items with these fractions (the last one exact at ``n``
+    when the fractions sum to one)."""
+    cum = np.cumsum(np.asarray(fractions, dtype=np.float64))
+    bounds = np.floor(cum * n + 0.5).astype(np.int64)
+    if abs(cum[-1] - 1.0) < 1e-9:
+        bounds[-1] = n
+    return np.concatenate([[0], np.minimum(bounds, n)])
+
+
+def split_indices(n_rows: int, fractions: Sequence[float], seed: int | None, *,
+                  groups: np.ndarray | None = None, whole_groups: bool = False) -> list[np.ndarray]:
+    """Disjoint sorted positions of ``n_rows`` rows for each part, in a random order drawn with ``seed``.
+
+    Without ``groups``: a permutation of the rows cut at the fractions.  With ``groups`` [n_rows]
+    and ``whole_groups``: the distinct groups are permuted and cut (each part gets whole groups;
+    the fractions are of the groups, not of the rows).  With ``groups`` alone: each group's rows are
+    permuted and cut on their own (stratified: every group in every part, in proportion).
+    """
+    rng = np.random.default_rng(seed)
+    out: list[list[np.ndarray]] = [[] for _ in fractions]
+    if groups is None:
+        perm = rng.permutation(n_rows)
+        b = _cut(n_rows, fractions)
+        for k in range(len(fractions)):
+            out[k].append(perm[b[k]:b[k + 1]])
+    else:
+        names = sorted(set(groups.tolist()))
+        if whole_groups:
+            order = [names[i] for i in rng.permutation(len(names))]
+            b = _cut(len(order), fractions)
+            part_of = {g: k for k in range(len(fractions)) for g in order[b[k]:b[k + 1]]}
+            for k in range(len(fractions)):
+                out[k].append(np.flatnonzero([part_of.get(g) == k for g in groups.tolist()]))
+        else:
+            for g in names:
+                members = np.flatnonzero(groups == g)
+                perm = members[rng.permutation(members.size)]
+                b = _cut(members.size, fractions)
+                for k in range(len(fractions)):
+                    out[k].append(perm[b[k]:b[k + 1]])
+    return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in out]
+
+
+def _fractions(parts: float | int | Sequence[float]) -> tuple[float, ...]:
+    if isinstance(parts, (bool, np.bool_)):
+        raise QueryError(f"split takes fractions or a number of parts, not {parts!r}")
+    if isinstance(parts, (int, np.integer)):
+        if parts < 2:
+            raise QueryError(f"split into at least 2 parts (got {parts})")
+        return (1.0 / int(parts),) * int(parts)
+    if isinstance(parts, (float, np.floating)):
+        parts = (float(parts), 1.0 - float(parts))
+    fr = tuple(float(f) for f in parts)
+    if len(fr) < 1 or any(not np.isfinite(f) or f <= 0 for f in fr) or sum(fr) > 1 + 1e-9:
+        raise QueryError(f"split fractions must be positive and sum to at most 1 (got {list(fr)})")
+    return fr
+
+
+def _count(n: int, what: str) -> int:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise QueryError(f"{what} takes a number of rows >= 0 (got {n!r})")
+    return int(n)
+
+
+class Selection:
+    """Target rows of a store, in store (row) order: a plan read on first use.
+
+    ``Selection(store, rows)`` wraps rows already read (a table with the columns of the selection
+    query); :meth:`from_sql`, :meth:`from_ids` and ``store.select(...)`` make plans.
+    """
+
+    def __init__(self, store: Store, rows: pa.Table | None = None, *, parent: Selection | None = None,
+                 step: _Step | None = None) -> None:
+        self.store = store
+        self._parent = parent
+        self._step = step
+        if rows is not None:
+            self.__dict__["rows"] = rows
+        elif step is None:
+            raise QueryError("a Selection needs rows or a plan step")
+
+    # -- making plans -------------------------------------------------------------------------
 
     @classmethod
     def from_sql(cls, store: Store, where: str | None = None, *, query: str | None = None,
@@ -42,22 +245,22 @@ class Selection:
                  timeout: float | None = None) -> Selection:
         """``where``: one SQL expression over ``examples``; ``query``: one SELECT returning ``example_id``.
 
-        Each is parsed on its own (:func:`actstore.sql.predicate`, :func:`actstore.sql.subquery`) before
-        it is placed in the selection's query, so it cannot end that query or add a statement.
-        ``params``: values for the placeholders of ``where`` / ``query`` (``?`` with a list, ``$name``
-        with a dict), bound by DuckDB.
-        ``memory_limit`` / ``timeout``: the SQL limits (default: those in force, see :mod:`actstore.sql`).
+        Each is parsed now (:func:`actstore.sql.predicate`, :func:`actstore.sql.subquery`), before it is
+        placed in the selection's query, so it cannot end that query or add a statement; it runs when
+        the rows are first needed, under ``memory_limit`` / ``timeout`` or else the SQL limits in force
+        then (see :mod:`actstore.sql`).  ``params``: values for the placeholders of ``where`` / ``query``
+        (``?`` with a list, ``$name`` with a dict), bound by DuckDB.
         """
         if where is not None and query is not None:
             raise QueryError("give a WHERE predicate or a query, not both")
         if query is not None:
-            cond = f"t.example_id IN (SELECT example_id FROM {subquery(query)})"
+            cond, text = f"t.example_id IN (SELECT example_id FROM {subquery(query)})", f"query({query.strip()})"
         elif where is not None and where.strip():
-            cond = f"t.example_id IN (SELECT example_id FROM examples WHERE {predicate(where)})"
+            cond, text = f"t.example_id IN (SELECT example_id FROM examples WHERE {predicate(where)})", where.strip()
         else:
-            cond = "TRUE"
-        return cls(store, run_sql(store, _ROWS_SQL.format(cond=cond), params=params, memory_limit=memory_limit,
-                                  timeout=timeout))
+            cond, text = "TRUE", "all rows"
+        step = _Query(cond, check_params(params), memory_limit, timeout, text)
+        return cls(store, step=step)
 
     @classmethod
     def from_ids(cls, store: Store, example_ids: Sequence[int]) -> Selection:
@@ -65,34 +268,93 @@ class Selection:
         ids = [int(i) for i in example_ids]
         return cls.from_sql(store, query="SELECT unnest($ids::BIGINT[]) AS example_id", params={"ids": ids})
 
+    def _then(self, step: _Step) -> Selection:
+        return Selection(self.store, parent=self, step=step)
+
+    def filter(self, where: str, params: Params | None = None) -> Selection:
+        """The rows whose example also matches ``where``: one SQL expression over the columns of
+        ``examples``, with ``params`` bound by DuckDB (``sel.filter("split = $s", {"s": "val"})``).
+        Conditions on other tables: ``where="example_id IN (SELECT example_id FROM targets WHERE ...)"``."""
+        predicate(where)
+        return self._then(_Filter(where, check_params(params)))
+
+    def relations(self, relation_ids: Sequence[str]) -> Selection:
+        """The rows whose example's ``relation_id`` is one of ``relation_ids``."""
+        if isinstance(relation_ids, str):
+            relation_ids = [relation_ids]
+        names = tuple(str(r) for r in relation_ids)
+        if not names:
+            raise QueryError("relations() needs at least one relation id")
+        return self._then(_Relations(names))
+
+    def limit(self, n: int) -> Selection:
+        """The first ``n`` rows (in store order)."""
+        return self._then(_Limit(_count(n, "limit")))
+
+    def sample(self, n: int, seed: int | None = 0) -> Selection:
+        """``n`` rows drawn uniformly without replacement with ``seed`` (all of them when there are
+        fewer), kept in store order."""
+        return self._then(_Sample(_count(n, "sample"), seed))
+
+    def split(self, parts: float | int | Sequence[float] = (0.8, 0.2), seed: int | None = 0, *,
+              by: Literal["relation"] | None = None, stratify: bool = False) -> tuple[Selection, ...]:
+        """Disjoint random parts of the rows: ``parts`` is a sequence of fractions (summing to at most
+        1; rows left over belong to no part), one fraction ``f`` for ``(f, 1 - f)``, or a number of
+        equal parts.  Each part keeps store order.
+
+        ``by="relation"``: whole relations go to one part (the fractions are of the relations: a
+        probe tested on relations it never saw).  ``stratify=True``: every relation is split on its
+        own, so each part holds the same share of every relation.
+        """
+        fr = _fractions(parts)
+        if by not in (None, "relation"):
+            raise QueryError(f"split by {by!r}: only by='relation' (or None for rows)")
+        if by is not None and stratify:
+            raise QueryError("split: by='relation' puts whole relations in one part; it cannot also stratify")
+        return tuple(self._then(_Part(k, fr, seed, by, stratify)) for k in range(len(fr)))
+
+    # -- reading ------------------------------------------------------------------------------
+
+    @cached_property
+    def rows(self) -> pa.Table:
+        """The selected target rows (example_id, row, segment, seg_row, src_start, n_src,
+        subject_start, subject_end, relation_id), in store order; read on first use, then kept."""
+        assert self._step is not None
+        parent = self._parent.rows if self._parent is not None else None
+        return self._step.apply(self.store, parent)
+
+    @property
+    def plan(self) -> list[str]:
+        """The steps of this selection, first to last (for reading; nothing runs)."""
+        steps: list[str] = []
+        node: Selection | None = self
+        while node is not None:
+            steps.append(node._step.text if node._step is not None else "given rows")
+            node = node._parent
+        return steps[::-1]
+
     def __len__(self) -> int:
         return self.rows.num_rows
 
     def __repr__(self) -> str:
-        return f"<Selection of {len(self)} target rows from {self.store.url!r}>"
+        return f"<Selection of {len(self)} target rows from {self.store.url!r}: {' | '.join(self.plan)}>"
 
     def _repr_html_(self) -> str:
         """For notebooks: the row count, rows per relation and the first few prompts."""
         from html import escape
 
         n = len(self)
-        ids = self.example_ids[:5].tolist()
         head = ""
-        if ids:
-            ex = self.store.sql("SELECT example_id, relation_id, text FROM examples "
-                                "WHERE list_contains($ids::BIGINT[], example_id) ORDER BY example_id",
-                                {"ids": [int(i) for i in ids]}).to_pylist()
+        if n:
+            ex = self.table(["example_id", "relation_id", "text"]).slice(0, 5).to_pylist()
             head = "".join(f"<tr><td>{r['example_id']}</td><td>{escape(str(r['relation_id']))}</td>"
                            f"<td style='text-align:left'>{escape(str(r['text']))}</td></tr>" for r in ex)
             head = f"<table><tr><th>example_id</th><th>relation</th><th>text</th></tr>{head}</table>"
         rel = ""
         if n:
             counts: dict[str, int] = {}
-            ex_rel = self.store.table("examples", ["example_id", "relation_id"])
-            id_rel = dict(zip(ex_rel.column(0).to_pylist(), ex_rel.column(1).to_pylist()))
-            for e in self.example_ids.tolist():
-                r = str(id_rel.get(e))
-                counts[r] = counts.get(r, 0) + 1
+            for r in self.rows.column("relation_id").to_pylist():
+                counts[str(r)] = counts.get(str(r), 0) + 1
             rel = ", ".join(f"{escape(k)} ({v})" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:12])
             rel = f"<p>per relation: {rel}{', ...' if len(counts) > 12 else ''}</p>"
         return (f"<div><b>Selection</b> of {n} target rows from <code>{escape(self.store.url)}</code>{rel}"
@@ -100,11 +362,26 @@ class Selection:
 
     @property
     def example_ids(self) -> np.ndarray:
+        """[n] int64: the example of each selected row, in selection order."""
         return self.rows.column("example_id").to_numpy()
+
+    def table(self, columns: Sequence[str] | None = None) -> pa.Table:
+        """The ``examples`` rows of the selection, one per selected target row and in its order, with the
+        target's store ``row`` first; ``columns``: only these (``row`` may be one of them)."""
+        rows = self.rows.column("row").combine_chunks()
+        got = run_sql(self.store, "SELECT t.row, e.* FROM targets t JOIN examples e USING (example_id) "
+                      "WHERE t.row IN (SELECT unnest($rows::BIGINT[]))", params={"rows": rows.to_pylist()})
+        got = got.take(pc.index_in(rows, value_set=got.column("row").combine_chunks()))
+        if columns is not None:
+            missing = [c for c in columns if c not in got.column_names]
+            if missing:
+                raise QueryError(f"no column {missing[0]!r} in examples (columns: {', '.join(got.column_names)})")
+            got = got.select(list(columns))
+        return got
 
     def blocks(self, batch_rows: int | None = None) -> Iterator[tuple[np.ndarray, RowBlock]]:
         """(example ids, RowBlock) per segment, split into at most ``batch_rows`` rows each."""
-        cols = {name: self.rows.column(name).to_numpy() for name in self.rows.column_names}
+        cols = {name: self.rows.column(name).to_numpy() for name in self.rows.column_names if name != "relation_id"}
         segs = cols["segment"]
         if segs.size == 0:
             return
@@ -122,6 +399,17 @@ class Selection:
                     subject_end=cols["subject_end"][p].astype(np.int64),
                 )
 
+    def n_sources(self) -> int:
+        """S, the longest source axis of the selected rows (the padded size of ``attn_head_token`` and
+        ``attn_prob``); 0 for an empty selection."""
+        n = self.rows.column("n_src")
+        return int(pc.max(n).as_py() or 0) if len(n) else 0
+
+    def source_mask(self) -> np.ndarray:
+        """[n, S] bool: True where source ``j`` exists for the row (False on the zero padding)."""
+        n_src = self.rows.column("n_src").to_numpy().astype(np.int64)
+        return np.arange(self.n_sources())[None, :] < n_src[:, None]
+
     def iter_features(
         self,
         kind: str,
@@ -132,7 +420,8 @@ class Selection:
         batch_rows: int = 256,
         output: Literal["numpy", "torch"] = "numpy",
     ) -> Iterator[tuple[np.ndarray, Any]]:
-        """Stream (example ids, features) in batches of at most ``batch_rows`` rows."""
+        """Stream (example ids [b], features [b, ...]) in batches of at most ``batch_rows`` rows of one
+        segment each (source kinds padded to the batch's own longest source)."""
         spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
         for ids, block in self.blocks(batch_rows):
             x = compute_block(self.store, spec, block)
@@ -145,25 +434,80 @@ class Selection:
         layers: Sequence[int] | None = None,
         heads: Sequence[int] | None = None,
         groups: int | None = None,
-        output: Literal["numpy", "torch"] = "numpy",
+        output: Output = "numpy",
     ) -> Any:
-        """All selected rows' features at once (see :mod:`query.features` for shapes)."""
+        """All selected rows' features at once: numpy (default), a torch tensor sharing its memory, or a
+        labelled ``xarray.DataArray`` (:meth:`to_xarray`).  Shapes (see :mod:`query.features`), for n
+        rows, l layers, h heads (or groups) and S the longest source: ``z`` [n, l, h, d_head];
+        ``attn_head``, ``attn_entity``, ``mlp_group`` [n, l, h, d_model]; ``attn``, ``mlp`` [n, l,
+        d_model]; ``resid`` [n, l, d_model]; ``attn_head_token`` [n, l, h, S, d_model] and
+        ``attn_prob`` [n, l, h, S], zero beyond each row's sources (:meth:`source_mask`).
+
+        A selection within one segment returns the computed block itself (no copy); several segments
+        are written once into the result.
+        """
+        if output == "xarray":
+            return self.to_xarray(kind, layers=layers, heads=heads, groups=groups)
         spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
+        if output not in ("numpy", "torch"):
+            raise QueryError(f"unknown output {output!r} (numpy, torch, xarray)")
         parts = [compute_block(self.store, spec, b) for _, b in self.blocks()]
         if not parts:
             raise QueryError("the selection is empty")
-        if kind in ("attn_head_token", "attn_prob"):
-            parts = _pad_sources(parts)
-        return _convert(np.concatenate(parts, axis=0), output)
+        return _convert(_stack(parts, kind), output)
+
+    def to_xarray(
+        self,
+        kind: str,
+        *,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        groups: int | None = None,
+    ) -> xarray.DataArray:
+        """The features as an ``xarray.DataArray`` with named dimensions (``row``, ``layer``, ``head``
+        or ``group``, ``source``, ``d_model`` / ``d_head``) and coordinates: ``example_id`` and
+        ``relation_id`` on ``row``, the layer and head (group) numbers, and for the source kinds the
+        boolean ``mask`` [row, source] (False on padding).  See :mod:`query.labelled`."""
+        spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
+        x = self.features(kind, layers=layers, heads=heads, groups=groups)
+        return to_dataarray(self.store, spec, x, self.example_ids, self.rows.column("relation_id").to_pylist(),
+                            self.source_mask() if kind in SOURCE_KINDS else None)
+
+    def to_dask(
+        self,
+        kind: str,
+        *,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        groups: int | None = None,
+        batch_rows: int | None = None,
+    ) -> dask.array.Array:
+        """The features as a lazy ``dask.array.Array`` of the shape :meth:`features` returns, one
+        chunk per segment (or per ``batch_rows`` rows of one), for arrays larger than memory:
+        ``sel.to_dask("attn_head").mean(axis=0).compute()``.  Needs the ``dask`` extra."""
+        spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
+        blocks = [(len(ids), b) for ids, b in self.blocks(batch_rows)]
+        return dask_features(self.store, spec, blocks, self.n_sources())
 
 
-def _pad_sources(parts: list[np.ndarray]) -> list[np.ndarray]:
-    S = max(p.shape[3] for p in parts)
-    out = []
+def _stack(parts: list[np.ndarray], kind: str) -> np.ndarray:
+    """The blocks' features as one array: the only block itself, or one array written once (the
+    source axis of source kinds zero-padded to the longest)."""
+    S = max(p.shape[3] for p in parts) if kind in SOURCE_KINDS else None
+    if len(parts) == 1 and (S is None or parts[0].shape[3] == S):
+        return parts[0]
+    shape = list(parts[0].shape)
+    shape[0] = sum(p.shape[0] for p in parts)
+    if S is not None:
+        shape[3] = S
+    out = (np.zeros if S is not None else np.empty)(shape, dtype=np.result_type(*parts))
+    at = 0
     for p in parts:
-        pad = [(0, 0)] * p.ndim
-        pad[3] = (0, S - p.shape[3])
-        out.append(np.pad(p, pad))
+        if S is not None:
+            out[at:at + p.shape[0], :, :, :p.shape[3]] = p
+        else:
+            out[at:at + p.shape[0]] = p
+        at += p.shape[0]
     return out
 
 
