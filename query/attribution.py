@@ -158,12 +158,6 @@ def token_scores(store: Store, geo: TokenGeometry, example_ids: Sequence[int], p
     return [x for x in out if x is not None]
 
 
-def sql_quote(text: str) -> str:
-    """Quote for a SQL string literal.  Prefer parameters (``store.sql(query, [value])``); this stays
-    only for the modules that still paste literals into SQL text."""
-    return text.replace("'", "''")
-
-
 def run_row(store: Store, run_id: str) -> dict[str, object]:
     """The ``probe_runs`` row of ``run_id``; one clear error when there is none."""
     if "probe_runs" not in store.table_files():

@@ -46,7 +46,7 @@ import pyarrow as pa
 
 from actstore.errors import QueryError
 from actstore.store import Store
-from query.attribution import run_row, sql_quote
+from query.attribution import run_row
 from query.distributed import client_threads, run_tasks, store_of
 
 PREDICTORS = ("output_range", "output_range_ratio", "connectivity", "tfidf_similarity", "head_concentration")
@@ -302,7 +302,7 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
             raise QueryError(f"{name} must be at least 1, not {value}")
     where = json.loads(str(run_row(store, run_id)["config"])).get("where")
     metrics = {r["relation_id"]: r for r in
-               store.sql(f"SELECT * FROM relation_metrics WHERE run_id = '{sql_quote(run_id)}'").to_pylist()}
+               store.sql("SELECT * FROM relation_metrics WHERE run_id = ?", [run_id]).to_pylist()}
     score_col = _concentration_column(store, run_id, concentration)
     file_ranges = dataset_output_ranges(dataset_file) if output_range == "dataset" and dataset_file is not None else None
     if file_ranges is not None:
@@ -372,7 +372,7 @@ def _concentration_column(store: Store, run_id: str, concentration: str) -> str:
         return "score"
     cols = store.sql("SELECT * FROM head_scores LIMIT 0").column_names if "head_scores" in store.table_files() else []
     have = "pred_abs_score" in cols and store.sql(
-        f"SELECT count(pred_abs_score) AS n FROM head_scores WHERE run_id = '{sql_quote(run_id)}'").column("n")[0].as_py()
+        "SELECT count(pred_abs_score) AS n FROM head_scores WHERE run_id = ?", [run_id]).column("n")[0].as_py()
     if not have:
         raise QueryError(f"probe run {run_id} was stored before per-predicted-class head scores "
                          "(head_scores.pred_abs_score): re-run the probe, or use --concentration gold-signed (the "
@@ -418,12 +418,14 @@ def _relations_or_graph_task(store: str | Store, run_id: str, where: str | None,
         return ({e: g.properties[e] for e in wanted if e in g.properties}, wanted & g.entities, g.n_triples)
     st = store_of(store)
     con = st.connect()  # one connection for both reads
-    listed = ", ".join(f"'{sql_quote(r)}'" for r in what)
-    ex = run_sql(st, f"SELECT relation_id, text FROM examples WHERE relation_id IN ({listed}) AND {_cond(where)} "
-                     "ORDER BY example_id", con)
+    listed = list(what)
+    ex = run_sql(st, f"SELECT relation_id, text FROM examples WHERE list_contains($rels, relation_id) AND {_cond(where)} "
+                     "ORDER BY example_id", con, params={"rels": listed})
     only = " AND pred_n > 0" if score_col == "pred_abs_score" else ""  # never-predicted relations: no scores
-    hs = run_sql(st, f"SELECT relation_id, {score_col} AS score FROM head_scores WHERE run_id = '{sql_quote(run_id)}' "
-                     f"AND relation_id IN ({listed}){only}", con)
+    if score_col not in ("score", "pred_abs_score"):  # a column name (pasted): only the two known ones
+        raise QueryError(f"unknown head score column {score_col!r}")
+    hs = run_sql(st, f"SELECT relation_id, {score_col} AS score FROM head_scores WHERE run_id = $run "
+                     f"AND list_contains($rels, relation_id){only}", con, params={"run": run_id, "rels": listed})
     con.close()
     ex_rel = np.asarray(ex.column("relation_id").to_pylist(), dtype=object)
     texts = [str(x or "") for x in ex.column("text").to_pylist()]

@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from actstore.errors import QueryError
 from actstore.store import Store
-from query.attribution import run_row, sql_quote
+from query.attribution import run_row
 
 
 def normalize(token: str | None) -> str | None:
@@ -95,8 +95,8 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
     cfg = json.loads(str(run_row(store, run_id)["config"]))
     if "token_scores" not in store.table_files():
         raise QueryError(f"run {run_id} has no token scores (probe an attention kind with --token-scores errors)")
-    ts = store.sql(f"SELECT seed, episode, example_id, relation_id, predicted, scores FROM token_scores "
-                   f"WHERE run_id = '{sql_quote(run_id)}' AND relation_id <> predicted").to_pylist()
+    ts = store.sql("SELECT seed, episode, example_id, relation_id, predicted, scores FROM token_scores "
+                   "WHERE run_id = ? AND relation_id <> predicted", [run_id]).to_pylist()
     if not ts:
         raise QueryError(f"run {run_id} has no stored error token scores "
                          f"(kind {cfg.get('kind')!r}, token scores {cfg.get('token_scores')!r})")
