@@ -260,4 +260,7 @@ def test_cli_correlate_dask(probe_run: tuple[Path, str], kg_files: list[Path], c
     assert r.exit_code == 0, r.output
     assert json.loads(plain.stdout) == json.loads(r.stdout)
     bad = CliRunner().invoke(main, [*base, "--workers", "2", "--dask", "tcp://127.0.0.1:1"])
-    assert bad.exit_code == 1 and bad.stderr.startswith("error: give --dask") and len(bad.stderr.splitlines()) == 1
+    # under --json the error is one JSON object on stdout (docs/commands.md, "Errors and exit codes")
+    assert bad.exit_code == 1 and bad.stderr == "" and len(bad.stdout.splitlines()) == 1
+    err = json.loads(bad.stdout)
+    assert err["exit_code"] == 1 and err["error"].startswith("give --dask")
