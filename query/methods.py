@@ -53,6 +53,7 @@ import pyarrow as pa
 import torch
 
 from actstore.errors import QueryError
+from query.stats import pearson
 
 METHODS = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
 SEED_001 = {  # the paper's agreement table (GPT-2): key layer %, MLP/attn %, effect correlation
@@ -388,13 +389,6 @@ def default_tolerance(n_layers: int) -> int:
     return max(1, round(n_layers / 10))
 
 
-def _pearson(a: np.ndarray, b: np.ndarray) -> float:
-    m = np.isfinite(a) & np.isfinite(b)
-    if m.sum() < 3 or np.std(a[m]) == 0 or np.std(b[m]) == 0:
-        return float("nan")
-    return float(np.corrcoef(a[m], b[m])[0, 1])
-
-
 def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, Any]:
     """Pairwise key-layer / verdict agreement, profile correlation, and all-method consensus."""
     by = {r.method: r for r in readings}
@@ -407,7 +401,7 @@ def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, An
         ok = (ka >= 0) & (kb >= 0)
         va, vb = ra.verdict[ia], rb.verdict[ib]
         vok = (va != "") & (vb != "")
-        corr = [_pearson(ra.profile[i], rb.profile[j]) for i, j in zip(ia, ib)]
+        corr = [pearson(ra.profile[i], rb.profile[j])[0] for i, j in zip(ia, ib)]
         corr_f = [c for c in corr if np.isfinite(c)]
         seed = SEED_001.get((a, b)) or SEED_001.get((b, a))
         pairs.append({

@@ -48,6 +48,7 @@ from actstore.errors import QueryError
 from actstore.store import Store
 from query.attribution import run_row
 from query.distributed import client_threads, run_tasks, store_of
+from query.stats import pearson, spearman
 
 PREDICTORS = ("output_range", "output_range_ratio", "connectivity", "tfidf_similarity", "head_concentration")
 CONCENTRATIONS = ("predicted-abs", "gold-signed")
@@ -238,20 +239,12 @@ def head_concentration(scores: np.ndarray, share: float = 0.95) -> int:
 
 
 def correlate(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
-    """Spearman and Pearson correlation with p-values over the finite pairs."""
-    from scipy import stats
-
+    """Spearman and Pearson correlation with p-values over the finite pairs (:mod:`query.stats`)."""
     xa, ya = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    ok = np.isfinite(xa) & np.isfinite(ya)
-    xa, ya = xa[ok], ya[ok]
-    out = {"n": float(ok.sum()), "spearman_rho": float("nan"), "spearman_p": float("nan"),
-           "pearson_r": float("nan"), "pearson_p": float("nan")}
-    if xa.size >= 3 and np.ptp(xa) > 0 and np.ptp(ya) > 0:
-        s = stats.spearmanr(xa, ya)
-        p = stats.pearsonr(xa, ya)
-        out.update(spearman_rho=float(s.statistic), spearman_p=float(s.pvalue),
-                   pearson_r=float(p.statistic), pearson_p=float(p.pvalue))
-    return out
+    rho, rho_p = spearman(xa, ya)
+    r, r_p = pearson(xa, ya)
+    return {"n": float((np.isfinite(xa) & np.isfinite(ya)).sum()), "spearman_rho": rho, "spearman_p": rho_p,
+            "pearson_r": r, "pearson_p": r_p}
 
 
 @dataclass(frozen=True)

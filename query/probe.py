@@ -49,6 +49,7 @@ from query.attribution import (
 from query.episodes import EpisodeSet, sample_seeds
 from query.features import FeatureSpec
 from query.relspec import Selected, gather_standardized, select_features
+from query.stats import mean_interval
 
 PROBE_KINDS = ("attn_head", "attn", "attn_entity", "mlp", "mlp_group", "resid", "z")
 
@@ -257,9 +258,8 @@ class ProbeOutput:
 
     @property
     def ci95(self) -> tuple[float, float]:
-        a = self.episode_accuracy
-        half = 1.96 * float(a.std(ddof=1)) / np.sqrt(a.size) if a.size > 1 else 0.0
-        return self.accuracy - half, self.accuracy + half
+        """Normal 95% interval of the mean episode accuracy (:func:`query.stats.mean_interval`)."""
+        return mean_interval(self.episode_accuracy)
 
     def summary(self) -> dict[str, Any]:
         c = self.config

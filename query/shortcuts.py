@@ -35,6 +35,7 @@ import pyarrow as pa
 from actstore.errors import QueryError
 from actstore.store import Store
 from query.attribution import run_row
+from query.stats import spearman
 
 
 def normalize(token: str | None) -> str | None:
@@ -90,8 +91,6 @@ class ShortcutResult:
 
 def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> ShortcutResult:
     """Spearman rho, Mass and StrongAlign-x over the run's stored error TokenScores."""
-    from scipy import stats
-
     cfg = json.loads(str(run_row(store, run_id)["config"]))
     if "token_scores" not in store.table_files():
         raise QueryError(f"run {run_id} has no token scores (probe an attention kind with --token-scores errors)")
@@ -102,8 +101,8 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
                          f"(kind {cfg.get('kind')!r}, token scores {cfg.get('token_scores')!r})")
     lex = lexical_model(store, cfg.get("where"), n_cues)
     ids = sorted({int(r["example_id"]) for r in ts})
-    toks = store.sql("SELECT example_id, list(token ORDER BY position) AS toks FROM tokens WHERE example_id IN "
-                     f"({', '.join(map(str, ids))}) GROUP BY 1").to_pylist()
+    toks = store.sql("SELECT example_id, list(token ORDER BY position) AS toks FROM tokens "
+                     "WHERE list_contains(?, example_id) GROUP BY 1", [ids]).to_pylist()
     tokens = {int(r["example_id"]): [normalize(t) for t in r["toks"]] for r in toks}
     cue_sets = {r: lex.cues(r) for r in lex.relations}
     out = []
@@ -112,7 +111,7 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
         terms = tokens[int(r["example_id"])][: s.size]
         a = lex.assoc(r["predicted"], terms)
         is_cue = np.asarray([t in cue_sets[r["predicted"]] for t in terms])
-        rho = float(stats.spearmanr(s, a).statistic) if np.ptp(s) > 0 and np.ptp(a) > 0 else float("nan")
+        rho = spearman(s, a)[0]
         mag = np.abs(s).sum()
         top = int(np.argmax(s))
         out.append({"run_id": run_id, "seed": r["seed"], "episode": r["episode"], "example_id": r["example_id"],
