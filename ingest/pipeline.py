@@ -13,7 +13,6 @@ import hashlib
 import json
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -29,8 +28,9 @@ from actstore.errors import StoreNotFoundError
 from actstore.fs import locate
 from actstore.lock import holding, writer_lock
 from actstore.manifest import STORAGE_DTYPES, Manifest
+from actstore.runs import new_run_id, write_run
 from actstore.store import TOKENIZER_DIR, Store, tokenizer_file_name_ok
-from actstore.tables import EXAMPLES, TARGETS, TOKENS, sha256, to_parquet_bytes
+from actstore.tables import EXAMPLES, TARGETS, TOKENS, sha256
 from actstore.writer import StoreWriter
 from ingest.architectures import Architecture, architecture_for
 from ingest.batches import pad_batch
@@ -318,14 +318,9 @@ def _write(writer: StoreWriter, seg: int, lo: int, arrays: dict[str, np.ndarray]
 
 
 def _write_run(writer: StoreWriter, cfg: IngestConfig, manifest: Manifest, started: float, n_segments: int) -> None:
-    run_id = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     config = {k: v for k, v in asdict(cfg).items() if k != "extra"} | {"extra": cfg.extra}
-    table = pa.table({
-        "run_id": [run_id], "kind": ["ingest"], "started": [started], "finished": [time.time()],
-        "segments_written": [n_segments], "rank": [cfg.rank], "world_size": [cfg.world_size],
-        "config": [json.dumps(config, sort_keys=True, default=str)], "code_version": [manifest.code_version],
-    })
-    writer.location.write_bytes_atomic(f"tables/runs/{run_id}.parquet", to_parquet_bytes(table))
+    write_run(writer, new_run_id("ingest"), "ingest", started, config, segments_written=n_segments, rank=cfg.rank,
+              world_size=cfg.world_size)
 
 
 def _object_token_ids(tokenizer: Any, prompts: Sequence[TokenizedPrompt]) -> np.ndarray:

@@ -26,7 +26,6 @@ import contextlib
 import json
 import sys
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ import pyarrow as pa
 import torch
 
 from actstore.errors import QueryError
+from actstore.runs import new_run_id, write_run
 from actstore.store import Store
 from query.attribution import (
     DEFAULT_CONTRAST,
@@ -395,7 +395,7 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
              store.sql("SELECT relation_id, any_value(relation_name) AS relation_name FROM examples "
                        "GROUP BY 1").to_pylist()}
     return ProbeOutput(
-        run_id=run_id or f"probe-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}", config=cfg,
+        run_id=run_id or new_run_id("probe"), config=cfg,
         episodes=ep, example_ids=fm.example_ids, labels=fm.labels, relation_names=names,
         unit_layer=unit_layer, unit_head=unit_head, episode_accuracy=acc, n_selected=n_sel, pred=pred_all,
         prob=prob_all, head_total=total_all, hs_sum=hs_sum.numpy(), hs_abs=hs_abs.numpy(), hs_n=hs_n.numpy(),
@@ -537,10 +537,8 @@ def write_probe_tables(store: Store, out: ProbeOutput) -> list[str]:
     from actstore.writer import write_result_table
 
     paths = [write_result_table(store, name, out.run_id, t) for name, t in probe_tables(out).items()]
-    run = pa.table({"run_id": [out.run_id], "kind": ["probe"], "started": [out.started],
-                    "finished": [out.started + out.seconds], "segments_written": [0], "rank": [0], "world_size": [1],
-                    "config": [out.config.to_json()], "code_version": [store.manifest.code_version]})
-    paths.append(write_result_table(store, "runs", out.run_id, run))
+    paths.append(write_run(store, out.run_id, "probe", out.started, out.config.to_json(),
+                           finished=out.started + out.seconds))
     return paths
 
 
