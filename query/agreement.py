@@ -24,9 +24,9 @@ from actstore.store import Store
 from query.methods import (
     METHODS,
     PLATEAU,
+    LayerProbeConfig,
     MethodReading,
     MethodsError,
-    ProbeConfig,
     agreement,
     agreement_table,
     attention_reading,
@@ -144,7 +144,7 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None) -> Agr
     if "probe" in wanted:
         say("probes: cross-validated object probes on every residual index")
         readings["probe"], extra["probe"] = probe_reading(
-            store, out, ProbeConfig(min_count=cfg.probe_min_count, folds=cfg.probe_folds), cfg.plateau)
+            store, out, LayerProbeConfig(min_count=cfg.probe_min_count, folds=cfg.probe_folds), cfg.plateau)
     ordered = [readings[m] for m in wanted]
     result = agreement(ordered, tol)
     if "trace" in readings:

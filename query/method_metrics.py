@@ -420,7 +420,7 @@ def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str]
     ridge fit on the facts not compared (as ``agree``)."""
     from query.methods import (
         PLATEAU,
-        ProbeConfig,
+        LayerProbeConfig,
         attention_reading,
         fact_ids,
         lens_reading,
@@ -453,7 +453,7 @@ def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str]
     if "attention" in methods:
         out["attention"] = attention_reading(store, so, plat)
     if "probe" in methods:
-        out["probe"], _ = probe_reading(store, so, ProbeConfig(min_count=probe_min_count), plat)
+        out["probe"], _ = probe_reading(store, so, LayerProbeConfig(min_count=probe_min_count), plat)
     return {m: out[m] for m in methods if m in out}
 
 

@@ -285,7 +285,9 @@ def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) 
 
 
 @dataclass(frozen=True)
-class ProbeConfig:
+class LayerProbeConfig:
+    """Settings of the per-layer object probes that read where a fact is (not :class:`query.probe.ProbeConfig`,
+    the few-shot relation probe)."""
     min_count: int = 5  # objects with fewer facts in the store are not probe classes
     folds: int = 3
     l2: float = 1e-3
@@ -293,7 +295,7 @@ class ProbeConfig:
     seed: int = 0
 
 
-def probe_reading(store: Any, out: StoredOutputs, cfg: ProbeConfig = ProbeConfig(),
+def probe_reading(store: Any, out: StoredOutputs, cfg: LayerProbeConfig = LayerProbeConfig(),
                   plateau: float = PLATEAU) -> tuple[MethodReading, dict[str, Any]]:
     """Cross-validated object probes on every residual index; the reading of ``out``'s facts whose
     object is a probe class, and a summary (classes, facts, per-index accuracy)."""
@@ -335,7 +337,7 @@ def probe_reading(store: Any, out: StoredOutputs, cfg: ProbeConfig = ProbeConfig
     return MethodReading("probe", eval_ids, profile, key.astype(np.int64), verdict), summary
 
 
-def _cv_probes(X: np.ndarray, y: np.ndarray, C: int, cfg: ProbeConfig
+def _cv_probes(X: np.ndarray, y: np.ndarray, C: int, cfg: LayerProbeConfig
                ) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray]], np.ndarray]:
     """Stratified k-fold multinomial logistic probes on all K indices at once (one batched problem).
     Returns held-out probabilities [N, K, C], per-fold (W [K, d, C], sigma [K, d]), each fact's fold."""
@@ -363,7 +365,7 @@ def _cv_probes(X: np.ndarray, y: np.ndarray, C: int, cfg: ProbeConfig
     return probs, weights, fold_of
 
 
-def _fit_logistic(Z: torch.Tensor, y: torch.Tensor, C: int, cfg: ProbeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit_logistic(Z: torch.Tensor, y: torch.Tensor, C: int, cfg: LayerProbeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """K independent multinomial logistic regressions (Z [K, n, d], labels y [n]) solved jointly by L-BFGS."""
     K, _, d = Z.shape
     W = torch.zeros((K, d, C), requires_grad=True)

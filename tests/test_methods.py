@@ -14,8 +14,8 @@ from conftest import FIXTURES
 
 import actstore
 from query.methods import (
+    LayerProbeConfig,
     MethodReading,
-    ProbeConfig,
     agreement,
     attention_reading,
     lens_reading,
@@ -84,7 +84,7 @@ def test_probe_reading(store_factory: Callable[..., Path]) -> None:
     store = actstore.open(store_factory("llama", **STORE_KW))
     ids = store.sql("SELECT example_id FROM examples ORDER BY 1").column("example_id").to_numpy()
     out = stored_outputs(store, ids)
-    r, summary = probe_reading(store, out, ProbeConfig(min_count=2, folds=2, steps=20))
+    r, summary = probe_reading(store, out, LayerProbeConfig(min_count=2, folds=2, steps=20))
     L = store.geometry.n_layers
     assert summary["classes"] >= 2 and len(summary["accuracy_per_index"]) == L + 1
     assert r.profile.shape == (summary["evaluated_facts"], L)
