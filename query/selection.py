@@ -463,13 +463,18 @@ class Selection:
         layers: Sequence[int] | None = None,
         heads: Sequence[int] | None = None,
         groups: int | None = None,
+        chunked: bool = False,
     ) -> xarray.DataArray:
         """The features as an ``xarray.DataArray`` with named dimensions (``row``, ``layer``, ``head``
         or ``group``, ``source``, ``d_model`` / ``d_head``) and coordinates: ``example_id`` and
         ``relation_id`` on ``row``, the layer and head (group) numbers, and for the source kinds the
-        boolean ``mask`` [row, source] (False on padding).  See :mod:`query.labelled`."""
+        boolean ``mask`` [row, source] (False on padding).  See :mod:`query.labelled`.
+        ``chunked=True``: the data is :meth:`to_dask`'s lazy array (one chunk per segment)."""
         spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
-        x = self.features(kind, layers=layers, heads=heads, groups=groups)
+        if chunked:
+            x = self.to_dask(kind, layers=layers, heads=heads, groups=groups)
+        else:
+            x = self.features(kind, layers=layers, heads=heads, groups=groups)
         return to_dataarray(self.store, spec, x, self.example_ids, self.rows.column("relation_id").to_pylist(),
                             self.source_mask() if kind in SOURCE_KINDS else None)
 

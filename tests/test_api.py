@@ -250,6 +250,10 @@ def test_dask_chunks_by_segment_and_equals_features(store: actstore.Store, frame
     assert d.chunks[0] == tuple(want.groupby("segment").size().tolist())  # one chunk per segment
     assert d.shape == x.shape and d.dtype == x.dtype
     np.testing.assert_array_equal(d.compute(scheduler="synchronous"), x)
+    lab = sel.to_xarray(kind, chunked=True, **kw)
+    assert lab.chunks is not None and lab.chunks[0] == d.chunks[0]
+    np.testing.assert_array_equal(lab.compute().values, x)
+    assert lab.example_id.values.tolist() == want.example_id.tolist()
     d4 = sel.to_dask(kind, batch_rows=4, **kw)
     assert max(d4.chunks[0]) <= 4 and sum(d4.chunks[0]) == len(want)
     # smaller matrix products round differently (float32): equal to rounding
