@@ -158,7 +158,7 @@ def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
         write_run(store, rid, "trace", started, {**cfg.__dict__, "noise_std": std, "model": model,
                                                   "where": req.where, "limit": req.limit, "all_facts": req.all_facts})
     if req.figures:
-        from query.figures_cli import trace_average_heatmap, trace_heatmap
+        from query.plotting import trace_average_heatmap, trace_heatmap
 
         folder = Path(req.figures)
         folder.mkdir(parents=True, exist_ok=True)

@@ -176,7 +176,7 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None) -> Agr
         write_run(store, run_id, "agree", started, {"trace_run": used["trace"], "patch_run": used["patch"],
                                                      "methods": wanted, "tolerance": tol, "plateau": cfg.plateau})
     if cfg.figures:
-        from query.figures_cli import profile_curves
+        from query.plotting import profile_curves
 
         Path(cfg.figures).mkdir(parents=True, exist_ok=True)
         outcome.figures.append(str(profile_curves(ordered, Path(cfg.figures) / "method_profiles.png",

@@ -86,7 +86,7 @@ def run_lens(store: Store, cfg: LensRunConfig,
                                                     "train_fraction": None if method is None else cfg.train_fraction,
                                                     "tuned": method, "tuned_config": tuned_config})
     if cfg.figures:
-        from query.figures_cli import lens_curves
+        from query.plotting import lens_curves
 
         Path(cfg.figures).mkdir(parents=True, exist_ok=True)
         out.figures.append(str(lens_curves(summary, Path(cfg.figures) / "lens_curves.png",

@@ -161,3 +161,129 @@ def heatmap(grid: np.ndarray, *, rows: Sequence[object] | None = None, cols: Seq
                  colorbar_label=colorbar_label, outline_at_least=outline_at_least)
     fig.tight_layout()
     return fig
+
+
+# ------------------------------------------------------------------ the analysis commands' figures
+# ROME-style causal-tracing heatmaps (position x layer, one panel per component), the
+# per-position-class average of those, lens curves per layer, the methods' mean per-layer profiles,
+# and the HeadScore layer x head heatmap.  Each function writes one PNG and returns its path.
+
+_TRACE_CMAPS = {"resid": "Purples", "mlp": "Greens", "attn": "Reds"}
+_TRACE_TITLES = {"resid": "single restored layer (residual)", "mlp": "restored MLP (window)",
+                 "attn": "restored attention (window)"}
+#: ROME's position classes (Meng et al. 2022, Fig. 1e-g), in the order the average heatmap draws them.
+ROLE_ORDER = ("subject_first", "subject_middle", "subject_last", "first_after", "further_after", "last")
+
+
+def trace_heatmap(result: Any, path: str | os.PathLike[str]) -> Path:
+    """One traced fact (an ``ingest.interventions.tracing.TraceResult``): P(object) with the clean state
+    restored, tokens (rows, top to bottom) x layers (columns), one panel per component."""
+    f = result.fact
+    comps = list(result.restored)
+    fig, axes = new_figure(len(comps), figsize=(4.2 * len(comps), 0.32 * f.n_tokens + 1.6))
+    labels = [t + ("*" if f.subject_span[0] <= i < f.subject_span[1] else "") for i, t in enumerate(f.tokens)]
+    for ax, c in zip(axes[0], comps):
+        grid = np.asarray(result.restored[c]).T  # [T, L]
+        draw_heatmap(ax, grid, rows=labels, xlabel="layer", ylabel=None, title=_TRACE_TITLES.get(c, c),
+                     cmap=_TRACE_CMAPS.get(c, SEQUENTIAL_CMAP), vmin=min(result.p_corrupt, float(np.nanmin(grid))),
+                     origin="upper", colorbar_label=f"p({f.object!r})", fontsize=9,
+                     max_ticks=max(16, f.n_tokens))
+    fig.suptitle(f"{f.subject} -> {f.object}: p_clean {result.p_clean:.3f}, p_corrupt {result.p_corrupt:.3f}",
+                 fontsize=9)
+    fig.tight_layout()
+    return save_png(fig, path, dpi=110)
+
+
+def position_class(p: int, span: tuple[int, int], n: int) -> str | None:
+    """ROME's averaging class of position ``p`` of ``n`` tokens with the subject at ``span``; None before
+    the subject."""
+    s0, s1 = span
+    if p == n - 1:
+        return "last"
+    if s0 <= p < s1:
+        return "subject_first" if p == s0 else ("subject_last" if p == s1 - 1 else "subject_middle")
+    if p == s1:
+        return "first_after"
+    return "further_after" if p > s1 else None
+
+
+def average_by_class(results: Sequence[Any], component: str) -> np.ndarray:
+    """Mean indirect effect per ROME position class x layer: [len(ROLE_ORDER), L] (NaN: no such token)."""
+    L = next(iter(results)).restored[component].shape[0]
+    sums = np.zeros((len(ROLE_ORDER), L))
+    counts = np.zeros(len(ROLE_ORDER))
+    for r in results:
+        f = r.fact
+        ie = r.indirect_effect(component)
+        per: dict[str, list[int]] = {}
+        for p in range(f.n_tokens):
+            c = position_class(p, f.subject_span, f.n_tokens)
+            if c is not None:
+                per.setdefault(c, []).append(p)
+        for c, ps in per.items():
+            k = ROLE_ORDER.index(c)
+            sums[k] += ie[:, ps].mean(axis=1)
+            counts[k] += 1
+    with np.errstate(invalid="ignore"):
+        return sums / counts[:, None]
+
+
+def trace_average_heatmap(results: Sequence[Any], path: str | os.PathLike[str]) -> Path:
+    """Mean indirect effect per ROME position class (rows) and layer (columns), one panel per component."""
+    comps = list(results[0].restored)
+    fig, axes = new_figure(len(comps), figsize=(4.2 * len(comps), 3.2))
+    for ax, c in zip(axes[0], comps):
+        draw_heatmap(ax, average_by_class(results, c), rows=[r.replace("_", " ") for r in ROLE_ORDER],
+                     xlabel="layer", ylabel=None, title=f"average indirect effect: {c}",
+                     cmap=_TRACE_CMAPS.get(c, SEQUENTIAL_CMAP), origin="upper", fontsize=9)
+    fig.suptitle(f"causal tracing, {len(results)} facts", fontsize=9)
+    fig.tight_layout()
+    return save_png(fig, path, dpi=110)
+
+
+def lens_curves(summary: Sequence[dict[str, Any]], path: str | os.PathLike[str], title: str) -> Path:
+    """Mean p(object) and median object rank per residual index, logit lens and tuned lens."""
+    x = [r["index"] for r in summary]
+    fig, axes = new_figure(2, figsize=(10, 3.6))
+    a1, a2 = axes[0]
+    for name, style in (("logit", "-"), ("tuned", "--")):
+        if f"{name}_prob" not in summary[0]:
+            continue
+        a1.plot(x, [r[f"{name}_prob"] for r in summary], style, label=f"{name} lens")
+        a2.plot(x, [max(r[f"{name}_rank_median"], 0.5) for r in summary], style, label=f"{name} lens")
+    a1.set_xlabel("residual index (0 = embeddings)")
+    a1.set_ylabel("mean p(object)")
+    a2.set_xlabel("residual index (0 = embeddings)")
+    a2.set_ylabel("median object rank")
+    a2.set_yscale("log")
+    for a in (a1, a2):
+        a.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return save_png(fig, path, dpi=110)
+
+
+def profile_curves(readings: Sequence[Any], path: str | os.PathLike[str], title: str) -> Path:
+    """Each method's mean per-layer profile (``query.methods.MethodReading.profile``: [facts, L]),
+    scaled to a maximum of 1."""
+    fig, axes = new_figure(figsize=(7, 3.6))
+    ax = axes[0, 0]
+    for r in readings:
+        m = np.nanmean(r.profile, axis=0)
+        top = np.nanmax(np.abs(m)) if np.isfinite(m).any() else 0
+        ax.plot(m / top if top else m, label=f"{r.method} (n={len(r.example_ids)})")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean profile / max")
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return save_png(fig, path, dpi=110)
+
+
+def headscore_heatmap(grid: np.ndarray, layers: Sequence[int], heads: Sequence[int], path: str | os.PathLike[str],
+                      title: str) -> Path:
+    """Mean HeadScore, layers (rows, from the bottom) x heads (columns), diverging colours around 0.
+    ``grid``: [L, H]."""
+    fig = heatmap(grid, rows=list(layers), cols=list(heads), title=title, diverging=True,
+                  figsize=(1.5 + 0.35 * len(heads), 1.5 + 0.2 * len(layers)))
+    return save_png(fig, path, dpi=100)

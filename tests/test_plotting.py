@@ -120,3 +120,55 @@ def test_maps_head_heatmap_file(tmp_path: Path) -> None:
     img = imread(path)[..., :3]
     top = _rgb("viridis", 1.0)  # vmax defaults to the largest score: the hot cell is the top colour
     assert np.isclose(img, top, atol=TOL).all(axis=-1).sum() > 100
+
+
+def test_headscore_heatmap_file_is_diverging_around_zero(tmp_path: Path) -> None:
+    grid = np.zeros((3, 4))
+    grid[1, 2], grid[0, 0] = 2.0, -2.0
+    path = plotting.headscore_heatmap(grid, [0, 1, 2], [0, 1, 2, 3], tmp_path / "f" / "hs.png", "HeadScore")
+    img = imread(path)[..., :3]
+    assert img.shape[:2] == (round((1.5 + 0.2 * 3) * 100), round((1.5 + 0.35 * 4) * 100))
+    for x in (0.0, 0.5, 1.0):  # -2 (blue end), 0 (white middle), +2 (red end) all drawn
+        assert np.isclose(img, _rgb("RdBu_r", x), atol=TOL).all(axis=-1).sum() > 50
+
+
+def test_position_classes_follow_rome() -> None:
+    # 7 tokens, subject at positions 1..3: before, first, middle, last, first after, further after, last
+    got = [plotting.position_class(p, (1, 4), 7) for p in range(7)]
+    assert got == [None, "subject_first", "subject_middle", "subject_last", "first_after", "further_after", "last"]
+    assert plotting.position_class(0, (0, 1), 3) == "subject_first"  # a one-token subject is its first token
+
+
+class _Fact:
+    def __init__(self, n: int, span: tuple[int, int]) -> None:
+        self.n_tokens, self.subject_span = n, span
+        self.tokens = [f"t{i}" for i in range(n)]
+        self.subject, self.object, self.example_id = "s", "o", 0
+
+
+class _Traced:
+    """A TraceResult-like object: ``restored[c]`` [L, T] and ``indirect_effect(c)`` = restored - 0.1."""
+
+    def __init__(self, fact: _Fact, grid: np.ndarray) -> None:
+        self.fact, self.restored, self.p_clean, self.p_corrupt = fact, {"resid": grid}, 0.9, 0.1
+
+    def indirect_effect(self, c: str) -> np.ndarray:
+        return self.restored[c] - self.p_corrupt
+
+
+def test_average_by_class_and_trace_figures(tmp_path: Path) -> None:
+    a = _Traced(_Fact(4, (1, 3)), np.arange(8, dtype=float).reshape(2, 4))  # classes: -, first, last, last
+    b = _Traced(_Fact(5, (0, 1)), np.arange(10, dtype=float).reshape(2, 5) * 2)  # first, first_after, further x2, last
+    avg = plotting.average_by_class([a, b], "resid")
+    row = {c: i for i, c in enumerate(plotting.ROLE_ORDER)}
+    ie_a, ie_b = a.indirect_effect("resid"), b.indirect_effect("resid")
+    np.testing.assert_allclose(avg[row["subject_first"]], (ie_a[:, 1] + ie_b[:, 0]) / 2)
+    # a's subject is tokens 1..2: token 2 is subject_last, token 3 (the prompt's last) is "last"
+    np.testing.assert_allclose(avg[row["subject_last"]], ie_a[:, 2])
+    np.testing.assert_allclose(avg[row["further_after"]], ie_b[:, 2:4].mean(axis=1))
+    np.testing.assert_allclose(avg[row["last"]], (ie_a[:, 3] + ie_b[:, 4]) / 2)
+    assert np.isnan(avg[row["subject_middle"]]).all()
+    for p, size in ((plotting.trace_heatmap(a, tmp_path / "trace.png"), ((0.32 * 4 + 1.6), 4.2)),
+                    (plotting.trace_average_heatmap([a, b], tmp_path / "avg.png"), (3.2, 4.2))):
+        h, w = imread(p).shape[:2]  # one panel (one component) at 110 dpi; matplotlib rounds pixels down
+        assert abs(h - size[0] * 110) < 1 and abs(w - size[1] * 110) < 1

@@ -136,7 +136,7 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
     title = f"HeadScore {run_id}" + (f" {relation}" if relation else "")
     pngs: list[str] = []
     if heatmap or figures:
-        from query.figures_cli import headscore_heatmap
+        from query.plotting import headscore_heatmap
 
         if heatmap:
             note("--heatmap is deprecated and will be removed in the next release; use --figures DIR")
