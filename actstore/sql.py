@@ -29,10 +29,11 @@ semicolons or keywords is compared as data.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -65,7 +66,9 @@ class TableSource(Protocol):
 
     def table(self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None) -> pa.Table: ...
 
-    def check_table_shards(self) -> None: ...
+    def check_table_shards(self, names: Iterable[str] | None = None) -> None: ...
+
+    def file_schema(self, rel: str) -> pa.Schema: ...
 
 ALLOWED_STATEMENTS = {"SELECT"}
 DEFAULT_MEMORY_LIMIT = "4GB"
@@ -138,23 +141,54 @@ def _quote(name: str) -> str:
 
 
 def _dataset(store: TableSource, files: list[str]) -> pads.Dataset:
-    """A table's local files as one dataset; columns missing from a file read as NULL (``union_by_name``)."""
+    """A table's local files as one dataset; columns missing from a file read as NULL (``union_by_name``).
+    Each file's schema comes from the store (read with its footer when its hash was checked)."""
     import pyarrow.dataset as pads
-    import pyarrow.parquet as pq
 
     paths = [store.location.path(f) for f in files]
-    schemas = []
-    for rel, path in zip(files, paths):
-        try:
-            schemas.append(pq.read_schema(path))
-        except (pa.ArrowException, OSError) as e:
-            raise CorruptStoreError(f"{store.url}/{rel}: unreadable Parquet ({_one_line(e)})") from None
+    schemas = [store.file_schema(rel) for rel in files]
     try:
         schema = pa.unify_schemas(schemas, promote_options="permissive") if len(schemas) > 1 else schemas[0]
     except pa.ArrowException as e:
         raise CorruptStoreError(f"{store.url}: the files of one table have incompatible schemas ({_one_line(e)})"
                                 ) from None
     return pads.dataset(paths, schema=schema, format="parquet")
+
+
+def _new_connection(memory_limit: str) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection, locked down (see the module notes), with no table yet."""
+    import duckdb
+
+    con = duckdb.connect(":memory:", config={
+        "autoinstall_known_extensions": False, "autoload_known_extensions": False,
+        "allow_community_extensions": False, "threads": THREADS, "python_enable_replacements": False,
+        "temp_directory": "", "max_temp_directory_size": "0B", "memory_limit": memory_limit,
+    })
+    try:
+        con.execute("SET enable_external_access = false")  # no allowed directories or paths: none at all
+        con.execute("SET lock_configuration = true")
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def _register(con: duckdb.DuckDBPyConnection, store: TableSource, name: str, files: list[str]) -> None:
+    """(Re)define view ``name`` over the table's ``files``.  Every file is checked first (its hash and
+    Parquet footer: a corrupt shard is an error, never silently wrong rows), by the store's
+    :meth:`file_schema` for a dataset and by :meth:`table` for a table read into memory."""
+    loc = store.location
+    source = f"__arrow_{name}"
+    data: pa.Table | pads.Dataset
+    if files and loc.is_local:  # scanned from the files (only the columns and row groups a statement reads)
+        data = _dataset(store, files)
+    else:  # an object store: read into memory once (cached by the store)
+        data = store.table(name, files=files)
+    with contextlib.suppress(Exception):
+        con.unregister(source)
+    con.register(source, data)
+    # TEMP: the view belongs to this connection alone (sessions of several stores share one database).
+    con.execute(f"CREATE OR REPLACE TEMP VIEW {_quote(name)} AS SELECT * FROM {_quote(source)}")
 
 
 def connect(store: TableSource, *, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
@@ -164,33 +198,121 @@ def connect(store: TableSource, *, memory_limit: str | None = None) -> duckdb.Du
     temporary directory and the memory limit in force (:func:`limits`); the configuration is
     locked.  A time limit applies to statements run through :func:`run_sql` only.
     """
-    import duckdb
-
-    lim = current_limits(memory_limit)
-    con = duckdb.connect(":memory:", config={
-        "autoinstall_known_extensions": False, "autoload_known_extensions": False,
-        "allow_community_extensions": False, "threads": THREADS, "python_enable_replacements": False,
-        "temp_directory": "", "max_temp_directory_size": "0B", "memory_limit": lim.memory_limit,
-    })
+    con = _new_connection(current_limits(memory_limit).memory_limit)
     try:
-        loc = store.location
-        if loc.is_local:
+        if store.location.is_local:
             store.check_table_shards()  # a corrupt shard is an error, never silently wrong rows
         for name, files in store.table_files().items():
-            source = f"__arrow_{name}"
-            data: pa.Table | pads.Dataset
-            if files and loc.is_local:
-                data = _dataset(store, files)
-            else:
-                data = store.table(name, files=files)
-            con.register(source, data)
-            con.execute(f"CREATE VIEW {_quote(name)} AS SELECT * FROM {_quote(source)}")
-        con.execute("SET enable_external_access = false")  # no allowed directories or paths: none at all
-        con.execute("SET lock_configuration = true")
+            _register(con, store, name, files)
     except BaseException:
         con.close()
         raise
     return con
+
+
+_PARSER: list[duckdb.DuckDBPyConnection] = []  # a bare connection that only parses (json_serialize_sql)
+_PARSER_LOCK = threading.Lock()
+
+
+def referenced_tables(query: str) -> set[str] | None:
+    """Names a statement reads as tables (CTE names included), from DuckDB's parse tree, without
+    binding it; None when that cannot be told (a table function such as ``query_table``), in which
+    case every table is needed."""
+    import duckdb
+
+    with _PARSER_LOCK:
+        if not _PARSER:
+            _PARSER.append(duckdb.connect(":memory:"))
+        try:
+            row = _PARSER[0].execute("SELECT json_serialize_sql($q)", {"q": query}).fetchone()
+        except duckdb.Error:
+            return None
+    tree = json.loads(row[0]) if row else {"error": True}
+    if tree.get("error"):
+        return None
+    names: set[str] = set()
+    stack: list[Any] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            kind = node.get("type")
+            if kind == "TABLE_FUNCTION":
+                return None
+            if kind == "BASE_TABLE" and isinstance(node.get("table_name"), str):
+                names.add(node["table_name"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return names
+
+
+_DATABASES: dict[tuple[int, str], duckdb.DuckDBPyConnection] = {}  # (pid, memory limit) -> locked database
+_DATABASES_LOCK = threading.Lock()
+
+
+def _database(memory_limit: str) -> duckdb.DuckDBPyConnection:
+    """The process's locked-down in-memory database for this memory limit, made once (a new DuckDB
+    database costs 15-40 ms; a connection to an existing one, :meth:`cursor`, a few microseconds)."""
+    import os
+
+    key = (os.getpid(), memory_limit)
+    with _DATABASES_LOCK:
+        db = _DATABASES.get(key)
+        if db is None:
+            db = _DATABASES[key] = _new_connection(memory_limit)
+        return db
+
+
+class SQLSession:
+    """The SQL connection a store keeps (:meth:`actstore.store.Store.sql`) between statements.
+
+    It is a connection to the process's locked-down in-memory database (one per memory limit), with
+    the store's tables as views of its own (``TEMP``: other stores' sessions on the same database do
+    not see them).  A table's view is made when a statement first reads that table, and made again
+    when its files changed (a new result file, new segments after ``refresh``); tables a statement
+    does not read are not opened (their files are checked, once).  Statements of one session run one at a time
+    (``lock``).  Another memory limit, or a forked process, gets another connection.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._con: duckdb.DuckDBPyConnection | None = None
+        self._key: tuple[int, str] | None = None
+        self._views: dict[str, tuple[str, ...]] = {}
+
+    def connection(self, store: TableSource, memory_limit: str, tables: set[str] | None) -> duckdb.DuckDBPyConnection:
+        """The connection, with current views of ``tables`` (all tables when None); hold ``lock``."""
+        import os
+
+        key = (os.getpid(), memory_limit)
+        if self._con is None or self._key != key:
+            if self._con is not None and self._key is not None and self._key[0] == key[0]:
+                self._con.close()
+            self._con = _database(memory_limit).cursor()
+            self._key, self._views = key, {}
+        con = self._con
+        listed = store.table_files()
+        for gone in [n for n in self._views if n not in listed]:
+            con.execute(f"DROP VIEW IF EXISTS {_quote(gone)}")
+            del self._views[gone]
+        wanted = [n for n in listed if tables is None or n in tables]
+        stale = [n for n in wanted if self._views.get(n) != tuple(listed[n])]
+        # Every visible table file is checked (hash, Parquet footer; each file once per store), not only
+        # those of the tables this statement reads: a damaged store fails every statement, as it says.
+        store.check_table_shards()
+        for name in stale:
+            self._views.pop(name, None)
+            _register(con, store, name, listed[name])
+            self._views[name] = tuple(listed[name])
+        return con
+
+    def close(self) -> None:
+        import os
+
+        with self.lock:
+            if self._con is not None and self._key is not None and self._key[0] == os.getpid():
+                self._con.close()
+            self._con, self._key, self._views = None, None, {}
 
 
 def _statement(query: str) -> duckdb.Statement:
@@ -353,16 +475,31 @@ def run_sql(store: TableSource, query: str, con: duckdb.DuckDBPyConnection | Non
     ``params``: values bound to the statement's placeholders by DuckDB (see the module notes); the
     statement checked read-only is the one that runs.  ``memory_limit`` / ``timeout`` override the
     limits in force (:func:`limits`); the memory limit applies only when this call opens the
-    connection (``con`` is None).
+    connection (``con`` is None).  Without ``con``, a store that keeps a :class:`SQLSession`
+    (``store.sql_session()``) runs the statement on its connection, else a new one is opened and closed.
     """
-    import duckdb
-
     stmt = check_read_only(query)
     bound = check_params(params)
     lim = current_limits(memory_limit, timeout)
-    own = con is None
-    if con is None:
-        con = connect(store, memory_limit=lim.memory_limit)
+    if con is not None:
+        return _execute(con, stmt, bound, lim)
+    session_of = getattr(store, "sql_session", None)
+    session = session_of() if callable(session_of) else None
+    if isinstance(session, SQLSession):
+        with session.lock:
+            return _execute(session.connection(store, lim.memory_limit, referenced_tables(stmt.query)), stmt,
+                            bound, lim)
+    own = connect(store, memory_limit=lim.memory_limit)
+    try:
+        return _execute(own, stmt, bound, lim)
+    finally:
+        own.close()
+
+
+def _execute(con: duckdb.DuckDBPyConnection, stmt: duckdb.Statement, bound: list[Any] | dict[str, Any] | None,
+             lim: SQLLimits) -> pa.Table:
+    import duckdb
+
     fired = threading.Event()
     timer = None
     if lim.timeout is not None:
@@ -393,8 +530,6 @@ def run_sql(store: TableSource, query: str, con: duckdb.DuckDBPyConnection | Non
     finally:
         if timer is not None:
             timer.cancel()
-        if own:
-            con.close()
 
 
 def _one_line(e: BaseException) -> str:

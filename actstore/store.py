@@ -21,6 +21,8 @@ zeros (:class:`actstore.arrays.ChunkGuard`).
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterable
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -39,11 +41,12 @@ if TYPE_CHECKING:
     import duckdb
     import pandas as pd
 
-    from actstore.sql import Params
+    from actstore.sql import Params, SQLSession
 
 SEGMENT_ARRAYS = ("z", "attn", "v", "resid", "mlp")
 
 
+_SESSION_LOCK = threading.Lock()
 MAX_CHUNK_BYTES = 1 << 31  # a segment array chunk larger than this (uncompressed) is refused
 TOKENIZER_DIR = "tokenizer"  # the model's tokenizer files (``save_pretrained``), hashes in manifest model.tokenizer
 MAX_TOKENIZER_FILE_BYTES = 1 << 28
@@ -114,6 +117,7 @@ class Store:
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
         self._verified: set[str] = set()  # table shards whose SHA-256 matched their commit marker
         self._tables: dict[str, pa.Table] = {}  # table files read so far (immutable once visible)
+        self._schemas: dict[str, pa.Schema] = {}  # schema of each table file whose hash and footer were checked
         self.commits: dict[int, SegmentCommit] = {}
         self.refresh()
 
@@ -333,14 +337,14 @@ class Store:
                 raise QueryError(f"{self.url}: table {name!r} is empty")
             empty = schema.empty_table()
             return empty.select(columns) if columns else empty
-        return pa.concat_tables(parts, promote_options="default")
+        return pa.concat_tables(parts, promote_options="permissive")
 
     def _read_table_file(self, rel: str, columns: list[str] | None) -> pa.Table:
         cached = self._tables.get(rel)  # files never change once visible: read each one once
         if cached is None:
             data = self._table_bytes(rel)
             try:
-                cached = pq.read_table(pa.BufferReader(data))
+                cached = pq.ParquetFile(pa.BufferReader(data)).read()  # (pq.read_table: a dataset, slower)
             except Exception as e:
                 raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})") from None
             self._tables[rel] = cached
@@ -382,20 +386,52 @@ class Store:
             raise CorruptStoreError(f"{self.url}/{rel}{HASH_SUFFIX}: not a SHA-256 hex digest")
         return text
 
-    def check_table_shards(self) -> None:
-        """Check every visible table file not yet checked: its hash and its Parquet footer (DuckDB reads
-        local files directly, and a garbage file must be one clear error, not a DuckDB one)."""
-        for files in self.table_files().values():
-            for rel in files:
-                if rel in self._verified:
-                    continue
-                data = self._table_bytes(rel)
-                try:
-                    pq.read_metadata(pa.BufferReader(data))
-                except Exception as e:
-                    self._verified.discard(rel)
-                    raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: "
-                                            f"{' '.join(str(e).split())[:160]})") from None
+    def check_table_shards(self, names: Iterable[str] | None = None) -> None:
+        """Check every visible table file (of the tables ``names``; all when None) not yet checked: its
+        hash and its Parquet footer (DuckDB reads local files directly, and a garbage file must be one
+        clear error, not a DuckDB one).  The footer's schema is kept for :meth:`file_schema`."""
+        listed = self.table_files()
+        for name in listed if names is None else [n for n in names if n in listed]:
+            for rel in listed[name]:
+                if rel not in self._schemas:
+                    self._check_table_file(rel)
+
+    def _check_table_file(self, rel: str) -> pa.Schema:
+        data = self._table_bytes(rel)
+        try:
+            schema = pq.read_metadata(pa.BufferReader(data)).schema.to_arrow_schema()
+        except Exception as e:
+            self._verified.discard(rel)
+            raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: "
+                                    f"{' '.join(str(e).split())[:160]})") from None
+        self._schemas[rel] = schema
+        return schema
+
+    def file_schema(self, rel: str) -> pa.Schema:
+        """The Arrow schema of table file ``rel`` (checked as by :meth:`check_table_shards`, once)."""
+        cached = self._schemas.get(rel)
+        return cached if cached is not None else self._check_table_file(rel)
+
+    def sql_session(self) -> SQLSession:
+        """The store's SQL connection, kept between statements (:class:`actstore.sql.SQLSession`)."""
+        with _SESSION_LOCK:
+            session = self.__dict__.get("_sql_session")
+            if session is None:
+                from actstore.sql import SQLSession
+
+                session = self.__dict__["_sql_session"] = SQLSession()
+            return session
+
+    def close(self) -> None:
+        """Close the store's SQL connection (a later statement opens a new one)."""
+        session = self.__dict__.pop("_sql_session", None)
+        if session is not None:
+            session.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_sql_session", None)  # a connection and its lock do not travel; the copy opens its own
+        return state
 
     @overload
     def sql(self, query: str, params: Params | None = None, *, format: Literal["arrow"] = "arrow",
