@@ -232,6 +232,44 @@ def test_store_layout_exercises_padding_gqa_and_uneven_groups(stores: Any) -> No
     assert float(qwen.model.layers[0].self_attn.v_proj.bias.abs().max()) > 0  # value bias present
 
 
+# ---------------------------------------------------------------------------------------- padding
+def tokenized(ids: list[int], target: int) -> Any:
+    from ingest.records import PromptRecord, TokenizedPrompt
+
+    return TokenizedPrompt(PromptRecord("x"), ids, [(0, 0)] * len(ids), target, None, None)
+
+
+# Three prompts (tokens after the target are not fed), pad id 7, padded to 5 positions; written out by hand.
+PADDED = {
+    "left": {"ids": [[7, 7, 11, 12, 13], [21, 22, 23, 24, 25], [7, 7, 7, 7, 31]],
+             "target_pos": [4, 4, 4], "tok_pos": [2, 3, 4, 0, 1, 2, 3, 4, 4]},
+    "right": {"ids": [[11, 12, 13, 7, 7], [21, 22, 23, 24, 25], [31, 7, 7, 7, 7]],
+              "target_pos": [2, 4, 0], "tok_pos": [0, 1, 2, 0, 1, 2, 3, 4, 0]},
+}
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_pad_batch_puts_the_padding_on_the_requested_side(side: str) -> None:
+    """The batch layout and gather indices of ``pad_batch`` against a layout written by hand.  The
+    stored values do not depend on the padding side (the oracles above hold for both), so only this
+    test sees a padding side that is ignored or swapped."""
+    from ingest.batches import pad_batch
+
+    prompts = [tokenized([11, 12, 13, 14], 2), tokenized([21, 22, 23, 24, 25], 4), tokenized([31, 32], 0)]
+    b = pad_batch(prompts, 7, side, torch.device("cpu"))
+    want = PADDED[side]
+    assert b.input_ids.tolist() == want["ids"] and b.input_ids.dtype == torch.long
+    assert b.attention_mask.tolist() == [[int(t != 7) for t in row] for row in want["ids"]]
+    assert b.n_tokens == [3, 5, 1]
+    ix = b.index
+    assert ix.target_b.tolist() == [0, 1, 2] and ix.target_pos.tolist() == want["target_pos"]
+    assert ix.tok_b.tolist() == ix.src_t.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2]
+    assert ix.tok_pos.tolist() == ix.src_pos.tolist() == want["tok_pos"]
+    # each example's own positions 0..n-1 on its tokens (the pads' positions are never read)
+    pos = b.position_ids[ix.tok_b, ix.tok_pos].tolist()
+    assert pos == [0, 1, 2, 0, 1, 2, 3, 4, 0]
+
+
 # ---------------------------------------------------------------------------------------- attention
 @pytest.mark.parametrize(("arch", "side"), CASES)
 def test_oracle_rebuilds_the_models_own_head_outputs(arch: str, side: str, stores: Any) -> None:
