@@ -157,6 +157,9 @@ _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RAN
 # torchrun's own lines (its logger: "E0101 12:00:00.123000 4242 torch/distributed/...") and the
 # traceback it prints after a rank failed; the ranks' own "error: ..." lines say what went wrong.
 _LAUNCHER_LINE = re.compile(r"^(\[[^\]]*\]:)?[EWI]\d{4} \d\d:\d\d:\d\d")
+# A rank's C++ log line (glog format, e.g. "[E1201 09:31:07.04 ProcessGroupGloo.cpp:67] ..."): once a rank
+# has reported an error, the others' complaints that it went away are noise.
+_NATIVE_LOG_LINE = re.compile(r"^\[[EWIF]\d{4} \d\d:\d\d:\d\d")
 
 
 # ``python -c`` puts '' (the current directory) first on sys.path, as ``-m`` does; this removes it
@@ -234,6 +237,8 @@ def _follow(proc: subprocess.Popen[bytes], err: TextIO) -> tuple[int, str | None
         launcher = _LAUNCHER_LINE.match(text)
         if text.startswith("error: "):
             errors.append(text.strip()[len("error: "):])
+        elif errors and _NATIVE_LOG_LINE.match(text):
+            pass
         elif launcher:  # torchrun's log: drop it; its first error line starts the failure report
             quiet = quiet or text[len(launcher.group(1) or ""):].startswith("E")
         elif not quiet:
