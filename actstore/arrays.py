@@ -79,29 +79,51 @@ def runs(sorted_chunks: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def read_rows(arr: zarr.Array, rows: np.ndarray, where: str) -> np.ndarray:
-    """``arr[rows]`` for sorted row indices, reading each touched run of whole chunks once."""
+def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str | None = None) -> np.ndarray:
+    """``arr[rows]`` for sorted row indices, reading each touched run of whole chunks once.
+
+    With ``logical_dtype``, the rows come back widened to float32 (:func:`widen`), converted while
+    they are copied out of the decoded chunks (no second copy); a run of consecutive rows is taken
+    as a slice of its chunks, not gathered."""
     rows = np.asarray(rows, dtype=np.int64)
+    dtype = np.dtype(np.float32) if logical_dtype is not None else arr.dtype
     if rows.size == 0:
-        return np.zeros((0, *arr.shape[1:]), dtype=arr.dtype)
+        return np.zeros((0, *arr.shape[1:]), dtype=dtype)
     chunk = int(arr.chunks[0])
     touched = np.unique(rows // chunk)
-    parts: list[np.ndarray] = []
-    for c0, c1 in runs(touched):
+    spans = runs(touched)
+    out: np.ndarray | None = None
+    i = 0
+    for c0, c1 in spans:
         lo, hi = c0 * chunk, min(c1 * chunk, int(arr.shape[0]))
         block = _read(arr, slice(lo, hi), where)
         sel = rows[(rows >= lo) & (rows < hi)] - lo
-        parts.append(block[sel])
-    return np.concatenate(parts, axis=0)
+        consecutive = sel[-1] - sel[0] + 1 == sel.size and bool(np.all(sel[1:] != sel[:-1]))
+        piece = block[sel[0]:sel[-1] + 1] if consecutive else block[sel]
+        if len(spans) == 1:
+            return widen(piece, logical_dtype) if logical_dtype is not None else piece
+        if out is None:
+            out = np.empty((rows.size, *arr.shape[1:]), dtype=dtype)
+        if logical_dtype == "bfloat16":
+            out[i:i + sel.size] = widen(piece, logical_dtype)
+        else:
+            out[i:i + sel.size] = piece  # float16 -> float32 while copying
+        i += sel.size
+    assert out is not None
+    return out
 
 
-def read_ranges(arr: zarr.Array, starts: Sequence[int], lengths: Sequence[int], where: str) -> np.ndarray:
-    """Concatenation of ``arr[s:s+n]`` for each range, reading each touched run of chunks once."""
+def read_ranges(arr: zarr.Array, starts: Sequence[int], lengths: Sequence[int], where: str,
+                logical_dtype: str | None = None) -> np.ndarray:
+    """Concatenation of ``arr[s:s+n]`` for each range, reading each touched run of chunks once
+    (widened to float32 with ``logical_dtype``, as :func:`read_rows`)."""
     idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lengths)]) if len(
         starts
     ) else np.zeros(0, dtype=np.int64)
+    if idx.size < 2 or bool(np.all(idx[1:] > idx[:-1])):  # ascending, no repeats (rows in store order)
+        return read_rows(arr, idx, where, logical_dtype)
     order = np.argsort(idx, kind="stable")
-    got = read_rows(arr, idx[order], where)
+    got = read_rows(arr, idx[order], where, logical_dtype)
     out = np.empty_like(got)
     out[order] = got
     return out

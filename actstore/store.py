@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from actstore.arrays import NUMPY_DTYPE, ChunkGuard, check_array, read_ranges, read_rows, widen
+from actstore.arrays import NUMPY_DTYPE, ChunkGuard, check_array, read_ranges, read_rows
 from actstore.errors import CorruptStoreError, QueryError, StoreNotFoundError
 from actstore.fs import StoreLocation, locate
 from actstore.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit
@@ -215,8 +215,7 @@ class Store:
         if rows.size and (rows.min() < 0 or rows.max() >= arr.shape[0]):
             raise CorruptStoreError(f"{where}: rows {int(rows.min())}..{int(rows.max())} asked for, the array has "
                                     f"{arr.shape[0]} (the targets table disagrees with the arrays; run actstore verify)")
-        data = read_rows(arr, rows, where)
-        return widen(data, self.manifest.storage_dtype)
+        return read_rows(arr, rows, where, self.manifest.storage_dtype)
 
     def read_segment_ranges(self, seg: int, name: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Concatenated ranges of a flat (ragged) array, as float32."""
@@ -226,8 +225,7 @@ class Store:
         if starts.size and (starts.min() < 0 or lengths.min() < 0 or (starts + lengths).max() > arr.shape[0]):
             raise CorruptStoreError(f"{where}: offsets outside the array's {arr.shape[0]} entries (a table's "
                                     "src_start/n_src or tok_start/n_tokens is wrong; run actstore verify)")
-        data = read_ranges(arr, starts.tolist(), lengths.tolist(), where)
-        return widen(data, self.manifest.storage_dtype)
+        return read_ranges(arr, starts.tolist(), lengths.tolist(), where, self.manifest.storage_dtype)
 
     @cached_property
     def _weights_group(self) -> zarr.Group:

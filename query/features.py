@@ -138,38 +138,88 @@ def _pick(x: Any, idx: list[int], dim: int) -> Any:
     return x[(*pre, idx)]
 
 
-def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarray:
-    """Features of one segment's rows."""
+def row_shape(store: Store, spec: FeatureSpec, n_sources: int = 0) -> tuple[int, ...]:
+    """The shape of one row of ``spec``'s features (``n_sources``: the source axis of the source kinds)."""
+    g = store.geometry
+    n_l = len(spec.layers)
+    n_h = len(spec.heads) if spec.heads is not None else g.n_heads
+    kind = spec.kind
+    if kind == "z":
+        return (n_l, n_h, g.d_head)
+    if kind in ("attn_head", "attn_entity"):
+        return (n_l, n_h, g.d_model)
+    if kind in ("attn", "mlp", "resid"):
+        return (n_l, g.d_model)
+    if kind == "mlp_group":
+        n_g = len(spec.heads) if spec.heads is not None else (spec.groups or g.n_heads)
+        return (n_l, n_g, g.d_model)
+    if kind == "attn_prob":
+        return (n_l, n_h, n_sources)
+    return (n_l, n_h, n_sources, g.d_model)  # attn_head_token
+
+
+def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndarray | None = None) -> np.ndarray:
+    """Features of one segment's rows: [n, *row_shape] float32, C-contiguous.
+
+    ``out``: where to write them (a C-contiguous float32 array of that shape, e.g. rows of a
+    preallocated matrix); the matmuls write their results there directly (one ``bmm``/``addmm`` per
+    layer, or per layer and group, with the destination as a strided view: no copy of the result).
+    For ``attn_head_token``/``attn_prob`` its source axis may be longer than this block's longest
+    row (the tail is zero-filled).  Returns ``out`` (or a new array)."""
     g = store.geometry
     W = weights(store)
     L = list(spec.layers)
     Hs = list(spec.heads) if spec.heads is not None else list(range(g.n_heads))
     seg, rows = block.segment, block.seg_rows
     kind = spec.kind
+    n = len(rows)
+    if kind in ("attn_head_token", "attn_prob"):
+        S = int(block.n_src.max()) if n else 0
+        S = out.shape[3] if out is not None else S
+        shape = (n, *row_shape(store, spec, S))
+    else:
+        shape = (n, *row_shape(store, spec))
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise QueryError(f"compute_block: out is {out.dtype} {out.shape}, expected C-contiguous float32 {shape}")
+    if n == 0:
+        return out
+    dst = torch.from_numpy(out)
     if kind == "resid":
-        return _pick(store.read_segment_rows(seg, "resid", rows), L, 1)
+        np.copyto(out, _pick(store.read_segment_rows(seg, "resid", rows), L, 1))
+        return out
     if kind in ("mlp", "mlp_group"):
         a = torch.from_numpy(_pick(store.read_segment_rows(seg, "mlp", rows), L, 1))  # [n, l, d_mlp]
         Wd = _pick(W["W_down"], L, 0)  # [l, d_mlp, d]
         if kind == "mlp":
-            return (torch.einsum("nlf,lfd->nld", a, Wd) + _pick(W["b_down"], L, 0)).numpy()
+            bd = _pick(W["b_down"], L, 0)
+            for i in range(len(L)):
+                torch.addmm(bd[i], a[:, i], Wd[i], out=dst[:, i])
+            return out
         G = spec.groups or g.n_heads
         keep = list(spec.heads) if spec.heads is not None else list(range(G))
         bounds = group_bounds(g.d_mlp, G)
-        out = torch.empty((a.shape[0], len(L), len(keep), g.d_model))
-        for i, grp in enumerate(keep):
-            lo, hi = bounds[grp], bounds[grp + 1]
-            out[:, :, i] = torch.einsum("nlf,lfd->nld", a[:, :, lo:hi], Wd[:, lo:hi])
-        return out.numpy()
+        for i in range(len(L)):
+            for j, grp in enumerate(keep):
+                lo, hi = bounds[grp], bounds[grp + 1]
+                torch.mm(a[:, i, lo:hi], Wd[i, lo:hi], out=dst[:, i, j])
+        return out
     if kind in ("z", "attn_head", "attn"):
         z = torch.from_numpy(_pick(store.read_segment_rows(seg, "z", rows), L, 1))  # [n, l, H, dh]
         if kind == "z":
-            return _pick(z, Hs, 2).numpy()
+            dst.copy_(_pick(z, Hs, 2))
+            return out
         WO = _pick(W["W_O"], L, 0)  # [l, H, dh, d]
         if kind == "attn":
-            zf = z.reshape(z.shape[0], len(L), -1)
-            return (torch.einsum("nlk,lkd->nld", zf, WO.reshape(len(L), -1, g.d_model)) + _pick(W["b_O"], L, 0)).numpy()
-        return torch.einsum("nlhk,lhkd->nlhd", _pick(z, Hs, 2), _pick(WO, Hs, 1)).numpy()
+            zf = z.reshape(n, len(L), -1)
+            WOf = WO.reshape(len(L), -1, g.d_model)
+            bO = _pick(W["b_O"], L, 0)
+            for i in range(len(L)):
+                torch.addmm(bO[i], zf[:, i], WOf[i], out=dst[:, i])
+            return out
+        _heads_matmul(_pick(z, Hs, 2), _pick(WO, Hs, 1), dst)
+        return out
     # Kinds that need the per-source factors A and V.
     if kind == "attn_entity":
         has = block.subject_start >= 0
@@ -178,24 +228,47 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock) -> np.ndarra
     else:
         starts, lengths = block.src_start, block.n_src
     A = torch.from_numpy(_pick(_pick(store.read_segment_ranges(seg, "attn", starts, lengths), L, 1), Hs, 2))  # [N, l, h]
-    kv = torch.tensor([h // g.kv_group for h in Hs])
-    V = torch.from_numpy(_pick(store.read_segment_ranges(seg, "v", starts, lengths), L, 1))[:, :, kv]  # [N, l, h, dh]
-    n = len(rows)
-    owner = torch.repeat_interleave(torch.arange(n), torch.as_tensor(lengths, dtype=torch.long))
-    if kind == "attn_entity":
-        ze = torch.zeros((n, len(L), len(Hs), g.d_head))
-        ze.index_add_(0, owner, A[..., None] * V)  # z restricted to the subject's sources
-        return torch.einsum("nlhk,lhkd->nlhd", ze, _pick(_pick(W["W_O"], L, 0), Hs, 1)).numpy()
-    S = int(lengths.max()) if n else 0
-    local = torch.arange(A.shape[0]) - torch.repeat_interleave(
-        torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)[:-1]]) if n else np.zeros(0), dtype=torch.long),
-        torch.as_tensor(lengths, dtype=torch.long),
-    )
+    first = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # row r's sources: first[r] ..
     if kind == "attn_prob":
-        out = torch.zeros((n, len(L), len(Hs), S))
-        out[owner, :, :, local] = A
-        return out.numpy()
-    contrib = torch.einsum("slhk,lhkd->slhd", A[..., None] * V, _pick(_pick(W["W_O"], L, 0), Hs, 1))  # [N, l, h, d]
-    out = torch.zeros((n, len(L), len(Hs), S, g.d_model))
-    out[owner, :, :, local] = contrib
-    return out.numpy()
+        for r in range(n):
+            k = int(lengths[r])
+            dst[r, :, :, :k] = A[first[r]:first[r] + k].permute(1, 2, 0)
+            dst[r, :, :, k:] = 0
+        return out
+    V = torch.from_numpy(_pick(store.read_segment_ranges(seg, "v", starts, lengths), L, 1))  # [N, l, Hkv, dh]
+    AV = _weighted_values(A, V, Hs, g.kv_group)  # [N, l, h, dh]
+    WOs = _pick(_pick(W["W_O"], L, 0), Hs, 1)  # [l, h, dh, d]
+    if kind == "attn_entity":
+        owner = torch.repeat_interleave(torch.arange(n), torch.as_tensor(lengths, dtype=torch.long))
+        ze = torch.zeros((n, len(L), len(Hs), g.d_head))
+        ze.index_add_(0, owner, AV)  # z restricted to the subject's sources
+        _heads_matmul(ze, WOs, dst)
+        return out
+    # attn_head_token: per row, one bmm over (layer, head) of its sources, written into its slot.
+    lh = len(L) * len(Hs)
+    Wf = WOs.reshape(lh, g.d_head, g.d_model)
+    Sx = out.shape[3]
+    for r in range(n):
+        k = int(lengths[r])
+        x = AV[first[r]:first[r] + k].permute(1, 2, 0, 3).reshape(lh, k, g.d_head)
+        slot = dst[r].view(lh, Sx, g.d_model)
+        torch.bmm(x, Wf, out=slot[:, :k])
+        slot[:, k:] = 0
+    return out
+
+
+def _heads_matmul(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[n, l, h] = x[n, l, h] @ W[l, h]`` (x [n, l, h, k], W [l, h, k, d], out [n, l, h, d]
+    contiguous): one bmm per layer over the heads, writing through a strided view of ``out``."""
+    for i in range(x.shape[1]):
+        torch.bmm(x[:, i].transpose(0, 1), W[i], out=out[:, i].transpose(0, 1))
+
+
+def _weighted_values(A: torch.Tensor, V: torch.Tensor, heads: list[int], kv_group: int) -> torch.Tensor:
+    """``A[s, l, h] * V[s, l, kv(h)]`` -> [N, l, h, dh]: with every head, by broadcasting over each kv
+    head's group of query heads (V is not expanded to the query heads first)."""
+    N, n_l, n_kv, dh = V.shape
+    if heads == list(range(n_kv * kv_group)):
+        return (A.reshape(N, n_l, n_kv, kv_group, 1) * V.reshape(N, n_l, n_kv, 1, dh)).reshape(N, n_l, -1, dh)
+    kv = torch.tensor([h // kv_group for h in heads])
+    return A[..., None] * V[:, :, kv]
