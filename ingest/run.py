@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from actstore.errors import StoreExistsError
 from actstore.fs import StoreLocation, locate
+from actstore.invalid import InvalidSetting
 from actstore.lock import LOCK_ENV, StoreLockedError, active_writer
 from actstore.ownership import check_root
 from actstore.writer import creation_interrupted
@@ -26,26 +27,24 @@ MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 @dataclass(frozen=True)
-class IngestRequest:
+class IngestRequest(IngestConfig):
+    """One ``actstore ingest``: the capture settings of :class:`ingest.pipeline.IngestConfig` (``out``,
+    ``batch_size``, ``storage_dtype``, ``segment_size``, ``padding_side``, ``device``, ``resume``, ...),
+    written once there, and what this job adds: the model, the data set and its filters."""
+
     model: str = "smollm2-135m"
     dataset: str = "demo"
-    out: str = ""
     relations: list[str] | None = None
     limit_per_relation: int | None = None
     template: str | None = None
     keep_object_first: bool = False  # fewrel: keep instances whose object precedes the subject
-    batch_size: int = 16
-    storage_dtype: str = "float16"
     model_dtype: str = "float32"
-    device: str = "cpu"
-    segment_size: int = 256
-    padding_side: str = "right"
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool = True
-    rank: int = 0
-    world_size: int = 1
     threads: int = 0  # torch CPU threads for this ingest (0: leave torch's setting)
+
+    def capture_config(self, out: str, extra: dict[str, object]) -> IngestConfig:
+        """The pipeline's settings: this request's IngestConfig fields, with ``out`` and ``extra`` replaced."""
+        own = {f.name: getattr(self, f.name) for f in fields(IngestConfig)}
+        return IngestConfig(**(own | {"out": out, "extra": extra}))
 
 
 def _log_nothing(message: str) -> None:
@@ -55,7 +54,7 @@ def _log_nothing(message: str) -> None:
 def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing) -> IngestReport:
     """Ingest ``req.dataset`` with ``req.model`` into ``req.out``; torch's thread count is restored after."""
     if req.threads < 0:
-        raise ValueError(f"--threads must be 0 (torch's default) or more (got {req.threads})")
+        raise InvalidSetting("threads", f"must be 0 (torch's default) or more (got {req.threads})")
     old = torch.get_num_threads()
     if req.threads > 0:
         torch.set_num_threads(req.threads)
@@ -69,13 +68,14 @@ def check_sizes(batch_size: int, segment_size: int) -> None:
     """A segment holds whole batches: ``segment_size`` must be a positive multiple of ``batch_size``
     (it is used as given, never rounded)."""
     if batch_size < 1 or segment_size < 1:
-        raise ValueError(f"--batch-size ({batch_size}) and --segment-size ({segment_size}) must be positive")
+        raise InvalidSetting("batch_size" if batch_size < 1 else "segment_size",
+                             f"the batch size ({batch_size}) and the segment size ({segment_size}) must be positive")
     if segment_size % batch_size:
         near = [m for m in (segment_size - segment_size % batch_size, segment_size - segment_size % batch_size
                             + batch_size) if m > 0]
-        raise ValueError(f"--segment-size {segment_size} is not a multiple of --batch-size {batch_size} (a segment "
-                         f"holds whole batches): use --segment-size {' or '.join(map(str, near))}, or a "
-                         f"--batch-size that divides {segment_size}")
+        raise InvalidSetting("segment_size", f"{segment_size} is not a multiple of the batch size {batch_size} (a "
+                             f"segment holds whole batches): use {' or '.join(map(str, near))}, or a batch size "
+                             f"that divides {segment_size}")
 
 
 def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestRequest:
@@ -85,7 +85,7 @@ def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestR
     if req.resume and not loc.exists("manifest.json"):
         if not creation_interrupted(loc.url):
             check_root(loc, overwrite=False)  # a foreign .creating or a non-empty directory: say so
-            raise FileNotFoundError(f"--resume: no store at {loc.url} to resume")
+            raise InvalidSetting("resume", f"no store at {loc.url} to resume")
         return replace(req, resume=False)  # killed while creating: nothing was committed, start afresh
     if not req.resume and (req.rank == 0 or grouped):  # every rank of a group refuses (none waits forever)
         check_root(loc, overwrite=req.overwrite)
@@ -94,13 +94,13 @@ def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestR
 
 def _ingest_corpus(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
     if req.relations is not None and not req.relations:
-        raise ValueError("--relations: no relation ids given (leave the option out to keep every relation)")
+        raise InvalidSetting("relations", "no relation ids given (leave the setting out to keep every relation)")
     check_sizes(req.batch_size, req.segment_size)
     options: dict[str, object] = {"relations": req.relations, "limit_per_relation": req.limit_per_relation,
                                   "template": req.template, "keep_object_first": req.keep_object_first}
     data = load_dataset(req.dataset, **options)
     if not data.records:
-        raise ValueError(f"{req.dataset}: no records left after filtering")
+        raise InvalidSetting("dataset", f"{req.dataset}: no records left after filtering")
     skipped = sum(sum(v.values()) for v in data.skipped.values())
     log(f"dataset {req.dataset}: {len(data.records)} prompts in {len(data.kept)} relations ({skipped} skipped)")
     loc = locate(req.out)
@@ -125,7 +125,6 @@ def _ingest_corpus(req: IngestRequest, log: Callable[[str], None]) -> IngestRepo
 def _ingest_locked(req: IngestRequest, loc: StoreLocation, data: DatasetResult, log: Callable[[str], None]) -> IngestReport:
     from ingest.models import load_model
 
-    segment = req.segment_size
     if not req.progress:  # --quiet: no "Loading weights" bar from transformers either
         from transformers.utils import logging as hf_logging
 
@@ -140,11 +139,7 @@ def _ingest_locked(req: IngestRequest, loc: StoreLocation, data: DatasetResult, 
         "weight_hash": loaded.weight_hash,
         "dtype": req.model_dtype,
     }
-    cfg = IngestConfig(
-        out=loc.url, batch_size=req.batch_size, storage_dtype=req.storage_dtype, segment_size=segment,
-        padding_side=req.padding_side, device=req.device, resume=req.resume, overwrite=req.overwrite,
-        rank=req.rank, world_size=req.world_size, progress=req.progress,
-        extra={"dataset": req.dataset, "relations": req.relations, "limit_per_relation": req.limit_per_relation,
-               "template": req.template, "keep_object_first": req.keep_object_first, "skipped": data.skipped},
-    )
+    cfg = req.capture_config(loc.url, {
+        "dataset": req.dataset, "relations": req.relations, "limit_per_relation": req.limit_per_relation,
+        "template": req.template, "keep_object_first": req.keep_object_first, "skipped": data.skipped})
     return run_ingest(loaded.model, loaded.tokenizer, model_info, prompts, cfg)

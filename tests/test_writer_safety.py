@@ -472,9 +472,10 @@ def test_procs_ranks_do_not_import_code_from_the_working_directory(tmp_path: Pat
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--segment-size", "8"], "--segment-size 8 is not a multiple of --batch-size 16"),  # was silently 16
-    (["--segment-size", "10", "--batch-size", "4"], "use --segment-size 8 or 12"),
-    (["--segment-size", "300"], "use --segment-size 288 or 304"),
+    (["--segment-size", "8"], "--segment-size: 8 is not a multiple of the batch size 16"),  # was silently 16
+    (["--segment-size", "10", "--batch-size", "4"], "--segment-size: 10 is not a multiple of the batch size 4 "
+                                                    "(a segment holds whole batches): use 8 or 12"),
+    (["--segment-size", "300"], "use 288 or 304"),
     (["--relations", ""], "--relations: no relation ids given"),  # was: every relation
     (["--relations", " , "], "--relations: no relation ids given"),
 ], ids=["segment-below-batch", "segment-not-multiple", "segment-300", "relations-empty", "relations-commas"])
