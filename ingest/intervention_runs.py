@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.invalid import InvalidSetting
+from actstore.progress import progress_bar
 from actstore.runs import new_run_id, with_run_id, write_run
 from actstore.store import Store
 
@@ -79,9 +80,7 @@ def first_mlp_for_store(store: Store, model: str | None) -> Any:
 
 
 def _bar(total: int, desc: str, quiet: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="fact", desc=desc, disable=quiet, dynamic_ncols=True)
+    return progress_bar(total=total, unit="fact", desc=desc, enabled=not quiet)
 
 
 # ----------------------------------------------------------------------------------- tracing

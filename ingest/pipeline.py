@@ -28,6 +28,7 @@ from actstore.errors import StoreNotFoundError
 from actstore.fs import locate
 from actstore.lock import holding, writer_lock
 from actstore.manifest import STORAGE_DTYPES, Manifest
+from actstore.progress import progress_bar
 from actstore.runs import new_run_id, write_run
 from actstore.store import TOKENIZER_DIR, Store, tokenizer_file_name_ok
 from actstore.tables import EXAMPLES, TARGETS, TOKENS, sha256
@@ -427,6 +428,4 @@ class _NoBar:
 def _progress(total: int, enabled: bool) -> Any:
     if not enabled:
         return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="prompt", desc="ingest", dynamic_ncols=True)
+    return progress_bar(total=total, unit="prompt", desc="ingest")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.progress import progress_bar
 from actstore.runs import new_run_id, with_run_id, write_run
 from actstore.store import Store
 
@@ -121,7 +121,6 @@ def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[
 
 def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet) -> dict[str, Any]:
     import pyarrow as pa
-    from tqdm import tqdm
 
     from actstore.writer import write_result_table
     from query.maps import StaticScores, relation_summary, scores_table, static_scores
@@ -130,7 +129,7 @@ def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15, log
     pairs = store_token_pairs(store)
     g = store.geometry
     parts = []  # one pass per layer, for the progress bar; other layers' ranks are -1 in each part
-    for layer in tqdm(range(g.n_layers), desc="MAPS static", unit="layer", file=sys.stderr):
+    for layer in progress_bar(range(g.n_layers), desc="MAPS static", unit="layer"):
         parts.append(static_scores(proj, pairs, heads=[(layer, h) for h in range(g.n_heads)]))
     scores = {name: StaticScores(parts[0][name].pairs, np.max([p[name].rank_up for p in parts], axis=0),
                                  np.max([p[name].rank_down for p in parts], axis=0)) for name in parts[0]}

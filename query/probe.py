@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ import pyarrow as pa
 import torch
 
 from actstore.errors import QueryError
+from actstore.progress import progress_bar
 from actstore.runs import new_run_id, write_run
 from actstore.store import Store
 from query.attribution import (
@@ -336,9 +336,7 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
     token_rows: list[dict[str, Any]] = []
     pending_limit = max(1, cfg.memory_mb * 2**20 // 2)
     B = _chunk_size(n, k, q, fm.n_features, cfg.top_k if cfg.relspec else fm.n_features, cfg.memory_mb)
-    from tqdm import tqdm
-
-    bar = tqdm(total=E, desc=f"probe {fm.kind} {n}-way {k}-shot", unit="ep", disable=not progress, file=sys.stderr)
+    bar = progress_bar(total=E, desc=f"probe {fm.kind} {n}-way {k}-shot", unit="ep", enabled=progress)
     for lo in range(0, E, B):
         hi = min(E, lo + B)
         sup = torch.from_numpy(ep.support[lo:hi])
