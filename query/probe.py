@@ -94,7 +94,13 @@ class FeatureMatrix:
 def load_features(store: Store, kind: str, *, where: str | None = None, example_ids: Sequence[int] | None = None,
                   layers: Sequence[int] | None = None, heads: Sequence[int] | None = None,
                   groups: int | None = None, dtype: str = "float32", batch_rows: int = 64) -> FeatureMatrix:
-    """Stream the selection's features into one ``[N, F]`` matrix."""
+    """Stream the selection's features into one preallocated ``[N, F]`` matrix of ``dtype``.
+
+    float32: each block of at most ``batch_rows`` rows is computed straight into its rows of the
+    matrix (:func:`query.features.compute_block` with ``out``), with no intermediate array; float16:
+    into one reused float32 block buffer, then converted into the matrix's rows.  Memory: the matrix
+    plus one block (and that block's factors), whatever N."""
+    from query.features import compute_block, row_shape
     from query.selection import Selection
 
     if kind not in PROBE_KINDS:
@@ -108,16 +114,22 @@ def load_features(store: Store, kind: str, *, where: str | None = None, example_
     ids = sel.example_ids
     rel = {int(r["example_id"]): r["relation_id"] for r in
            store.sql("SELECT example_id, relation_id FROM examples").to_pylist()}
-    data: torch.Tensor | None = None
-    shape: tuple[int, ...] = ()
+    shape = row_shape(store, spec)
+    width = int(np.prod(shape))
+    data = torch.empty((len(ids), width), dtype=getattr(torch, dtype))
+    rows = data.numpy()
+    scratch = np.empty((batch_rows, *shape), dtype=np.float32) if dtype != "float32" else None
     i = 0
-    for _, x in sel.iter_features(kind, layers=spec.layers, heads=spec.heads, groups=groups, batch_rows=batch_rows):
-        if data is None:
-            shape = tuple(x.shape[1:])
-            data = torch.empty((len(ids), int(np.prod(shape))), dtype=getattr(torch, dtype))
-        data[i:i + x.shape[0]] = torch.from_numpy(x.reshape(x.shape[0], -1))
-        i += x.shape[0]
-    assert data is not None
+    for _, block in sel.blocks(batch_rows):
+        n = len(block.seg_rows)
+        if scratch is None:
+            compute_block(store, spec, block, out=rows[i:i + n].reshape(n, *shape))
+        else:
+            x = compute_block(store, spec, block, out=scratch[:n])
+            np.copyto(rows[i:i + n], x.reshape(n, width), casting="same_kind")
+        i += n
+    if i != len(ids):
+        raise QueryError(f"the selection's blocks hold {i} rows, not {len(ids)}")
     return FeatureMatrix(kind, spec.layers, spec.heads, groups, ids, [rel[int(e)] for e in ids], data, shape)
 
 

@@ -127,3 +127,18 @@ def test_compute_block_writes_into_the_rows_it_is_given(tiny_store: Path, kind: 
     np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(actstore.errors.QueryError, match="out is"):
         compute_block(store, spec, block, out=np.zeros((n + 1, *alone.shape[1:]), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["attn_head", "mlp_group", "attn_entity", "resid"])
+def test_load_features_streams_blocks_into_one_matrix(tiny_store: Path, kind: str) -> None:
+    from query.probe import load_features
+
+    store = actstore.open(tiny_store)
+    want = store.select().features(kind)
+    f32 = load_features(store, kind, batch_rows=3)  # blocks of 3 rows: several per segment, a short last one
+    f16 = load_features(store, kind, batch_rows=3, dtype="float16")
+    assert f32.data.dtype == torch.float32 and f16.data.dtype == torch.float16
+    assert f32.data.shape == (want.shape[0], int(np.prod(want.shape[1:]))) and f32.unit_shape == want.shape[1:]
+    np.testing.assert_allclose(f32.data.numpy().reshape(want.shape), want, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(f16.data.numpy(), f32.data.numpy().astype(np.float16))  # the same numbers, converted
+    assert f32.example_ids.tolist() == store.select().example_ids.tolist()
