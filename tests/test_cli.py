@@ -239,3 +239,31 @@ def test_run_records_have_one_schema(tiny_store: Path, tmp_path: Path) -> None:
     # the ingest's row and an analysis' row share the schema
     ingest_rows = actstore.open(store).sql("SELECT * FROM runs WHERE kind = 'ingest'")
     assert ingest_rows.num_rows >= 1 and ingest_rows.schema.names == RUNS_SCHEMA.names
+
+
+def test_library_log_messages_reach_stderr_at_the_chosen_level() -> None:
+    """INFO and up as ``actstore: MESSAGE`` by default, WARNING and up with --quiet, DEBUG with --debug;
+    nothing on stdout, and repeated runs do not repeat a line (one handler)."""
+    import logging
+
+    @click.command("log-probe")
+    @click.option("--quiet", is_flag=True)
+    def log_probe(quiet: bool) -> None:
+        for name, level in (("ingest.models.cache", logging.DEBUG), ("query.report", logging.INFO),
+                            ("actstore.store", logging.WARNING)):
+            logging.getLogger(name).log(level, f"{logging.getLevelName(level).lower()} from {name}")
+
+    main.add_command(log_probe)
+    try:
+        lines = {}
+        for key, argv in (("default", ["log-probe"]), ("again", ["log-probe"]), ("quiet", ["log-probe", "--quiet"]),
+                          ("debug", ["--debug", "log-probe"])):
+            r = CliRunner().invoke(main, argv)
+            assert r.exit_code == 0 and r.stdout == "", r.output
+            lines[key] = r.stderr.splitlines()
+    finally:
+        del main.commands["log-probe"]
+    assert lines["default"] == lines["again"] == ["actstore: info from query.report",
+                                                  "actstore: warning from actstore.store"]
+    assert lines["quiet"] == ["actstore: warning from actstore.store"]
+    assert lines["debug"] == ["actstore: debug from ingest.models.cache", *lines["default"]]

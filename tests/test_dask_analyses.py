@@ -264,3 +264,18 @@ def test_cli_correlate_dask(probe_run: tuple[Path, str], kg_files: list[Path], c
     assert bad.exit_code == 1 and bad.stderr == "" and len(bad.stdout.splitlines()) == 1
     err = json.loads(bad.stdout)
     assert err["exit_code"] == 1 and err["error"].startswith("give --dask")
+
+
+def test_cli_correlate_kb_by_name(probe_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--kb codex-m`` reads the public CoDEx-M graph through the data set registry (here from
+    $ACTSTORE_DATA): the same result as naming its three triple files."""
+    path, rid = probe_run
+    monkeypatch.setenv("ACTSTORE_DATA", str(FIXTURES))
+    base = ["correlate", str(path), "--run", rid, "--no-save", "--json"]
+    by_name = CliRunner().invoke(main, [*base, "--kb", "codex-m"])
+    assert by_name.exit_code == 0, by_name.output
+    files = [str(FIXTURES / "codex_m" / f"{s}.txt") for s in ("train", "valid", "test")]
+    by_files = CliRunner().invoke(main, [*base, "--kb", *files])
+    assert by_files.exit_code == 0, by_files.output
+    got, want = json.loads(by_name.stdout), json.loads(by_files.stdout)
+    assert got == want and want["kb_coverage"] > 0

@@ -14,6 +14,7 @@ damage, 130 interrupted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
@@ -61,6 +62,7 @@ class ActstoreGroup(click.Group):
         argv = list(sys.argv[1:] if args is None else args)
         debug = "--debug" in _flags_before_command(argv, self) or os.environ.get("ACTSTORE_DEBUG", "") not in ("", "0")
         as_json = _json_requested(argv)
+        setup_logging(logging.DEBUG if debug else logging.WARNING if "--quiet" in argv else logging.INFO)
 
         def fail(message: str, code: int, kind: str) -> None:
             if debug and sys.exc_info()[0] is not None:
@@ -93,6 +95,35 @@ class ActstoreGroup(click.Group):
                                                                                  "the traceback)"),
                  EXIT_ERROR, type(e).__name__)
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the ``sys.stderr`` of the moment (click's test runner swaps it per invocation)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+_HANDLER = _StderrHandler()
+_HANDLER.setFormatter(logging.Formatter("actstore: %(message)s"))
+#: The packages whose library messages (``logging.getLogger(__name__)``) the command line shows.
+LOGGED_PACKAGES = ("actstore", "ingest", "query")
+
+
+def setup_logging(level: int) -> None:
+    """Show the library's log messages on stderr as ``actstore: MESSAGE`` from ``level`` up (INFO by
+    default, WARNING with ``--quiet``, DEBUG with ``--debug``); calling it again only changes the level."""
+    for name in LOGGED_PACKAGES:
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        if _HANDLER not in logger.handlers:
+            logger.addHandler(_HANDLER)
+        logger.propagate = False
 
 
 @click.group(cls=ActstoreGroup, context_settings={"help_option_names": ["-h", "--help"]},

@@ -15,7 +15,8 @@ from actstore.cli._options import command, json_option, printable, quiet_option
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True,
               help="Alias (smollm2-135m, gemma3-270m, tiny-llama, ...), local folder or hub name.")
 @click.option("--dataset", "dataset_spec", default="demo", show_default=True,
-              help="KIND:PATH with KIND in fewrel, lre, known1000, maps, jsonl; or demo.")
+              help="KIND:PATH (KIND in fewrel, lre, known1000, maps, jsonl), a public data set by name "
+                   "(fewrel, lre, known1000, maps; docs/datasets.md), or demo.")
 @click.option("--relations", default=None, help="Comma-separated relation ids to keep.")
 @click.option("--limit-per-relation", type=int, default=None, help="At most this many prompts per relation.")
 @click.option("--template", default=None, help="Prompt template for maps pairs, e.g. 'The capital of {} is'.")

@@ -201,7 +201,7 @@ def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episo
 @click.argument("more_kb", nargs=-1)
 @run_option
 @click.option("--kb", multiple=True, help="Q-id triple files (globs allowed; the option may repeat, and "
-              "further files may follow it).")
+              "further files may follow it), or codex-m: the public CoDEx-M graph by name (docs/datasets.md).")
 @click.option("--direction", type=click.Choice(["out", "both"]), default="out", show_default=True,
               help="An entity's properties: those it has as head, or in either position.")
 @figures_option("--plots", help="Folder for one scatter PNG per predictor.")
@@ -226,9 +226,8 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
     from actstore.writer import write_result_table
     from query.distributed import dask_client
     from query.predictors import relation_predictors, scatter_plots
-    from query.probe_views import expand_files
 
-    files = expand_files((*kb, *more_kb))
+    files = _kb_files((*kb, *more_kb))
     s = open_store(store)
     with dask_client(dask_address, workers) as client:
         res = relation_predictors(s, run_id, kb=[os.path.abspath(f) for f in files], direction=direction,
@@ -261,6 +260,22 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
         else "predictions of each gold relation, |mean signed HeadScore| (gold labels)"))
     for p in pngs:
         click.echo(f"wrote {p}")
+
+
+def _kb_files(patterns: tuple[str, ...]) -> list[str]:
+    """The triple files of ``--kb``: ``codex-m`` is the public CoDEx-M graph (fetched into the data set
+    cache, or read from $ACTSTORE_DATA), anything else a glob of files."""
+    from query.probe_views import expand_files
+
+    files: list[str] = []
+    for p in patterns:
+        if p == "codex-m":
+            from ingest.datasets import fetch, triple_files
+
+            files += [str(f) for f in triple_files(fetch("codex-m"))]
+        else:
+            files += expand_files([p])
+    return files
 
 
 # --------------------------------------------------------------------------------------- shortcuts
