@@ -26,6 +26,7 @@ import torch
 from actstore._version import __version__
 from actstore.errors import StoreNotFoundError
 from actstore.fs import locate
+from actstore.invalid import InvalidSetting
 from actstore.lock import holding, writer_lock
 from actstore.manifest import STORAGE_DTYPES, Manifest
 from actstore.progress import progress_bar
@@ -108,11 +109,11 @@ class IngestConfig:
 
     def validate(self) -> None:
         if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}")
+            raise InvalidSetting("storage_dtype", f"must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}")
         if self.batch_size < 1 or self.segment_size < 1:
-            raise ValueError("--batch-size and segment size must be positive")
+            raise InvalidSetting("batch_size", "the batch size and the segment size must be positive")
         if self.segment_size % self.batch_size:
-            raise ValueError(f"segment size {self.segment_size} must be a multiple of --batch-size {self.batch_size}")
+            raise InvalidSetting("segment_size", f"{self.segment_size} must be a multiple of the batch size {self.batch_size}")
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"padding side must be left or right, not {self.padding_side!r}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:

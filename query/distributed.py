@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import QueryError
+from actstore.invalid import InvalidSetting
 from actstore.store import Store, open_store
 from query.features import FeatureSpec, RowBlock, compute_block
 from query.selection import Selection
@@ -126,12 +127,12 @@ def dask_client(address: str | None = None, workers: int | None = None) -> Itera
     """The client for ``--dask ADDRESS`` (a running scheduler) or ``--workers N`` (a local cluster
     of N single-threaded worker processes, closed on exit); ``None`` when neither is given."""
     if address and workers is not None:
-        raise QueryError("give --dask SCHEDULER_ADDRESS or --workers N, not both")
+        raise InvalidSetting("workers", "give a Dask scheduler address or a number of workers, not both")
     if not address and workers is None:
         yield None
         return
     if workers is not None and workers < 1:
-        raise QueryError(f"--workers must be at least 1, not {workers}")
+        raise InvalidSetting("workers", f"must be at least 1, not {workers}")
     try:
         from dask.distributed import Client, LocalCluster
     except ImportError:

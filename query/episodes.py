@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actstore.errors import QueryError
+from actstore.invalid import InvalidSetting
 
 
 @dataclass(frozen=True)
@@ -63,23 +64,23 @@ class EpisodeSet:
 def check_relations(labels: Sequence[str], n_way: int, per_class: int) -> dict[str, np.ndarray]:
     """Members (positions) of each relation; one clear error when the episodes cannot be drawn."""
     if n_way < 2:
-        raise QueryError(f"--n-way must be at least 2 (got {n_way})")
+        raise InvalidSetting("n_way", f"must be at least 2 (got {n_way})")
     if per_class < 2:
         raise QueryError("k-shot and queries must each be at least 1")
     arr = np.asarray(labels, dtype=object)
     if arr.size == 0:
         raise QueryError("the selection is empty: no rows to draw episodes from")
     if any(x is None for x in arr):
-        raise QueryError("some selected rows have no relation_id; restrict the selection with --where")
+        raise InvalidSetting("where", "some selected rows have no relation_id; restrict the selection")
     relations = sorted(set(arr.tolist()))
     if n_way > len(relations):
-        raise QueryError(f"--n-way {n_way} is larger than the number of relations in the selection ({len(relations)})")
+        raise InvalidSetting("n_way", f"{n_way} is larger than the number of relations in the selection ({len(relations)})")
     members = {r: np.flatnonzero(arr == r) for r in relations}
     short = [f"{r} ({m.size})" for r, m in members.items() if m.size < per_class]
     if short:
         raise QueryError(
             f"relations with fewer than k-shot + queries = {per_class} instances: {', '.join(short)}; "
-            "lower --k-shot/--queries or exclude them with --where")
+            "lower k-shot or queries, or exclude them from the selection")
     return members
 
 
@@ -87,7 +88,7 @@ def sample_episodes(labels: Sequence[str], *, n_way: int, k_shot: int, queries: 
                     seed: int) -> EpisodeSet:
     """``episodes`` episodes drawn with ``numpy.random.default_rng(seed)``."""
     if episodes < 1:
-        raise QueryError(f"--episodes must be at least 1 (got {episodes})")
+        raise InvalidSetting("episodes", f"must be at least 1 (got {episodes})")
     per = k_shot + queries
     members = check_relations(labels, n_way, per)
     relations = tuple(members)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from actstore.invalid import InvalidSetting
 from query.readout import (
     ALPHAS,
     TUNED_METHODS,
@@ -59,7 +60,7 @@ __all__ = ["ALPHAS", "TUNED_METHODS", "FinalReadout", "LensError", "LensReading"
 def split_facts(example_ids: np.ndarray, train_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(train ids, held-out ids): a seeded random split of facts."""
     if not 0 < train_fraction < 1:
-        raise LensError(f"--train-fraction must be between 0 and 1, not {train_fraction}")
+        raise InvalidSetting("train_fraction", f"must be between 0 and 1, not {train_fraction}")
     ids = np.asarray(example_ids)
     perm = np.random.default_rng(seed).permutation(ids.size)
     k = int(round(train_fraction * ids.size))

@@ -45,6 +45,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.errors import QueryError
+from actstore.invalid import InvalidSetting
 from actstore.store import Store
 from query.attribution import run_row
 from query.distributed import client_threads, run_tasks, store_of
@@ -129,24 +130,24 @@ def dataset_output_ranges(path: str | os.PathLike[str]) -> dict[str, tuple[int, 
     p = os.fspath(path)
     try:
         if not os.path.isfile(p):
-            raise QueryError(f"--dataset-file {p}: not a regular file")
+            raise InvalidSetting("dataset_file", f"{p}: not a regular file")
         if os.path.getsize(p) > MAX_DATASET_BYTES:
-            raise QueryError(f"--dataset-file {p}: larger than {MAX_DATASET_BYTES >> 20} MiB")
+            raise InvalidSetting("dataset_file", f"{p}: larger than {MAX_DATASET_BYTES >> 20} MiB")
         with open(p, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, UnicodeDecodeError) as e:
-        raise QueryError(f"--dataset-file {p}: cannot read ({e})") from None
+        raise InvalidSetting("dataset_file", f"{p}: cannot read ({e})") from None
     except (json.JSONDecodeError, RecursionError) as e:
-        raise QueryError(f"--dataset-file {p}: not JSON ({e})") from None
+        raise InvalidSetting("dataset_file", f"{p}: not JSON ({e})") from None
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
-        raise QueryError(f"--dataset-file {p}: expected FewRel's layout, an object of relation -> list of instances")
+        raise InvalidSetting("dataset_file", f"{p}: expected FewRel's layout, an object of relation -> list of instances")
     out: dict[str, tuple[int, int]] = {}
     for rel, insts in data.items():
         objs = []
         for i, inst in enumerate(insts):
             t = inst.get("t") if isinstance(inst, dict) else None
             if not (isinstance(t, list) and len(t) >= 2):
-                raise QueryError(f"--dataset-file {p}: {rel} instance {i} has no object ('t': [name, qid, spans])")
+                raise InvalidSetting("dataset_file", f"{p}: {rel} instance {i} has no object ('t': [name, qid, spans])")
             qid, name = t[1], t[0]
             objs.append(str(qid) if qid else str(name or "").strip().lower())
         out[str(rel)] = (len(objs), len(set(objs)))
@@ -288,8 +289,8 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
     if output_range not in OUTPUT_RANGES:
         raise QueryError(f"output range must be one of {', '.join(OUTPUT_RANGES)}, not {output_range!r}")
     if output_range == "dataset" and dataset_file is None:
-        raise QueryError("the output range over the data set needs its file (--dataset-file, the FewRel JSON the "
-                         "store was ingested from), or --output-range sample")
+        raise InvalidSetting("dataset_file", "the output range over the data set needs its file (the FewRel JSON "
+                             "the store was ingested from), or the output range 'sample'")
     for name, value in (("segments_per_task", segments_per_task), ("relations_per_task", relations_per_task)):
         if value is not None and value < 1:
             raise QueryError(f"{name} must be at least 1, not {value}")
@@ -301,8 +302,9 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
     if file_ranges is not None:
         missing = sorted(set(metrics) - set(file_ranges))
         if missing:
-            raise QueryError(f"--dataset-file {os.fspath(dataset_file or '')}: relation(s) {', '.join(missing[:5])} of run "
-                             f"{run_id} are not in it (not the file the store was ingested from?)")
+            raise InvalidSetting("dataset_file", f"{os.fspath(dataset_file or '')}: relation(s) "
+                                 f"{', '.join(missing[:5])} of run {run_id} are not in it (not the file the store "
+                                 "was ingested from?)")
     range_source = (f"data set file {os.path.basename(os.fspath(dataset_file or ''))}: every instance, object-first "
                     "ones included (ours; the seed counts objects in Wikidata)" if file_ranges is not None
                     else "stored sample: the run's selected instances")

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.errors import QueryError
+from actstore.invalid import InvalidSetting
 from actstore.store import Store
 from query.attribution import run_row
 from query.stats import spearman
@@ -66,7 +67,7 @@ def lexical_model(store: Store, where: str | None, n_cues: int = 20) -> LexicalM
     from sklearn.feature_extraction.text import CountVectorizer
 
     if n_cues < 1:
-        raise QueryError("--cues must be at least 1")
+        raise InvalidSetting("n_cues", f"must be at least 1 (got {n_cues})")
     cond = where if where and where.strip() else "TRUE"
     rows = store.sql(f"SELECT e.relation_id, list(t.token ORDER BY t.position) AS toks FROM examples e "
                      f"JOIN tokens t USING (example_id) WHERE e.example_id IN (SELECT example_id FROM examples "
@@ -93,7 +94,7 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
     """Spearman rho, Mass and StrongAlign-x over the run's stored error TokenScores."""
     cfg = json.loads(str(run_row(store, run_id)["config"]))
     if "token_scores" not in store.table_files():
-        raise QueryError(f"run {run_id} has no token scores (probe an attention kind with --token-scores errors)")
+        raise QueryError(f"run {run_id} has no token scores (probe an attention kind with token scores of its errors)")
     ts = store.sql("SELECT seed, episode, example_id, relation_id, predicted, scores FROM token_scores "
                    "WHERE run_id = ? AND relation_id <> predicted", [run_id]).to_pylist()
     if not ts:

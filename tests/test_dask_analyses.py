@@ -129,7 +129,7 @@ def test_cli_dask_options_bad_input(maps_store: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     for extra, want in ((["--dask", "tcp://127.0.0.1:1", "--workers", "2"], "not both"),
-                        (["--workers", "0"], "--workers must be at least 1"),
+                        (["--workers", "0"], "--workers: must be at least 1"),
                         (["--dask", f"tcp://127.0.0.1:{port}"], "cannot reach the Dask scheduler")):
         r = CliRunner().invoke(main, ["maps-dynamic", str(maps_store), "--no-save", "--quiet", "--multi-token", "first",
                                       "--min-pairs", "1", *extra])
@@ -263,7 +263,7 @@ def test_cli_correlate_dask(probe_run: tuple[Path, str], kg_files: list[Path], c
     # under --json the error is one JSON object on stdout (docs/commands.md, "Errors and exit codes")
     assert bad.exit_code == 1 and bad.stderr == "" and len(bad.stdout.splitlines()) == 1
     err = json.loads(bad.stdout)
-    assert err["exit_code"] == 1 and err["error"].startswith("give --dask")
+    assert err["exit_code"] == 1 and err["error"].startswith("--workers: give a Dask scheduler address")
 
 
 def test_cli_correlate_kb_by_name(probe_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from conftest import FIXTURES, real_data
 import actstore
 from actstore.cli import main
 from actstore.errors import QueryError
+from actstore.invalid import InvalidSetting
 from query.episodes import sample_episodes, sample_seeds
 from query.probe import (
     ProbeConfig,
@@ -79,7 +80,7 @@ def test_episodes_are_deterministic_and_well_formed() -> None:
 
 def test_episode_errors_are_clear() -> None:
     labels = ["A"] * 10 + ["B"] * 10 + ["C"] * 4
-    with pytest.raises(QueryError, match="larger than the number of relations"):
+    with pytest.raises(InvalidSetting, match="^n_way: 4 is larger than the number of relations"):
         sample_episodes(labels, n_way=4, k_shot=2, queries=2, episodes=1, seed=0)
     with pytest.raises(QueryError, match=r"C \(4\)"):
         sample_episodes(labels, n_way=2, k_shot=3, queries=2, episodes=1, seed=0)
