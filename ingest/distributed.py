@@ -182,7 +182,8 @@ def torchrun_command(procs: int, ingest_args: Sequence[str]) -> list[str]:
 
 
 def launch_ranks(procs: int, ingest_args: Sequence[str], *, out: str | None = None, stderr: TextIO | None = None,
-                 log: Callable[[str], None] | None = None) -> tuple[int, str | None]:
+                 log: Callable[[str], None] | None = None,
+                 precheck: Callable[[], None] | None = None) -> tuple[int, str | None]:
     """Run the ingest as ``procs`` ranks under torchrun on this machine and wait for it.
 
     With ``out``, the store's writer lock is taken first and held until torchrun has exited
@@ -207,6 +208,8 @@ def launch_ranks(procs: int, ingest_args: Sequence[str], *, out: str | None = No
     with writer_lock(out, command=f"actstore ingest --procs {procs}", log=log or (lambda m: None)) as lock:
         if lock is None:
             raise RankError(f"this process already writes {out}")
+        if precheck is not None:  # e.g. refuse an existing store with one line before any rank starts
+            precheck()
         env[LOCK_ENV] = lock.token
         return _run_torchrun(procs, ingest_args, env, err, lock.inheritable_fds())
 

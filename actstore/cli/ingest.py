@@ -58,13 +58,15 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
             if p.name == "procs" or value is None or not isinstance(p, click.Option) or value is False:
                 continue
             args += [p.opts[-1]] if p.is_flag else [p.opts[-1], str(value)]
-        if not resume:  # fail fast with one line, before any rank starts (the ranks check again)
+        # The launcher holds the store's writer lock until torchrun exits; the ranks run under it.
+        def refuse_existing() -> None:  # under the lock, before any rank starts (the ranks check again)
             from actstore.fs import locate
             from actstore.ownership import check_root
 
-            check_root(locate(out), overwrite=overwrite)
-        # The launcher holds the store's writer lock until torchrun exits; the ranks run under it.
-        rc, error = launch_ranks(procs, args, out=out,
+            if not resume:
+                check_root(locate(out), overwrite=overwrite)
+
+        rc, error = launch_ranks(procs, args, out=out, precheck=refuse_existing,
                                  log=lambda m: click.echo(printable(m), err=True) if not quiet else None)
         if rc != 0:
             raise click.ClickException(error or f"torchrun exited with status {rc}")
