@@ -17,7 +17,7 @@ default 4 groups (and 3, 7) do not divide, so the rule for the leftover neurons 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -251,8 +251,9 @@ PADDED = {
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_pad_batch_puts_the_padding_on_the_requested_side(side: str) -> None:
     """The batch layout and gather indices of ``pad_batch`` against a layout written by hand.  The
-    stored values do not depend on the padding side (the oracles above hold for both), so only this
-    test sees a padding side that is ignored or swapped."""
+    stored values do not depend on the padding side (the oracles above hold for both), nor, with
+    transformers' packed-sequence detection from the explicit positions, on the attention mask; so
+    only this test sees a padding side that is ignored or swapped, or a mask that is dropped."""
     from ingest.batches import pad_batch
 
     prompts = [tokenized([11, 12, 13, 14], 2), tokenized([21, 22, 23, 24, 25], 4), tokenized([31, 32], 0)]
@@ -268,6 +269,10 @@ def test_pad_batch_puts_the_padding_on_the_requested_side(side: str) -> None:
     # each example's own positions 0..n-1 on its tokens (the pads' positions are never read)
     pos = b.position_ids[ix.tok_b, ix.tok_pos].tolist()
     assert pos == [0, 1, 2, 0, 1, 2, 3, 4, 0]
+    # every tensor on the requested device (the meta device stands in for a GPU: none is needed)
+    m = pad_batch(prompts, 7, side, torch.device("meta"))
+    tensors = [m.input_ids, m.attention_mask, m.position_ids, *(getattr(m.index, f.name) for f in fields(m.index))]
+    assert len(tensors) == 9 and all(t.device.type == "meta" for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------- attention
