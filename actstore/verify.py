@@ -225,12 +225,8 @@ def _check_segment_tables(store: Store, report: VerifyReport, seg: int) -> None:
     try:
         if "targets" in tables:
             t = tables["targets"]
-            start, n_src = t.column("src_start").to_numpy(), t.column("n_src").to_numpy()
-            if t.num_rows != commit.n_rows:
-                report.problems.append(f"tables/targets/{seg_rel}: {t.num_rows} rows, commit says {commit.n_rows}")
-            if start.size and (start.min() < 0 or n_src.min() < 0 or (start + n_src).max() > commit.n_sources):
-                report.problems.append(f"tables/targets/{seg_rel}: source offsets run outside the attn array "
-                                       f"(0..{commit.n_sources})")
+            _check_spans(report, f"tables/targets/{seg_rel}", t, commit.n_rows, ("src_start", "n_src"),
+                         commit.n_sources, "source", "attn")
             rows = t.column("row").to_numpy()
             if rows.size and not np.array_equal(rows, np.arange(commit.row_start, commit.row_start + rows.size)):
                 report.problems.append(f"tables/targets/{seg_rel}: rows are not {commit.row_start}..")
@@ -238,15 +234,21 @@ def _check_segment_tables(store: Store, report: VerifyReport, seg: int) -> None:
             if not np.array_equal(seg_rows, np.arange(seg_rows.size)) or (t.column("segment").to_numpy() != seg).any():
                 report.problems.append(f"tables/targets/{seg_rel}: segment/seg_row columns do not match segment {seg}")
         if "examples" in tables:
-            ex = tables["examples"]
-            start, n_tok = ex.column("tok_start").to_numpy(), ex.column("n_tokens").to_numpy()
-            if ex.num_rows != commit.n_rows:
-                report.problems.append(f"tables/examples/{seg_rel}: {ex.num_rows} rows, commit says {commit.n_rows}")
-            if start.size and (start.min() < 0 or n_tok.min() < 0 or (start + n_tok).max() > commit.n_tokens):
-                report.problems.append(f"tables/examples/{seg_rel}: token offsets run outside the v array "
-                                       f"(0..{commit.n_tokens})")
+            _check_spans(report, f"tables/examples/{seg_rel}", tables["examples"], commit.n_rows,
+                         ("tok_start", "n_tokens"), commit.n_tokens, "token", "v")
     except (KeyError, pa.ArrowException) as e:
         report.problems.append(f"tables/*/{seg_rel}: a column is missing or has the wrong type ({e})")
+
+
+def _check_spans(report: VerifyReport, rel: str, table: pa.Table, n_rows: int, columns: tuple[str, str],
+                 bound: int, what: str, array: str) -> None:
+    """``table`` has the commit's ``n_rows`` rows, and its spans (``columns``: start, length) lie in
+    ``0..bound`` of the flat ``array``."""
+    start, length = (table.column(c).to_numpy() for c in columns)
+    if table.num_rows != n_rows:
+        report.problems.append(f"{rel}: {table.num_rows} rows, commit says {n_rows}")
+    if start.size and (start.min() < 0 or length.min() < 0 or (start + length).max() > bound):
+        report.problems.append(f"{rel}: {what} offsets run outside the {array} array (0..{bound})")
 
 
 def _check_other_tables(store: Store, report: VerifyReport) -> None:

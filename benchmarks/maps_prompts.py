@@ -105,10 +105,15 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: unknown relation(s) {', '.join(unknown)}")
         templates = {r: templates[r] for r in keep}
     rows = prompt_rows(templates, args.per_relation, seed=args.seed, exclude_examples=args.kind == "ablation")
-    out = Path(args.out)
+    write_rows(rows, args.out, len(templates))
+
+
+def write_rows(rows: list[dict[str, Any]], path: str | Path, n_relations: int) -> None:
+    """Write the prompt rows as JSON lines to ``path`` (folders made as needed) and say so."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    print(f"wrote {len(rows)} prompts for {len(templates)} relations to {out}")
+    print(f"wrote {len(rows)} prompts for {n_relations} relations to {out}")
 
 
 if __name__ == "__main__":

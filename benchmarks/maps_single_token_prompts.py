@@ -26,7 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.maps_prompts import MAPS_ROOT, ablation_templates, dynamic_templates, prompt_rows  # noqa: E402
+from benchmarks.maps_prompts import (  # noqa: E402
+    MAPS_ROOT,
+    ablation_templates,
+    dynamic_templates,
+    prompt_rows,
+    write_rows,
+)
 from ingest.models import load_model  # noqa: E402
 from query.maps import MIN_PAIRS, load_pair_files, single_token_pairs  # noqa: E402
 
@@ -60,10 +66,7 @@ def main() -> None:
         templates = {r: t for r, t in every.items() if r in kept}
         rows = prompt_rows(templates, a.per_relation, seed=a.seed, pairs_dir=Path(tmp),
                            exclude_examples=a.kind == "ablation")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    print(f"wrote {len(rows)} prompts for {len(kept)} relations to {out}")
+    write_rows(rows, a.out, len(kept))
 
 
 if __name__ == "__main__":

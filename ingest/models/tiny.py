@@ -159,86 +159,35 @@ def tiny_tokenizer(*, add_bos: bool = False) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+# Each tiny architecture: its transformers config class and how it differs from the shared small sizes
+# (the GPT-2 config names its sizes its own way, so it lists them all).
+_SMALL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "max_position_embeddings": 256}
+_TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", _SMALL | {"num_key_value_heads": 2, "head_dim": 16,
+                                       "tie_word_embeddings": True}),
+    "qwen2": ("Qwen2Config", _SMALL | {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "gemma3": ("Gemma3TextConfig", _SMALL | {
+        "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
+    "gpt2": ("GPT2Config", {"n_positions": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0,
+                            "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}),
+    "gpt_neox": ("GPTNeoXConfig", _SMALL | {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "use_parallel_residual": True, "tie_word_embeddings": False}),
+}
+
+
 def _tiny_config(arch: str, vocab_size: int, overrides: dict[str, Any]) -> PretrainedConfig:
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    if arch == "llama":
-        from transformers import LlamaConfig
+    if arch not in _TINY_CONFIGS:  # pragma: no cover
+        raise ModelError(f"unknown tiny architecture {arch!r}")
+    import transformers
 
-        kwargs = common | {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 256,
-            "tie_word_embeddings": True,
-        }
-        return LlamaConfig(**(kwargs | overrides))
-    if arch == "qwen2":
-        from transformers import Qwen2Config
-
-        kwargs = common | {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-            "tie_word_embeddings": False,
-        }
-        return Qwen2Config(**(kwargs | overrides))
-    if arch == "gemma3":
-        from transformers import Gemma3TextConfig
-
-        kwargs = common | {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 256,
-            "sliding_window": 4,
-            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-            "query_pre_attn_scalar": 16,
-            "tie_word_embeddings": True,
-        }
-        return Gemma3TextConfig(**(kwargs | overrides))
-    if arch == "gpt2":
-        from transformers import GPT2Config
-
-        kwargs = common | {
-            "n_positions": 256,
-            "n_embd": 64,
-            "n_layer": 2,
-            "n_head": 4,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "tie_word_embeddings": True,
-        }
-        return GPT2Config(**(kwargs | overrides))
-    if arch == "gpt_neox":
-        from transformers import GPTNeoXConfig
-
-        kwargs = common | {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "max_position_embeddings": 256,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-            "use_parallel_residual": True,
-            "tie_word_embeddings": False,
-        }
-        return GPTNeoXConfig(**(kwargs | overrides))
-    raise ModelError(f"unknown tiny architecture {arch!r}")  # pragma: no cover
+    class_name, sizes = _TINY_CONFIGS[arch]
+    common = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    config: PretrainedConfig = getattr(transformers, class_name)(**(common | sizes | overrides))
+    return config
 
 
 def _perturb_defaults(model: PreTrainedModel, seed: int, scale: float = 0.1) -> None:
