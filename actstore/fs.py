@@ -98,6 +98,32 @@ class StoreLocation:
             raise CorruptStoreError(f"{self.url}/{rel}: larger than {max_bytes} bytes; refusing to read it")
         return data
 
+    def read_if_regular(self, rel: str, max_bytes: int) -> bytes | None:
+        """The bytes of ``rel`` when it is a regular file of at most ``max_bytes``; None for anything
+        else (missing, locally a symbolic link, a pipe, a directory, a larger file).  Takes nothing,
+        never blocks on a named pipe (``O_NONBLOCK``), never raises for what it finds there."""
+        if self.is_local:
+            try:
+                fd = os.open(self.path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                return None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+                os.close(fd)
+                return None
+            with os.fdopen(fd, "rb", closefd=True) as f:
+                data = f.read(max_bytes + 1)
+            return None if len(data) > max_bytes else data
+        try:
+            with self.io():
+                info = self.fs.info(self.path(rel))
+                if info.get("type") != "file" or int(info.get("size") or 0) > max_bytes:
+                    return None
+                remote: bytes = self.fs.cat_file(self.path(rel))
+            return remote
+        except FileNotFoundError:
+            return None
+
     def walk_files(self, rel: str) -> list[str]:
         """Every non-directory entry below ``rel`` (recursively), as paths relative to ``rel``, sorted;
         empty when ``rel`` does not exist.  Locally, links and special files are listed too (so that

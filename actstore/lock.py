@@ -327,17 +327,8 @@ def read_holder(url: str | os.PathLike[str] | StoreLocation) -> Holder | None:
     """The record of the lock on ``url`` (None when there is none or it is unreadable); takes nothing."""
     loc = url if isinstance(url, StoreLocation) else locate(url)
     if loc.is_local:
-        path = loc.path(LOCK_NAME)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            return None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            return Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
-        finally:
-            os.close(fd)
+        data = loc.read_if_regular(LOCK_NAME, _MAX_RECORD)
+        return None if data is None else Holder.from_json(data)
     probe = WriterLock(loc, "", _log_nothing)
     return probe._read_record_s3()[0]
 

@@ -42,37 +42,9 @@ def creating_marker() -> bytes:
                        "pid": os.getpid(), "started": time.time()}, sort_keys=True).encode()
 
 
-def _read_small(loc: StoreLocation, rel: str) -> bytes | None:
-    """The bytes of a regular file of at most 16 MB, or None for anything else (missing, a link, a
-    pipe, a directory, too large)."""
-    if loc.is_local:
-        path = loc.path(rel)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_SMALL_FILE:
-                return None
-            with os.fdopen(os.dup(fd), "rb") as f:
-                return f.read(_MAX_SMALL_FILE + 1)
-        finally:
-            os.close(fd)
-    try:
-        with loc.io():
-            info = loc.fs.info(loc.path(rel))
-            if info.get("type") != "file" or int(info.get("size") or 0) > _MAX_SMALL_FILE:
-                return None
-            data: bytes = loc.fs.cat_file(loc.path(rel))
-        return data
-    except FileNotFoundError:
-        return None
-
-
 def signed_creating(loc: StoreLocation) -> bool:
     """True when ``.creating`` is actstore's marker (a regular file carrying its signature)."""
-    data = _read_small(loc, CREATING)
+    data = loc.read_if_regular(CREATING, _MAX_SMALL_FILE)
     if data is None:
         return False
     try:
@@ -84,7 +56,7 @@ def signed_creating(loc: StoreLocation) -> bool:
 
 def manifest_problem(loc: StoreLocation) -> str | None:
     """None when ``manifest.json`` is a valid actstore manifest this version reads, else why not."""
-    data = _read_small(loc, "manifest.json")
+    data = loc.read_if_regular("manifest.json", _MAX_SMALL_FILE)
     if data is None:
         return "its manifest.json is not a regular file actstore can read"
     try:

@@ -79,6 +79,17 @@ def first_mlp_for_store(store: Store, model: str | None) -> Any:
     return first_mlp_transform(loaded.model)
 
 
+def _save(store: Store, run_id: str, kind: str, started: float, config: dict[str, Any],
+          tables: dict[str, Any]) -> list[str]:
+    """Write the run's result ``tables`` (name -> Arrow table, each tagged with ``run_id``) and then its
+    ``runs`` row; return the tables' paths in the store."""
+    from actstore.writer import write_result_table
+
+    paths = [write_result_table(store, name, run_id, with_run_id(t, run_id)) for name, t in tables.items()]
+    write_run(store, run_id, kind, started, config)
+    return paths
+
+
 def _bar(total: int, desc: str, quiet: bool) -> Any:
     return progress_bar(total=total, unit="fact", desc=desc, enabled=not quiet)
 
@@ -149,13 +160,10 @@ def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
         results = tracer.trace(facts, progress=bar.update)
     out = TraceOutcome(new_run_id("trace"), results, std, dict(cfg.__dict__), time.time() - t0)
     if req.save:
-        from actstore.writer import write_result_table
-
-        rid = out.run_id
-        out.tables.append(write_result_table(store, "trace_effects", rid, with_run_id(effects_table(results), rid)))
-        out.tables.append(write_result_table(store, "trace_facts", rid, with_run_id(facts_table(results, cfg), rid)))
-        write_run(store, rid, "trace", started, {**cfg.__dict__, "noise_std": std, "model": model,
-                                                  "where": req.where, "limit": req.limit, "all_facts": req.all_facts})
+        out.tables += _save(store, out.run_id, "trace", started, {
+            **cfg.__dict__, "noise_std": std, "model": model, "where": req.where, "limit": req.limit,
+            "all_facts": req.all_facts},
+            {"trace_effects": effects_table(results), "trace_facts": facts_table(results, cfg)})
     if req.figures:
         from query.plotting import trace_average_heatmap, trace_heatmap
 
@@ -251,14 +259,10 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
         results = patcher.patch(pairs, progress=bar.update)
     out = PatchOutcome(new_run_id("patch"), results, skipped, dict(cfg.__dict__), time.time() - t0)
     if req.save:
-        from actstore.writer import write_result_table
-
-        rid = out.run_id
-        out.tables.append(write_result_table(store, "patch_effects", rid, with_run_id(effects_table(results), rid)))
-        out.tables.append(write_result_table(store, "patch_pairs", rid, with_run_id(pairs_table(results), rid)))
-        write_run(store, rid, "patch", started, {**cfg.__dict__, "model": model, "where": req.where,
-                                                  "limit": req.limit, "pairs": [f"{c}:{x}" for c, x in req.pairs],
-                                                  "skipped": skipped})
+        out.tables += _save(store, out.run_id, "patch", started, {
+            **cfg.__dict__, "model": model, "where": req.where, "limit": req.limit,
+            "pairs": [f"{c}:{x}" for c, x in req.pairs], "skipped": skipped},
+            {"patch_effects": effects_table(results), "patch_pairs": pairs_table(results)})
     return out
 
 
@@ -346,14 +350,12 @@ def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> Abla
     res = run_ablation(InterventionRunner(loaded.model), store, cfg, pairs=pairs, scores_store=other, log=say)
     out = AblateOutcome(new_run_id("ablate"), res.summary, res.rows)
     if req.save:
-        from actstore.writer import write_result_table
-
-        out.tables.append(write_result_table(store, "maps_ablation", out.run_id, with_run_id(res.table(), out.run_id)))
         config: dict[str, Any] = asdict(cfg)
         config.update(first_mlp=res.summary["first_mlp"], k_per_relation={cfg.relation: res.summary["k"]})
-        write_run(store, out.run_id, "ablate", started, {
+        out.tables += _save(store, out.run_id, "ablate", started, {
             **config, "model": model, "pairs": list(req.pairs), "scores_store": req.scores_store,
-            "static_scores": res.summary["static_scores"], "control_choice": res.summary["control_choice"]})
+            "static_scores": res.summary["static_scores"], "control_choice": res.summary["control_choice"]},
+            {"maps_ablation": res.table()})
     return out
 
 
