@@ -81,12 +81,6 @@ class MethodReading:
     mlp: np.ndarray | None = None  # [n, L] component profiles where the method has them
     attn: np.ndarray | None = None
 
-    def restrict(self, ids: np.ndarray) -> MethodReading:
-        keep = np.isin(self.example_ids, ids)
-        return MethodReading(self.method, self.example_ids[keep], self.profile[keep], self.key_layer[keep],
-                             self.verdict[keep], None if self.mlp is None else self.mlp[keep],
-                             None if self.attn is None else self.attn[keep])
-
     def table(self) -> pa.Table:
         return pa.table({
             "example_id": pa.array(self.example_ids, pa.int64()),

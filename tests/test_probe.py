@@ -20,14 +20,12 @@ from actstore.invalid import InvalidSetting
 from query.episodes import sample_episodes, sample_seeds
 from query.probe import (
     ProbeConfig,
-    _Adam,
     load_features,
     run_probe,
     run_reference,
-    train_batched,
-    train_reference,
     write_probe_tables,
 )
+from query.probe_training import _Adam, train_batched, train_reference
 from query.relspec import gather_standardized, select_features, smd_scores
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
