@@ -27,6 +27,9 @@ REQUIRE_REAL = os.environ.get("ACTSTORE_REQUIRE_REAL", "") not in ("", "0")
 # Old names, kept until every module reads its data through FIXTURES or real_data().
 SHARED_DATA = REAL_DATA
 FEWREL = REAL_DATA / "fewrel" / "val_wiki.json"
+# A small store of invented known_1000 facts (two relations, 5 facts each): trace, lens and methods tests.
+KNOWN_STORE_KW: dict[str, Any] = {"dataset": f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}", "limit": 5,
+                                  "relations": ("P30", "P103")}
 GET_DATA = ("set ACTSTORE_DATA to a folder holding the public data sets "
             "(fewrel/, lre_relations/, maps/, known_1000/, codex_m/; see tests/data/README.md for their sources)")
 
@@ -149,6 +152,17 @@ def store_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
         return cache.get_or_build(key, lambda: build_store(tmp_path_factory.mktemp("stores") / f"{arch}", arch, **kw))
 
     return make
+
+
+def fewrel_store_at(store_factory: Callable[..., Path], path: Path, segment_size: int = 64) -> Path:
+    """Tiny Llama (float32) over the first 10 kept instances of each relation of the FewRel file
+    ``path``, built on one torch thread (the tiny model's many small ops: much faster on a busy machine)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return store_factory("llama", dataset=f"fewrel:{path}", limit=10, segment_size=segment_size)
+    finally:
+        torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")

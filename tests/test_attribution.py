@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FIXTURES
+from conftest import FIXTURES, fewrel_store_at
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,12 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def fewrel_store(store_factory: Callable[..., Path]) -> Path:
     """The same float32 tiny-Llama store of the FewRel fixture as tests/test_probe.py (built once per session)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model's many small ops: much faster on one thread on a busy machine
-    try:
-        return store_factory("llama", dataset=f"fewrel:{FEWREL_FIXTURE}", limit=10, segment_size=64)
-    finally:
-        torch.set_num_threads(old)
+    return fewrel_store_at(store_factory, FEWREL_FIXTURE)
 
 
 @pytest.fixture(scope="module")

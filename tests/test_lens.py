@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FIXTURES
+from conftest import KNOWN_STORE_KW
 
 import actstore
 from ingest.models import tiny_model
@@ -25,8 +24,7 @@ from query.lens import (
     stored_residuals,
 )
 
-KNOWN = f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}"  # invented facts
-STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 5, "relations": ("P30", "P103")}
+STORE_KW = KNOWN_STORE_KW  # invented facts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

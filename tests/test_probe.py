@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FIXTURES, real_data
+from conftest import FIXTURES, fewrel_store_at, real_data
 
 import actstore
 from actstore.cli import main
@@ -31,16 +31,6 @@ from query.relspec import gather_standardized, select_features, smd_scores
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 N_RELATIONS = len(json.loads(FEWREL_FIXTURE.read_text(encoding="utf-8")))  # 8 invented relations
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def fewrel_store_at(store_factory: Callable[..., Path], path: Path) -> Path:
-    """Tiny Llama over the first 10 kept instances of each relation of the FewRel file ``path`` (float32)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model's many small ops: much faster on one thread on a busy machine
-    try:
-        return store_factory("llama", dataset=f"fewrel:{path}", limit=10, segment_size=64)
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import FIXTURES
+from conftest import KNOWN_STORE_KW
 
 import actstore
 from ingest.architectures import architecture_for as architecture_for_model
@@ -29,8 +29,7 @@ from ingest.interventions.tracing import (
 )
 from ingest.models import tiny_model
 
-KNOWN = f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}"  # invented facts
-STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 5, "relations": ("P30", "P103")}
+STORE_KW = KNOWN_STORE_KW  # invented facts
 
 
 @pytest.fixture(autouse=True)
