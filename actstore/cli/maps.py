@@ -35,6 +35,27 @@ FIRST_MLP_MODEL_HELP = ("Model whose first MLP is loaded (default: the store's m
                         "aliases).")
 
 
+def _scoring_options(multi_token_help: str,
+                     min_pairs_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options maps and maps-dynamic share: --k, --threshold, --multi-token, --min-pairs."""
+    options = [
+        click.option("--k", type=click.IntRange(min=1), default=None, help=K_HELP),
+        click.option("--threshold", type=click.FloatRange(0, 1), default=IMPLEMENTS_THRESHOLD, show_default=True,
+                     help="A head implements R when its score is at least this."),
+        click.option("--multi-token", type=click.Choice(["skip", "first"]), default="skip", show_default=True,
+                     help=multi_token_help),
+        click.option("--min-pairs", type=click.IntRange(min=0), default=MIN_PAIRS, show_default=True,
+                     help=min_pairs_help),
+    ]
+
+    def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return apply
+
+
 def _first_mlp(s: Any, model: str | None) -> Callable[[], Any]:
     """A loader of the store model's first-MLP transform (called only when a run needs it)."""
 
@@ -60,15 +81,10 @@ def _tokenizer(s: Any, name: str | None) -> Callable[[], Any]:
 @click.option("--pairs", "pair_paths", multiple=True, required=True,
               help="MAPS pair file ([[source, target], ...]) or a directory of them; repeatable.")
 @click.option("--relations", default=None, help="Comma-separated relation names (file stems) to keep.")
-@click.option("--k", type=click.IntRange(min=1), default=None, help=K_HELP)
-@click.option("--threshold", type=click.FloatRange(0, 1), default=IMPLEMENTS_THRESHOLD, show_default=True,
-              help="A head implements R when its score is at least this.")
-@click.option("--multi-token", type=click.Choice(["skip", "first"]), default="skip", show_default=True,
-              help="skip: score single-token pairs only (the authors' filter); first: a multi-token word stands "
-              "as its first token (ours).")
-@click.option("--min-pairs", type=click.IntRange(min=0), default=MIN_PAIRS, show_default=True,
-              help="Relations with fewer usable pairs are reported as excluded and scored nowhere (the authors' "
-              "min_filtered_dataset_size).")
+@_scoring_options("skip: score single-token pairs only (the authors' filter); first: a multi-token word stands "
+                  "as its first token (ours).",
+                  "Relations with fewer usable pairs are reported as excluded and scored nowhere (the authors' "
+                  "min_filtered_dataset_size).")
 @click.option("--no-final-norm", is_flag=True, help="Read heads through the raw unembedding (the paper's code) "
               "instead of the final norm's weight times it.")
 @click.option("--tokenizer", default=None, help="Tokenizer folder or name (default: the store's model).")
@@ -128,14 +144,9 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int 
 @store_argument
 @where_option
 @click.option("--relations", default=None, help="Comma-separated relation ids.")
-@click.option("--k", type=click.IntRange(min=1), default=None, help=K_HELP)
-@click.option("--threshold", type=click.FloatRange(0, 1), default=IMPLEMENTS_THRESHOLD, show_default=True,
-              help="A head implements R when its score is at least this.")
-@click.option("--multi-token", type=click.Choice(["skip", "first"]), default="skip", show_default=True,
-              help="skip: only prompts whose subject and object are one token each (the authors' filter); "
-              "first: every prompt, a multi-token word standing as its first token (ours).")
-@click.option("--min-pairs", type=click.IntRange(min=0), default=MIN_PAIRS, show_default=True,
-              help="Relations with fewer usable pairs are reported as excluded and left out.")
+@_scoring_options("skip: only prompts whose subject and object are one token each (the authors' filter); "
+                  "first: every prompt, a multi-token word standing as its first token (ours).",
+                  "Relations with fewer usable pairs are reported as excluded and left out.")
 @click.option("--pairs", "pair_paths", multiple=True,
               help="MAPS pair files or directories: count each relation's usable pairs in its file (the authors' "
               "criterion) rather than among the store's prompts (a sample of it undercounts).")
