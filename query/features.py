@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from actstore.errors import QueryError
+from actstore.invalid import InvalidSetting
 
 if TYPE_CHECKING:
     from actstore.store import Store
@@ -69,7 +70,7 @@ class FeatureSpec:
             raise QueryError(f"layer {bad[0] if bad else '(none)'} out of range for {kind}: valid 0..{n_layer_slots - 1}")
         if heads is not None:
             if kind not in HEAD_KINDS:
-                raise QueryError(f"--heads does not apply to feature kind {kind!r}")
+                raise InvalidSetting("heads", f"does not apply to feature kind {kind!r}")
             n_h = (groups or g.n_heads) if kind == "mlp_group" else g.n_heads
             hs = tuple(int(x) for x in heads)
             badh = [x for x in hs if not 0 <= x < n_h]
@@ -79,7 +80,7 @@ class FeatureSpec:
         if kind == "mlp_group":
             G = groups or g.n_heads
             if not 1 <= G <= g.d_mlp:
-                raise QueryError(f"--groups must be between 1 and d_mlp={g.d_mlp}, not {G}")
+                raise InvalidSetting("groups", f"must be between 1 and d_mlp={g.d_mlp}, not {G}")
         return cls(kind, ls, None if heads is None else tuple(heads), groups)
 
 

@@ -35,6 +35,7 @@ import pyarrow as pa
 import torch
 
 from actstore.errors import QueryError
+from actstore.invalid import InvalidSetting
 from actstore.progress import progress_bar
 from actstore.runs import new_run_id, write_run
 from actstore.store import Store
@@ -253,8 +254,9 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
     clock = _Clock()
     fm = features or load_features(store, cfg.kind, where=cfg.where, layers=cfg.layers, heads=cfg.heads,
                                    groups=cfg.groups, dtype=cfg.feature_dtype)
-    if cfg.top_k < 1 or cfg.epochs < 1 or cfg.lr <= 0:
-        raise QueryError("--top-k and --epochs must be positive and --lr above 0")
+    for name, bad in (("top_k", cfg.top_k < 1), ("epochs", cfg.epochs < 1), ("lr", cfg.lr <= 0)):
+        if bad:
+            raise InvalidSetting(name, f"must be above 0, not {getattr(cfg, name)}")
     if cfg.token_scores not in ("none", "errors", "all"):
         raise QueryError(f"token scores must be none, errors or all (got {cfg.token_scores!r})")
     check_contrast(cfg.contrast)
