@@ -13,6 +13,12 @@ measured in fresh subprocesses for a corpus and a corpus 4x (``--quick``) or 10x
 
     python benchmarks/bench_ingest.py [--quick] [--json OUT]
     python benchmarks/bench_ingest.py --memory-only --memory-prompts 64,640 [--segment-size 32]
+    python benchmarks/bench_ingest.py --length-batching --prompts 256 [--rounds 3]
+
+``--length-batching``: ingest (``run_ingest`` end to end) with batches in corpus order against
+batches sorted by prompt length within each segment (``IngestConfig(length_batching=True)``),
+shuffled interleaved rounds, with the padded token counts and a check that both stores hold the
+same rows (tables identical, values within float32 rounding).
 """
 
 from __future__ import annotations
@@ -66,14 +72,69 @@ def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool)
     return time.perf_counter() - t0
 
 
-def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str, segment_size: int = 256) -> float:
+def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str, segment_size: int = 256,
+                length_batching: bool = False) -> float:
     from ingest.pipeline import IngestConfig, run_ingest
 
     shutil.rmtree(out, ignore_errors=True)
-    cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False, segment_size=segment_size)
+    cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False, segment_size=segment_size,
+                       length_batching=length_batching)
     t0 = time.perf_counter()
     run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
     return time.perf_counter() - t0
+
+
+def padded_tokens(prompts: list[Any], batch: int, segment_size: int, by_length: bool) -> int:
+    """Tokens the forward passes run, padding included (each batch padded to its longest prompt)."""
+    from ingest.pipeline import forward_order
+
+    total = 0
+    for lo in range(0, len(prompts), segment_size):
+        seg = prompts[lo:lo + segment_size]
+        order = forward_order(seg, by_length)
+        for b in range(0, len(seg), batch):
+            members = order[b:b + batch]
+            total += len(members) * max(seg[i].target_position + 1 for i in members)
+    return total
+
+
+def compare_length_batching(loaded: Any, prompts: list[Any], batch: int, dtype: str, rounds: int,
+                            segment_size: int) -> dict[str, Any]:
+    """Ingest in corpus-order batches against length batching, shuffled interleaved rounds; the two
+    stores' arrays checked equal (within float32 rounding) and their tables identical."""
+    import numpy as np
+
+    import actstore
+
+    tmp = tempfile.mkdtemp(prefix="actstore-lenbatch-")
+    outs = {False: os.path.join(tmp, "corpus"), True: os.path.join(tmp, "sorted")}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = [False, True]
+        rng.shuffle(order)
+        for by_len in order:
+            times[by_len].append(time_ingest(loaded, prompts, batch, outs[by_len], dtype, segment_size, by_len))
+    a, b = actstore.open(outs[False]), actstore.open(outs[True])
+    worst = 0.0
+    for seg in a.commits:
+        for name in ("z", "resid", "mlp"):
+            x = a.read_segment_rows(seg, name, np.arange(a.commits[seg].n_rows))
+            y = b.read_segment_rows(seg, name, np.arange(b.commits[seg].n_rows))
+            worst = max(worst, float(np.abs(x - y).max() / np.abs(x).max()))
+    for name in ("examples", "tokens"):
+        if not a.table(name).equals(b.table(name)):
+            raise AssertionError(f"length batching changed the {name} table")
+    if worst > 1e-2:
+        raise AssertionError(f"length batching changed the stored values (max rel. difference {worst:.2e})")
+    shutil.rmtree(tmp, ignore_errors=True)
+    real = sum(p.target_position + 1 for p in prompts)
+    med = {("length_batching" if k else "corpus_order"): statistics.median(v) for k, v in times.items()}
+    return {"prompts": len(prompts), "batch": batch, "segment_size": segment_size, "rounds": rounds,
+            "seconds_median": med, "corpus_over_length_batching": med["corpus_order"] / med["length_batching"],
+            "tokens": real, "padded_tokens": {"corpus_order": padded_tokens(prompts, batch, segment_size, False),
+                                              "length_batching": padded_tokens(prompts, batch, segment_size, True)},
+            "max_rel_difference_stored": worst, "load_average": os.getloadavg()}
 
 
 def du(path: str, sub: str = "") -> int:
@@ -111,6 +172,8 @@ def main() -> None:
     ap.add_argument("--memory-prompts", default=None,
                     help="corpus sizes for peak memory, e.g. 64,640 (default: 16,64 with --quick, N,10N)")
     ap.add_argument("--segment-size", type=int, default=256, help="segment size of the peak-memory ingests")
+    ap.add_argument("--length-batching", action="store_true",
+                    help="only: ingest with batches in corpus order vs sorted by length within each segment")
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     n = args.prompts or (64 if args.quick else 256)
@@ -127,6 +190,10 @@ def main() -> None:
             Path(args.json_out).write_text(json.dumps(mem, indent=2))
         return
     loaded, prompts = load(n)
+    if args.length_batching:
+        emit(compare_length_batching(loaded, prompts, args.batch, args.dtype, rounds, args.segment_size),
+             args.json_out)
+        return
     tmp = tempfile.mkdtemp(prefix="actstore-bench-")
     out = os.path.join(tmp, "store")
     time_plain(loaded, prompts[: args.batch], args.batch, False)  # warm-up

@@ -21,7 +21,7 @@ with ``posix_fadvise(DONTNEED)`` just before (only these files).  Then, once:
 * **sql**: a fresh ``actstore.open`` + its first query on ``--sql-store`` (read only), in this
   process (imports done) and ``actstore sql`` end to end (a subprocess per call);
 * **probe**: ``query.probe.load_features`` against ``sel.features`` (rows/s) for the probe kinds,
-  with peak RSS above the start of each call (``VmHWM`` reset through ``/proc/self/clear_refs``).
+  with the peak RSS of each call above the RSS before it (``VmHWM``, one call per fresh process).
 
     python benchmarks/bench_query.py [--quick] [--store PATH] [--threads 1,2] [--json OUT]
 """
@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ class ReadCounter:
                 counter.bytes += len(buf)
             return buf
 
-        ChunkGuard.get = get  # type: ignore[method-assign]
+        ChunkGuard.get = get  # type: ignore[method-assign,assignment]
 
     def count(self, fn: Callable[[], Any]) -> tuple[int, int]:
         c0, b0 = self.chunks, self.bytes
@@ -218,33 +219,56 @@ def sql_latency(path: str, n: int) -> dict[str, Any]:
         first.append(timed(lambda: actstore.open(path).sql(FIRST_QUERY))[0])
         cpu.append(time.process_time() - c0)
         sel.append(timed(lambda: actstore.open(path).sql(sel_sql, {"r": rel}))[0])
-    exe = shutil.which("actstore", path=os.path.dirname(sys.executable)) or "actstore"
-    cli, imp = [], []
+    # What the ``actstore`` console script runs, with this checkout's packages first on the path.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cli_cmd = [sys.executable, "-c", "import sys; from actstore.cli import main; sys.argv[0] = 'actstore'; "
+               "sys.exit(main())", "sql", path, FIRST_QUERY]
+    cli, imp, cli_cpu = [], [], []
     for _ in range(max(3, n // 4)):
-        t = timed(lambda: subprocess.run([exe, "sql", path, FIRST_QUERY], check=True, capture_output=True))[0]
+        r0 = os.times()
+        t = timed(lambda: subprocess.run(cli_cmd, check=True, capture_output=True, env=env, cwd=REPO))[0]
+        r1 = os.times()
         cli.append(t)
-        imp.append(timed(lambda: subprocess.run([sys.executable, "-c", "import actstore.cli"], check=True))[0])
+        cli_cpu.append(r1.children_user + r1.children_system - r0.children_user - r0.children_system)
+        imp.append(timed(lambda: subprocess.run([sys.executable, "-c", "import actstore.cli"], check=True, env=env,
+                                                cwd=REPO))[0])
     store = actstore.open(path)
     return {"store": path, "rows": store.n_rows, "calls": n,
             "open_first_query_s": {"median": statistics.median(first), "min": min(first)},
             "open_first_query_cpu_s": statistics.median(cpu),
             "open_selection_query_s": {"median": statistics.median(sel), "min": min(sel)},
             "cli_sql_end_to_end_s": {"median": statistics.median(cli), "min": min(cli)},
+            "cli_sql_end_to_end_cpu_s": statistics.median(cli_cpu),
             "python_import_actstore_cli_s": {"median": statistics.median(imp), "min": min(imp)}}
 
 
-def _rss_peak_reset() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
+_PEAK_CODE = """
+import sys, numpy as np
+sys.path.insert(0, {repo!r})
+import actstore
+from query.probe import load_features
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field + ':'):
+            return int(line.split()[1]) * 1024
+store = actstore.open({path!r})
+sel = store.select()
+case, kind = {case!r}, {kind!r}
+rss0 = status('VmRSS')
+if case == 'raw_features':
+    x = sel.features(kind)
+else:
+    x = load_features(store, kind, dtype=case.rsplit('_', 1)[1]).data
+print('PEAK', status('VmHWM') - rss0, 'RESULT', x.nbytes if hasattr(x, 'nbytes') else x.numel() * x.element_size())
+"""
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+def peak_rss(path: str, case: str, kind: str) -> tuple[int, int]:
+    """(peak RSS above the RSS before the call, bytes of the result) of one call in a fresh process."""
+    code = _PEAK_CODE.format(repo=str(REPO), path=path, case=case, kind=kind)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=REPO).stdout
+    words = next(line for line in out.splitlines() if line.startswith("PEAK")).split()
+    return int(words[1]), int(words[3])
 
 
 def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
@@ -257,9 +281,9 @@ def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in kinds:
         cases: dict[str, Callable[[], Any]] = {
-            "raw_features": lambda k=kind: sel.features(k),
-            "load_features_float32": lambda k=kind: load_features(store, k).data,
-            "load_features_float16": lambda k=kind: load_features(store, k, dtype="float16").data,
+            "raw_features": partial(sel.features, kind),
+            "load_features_float32": partial(lambda k: load_features(store, k).data, kind),
+            "load_features_float16": partial(lambda k: load_features(store, k, dtype="float16").data, kind),
         }
         ref = cases["raw_features"]()
         for name in ("load_features_float32", "load_features_float16"):
@@ -267,59 +291,34 @@ def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
             check_equal(f"{kind} {name}", x.float().numpy().reshape(ref.shape), ref, 1e-3 if "16" in name else 1e-6)
         del ref, x
         times: dict[str, list[float]] = {k: [] for k in cases}
-        peak: dict[str, int] = {}
         rng = random.Random(1)
         for _ in range(rounds):
             order = list(cases)
             rng.shuffle(order)
             for name in order:
-                base = _rss_peak_reset()
-                t, x = timed(cases[name])
-                times[name].append(t)
-                peak[name] = max(peak.get(name, 0), _status("VmHWM") - base)
-                del x
+                times[name].append(timed(cases[name])[0])
+        peak = {name: peak_rss(path, name, kind) for name in cases}
         med = {k: statistics.median(v) for k, v in times.items()}
         n = len(sel)
         out[kind] = {"rows": n, "seconds_median": med, "rows_per_s": {k: n / v for k, v in med.items()},
                      "throughput_vs_raw": {k: med["raw_features"] / med[k] for k in med if k != "raw_features"},
-                     "peak_rss_above_start_mb": {k: v / 2**20 for k, v in peak.items()}}
+                     "peak_rss_above_start_mb": {k: v[0] / 2**20 for k, v in peak.items()},
+                     "result_mb": {k: v[1] / 2**20 for k, v in peak.items()}}
     return out
 
 
 # ------------------------------------------------------------------ main
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a 128-prompt store (when none is given), 3 rounds")
-    ap.add_argument("--store", default=None, help="an existing store (else one is ingested into a temp dir)")
-    ap.add_argument("--prompts", type=int, default=None, help="prompts to ingest without --store (512; 128 quick)")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--layers", default="10,11,12", help="layers of the selective read")
-    ap.add_argument("--threads", default="1,2", help="torch intra-op thread counts to measure, e.g. 1,2")
-    ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--sql-store", default="/tmp/fewrel-full",
-                    help="a store (6,128 FewRel rows in benchmarks/README.md; only read) for the SQL latency; "
-                         "'' to skip")
-    ap.add_argument("--sql-calls", type=int, default=20)
-    ap.add_argument("--probe-kinds", default="attn_head,mlp", help="kinds for the probe loading ('' to skip)")
-    ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
-    rounds = args.rounds or (3 if args.quick else 5)
-    thread_counts = [int(x) for x in args.threads.split(",")]
-    kinds = [k for k in args.kinds.split(",") if k]
-
+def measure_kinds(path: str, tmp: str, layer_text: str, rounds: int, thread_counts: list[int],
+                  kinds: list[str]) -> dict[str, Any]:
+    """The kinds against their floors, attn_head against the memmap, the selective read."""
     import torch
 
     import actstore
 
-    tmp = tempfile.mkdtemp(prefix="actstore-query-")
-    path = args.store
-    if path is None:
-        path = os.path.join(tmp, "store")
-        make_store(path, args.prompts or (128 if args.quick else 512))
     counter = ReadCounter()
     store = actstore.open(path)
     g = store.geometry
-    layers = [int(x) for x in args.layers.split(",")]
+    layers = [int(x) for x in layer_text.split(",")]
     rel = store.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1").to_pylist()[0]
     where = "relation_id = $rel"
     params = {"rel": rel["relation_id"]}
@@ -345,7 +344,7 @@ def main() -> None:
         read = factor_reader(store, kind, blocks)
         factors = read()
         math = factor_math(store, kind, factors)
-        cases[f"{kind}/features"] = lambda s=sel, k=kind: s.features(k)
+        cases[f"{kind}/features"] = partial(sel.features, kind)
         cases[f"{kind}/read"] = read
         cases[f"{kind}/math"] = math
         io[f"{kind}/features"] = io[f"{kind}/read"] = store_files
@@ -376,6 +375,7 @@ def main() -> None:
         for name in cases:
             for state in ("warm", "cold") if name in io else ("warm",):
                 times[f"{t}/{name}/{state}"] = []
+    cpu: dict[str, list[float]] = {k: [] for k in times}  # CPU seconds of the process (all its threads)
     rng = random.Random(0)
     for _ in range(rounds):
         order = list(times)
@@ -387,8 +387,11 @@ def main() -> None:
                 evict(io[name])
             else:
                 cases[name]()  # its files in the page cache
+            c0 = time.process_time()
             times[key].append(timed(cases[name])[0])
+            cpu[key].append(time.process_time() - c0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
 
     def m(t: int, name: str, state: str = "warm") -> float:
         return med[f"{t}/{name}/{state}"]
@@ -397,7 +400,7 @@ def main() -> None:
         "store": path, "rows": store.n_rows, "rounds": rounds, "threads": thread_counts,
         "geometry": {"L": g.n_layers, "H": g.n_heads, "d_head": g.d_head, "d_model": g.d_model, "d_mlp": g.d_mlp},
         "attn_head_token_rows": len(sel_rel), "floor_max_rel_error": checks,
-        "seconds_median": med,
+        "seconds_median": med, "cpu_seconds_median": med_cpu,
     }
     kinds_out: dict[str, Any] = {}
     for t in thread_counts:
@@ -407,7 +410,9 @@ def main() -> None:
                 kinds_out[f"{t}/{kind}/{state}"] = {
                     "features_s": m(t, f"{kind}/features", state), "read_s": m(t, f"{kind}/read", state),
                     "math_s": m(t, f"{kind}/math"), "floor_s": floor,
-                    "features_over_floor": m(t, f"{kind}/features", state) / floor}
+                    "features_over_floor": m(t, f"{kind}/features", state) / floor,
+                    "cpu_features_over_floor": med_cpu[f"{t}/{kind}/features/{state}"] / (
+                        med_cpu[f"{t}/{kind}/read/{state}"] + med_cpu[f"{t}/{kind}/math/warm"])}
     result["kinds"] = kinds_out
     if "attn_head" in kinds:
         result["attn_head_factors_over_memmap32"] = {
@@ -423,10 +428,45 @@ def main() -> None:
                        "segments": sum(os.path.getsize(f) for f in store_files),
                        "memmap32": os.path.getsize(mm_path)}
     result["load_average_during_kinds"] = os.getloadavg()
+    return result
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a 128-prompt store (when none is given), 3 rounds")
+    ap.add_argument("--store", default=None, help="an existing store (else one is ingested into a temp dir)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts to ingest without --store (512; 128 quick)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--layers", default="10,11,12", help="layers of the selective read")
+    ap.add_argument("--threads", default="1,2", help="torch intra-op thread counts to measure, e.g. 1,2")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--sql-store", default="/tmp/fewrel-full",
+                    help="a store (6,128 FewRel rows in benchmarks/README.md; only read) for the SQL latency; "
+                         "'' to skip")
+    ap.add_argument("--sql-calls", type=int, default=20)
+    ap.add_argument("--probe-kinds", default="attn_head,mlp", help="kinds for the probe loading ('' to skip)")
+    ap.add_argument("--parts", default="kinds,sql,probe", help="what to measure (kinds includes memmap, selective)")
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    rounds = args.rounds or (3 if args.quick else 5)
+    thread_counts = [int(x) for x in args.threads.split(",")]
+    kinds = [k for k in args.kinds.split(",") if k]
+
+    import torch
+
+
+    tmp = tempfile.mkdtemp(prefix="actstore-query-")
+    path = args.store
+    if path is None:
+        path = os.path.join(tmp, "store")
+        make_store(path, args.prompts or (128 if args.quick else 512))
+    result: dict[str, Any] = {"store": path, "parts": sorted(parts)}
+    if "kinds" in parts:
+        result.update(measure_kinds(path, tmp, args.layers, rounds, thread_counts, kinds))
     torch.set_num_threads(thread_counts[0])
-    if args.sql_store:
+    if args.sql_store and "sql" in parts:
         result["sql"] = sql_latency(args.sql_store, args.sql_calls)
-    probe_kinds = [k for k in args.probe_kinds.split(",") if k]
+    probe_kinds = [k for k in args.probe_kinds.split(",") if k] if "probe" in parts else []
     if probe_kinds:
         result["probe"] = probe_loading(path, probe_kinds, max(1, rounds // 2 + 1))
     result["load_average_end"] = os.getloadavg()
