@@ -38,7 +38,7 @@ MUTANTS ?= 'ingest.batches.x_pad_batch*' 'ingest.capture.x__capture_attention*' 
 	'query.features.x_group_bounds*' 'query.features.x_compute_block*' \
 	'query.attribution.x_contrast_coefficients*' 'query.attribution.x_unit_scores*' \
 	'query.attribution.xǁTokenGeometryǁproject*' 'query.relspec.*' 'query.episodes.x_sample_episodes*' \
-	'query.probe.xǁFeatureMatrixǁunit_labels*' 'query.maps.static.x_static_scores*' 'query.lens.xǁFinalReadoutǁ*' \
+	'query.probe.xǁFeatureMatrixǁunit_labels*' 'query.maps.static.x_static_scores*' 'query.readout.xǁFinalReadoutǁ*' \
 	'ingest.interventions.tracing.xǁCausalTracerǁrestore*' 'ingest.interventions.patching.x_effects_table*'
 
 mutants: install
