@@ -163,8 +163,9 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
     """Features of one segment's rows: [n, *row_shape] float32, C-contiguous.
 
     ``out``: where to write them (a C-contiguous float32 array of that shape, e.g. rows of a
-    preallocated matrix); the matmuls write their results there directly (one ``bmm``/``addmm`` per
-    layer, or per layer and group, with the destination as a strided view: no copy of the result).
+    preallocated matrix); the matmuls write their results there directly (one ``bmm``/``baddbmm`` over
+    the layers (and heads), per group for ``mlp_group``, per row for ``attn_head_token``, with the
+    destination as a strided view: no copy of the result).
     For ``attn_head_token``/``attn_prob`` its source axis may be longer than this block's longest
     row (the tail is zero-filled).  Returns ``out`` (or a new array)."""
     g = store.geometry
@@ -194,17 +195,15 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
         a = torch.from_numpy(_pick(store.read_segment_rows(seg, "mlp", rows), L, 1))  # [n, l, d_mlp]
         Wd = _pick(W["W_down"], L, 0)  # [l, d_mlp, d]
         if kind == "mlp":
-            bd = _pick(W["b_down"], L, 0)
-            for i in range(len(L)):
-                torch.addmm(bd[i], a[:, i], Wd[i], out=dst[:, i])
+            # One baddbmm over the layers, written through out's [l, n, d] view.
+            torch.baddbmm(_pick(W["b_down"], L, 0)[:, None], a.transpose(0, 1), Wd, out=dst.transpose(0, 1))
             return out
         G = spec.groups or g.n_heads
         keep = list(spec.heads) if spec.heads is not None else list(range(G))
         bounds = group_bounds(g.d_mlp, G)
-        for i in range(len(L)):
-            for j, grp in enumerate(keep):
-                lo, hi = bounds[grp], bounds[grp + 1]
-                torch.mm(a[:, i, lo:hi], Wd[i, lo:hi], out=dst[:, i, j])
+        for j, grp in enumerate(keep):  # one bmm over the layers per group
+            lo, hi = bounds[grp], bounds[grp + 1]
+            torch.bmm(a[:, :, lo:hi].transpose(0, 1), Wd[:, lo:hi], out=dst[:, :, j].transpose(0, 1))
         return out
     if kind in ("z", "attn_head", "attn"):
         z = torch.from_numpy(_pick(store.read_segment_rows(seg, "z", rows), L, 1))  # [n, l, H, dh]
@@ -215,9 +214,7 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
         if kind == "attn":
             zf = z.reshape(n, len(L), -1)
             WOf = WO.reshape(len(L), -1, g.d_model)
-            bO = _pick(W["b_O"], L, 0)
-            for i in range(len(L)):
-                torch.addmm(bO[i], zf[:, i], WOf[i], out=dst[:, i])
+            torch.baddbmm(_pick(W["b_O"], L, 0)[:, None], zf.transpose(0, 1), WOf, out=dst.transpose(0, 1))
             return out
         _heads_matmul(_pick(z, Hs, 2), _pick(WO, Hs, 1), dst)
         return out
@@ -260,9 +257,13 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
 
 def _heads_matmul(x: torch.Tensor, W: torch.Tensor, out: torch.Tensor) -> None:
     """``out[n, l, h] = x[n, l, h] @ W[l, h]`` (x [n, l, h, k], W [l, h, k, d], out [n, l, h, d]
-    contiguous): one bmm per layer over the heads, writing through a strided view of ``out``."""
-    for i in range(x.shape[1]):
-        torch.bmm(x[:, i].transpose(0, 1), W[i], out=out[:, i].transpose(0, 1))
+    contiguous): one bmm over all (layer, head) pairs, written through out's [l*h, n, d] strided view
+    (BLAS takes its row stride as the leading dimension: no copy of the result)."""
+    n, n_l, n_h, k = x.shape
+    lh = n_l * n_h
+    xs = x.reshape(n, lh, k) if x.is_contiguous() else x.contiguous().view(n, lh, k)
+    Ws = W.reshape(lh, k, W.shape[-1])
+    torch.bmm(xs.transpose(0, 1), Ws, out=out.view(n, lh, out.shape[-1]).transpose(0, 1))
 
 
 def _weighted_values(A: torch.Tensor, V: torch.Tensor, heads: list[int], kv_group: int) -> torch.Tensor:
