@@ -190,7 +190,7 @@ def test_report_command(report_store: Path, tmp_path: Path) -> None:
     out = tmp_path / "sub" / "r.html"
     res = CliRunner().invoke(main, ["report", str(report_store), "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)  # stdout: the JSON object; stderr: the log lines ("actstore: report: ...")
     assert d["sections"] == ALL_SECTIONS and d["images"] >= 20 and out.stat().st_size == d["bytes"]
     bad = CliRunner().invoke(main, ["report", str(tmp_path / "nope"), "--out", str(out)])
     assert bad.exit_code == 1 and bad.output.count("\n") == 1 and bad.output.startswith("error: no actstore store")
