@@ -31,17 +31,26 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
 from actstore.errors import CorruptStoreError, QueryError, ReadOnlySQLError
+from actstore.sql_limits import (  # noqa: F401 - part of this module's interface
+    DEFAULT_MEMORY_LIMIT,
+    DEFAULT_TIMEOUT,
+    GROWTH_FACTOR,
+    GROWTH_SLACK,
+    SQLLimits,
+    _process_growth_cap,
+    check_memory_limit,
+    current_limits,
+    limits,
+    size_bytes,
+)
+from actstore.sql_render import render  # noqa: F401 - part of this module's interface
 
 if TYPE_CHECKING:  # duckdb and pyarrow.dataset are imported when a statement runs: the CLI starts fast
     import duckdb
@@ -71,69 +80,7 @@ class TableSource(Protocol):
     def file_schema(self, rel: str) -> pa.Schema: ...
 
 ALLOWED_STATEMENTS = {"SELECT"}
-DEFAULT_MEMORY_LIMIT = "4GB"
-DEFAULT_TIMEOUT = 600.0  # seconds
 THREADS = 2
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
-
-
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def size_bytes(text: str) -> int:
-    """``"512MB"`` -> 512_000_000 (DuckDB's units: KB/MB/GB powers of 1000, KiB/MiB/GiB of 1024)."""
-    m = _SIZE.match(check_memory_limit(text))
-    assert m is not None
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def check_memory_limit(text: str) -> str:
-    """``text`` if it is a size DuckDB understands (``512MB``, ``4GB``, ``1.5GiB``), else a QueryError."""
-    if not isinstance(text, str) or not _SIZE.match(text):
-        raise QueryError(f"SQL memory limit {text!r} is not a size like 512MB or 4GB")
-    return text.strip()
-
-
-@dataclass(frozen=True)
-class SQLLimits:
-    """What one SQL statement may use.  ``timeout``: seconds, ``None`` for no time limit."""
-
-    memory_limit: str = DEFAULT_MEMORY_LIMIT
-    timeout: float | None = DEFAULT_TIMEOUT
-
-    def __post_init__(self) -> None:
-        check_memory_limit(self.memory_limit)
-        if self.timeout is not None and not self.timeout > 0:
-            raise QueryError(f"SQL time limit must be a positive number of seconds (got {self.timeout!r})")
-
-
-_LIMITS: ContextVar[SQLLimits | None] = ContextVar("actstore_sql_limits", default=None)  # None: the defaults
-
-
-def current_limits(memory_limit: str | None = None, timeout: float | None = None) -> SQLLimits:
-    """The limits in force (see :func:`limits`), with ``memory_limit`` / ``timeout`` overriding them."""
-    lim = _LIMITS.get() or SQLLimits()
-    if memory_limit is not None:
-        lim = replace(lim, memory_limit=memory_limit)
-    if timeout is not None:
-        lim = replace(lim, timeout=None if timeout == 0 else timeout)  # a negative one is refused
-    return lim
-
-
-@contextmanager
-def limits(memory_limit: str | None = None, timeout: float | None = None) -> Iterator[SQLLimits]:
-    """Run every SQL statement inside the block with these limits (``timeout=0``: no time limit).
-
-    >>> with actstore.sql.limits(memory_limit="1GB", timeout=30):
-    ...     store.select("relation_id = 'P17'")
-    """
-    token = _LIMITS.set(current_limits(memory_limit, timeout))
-    try:
-        yield current_limits()
-    finally:
-        _LIMITS.reset(token)
 
 
 def _quote(name: str) -> str:
@@ -367,89 +314,6 @@ def predicate(where: str) -> str:
     return "(\n" + where + "\n)"
 
 
-# DuckDB's memory_limit covers its buffer manager (hash tables, sorts, materialised results), not the
-# vectors a scalar function fills: range(1000000000) builds an 8 GB list whatever the limit.  So while a
-# statement runs, the process's data segment (RLIMIT_DATA: heap and private mappings, Linux) may grow by
-# at most GROWTH_FACTOR x the memory limit + GROWTH_SLACK (the result as Arrow, data in flight); an
-# allocation past that fails and DuckDB ends the statement with its out-of-memory error.
-GROWTH_FACTOR = 2
-GROWTH_SLACK = 256 << 20
-
-
-def _data_bytes() -> int | None:
-    """The process's data segment in bytes (VmData), None where /proc does not say."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmData:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-class _GrowthCap:
-    """RLIMIT_DATA set to (data segment when the first statement started) + the sum of the running
-    statements' allowances; restored when the last one ends.  A no-op without RLIMIT_DATA or /proc."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.active = 0
-        self.budget = 0
-        self.saved: tuple[int, int] | None = None
-
-    def _apply(self) -> None:
-        import resource
-
-        assert self.saved is not None
-        soft, hard = self.saved
-        cap = self.budget
-        for other in (soft, hard):  # never looser than a limit the user set
-            if other != resource.RLIM_INFINITY:
-                cap = min(cap, other)
-        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
-
-    def _enter(self, extra: int) -> bool:
-        try:
-            import resource
-        except ImportError:
-            return False
-        with self.lock:
-            if self.active == 0:
-                now = _data_bytes()
-                if now is None:
-                    return False
-                self.saved = resource.getrlimit(resource.RLIMIT_DATA)
-                self.budget = now
-            self.budget += extra
-            self.active += 1
-            self._apply()
-        return True
-
-    def _exit(self, extra: int) -> None:
-        import resource
-
-        with self.lock:
-            self.active -= 1
-            self.budget -= extra
-            if self.active == 0:
-                assert self.saved is not None
-                resource.setrlimit(resource.RLIMIT_DATA, self.saved)
-                self.saved = None
-            else:
-                self._apply()
-
-    @contextmanager
-    def __call__(self, extra: int) -> Iterator[None]:
-        entered = self._enter(extra)
-        try:
-            yield
-        finally:
-            if entered:
-                self._exit(extra)
-
-
-_process_growth_cap = _GrowthCap()
 
 
 def check_params(params: object) -> list[Any] | dict[str, Any] | None:
@@ -534,70 +398,3 @@ def _execute(con: duckdb.DuckDBPyConnection, stmt: duckdb.Statement, bound: list
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
-
-
-# ------------------------------------------------------------------ printing results
-def _is_plain(t: pa.DataType) -> bool:
-    """A type pandas and the Arrow CSV writer both print as is."""
-    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
-                or pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_decimal(t)
-                or pa.types.is_date(t) or pa.types.is_time(t) or pa.types.is_timestamp(t))
-
-
-def _text(value: object) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple, dict)):  # LIST, ARRAY, STRUCT, MAP: as JSON
-        return json.dumps(value, default=str, ensure_ascii=False)
-    return str(value)
-
-
-def _as_text(table: pa.Table) -> pa.Table:
-    """``table`` with every column that is not a plain scalar (LIST, STRUCT, MAP, UNION, INTERVAL, BLOB, ...)
-    turned into text, lists and structs as JSON."""
-    cols = [c if _is_plain(c.type) else pa.array([_text(v) for v in c.to_pylist()], pa.string())
-            for c in table.columns]
-    return pa.Table.from_arrays(cols, names=table.column_names)
-
-
-def _escape(text: str) -> str:
-    """Control characters as escapes (``\\x1b``, ``\\n``): a table printed to a terminal cannot drive it."""
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
-
-
-def render(table: pa.Table, fmt: str) -> str:
-    """A query result as text: ``table`` (aligned columns, for reading), ``csv`` or ``json``.
-
-    Every result prints, LIST, STRUCT and MAP columns included (as JSON); a failure is a QueryError
-    starting ``SQL error:``.
-    """
-    try:
-        if fmt == "json":
-            return json.dumps(table.to_pylist(), default=str)
-        text = _as_text(table)
-        if fmt == "csv":
-            import io
-
-            import pyarrow.csv as pacsv
-
-            buf = io.BytesIO()
-            pacsv.write_csv(text, buf)
-            return buf.getvalue().decode("utf-8").rstrip("\n")
-        if fmt != "table":
-            raise QueryError(f"unknown output format {fmt!r} (table, csv, json)")
-        import pandas as pd
-
-        df = text.to_pandas()
-        df.columns = [_escape(str(c)) for c in df.columns]
-        for i, t in enumerate(text.schema.types):
-            if pa.types.is_string(t) or pa.types.is_large_string(t):
-                df.isetitem(i, df.iloc[:, i].map(lambda v: _escape(v) if isinstance(v, str) else v))
-        with pd.option_context("display.max_rows", 200, "display.max_columns", 50, "display.width", 200,
-                               "display.max_colwidth", 60):
-            return str(df.to_string(index=False))
-    except QueryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any printing failure is one line naming the format
-        raise QueryError(f"SQL error: cannot print the result as {fmt}: {type(e).__name__}: {_one_line(e)}") from None

@@ -315,7 +315,7 @@ def test_printing_failure_is_one_sql_error_line(cwd: Work, monkeypatch: pytest.M
     """Whatever fails while a result is printed, the user gets one ``SQL error:`` line."""
     import pyarrow as pa
 
-    import actstore.sql as sqlmod
+    import actstore.sql_render as sqlmod
 
     def broken(table: pa.Table) -> pa.Table:
         raise pa.ArrowNotImplementedError("Unsupported Type:list<l: int32>\nsecond line")
