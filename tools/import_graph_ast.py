@@ -13,6 +13,9 @@ import ast
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from import_graph import strongly_connected  # noqa: E402 - the same SCC routine as the grimp count
+
 PACKAGES = ("actstore", "ingest", "query")
 
 
@@ -50,56 +53,11 @@ def edges(mods: dict[str, Path]) -> set[tuple[str, str]]:
     return out
 
 
-def components(nodes: list[str], graph: dict[str, list[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (iterative Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    found: list[list[str]] = []
-    counter = 0
-    for start in nodes:
-        if start in index:
-            continue
-        work = [(start, 0)]
-        while work:
-            v, i = work.pop()
-            if i == 0:
-                index[v] = low[v] = counter
-                counter += 1
-                stack.append(v)
-                on.add(v)
-            succ = graph[v]
-            if i < len(succ):
-                work.append((v, i + 1))
-                w = succ[i]
-                if w not in index:
-                    work.append((w, 0))
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-                continue
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1:
-                    found.append(sorted(comp))
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[v])
-    return found
-
-
 def main() -> None:
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]
     mods = modules(root)
     es = edges(mods)
-    graph = {m: sorted(b for a, b in es if a == m) for m in mods}
-    sccs = components(sorted(mods), graph)
+    sccs = strongly_connected({m: {b for a, b in es if a == m} for m in mods})
     print(f"modules {len(mods)} edges {len(es)} cyclic-groups {len(sccs)} modules-in-cycles {sum(map(len, sccs))}")
     for c in sccs:
         print("  cycle:", c)
