@@ -454,7 +454,6 @@ def main() -> None:
 
     import torch
 
-
     tmp = tempfile.mkdtemp(prefix="actstore-query-")
     path = args.store
     if path is None:
