@@ -93,6 +93,25 @@ def snapshot(*roots: Path) -> dict[str, str]:
     return out
 
 
+def pause(proc: subprocess.Popen[str]) -> None:
+    """SIGSTOP ``proc`` and wait until every one of its threads has stopped: the signal is delivered
+    asynchronously, and a thread still finishing a write would change the store after a snapshot."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            try:
+                text = (task / "stat").read_text()
+            except OSError:
+                continue
+            states.append(text[text.rindex(")") + 2])
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {proc.pid} did not stop within 60 s of SIGSTOP")
+
+
 def wait_until(ok: Callable[[], bool], proc: subprocess.Popen[str], what: str) -> None:
     """Poll ``ok`` while ``proc`` runs; fail (with its stderr) if it exits first."""
     deadline = time.monotonic() + 300
@@ -297,7 +316,7 @@ def test_overwrite_while_another_ingest_writes(tmp_path: Path) -> None:
     first = start(["ingest", *BIG, "--quiet", "--out", str(out)])
     try:
         wait_until(lambda: commits(out) >= 2, first, "committing segments")
-        first.send_signal(signal.SIGSTOP)  # mid-ingest, holding the lock
+        pause(first)  # mid-ingest, holding the lock
         assert first.poll() is None and commits(out) < 45, "the first writer finished before it could be paused"
         before = snapshot(tmp_path)
         second = run(["ingest", *SMALL, "--overwrite", "--out", str(out)])
@@ -327,7 +346,7 @@ def test_two_fresh_ingests_of_different_data(tmp_path: Path) -> None:
     first = start(["ingest", *BIG, "--quiet", "--out", str(out)])
     try:
         wait_until(held_by(out, first.pid), first, "taking the lock")
-        first.send_signal(signal.SIGSTOP)
+        pause(first)
         before = snapshot(tmp_path)
         second = run(["ingest", *TINY, "--dataset", f"jsonl:{other}", "--quiet", "--out", str(out)])
         line = one_error(second.returncode, second.stderr)
@@ -350,7 +369,7 @@ def test_a_second_writer_after_the_manifest_names_the_holder(tmp_path: Path) -> 
     first = start(["ingest", *BIG, "--quiet", "--out", str(out)])
     try:
         wait_until(lambda: (out / "manifest.json").exists(), first, "writing its manifest")
-        first.send_signal(signal.SIGSTOP)
+        pause(first)
         before = snapshot(tmp_path)
         for extra in ([], ["--resume"], ["--procs", "2"]):
             second = run(["ingest", *SMALL, *extra, "--out", str(out)])
