@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from actstore.errors import QueryError
 from actstore.sql import Params, check_params, predicate, run_sql, subquery
 from actstore.store import Store
-from query.features import FeatureSpec, RowBlock, compute_block
+from query.features import FeatureSpec, RowBlock, compute_block, row_shape
 from query.labelled import SOURCE_KINDS, dask_features, to_dataarray
 
 if TYPE_CHECKING:
@@ -443,18 +443,28 @@ class Selection:
         d_model]; ``resid`` [n, l, d_model]; ``attn_head_token`` [n, l, h, S, d_model] and
         ``attn_prob`` [n, l, h, S], zero beyond each row's sources (:meth:`source_mask`).
 
-        A selection within one segment returns the computed block itself (no copy); several segments
-        are written once into the result.
+        A selection within one segment returns the computed block itself; for several segments each
+        block is computed straight into its rows of the result (no intermediate copy).
         """
         if output == "xarray":
             return self.to_xarray(kind, layers=layers, heads=heads, groups=groups)
         spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
         if output not in ("numpy", "torch"):
             raise QueryError(f"unknown output {output!r} (numpy, torch, xarray)")
-        parts = [compute_block(self.store, spec, b) for _, b in self.blocks()]
-        if not parts:
+        blocks = [b for _, b in self.blocks()]
+        if not blocks:
             raise QueryError("the selection is empty")
-        return _convert(_stack(parts, kind), output)
+        if len(blocks) == 1:
+            return _convert(compute_block(self.store, spec, blocks[0]), output)
+        # Several segments: each block's matmuls write straight into its rows of one result (no
+        # per-block array, no second copy); compute_block zero-fills a source axis beyond a block's rows.
+        S = self.n_sources() if kind in SOURCE_KINDS else 0
+        out = np.empty((sum(len(b.seg_rows) for b in blocks), *row_shape(self.store, spec, S)), np.float32)
+        at = 0
+        for b in blocks:
+            compute_block(self.store, spec, b, out=out[at:at + len(b.seg_rows)])
+            at += len(b.seg_rows)
+        return _convert(out, output)
 
     def to_xarray(
         self,
@@ -493,27 +503,6 @@ class Selection:
         spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
         blocks = [(len(ids), b) for ids, b in self.blocks(batch_rows)]
         return dask_features(self.store, spec, blocks, self.n_sources())
-
-
-def _stack(parts: list[np.ndarray], kind: str) -> np.ndarray:
-    """The blocks' features as one array: the only block itself, or one array written once (the
-    source axis of source kinds zero-padded to the longest)."""
-    S = max(p.shape[3] for p in parts) if kind in SOURCE_KINDS else None
-    if len(parts) == 1 and (S is None or parts[0].shape[3] == S):
-        return parts[0]
-    shape = list(parts[0].shape)
-    shape[0] = sum(p.shape[0] for p in parts)
-    if S is not None:
-        shape[3] = S
-    out = (np.zeros if S is not None else np.empty)(shape, dtype=np.result_type(*parts))
-    at = 0
-    for p in parts:
-        if S is not None:
-            out[at:at + p.shape[0], :, :, :p.shape[3]] = p
-        else:
-            out[at:at + p.shape[0]] = p
-        at += p.shape[0]
-    return out
 
 
 def _convert(x: np.ndarray, output: str) -> Any:
