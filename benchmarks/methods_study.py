@@ -13,8 +13,10 @@ quote the run ids):
 2. causal tracing of that order in chunks of ``--chunk`` facts (one trace run each) until
    ``--trace-minutes`` have passed (or ``--max-facts`` are traced): MLP and attention, window 10;
 3. activation patching of the traced facts (MLP and attention outputs per layer, no heads);
-4. every method's reading (:func:`query.method_metrics.study_readings`), the located sites, and the
-   interventions on them and on random layers (``site_effects``, knock-out and restore);
+4. every method's reading (:func:`query.method_metrics.study_readings`; the tuned lens trained with
+   ``--tuned`` adam, sgd or ridge on the facts not traced, ``--tuned-steps`` of ``--tuned-batch``
+   facts, recorded in the state as ``tuned_lens``), the located sites, and the interventions on
+   them and on random layers (``site_effects``, knock-out and restore);
 5. the metrics (:func:`query.method_metrics.compute_metrics`) per method, overall and per stratum,
    the pair table with bootstrap intervals, and the cross-size row; written to the store
    (``method_metrics``, ``method_pair_metrics``, ``method_cross_size``) and to ``--json``.
@@ -28,6 +30,7 @@ import random
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -154,13 +157,28 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         study_readings,
         write_tables,
     )
-    from query.methods import default_tolerance, key_mlp_at_subject
+    from query.methods import COMPARISON_TRAIN, default_tolerance, key_mlp_at_subject
 
     started = time.time()
     methods = [m for m in a.methods.split(",") if m]
     if not state.get("patch_run") and "patch" in methods:
         methods.remove("patch")
-    readings = study_readings(store, methods, state["trace_runs"], state.get("patch_run"))
+    tuned_config = replace(COMPARISON_TRAIN, steps=a.tuned_steps, batch=a.tuned_batch, lr=a.tuned_lr,
+                           seed=a.tuned_seed, device=a.device)
+    t_lens = time.time()
+
+    def progress(step: int, loss: float) -> None:
+        if step == 1 or step % 25 == 0 or step == a.tuned_steps:
+            log(f"tuned lens ({a.tuned}): step {step}/{a.tuned_steps}, sum of per-index KL {loss:.4f}, "
+                f"{time.time() - t_lens:.0f}s")
+
+    readings = study_readings(store, methods, state["trace_runs"], state.get("patch_run"), tuned=a.tuned,
+                              tuned_config=tuned_config, progress=progress)
+    if "tuned_lens" in readings:
+        state["tuned_lens"] = readings["tuned_lens"].info
+        save_state(state_path, state)
+        log(f"tuned lens ({a.tuned}): {state['tuned_lens']['train_facts']} training facts, "
+            f"{state['tuned_lens']['seconds']:.0f}s")
     log("readings: " + ", ".join(f"{m} {len(r.example_ids)}" for m, r in readings.items()))
     sites = sites_by_fact(located_sites(r) for r in readings.values())
     ids = sorted(sites)
@@ -192,7 +210,8 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
     all_ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
     strata = store_strata(store, all_ids)
     summary: dict[str, Any] = {"model": store.manifest.model.get("name"), "n_layers": L, "tolerance": tol,
-                               "readings": {m: int(len(r.example_ids)) for m, r in readings.items()}}
+                               "readings": {m: int(len(r.example_ids)) for m, r in readings.items()},
+                               "tuned_lens": state.get("tuned_lens")}
     for i, mode in enumerate(effects or {"none": None}):
         res = compute_metrics(list(readings.values()), strata, tol, effects.get(mode), resamples=a.resamples)
         trace = readings.get("trace")
@@ -204,7 +223,8 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         write_tables(store, rid, res, cross, {"mode": mode, "trace_runs": state["trace_runs"],
                                               "patch_run": state.get("patch_run"),
                                               "effects_run": state.get(f"effects_{mode}_run"),
-                                              "methods": list(readings), "tolerance": tol}, started)
+                                              "methods": list(readings), "tolerance": tol,
+                                              "tuned_lens": state.get("tuned_lens")}, started)
         state[f"metrics_{mode}_run"] = rid
         summary[mode] = {"run_id": rid, "metrics": res.metrics.to_pylist(), "pairs": res.pairs.to_pylist()}
         if cross is not None:
@@ -228,6 +248,15 @@ def _ci(r: dict[str, Any], pct: bool = False) -> str:
     return f"{f(r['value'])} [{f(r['low'])}, {f(r['high'])}]"
 
 
+def method_label(method: str, d: dict[str, Any]) -> str:
+    """How the tables name a method: the tuned lens with its fitting rule, "tuned lens (adam)".  Outputs
+    written before the rule was recorded come from the ridge fit (the only one the study had)."""
+    if method != "tuned_lens":
+        return method
+    tl = d.get("tuned_lens") or d.get("state", {}).get("tuned_lens") or {}
+    return f"tuned lens ({tl.get('method', 'ridge')})"
+
+
 def cmd_tables(a: argparse.Namespace) -> None:
     """Markdown tables of a study's --json output (for docs/results-methods.md)."""
     d = json.loads(Path(a.json).read_text())
@@ -244,7 +273,7 @@ def cmd_tables(a: argparse.Namespace) -> None:
         for m in d["readings"]:
             got = {r["metric"]: r for r in rows if r["method"] == m and r["grouping"] == "all"}
             n = max((r["n"] for r in got.values()), default=0)
-            lines.append(f"| {m} | {n} | " + " | ".join(
+            lines.append(f"| {method_label(m, d)} | {n} | " + " | ".join(
                 _ci(got[k], k in pct_metrics) + f" (n={got[k]['n']})" if k in got and got[k]["n"] != n else
                 _ci(got[k], k in pct_metrics) if k in got else "n/a" for k in metrics) + " |")
         for grouping in a.groupings.split(","):
@@ -263,7 +292,7 @@ def cmd_tables(a: argparse.Namespace) -> None:
                     n = got["precision"]["n"] if "precision" in got else 0
                     cells.append(f"{n} / " + " / ".join(_ci(got[k], k == "consistency") if k in got else "n/a"
                                                         for k in ("precision", "consistency", "effectiveness")))
-                lines.append(f"| {m} | " + " | ".join(cells) + " |")
+                lines.append(f"| {method_label(m, d)} | " + " | ".join(cells) + " |")
         lines.append(f"\n#### Pairs ({mode})\n")
         lines.append("| methods | facts | key layer | seed | exact | MLP/attn | seed | effect r | seed |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
@@ -278,7 +307,7 @@ def cmd_tables(a: argparse.Namespace) -> None:
             def paper(k: str, pct: bool, got: dict[str, Any] = got) -> str:
                 p = got.get(k, {}).get("paper")
                 return "" if p is None else (f"{100 * p:.1f}%" if pct else f"{p:.2f}")
-            lines.append(f"| {x} vs {y} | {got['key_layer']['n']} | {_ci(got['key_layer'], True)} | "
+            lines.append(f"| {method_label(x, d)} vs {method_label(y, d)} | {got['key_layer']['n']} | {_ci(got['key_layer'], True)} | "
                          f"{paper('key_layer', True)} | {_ci(got['key_layer_exact'], True)} | "
                          f"{_ci(got['verdict'], True)} (n={got['verdict']['n']}) | {paper('verdict', True)} | "
                          + (f"{_ci(got['effect_correlation'])} (n={got['effect_correlation']['n']})"
@@ -321,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--resamples", type=int, default=2000)
     s.add_argument("--json", default=None)
     s.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
+    s.add_argument("--tuned", choices=("adam", "sgd", "ridge"), default="adam",
+                   help="the tuned lens: trained on the KL with adam or sgd, or the closed-form ridge fit")
+    s.add_argument("--tuned-steps", type=int, default=250, help="tuned-lens training steps (adam, sgd)")
+    s.add_argument("--tuned-batch", type=int, default=64, help="training facts per step (adam, sgd)")
+    s.add_argument("--tuned-lr", type=float, default=None, help="learning rate (default: 1e-3 adam, 0.1 sgd)")
+    s.add_argument("--tuned-seed", type=int, default=0, help="seed of the tuned lens's batches")
     s.set_defaults(func=cmd_study)
     t = sub.add_parser("tables", help="Markdown tables of a study's --json output")
     t.add_argument("json")

@@ -6,6 +6,9 @@ their pairwise agreement, and the result tables.
     out.result["pairs"]                       # per pair of methods: key-layer and verdict agreement
     out.run_id, out.tables                    # written unless cfg.save is False
 
+The tuned lens is trained with Adam on the KL (``cfg.tuned``; ``ridge`` is the closed-form fit) on
+the store's facts that are not compared; ``result["tuned_lens"]`` and the run's config record how.
+
 The definitions of each reading are in :mod:`query.methods`.
 """
 
@@ -22,6 +25,7 @@ import numpy as np
 from actstore.runs import new_run_id, with_run_id, write_run
 from actstore.store import Store
 from query.methods import (
+    COMPARISON_TRAIN,
     METHODS,
     PLATEAU,
     LayerProbeConfig,
@@ -40,7 +44,10 @@ from query.methods import (
     probe_reading,
     stored_outputs,
     trace_reading,
+    tuned_lens_reading,
 )
+from query.readout import TUNED_METHODS, LensError
+from query.tuned_lens import TrainConfig
 
 Log = Callable[[str], None]
 
@@ -59,6 +66,8 @@ class AgreeConfig:
     plateau: float = PLATEAU
     probe_min_count: int = 5
     probe_folds: int = 3
+    tuned: str = "adam"  # the tuned lens's fitting rule: adam | sgd (trained on the KL) | ridge (closed form)
+    tuned_config: TrainConfig = COMPARISON_TRAIN  # training of adam / sgd (steps, rows per step, lr, seed)
     save: bool = True
     figures: str | None = None  # folder for the profile curves
 
@@ -72,6 +81,10 @@ class AgreeConfig:
             raise MethodsError(f"the tolerance must be 0 or more layers (got {self.tolerance})")
         if not 0 < self.plateau <= 1:
             raise MethodsError(f"the plateau must be in (0, 1] (got {self.plateau})")
+        if self.tuned not in TUNED_METHODS:
+            raise LensError(f"unknown tuned-lens method {self.tuned!r} (one of {', '.join(TUNED_METHODS)})")
+        if "tuned_lens" in self.methods and self.tuned != "ridge":
+            self.tuned_config.check()
 
 
 @dataclass
@@ -100,10 +113,12 @@ def split_runs(store: Store, runs: Sequence[str]) -> tuple[str | None, str | Non
     return found.get("trace"), found.get("patch")
 
 
-def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None) -> AgreeOutcome:
+def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None,
+                  progress: Callable[[int, float], None] | None = None) -> AgreeOutcome:
     """Read each method of ``cfg.methods`` over the store's facts and compare their key layers and
     verdicts; write ``method_readings``, ``method_agreement`` and a ``runs`` row unless
-    ``cfg.save`` is False, and the profile curves when ``cfg.figures`` names a folder."""
+    ``cfg.save`` is False, and the profile curves when ``cfg.figures`` names a folder.
+    ``progress(step, loss)`` is called while the tuned lens trains."""
     say = log or (lambda m: None)
     cfg.check()
     started = time.time()
@@ -129,16 +144,10 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None) -> Agr
     if "logit_lens" in wanted:
         readings["logit_lens"] = lens_reading(store, out, plateau=cfg.plateau)
     if "tuned_lens" in wanted:
-        from query.lens import TunedLens, stored_residuals
-
-        train = np.setdiff1d(fact_ids(store, None, correct_only=False), ids)
-        if train.size < 5:
-            raise MethodsError(f"{store.url}: only {train.size} facts outside the compared ones to train the tuned "
-                               "lens (ingest more facts, or leave tuned_lens out of the methods)")
-        say(f"tuned lens: fitting on {train.size} other facts")
-        tl = TunedLens.fit_ridge(stored_residuals(store, train)[0])
-        readings["tuned_lens"] = lens_reading(store, out, tl, cfg.plateau)
-        extra["tuned_lens_train_facts"] = int(train.size)
+        say(f"tuned lens ({cfg.tuned}): fitting on the facts not compared")
+        readings["tuned_lens"] = tuned_lens_reading(store, out, cfg.tuned, cfg.tuned_config, cfg.plateau, progress)
+        extra["tuned_lens"] = readings["tuned_lens"].info
+        extra["tuned_lens_train_facts"] = readings["tuned_lens"].info["train_facts"]
     if "attention" in wanted:
         readings["attention"] = attention_reading(store, out, cfg.plateau)
     if "probe" in wanted:
@@ -174,7 +183,8 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None) -> Agr
         used = {"trace": latest_run(store, "trace_effects", trace_run) if "trace" in readings else trace_run,
                 "patch": latest_run(store, "patch_effects", patch_run) if "patch" in readings else patch_run}
         write_run(store, run_id, "agree", started, {"trace_run": used["trace"], "patch_run": used["patch"],
-                                                     "methods": wanted, "tolerance": tol, "plateau": cfg.plateau})
+                                                     "methods": wanted, "tolerance": tol, "plateau": cfg.plateau,
+                                                     "tuned_lens": extra.get("tuned_lens")})
     if cfg.figures:
         from query.plotting import profile_curves
 

@@ -32,6 +32,7 @@ from the translators' training.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -52,7 +53,7 @@ from query.readout import (
 from query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
 
 __all__ = ["ALPHAS", "TUNED_METHODS", "FinalReadout", "LensError", "LensReading", "TunedLens", "read_objects",
-           "LensStudy", "lens_study", "split_facts", "stored_residuals", "LENS_SCHEMA"]
+           "LensStudy", "lens_study", "split_facts", "stored_residuals", "LENS_SCHEMA", "fit_lens", "fit_tuned_lens"]
 
 # ------------------------------------------------------------------------------------ study
 
@@ -171,11 +172,9 @@ def lens_study(store: Any, eval_ids: Sequence[int] | np.ndarray, train_ids: Sequ
         if overlap.size:
             raise LensError(f"{overlap.size} facts are both training and evaluation facts of the tuned lens")
         tr_resid, _, _ = stored_residuals(store, train)
-        if method == "ridge":
-            lens = TunedLens.fit_ridge(tr_resid, alphas, seed)
-        else:
-            lens = train_tuned_lens(readout, tr_resid, replace(train_config or TrainConfig(), optimizer=method,
-                                                               seed=seed), progress=progress)
+        lens = fit_lens(readout, tr_resid, method, replace(train_config or TrainConfig(), seed=seed), alphas,
+                        progress)
+        if method != "ridge":
             lens.info["train_kl_logit"] = kl_per_index(readout, tr_resid).tolist()
             lens.info["train_kl_tuned"] = kl_per_index(readout, tr_resid, lens).tolist()
         tuned_reading = read_objects(readout, lens.translate(resid), obj)
@@ -183,3 +182,39 @@ def lens_study(store: Any, eval_ids: Sequence[int] | np.ndarray, train_ids: Sequ
     study = LensStudy(np.asarray(eval_ids, dtype=np.int64), train, logit, tuned_reading, top,
                       lens.alphas if lens else [], lens.method if lens else None, kl_logit, kl_tuned)
     return study, lens
+
+
+# ------------------------------------------------------------------------------------ fitting
+
+
+def fit_lens(readout: FinalReadout, resid: np.ndarray, method: str = "adam", config: TrainConfig | None = None,
+             alphas: Sequence[float] = ALPHAS,
+             progress: Callable[[int, float], None] | None = None) -> TunedLens:
+    """Tuned-lens translators from training residuals ``resid`` [n, L+1, d] by ``method``.
+
+    ``adam`` / ``sgd``: :func:`query.tuned_lens.train_tuned_lens` with ``config`` (its optimizer
+    replaced by ``method``); ``ridge``: :meth:`TunedLens.fit_ridge` with ``alphas`` and the
+    config's seed.  ``lens.info`` records the method, the configuration (the learning rate
+    resolved; ridge: the chosen alphas and the seed), the number of training rows and the seconds."""
+    if method not in TUNED_METHODS:
+        raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
+    cfg = config or TrainConfig()
+    started = time.time()
+    if method == "ridge":
+        lens = TunedLens.fit_ridge(resid, alphas, cfg.seed)
+        lens.info["config"] = {"alphas": list(lens.alphas), "seed": cfg.seed}
+    else:
+        lens = train_tuned_lens(readout, resid, replace(cfg, optimizer=method), progress=progress)
+    lens.info.update({"method": method, "rows": int(np.asarray(resid).shape[0]),
+                      "seconds": round(time.time() - started, 2)})
+    return lens
+
+
+def fit_tuned_lens(store: Any, train_ids: Sequence[int] | np.ndarray, method: str = "adam",
+                   config: TrainConfig | None = None, progress: Callable[[int, float], None] | None = None
+                   ) -> TunedLens:
+    """:func:`fit_lens` on the stored residual streams of the facts ``train_ids``."""
+    if method not in TUNED_METHODS:  # before reading the residuals
+        raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
+    return fit_lens(FinalReadout.from_store(store), stored_residuals(store, train_ids)[0], method, config,
+                    progress=progress)

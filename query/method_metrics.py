@@ -37,7 +37,7 @@ carries its number of facts.  Summaries: the mean over facts with its bootstrap 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ import pyarrow as pa
 
 from query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading, MethodsError
 from query.stats import bootstrap_interval, pearson
+from query.tuned_lens import TrainConfig
 
 RESAMPLES = 2000
 COMPONENTS = ("mlp", "attn")
@@ -414,10 +415,14 @@ GROUPINGS = ("relation", "freq_band", "uniqueness", "source_set", "stratum")
 
 
 def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str] = (), patch_run: str | None = None,
-                   plateau: float | None = None, probe_min_count: int = 5) -> dict[str, MethodReading]:
+                   plateau: float | None = None, probe_min_count: int = 5, tuned: str = "adam",
+                   tuned_config: TrainConfig | None = None,
+                   progress: Callable[[int, float], None] | None = None) -> dict[str, MethodReading]:
     """Each method's reading of the store's traced (and patched) facts, as ``actstore agree`` reads
-    them, with the traces of several runs joined (:func:`concat_readings`).  The tuned lens is the
-    ridge fit on the facts not compared (as ``agree``)."""
+    them, with the traces of several runs joined (:func:`concat_readings`).  The tuned lens is fit
+    on the facts not compared, as ``agree`` fits it (:func:`query.methods.tuned_lens_reading`:
+    ``tuned`` = adam, sgd or ridge, ``tuned_config`` default ``COMPARISON_TRAIN``); its reading's
+    ``info`` records the fit."""
     from query.methods import (
         PLATEAU,
         LayerProbeConfig,
@@ -428,8 +433,12 @@ def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str]
         probe_reading,
         stored_outputs,
         trace_reading,
+        tuned_lens_reading,
     )
+    from query.readout import TUNED_METHODS, LensError
 
+    if "tuned_lens" in methods and tuned not in TUNED_METHODS:  # before the other readings
+        raise LensError(f"unknown tuned-lens method {tuned!r} (one of {', '.join(TUNED_METHODS)})")
     plat = PLATEAU if plateau is None else plateau
     out: dict[str, MethodReading] = {}
     if "trace" in methods:
@@ -444,12 +453,7 @@ def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str]
     if "logit_lens" in methods:
         out["logit_lens"] = lens_reading(store, so, plateau=plat)
     if "tuned_lens" in methods:
-        from query.lens import TunedLens, stored_residuals
-
-        train = np.setdiff1d(fact_ids(store, None, correct_only=False), ids)
-        if train.size < 5:
-            raise MethodsError(f"{store.url}: only {train.size} facts outside the compared ones to fit the tuned lens")
-        out["tuned_lens"] = lens_reading(store, so, TunedLens.fit_ridge(stored_residuals(store, train)[0]), plat)
+        out["tuned_lens"] = tuned_lens_reading(store, so, tuned, tuned_config, plat, progress)
     if "attention" in methods:
         out["attention"] = attention_reading(store, so, plat)
     if "probe" in methods:

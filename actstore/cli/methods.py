@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import click
 import numpy as np
@@ -26,6 +29,33 @@ METHOD_NAMES = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_len
 SEED_CONSENSUS_TEXT = "47.6%"  # the seed paper's share of facts on which every method agrees
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tuned_lens_options(batch: int, batch_help: str) -> Callable[[F], F]:
+    """``--tuned``, ``--tuned-steps`` and ``--tuned-batch`` (``batch``: its default), shared by lens and agree."""
+    def deco(fn: F) -> F:
+        for opt in reversed([
+            click.option("--tuned", "tuned_method", type=click.Choice(["adam", "sgd", "ridge"]), default="adam",
+                         show_default=True,
+                         help="Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov "
+                              "SGD (Belrose et al., the tuned-lens package's settings), or the closed-form ridge fit "
+                              "(ours)."),
+            click.option("--tuned-steps", type=int, default=250, show_default=True,
+                         help="Training steps (adam, sgd)."),
+            click.option("--tuned-batch", type=int, default=batch, show_default=True,
+                         help=batch_help),
+        ]):
+            fn = opt(fn)
+        return fn
+    return deco
+
+
+def method_label(method: str, tuned: str | None) -> str:
+    """How outputs name a method: the tuned lens with its fitting rule, e.g. "tuned lens (adam)"."""
+    return f"tuned lens ({tuned})" if method == "tuned_lens" and tuned else method
+
+
 def _fmt(x: float | None, pct: bool = True) -> str:
     if x is None or not np.isfinite(x):
         return "   n/a"
@@ -40,12 +70,7 @@ def _fmt(x: float | None, pct: bool = True) -> str:
 @click.option("--train-fraction", type=float, default=0.5, show_default=True,
               help="Share of the facts that train the tuned lens; the rest are held out and evaluated.")
 @click.option("--no-tuned", is_flag=True, help="Logit lens only, on every selected fact.")
-@click.option("--tuned", "tuned_method", type=click.Choice(["adam", "sgd", "ridge"]), default="adam", show_default=True,
-              help="Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov SGD "
-                   "(Belrose et al., the tuned-lens package's settings), or the closed-form ridge fit (ours).")
-@click.option("--tuned-steps", type=int, default=250, show_default=True, help="Training steps (adam, sgd).")
-@click.option("--tuned-batch", type=int, default=2 ** 18, show_default=True,
-              help="Training facts per step (adam, sgd); at least the number of training facts = full batch.")
+@tuned_lens_options(2 ** 18, "Training facts per step (adam, sgd); at least the number of training facts = full batch.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the train/held-out split and training.")
 @figures_option(help="Folder for the lens curves (PNG).")
 @no_save_option
@@ -105,16 +130,21 @@ def lens(store: str, where: str | None, correct_only: bool, train_fraction: floa
 @click.option("--probe-min-count", type=int, default=5, show_default=True,
               help="Objects with fewer facts in the store are not probe classes.")
 @click.option("--probe-folds", type=int, default=3, show_default=True, help="Cross-validation folds of the probes.")
+@tuned_lens_options(64, "Training facts per step (adam, sgd), drawn from the facts not compared; at least their "
+                        "number = full batch (about a minute per step on SmolLM2 on one CPU thread).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the tuned lens's training.")
 @figures_option(help="Folder for the profile curves (PNG).")
 @no_save_option
 @quiet_option
 @json_option
 def agree(store: str, runs: tuple[str, ...], trace_run: str | None, patch_run: str | None, methods: str,
-          tolerance: int | None, plateau: float, probe_min_count: int, probe_folds: int, figures: str | None,
-          no_save: bool, quiet: bool, as_json: bool) -> None:
+          tolerance: int | None, plateau: float, probe_min_count: int, probe_folds: int, tuned_method: str,
+          tuned_steps: int, tuned_batch: int, seed: int, figures: str | None, no_save: bool, quiet: bool,
+          as_json: bool) -> None:
     """Key layers and MLP-vs-attention verdicts of each method per fact, and how far the methods agree."""
     from actstore.cli._options import note
     from query.agreement import AgreeConfig, run_agreement
+    from query.methods import COMPARISON_TRAIN
 
     for old, value in (("--trace-run", trace_run), ("--patch-run", patch_run)):
         if value is not None:
@@ -123,8 +153,17 @@ def agree(store: str, runs: tuple[str, ...], trace_run: str | None, patch_run: s
     s = open_store(store)
     cfg = AgreeConfig(methods=split_list(methods) or (), runs=runs, trace_run=trace_run, patch_run=patch_run,
                       tolerance=tolerance, plateau=plateau, probe_min_count=probe_min_count, probe_folds=probe_folds,
+                      tuned=tuned_method, tuned_config=replace(COMPARISON_TRAIN, steps=tuned_steps, batch=tuned_batch,
+                                                               seed=seed),
                       save=not no_save, figures=figures)
-    out = run_agreement(s, cfg, log=None if quiet else lambda m: click.echo(m, err=True))
+
+    def progress(step: int, loss: float) -> None:
+        if step == 1 or step % 25 == 0 or step == tuned_steps:
+            click.echo(f"tuned lens ({tuned_method}): step {step}/{tuned_steps}, sum of per-index KL {loss:.4f}, "
+                       f"{time.time() - started:.0f} s", err=True)
+
+    out = run_agreement(s, cfg, log=None if quiet else lambda m: click.echo(m, err=True),
+                        progress=None if quiet or as_json else progress)
     result = dict(out.result)
     result.update({"store": s.url, "run_id": out.run_id, "tables": out.tables, "figures": out.figures,
                    "seconds": round(time.time() - started, 2)})
@@ -132,16 +171,25 @@ def agree(store: str, runs: tuple[str, ...], trace_run: str | None, patch_run: s
         click.echo(json.dumps(result, default=float))
         return
     L, tol = result["n_layers"], result["tolerance"]
+    tl = result.get("tuned_lens") or {}
+
+    def label(m: str) -> str:
+        return method_label(m, tl.get("method"))
+
     click.echo(f"{result['model']} (L={L}): key layers agree within {tol} layer(s)")
-    click.echo(f"{'methods':<26} {'facts':>5} {'key layer':>9} {'exact':>6} {'MLP/attn':>8} {'profile r':>9}   paper")
+    if tl:
+        how = "" if tl["method"] == "ridge" else \
+            f", {tl['config']['steps']} steps of {min(tl['config']['batch'], tl['train_facts'])} facts"
+        click.echo(f"{label('tuned_lens')}: fit on {tl['train_facts']} facts not compared{how}, {tl['seconds']:.0f} s")
+    click.echo(f"{'methods':<34} {'facts':>5} {'key layer':>9} {'exact':>6} {'MLP/attn':>8} {'profile r':>9}   paper")
     for p in result["pairs"]:
         paper = "" if p["paper_key_layer"] is None else \
             f"{100 * p['paper_key_layer']:.1f}% / {100 * p['paper_verdict']:.1f}% / {p['paper_correlation']:.2f}"
         r = p["profile_correlation"]
-        click.echo(f"{p['method_a'] + ' vs ' + p['method_b']:<26} {p['n_facts']:>5} {_fmt(p['key_layer_agreement']):>9} "
+        click.echo(f"{label(p['method_a']) + ' vs ' + label(p['method_b']):<34} {p['n_facts']:>5} {_fmt(p['key_layer_agreement']):>9} "
                    f"{_fmt(p['key_layer_exact']):>6} {_fmt(p['verdict_agreement']):>8} "
                    f"{'n/a' if r is None else f'{r:+.2f}':>9}   {paper}")
-    click.echo(f"{'all methods agree':<26} {result['consensus_facts']:>5} {_fmt(result['consensus']):>9}"
+    click.echo(f"{'all methods agree':<34} {result['consensus_facts']:>5} {_fmt(result['consensus']):>9}"
                f"{'':>27}   {SEED_CONSENSUS_TEXT}")
     cs = result.get("causal_shares")
     if cs:
@@ -153,7 +201,7 @@ def agree(store: str, runs: tuple[str, ...], trace_run: str | None, patch_run: s
             if rel:
                 click.echo(f"key MLP layer {name}: {100 * rel['median']:.0f}% of depth "
                            f"(IQR {100 * rel['q25']:.0f}-{100 * rel['q75']:.0f}%)")
-    click.echo("median key layer: " + ", ".join(f"{m} {v:.1f}" for m, v in result["key_layer_median"].items()
+    click.echo("median key layer: " + ", ".join(f"{label(m)} {v:.1f}" for m, v in result["key_layer_median"].items()
                                                 if v is not None))
     for f in (*out.tables, *out.figures):
         click.echo(f"wrote {f}")
