@@ -217,7 +217,8 @@ class SQLSession:
     the store's tables as views of its own (``TEMP``: other stores' sessions on the same database do
     not see them).  A table's view is made when a statement first reads that table, and made again
     when its files changed (a new result file, new segments after ``refresh``); tables a statement
-    does not read are not opened (their files are checked, once).  Statements of one session run one at a time
+    does not read are neither opened nor checked (a table's files are checked once, when a statement
+    first reads it).  Statements of one session run one at a time
     (``lock``).  Another memory limit, or a forked process, gets another connection.
     """
 
@@ -244,9 +245,11 @@ class SQLSession:
             del self._views[gone]
         wanted = [n for n in listed if tables is None or n in tables]
         stale = [n for n in wanted if self._views.get(n) != tuple(listed[n])]
-        # Every visible table file is checked (hash, Parquet footer; each file once per store), not only
-        # those of the tables this statement reads: a damaged store fails every statement, as it says.
-        store.check_table_shards()
+        # The files of the tables this statement reads are checked (hash, Parquet footer; each file once per
+        # store): a damaged table fails every statement that reads it, and no statement returns rows from a
+        # file that does not match its hash.  Tables it does not read are not opened (``actstore verify``
+        # checks them all); when the tables cannot be told (``tables`` None), every file is checked.
+        store.check_table_shards(None if tables is None else wanted)
         for name in stale:
             self._views.pop(name, None)
             _register(con, store, name, listed[name])

@@ -94,6 +94,11 @@ class StoreWriter:
                 was, now = old["model"].get("weight_hash", "?"), new["model"].get("weight_hash", "?")
                 detail = f" (store: {old['model'].get('name')} weights {str(was)[:12]}, given: " \
                          f"{new['model'].get('name')} weights {str(now)[:12]})"
+            elif "ingest" in diffs:  # name the settings: {key: (store's, given)}
+                a, b = old.get("ingest") or {}, new.get("ingest") or {}
+                keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                detail = " settings (" + ", ".join(f"{k}: store {a.get(k, 'unset')}, given {b.get(k, 'unset')}"
+                                                    for k in keys) + ")"
             raise StoreMismatchError(
                 f"cannot resume {store.url}: the store was written with different {', '.join(diffs)}{detail}"
             )

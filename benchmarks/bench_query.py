@@ -16,7 +16,9 @@ equal to the others of its group), at each of ``--threads`` (torch intra-op thre
   bytes and chunks the store fetched (counted by wrapping the store's chunk reads).
 
 Warm = files in the page cache; cold = the store's segment files (or the memmap file) evicted
-with ``posix_fadvise(DONTNEED)`` just before (only these files).  Then, once:
+with ``posix_fadvise(DONTNEED)`` just before (only these files).  Either way the timed call
+follows an untimed call of the same case (in the same thread setting), so warm and cold differ
+only in the page cache, not in the allocator's or the thread pool's state left by the case timed before.  Then, once:
 
 * **sql**: a fresh ``actstore.open`` + its first query on ``--sql-store`` (read only), in this
   process (imports done) and ``actstore sql`` end to end (a subprocess per call);
@@ -383,10 +385,9 @@ def measure_kinds(path: str, tmp: str, layer_text: str, rounds: int, thread_coun
         for key in order:
             t_s, name, state = key.split("/", 1)[0], key.split("/", 1)[1].rsplit("/", 1)[0], key.rsplit("/", 1)[1]
             torch.set_num_threads(int(t_s))
+            cases[name]()  # the same call first, so that warm and cold differ only in the page cache
             if state == "cold":
                 evict(io[name])
-            else:
-                cases[name]()  # its files in the page cache
             c0 = time.process_time()
             times[key].append(timed(cases[name])[0])
             cpu[key].append(time.process_time() - c0)

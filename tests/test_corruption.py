@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -90,8 +91,15 @@ def test_flipped_parquet_shard_is_reported(store: Path) -> None:
                                "(table corrupted)"]
     with pytest.raises(CorruptStoreError, match="tables/tokens/000001.parquet: SHA-256"):
         actstore.open(store).sql("SELECT count(*) FROM tokens")
-    code, _, err = cli("sql", str(store), "SELECT count(*) FROM examples")
+    code, _, err = cli("sql", str(store), "SELECT count(*) FROM examples e JOIN tokens t USING (example_id)")
     assert code == 1 and "tables/tokens/000001.parquet" in one_error_line(err)
+    # A statement checks the files of the tables it reads: the intact examples table still answers,
+    # with every row (its shards match their hashes); verify (above) is what finds damage anywhere.
+    n = actstore.open(store).sql("SELECT count(*) AS n FROM examples").column("n")[0].as_py()
+    assert n == len(pq.read_table(store / "tables" / "examples").column("example_id"))
+    # A statement whose tables cannot be told from its parse tree (a table function) checks them all.
+    with pytest.raises(CorruptStoreError, match="tables/tokens/000001.parquet: SHA-256"):
+        actstore.open(store).sql("SELECT count(*) FROM query_table('examples')")
 
 
 @pytest.mark.parametrize("how", ["byte", "digit"])

@@ -363,7 +363,10 @@ CASES = [
     Case("altered-heads-table", lambda c: ["sql", str(c.damaged("heads-altered", alter_table("heads"))),
                                            "SELECT count(*) FROM heads"], "SHA-256 does not match"),
     Case("altered-runs-table", lambda c: ["sql", str(c.damaged("runs-altered", alter_table("runs"))),
-                                          "SELECT count(*) FROM examples"], "SHA-256 does not match"),
+                                          "SELECT count(*) FROM runs"], "SHA-256 does not match"),
+    Case("altered-runs-table-joined", lambda c: ["sql", str(c.damaged("runs-altered", alter_table("runs"))),
+                                                 "SELECT count(*) FROM examples, (SELECT 1 FROM runs)"],
+         "SHA-256 does not match"),
     # ---- a store's model name is data (issue 14 item 8)
     Case("maps-store-names-a-folder", lambda c: maps_args(c, c.damaged(
         "name-etc", with_model_name("../../../../etc"))), "not one of actstore's aliases"),

@@ -127,3 +127,33 @@ def test_forward_order_sorts_by_length_and_corpus_order_inverts_it() -> None:
     assert np.array_equal(corpus_order(captured, order, lengths), flat)
     assert corpus_order(rows, np.arange(7)) is rows
 
+
+
+def test_ingest_command_length_batching_flag(tmp_path: Path) -> None:
+    """``actstore ingest --length-batching`` turns it on and records it; ``--resume`` must repeat it."""
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    data = f"fewrel:{FIXTURES / 'fewrel' / 'val_wiki.json'}"
+    common = ["ingest", "--model", "tiny-llama", "--dataset", data, "--limit-per-relation", "6", "--batch-size",
+              str(BATCH), "--segment-size", str(SEG), "--quiet", "--threads", "1"]
+    runner = CliRunner()
+    on, off = tmp_path / "on", tmp_path / "off"
+    r = runner.invoke(main, [*common, "--length-batching", "--out", str(on)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, [*common, "--out", str(off)])
+    assert r.exit_code == 0, r.output
+    s_on, s_off = actstore.open(on), actstore.open(off)
+    assert s_on.manifest.ingest["length_batching"] is True and "length_batching" not in s_off.manifest.ingest
+    assert s_on.n_rows == s_off.n_rows > SEG  # more than one segment, the same rows
+    same = "SELECT example_id, text, n_tokens, tok_start, segment FROM examples ORDER BY example_id"
+    assert s_on.sql(same).equals(s_off.sql(same))
+    z_on, z_off = s_on.select().features("z"), s_off.select().features("z")
+    np.testing.assert_allclose(z_on, z_off, rtol=1e-2, atol=1e-3)  # float16 storage; last bits may differ
+    before = {p: p.read_bytes() for p in on.rglob("*") if p.is_file()}
+    r = runner.invoke(main, [*common, "--resume", "--out", str(on)])  # without the flag: a setting that differs
+    assert r.exit_code != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "length_batching" in lines[0], r.stderr
+    assert {p: p.read_bytes() for p in on.rglob("*") if p.is_file()} == before  # nothing stored changed

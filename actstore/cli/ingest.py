@@ -32,6 +32,10 @@ from actstore.cli._options import command, json_option, printable, quiet_option
               help="Examples per commit, a multiple of --batch-size.")
 @click.option("--padding-side", type=click.Choice(["left", "right"]), default="right", show_default=True,
               help="Side the prompts of a batch are padded on.")
+@click.option("--length-batching", is_flag=True,
+              help="Run each segment's prompts through the model sorted by length (less padding; rows are "
+                   "stored in corpus order). Float values may differ from corpus-order batches in their last "
+                   "bits; recorded in the manifest, and --resume must repeat it.")
 @click.option("--out", required=True, help="Store directory or URL.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted ingest from its last commit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store at --out.")
@@ -44,7 +48,7 @@ from actstore.cli._options import command, json_option, printable, quiet_option
                    "the cores: oversubscribed threads slow the forward pass several-fold.")
 def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_relation: int | None,
            template: str | None, keep_object_first: bool, batch_size: int, storage_dtype: str, model_dtype: str,
-           device: str, segment_size: int, padding_side: str, out: str, resume: bool, overwrite: bool, quiet: bool,
+           device: str, segment_size: int, padding_side: str, length_batching: bool, out: str, resume: bool, overwrite: bool, quiet: bool,
            as_json: bool, procs: int | None, threads: int) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
     from ingest.distributed import launch_ranks, leave_process_group, ranks_from_env
@@ -83,7 +87,7 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
         limit_per_relation=limit_per_relation, template=template, keep_object_first=keep_object_first,
         batch_size=batch_size,
         storage_dtype=storage_dtype, model_dtype=model_dtype, device=device, segment_size=segment_size,
-        padding_side=padding_side, out=out, resume=resume, overwrite=overwrite, progress=not quiet,
+        padding_side=padding_side, length_batching=length_batching, out=out, resume=resume, overwrite=overwrite, progress=not quiet,
         rank=rank, world_size=world, threads=threads,
     )
     try:

@@ -42,6 +42,7 @@ def info(store: str, as_json: bool) -> None:
     s = open_store(store)
     rel = s.sql("SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
                 "FROM examples GROUP BY 1 ORDER BY 1").to_pylist()
+    s.check_table_shards()  # info lists every table: each file is checked (hash, footer), as a statement reading it would
     tables = {name: len(files) for name, files in s.table_files().items()}
     d = {
         "store": s.url, "format_version": s.manifest.format_version, "model": s.manifest.model,
