@@ -376,6 +376,12 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     assert len(st["trace_runs"]) == 2 and len(st["traced"]) == 6
     res = json.loads(out.read_text())
     assert res["readings"] == {"trace": 6, "logit_lens": 6, "tuned_lens": 6, "attention": 6}
+    # the tuned lens is trained with Adam by default on the 12 facts not traced, and recorded
+    assert st["tuned_lens"]["method"] == "adam" and st["tuned_lens"]["train_facts"] == 12
+    assert (st["tuned_lens"]["config"]["steps"], st["tuned_lens"]["config"]["batch"]) == (250, 64)
+    tuned_run = json.loads(s.sql(f"SELECT config FROM runs WHERE run_id = '{st['metrics_knockout_run']}'")
+                           .column("config")[0].as_py())["tuned_lens"]
+    assert tuned_run == st["tuned_lens"]
     for mode in ("knockout", "restore"):
         rid = st[f"metrics_{mode}_run"]
         t = s.sql(f"SELECT DISTINCT method, grouping FROM method_metrics WHERE run_id = '{rid}'").to_pylist()
@@ -398,6 +404,15 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     part = html.split('id="section-method-metrics"', 1)[1].split("<section", 1)[0]
     assert "trace vs logit_lens" in part and "across model sizes" in part and "by freq band" in part
     assert "site_effects" not in html.split('id="section-tables"', 1)[-1] or 'id="section-tables"' not in html
+    # the Markdown tables name the tuned lens with its fitting rule
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        methods_study.main(["tables", str(out)])
+    assert "| tuned lens (adam) | 6 |" in buf.getvalue() and "trace vs tuned lens (adam)" in buf.getvalue()
+    assert "tuned_lens" not in buf.getvalue()
     _chromium_shows(html, tmp_path)
 
 
