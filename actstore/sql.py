@@ -397,6 +397,10 @@ def _execute(con: duckdb.DuckDBPyConnection, stmt: duckdb.Statement, bound: list
     finally:
         if timer is not None:
             timer.cancel()
+            # Wait for the timer's thread to end: it holds the connection (``stop``), and a thread still
+            # ending when the interpreter finalises would drop that last reference there, running
+            # DuckDB's C++ destructor in a thread being stopped (SIGABRT after a successful command).
+            timer.join()
 
 
 def _one_line(e: BaseException) -> str:

@@ -119,3 +119,20 @@ def test_referenced_tables_from_the_parse_tree() -> None:
     assert referenced_tables(q) == {"c", "probe runs", "tokens"}  # a CTE name is harmless: no such table
     assert referenced_tables("SELECT * FROM query_table('examples')") is None  # a table function: all tables
     assert referenced_tables("SELECT 1") == set()
+
+
+def test_sql_command_exits_cleanly_every_time(two_stores: tuple[Path, Path]) -> None:
+    """``actstore sql`` in fresh processes: exit status 0 and the answer, every time.  While a statement's
+    timer thread was left to end on its own, it could drop the last reference to the DuckDB connection
+    during interpreter finalisation and abort the process after the right answer was printed (SIGABRT,
+    exit status -6; 1 run in 16 on this store, 15-50% on a 6,128-row one; gdb: the connection's
+    destructor in the timer thread's teardown).  12 runs catch the small store's rate about half the time."""
+    import subprocess
+    import sys
+
+    want = fresh_answer(two_stores[1], "SELECT count(*) AS n FROM examples").column("n")[0].as_py()
+    for _ in range(12):
+        r = subprocess.run([sys.executable, "-m", "actstore.cli", "sql", str(two_stores[1]),
+                            "SELECT count(*) AS n FROM examples"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr[-400:])
+        assert r.stdout.split() == ["n", str(want)]
