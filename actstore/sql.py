@@ -75,7 +75,8 @@ class TableSource(Protocol):
 
     def table(self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None) -> pa.Table: ...
 
-    def check_table_shards(self, names: Iterable[str] | None = None) -> None: ...
+    def check_table_shards(self, names: Iterable[str] | None = None,
+                           listed: dict[str, list[str]] | None = None) -> None: ...
 
     def file_schema(self, rel: str) -> pa.Schema: ...
 
@@ -249,7 +250,7 @@ class SQLSession:
         # store): a damaged table fails every statement that reads it, and no statement returns rows from a
         # file that does not match its hash.  Tables it does not read are not opened (``actstore verify``
         # checks them all); when the tables cannot be told (``tables`` None), every file is checked.
-        store.check_table_shards(None if tables is None else wanted)
+        store.check_table_shards(None if tables is None else wanted, listed)
         for name in stale:
             self._views.pop(name, None)
             _register(con, store, name, listed[name])

@@ -384,11 +384,13 @@ class Store:
             raise CorruptStoreError(f"{self.url}/{rel}{HASH_SUFFIX}: not a SHA-256 hex digest")
         return text
 
-    def check_table_shards(self, names: Iterable[str] | None = None) -> None:
+    def check_table_shards(self, names: Iterable[str] | None = None,
+                           listed: dict[str, list[str]] | None = None) -> None:
         """Check every visible table file (of the tables ``names``; all when None) not yet checked: its
         hash and its Parquet footer (DuckDB reads local files directly, and a garbage file must be one
-        clear error, not a DuckDB one).  The footer's schema is kept for :meth:`file_schema`."""
-        listed = self.table_files()
+        clear error, not a DuckDB one).  The footer's schema is kept for :meth:`file_schema`.
+        ``listed``: :meth:`table_files` when the caller has just listed them."""
+        listed = self.table_files() if listed is None else listed
         for name in listed if names is None else [n for n in names if n in listed]:
             for rel in listed[name]:
                 if rel not in self._schemas:
