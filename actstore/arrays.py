@@ -79,16 +79,31 @@ def runs(sorted_chunks: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str | None = None) -> np.ndarray:
-    """``arr[rows]`` for sorted row indices, reading each touched run of whole chunks once.
+def take1(x: np.ndarray, idx: Sequence[int] | None) -> np.ndarray:
+    """``x[:, idx]`` (all of axis 1 when None); a contiguous ascending ``idx`` is a slice (a view)."""
+    if idx is None:
+        return x
+    idx = list(idx)
+    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
+        return x[:, idx[0]:idx[0] + len(idx)]
+    return x[:, idx]
+
+
+def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str | None = None,
+              axis1: Sequence[int] | None = None) -> np.ndarray:
+    """``arr[rows][:, axis1]`` for sorted row indices, reading each touched run of whole chunks once.
 
     With ``logical_dtype``, the rows come back widened to float32 (:func:`widen`), converted while
     they are copied out of the decoded chunks (no second copy); a run of consecutive rows is taken
-    as a slice of its chunks, not gathered."""
+    as a slice of its chunks, not gathered.  ``axis1`` (e.g. layers) is applied before widening, so
+    only the kept part of each row is converted."""
     rows = np.asarray(rows, dtype=np.int64)
     dtype = np.dtype(np.float32) if logical_dtype is not None else arr.dtype
+    tail = (len(axis1) if axis1 is not None else int(arr.shape[1]), *arr.shape[2:]) if arr.ndim > 1 else ()
+    if axis1 is not None and arr.ndim < 2:
+        raise ValueError("axis1 needs an array of at least 2 dimensions")
     if rows.size == 0:
-        return np.zeros((0, *arr.shape[1:]), dtype=dtype)
+        return np.zeros((0, *tail), dtype=dtype)
     chunk = int(arr.chunks[0])
     touched = np.unique(rows // chunk)
     spans = runs(touched)
@@ -99,11 +114,12 @@ def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str 
         block = _read(arr, slice(lo, hi), where)
         sel = rows[(rows >= lo) & (rows < hi)] - lo
         consecutive = sel[-1] - sel[0] + 1 == sel.size and bool(np.all(sel[1:] != sel[:-1]))
-        piece = block[sel[0]:sel[-1] + 1] if consecutive else block[sel]
+        kept = take1(block, axis1)  # a view: the rows are gathered (and widened) from the kept part only
+        piece = kept[sel[0]:sel[-1] + 1] if consecutive else kept[sel]
         if len(spans) == 1:
             return widen(piece, logical_dtype) if logical_dtype is not None else piece
         if out is None:
-            out = np.empty((rows.size, *arr.shape[1:]), dtype=dtype)
+            out = np.empty((rows.size, *tail), dtype=dtype)
         if logical_dtype == "bfloat16":
             out[i:i + sel.size] = widen(piece, logical_dtype)
         else:
@@ -114,16 +130,16 @@ def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str 
 
 
 def read_ranges(arr: zarr.Array, starts: Sequence[int], lengths: Sequence[int], where: str,
-                logical_dtype: str | None = None) -> np.ndarray:
+                logical_dtype: str | None = None, axis1: Sequence[int] | None = None) -> np.ndarray:
     """Concatenation of ``arr[s:s+n]`` for each range, reading each touched run of chunks once
-    (widened to float32 with ``logical_dtype``, as :func:`read_rows`)."""
+    (widened to float32 with ``logical_dtype``, restricted to ``axis1``, as :func:`read_rows`)."""
     idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lengths)]) if len(
         starts
     ) else np.zeros(0, dtype=np.int64)
     if idx.size < 2 or bool(np.all(idx[1:] > idx[:-1])):  # ascending, no repeats (rows in store order)
-        return read_rows(arr, idx, where, logical_dtype)
+        return read_rows(arr, idx, where, logical_dtype, axis1)
     order = np.argsort(idx, kind="stable")
-    got = read_rows(arr, idx[order], where, logical_dtype)
+    got = read_rows(arr, idx[order], where, logical_dtype, axis1)
     out = np.empty_like(got)
     out[order] = got
     return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -207,25 +207,27 @@ class Store:
         return ChunkGuard(loc.zarr_store(rel, read_only=True), where=f"{self.url}/{rel}", strict=strict,
                           local_root=loc.path(rel) if loc.is_local else None, max_bytes=max_bytes)
 
-    def read_segment_rows(self, seg: int, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows (sorted, segment-local) of a per-target array, as float32."""
+    def read_segment_rows(self, seg: int, name: str, rows: np.ndarray, axis1: Sequence[int] | None = None) -> np.ndarray:
+        """Rows (sorted, segment-local) of a per-target array, as float32; ``axis1``: only these positions
+        of its second axis (layers), converted alone."""
         arr = self.array(seg, name)
         where = f"{self.url}/segments/{segment_name(seg)}/{name}"
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= arr.shape[0]):
             raise CorruptStoreError(f"{where}: rows {int(rows.min())}..{int(rows.max())} asked for, the array has "
                                     f"{arr.shape[0]} (the targets table disagrees with the arrays; run actstore verify)")
-        return read_rows(arr, rows, where, self.manifest.storage_dtype)
+        return read_rows(arr, rows, where, self.manifest.storage_dtype, axis1)
 
-    def read_segment_ranges(self, seg: int, name: str, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Concatenated ranges of a flat (ragged) array, as float32."""
+    def read_segment_ranges(self, seg: int, name: str, starts: np.ndarray, lengths: np.ndarray,
+                            axis1: Sequence[int] | None = None) -> np.ndarray:
+        """Concatenated ranges of a flat (ragged) array, as float32 (``axis1`` as in :meth:`read_segment_rows`)."""
         arr = self.array(seg, name)
         where = f"{self.url}/segments/{segment_name(seg)}/{name}"
         starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
         if starts.size and (starts.min() < 0 or lengths.min() < 0 or (starts + lengths).max() > arr.shape[0]):
             raise CorruptStoreError(f"{where}: offsets outside the array's {arr.shape[0]} entries (a table's "
                                     "src_start/n_src or tok_start/n_tokens is wrong; run actstore verify)")
-        return read_ranges(arr, starts.tolist(), lengths.tolist(), where, self.manifest.storage_dtype)
+        return read_ranges(arr, starts.tolist(), lengths.tolist(), where, self.manifest.storage_dtype, axis1)
 
     @cached_property
     def _weights_group(self) -> zarr.Group:

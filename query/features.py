@@ -189,10 +189,10 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
         return out
     dst = torch.from_numpy(out)
     if kind == "resid":
-        np.copyto(out, _pick(store.read_segment_rows(seg, "resid", rows), L, 1))
+        np.copyto(out, store.read_segment_rows(seg, "resid", rows, L))
         return out
     if kind in ("mlp", "mlp_group"):
-        a = torch.from_numpy(_pick(store.read_segment_rows(seg, "mlp", rows), L, 1))  # [n, l, d_mlp]
+        a = torch.from_numpy(store.read_segment_rows(seg, "mlp", rows, L))  # [n, l, d_mlp]
         Wd = _pick(W["W_down"], L, 0)  # [l, d_mlp, d]
         if kind == "mlp":
             # One baddbmm over the layers, written through out's [l, n, d] view.
@@ -206,7 +206,7 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
             torch.bmm(a[:, :, lo:hi].transpose(0, 1), Wd[:, lo:hi], out=dst[:, :, j].transpose(0, 1))
         return out
     if kind in ("z", "attn_head", "attn"):
-        z = torch.from_numpy(_pick(store.read_segment_rows(seg, "z", rows), L, 1))  # [n, l, H, dh]
+        z = torch.from_numpy(store.read_segment_rows(seg, "z", rows, L))  # [n, l, H, dh]
         if kind == "z":
             dst.copy_(_pick(z, Hs, 2))
             return out
@@ -225,7 +225,7 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
         lengths = np.where(has, block.subject_end - block.subject_start, 0)
     else:
         starts, lengths = block.src_start, block.n_src
-    A = torch.from_numpy(_pick(_pick(store.read_segment_ranges(seg, "attn", starts, lengths), L, 1), Hs, 2))  # [N, l, h]
+    A = torch.from_numpy(_pick(store.read_segment_ranges(seg, "attn", starts, lengths, L), Hs, 2))  # [N, l, h]
     first = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # row r's sources: first[r] ..
     if kind == "attn_prob":
         for r in range(n):
@@ -233,7 +233,7 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
             dst[r, :, :, :k] = A[first[r]:first[r] + k].permute(1, 2, 0)
             dst[r, :, :, k:] = 0
         return out
-    V = torch.from_numpy(_pick(store.read_segment_ranges(seg, "v", starts, lengths), L, 1))  # [N, l, Hkv, dh]
+    V = torch.from_numpy(store.read_segment_ranges(seg, "v", starts, lengths, L))  # [N, l, Hkv, dh]
     AV = _weighted_values(A, V, Hs, g.kv_group)  # [N, l, h, dh]
     WOs = _pick(_pick(W["W_O"], L, 0), Hs, 1)  # [l, h, dh, d]
     if kind == "attn_entity":
