@@ -403,6 +403,8 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     assert 'id="section-method-metrics"' in html
     part = html.split('id="section-method-metrics"', 1)[1].split("<section", 1)[0]
     assert "trace vs logit_lens" in part and "across model sizes" in part and "by freq band" in part
+    assert "trace vs tuned_lens (adam)" in part and "tuned_lens (ridge)" not in part  # the fitting rule the run used
+    assert "<td>tuned_lens</td>" not in part
     assert "site_effects" not in html.split('id="section-tables"', 1)[-1] or 'id="section-tables"' not in html
     # the Markdown tables name the tuned lens with its fitting rule
     import contextlib

@@ -35,15 +35,33 @@ def _ci(r: dict[str, Any]) -> str:
     return f"{fmt(r.get('value'))} [{fmt(r.get('low'))}, {fmt(r.get('high'))}]"
 
 
-def _mode(ctx: ReportContext, run: str) -> str:
-    """The intervention mode a metrics run used (from its runs row), or ''."""
+def _config(ctx: ReportContext, run: str) -> dict[str, Any]:
+    """A metrics run's configuration (its runs row), or {}."""
     if not run or "config" not in ctx.columns("runs"):
-        return ""
+        return {}
     rows = ctx.sql('SELECT config FROM "runs" WHERE run_id = ?', [run]).to_pylist()
     try:
-        return str(json.loads(rows[0]["config"]).get("mode", "")) if rows else ""
+        config = json.loads(rows[0]["config"]) if rows else {}
     except (TypeError, ValueError):
-        return ""
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _mode(config: dict[str, Any]) -> str:
+    """The intervention mode a metrics run used, or ''."""
+    return str(config.get("mode", ""))
+
+
+def _labels(config: dict[str, Any]) -> dict[str, str]:
+    """Method name -> the name shown: the tuned lens with its fitting rule (``tuned_lens (adam)``), as the
+    run recorded it; runs made before the rule was recorded could only fit the ridge."""
+    tl = config.get("tuned_lens")
+    rule = tl.get("method") if isinstance(tl, dict) else None
+    return {"tuned_lens": f"tuned_lens ({rule if isinstance(rule, str) else 'ridge'})"}
+
+
+def _relabel(rows: list[dict[str, Any]], key: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+    return [{**r, key: labels.get(r[key], r[key])} for r in rows]
 
 
 def _per_method(sub: pa.Table, grouping: str) -> list[dict[str, Any]]:
@@ -75,15 +93,16 @@ def method_metrics_section(ctx: ReportContext) -> Section | None:
     pairs = ctx.table("method_pair_metrics")
     for run in ctx.latest_runs(t):
         sub = of_run(t, run)
-        mode = _mode(ctx, run)
+        config = _config(ctx, run)
+        mode, labels = _mode(config), _labels(config)
         blocks.append(Heading(run_label(run) + (f" ({mode})" if mode else "")))
         cols = ["method", "facts", *[c for c in METRIC_COLUMNS if c in set(sub.column("metric").to_pylist())]]
-        blocks.append(table_block(_per_method(sub, "all"), cols))
+        blocks.append(table_block(_relabel(_per_method(sub, "all"), "method", labels), cols))
         for grouping in ("freq_band", "uniqueness", "source_set"):
             rows = _per_method(sub, grouping)
             if rows:
                 blocks.append(Note(f"by {grouping.replace('_', ' ')}"))
-                blocks.append(table_block(rows, ["method", "group", *cols[1:]]))
+                blocks.append(table_block(_relabel(rows, "method", labels), ["method", "group", *cols[1:]]))
         n_strata = len({r["group"] for r in sub.to_pylist() if r["grouping"] == "stratum"})
         if n_strata:
             blocks.append(Note(f"{n_strata} strata (relation x frequency band x uniqueness) in the method_metrics "
@@ -92,8 +111,8 @@ def method_metrics_section(ctx: ReportContext) -> Section | None:
             prow = of_run(pairs, run).to_pylist()
             table: dict[tuple[str, str], dict[str, Any]] = {}
             for r in prow:
-                row = table.setdefault((r["method_a"], r["method_b"]),
-                                       {"methods": f"{r['method_a']} vs {r['method_b']}", "facts": 0})
+                a, b = labels.get(r["method_a"], r["method_a"]), labels.get(r["method_b"], r["method_b"])
+                row = table.setdefault((r["method_a"], r["method_b"]), {"methods": f"{a} vs {b}", "facts": 0})
                 row["facts"] = max(row["facts"], int(r["n"] or 0))
                 row[r["metric"]] = _ci(r) if r["n"] else None
                 if r.get("paper") is not None:
