@@ -16,6 +16,7 @@ Checks, collected rather than raised so that one run reports all of them:
   arrays; ``heads`` is the table the geometry implies;
 - the weights decode, have the shapes the geometry implies and, in stores of integrity 1, every
   chunk;
+- every tokenizer file the manifest records (``model.tokenizer``) exists and has its SHA-256;
 - with ``values=True``, every chunk is decoded and NaN or infinite values are problems.
 """
 
@@ -32,7 +33,14 @@ import zarr
 from actstore.arrays import widen
 from actstore.errors import ActstoreError
 from actstore.manifest import INTEGRITY
-from actstore.store import MAX_CHUNK_BYTES, SEGMENT_ARRAYS, Store, segment_name
+from actstore.store import (
+    MAX_CHUNK_BYTES,
+    MAX_TOKENIZER_FILE_BYTES,
+    SEGMENT_ARRAYS,
+    TOKENIZER_DIR,
+    Store,
+    segment_name,
+)
 from actstore.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
 
 
@@ -334,6 +342,27 @@ def _check_weights(store: Store, report: VerifyReport, values: bool) -> None:
                             f"{INTEGRITY} skipped all-zero chunks, so a lost one cannot be told apart)")
 
 
+def _check_tokenizer(store: Store, report: VerifyReport) -> None:
+    """Each tokenizer file the manifest records: present, with its SHA-256 (every file is reported)."""
+    try:
+        record = store.tokenizer_record()
+    except ActstoreError as e:
+        report.problems.append(str(e))
+        return
+    for name, want in sorted((record or {}).items()):
+        rel = f"{TOKENIZER_DIR}/{name}"
+        try:
+            data = store.location.read_bytes(rel, MAX_TOKENIZER_FILE_BYTES)
+        except FileNotFoundError:
+            report.problems.append(f"{rel}: missing (the manifest's model.tokenizer records it)")
+            continue
+        except (OSError, ActstoreError) as e:
+            report.problems.append(f"{rel}: unreadable ({e})")
+            continue
+        if sha256(data) != want:
+            report.problems.append(f"{rel}: SHA-256 does not match the manifest's model.tokenizer")
+
+
 def verify_store(store: Store, *, values: bool = False) -> VerifyReport:
     """Check ``store`` (see the module docstring); ``values`` also scans every chunk for NaN/Inf."""
     report = VerifyReport(store.url, values_checked=values)
@@ -356,4 +385,5 @@ def verify_store(store: Store, *, values: bool = False) -> VerifyReport:
         _check_segment_tables(store, report, seg)
     _check_other_tables(store, report)
     _check_weights(store, report, values)
+    _check_tokenizer(store, report)
     return report

@@ -21,6 +21,7 @@ from actstore.api import tokenizer_for_store as facade_tokenizer
 from actstore.errors import CorruptStoreError, QueryError
 from actstore.manifest import seal
 from actstore.tables import sha256
+from actstore.verify import verify_store
 from ingest.models import tiny_model
 from query.store_tokenizer import tokenizer_for_store
 
@@ -86,6 +87,24 @@ def test_a_changed_tokenizer_file_is_refused(tiny_store: Path, tmp_path: Path) -
     f.write_bytes(f.read_bytes().replace(b'"<pad>"', b'"<PAD>"', 1))
     with pytest.raises(CorruptStoreError, match="tokenizer/tokenizer.json: SHA-256 does not match"):
         tokenizer_for_store(actstore.open(path))
+
+
+def test_verify_checks_every_tokenizer_file(tiny_store: Path, tmp_path: Path) -> None:
+    """``verify`` hashes the tokenizer files: a clean store is ok; one changed byte and one deleted file
+    are each named (both reported, not only the first); nothing else is flagged."""
+    assert verify_store(actstore.open(tiny_store)).ok
+    path = copy_store(tiny_store, tmp_path / "s")
+    f = path / "tokenizer" / "tokenizer.json"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    (path / "tokenizer" / "tokenizer_config.json").unlink()
+    report = verify_store(actstore.open(path))
+    assert report.status == "CORRUPT"
+    assert sorted(report.problems) == [
+        "tokenizer/tokenizer.json: SHA-256 does not match the manifest's model.tokenizer",
+        "tokenizer/tokenizer_config.json: missing (the manifest's model.tokenizer records it)",
+    ]
 
 
 def test_a_missing_tokenizer_file_is_refused(tiny_store: Path, tmp_path: Path) -> None:
