@@ -252,7 +252,10 @@ def test_dask_chunks_by_segment_and_equals_features(store: actstore.Store, frame
     np.testing.assert_array_equal(d.compute(scheduler="synchronous"), x)
     lab = sel.to_xarray(kind, chunked=True, **kw)
     assert lab.chunks is not None and lab.chunks[0] == d.chunks[0]
-    np.testing.assert_array_equal(lab.compute().values, x)
+    np.testing.assert_array_equal(lab.compute(scheduler="synchronous").values, x)
+    # dask's default threaded scheduler: torch's matmuls split the work differently when blocks run
+    # concurrently (float32 sums in another order), so equal to rounding
+    np.testing.assert_allclose(lab.compute().values, x, rtol=1e-5, atol=1e-8)
     assert lab.example_id.values.tolist() == want.example_id.tolist()
     d4 = sel.to_dask(kind, batch_rows=4, **kw)
     assert max(d4.chunks[0]) <= 4 and sum(d4.chunks[0]) == len(want)
