@@ -12,12 +12,20 @@ chunk would be indistinguishable from one never written).  Readers open arrays t
 :class:`ChunkGuard`, which turns a missing chunk of a store that writes every chunk into an
 error instead of zarr's silent fill value, and refuses special files (a named pipe as a chunk
 would block the read forever).
+
+Reads of a local store's chunks skip zarr's asynchronous dispatch when the array's codecs are
+the ones this module writes (:func:`local_chunks`): each chunk file is read, its CRC32C checked
+and its Blosc frame decoded in the calling thread (``google_crc32c`` and ``numcodecs``, the
+libraries zarr's own codecs call).  A small read is then dominated by the bytes, not by
+handing the read to zarr's event loop and waiting (about 1 ms per call, see benchmarks/README.md);
+every other array (an object store, other codecs, a store that may lack chunks) reads through zarr.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncGenerator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -145,8 +153,95 @@ def read_ranges(arr: zarr.Array, starts: Sequence[int], lengths: Sequence[int], 
     return out
 
 
+@dataclass(frozen=True)
+class LocalChunks:
+    """Where and how the chunks of one local array are stored, for reads without zarr's dispatch."""
+
+    folder: str  # the array's folder: chunk i of axis 0 is folder/c/i/0/.../0
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: np.dtype  # as stored (little-endian)
+    blosc: bool  # bytes -> blosc -> crc32c (else bytes -> crc32c)
+    max_bytes: int | None
+
+    def key(self, i: int) -> str:
+        return "/".join(("c", str(i), *("0" * (len(self.shape) - 1))))
+
+    def read(self, c0: int, c1: int) -> np.ndarray:
+        """Rows ``c0 * chunk .. min(c1 * chunk, shape[0])``: chunks c0..c1-1 decoded into one array."""
+        import google_crc32c
+        from numcodecs import Blosc
+
+        n = int(self.chunks[0])
+        out = np.empty(((c1 - c0) * n, *self.chunks[1:]), dtype=self.dtype)
+        size = int(np.prod(self.chunks)) * self.dtype.itemsize
+        flat = out.reshape(c1 - c0, -1).view(np.uint8)
+        for j, i in enumerate(range(c0, c1)):
+            path = os.path.join(self.folder, *self.key(i).split("/"))
+            check_regular_file(path, self.max_bytes)  # before open: opening a named pipe would block
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()  # sized by fstat: f.read(max_bytes + 1) would allocate max_bytes first
+            except FileNotFoundError:
+                raise MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)") from None
+            if self.max_bytes is not None and len(data) > self.max_bytes:
+                raise CorruptStoreError(f"{self.key(i)}: more than the {self.max_bytes} bytes a chunk may have")
+            body = np.frombuffer(data, dtype=np.uint8)[:-4]
+            if len(data) < 4 or int(google_crc32c.value(body)).to_bytes(4, "little") != data[-4:]:
+                raise ValueError(f"{self.key(i)}: stored and computed CRC32C checksums do not match")
+            if self.blosc:
+                # Blosc's header: bytes 4-7 hold the decompressed size (little-endian)
+                got = int.from_bytes(data[4:8], "little") if len(body) >= 16 else -1
+                if got != size:
+                    raise ValueError(f"{self.key(i)}: Blosc frame of {got} bytes, the chunk has {size}")
+                Blosc().decode(body, out=flat[j])
+            elif body.size != size:
+                raise ValueError(f"{self.key(i)}: {body.size} bytes, the chunk has {size}")
+            else:
+                flat[j] = body
+        return out[:min(c1 * n, self.shape[0]) - c0 * n]
+
+
+def local_chunks(arr: zarr.Array) -> LocalChunks | None:
+    """How to read ``arr``'s chunks without zarr's dispatch, or None when they must go through zarr:
+    only an array of a local store opened through a strict :class:`ChunkGuard` (a missing chunk is
+    an error, not zeros), chunked along axis 0 with zarr's default "/" chunk keys, whose codecs are
+    exactly those :func:`create_array` writes (little-endian bytes, optional Blosc, CRC32C).
+    A few attribute checks: cheap enough to make on every read."""
+    from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
+    from zarr.core.metadata import ArrayV3Metadata
+
+    guard = arr.store
+    meta = arr.metadata
+    if not isinstance(guard, ChunkGuard) or guard._local_root is None or not guard._strict:
+        return None
+    if not isinstance(meta, ArrayV3Metadata) or not isinstance(meta.chunk_key_encoding, DefaultChunkKeyEncoding) \
+            or meta.chunk_key_encoding.separator != "/":
+        return None
+    codecs = list(meta.codecs)
+    if not codecs or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[-1], Crc32cCodec):
+        return None
+    middle = codecs[1:-1]
+    if middle and not (len(middle) == 1 and isinstance(middle[0], BloscCodec)):
+        return None
+    dtype = np.dtype(arr.dtype)
+    if dtype.kind not in "fiu" or (dtype.itemsize > 1 and getattr(codecs[0].endian, "value", None) != "little"):
+        return None
+    shape, chunks = tuple(int(n) for n in arr.shape), tuple(int(n) for n in arr.chunks)
+    if len(shape) != len(chunks) or chunks[1:] != shape[1:]:
+        return None
+    return LocalChunks(os.path.join(guard._local_root, *arr.path.split("/")), shape, chunks,
+                       dtype.newbyteorder("<"), bool(middle), guard._max_bytes)
+
+
 def _read(arr: zarr.Array, sl: slice, where: str) -> np.ndarray:
     try:
+        direct = local_chunks(arr)
+        if direct is not None and sl.step is None:
+            n = int(arr.chunks[0])
+            lo, hi = int(sl.start or 0), min(int(sl.stop), int(arr.shape[0]))
+            if lo % n == 0 and hi > lo:
+                return direct.read(lo // n, -(-hi // n))[:hi - lo]
         return np.asarray(arr[sl])
     except MissingChunkError as e:
         _settle_zarr_reads()

@@ -85,10 +85,12 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 class ReadCounter:
-    """Counts the chunks and bytes the store fetches (wraps :class:`actstore.arrays.ChunkGuard`'s ``get``)."""
+    """Counts the chunks and bytes the store fetches: wraps :class:`actstore.arrays.ChunkGuard`'s ``get``
+    (reads through zarr) and :meth:`actstore.arrays.LocalChunks.read` (local reads without zarr's
+    dispatch; bytes = the chunk files' sizes)."""
 
     def __init__(self) -> None:
-        from actstore.arrays import ChunkGuard, is_chunk_key
+        from actstore.arrays import ChunkGuard, LocalChunks, is_chunk_key
 
         self.chunks = 0
         self.bytes = 0
@@ -103,6 +105,16 @@ class ReadCounter:
             return buf
 
         ChunkGuard.get = get  # type: ignore[method-assign,assignment]
+        original_read = LocalChunks.read
+
+        def read(chunks: Any, c0: int, c1: int) -> Any:
+            out = original_read(chunks, c0, c1)
+            counter.chunks += c1 - c0
+            counter.bytes += sum(os.path.getsize(os.path.join(chunks.folder, *chunks.key(i).split("/")))
+                                 for i in range(c0, c1))
+            return out
+
+        LocalChunks.read = read  # type: ignore[method-assign]
 
     def count(self, fn: Callable[[], Any]) -> tuple[int, int]:
         c0, b0 = self.chunks, self.bytes
