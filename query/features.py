@@ -159,7 +159,8 @@ def row_shape(store: Store, spec: FeatureSpec, n_sources: int = 0) -> tuple[int,
     return (n_l, n_h, n_sources, g.d_model)  # attn_head_token
 
 
-def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndarray | None = None) -> np.ndarray:
+def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndarray | None = None,
+                  zeroed: bool = False) -> np.ndarray:
     """Features of one segment's rows: [n, *row_shape] float32, C-contiguous.
 
     ``out``: where to write them (a C-contiguous float32 array of that shape, e.g. rows of a
@@ -167,7 +168,9 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
     the layers (and heads), per group for ``mlp_group``, per row for ``attn_head_token``, with the
     destination as a strided view: no copy of the result).
     For ``attn_head_token``/``attn_prob`` its source axis may be longer than this block's longest
-    row (the tail is zero-filled).  Returns ``out`` (or a new array)."""
+    row (the tail is zero-filled, unless ``zeroed`` says ``out`` is all zeros already: a fresh
+    ``np.zeros`` matrix, whose untouched pages the OS hands out zeroed, costs no writes there).
+    Returns ``out`` (or a new array)."""
     g = store.geometry
     W = weights(store)
     L = list(spec.layers)
@@ -182,7 +185,8 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
     else:
         shape = (n, *row_shape(store, spec))
     if out is None:
-        out = np.empty(shape, dtype=np.float32)
+        zeroed = kind in ("attn_head_token", "attn_prob")  # their padding stays untouched
+        out = (np.zeros if zeroed else np.empty)(shape, dtype=np.float32)
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise QueryError(f"compute_block: out is {out.dtype} {out.shape}, expected C-contiguous float32 {shape}")
     if n == 0:
@@ -231,7 +235,8 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
         for r in range(n):
             k = int(lengths[r])
             dst[r, :, :, :k] = A[first[r]:first[r] + k].permute(1, 2, 0)
-            dst[r, :, :, k:] = 0
+            if not zeroed:
+                dst[r, :, :, k:] = 0
         return out
     V = torch.from_numpy(store.read_segment_ranges(seg, "v", starts, lengths, L))  # [N, l, Hkv, dh]
     AV = _weighted_values(A, V, Hs, g.kv_group)  # [N, l, h, dh]
@@ -251,7 +256,8 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
         x = AV[first[r]:first[r] + k].permute(1, 2, 0, 3).reshape(lh, k, g.d_head)
         slot = dst[r].view(lh, Sx, g.d_model)
         torch.bmm(x, Wf, out=slot[:, :k])
-        slot[:, k:] = 0
+        if not zeroed:
+            slot[:, k:] = 0
     return out
 
 

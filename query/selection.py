@@ -459,10 +459,12 @@ class Selection:
         # Several segments: each block's matmuls write straight into its rows of one result (no
         # per-block array, no second copy); compute_block zero-fills a source axis beyond a block's rows.
         S = self.n_sources() if kind in SOURCE_KINDS else 0
-        out = np.empty((sum(len(b.seg_rows) for b in blocks), *row_shape(self.store, spec, S)), np.float32)
+        zeroed = kind in SOURCE_KINDS  # a fresh np.zeros: the padding beyond each row's sources is never written
+        out = (np.zeros if zeroed else np.empty)((sum(len(b.seg_rows) for b in blocks),
+                                                  *row_shape(self.store, spec, S)), np.float32)
         at = 0
         for b in blocks:
-            compute_block(self.store, spec, b, out=out[at:at + len(b.seg_rows)])
+            compute_block(self.store, spec, b, out=out[at:at + len(b.seg_rows)], zeroed=zeroed)
             at += len(b.seg_rows)
         return _convert(out, output)
 
