@@ -5,11 +5,13 @@
   float16 and bfloat16 (its uint16 bits), and overlapping, unordered ranges.
 * ``compute_block(..., out=view)`` writes each kind's rows into the given rows of a larger matrix,
   leaves the other rows alone, equals the kind computed here with einsum from the stored factors
-  (an independent formulation), and zero-fills a source axis longer than the block's.
+  (an independent formulation), and zero-fills a source axis longer than the block's, at 1 and 2
+  torch threads (``attn_head_token``'s products go through a scratch matrix above one thread).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -99,8 +101,20 @@ def einsum_kind(store: actstore.Store, kind: str, block: object) -> np.ndarray:
     return np.stack([np.pad(x, [(0, 0), (0, 0), (0, S - x.shape[2])] + [(0, 0)] * (x.ndim - 3)) for x in out])
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's intra-op threads for one test (attn_head_token takes another matmul path above one)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_compute_block_writes_into_the_rows_it_is_given(tiny_store: Path, kind: str) -> None:
+def test_compute_block_writes_into_the_rows_it_is_given(tiny_store: Path, kind: str, torch_threads: int) -> None:
+    assert torch.get_num_threads() == torch_threads
     store = actstore.open(tiny_store)
     sel = store.select()
     blocks = [b for _, b in sel.blocks()]
