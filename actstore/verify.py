@@ -210,20 +210,12 @@ def _check_unlisted(store: Store, report: VerifyReport, seg: int, values: bool) 
 
 def _check_segment_tables(store: Store, report: VerifyReport, seg: int) -> None:
     commit = store.commits[seg]
-    loc = store.location
     tables: dict[str, pa.Table] = {}
     for name in SEGMENT_TABLES:
         rel = f"tables/{name}/{segment_name(seg)}.parquet"
-        try:
-            data = loc.read_bytes(rel, MAX_TABLE_BYTES)
-        except FileNotFoundError:
-            report.problems.append(f"{rel}: missing (segment {seg} is committed)")
-            continue
-        except (ActstoreError, OSError) as e:
-            report.problems.append(f"{rel}: cannot be read: {e}")
-            continue
-        if sha256(data) != commit.table_sha256.get(name):
-            report.problems.append(f"{rel}: SHA-256 does not match the commit marker (table corrupted)")
+        data = _read_hashed(store, report, rel, MAX_TABLE_BYTES, commit.table_sha256.get(name),
+                            f"segment {seg} is committed", "the commit marker (table corrupted)")
+        if data is None:
             continue
         try:
             tables[name] = pq.read_table(pa.BufferReader(data))
@@ -350,17 +342,26 @@ def _check_tokenizer(store: Store, report: VerifyReport) -> None:
         report.problems.append(str(e))
         return
     for name, want in sorted((record or {}).items()):
-        rel = f"{TOKENIZER_DIR}/{name}"
-        try:
-            data = store.location.read_bytes(rel, MAX_TOKENIZER_FILE_BYTES)
-        except FileNotFoundError:
-            report.problems.append(f"{rel}: missing (the manifest's model.tokenizer records it)")
-            continue
-        except (OSError, ActstoreError) as e:
-            report.problems.append(f"{rel}: unreadable ({e})")
-            continue
-        if sha256(data) != want:
-            report.problems.append(f"{rel}: SHA-256 does not match the manifest's model.tokenizer")
+        _read_hashed(store, report, f"{TOKENIZER_DIR}/{name}", MAX_TOKENIZER_FILE_BYTES, want,
+                     "the manifest's model.tokenizer records it", "the manifest's model.tokenizer")
+
+
+def _read_hashed(store: Store, report: VerifyReport, rel: str, max_bytes: int, want: str | None, missing: str,
+                 recorded_in: str) -> bytes | None:
+    """The bytes of ``rel`` when it exists, can be read and has the SHA-256 ``want``; else None, with the
+    problem reported (``missing``: why it should be there; ``recorded_in``: what records its hash)."""
+    try:
+        data = store.location.read_bytes(rel, max_bytes)
+    except FileNotFoundError:
+        report.problems.append(f"{rel}: missing ({missing})")
+        return None
+    except (ActstoreError, OSError) as e:
+        report.problems.append(f"{rel}: cannot be read: {e}")
+        return None
+    if sha256(data) != want:
+        report.problems.append(f"{rel}: SHA-256 does not match {recorded_in}")
+        return None
+    return data
 
 
 def verify_store(store: Store, *, values: bool = False) -> VerifyReport:
