@@ -126,7 +126,8 @@ def test_sql_command_exits_cleanly_every_time(two_stores: tuple[Path, Path]) -> 
     timer thread was left to end on its own, it could drop the last reference to the DuckDB connection
     during interpreter finalisation and abort the process after the right answer was printed (SIGABRT,
     exit status -6; 1 run in 16 on this store, 15-50% on a 6,128-row one; gdb: the connection's
-    destructor in the timer thread's teardown).  12 runs catch the small store's rate about half the time."""
+    destructor in the timer thread's teardown).  12 runs catch the small store's rate about half the time;
+    the test below checks the cause (the timer thread joined) deterministically."""
     import subprocess
     import sys
 
@@ -136,3 +137,30 @@ def test_sql_command_exits_cleanly_every_time(two_stores: tuple[Path, Path]) -> 
                             "SELECT count(*) AS n FROM examples"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (r.returncode, r.stderr[-400:])
         assert r.stdout.split() == ["n", str(want)]
+
+
+def test_the_statement_timer_has_ended_when_a_statement_returns(two_stores: tuple[Path, Path],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deterministic form of the exit test above: each statement's timeout timer is a thread that
+    holds the DuckDB connection, so it must have ended (been joined) before the statement returns.
+    Here every timer takes 0.3 s to end after it is cancelled, so a statement that only cancels it
+    returns while the thread is still alive, every time."""
+    import time
+
+    made: list[threading.Timer] = []
+
+    class SlowToEnd(threading.Timer):
+        def run(self) -> None:
+            super().run()
+            time.sleep(0.3)
+
+    def timer(interval: float, function: Callable[[], None]) -> threading.Timer:
+        made.append(SlowToEnd(interval, function))
+        return made[-1]
+
+    monkeypatch.setattr(threading, "Timer", timer)
+    store = actstore.open(two_stores[1])
+    for query in ("SELECT count(*) AS n FROM examples", "SELECT 1 AS x"):
+        assert store.sql(query).num_rows == 1
+    assert len(made) == 2, "each statement runs under a timeout timer"
+    assert not any(t.is_alive() for t in made)
