@@ -36,7 +36,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 from actstore.errors import CorruptStoreError
-from actstore.fs import check_regular_file
+from actstore.fs import check_regular_file, read_local_file
 
 NUMPY_DTYPE: dict[str, np.dtype] = {"float32": np.dtype("float32"), "float16": np.dtype("float16"), "bfloat16": np.dtype("uint16")}
 
@@ -167,6 +167,10 @@ class LocalChunks:
     def key(self, i: int) -> str:
         return "/".join(("c", str(i), *("0" * (len(self.shape) - 1))))
 
+    def path(self, i: int) -> str:
+        """The file of chunk ``i``."""
+        return os.path.join(self.folder, *self.key(i).split("/"))
+
     def read(self, c0: int, c1: int) -> np.ndarray:
         """Rows ``c0 * chunk .. min(c1 * chunk, shape[0])``: chunks c0..c1-1 decoded into one array."""
         import google_crc32c
@@ -177,15 +181,10 @@ class LocalChunks:
         size = int(np.prod(self.chunks)) * self.dtype.itemsize
         flat = out.reshape(c1 - c0, -1).view(np.uint8)
         for j, i in enumerate(range(c0, c1)):
-            path = os.path.join(self.folder, *self.key(i).split("/"))
-            check_regular_file(path, self.max_bytes)  # before open: opening a named pipe would block
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()  # sized by fstat: f.read(max_bytes + 1) would allocate max_bytes first
+            try:  # a regular file of at most max_bytes, checked on the open descriptor (as every local read)
+                data = read_local_file(self.path(i), self.max_bytes)
             except FileNotFoundError:
                 raise MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)") from None
-            if self.max_bytes is not None and len(data) > self.max_bytes:
-                raise CorruptStoreError(f"{self.key(i)}: more than the {self.max_bytes} bytes a chunk may have")
             body = np.frombuffer(data, dtype=np.uint8)[:-4]
             if len(data) < 4 or int(google_crc32c.value(body)).to_bytes(4, "little") != data[-4:]:
                 raise ValueError(f"{self.key(i)}: stored and computed CRC32C checksums do not match")

@@ -88,7 +88,7 @@ class StoreLocation:
         fetched (one ranged GET).
         """
         if self.is_local:
-            return _read_local(self.path(rel), max_bytes)
+            return read_local_file(self.path(rel), max_bytes)
         with self.io():
             if max_bytes is None:
                 data: bytes = self.fs.cat_file(self.path(rel))
@@ -217,7 +217,7 @@ class StoreLocation:
             yield zarr.open_group(store=self.zarr_store(rel, read_only=False), mode="w")
             if digests is not None:  # hashed from the page cache, just after writing
                 for key in self.walk_files(rel):
-                    digests[key] = hashlib.sha256(_read_local(posixpath.join(self.path(rel), key), None)).hexdigest()
+                    digests[key] = hashlib.sha256(read_local_file(posixpath.join(self.path(rel), key), None)).hexdigest()
             return
         objects: dict[str, Any] = {}
         yield zarr.open_group(store=zarr.storage.MemoryStore(objects), mode="w")
@@ -245,7 +245,7 @@ class StoreLocation:
         return afs
 
 
-def _read_local(path: str, max_bytes: int | None) -> bytes:
+def read_local_file(path: str, max_bytes: int | None) -> bytes:
     """A local file's bytes, refusing anything but a regular file (checked on the open descriptor,
     which ``O_NONBLOCK`` lets us get even for a named pipe without a writer) and, with
     ``max_bytes``, a file larger than that."""

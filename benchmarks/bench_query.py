@@ -110,8 +110,7 @@ class ReadCounter:
         def read(chunks: Any, c0: int, c1: int) -> Any:
             out = original_read(chunks, c0, c1)
             counter.chunks += c1 - c0
-            counter.bytes += sum(os.path.getsize(os.path.join(chunks.folder, *chunks.key(i).split("/")))
-                                 for i in range(c0, c1))
+            counter.bytes += sum(os.path.getsize(chunks.path(i)) for i in range(c0, c1))
             return out
 
         LocalChunks.read = read  # type: ignore[method-assign]

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from actstore.store import Store
 
 KINDS = ("z", "attn_head", "attn", "attn_head_token", "attn_entity", "attn_prob", "mlp", "mlp_group", "resid")
+SOURCE_KINDS = ("attn_head_token", "attn_prob")  # kinds with a (zero-padded) source axis
 HEAD_KINDS = ("z", "attn_head", "attn_head_token", "attn_entity", "attn_prob", "mlp_group")
 
 
@@ -185,7 +186,7 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
     else:
         shape = (n, *row_shape(store, spec))
     if out is None:
-        zeroed = kind in ("attn_head_token", "attn_prob")  # their padding stays untouched
+        zeroed = kind in SOURCE_KINDS  # their padding stays untouched
         out = (np.zeros if zeroed else np.empty)(shape, dtype=np.float32)
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise QueryError(f"compute_block: out is {out.dtype} {out.shape}, expected C-contiguous float32 {shape}")

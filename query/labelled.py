@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from actstore.errors import QueryError
-from query.features import FeatureSpec, RowBlock, compute_block
+from query.features import SOURCE_KINDS, FeatureSpec, RowBlock, compute_block
 
 if TYPE_CHECKING:
     import dask.array
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
     from actstore.store import Store
 
-SOURCE_KINDS = ("attn_head_token", "attn_prob")  # kinds with a (zero-padded) source axis
 
 DIMS: dict[str, tuple[str, ...]] = {
     "z": ("row", "layer", "head", "d_head"),
