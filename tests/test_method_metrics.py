@@ -14,6 +14,8 @@ import pyarrow as pa
 import pytest
 import torch
 from conftest import FIXTURES, build_store
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ingest.datasets import load_dataset
 from ingest.datasets.common import DatasetError
@@ -100,6 +102,25 @@ def test_sample_is_stratified_seeded_and_in_pool_order() -> None:
     assert order == sorted(order)
     others = [stratified_sample(tagged, 14, seed=s) for s in range(1, 6)]
     assert any(o != a for o in others)  # the seed chooses which facts
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.dictionaries(st.sampled_from("abcdefg"), st.integers(0, 12), min_size=1),
+       small=st.integers(0, 60), extra=st.integers(0, 60))
+def test_allocation_grows_with_the_total(sizes: dict[str, int], small: int, extra: int) -> None:
+    """A larger data set takes at least as many facts from every stratum (so, with the per-stratum
+    shuffles fixed by the seed, it holds the smaller one: the superset the SmolLM2 study relies on)."""
+    lo, hi = allocate(sizes, small), allocate(sizes, small + extra)
+    assert sum(lo.values()) == min(small, sum(sizes.values()))
+    assert all(0 <= lo[k] <= hi[k] <= sizes[k] for k in sizes), (lo, hi)
+
+
+def test_a_larger_sample_holds_the_smaller() -> None:
+    tagged = tag_facts(_pool(), _zipf())
+    samples = [stratified_sample(tagged, n, seed=3) for n in range(len(tagged) + 1)]
+    for n, (a, b) in enumerate(zip(samples, samples[1:])):
+        assert len(a) == n and len(b) == n + 1
+        assert set(map(id, a)) < set(map(id, b)), n
 
 
 def test_build_and_load(tmp_path: Path) -> None:
