@@ -7,6 +7,11 @@ zstd: float16 activations barely compress (Blosc/zstd level 3 saves 6%), and LZ4
 is what a GPU ingest's host side and every query pay for.  Stores written with zstd read as before.  bfloat16 has no
 numpy dtype; it is stored as its raw uint16 bits and widened to float32 on read.
 
+Segment arrays are chunked along their rows; since format version 2 each chunk of rows is a shard
+(zarr's sharding codec: one file, index at its end) of layer chunks, so a read of a few layers
+fetches only their bytes (:func:`axis1_plan`) while a full scan still reads one file per chunk of
+rows; every later axis is whole.
+
 Every chunk is written, all-zero ones included (zarr skips those by default, and then a lost
 chunk would be indistinguishable from one never written).  Readers open arrays through
 :class:`ChunkGuard`, which turns a missing chunk of a store that writes every chunk into an
@@ -36,7 +41,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 from actstore.errors import CorruptStoreError
-from actstore.fs import check_regular_file, read_local_file
+from actstore.fs import check_regular_file, open_regular_file, pread_exact, read_local_file
 
 NUMPY_DTYPE: dict[str, np.dtype] = {"float32": np.dtype("float32"), "float16": np.dtype("float16"), "bfloat16": np.dtype("uint16")}
 
@@ -46,17 +51,26 @@ def compressors() -> list[Any]:
 
 
 def create_array(group: zarr.Group, name: str, data: np.ndarray, chunk0: int, *, logical_dtype: str,
-                 compress: bool = True) -> None:
-    """Write ``data`` as a new array chunked only along axis 0 (``chunk0`` rows per chunk).
+                 compress: bool = True, chunk1: int = 0) -> None:
+    """Write ``data`` as a new array chunked along axis 0 (``chunk0`` rows per chunk).
 
+    With ``chunk1`` > 0 (fewer than axis 1's length), each chunk of rows is a shard holding inner
+    chunks of ``chunk1`` positions of axis 1 (the layers of a segment array): one file per chunk of
+    rows, as without, whose inner chunks are read alone (zarr's sharding codec, index at the end).
     ``compress=False`` keeps only the checksum: float32 weights barely compress (about 5%)
     and zstd on them would cost seconds at every store creation.
     """
-    chunks = (max(1, min(chunk0, max(1, data.shape[0]))), *data.shape[1:])
+    chunks: tuple[int, ...] = (max(1, min(chunk0, max(1, data.shape[0]))), *data.shape[1:])
+    shards: tuple[int, ...] | None = None
+    if chunk1 > 0 and data.ndim >= 2 and 0 < chunk1 < data.shape[1]:
+        n1 = int(data.shape[1])
+        shards = (chunks[0], -(-n1 // chunk1) * chunk1, *chunks[2:])
+        chunks = (chunks[0], chunk1, *chunks[2:])
     arr = group.create_array(
         name,
         shape=data.shape,
         chunks=chunks,
+        shards=shards,
         dtype=data.dtype,
         serializer=BytesCodec(),
         compressors=compressors() if compress else [Crc32cCodec()],
@@ -72,8 +86,8 @@ def create_array(group: zarr.Group, name: str, data: np.ndarray, chunk0: int, *,
 def widen(data: np.ndarray, logical_dtype: str) -> np.ndarray:
     """Stored values as float32 (bfloat16 bits are shifted into the high half of a float32)."""
     if logical_dtype == "bfloat16":
-        return (data.astype(np.uint32) << 16).view(np.float32)
-    return data.astype(np.float32, copy=False)
+        return (data.astype(np.uint32, order="C") << 16).view(np.float32)
+    return data.astype(np.float32, order="C", copy=False)
 
 
 def runs(sorted_chunks: np.ndarray) -> list[tuple[int, int]]:
@@ -97,6 +111,32 @@ def take1(x: np.ndarray, idx: Sequence[int] | None) -> np.ndarray:
     return x[:, idx]
 
 
+def axis1_plan(shape: Sequence[int], chunks: Sequence[int], axis1: Sequence[int] | None
+               ) -> tuple[list[int] | None, list[int] | None]:
+    """Which axis-1 chunks a read of ``axis1`` fetches, and where ``axis1``'s positions then lie.
+
+    Returns ``(blocks, positions)``: ``blocks`` the sorted axis-1 chunk indices to read (None: the
+    whole axis, as one block or all of them), ``positions`` the indices of ``axis1`` in the
+    concatenation of those blocks along axis 1 (None: all of it).  An array not chunked along axis 1
+    reads it whole and keeps ``axis1`` as given."""
+    if axis1 is None or len(shape) < 2:
+        return None, None if axis1 is None else list(axis1)
+    k1, n1 = int(chunks[1]), int(shape[1])
+    ax = [int(a) + n1 if -n1 <= int(a) < 0 else int(a) for a in axis1]
+    bad = [a for a in ax if not 0 <= a < n1]
+    if bad:
+        raise IndexError(f"index {bad[0]} is out of bounds for axis 1 with size {n1}")
+    if k1 >= n1:
+        return None, ax
+    blocks = sorted({a // k1 for a in ax})
+    offset: dict[int, int] = {}
+    total = 0
+    for blk in blocks:
+        offset[blk] = total
+        total += min(k1, n1 - blk * k1)
+    return blocks, [offset[a // k1] + a % k1 for a in ax]
+
+
 def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str | None = None,
               axis1: Sequence[int] | None = None) -> np.ndarray:
     """``arr[rows][:, axis1]`` for sorted row indices, reading each touched run of whole chunks once.
@@ -104,7 +144,8 @@ def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str 
     With ``logical_dtype``, the rows come back widened to float32 (:func:`widen`), converted while
     they are copied out of the decoded chunks (no second copy); a run of consecutive rows is taken
     as a slice of its chunks, not gathered.  ``axis1`` (e.g. layers) is applied before widening, so
-    only the kept part of each row is converted."""
+    only the kept part of each row is converted; an array chunked along axis 1 as well (layer
+    chunks) fetches only the axis-1 chunks that ``axis1`` touches."""
     rows = np.asarray(rows, dtype=np.int64)
     dtype = np.dtype(np.float32) if logical_dtype is not None else arr.dtype
     tail = (len(axis1) if axis1 is not None else int(arr.shape[1]), *arr.shape[2:]) if arr.ndim > 1 else ()
@@ -112,6 +153,7 @@ def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str 
         raise ValueError("axis1 needs an array of at least 2 dimensions")
     if rows.size == 0:
         return np.zeros((0, *tail), dtype=dtype)
+    blocks, positions = axis1_plan(arr.shape, arr.chunks, axis1)
     chunk = int(arr.chunks[0])
     touched = np.unique(rows // chunk)
     spans = runs(touched)
@@ -119,13 +161,13 @@ def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str 
     i = 0
     for c0, c1 in spans:
         lo, hi = c0 * chunk, min(c1 * chunk, int(arr.shape[0]))
-        block = _read(arr, slice(lo, hi), where)
+        block = _read(arr, slice(lo, hi), where, blocks)
         sel = rows[(rows >= lo) & (rows < hi)] - lo
         consecutive = sel[-1] - sel[0] + 1 == sel.size and bool(np.all(sel[1:] != sel[:-1]))
-        kept = take1(block, axis1)  # a view: the rows are gathered (and widened) from the kept part only
+        kept = take1(block, positions)  # a view: the rows are gathered (and widened) from the kept part only
         piece = kept[sel[0]:sel[-1] + 1] if consecutive else kept[sel]
         if len(spans) == 1:
-            return widen(piece, logical_dtype) if logical_dtype is not None else piece
+            return widen(piece, logical_dtype) if logical_dtype is not None else np.ascontiguousarray(piece)
         if out is None:
             out = np.empty((rows.size, *tail), dtype=dtype)
         if logical_dtype == "bfloat16":
@@ -153,60 +195,156 @@ def read_ranges(arr: zarr.Array, starts: Sequence[int], lengths: Sequence[int], 
     return out
 
 
+_MISSING = (1 << 64) - 1  # a shard index entry of an inner chunk that was never written
+
+
 @dataclass(frozen=True)
 class LocalChunks:
-    """Where and how the chunks of one local array are stored, for reads without zarr's dispatch."""
+    """Where and how the chunks of one local array are stored, for reads without zarr's dispatch.
 
-    folder: str  # the array's folder: chunk i of axis 0 is folder/c/i/0/.../0
+    Without ``inner1``, chunk ``i`` is the file ``c/i/0/...`` and holds rows ``i * chunks[0]``
+    onwards, whole along every other axis.  With ``inner1`` (a sharded array: layer chunks), that
+    file is a shard of inner chunks of ``inner1`` positions of axis 1 (``chunks`` is then the inner
+    chunk's shape), followed by its index: one (offset, length) pair of little-endian uint64 per
+    inner chunk, then the index's CRC32C."""
+
+    folder: str  # the array's folder: chunk (shard) i of axis 0 is folder/c/i/0/.../0
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     dtype: np.dtype  # as stored (little-endian)
     blosc: bool  # bytes -> blosc -> crc32c (else bytes -> crc32c)
     max_bytes: int | None
+    inner1: int = 0  # positions of axis 1 per inner chunk of a shard (0: not sharded)
 
     def key(self, i: int) -> str:
         return "/".join(("c", str(i), *("0" * (len(self.shape) - 1))))
 
     def path(self, i: int) -> str:
-        """The file of chunk ``i``."""
+        """The file of chunk (or shard) ``i``."""
         return os.path.join(self.folder, *self.key(i).split("/"))
 
-    def read(self, c0: int, c1: int) -> np.ndarray:
-        """Rows ``c0 * chunk .. min(c1 * chunk, shape[0])``: chunks c0..c1-1 decoded into one array."""
-        import google_crc32c
-        from numcodecs import Blosc
+    @property
+    def n_inner(self) -> int:
+        """Inner chunks per shard (1 without sharding)."""
+        return -(-int(self.shape[1]) // self.inner1) if self.inner1 else 1
 
+    def _decode(self, i: int, j: int, data: bytes, dest: np.ndarray) -> None:
+        """The stored bytes of chunk ``i`` (inner chunk ``j``) checked (CRC32C) and decoded into ``dest``
+        (uint8, the chunk's size)."""
+        import google_crc32c
+        from numcodecs import blosc
+
+        size = dest.size
+        where = self.key(i) + (f" (layers {j * self.inner1}:{(j + 1) * self.inner1})" if self.inner1 else "")
+        body = np.frombuffer(data, dtype=np.uint8)[:-4]
+        if len(data) < 4 or int(google_crc32c.value(body)).to_bytes(4, "little") != data[-4:]:
+            raise ValueError(f"{where}: stored and computed CRC32C checksums do not match")
+        if self.blosc:
+            # Blosc's header: bytes 4-7 hold the decompressed size (little-endian)
+            got = int.from_bytes(data[4:8], "little") if len(body) >= 16 else -1
+            if got != size:
+                raise ValueError(f"{where}: Blosc frame of {got} bytes, the chunk has {size}")
+            blosc.decompress(body, dest)
+        elif body.size != size:
+            raise ValueError(f"{where}: {body.size} bytes, the chunk has {size}")
+        else:
+            dest[...] = body
+
+    def _file(self, i: int) -> bytes:
+        try:  # a regular file of at most max_bytes, checked on the open descriptor (as every local read)
+            return read_local_file(self.path(i), self.max_bytes)
+        except FileNotFoundError:
+            raise MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)") from None
+
+    def _inner(self, i: int, blocks: Sequence[int]) -> list[bytes]:
+        """The stored bytes of inner chunks ``blocks`` of shard ``i``: the whole file in one read when every
+        inner chunk is wanted, else its index and then each run of adjacent inner chunks (``pread``)."""
+        import google_crc32c
+
+        n_idx = 16 * self.n_inner + 4
+        whole = len(blocks) == self.n_inner
+        try:
+            fd, size = open_regular_file(self.path(i), self.max_bytes)
+        except FileNotFoundError:
+            raise MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)") from None
+        try:
+            if size < n_idx:
+                raise ValueError(f"{self.key(i)}: {size} bytes, fewer than its shard index's {n_idx}")
+            data = pread_exact(fd, size, 0, self.path(i)) if whole else b""
+            index = data[size - n_idx:] if whole else pread_exact(fd, n_idx, size - n_idx, self.path(i))
+            if int(google_crc32c.value(index[:-4])).to_bytes(4, "little") != index[-4:]:
+                raise ValueError(f"{self.key(i)}: the shard index fails its CRC32C checksum")
+            table = np.frombuffer(index[:-4], dtype="<u8").reshape(self.n_inner, 2)
+            spans: list[tuple[int, int]] = []
+            for b in blocks:
+                off, n = (int(v) for v in table[b])
+                if off == _MISSING and n == _MISSING:
+                    raise MissingChunkError(f"{self.key(i)}: inner chunk {b} (layers {b * self.inner1}:"
+                                            f"{(b + 1) * self.inner1}) is missing from the shard")
+                if off + n > size - n_idx:
+                    raise ValueError(f"{self.key(i)}: the shard index points past the data ({off}+{n} > {size - n_idx})")
+                spans.append((off, n))
+            if whole:
+                return [data[off:off + n] for off, n in spans]
+            out: list[bytes] = []
+            k = 0
+            while k < len(spans):  # adjacent inner chunks (consecutive layers) in one read
+                m = k + 1
+                while m < len(spans) and spans[m][0] == spans[m - 1][0] + spans[m - 1][1]:
+                    m += 1
+                lo = spans[k][0]
+                buf = pread_exact(fd, spans[m - 1][0] + spans[m - 1][1] - lo, lo, self.path(i))
+                out += [buf[off - lo:off - lo + n] for off, n in spans[k:m]]
+                k = m
+            return out
+        finally:
+            os.close(fd)
+
+    def read(self, c0: int, c1: int, blocks: Sequence[int] | None = None) -> np.ndarray:
+        """Rows ``c0 * chunk .. min(c1 * chunk, shape[0])``: chunks c0..c1-1 decoded into one array;
+        ``blocks``: of a sharded array, only these inner chunks of axis 1, concatenated along it (None: all)."""
         n = int(self.chunks[0])
-        out = np.empty(((c1 - c0) * n, *self.chunks[1:]), dtype=self.dtype)
-        size = int(np.prod(self.chunks)) * self.dtype.itemsize
-        flat = out.reshape(c1 - c0, -1).view(np.uint8)
+        stop = min(c1 * n, self.shape[0]) - c0 * n
+        if not self.inner1:  # one chunk per row range: decode in place
+            out = np.empty(((c1 - c0) * n, *self.chunks[1:]), dtype=self.dtype)
+            flat = out.reshape(c1 - c0, -1).view(np.uint8)
+            for j, i in enumerate(range(c0, c1)):
+                self._decode(i, 0, self._file(i), flat[j])
+            return out[:stop]
+        k1, n1 = self.inner1, int(self.shape[1])
+        blocks = list(range(self.n_inner)) if blocks is None else list(blocks)
+        widths = [min(k1, n1 - b * k1) for b in blocks]
+        out = np.empty(((c1 - c0) * n, sum(widths), *self.chunks[2:]), dtype=self.dtype)
+        if len(blocks) == 1 and widths[0] == k1:  # one full inner chunk per shard: decode in place
+            flat = out.reshape(c1 - c0, -1).view(np.uint8)
+            for j, i in enumerate(range(c0, c1)):
+                self._decode(i, blocks[0], self._inner(i, blocks)[0], flat[j])
+            return out[:stop]
+        if k1 == 1:  # one layer per inner chunk: decode in place into [layer, row, ...], return a [row, layer] view
+            by_layer = np.empty((len(blocks), (c1 - c0) * n, *self.chunks[2:]), dtype=self.dtype)
+            for j, i in enumerate(range(c0, c1)):
+                for m, data in enumerate(self._inner(i, blocks)):
+                    self._decode(i, blocks[m], data, by_layer[m, j * n:(j + 1) * n].reshape(-1).view(np.uint8))
+            return by_layer.swapaxes(0, 1)[:stop]
+        tmp = np.empty(self.chunks, dtype=self.dtype)
+        raw = tmp.reshape(-1).view(np.uint8)
         for j, i in enumerate(range(c0, c1)):
-            try:  # a regular file of at most max_bytes, checked on the open descriptor (as every local read)
-                data = read_local_file(self.path(i), self.max_bytes)
-            except FileNotFoundError:
-                raise MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)") from None
-            body = np.frombuffer(data, dtype=np.uint8)[:-4]
-            if len(data) < 4 or int(google_crc32c.value(body)).to_bytes(4, "little") != data[-4:]:
-                raise ValueError(f"{self.key(i)}: stored and computed CRC32C checksums do not match")
-            if self.blosc:
-                # Blosc's header: bytes 4-7 hold the decompressed size (little-endian)
-                got = int.from_bytes(data[4:8], "little") if len(body) >= 16 else -1
-                if got != size:
-                    raise ValueError(f"{self.key(i)}: Blosc frame of {got} bytes, the chunk has {size}")
-                Blosc().decode(body, out=flat[j])
-            elif body.size != size:
-                raise ValueError(f"{self.key(i)}: {body.size} bytes, the chunk has {size}")
-            else:
-                flat[j] = body
-        return out[:min(c1 * n, self.shape[0]) - c0 * n]
+            at = 0
+            for b, w, data in zip(blocks, widths, self._inner(i, blocks)):
+                self._decode(i, b, data, raw)
+                out[j * n:(j + 1) * n, at:at + w] = tmp[:, :w]
+                at += w
+        return out[:stop]
 
 
 def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     """How to read ``arr``'s chunks without zarr's dispatch, or None when they must go through zarr:
     only an array of a local store opened through a strict :class:`ChunkGuard` (a missing chunk is
-    an error, not zeros), chunked along axis 0 with zarr's default "/" chunk keys, whose codecs are
+    an error, not zeros), chunked along axis 0 with zarr's default "/" chunk keys (or sharded as
+    :func:`create_array` shards: rows x every layer, index at the end with CRC32C), whose codecs are
     exactly those :func:`create_array` writes (little-endian bytes, optional Blosc, CRC32C).
     A few attribute checks: cheap enough to make on every read."""
+    from zarr.codecs import ShardingCodec, ShardingCodecIndexLocation
     from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
     from zarr.core.metadata import ArrayV3Metadata
 
@@ -218,6 +356,21 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
             or meta.chunk_key_encoding.separator != "/":
         return None
     codecs = list(meta.codecs)
+    shape, chunks = tuple(int(n) for n in arr.shape), tuple(int(n) for n in arr.chunks)
+    inner1 = 0
+    if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
+        sc = codecs[0]
+        index = list(sc.index_codecs)
+        if sc.index_location != ShardingCodecIndexLocation.end or len(index) != 2 \
+                or not isinstance(index[0], BytesCodec) or not isinstance(index[1], Crc32cCodec) \
+                or getattr(index[0].endian, "value", None) != "little" or arr.shards is None:
+            return None
+        shards = tuple(int(n) for n in arr.shards)
+        if len(shape) < 2 or not sharded_ok(shape, chunks, shards):
+            return None
+        codecs, inner1 = list(sc.codecs), chunks[1]
+    elif len(shape) != len(chunks) or chunks[1:] != shape[1:]:
+        return None
     if not codecs or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[-1], Crc32cCodec):
         return None
     middle = codecs[1:-1]
@@ -226,22 +379,35 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     dtype = np.dtype(arr.dtype)
     if dtype.kind not in "fiu" or (dtype.itemsize > 1 and getattr(codecs[0].endian, "value", None) != "little"):
         return None
-    shape, chunks = tuple(int(n) for n in arr.shape), tuple(int(n) for n in arr.chunks)
-    if len(shape) != len(chunks) or chunks[1:] != shape[1:]:
-        return None
     return LocalChunks(os.path.join(guard._local_root, *arr.path.split("/")), shape, chunks,
-                       dtype.newbyteorder("<"), bool(middle), guard._max_bytes)
+                       dtype.newbyteorder("<"), bool(middle), guard._max_bytes, inner1)
 
 
-def _read(arr: zarr.Array, sl: slice, where: str) -> np.ndarray:
+def sharded_ok(shape: Sequence[int], chunks: Sequence[int], shards: Sequence[int]) -> bool:
+    """True for the sharding :func:`create_array` writes: shards of rows x every position of axis 1
+    (rounded up to whole inner chunks), inner chunks of the shard's rows and a part of axis 1, whole
+    along later axes."""
+    if len(shape) < 2 or not len(shape) == len(chunks) == len(shards):
+        return False
+    k1, n1 = int(chunks[1]), int(shape[1])
+    return (int(chunks[0]) == int(shards[0]) >= 1 and 1 <= k1 < n1 and int(shards[1]) == -(-n1 // k1) * k1
+            and tuple(chunks[2:]) == tuple(shape[2:]) == tuple(shards[2:]))
+
+
+def _read(arr: zarr.Array, sl: slice, where: str, blocks: Sequence[int] | None = None) -> np.ndarray:
+    """Rows ``sl`` of ``arr`` (whole chunks), with only the axis-1 chunks ``blocks`` concatenated (None: all)."""
     try:
         direct = local_chunks(arr)
         if direct is not None and sl.step is None:
             n = int(arr.chunks[0])
             lo, hi = int(sl.start or 0), min(int(sl.stop), int(arr.shape[0]))
             if lo % n == 0 and hi > lo:
-                return direct.read(lo // n, -(-hi // n))[:hi - lo]
-        return np.asarray(arr[sl])
+                return direct.read(lo // n, -(-hi // n), blocks)[:hi - lo]
+        if blocks is None:
+            return np.asarray(arr[sl])
+        k1, n1 = int(arr.chunks[1]), int(arr.shape[1])
+        parts = [np.asarray(arr[sl, b0 * k1:min(b1 * k1, n1)]) for b0, b1 in runs(np.asarray(blocks))]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     except MissingChunkError as e:
         _settle_zarr_reads()
         raise CorruptStoreError(f"{where}: chunk read failed for rows {sl.start}:{sl.stop} ({e})") from None
@@ -317,19 +483,28 @@ class ChunkGuard(WrapperStore[Store]):
 def check_array(arr: zarr.Array, where: str, shape: tuple[int, ...] | None, dtype: np.dtype | None,
                 max_chunk_bytes: int | None = None, max_chunks: int = 1 << 20) -> None:
     """Refuse (:class:`CorruptStoreError`) an array whose metadata disagrees with what the store's manifest
-    and commit markers say: its ``shape`` and ``dtype``, chunking along axis 0 only, at most
-    ``max_chunks`` chunks and ``max_chunk_bytes`` per chunk.  Run before any read, so a made-up shape
+    and commit markers say: its ``shape`` and ``dtype``, chunking along axis 0 only (or shards of
+    rows x layer chunks, :func:`sharded_ok`), at most ``max_chunks`` chunks (inner chunks of shards
+    included) and ``max_chunk_bytes`` per chunk (per shard).  Run before any read, so a made-up shape
     in a ``zarr.json`` can neither allocate its size nor make a loop over its chunks endless."""
     got = tuple(int(n) for n in arr.shape)
     if shape is not None and got != tuple(shape):
         raise CorruptStoreError(f"{where}: shape {got} but the store says {tuple(shape)}")
     if dtype is not None and arr.dtype != dtype:
         raise CorruptStoreError(f"{where}: dtype {arr.dtype} but the store says {dtype}")
-    chunks = tuple(int(n) for n in arr.chunks)
-    if len(chunks) != len(got) or not got or chunks[0] < 1 or chunks[1:] != got[1:]:
-        raise CorruptStoreError(f"{where}: chunks {chunks} for shape {got}: not chunked along axis 0 only")
-    n_chunks = -(-got[0] // chunks[0])
+    chunks = tuple(int(n) for n in arr.chunks)  # the inner chunks of a sharded array
+    shards = tuple(int(n) for n in arr.shards) if arr.shards is not None else None
+    if shards is not None:
+        if not sharded_ok(got, chunks, shards):
+            raise CorruptStoreError(f"{where}: shards {shards} of chunks {chunks} for shape {got}: not rows x every "
+                                    "layer in layer chunks")
+        n_chunks = -(-got[0] // chunks[0]) * (shards[1] // chunks[1])
+    else:
+        if len(chunks) != len(got) or not got or chunks[0] < 1 or chunks[1:] != got[1:]:
+            raise CorruptStoreError(f"{where}: chunks {chunks} for shape {got}: not chunked along axis 0 only")
+        n_chunks = -(-got[0] // chunks[0])
     if n_chunks > max_chunks:
         raise CorruptStoreError(f"{where}: {n_chunks} chunks, more than the {max_chunks} an array may have")
-    if max_chunk_bytes is not None and int(np.prod(chunks, dtype=np.float64)) * arr.dtype.itemsize > max_chunk_bytes:
-        raise CorruptStoreError(f"{where}: chunks of {chunks} {arr.dtype} exceed {max_chunk_bytes >> 20} MiB")
+    whole = shards or chunks  # what one file holds, and a whole-file read decodes
+    if max_chunk_bytes is not None and int(np.prod(whole, dtype=np.float64)) * arr.dtype.itemsize > max_chunk_bytes:
+        raise CorruptStoreError(f"{where}: chunks of {whole} {arr.dtype} exceed {max_chunk_bytes >> 20} MiB")

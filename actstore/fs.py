@@ -245,20 +245,52 @@ class StoreLocation:
         return afs
 
 
-def read_local_file(path: str, max_bytes: int | None) -> bytes:
-    """A local file's bytes, refusing anything but a regular file (checked on the open descriptor,
-    which ``O_NONBLOCK`` lets us get even for a named pipe without a writer) and, with
-    ``max_bytes``, a file larger than that."""
+def open_regular_file(path: str, max_bytes: int | None) -> tuple[int, int]:
+    """A read-only descriptor of a local regular file and its size; anything but a regular file
+    (checked on the open descriptor, which ``O_NONBLOCK`` lets us get even for a named pipe without a
+    writer) and, with ``max_bytes``, a file larger than that are refused.  The caller closes it."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb", closefd=True) as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptStoreError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read it")
         if max_bytes is not None and st.st_size > max_bytes:
             raise CorruptStoreError(f"{path}: {st.st_size} bytes, more than the {max_bytes} such a file may have; "
                                     "refusing to read it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, int(st.st_size)
+
+
+def pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
+    """Exactly ``n`` bytes at ``offset`` of an open file (a file that ends sooner is an error)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        part = os.pread(fd, n - got, offset + got)
+        if not part:
+            raise CorruptStoreError(f"{path}: ends at {offset + got} bytes, {n - got} short of what its index says")
+        parts.append(part)
+        got += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def read_local_file(path: str, max_bytes: int | None) -> bytes:
+    """A local file's bytes, refusing anything but a regular file and, with ``max_bytes``, a file
+    larger than that (:func:`open_regular_file`)."""
+    fd, size = open_regular_file(path, max_bytes)
+    try:  # plain descriptor reads: a query may read many chunk files
         # read at most one byte past the size seen (never reserve a max_bytes buffer: 8 GiB limits exist)
-        data = f.read() if max_bytes is None else f.read(min(st.st_size, max_bytes) + 1)
+        want = size + 1 if max_bytes is None else min(size, max_bytes) + 1
+        parts = [os.read(fd, want)]
+        got = len(parts[0])
+        while parts[-1] and (max_bytes is None or got <= max_bytes):  # short reads, or a file that grew
+            parts.append(os.read(fd, max(want - got, 1 << 16) if max_bytes is None else max_bytes + 1 - got))
+            got += len(parts[-1])
+        data = parts[0] if len(parts) == 2 and not parts[1] else b"".join(parts)
+    finally:
+        os.close(fd)
     if max_bytes is not None and len(data) > max_bytes:  # grew while we read it
         raise CorruptStoreError(f"{path}: more than {max_bytes} bytes; refusing to read it")
     return data

@@ -22,7 +22,7 @@ from typing import Any
 from actstore.errors import CorruptStoreError, FormatVersionError
 
 FORMAT_NAME = "actstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: segment arrays may be chunked along the layer axis too (chunk_layers)
 # What a store's writer guarantees beyond format version 1 (readers of older levels ignore it):
 #   0  stores written before 2026-12: all-zero chunks may be absent, markers carry no object list;
 #   1  every chunk is written (all-zero ones too), each commit marker lists every object of its
@@ -259,6 +259,7 @@ class Manifest:
     ingest: dict[str, Any] = field(default_factory=dict)
     architecture: dict[str, Any] = field(default_factory=dict)
     code_version: str = ""
+    chunk_layers: int = 0  # layers per chunk of the segment arrays (axis 1); 0: all layers in one chunk
     format_version: int = FORMAT_VERSION
     integrity: int = INTEGRITY
 
@@ -306,6 +307,7 @@ class Manifest:
             n_examples=field_int(d, "n_examples", w, 0, MAX_COUNT),
             chunk_rows=field_int(d, "chunk_rows", w, 1, 1 << 24),
             chunk_flat=field_int(d, "chunk_flat", w, 1, 1 << 30),
+            chunk_layers=field_int(d, "chunk_layers", w, 0, 1 << 20) if "chunk_layers" in d else 0,
             ingest=_field_dict(d, "ingest", w, {}),
             architecture=_field_dict(d, "architecture", w, {}),
             code_version=_field_str(d, "code_version", w, ""),

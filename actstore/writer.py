@@ -25,7 +25,8 @@ from actstore.store import SEGMENT_ARRAYS, Store, read_commits, segment_name
 from actstore.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
-RESUME_KEYS = ("geometry", "model", "storage_dtype", "segment_size", "n_examples", "chunk_rows", "chunk_flat", "ingest")
+RESUME_KEYS = ("geometry", "model", "storage_dtype", "segment_size", "n_examples", "chunk_rows", "chunk_flat", "chunk_layers",
+               "ingest")
 
 
 def creation_interrupted(url: str | os.PathLike[str]) -> bool:
@@ -99,6 +100,10 @@ class StoreWriter:
                 keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
                 detail = " settings (" + ", ".join(f"{k}: store {a.get(k, 'unset')}, given {b.get(k, 'unset')}"
                                                     for k in keys) + ")"
+            else:
+                scalar = [k for k in diffs if not isinstance(old.get(k), dict)]
+                detail = " (" + ", ".join(f"{k}: store {old.get(k, 'unset')}, given {new.get(k, 'unset')}"
+                                          for k in scalar) + ")" if scalar else ""
             raise StoreMismatchError(
                 f"cannot resume {store.url}: the store was written with different {', '.join(diffs)}{detail}"
             )
@@ -130,7 +135,7 @@ class StoreWriter:
             for name in SEGMENT_ARRAYS:
                 data = np.ascontiguousarray(arrays[name])
                 chunk = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
-                create_array(group, name, data, chunk, logical_dtype=m.storage_dtype)
+                create_array(group, name, data, chunk, logical_dtype=m.storage_dtype, chunk1=m.chunk_layers)
         digests: dict[str, str] = {}
         for name in SEGMENT_TABLES:
             data_bytes = to_parquet_bytes(tables[name])

@@ -73,12 +73,12 @@ def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool)
 
 
 def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str, segment_size: int = 256,
-                length_batching: bool = False) -> float:
+                length_batching: bool = False, chunk_layers: int = 1) -> float:
     from ingest.pipeline import IngestConfig, run_ingest
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False, segment_size=segment_size,
-                       length_batching=length_batching)
+                       length_batching=length_batching, chunk_layers=chunk_layers)
     t0 = time.perf_counter()
     run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
     return time.perf_counter() - t0

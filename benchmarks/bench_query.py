@@ -56,11 +56,11 @@ KINDS = ("attn_head", "attn", "mlp", "mlp_group", "attn_entity", "resid", "z", "
 FIRST_QUERY = "SELECT count(*) AS n FROM examples"
 
 
-def make_store(path: str, n_prompts: int, batch: int = 16) -> None:
+def make_store(path: str, n_prompts: int, batch: int = 16, chunk_layers: int = 1) -> None:
     from benchmarks.bench_ingest import load, time_ingest
 
     loaded, prompts = load(n_prompts)
-    time_ingest(loaded, prompts, batch, path, "float16")
+    time_ingest(loaded, prompts, batch, path, "float16", chunk_layers=chunk_layers)
 
 
 def evict(paths: list[str]) -> None:
@@ -86,8 +86,9 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 class ReadCounter:
     """Counts the chunks and bytes the store fetches: wraps :class:`actstore.arrays.ChunkGuard`'s ``get``
-    (reads through zarr) and :meth:`actstore.arrays.LocalChunks.read` (local reads without zarr's
-    dispatch; bytes = the chunk files' sizes)."""
+    (reads through zarr) and :meth:`actstore.arrays.LocalChunks._decode` (each chunk, or inner chunk of
+    a shard, of a local read without zarr's dispatch; bytes = its stored bytes, a shard's index not
+    counted: 16 bytes per inner chunk)."""
 
     def __init__(self) -> None:
         from actstore.arrays import ChunkGuard, LocalChunks, is_chunk_key
@@ -105,15 +106,14 @@ class ReadCounter:
             return buf
 
         ChunkGuard.get = get  # type: ignore[method-assign,assignment]
-        original_read = LocalChunks.read
+        original_decode = LocalChunks._decode
 
-        def read(chunks: Any, c0: int, c1: int) -> Any:
-            out = original_read(chunks, c0, c1)
-            counter.chunks += c1 - c0
-            counter.bytes += sum(os.path.getsize(chunks.path(i)) for i in range(c0, c1))
-            return out
+        def decode(chunks: Any, i: int, j: int, data: bytes, dest: Any) -> None:
+            original_decode(chunks, i, j, data, dest)
+            counter.chunks += 1
+            counter.bytes += len(data)
 
-        LocalChunks.read = read  # type: ignore[method-assign]
+        LocalChunks._decode = decode  # type: ignore[method-assign]
 
     def count(self, fn: Callable[[], Any]) -> tuple[int, int]:
         c0, b0 = self.chunks, self.bytes
@@ -448,6 +448,8 @@ def main() -> None:
     ap.add_argument("--store", default=None, help="an existing store (else one is ingested into a temp dir)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts to ingest without --store (512; 128 quick)")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--chunk-layers", type=int, default=1,
+                    help="layers per chunk of the store ingested without --store (0: all layers in one chunk)")
     ap.add_argument("--layers", default="10,11,12", help="layers of the selective read")
     ap.add_argument("--threads", default="1,2", help="torch intra-op thread counts to measure, e.g. 1,2")
     ap.add_argument("--kinds", default=",".join(KINDS))
@@ -470,7 +472,7 @@ def main() -> None:
     path = args.store
     if path is None:
         path = os.path.join(tmp, "store")
-        make_store(path, args.prompts or (128 if args.quick else 512))
+        make_store(path, args.prompts or (128 if args.quick else 512), chunk_layers=args.chunk_layers)
     result: dict[str, Any] = {"store": path, "parts": sorted(parts)}
     if "kinds" in parts:
         result.update(measure_kinds(path, tmp, args.layers, rounds, thread_counts, kinds))

@@ -97,6 +97,7 @@ class IngestConfig:
     segment_size: int = 256  # examples per commit unit; a multiple of batch_size and chunk_rows
     chunk_rows: int = 32  # rows per chunk of the per-target arrays (z, resid, mlp)
     chunk_flat: int = 512  # entries per chunk of the flat token/source arrays (attn, v)
+    chunk_layers: int = 1  # layers per chunk of every segment array (0: all layers in one chunk)
     padding_side: str = "right"
     length_batching: bool = False  # forward passes over a segment's rows sorted by length (less padding)
     device: str = "cpu"
@@ -114,6 +115,8 @@ class IngestConfig:
             raise InvalidSetting("batch_size", "the batch size and the segment size must be positive")
         if self.segment_size % self.batch_size:
             raise InvalidSetting("segment_size", f"{self.segment_size} must be a multiple of the batch size {self.batch_size}")
+        if self.chunk_layers < 0:
+            raise InvalidSetting("chunk_layers", f"must be 0 (all layers in one chunk) or positive, not {self.chunk_layers}")
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"padding side must be left or right, not {self.padding_side!r}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -156,6 +159,7 @@ def build_manifest(model: torch.nn.Module, arch: Architecture, model_info: dict[
         n_examples=len(prompts),
         chunk_rows=cfg.chunk_rows,
         chunk_flat=cfg.chunk_flat,
+        chunk_layers=cfg.chunk_layers,
         ingest=ingest_settings,
         architecture={"family": arch.name},
         code_version=__version__,

@@ -107,9 +107,11 @@ def build_store(
     batch_size: int = 4,
     segment_size: int = 8,
     padding_side: str = "right",
+    chunk_layers: int = 1,
     **options: Any,
 ) -> Path:
-    """Ingest a few prompts with a tiny random model into ``out`` and return the path."""
+    """Ingest a few prompts with a tiny random model into ``out`` and return the path (``chunk_layers``:
+    layers per chunk, 1 as ``actstore ingest`` writes by default; 0 the whole layer axis per chunk)."""
     from ingest.align import tokenize_records
     from ingest.datasets import load_dataset
     from ingest.models import tiny_model
@@ -119,7 +121,7 @@ def build_store(
     records = load_dataset(dataset, limit_per_relation=limit, **options).records
     prompts = tokenize_records(records, loaded.tokenizer)
     cfg = IngestConfig(out=str(out), batch_size=batch_size, storage_dtype=storage_dtype, segment_size=segment_size,
-                       chunk_rows=4, chunk_flat=64, padding_side=padding_side, progress=False)
+                       chunk_rows=4, chunk_flat=64, chunk_layers=chunk_layers, padding_side=padding_side, progress=False)
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
     run_ingest(loaded.model, loaded.tokenizer, info, prompts, cfg)
     return out

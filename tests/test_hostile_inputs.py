@@ -36,7 +36,7 @@ from click.testing import CliRunner
 from s3server import S3Server, free_port, moto_server
 
 from actstore.cli import main
-from actstore.manifest import seal
+from actstore.manifest import FORMAT_VERSION, seal
 from actstore.tables import to_parquet_bytes
 
 INGEST = ["ingest", "--model", "tiny-llama", "--dataset", "demo", "--limit-per-relation", "2", "--batch-size", "4",
@@ -47,7 +47,7 @@ INGEST = ["ingest", "--model", "tiny-llama", "--dataset", "demo", "--limit-per-r
 class Ctx:
     root: Path
     store: Path  # a store written by the CLI (tiny-llama), shared by the cases
-    newer: Path  # a store whose manifest says format version 2
+    newer: Path  # a store whose manifest says a format version newer than this actstore writes
     other_weights: Path  # a model folder: tiny-llama's architecture with other weights
     s3: S3Server | None = None
     fresh_count: list[int] = field(default_factory=lambda: [0])
@@ -169,12 +169,16 @@ def rehash_object(store: Path, seg: int, key: str) -> None:
 
 
 def huge_shape(rel: str, seg: int | None = None) -> Callable[[Path], None]:
-    """A zarr.json claiming 10^12 rows in one-row chunks (re-hashed into the marker for a segment array)."""
+    """A zarr.json claiming 10^12 rows in one-row chunks (re-hashed into the marker for a segment array);
+    a sharded array's inner chunks get one row too, so that zarr opens it and the store's checks answer."""
     def damage(store: Path) -> None:
         p = store / rel
         meta = json.loads(p.read_text())
         meta["shape"][0] = 10**12
         meta["chunk_grid"]["configuration"]["chunk_shape"][0] = 1
+        for codec in meta["codecs"]:
+            if codec["name"] == "sharding_indexed":
+                codec["configuration"]["chunk_shape"][0] = 1
         p.write_text(json.dumps(meta))
         if seg is not None:
             rehash_object(store, seg, rel.split("/", 2)[2])
@@ -474,7 +478,7 @@ def ctx(tmp_path_factory: pytest.TempPathFactory) -> Ctx:
     assert r.exit_code == 0, r.stderr
     m = json.loads((newer / "manifest.json").read_text())
     m.pop("checksum")
-    m["format_version"] = 2
+    m["format_version"] = FORMAT_VERSION + 1
     (newer / "manifest.json").write_text(json.dumps(seal(m), indent=2, sort_keys=True))
     other = tiny_model("llama", seed=1)
     folder = root / "other-weights"

@@ -27,9 +27,11 @@ from actstore.arrays import ChunkGuard, local_chunks, read_ranges, read_rows, wi
 from actstore.errors import CorruptStoreError
 
 
-@pytest.mark.parametrize(("arch", "dtype"), [("llama", "float16"), ("llama", "bfloat16"), ("gpt2", "float32")])
-def test_fast_reads_equal_zarr(store_factory: Callable[..., Path], arch: str, dtype: str) -> None:
-    path = store_factory(arch, storage_dtype=dtype, segment_size=8, limit=4)
+@pytest.mark.parametrize(("arch", "dtype", "chunk_layers"), [
+    ("llama", "float16", 1), ("llama", "bfloat16", 1), ("gpt2", "float32", 1), ("llama", "float16", 0),
+    ("gpt2", "float16", 3)])
+def test_fast_reads_equal_zarr(store_factory: Callable[..., Path], arch: str, dtype: str, chunk_layers: int) -> None:
+    path = store_factory(arch, storage_dtype=dtype, segment_size=8, limit=4, chunk_layers=chunk_layers)
     store = actstore.open(path)
     rng = np.random.default_rng(0)
     checked = 0
@@ -39,6 +41,7 @@ def test_fast_reads_equal_zarr(store_factory: Callable[..., Path], arch: str, dt
             fast = local_chunks(arr)
             assert fast is not None, f"{seg}/{name}: the fast path is not taken"
             assert fast.blosc and fast.chunks[0] == int(arr.chunks[0])
+            assert fast.chunks[1] == (min(chunk_layers, arr.shape[1]) if chunk_layers else arr.shape[1])
             truth = widen(np.asarray(arr[:]), dtype)  # zarr's codec pipeline
             n = truth.shape[0]
             rows = np.sort(rng.choice(n, size=max(1, n // 2), replace=False))
@@ -99,3 +102,91 @@ def test_a_valid_frame_of_the_wrong_size_is_refused(store_factory: Callable[...,
     store = actstore.open(path)
     with pytest.raises(CorruptStoreError, match="chunk read failed for rows 0:"):
         store.read_segment_rows(0, "z", np.arange(2))
+
+
+def _axis1_chunked(tmp_path: Path, shape: tuple[int, ...], chunk0: int, chunk1: int) -> tuple[zarr.Array, zarr.Array,
+                                                                                               np.ndarray]:
+    """An array written by :func:`create_array` with ``chunk1`` positions of axis 1 per chunk, opened twice:
+    through a strict guard (the fast path) and plainly (zarr's own reads); and the data written."""
+    from actstore.arrays import create_array
+
+    data = np.random.default_rng(1).standard_normal(shape).astype(np.float16)
+    group = zarr.open_group(str(tmp_path / "g"), mode="w")
+    create_array(group, "a", data, chunk0, logical_dtype="float16", chunk1=chunk1)
+    guarded = zarr.open_array(store=ChunkGuard(LocalStore(str(tmp_path / "g"), read_only=True),
+                                               local_root=str(tmp_path / "g")), path="a", mode="r")
+    return guarded, zarr.open_array(str(tmp_path / "g" / "a"), mode="r"), data
+
+
+@pytest.mark.parametrize("layers", [None, [0], [6], [2, 3, 4], [0, 6], [5, 1], [-1, 3], [3, 4, 5, 6], list(range(7))])
+def test_layer_chunked_reads_equal_numpy(tmp_path: Path, layers: list[int] | None) -> None:
+    """Axis 1 of 7 in chunks of 3 (the last chunk holds one position, padded by zarr): any layer subset,
+    in any order, through the fast path and through zarr, equals numpy indexing of the data written."""
+    fast, plain, data = _axis1_chunked(tmp_path, (11, 7, 2, 3), 4, 3)
+    assert local_chunks(fast) is not None and local_chunks(plain) is None
+    assert tuple(fast.chunks) == (4, 3, 2, 3)
+    for rows in (np.arange(11), np.array([0, 5, 6, 10]), np.array([9])):
+        want = data[rows] if layers is None else data[rows][:, layers]
+        for arr in (fast, plain):
+            got = read_rows(arr, rows, "a", "float16", layers)
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, want.astype(np.float32))
+    with pytest.raises(IndexError):
+        read_rows(fast, np.arange(3), "a", "float16", [7])
+
+
+def test_a_layer_read_fetches_only_its_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point of layer chunks: reading layers 3-4 of 9 (chunks of 2) decodes the inner chunks of axis-1
+    block 1 and 2 only, and reading every layer decodes the whole grid; counted at the decoder.  Each chunk
+    of rows is one file (a shard), as in a store without layer chunks."""
+    from actstore.arrays import LocalChunks
+
+    fast, _, data = _axis1_chunked(tmp_path, (8, 9, 5), 4, 2)
+    seen: list[tuple[int, int]] = []
+    original = LocalChunks._decode
+
+    def counting(self: LocalChunks, i: int, j: int, data: bytes, dest: np.ndarray) -> None:
+        seen.append((i, j))
+        original(self, i, j, data, dest)
+
+    monkeypatch.setattr(LocalChunks, "_decode", counting)
+    got = read_rows(fast, np.arange(8), "a", "float16", [3, 4])
+    np.testing.assert_array_equal(got, data[:, 3:5].astype(np.float32))
+    assert sorted(seen) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    seen.clear()
+    read_rows(fast, np.array([5]), "a", "float16", [8])
+    assert seen == [(1, 4)]
+    seen.clear()
+    read_rows(fast, np.arange(8), "a", "float16")
+    assert sorted(seen) == [(i, j) for i in range(2) for j in range(5)]
+    assert sorted(p.name for p in (tmp_path / "g" / "a" / "c").rglob("*") if p.is_file()) == ["0", "0"]
+    assert fast.shards == (4, 10, 5) and fast.chunks == (4, 2, 5)
+
+
+def test_a_shard_index_that_lies_is_refused(tmp_path: Path) -> None:
+    """A shard whose index (with a valid CRC32C) marks an inner chunk as never written, or points past the
+    shard's data, is an error on the fast path, not zeros or bytes of another chunk."""
+    import google_crc32c
+
+    fast, _, _ = _axis1_chunked(tmp_path, (8, 4, 3), 4, 1)
+    shard = tmp_path / "g" / "a" / "c" / "0" / "0" / "0"
+    good = shard.read_bytes()
+    n_idx = 16 * 4 + 4
+
+    def with_entry(j: int, off: int, n: int) -> bytes:
+        table = np.frombuffer(good[-n_idx:-4], dtype="<u8").copy().reshape(4, 2)
+        table[j] = (off, n)
+        body = table.tobytes()
+        return good[:-n_idx] + body + int(google_crc32c.value(body)).to_bytes(4, "little")
+
+    missing = (1 << 64) - 1
+    for damaged, needle in ((with_entry(2, missing, missing), r"inner chunk 2 \(layers 2:3\) is missing"),
+                            (with_entry(1, len(good), 8), "points past the data")):
+        shard.write_bytes(damaged)
+        with pytest.raises(CorruptStoreError, match=needle):
+            read_rows(fast, np.arange(4), "a", "float16", [2, 1])
+        with pytest.raises(CorruptStoreError, match=needle):
+            read_rows(fast, np.arange(4), "a", "float16")  # the whole-shard read checks the same entries
+    shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(CorruptStoreError, match="shard index fails its CRC32C"):
+        read_rows(fast, np.arange(4), "a", "float16", [0])

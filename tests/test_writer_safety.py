@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from actstore.cli import main
 from actstore.fs import locate
 from actstore.lock import LOCK_NAME, Holder, StoreLockedError, WriterLock
-from actstore.manifest import seal
+from actstore.manifest import FORMAT_VERSION, seal
 from actstore.ownership import CREATING, creating_marker
 
 ACTSTORE = str(Path(sys.executable).parent / "actstore")  # the console script: its folder, not the cwd, on sys.path
@@ -187,7 +187,7 @@ def test_overwrite_refuses_a_directory_that_is_not_a_store(tmp_path: Path) -> No
 
 
 def _newer(d: dict[str, object]) -> dict[str, object]:
-    return seal({**{k: v for k, v in d.items() if k != "checksum"}, "format_version": 2})
+    return seal({**{k: v for k, v in d.items() if k != "checksum"}, "format_version": FORMAT_VERSION + 1})
 
 
 def _bool_version(d: dict[str, object]) -> dict[str, object]:
@@ -203,7 +203,7 @@ def _flipped(d: dict[str, object]) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("change, needle", [
-    (_newer, "format version 2"),
+    (_newer, f"format version {FORMAT_VERSION + 1}"),
     (_bool_version, "format version True"),
     (_other_format, "not an actstore manifest"),
     (_flipped, "checksum"),

@@ -36,6 +36,9 @@ from actstore.cli._options import command, json_option, printable, quiet_option
               help="Run each segment's prompts through the model sorted by length (less padding; rows are "
                    "stored in corpus order). Float values may differ from corpus-order batches in their last "
                    "bits; recorded in the manifest, and --resume must repeat it.")
+@click.option("--chunk-layers", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Layers per chunk of the stored arrays (0: all layers in one chunk). One layer per chunk lets "
+                   "a query of a few layers read only their bytes.")
 @click.option("--out", required=True, help="Store directory or URL.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted ingest from its last commit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store at --out.")
@@ -48,7 +51,7 @@ from actstore.cli._options import command, json_option, printable, quiet_option
                    "the cores: oversubscribed threads slow the forward pass several-fold.")
 def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_relation: int | None,
            template: str | None, keep_object_first: bool, batch_size: int, storage_dtype: str, model_dtype: str,
-           device: str, segment_size: int, padding_side: str, length_batching: bool, out: str, resume: bool, overwrite: bool, quiet: bool,
+           device: str, segment_size: int, padding_side: str, length_batching: bool, chunk_layers: int, out: str, resume: bool, overwrite: bool, quiet: bool,
            as_json: bool, procs: int | None, threads: int) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
     from ingest.distributed import launch_ranks, leave_process_group, ranks_from_env
@@ -87,7 +90,7 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
         limit_per_relation=limit_per_relation, template=template, keep_object_first=keep_object_first,
         batch_size=batch_size,
         storage_dtype=storage_dtype, model_dtype=model_dtype, device=device, segment_size=segment_size,
-        padding_side=padding_side, length_batching=length_batching, out=out, resume=resume, overwrite=overwrite, progress=not quiet,
+        padding_side=padding_side, length_batching=length_batching, chunk_layers=chunk_layers, out=out, resume=resume, overwrite=overwrite, progress=not quiet,
         rank=rank, world_size=world, threads=threads,
     )
     try:

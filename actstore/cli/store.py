@@ -50,6 +50,7 @@ def info(store: str, as_json: bool) -> None:
         "examples": s.manifest.n_examples, "rows_committed": s.n_rows,
         "segments": {"committed": len(s.commits), "total": s.manifest.n_segments}, "complete": s.complete,
         "relations": rel, "tables": tables, "bytes": _du(s),
+        "chunks": {"rows": s.manifest.chunk_rows, "flat": s.manifest.chunk_flat, "layers": s.manifest.chunk_layers},
     }
     if as_json:
         click.echo(json.dumps(d, indent=2, default=str))
@@ -64,6 +65,8 @@ def info(store: str, as_json: bool) -> None:
         f"rows      {s.n_rows}/{s.manifest.n_examples} in {len(s.commits)}/{s.manifest.n_segments} "
         f"segments, {s.manifest.storage_dtype}{'' if s.complete else '  (INCOMPLETE: resume the ingest)'}",
         f"size      {d['bytes'] / 1e6:.1f} MB",
+        f"chunks    {s.manifest.chunk_rows} rows / {s.manifest.chunk_flat} flat entries x "
+        + (f"{s.manifest.chunk_layers} layer(s)" if s.manifest.chunk_layers else "all layers"),
         f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}",
         *(f"  {printable(r['relation_id']):<24} {r['n']:>6}  {r['relation_name']}" for r in rel),
     ]
