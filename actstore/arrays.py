@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncGenerator, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -196,6 +196,7 @@ def read_ranges(arr: zarr.Array, starts: Sequence[int], lengths: Sequence[int], 
 
 
 _MISSING = (1 << 64) - 1  # a shard index entry of an inner chunk that was never written
+_SHARD_INDEX_MAX = 1 << 14  # shard indexes a guard keeps (a 30-layer index is 480 bytes)
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,8 @@ class LocalChunks:
     blosc: bool  # bytes -> blosc -> crc32c (else bytes -> crc32c)
     max_bytes: int | None
     inner1: int = 0  # positions of axis 1 per inner chunk of a shard (0: not sharded)
+    # checked shard indexes, kept by the array's ChunkGuard: key (path, dev, inode, size, mtime)
+    index_cache: dict[tuple[object, ...], np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     def key(self, i: int) -> str:
         return "/".join(("c", str(i), *("0" * (len(self.shape) - 1))))
@@ -264,17 +267,27 @@ class LocalChunks:
         n_idx = 16 * self.n_inner + 4
         whole = len(blocks) == self.n_inner
         try:
-            fd, size = open_regular_file(self.path(i), self.max_bytes)
+            fd, st = open_regular_file(self.path(i), self.max_bytes)
         except FileNotFoundError:
             raise MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)") from None
+        size = int(st.st_size)
+        # The index of this very file (same inode, size and mtime), as checked by an earlier read of the
+        # same open store: a read of a few layers is then one pread.  Committed shards are never rewritten.
+        file_id = (self.path(i), st.st_dev, st.st_ino, size, st.st_mtime_ns)
+        cache = self.index_cache if self.index_cache is not None else {}
         try:
             if size < n_idx:
                 raise ValueError(f"{self.key(i)}: {size} bytes, fewer than its shard index's {n_idx}")
             data = pread_exact(fd, size, 0, self.path(i)) if whole else b""
-            index = data[size - n_idx:] if whole else pread_exact(fd, n_idx, size - n_idx, self.path(i))
-            if int(google_crc32c.value(index[:-4])).to_bytes(4, "little") != index[-4:]:
-                raise ValueError(f"{self.key(i)}: the shard index fails its CRC32C checksum")
-            table = np.frombuffer(index[:-4], dtype="<u8").reshape(self.n_inner, 2)
+            table = cache.get(file_id)
+            if table is None or table.shape[0] != self.n_inner:
+                index = data[size - n_idx:] if whole else pread_exact(fd, n_idx, size - n_idx, self.path(i))
+                if int(google_crc32c.value(index[:-4])).to_bytes(4, "little") != index[-4:]:
+                    raise ValueError(f"{self.key(i)}: the shard index fails its CRC32C checksum")
+                table = np.frombuffer(index[:-4], dtype="<u8").reshape(self.n_inner, 2)
+                if len(cache) >= _SHARD_INDEX_MAX:
+                    cache.clear()
+                cache[file_id] = table
             spans: list[tuple[int, int]] = []
             for b in blocks:
                 off, n = (int(v) for v in table[b])
@@ -380,7 +393,7 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     if dtype.kind not in "fiu" or (dtype.itemsize > 1 and getattr(codecs[0].endian, "value", None) != "little"):
         return None
     return LocalChunks(os.path.join(guard._local_root, *arr.path.split("/")), shape, chunks,
-                       dtype.newbyteorder("<"), bool(middle), guard._max_bytes, inner1)
+                       dtype.newbyteorder("<"), bool(middle), guard._max_bytes, inner1, guard._shard_index)
 
 
 def sharded_ok(shape: Sequence[int], chunks: Sequence[int], shards: Sequence[int]) -> bool:
@@ -460,6 +473,7 @@ class ChunkGuard(WrapperStore[Store]):
         self._strict = strict
         self._local_root = local_root
         self._max_bytes = max_bytes
+        self._shard_index: dict[tuple[object, ...], np.ndarray] = {}  # for LocalChunks: checked shard indexes
 
     def _with_store(self, store: Store) -> ChunkGuard:
         return ChunkGuard(store, where=self._where, strict=self._strict, local_root=self._local_root,

@@ -245,8 +245,8 @@ class StoreLocation:
         return afs
 
 
-def open_regular_file(path: str, max_bytes: int | None) -> tuple[int, int]:
-    """A read-only descriptor of a local regular file and its size; anything but a regular file
+def open_regular_file(path: str, max_bytes: int | None) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of a local regular file and its ``fstat``; anything but a regular file
     (checked on the open descriptor, which ``O_NONBLOCK`` lets us get even for a named pipe without a
     writer) and, with ``max_bytes``, a file larger than that are refused.  The caller closes it."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -260,7 +260,7 @@ def open_regular_file(path: str, max_bytes: int | None) -> tuple[int, int]:
     except BaseException:
         os.close(fd)
         raise
-    return fd, int(st.st_size)
+    return fd, st
 
 
 def pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
@@ -279,7 +279,8 @@ def pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
 def read_local_file(path: str, max_bytes: int | None) -> bytes:
     """A local file's bytes, refusing anything but a regular file and, with ``max_bytes``, a file
     larger than that (:func:`open_regular_file`)."""
-    fd, size = open_regular_file(path, max_bytes)
+    fd, st = open_regular_file(path, max_bytes)
+    size = int(st.st_size)
     try:  # plain descriptor reads: a query may read many chunk files
         # read at most one byte past the size seen (never reserve a max_bytes buffer: 8 GiB limits exist)
         want = size + 1 if max_bytes is None else min(size, max_bytes) + 1

@@ -168,7 +168,7 @@ def test_a_shard_index_that_lies_is_refused(tmp_path: Path) -> None:
     shard's data, is an error on the fast path, not zeros or bytes of another chunk."""
     import google_crc32c
 
-    fast, _, _ = _axis1_chunked(tmp_path, (8, 4, 3), 4, 1)
+    _axis1_chunked(tmp_path, (8, 4, 3), 4, 1)
     shard = tmp_path / "g" / "a" / "c" / "0" / "0" / "0"
     good = shard.read_bytes()
     n_idx = 16 * 4 + 4
@@ -179,14 +179,41 @@ def test_a_shard_index_that_lies_is_refused(tmp_path: Path) -> None:
         body = table.tobytes()
         return good[:-n_idx] + body + int(google_crc32c.value(body)).to_bytes(4, "little")
 
+    def reopen() -> zarr.Array:  # a fresh view (an open one keeps the indexes it has checked)
+        root = str(tmp_path / "g")
+        return zarr.open_array(store=ChunkGuard(LocalStore(root, read_only=True), local_root=root), path="a", mode="r")
+
     missing = (1 << 64) - 1
     for damaged, needle in ((with_entry(2, missing, missing), r"inner chunk 2 \(layers 2:3\) is missing"),
                             (with_entry(1, len(good), 8), "points past the data")):
         shard.write_bytes(damaged)
         with pytest.raises(CorruptStoreError, match=needle):
-            read_rows(fast, np.arange(4), "a", "float16", [2, 1])
+            read_rows(reopen(), np.arange(4), "a", "float16", [2, 1])
         with pytest.raises(CorruptStoreError, match=needle):
-            read_rows(fast, np.arange(4), "a", "float16")  # the whole-shard read checks the same entries
+            read_rows(reopen(), np.arange(4), "a", "float16")  # the whole-shard read checks the same entries
     shard.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     with pytest.raises(CorruptStoreError, match="shard index fails its CRC32C"):
-        read_rows(fast, np.arange(4), "a", "float16", [0])
+        read_rows(reopen(), np.arange(4), "a", "float16", [0])
+
+
+def test_an_open_array_reads_a_shard_index_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second read of a few layers through the same open array is one pread per shard (the index checked
+    by the first read is kept); the values are the same either way."""
+    import os
+
+    fast, _, data = _axis1_chunked(tmp_path, (8, 6, 5), 4, 1)
+    calls: list[int] = []
+    original = os.pread
+
+    def counting(fd: int, n: int, offset: int) -> bytes:
+        calls.append(n)
+        return original(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", counting)
+    first = read_rows(fast, np.arange(8), "a", "float16", [3, 4])
+    assert len(calls) == 4  # two shards: index, then layers 3-4 in one read
+    calls.clear()
+    second = read_rows(fast, np.arange(8), "a", "float16", [3, 4])
+    assert len(calls) == 2
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(second, data[:, 3:5].astype(np.float32))
