@@ -217,3 +217,29 @@ def test_an_open_array_reads_a_shard_index_once(tmp_path: Path, monkeypatch: pyt
     assert len(calls) == 2
     np.testing.assert_array_equal(first, second)
     np.testing.assert_array_equal(second, data[:, 3:5].astype(np.float32))
+
+
+@pytest.mark.parametrize(("shape", "chunk0", "chunk1", "dtype"), [
+    ((11, 7, 2, 3), 4, 3, "float16"), ((8, 31, 5), 4, 1, "float16"), ((3, 4, 6), 32, 2, "uint16"),
+    ((9, 5, 4), 4, 1, "float32")])
+def test_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_path: Path, shape: tuple[int, ...], chunk0: int,
+                                                             chunk1: int, dtype: str) -> None:
+    """:func:`write_shards` (the fast writer) against zarr's own sharding codec writing the same array:
+    every file under the array is identical, the partial last chunk of rows and of layers included."""
+    from actstore.arrays import create_array
+
+    rng = np.random.default_rng(3)
+    data = (rng.integers(0, 1 << 16, size=shape).astype(np.uint16) if dtype == "uint16"
+            else rng.standard_normal(shape).astype(dtype))
+    ours = zarr.open_group(str(tmp_path / "ours"), mode="w")
+    create_array(ours, "a", data, chunk0, logical_dtype="bfloat16" if dtype == "uint16" else dtype, chunk1=chunk1)
+    (tmp_path / "theirs" / "a").mkdir(parents=True)  # the same metadata, the chunks written by zarr
+    (tmp_path / "theirs" / "a" / "zarr.json").write_bytes((tmp_path / "ours" / "a" / "zarr.json").read_bytes())
+    zarr.open_array(str(tmp_path / "theirs" / "a"), mode="r+")[...] = data
+    files = {p.relative_to(tmp_path / "ours"): p.read_bytes() for p in (tmp_path / "ours").rglob("*") if p.is_file()
+             and p.parent.name != "ours"}
+    chunks = [k for k in files if "c" in k.parts]
+    assert len(chunks) == -(-shape[0] // min(chunk0, shape[0]))
+    for key in chunks:
+        assert (tmp_path / "theirs" / key).read_bytes() == files[key], key
+    np.testing.assert_array_equal(np.asarray(zarr.open_array(str(tmp_path / "ours" / "a"), mode="r")[...]), data)
