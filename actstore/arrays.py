@@ -119,7 +119,8 @@ def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence
                 block[...] = 0
                 block[:piece.shape[0], :piece.shape[1]] = piece
                 raw = block
-            body = blosc.compress(raw.reshape(-1), b"lz4", 5, blosc.SHUFFLE, blosc.AUTOBLOCKS, raw.dtype.itemsize)
+            # the shuffle's type size is the array's item size (as zarr's codec passes it)
+            body = blosc.compress(raw.reshape(-1), b"lz4", 5, blosc.SHUFFLE, blosc.AUTOBLOCKS)
             crc = int(google_crc32c.value(body)).to_bytes(4, "little")
             parts += [body, crc]
             index[j] = (offset, len(body) + 4)
