@@ -301,11 +301,14 @@ class LocalChunks:
         else:
             dest[...] = body
 
+    def _missing(self, i: int) -> MissingChunkError:
+        return MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)")
+
     def _file(self, i: int) -> bytes:
         try:  # a regular file of at most max_bytes, checked on the open descriptor (as every local read)
             return read_local_file(self.path(i), self.max_bytes)
         except FileNotFoundError:
-            raise MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)") from None
+            raise self._missing(i) from None
 
     def _inner(self, i: int, blocks: Sequence[int]) -> list[bytes]:
         """The stored bytes of inner chunks ``blocks`` of shard ``i``: the whole file in one read when every
@@ -317,7 +320,7 @@ class LocalChunks:
         try:
             fd, st = open_regular_file(self.path(i), self.max_bytes)
         except FileNotFoundError:
-            raise MissingChunkError(f"{self.key(i)}: chunk is missing (lost or deleted; run actstore verify)") from None
+            raise self._missing(i) from None
         size = int(st.st_size)
         # The index of this very file (same inode, size and mtime), as checked by an earlier read of the
         # same open store: a read of a few layers is then one pread.  Committed shards are never rewritten.
