@@ -12,11 +12,14 @@ quote the run ids):
    the order is stratified;
 2. causal tracing of that order in chunks of ``--chunk`` facts (one trace run each) until
    ``--trace-minutes`` have passed (or ``--max-facts`` are traced): MLP and attention, window 10;
-3. activation patching of the traced facts (MLP and attention outputs per layer, no heads);
+3. activation patching of the traced facts not patched yet (MLP and attention outputs per layer, no
+   heads): each call adds one patch run (``patch_runs``, ``patched`` in the state), so a resumed
+   study patches only what it traced since;
 4. every method's reading (:func:`query.method_metrics.study_readings`; the tuned lens trained with
    ``--tuned`` adam, sgd or ridge on the facts not traced, ``--tuned-steps`` of ``--tuned-batch``
    facts, recorded in the state as ``tuned_lens``), the located sites, and the interventions on
-   them and on random layers (``site_effects``, knock-out and restore);
+   them and on random layers (``site_effects``, knock-out and restore; a run is reused only while
+   it covers the same facts, ``effects_<mode>_facts``);
 5. the metrics (:func:`query.method_metrics.compute_metrics`) per method, overall and per stratum,
    the pair table with bootstrap intervals, and the cross-size row; written to the store
    (``method_metrics``, ``method_pair_metrics``, ``method_cross_size``) and to ``--json``.
@@ -127,17 +130,38 @@ def cmd_study(a: argparse.Namespace) -> None:
         log(f"traced {len(traced)} facts ({len(chunk)} in {dt:.0f}s, {60 * len(chunk) / dt:.2f} facts/min); "
             f"run {out.run_id}")
     log(f"tracing: {len(traced)} facts in {spent:.0f}s (this call {time.time() - t_start:.0f}s)")
-    # ---- patching the traced facts
-    if a.patch and not state.get("patch_run"):
-        t0 = time.time()
-        pout = run_patch(store, PatchRequest(where=_where_ids(traced), quiet=True, device=a.device,
-                                             patch=PatchConfig(components=("attn", "mlp"), heads=False)))
-        state.update({"patch_run": pout.run_id, "patch_seconds": time.time() - t0,
-                      "patch_pairs": len(pout.results), "patch_skipped": len(pout.skipped)})
-        save_state(state_path, state)
-        log(f"patched {len(pout.results)} pairs ({len(pout.skipped)} facts without a counterfactual) "
-            f"in {time.time() - t0:.0f}s; run {pout.run_id}")
+    # ---- patching: the traced facts not patched yet, one run per call (the runs cover disjoint facts)
+    if a.patch:
+        migrate_patch_state(store, state)
+        done = set(state["patched"])
+        todo = [i for i in traced if i not in done]
+        if todo:
+            t0 = time.time()
+            pout = run_patch(store, PatchRequest(where=_where_ids(todo), quiet=True, device=a.device, all_facts=a.all_facts,
+                                                 patch=PatchConfig(components=("attn", "mlp"), heads=False)))
+            dt = time.time() - t0
+            state["patch_runs"].append(pout.run_id)
+            state["patched"] = state["patched"] + todo
+            state["patch_seconds"] = float(state.get("patch_seconds", 0.0)) + dt
+            state["patch_pairs"] = int(state.get("patch_pairs", 0)) + len(pout.results)
+            state["patch_skipped"] = int(state.get("patch_skipped", 0)) + len(pout.skipped)
+            save_state(state_path, state)
+            log(f"patched {len(pout.results)} pairs of {len(todo)} newly traced facts ({len(pout.skipped)} without "
+                f"a counterfactual) in {dt:.0f}s; run {pout.run_id}")
     effects_and_metrics(store, state, state_path, a)
+
+
+def migrate_patch_state(store: Any, state: dict[str, Any]) -> None:
+    """States written before incremental patching hold one ``patch_run``: it becomes the first of
+    ``patch_runs``, and the facts it patched (read from the store) the first ``patched``; facts it
+    skipped for want of a counterfactual are tried again, and skipped again."""
+    state.setdefault("patch_runs", [])
+    state.setdefault("patched", [])
+    old = state.pop("patch_run", None)
+    if old and old not in state["patch_runs"]:
+        ids = store.sql("SELECT DISTINCT example_id FROM patch_effects WHERE run_id = ? ORDER BY 1", [old])
+        state["patch_runs"].insert(0, old)
+        state["patched"] = [int(i) for i in ids.column("example_id").to_pylist()] + state["patched"]
 
 
 def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: argparse.Namespace) -> None:
@@ -161,7 +185,8 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
 
     started = time.time()
     methods = [m for m in a.methods.split(",") if m]
-    if not state.get("patch_run") and "patch" in methods:
+    migrate_patch_state(store, state)
+    if not state["patch_runs"] and "patch" in methods:
         methods.remove("patch")
     tuned_config = replace(COMPARISON_TRAIN, steps=a.tuned_steps, batch=a.tuned_batch, lr=a.tuned_lr,
                            seed=a.tuned_seed, device=a.device)
@@ -172,8 +197,8 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
             log(f"tuned lens ({a.tuned}): step {step}/{a.tuned_steps}, sum of per-index KL {loss:.4f}, "
                 f"{time.time() - t_lens:.0f}s")
 
-    readings = study_readings(store, methods, state["trace_runs"], state.get("patch_run"), tuned=a.tuned,
-                              tuned_config=tuned_config, progress=progress)
+    readings = study_readings(store, methods, state["trace_runs"], tuned=a.tuned, tuned_config=tuned_config,
+                              progress=progress, patch_runs=state["patch_runs"])
     if "tuned_lens" in readings:
         state["tuned_lens"] = readings["tuned_lens"].info
         save_state(state_path, state)
@@ -186,7 +211,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
     loaded = None
     for mode in a.modes.split(","):
         key = f"effects_{mode}_run"
-        if state.get(key):
+        if state.get(key) and state.get(f"effects_{mode}_facts") == [int(i) for i in ids]:  # the same facts: reuse the run
             effects[mode] = store.sql("SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = ?", [state[key]])
             continue
         if loaded is None:
@@ -201,6 +226,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         write_result_table(store, "site_effects", rid, with_run_id(table, rid))
         write_run(store, rid, "effects", t0, {**cfg.__dict__, "noise_std": std, "facts": len(facts)})
         state[key] = rid
+        state[f"effects_{mode}_facts"] = [int(i) for i in ids]
         state[f"effects_{mode}_seconds"] = time.time() - t0
         save_state(state_path, state)
         effects[mode] = table
@@ -221,7 +247,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
                                 int(state["answered"]), int(state["facts"]), resamples=a.resamples) if i == 0 else None
         rid = new_run_id("methods")
         write_tables(store, rid, res, cross, {"mode": mode, "trace_runs": state["trace_runs"],
-                                              "patch_run": state.get("patch_run"),
+                                              "patch_runs": state["patch_runs"],
                                               "effects_run": state.get(f"effects_{mode}_run"),
                                               "methods": list(readings), "tolerance": tol,
                                               "tuned_lens": state.get("tuned_lens")}, started)

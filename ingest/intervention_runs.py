@@ -243,7 +243,9 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
         if req.limit is not None and req.limit < 1:
             raise InvalidSetting("limit", f"must be positive, not {req.limit}")
         facts = stored_facts(store, req.where, correct_only=not req.all_facts, limit=req.limit)
-        candidates = [f for f in stored_facts(store, correct_only=True, check=False) if f.subject_span[0] >= 0]
+        # counterfactuals are facts the model answers, or any fact with --all-facts
+        candidates = [f for f in stored_facts(store, correct_only=not req.all_facts, check=False)
+                      if f.subject_span[0] >= 0]
         pairs, skipped = choose_counterfactuals(facts, candidates)
     for p in pairs:
         p.check()  # a counterfactual of another relation, a subject not in its prompt: one line, before the model

@@ -439,6 +439,58 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     _chromium_shows(html, tmp_path)
 
 
+def test_study_patches_incrementally(tmp_path: Path) -> None:
+    """A resumed study patches only the facts traced since the last call; its runs, joined, read as
+    one patch run over all the facts would (the oracle), and a state holding one ``patch_run`` (as
+    written before) is carried over, not re-patched."""
+    import sys
+
+    import actstore
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import methods_study
+
+    from ingest.intervention_runs import PatchRequest, run_patch
+    from ingest.interventions.patching import PatchConfig
+    from query.method_metrics import study_readings
+    from query.methods import patch_reading
+
+    data = tmp_path / "m2k"
+    build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())
+    store = build_store(tmp_path / "s", "llama", dataset=f"methods2k:{data}", limit=100)
+    s = actstore.open(str(store))
+    state = tmp_path / "state.json"
+    common = ["--all-facts", "--chunk", "3", "--samples", "1", "--window", "1", "--methods", "trace,patch",
+              "--modes", "knockout", "--random-draws", "1", "--resamples", "50"]
+    methods_study.main(["study", str(store), "--state", str(state), "--max-facts", "3", *common])
+    first = json.loads(state.read_text())
+    assert len(first["patch_runs"]) == 1 and sorted(first["patched"]) == sorted(first["traced"])
+    # a state as written before incremental patching: one patch_run, no patched list
+    old = {k: v for k, v in first.items() if k not in ("patch_runs", "patched")}
+    old["patch_run"] = first["patch_runs"][0]
+    state.write_text(json.dumps(old))
+    methods_study.main(["study", str(store), "--state", str(state), "--max-facts", "6", *common])
+    st = json.loads(state.read_text())
+    assert "patch_run" not in st and st["patch_runs"][0] == first["patch_runs"][0] and len(st["patch_runs"]) == 2
+    assert len(st["traced"]) == 6 and sorted(st["patched"]) == sorted(st["traced"])
+    per_run = [set(s.sql("SELECT DISTINCT example_id FROM patch_effects WHERE run_id = ?", [r])
+                   .column("example_id").to_pylist()) for r in st["patch_runs"]]
+    assert not per_run[0] & per_run[1]  # the second run patched only the new facts
+    assert per_run[1] <= set(st["traced"][3:])
+    # the effects cover the six facts, not the three of the first call
+    n_eff = s.sql("SELECT count(DISTINCT example_id) AS n FROM site_effects WHERE run_id = ?",
+                  [st["effects_knockout_run"]]).column("n")[0].as_py()
+    assert n_eff == 6 and st["effects_knockout_facts"] == sorted(st["traced"])
+    # oracle: one patch run over all six facts reads the same as the two runs joined
+    whole = run_patch(s, PatchRequest(where=methods_study._where_ids(st["traced"]), quiet=True, all_facts=True,
+                                      patch=PatchConfig(components=("attn", "mlp"), heads=False)))
+    one = patch_reading(s, whole.run_id)
+    joined = study_readings(s, ["patch"], patch_runs=st["patch_runs"])["patch"]
+    assert np.array_equal(one.example_ids, joined.example_ids) and one.example_ids.size >= 4
+    np.testing.assert_allclose(joined.profile, one.profile, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(joined.key_layer, one.key_layer) and np.array_equal(joined.verdict, one.verdict)
+
+
 def _chromium_shows(html: str, tmp: Path) -> None:
     import os
     import subprocess

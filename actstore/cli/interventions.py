@@ -111,7 +111,7 @@ def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
 @model_option()
 @where_option
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many clean facts.")
-@click.option("--all-facts", is_flag=True, help="Also clean facts the model gets wrong.")
+@click.option("--all-facts", is_flag=True, help="Also facts the model gets wrong, as clean facts and as counterfactuals.")
 @click.option("--pair", "pairs", multiple=True, callback=_pairs,
               help="CLEAN_ID:COUNTERFACTUAL_ID (repeatable) instead of choosing counterfactuals.")
 @click.option("--components", default="resid,attn,mlp", show_default=True, help="Components patched (comma-separated).")
