@@ -206,12 +206,12 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
             f"{state['tuned_lens']['seconds']:.0f}s")
     log("readings: " + ", ".join(f"{m} {len(r.example_ids)}" for m, r in readings.items()))
     sites = sites_by_fact(located_sites(r) for r in readings.values())
-    ids = sorted(sites)
+    ids = [int(i) for i in sorted(sites)]
     effects: dict[str, Any] = {}
     loaded = None
     for mode in a.modes.split(","):
         key = f"effects_{mode}_run"
-        if state.get(key) and state.get(f"effects_{mode}_facts") == [int(i) for i in ids]:  # the same facts: reuse the run
+        if state.get(key) and state.get(f"effects_{mode}_facts") == ids:  # the same facts: reuse the run
             effects[mode] = store.sql("SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = ?", [state[key]])
             continue
         if loaded is None:
@@ -226,7 +226,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         write_result_table(store, "site_effects", rid, with_run_id(table, rid))
         write_run(store, rid, "effects", t0, {**cfg.__dict__, "noise_std": std, "facts": len(facts)})
         state[key] = rid
-        state[f"effects_{mode}_facts"] = [int(i) for i in ids]
+        state[f"effects_{mode}_facts"] = ids
         state[f"effects_{mode}_seconds"] = time.time() - t0
         save_state(state_path, state)
         effects[mode] = table
