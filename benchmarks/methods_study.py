@@ -238,11 +238,11 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
     summary: dict[str, Any] = {"model": store.manifest.model.get("name"), "n_layers": L, "tolerance": tol,
                                "readings": {m: int(len(r.example_ids)) for m, r in readings.items()},
                                "tuned_lens": state.get("tuned_lens")}
+    trace = readings.get("trace")
+    # the cross-size row does not depend on the intervention mode: it is computed once, with the first mode
+    site = np.concatenate([key_mlp_at_subject(store, r) for r in state["trace_runs"]]) if trace is not None else None
     for i, mode in enumerate(effects or {"none": None}):
         res = compute_metrics(list(readings.values()), strata, tol, effects.get(mode), resamples=a.resamples)
-        trace = readings.get("trace")
-        site = np.concatenate([key_mlp_at_subject(store, r) for r in state["trace_runs"]]) \
-            if trace is not None else None
         cross = cross_size_rows(str(summary["model"]), L, trace, readings.get("patch"), site,
                                 int(state["answered"]), int(state["facts"]), resamples=a.resamples) if i == 0 else None
         rid = new_run_id("methods")
