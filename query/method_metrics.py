@@ -434,15 +434,14 @@ def cross_size_rows(model: str, n_layers: int, trace: MethodReading | None, patc
 GROUPINGS = ("relation", "freq_band", "uniqueness", "source_set", "stratum")
 
 
-def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str] = (), patch_run: str | None = None,
-                   plateau: float | None = None, probe_min_count: int = 5, tuned: str = "adam",
-                   tuned_config: TrainConfig | None = None,
-                   progress: Callable[[int, float], None] | None = None,
-                   patch_runs: Sequence[str] = ()) -> dict[str, MethodReading]:
+def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str] = (),
+                   patch_runs: Sequence[str] = (), plateau: float | None = None, probe_min_count: int = 5,
+                   tuned: str = "adam", tuned_config: TrainConfig | None = None,
+                   progress: Callable[[int, float], None] | None = None) -> dict[str, MethodReading]:
     """Each method's reading of the store's traced (and patched) facts, as ``actstore agree`` reads
     them, with the traces of several runs joined (:func:`concat_readings`), and likewise the patches
-    of several runs (``patch_runs``, over disjoint facts; ``patch_run`` alone reads one run, the
-    newest when None).  The tuned lens is fit
+    of several runs (``patch_runs``, over disjoint facts); no runs named reads the newest run of
+    each.  The tuned lens is fit
     on the facts not compared, as ``agree`` fits it (:func:`query.methods.tuned_lens_reading`:
     ``tuned`` = adam, sgd or ridge, ``tuned_config`` default ``COMPARISON_TRAIN``); its reading's
     ``info`` records the fit."""
@@ -468,7 +467,7 @@ def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str]
         runs: list[str | None] = list(trace_runs) or [None]
         out["trace"] = concat_readings([trace_reading(store, r, plat) for r in runs])
     if "patch" in methods:
-        patches: list[str | None] = list(patch_runs) or [patch_run]
+        patches: list[str | None] = list(patch_runs) or [None]
         out["patch"] = concat_readings([patch_reading(store, r, plat) for r in patches])
     ids = np.unique(np.concatenate([r.example_ids for r in out.values()])) if out else fact_ids(store, None, True)
     if ids.size == 0:
