@@ -297,6 +297,45 @@ def test_incremental_tracing_equals_full_recomputation_in_float64(arch: str,
             assert np.abs(a.restored[c] - b.restored[c]).max() < 1e-8
 
 
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("gpt2", torch.float32),
+                                        ("gpt_neox", torch.float32), ("qwen2", torch.float32),
+                                        ("gemma3", torch.float32), ("gemma3", torch.float64)])
+def test_incremental_restores_equal_full_restores(arch: str, dtype: torch.dtype,
+                                                  store_factory: Callable[..., Path]) -> None:
+    """The restore interventions of method effectiveness computed from the corrupted run (``span``: the clean
+    output set at every position from the subject on) equal full restores: every layer of both components
+    as a located site (the last layer's MLP included, which the incremental pass runs at the last position
+    only), random sites as well, facts of different lengths, two noise samples, batches of one row and of
+    many.  In float64 only the float32 log-softmax is left between the two."""
+    from ingest.interventions.effectiveness import EffectConfig, site_effects
+
+    store = actstore.open(store_factory(arch, **STORE_KW))
+    facts = stored_facts(store, correct_only=False, limit=3)
+    assert len({f.n_tokens for f in facts}) > 1
+    loaded = tiny_model(arch, initializer_range=SHARP)
+    loaded.model.to(dtype)
+    runner = InterventionRunner(loaded.model)
+    L = store.geometry.n_layers
+    std = 3 * subject_embedding_std(loaded.model, store)
+    sites = {f.example_id: [(c, layer) for c in ("mlp", "attn") for layer in range(L)] for f in facts[:2]}
+    cfg = EffectConfig(mode="restore", samples=2, random_draws=2, batch_size=16)
+    full = site_effects(runner, facts, sites, replace(cfg, incremental=False), std).to_pylist()
+    biggest = max(abs(r["effect"]) for r in full)
+    assert biggest > 1e-4  # the noise moves the output: the comparison is not between constants
+    tol = 1e-8 if dtype == torch.float64 else min(1e-5, 1e-3 * biggest)
+    for batch in (1, 64):
+        inc = site_effects(runner, facts, sites, replace(cfg, batch_size=batch), std).to_pylist()
+        key = [(r["example_id"], r["component"], r["layer"], r["random"]) for r in full]
+        assert [(r["example_id"], r["component"], r["layer"], r["random"]) for r in inc] == key
+        assert sum(not r["random"] for r in inc) == 2 * 2 * L
+        for a, b in zip(full, inc):
+            assert abs(b["p_base"] - a["p_base"]) <= tol
+            assert abs(b["p_intervened"] - a["p_intervened"]) <= tol, (a, b)
+    for layer in loaded.model.modules():
+        assert "forward" not in layer.__dict__
+        assert not layer._forward_hooks and not layer._forward_pre_hooks
+
+
 def test_incremental_tracing_all_positions_and_one_component(store_factory: Callable[..., Path]) -> None:
     """Positions before the subject run too (skip_before_subject off); one component at a time; zero noise."""
     store = actstore.open(store_factory("llama", **STORE_KW))

@@ -13,6 +13,12 @@ token to the last token (where tracing and patching find their effects), in one 
               clean output is written back there; effect = mean over samples of
               P(o | restored) - P(o | corrupted) (positive: the site carries the recall)
 
+Restores are computed from the corrupted run by default (``EffectConfig.incremental``): a site at layer
+l leaves layers below l and positions before the subject as in the corrupted run, so each restore
+runs layers l..L-1 on the subject's first token onwards, from the corrupted run's input of layer l and
+its cached keys and values (:class:`ingest.interventions.tracing_incremental.Incremental` with
+``span``).  ``incremental=False`` runs every restore in full (the reference; equal up to float rounding).
+
 Random sites: for each fact and component, ``random_draws`` distinct layers drawn uniformly from
 all layers by a generator seeded with (seed, example id, component), the same for every method.
 The result is one row per (fact, site, random or located) of the ``site_effects`` table
@@ -24,7 +30,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +39,9 @@ import torch
 from ingest.interventions.facts import StoredFact, TraceError
 from ingest.interventions.runner import Intervention, InterventionRunner, RunItem
 from ingest.interventions.trace_results import TraceConfig
+
+if TYPE_CHECKING:
+    from ingest.interventions.tracing import CausalTracer
 
 MODES = ("knockout", "restore")
 SITE_COMPONENTS = ("mlp", "attn")
@@ -51,6 +60,7 @@ class EffectConfig:
     samples: int = 2  # noise samples (restore)
     noise_scale: float = 3.0  # noise std in multiples of the subject embeddings' std (restore)
     batch_size: int = 32
+    incremental: bool = True  # restore: reuse the corrupted run (False: every restore a full forward pass)
 
     def validate(self, n_layers: int) -> None:
         if self.mode not in MODES:
@@ -107,6 +117,12 @@ def site_effects(runner: InterventionRunner, facts: Sequence[StoredFact],
         todo = [(c, layer, False) for c, layer in located] + [
             (c, layer, True) for c in SITE_COMPONENTS for layer in random_layers(f.example_id, c, L, cfg.random_draws,
                                                                                  cfg.seed)]
+        if tracer is not None and cfg.incremental:
+            base, p_site = _restore_incremental(tracer, f, sorted({(c, layer) for c, layer, _ in todo}))
+            _append(out, f.example_id, cfg.mode, base, [(c, layer, rnd, p_site[(c, layer)]) for c, layer, rnd in todo])
+            if progress:
+                progress(1)
+            continue
         positions = tuple(range(f.subject_span[0], f.n_tokens))
         items: list[RunItem] = []
         rows: list[_Row] = []
@@ -134,19 +150,36 @@ def site_effects(runner: InterventionRunner, facts: Sequence[StoredFact],
         for r, v in zip(rows, p):
             if r.component:
                 sums.setdefault((r.component, r.layer, r.random), []).append(float(v))
-        for (c, layer, rnd), vals in sums.items():
-            pi = float(np.mean(vals))
-            out["example_id"].append(f.example_id)
-            out["mode"].append(cfg.mode)
-            out["component"].append(c)
-            out["layer"].append(layer)
-            out["random"].append(rnd)
-            out["p_base"].append(float(base))
-            out["p_intervened"].append(pi)
-            out["effect"].append(float(base) - pi if cfg.mode == "knockout" else pi - float(base))
+        _append(out, f.example_id, cfg.mode, float(base),
+                [(c, layer, rnd, float(np.mean(vals))) for (c, layer, rnd), vals in sums.items()])
         if progress:
             progress(1)
     return pa.table(out, schema=SITE_EFFECTS)
+
+
+def _append(out: dict[str, list[Any]], example_id: int, mode: str, base: float,
+            sites: Iterable[tuple[str, int, bool, float]]) -> None:
+    """One ``site_effects`` row per (component, layer, random, P(o) intervened) of a fact."""
+    for c, layer, rnd, pi in sites:
+        out["example_id"].append(example_id)
+        out["mode"].append(mode)
+        out["component"].append(c)
+        out["layer"].append(layer)
+        out["random"].append(rnd)
+        out["p_base"].append(base)
+        out["p_intervened"].append(pi)
+        out["effect"].append(base - pi if mode == "knockout" else pi - base)
+
+
+def _restore_incremental(tracer: CausalTracer, fact: StoredFact, sites: Sequence[tuple[str, int]]
+                         ) -> tuple[float, dict[tuple[str, int], float]]:
+    """Restores of ``sites`` computed from the corrupted runs (see the module docstring): the mean
+    corrupted P(o) over the noise samples and, per site, the mean restored P(o)."""
+    from ingest.interventions.tracing_incremental import Incremental
+
+    inc = Incremental(tracer, [fact], tracer.clean([fact]), span=True)
+    probs = inc.run(inc.site_rows(sites)).reshape(tracer.cfg.samples, len(sites)).mean(axis=0)
+    return float(inc.corrupted.prob.mean()), {site: float(v) for site, v in zip(sites, probs)}
 
 
 def sites_by_fact(site_lists: Iterable[Any]) -> dict[int, set[tuple[str, int]]]:

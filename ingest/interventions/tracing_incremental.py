@@ -88,10 +88,16 @@ class Incremental:
     masks, Gemma's sliding windows included, see real distances).  Caches are plain
     :class:`transformers.DynamicCache` layers (a sliding layer keeps every token; its mask applies
     the window).
+
+    With ``span`` a restoration sets the window's clean mlp / attn outputs at *every* position it runs
+    (p..T-1), not at p only: the restore interventions of :mod:`ingest.interventions.effectiveness`
+    (p = the subject's first token).  The argument above holds unchanged.
     """
 
-    def __init__(self, tracer: TracerLike, facts: Sequence[StoredFact], cleans: Sequence[CleanStates]) -> None:
+    def __init__(self, tracer: TracerLike, facts: Sequence[StoredFact], cleans: Sequence[CleanStates],
+                 span: bool = False) -> None:
         self.tracer = tracer
+        self.span = span
         self.cfg = tracer.cfg
         self.facts = list(facts)
         self.cleans = list(cleans)
@@ -228,6 +234,20 @@ class Incremental:
                                 cols[k].append(v)
         return _Rows(*(np.asarray(cols[k], dtype=np.int64) for k in cols))
 
+    def site_rows(self, sites: Sequence[tuple[str, int]]) -> _Rows:
+        """Restorations of each (component, layer) site with a window of one layer, from each fact's
+        first subject token on (``span`` mode), for every noise sample: ordered fact, sample, site."""
+        comps = list(self.cfg.components)
+        S, n_sites = self.cfg.samples, len(sites)
+        comp = np.asarray([comps.index(c) for c, _ in sites], dtype=np.int64)
+        layer = np.asarray([lay for _, lay in sites], dtype=np.int64)
+        reps = len(self.facts) * S
+        fact = np.repeat(np.arange(len(self.facts), dtype=np.int64), S * n_sites)
+        first = np.asarray([f.subject_span[0] for f in self.facts], dtype=np.int64)
+        return _Rows(fact=fact, sample=np.tile(np.repeat(np.arange(S, dtype=np.int64), n_sites), len(self.facts)),
+                     comp=np.tile(comp, reps), layer=np.tile(layer, reps), position=first[fact],
+                     start=np.tile(layer, reps), stop=np.tile(layer + 1, reps))
+
     def run(self, rows: _Rows) -> np.ndarray:
         """P(o) of every restoration in ``rows``."""
         S = self.cfg.samples
@@ -282,16 +302,25 @@ class Incremental:
         # prompt's last token): its other positions' outputs reach nothing.  Their residual sums
         # broadcast the last position's MLP output and are never read.
         last_mlp = N > 1 and self.last_mlp is not None
-        # Edits: the window's clean mlp / attn outputs at position p (the first position run).
+        # Edits: the window's clean mlp / attn outputs at position p (the first position run); with
+        # ``span`` at every position run ([rows, N, d]; the last layer's MLP, run at the last position
+        # only, gets that position's: [rows, 1, d]).
         edits: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for j, c in enumerate(self.cfg.components):
             if c == "resid":
                 continue
-            for k in range(L - 1 if c == "mlp" and last_mlp else L):
+            for k in range(L - 1 if c == "mlp" and last_mlp and not self.span else L):
                 sel_np = np.flatnonzero((rows.comp == j) & (rows.start <= k) & (rows.stop > k))
-                if sel_np.size:
-                    sel = torch.as_tensor(sel_np, device=dev)
-                    edits[(c, k)] = (sel, self.clean_stack[c][fact[sel], k, pos[sel]])
+                if not sel_np.size:
+                    continue
+                sel = torch.as_tensor(sel_np, device=dev)
+                stack = self.clean_stack[c]
+                if not self.span:
+                    edits[(c, k)] = (sel, stack[fact[sel], k, pos[sel]])
+                elif c == "mlp" and last_mlp and k == L - 1:
+                    edits[(c, k)] = (sel, stack[fact[sel], k, pos[sel] + n[sel] - 1][:, None])
+                else:
+                    edits[(c, k)] = (sel, stack[fact[sel, None], k, q_pos[sel].clamp(max=self.T - 1)])
         layers = self.blocks.layers
         handles = [layers[0].register_forward_pre_hook(_replace_hidden(hidden), with_kwargs=True)]
         for (c, k), (sel, val) in edits.items():
@@ -365,10 +394,14 @@ def _last_position(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any,
 
 
 def _set_first(rows: torch.Tensor, value: torch.Tensor) -> Callable[..., Any]:
-    """Forward hook: the module's output at the first position of ``rows`` set to ``value``."""
+    """Forward hook: the module's output at the first position of ``rows`` set to ``value`` ([rows, d]),
+    or at its first ``value.shape[1]`` positions ([rows, n, d])."""
     def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         out = output.clone()
-        out[rows, 0] = value.to(out.dtype)
+        if value.dim() == 2:
+            out[rows, 0] = value.to(out.dtype)
+        else:
+            out[rows, :value.shape[1]] = value.to(out.dtype)
         return out
 
     return hook
