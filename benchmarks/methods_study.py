@@ -23,6 +23,13 @@ quote the run ids):
 5. the metrics (:func:`query.method_metrics.compute_metrics`) per method, overall and per stratum,
    the pair table with bootstrap intervals, and the cross-size row; written to the store
    (``method_metrics``, ``method_pair_metrics``, ``method_cross_size``) and to ``--json``.
+
+A study longer than a machine's life goes on elsewhere from a checkpoint folder (numbers and run
+records only: the data set's text is left out and read back from the store it is restored into)::
+
+    python benchmarks/methods_study.py checkpoint S --state S.study.json --out CK
+    python benchmarks/methods_study.py restore S2 --from CK --state S2.study.json   # S2: same data, same model
+    python benchmarks/methods_study.py study S2 --state S2.study.json ...            # resumes
 """
 
 from __future__ import annotations
@@ -262,6 +269,182 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         log(f"wrote {a.json}")
 
 
+# ------------------------------------------------------------------------------------ checkpoints
+#
+# A study's trace, patch and site-effect runs outlive its store as a checkpoint folder that holds
+# numbers and run records only: the columns that repeat the data set's text (prompt tokens,
+# subjects, objects, relation ids) are left out and read back from the store they are restored
+# into, which must hold the same facts (checked by a fingerprint of each fact's token ids, subject
+# span and object token) and the same model weights.
+
+CHECKPOINT_FORMAT = 1
+CHECKPOINT_TABLES = {"trace": ("trace_effects", "trace_facts"), "patch": ("patch_effects", "patch_pairs"),
+                     "effects": ("site_effects",)}
+_BY_FACT = (("example_id", "example_id"),)
+DERIVED: dict[str, dict[str, tuple[str, str, tuple[tuple[str, str], ...]]]] = {
+    # table -> column -> (store table, its column, ((checkpoint key, store key), ...))
+    "trace_effects": {"token": ("tokens", "token", (("example_id", "example_id"), ("position", "position")))},
+    "trace_facts": {"relation_id": ("examples", "relation_id", _BY_FACT), "subject": ("examples", "subject", _BY_FACT),
+                    "object": ("examples", "object", _BY_FACT)},
+    "patch_pairs": {"relation_id": ("examples", "relation_id", _BY_FACT), "object": ("examples", "object", _BY_FACT),
+                    "counterfactual_object": ("examples", "object", (("counterfactual_id", "example_id"),))},
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or restored as asked (one line)."""
+
+
+def _study_runs(state: dict[str, Any]) -> list[tuple[str, str]]:
+    """(kind, run id) of every run a checkpoint keeps: trace, patch and site-effect runs."""
+    runs = [("trace", r) for r in state.get("trace_runs", [])] + [("patch", r) for r in state.get("patch_runs", [])]
+    runs += [("effects", state[k]) for k in ("effects_knockout_run", "effects_restore_run") if state.get(k)]
+    return runs
+
+
+def fact_fingerprints(store: Any, ids: list[int]) -> dict[int, str]:
+    """example id -> 16 hex digits of SHA-256 over the prompt's token ids, subject span and object token."""
+    import hashlib
+
+    rows = store.sql("""SELECT e.example_id, e.subject_start, e.subject_end, t.object_token_id,
+                               list(tk.token_id ORDER BY tk.position) AS ids
+                        FROM examples e JOIN targets t USING (example_id) JOIN tokens tk USING (example_id)
+                        WHERE list_contains($ids, e.example_id) GROUP BY ALL""", {"ids": ids}).to_pylist()
+    return {int(r["example_id"]): hashlib.sha256(json.dumps(
+        [r["ids"], r["subject_start"], r["subject_end"], r["object_token_id"]]).encode()).hexdigest()[:16]
+        for r in rows}
+
+
+def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, int]:
+    """Write the study's runs (see :data:`CHECKPOINT_TABLES`) to the folder ``out``, text columns
+    left out; return the rows written per table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    parts: dict[str, list[pa.Table]] = defaultdict(list)
+    runs = []
+    for kind, rid in _study_runs(state):
+        runs.append(store.sql("SELECT * FROM runs WHERE run_id = ?", [rid]))
+        if runs[-1].num_rows != 1:
+            raise CheckpointError(f"{store.url}: run {rid} of the state is not in the store")
+        for name in CHECKPOINT_TABLES[kind]:
+            t = store.table(name, files=[f"tables/{name}/{rid}.parquet"])
+            parts[name].append(t.drop_columns(list(DERIVED.get(name, {}))))
+    ids: set[int] = set()
+    counts = {}
+    for name, tables in parts.items():
+        t = pa.concat_tables(tables)
+        for col in ("example_id", "counterfactual_id"):
+            if col in t.column_names:
+                ids |= {int(i) for i in t.column(col).to_pylist()}
+        pq.write_table(t, out / f"{name}.parquet", compression="zstd")
+        counts[name] = t.num_rows
+    pq.write_table(pa.concat_tables(runs), out / "runs.parquet", compression="zstd")
+    fps = fact_fingerprints(store, sorted(ids))
+    if len(fps) != len(ids):
+        raise CheckpointError(f"{store.url}: {len(ids) - len(fps)} facts of the runs are not in the store")
+    pq.write_table(pa.table({"example_id": list(fps), "fingerprint": list(fps.values())}), out / "facts.parquet",
+                   compression="zstd")
+    model = store.manifest.model
+    doc = {"format": CHECKPOINT_FORMAT, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "model": {"name": model.get("name"), "weight_hash": model.get("weight_hash")},
+           "examples": int(store.sql("SELECT count(*) AS n FROM examples").column("n")[0].as_py()),
+           "columns": {name: [f.name for f in _file_schema(store, name, state)] for name in parts},
+           "rows": counts, "state": state}
+    (out / "checkpoint.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return counts
+
+
+def _file_schema(store: Any, name: str, state: dict[str, Any]) -> Any:
+    kind = next(k for k, names in CHECKPOINT_TABLES.items() if name in names)
+    rid = next(r for k, r in _study_runs(state) if k == kind)
+    return store.table(name, files=[f"tables/{name}/{rid}.parquet"]).schema
+
+
+def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
+    """Write the runs of the checkpoint ``folder`` into ``store`` (which must hold the same facts
+    and model weights, and none of the runs), the text columns read from the store; return the state."""
+    import duckdb
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actstore.tables import to_parquet_bytes
+
+    try:
+        doc = json.loads((folder / "checkpoint.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder}: not a study checkpoint ({e})") from e
+    if doc.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{folder}: checkpoint format {doc.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
+    want, have = doc["model"].get("weight_hash"), store.manifest.model.get("weight_hash")
+    if want != have:
+        raise CheckpointError(f"{store.url}: its model ({store.manifest.model.get('name')}) has other weights than "
+                              f"the checkpoint's ({doc['model'].get('name')})")
+    state = doc["state"]
+    present = set(store.sql("SELECT run_id FROM runs").column("run_id").to_pylist())
+    if clash := sorted({r for _, r in _study_runs(state)} & present):
+        raise CheckpointError(f"{store.url}: already holds run {clash[0]} of the checkpoint")
+    facts = pq.read_table(folder / "facts.parquet")
+    fps = fact_fingerprints(store, [int(i) for i in facts.column("example_id").to_pylist()])
+    for i, fp in zip(facts.column("example_id").to_pylist(), facts.column("fingerprint").to_pylist(), strict=True):
+        if fps.get(int(i)) != fp:
+            raise CheckpointError(f"{store.url}: fact {i} is not the checkpoint's fact {i} (other prompt, subject or "
+                                  "object token, or missing): restore into a store ingested from the same data")
+    con = duckdb.connect()
+    sources = {"tokens": store.sql("SELECT example_id, position, token FROM tokens"),
+               "examples": store.sql("SELECT example_id, relation_id, subject, object FROM examples")}
+    for name, src in sources.items():
+        con.register(f"src_{name}", src)
+    tables: dict[str, pa.Table] = {}
+    for name, columns in doc["columns"].items():
+        t = pq.read_table(folder / f"{name}.parquet")
+        t = t.append_column("_row", pa.array(range(t.num_rows), pa.int64()))
+        con.register("ck", t)
+        joins, exprs = [], {c: f'ck."{c}"' for c in t.column_names}
+        for j, (col, (src, src_col, keys)) in enumerate(DERIVED.get(name, {}).items()):
+            on = " AND ".join(f'ck."{a}" = d{j}."{b}"' for a, b in keys)
+            joins.append(f"LEFT JOIN src_{src} d{j} ON {on}")
+            exprs[col] = f'd{j}."{src_col}"'
+        sel = ", ".join(f'{exprs[c]} AS "{c}"' for c in columns)
+        full = con.sql(f"SELECT {sel} FROM ck {' '.join(joins)} ORDER BY ck._row").to_arrow_table()
+        for col in DERIVED.get(name, {}):
+            if full.column(col).null_count:
+                raise CheckpointError(f"{store.url}: {full.column(col).null_count} rows of {name} find no {col} "
+                                      "in the store")
+        tables[name] = full
+        con.unregister("ck")
+    runs = pq.read_table(folder / "runs.parquet")
+    for kind, rid in _study_runs(state):
+        for name in CHECKPOINT_TABLES[kind]:
+            t = tables[name]
+            mine = t.filter(pa.compute.equal(t.column("run_id"), rid))
+            store.location.write_bytes_atomic(f"tables/{name}/{rid}.parquet", to_parquet_bytes(mine))
+        row = runs.filter(pa.compute.equal(runs.column("run_id"), rid))
+        store.location.write_bytes_atomic(f"tables/runs/{rid}.parquet", to_parquet_bytes(row))
+    store.refresh()
+    return {k: v for k, v in state.items() if not k.startswith("metrics_")}
+
+
+def cmd_checkpoint(a: argparse.Namespace) -> None:
+    from actstore.api import open_store
+
+    counts = write_checkpoint(open_store(a.store), load_state(Path(a.state)), Path(a.out))
+    log(f"wrote {a.out}: " + ", ".join(f"{n} {k} rows" for k, n in counts.items()))
+
+
+def cmd_restore(a: argparse.Namespace) -> None:
+    from actstore.api import open_store
+
+    state_path = Path(a.state)
+    if state_path.exists():
+        raise CheckpointError(f"{state_path} exists; restore writes a new state file")
+    state = restore_checkpoint(open_store(a.store), Path(a.checkpoint))
+    save_state(state_path, state)
+    log(f"restored {len(state['traced'])} traced facts ({len(state['trace_runs'])} trace runs, "
+        f"{len(state.get('patch_runs', []))} patch runs) into {a.store}; state {state_path}")
+
+
 def _ci(r: dict[str, Any], pct: bool = False) -> str:
     def f(x: Any) -> str:
         if x is None or x != x:
@@ -383,12 +566,26 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--tuned-lr", type=float, default=None, help="learning rate (default: 1e-3 adam, 0.1 sgd)")
     s.add_argument("--tuned-seed", type=int, default=0, help="seed of the tuned lens's batches")
     s.set_defaults(func=cmd_study)
+    c = sub.add_parser("checkpoint", help="the study's trace, patch and effect runs, text left out, to a folder")
+    c.add_argument("store")
+    c.add_argument("--state", required=True)
+    c.add_argument("--out", required=True)
+    c.set_defaults(func=cmd_checkpoint)
+    r = sub.add_parser("restore", help="a checkpoint's runs into a store ingested from the same data; a new state")
+    r.add_argument("store")
+    r.add_argument("--from", dest="checkpoint", required=True)
+    r.add_argument("--state", required=True, help="the state file to write (must not exist)")
+    r.set_defaults(func=cmd_restore)
     t = sub.add_parser("tables", help="Markdown tables of a study's --json output")
     t.add_argument("json")
     t.add_argument("--groupings", default="freq_band,uniqueness,source_set")
     t.set_defaults(func=cmd_tables)
     a = p.parse_args(argv)
-    a.func(a)
+    try:
+        a.func(a)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
