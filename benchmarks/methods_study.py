@@ -316,55 +316,49 @@ def fact_fingerprints(store: Any, ids: list[int]) -> dict[int, str]:
 
 
 def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, int]:
-    """Write the study's runs (see :data:`CHECKPOINT_TABLES`) to the folder ``out``, text columns
-    left out; return the rows written per table."""
+    """Write the study's runs (see :data:`CHECKPOINT_TABLES`) to the folder ``out``, one file per
+    table and run (``TABLE/RUN_ID.parquet``, text columns left out; a run already there is written
+    again, to the same bytes), the runs' records and the facts' fingerprints; return the rows
+    written per table."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out.mkdir(parents=True, exist_ok=True)
-    parts: dict[str, list[pa.Table]] = defaultdict(list)
-    runs = []
-    for kind, rid in _study_runs(state):
-        runs.append(store.sql("SELECT * FROM runs WHERE run_id = ?", [rid]))
-        if runs[-1].num_rows != 1:
-            raise CheckpointError(f"{store.url}: run {rid} of the state is not in the store")
-        for name in CHECKPOINT_TABLES[kind]:
-            t = store.table(name, files=[f"tables/{name}/{rid}.parquet"])
-            parts[name].append(t.drop_columns(list(DERIVED.get(name, {}))))
     ids: set[int] = set()
-    counts = {}
-    for name, tables in parts.items():
-        t = pa.concat_tables(tables)
-        for col in ("example_id", "counterfactual_id"):
-            if col in t.column_names:
-                ids |= {int(i) for i in t.column(col).to_pylist()}
-        pq.write_table(t, out / f"{name}.parquet", compression="zstd")
-        counts[name] = t.num_rows
-    pq.write_table(pa.concat_tables(runs), out / "runs.parquet", compression="zstd")
+    counts: dict[str, int] = defaultdict(int)
+    columns: dict[str, list[str]] = {}
+    files: list[str] = []
+    for kind, rid in _study_runs(state):
+        run = store.sql("SELECT * FROM runs WHERE run_id = ?", [rid])
+        if run.num_rows != 1:
+            raise CheckpointError(f"{store.url}: run {rid} of the state is not in the store")
+        for name, t in [(n, store.table(n, files=[f"tables/{n}/{rid}.parquet"])) for n in CHECKPOINT_TABLES[kind]]:
+            columns[name] = t.column_names
+            for col in ("example_id", "counterfactual_id"):
+                if col in t.column_names:
+                    ids |= {int(i) for i in t.column(col).to_pylist()}
+            files.append(f"{name}/{rid}.parquet")
+            (out / name).mkdir(parents=True, exist_ok=True)
+            pq.write_table(t.drop_columns(list(DERIVED.get(name, {}))), out / files[-1], compression="zstd")
+            counts[name] += t.num_rows
+        files.append(f"runs/{rid}.parquet")
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+        pq.write_table(run, out / files[-1], compression="zstd")
     fps = fact_fingerprints(store, sorted(ids))
     if len(fps) != len(ids):
         raise CheckpointError(f"{store.url}: {len(ids) - len(fps)} facts of the runs are not in the store")
     pq.write_table(pa.table({"example_id": list(fps), "fingerprint": list(fps.values())}), out / "facts.parquet",
                    compression="zstd")
     model = store.manifest.model
-    doc = {"format": CHECKPOINT_FORMAT, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "model": {"name": model.get("name"), "weight_hash": model.get("weight_hash")},
-           "examples": int(store.sql("SELECT count(*) AS n FROM examples").column("n")[0].as_py()),
-           "columns": {name: [f.name for f in _file_schema(store, name, state)] for name in parts},
-           "rows": counts, "state": state}
+    doc = {"format": CHECKPOINT_FORMAT, "model": {"name": model.get("name"), "weight_hash": model.get("weight_hash")},
+           "columns": columns, "rows": counts, "files": files, "state": state}
     (out / "checkpoint.json").write_text(json.dumps(doc, indent=1) + "\n")
-    return counts
-
-
-def _file_schema(store: Any, name: str, state: dict[str, Any]) -> Any:
-    kind = next(k for k, names in CHECKPOINT_TABLES.items() if name in names)
-    rid = next(r for k, r in _study_runs(state) if k == kind)
-    return store.table(name, files=[f"tables/{name}/{rid}.parquet"]).schema
+    return dict(counts)
 
 
 def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
     """Write the runs of the checkpoint ``folder`` into ``store`` (which must hold the same facts
-    and model weights, and none of the runs), the text columns read from the store; return the state."""
+    and model weights, and none of the runs), the text columns read from the store; return the
+    state, without the metric runs (they are not in a checkpoint)."""
     import duckdb
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -392,36 +386,30 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
             raise CheckpointError(f"{store.url}: fact {i} is not the checkpoint's fact {i} (other prompt, subject or "
                                   "object token, or missing): restore into a store ingested from the same data")
     con = duckdb.connect()
-    sources = {"tokens": store.sql("SELECT example_id, position, token FROM tokens"),
-               "examples": store.sql("SELECT example_id, relation_id, subject, object FROM examples")}
-    for name, src in sources.items():
-        con.register(f"src_{name}", src)
-    tables: dict[str, pa.Table] = {}
-    for name, columns in doc["columns"].items():
-        t = pq.read_table(folder / f"{name}.parquet")
-        t = t.append_column("_row", pa.array(range(t.num_rows), pa.int64()))
-        con.register("ck", t)
-        joins, exprs = [], {c: f'ck."{c}"' for c in t.column_names}
-        for j, (col, (src, src_col, keys)) in enumerate(DERIVED.get(name, {}).items()):
-            on = " AND ".join(f'ck."{a}" = d{j}."{b}"' for a, b in keys)
-            joins.append(f"LEFT JOIN src_{src} d{j} ON {on}")
-            exprs[col] = f'd{j}."{src_col}"'
-        sel = ", ".join(f'{exprs[c]} AS "{c}"' for c in columns)
-        full = con.sql(f"SELECT {sel} FROM ck {' '.join(joins)} ORDER BY ck._row").to_arrow_table()
-        for col in DERIVED.get(name, {}):
-            if full.column(col).null_count:
-                raise CheckpointError(f"{store.url}: {full.column(col).null_count} rows of {name} find no {col} "
-                                      "in the store")
-        tables[name] = full
-        con.unregister("ck")
-    runs = pq.read_table(folder / "runs.parquet")
-    for kind, rid in _study_runs(state):
-        for name in CHECKPOINT_TABLES[kind]:
-            t = tables[name]
-            mine = t.filter(pa.compute.equal(t.column("run_id"), rid))
-            store.location.write_bytes_atomic(f"tables/{name}/{rid}.parquet", to_parquet_bytes(mine))
-        row = runs.filter(pa.compute.equal(runs.column("run_id"), rid))
-        store.location.write_bytes_atomic(f"tables/runs/{rid}.parquet", to_parquet_bytes(row))
+    con.register("src_tokens", store.sql("SELECT example_id, position, token FROM tokens"))
+    con.register("src_examples", store.sql("SELECT example_id, relation_id, subject, object FROM examples"))
+    out: dict[str, bytes] = {}  # every file is made before the first is written
+    for rel in doc["files"]:
+        name = rel.split("/")[0]
+        t = pq.read_table(folder / rel)
+        if name != "runs":
+            t = t.append_column("_row", pa.array(range(t.num_rows), pa.int64()))
+            con.register("ck", t)
+            joins, exprs = [], {c: f'ck."{c}"' for c in t.column_names}
+            for j, (col, (src, src_col, keys)) in enumerate(DERIVED.get(name, {}).items()):
+                on = " AND ".join(f'ck."{a}" = d{j}."{b}"' for a, b in keys)
+                joins.append(f"LEFT JOIN src_{src} d{j} ON {on}")
+                exprs[col] = f'd{j}."{src_col}"'
+            sel = ", ".join(f'{exprs[c]} AS "{c}"' for c in doc["columns"][name])
+            t = con.sql(f"SELECT {sel} FROM ck {' '.join(joins)} ORDER BY ck._row").to_arrow_table()
+            con.unregister("ck")
+            for col in DERIVED.get(name, {}):
+                if t.column(col).null_count:
+                    raise CheckpointError(f"{store.url}: {t.column(col).null_count} rows of {rel} find no {col} "
+                                          "in the store")
+        out[f"tables/{rel}"] = to_parquet_bytes(t)
+    for rel, data in sorted(out.items(), key=lambda kv: kv[0].startswith("tables/runs/")):  # a run's row last
+        store.location.write_bytes_atomic(rel, data)
     store.refresh()
     return {k: v for k, v in state.items() if not k.startswith("metrics_")}
 

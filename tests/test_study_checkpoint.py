@@ -67,7 +67,10 @@ def test_checkpoint_holds_no_text_of_the_data_set(studied: tuple[Path, Path, Pat
     text = {t for t in text if t and len(t.strip()) >= 3}
     assert len(text) > 30
     seen = 0
-    for f in (root / "ck").glob("*.parquet"):
+    files = sorted((root / "ck").rglob("*.parquet"))
+    assert {f.parent.name for f in files} == {"ck", "runs", "trace_effects", "trace_facts", "patch_effects",
+                                              "patch_pairs", "site_effects"}
+    for f in files:
         t = pq.read_table(f)
         for col in t.column_names:
             if t.schema.field(col).type == "string":
@@ -77,8 +80,10 @@ def test_checkpoint_holds_no_text_of_the_data_set(studied: tuple[Path, Path, Pat
     assert seen > 0
     assert not any(x in (root / "ck" / "checkpoint.json").read_text() for x in text if len(x) >= 6)
     # and the text columns are really gone from the result tables
-    assert "token" not in pq.read_schema(root / "ck" / "trace_effects.parquet").names
-    assert not {"subject", "object"} & set(pq.read_schema(root / "ck" / "trace_facts.parquet").names)
+    for f in files:
+        names = set(pq.read_schema(f).names)
+        assert not names & {"token", "subject", "object", "relation_id", "counterfactual_object"}, f
+        assert f.parent.name in ("ck", "runs") or "run_id" in names
 
 
 def test_restore_gives_back_equal_tables_and_a_study_that_resumes(studied: tuple[Path, Path, Path],
@@ -112,6 +117,17 @@ def test_restore_gives_back_equal_tables_and_a_study_that_resumes(studied: tuple
         ea = sa.table(name, files=[f"tables/{name}/{new_a}.parquet"]).drop_columns(["run_id"])
         eb = sb.table(name, files=[f"tables/{name}/{new_b}.parquet"]).drop_columns(["run_id"])
         assert ea.equals(eb), name
+    # a checkpoint of the grown study keeps the earlier runs' files byte for byte (a commit adds only new files)
+    ck2 = tmp_path / "ck2"
+    assert methods_study.main(["checkpoint", str(a), "--state", str(state_a), "--out", str(ck2)]) == 0
+
+    def run_files(ck: Path) -> dict[Path, bytes]:
+        return {f.relative_to(ck): f.read_bytes() for f in ck.rglob("*.parquet")
+                if f.parent.name not in ("ck", "ck2", "site_effects") and not f.name.startswith("effects-")}
+
+    before, after = run_files(root / "ck"), run_files(ck2)
+    assert [k for k in before if before[k] != after.get(k)] == []
+    assert len(before) == 2 * 3 + 3 and before.items() <= after.items() and len(after) == len(before) + 6
 
 
 def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(studied: tuple[Path, Path, Path], tmp_path: Path,
