@@ -417,7 +417,10 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
 def cmd_checkpoint(a: argparse.Namespace) -> None:
     from actstore.api import open_store
 
-    counts = write_checkpoint(open_store(a.store), load_state(Path(a.state)), Path(a.out))
+    state = load_state(Path(a.state))
+    if not _study_runs(state):
+        raise CheckpointError(f"{a.state}: no runs to checkpoint (no state file, or a study that has traced nothing)")
+    counts = write_checkpoint(open_store(a.store), state, Path(a.out))
     log(f"wrote {a.out}: " + ", ".join(f"{n} {k} rows" for k, n in counts.items()))
 
 
@@ -569,9 +572,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--groupings", default="freq_band,uniqueness,source_set")
     t.set_defaults(func=cmd_tables)
     a = p.parse_args(argv)
+    from actstore.errors import ActstoreError
+
     try:
         a.func(a)
-    except CheckpointError as e:
+    except (CheckpointError, ActstoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

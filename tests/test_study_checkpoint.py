@@ -160,3 +160,11 @@ def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(studied: tuple[Pa
     assert methods_study.main(["restore", str(b), "--from", str(tmp_path / "notck"), "--state",
                                str(tmp_path / "b4.json")]) == 2
     assert "not a study checkpoint" in capsys.readouterr().err
+    # a store that is not there, a state with nothing to keep: one line each
+    assert methods_study.main(["restore", str(tmp_path / "nowhere"), "--from", ck, "--state",
+                               str(tmp_path / "b5.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no actstore store at") and "\n" not in err
+    assert methods_study.main(["checkpoint", str(b), "--state", str(tmp_path / "none.json"), "--out",
+                               str(tmp_path / "ck3")]) == 2
+    assert "no runs to checkpoint" in capsys.readouterr().err and not (tmp_path / "ck3").exists()
