@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 from collections import defaultdict
@@ -376,6 +377,11 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{store.url}: its model ({store.manifest.model.get('name')}) has other weights than "
                               f"the checkpoint's ({doc['model'].get('name')})")
     state = doc["state"]
+    known = {n for names in CHECKPOINT_TABLES.values() for n in names} | {"runs"}
+    for rel in doc.get("files", []):
+        name, _, file = str(rel).partition("/")
+        if name not in known or not re.fullmatch(r"[A-Za-z0-9_-]+\.parquet", file):
+            raise CheckpointError(f"{folder}: checkpoint.json names a file {rel!r} that is not TABLE/RUN_ID.parquet")
     present = set(store.sql("SELECT run_id FROM runs").column("run_id").to_pylist())
     if clash := sorted({r for _, r in _study_runs(state)} & present):
         raise CheckpointError(f"{store.url}: already holds run {clash[0]} of the checkpoint")

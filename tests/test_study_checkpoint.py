@@ -160,6 +160,18 @@ def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(studied: tuple[Pa
     assert methods_study.main(["restore", str(b), "--from", str(tmp_path / "notck"), "--state",
                                str(tmp_path / "b4.json")]) == 2
     assert "not a study checkpoint" in capsys.readouterr().err
+    # a checkpoint whose file list points outside its tables
+    bad = tmp_path / "bad"
+    import shutil
+
+    shutil.copytree(ck, bad)
+    doc = json.loads((bad / "checkpoint.json").read_text())
+    doc["files"][0] = "../../escape.parquet"
+    (bad / "checkpoint.json").write_text(json.dumps(doc))
+    fresh = _store(tmp_path, "d")
+    before = _files(fresh)
+    assert methods_study.main(["restore", str(fresh), "--from", str(bad), "--state", str(tmp_path / "d.json")]) == 2
+    assert "is not TABLE/RUN_ID.parquet" in capsys.readouterr().err and _files(fresh) == before
     # a store that is not there, a state with nothing to keep: one line each
     assert methods_study.main(["restore", str(tmp_path / "nowhere"), "--from", ck, "--state",
                                str(tmp_path / "b5.json")]) == 2
