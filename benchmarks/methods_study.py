@@ -328,8 +328,9 @@ def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, 
     counts: dict[str, int] = defaultdict(int)
     columns: dict[str, list[str]] = {}
     files: list[str] = []
+    runs = store.sql("SELECT * FROM runs WHERE list_contains($ids, run_id)", {"ids": [r for _, r in _study_runs(state)]})
     for kind, rid in _study_runs(state):
-        run = store.sql("SELECT * FROM runs WHERE run_id = ?", [rid])
+        run = runs.filter(pa.compute.equal(runs.column("run_id"), rid))
         if run.num_rows != 1:
             raise CheckpointError(f"{store.url}: run {rid} of the state is not in the store")
         for name, t in [(n, store.table(n, files=[f"tables/{n}/{rid}.parquet"])) for n in CHECKPOINT_TABLES[kind]]:
@@ -365,6 +366,7 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from actstore.tables import to_parquet_bytes
+    from actstore.writer import write_result_table
 
     try:
         doc = json.loads((folder / "checkpoint.json").read_text())
@@ -394,7 +396,7 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
     con = duckdb.connect()
     con.register("src_tokens", store.sql("SELECT example_id, position, token FROM tokens"))
     con.register("src_examples", store.sql("SELECT example_id, relation_id, subject, object FROM examples"))
-    out: dict[str, bytes] = {}  # every file is made before the first is written
+    out: dict[str, pa.Table] = {}  # every file is made before the first is written
     for rel in doc["files"]:
         name = rel.split("/")[0]
         t = pq.read_table(folder / rel)
@@ -413,9 +415,13 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
                 if t.column(col).null_count:
                     raise CheckpointError(f"{store.url}: {t.column(col).null_count} rows of {rel} find no {col} "
                                           "in the store")
-        out[f"tables/{rel}"] = to_parquet_bytes(t)
-    for rel, data in sorted(out.items(), key=lambda kv: kv[0].startswith("tables/runs/")):  # a run's row last
-        store.location.write_bytes_atomic(rel, data)
+        out[rel] = t
+    for rel, t in sorted(out.items(), key=lambda kv: kv[0].startswith("runs/")):  # a run's row last
+        name, rid = rel.split("/")[0], rel.split("/")[1].removesuffix(".parquet")
+        if name == "runs":  # the original record (write_run would make a new one)
+            store.location.write_bytes_atomic(f"tables/{rel}", to_parquet_bytes(t))
+        else:
+            write_result_table(store, name, rid, t)
     store.refresh()
     return {k: v for k, v in state.items() if not k.startswith("metrics_")}
 
