@@ -310,7 +310,8 @@ def fact_fingerprints(store: Any, ids: list[int]) -> dict[int, str]:
     rows = store.sql("""SELECT e.example_id, e.subject_start, e.subject_end, t.object_token_id,
                                list(tk.token_id ORDER BY tk.position) AS ids
                         FROM examples e JOIN targets t USING (example_id) JOIN tokens tk USING (example_id)
-                        WHERE list_contains($ids, e.example_id) GROUP BY ALL""", {"ids": ids}).to_pylist()
+                        WHERE list_contains($ids, e.example_id) GROUP BY ALL ORDER BY e.example_id""",
+                     {"ids": ids}).to_pylist()
     return {int(r["example_id"]): hashlib.sha256(json.dumps(
         [r["ids"], r["subject_start"], r["subject_end"], r["object_token_id"]]).encode()).hexdigest()[:16]
         for r in rows}
