@@ -35,6 +35,7 @@ records only: the data set's text is left out and read back from the store it is
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import re
@@ -73,6 +74,22 @@ def stratified_order(rows: list[dict[str, Any]], seed: int = 0) -> list[int]:
         out.extend(q[depth] for q in queues if depth < len(q))
         depth += 1
     return out
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """A study's ``--json`` output; gzip-compressed when the name ends in ``.gz`` (the form kept in
+    the repository: the per-relation and per-stratum rows make it about 2 MB of plain JSON)."""
+    text = json.dumps(summary, indent=1, default=float) + "\n"
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        path.write_text(text)
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """What ``write_summary`` wrote, plain or gzip-compressed."""
+    data = path.read_bytes()
+    return dict(json.loads(gzip.decompress(data) if path.suffix == ".gz" else data))
 
 
 def load_state(path: Path) -> dict[str, Any]:
@@ -266,7 +283,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         log(f"metrics ({mode}): run {rid}")
     save_state(state_path, state)
     if a.json:
-        Path(a.json).write_text(json.dumps({"state": state, **summary}, indent=1, default=float) + "\n")
+        write_summary(Path(a.json), {"state": state, **summary})
         log(f"wrote {a.json}")
 
 
@@ -472,7 +489,7 @@ def method_label(method: str, d: dict[str, Any]) -> str:
 
 def cmd_tables(a: argparse.Namespace) -> None:
     """Markdown tables of a study's --json output (for docs/results-methods.md)."""
-    d = json.loads(Path(a.json).read_text())
+    d = read_summary(Path(a.json))
     modes = [m for m in ("knockout", "restore") if m in d]
     pct_metrics = {"consistency", "verdict_consistency", "beats_random"}
     lines: list[str] = []
@@ -561,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--modes", default="knockout,restore")
     s.add_argument("--random-draws", type=int, default=4)
     s.add_argument("--resamples", type=int, default=2000)
-    s.add_argument("--json", default=None)
+    s.add_argument("--json", default=None, help="the summary to write (gzip-compressed if it ends in .gz)")
     s.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
     s.add_argument("--tuned", choices=("adam", "sgd", "ridge"), default="adam",
                    help="the tuned lens: trained on the KL with adam or sgd, or the closed-form ridge fit")
@@ -581,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--state", required=True, help="the state file to write (must not exist)")
     r.set_defaults(func=cmd_restore)
     t = sub.add_parser("tables", help="Markdown tables of a study's --json output")
-    t.add_argument("json")
+    t.add_argument("json", help="a study's --json output (.json or .json.gz)")
     t.add_argument("--groupings", default="freq_band,uniqueness,source_set")
     t.set_defaults(func=cmd_tables)
     a = p.parse_args(argv)

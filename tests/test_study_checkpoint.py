@@ -182,3 +182,28 @@ def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(studied: tuple[Pa
     assert methods_study.main(["checkpoint", str(b), "--state", str(tmp_path / "none.json"), "--out",
                                str(tmp_path / "ck3")]) == 2
     assert "no runs to checkpoint" in capsys.readouterr().err and not (tmp_path / "ck3").exists()
+
+
+GEMMA_SUMMARY = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "methods-gemma3-270m-s10" / "study.out.json.gz"
+
+
+def test_committed_summary_prints_the_tables_the_results_page_cites(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The Gemma-3-270M study's summary is kept gzip-compressed; ``tables`` reads it as it reads the
+    plain JSON the study writes, and prints the figures docs/results-methods.md quotes."""
+    summary = methods_study.read_summary(GEMMA_SUMMARY)
+    plain = tmp_path / "out.json"
+    methods_study.write_summary(plain, summary)
+    assert methods_study.read_summary(plain) == summary
+    again = tmp_path / "out.json.gz"
+    methods_study.write_summary(again, summary)
+    assert methods_study.read_summary(again) == summary
+    printed = []
+    for path in (GEMMA_SUMMARY, plain):
+        assert methods_study.main(["tables", str(path)]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1]
+    assert "| trace vs patch | 520 | 43.7% [39.2%, 47.9%] | 82.5% |" in printed[0]
+    assert "| all methods (consensus) | 400 | 3.2% [1.8%, 5.0%] | 47.6% |" in printed[0]
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "results-methods.md").read_text()
+    assert "43.7% [39.2, 47.9]" in docs and "3.2% [1.8, 5.0]" in docs
