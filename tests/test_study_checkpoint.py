@@ -19,7 +19,8 @@ from ingest.datasets.methods2k import build_methods2k
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import methods_study  # noqa: E402
 
 COMMON = ["--all-facts", "--chunk", "2", "--samples", "2", "--window", "2", "--methods", "trace,patch",
@@ -184,7 +185,7 @@ def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(studied: tuple[Pa
     assert "no runs to checkpoint" in capsys.readouterr().err and not (tmp_path / "ck3").exists()
 
 
-GEMMA_SUMMARY = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "methods-gemma3-270m-s10" / "study.out.json.gz"
+GEMMA_SUMMARY = ROOT / "benchmarks" / "results" / "methods-gemma3-270m-s10" / "study.out.json.gz"
 
 
 def test_committed_summary_prints_the_tables_the_results_page_cites(tmp_path: Path,
@@ -205,5 +206,5 @@ def test_committed_summary_prints_the_tables_the_results_page_cites(tmp_path: Pa
     assert printed[0] == printed[1]
     assert "| trace vs patch | 520 | 43.7% [39.2%, 47.9%] | 82.5% |" in printed[0]
     assert "| all methods (consensus) | 400 | 3.2% [1.8%, 5.0%] | 47.6% |" in printed[0]
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "results-methods.md").read_text()
+    docs = (ROOT / "docs" / "results-methods.md").read_text()
     assert "43.7% [39.2, 47.9]" in docs and "3.2% [1.8, 5.0]" in docs
