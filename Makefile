@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DEMO_OUT ?= demo-out
 
-.PHONY: install demo test lint bench mutants clean
+.PHONY: install demo test test-fast lint view bench mutants clean
 
 install: $(VENV)/.installed
 
@@ -20,10 +20,19 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/actstore demo --out $(DEMO_OUT)
 
-lint: install
-	$(BIN)/ruff check actstore ingest query tests benchmarks examples tools
-	$(BIN)/mypy
-	$(BIN)/lint-imports --no-cache  # the layer contracts in pyproject.toml [tool.importlinter]
+# mypy and import-linter read packages from folders, not through the installed package's mapping
+# (setup.py): build/view/actstore is that layout drawn with links, made afresh at each run.
+VIEW := build/view
+
+view:
+	rm -rf $(VIEW) && mkdir -p $(VIEW)/actstore
+	for f in actstore/*; do ln -s "$(CURDIR)/$$f" $(VIEW)/actstore/; done
+	ln -s "$(CURDIR)/ingest" "$(CURDIR)/query" $(VIEW)/actstore/
+
+lint: install view
+	$(BIN)/ruff check actstore ingest query tests benchmarks examples setup.py
+	cd $(VIEW) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml
+	cd $(VIEW) && $(CURDIR)/$(BIN)/lint-imports $(CURDIR)/pyproject.toml --no-cache
 
 test: lint
 	$(BIN)/pytest
@@ -34,12 +43,12 @@ bench: install
 
 # Mutation testing of the formula functions (about an hour on 2 cores; not part of `make test`).
 # Names are mutmut's: module.x_function or module.xǁClassǁmethod; globs allowed.
-MUTANTS ?= 'ingest.batches.x_pad_batch*' 'ingest.capture.x__capture_attention*' \
-	'query.features.x_group_bounds*' 'query.features.x_compute_block*' \
-	'query.attribution.x_contrast_coefficients*' 'query.attribution.x_unit_scores*' \
-	'query.attribution.xǁTokenGeometryǁproject*' 'query.relspec.*' 'query.episodes.x_sample_episodes*' \
-	'query.probe.xǁFeatureMatrixǁunit_labels*' 'query.maps.static.x_static_scores*' 'query.readout.xǁFinalReadoutǁ*' \
-	'ingest.interventions.tracing.xǁCausalTracerǁrestore*' 'ingest.interventions.patching.x_effects_table*'
+MUTANTS ?= 'actstore.ingest.batches.x_pad_batch*' 'actstore.ingest.capture.x__capture_attention*' \
+	'actstore.query.features.x_group_bounds*' 'actstore.query.features.x_compute_block*' \
+	'actstore.query.attribution.x_contrast_coefficients*' 'actstore.query.attribution.x_unit_scores*' \
+	'actstore.query.attribution.xǁTokenGeometryǁproject*' 'actstore.query.relspec.*' 'actstore.query.episodes.x_sample_episodes*' \
+	'actstore.query.probe.xǁFeatureMatrixǁunit_labels*' 'actstore.query.maps.static.x_static_scores*' 'actstore.query.readout.xǁFinalReadoutǁ*' \
+	'actstore.ingest.interventions.tracing.xǁCausalTracerǁrestore*' 'actstore.ingest.interventions.patching.x_effects_table*'
 
 mutants: install
 	$(BIN)/pip install -q -e '.[mutants]'
@@ -50,4 +59,4 @@ mutants: install
 	$(BIN)/mutmut results
 
 clean:
-	rm -rf $(VENV) mutants $(DEMO_OUT) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build mutants $(DEMO_OUT) .mypy_cache .ruff_cache .pytest_cache

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from actstore._version import __version__
 from actstore.api import Store, ingest, open_store
-from actstore.errors import (
+from actstore.core._version import __version__
+from actstore.core.errors import (
     ActstoreError,
     CorruptStoreError,
     FormatVersionError,
@@ -33,24 +33,24 @@ from actstore.errors import (
     StoreMismatchError,
     StoreNotFoundError,
 )
-from actstore.manifest import FORMAT_VERSION, Geometry, Manifest
+from actstore.core.manifest import FORMAT_VERSION, Geometry, Manifest
 
 open = open_store  # noqa: A001  (``actstore.open(path)`` is the documented entry point)
 
 if TYPE_CHECKING:
-    from query.feature_dataset import FeatureDataset
-    from query.selection import Selection
+    from actstore.query.feature_dataset import FeatureDataset
+    from actstore.query.selection import Selection
 
 
 def __getattr__(name: str) -> Any:
     """``actstore.Selection`` and ``actstore.FeatureDataset``, imported on first use (they load torch;
     ``import actstore`` does not)."""
     if name == "Selection":
-        from query.selection import Selection
+        from actstore.query.selection import Selection
 
         return Selection
     if name == "FeatureDataset":
-        from query.feature_dataset import FeatureDataset
+        from actstore.query.feature_dataset import FeatureDataset
 
         return FeatureDataset
     raise AttributeError(f"module 'actstore' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The public facade: the store as researchers use it, on top of the core, ``query`` and ``ingest``.
 
-:class:`Store` is the core :class:`actstore.store.Store` (manifest, arrays, weights, tables, SQL)
+:class:`Store` is the core :class:`actstore.core.store.Store` (manifest, arrays, weights, tables, SQL)
 plus the methods that need the query layer.  ``actstore.open`` returns one.  The layers below
 never import this module (docs/architecture.md; enforced by import-linter, ``make lint``).
 
@@ -14,21 +14,21 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from actstore.errors import ActstoreError, QueryError
-from actstore.fs import locate
-from actstore.sql import Params
-from actstore.store import Store as CoreStore
+from actstore.core.errors import ActstoreError, QueryError
+from actstore.core.fs import locate
+from actstore.core.sql import Params
+from actstore.core.store import Store as CoreStore
 
 if TYPE_CHECKING:
     import duckdb
     import pandas as pd
     import pyarrow as pa
 
-    from query.selection import Selection
+    from actstore.query.selection import Selection
 
 
 class Store(CoreStore):
-    """A read-only view of a store (see :class:`actstore.store.Store`), with selections of its rows."""
+    """A read-only view of a store (see :class:`actstore.core.store.Store`), with selections of its rows."""
 
     def select(self, where: str | None = None, *, query: str | None = None,
                params: dict[str, Any] | list[Any] | None = None) -> Selection:
@@ -38,7 +38,7 @@ class Store(CoreStore):
 
             store.select("relation_id = $rel AND split = 'val'", params={"rel": "P17"})
         """
-        from query.selection import Selection
+        from actstore.query.selection import Selection
 
         return Selection.from_sql(self, where=where, query=query, params=params)
 
@@ -57,7 +57,7 @@ class Store(CoreStore):
     def sql(self, query: str, params: Params | None = None, *, format: str = "arrow",
             memory_limit: str | None = None,
             timeout: float | None = None) -> pa.Table | pd.DataFrame | duckdb.DuckDBPyRelation:
-        """Run one read-only SELECT over the store's tables (:meth:`actstore.store.Store.sql`):
+        """Run one read-only SELECT over the store's tables (:meth:`actstore.core.store.Store.sql`):
         ``format="arrow"`` (a ``pyarrow.Table``, the default) or ``"pandas"`` run it now, within the
         limits; ``"relation"`` returns a lazy ``duckdb.DuckDBPyRelation`` over the same locked-down
         connection, to refine before anything runs (``.filter()``, ``.aggregate()``, ``.limit()``)
@@ -71,7 +71,7 @@ class Store(CoreStore):
                                memory_limit=memory_limit, timeout=timeout)
         import duckdb
 
-        from actstore.sql import check_params, check_read_only, connect, current_limits
+        from actstore.core.sql import check_params, check_read_only, connect, current_limits
 
         stmt = check_read_only(query)
         con = connect(self, memory_limit=current_limits(memory_limit, timeout).memory_limit)
@@ -95,14 +95,14 @@ def ingest(out: str | os.PathLike[str], *, model: str = "smollm2-135m", dataset:
 
     ``model``: an alias (``tiny-llama``, ``smollm2-135m``, ...) or a hub name / folder; ``dataset``: a
     name (``demo``, ``fewrel``, ``lre``, ...) or ``kind:PATH``.  ``options``: any other field of
-    :class:`ingest.run.IngestRequest` (``template``, ``model_dtype``, ``padding_side``, ``threads``,
+    :class:`actstore.jobs.ingest.IngestRequest` (``template``, ``model_dtype``, ``padding_side``, ``threads``,
     ...).  The same as ``actstore ingest`` on the command line::
 
         store = actstore.ingest("/tmp/s", model="tiny-llama", dataset="demo", limit_per_relation=4)
     """
     from dataclasses import fields
 
-    from ingest.run import IngestRequest, ingest_corpus
+    from actstore.jobs.ingest import IngestRequest, ingest_corpus
 
     known = {f.name for f in fields(IngestRequest)}
     unknown = sorted(set(options) - known)
@@ -121,14 +121,14 @@ def tokenizer_for_store(store: CoreStore, name: str | None = None) -> Any:
     """The tokenizer of ``store``'s model, or ``name``'s (a folder, a hub name, or one of actstore's
     model aliases such as ``tiny-llama`` or ``smollm2-135m``).
 
-    A store holds its model's tokenizer since it was ingested (:func:`query.store_tokenizer.
+    A store holds its model's tokenizer since it was ingested (:func:`actstore.query.store_tokenizer.
     tokenizer_for_store` reads it).  The aliases, and stores written before tokenizers were saved
     whose manifest names an alias, are resolved through the model registry of ``ingest``, which is
     why this lives in the facade and not in ``query``.
     """
-    from ingest.alias_tokenizer import alias_tokenizer
-    from query.store_tokenizer import check_vocabulary
-    from query.store_tokenizer import tokenizer_for_store as from_store
+    from actstore.ingest.alias_tokenizer import alias_tokenizer
+    from actstore.query.store_tokenizer import check_vocabulary
+    from actstore.query.store_tokenizer import tokenizer_for_store as from_store
 
     weight_hash = str(store.manifest.model.get("weight_hash") or "")
     key = name.strip() if name is not None and name.strip() else None

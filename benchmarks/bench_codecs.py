@@ -3,7 +3,7 @@
 For the ``z``, ``attn`` and ``v`` arrays (and ``resid``, ``mlp``) of a real store, as stored
 (float16 unless the store says otherwise) and cut into the store's own chunks, each codec
 encodes and decodes every chunk; ratio = raw bytes / encoded bytes, speeds are raw MB/s on
-one thread.  The current choice (``actstore/arrays.py``) is Blosc(LZ4, byte shuffle); it was
+one thread.  The current choice (``actstore/core/arrays.py``) is Blosc(LZ4, byte shuffle); it was
 Blosc(zstd, clevel 3, byte shuffle) until this study (results in benchmarks/README.md).
 
 Codecs: none (raw), zstd levels 1/3/9 (no shuffle), lz4 (no shuffle), Blosc with byte shuffle

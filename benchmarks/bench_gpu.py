@@ -31,7 +31,7 @@ GEOMETRIES: dict[str, dict[str, int]] = {
 
 
 def make_prompts(n: int, vocab: int, seed: int) -> list[Any]:
-    from ingest.records import PromptRecord, TokenizedPrompt
+    from actstore.ingest.records import PromptRecord, TokenizedPrompt
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -49,11 +49,10 @@ def sync(device: str) -> None:
 
 
 def bench(name: str, device: str, n: int, batch: int, rounds: int) -> dict[str, Any]:
+    from actstore.ingest.batches import pad_batch
+    from actstore.ingest.models import tiny_tokenizer
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from ingest.batches import pad_batch
-    from ingest.models import tiny_tokenizer
-    from ingest.pipeline import IngestConfig, run_ingest
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**GEOMETRIES[name], tie_word_embeddings=True, attn_implementation="sdpa")

@@ -46,9 +46,9 @@ FEWREL = DATA / "fewrel" / "val_wiki.json"
 
 
 def load(n_prompts: int) -> tuple[Any, list[Any]]:
-    from ingest.align import tokenize_records
-    from ingest.datasets import load_dataset
-    from ingest.models import load_model
+    from actstore.ingest.align import tokenize_records
+    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.models import load_model
 
     loaded = load_model("smollm2-135m")
     per_rel = max(1, n_prompts // 16 + 1)
@@ -58,9 +58,8 @@ def load(n_prompts: int) -> tuple[Any, list[Any]]:
 
 def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool) -> float:
     import torch
-
-    from ingest.architectures import architecture_for
-    from ingest.batches import pad_batch
+    from actstore.ingest.architectures import architecture_for
+    from actstore.ingest.batches import pad_batch
 
     arch = architecture_for(loaded.model)
     fn = arch.backbone(loaded.model) if backbone_only else loaded.model
@@ -74,7 +73,7 @@ def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool)
 
 def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str, segment_size: int = 256,
                 length_batching: bool = False, chunk_layers: int = 1) -> float:
-    from ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False, segment_size=segment_size,
@@ -86,7 +85,7 @@ def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: st
 
 def padded_tokens(prompts: list[Any], batch: int, segment_size: int, by_length: bool) -> int:
     """Tokens the forward passes run, padding included (each batch padded to its longest prompt)."""
-    from ingest.pipeline import forward_order
+    from actstore.ingest.pipeline import forward_order
 
     total = 0
     for lo in range(0, len(prompts), segment_size):

@@ -4,7 +4,7 @@ The same prompts are ingested twice with SmolLM2-135M, ``chunk_layers`` 1 and 0,
 rounds (ingest wall time, median), the two stores' ``z`` arrays are checked equal, and then, in
 interleaved rounds on one torch thread:
 
-* **write**: one segment's five arrays written by :func:`actstore.arrays.create_array` both ways
+* **write**: one segment's five arrays written by :func:`actstore.core.arrays.create_array` both ways
   (the host-side cost a GPU ingest pays);
 * **read**: ``z`` of every row (the full scan) and of one relation's rows at three layers (the
   selective read), warm (page cache) and cold (the segment files evicted with
@@ -47,7 +47,7 @@ def main() -> None:
     import zarr
 
     import actstore
-    from actstore.arrays import create_array
+    from actstore.core.arrays import create_array
     from benchmarks.bench_ingest import load, time_ingest
     from benchmarks.bench_query import evict, files_under
 

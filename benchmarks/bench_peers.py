@@ -102,8 +102,8 @@ class Bench:
     """Loaded model copies, padded batches and one ``capture`` function per method."""
 
     def __init__(self, loaded: Any, prompts: list[Any], batch: int) -> None:
-        from ingest.architectures import architecture_for
-        from ingest.batches import pad_batch
+        from actstore.ingest.architectures import architecture_for
+        from actstore.ingest.batches import pad_batch
 
         self.loaded = loaded
         self.prompts = prompts
@@ -137,7 +137,7 @@ class Bench:
     # --- actstore -------------------------------------------------------------------------
     def actstore(self, out: str) -> float:
         """Runs ``run_ingest``; returns the seconds after store creation (weights written once per store)."""
-        from ingest.pipeline import IngestConfig, run_ingest
+        from actstore.ingest.pipeline import IngestConfig, run_ingest
 
         cfg = IngestConfig(out=out, batch_size=self.batch, storage_dtype="float16", progress=False)
         rep = run_ingest(self.model, self.loaded.tokenizer, {"name": self.loaded.name,
@@ -146,7 +146,7 @@ class Bench:
         return rep.seconds
 
     def actstore_capture(self, b: Any) -> dict[str, torch.Tensor]:
-        from ingest.capture import FusedCapture
+        from actstore.ingest.capture import FusedCapture
 
         with FusedCapture(self.model, self.arch, "float32") as cap:
             out = cap.run(b.input_ids, b.attention_mask, b.index, b.position_ids)
@@ -250,7 +250,7 @@ class Bench:
 
     # --- the materialised way -------------------------------------------------------------
     def materialised_batch(self, b: Any) -> dict[str, np.ndarray]:
-        from ingest.capture import FusedCapture
+        from actstore.ingest.capture import FusedCapture
 
         if self._W_O is None:
             self._W_O = torch.from_numpy(self.arch.weights(self.model)[0]["W_O"])  # [L, H, dh, d]

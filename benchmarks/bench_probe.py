@@ -2,10 +2,10 @@
 
 One run, on one store and one feature matrix (loaded once, outside every timing):
 
-* ``batched``    :func:`query.probe.run_probe` over all ``seeds x episodes`` episodes
+* ``batched``    :func:`actstore.query.probe.run_probe` over all ``seeds x episodes`` episodes
                  (RelSpec selection, standardisation, training, evaluation, HeadScores);
 * ``subset``     the same, on the first ``--reference-episodes`` of those episodes;
-* ``reference``  :func:`query.probe.run_reference` (``nn.Linear`` + ``torch.optim.Adam``, one
+* ``reference``  :func:`actstore.query.probe.run_reference` (``nn.Linear`` + ``torch.optim.Adam``, one
                  episode at a time, same selection) on that subset.
 
 The ratio is reference / subset on the same episodes, measured back to back; the predictions
@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from actstore.query.episodes import EpisodeSet, sample_seeds
+from actstore.query.probe import ProbeConfig, load_features, run_probe, run_reference
 
 import actstore
-from query.episodes import EpisodeSet, sample_seeds
-from query.probe import ProbeConfig, load_features, run_probe, run_reference
 
 
 def subset(ep: EpisodeSet, n: int) -> EpisodeSet:

@@ -22,7 +22,7 @@ only in the page cache, not in the allocator's or the thread pool's state left b
 
 * **sql**: a fresh ``actstore.open`` + its first query on ``--sql-store`` (read only), in this
   process (imports done) and ``actstore sql`` end to end (a subprocess per call);
-* **probe**: ``query.probe.load_features`` against ``sel.features`` (rows/s) for the probe kinds,
+* **probe**: ``actstore.query.probe.load_features`` against ``sel.features`` (rows/s) for the probe kinds,
   with the peak RSS of each call above the RSS before it (``VmHWM``, one call per fresh process).
 
     python benchmarks/bench_query.py [--quick] [--store PATH] [--threads 1,2] [--json OUT]
@@ -85,13 +85,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 class ReadCounter:
-    """Counts the chunks and bytes the store fetches: wraps :class:`actstore.arrays.ChunkGuard`'s ``get``
-    (reads through zarr) and :meth:`actstore.arrays.LocalChunks._decode` (each chunk, or inner chunk of
+    """Counts the chunks and bytes the store fetches: wraps :class:`actstore.core.arrays.ChunkGuard`'s ``get``
+    (reads through zarr) and :meth:`actstore.core.arrays.LocalChunks._decode` (each chunk, or inner chunk of
     a shard, of a local read without zarr's dispatch; bytes = its stored bytes, a shard's index not
     counted: 16 bytes per inner chunk)."""
 
     def __init__(self) -> None:
-        from actstore.arrays import ChunkGuard, LocalChunks, is_chunk_key
+        from actstore.core.arrays import ChunkGuard, LocalChunks, is_chunk_key
 
         self.chunks = 0
         self.bytes = 0
@@ -152,8 +152,7 @@ def factor_reader(store: Any, kind: str, blocks: list[Any]) -> Callable[[], list
 def factor_math(store: Any, kind: str, factors: list[dict[str, np.ndarray]]) -> Callable[[], Any]:
     """The arithmetic of ``kind`` alone (written here, not the library's), on factors in memory."""
     import torch
-
-    from query.features import group_bounds
+    from actstore.query.features import group_bounds
 
     g = store.geometry
     W = {n: torch.from_numpy(store.weight(n)) for n in ("W_O", "b_O", "W_down", "b_down")}
@@ -220,8 +219,9 @@ def check_equal(name: str, x: np.ndarray, ref: np.ndarray, tol: float) -> float:
 # ------------------------------------------------------------------ sql and probe (once)
 def sql_latency(path: str, n: int) -> dict[str, Any]:
     """Fresh ``actstore.open`` + first query in this process, and ``actstore sql`` end to end."""
+    from actstore.query.selection import _ROWS_SQL
+
     import actstore
-    from query.selection import _ROWS_SQL
 
     actstore.open(path).sql(FIRST_QUERY)  # imports and the process's database, outside the timing
     sel_sql = _ROWS_SQL.format(cond="t.example_id IN (SELECT example_id FROM examples WHERE relation_id = $r)")
@@ -259,7 +259,7 @@ _PEAK_CODE = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
 import actstore
-from query.probe import load_features
+from actstore.query.probe import load_features
 def status(field):
     for line in open('/proc/self/status'):
         if line.startswith(field + ':'):
@@ -286,8 +286,9 @@ def peak_rss(path: str, case: str, kind: str) -> tuple[int, int]:
 
 def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
     """``load_features`` (float32, float16) against ``sel.features`` for the same rows, rows/s and peak RSS."""
+    from actstore.query.probe import load_features
+
     import actstore
-    from query.probe import load_features
 
     store = actstore.open(path)
     sel = store.select()

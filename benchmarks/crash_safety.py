@@ -123,7 +123,7 @@ def files(root: Path) -> dict[str, bytes]:
 def check_partial(out: Path, trial: Trial) -> None:
     """What a reader sees right after the kill: whole committed segments only, all intact."""
     import actstore
-    from actstore.verify import verify_store
+    from actstore.core.verify import verify_store
 
     if not (out / "manifest.json").exists():
         trial.phase = "startup" if not out.exists() else "creation"

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from query.maps import MapsError, load_pair_files  # noqa: E402
+from actstore.query.maps import MapsError, load_pair_files  # noqa: E402
 
 MAPS_ROOT = Path(os.environ.get("ACTSTORE_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data") / "maps"
 LLAMA_RESULTS = MAPS_ROOT / "reference_results" / "results" / "meta-llama" / "Meta-Llama-3.1-8B"

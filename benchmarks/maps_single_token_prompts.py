@@ -26,6 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from actstore.ingest.models import load_model  # noqa: E402
+from actstore.query.maps import MIN_PAIRS, load_pair_files, single_token_pairs  # noqa: E402
+
 from benchmarks.maps_prompts import (  # noqa: E402
     MAPS_ROOT,
     ablation_templates,
@@ -33,8 +36,6 @@ from benchmarks.maps_prompts import (  # noqa: E402
     prompt_rows,
     write_rows,
 )
-from ingest.models import load_model  # noqa: E402
-from query.maps import MIN_PAIRS, load_pair_files, single_token_pairs  # noqa: E402
 
 
 def main() -> None:

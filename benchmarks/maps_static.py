@@ -23,9 +23,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from actstore.query.maps import (  # noqa: E402
+    VocabProjection,
+    load_pair_files,
+    salient_operations,
+    static_scores,
+    tokenize_pairs,
+)
+
 import actstore  # noqa: E402
 from actstore.api import tokenizer_for_store  # noqa: E402  (aliases and stores without a tokenizer too)
-from query.maps import VocabProjection, load_pair_files, salient_operations, static_scores, tokenize_pairs  # noqa: E402
 
 
 def peak_rss_bytes() -> int:

@@ -15,12 +15,12 @@ quote the run ids):
 3. activation patching of the traced facts not patched yet (MLP and attention outputs per layer, no
    heads): each call adds one patch run (``patch_runs``, ``patched`` in the state), so a resumed
    study patches only what it traced since;
-4. every method's reading (:func:`query.method_metrics.study_readings`; the tuned lens trained with
+4. every method's reading (:func:`actstore.query.method_metrics.study_readings`; the tuned lens trained with
    ``--tuned`` adam, sgd or ridge on the facts not traced, ``--tuned-steps`` of ``--tuned-batch``
    facts, recorded in the state as ``tuned_lens``), the located sites, and the interventions on
    them and on random layers (``site_effects``, knock-out and restore; a run is reused only while
    it covers the same facts, ``effects_<mode>_facts``);
-5. the metrics (:func:`query.method_metrics.compute_metrics`) per method, overall and per stratum,
+5. the metrics (:func:`actstore.query.method_metrics.compute_metrics`) per method, overall and per stratum,
    the pair table with bootstrap intervals, and the cross-size row; written to the store
    (``method_metrics``, ``method_pair_metrics``, ``method_cross_size``) and to ``--json``.
 
@@ -101,7 +101,7 @@ def save_state(path: Path, state: dict[str, Any]) -> None:
 
 
 def cmd_build(a: argparse.Namespace) -> None:
-    from ingest.datasets.methods2k import build_methods2k
+    from actstore.ingest.datasets.methods2k import build_methods2k
 
     p = build_methods2k(a.lre, a.known, a.out, size=a.size, seed=a.seed)
     doc = json.loads(p.read_text())
@@ -113,10 +113,11 @@ def _where_ids(ids: list[int]) -> str:
 
 
 def cmd_study(a: argparse.Namespace) -> None:
+    from actstore.ingest.interventions.patching import PatchConfig
+    from actstore.ingest.interventions.trace_results import TraceConfig
+
     from actstore.api import open_store
-    from ingest.intervention_runs import PatchRequest, TraceRequest, run_patch, run_trace
-    from ingest.interventions.patching import PatchConfig
-    from ingest.interventions.trace_results import TraceConfig
+    from actstore.jobs.interventions import PatchRequest, TraceRequest, run_patch, run_trace
 
     store = open_store(a.store)
     state_path = Path(a.state)
@@ -191,14 +192,15 @@ def migrate_patch_state(store: Any, state: dict[str, Any]) -> None:
 
 def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: argparse.Namespace) -> None:
     import numpy as np
-
-    from actstore.runs import new_run_id, with_run_id, write_run
-    from actstore.writer import write_result_table
-    from ingest.intervention_runs import load_store_model, model_for_store
-    from ingest.interventions import InterventionRunner
-    from ingest.interventions.effectiveness import EffectConfig, noise_std_for, site_effects, sites_by_fact
-    from ingest.interventions.facts import stored_facts
-    from query.method_metrics import (
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.effectiveness import (
+        EffectConfig,
+        noise_std_for,
+        site_effects,
+        sites_by_fact,
+    )
+    from actstore.ingest.interventions.facts import stored_facts
+    from actstore.query.method_metrics import (
         compute_metrics,
         cross_size_rows,
         located_sites,
@@ -206,7 +208,11 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         study_readings,
         write_tables,
     )
-    from query.methods import COMPARISON_TRAIN, default_tolerance, key_mlp_at_subject
+    from actstore.query.methods import COMPARISON_TRAIN, default_tolerance, key_mlp_at_subject
+
+    from actstore.core.runs import new_run_id, with_run_id, write_run
+    from actstore.core.writer import write_result_table
+    from actstore.jobs.interventions import load_store_model, model_for_store
 
     started = time.time()
     methods = [m for m in a.methods.split(",") if m]
@@ -383,8 +389,8 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from actstore.tables import to_parquet_bytes
-    from actstore.writer import write_result_table
+    from actstore.core.tables import to_parquet_bytes
+    from actstore.core.writer import write_result_table
 
     try:
         doc = json.loads((folder / "checkpoint.json").read_text())
@@ -602,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--groupings", default="freq_band,uniqueness,source_set")
     t.set_defaults(func=cmd_tables)
     a = p.parse_args(argv)
-    from actstore.errors import ActstoreError
+    from actstore.core.errors import ActstoreError
 
     try:
         a.func(a)

@@ -19,9 +19,9 @@ import json
 import time
 
 import torch
+from actstore.query.probe import ProbeConfig, load_features, run_probe, write_probe_tables
 
 import actstore
-from query.probe import ProbeConfig, load_features, run_probe, write_probe_tables
 
 
 def main() -> None:

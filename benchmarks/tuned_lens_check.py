@@ -126,8 +126,8 @@ def compare(work: Path, steps: int) -> dict[str, Any]:
     from transformers import GPT2LMHeadModel
 
     sys.path.insert(0, str(REPO))
-    from query.lens import FinalReadout, TunedLens
-    from query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
+    from actstore.query.lens import FinalReadout, TunedLens
+    from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
 
     torch.set_num_threads(1)
     model = GPT2LMHeadModel.from_pretrained(work / "model").eval()

@@ -72,7 +72,7 @@ def run(model: str, limit: int, folder: str) -> dict[str, object]:
           f"{[ds.classes[i] for i in yb.tolist()][:3]}...")
 
     # 5. A self-contained HTML report of the store (and of every analysis result it holds).
-    from query.report import write_report
+    from actstore.query.report import write_report
 
     report = write_report(s, os.path.join(folder, "report.html"))
     print(f"report: {report}")

@@ -2,7 +2,7 @@
 
 Stores hold their model's tokenizer since it was ingested; this is for a tokenizer named by alias
 (``tiny-llama``, ``smollm2-135m``) and for stores written before tokenizers were saved.  It lives
-in ``ingest`` because it needs the model registry (:mod:`ingest.models`); ``query`` never imports
+in ``ingest`` because it needs the model registry (:mod:`actstore.ingest.models`); ``query`` never imports
 it, the facade does (:func:`actstore.api.tokenizer_for_store`).
 
 Only actstore's own aliases are resolved: ``tiny-<arch>`` builds the deterministic tiny tokenizer;
@@ -17,13 +17,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import QueryError
+from actstore.core.errors import QueryError
 
 
 def alias_tokenizer(name: str, weight_hash: str = "") -> Any | None:
     """The tokenizer of alias ``name`` (preferring the converted copy with ``weight_hash``), or None
     when ``name`` is not one of actstore's aliases."""
-    from ingest.models import GGUF_ALIASES, default_cache_dir, known_alias, tiny_model
+    from actstore.ingest.models import GGUF_ALIASES, default_cache_dir, known_alias, tiny_model
 
     low = known_alias(name)
     if low is None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from actstore.manifest import Geometry
+from actstore.core.manifest import Geometry
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

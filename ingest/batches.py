@@ -6,9 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from ingest.capture import BatchIndex
-from ingest.records import TokenizedPrompt
+from actstore.ingest.capture import BatchIndex
+from actstore.ingest.records import TokenizedPrompt
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Several ingest processes writing one store: ranks from ``torchrun``, a gloo process group.
 
-Each rank takes the segments ``s % world_size == rank`` (see :func:`ingest.pipeline.run_ingest`),
+Each rank takes the segments ``s % world_size == rank`` (see :func:`actstore.ingest.pipeline.run_ingest`),
 so ranks write disjoint row ranges and never the same file.  Rank 0 alone creates the store
 (weights, heads table, manifest); the other ranks wait for it.  With a process group (what
 ``torchrun`` sets up through :func:`join_process_group`) rank 0 broadcasts the outcome, so a
 failed creation fails every rank at once; without one (ranks started with ``RANK`` and
 ``WORLD_SIZE`` under a launcher's lock), the others poll for ``manifest.json``.
 
-One writer per store (:mod:`actstore.lock`): under ``actstore ingest --procs N`` the launcher
+One writer per store (:mod:`actstore.core.lock`): under ``actstore ingest --procs N`` the launcher
 takes the store's writer lock before it starts torchrun and holds it until torchrun has exited;
 the ranks check its token (``ACTSTORE_WRITER_LOCK``) and run under it.  Under a bare torchrun,
 rank 0 takes the lock, broadcasts the outcome, and lets it go only after every rank finished
@@ -36,9 +36,9 @@ from typing import TextIO, TypeVar
 
 import torch.distributed as dist
 
-from actstore.errors import ActstoreError
-from actstore.fs import StoreLocation, locate
-from actstore.lock import LOCK_ENV, held_by_peer, under_launcher, writer_lock
+from actstore.core.errors import ActstoreError
+from actstore.core.fs import StoreLocation, locate
+from actstore.core.lock import LOCK_ENV, held_by_peer, under_launcher, writer_lock
 
 T = TypeVar("T")
 

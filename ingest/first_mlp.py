@@ -18,8 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from ingest.architectures import Architecture, architecture_for
+from actstore.ingest.architectures import Architecture, architecture_for
 
 
 def first_mlp_transform(model: Any, arch: Architecture | None = None) -> Callable[[torch.Tensor], torch.Tensor]:

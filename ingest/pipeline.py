@@ -22,23 +22,23 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+from actstore.ingest.architectures import Architecture, architecture_for
+from actstore.ingest.batches import pad_batch
+from actstore.ingest.capture import FusedCapture
+from actstore.ingest.distributed import RankError, rank_zero_first
+from actstore.ingest.records import TokenizedPrompt
 
-from actstore._version import __version__
-from actstore.errors import StoreNotFoundError
-from actstore.fs import locate
-from actstore.invalid import InvalidSetting
-from actstore.lock import holding, writer_lock
-from actstore.manifest import STORAGE_DTYPES, Manifest
-from actstore.progress import progress_bar
-from actstore.runs import new_run_id, write_run
-from actstore.store import TOKENIZER_DIR, Store, tokenizer_file_name_ok
-from actstore.tables import EXAMPLES, TARGETS, TOKENS, sha256
-from actstore.writer import StoreWriter
-from ingest.architectures import Architecture, architecture_for
-from ingest.batches import pad_batch
-from ingest.capture import FusedCapture
-from ingest.distributed import RankError, rank_zero_first
-from ingest.records import TokenizedPrompt
+from actstore.core._version import __version__
+from actstore.core.errors import StoreNotFoundError
+from actstore.core.fs import locate
+from actstore.core.invalid import InvalidSetting
+from actstore.core.lock import holding, writer_lock
+from actstore.core.manifest import STORAGE_DTYPES, Manifest
+from actstore.core.progress import progress_bar
+from actstore.core.runs import new_run_id, write_run
+from actstore.core.store import TOKENIZER_DIR, Store, tokenizer_file_name_ok
+from actstore.core.tables import EXAMPLES, TARGETS, TOKENS, sha256
+from actstore.core.writer import StoreWriter
 
 ARRAY_NAMES = ("z", "attn", "v", "resid", "mlp")
 FLAT_ARRAYS = ("attn", "v")  # one entry per stored token of each example, examples concatenated
@@ -170,7 +170,7 @@ def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
     """The files ``tokenizer.save_pretrained`` writes, by name ({} for an object that cannot save itself).
 
     The store keeps them under ``tokenizer/`` so that analyses that need only the tokenizer (MAPS)
-    read it from the store (:mod:`query.store_tokenizer`) instead of loading the model package."""
+    read it from the store (:mod:`actstore.query.store_tokenizer`) instead of loading the model package."""
     save = getattr(tokenizer, "save_pretrained", None)
     if save is None:
         return {}
@@ -237,9 +237,9 @@ def run_ingest(
 ) -> IngestReport:
     """Capture ``prompts`` into the store ``cfg.out`` (create, or resume an interrupted ingest).
 
-    The store's writer lock (:mod:`actstore.lock`) is held throughout: taken here by a single
+    The store's writer lock (:mod:`actstore.core.lock`) is held throughout: taken here by a single
     process unless its caller already holds it; ranks (``world_size > 1``) must run under the
-    lock their launcher or rank 0 holds (:func:`ingest.distributed.ranks_writer_lock`).
+    lock their launcher or rank 0 holds (:func:`actstore.ingest.distributed.ranks_writer_lock`).
     """
     cfg.validate()
     if not prompts:
@@ -247,7 +247,7 @@ def run_ingest(
     url = locate(cfg.out).url
     if cfg.world_size > 1 and not holding(url):
         raise RankError(f"rank {cfg.rank} of {cfg.world_size} must run under the writer lock of {url} "
-                        "(ingest.distributed.ranks_writer_lock)")
+                        "(actstore.ingest.distributed.ranks_writer_lock)")
     with writer_lock(url):
         return _run_ingest(model, tokenizer, model_info, prompts, cfg, on_segment)
 
@@ -261,7 +261,7 @@ def _run_ingest(model: torch.nn.Module, tokenizer: Any, model_info: dict[str, An
     manifest = build_manifest(model, arch, model_info, prompts, cfg)
     if cfg.resume:
         writer = StoreWriter.resume(cfg.out, manifest)
-    else:  # rank 0 creates the store; other ranks wait for it (ingest.distributed)
+    else:  # rank 0 creates the store; other ranks wait for it (actstore.ingest.distributed)
         def create() -> StoreWriter:
             weights, attrs = arch.weights(model)
             files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()} if "tokenizer" in model_info else {}

@@ -34,7 +34,7 @@ Only the projected directions p ([L, H, d_head]) and the stored A, V are used: n
 d_model vector is ever materialised.  For ``attn_entity`` only the subject's tokens score.
 
 This module is the math (and the lookup of a stored probe run); re-deriving one stored prediction,
-which re-trains its episode's probe, is :mod:`query.explain`.
+which re-trains its episode's probe, is :mod:`actstore.query.explain`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actstore.errors import QueryError
-from actstore.store import Store
+from actstore.core.errors import QueryError
+from actstore.core.store import Store
 
 TOKEN_KINDS = ("attn_head", "attn_entity", "attn")
 CONTRASTS = ("renormalised", "seed")
@@ -120,7 +120,7 @@ def token_scores(store: Store, geo: TokenGeometry, example_ids: Sequence[int], p
 
     ``example_ids`` may repeat (one entry per prediction); factors are read once per group of
     distinct examples, segment by segment."""
-    from query.selection import Selection
+    from actstore.query.selection import Selection
 
     g = store.geometry
     ids = np.asarray(example_ids, dtype=np.int64)

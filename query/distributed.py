@@ -2,7 +2,7 @@
 
 A selection's target rows are split into blocks (one segment, or ``rows_per_task`` rows of it,
 so every task reads whole zarr chunks).  Each task opens the store by URL in its own process,
-computes the block's features (:func:`query.features.compute_block`) and reduces them to
+computes the block's features (:func:`actstore.query.features.compute_block`) and reduces them to
 per-group moments: count, mean and the sum of squared deviations (float64).  The driver merges
 the blocks' moments in block order (Chan et al.'s pairwise update), so the result does not
 depend on which worker ran what: with a ``dask.distributed.Client`` it is bitwise the result
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from actstore.query.features import FeatureSpec, RowBlock, compute_block
+from actstore.query.selection import Selection
 
-from actstore.errors import QueryError
-from actstore.invalid import InvalidSetting
-from actstore.store import Store, open_store
-from query.features import FeatureSpec, RowBlock, compute_block
-from query.selection import Selection
+from actstore.core.errors import QueryError
+from actstore.core.invalid import InvalidSetting
+from actstore.core.store import Store, open_store
 
 
 @dataclass(frozen=True)
@@ -227,12 +227,12 @@ def relation_scores(
 ) -> tuple[list[str], np.ndarray]:
     """RelSpec scores over whole relations: Cohen's d of each group against all other rows.
 
-    The definition of :mod:`query.relspec` (pooled within-group variance over ``N - 2``
+    The definition of :mod:`actstore.query.relspec` (pooled within-group variance over ``N - 2``
     degrees of freedom, floored at ``POOLED_EPS`` times the feature's variance), applied to
     every selected row instead of an episode's support set.  Returns the groups and ``d``
     [n_groups, *feature shape].
     """
-    from query.relspec import POOLED_EPS
+    from actstore.query.relspec import POOLED_EPS
 
     by_group: dict[str, Moments] = feature_moments(store, kind, where=where, layers=layers, heads=heads,
                                                    groups=groups, by=by, client=client,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actstore.errors import QueryError
-from actstore.invalid import InvalidSetting
+from actstore.core.errors import QueryError
+from actstore.core.invalid import InvalidSetting
 
 
 @dataclass(frozen=True)

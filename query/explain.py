@@ -4,7 +4,7 @@
 episode lists make the re-training exact), trains that episode's probe again and returns the
 prediction's HeadScore per unit and TokenScore per source token, with the per-layer identity
 ``sum_h HeadScore = sum_j TokenScore + centering`` (:meth:`Explanation.layer_table`).  The formulas
-are :mod:`query.attribution`; the training is :mod:`query.probe`.  This module imports both and
+are :mod:`actstore.query.attribution`; the training is :mod:`actstore.query.probe`.  This module imports both and
 neither imports it back.
 """
 
@@ -14,11 +14,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-
-from actstore.errors import QueryError
-from actstore.store import Store
-from query import probe
-from query.attribution import (
+from actstore.query import probe
+from actstore.query.attribution import (
     DEFAULT_CONTRAST,
     TOKEN_KINDS,
     TokenGeometry,
@@ -28,8 +25,11 @@ from query.attribution import (
     token_scores,
     unit_scores,
 )
-from query.probe import ProbeConfig, load_features, select_or_all, torch_threads
-from query.relspec import gather_standardized
+from actstore.query.probe import ProbeConfig, load_features, select_or_all, torch_threads
+from actstore.query.relspec import gather_standardized
+
+from actstore.core.errors import QueryError
+from actstore.core.store import Store
 
 
 @dataclass(frozen=True)

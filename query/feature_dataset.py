@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from actstore.query.features import FeatureSpec, RowBlock, compute_block
+from actstore.query.labelled import SOURCE_KINDS, pad_sources
 from torch.utils.data import IterableDataset, get_worker_info
 
-from actstore.errors import QueryError
-from query.features import FeatureSpec, RowBlock, compute_block
-from query.labelled import SOURCE_KINDS, pad_sources
+from actstore.core.errors import QueryError
 
 if TYPE_CHECKING:
-    from query.selection import Selection
+    from actstore.query.selection import Selection
 
 
 class FeatureDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from actstore.errors import QueryError
-from actstore.invalid import InvalidSetting
+from actstore.core.errors import QueryError
+from actstore.core.invalid import InvalidSetting
 
 if TYPE_CHECKING:
-    from actstore.store import Store
+    from actstore.core.store import Store
 
 KINDS = ("z", "attn_head", "attn", "attn_head_token", "attn_entity", "attn_prob", "mlp", "mlp_group", "resid")
 SOURCE_KINDS = ("attn_head_token", "attn_prob")  # kinds with a (zero-padded) source axis

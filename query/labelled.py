@@ -23,15 +23,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from actstore.query.features import SOURCE_KINDS, FeatureSpec, RowBlock, compute_block
 
-from actstore.errors import QueryError
-from query.features import SOURCE_KINDS, FeatureSpec, RowBlock, compute_block
+from actstore.core.errors import QueryError
 
 if TYPE_CHECKING:
     import dask.array
     import xarray
 
-    from actstore.store import Store
+    from actstore.core.store import Store
 
 
 DIMS: dict[str, tuple[str, ...]] = {
@@ -100,7 +100,7 @@ def pad_sources(x: np.ndarray, S: int) -> np.ndarray:
 
 
 def block_features(store: Store, spec: FeatureSpec, block: RowBlock, n_sources: int) -> np.ndarray:
-    """:func:`query.features.compute_block`, the source axis (if any) zero-padded to ``n_sources``."""
+    """:func:`actstore.query.features.compute_block`, the source axis (if any) zero-padded to ``n_sources``."""
     x = compute_block(store, spec, block)
     return pad_sources(x, n_sources) if spec.kind in SOURCE_KINDS else x
 

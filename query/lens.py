@@ -11,7 +11,7 @@ At i = L the logit lens is the model's own output (the stored ``targets.top_toke
 
 Tuned-lens translators, two fitting rules:
 
-- ``adam`` / ``sgd`` (default ``adam``; :mod:`query.tuned_lens`): the tuned lens of Belrose et
+- ``adam`` / ``sgd`` (default ``adam``; :mod:`actstore.query.tuned_lens`): the tuned lens of Belrose et
   al. (2023), identity-initialised translators trained by gradient descent on the KL divergence
   from the model's final distribution to the lens distribution, with the ``tuned-lens``
   package's optimiser settings;
@@ -39,9 +39,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-from actstore.invalid import InvalidSetting
-from query.readout import (
+from actstore.query.readout import (
     ALPHAS,
     TUNED_METHODS,
     FinalReadout,
@@ -50,7 +48,9 @@ from query.readout import (
     TunedLens,
     read_objects,
 )
-from query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
+from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
+
+from actstore.core.invalid import InvalidSetting
 
 __all__ = ["ALPHAS", "TUNED_METHODS", "FinalReadout", "LensError", "LensReading", "TunedLens", "read_objects",
            "LensStudy", "lens_study", "split_facts", "stored_residuals", "LENS_SCHEMA", "fit_lens", "fit_tuned_lens"]
@@ -132,7 +132,7 @@ LENS_SCHEMA = pa.schema([
 
 def stored_residuals(store: Any, example_ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(resid [n, L+1, d], object token ids [n], stored top token ids [n]) in ``example_ids`` order."""
-    from query.selection import Selection
+    from actstore.query.selection import Selection
 
     ids = np.asarray(example_ids, dtype=np.int64)
     if ids.size == 0:
@@ -154,8 +154,8 @@ def lens_study(store: Any, eval_ids: Sequence[int] | np.ndarray, train_ids: Sequ
     """Logit lens on ``eval_ids``; with ``train_ids``, a tuned lens fit on them and read on ``eval_ids``.
 
     ``method``: ``adam`` or ``sgd`` (trained on the KL; ``train_config`` a
-    :class:`query.tuned_lens.TrainConfig`, its optimizer and seed replaced by ``method`` and
-    ``seed``; ``progress`` as in :func:`query.tuned_lens.train_tuned_lens`) or ``ridge`` (closed
+    :class:`actstore.query.tuned_lens.TrainConfig`, its optimizer and seed replaced by ``method`` and
+    ``seed``; ``progress`` as in :func:`actstore.query.tuned_lens.train_tuned_lens`) or ``ridge`` (closed
     form, ``alphas``)."""
     if method not in TUNED_METHODS:
         raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
@@ -192,7 +192,7 @@ def fit_lens(readout: FinalReadout, resid: np.ndarray, method: str = "adam", con
              progress: Callable[[int, float], None] | None = None) -> TunedLens:
     """Tuned-lens translators from training residuals ``resid`` [n, L+1, d] by ``method``.
 
-    ``adam`` / ``sgd``: :func:`query.tuned_lens.train_tuned_lens` with ``config`` (its optimizer
+    ``adam`` / ``sgd``: :func:`actstore.query.tuned_lens.train_tuned_lens` with ``config`` (its optimizer
     replaced by ``method``); ``ridge``: :meth:`TunedLens.fit_ridge` with ``alphas`` and the
     config's seed.  ``lens.info`` records the method, the configuration (the learning rate
     resolved; ridge: the chosen alphas and the seed), the number of training rows and the seconds."""

@@ -1,4 +1,4 @@
-"""Figures for MAPS results: layer x head heatmaps written as PNG files (:mod:`query.plotting`)."""
+"""Figures for MAPS results: layer x head heatmaps written as PNG files (:mod:`actstore.query.plotting`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import re
 from pathlib import Path
 
 import numpy as np
-
-from query import plotting
+from actstore.query import plotting
 
 
 def safe_name(text: str) -> str:

@@ -1,6 +1,6 @@
 """The seed-001 metrics of interpretability methods on factual recall, per method and per stratum.
 
-Every method's reading (:mod:`query.methods`: a per-layer profile per fact, a key layer and an
+Every method's reading (:mod:`actstore.query.methods`: a per-layer profile per fact, a key layer and an
 MLP-vs-attention verdict; tracing, patching and the lenses also give the two component profiles)
 names a *located site* per fact: (verdict component, key layer).  On that:
 
@@ -20,7 +20,7 @@ names a *located site* per fact: (verdict component, key layer).  On that:
     effectiveness intervention effectiveness, per fact: the effect of intervening on the located
                   site minus the mean effect of the same intervention on random layers of the same
                   component (the ``site_effects`` table of
-                  :mod:`ingest.interventions.effectiveness`: knock-out = the drop in P(object) when
+                  :mod:`actstore.ingest.interventions.effectiveness`: knock-out = the drop in P(object) when
                   the component's output is zeroed at the layer from the subject's first token to
                   the last token; restore = the gain in P(object) when, with the subject's
                   embeddings noised, the clean output is restored there).  ``located_effect``, and
@@ -29,8 +29,8 @@ names a *located site* per fact: (verdict component, key layer).  On that:
                   located-site effects, with a paired bootstrap interval.
 
 Agreement (key layer within ``tolerance``, verdicts equal, all-method consensus) is computed per
-fact as in :func:`query.methods.agreement` and reported with percentile bootstrap 95% intervals
-over facts (:func:`query.stats.bootstrap_interval`; 2,000 resamples by default).  Every figure
+fact as in :func:`actstore.query.methods.agreement` and reported with percentile bootstrap 95% intervals
+over facts (:func:`actstore.query.stats.bootstrap_interval`; 2,000 resamples by default).  Every figure
 carries its number of facts.  Summaries: the mean over facts with its bootstrap interval.
 """
 
@@ -43,10 +43,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-from query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading, MethodsError
-from query.stats import bootstrap_interval, pearson
-from query.tuned_lens import TrainConfig
+from actstore.query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading, MethodsError
+from actstore.query.stats import bootstrap_interval, pearson
+from actstore.query.tuned_lens import TrainConfig
 
 RESAMPLES = 2000
 COMPONENTS = ("mlp", "attn")
@@ -387,12 +386,12 @@ def cross_size_rows(model: str, n_layers: int, trace: MethodReading | None, patc
                     subject_site: np.ndarray | None, answered: int, facts: int, resamples: int = RESAMPLES,
                     seed: int = 0) -> pa.Table:
     """The seed's cross-size figures for one model: key MLP layer as a share of depth (at the
-    subject's last token, ``subject_site`` from :func:`query.methods.key_mlp_at_subject`, and over
+    subject's last token, ``subject_site`` from :func:`actstore.query.methods.key_mlp_at_subject`, and over
     all positions from the tracing MLP profile), the MLP and attention shares of the causal effect
     (tracing: peak windowed-MLP effect / (peak MLP + peak attention), positive parts; patching:
     positive recovery summed over layers, likewise), and the recall success rate (facts answered /
     facts, with a Wilson interval)."""
-    from query.stats import proportion_interval
+    from actstore.query.stats import proportion_interval
 
     rows: list[dict[str, Any]] = []
 
@@ -442,10 +441,10 @@ def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str]
     them, with the traces of several runs joined (:func:`concat_readings`), and likewise the patches
     of several runs (``patch_runs``, over disjoint facts); no runs named reads the newest run of
     each.  The tuned lens is fit
-    on the facts not compared, as ``agree`` fits it (:func:`query.methods.tuned_lens_reading`:
+    on the facts not compared, as ``agree`` fits it (:func:`actstore.query.methods.tuned_lens_reading`:
     ``tuned`` = adam, sgd or ridge, ``tuned_config`` default ``COMPARISON_TRAIN``); its reading's
     ``info`` records the fit."""
-    from query.methods import (
+    from actstore.query.methods import (
         PLATEAU,
         LayerProbeConfig,
         attention_reading,
@@ -457,7 +456,7 @@ def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str]
         trace_reading,
         tuned_lens_reading,
     )
-    from query.readout import TUNED_METHODS, LensError
+    from actstore.query.readout import TUNED_METHODS, LensError
 
     if "tuned_lens" in methods and tuned not in TUNED_METHODS:  # before the other readings
         raise LensError(f"unknown tuned-lens method {tuned!r} (one of {', '.join(TUNED_METHODS)})")
@@ -509,8 +508,8 @@ def store_strata(store: Any, example_ids: Sequence[int] | np.ndarray) -> dict[st
 def write_tables(store: Any, run_id: str, result: MetricsResult, cross: pa.Table | None,
                  config: Mapping[str, Any], started: float) -> list[str]:
     """Write ``method_metrics``, ``method_pair_metrics``, ``method_cross_size`` and the run's row."""
-    from actstore.runs import with_run_id, write_run
-    from actstore.writer import write_result_table
+    from actstore.core.runs import with_run_id, write_run
+    from actstore.core.writer import write_result_table
 
     paths = [write_result_table(store, "method_metrics", run_id, with_run_id(result.metrics, run_id)),
              write_result_table(store, "method_pair_metrics", run_id, with_run_id(result.pairs, run_id))]

@@ -54,10 +54,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+from actstore.query.stats import pearson
+from actstore.query.tuned_lens import TrainConfig
 
-from actstore.errors import QueryError
-from query.stats import pearson
-from query.tuned_lens import TrainConfig
+from actstore.core.errors import QueryError
 
 METHODS = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
 SEED_001 = {  # the paper's agreement table (GPT-2): key layer %, MLP/attn %, effect correlation
@@ -223,8 +223,8 @@ class StoredOutputs:
 
 
 def stored_outputs(store: Any, example_ids: Sequence[int] | np.ndarray) -> StoredOutputs:
-    from query.lens import stored_residuals
-    from query.selection import Selection
+    from actstore.query.lens import stored_residuals
+    from actstore.query.selection import Selection
 
     ids = np.asarray(example_ids, dtype=np.int64)
     resid, obj, _ = stored_residuals(store, ids)
@@ -235,7 +235,7 @@ def stored_outputs(store: Any, example_ids: Sequence[int] | np.ndarray) -> Store
 
 def lens_reading(store: Any, out: StoredOutputs, tuned: Any = None, plateau: float = PLATEAU) -> MethodReading:
     """Logit lens (``tuned`` None) or tuned lens reading of the facts in ``out``."""
-    from query.lens import FinalReadout, read_objects
+    from actstore.query.lens import FinalReadout, read_objects
 
     readout = FinalReadout.from_store(store)
     resid = torch.as_tensor(out.resid)
@@ -268,8 +268,8 @@ def tuned_lens_reading(store: Any, out: StoredOutputs, method: str = "adam", con
     ``sgd``: trained on the KL with ``config``, default ``COMPARISON_TRAIN``; ``ridge``: the
     closed-form fit) on every other fact of the store that has an object token.  ``reading.info``
     records the method, the configuration, the training facts and the seconds; ``progress(step,
-    loss)`` as in :func:`query.tuned_lens.train_tuned_lens`."""
-    from query.lens import TUNED_METHODS, LensError, fit_tuned_lens
+    loss)`` as in :func:`actstore.query.tuned_lens.train_tuned_lens`."""
+    from actstore.query.lens import TUNED_METHODS, LensError, fit_tuned_lens
 
     if method not in TUNED_METHODS:
         raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
@@ -287,7 +287,7 @@ def tuned_lens_reading(store: Any, out: StoredOutputs, method: str = "adam", con
 
 def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) -> MethodReading:
     """Attention from the last token to the subject tokens per layer and head (``attn_prob``)."""
-    from query.selection import Selection
+    from actstore.query.selection import Selection
 
     sel = Selection.from_ids(store, out.example_ids.tolist())
     order = np.searchsorted(sel.example_ids, out.example_ids)
@@ -315,7 +315,7 @@ def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) 
 
 @dataclass(frozen=True)
 class LayerProbeConfig:
-    """Settings of the per-layer object probes that read where a fact is (not :class:`query.probe.ProbeConfig`,
+    """Settings of the per-layer object probes that read where a fact is (not :class:`actstore.query.probe.ProbeConfig`,
     the few-shot relation probe)."""
     min_count: int = 5  # objects with fewer facts in the store are not probe classes
     folds: int = 3
@@ -338,7 +338,7 @@ def probe_reading(store: Any, out: StoredOutputs, cfg: LayerProbeConfig = LayerP
     t = t[t["object"].isin(classes)]
     ids = t["example_id"].to_numpy(np.int64)
     y = np.searchsorted(np.asarray(classes), t["object"].to_numpy())
-    from query.lens import stored_residuals
+    from actstore.query.lens import stored_residuals
 
     X, _, _ = stored_residuals(store, ids)  # [N, K, d]
     probs, weights, fold_of = _cv_probes(X, y, len(classes), cfg)

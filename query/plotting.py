@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.image import AxesImage
 from matplotlib.patches import Rectangle
 
-from actstore.errors import QueryError
+from actstore.core.errors import QueryError
 
 Origin = Literal["lower", "upper"]
 
@@ -176,7 +176,7 @@ ROLE_ORDER = ("subject_first", "subject_middle", "subject_last", "first_after", 
 
 
 def trace_heatmap(result: Any, path: str | os.PathLike[str]) -> Path:
-    """One traced fact (an ``ingest.interventions.tracing.TraceResult``): P(object) with the clean state
+    """One traced fact (an ``actstore.ingest.interventions.tracing.TraceResult``): P(object) with the clean state
     restored, tokens (rows, top to bottom) x layers (columns), one panel per component."""
     f = result.fact
     comps = list(result.restored)
@@ -264,7 +264,7 @@ def lens_curves(summary: Sequence[dict[str, Any]], path: str | os.PathLike[str],
 
 
 def profile_curves(readings: Sequence[Any], path: str | os.PathLike[str], title: str) -> Path:
-    """Each method's mean per-layer profile (``query.methods.MethodReading.profile``: [facts, L]),
+    """Each method's mean per-layer profile (``actstore.query.methods.MethodReading.profile``: [facts, L]),
     scaled to a maximum of 1."""
     fig, axes = new_figure(figsize=(7, 3.6))
     ax = axes[0, 0]

@@ -43,13 +43,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from actstore.query.attribution import run_row
+from actstore.query.distributed import client_threads, run_tasks, store_of
+from actstore.query.stats import pearson, spearman
 
-from actstore.errors import QueryError
-from actstore.invalid import InvalidSetting
-from actstore.store import Store
-from query.attribution import run_row
-from query.distributed import client_threads, run_tasks, store_of
-from query.stats import pearson, spearman
+from actstore.core.errors import QueryError
+from actstore.core.invalid import InvalidSetting
+from actstore.core.store import Store
 
 PREDICTORS = ("output_range", "output_range_ratio", "connectivity", "tfidf_similarity", "head_concentration")
 CONCENTRATIONS = ("predicted-abs", "gold-signed")
@@ -240,7 +240,7 @@ def head_concentration(scores: np.ndarray, share: float = 0.95) -> int:
 
 
 def correlate(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
-    """Spearman and Pearson correlation with p-values over the finite pairs (:mod:`query.stats`)."""
+    """Spearman and Pearson correlation with p-values over the finite pairs (:mod:`actstore.query.stats`)."""
     xa, ya = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     rho, rho_p = spearman(xa, ya)
     r, r_p = pearson(xa, ya)
@@ -269,7 +269,7 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
     ``output_range``: ``"dataset"`` (every instance in ``dataset_file``; the default when it is given)
     or ``"sample"`` (the run's stored selection; the default without a file).
 
-    The work is split into tasks (see :func:`query.distributed.run_tasks`): one per
+    The work is split into tasks (see :func:`actstore.query.distributed.run_tasks`): one per
     ``segments_per_task`` segments reads their ``examples`` rows (object keys, entity ids and
     document frequencies); then one per knowledge-graph file reads the graph for the entities
     those rows name, and one per ``relations_per_task`` relations computes their TF-IDF
@@ -406,7 +406,7 @@ def _relations_or_graph_task(store: str | Store, run_id: str, where: str | None,
     """One task: ``{relation: (TF-IDF similarity, HeadScore concentration)}`` for the relations
     ``what``, or for ``kind="kg"`` the graph file ``what[0]`` cut down to the ``wanted`` entities
     (properties, entities present, triples read)."""
-    from actstore.sql import run_sql
+    from actstore.core.sql import run_sql
 
     if kind == "kg":
         g = KnowledgeGraph.load(what, direction)
@@ -460,7 +460,7 @@ def _merge_graphs(files: tuple[str, ...], parts: Sequence[Any]) -> KnowledgeGrap
 
 def scatter_plots(result: PredictorResult, out_dir: str | os.PathLike[str]) -> list[str]:
     """One PNG per predictor: predictor vs F1, one labelled point per relation."""
-    from query import plotting
+    from actstore.query import plotting
 
     os.makedirs(out_dir, exist_ok=True)
     rel = result.relations.to_pylist()

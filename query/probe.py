@@ -8,7 +8,7 @@
 The features of every selected row are computed once from the store's factors (streamed in
 batches of rows) and kept as one ``[N, F]`` matrix (float32, or float16 to halve memory).
 Episodes are then processed in chunks of B (sized to ``memory_mb``): RelSpec picks each
-episode's features on its support set (:mod:`query.relspec`), only those entries are
+episode's features on its support set (:mod:`actstore.query.relspec`), only those entries are
 gathered, and multinomial logistic probes (weights ``[b, C, Fm]``, zero-initialised,
 cross-entropy, Adam, full-batch, ``epochs`` steps) are trained jointly, ``train_batch``
 episodes per tensor problem: the loss is the sum over episodes of each episode's mean
@@ -17,7 +17,7 @@ weight 0 (their gradient is 0).  On a CPU, 1-2 episodes per problem is fastest (
 stay in cache over the epochs; measured 0.14-0.17 CPU s per 5-way episode with 15k features
 against 0.23-0.28 for 8-16); on an accelerator a large ``train_batch`` would be the choice.
 Selection, gathering and attribution are batched over the whole chunk.  The trainers are in
-:mod:`query.probe_training` (imported here): :func:`train_batched`, and :func:`train_reference`, the plain
+:mod:`actstore.query.probe_training` (imported here): :func:`train_batched`, and :func:`train_reference`, the plain
 one-episode trainer (``nn.Linear`` + ``torch.optim.Adam``) the tests compare against.
 """
 
@@ -33,13 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-
-from actstore.errors import QueryError
-from actstore.invalid import InvalidSetting
-from actstore.progress import progress_bar
-from actstore.runs import new_run_id, write_run
-from actstore.store import Store
-from query.attribution import (
+from actstore.query.attribution import (
     DEFAULT_CONTRAST,
     TOKEN_KINDS,
     TokenGeometry,
@@ -48,11 +42,17 @@ from query.attribution import (
     token_scores,
     unit_scores,
 )
-from query.episodes import EpisodeSet, sample_seeds
-from query.features import FeatureSpec
-from query.probe_training import train_batched, train_reference
-from query.relspec import Selected, gather_standardized, select_features
-from query.stats import mean_interval
+from actstore.query.episodes import EpisodeSet, sample_seeds
+from actstore.query.features import FeatureSpec
+from actstore.query.probe_training import train_batched, train_reference
+from actstore.query.relspec import Selected, gather_standardized, select_features
+from actstore.query.stats import mean_interval
+
+from actstore.core.errors import QueryError
+from actstore.core.invalid import InvalidSetting
+from actstore.core.progress import progress_bar
+from actstore.core.runs import new_run_id, write_run
+from actstore.core.store import Store
 
 PROBE_KINDS = ("attn_head", "attn", "attn_entity", "mlp", "mlp_group", "resid", "z")
 
@@ -100,11 +100,11 @@ def load_features(store: Store, kind: str, *, where: str | None = None, example_
     """Stream the selection's features into one preallocated ``[N, F]`` matrix of ``dtype``.
 
     float32: each block of at most ``batch_rows`` rows is computed straight into its rows of the
-    matrix (:func:`query.features.compute_block` with ``out``), with no intermediate array; float16:
+    matrix (:func:`actstore.query.features.compute_block` with ``out``), with no intermediate array; float16:
     into one reused float32 block buffer, then converted into the matrix's rows.  Memory: the matrix
     plus one block (and that block's factors), whatever N."""
-    from query.features import compute_block, row_shape
-    from query.selection import Selection
+    from actstore.query.features import compute_block, row_shape
+    from actstore.query.selection import Selection
 
     if kind not in PROBE_KINDS:
         raise QueryError(f"feature kind {kind!r} cannot be probed (one of {', '.join(PROBE_KINDS)})")
@@ -158,7 +158,7 @@ class ProbeConfig:
     threads: int = 1  # torch CPU threads during the run; 0 = leave torch's setting
     train_batch: int = 2  # episodes per training tensor problem (small is fastest on CPU caches)
     relspec: bool = True  # False: every feature, the same standardisation and training (the baseline)
-    contrast: str = DEFAULT_CONTRAST  # reading of dW: "renormalised" (ours) or "seed" (query.attribution)
+    contrast: str = DEFAULT_CONTRAST  # reading of dW: "renormalised" (ours) or "seed" (actstore.query.attribution)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -204,7 +204,7 @@ class ProbeOutput:
 
     @property
     def ci95(self) -> tuple[float, float]:
-        """Normal 95% interval of the mean episode accuracy (:func:`query.stats.mean_interval`)."""
+        """Normal 95% interval of the mean episode accuracy (:func:`actstore.query.stats.mean_interval`)."""
         return mean_interval(self.episode_accuracy)
 
     def summary(self) -> dict[str, Any]:
@@ -479,7 +479,7 @@ def relation_metrics(gold: np.ndarray, pred: np.ndarray, relations: Sequence[str
 
 def write_probe_tables(store: Store, out: ProbeOutput) -> list[str]:
     """Write every result table of the run (one file each, atomically); return their paths."""
-    from actstore.writer import write_result_table
+    from actstore.core.writer import write_result_table
 
     paths = [write_result_table(store, name, out.run_id, t) for name, t in probe_tables(out).items()]
     paths.append(write_run(store, out.run_id, "probe", out.started, out.config.to_json(),

@@ -3,7 +3,7 @@
 :func:`train_batched` trains B probes at once (zero-initialised weights, full-batch gradient of each
 episode's mean cross-entropy, Adam's update with the fused kernel of ``torch.optim.Adam``);
 :func:`train_reference` is the plain one-episode trainer (``nn.Linear`` + ``torch.optim.Adam``) the tests
-compare it against.  Used by :mod:`query.probe`.
+compare it against.  Used by :mod:`actstore.query.probe`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What every lens shares: the stored final norm and unembedding (``FinalReadout``), object
 probabilities and ranks read through it, and the affine translators of a tuned lens
-(``TunedLens``, with the closed-form ridge fit).  :mod:`query.lens` (the study) and
-:mod:`query.tuned_lens` (training on the KL) both build on this module; see
-:mod:`query.lens` for the formulas.
+(``TunedLens``, with the closed-form ridge fit).  :mod:`actstore.query.lens` (the study) and
+:mod:`actstore.query.tuned_lens` (training on the KL) both build on this module; see
+:mod:`actstore.query.lens` for the formulas.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.errors import QueryError
+from actstore.core.errors import QueryError
 
 ALPHAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
@@ -115,7 +115,7 @@ class TunedLens:
     D: torch.Tensor  # [L, d, d]
     b: torch.Tensor  # [L, d]
     alphas: list[float] = field(default_factory=list)  # ridge only: the chosen alpha per index
-    method: str = "ridge"  # adam | sgd (trained on the KL, query.tuned_lens) | ridge (closed form)
+    method: str = "ridge"  # adam | sgd (trained on the KL, actstore.query.tuned_lens) | ridge (closed form)
     info: dict[str, Any] = field(default_factory=dict)  # training record (config, losses)
 
     def translate(self, resid: np.ndarray | torch.Tensor) -> torch.Tensor:

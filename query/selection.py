@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from actstore.query.features import FeatureSpec, RowBlock, compute_block, row_shape
+from actstore.query.labelled import SOURCE_KINDS, dask_features, to_dataarray
 
-from actstore.errors import QueryError
-from actstore.sql import Params, check_params, predicate, run_sql, subquery
-from actstore.store import Store
-from query.features import FeatureSpec, RowBlock, compute_block, row_shape
-from query.labelled import SOURCE_KINDS, dask_features, to_dataarray
+from actstore.core.errors import QueryError
+from actstore.core.sql import Params, check_params, predicate, run_sql, subquery
+from actstore.core.store import Store
 
 if TYPE_CHECKING:
     import dask.array
@@ -245,10 +245,10 @@ class Selection:
                  timeout: float | None = None) -> Selection:
         """``where``: one SQL expression over ``examples``; ``query``: one SELECT returning ``example_id``.
 
-        Each is parsed now (:func:`actstore.sql.predicate`, :func:`actstore.sql.subquery`), before it is
+        Each is parsed now (:func:`actstore.core.sql.predicate`, :func:`actstore.core.sql.subquery`), before it is
         placed in the selection's query, so it cannot end that query or add a statement; it runs when
         the rows are first needed, under ``memory_limit`` / ``timeout`` or else the SQL limits in force
-        then (see :mod:`actstore.sql`).  ``params``: values for the placeholders of ``where`` / ``query``
+        then (see :mod:`actstore.core.sql`).  ``params``: values for the placeholders of ``where`` / ``query``
         (``?`` with a list, ``$name`` with a dict), bound by DuckDB.
         """
         if where is not None and query is not None:
@@ -437,7 +437,7 @@ class Selection:
         output: Output = "numpy",
     ) -> Any:
         """All selected rows' features at once: numpy (default), a torch tensor sharing its memory, or a
-        labelled ``xarray.DataArray`` (:meth:`to_xarray`).  Shapes (see :mod:`query.features`), for n
+        labelled ``xarray.DataArray`` (:meth:`to_xarray`).  Shapes (see :mod:`actstore.query.features`), for n
         rows, l layers, h heads (or groups) and S the longest source: ``z`` [n, l, h, d_head];
         ``attn_head``, ``attn_entity``, ``mlp_group`` [n, l, h, d_model]; ``attn``, ``mlp`` [n, l,
         d_model]; ``resid`` [n, l, d_model]; ``attn_head_token`` [n, l, h, S, d_model] and
@@ -480,7 +480,7 @@ class Selection:
         """The features as an ``xarray.DataArray`` with named dimensions (``row``, ``layer``, ``head``
         or ``group``, ``source``, ``d_model`` / ``d_head``) and coordinates: ``example_id`` and
         ``relation_id`` on ``row``, the layer and head (group) numbers, and for the source kinds the
-        boolean ``mask`` [row, source] (False on padding).  See :mod:`query.labelled`.
+        boolean ``mask`` [row, source] (False on padding).  See :mod:`actstore.query.labelled`.
         ``chunked=True``: the data is :meth:`to_dask`'s lazy array (one chunk per segment)."""
         spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
         if chunked:

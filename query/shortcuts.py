@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+from actstore.query.attribution import run_row
+from actstore.query.stats import spearman
 
-from actstore.errors import QueryError
-from actstore.invalid import InvalidSetting
-from actstore.store import Store
-from query.attribution import run_row
-from query.stats import spearman
+from actstore.core.errors import QueryError
+from actstore.core.invalid import InvalidSetting
+from actstore.core.store import Store
 
 
 def normalize(token: str | None) -> str | None:
@@ -135,7 +135,7 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
 
 def shortcut_figure(result: ShortcutResult, path: str | os.PathLike[str]) -> str:
     """Three panels: per-error rho, Mass against its baseline, StrongAlign-x."""
-    from query import plotting
+    from actstore.query import plotting
 
     e = result.errors.to_pylist()
     s = result.summary.to_pylist()[0]

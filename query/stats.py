@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from actstore.errors import QueryError
+from actstore.core.errors import QueryError
 
 NAN = float("nan")
 

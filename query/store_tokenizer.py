@@ -12,7 +12,7 @@ A name written in a store's manifest is never loaded from disk or the hub.  Acts
 aliases (``tiny-llama``, ``smollm2-135m``) and stores written before tokenizers were saved are
 resolved by the facade (:func:`actstore.api.tokenizer_for_store`), which may use ``ingest``.
 
-Every failure is a :class:`~actstore.errors.QueryError` with one line naming what to pass.
+Every failure is a :class:`~actstore.core.errors.QueryError` with one line naming what to pass.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import QueryError
-from actstore.store import Store
+from actstore.core.errors import QueryError
+from actstore.core.store import Store
 
 
 def tokenizer_for_store(store: Store, name: str | None = None) -> Any:

@@ -39,8 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from query.readout import FinalReadout, LensError, TunedLens
+from actstore.query.readout import FinalReadout, LensError, TunedLens
 
 OPTIMIZERS = ("adam", "sgd")
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1}

@@ -112,10 +112,10 @@ def build_store(
 ) -> Path:
     """Ingest a few prompts with a tiny random model into ``out`` and return the path (``chunk_layers``:
     layers per chunk, 1 as ``actstore ingest`` writes by default; 0 the whole layer axis per chunk)."""
-    from ingest.align import tokenize_records
-    from ingest.datasets import load_dataset
-    from ingest.models import tiny_model
-    from ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.align import tokenize_records
+    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.models import tiny_model
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
 
     loaded = tiny_model(arch)
     records = load_dataset(dataset, limit_per_relation=limit, **options).records

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.errors import ActstoreError, QueryError
+from actstore.core.errors import ActstoreError, QueryError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,8 +111,8 @@ def test_composition_equals_numpy_masks(store: actstore.Store, frame: pd.DataFra
 
 
 def test_nothing_is_read_until_asked(store: actstore.Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    import query.features
-    import query.selection as qs
+    import actstore.query.features
+    import actstore.query.selection as qs
 
     calls: list[str] = []
     real_sql, real_block = qs.run_sql, qs.compute_block
@@ -127,7 +127,7 @@ def test_nothing_is_read_until_asked(store: actstore.Store, monkeypatch: pytest.
 
     monkeypatch.setattr(qs, "run_sql", sql)
     monkeypatch.setattr(qs, "compute_block", block)
-    monkeypatch.setattr(query.features, "compute_block", block)
+    monkeypatch.setattr(actstore.query.features, "compute_block", block)
     sel = store.select("subject_start > $k", params={"k": 1}).filter("n_tokens > ?", [5]).relations(
         ["city_country", "element_symbol"]).sample(8, seed=3)
     train, test = sel.split((0.75, 0.25), seed=1)
@@ -273,7 +273,7 @@ def test_dask_missing_names_the_extra(store: actstore.Store, monkeypatch: pytest
 
 def test_one_segment_is_returned_without_a_copy(store: actstore.Store, frame: pd.DataFrame,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import query.selection as qs
+    import actstore.query.selection as qs
 
     made: list[np.ndarray] = []
     real = qs.compute_block
@@ -378,8 +378,8 @@ def test_sql_formats_agree_and_bind_parameters(store: actstore.Store, frame: pd.
 
 
 def test_facade_names_and_ingest(tmp_path: Path) -> None:
-    from query.feature_dataset import FeatureDataset
-    from query.selection import Selection
+    from actstore.query.feature_dataset import FeatureDataset
+    from actstore.query.selection import Selection
 
     assert actstore.Selection is Selection and actstore.FeatureDataset is FeatureDataset
     assert callable(actstore.open) and callable(actstore.ingest)

@@ -11,6 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from actstore.query.attribution import TokenGeometry, contrast_coefficients, token_scores
+from actstore.query.explain import explain_example
+from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
+from actstore.query.selection import Selection
 from click.testing import CliRunner
 from conftest import FIXTURES, fewrel_store_at
 from hypothesis import given, settings
@@ -18,10 +22,6 @@ from hypothesis import strategies as st
 
 import actstore
 from actstore.cli import main
-from query.attribution import TokenGeometry, contrast_coefficients, token_scores
-from query.explain import explain_example
-from query.probe import ProbeConfig, run_probe, write_probe_tables
-from query.selection import Selection
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -68,8 +68,9 @@ def test_every_command_reads_its_store_first_and_documents_every_option() -> Non
 
 
 def test_maps_defaults_in_the_help_equal_the_library_constants() -> None:
+    from actstore.query.maps import IMPLEMENTS_THRESHOLD, MIN_PAIRS
+
     from actstore.cli import maps as cli_maps
-    from query.maps import IMPLEMENTS_THRESHOLD, MIN_PAIRS
 
     assert (cli_maps.IMPLEMENTS_THRESHOLD, cli_maps.MIN_PAIRS) == (IMPLEMENTS_THRESHOLD, MIN_PAIRS)
 
@@ -141,7 +142,7 @@ def test_debug_shows_the_traceback_and_keeps_the_exit_code(tiny_store: Path) -> 
     assert plain.exit_code == debug.exit_code == 1
     assert "Traceback" not in plain.stderr and len(plain.stderr.strip().splitlines()) == 1
     assert debug.stderr.startswith("Traceback (most recent call last):")
-    assert "actstore/sql.py" in debug.stderr and debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
+    assert "actstore/core/sql.py" in debug.stderr and debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
 
 
 def test_exit_codes(tiny_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,7 +177,7 @@ def test_exit_codes_are_documented() -> None:
 
 
 def test_model_defaults_to_the_stores_alias(tiny_store: Path, tmp_path: Path) -> None:
-    from ingest.intervention_runs import model_for_store
+    from actstore.jobs.interventions import model_for_store
 
     s = actstore.open(tiny_store)
     assert s.manifest.model["name"] == "tiny-llama"
@@ -194,14 +195,14 @@ def test_model_defaults_to_the_stores_alias(tiny_store: Path, tmp_path: Path) ->
 
 def test_a_store_model_that_is_no_alias_is_not_loaded_on_its_own(monkeypatch: pytest.MonkeyPatch,
                                                                  tiny_store: Path) -> None:
-    from actstore.invalid import InvalidSetting
-    from ingest.intervention_runs import model_for_store
+    from actstore.core.invalid import InvalidSetting
+    from actstore.jobs.interventions import model_for_store
 
     fake = SimpleNamespace(url="mem://x", manifest=SimpleNamespace(model={"name": "/somewhere/else"}))
     with pytest.raises(InvalidSetting, match="never loaded from disk or the hub on its own") as e:
         model_for_store(fake, None)  # type: ignore[arg-type]
     assert e.value.setting == "model"
-    import ingest.intervention_runs as runs
+    import actstore.jobs.interventions as runs
 
     def refuse(store: object, model: str | None) -> str:
         raise InvalidSetting("model", "the store's model is not one of actstore's aliases")
@@ -215,7 +216,7 @@ def test_a_store_model_that_is_no_alias_is_not_loaded_on_its_own(monkeypatch: py
 
 
 def test_run_records_have_one_schema(tiny_store: Path, tmp_path: Path) -> None:
-    from actstore.runs import RUNS_SCHEMA, code_version, new_run_id, run_record, with_run_id, write_run
+    from actstore.core.runs import RUNS_SCHEMA, code_version, new_run_id, run_record, with_run_id, write_run
 
     rid = new_run_id("maps-dynamic")
     assert re.fullmatch(r"maps-dynamic-\d{8}T\d{6}-[0-9a-f]{8}", rid)
@@ -249,8 +250,8 @@ def test_library_log_messages_reach_stderr_at_the_chosen_level() -> None:
     @click.command("log-probe")
     @click.option("--quiet", is_flag=True)
     def log_probe(quiet: bool) -> None:
-        for name, level in (("ingest.models.cache", logging.DEBUG), ("query.report", logging.INFO),
-                            ("actstore.store", logging.WARNING)):
+        for name, level in (("actstore.ingest.models.cache", logging.DEBUG), ("actstore.query.report", logging.INFO),
+                            ("actstore.core.store", logging.WARNING)):
             logging.getLogger(name).log(level, f"{logging.getLevelName(level).lower()} from {name}")
 
     main.add_command(log_probe)
@@ -263,7 +264,7 @@ def test_library_log_messages_reach_stderr_at_the_chosen_level() -> None:
             lines[key] = r.stderr.splitlines()
     finally:
         del main.commands["log-probe"]
-    assert lines["default"] == lines["again"] == ["actstore: info from query.report",
-                                                  "actstore: warning from actstore.store"]
-    assert lines["quiet"] == ["actstore: warning from actstore.store"]
-    assert lines["debug"] == ["actstore: debug from ingest.models.cache", *lines["default"]]
+    assert lines["default"] == lines["again"] == ["actstore: info from actstore.query.report",
+                                                  "actstore: warning from actstore.core.store"]
+    assert lines["quiet"] == ["actstore: warning from actstore.core.store"]
+    assert lines["debug"] == ["actstore: debug from actstore.ingest.models.cache", *lines["default"]]

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 
 import actstore
-from actstore.verify import verify_store
+from actstore.core.verify import verify_store
 
 
 def test_readers_during_ingest_see_only_committed_rows(tmp_path: Path) -> None:
-    from ingest.align import tokenize_records
-    from ingest.datasets import load_dataset
-    from ingest.models import tiny_model
-    from ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.align import tokenize_records
+    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.models import tiny_model
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
 
     out = tmp_path / "store"
     loaded = tiny_model("llama")

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 import actstore
 from actstore.cli import main
-from actstore.errors import CorruptStoreError
-from actstore.verify import verify_store
+from actstore.core.errors import CorruptStoreError
+from actstore.core.verify import verify_store
 
 
 @pytest.fixture

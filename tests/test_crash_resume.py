@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import actstore
-from actstore.store import SEGMENT_ARRAYS
-from ingest.run import IngestRequest, ingest_corpus
+from actstore.core.store import SEGMENT_ARRAYS
+from actstore.jobs.ingest import IngestRequest, ingest_corpus
 
 ARGS = dict(model="tiny-llama", dataset="demo", limit_per_relation=30, batch_size=4, segment_size=8,
             storage_dtype="float16", progress=False)
@@ -37,7 +37,7 @@ N_SEGMENTS = 23  # 6 relations x 30 prompts (a few relations have fewer template
 # Run by ``python -c``: the CLI, with a pause (after half a torn write) at one object of the store.
 PAUSING_CLI = """
 import os, sys, time, uuid
-from actstore.fs import StoreLocation
+from actstore.core.fs import StoreLocation
 
 trigger, flag = os.environ["ORACLE_PAUSE_AT"], os.environ["ORACLE_PAUSE_FLAG"]
 real = StoreLocation.write_bytes_atomic
@@ -136,7 +136,7 @@ def assert_same_store(a: Path, b: Path) -> None:
 
 def assert_readers_see_commits_only(out: Path, committed: set[int]) -> None:
     """A reader of a killed store sees exactly the whole committed segments, all intact."""
-    from actstore.verify import verify_store
+    from actstore.core.verify import verify_store
 
     s = actstore.open(out)
     assert set(s.commits) == committed and not s.complete
@@ -233,7 +233,7 @@ def test_reader_sees_only_committed_segments(reference: Path, tmp_path: Path) ->
 def test_resume_with_other_settings_is_refused(reference: Path, tmp_path: Path) -> None:
     import shutil
 
-    from actstore.errors import StoreMismatchError
+    from actstore.core.errors import StoreMismatchError
 
     out = tmp_path / "store"
     shutil.copytree(reference, out)

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from actstore.query.distributed import Moments, feature_moments, relation_scores
 
 import actstore
-from query.distributed import Moments, feature_moments, relation_scores
 
 
 def numpy_moments(store: Path, kind: str, where: str | None = None, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -47,7 +47,7 @@ def test_grouped_moments_and_relation_scores(tiny_store: Path, client: Any) -> N
     names_here, d_here = relation_scores(str(tiny_store), "attn_head", where=where, layers=[0])
     assert names == names_here and np.array_equal(d, d_here)
     # Cohen's d with the pooled within-group variance, computed directly.
-    from query.relspec import POOLED_EPS
+    from actstore.query.relspec import POOLED_EPS
 
     for i, g in enumerate(names):
         a, b = x[labels == g], x[labels != g]

@@ -21,12 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import FIXTURES
-
-import actstore
-from actstore.cli import main
-from query.predictors import (
+from actstore.query.predictors import (
     KnowledgeGraph,
     _instances,
     connectivity,
@@ -37,6 +32,11 @@ from query.predictors import (
     relation_predictors,
     tfidf_similarity,
 )
+from click.testing import CliRunner
+from conftest import FIXTURES
+
+import actstore
+from actstore.cli import main
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))
@@ -69,8 +69,8 @@ def assert_same_ranks(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def test_maps_dynamic_on_dask_equals_single_pass(maps_store: Path, client: Any) -> None:
-    from query.maps import VocabProjection, pair_ranks, store_pairs
-    from query.maps.dynamic import dynamic_ranks
+    from actstore.query.maps import VocabProjection, pair_ranks, store_pairs
+    from actstore.query.maps.dynamic import dynamic_ranks
 
     store = actstore.open(maps_store)
     single = dynamic_ranks(store)  # the existing single pass: every prompt in one task, 256-row chunks
@@ -96,10 +96,10 @@ def test_maps_dynamic_on_dask_equals_single_pass(maps_store: Path, client: Any) 
 
 def test_maps_dynamic_first_mlp_sources_reach_the_workers(maps_store: Path, client: Any) -> None:
     """With the first MLP (a model module, only in this process), the tasks get its source vectors."""
-    from ingest.first_mlp import first_mlp_transform
-    from ingest.models import tiny_model
-    from query.maps import VocabProjection
-    from query.maps.dynamic import dynamic_ranks
+    from actstore.ingest.first_mlp import first_mlp_transform
+    from actstore.ingest.models import tiny_model
+    from actstore.query.maps import VocabProjection
+    from actstore.query.maps.dynamic import dynamic_ranks
 
     store = actstore.open(maps_store)
     proj = VocabProjection(store, first_mlp=first_mlp_transform(tiny_model("llama").model))
@@ -145,7 +145,7 @@ def test_cli_dask_options_bad_input(maps_store: Path) -> None:
 def probe_run(store_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """An 8-way probe run over a store of the FewRel fixture in 5 segments (80 prompts; tiny model,
     one short episode)."""
-    from query.probe import ProbeConfig, run_probe, write_probe_tables
+    from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)

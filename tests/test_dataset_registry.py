@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FIXTURES, real_data
-
-from ingest.datasets import (
+from actstore.ingest.datasets import (
     DatasetError,
     DatasetResult,
     load_dataset,
@@ -30,7 +28,8 @@ from ingest.datasets import (
     registry,
     triple_files,
 )
-from ingest.datasets.pins import SHA256
+from actstore.ingest.datasets.pins import SHA256
+from conftest import FIXTURES, real_data
 
 # The files each named data set needs, as globs in the fixtures' (= $ACTSTORE_DATA's) layout.
 FIXTURE_FILES = {

@@ -13,9 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import FIXTURES, real_data
-
-from ingest.datasets import (
+from actstore.ingest.datasets import (
     DatasetError,
     DatasetResult,
     fill_template,
@@ -27,7 +25,8 @@ from ingest.datasets import (
     load_lre,
     load_maps,
 )
-from ingest.records import PromptRecord
+from actstore.ingest.records import PromptRecord
+from conftest import FIXTURES, real_data
 
 FEWREL = FIXTURES / "fewrel" / "val_wiki.json"
 LRE = FIXTURES / "lre_relations" / "data"

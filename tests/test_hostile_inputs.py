@@ -36,8 +36,8 @@ from click.testing import CliRunner
 from s3server import S3Server, free_port, moto_server
 
 from actstore.cli import main
-from actstore.manifest import FORMAT_VERSION, seal
-from actstore.tables import to_parquet_bytes
+from actstore.core.manifest import FORMAT_VERSION, seal
+from actstore.core.tables import to_parquet_bytes
 
 INGEST = ["ingest", "--model", "tiny-llama", "--dataset", "demo", "--limit-per-relation", "2", "--batch-size", "4",
           "--segment-size", "8", "--dtype", "float16", "--quiet"]
@@ -467,7 +467,7 @@ def unblock_fifos(fifos: list[Path], after_s: float = 60.0) -> Iterator[list[Pat
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory: pytest.TempPathFactory) -> Ctx:
-    from ingest.models import tiny_model
+    from actstore.ingest.models import tiny_model
 
     root = tmp_path_factory.mktemp("hostile")
     store = root / "store"

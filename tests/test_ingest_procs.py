@@ -6,11 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from actstore.ingest.distributed import safe_python, torchrun_command
 from test_crash_resume import assert_same_store
 from test_multiprocess import ARGS, env
 
 import actstore
-from ingest.distributed import safe_python, torchrun_command
 
 
 def ingest(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -60,7 +60,7 @@ def test_threads_option_is_applied_and_restored(tmp_path: Path) -> None:
     import numpy as np
     import torch
 
-    from ingest.run import IngestRequest, ingest_corpus
+    from actstore.jobs.ingest import IngestRequest, ingest_corpus
 
     # In process: the thread count holds while the ingest runs (seen from its log callback) and is put back.
     original = torch.get_num_threads()

@@ -9,9 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-import actstore
-from ingest.interventions import (
+from actstore.ingest.interventions import (
     Intervention,
     InterventionError,
     InterventionRunner,
@@ -19,7 +17,9 @@ from ingest.interventions import (
     head_ablation,
     stored_head_means,
 )
-from ingest.models import tiny_model
+from actstore.ingest.models import tiny_model
+
+import actstore
 
 PROMPTS = ["The capital of France is", "Tokyo is the capital of", "The Nile is a river in Africa that"]
 

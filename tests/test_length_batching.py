@@ -1,4 +1,4 @@
-"""Length batching (ingest.pipeline): a segment's prompts run through the model sorted by length.
+"""Length batching (actstore.ingest.pipeline): a segment's prompts run through the model sorted by length.
 
 Three ingests of the same fixture corpus by the same tiny model:
 
@@ -24,13 +24,13 @@ from typing import Any, cast
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from actstore.ingest.align import tokenize_records
+from actstore.ingest.datasets import load_dataset
+from actstore.ingest.models import tiny_model
+from actstore.ingest.pipeline import ARRAY_NAMES, IngestConfig, corpus_order, forward_order, run_ingest
 from conftest import FIXTURES
 
 import actstore
-from ingest.align import tokenize_records
-from ingest.datasets import load_dataset
-from ingest.models import tiny_model
-from ingest.pipeline import ARRAY_NAMES, IngestConfig, corpus_order, forward_order, run_ingest
 
 SEG, BATCH = 16, 4
 

@@ -9,12 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import KNOWN_STORE_KW
-
-import actstore
-from ingest.models import tiny_model
-from query.lens import (
+from actstore.ingest.models import tiny_model
+from actstore.query.lens import (
     FinalReadout,
     LensError,
     TunedLens,
@@ -23,6 +19,10 @@ from query.lens import (
     split_facts,
     stored_residuals,
 )
+from click.testing import CliRunner
+from conftest import KNOWN_STORE_KW
+
+import actstore
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 

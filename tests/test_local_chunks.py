@@ -1,4 +1,4 @@
-"""Local chunk reads without zarr's dispatch (:func:`actstore.arrays.local_chunks`) against zarr itself.
+"""Local chunk reads without zarr's dispatch (:func:`actstore.core.arrays.local_chunks`) against zarr itself.
 
 The oracle is zarr's own decoding of the same array (``arr[:]``, through its codec pipeline): every
 segment array of stores in each storage dtype (float16, bfloat16 bits, float32) and of two
@@ -23,8 +23,8 @@ from zarr.codecs import BytesCodec
 from zarr.storage import LocalStore
 
 import actstore
-from actstore.arrays import ChunkGuard, local_chunks, read_ranges, read_rows, widen
-from actstore.errors import CorruptStoreError
+from actstore.core.arrays import ChunkGuard, local_chunks, read_ranges, read_rows, widen
+from actstore.core.errors import CorruptStoreError
 
 
 @pytest.mark.parametrize(("arch", "dtype", "chunk_layers"), [
@@ -108,7 +108,7 @@ def _axis1_chunked(tmp_path: Path, shape: tuple[int, ...], chunk0: int, chunk1: 
                                                                                                np.ndarray]:
     """An array written by :func:`create_array` with ``chunk1`` positions of axis 1 per chunk, opened twice:
     through a strict guard (the fast path) and plainly (zarr's own reads); and the data written."""
-    from actstore.arrays import create_array
+    from actstore.core.arrays import create_array
 
     data = np.random.default_rng(1).standard_normal(shape).astype(np.float16)
     group = zarr.open_group(str(tmp_path / "g"), mode="w")
@@ -139,7 +139,7 @@ def test_a_layer_read_fetches_only_its_chunks(tmp_path: Path, monkeypatch: pytes
     """The point of layer chunks: reading layers 3-4 of 9 (chunks of 2) decodes the inner chunks of axis-1
     block 1 and 2 only, and reading every layer decodes the whole grid; counted at the decoder.  Each chunk
     of rows is one file (a shard), as in a store without layer chunks."""
-    from actstore.arrays import LocalChunks
+    from actstore.core.arrays import LocalChunks
 
     fast, _, data = _axis1_chunked(tmp_path, (8, 9, 5), 4, 2)
     seen: list[tuple[int, int]] = []
@@ -226,7 +226,7 @@ def test_shards_are_written_byte_for_byte_as_zarr_writes_them(tmp_path: Path, sh
                                                              chunk1: int, dtype: str) -> None:
     """:func:`write_shards` (the fast writer) against zarr's own sharding codec writing the same array:
     every file under the array is identical, the partial last chunk of rows and of layers included."""
-    from actstore.arrays import create_array
+    from actstore.core.arrays import create_array
 
     rng = np.random.default_rng(3)
     data = (rng.integers(0, 1 << 16, size=shape).astype(np.uint16) if dtype == "uint16"

@@ -15,13 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import FIXTURES, real_data
-
-import actstore
-from actstore.cli import main
-from ingest.models import tiny_model
-from query.maps import (
+from actstore.ingest.models import tiny_model
+from actstore.query.maps import (
     VocabProjection,
     load_pair_files,
     salient_operations,
@@ -29,8 +24,13 @@ from query.maps import (
     store_pairs,
     tokenize_pairs,
 )
-from query.maps.dynamic import correlation_summary, dynamic_ranks
-from query.store_tokenizer import tokenizer_for_store
+from actstore.query.maps.dynamic import correlation_summary, dynamic_ranks
+from actstore.query.store_tokenizer import tokenizer_for_store
+from click.testing import CliRunner
+from conftest import FIXTURES, real_data
+
+import actstore
+from actstore.cli import main
 
 MAPS_DATA = FIXTURES / "maps" / "datasets"
 RELS = ("country_to_capital_wikidata", "adj_antonym")
@@ -94,7 +94,7 @@ def test_static_scores_equal_brute_force(arch: str, final_norm: bool, store_fact
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_first_mlp_static_scores_equal_brute_force(arch: str, store_factory: Callable[..., Path]) -> None:
     """Layers >= 1 read MLP0(norm(e)) (Gemma: post-norm too); layer 0 the embeddings."""
-    from ingest.first_mlp import first_mlp_transform
+    from actstore.ingest.first_mlp import first_mlp_transform
 
     store = actstore.open(store_factory(arch, limit=1))
     model = tiny_model(arch).model
@@ -225,7 +225,7 @@ def test_dynamic_groups_templates(tmp_path: Path) -> None:
 
 def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> None:
     """--compare-first-mlp: one dynamic pass with a second static side == two separate runs."""
-    from ingest.first_mlp import first_mlp_transform
+    from actstore.ingest.first_mlp import first_mlp_transform
 
     store = actstore.open(maps_store)
     mlp = VocabProjection(store, first_mlp=first_mlp_transform(tiny_model("llama").model))
@@ -249,8 +249,8 @@ def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> Non
 
 
 def test_ablation_experiment(maps_store: Path) -> None:
-    from ingest.interventions import InterventionRunner
-    from ingest.interventions.ablation import AblationConfig, run_ablation
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.ablation import AblationConfig, run_ablation
 
     store = actstore.open(maps_store)
     runner = InterventionRunner(tiny_model("llama").model)
@@ -270,7 +270,7 @@ def test_ablation_experiment(maps_store: Path) -> None:
 
 
 def test_store_pairs_of_chosen_relations_are_bound_not_pasted(maps_store: Path) -> None:
-    from ingest.interventions.ablation import pairs_from_store
+    from actstore.ingest.interventions.ablation import pairs_from_store
 
     store = actstore.open(maps_store)
     every = store_pairs(store)
@@ -291,8 +291,8 @@ CONTROL_RELS = ("country_to_capital_wikidata", "adj_antonym", "name_copying", "v
 def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[..., Path]) -> None:
     """The control choice reads a matching stored `maps` run or recomputes the scores; both give the same
     choice, and the overlaps and base accuracies reported equal a brute-force computation from the model."""
-    from ingest.interventions import InterventionRunner
-    from ingest.interventions.ablation import AblationConfig, run_ablation
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.ablation import AblationConfig, run_ablation
 
     path = store_factory("llama", dataset=f"maps:{MAPS_DATA}", template="This is a document about {}",
                          relations=CONTROL_RELS, limit=12)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from actstore.query.maps import MapsError, TokenPairs, VocabProjection, static_scores
 
 import actstore
-from query.maps import MapsError, TokenPairs, VocabProjection, static_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,13 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import FIXTURES, build_store
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from ingest.datasets import load_dataset
-from ingest.datasets.common import DatasetError
-from ingest.datasets.methods2k import (
+from actstore.ingest.datasets import load_dataset
+from actstore.ingest.datasets.common import DatasetError
+from actstore.ingest.datasets.methods2k import (
     allocate,
     build_methods2k,
     known1000_facts,
@@ -28,7 +24,7 @@ from ingest.datasets.methods2k import (
     stratified_sample,
     tag_facts,
 )
-from query.method_metrics import (
+from actstore.query.method_metrics import (
     Sites,
     compute_metrics,
     consensus,
@@ -39,7 +35,10 @@ from query.method_metrics import (
     pair_agreement,
     paired_correlation,
 )
-from query.methods import MethodReading
+from actstore.query.methods import MethodReading
+from conftest import FIXTURES, build_store
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"
@@ -266,7 +265,7 @@ def test_compute_metrics_groups_and_pairs() -> None:
 
 
 def _fact(loaded: Any, text: str, subject: str, obj: str, example_id: int = 0) -> Any:
-    from ingest.interventions.facts import StoredFact
+    from actstore.ingest.interventions.facts import StoredFact
 
     tok = loaded.tokenizer
     start = text.index(subject)
@@ -290,10 +289,10 @@ def _p_object(loaded: Any, fact: Any, hooks: list[tuple[torch.nn.Module, Callabl
 
 
 def test_knockout_effects_match_hooks_written_here() -> None:
-    from ingest.architectures import architecture_for
-    from ingest.interventions import InterventionRunner
-    from ingest.interventions.effectiveness import EffectConfig, random_layers, site_effects
-    from ingest.models import tiny_model
+    from actstore.ingest.architectures import architecture_for
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.effectiveness import EffectConfig, random_layers, site_effects
+    from actstore.ingest.models import tiny_model
 
     loaded = tiny_model("llama")
     blocks = architecture_for(loaded.model).blocks(loaded.model)
@@ -325,10 +324,10 @@ def test_knockout_effects_match_hooks_written_here() -> None:
 
 
 def test_restore_effects_match_hooks_written_here() -> None:
-    from ingest.architectures import architecture_for
-    from ingest.interventions import InterventionRunner
-    from ingest.interventions.effectiveness import EffectConfig, site_effects
-    from ingest.models import tiny_model
+    from actstore.ingest.architectures import architecture_for
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.effectiveness import EffectConfig, site_effects
+    from actstore.ingest.models import tiny_model
 
     loaded = tiny_model("llama")
     arch = architecture_for(loaded.model)
@@ -418,7 +417,7 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     assert cross["recall_success"]["value"] == pytest.approx(answered / 18)
     assert 0 <= cross["trace_mlp_share"]["value"] <= 1
     # the report's section reads these tables; Chromium lays it out
-    from query.report import build_report
+    from actstore.query.report import build_report
 
     html = build_report(s)
     assert 'id="section-method-metrics"' in html
@@ -449,11 +448,11 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import methods_study
+    from actstore.ingest.interventions.patching import PatchConfig
+    from actstore.query.method_metrics import study_readings
+    from actstore.query.methods import patch_reading
 
-    from ingest.intervention_runs import PatchRequest, run_patch
-    from ingest.interventions.patching import PatchConfig
-    from query.method_metrics import study_readings
-    from query.methods import patch_reading
+    from actstore.jobs.interventions import PatchRequest, run_patch
 
     data = tmp_path / "m2k"
     build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())

@@ -8,11 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
-from conftest import KNOWN_STORE_KW
-
-import actstore
-from query.methods import (
+from actstore.query.methods import (
     LayerProbeConfig,
     MethodReading,
     agreement,
@@ -21,6 +17,10 @@ from query.methods import (
     probe_reading,
     stored_outputs,
 )
+from click.testing import CliRunner
+from conftest import KNOWN_STORE_KW
+
+import actstore
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 
@@ -117,7 +117,7 @@ def test_cli_agree_end_to_end(store_factory: Callable[..., Path], tmp_path: Path
 
 
 def test_key_layer_is_the_middle_of_the_peak_plateau() -> None:
-    from query.methods import key_layer
+    from actstore.query.methods import key_layer
 
     p = np.array([0.0, 0.1, 0.95, 1.0, 0.97, 0.96, 0.2, 0.0])
     assert key_layer(p, 1.0) == 3  # plain argmax

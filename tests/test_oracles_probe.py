@@ -3,8 +3,8 @@ HeadScore (per prediction and the stored per-(layer, head) table) and TokenScore
 
 The reference here is written in the test with numpy (selection, standardisation, the grouping
 of dW * x' by the feature layout) and plain torch (autograd of the contrast logit, an
-``nn.Linear`` trained by ``torch.optim.Adam``); it calls none of query.relspec,
-query.attribution or the unit bookkeeping of query.probe.  The trained probe itself (W, b) is
+``nn.Linear`` trained by ``torch.optim.Adam``); it calls none of actstore.query.relspec,
+actstore.query.attribution or the unit bookkeeping of actstore.query.probe.  The trained probe itself (W, b) is
 recorded from the library's trainer by a spy, so that the attribution is checked exactly for
 the probe that made the predictions; the trainer is checked separately against the plain loop.
 
@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import actstore.query.probe as probe_mod
 import numpy as np
 import pytest
 import torch
+from actstore.query.attribution import contrast_coefficients
+from actstore.query.explain import explain_example
+from actstore.query.probe import ProbeConfig, ProbeOutput, run_probe, write_probe_tables
+from actstore.query.relspec import gather_standardized, select_features
 
 import actstore
-import query.probe as probe_mod
-from query.attribution import contrast_coefficients
-from query.explain import explain_example
-from query.probe import ProbeConfig, ProbeOutput, run_probe, write_probe_tables
-from query.relspec import gather_standardized, select_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,7 +164,7 @@ class Spy:
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spy]:
-    """Records, episode by episode, what query.probe's trainer was given and returned, and which
+    """Records, episode by episode, what actstore.query.probe's trainer was given and returned, and which
     features its RelSpec call chose (only to settle exact float ties at a cut, see np_relspec)."""
     seen = Spy()
     real_train, real_select = probe_mod.train_batched, probe_mod.select_features
@@ -275,7 +275,7 @@ def reference_episodes(store: actstore.Store, cfg: ProbeConfig, out: ProbeOutput
 
 def output_bias(arch: str) -> np.ndarray:
     """b_O [L, d_model] read from the tiny model's own output projections (zeros where it has none)."""
-    from ingest.models import tiny_model
+    from actstore.ingest.models import tiny_model
 
     model = tiny_model(arch).model
     if arch == "gpt2":

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from actstore.ingest.models import TINY_ARCHS, tiny_model
+from actstore.query.lens import FinalReadout
 
 import actstore
-from ingest.models import TINY_ARCHS, tiny_model
-from query.lens import FinalReadout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,9 +41,9 @@ def final_norm_module(arch: str, model: Any) -> torch.nn.Module:
 
 
 def write_store(out: Path, loaded: Any) -> actstore.Store:
-    from ingest.align import tokenize_records
-    from ingest.datasets import load_dataset
-    from ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.align import tokenize_records
+    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
 
     prompts = tokenize_records(load_dataset("demo", limit_per_relation=1).records, loaded.tokenizer)
     cfg = IngestConfig(out=str(out), batch_size=4, storage_dtype="float32", segment_size=8, chunk_rows=4,

@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import test_oracles_probe as oracle
 import torch
+from actstore.ingest.models import tiny_model
+from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
 from click.testing import CliRunner
 from conftest import FIXTURES, build_store
 
 import actstore
 from actstore.cli import main
-from ingest.models import tiny_model
-from query.probe import ProbeConfig, run_probe, write_probe_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -226,7 +226,7 @@ def np_seed_contrast(probs: np.ndarray, pred: int) -> np.ndarray:
 
 
 def test_both_contrast_readings_equal_numpy() -> None:
-    from query.attribution import contrast_coefficients
+    from actstore.query.attribution import contrast_coefficients
 
     g = torch.Generator().manual_seed(11)
     for C in (2, 5, 16):
@@ -281,7 +281,7 @@ def test_concentration_groups_by_predicted_class(open_copy: Any, spy: Any) -> No
     """head_scores.pred_abs_score is, per relation, the mean |HeadScore| over the predictions the probe
     assigned to it (numpy over the reference's per-prediction scores); an error row (gold A, predicted B)
     is in B's aggregate and never in A's; the default predictor reads exactly that."""
-    from query.predictors import head_concentration, relation_predictors
+    from actstore.query.predictors import head_concentration, relation_predictors
 
     cfg = oracle.small(ProbeConfig(kind="attn_head"))
     store = open_copy("llama")
@@ -331,13 +331,13 @@ def test_concentration_groups_by_predicted_class(open_copy: Any, spy: Any) -> No
 
 
 def test_old_store_without_predicted_scores_is_one_clear_error(open_copy: Any) -> None:
-    from query.predictors import relation_predictors
-    from query.probe import probe_tables
+    from actstore.query.predictors import relation_predictors
+    from actstore.query.probe import probe_tables
 
     store = open_copy("llama")
     out = run_probe(store, oracle.small(ProbeConfig(kind="attn_head")))
     out.hsp_sum = out.hsp_abs = out.hsp_n = None  # what a run stored before the predicted-class columns holds
-    from actstore.writer import write_result_table
+    from actstore.core.writer import write_result_table
 
     for name, t in probe_tables(out).items():
         write_result_table(store, name, out.run_id, t)

@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-from ingest.interventions.patching import (
+from actstore.ingest.interventions.patching import (
     PATCH_EFFECTS,
     PATCH_PAIRS,
     PatchPair,

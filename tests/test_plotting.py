@@ -1,4 +1,4 @@
-"""query.plotting: the heatmap puts the value of cell (layer i, head j) where a reader expects it.
+"""actstore.query.plotting: the heatmap puts the value of cell (layer i, head j) where a reader expects it.
 
 The checks read the PNG's pixels back and compare each cell's centre with the colour map's colour
 for that cell's value; the centre is computed from the axes' box in figure fractions and the grid
@@ -14,13 +14,13 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import pytest
+from actstore.query import plotting
+from actstore.query.maps_figures import head_heatmap
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 from matplotlib.patches import Rectangle
 
-from actstore.errors import QueryError
-from query import plotting
-from query.maps_figures import head_heatmap
+from actstore.core.errors import QueryError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOL = 2.5 / 255  # PNG stores 8-bit channels

@@ -12,13 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import FIXTURES, real_data
-from scipy import stats
-
-import actstore
-from actstore.cli import main
-from query.predictors import (
+from actstore.query.predictors import (
     KnowledgeGraph,
     connectivity,
     correlate,
@@ -28,8 +22,14 @@ from query.predictors import (
     scatter_plots,
     tfidf_similarity,
 )
-from query.probe import ProbeConfig, run_probe, write_probe_tables
-from query.shortcuts import normalize, shortcut_analysis, shortcut_figure
+from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
+from actstore.query.shortcuts import normalize, shortcut_analysis, shortcut_figure
+from click.testing import CliRunner
+from conftest import FIXTURES, real_data
+from scipy import stats
+
+import actstore
+from actstore.cli import main
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))  # test, train, valid

@@ -10,23 +10,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import FIXTURES, fewrel_store_at, real_data
-
-import actstore
-from actstore.cli import main
-from actstore.errors import QueryError
-from actstore.invalid import InvalidSetting
-from query.episodes import sample_episodes, sample_seeds
-from query.probe import (
+from actstore.query.episodes import sample_episodes, sample_seeds
+from actstore.query.probe import (
     ProbeConfig,
     load_features,
     run_probe,
     run_reference,
     write_probe_tables,
 )
-from query.probe_training import _Adam, train_batched, train_reference
-from query.relspec import gather_standardized, select_features, smd_scores
+from actstore.query.probe_training import _Adam, train_batched, train_reference
+from actstore.query.relspec import gather_standardized, select_features, smd_scores
+from click.testing import CliRunner
+from conftest import FIXTURES, fewrel_store_at, real_data
+
+import actstore
+from actstore.cli import main
+from actstore.core.errors import QueryError
+from actstore.core.invalid import InvalidSetting
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 N_RELATIONS = len(json.loads(FEWREL_FIXTURE.read_text(encoding="utf-8")))  # 8 invented relations

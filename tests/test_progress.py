@@ -1,10 +1,10 @@
-"""actstore.progress: the one way progress bars are made (tqdm on stderr, off when not enabled)."""
+"""actstore.core.progress: the one way progress bars are made (tqdm on stderr, off when not enabled)."""
 
 from __future__ import annotations
 
 import pytest
 
-from actstore.progress import progress_bar
+from actstore.core.progress import progress_bar
 
 
 def test_enabled_bar_counts_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:

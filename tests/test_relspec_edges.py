@@ -14,8 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from query.relspec import POOLED_EPS, smd_scores
+from actstore.query.relspec import POOLED_EPS, smd_scores
 
 
 def cohens_d_loop(x: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -25,14 +25,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from actstore.query.report import SECTION_IDS, build_report, collect_sections, expected_sections, write_report
 from click.testing import CliRunner
 from conftest import FIXTURES, require_chromium
 
 import actstore
 from actstore.cli import main
-from actstore.errors import CorruptStoreError
-from actstore.writer import write_result_table
-from query.report import SECTION_IDS, build_report, collect_sections, expected_sections, write_report
+from actstore.core.errors import CorruptStoreError
+from actstore.core.writer import write_result_table
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -99,7 +99,7 @@ def _synthetic_tables(store: actstore.Store) -> None:
 @pytest.fixture(scope="module")
 def report_store(store_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the tiny-Llama FewRel store (shared with tests/test_probe.py) holding every kind of result."""
-    from query.demo_steps import run_demo_analyses
+    from actstore.jobs.demo_steps import run_demo_analyses
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -244,7 +244,7 @@ def test_report_in_headless_chromium(report_store: Path, tmp_path: Path) -> None
 
 
 def test_demo_steps_note_failures_and_raise_on_a_missing_module() -> None:
-    from query.demo_steps import DemoLog
+    from actstore.jobs.demo_steps import DemoLog
 
     seen: list[str] = []
     details: list[str] = []
@@ -253,9 +253,9 @@ def test_demo_steps_note_failures_and_raise_on_a_missing_module() -> None:
     assert log.run("c", "step c", lambda: {"x": 1}) == {"x": 1}
 
     def missing() -> None:
-        import query.not_built_yet  # noqa: F401  (a packaging mistake fails loudly, not as a skipped step)
+        import actstore.query.not_built_yet  # noqa: F401  (a packaging mistake fails loudly, not as a skipped step)
 
-    with pytest.raises(ModuleNotFoundError, match="query.not_built_yet"):
+    with pytest.raises(ModuleNotFoundError, match="actstore.query.not_built_yet"):
         log.run("a", "step a", missing)
     assert log.notes == [log.notes[0]] and log.notes[0].startswith("b: failed (ZeroDivisionError")
     assert log.results == {"c": {"x": 1}} and set(log.timings) == {"a", "b", "c"}
@@ -328,7 +328,7 @@ def test_report_escapes_names_from_the_store(store_factory: Callable[..., Path],
 
 
 def test_every_section_renders_content_on_the_fixture_store(report_store: Path) -> None:
-    from query.report.context import Omitted
+    from actstore.query.report.context import Omitted
 
     store = actstore.open(report_store)
     sections = collect_sections(store)
@@ -390,7 +390,7 @@ def test_a_damaged_table_file_is_one_clear_error_and_no_report(report_store: Pat
 
 
 def test_errors_other_than_reading_a_table_propagate(report_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from query.report import builder
+    from actstore.query.report import builder
 
     def broken(ctx: Any) -> Any:
         raise KeyError("a bug in a section")
@@ -401,8 +401,8 @@ def test_errors_other_than_reading_a_table_propagate(report_store: Path, monkeyp
 
 
 def test_blocks_render_through_autoescaping_templates() -> None:
-    from query.report.context import Figure, Heading, Note, Table
-    from query.report.render import render_blocks
+    from actstore.query.report.context import Figure, Heading, Note, Table
+    from actstore.query.report.render import render_blocks
 
     html = str(render_blocks([Heading("<h1>x</h1>"), Note("a & b"),
                               Table([{"a": "<td>", "b": 1.23456}], ["a", "b"], {"a": "<th>"}),

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from actstore.query.features import KINDS
 from click.testing import CliRunner
 from s3server import S3Server, aws_env, moto_server
 
 import actstore
 from actstore.cli import main
-from actstore.store import SEGMENT_ARRAYS
-from actstore.verify import verify_store
-from query.features import KINDS
+from actstore.core.store import SEGMENT_ARRAYS
+from actstore.core.verify import verify_store
 
 INGEST = ["ingest", "--model", "tiny-llama", "--dataset", "demo", "--limit-per-relation", "2", "--batch-size", "4",
           "--segment-size", "8", "--dtype", "float16", "--quiet"]

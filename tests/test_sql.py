@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.errors import QueryError, ReadOnlySQLError
+from actstore.core.errors import QueryError, ReadOnlySQLError
 
 
 @pytest.fixture(scope="module")

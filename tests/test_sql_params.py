@@ -1,7 +1,7 @@
 """``Store.sql(query, params)``: values are bound by DuckDB, never pasted into the statement.
 
 A value holding quotes, semicolons, comments or keywords is compared as data; the read-only checks
-of :mod:`actstore.sql` still apply to the statement that carries the placeholders.  Expected counts
+of :mod:`actstore.core.sql` still apply to the statement that carries the placeholders.  Expected counts
 come from the Parquet tables read with pyarrow and filtered in Python, not from SQL.
 """
 
@@ -11,10 +11,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from actstore.query.selection import Selection
 
 import actstore
-from actstore.errors import QueryError, ReadOnlySQLError
-from query.selection import Selection
+from actstore.core.errors import QueryError, ReadOnlySQLError
 
 HOSTILE = [
     "x' OR '1'='1",

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 import actstore
 from actstore.cli import main
-from actstore.errors import QueryError, ReadOnlySQLError
+from actstore.core.errors import QueryError, ReadOnlySQLError
 
 INGEST = ["ingest", "--model", "tiny-llama", "--dataset", "demo", "--limit-per-relation", "2", "--batch-size", "4",
           "--segment-size", "8", "--dtype", "float16", "--quiet"]
@@ -228,10 +228,10 @@ def test_library_limits_per_call_and_per_block(work: Work) -> None:
         store.sql(SLOW, timeout=0.2)
     with pytest.raises(QueryError, match="memory than the limit of 64MB"):
         store.sql(f"SELECT count(*) FROM examples WHERE {HUGE_IN}", memory_limit="64MB")
-    with actstore.sql.limits(timeout=0.2):
+    with actstore.core.sql.limits(timeout=0.2):
         with pytest.raises(QueryError, match="time limit of 0.2 s"):
             len(store.select(f"example_id IN (SELECT s FROM ({SLOW}))"))  # a selection runs when read
-    with actstore.sql.limits(memory_limit="64MB"):
+    with actstore.core.sql.limits(memory_limit="64MB"):
         with pytest.raises(QueryError, match="limit of 64MB"):
             len(store.select(HUGE_IN))
     with pytest.raises(QueryError, match="not a size"):
@@ -315,7 +315,7 @@ def test_printing_failure_is_one_sql_error_line(cwd: Work, monkeypatch: pytest.M
     """Whatever fails while a result is printed, the user gets one ``SQL error:`` line."""
     import pyarrow as pa
 
-    import actstore.sql_render as sqlmod
+    import actstore.core.sql_render as sqlmod
 
     def broken(table: pa.Table) -> pa.Table:
         raise pa.ArrowNotImplementedError("Unsupported Type:list<l: int32>\nsecond line")
@@ -373,7 +373,7 @@ def test_select_refuses_more_than_one_expression(work: Work, where: str) -> None
 
 
 def test_selection_query_is_one_select(work: Work) -> None:
-    from query.selection import Selection
+    from actstore.query.selection import Selection
 
     store = actstore.open(work.store)
     n = Selection.from_sql(store, query="SELECT example_id FROM examples WHERE example_id < 3 -- first three;")

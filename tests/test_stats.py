@@ -1,4 +1,4 @@
-"""query.stats against independent computations: numpy formulae, and scipy called directly."""
+"""actstore.query.stats against independent computations: numpy formulae, and scipy called directly."""
 
 from __future__ import annotations
 
@@ -6,9 +6,15 @@ import math
 
 import numpy as np
 import pytest
+from actstore.query.stats import (
+    StatsError,
+    bootstrap_interval,
+    mean_interval,
+    pearson,
+    proportion_interval,
+    spearman,
+)
 from scipy import special, stats
-
-from query.stats import StatsError, bootstrap_interval, mean_interval, pearson, proportion_interval, spearman
 
 
 def _rng() -> np.random.Generator:

@@ -1,4 +1,4 @@
-"""The SQL connection a Store keeps between statements (actstore.sql.SQLSession).
+"""The SQL connection a Store keeps between statements (actstore.core.sql.SQLSession).
 
 Each Store runs its statements on one connection to the process's locked-down database, with its
 tables as views of its own, made when a statement first reads them and remade when their files
@@ -20,8 +20,8 @@ import pytest
 from conftest import FIXTURES
 
 import actstore
-from actstore.sql import SQLSession, referenced_tables
-from actstore.writer import write_result_table
+from actstore.core.sql import SQLSession, referenced_tables
+from actstore.core.writer import write_result_table
 
 QUERIES = [
     "SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY 1",

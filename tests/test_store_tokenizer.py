@@ -15,15 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from actstore.ingest.models import tiny_model
+from actstore.query.store_tokenizer import tokenizer_for_store
 
 import actstore
 from actstore.api import tokenizer_for_store as facade_tokenizer
-from actstore.errors import CorruptStoreError, QueryError
-from actstore.manifest import seal
-from actstore.tables import sha256
-from actstore.verify import verify_store
-from ingest.models import tiny_model
-from query.store_tokenizer import tokenizer_for_store
+from actstore.core.errors import CorruptStoreError, QueryError
+from actstore.core.manifest import seal
+from actstore.core.tables import sha256
+from actstore.core.verify import verify_store
 
 TEXTS = ["The capital of France is", "Zebras weren't seen; — naïve café 123", "", "  two  spaces\tand a tab"]
 
@@ -153,9 +153,9 @@ def test_an_explicit_tokenizer_folder_or_alias(tiny_store: Path, tmp_path: Path)
 def test_a_resume_of_an_old_store_keeps_its_manifest(tmp_path: Path) -> None:
     """Resuming a store written before tokenizers were saved must still match its manifest (and write
     no tokenizer the manifest does not record)."""
-    from ingest.align import tokenize_records
-    from ingest.datasets import load_dataset
-    from ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.align import tokenize_records
+    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
 
     loaded = tiny_model("llama")
     prompts = tokenize_records(load_dataset("demo", limit_per_relation=2).records, loaded.tokenizer)
@@ -178,11 +178,10 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
     """Written and read through the storage layer: the same files on an S3-compatible server (moto)."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
+    from actstore.ingest.align import tokenize_records
+    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.pipeline import IngestConfig, run_ingest
     from s3server import moto_server
-
-    from ingest.align import tokenize_records
-    from ingest.datasets import load_dataset
-    from ingest.pipeline import IngestConfig, run_ingest
 
     with moto_server() as server:
         for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):

@@ -12,9 +12,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from actstore.ingest.datasets.methods2k import build_methods2k
 from conftest import FIXTURES, build_store
-
-from ingest.datasets.methods2k import build_methods2k
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"

@@ -10,14 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import KNOWN_STORE_KW
-
-import actstore
-from ingest.architectures import architecture_for as architecture_for_model
-from ingest.interventions import Intervention, InterventionRunner, RunItem
-from ingest.interventions.patching import ActivationPatcher, PatchConfig, PatchError, PatchPair
-from ingest.interventions.tracing import (
+from actstore.ingest.architectures import architecture_for as architecture_for_model
+from actstore.ingest.interventions import Intervention, InterventionRunner, RunItem
+from actstore.ingest.interventions.patching import ActivationPatcher, PatchConfig, PatchError, PatchPair
+from actstore.ingest.interventions.tracing import (
     CausalTracer,
     GroupedEditRunner,
     StoredFact,
@@ -27,7 +23,11 @@ from ingest.interventions.tracing import (
     subject_embedding_std,
     window_layers,
 )
-from ingest.models import tiny_model
+from actstore.ingest.models import tiny_model
+from click.testing import CliRunner
+from conftest import KNOWN_STORE_KW
+
+import actstore
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 
@@ -307,7 +307,7 @@ def test_incremental_restores_equal_full_restores(arch: str, dtype: torch.dtype,
     as a located site (the last layer's MLP included, which the incremental pass runs at the last position
     only), random sites as well, facts of different lengths, two noise samples, batches of one row and of
     many.  In float64 only the float32 log-softmax is left between the two."""
-    from ingest.interventions.effectiveness import EffectConfig, site_effects
+    from actstore.ingest.interventions.effectiveness import EffectConfig, site_effects
 
     store = actstore.open(store_factory(arch, **STORE_KW))
     facts = stored_facts(store, correct_only=False, limit=3)
@@ -357,7 +357,7 @@ def test_incremental_tracing_all_positions_and_one_component(store_factory: Call
 def _count_positions(model: Any) -> tuple[dict[str, int], list[Any]]:
     """Positions x layers computed, per block: every call of a layer's attention output projection ("attn")
     or MLP down projection ("mlp") adds its rows x positions."""
-    from ingest.architectures import architecture_for
+    from actstore.ingest.architectures import architecture_for
 
     count = {"attn": 0, "mlp": 0}
 

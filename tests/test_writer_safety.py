@@ -27,10 +27,10 @@ import pytest
 from click.testing import CliRunner
 
 from actstore.cli import main
-from actstore.fs import locate
-from actstore.lock import LOCK_NAME, Holder, StoreLockedError, WriterLock
-from actstore.manifest import FORMAT_VERSION, seal
-from actstore.ownership import CREATING, creating_marker
+from actstore.core.fs import locate
+from actstore.core.lock import LOCK_NAME, Holder, StoreLockedError, WriterLock
+from actstore.core.manifest import FORMAT_VERSION, seal
+from actstore.core.ownership import CREATING, creating_marker
 
 ACTSTORE = str(Path(sys.executable).parent / "actstore")  # the console script: its folder, not the cwd, on sys.path
 TINY = ["--model", "tiny-llama", "--batch-size", "4", "--segment-size", "4", "--dtype", "float16"]
@@ -337,8 +337,9 @@ def test_overwrite_while_another_ingest_writes(tmp_path: Path) -> None:
 
 def test_two_fresh_ingests_of_different_data(tmp_path: Path) -> None:
     """Before: both wrote; the manifest named one data set and the rows came from the other."""
+    from actstore.ingest.datasets import load_dataset
+
     import actstore
-    from ingest.datasets import load_dataset
 
     out = tmp_path / "store"
     other = tmp_path / "other.jsonl"
@@ -428,7 +429,7 @@ def test_a_failed_ingest_leaves_no_lock_and_no_directory(tmp_path: Path) -> None
 def test_lock_api_is_exclusive_reentrant_and_per_thread(tmp_path: Path) -> None:
     import threading
 
-    from actstore.lock import active_writer, writer_lock
+    from actstore.core.lock import active_writer, writer_lock
 
     out = tmp_path / "s"
     assert active_writer(out) is None

@@ -24,7 +24,7 @@ from typing import Any
 import click
 
 from actstore.cli._options import parse_int_list, printable, sql_limit_options, where_option
-from actstore.errors import ActstoreError
+from actstore.core.errors import ActstoreError
 
 from . import demo as _demo
 from . import ingest as _ingest

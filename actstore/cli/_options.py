@@ -183,8 +183,8 @@ def device_options(fn: F) -> F:
 
 
 def _sql_memory(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from actstore.errors import QueryError
-    from actstore.sql import check_memory_limit
+    from actstore.core.errors import QueryError
+    from actstore.core.sql import check_memory_limit
 
     try:
         return check_memory_limit(value)
@@ -196,8 +196,8 @@ def _where(ctx: click.Context, param: click.Parameter, value: str | None) -> str
     """``--where``: parsed as exactly one SQL expression before the command runs."""
     if value is None or not value.strip():
         return value
-    from actstore.errors import QueryError
-    from actstore.sql import predicate
+    from actstore.core.errors import QueryError
+    from actstore.core.sql import predicate
 
     try:
         predicate(value)
@@ -208,11 +208,11 @@ def _where(ctx: click.Context, param: click.Parameter, value: str | None) -> str
 
 def sql_limit_options(fn: F) -> F:
     """``--sql-memory`` and ``--sql-timeout``: the limits of every SQL statement the command runs."""
-    from actstore.sql import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
+    from actstore.core.sql import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 
     @functools.wraps(fn)
     def wrapper(*args: Any, sql_memory: str, sql_timeout: float, **kwargs: Any) -> Any:
-        from actstore.sql import limits
+        from actstore.core.sql import limits
 
         with limits(memory_limit=sql_memory, timeout=sql_timeout):
             return fn(*args, **kwargs)
@@ -238,7 +238,7 @@ def check_where(store: Any, where: str | None) -> None:
     every command, whichever tables the command joins it with."""
     if where is None or not where.strip():
         return
-    from actstore.errors import ActstoreError
+    from actstore.core.errors import ActstoreError
 
     try:
         store.sql(f"SELECT example_id FROM examples WHERE ({where}\n) LIMIT 0")
@@ -263,9 +263,9 @@ def option_names(params: Sequence[click.Parameter]) -> dict[str, str]:
 
 
 def name_settings(command: click.Command, error: Exception) -> None:
-    """Rewrite an :class:`actstore.invalid.InvalidSetting` to name the command's option for the
+    """Rewrite an :class:`actstore.core.invalid.InvalidSetting` to name the command's option for the
     setting (``--model: ...``) instead of the library's parameter (``model: ...``)."""
-    from actstore.invalid import InvalidSetting
+    from actstore.core.invalid import InvalidSetting
 
     if isinstance(error, InvalidSetting):
         flag = option_names(command.params).get(error.setting) or "--" + error.setting.replace("_", "-")

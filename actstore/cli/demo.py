@@ -23,7 +23,7 @@ def _detail(text: str) -> None:
 @click.option("--episodes", type=int, default=100, show_default=True, help="Probe episodes per seed.")
 def demo(out: str, model: str, limit_per_relation: int | None, episodes: int) -> None:
     """Ingest the demo corpus, run probes, HeadScore/TokenScore and MAPS, and write a report."""
-    from actstore.demo import run_demo
+    from actstore.jobs.demo import run_demo
 
     summary = run_demo(out, model=model, limit_per_relation=limit_per_relation, episodes=episodes, step=_step,
                        log=_detail)

@@ -54,8 +54,8 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
            device: str, segment_size: int, padding_side: str, length_batching: bool, chunk_layers: int, out: str, resume: bool, overwrite: bool, quiet: bool,
            as_json: bool, procs: int | None, threads: int) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
-    from ingest.distributed import launch_ranks, leave_process_group, ranks_from_env
-    from ingest.run import IngestRequest, ingest_corpus
+    from actstore.ingest.distributed import launch_ranks, leave_process_group, ranks_from_env
+    from actstore.jobs.ingest import IngestRequest, ingest_corpus
 
     if procs is not None and procs > 1:  # the same command, without --procs, under torchrun
         ctx = click.get_current_context()
@@ -67,8 +67,8 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
             args += [p.opts[-1]] if p.is_flag else [p.opts[-1], str(value)]
         # The launcher holds the store's writer lock until torchrun exits; the ranks run under it.
         def refuse_existing() -> None:  # under the lock, before any rank starts (the ranks check again)
-            from actstore.fs import locate
-            from actstore.ownership import check_root
+            from actstore.core.fs import locate
+            from actstore.core.ownership import check_root
 
             if not resume:
                 check_root(locate(out), overwrite=overwrite)

@@ -62,8 +62,8 @@ def trace(store: str, model: str | None, where: str | None, limit: int | None, a
     """Causal tracing: noise on the subject, restore clean states per layer and position, measure P(object)."""
     import numpy as np
 
-    from ingest.intervention_runs import TraceRequest, run_trace
-    from ingest.interventions.tracing import TraceConfig
+    from actstore.ingest.interventions.tracing import TraceConfig
+    from actstore.jobs.interventions import TraceRequest, run_trace
 
     s = open_store(store)
     check_where(s, where)
@@ -97,8 +97,8 @@ def trace(store: str, model: str | None, where: str | None, limit: int | None, a
 
 # ----------------------------------------------------------------------------------- patch
 def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    from actstore.invalid import InvalidSetting
-    from ingest.intervention_runs import parse_pair
+    from actstore.core.invalid import InvalidSetting
+    from actstore.jobs.interventions import parse_pair
 
     try:
         return tuple(parse_pair(v) for v in value)
@@ -132,8 +132,8 @@ def patch(store: str, model: str | None, where: str | None, limit: int | None, a
     logit-difference recovery per layer (attention, MLP, residual) and per head."""
     import numpy as np
 
-    from ingest.intervention_runs import PatchRequest, run_patch
-    from ingest.interventions.patching import PatchConfig
+    from actstore.ingest.interventions.patching import PatchConfig
+    from actstore.jobs.interventions import PatchRequest, run_patch
 
     s = open_store(store)
     check_where(s, where)
@@ -218,8 +218,8 @@ def ablate(store: str, model: str | None, relation: str, controls: tuple[str, ..
            as_json: bool) -> None:
     """Accuracy on RELATION's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations."""
-    from ingest.intervention_runs import AblateRequest, parse_heads_text, run_ablate
-    from ingest.interventions.ablation import AblationConfig
+    from actstore.ingest.interventions.ablation import AblationConfig
+    from actstore.jobs.interventions import AblateRequest, parse_heads_text, run_ablate
 
     s = open_store(store)
     check_where(s, where)

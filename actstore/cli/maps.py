@@ -1,6 +1,6 @@
 """``actstore maps`` (static MAPS scores and salient operations, weights only) and ``actstore
 maps-dynamic`` (scores from stored head outputs and their correlation with the static ones).
-The result tables are described in :mod:`query.maps_run`."""
+The result tables are described in :mod:`actstore.jobs.maps`."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from actstore.cli._options import (
     where_option,
 )
 
-# The authors' defaults (query.maps.IMPLEMENTS_THRESHOLD, MIN_PAIRS), written here so that
-# ``actstore --help`` need not import query.maps (and torch); a test holds them equal.
+# The authors' defaults (actstore.query.maps.IMPLEMENTS_THRESHOLD, MIN_PAIRS), written here so that
+# ``actstore --help`` need not import actstore.query.maps (and torch); a test holds them equal.
 IMPLEMENTS_THRESHOLD = 0.15
 MIN_PAIRS = 30
 
@@ -60,7 +60,7 @@ def _first_mlp(s: Any, model: str | None) -> Callable[[], Any]:
     """A loader of the store model's first-MLP transform (called only when a run needs it)."""
 
     def load() -> Any:
-        from ingest.intervention_runs import first_mlp_for_store
+        from actstore.jobs.interventions import first_mlp_for_store
 
         return first_mlp_for_store(s, model)
 
@@ -105,8 +105,8 @@ def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int 
          model: str | None, salient_heads: str, salient_tokens: int, mappings: int, figures: str | None,
          no_save: bool, as_json: bool) -> None:
     """Static MAPS scores of every head for each relation in --pairs, from STORE's weights."""
-    from query.maps import excluded_line
-    from query.maps_run import MapsRunConfig, k_groups, run_maps, top_heads
+    from actstore.jobs.maps import MapsRunConfig, k_groups, run_maps, top_heads
+    from actstore.query.maps import excluded_line
 
     s = open_store(store)
     cfg = MapsRunConfig(pairs=pair_paths, relations=split_list(relations) or None, k=k, threshold=threshold,
@@ -176,8 +176,8 @@ def maps_dynamic(store: str, where: str | None, relations: str | None, k: int | 
                  compare_first_mlp: bool, figures: str | None, no_save: bool, quiet: bool,
                  dask_address: str | None, workers: int | None, prompts_per_task: int | None, as_json: bool) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
-    from query.distributed import dask_client
-    from query.maps_run import MapsDynamicConfig, run_maps_dynamic
+    from actstore.jobs.maps import MapsDynamicConfig, run_maps_dynamic
+    from actstore.query.distributed import dask_client
 
     s = open_store(store)
     check_where(s, where)

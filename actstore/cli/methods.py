@@ -79,7 +79,7 @@ def lens(store: str, where: str | None, correct_only: bool, train_fraction: floa
          tuned_method: str, tuned_steps: int, tuned_batch: int, seed: int, figures: str | None, no_save: bool,
          as_json: bool) -> None:
     """Logit lens and tuned lens from the stored residual stream: object probability and rank per layer."""
-    from query.lens_run import LensRunConfig, run_lens
+    from actstore.jobs.lens import LensRunConfig, run_lens
 
     started = time.time()
     s = open_store(store)
@@ -143,8 +143,8 @@ def agree(store: str, runs: tuple[str, ...], trace_run: str | None, patch_run: s
           as_json: bool) -> None:
     """Key layers and MLP-vs-attention verdicts of each method per fact, and how far the methods agree."""
     from actstore.cli._options import note
-    from query.agreement import AgreeConfig, run_agreement
-    from query.methods import COMPARISON_TRAIN
+    from actstore.jobs.compare import AgreeConfig, run_agreement
+    from actstore.query.methods import COMPARISON_TRAIN
 
     for old, value in (("--trace-run", trace_run), ("--patch-run", patch_run)):
         if value is not None:

@@ -89,8 +89,8 @@ def probe(store: str, kind: str, where: str | None, layers: str | None, heads: s
           no_relspec: bool, contrast: str, epochs: int, lr: float, feature_dtype: str, token_scores: str,
           train_batch: int, memory_mb: int, threads: int, no_save: bool, quiet: bool, as_json: bool) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
-    from query.probe import ProbeConfig, run_probe, write_probe_tables
-    from query.probe_views import contrast_text
+    from actstore.jobs.probe import contrast_text
+    from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
 
     ls, hs = parse_int_list(layers), parse_int_list(heads, "heads")
     cfg = ProbeConfig(kind=kind, where=where, layers=None if ls is None else tuple(ls),
@@ -129,14 +129,14 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
               as_json: bool) -> None:
     """Mean HeadScore per layer x head over a run's query predictions."""
     from actstore.cli._options import note
-    from query.probe_views import contrast_text, headscore_grid
+    from actstore.jobs.probe import contrast_text, headscore_grid
 
     s = open_store(store)
     g = headscore_grid(s, run_id, relation)
     title = f"HeadScore {run_id}" + (f" {relation}" if relation else "")
     pngs: list[str] = []
     if heatmap or figures:
-        from query.plotting import headscore_heatmap
+        from actstore.query.plotting import headscore_heatmap
 
         if heatmap:
             note("--heatmap is deprecated and will be removed in the next release; use --figures DIR")
@@ -171,8 +171,8 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
 def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episode: int | None,
                contrast: str | None, as_json: bool) -> None:
     """TokenScore per layer over a query prompt's tokens (its episode is re-trained)."""
-    from query.explain import explain_example
-    from query.probe_views import contrast_text
+    from actstore.jobs.probe import contrast_text
+    from actstore.query.explain import explain_example
 
     ex = explain_example(open_store(store), run_id, example_id, seed=seed, episode=episode, contrast=contrast)
     layers = ex.layer_table()
@@ -223,9 +223,9 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
               figures: str | None, concentration: str, dataset_file: str | None, range_kind: str | None,
               dask_address: str | None, workers: int | None, no_save: bool, as_json: bool) -> None:
     """Per-relation F1 vs output range, KG connectivity, TF-IDF similarity, HeadScore concentration."""
-    from actstore.writer import write_result_table
-    from query.distributed import dask_client
-    from query.predictors import relation_predictors, scatter_plots
+    from actstore.core.writer import write_result_table
+    from actstore.query.distributed import dask_client
+    from actstore.query.predictors import relation_predictors, scatter_plots
 
     files = _kb_files((*kb, *more_kb))
     s = open_store(store)
@@ -265,12 +265,12 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
 def _kb_files(patterns: tuple[str, ...]) -> list[str]:
     """The triple files of ``--kb``: ``codex-m`` is the public CoDEx-M graph (fetched into the data set
     cache, or read from $ACTSTORE_DATA), anything else a glob of files."""
-    from query.probe_views import expand_files
+    from actstore.jobs.probe import expand_files
 
     files: list[str] = []
     for p in patterns:
         if p == "codex-m":
-            from ingest.datasets import fetch, triple_files
+            from actstore.ingest.datasets import fetch, triple_files
 
             files += [str(f) for f in triple_files(fetch("codex-m"))]
         else:
@@ -291,8 +291,8 @@ def shortcuts(store: str, run_id: str, n_cues: int, figures: str | None, plot: s
               as_json: bool) -> None:
     """Spearman rho, Mass and StrongAlign-x of the run's errors' TokenScores vs lexical cues."""
     from actstore.cli._options import note
-    from actstore.writer import write_result_table
-    from query.shortcuts import shortcut_analysis, shortcut_figure
+    from actstore.core.writer import write_result_table
+    from actstore.query.shortcuts import shortcut_analysis, shortcut_figure
 
     s = open_store(store)
     res = shortcut_analysis(s, run_id, n_cues=n_cues)

@@ -24,7 +24,7 @@ from actstore.cli._options import command, json_option, open_store, quiet_option
 def report(store: str, out_path: str, title: str | None, max_runs: int, max_relations: int, token_examples: int,
            quiet: bool, as_json: bool) -> None:
     """Write one self-contained HTML file: the store's summary and every analysis result it holds."""
-    from query.report import ReportOptions, collect_sections, render_html, write_text_atomically
+    from actstore.query.report import ReportOptions, collect_sections, render_html, write_text_atomically
 
     s = open_store(store)
     opts = ReportOptions(max_runs=max_runs, max_relations=max_relations, token_errors=token_examples,

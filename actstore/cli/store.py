@@ -83,7 +83,7 @@ def info(store: str, as_json: bool) -> None:
 @sql_limit_options
 def sql(store: str, query: str, fmt: str, as_json: bool) -> None:
     """Run one read-only SELECT over the store's tables."""
-    from actstore.sql import render
+    from actstore.core.sql import render
 
     click.echo(render(open_store(store).sql(query), "json" if as_json else fmt))
 
@@ -127,7 +127,7 @@ def verify(store: str, values: bool, as_json: bool) -> None:
 
     Exit status 3 when a problem is found (the store is damaged or incomplete), 1 when the store
     cannot be checked at all."""
-    from actstore.verify import verify_store
+    from actstore.core.verify import verify_store
 
     report = verify_store(open_store(store), values=values)
     if as_json:

@@ -19,17 +19,17 @@ reads the public data set by name.
 
 from __future__ import annotations
 
-from ingest.datasets.codex import triple_files
-from ingest.datasets.common import KINDS, DatasetError, DatasetResult, fill_template, parse_spec
-from ingest.datasets.demo import DEMO_PATH, load_demo
-from ingest.datasets.dispatch import load_dataset
-from ingest.datasets.fewrel import join_tokens, load_fewrel
-from ingest.datasets.jsonl import MAX_JSONL_BYTES, MAX_JSONL_DEPTH, MAX_JSONL_LINE, load_jsonl
-from ingest.datasets.known1000 import load_known1000
-from ingest.datasets.lre import load_lre
-from ingest.datasets.maps import load_maps
-from ingest.datasets.registry import DATASETS, NamedDataset, fetch
-from ingest.records import PromptRecord
+from actstore.ingest.datasets.codex import triple_files
+from actstore.ingest.datasets.common import KINDS, DatasetError, DatasetResult, fill_template, parse_spec
+from actstore.ingest.datasets.demo import DEMO_PATH, load_demo
+from actstore.ingest.datasets.dispatch import load_dataset
+from actstore.ingest.datasets.fewrel import join_tokens, load_fewrel
+from actstore.ingest.datasets.jsonl import MAX_JSONL_BYTES, MAX_JSONL_DEPTH, MAX_JSONL_LINE, load_jsonl
+from actstore.ingest.datasets.known1000 import load_known1000
+from actstore.ingest.datasets.lre import load_lre
+from actstore.ingest.datasets.maps import load_maps
+from actstore.ingest.datasets.registry import DATASETS, NamedDataset, fetch
+from actstore.ingest.records import PromptRecord
 
 __all__ = [
     "DATASETS",

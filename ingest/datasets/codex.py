@@ -1,12 +1,12 @@
 """CoDEx knowledge graphs (``train.txt``, ``valid.txt``, ``test.txt``: ``head<TAB>property<TAB>tail``
 Wikidata ids per line).  They hold triples, not prompts: the predictors read them as a knowledge
-graph (``query.predictors.KnowledgeGraph``), so this module only finds the files."""
+graph (``actstore.query.predictors.KnowledgeGraph``), so this module only finds the files."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ingest.datasets.common import DatasetError, existing
+from actstore.ingest.datasets.common import DatasetError, existing
 
 SPLITS = ("train", "valid", "test")
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import ActstoreError
-from ingest.records import PromptRecord
+from actstore.ingest.records import PromptRecord
+
+from actstore.core.errors import ActstoreError
 
 # The prompt data set kinds ``load_dataset`` dispatches on (``KIND:PATH``, or ``demo``).
 KINDS = ("fewrel", "lre", "known1000", "maps", "jsonl", "demo", "methods2k")

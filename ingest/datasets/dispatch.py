@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import ingest.datasets.registry as registry
-from ingest.datasets.common import KINDS, DatasetError, DatasetResult, existing, parse_spec
-from ingest.datasets.demo import load_demo
-from ingest.datasets.fewrel import load_fewrel
-from ingest.datasets.jsonl import load_jsonl
-from ingest.datasets.known1000 import load_known1000
-from ingest.datasets.lre import load_lre
-from ingest.datasets.maps import load_maps
-from ingest.datasets.methods2k import load_methods2k
+import actstore.ingest.datasets.registry as registry
+from actstore.ingest.datasets.common import KINDS, DatasetError, DatasetResult, existing, parse_spec
+from actstore.ingest.datasets.demo import load_demo
+from actstore.ingest.datasets.fewrel import load_fewrel
+from actstore.ingest.datasets.jsonl import load_jsonl
+from actstore.ingest.datasets.known1000 import load_known1000
+from actstore.ingest.datasets.lre import load_lre
+from actstore.ingest.datasets.maps import load_maps
+from actstore.ingest.datasets.methods2k import load_methods2k
 
 _OPTIONS: dict[str, frozenset[str]] = {
     "fewrel": frozenset({"relations", "limit_per_relation", "keep_object_first"}),
@@ -56,7 +56,7 @@ _LOADERS: dict[str, Callable[..., DatasetResult]] = {
 def load_dataset(spec: str, **options: Any) -> DatasetResult:
     """Load ``"KIND:PATH"`` (KIND in fewrel, lre, known1000, maps, jsonl), ``"demo"``, or a public
     data set by name (``"fewrel"``, ``"lre"``, ``"known1000"``, ``"maps"``: see
-    :func:`ingest.datasets.registry.fetch` for where it is read from).
+    :func:`actstore.ingest.datasets.registry.fetch` for where it is read from).
 
     Options: ``relations``, ``limit_per_relation``, ``template`` (maps), ``templates``
     (lre), ``limit`` (known1000), ``keep_object_first`` (fewrel).  An option that does not
@@ -68,7 +68,7 @@ def load_dataset(spec: str, **options: Any) -> DatasetResult:
         if named is not None and named.kind is None:
             raise DatasetError(
                 f"{named.name} is a knowledge graph of Wikidata triples, not a prompt data set; fetch it "
-                f"with ingest.datasets.fetch({named.name!r}) and read its triple files as a knowledge graph"
+                f"with actstore.ingest.datasets.fetch({named.name!r}) and read its triple files as a knowledge graph"
             )
         raise DatasetError(
             f"unknown dataset kind {kind!r} in {spec!r}; expected one of {', '.join(KINDS)} "

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ingest.datasets.common import (
+from actstore.ingest.datasets.common import (
     Collector,
     DatasetError,
     DatasetResult,
@@ -15,7 +15,7 @@ from ingest.datasets.common import (
     select_relations,
     strip_span,
 )
-from ingest.records import PromptRecord
+from actstore.ingest.records import PromptRecord
 
 
 def join_tokens(tokens: Sequence[str]) -> tuple[str, list[int], list[int]]:

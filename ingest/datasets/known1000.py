@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ingest.datasets.common import (
+from actstore.ingest.datasets.common import (
     Collector,
     DatasetError,
     DatasetResult,
@@ -15,7 +15,7 @@ from ingest.datasets.common import (
     read_json,
     select_relations,
 )
-from ingest.records import PromptRecord
+from actstore.ingest.records import PromptRecord
 
 
 def load_known1000(

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from ingest.datasets.common import (
+from actstore.ingest.datasets.common import (
     Collector,
     DatasetError,
     DatasetResult,

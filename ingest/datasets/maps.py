@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ingest.datasets.common import (
+from actstore.ingest.datasets.common import (
     Collector,
     DatasetError,
     DatasetResult,

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ingest.datasets.common import (
+from actstore.ingest.datasets.common import (
     Collector,
     DatasetError,
     DatasetResult,
@@ -53,7 +53,7 @@ from ingest.datasets.common import (
     select_relations,
     string_list,
 )
-from ingest.records import PromptRecord
+from actstore.ingest.records import PromptRecord
 
 FILE_NAME = "methods2k.json"
 FORMAT = "actstore-methods2k/1"
@@ -273,7 +273,7 @@ def read_methods2k(path: str | Path) -> list[Fact]:
     p = existing(path, "methods2k")
     f = p / FILE_NAME if p.is_dir() else p
     if not f.exists():
-        raise DatasetError(f"{p}: no {FILE_NAME} (build it with ingest.datasets.methods2k.build_methods2k)")
+        raise DatasetError(f"{p}: no {FILE_NAME} (build it with actstore.ingest.datasets.methods2k.build_methods2k)")
     doc = read_json(f)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("facts"), list):
         raise DatasetError(f"{f}: not a methods2k data set (expected format {FORMAT!r})")
@@ -293,10 +293,10 @@ def read_methods2k(path: str | Path) -> list[Fact]:
 def load_methods2k(path: str | Path | None, *, relations: Sequence[str] | None = None,
                    limit_per_relation: int | None = None) -> DatasetResult:
     """Prompt records of a built methods2k data set, their tags in ``meta``.  ``path`` None builds
-    the default data set from the public LRE and known_1000 (:mod:`ingest.datasets.registry`) into
+    the default data set from the public LRE and known_1000 (:mod:`actstore.ingest.datasets.registry`) into
     the data set cache first."""
     if path is None:
-        import ingest.datasets.registry as registry
+        import actstore.ingest.datasets.registry as registry
 
         lre_root = registry.fetch("lre")
         factual = lre_root / "data" / "factual" if (lre_root / "data" / "factual").is_dir() else lre_root

@@ -6,7 +6,7 @@
    own copy, read as it is; nothing is requested);
 2. the cache (``$ACTSTORE_DATA_CACHE``, else the platform's user cache folder
    ``actstore/datasets``), where every file is checked against its pinned SHA-256
-   (:mod:`ingest.datasets.pins`);
+   (:mod:`actstore.ingest.datasets.pins`);
 3. a download of each missing or damaged file from its public source (a fixed commit of the
    authors' repository, or the mirror ``$ACTSTORE_DATA_URL`` serving the ``$ACTSTORE_DATA``
    layout), kept only when its SHA-256 matches the pin.
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ingest.datasets.common import DatasetError
-from ingest.datasets.pins import SHA256
+from actstore.ingest.datasets.common import DatasetError
+from actstore.ingest.datasets.pins import SHA256
 
 DATA_ENV = "ACTSTORE_DATA"
 CACHE_ENV = "ACTSTORE_DATA_CACHE"

@@ -17,15 +17,15 @@ For relation R, on its prompts in the store (greedy first token == first token o
 
 Removal is zero ablation (z_h = 0) or mean ablation (z_h = its mean over the store's rows),
 at the last prompt position (the paper) or at every position.  The static scores are those of
-:mod:`query.maps` on the relation's pairs: given pair files, or else the store's own prompts
+:mod:`actstore.query.maps` on the relation's pairs: given pair files, or else the store's own prompts
 (subject's first token -> object's first token).  As in the authors' code, by default each
-relation is scored at its own k (:func:`query.maps.paper_k`: 1 for copying relations, 10 otherwise)
-and through the first MLP (:func:`query.maps.paper_first_mlp`), and a relation whose pairs
+relation is scored at its own k (:func:`actstore.query.maps.paper_k`: 1 for copying relations, 10 otherwise)
+and through the first MLP (:func:`actstore.query.maps.paper_first_mlp`), and a relation whose pairs
 (single-token pairs of its pair file, or the distinct pairs of its stored prompts) number fewer
 than ``min_pairs`` (30, the authors' ``min_filtered_dataset_size``) takes no part: as R it is an
 error, as a control candidate it is skipped with that reason.  They are read from a stored ``actstore maps``
 run when one matches (same k, final-norm and first-MLP settings, multi-token policy, and the same
-pair counts as the pair file gives here: :func:`query.maps.stored_static_scores`), which makes
+pair counts as the pair file gives here: :func:`actstore.query.maps.stored_static_scores`), which makes
 the automatic control choice cheap; otherwise they are computed from the store's weights, all
 missing relations in one pass over the heads.  The summary says which, per relation.
 """
@@ -38,12 +38,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-from actstore.errors import ActstoreError
-from actstore.store import Store
-from ingest.first_mlp import first_mlp_transform
-from ingest.interventions.runner import InterventionRunner, RunItem, head_ablation, stored_head_means
-from query.maps import (
+from actstore.ingest.first_mlp import first_mlp_transform
+from actstore.ingest.interventions.runner import InterventionRunner, RunItem, head_ablation, stored_head_means
+from actstore.query.maps import (
     IMPLEMENTS_THRESHOLD,
     MIN_PAIRS,
     MapsError,
@@ -59,6 +56,9 @@ from query.maps import (
     top_heads,
 )
 
+from actstore.core.errors import ActstoreError
+from actstore.core.store import Store
+
 
 class AblationError(ActstoreError, ValueError):
     """The ablation cannot run as asked (one line)."""
@@ -68,7 +68,7 @@ class AblationError(ActstoreError, ValueError):
 class AblationConfig:
     relation: str
     controls: tuple[str, ...] | None = None  # None: choose as the paper does
-    k: int | None = None  # None: the authors' k per relation (query.maps.paper_k)
+    k: int | None = None  # None: the authors' k per relation (actstore.query.maps.paper_k)
     threshold: float = IMPLEMENTS_THRESHOLD
     top_m: int | None = None  # None: the heads with score >= threshold
     heads: tuple[tuple[int, int], ...] | None = None  # explicit heads instead of MAPS's

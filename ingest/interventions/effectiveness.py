@@ -9,20 +9,20 @@ token to the last token (where tracing and patching find their effects), in one 
               (positive: the site is needed for the recall)
     restore   the subject's input embeddings get Gaussian noise (as in causal tracing: ``samples``
               noise samples, std ``noise_scale`` x the store's subject-embedding std, sample s seeded
-              as :meth:`ingest.interventions.tracing.CausalTracer.noise` does) and the component's
+              as :meth:`actstore.ingest.interventions.tracing.CausalTracer.noise` does) and the component's
               clean output is written back there; effect = mean over samples of
               P(o | restored) - P(o | corrupted) (positive: the site carries the recall)
 
 Restores are computed from the corrupted run by default (``EffectConfig.incremental``): a site at layer
 l leaves layers below l and positions before the subject as in the corrupted run, so each restore
 runs layers l..L-1 on the subject's first token onwards, from the corrupted run's input of layer l and
-its cached keys and values (:class:`ingest.interventions.tracing_incremental.Incremental` with
+its cached keys and values (:class:`actstore.ingest.interventions.tracing_incremental.Incremental` with
 ``span``).  ``incremental=False`` runs every restore in full (the reference; equal up to float rounding).
 
 Random sites: for each fact and component, ``random_draws`` distinct layers drawn uniformly from
 all layers by a generator seeded with (seed, example id, component), the same for every method.
 The result is one row per (fact, site, random or located) of the ``site_effects`` table
-(:data:`SITE_EFFECTS`), which :func:`query.method_metrics.effectiveness` reads.
+(:data:`SITE_EFFECTS`), which :func:`actstore.query.method_metrics.effectiveness` reads.
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import torch
-
-from ingest.interventions.facts import StoredFact, TraceError
-from ingest.interventions.runner import Intervention, InterventionRunner, RunItem
-from ingest.interventions.trace_results import TraceConfig
+from actstore.ingest.interventions.facts import StoredFact, TraceError
+from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
+from actstore.ingest.interventions.trace_results import TraceConfig
 
 if TYPE_CHECKING:
-    from ingest.interventions.tracing import CausalTracer
+    from actstore.ingest.interventions.tracing import CausalTracer
 
 MODES = ("knockout", "restore")
 SITE_COMPONENTS = ("mlp", "attn")
@@ -105,7 +104,7 @@ def site_effects(runner: InterventionRunner, facts: Sequence[StoredFact],
     out: dict[str, list[Any]] = {n: [] for n in SITE_EFFECTS.names}
     tracer = None
     if cfg.mode == "restore":
-        from ingest.interventions.tracing import CausalTracer
+        from actstore.ingest.interventions.tracing import CausalTracer
 
         tracer = CausalTracer(runner, TraceConfig(samples=cfg.samples, components=SITE_COMPONENTS, seed=cfg.seed,
                                                   window=1, batch_size=cfg.batch_size), noise_std)
@@ -175,7 +174,7 @@ def _restore_incremental(tracer: CausalTracer, fact: StoredFact, sites: Sequence
                          ) -> tuple[float, dict[tuple[str, int], float]]:
     """Restores of ``sites`` computed from the corrupted runs (see the module docstring): the mean
     corrupted P(o) over the noise samples and, per site, the mean restored P(o)."""
-    from ingest.interventions.tracing_incremental import Incremental
+    from actstore.ingest.interventions.tracing_incremental import Incremental
 
     inc = Incremental(tracer, [fact], tracer.clean([fact]), span=True)
     probs = inc.run(inc.site_rows(sites)).reshape(tracer.cfg.samples, len(sites)).mean(axis=0)
@@ -183,7 +182,7 @@ def _restore_incremental(tracer: CausalTracer, fact: StoredFact, sites: Sequence
 
 
 def sites_by_fact(site_lists: Iterable[Any]) -> dict[int, set[tuple[str, int]]]:
-    """Union of located sites per fact over several methods' :class:`query.method_metrics.Sites`."""
+    """Union of located sites per fact over several methods' :class:`actstore.query.method_metrics.Sites`."""
     out: dict[int, set[tuple[str, int]]] = {}
     for s in site_lists:
         for e, c, layer in zip(s.example_ids, s.component, s.layer):
@@ -194,7 +193,7 @@ def sites_by_fact(site_lists: Iterable[Any]) -> dict[int, set[tuple[str, int]]]:
 
 def noise_std_for(model: Any, store: Any, runner: InterventionRunner, scale: float) -> float:
     """``scale`` x the standard deviation of the store's subject-token embeddings (as causal tracing)."""
-    from ingest.interventions.facts import subject_embedding_std
+    from actstore.ingest.interventions.facts import subject_embedding_std
 
     with torch.inference_mode():
         return float(scale) * subject_embedding_std(model, store, runner.arch)

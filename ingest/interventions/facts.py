@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.errors import ActstoreError
+from actstore.core.errors import ActstoreError
 
 
 class TraceError(ActstoreError, ValueError):

@@ -18,7 +18,7 @@ the table (P = number of edited positions).  Positions are the prompt's own toke
 (negative ones count from the end, -1 = the last prompt token, where the model predicts);
 ``None`` means every position.
 
-Edits hook onto the modules the architecture adapters name (``ingest.architectures``): a
+Edits hook onto the modules the architecture adapters name (``actstore.ingest.architectures``): a
 forward pre-hook on the first decoder layer (resid 0), forward hooks on decoder layers
 (resid l+1), on the attention output projection (attn) and on the down projection (mlp), and
 a forward pre-hook on the attention output projection that rewrites the per-head slices of its
@@ -41,13 +41,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from actstore.ingest.architectures import Architecture, architecture_for
+from actstore.ingest.batches import pad_batch
+from actstore.ingest.records import PromptRecord, TokenizedPrompt
 from torch import nn
 
-from actstore.errors import ActstoreError
-from actstore.manifest import Geometry
-from ingest.architectures import Architecture, architecture_for
-from ingest.batches import pad_batch
-from ingest.records import PromptRecord, TokenizedPrompt
+from actstore.core.errors import ActstoreError
+from actstore.core.manifest import Geometry
 
 COMPONENTS = ("resid", "attn", "mlp", "head")
 OPS = ("zero", "mean", "set", "add", "add_noise")

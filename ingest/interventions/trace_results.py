@@ -1,4 +1,4 @@
-"""Causal tracing: its settings, its results and their tables (see :mod:`ingest.interventions.tracing`)."""
+"""Causal tracing: its settings, its results and their tables (see :mod:`actstore.ingest.interventions.tracing`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-
-from ingest.interventions.facts import StoredFact, TraceError
+from actstore.ingest.interventions.facts import StoredFact, TraceError
 
 COMPONENTS = ("resid", "mlp", "attn")
 

@@ -31,12 +31,12 @@ as in the corrupted run.  The corrupted run of each (fact, noise sample) is comp
 the input of every layer and the attention's keys and values; each restoration then runs only
 layers start..L-1 at positions p..T-1, from the corrupted input of layer ``start`` and with the
 corrupted keys/values of positions < p as its past
-(:class:`ingest.interventions.tracing_incremental.Incremental`).  The effects equal the
+(:class:`actstore.ingest.interventions.tracing_incremental.Incremental`).  The effects equal the
 full recomputation (float rounding: about 1e-9 on the tiny models, 2e-6 on SmolLM2 in float32) at
 about a third of its positions x layers on SmolLM2 (benchmarks/bench_tracing.py).
 
 Full recomputation (``incremental=False``, the reference): every (component, layer, position,
-sample) restoration is one row of a batch of corrupted copies (:class:`ingest.interventions.runner.RunItem`
+sample) restoration is one row of a batch of corrupted copies (:class:`actstore.ingest.interventions.runner.RunItem`
 carries its own edits), so one forward pass holds many restorations, of several facts.
 
 Either way positions before the subject are not run: the noise cannot reach them under causal
@@ -51,10 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from ingest.interventions.facts import StoredFact, TraceError, stored_facts, subject_embedding_std
-from ingest.interventions.runner import Intervention, InterventionError, InterventionRunner, RunItem
-from ingest.interventions.trace_results import (
+from actstore.ingest.interventions.facts import StoredFact, TraceError, stored_facts, subject_embedding_std
+from actstore.ingest.interventions.runner import Intervention, InterventionError, InterventionRunner, RunItem
+from actstore.ingest.interventions.trace_results import (
     COMPONENTS,
     STATE_KEY,
     TRACE_EFFECTS,
@@ -66,7 +65,7 @@ from ingest.interventions.trace_results import (
     facts_table,
     window_layers,
 )
-from ingest.interventions.tracing_incremental import Incremental
+from actstore.ingest.interventions.tracing_incremental import Incremental
 
 __all__ = [
     "COMPONENTS", "TRACE_EFFECTS", "TRACE_FACTS", "CausalTracer", "GroupedEditRunner", "StoredFact", "TraceConfig",

@@ -1,5 +1,5 @@
 """Incremental causal tracing: restorations computed from the corrupted run instead of from scratch
-(see :class:`Incremental` and :mod:`ingest.interventions.tracing`)."""
+(see :class:`Incremental` and :mod:`actstore.ingest.interventions.tracing`)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-
-from ingest.interventions.facts import StoredFact
-from ingest.interventions.runner import Intervention, InterventionRunner
-from ingest.interventions.trace_results import STATE_KEY, CleanStates, TraceConfig, window_layers
+from actstore.ingest.interventions.facts import StoredFact
+from actstore.ingest.interventions.runner import Intervention, InterventionRunner
+from actstore.ingest.interventions.trace_results import STATE_KEY, CleanStates, TraceConfig, window_layers
 
 
 class TracerLike(Protocol):
-    """What :class:`Incremental` reads from its tracer (:class:`ingest.interventions.tracing.CausalTracer`)."""
+    """What :class:`Incremental` reads from its tracer (:class:`actstore.ingest.interventions.tracing.CausalTracer`)."""
 
     runner: InterventionRunner
     cfg: TraceConfig
@@ -90,7 +89,7 @@ class Incremental:
     the window).
 
     With ``span`` a restoration sets the window's clean mlp / attn outputs at *every* position it runs
-    (p..T-1), not at p only: the restore interventions of :mod:`ingest.interventions.effectiveness`
+    (p..T-1), not at p only: the restore interventions of :mod:`actstore.ingest.interventions.effectiveness`
     (p = the subject's first token).  The argument above holds unchanged.
     """
 

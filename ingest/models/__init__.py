@@ -8,7 +8,7 @@
 - :mod:`.tiny`: tiny random-weight models built from configs, and their tokenizer;
 - :mod:`.base`: ``ModelError``, ``LoadedModel``, ``weight_hash``.
 
-Library code here reports through ``logging`` (logger names ``ingest.models.*``) and never prints.
+Library code here reports through ``logging`` (logger names ``actstore.ingest.models.*``) and never prints.
 """
 
 from .base import LoadedModel, ModelError, weight_hash

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from actstore.errors import ActstoreError
+from actstore.core.errors import ActstoreError
 
 __all__ = ["LoadedModel", "ModelError", "weight_hash"]
 

@@ -4,11 +4,11 @@
 
 1. an alias of a GGUF model shipped in a PyPI package (``smollm2-135m``, ``gemma3-270m``);
    the GGUF file is converted once into a cached safetensors folder
-   (:mod:`ingest.models.gguf`), which every later load reads;
+   (:mod:`actstore.ingest.models.gguf`), which every later load reads;
 2. a path to a local ``.gguf`` file (converted and cached the same way);
 3. an existing local folder holding a transformers checkpoint;
 4. ``tiny-<arch>`` (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma3``, ``tiny-gpt2``,
-   ``tiny-gpt_neox``): a random-weight tiny model built from a config (:mod:`ingest.models.tiny`);
+   ``tiny-gpt_neox``): a random-weight tiny model built from a config (:mod:`actstore.ingest.models.tiny`);
 5. anything else that looks like a hub repository name (``owner/name``): the local hub cache
    first, then a download, both through ``huggingface_hub``; with ``HF_HUB_OFFLINE=1`` only the
    local cache is read, and a model missing from it is one error line saying so.
@@ -61,7 +61,7 @@ def load_model(
 ) -> LoadedModel:
     """Resolve ``name`` (see the module docstring) and load it in eval mode on ``device``/``dtype``.
 
-    ``cache_dir`` is the converted-model cache (default :func:`ingest.models.cache.default_cache_dir`).
+    ``cache_dir`` is the converted-model cache (default :func:`actstore.ingest.models.cache.default_cache_dir`).
     Raises ModelError (one line) when the name resolves to nothing loadable.
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()

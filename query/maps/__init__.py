@@ -2,23 +2,23 @@
 
 The package, by responsibility:
 
-* :mod:`query.maps.defaults`    the authors' settings (k per relation, minimum pairs, threshold) and
+* :mod:`actstore.query.maps.defaults`    the authors' settings (k per relation, minimum pairs, threshold) and
                                 :class:`MapsError`;
-* :mod:`query.maps.pairs`       pair files, tokenization, the single-token rule, the minimum-pairs
+* :mod:`actstore.query.maps.pairs`       pair files, tokenization, the single-token rule, the minimum-pairs
                                 exclusion, and the (source, object) pairs of a store's prompts;
-* :mod:`query.maps.projection`  the store's weights arranged to read a head's vocabulary map row by
+* :mod:`actstore.query.maps.projection`  the store's weights arranged to read a head's vocabulary map row by
                                 row, and the ranks of targets in those rows;
-* :mod:`query.maps.static`      static scores from the weights alone, salient operations, their tables,
+* :mod:`actstore.query.maps.static`      static scores from the weights alone, salient operations, their tables,
                                 and the scores an earlier run stored;
-* :mod:`query.maps.dynamic`     what the heads wrote on the stored prompts, and its correlation with
+* :mod:`actstore.query.maps.dynamic`     what the heads wrote on the stored prompts, and its correlation with
                                 the static scores (imported on its own: it needs Dask helpers).
 
-The names below are re-exported so that ``from query.maps import ...`` keeps working.
+The names below are re-exported so that ``from actstore.query.maps import ...`` keeps working.
 """
 
 from __future__ import annotations
 
-from query.maps.defaults import (
+from actstore.query.maps.defaults import (
     COPYING_K,
     DEFAULT_K,
     IMPLEMENTS_THRESHOLD,
@@ -31,7 +31,7 @@ from query.maps.defaults import (
     paper_k,
     relation_ks,
 )
-from query.maps.pairs import (
+from actstore.query.maps.pairs import (
     MultiToken,
     RelationPairs,
     TokenPairs,
@@ -42,7 +42,7 @@ from query.maps.pairs import (
     store_pairs,
     tokenize_pairs,
 )
-from query.maps.projection import (
+from actstore.query.maps.projection import (
     HeadMap,
     SourceTransform,
     VocabProjection,
@@ -52,7 +52,7 @@ from query.maps.projection import (
     projected_ranks,
     target_ranks,
 )
-from query.maps.static import (
+from actstore.query.maps.static import (
     SalientOps,
     StaticScores,
     StoredScores,

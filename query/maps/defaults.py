@@ -6,7 +6,7 @@
 * ``k`` per relation (:func:`paper_k`): 1 for the copying relations (name containing "copying"),
   10 for every other; for Llama-3 models 3 and 25.  A given ``k`` applies to every relation instead.
 * a relation with fewer than :data:`MIN_PAIRS` = 30 usable pairs (the authors'
-  ``min_filtered_dataset_size``) is excluded (:func:`query.maps.pairs.split_by_min_pairs`).
+  ``min_filtered_dataset_size``) is excluded (:func:`actstore.query.maps.pairs.split_by_min_pairs`).
 * head h *implements* R when phi_R(h) >= 0.15 (:data:`IMPLEMENTS_THRESHOLD`), and *suppresses* R
   when its suppression score is.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from actstore.errors import QueryError
+from actstore.core.errors import QueryError
 
 DEFAULT_K = 10  # the paper's k for every relation but the copying ones, on every model but Llama-3
 COPYING_K = 1  # the paper's k for the copying relations

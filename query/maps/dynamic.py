@@ -44,15 +44,22 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 import torch
+from actstore.query.distributed import client_threads, run_tasks, store_of
+from actstore.query.maps.defaults import (
+    DEFAULT_K,
+    IMPLEMENTS_THRESHOLD,
+    MIN_PAIRS,
+    ROW_CHUNK,
+    MapsError,
+    check_k,
+)
+from actstore.query.maps.pairs import single_token_pairs, store_pairs
+from actstore.query.maps.projection import VocabProjection, projected_ranks
+from actstore.query.maps.static import pair_ranks
+from actstore.query.selection import Selection
+from actstore.query.stats import pearson
 
-from actstore.store import Store
-from query.distributed import client_threads, run_tasks, store_of
-from query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, MIN_PAIRS, ROW_CHUNK, MapsError, check_k
-from query.maps.pairs import single_token_pairs, store_pairs
-from query.maps.projection import VocabProjection, projected_ranks
-from query.maps.static import pair_ranks
-from query.selection import Selection
-from query.stats import pearson
+from actstore.core.store import Store
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,7 @@ def usable_prompts(store: Store, *, tokenizer: Any = None, where: str | None = N
     """The published pair policy applied to a store's prompts.
 
     ``multi_token="skip"`` (the authors' filter) keeps a prompt only when its subject and its object
-    are each one token with a leading space (:func:`query.maps.pairs.single_token_pairs`, needs ``tokenizer``);
+    are each one token with a leading space (:func:`actstore.query.maps.pairs.single_token_pairs`, needs ``tokenizer``);
     ``"first"`` keeps every prompt.  A relation is excluded when it has fewer than ``min_pairs``
     usable pairs: counted in its pair file when ``pair_counts`` holds it (relation -> (usable, pairs in
     the file), the authors' criterion), else as distinct usable (subject, object) pairs among the
@@ -348,7 +355,7 @@ def _read_factors(store: Store, ids: np.ndarray, src_pos: dict[int, int]) -> tup
 
 def correlation_summary(d: DynamicRanks, k: int = DEFAULT_K, threshold: float = IMPLEMENTS_THRESHOLD) -> dict[str, Any]:
     """Static vs dynamic Pearson correlations of one relation, over (head, template) points
-    (:func:`query.stats.pearson`: NaN for a constant side)."""
+    (:func:`actstore.query.stats.pearson`: NaN for a constant side)."""
     s, sd = d.per_template(d.static_up, k), d.per_template(d.static_down, k)
     w, wd = d.per_template(d.w_up, k), d.per_template(d.w_down, k)
     o, od = d.per_template(d.wo_up, k), d.per_template(d.wo_down, k)

@@ -6,7 +6,7 @@ Words to tokens (:func:`tokenize_pairs`): each word gets a leading space (the pa
 unknown token, are dropped and counted.  Only pairs whose source and target are each one token
 are scored (``multi_token="skip"``, the authors' filter); ``multi_token="first"`` (ours, a named
 variant) lets a multi-token word stand as its first token, and the number of such pairs is
-reported.  A relation with fewer than :data:`~query.maps.defaults.MIN_PAIRS` usable pairs is
+reported.  A relation with fewer than :data:`~actstore.query.maps.defaults.MIN_PAIRS` usable pairs is
 excluded: :func:`split_by_min_pairs` reports it with its counts, and it enters no score table,
 summary or figure.
 """
@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
+from actstore.query.maps.defaults import MIN_PAIRS, MapsError
 
-from actstore.store import Store
-from query.maps.defaults import MIN_PAIRS, MapsError
+from actstore.core.store import Store
 
 
 @dataclass(frozen=True)

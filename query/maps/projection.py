@@ -1,7 +1,7 @@
 """MAPS vocabulary projections: the store's weights arranged to read a head's map row by row.
 
 For head h of layer l the vocabulary map is M = E W_VO U with W_VO = W_V[l, kv(h)] W_O[l, h]
-(see :mod:`query.maps.static`).  We never build the |V| x |V| matrix: a row is ``x_s B_h`` with
+(see :mod:`actstore.query.maps.static`).  We never build the |V| x |V| matrix: a row is ``x_s B_h`` with
 ``x_s = e_s W_V[l, kv(h)]`` and ``B_h = W_O[l, h] U`` (or ``(x_s W_O[l, h]) U`` for few rows,
 :class:`HeadMap`), and only the ranks of the wanted targets are kept (:func:`target_ranks`).
 """
@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
+from actstore.query.maps.defaults import ROW_CHUNK, MapsError
 
-from actstore.manifest import Geometry
-from actstore.store import Store
-from query.maps.defaults import ROW_CHUNK, MapsError
+from actstore.core.manifest import Geometry
+from actstore.core.store import Store
 
 SourceTransform = Callable[[torch.Tensor], torch.Tensor]
 

@@ -8,7 +8,7 @@ and its row for source token s scores every vocabulary token as a target.  We ne
 the |V| x |V| matrix: W_VO has rank d_head, so a row is ``x_s B_h`` with
 ``x_s = e_s W_V[l, kv(h)]`` (d_head numbers) and ``B_h = W_O[l, h] U`` ([d_head, |V|], made
 once per head; for few rows ``(x_s W_O[l, h]) U`` is cheaper, see
-:class:`~query.maps.projection.HeadMap`).  Rows are computed only for the source tokens a relation
+:class:`~actstore.query.maps.projection.HeadMap`).  Rows are computed only for the source tokens a relation
 needs, in chunks, so peak memory is a few chunks of ``[rows, |V|]`` whatever the vocabulary.
 
 Scores, per relation R with token pairs (s, t):
@@ -19,11 +19,11 @@ Scores, per relation R with token pairs (s, t):
   sort), so any k <= k_max can be scored afterwards.
 * relation score  phi_R(h)  = share of pairs with ``rank_up < k``  (t in the top-k of m_s);
 * suppression score         = share of pairs with ``rank_down < k`` (t in the top-k of -m_s);
-* head h *implements* R when phi_R(h) >= 0.15 (:data:`~query.maps.defaults.IMPLEMENTS_THRESHOLD`), and
+* head h *implements* R when phi_R(h) >= 0.15 (:data:`~actstore.query.maps.defaults.IMPLEMENTS_THRESHOLD`), and
   *suppresses* R when its suppression score is.
 
-``k`` follows the authors' released code by default (:mod:`query.maps.defaults`), and so do the
-pairs (:mod:`query.maps.pairs`: single-token pairs, relations with too few pairs excluded).
+``k`` follows the authors' released code by default (:mod:`actstore.query.maps.defaults`), and so do the
+pairs (:mod:`actstore.query.maps.pairs`: single-token pairs, relations with too few pairs excluded).
 
 Ties are broken in the target's favour (strictly greater entries are counted), which
 ``torch.topk`` leaves unspecified.
@@ -38,9 +38,9 @@ Choices where the paper leaves room (documented, and parameters where it matters
   The paper's code (TransformerLens without weight processing) uses the raw W_U;
   ``final_norm=False`` reproduces that.  Dynamic scores use the same U'.
 * First MLP: the paper's code (``apply_first_mlp``, on for every model but Llama-3.1-70B:
-  :func:`~query.maps.defaults.paper_first_mlp`) replaces the source embeddings by the first MLP's output on them,
+  :func:`~actstore.query.maps.defaults.paper_first_mlp`) replaces the source embeddings by the first MLP's output on them,
   MLP0(norm(e_s)), for layers >= 1.  The store does not hold that MLP's input weights, so this
-  needs the model: pass ``first_mlp`` (:func:`ingest.first_mlp.first_mlp_transform`).  The
+  needs the model: pass ``first_mlp`` (:func:`actstore.ingest.first_mlp.first_mlp_transform`).  The
   command line turns it on by default as the authors do (``--no-first-mlp``: from the store's
   weights alone).  On SmolLM2 it matters a great deal: it lifts the static-dynamic correlation
   from 0.0-0.6 to 0.7-1.0.
@@ -63,11 +63,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, MapsError, check_k, k_of
+from actstore.query.maps.pairs import TokenPairs
+from actstore.query.maps.projection import VocabProjection, head_list, target_ranks
 
-from actstore.store import Store
-from query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, MapsError, check_k, k_of
-from query.maps.pairs import TokenPairs
-from query.maps.projection import VocabProjection, head_list, target_ranks
+from actstore.core.store import Store
 
 # ----------------------------------------------------------------------------------- static scores
 

@@ -7,12 +7,12 @@ The report discovers result tables by name (``tables/<name>/<run_id>.parquet``) 
 section only when its tables exist; a table that lacks a column a figure needs gets a note
 instead of the figure, so results written by older or newer code never break the report, and a
 table whose files cannot be read (missing, damaged) costs only its own section, which says so.
-Figures are matplotlib PNGs (:mod:`query.plotting`) embedded as base64 ``data:`` URIs; the page
+Figures are matplotlib PNGs (:mod:`actstore.query.plotting`) embedded as base64 ``data:`` URIs; the page
 is rendered from the Jinja2 templates in ``templates/`` with autoescaping.  Every section has a
 stable element id (:data:`SECTION_IDS`) so tests and links can find it.
 
-Modules: :mod:`~query.report.builder` (section order, page, atomic write),
-:mod:`~query.report.context` (blocks, options, table access), :mod:`~query.report.render`
+Modules: :mod:`~actstore.query.report.builder` (section order, page, atomic write),
+:mod:`~actstore.query.report.context` (blocks, options, table access), :mod:`~actstore.query.report.render`
 (templates), and one module per section or group of related sections:
 
 * ``section-summary``     model, geometry, corpus per relation, sizes, runs (always)           summary
@@ -33,7 +33,7 @@ Modules: :mod:`~query.report.builder` (section order, page, atomic write),
 The tables each section reads are :data:`SECTION_TABLES`.
 """
 
-from query.report.builder import (
+from actstore.query.report.builder import (
     SECTION_TABLES,
     SECTIONS,
     SectionSpec,
@@ -44,10 +44,10 @@ from query.report.builder import (
     write_report,
     write_text_atomically,
 )
-from query.report.context import READ_ERRORS, SECTION_IDS, ReportContext, ReportOptions, Section, fmt
-from query.report.interventions import TRACE_CLASSES, trace_classes
-from query.report.summary import store_bytes
-from query.report.tokens import token_colour
+from actstore.query.report.context import READ_ERRORS, SECTION_IDS, ReportContext, ReportOptions, Section, fmt
+from actstore.query.report.interventions import TRACE_CLASSES, trace_classes
+from actstore.query.report.summary import store_bytes
+from actstore.query.report.tokens import token_colour
 
 __all__ = [
     "READ_ERRORS", "SECTIONS", "SECTION_IDS", "SECTION_TABLES", "TRACE_CLASSES", "ReportContext", "ReportOptions",

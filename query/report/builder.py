@@ -6,8 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from actstore.store import Store
-from query.report.context import (
+from actstore.query.report.context import (
     READ_ERRORS,
     SECTION_IDS,
     Omitted,
@@ -15,17 +14,19 @@ from query.report.context import (
     ReportOptions,
     Section,
 )
-from query.report.context import log as logger
-from query.report.interventions import patching_section, tracing_section
-from query.report.lens import agreement_section, lens_section
-from query.report.maps import maps_ablation_section, maps_dynamic_section, maps_section
-from query.report.method_metrics import method_metrics_section
-from query.report.predictors import predictors_section, shortcuts_section
-from query.report.probes import headscore_section, probes_section
-from query.report.render import render_page
-from query.report.summary import summary_section
-from query.report.tables import other_tables_section
-from query.report.tokens import tokenscore_section
+from actstore.query.report.context import log as logger
+from actstore.query.report.interventions import patching_section, tracing_section
+from actstore.query.report.lens import agreement_section, lens_section
+from actstore.query.report.maps import maps_ablation_section, maps_dynamic_section, maps_section
+from actstore.query.report.method_metrics import method_metrics_section
+from actstore.query.report.predictors import predictors_section, shortcuts_section
+from actstore.query.report.probes import headscore_section, probes_section
+from actstore.query.report.render import render_page
+from actstore.query.report.summary import summary_section
+from actstore.query.report.tables import other_tables_section
+from actstore.query.report.tokens import tokenscore_section
+
+from actstore.core.store import Store
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from actstore.query import plotting
 from matplotlib.figure import Figure as MplFigure
 
-from actstore.errors import CorruptStoreError, QueryError, StorageError
-from actstore.store import Store
-from query import plotting
+from actstore.core.errors import CorruptStoreError, QueryError, StorageError
+from actstore.core.store import Store
 
-log = logging.getLogger("query.report")
+log = logging.getLogger("actstore.query.report")
 
 SECTION_IDS: dict[str, str] = {
     "summary": "section-summary",
@@ -169,7 +169,7 @@ class ReportContext:
 
     def sql(self, query: str, params: Sequence[Any] | None = None) -> pa.Table:
         """One read-only SELECT over the store's tables; ``params`` bound by DuckDB (``?`` placeholders)."""
-        from actstore.sql import run_sql
+        from actstore.core.sql import run_sql
 
         return run_sql(self.store, query, self.con, params=params)
 

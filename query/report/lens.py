@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from matplotlib.ticker import MaxNLocator
-
-from query import plotting
-from query.report.context import (
+from actstore.query import plotting
+from actstore.query.report.context import (
     Heading,
     Note,
     ReportContext,
@@ -20,6 +18,7 @@ from query.report.context import (
     run_label,
     table_block,
 )
+from matplotlib.ticker import MaxNLocator
 
 Panel = tuple[str, Callable[[np.ndarray], float], str]
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from query import plotting
-from query.report.context import (
+from actstore.query import plotting
+from actstore.query.report.context import (
     Block,
     Grid,
     Heading,

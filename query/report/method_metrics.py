@@ -1,7 +1,7 @@
 """Section ``section-method-metrics``: the seed-001 metrics of each interpretability method
 (``method_metrics``), the pair table with bootstrap intervals next to the seed's figures
 (``method_pair_metrics``) and the cross-size row of each model (``method_cross_size``), as
-:mod:`query.method_metrics` writes them.  The intervention runs behind them (``site_effects``) are
+:mod:`actstore.query.method_metrics` writes them.  The intervention runs behind them (``site_effects``) are
 summarised by their sizes."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import json
 from typing import Any
 
 import pyarrow as pa
-
-from query.report.context import (
+from actstore.query.report.context import (
     Block,
     Heading,
     Note,

@@ -8,9 +8,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-from query import plotting
-from query.report.context import (
+from actstore.query import plotting
+from actstore.query.report.context import (
     Block,
     Grid,
     Heading,

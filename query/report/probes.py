@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from query import plotting
-from query.report.context import (
+from actstore.query import plotting
+from actstore.query.report.context import (
     Block,
     Grid,
     Heading,

@@ -7,15 +7,15 @@ import time
 from collections.abc import Sequence
 
 import jinja2
+from actstore.query.report.context import Block, Section, fmt
 from markupsafe import Markup
 
-from actstore.store import Store
-from query.report.context import Block, Section, fmt
+from actstore.core.store import Store
 
 
 @functools.cache
 def environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("query.report", "templates"), autoescape=True,
+    env = jinja2.Environment(loader=jinja2.PackageLoader("actstore.query.report", "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["cell"] = fmt
     return env

@@ -6,9 +6,7 @@ import os
 import time
 from typing import Any
 
-from actstore.store import Store
-from actstore.tables import SEGMENT_TABLES
-from query.report.context import (
+from actstore.query.report.context import (
     READ_ERRORS,
     Block,
     Heading,
@@ -18,6 +16,9 @@ from query.report.context import (
     log,
     table_block,
 )
+
+from actstore.core.store import Store
+from actstore.core.tables import SEGMENT_TABLES
 
 CORPUS_WITH_TARGETS = ("SELECT e.relation_id, any_value(e.relation_name) AS relation_name, "
                        "any_value(e.source) AS source, count(*) AS prompts, "

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from actstore.tables import SEGMENT_TABLES
-from query.report.context import (
+from actstore.query.report.context import (
     READ_ERRORS,
     Block,
     Heading,
@@ -13,6 +12,8 @@ from query.report.context import (
     log,
     table_block,
 )
+
+from actstore.core.tables import SEGMENT_TABLES
 
 
 def other_tables_section(ctx: ReportContext) -> Section | None:

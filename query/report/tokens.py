@@ -7,8 +7,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-
-from query.report.context import (
+from actstore.query.report.context import (
     READ_ERRORS,
     Block,
     Heading,

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from actstore.progress import progress_bar
-from actstore.runs import new_run_id, with_run_id, write_run
-from actstore.store import Store
+from actstore.core.progress import progress_bar
+from actstore.core.runs import new_run_id, with_run_id, write_run
+from actstore.core.store import Store
 
 Step = Callable[[str], None]
 
@@ -68,7 +68,7 @@ class DemoLog:
 
 # ----------------------------------------------------------------------------------- steps
 def probe_step(store: Store, kind: str, episodes: int, token_scores: str, log: Step = _quiet) -> dict[str, Any]:
-    from query.probe import ProbeConfig, run_probe, write_probe_tables
+    from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
 
     cfg = ProbeConfig(kind=kind, n_way=5, k_shot=5, queries=5, episodes=episodes, seeds=(0,),
                       token_scores=token_scores, threads=1)
@@ -81,8 +81,8 @@ def probe_step(store: Store, kind: str, episodes: int, token_scores: str, log: S
 
 
 def predictors_step(store: Store, run_id: str) -> dict[str, Any]:
-    from actstore.writer import write_result_table
-    from query.predictors import relation_predictors
+    from actstore.core.writer import write_result_table
+    from actstore.query.predictors import relation_predictors
 
     res = relation_predictors(store, run_id)
     write_result_table(store, "relation_predictors", run_id, res.relations)
@@ -91,8 +91,8 @@ def predictors_step(store: Store, run_id: str) -> dict[str, Any]:
 
 
 def shortcuts_step(store: Store, run_id: str) -> dict[str, Any]:
-    from actstore.writer import write_result_table
-    from query.shortcuts import shortcut_analysis
+    from actstore.core.writer import write_result_table
+    from actstore.query.shortcuts import shortcut_analysis
 
     res = shortcut_analysis(store, run_id)
     write_result_table(store, "shortcut_errors", run_id, res.errors)
@@ -103,7 +103,7 @@ def shortcuts_step(store: Store, run_id: str) -> dict[str, Any]:
 def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[Any]:
     """Each relation's distinct (subject's first token, object's first token) pairs, from the
     store's own prompts (no tokenizer needed): the MAPS pairs of the demo corpus."""
-    from query.maps import TokenPairs, store_pairs
+    from actstore.query.maps import TokenPairs, store_pairs
 
     t = store_pairs(store)
     rel = np.asarray(t.column("relation_id").to_pylist())
@@ -122,8 +122,8 @@ def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[
 def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet) -> dict[str, Any]:
     import pyarrow as pa
 
-    from actstore.writer import write_result_table
-    from query.maps import StaticScores, relation_summary, scores_table, static_scores
+    from actstore.core.writer import write_result_table
+    from actstore.query.maps import StaticScores, relation_summary, scores_table, static_scores
 
     started = time.time()
     pairs = store_token_pairs(store)
@@ -149,8 +149,8 @@ def maps_dynamic_step(store: Store, proj: Any, relations: list[str], k: int = 10
                       log: Step = _quiet) -> dict[str, Any]:
     import pyarrow as pa
 
-    from actstore.writer import write_result_table
-    from query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
+    from actstore.core.writer import write_result_table
+    from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 
     started = time.time()
     ranks = dynamic_ranks(store, relations=relations, proj=proj)
@@ -212,7 +212,7 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
 
     def proj() -> Any:
         if "p" not in proj_cache:
-            from query.maps import VocabProjection
+            from actstore.query.maps import VocabProjection
 
             proj_cache["p"] = VocabProjection(store)
         return proj_cache["p"]
@@ -240,6 +240,6 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
 
 
 def _write_report(store: Store, path: str) -> str:
-    from query.report import write_report
+    from actstore.query.report import write_report
 
     return write_report(store, path)

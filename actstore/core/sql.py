@@ -18,7 +18,7 @@ Three layers, each enough on its own to stop a statement from writing:
    may grow by at most about twice the limit while the statement runs, see :data:`GROWTH_FACTOR`)
    and a time limit (a timer thread interrupts the statement).  Defaults:
    :data:`DEFAULT_MEMORY_LIMIT` and :data:`DEFAULT_TIMEOUT`; per call (``Store.sql(...,
-   memory_limit=, timeout=)``), per block of code (``with actstore.sql.limits(...)``), or per
+   memory_limit=, timeout=)``), per block of code (``with actstore.core.sql.limits(...)``), or per
    command (``--sql-memory``, ``--sql-timeout``).
 
 **Parameters.**  Values reach a statement as DuckDB parameters (``$name`` with a mapping, ``?`` or
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
-from actstore.errors import CorruptStoreError, QueryError, ReadOnlySQLError
-from actstore.sql_limits import (  # noqa: F401 - part of this module's interface
+from actstore.core.errors import CorruptStoreError, QueryError, ReadOnlySQLError
+from actstore.core.sql_limits import (  # noqa: F401 - part of this module's interface
     DEFAULT_MEMORY_LIMIT,
     DEFAULT_TIMEOUT,
     GROWTH_FACTOR,
@@ -50,20 +50,20 @@ from actstore.sql_limits import (  # noqa: F401 - part of this module's interfac
     limits,
     size_bytes,
 )
-from actstore.sql_render import render  # noqa: F401 - part of this module's interface
+from actstore.core.sql_render import render  # noqa: F401 - part of this module's interface
 
 if TYPE_CHECKING:  # duckdb and pyarrow.dataset are imported when a statement runs: the CLI starts fast
     import duckdb
     import pyarrow.dataset as pads
 
-    from actstore.fs import StoreLocation
+    from actstore.core.fs import StoreLocation
 
 Params = Sequence[Any] | Mapping[str, Any]
 """SQL parameter values: a sequence for ``?`` / ``$1`` placeholders, a mapping for ``$name`` ones."""
 
 
 class TableSource(Protocol):
-    """What this module needs of a store (:class:`actstore.store.Store` is one): its location and
+    """What this module needs of a store (:class:`actstore.core.store.Store` is one): its location and
     its visible, checked table files.  A protocol, so the store imports this module and not back."""
 
     location: StoreLocation
@@ -212,7 +212,7 @@ def _database(memory_limit: str) -> duckdb.DuckDBPyConnection:
 
 
 class SQLSession:
-    """The SQL connection a store keeps (:meth:`actstore.store.Store.sql`) between statements.
+    """The SQL connection a store keeps (:meth:`actstore.core.store.Store.sql`) between statements.
 
     It is a connection to the process's locked-down in-memory database (one per memory limit), with
     the store's tables as views of its own (``TEMP``: other stores' sessions on the same database do

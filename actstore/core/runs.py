@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from actstore.fs import StoreLocation
-from actstore.tables import to_parquet_bytes
+from actstore.core.fs import StoreLocation
+from actstore.core.tables import to_parquet_bytes
 
 RUNS_TABLE = "runs"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import fsspec
 
-from actstore.errors import ActstoreError, CorruptStoreError, StorageError, StoreNotFoundError
+from actstore.core.errors import ActstoreError, CorruptStoreError, StorageError, StoreNotFoundError
 
 
 @dataclass(frozen=True)
@@ -147,11 +147,11 @@ class StoreLocation:
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Write ``data`` so that readers see either the old object or the whole new one.
 
-        A non-segment table file (:func:`actstore.tables.needs_hash_file`) gets its ``.sha256``
+        A non-segment table file (:func:`actstore.core.tables.needs_hash_file`) gets its ``.sha256``
         companion written first, so a reader that sees the table also sees its hash, whichever
         writer (ingest, an analysis, a notebook) adds the file.
         """
-        from actstore.tables import HASH_SUFFIX, needs_hash_file, sha256
+        from actstore.core.tables import HASH_SUFFIX, needs_hash_file, sha256
 
         if needs_hash_file(rel):
             self.write_bytes_atomic(rel + HASH_SUFFIX, sha256(data).encode())

@@ -19,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from actstore.errors import CorruptStoreError, FormatVersionError
+from actstore.core.errors import CorruptStoreError, FormatVersionError
 
 FORMAT_NAME = "actstore"
 FORMAT_VERSION = 2  # 2: segment arrays may be chunked along the layer axis too (chunk_layers)
@@ -197,7 +197,7 @@ class SegmentCommit:
         d = parse_json_object(data, where, "commit marker")
         if not checksum_ok(d, {f.name for f in fields(cls)}):
             raise CorruptStoreError(f"{where}: commit marker fails its checksum (the file is corrupt)")
-        from actstore.tables import SEGMENT_TABLES
+        from actstore.core.tables import SEGMENT_TABLES
 
         where = f"{where}: commit marker"
         tables = _field_dict(d, "table_sha256", where)

@@ -5,7 +5,7 @@ the ``runs`` row, heatmaps, and a JSON-ready summary.
     out.summaries                             # per relation: k, pairs used, heads implementing it
 
 The first-MLP source transform loads the model, which the query layer does not do: the caller
-passes a loader of it (e.g. ``lambda: ingest.intervention_runs.first_mlp_for_store(store, None)``),
+passes a loader of it (e.g. ``lambda: actstore.jobs.interventions.first_mlp_for_store(store, None)``),
 called only when the run reads through the first MLP (:func:`first_mlp_wanted`).  The tokenizer
 comes the same way (``tokenizer``: a loader, e.g. ``lambda: actstore.api.tokenizer_for_store(store)``).
 
@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.invalid import InvalidSetting
-from actstore.runs import new_run_id, with_run_id, write_run
-from actstore.store import Store
+from actstore.core.invalid import InvalidSetting
+from actstore.core.runs import new_run_id, with_run_id, write_run
+from actstore.core.store import Store
 
 Log = Callable[[str], None]
 
@@ -60,7 +60,7 @@ def _load_first_mlp(loader: FirstMlp | None) -> Any:
 def first_mlp_wanted(store: Store, first_mlp: bool | None, compare: bool = False) -> bool:
     """Whether a run needs the first-MLP transform: as asked, else the authors' default for the
     store's model (on, except for Llama-3.1-70B)."""
-    from query.maps import paper_first_mlp
+    from actstore.query.maps import paper_first_mlp
 
     if compare:
         return True
@@ -106,8 +106,8 @@ def run_maps(store: Store, cfg: MapsRunConfig, tokenizer: Callable[[], Any],
              first_mlp: FirstMlp | None = None) -> MapsOutcome:
     """Static MAPS scores of every head for each relation in the pair files, from the store's
     weights (``first_mlp``: loads the first-MLP transform when the run needs it)."""
-    from actstore.writer import write_result_table
-    from query.maps import (
+    from actstore.core.writer import write_result_table
+    from actstore.query.maps import (
         MapsError,
         VocabProjection,
         excluded_line,
@@ -165,7 +165,7 @@ def run_maps(store: Store, cfg: MapsRunConfig, tokenizer: Callable[[], Any],
             "excluded": [e["relation"] for e in excluded], "final_norm": cfg.final_norm,
             "tokenizer": cfg.tokenizer, "first_mlp": use_mlp})
     if cfg.figures:
-        from query.maps_figures import head_heatmap, safe_name
+        from actstore.query.maps_figures import head_heatmap, safe_name
 
         for name, sc in scores.items():
             kr = ks[name]
@@ -236,9 +236,9 @@ def run_maps_dynamic(store: Store, cfg: MapsDynamicConfig, tokenizer: Callable[[
     """Dynamic MAPS scores from the store's head outputs and their correlation with the static
     scores; ``tokenizer`` is loaded for single-token prompts and pair files; ``client``: a Dask
     client for the projections (None: in this process)."""
-    from actstore.writer import write_result_table
-    from query.maps import MapsError, VocabProjection, load_pair_files, relation_ks, tokenize_pairs
-    from query.maps.dynamic import (
+    from actstore.core.writer import write_result_table
+    from actstore.query.maps import MapsError, VocabProjection, load_pair_files, relation_ks, tokenize_pairs
+    from actstore.query.maps.dynamic import (
         correlation_summary,
         correlation_table,
         dynamic_ranks,
@@ -299,7 +299,7 @@ def run_maps_dynamic(store: Store, cfg: MapsDynamicConfig, tokenizer: Callable[[
             "excluded": [e["relation"] for e in chosen.excluded], "source_token": cfg.source_token,
             "final_norm": cfg.final_norm, "first_mlp": use_mlp, "compare_first_mlp": cfg.compare_first_mlp})
     if cfg.figures:
-        from query.maps_figures import head_heatmap, safe_name
+        from actstore.query.maps_figures import head_heatmap, safe_name
 
         for name, d in ranks.items():
             kr = ks[name]

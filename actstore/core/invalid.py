@@ -7,7 +7,7 @@ name of its own option (``--model``).
 
 from __future__ import annotations
 
-from actstore.errors import ActstoreError
+from actstore.core.errors import ActstoreError
 
 
 class InvalidSetting(ActstoreError, ValueError):

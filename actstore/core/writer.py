@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.arrays import create_array
-from actstore.errors import StoreMismatchError
-from actstore.fs import StoreLocation, locate
-from actstore.manifest import Manifest, SegmentCommit
-from actstore.ownership import CREATING, creating_marker, prepare_root, signed_creating
-from actstore.store import SEGMENT_ARRAYS, Store, read_commits, segment_name
-from actstore.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
+from actstore.core.arrays import create_array
+from actstore.core.errors import StoreMismatchError
+from actstore.core.fs import StoreLocation, locate
+from actstore.core.manifest import Manifest, SegmentCommit
+from actstore.core.ownership import CREATING, creating_marker, prepare_root, signed_creating
+from actstore.core.store import SEGMENT_ARRAYS, Store, read_commits, segment_name
+from actstore.core.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
 RESUME_KEYS = ("geometry", "model", "storage_dtype", "segment_size", "n_examples", "chunk_rows", "chunk_flat", "chunk_layers",
@@ -54,9 +54,9 @@ class StoreWriter:
         overwrite: bool = False,
         files: Mapping[str, bytes] | None = None,
     ) -> StoreWriter:
-        """A new store at ``url``.  The caller holds the writer lock (:mod:`actstore.lock`); an existing
+        """A new store at ``url``.  The caller holds the writer lock (:mod:`actstore.core.lock`); an existing
         store is replaced only with ``overwrite`` and only when it provably is one, and the signed
-        remains of a killed creation are cleared (:func:`actstore.ownership.prepare_root`)."""
+        remains of a killed creation are cleared (:func:`actstore.core.ownership.prepare_root`)."""
         loc = locate(url)
         prepare_root(loc, overwrite=overwrite)
         loc.makedirs("")

@@ -24,11 +24,11 @@ def _nothing(text: str) -> None:
 def run_demo(out: str, *, model: str = "smollm2-135m", limit_per_relation: int | None = None, episodes: int = 100,
              step: Log = _nothing, log: Log = _nothing) -> dict[str, Any]:
     """Ingest the demo corpus into ``out/store`` (resuming a store already there), run the analyses
-    (:func:`query.demo_steps.run_demo_analyses`) and write ``out/summary.json``; return the summary.
+    (:func:`actstore.jobs.demo_steps.run_demo_analyses`) and write ``out/summary.json``; return the summary.
     ``step(title)`` is called as each step starts, ``log`` with the detail lines."""
-    import actstore
-    from ingest.run import IngestRequest, ingest_corpus
-    from query.demo_steps import run_demo_analyses
+    from actstore.core.store import open_store
+    from actstore.jobs.demo_steps import run_demo_analyses
+    from actstore.jobs.ingest import IngestRequest, ingest_corpus
 
     started = time.time()
     store_path = os.path.join(out, "store")
@@ -38,7 +38,7 @@ def run_demo(out: str, *, model: str = "smollm2-135m", limit_per_relation: int |
     ingest_corpus(IngestRequest(model=model, dataset="demo", out=store_path, resume=resume,
                                 limit_per_relation=limit_per_relation),
                   log=lambda m: log(f"    {m}"))
-    store = actstore.open(store_path)
+    store = open_store(store_path)
     log(f"    {store!r}")
     acc = store.sql("SELECT relation_id, count(*) AS n, avg(CASE WHEN object_rank = 0 THEN 1 ELSE 0 END) AS top1 "
                     "FROM examples JOIN targets USING (example_id) GROUP BY 1 ORDER BY 1").to_pylist()

@@ -9,7 +9,7 @@ their pairwise agreement, and the result tables.
 The tuned lens is trained with Adam on the KL (``cfg.tuned``; ``ridge`` is the closed-form fit) on
 the store's facts that are not compared; ``result["tuned_lens"]`` and the run's config record how.
 
-The definitions of each reading are in :mod:`query.methods`.
+The definitions of each reading are in :mod:`actstore.query.methods`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from actstore.runs import new_run_id, with_run_id, write_run
-from actstore.store import Store
-from query.methods import (
+from actstore.core.runs import new_run_id, with_run_id, write_run
+from actstore.core.store import Store
+from actstore.query.methods import (
     COMPARISON_TRAIN,
     METHODS,
     PLATEAU,
@@ -46,8 +46,8 @@ from query.methods import (
     trace_reading,
     tuned_lens_reading,
 )
-from query.readout import TUNED_METHODS, LensError
-from query.tuned_lens import TrainConfig
+from actstore.query.readout import TUNED_METHODS, LensError
+from actstore.query.tuned_lens import TrainConfig
 
 Log = Callable[[str], None]
 
@@ -174,7 +174,7 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None,
     if cfg.save:
         import pyarrow as pa
 
-        from actstore.writer import write_result_table
+        from actstore.core.writer import write_result_table
 
         outcome.tables.append(write_result_table(store, "method_readings", run_id,
                                                  with_run_id(pa.concat_tables([r.table() for r in ordered]), run_id)))
@@ -186,7 +186,7 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None,
                                                      "methods": wanted, "tolerance": tol, "plateau": cfg.plateau,
                                                      "tuned_lens": extra.get("tuned_lens")})
     if cfg.figures:
-        from query.plotting import profile_curves
+        from actstore.query.plotting import profile_curves
 
         Path(cfg.figures).mkdir(parents=True, exist_ok=True)
         outcome.figures.append(str(profile_curves(ordered, Path(cfg.figures) / "method_profiles.png",

@@ -12,23 +12,23 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from actstore.errors import StoreExistsError
-from actstore.fs import StoreLocation, locate
-from actstore.invalid import InvalidSetting
-from actstore.lock import LOCK_ENV, StoreLockedError, active_writer
-from actstore.ownership import check_root
-from actstore.writer import creation_interrupted
-from ingest.align import tokenize_records
-from ingest.datasets import DatasetResult, load_dataset
-from ingest.distributed import barrier, join_process_group, ranks_writer_lock
-from ingest.pipeline import IngestConfig, IngestReport, run_ingest
+from actstore.core.errors import StoreExistsError
+from actstore.core.fs import StoreLocation, locate
+from actstore.core.invalid import InvalidSetting
+from actstore.core.lock import LOCK_ENV, StoreLockedError, active_writer
+from actstore.core.ownership import check_root
+from actstore.core.writer import creation_interrupted
+from actstore.ingest.align import tokenize_records
+from actstore.ingest.datasets import DatasetResult, load_dataset
+from actstore.ingest.distributed import barrier, join_process_group, ranks_writer_lock
+from actstore.ingest.pipeline import IngestConfig, IngestReport, run_ingest
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class IngestRequest(IngestConfig):
-    """One ``actstore ingest``: the capture settings of :class:`ingest.pipeline.IngestConfig` (``out``,
+    """One ``actstore ingest``: the capture settings of :class:`actstore.ingest.pipeline.IngestConfig` (``out``,
     ``batch_size``, ``storage_dtype``, ``segment_size``, ``padding_side``, ``device``, ``resume``, ...),
     written once there, and what this job adds: the model, the data set and its filters."""
 
@@ -81,7 +81,7 @@ def check_sizes(batch_size: int, segment_size: int) -> None:
 def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestRequest:
     """Whether ``req`` may write ``loc`` as asked; run before the writer lock (fail fast, touch
     nothing) and again under it.  A ``--resume`` of a creation killed before its manifest (signed
-    remains, see :mod:`actstore.ownership`) becomes a fresh create."""
+    remains, see :mod:`actstore.core.ownership`) becomes a fresh create."""
     if req.resume and not loc.exists("manifest.json"):
         if not creation_interrupted(loc.url):
             check_root(loc, overwrite=False)  # a foreign .creating or a non-empty directory: say so
@@ -123,7 +123,7 @@ def _ingest_corpus(req: IngestRequest, log: Callable[[str], None]) -> IngestRepo
 
 
 def _ingest_locked(req: IngestRequest, loc: StoreLocation, data: DatasetResult, log: Callable[[str], None]) -> IngestReport:
-    from ingest.models import load_model
+    from actstore.ingest.models import load_model
 
     if not req.progress:  # --quiet: no "Loading weights" bar from transformers either
         from transformers.utils import logging as hf_logging

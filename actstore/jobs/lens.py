@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.runs import new_run_id, with_run_id, write_run
-from actstore.store import Store
-from query.methods import fact_ids
+from actstore.core.runs import new_run_id, with_run_id, write_run
+from actstore.core.store import Store
+from actstore.query.methods import fact_ids
 
 TUNED_METHODS = ("adam", "sgd", "ridge")
 
@@ -48,8 +48,8 @@ def run_lens(store: Store, cfg: LensRunConfig,
     """Evaluate the logit lens (and the tuned lens, trained on ``train_fraction`` of the facts) on
     the held-out facts; write the ``lens`` table and a ``runs`` row unless ``cfg.save`` is False.
     ``progress(step, loss)`` is called while the tuned lens trains."""
-    from query.lens import LensError, lens_study, split_facts
-    from query.tuned_lens import TrainConfig
+    from actstore.query.lens import LensError, lens_study, split_facts
+    from actstore.query.tuned_lens import TrainConfig
 
     if cfg.tuned is not None and cfg.tuned not in TUNED_METHODS:
         raise LensError(f"tuned lens method {cfg.tuned!r} is not one of {', '.join(TUNED_METHODS)}")
@@ -78,7 +78,7 @@ def run_lens(store: Store, cfg: LensRunConfig,
     run_id = new_run_id("lens")
     out = LensOutcome(run_id, summary, {})
     if cfg.save:
-        from actstore.writer import write_result_table
+        from actstore.core.writer import write_result_table
 
         out.tables.append(write_result_table(store, "lens", run_id, with_run_id(study.table(), run_id)))
         write_run(store, run_id, "lens", started, {"where": cfg.where, "correct_only": cfg.correct_only,
@@ -86,7 +86,7 @@ def run_lens(store: Store, cfg: LensRunConfig,
                                                     "train_fraction": None if method is None else cfg.train_fraction,
                                                     "tuned": method, "tuned_config": tuned_config})
     if cfg.figures:
-        from query.plotting import lens_curves
+        from actstore.query.plotting import lens_curves
 
         Path(cfg.figures).mkdir(parents=True, exist_ok=True)
         out.figures.append(str(lens_curves(summary, Path(cfg.figures) / "lens_curves.png",

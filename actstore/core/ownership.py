@@ -6,7 +6,7 @@ manifest are deleted only when their ``.creating`` marker carries actstore's sig
 atomically by the creating process).  Before deleting anything the whole tree is listed
 without following links: a symbolic link, a named pipe, a socket or a device anywhere, or a
 top-level entry a store never holds, and nothing is deleted.  The caller holds the writer lock
-(:mod:`actstore.lock`), whose file is kept.
+(:mod:`actstore.core.lock`), whose file is kept.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import socket
 import stat
 import time
 
-from actstore.errors import ActstoreError, StoreExistsError
-from actstore.fs import StoreLocation
-from actstore.lock import LOCK_NAME
-from actstore.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
+from actstore.core.errors import ActstoreError, StoreExistsError
+from actstore.core.fs import StoreLocation
+from actstore.core.lock import LOCK_NAME
+from actstore.core.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
 
 CREATING = ".creating"  # present while a store is being created, before its manifest exists
 CREATING_SIGNATURE = "actstore store being created"

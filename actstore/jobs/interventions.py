@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.invalid import InvalidSetting
-from actstore.progress import progress_bar
-from actstore.runs import new_run_id, with_run_id, write_run
-from actstore.store import Store
+from actstore.core.invalid import InvalidSetting
+from actstore.core.progress import progress_bar
+from actstore.core.runs import new_run_id, with_run_id, write_run
+from actstore.core.store import Store
 
 Log = Callable[[str], None]
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
@@ -31,7 +31,7 @@ MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
 def model_for_store(store: Store, model: str | None) -> str:
     """``model`` when given, else the store's own model when it is one of actstore's aliases."""
-    from ingest.models import known_alias
+    from actstore.ingest.models import known_alias
 
     if model:
         return model
@@ -52,7 +52,7 @@ def load_store_model(store: Store, model: str | None, *, device: str = "cpu", mo
     the store's unless ``allow_other_model``."""
     import torch
 
-    from ingest.models import load_model
+    from actstore.ingest.models import load_model
 
     if model_dtype not in MODEL_DTYPES:
         raise InvalidSetting("model_dtype", f"{model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
@@ -73,7 +73,7 @@ def load_store_model(store: Store, model: str | None, *, device: str = "cpu", mo
 def first_mlp_for_store(store: Store, model: str | None) -> Any:
     """The first-MLP source transform of the store's model (loaded on the CPU, float32), for MAPS
     static scores through the first MLP."""
-    from ingest.first_mlp import first_mlp_transform
+    from actstore.ingest.first_mlp import first_mlp_transform
 
     loaded = load_store_model(store, model)
     return first_mlp_transform(loaded.model)
@@ -83,7 +83,7 @@ def _save(store: Store, run_id: str, kind: str, started: float, config: dict[str
           tables: dict[str, Any]) -> list[str]:
     """Write the run's result ``tables`` (name -> Arrow table, each tagged with ``run_id``) and then its
     ``runs`` row; return the tables' paths in the store."""
-    from actstore.writer import write_result_table
+    from actstore.core.writer import write_result_table
 
     paths = [write_result_table(store, name, run_id, with_run_id(t, run_id)) for name, t in tables.items()]
     write_run(store, run_id, kind, started, config)
@@ -104,7 +104,7 @@ class TraceRequest:
     limit: int | None = None
     all_facts: bool = False  # also facts the model gets wrong
     noise_std: float | None = None  # absolute noise std (overrides trace.noise_scale)
-    trace: Any = None  # ingest.interventions.tracing.TraceConfig (None: its defaults)
+    trace: Any = None  # actstore.ingest.interventions.tracing.TraceConfig (None: its defaults)
     device: str = "cpu"
     model_dtype: str = "float32"
     allow_other_model: bool = False
@@ -128,8 +128,8 @@ class TraceOutcome:
 def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
     """Causal tracing of the store's facts: noise on the subject, clean states restored per layer
     and position.  Settings are checked before the model loads."""
-    from ingest.interventions import InterventionRunner
-    from ingest.interventions.tracing import (
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.tracing import (
         CausalTracer,
         TraceConfig,
         TraceError,
@@ -165,7 +165,7 @@ def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
             "all_facts": req.all_facts},
             {"trace_effects": effects_table(results), "trace_facts": facts_table(results, cfg)})
     if req.figures:
-        from query.plotting import trace_average_heatmap, trace_heatmap
+        from actstore.query.plotting import trace_average_heatmap, trace_heatmap
 
         folder = Path(req.figures)
         folder.mkdir(parents=True, exist_ok=True)
@@ -185,7 +185,7 @@ class PatchRequest:
     limit: int | None = None
     all_facts: bool = False
     pairs: tuple[tuple[int, int], ...] = ()  # (clean, counterfactual) example ids instead of choosing them
-    patch: Any = None  # ingest.interventions.patching.PatchConfig (None: its defaults)
+    patch: Any = None  # actstore.ingest.interventions.patching.PatchConfig (None: its defaults)
     device: str = "cpu"
     model_dtype: str = "float32"
     allow_other_model: bool = False
@@ -216,8 +216,8 @@ def parse_pair(text: str) -> tuple[int, int]:
 
 def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
     """Activation patching: clean activations into a counterfactual prompt of the same relation."""
-    from ingest.interventions import InterventionRunner
-    from ingest.interventions.patching import (
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.patching import (
         ActivationPatcher,
         PatchConfig,
         PatchError,
@@ -226,7 +226,7 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
         effects_table,
         pairs_table,
     )
-    from ingest.interventions.tracing import stored_facts
+    from actstore.ingest.interventions.tracing import stored_facts
 
     started = time.time()
     cfg = req.patch if req.patch is not None else PatchConfig()
@@ -273,7 +273,7 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
 
 @dataclass(frozen=True)
 class AblateRequest:
-    """One ablation run: ``ablation`` (ingest.interventions.ablation.AblationConfig) says what is removed and
+    """One ablation run: ``ablation`` (actstore.ingest.interventions.ablation.AblationConfig) says what is removed and
     measured; the rest where the model, the pairs and the stored scores come from."""
 
     ablation: Any
@@ -317,10 +317,10 @@ def check_ablation(cfg: Any) -> None:
 def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> AblateOutcome:
     """Accuracy on the relation's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations; the ``maps_ablation`` table and a ``runs`` row."""
-    from actstore.store import open_store
-    from ingest.interventions import InterventionRunner
-    from ingest.interventions.ablation import relation_prompts, run_ablation
-    from query.maps import load_pair_files, tokenize_pairs
+    from actstore.core.store import open_store
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.ablation import relation_prompts, run_ablation
+    from actstore.query.maps import load_pair_files, tokenize_pairs
 
     say = log or (lambda m: None)
     cfg = req.ablation
@@ -365,7 +365,7 @@ def parse_heads_text(text: str | None, store: Store) -> tuple[tuple[int, int], .
     """``"12.3,7.*"`` -> the (layer, head) pairs of the store's model; None for None."""
     if not text:
         return None
-    from query.maps import parse_heads
+    from actstore.query.maps import parse_heads
 
     g = store.geometry
     heads = parse_heads(text, g.n_layers, g.n_heads)

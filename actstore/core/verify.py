@@ -30,10 +30,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from actstore.arrays import widen
-from actstore.errors import ActstoreError
-from actstore.manifest import INTEGRITY
-from actstore.store import (
+from actstore.core.arrays import widen
+from actstore.core.errors import ActstoreError
+from actstore.core.manifest import INTEGRITY
+from actstore.core.store import (
     MAX_CHUNK_BYTES,
     MAX_TOKENIZER_FILE_BYTES,
     SEGMENT_ARRAYS,
@@ -41,7 +41,7 @@ from actstore.store import (
     Store,
     segment_name,
 )
-from actstore.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
+from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
 
 
 @dataclass

@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-from actstore.errors import ActstoreError, StorageError
-from actstore.fs import StoreLocation, locate
-from actstore.lock_holder import Holder
+from actstore.core.errors import ActstoreError, StorageError
+from actstore.core.fs import StoreLocation, locate
+from actstore.core.lock_holder import Holder
 
 LOCK_NAME = ".actstore-writer.lock"
 LOCK_ENV = "ACTSTORE_WRITER_LOCK"  # token of the lock a launcher holds for its ranks

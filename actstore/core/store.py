@@ -11,11 +11,11 @@ Layout under the store root::
     commits/NNNNNN.json                written last: the segment is visible once this exists
 
 What a store says about itself is checked before it is used: the manifest and every commit
-marker field by type and range (:mod:`actstore.manifest`), each marker against its file name,
+marker field by type and range (:mod:`actstore.core.manifest`), each marker against its file name,
 each array's metadata against the shape the marker implies, every table file against its
 SHA-256 (in the marker, or in its ``.sha256`` companion) and its Parquet footer before DuckDB
 sees it, and every read offset against the array it reads.  A missing chunk is an error, not
-zeros (:class:`actstore.arrays.ChunkGuard`).
+zeros (:class:`actstore.core.arrays.ChunkGuard`).
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from actstore.arrays import NUMPY_DTYPE, ChunkGuard, check_array, read_ranges, read_rows
-from actstore.errors import CorruptStoreError, QueryError, StoreNotFoundError
-from actstore.fs import StoreLocation, locate
-from actstore.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit
-from actstore.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
+from actstore.core.arrays import NUMPY_DTYPE, ChunkGuard, check_array, read_ranges, read_rows
+from actstore.core.errors import CorruptStoreError, QueryError, StoreNotFoundError
+from actstore.core.fs import StoreLocation, locate
+from actstore.core.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit
+from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
 
 if TYPE_CHECKING:
     import duckdb
     import pandas as pd
 
-    from actstore.sql import Params, SQLSession
+    from actstore.core.sql import Params, SQLSession
 
 SEGMENT_ARRAYS = ("z", "attn", "v", "resid", "mlp")
 
@@ -294,7 +294,7 @@ class Store:
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The bytes of each tokenizer file, checked against the manifest's SHA-256 (a folder for
-        ``AutoTokenizer.from_pretrained`` once written out; see :mod:`query.store_tokenizer`)."""
+        ``AutoTokenizer.from_pretrained`` once written out; see :mod:`actstore.query.store_tokenizer`)."""
         record = self.tokenizer_record()
         if record is None:
             raise QueryError(f"{self.url} holds no tokenizer (ingested before tokenizers were saved with stores)")
@@ -415,11 +415,11 @@ class Store:
         return cached if cached is not None else self._check_table_file(rel)
 
     def sql_session(self) -> SQLSession:
-        """The store's SQL connection, kept between statements (:class:`actstore.sql.SQLSession`)."""
+        """The store's SQL connection, kept between statements (:class:`actstore.core.sql.SQLSession`)."""
         with _SESSION_LOCK:
             session = self.__dict__.get("_sql_session")
             if session is None:
-                from actstore.sql import SQLSession
+                from actstore.core.sql import SQLSession
 
                 session = self.__dict__["_sql_session"] = SQLSession()
             return session
@@ -454,8 +454,8 @@ class Store:
             store.sql("SELECT count(*) FROM examples WHERE relation_id = $rel", {"rel": "P17"})
 
         ``memory_limit`` (e.g. ``"1GB"``) and ``timeout`` (seconds, 0 for none) override the limits in
-        force (:func:`actstore.sql.limits`; defaults in :mod:`actstore.sql`)."""
-        from actstore.sql import run_sql
+        force (:func:`actstore.core.sql.limits`; defaults in :mod:`actstore.core.sql`)."""
+        from actstore.core.sql import run_sql
 
         if format not in ("arrow", "pandas"):
             raise QueryError(f"unknown result format {format!r} (arrow, pandas)")
@@ -463,8 +463,8 @@ class Store:
         return table.to_pandas() if format == "pandas" else table
 
     def connect(self, *, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
-        """A locked-down DuckDB connection over the tables (no file access, see :mod:`actstore.sql`)."""
-        from actstore.sql import connect
+        """A locked-down DuckDB connection over the tables (no file access, see :mod:`actstore.core.sql`)."""
+        from actstore.core.sql import connect
 
         return connect(self, memory_limit=memory_limit)
 

@@ -1,6 +1,6 @@
 """The limits of one SQL statement: memory (DuckDB's ``memory_limit``, plus a cap on how far the
 process may grow while the statement runs) and time; defaults, per call, and per block of code
-(:func:`limits`).  Used by :mod:`actstore.sql`, which documents the whole sandbox."""
+(:func:`limits`).  Used by :mod:`actstore.core.sql`, which documents the whole sandbox."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
-from actstore.errors import QueryError
+from actstore.core.errors import QueryError
 
 DEFAULT_MEMORY_LIMIT = "4GB"
 DEFAULT_TIMEOUT = 600.0  # seconds
@@ -67,7 +67,7 @@ def current_limits(memory_limit: str | None = None, timeout: float | None = None
 def limits(memory_limit: str | None = None, timeout: float | None = None) -> Iterator[SQLLimits]:
     """Run every SQL statement inside the block with these limits (``timeout=0``: no time limit).
 
-    >>> with actstore.sql.limits(memory_limit="1GB", timeout=30):
+    >>> with actstore.core.sql.limits(memory_limit="1GB", timeout=30):
     ...     store.select("relation_id = 'P17'")
     """
     token = _LIMITS.set(current_limits(memory_limit, timeout))

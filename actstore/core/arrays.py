@@ -40,8 +40,8 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
-from actstore.errors import CorruptStoreError
-from actstore.fs import check_regular_file, open_regular_file, pread_exact, read_local_file
+from actstore.core.errors import CorruptStoreError
+from actstore.core.fs import check_regular_file, open_regular_file, pread_exact, read_local_file
 
 NUMPY_DTYPE: dict[str, np.dtype] = {"float32": np.dtype("float32"), "float16": np.dtype("float16"), "bfloat16": np.dtype("uint16")}
 

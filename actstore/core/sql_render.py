@@ -7,7 +7,7 @@ import json
 
 import pyarrow as pa
 
-from actstore.errors import QueryError
+from actstore.core.errors import QueryError
 
 
 def _one_line(e: BaseException) -> str:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actstore.invalid import InvalidSetting
-from actstore.store import Store
+from actstore.core.invalid import InvalidSetting
+from actstore.core.store import Store
 
 CONTRAST_TEXT = {
     "renormalised": "renormalised (dW = W_c_hat - sum pi'_c W_c, pi' renormalised over the competitors; ours)",
@@ -29,8 +29,8 @@ def contrast_text(reading: str | None) -> str:
 
 def run_contrast(store: Store, run_id: str) -> str:
     """The contrast reading the probe run ``run_id`` was made with."""
-    from query.attribution import run_row
-    from query.probe import ProbeConfig
+    from actstore.query.attribution import run_row
+    from actstore.query.probe import ProbeConfig
 
     return ProbeConfig.from_json(str(run_row(store, run_id)["config"])).contrast
 
@@ -49,7 +49,7 @@ class HeadScoreGrid:
 def headscore_grid(store: Store, run_id: str, relation: str | None = None) -> HeadScoreGrid:
     """Mean HeadScore per layer x head over the run's query predictions (only those whose gold
     relation is ``relation`` when given)."""
-    from query.attribution import run_row
+    from actstore.query.attribution import run_row
 
     run_row(store, run_id)  # an unknown run: one line naming the runs there are
     cond, params = "run_id = ?", [run_id]

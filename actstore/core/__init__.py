@@ -1,0 +1,1 @@
+"""The store core: format, manifest, arrays, tables, SQL, writer, verify, locks, run records."""
