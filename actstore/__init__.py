@@ -1,7 +1,7 @@
 """actstore: an activation store and query engine for interpretability research on language models.
 
 >>> import actstore
->>> s = actstore.ingest("/tmp/s", model="tiny-llama", dataset="demo")   # or ``actstore ingest`` on the command line
+>>> s = actstore.ingest_corpus("/tmp/s", model="tiny-llama", dataset="demo")   # or ``actstore ingest`` on the command line
 >>> s = actstore.open("/tmp/s")
 >>> s.sql("SELECT relation_name, count(*) FROM examples GROUP BY 1")
 >>> s.sql("SELECT count(*) AS n FROM examples WHERE relation_id = ?", ["P17"])
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from actstore.api import Store, ingest, open_store
+from actstore.api import Store, ingest_corpus, open_store
 from actstore.core._version import __version__
 from actstore.core.errors import (
     ActstoreError,
@@ -73,6 +73,6 @@ __all__ = [
     "StoreMismatchError",
     "StoreNotFoundError",
     "__version__",
-    "ingest",
+    "ingest_corpus",
     "open",
 ]

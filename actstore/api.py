@@ -86,7 +86,7 @@ def open_store(url: str | os.PathLike[str]) -> Store:
     return Store(locate(url))
 
 
-def ingest(out: str | os.PathLike[str], *, model: str = "smollm2-135m", dataset: str = "demo",
+def ingest_corpus(out: str | os.PathLike[str], *, model: str = "smollm2-135m", dataset: str = "demo",
            relations: Sequence[str] | None = None, limit_per_relation: int | None = None,
            storage_dtype: str = "float16", batch_size: int = 16, segment_size: int = 256,
            device: str = "cpu", resume: bool = False, overwrite: bool = False, progress: bool = False,
@@ -98,22 +98,22 @@ def ingest(out: str | os.PathLike[str], *, model: str = "smollm2-135m", dataset:
     :class:`actstore.jobs.ingest.IngestRequest` (``template``, ``model_dtype``, ``padding_side``, ``threads``,
     ...).  The same as ``actstore ingest`` on the command line::
 
-        store = actstore.ingest("/tmp/s", model="tiny-llama", dataset="demo", limit_per_relation=4)
+        store = actstore.ingest_corpus("/tmp/s", model="tiny-llama", dataset="demo", limit_per_relation=4)
     """
     from dataclasses import fields
 
-    from actstore.jobs.ingest import IngestRequest, ingest_corpus
+    from actstore.jobs.ingest import IngestRequest, run_ingest
 
     known = {f.name for f in fields(IngestRequest)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ActstoreError(f"ingest() got unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        raise ActstoreError(f"ingest_corpus() got unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     req = IngestRequest(model=model, dataset=dataset, out=os.fspath(out),
                         relations=list(relations) if relations is not None else None,
                         limit_per_relation=limit_per_relation, storage_dtype=storage_dtype, batch_size=batch_size,
                         segment_size=segment_size, device=device, resume=resume, overwrite=overwrite,
                         progress=progress, **options)
-    ingest_corpus(req)
+    run_ingest(req)
     return open_store(out)
 
 

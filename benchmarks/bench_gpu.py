@@ -51,7 +51,7 @@ def sync(device: str) -> None:
 def bench(name: str, device: str, n: int, batch: int, rounds: int) -> dict[str, Any]:
     from actstore.ingest.batches import pad_batch
     from actstore.ingest.models import tiny_tokenizer
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -79,7 +79,7 @@ def bench(name: str, device: str, n: int, batch: int, rounds: int) -> dict[str, 
                          device=device, progress=False)
         sync(device)
         t0 = time.perf_counter()
-        run_ingest(model, tok, {"name": name}, prompts, c)
+        ingest_prompts(model, tok, {"name": name}, prompts, c)
         sync(device)
         dt = time.perf_counter() - t0
         shutil.rmtree(out, ignore_errors=True)

@@ -4,7 +4,7 @@ One run measures, on the same batches of FewRel prompts and the same loaded mode
 
 * ``plain``    the model's own forward (``model(input_ids, attention_mask)``, logits for every position)
 * ``backbone`` the decoder stack alone (no LM head): the strictest floor
-* ``ingest``   ``run_ingest`` end to end: fused capture, device-to-host copy, compression and
+* ``ingest``   ``ingest_prompts`` end to end: fused capture, device-to-host copy, compression and
                Zarr/Parquet writes on the writer thread, commits
 
 Rounds alternate the three in a shuffled order and the ratios are medians over rounds, so
@@ -15,7 +15,7 @@ measured in fresh subprocesses for a corpus and a corpus 4x (``--quick``) or 10x
     python benchmarks/bench_ingest.py --memory-only --memory-prompts 64,640 [--segment-size 32]
     python benchmarks/bench_ingest.py --length-batching --prompts 256 [--rounds 3]
 
-``--length-batching``: ingest (``run_ingest`` end to end) with batches in corpus order against
+``--length-batching``: ingest (``ingest_prompts`` end to end) with batches in corpus order against
 batches sorted by prompt length within each segment (``IngestConfig(length_batching=True)``),
 shuffled interleaved rounds, with the padded token counts and a check that both stores hold the
 same rows (tables identical, values within float32 rounding).
@@ -73,13 +73,13 @@ def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool)
 
 def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str, segment_size: int = 256,
                 length_batching: bool = False, chunk_layers: int = 1) -> float:
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False, segment_size=segment_size,
                        length_batching=length_batching, chunk_layers=chunk_layers)
     t0 = time.perf_counter()
-    run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
+    ingest_prompts(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
     return time.perf_counter() - t0
 
 

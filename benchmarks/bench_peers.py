@@ -14,7 +14,7 @@ Methods (each one a complete run over the corpus into a fresh output directory):
 * ``plain``        ``model(input_ids, attention_mask)``: the floor, nothing captured or written
 * ``backbone``     the decoder stack alone, without the LM head over every position (actstore
                    runs this and applies the head at the target rows only): the strictest floor
-* ``actstore``     ``run_ingest`` into a new store (fused capture, Blosc/zstd, Zarr + Parquet, commits)
+* ``actstore``     ``ingest_prompts`` into a new store (fused capture, Blosc/zstd, Zarr + Parquet, commits)
 * ``nnsight``      nnsight 0.8.1 ``TransformersModel(model, tokenizer=tok)`` trace, eager attention,
                    ``tracer.stop()`` after the last layer (no LM head, as actstore)
 * ``tlens``        TransformerLens 4.x ``TransformerBridge.boot_transformers(..., hf_model=model)``,
@@ -136,11 +136,11 @@ class Bench:
 
     # --- actstore -------------------------------------------------------------------------
     def actstore(self, out: str) -> float:
-        """Runs ``run_ingest``; returns the seconds after store creation (weights written once per store)."""
-        from actstore.ingest.pipeline import IngestConfig, run_ingest
+        """Runs ``ingest_prompts``; returns the seconds after store creation (weights written once per store)."""
+        from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
         cfg = IngestConfig(out=out, batch_size=self.batch, storage_dtype="float16", progress=False)
-        rep = run_ingest(self.model, self.loaded.tokenizer, {"name": self.loaded.name,
+        rep = ingest_prompts(self.model, self.loaded.tokenizer, {"name": self.loaded.name,
                                                              "weight_hash": self.loaded.weight_hash},
                          self.prompts, cfg)
         return rep.seconds

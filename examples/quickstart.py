@@ -32,7 +32,7 @@ def run(model: str, limit: int, folder: str) -> dict[str, object]:
     path = os.path.join(folder, "store")
 
     # 1. Ingest: the model runs once; per-head factors land in Zarr arrays, metadata in Parquet.
-    s = actstore.ingest(path, model=model, dataset="demo", limit_per_relation=limit, storage_dtype="float32",
+    s = actstore.ingest_corpus(path, model=model, dataset="demo", limit_per_relation=limit, storage_dtype="float32",
                         batch_size=8)
     print(s)  # <actstore.Store ...: model=..., L=.. H=.. d_model=.., N rows in S/S segments, dtype=...>
 

@@ -1,6 +1,6 @@
 """Several ingest processes writing one store: ranks from ``torchrun``, a gloo process group.
 
-Each rank takes the segments ``s % world_size == rank`` (see :func:`actstore.ingest.pipeline.run_ingest`),
+Each rank takes the segments ``s % world_size == rank`` (see :func:`actstore.ingest.pipeline.ingest_prompts`),
 so ranks write disjoint row ranges and never the same file.  Rank 0 alone creates the store
 (weights, heads table, manifest); the other ranks wait for it.  With a process group (what
 ``torchrun`` sets up through :func:`join_process_group`) rank 0 broadcasts the outcome, so a

@@ -226,7 +226,7 @@ def to_host(tensors: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str,
     return {n: (b.numpy().view(np.uint16) if tensors[n].dtype == torch.bfloat16 else b.numpy()) for n, b in pinned.items()}
 
 
-def run_ingest(
+def ingest_prompts(
     model: torch.nn.Module,
     tokenizer: Any,
     model_info: dict[str, Any],
@@ -249,10 +249,10 @@ def run_ingest(
         raise RankError(f"rank {cfg.rank} of {cfg.world_size} must run under the writer lock of {url} "
                         "(actstore.ingest.distributed.ranks_writer_lock)")
     with writer_lock(url):
-        return _run_ingest(model, tokenizer, model_info, prompts, cfg, on_segment)
+        return _ingest_prompts(model, tokenizer, model_info, prompts, cfg, on_segment)
 
 
-def _run_ingest(model: torch.nn.Module, tokenizer: Any, model_info: dict[str, Any],
+def _ingest_prompts(model: torch.nn.Module, tokenizer: Any, model_info: dict[str, Any],
                 prompts: Sequence[TokenizedPrompt], cfg: IngestConfig,
                 on_segment: Callable[[int], None] | None) -> IngestReport:
     arch = architecture_for(model)

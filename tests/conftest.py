@@ -115,7 +115,7 @@ def build_store(
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
     from actstore.ingest.models import tiny_model
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     loaded = tiny_model(arch)
     records = load_dataset(dataset, limit_per_relation=limit, **options).records
@@ -123,7 +123,7 @@ def build_store(
     cfg = IngestConfig(out=str(out), batch_size=batch_size, storage_dtype=storage_dtype, segment_size=segment_size,
                        chunk_rows=4, chunk_flat=64, chunk_layers=chunk_layers, padding_side=padding_side, progress=False)
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
-    run_ingest(loaded.model, loaded.tokenizer, info, prompts, cfg)
+    ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg)
     return out
 
 

@@ -382,12 +382,12 @@ def test_facade_names_and_ingest(tmp_path: Path) -> None:
     from actstore.query.selection import Selection
 
     assert actstore.Selection is Selection and actstore.FeatureDataset is FeatureDataset
-    assert callable(actstore.open) and callable(actstore.ingest)
-    s = actstore.ingest(tmp_path / "s", model="tiny-llama", dataset="demo", limit_per_relation=2,
+    assert callable(actstore.open) and callable(actstore.ingest_corpus)
+    s = actstore.ingest_corpus(tmp_path / "s", model="tiny-llama", dataset="demo", limit_per_relation=2,
                         storage_dtype="float32", batch_size=4, segment_size=8)
     assert isinstance(s, actstore.Store)
     per = s.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1", format="pandas")
     assert len(per) == 6 and set(per.n) == {2} and s.n_rows == 12
     assert s.manifest.model["name"] == "tiny-llama" and s.manifest.storage_dtype == "float32"
     with pytest.raises(ActstoreError, match="unknown option"):
-        actstore.ingest(tmp_path / "t", model="tiny-llama", no_such_option=1)
+        actstore.ingest_corpus(tmp_path / "t", model="tiny-llama", no_such_option=1)

@@ -16,7 +16,7 @@ def test_readers_during_ingest_see_only_committed_rows(tmp_path: Path) -> None:
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
     from actstore.ingest.models import tiny_model
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     out = tmp_path / "store"
     loaded = tiny_model("llama")
@@ -28,7 +28,7 @@ def test_readers_during_ingest_see_only_committed_rows(tmp_path: Path) -> None:
 
     def ingest() -> None:
         try:  # a pause after each commit widens the windows a reader can land in
-            run_ingest(loaded.model, loaded.tokenizer, info, prompts, cfg, on_segment=lambda s: time.sleep(0.05))
+            ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg, on_segment=lambda s: time.sleep(0.05))
         except BaseException as e:  # surfaced below
             errors.append(e)
 

@@ -28,7 +28,7 @@ import pytest
 
 import actstore
 from actstore.core.store import SEGMENT_ARRAYS
-from actstore.jobs.ingest import IngestRequest, ingest_corpus
+from actstore.jobs.ingest import IngestRequest, run_ingest
 
 ARGS = dict(model="tiny-llama", dataset="demo", limit_per_relation=30, batch_size=4, segment_size=8,
             storage_dtype="float16", progress=False)
@@ -59,7 +59,7 @@ main(args=sys.argv[1:], prog_name="actstore")
 
 
 def ingest_in_process(out: Path, resume: bool = False) -> None:
-    ingest_corpus(IngestRequest(out=str(out), resume=resume, **ARGS))  # type: ignore[arg-type]
+    run_ingest(IngestRequest(out=str(out), resume=resume, **ARGS))  # type: ignore[arg-type]
 
 
 def cli_args(out: Path, resume: bool = False) -> list[str]:
@@ -239,6 +239,6 @@ def test_resume_with_other_settings_is_refused(reference: Path, tmp_path: Path) 
     shutil.copytree(reference, out)
     before = sorted(p.name for p in (out / "commits").iterdir())
     with pytest.raises(StoreMismatchError):
-        ingest_corpus(IngestRequest(out=str(out), resume=True, **{**ARGS, "limit_per_relation": 5}))  # type: ignore[arg-type]
+        run_ingest(IngestRequest(out=str(out), resume=True, **{**ARGS, "limit_per_relation": 5}))  # type: ignore[arg-type]
     assert sorted(p.name for p in (out / "commits").iterdir()) == before
     assert_same_store(out, reference)

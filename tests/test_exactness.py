@@ -88,7 +88,7 @@ def test_smollm2_store_reconstructs_module_outputs(data: str, smollm2: Any, tmp_
     invented fixture (tests/data/fewrel) and, with the real data, the FewRel validation split."""
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     fewrel = FIXTURES / "fewrel" / "val_wiki.json" if data == "fixture" else real_data("fewrel/val_wiki.json")
     loaded = smollm2
@@ -96,7 +96,7 @@ def test_smollm2_store_reconstructs_module_outputs(data: str, smollm2: Any, tmp_
     prompts = tokenize_records(records, loaded.tokenizer)
     cfg = IngestConfig(out=str(tmp_path / "s"), batch_size=4, storage_dtype="float32", segment_size=4,
                        padding_side="left", progress=False)
-    run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
+    ingest_prompts(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
     store = actstore.open(tmp_path / "s")
     check_identities(store, reference(loaded, store))
 

@@ -60,7 +60,7 @@ def test_threads_option_is_applied_and_restored(tmp_path: Path) -> None:
     import numpy as np
     import torch
 
-    from actstore.jobs.ingest import IngestRequest, ingest_corpus
+    from actstore.jobs.ingest import IngestRequest, run_ingest
 
     # In process: the thread count holds while the ingest runs (seen from its log callback) and is put back.
     original = torch.get_num_threads()
@@ -69,7 +69,7 @@ def test_threads_option_is_applied_and_restored(tmp_path: Path) -> None:
     req = IngestRequest(model="tiny-llama", dataset="demo", limit_per_relation=4, batch_size=4, segment_size=8,
                         out=str(tmp_path / "two"), progress=False, threads=2)
     try:
-        ingest_corpus(req, log=lambda _: seen.append(torch.get_num_threads()))
+        run_ingest(req, log=lambda _: seen.append(torch.get_num_threads()))
         assert seen and set(seen) == {2}
         assert torch.get_num_threads() == 1
     finally:

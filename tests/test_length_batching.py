@@ -27,7 +27,7 @@ import pytest
 from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import load_dataset
 from actstore.ingest.models import tiny_model
-from actstore.ingest.pipeline import ARRAY_NAMES, IngestConfig, corpus_order, forward_order, run_ingest
+from actstore.ingest.pipeline import ARRAY_NAMES, IngestConfig, corpus_order, forward_order, ingest_prompts
 from conftest import FIXTURES
 
 import actstore
@@ -44,7 +44,7 @@ def ingest(out: Path, loaded: Any, prompts: list[Any], by_length: bool, dtype: s
     cfg = IngestConfig(out=str(out), batch_size=BATCH, storage_dtype=dtype, segment_size=SEG, chunk_rows=4,
                        chunk_flat=64, padding_side=side, progress=False, length_batching=by_length)
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
-    run_ingest(loaded.model, loaded.tokenizer, info, prompts, cfg)
+    ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg)
     return actstore.open(out)
 
 

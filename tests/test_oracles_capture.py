@@ -183,14 +183,14 @@ def write_store(out: Path, loaded: LoadedModel, padding_side: str, *, dataset: s
                 **options: Any) -> actstore.Store:
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     records = load_dataset(dataset, **options).records
     prompts = tokenize_records(records, loaded.tokenizer)
     cfg = IngestConfig(out=str(out), batch_size=4, storage_dtype="float32", segment_size=8, chunk_rows=4,
                        chunk_flat=64, padding_side=padding_side, progress=False)
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
-    run_ingest(loaded.model, loaded.tokenizer, info, prompts, cfg)
+    ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg)
     return actstore.open(out)
 
 

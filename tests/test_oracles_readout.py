@@ -43,12 +43,12 @@ def final_norm_module(arch: str, model: Any) -> torch.nn.Module:
 def write_store(out: Path, loaded: Any) -> actstore.Store:
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     prompts = tokenize_records(load_dataset("demo", limit_per_relation=1).records, loaded.tokenizer)
     cfg = IngestConfig(out=str(out), batch_size=4, storage_dtype="float32", segment_size=8, chunk_rows=4,
                        chunk_flat=64, progress=False)
-    run_ingest(loaded.model, loaded.tokenizer,
+    ingest_prompts(loaded.model, loaded.tokenizer,
                {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash},
                prompts, cfg)
     return actstore.open(out)

@@ -155,20 +155,20 @@ def test_a_resume_of_an_old_store_keeps_its_manifest(tmp_path: Path) -> None:
     no tokenizer the manifest does not record)."""
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     loaded = tiny_model("llama")
     prompts = tokenize_records(load_dataset("demo", limit_per_relation=2).records, loaded.tokenizer)
     cfg = IngestConfig(out=str(tmp_path / "s"), batch_size=4, segment_size=8, chunk_rows=4, chunk_flat=64,
                        storage_dtype="float32", progress=False)
     info = {"name": loaded.name, "weight_hash": loaded.weight_hash}
-    run_ingest(loaded.model, loaded.tokenizer, info, prompts, cfg)
+    ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg)
     path = without_tokenizer(tmp_path / "s")
     commits = sorted((path / "commits").iterdir())
     commits[-1].unlink()  # the last segment "was never committed"
     from dataclasses import replace
 
-    report = run_ingest(loaded.model, loaded.tokenizer, info, prompts, replace(cfg, resume=True))
+    report = ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, replace(cfg, resume=True))
     assert report.segments_written == 1
     store = actstore.open(path)
     assert store.complete and not store.has_tokenizer() and not (path / "tokenizer").exists()
@@ -180,7 +180,7 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
     pytest.importorskip("moto")
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, run_ingest
+    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
     from s3server import moto_server
 
     with moto_server() as server:
@@ -192,7 +192,7 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
         prompts = tokenize_records(load_dataset("demo", limit_per_relation=1).records, loaded.tokenizer)
         url = f"s3://{server.bucket}/stores/tok"
         cfg = IngestConfig(out=url, batch_size=4, segment_size=8, chunk_rows=4, chunk_flat=64, progress=False)
-        run_ingest(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts,
+        ingest_prompts(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts,
                    cfg)
         store = actstore.open(url)
         assert store.has_tokenizer() and not store.location.is_local

@@ -55,7 +55,7 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
            as_json: bool, procs: int | None, threads: int) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
     from actstore.ingest.distributed import launch_ranks, leave_process_group, ranks_from_env
-    from actstore.jobs.ingest import IngestRequest, ingest_corpus
+    from actstore.jobs.ingest import IngestRequest, run_ingest
 
     if procs is not None and procs > 1:  # the same command, without --procs, under torchrun
         ctx = click.get_current_context()
@@ -94,7 +94,7 @@ def ingest(model_name: str, dataset_spec: str, relations: str | None, limit_per_
         rank=rank, world_size=world, threads=threads,
     )
     try:
-        report = ingest_corpus(req, log=lambda m: click.echo(printable(m), err=True) if not quiet and rank == 0 else None)
+        report = run_ingest(req, log=lambda m: click.echo(printable(m), err=True) if not quiet and rank == 0 else None)
     finally:
         leave_process_group()
     summary = {"store": report.store, "examples": report.n_examples, "segments_written": report.segments_written,

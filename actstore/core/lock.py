@@ -335,8 +335,8 @@ def read_holder(url: str | os.PathLike[str] | StoreLocation) -> Holder | None:
 
 # --------------------------------------------------------------------------------------- holding it
 
-# Locks this thread holds or runs under, by store URL: nested users (ingest_corpus, then
-# run_ingest) share one, and the outermost releases it.  Per thread: two threads of one process
+# Locks this thread holds or runs under, by store URL: nested users (run_ingest, then
+# ingest_prompts) share one, and the outermost releases it.  Per thread: two threads of one process
 # ingesting one store are two writers, and the second is refused like another process.
 _HELD = threading.local()
 

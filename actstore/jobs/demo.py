@@ -28,14 +28,14 @@ def run_demo(out: str, *, model: str = "smollm2-135m", limit_per_relation: int |
     ``step(title)`` is called as each step starts, ``log`` with the detail lines."""
     from actstore.core.store import open_store
     from actstore.jobs.demo_steps import run_demo_analyses
-    from actstore.jobs.ingest import IngestRequest, ingest_corpus
+    from actstore.jobs.ingest import IngestRequest, run_ingest
 
     started = time.time()
     store_path = os.path.join(out, "store")
     os.makedirs(out, exist_ok=True)
     resume = os.path.exists(os.path.join(store_path, "manifest.json"))
     step(f"ingest the demo corpus with {model} -> {store_path}" + (" (resuming)" if resume else ""))
-    ingest_corpus(IngestRequest(model=model, dataset="demo", out=store_path, resume=resume,
+    run_ingest(IngestRequest(model=model, dataset="demo", out=store_path, resume=resume,
                                 limit_per_relation=limit_per_relation),
                   log=lambda m: log(f"    {m}"))
     store = open_store(store_path)

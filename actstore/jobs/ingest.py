@@ -21,7 +21,7 @@ from actstore.core.writer import creation_interrupted
 from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import DatasetResult, load_dataset
 from actstore.ingest.distributed import barrier, join_process_group, ranks_writer_lock
-from actstore.ingest.pipeline import IngestConfig, IngestReport, run_ingest
+from actstore.ingest.pipeline import IngestConfig, IngestReport, ingest_prompts
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -51,7 +51,7 @@ def _log_nothing(message: str) -> None:
     pass
 
 
-def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing) -> IngestReport:
+def run_ingest(req: IngestRequest, log: Callable[[str], None] = _log_nothing) -> IngestReport:
     """Ingest ``req.dataset`` with ``req.model`` into ``req.out``; torch's thread count is restored after."""
     if req.threads < 0:
         raise InvalidSetting("threads", f"must be 0 (torch's default) or more (got {req.threads})")
@@ -59,7 +59,7 @@ def ingest_corpus(req: IngestRequest, log: Callable[[str], None] = _log_nothing)
     if req.threads > 0:
         torch.set_num_threads(req.threads)
     try:
-        return _ingest_corpus(req, log)
+        return _run_ingest(req, log)
     finally:
         torch.set_num_threads(old)
 
@@ -92,7 +92,7 @@ def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestR
     return req
 
 
-def _ingest_corpus(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
+def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
     if req.relations is not None and not req.relations:
         raise InvalidSetting("relations", "no relation ids given (leave the setting out to keep every relation)")
     check_sizes(req.batch_size, req.segment_size)
@@ -142,4 +142,4 @@ def _ingest_locked(req: IngestRequest, loc: StoreLocation, data: DatasetResult, 
     cfg = req.capture_config(loc.url, {
         "dataset": req.dataset, "relations": req.relations, "limit_per_relation": req.limit_per_relation,
         "template": req.template, "keep_object_first": req.keep_object_first, "skipped": data.skipped})
-    return run_ingest(loaded.model, loaded.tokenizer, model_info, prompts, cfg)
+    return ingest_prompts(loaded.model, loaded.tokenizer, model_info, prompts, cfg)
