@@ -30,6 +30,7 @@ view:
 	ln -s "$(CURDIR)/ingest" "$(CURDIR)/query" $(VIEW)/actstore/
 
 lint: install view
+	$(BIN)/ruff format --check actstore ingest query tests benchmarks examples setup.py
 	$(BIN)/ruff check actstore ingest query tests benchmarks examples setup.py
 	cd $(VIEW) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml
 	cd $(VIEW) && $(CURDIR)/$(BIN)/lint-imports $(CURDIR)/pyproject.toml --no-cache
@@ -42,21 +43,26 @@ bench: install
 	$(BIN)/python benchmarks/run.py --quick
 
 # Mutation testing of the formula functions (about an hour on 2 cores; not part of `make test`).
-# Names are mutmut's: module.x_function or module.xǁClassǁmethod; globs allowed.
+# mutmut names modules by their file paths, so it runs in build/mutate, a copy of the installed
+# layout (ingest/ and query/ inside actstore/).  Names are mutmut's: module.x_function or
+# module.xǁClassǁmethod; globs allowed.
 MUTANTS ?= 'actstore.ingest.batches.x_pad_batch*' 'actstore.ingest.capture.x__capture_attention*' \
 	'actstore.query.features.x_group_bounds*' 'actstore.query.features.x_compute_block*' \
 	'actstore.query.attribution.x_contrast_coefficients*' 'actstore.query.attribution.x_unit_scores*' \
-	'actstore.query.attribution.xǁTokenGeometryǁproject*' 'actstore.query.relspec.*' 'actstore.query.episodes.x_sample_episodes*' \
-	'actstore.query.probe.xǁFeatureMatrixǁunit_labels*' 'actstore.query.maps.static.x_static_scores*' 'actstore.query.readout.xǁFinalReadoutǁ*' \
-	'actstore.ingest.interventions.tracing.xǁCausalTracerǁrestore*' 'actstore.ingest.interventions.patching.x_effects_table*'
+	'actstore.query.attribution.xǁTokenGeometryǁproject*' 'actstore.query.relspec.*' \
+	'actstore.query.episodes.x_sample_episodes*' 'actstore.query.probe.xǁFeatureMatrixǁunit_labels*' \
+	'actstore.query.maps.static.x_static_scores*' 'actstore.query.readout.xǁFinalReadoutǁ*' \
+	'actstore.ingest.interventions.tracing.xǁCausalTracerǁrestore*' \
+	'actstore.ingest.interventions.patching.x_effects_table*'
+MUTATE := build/mutate
 
 mutants: install
 	$(BIN)/pip install -q -e '.[mutants]'
-	rm -rf mutants
-	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2 $(MUTANTS) || true
-	$(BIN)/mutmut export-cicd-stats
-	cat mutants/mutmut-cicd-stats.json
-	$(BIN)/mutmut results
+	rm -rf $(MUTATE) && mkdir -p $(MUTATE)
+	cp -r actstore tests pyproject.toml $(MUTATE)/ && cp -r ingest query $(MUTATE)/actstore/
+	cd $(MUTATE) && OMP_NUM_THREADS=1 $(CURDIR)/$(BIN)/mutmut run --max-children 2 $(MUTANTS) || true
+	cd $(MUTATE) && $(CURDIR)/$(BIN)/mutmut export-cicd-stats && cat mutants/mutmut-cicd-stats.json
+	cd $(MUTATE) && $(CURDIR)/$(BIN)/mutmut results
 
 clean:
 	rm -rf $(VENV) build mutants $(DEMO_OUT) .mypy_cache .ruff_cache .pytest_cache

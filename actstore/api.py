@@ -30,8 +30,13 @@ if TYPE_CHECKING:
 class Store(CoreStore):
     """A read-only view of a store (see :class:`actstore.core.store.Store`), with selections of its rows."""
 
-    def select(self, where: str | None = None, *, query: str | None = None,
-               params: dict[str, Any] | list[Any] | None = None) -> Selection:
+    def select(
+        self,
+        where: str | None = None,
+        *,
+        query: str | None = None,
+        params: dict[str, Any] | list[Any] | None = None,
+    ) -> Selection:
         """The target rows whose example matches ``where`` (one SQL expression over ``examples``) or
         whose ``example_id`` the SELECT ``query`` returns; all rows when both are None.
         ``params``: values for the placeholders of ``where`` / ``query`` (bound by DuckDB)::
@@ -43,20 +48,47 @@ class Store(CoreStore):
         return Selection.from_sql(self, where=where, query=query, params=params)
 
     @overload
-    def sql(self, query: str, params: Params | None = None, *, format: Literal["arrow"] = "arrow",
-            memory_limit: str | None = None, timeout: float | None = None) -> pa.Table: ...
+    def sql(
+        self,
+        query: str,
+        params: Params | None = None,
+        *,
+        format: Literal["arrow"] = "arrow",
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> pa.Table: ...
 
     @overload
-    def sql(self, query: str, params: Params | None = None, *, format: Literal["pandas"],
-            memory_limit: str | None = None, timeout: float | None = None) -> pd.DataFrame: ...
+    def sql(
+        self,
+        query: str,
+        params: Params | None = None,
+        *,
+        format: Literal["pandas"],
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> pd.DataFrame: ...
 
     @overload
-    def sql(self, query: str, params: Params | None = None, *, format: Literal["relation"],
-            memory_limit: str | None = None, timeout: float | None = None) -> duckdb.DuckDBPyRelation: ...
+    def sql(
+        self,
+        query: str,
+        params: Params | None = None,
+        *,
+        format: Literal["relation"],
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> duckdb.DuckDBPyRelation: ...
 
-    def sql(self, query: str, params: Params | None = None, *, format: str = "arrow",
-            memory_limit: str | None = None,
-            timeout: float | None = None) -> pa.Table | pd.DataFrame | duckdb.DuckDBPyRelation:
+    def sql(
+        self,
+        query: str,
+        params: Params | None = None,
+        *,
+        format: str = "arrow",
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> pa.Table | pd.DataFrame | duckdb.DuckDBPyRelation:
         """Run one read-only SELECT over the store's tables (:meth:`actstore.core.store.Store.sql`):
         ``format="arrow"`` (a ``pyarrow.Table``, the default) or ``"pandas"`` run it now, within the
         limits; ``"relation"`` returns a lazy ``duckdb.DuckDBPyRelation`` over the same locked-down
@@ -67,8 +99,13 @@ class Store(CoreStore):
             store.sql("SELECT * FROM examples WHERE relation_id = ?", ["P17"], format="relation").limit(5).df()
         """
         if format != "relation":
-            return super().sql(query, params, format=format,  # type: ignore[call-overload]
-                               memory_limit=memory_limit, timeout=timeout)
+            return super().sql(
+                query,
+                params,
+                format=format,  # type: ignore[call-overload]
+                memory_limit=memory_limit,
+                timeout=timeout,
+            )
         import duckdb
 
         from actstore.core.sql import check_params, check_read_only, connect, current_limits
@@ -86,11 +123,22 @@ def open_store(url: str | os.PathLike[str]) -> Store:
     return Store(locate(url))
 
 
-def ingest_corpus(out: str | os.PathLike[str], *, model: str = "smollm2-135m", dataset: str = "demo",
-           relations: Sequence[str] | None = None, limit_per_relation: int | None = None,
-           storage_dtype: str = "float16", batch_size: int = 16, segment_size: int = 256,
-           device: str = "cpu", resume: bool = False, overwrite: bool = False, progress: bool = False,
-           **options: Any) -> Store:
+def ingest_corpus(
+    out: str | os.PathLike[str],
+    *,
+    model: str = "smollm2-135m",
+    dataset: str = "demo",
+    relations: Sequence[str] | None = None,
+    limit_per_relation: int | None = None,
+    storage_dtype: str = "float16",
+    batch_size: int = 16,
+    segment_size: int = 256,
+    device: str = "cpu",
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = False,
+    **options: Any,
+) -> Store:
     """Run ``model`` once over ``dataset`` and write a store at ``out`` (a path or URL); returns it, open.
 
     ``model``: an alias (``tiny-llama``, ``smollm2-135m``, ...) or a hub name / folder; ``dataset``: a
@@ -107,12 +155,24 @@ def ingest_corpus(out: str | os.PathLike[str], *, model: str = "smollm2-135m", d
     known = {f.name for f in fields(IngestRequest)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ActstoreError(f"ingest_corpus() got unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    req = IngestRequest(model=model, dataset=dataset, out=os.fspath(out),
-                        relations=list(relations) if relations is not None else None,
-                        limit_per_relation=limit_per_relation, storage_dtype=storage_dtype, batch_size=batch_size,
-                        segment_size=segment_size, device=device, resume=resume, overwrite=overwrite,
-                        progress=progress, **options)
+        raise ActstoreError(
+            f"ingest_corpus() got unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
+    req = IngestRequest(
+        model=model,
+        dataset=dataset,
+        out=os.fspath(out),
+        relations=list(relations) if relations is not None else None,
+        limit_per_relation=limit_per_relation,
+        storage_dtype=storage_dtype,
+        batch_size=batch_size,
+        segment_size=segment_size,
+        device=device,
+        resume=resume,
+        overwrite=overwrite,
+        progress=progress,
+        **options,
+    )
     run_ingest(req)
     return open_store(out)
 

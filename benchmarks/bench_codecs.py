@@ -53,7 +53,7 @@ CURRENT = "blosc-lz4-shuffle"
 
 
 def chunks_of(a: np.ndarray, rows: int) -> list[np.ndarray]:
-    return [np.ascontiguousarray(a[i:i + rows]) for i in range(0, a.shape[0], rows)]
+    return [np.ascontiguousarray(a[i : i + rows]) for i in range(0, a.shape[0], rows)]
 
 
 def measure(codec: Any, chunks: list[np.ndarray], repeats: int) -> dict[str, float | None]:
@@ -72,15 +72,22 @@ def measure(codec: Any, chunks: list[np.ndarray], repeats: int) -> dict[str, flo
         dec_t.append(time.perf_counter() - t0)
     size = sum(len(e) for e in encoded)
     mb = raw / 1e6
-    return {"ratio": raw / size, "encode_MBps": mb / statistics.median(enc_t),
-            "decode_MBps": mb / statistics.median(dec_t)}
+    return {
+        "ratio": raw / size,
+        "encode_MBps": mb / statistics.median(enc_t),
+        "decode_MBps": mb / statistics.median(dec_t),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one segment, 2 repeats (a 64-prompt store if none given)")
+    ap.add_argument(
+        "--quick", action="store_true", help="one segment, 2 repeats (a 64-prompt store if none given)"
+    )
     ap.add_argument("--store", default=None)
-    ap.add_argument("--prompts", type=int, default=None, help="prompts to ingest without --store (256; 64 quick)")
+    ap.add_argument(
+        "--prompts", type=int, default=None, help="prompts to ingest without --store (256; 64 quick)"
+    )
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
@@ -101,16 +108,28 @@ def main() -> None:
     store = actstore.open(path)
     m = store.manifest
     segs = sorted(store.commits)[: 1 if args.quick else None]
-    result: dict[str, Any] = {"store": path, "storage_dtype": m.storage_dtype, "segments": len(segs),
-                              "threads": 1, "repeats": repeats, "arrays": {}}
+    result: dict[str, Any] = {
+        "store": path,
+        "storage_dtype": m.storage_dtype,
+        "segments": len(segs),
+        "threads": 1,
+        "repeats": repeats,
+        "arrays": {},
+    }
     all_codecs = codecs()
-    totals: dict[str, dict[str, float]] = {k: {"raw": 0.0, "enc": 0.0, "enc_s": 0.0, "dec_s": 0.0} for k in all_codecs}
+    totals: dict[str, dict[str, float]] = {
+        k: {"raw": 0.0, "enc": 0.0, "enc_s": 0.0, "dec_s": 0.0} for k in all_codecs
+    }
     for name in ("z", "attn", "v", "resid", "mlp"):
         data = np.concatenate([np.asarray(store.array(s, name)[...]) for s in segs])
         rows = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
         chunks = chunks_of(data, rows)
-        per: dict[str, Any] = {"shape": list(data.shape), "dtype": str(data.dtype), "MB": data.nbytes / 1e6,
-                               "chunk_rows": rows}
+        per: dict[str, Any] = {
+            "shape": list(data.shape),
+            "dtype": str(data.dtype),
+            "MB": data.nbytes / 1e6,
+            "chunk_rows": rows,
+        }
         for cname, codec in all_codecs.items():
             r = measure(codec, chunks, repeats)
             per[cname] = r
@@ -122,13 +141,16 @@ def main() -> None:
                 tot["dec_s"] += data.nbytes / 1e6 / r["decode_MBps"]
         if data.dtype == np.float16:
             wide = chunks_of(data.astype(np.float32), rows)
-            per["float32-blosc-zstd3-shuffle"] = measure(Blosc(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE), wide,
-                                                         repeats)
+            per["float32-blosc-zstd3-shuffle"] = measure(
+                Blosc(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE), wide, repeats
+            )
         result["arrays"][name] = per
     result["all_arrays"] = {
-        k: {"ratio": t["raw"] / t["enc"],
+        k: {
+            "ratio": t["raw"] / t["enc"],
             "encode_MBps": t["raw"] / 1e6 / t["enc_s"] if t["enc_s"] else None,
-            "decode_MBps": t["raw"] / 1e6 / t["dec_s"] if t["dec_s"] else None}
+            "decode_MBps": t["raw"] / 1e6 / t["dec_s"] if t["dec_s"] else None,
+        }
         for k, t in totals.items()
     }
     result["current"] = CURRENT

@@ -21,12 +21,30 @@ from typing import Any
 import torch
 
 GEOMETRIES: dict[str, dict[str, int]] = {
-    "smollm2-135m-shape": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                               intermediate_size=1536, vocab_size=49152),
-    "llama-1b-shape": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                           intermediate_size=8192, vocab_size=128256),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=512),
+    "smollm2-135m-shape": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+    ),
+    "llama-1b-shape": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
 }
 
 
@@ -61,22 +79,32 @@ def bench(name: str, device: str, n: int, batch: int, rounds: int) -> dict[str, 
     prompts = make_prompts(n, cfg.vocab_size, 0)
     tokens = sum(p.target_position + 1 for p in prompts)
     dev = torch.device(device)
-    batches = [pad_batch(prompts[i:i + batch], 0, "right", dev) for i in range(0, n, batch)]
+    batches = [pad_batch(prompts[i : i + batch], 0, "right", dev) for i in range(0, n, batch)]
 
     def plain() -> float:
         sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             for b in batches:
-                model.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                            use_cache=False)
+                model.model(
+                    input_ids=b.input_ids,
+                    attention_mask=b.attention_mask,
+                    position_ids=b.position_ids,
+                    use_cache=False,
+                )
         sync(device)
         return time.perf_counter() - t0
 
     def ingest() -> float:
         out = tempfile.mkdtemp() + "/s"
-        c = IngestConfig(out=out, batch_size=batch, storage_dtype="bfloat16", segment_size=batch * 8,
-                         device=device, progress=False)
+        c = IngestConfig(
+            out=out,
+            batch_size=batch,
+            storage_dtype="bfloat16",
+            segment_size=batch * 8,
+            device=device,
+            progress=False,
+        )
         sync(device)
         t0 = time.perf_counter()
         ingest_prompts(model, tok, {"name": name}, prompts, c)
@@ -91,9 +119,17 @@ def bench(name: str, device: str, n: int, batch: int, rounds: int) -> dict[str, 
         res["plain"].append(plain())
         res["ingest"].append(ingest())
     best = {k: min(v) for k, v in res.items()}
-    return {"model": name, "prompts": n, "tokens": tokens, "batch": batch, "device": device,
-            "seconds": res, "plain_tokens_per_s": tokens / best["plain"],
-            "ingest_tokens_per_s": tokens / best["ingest"], "ingest_over_plain": best["ingest"] / best["plain"]}
+    return {
+        "model": name,
+        "prompts": n,
+        "tokens": tokens,
+        "batch": batch,
+        "device": device,
+        "seconds": res,
+        "plain_tokens_per_s": tokens / best["plain"],
+        "ingest_tokens_per_s": tokens / best["ingest"],
+        "ingest_over_plain": best["ingest"] / best["plain"],
+    }
 
 
 def main() -> None:

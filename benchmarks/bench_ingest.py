@@ -66,20 +66,42 @@ def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            b = pad_batch(prompts[i:i + batch], loaded.tokenizer.pad_token_id, "right", torch.device("cpu"))
-            fn(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids, use_cache=False)
+            b = pad_batch(prompts[i : i + batch], loaded.tokenizer.pad_token_id, "right", torch.device("cpu"))
+            fn(
+                input_ids=b.input_ids,
+                attention_mask=b.attention_mask,
+                position_ids=b.position_ids,
+                use_cache=False,
+            )
     return time.perf_counter() - t0
 
 
-def time_ingest(loaded: Any, prompts: list[Any], batch: int, out: str, dtype: str, segment_size: int = 256,
-                length_batching: bool = False, chunk_layers: int = 1) -> float:
+def time_ingest(
+    loaded: Any,
+    prompts: list[Any],
+    batch: int,
+    out: str,
+    dtype: str,
+    segment_size: int = 256,
+    length_batching: bool = False,
+    chunk_layers: int = 1,
+) -> float:
     from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     shutil.rmtree(out, ignore_errors=True)
-    cfg = IngestConfig(out=out, batch_size=batch, storage_dtype=dtype, progress=False, segment_size=segment_size,
-                       length_batching=length_batching, chunk_layers=chunk_layers)
+    cfg = IngestConfig(
+        out=out,
+        batch_size=batch,
+        storage_dtype=dtype,
+        progress=False,
+        segment_size=segment_size,
+        length_batching=length_batching,
+        chunk_layers=chunk_layers,
+    )
     t0 = time.perf_counter()
-    ingest_prompts(loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg)
+    ingest_prompts(
+        loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg
+    )
     return time.perf_counter() - t0
 
 
@@ -89,16 +111,17 @@ def padded_tokens(prompts: list[Any], batch: int, segment_size: int, by_length: 
 
     total = 0
     for lo in range(0, len(prompts), segment_size):
-        seg = prompts[lo:lo + segment_size]
+        seg = prompts[lo : lo + segment_size]
         order = forward_order(seg, by_length)
         for b in range(0, len(seg), batch):
-            members = order[b:b + batch]
+            members = order[b : b + batch]
             total += len(members) * max(seg[i].target_position + 1 for i in members)
     return total
 
 
-def compare_length_batching(loaded: Any, prompts: list[Any], batch: int, dtype: str, rounds: int,
-                            segment_size: int) -> dict[str, Any]:
+def compare_length_batching(
+    loaded: Any, prompts: list[Any], batch: int, dtype: str, rounds: int, segment_size: int
+) -> dict[str, Any]:
     """Ingest in corpus-order batches against length batching, shuffled interleaved rounds; the two
     stores' arrays checked equal (within float32 rounding) and their tables identical."""
     import numpy as np
@@ -113,7 +136,9 @@ def compare_length_batching(loaded: Any, prompts: list[Any], batch: int, dtype: 
         order = [False, True]
         rng.shuffle(order)
         for by_len in order:
-            times[by_len].append(time_ingest(loaded, prompts, batch, outs[by_len], dtype, segment_size, by_len))
+            times[by_len].append(
+                time_ingest(loaded, prompts, batch, outs[by_len], dtype, segment_size, by_len)
+            )
     a, b = actstore.open(outs[False]), actstore.open(outs[True])
     worst = 0.0
     for seg in a.commits:
@@ -129,11 +154,21 @@ def compare_length_batching(loaded: Any, prompts: list[Any], batch: int, dtype: 
     shutil.rmtree(tmp, ignore_errors=True)
     real = sum(p.target_position + 1 for p in prompts)
     med = {("length_batching" if k else "corpus_order"): statistics.median(v) for k, v in times.items()}
-    return {"prompts": len(prompts), "batch": batch, "segment_size": segment_size, "rounds": rounds,
-            "seconds_median": med, "corpus_over_length_batching": med["corpus_order"] / med["length_batching"],
-            "tokens": real, "padded_tokens": {"corpus_order": padded_tokens(prompts, batch, segment_size, False),
-                                              "length_batching": padded_tokens(prompts, batch, segment_size, True)},
-            "max_rel_difference_stored": worst, "load_average": os.getloadavg()}
+    return {
+        "prompts": len(prompts),
+        "batch": batch,
+        "segment_size": segment_size,
+        "rounds": rounds,
+        "seconds_median": med,
+        "corpus_over_length_batching": med["corpus_order"] / med["length_batching"],
+        "tokens": real,
+        "padded_tokens": {
+            "corpus_order": padded_tokens(prompts, batch, segment_size, False),
+            "length_batching": padded_tokens(prompts, batch, segment_size, True),
+        },
+        "max_rel_difference_stored": worst,
+        "load_average": os.getloadavg(),
+    }
 
 
 def du(path: str, sub: str = "") -> int:
@@ -154,7 +189,9 @@ def peak_rss_mb(n_prompts: int, batch: int, segment_size: int = 256) -> float:
         "shutil.rmtree(d)\n"
         "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=REPO, capture_output=True, text=True
+    ).stdout
     peak_kib = int(next(line for line in out.splitlines() if line.startswith("PEAK")).split()[1])
     return peak_kib / 1024  # ru_maxrss is in KiB on Linux
 
@@ -168,11 +205,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true", help="only the peak-memory measurement")
-    ap.add_argument("--memory-prompts", default=None,
-                    help="corpus sizes for peak memory, e.g. 64,640 (default: 16,64 with --quick, N,10N)")
+    ap.add_argument(
+        "--memory-prompts",
+        default=None,
+        help="corpus sizes for peak memory, e.g. 64,640 (default: 16,64 with --quick, N,10N)",
+    )
     ap.add_argument("--segment-size", type=int, default=256, help="segment size of the peak-memory ingests")
-    ap.add_argument("--length-batching", action="store_true",
-                    help="only: ingest with batches in corpus order vs sorted by length within each segment")
+    ap.add_argument(
+        "--length-batching",
+        action="store_true",
+        help="only: ingest with batches in corpus order vs sorted by length within each segment",
+    )
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     n = args.prompts or (64 if args.quick else 256)
@@ -182,16 +225,22 @@ def main() -> None:
 
     if args.memory_only:
         sizes = [int(x) for x in args.memory_prompts.split(",")] if args.memory_prompts else [n, 10 * n]
-        mem = {"segment_size": args.segment_size, "batch": args.batch, "threads": torch.get_num_threads(),
-               "peak_rss_mb": {str(k): peak_rss_mb(k, args.batch, args.segment_size) for k in sizes}}
+        mem = {
+            "segment_size": args.segment_size,
+            "batch": args.batch,
+            "threads": torch.get_num_threads(),
+            "peak_rss_mb": {str(k): peak_rss_mb(k, args.batch, args.segment_size) for k in sizes},
+        }
         print(json.dumps(mem, indent=2))
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(mem, indent=2))
         return
     loaded, prompts = load(n)
     if args.length_batching:
-        emit(compare_length_batching(loaded, prompts, args.batch, args.dtype, rounds, args.segment_size),
-             args.json_out)
+        emit(
+            compare_length_batching(loaded, prompts, args.batch, args.dtype, rounds, args.segment_size),
+            args.json_out,
+        )
         return
     tmp = tempfile.mkdtemp(prefix="actstore-bench-")
     out = os.path.join(tmp, "store")
@@ -218,18 +267,28 @@ def main() -> None:
     # A materialised per-(head, source token) array: L * H * tokens * d_model float16 numbers per target.
     materialised = g.n_layers * g.n_heads * n_tok * g.d_model * 2
     result: dict[str, Any] = {
-        "model": "smollm2-135m", "prompts": n, "batch": args.batch, "rounds": rounds, "dtype": args.dtype,
-        "threads": torch.get_num_threads(), "mean_tokens": n_tok / n,
+        "model": "smollm2-135m",
+        "prompts": n,
+        "batch": args.batch,
+        "rounds": rounds,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "mean_tokens": n_tok / n,
         "seconds_median": {k: statistics.median(v) for k, v in times.items()},
-        "ingest_over_plain": ratio_plain, "ingest_over_backbone": ratio_backbone,
-        "store_bytes_per_target": data_bytes / n, "weights_bytes": du(out, "weights"),
+        "ingest_over_plain": ratio_plain,
+        "ingest_over_backbone": ratio_backbone,
+        "store_bytes_per_target": data_bytes / n,
+        "weights_bytes": du(out, "weights"),
         "materialised_bytes_per_target": materialised / n,
         "size_ratio_materialised_over_store": materialised / data_bytes,
     }
     if not args.no_memory:
         small = max(16, n // 4) if args.quick else n
-        sizes = [int(x) for x in args.memory_prompts.split(",")] if args.memory_prompts else [
-            small, small * (4 if args.quick else 10)]
+        sizes = (
+            [int(x) for x in args.memory_prompts.split(",")]
+            if args.memory_prompts
+            else [small, small * (4 if args.quick else 10)]
+        )
         result["peak_rss_mb"] = {str(k): peak_rss_mb(k, args.batch, args.segment_size) for k in sizes}
         result["peak_rss_segment_size"] = args.segment_size
     shutil.rmtree(tmp, ignore_errors=True)

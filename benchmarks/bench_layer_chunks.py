@@ -57,27 +57,44 @@ def main() -> None:
     paths = {k: os.path.join(tmp, f"chunk_layers_{k}") for k in (0, 1)}
     ingest: dict[int, list[float]] = {0: [], 1: []}
     for r in range(args.rounds):
-        for k in ((0, 1) if r % 2 else (1, 0)):
+        for k in (0, 1) if r % 2 else (1, 0):
             ingest[k].append(time_ingest(loaded, prompts, 16, paths[k], "float16", chunk_layers=k))
     stores = {k: actstore.open(p) for k, p in paths.items()}
     segs = sorted(stores[0].commits)
     for seg in segs:
         a, b = (np.asarray(stores[k].array(seg, "z")[...]) for k in (0, 1))
         assert np.array_equal(a, b), f"segment {seg}: z differs between the two layouts"
-    arrays = {name: np.asarray(stores[0].array(segs[0], name)[...]) for name in ("z", "attn", "v", "resid", "mlp")}
+    arrays = {
+        name: np.asarray(stores[0].array(segs[0], name)[...]) for name in ("z", "attn", "v", "resid", "mlp")
+    }
     write: dict[int, list[float]] = {0: [], 1: []}
     for r in range(3 * args.rounds):
-        for k in ((0, 1) if r % 2 else (1, 0)):
+        for k in (0, 1) if r % 2 else (1, 0):
             group = zarr.open_group(os.path.join(tmp, f"w{k}"), mode="w")
             t0 = time.perf_counter()
             for name, data in arrays.items():
-                create_array(group, name, data, 512 if name in ("attn", "v") else 32, logical_dtype="float16", chunk1=k)
+                create_array(
+                    group, name, data, 512 if name in ("attn", "v") else 32, logical_dtype="float16", chunk1=k
+                )
             write[k].append(time.perf_counter() - t0)
     layers = [int(x) for x in args.layers.split(",")]
-    rel = stores[0].sql(f"SELECT e.relation_id, count(*) AS n FROM targets t JOIN examples e USING (example_id) "
-                        f"WHERE t.segment = {segs[0]} GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT 1").to_pylist()[0]
-    rows = stores[0].sql(f"SELECT t.seg_row FROM targets t JOIN examples e USING (example_id) WHERE e.relation_id = "
-                         f"'{rel['relation_id']}' AND t.segment = {segs[0]} ORDER BY 1").column(0).to_numpy()
+    rel = (
+        stores[0]
+        .sql(
+            f"SELECT e.relation_id, count(*) AS n FROM targets t JOIN examples e USING (example_id) "
+            f"WHERE t.segment = {segs[0]} GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT 1"
+        )
+        .to_pylist()[0]
+    )
+    rows = (
+        stores[0]
+        .sql(
+            f"SELECT t.seg_row FROM targets t JOIN examples e USING (example_id) WHERE e.relation_id = "
+            f"'{rel['relation_id']}' AND t.segment = {segs[0]} ORDER BY 1"
+        )
+        .column(0)
+        .to_numpy()
+    )
 
     def full(s: Any) -> list[np.ndarray]:
         return [s.read_segment_rows(seg, "z", np.arange(s.commits[seg].n_rows)) for seg in segs]
@@ -89,7 +106,7 @@ def main() -> None:
     files = {k: files_under(os.path.join(p, "segments")) for k, p in paths.items()}
     reads: dict[str, list[float]] = {}
     for r in range(3 * args.rounds):
-        for k in ((0, 1) if r % 2 else (1, 0)):
+        for k in (0, 1) if r % 2 else (1, 0):
             for name, fn in (("full", full), ("selective", selective)):
                 for state in ("warm", "cold"):
                     fn(stores[k])
@@ -99,15 +116,23 @@ def main() -> None:
                     fn(stores[k])
                     reads.setdefault(f"{k}/{name}/{state}", []).append(time.perf_counter() - t0)
     out: dict[str, Any] = {
-        "prompts": args.prompts, "rounds": args.rounds, "relation": rel, "rows_selected": int(rows.size),
-        "layers": layers, "ingest_s": {k: round(float(np.median(v)), 3) for k, v in ingest.items()},
+        "prompts": args.prompts,
+        "rounds": args.rounds,
+        "relation": rel,
+        "rows_selected": int(rows.size),
+        "layers": layers,
+        "ingest_s": {k: round(float(np.median(v)), 3) for k, v in ingest.items()},
         "ingest_ratio_1_over_0": round(float(np.median(ingest[1]) / np.median(ingest[0])), 3),
         "write_segment_ms": {k: median_ms(v) for k, v in write.items()},
         "write_segment_MB": round(sum(a.nbytes for a in arrays.values()) / 1e6, 1),
         "read_ms": {k: median_ms(v) for k, v in reads.items()},
-        "full_over_selective": {f"{k}/{s}": round(float(np.median(reads[f"{k}/full/{s}"]) /
-                                                        np.median(reads[f"{k}/selective/{s}"])), 1)
-                                for k in (0, 1) for s in ("warm", "cold")},
+        "full_over_selective": {
+            f"{k}/{s}": round(
+                float(np.median(reads[f"{k}/full/{s}"]) / np.median(reads[f"{k}/selective/{s}"])), 1
+            )
+            for k in (0, 1)
+            for s in ("warm", "cold")
+        },
         "load_average": os.getloadavg(),
     }
     text = json.dumps(out, indent=2)

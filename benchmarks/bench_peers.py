@@ -95,7 +95,10 @@ class Captured:
 
 
 def save_batch(out: str, i: int, arrays: dict[str, torch.Tensor]) -> None:
-    torch.save({k: v.to(torch.float16).contiguous() for k, v in arrays.items()}, os.path.join(out, f"batch{i:05d}.pt"))
+    torch.save(
+        {k: v.to(torch.float16).contiguous() for k, v in arrays.items()},
+        os.path.join(out, f"batch{i:05d}.pt"),
+    )
 
 
 class Bench:
@@ -112,8 +115,10 @@ class Bench:
         self.arch = architecture_for(self.model)
         self.g = self.arch.geometry(self.model)
         pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
-        self.batches = [pad_batch(prompts[i:i + batch], pad, "right", torch.device("cpu"))
-                        for i in range(0, len(prompts), batch)]
+        self.batches = [
+            pad_batch(prompts[i : i + batch], pad, "right", torch.device("cpu"))
+            for i in range(0, len(prompts), batch)
+        ]
         self._nnsight: Any = None
         self._tlens: Any = None
         self._hf: Any = None
@@ -123,16 +128,24 @@ class Bench:
     def plain(self) -> None:
         with torch.inference_mode():
             for b in self.batches:
-                self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                           use_cache=False)
+                self.model(
+                    input_ids=b.input_ids,
+                    attention_mask=b.attention_mask,
+                    position_ids=b.position_ids,
+                    use_cache=False,
+                )
 
     def backbone(self) -> None:
         """The decoder stack alone (no LM head over every position), as actstore runs it."""
         fn = self.arch.backbone(self.model)
         with torch.inference_mode():
             for b in self.batches:
-                fn(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                   use_cache=False)
+                fn(
+                    input_ids=b.input_ids,
+                    attention_mask=b.attention_mask,
+                    position_ids=b.position_ids,
+                    use_cache=False,
+                )
 
     # --- actstore -------------------------------------------------------------------------
     def actstore(self, out: str) -> float:
@@ -140,9 +153,13 @@ class Bench:
         from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
         cfg = IngestConfig(out=out, batch_size=self.batch, storage_dtype="float16", progress=False)
-        rep = ingest_prompts(self.model, self.loaded.tokenizer, {"name": self.loaded.name,
-                                                             "weight_hash": self.loaded.weight_hash},
-                         self.prompts, cfg)
+        rep = ingest_prompts(
+            self.model,
+            self.loaded.tokenizer,
+            {"name": self.loaded.name, "weight_hash": self.loaded.weight_hash},
+            self.prompts,
+            cfg,
+        )
         return rep.seconds
 
     def actstore_capture(self, b: Any) -> dict[str, torch.Tensor]:
@@ -167,8 +184,12 @@ class Bench:
         ix = b.index
         tb, tp = ix.target_b, ix.target_pos
         c = Captured(ix)
-        with torch.inference_mode(), nm.trace(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                                              position_ids=b.position_ids) as tracer:
+        with (
+            torch.inference_mode(),
+            nm.trace(
+                input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+            ) as tracer,
+        ):
             c.resid.append(nm.model.embed_tokens.output[tb, tp].save())
             for layer in nm.model.layers:
                 c.v.append(layer.self_attn.v_proj.output[ix.tok_b, ix.tok_pos].save())
@@ -192,16 +213,20 @@ class Bench:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._tlens = TransformerBridge.boot_transformers(
-                    m.config.name_or_path, hf_model=m, tokenizer=self.loaded.tokenizer, device="cpu")
+                    m.config.name_or_path, hf_model=m, tokenizer=self.loaded.tokenizer, device="cpu"
+                )
         L = self.g.n_layers
         wanted = {"blocks.0.hook_resid_pre"} | {
-            f"blocks.{i}.{h}" for i in range(L)
-            for h in ("attn.hook_z", "attn.hook_pattern", "attn.hook_v", "mlp.hook_post", "hook_resid_post")}
+            f"blocks.{i}.{h}"
+            for i in range(L)
+            for h in ("attn.hook_z", "attn.hook_pattern", "attn.hook_v", "mlp.hook_post", "hook_resid_post")
+        }
         ix = b.index
         tb, tp = ix.target_b, ix.target_pos
         with torch.inference_mode():
-            _, cache = self._tlens.run_with_cache(b.input_ids, attention_mask=b.attention_mask,
-                                                  names_filter=lambda n: n in wanted)
+            _, cache = self._tlens.run_with_cache(
+                b.input_ids, attention_mask=b.attention_mask, names_filter=lambda n: n in wanted
+            )
         c = Captured(ix)
         c.resid.append(cache["blocks.0.hook_resid_pre"][tb, tp])
         for i in range(L):
@@ -228,18 +253,32 @@ class Bench:
         c = Captured(ix)
         handles = []
         for layer in self._hf.model.layers:
-            handles.append(layer.self_attn.v_proj.register_forward_hook(
-                lambda mod, a, o: c.v.append(o[ix.tok_b, ix.tok_pos])))
-            handles.append(layer.self_attn.o_proj.register_forward_pre_hook(
-                lambda mod, a: c.z.append(a[0][tb, tp])))
-            handles.append(layer.mlp.down_proj.register_forward_pre_hook(
-                lambda mod, a: c.mlp.append(a[0][tb, tp])))
-            handles.append(layer.register_forward_hook(  # the last hidden state is after the final norm
-                lambda mod, a, o: c.resid.append((o[0] if isinstance(o, tuple) else o)[tb, tp])))
+            handles.append(
+                layer.self_attn.v_proj.register_forward_hook(
+                    lambda mod, a, o: c.v.append(o[ix.tok_b, ix.tok_pos])
+                )
+            )
+            handles.append(
+                layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, a: c.z.append(a[0][tb, tp]))
+            )
+            handles.append(
+                layer.mlp.down_proj.register_forward_pre_hook(lambda mod, a: c.mlp.append(a[0][tb, tp]))
+            )
+            handles.append(
+                layer.register_forward_hook(  # the last hidden state is after the final norm
+                    lambda mod, a, o: c.resid.append((o[0] if isinstance(o, tuple) else o)[tb, tp])
+                )
+            )
         try:
             with torch.inference_mode():
-                out = m(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
-                        use_cache=False, output_hidden_states=True, output_attentions=True)
+                out = m(
+                    input_ids=b.input_ids,
+                    attention_mask=b.attention_mask,
+                    position_ids=b.position_ids,
+                    use_cache=False,
+                    output_hidden_states=True,
+                    output_attentions=True,
+                )
         finally:
             for h in handles:
                 h.remove()
@@ -260,7 +299,11 @@ class Bench:
         # One target per example: source j of a target is token j of its example (same flat axis).
         av = out["attn"][..., None] * out["v"][:, :, kv]  # [N_src, L, H, dh]
         contrib = torch.einsum("slhk,lhkd->slhd", av, self._W_O).to(torch.float16)
-        return {"contrib": contrib.numpy(), "mlp": out["mlp"].half().numpy(), "resid": out["resid"].half().numpy()}
+        return {
+            "contrib": contrib.numpy(),
+            "mlp": out["mlp"].half().numpy(),
+            "resid": out["resid"].half().numpy(),
+        }
 
     # --- timed runs -----------------------------------------------------------------------
     def run_peer(self, name: str, out: str) -> None:
@@ -291,7 +334,9 @@ def check_same(bench: Bench, peers: list[str]) -> dict[str, float]:
             worst = max(worst, float((r - x).abs().max() / r.abs().max().clamp(min=1e-12)))
         errs[name] = worst
         if worst > 1e-3:
-            raise AssertionError(f"{name} does not capture the same numbers as actstore (max rel. error {worst:.2e})")
+            raise AssertionError(
+                f"{name} does not capture the same numbers as actstore (max rel. error {worst:.2e})"
+            )
     # The materialised contributions summed over sources give z W_O (an independent identity).
     m = bench.materialised_batch(b)
     assert bench._W_O is not None
@@ -346,7 +391,9 @@ def main() -> None:
                 bench.run_peer(name, out)
             times[name].append(time.perf_counter() - t0)
             if name not in ("plain", "backbone"):
-                bytes_on_disk[name] = du(out, "segments") + du(out, "tables") if name == "actstore" else du(out)
+                bytes_on_disk[name] = (
+                    du(out, "segments") + du(out, "tables") if name == "actstore" else du(out)
+                )
                 if name == "actstore":
                     bytes_on_disk["actstore_weights_once"] = du(out, "weights")
             shutil.rmtree(out, ignore_errors=True)
@@ -360,12 +407,18 @@ def main() -> None:
         ratios["actstore_after_store_creation"] = ratio(after_create)
         if "backbone" in methods:
             ratios["actstore_over_backbone"] = statistics.median(
-                a / b for a, b in zip(times["actstore"], times["backbone"]))
+                a / b for a, b in zip(times["actstore"], times["backbone"])
+            )
             ratios["actstore_after_store_creation_over_backbone"] = statistics.median(
-                a / b for a, b in zip(after_create, times["backbone"]))
+                a / b for a, b in zip(after_create, times["backbone"])
+            )
     peers_same = [m for m in PEERS if m in methods]
     result: dict[str, Any] = {
-        "model": loaded.name, "prompts": n, "batch": args.batch, "rounds": rounds, "threads": args.threads,
+        "model": loaded.name,
+        "prompts": n,
+        "batch": args.batch,
+        "rounds": rounds,
+        "threads": args.threads,
         "mean_tokens": sum(p.target_position + 1 for p in prompts) / n,
         "same_numbers_max_rel_error": errors,
         "seconds_median": {m: statistics.median(v) for m, v in times.items()},
@@ -379,7 +432,9 @@ def main() -> None:
         result["fastest_peer_same_data"] = fastest
         # > 1 means actstore is faster (the target is >= 2).
         result["peer_over_actstore"] = ratios[fastest] / ratios["actstore"]
-        result["peer_over_actstore_after_store_creation"] = ratios[fastest] / ratios["actstore_after_store_creation"]
+        result["peer_over_actstore_after_store_creation"] = (
+            ratios[fastest] / ratios["actstore_after_store_creation"]
+        )
     if "actstore" in methods and "materialised" in methods:
         result["materialised_over_actstore"] = ratios["materialised"] / ratios["actstore"]
     emit(result, args.json_out)

@@ -32,8 +32,17 @@ import actstore
 
 def subset(ep: EpisodeSet, n: int) -> EpisodeSet:
     """The first ``n`` episodes of ``ep``."""
-    return EpisodeSet(ep.relations, ep.n_way, ep.k_shot, ep.queries, ep.seed[:n], ep.index[:n], ep.classes[:n],
-                      ep.support[:n], ep.query[:n])
+    return EpisodeSet(
+        ep.relations,
+        ep.n_way,
+        ep.k_shot,
+        ep.queries,
+        ep.seed[:n],
+        ep.index[:n],
+        ep.classes[:n],
+        ep.support[:n],
+        ep.query[:n],
+    )
 
 
 def main() -> None:
@@ -57,19 +66,36 @@ def main() -> None:
     t0 = time.perf_counter()
     fm = load_features(store, a.kind, where=a.where, dtype=a.feature_dtype)
     load_s = time.perf_counter() - t0
-    cfg = ProbeConfig(kind=a.kind, n_way=a.n_way, k_shot=5, queries=5, episodes=a.episodes,
-                      seeds=tuple(range(a.seeds)), token_scores="none", threads=a.threads, feature_dtype=a.feature_dtype)
-    ep = sample_seeds(fm.labels, n_way=a.n_way, k_shot=5, queries=5, episodes=a.episodes, seeds=list(range(a.seeds)))
+    cfg = ProbeConfig(
+        kind=a.kind,
+        n_way=a.n_way,
+        k_shot=5,
+        queries=5,
+        episodes=a.episodes,
+        seeds=tuple(range(a.seeds)),
+        token_scores="none",
+        threads=a.threads,
+        feature_dtype=a.feature_dtype,
+    )
+    ep = sample_seeds(
+        fm.labels, n_way=a.n_way, k_shot=5, queries=5, episodes=a.episodes, seeds=list(range(a.seeds))
+    )
     sub = subset(ep, min(a.reference_episodes, len(ep)))
-    print(f"{store.url}: {len(fm.example_ids)} rows, {fm.n_features} {a.kind} features "
-          f"(loaded in {load_s:.1f}s); {len(ep)} episodes {a.n_way}-way 5-shot, reference on {len(sub)}", flush=True)
+    print(
+        f"{store.url}: {len(fm.example_ids)} rows, {fm.n_features} {a.kind} features "
+        f"(loaded in {load_s:.1f}s); {len(ep)} episodes {a.n_way}-way 5-shot, reference on {len(sub)}",
+        flush=True,
+    )
 
     t0, c0 = time.perf_counter(), time.process_time()
     full = run_probe(store, cfg, features=fm, episodes=ep)
     full_s, full_cpu = time.perf_counter() - t0, time.process_time() - c0
-    print(f"batched   {len(ep):>5} episodes: {full_s:8.1f} s wall, {full_cpu:8.1f} s CPU "
-          f"({full_s / len(ep):.3f} s/episode); accuracy {full.accuracy:.4f} "
-          f"(95% CI {full.ci95[0]:.4f}-{full.ci95[1]:.4f})", flush=True)
+    print(
+        f"batched   {len(ep):>5} episodes: {full_s:8.1f} s wall, {full_cpu:8.1f} s CPU "
+        f"({full_s / len(ep):.3f} s/episode); accuracy {full.accuracy:.4f} "
+        f"(95% CI {full.ci95[0]:.4f}-{full.ci95[1]:.4f})",
+        flush=True,
+    )
 
     t0 = time.perf_counter()
     part = run_probe(store, replace(cfg, episodes=len(sub)), features=fm, episodes=sub)
@@ -82,15 +108,34 @@ def main() -> None:
     ratio = ref_s / part_s
     print(f"subset    {len(sub):>5} episodes: {part_s:8.1f} s wall ({part_s / len(sub):.3f} s/episode)")
     print(f"reference {len(sub):>5} episodes: {ref_s:8.1f} s wall ({ref_s / len(sub):.3f} s/episode)")
-    print(f"reference / batched on the same episodes: {ratio:.2f}x; predictions identical: {same} "
-          f"({100 * agree:.2f}% of {pred.size} agree); accuracy {part.accuracy:.4f} vs {float(np.mean(acc)):.4f}")
+    print(
+        f"reference / batched on the same episodes: {ratio:.2f}x; predictions identical: {same} "
+        f"({100 * agree:.2f}% of {pred.size} agree); accuracy {part.accuracy:.4f} vs {float(np.mean(acc)):.4f}"
+    )
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump({"store": store.url, "kind": a.kind, "rows": len(fm.example_ids), "features": fm.n_features,
-                       "episodes": len(ep), "batched_s": full_s, "batched_cpu_s": full_cpu,
-                       "accuracy": full.accuracy, "ci95": list(full.ci95), "subset_episodes": len(sub),
-                       "subset_s": part_s, "reference_s": ref_s, "ratio": ratio, "identical": same,
-                       "agreement": agree, "threads": a.threads}, f, indent=2)
+            json.dump(
+                {
+                    "store": store.url,
+                    "kind": a.kind,
+                    "rows": len(fm.example_ids),
+                    "features": fm.n_features,
+                    "episodes": len(ep),
+                    "batched_s": full_s,
+                    "batched_cpu_s": full_cpu,
+                    "accuracy": full.accuracy,
+                    "ci95": list(full.ci95),
+                    "subset_episodes": len(sub),
+                    "subset_s": part_s,
+                    "reference_s": ref_s,
+                    "ratio": ratio,
+                    "identical": same,
+                    "agreement": agree,
+                    "threads": a.threads,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

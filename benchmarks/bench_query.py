@@ -141,9 +141,13 @@ def factor_reader(store: Any, kind: str, blocks: list[Any]) -> Callable[[], list
                     lengths = np.where(has, b.subject_end - b.subject_start, 0)
                 else:
                     starts, lengths = b.src_start, b.n_src
-                out.append({"attn": store.read_segment_ranges(b.segment, "attn", starts, lengths),
-                            "v": store.read_segment_ranges(b.segment, "v", starts, lengths),
-                            "lengths": np.asarray(lengths)})
+                out.append(
+                    {
+                        "attn": store.read_segment_ranges(b.segment, "attn", starts, lengths),
+                        "v": store.read_segment_ranges(b.segment, "v", starts, lengths),
+                        "lengths": np.asarray(lengths),
+                    }
+                )
         return out
 
     return read
@@ -170,17 +174,26 @@ def factor_math(store: Any, kind: str, factors: list[dict[str, np.ndarray]]) -> 
                 z = f["z"].reshape(f["z"].shape[0], g.n_layers, -1)
                 out.append(torch.baddbmm(W["b_O"][:, None], z.transpose(0, 1), WO_flat).transpose(0, 1))
             elif kind == "mlp":
-                out.append(torch.baddbmm(W["b_down"][:, None], f["mlp"].transpose(0, 1), W["W_down"]).transpose(0, 1))
+                out.append(
+                    torch.baddbmm(W["b_down"][:, None], f["mlp"].transpose(0, 1), W["W_down"]).transpose(0, 1)
+                )
             elif kind == "mlp_group":
                 a = f["mlp"].transpose(0, 1)
-                out.append([torch.bmm(a[:, :, lo:hi], W["W_down"][:, lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])])
+                out.append(
+                    [
+                        torch.bmm(a[:, :, lo:hi], W["W_down"][:, lo:hi])
+                        for lo, hi in zip(bounds[:-1], bounds[1:])
+                    ]
+                )
             elif kind in ("z", "resid"):
                 out.append(None)  # no arithmetic: the floor is the read
             else:
                 av = f["attn"][..., None] * f["v"][:, :, kv]  # [N, L, H, dh]
                 if kind == "attn_entity":
                     owner = torch.repeat_interleave(torch.arange(len(f["lengths"])), f["lengths"])
-                    ze = torch.zeros((len(f["lengths"]), g.n_layers, g.n_heads, g.d_head)).index_add_(0, owner, av)
+                    ze = torch.zeros((len(f["lengths"]), g.n_layers, g.n_heads, g.d_head)).index_add_(
+                        0, owner, av
+                    )
                     out.append(torch.einsum("nlhk,lhkd->nlhd", ze, W["W_O"]))
                 else:
                     out.append(torch.einsum("slhk,lhkd->slhd", av, W["W_O"]))
@@ -194,7 +207,9 @@ def floor_result(kind: str, out: list[Any], lengths: list[np.ndarray]) -> np.nda
     if kind in ("z", "resid"):
         return None
     if kind == "mlp_group":
-        return np.concatenate([np.stack([p.numpy() for p in parts], 2).transpose(1, 0, 2, 3) for parts in out])
+        return np.concatenate(
+            [np.stack([p.numpy() for p in parts], 2).transpose(1, 0, 2, 3) for parts in out]
+        )
     if kind == "attn_head_token":
         rows = []
         S = max(int(x.max()) for x in lengths)
@@ -203,7 +218,7 @@ def floor_result(kind: str, out: list[Any], lengths: list[np.ndarray]) -> np.nda
             starts = np.concatenate([[0], np.cumsum(ln)[:-1]])
             for s, n in zip(starts, ln):
                 r = np.zeros((S, *o.shape[1:]), np.float32)
-                r[:n] = o[s:s + n]
+                r[:n] = o[s : s + n]
                 rows.append(r.transpose(1, 2, 0, 3))
         return np.stack(rows)
     return np.concatenate([o.numpy() for o in out])
@@ -224,7 +239,9 @@ def sql_latency(path: str, n: int) -> dict[str, Any]:
     import actstore
 
     actstore.open(path).sql(FIRST_QUERY)  # imports and the process's database, outside the timing
-    sel_sql = _ROWS_SQL.format(cond="t.example_id IN (SELECT example_id FROM examples WHERE relation_id = $r)")
+    sel_sql = _ROWS_SQL.format(
+        cond="t.example_id IN (SELECT example_id FROM examples WHERE relation_id = $r)"
+    )
     rel = actstore.open(path).sql("SELECT relation_id FROM examples LIMIT 1").column(0)[0].as_py()
     first, sel, cpu = [], [], []
     for _ in range(n):
@@ -234,8 +251,14 @@ def sql_latency(path: str, n: int) -> dict[str, Any]:
         sel.append(timed(lambda: actstore.open(path).sql(sel_sql, {"r": rel}))[0])
     # What the ``actstore`` console script runs, with this checkout's packages first on the path.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cli_cmd = [sys.executable, "-c", "import sys; from actstore.cli import main; sys.argv[0] = 'actstore'; "
-               "sys.exit(main())", "sql", path, FIRST_QUERY]
+    cli_cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from actstore.cli import main; sys.argv[0] = 'actstore'; sys.exit(main())",
+        "sql",
+        path,
+        FIRST_QUERY,
+    ]
     cli, imp, cli_cpu = [], [], []
     for _ in range(max(3, n // 4)):
         r0 = os.times()
@@ -243,16 +266,25 @@ def sql_latency(path: str, n: int) -> dict[str, Any]:
         r1 = os.times()
         cli.append(t)
         cli_cpu.append(r1.children_user + r1.children_system - r0.children_user - r0.children_system)
-        imp.append(timed(lambda: subprocess.run([sys.executable, "-c", "import actstore.cli"], check=True, env=env,
-                                                cwd=REPO))[0])
+        imp.append(
+            timed(
+                lambda: subprocess.run(
+                    [sys.executable, "-c", "import actstore.cli"], check=True, env=env, cwd=REPO
+                )
+            )[0]
+        )
     store = actstore.open(path)
-    return {"store": path, "rows": store.n_rows, "calls": n,
-            "open_first_query_s": {"median": statistics.median(first), "min": min(first)},
-            "open_first_query_cpu_s": statistics.median(cpu),
-            "open_selection_query_s": {"median": statistics.median(sel), "min": min(sel)},
-            "cli_sql_end_to_end_s": {"median": statistics.median(cli), "min": min(cli)},
-            "cli_sql_end_to_end_cpu_s": statistics.median(cli_cpu),
-            "python_import_actstore_cli_s": {"median": statistics.median(imp), "min": min(imp)}}
+    return {
+        "store": path,
+        "rows": store.n_rows,
+        "calls": n,
+        "open_first_query_s": {"median": statistics.median(first), "min": min(first)},
+        "open_first_query_cpu_s": statistics.median(cpu),
+        "open_selection_query_s": {"median": statistics.median(sel), "min": min(sel)},
+        "cli_sql_end_to_end_s": {"median": statistics.median(cli), "min": min(cli)},
+        "cli_sql_end_to_end_cpu_s": statistics.median(cli_cpu),
+        "python_import_actstore_cli_s": {"median": statistics.median(imp), "min": min(imp)},
+    }
 
 
 _PEAK_CODE = """
@@ -279,7 +311,9 @@ print('PEAK', status('VmHWM') - rss0, 'RESULT', x.nbytes if hasattr(x, 'nbytes')
 def peak_rss(path: str, case: str, kind: str) -> tuple[int, int]:
     """(peak RSS above the RSS before the call, bytes of the result) of one call in a fresh process."""
     code = _PEAK_CODE.format(repo=str(REPO), path=path, case=case, kind=kind)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=REPO).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=REPO
+    ).stdout
     words = next(line for line in out.splitlines() if line.startswith("PEAK")).split()
     return int(words[1]), int(words[3])
 
@@ -302,7 +336,9 @@ def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
         ref = cases["raw_features"]()
         for name in ("load_features_float32", "load_features_float16"):
             x = cases[name]()
-            check_equal(f"{kind} {name}", x.float().numpy().reshape(ref.shape), ref, 1e-3 if "16" in name else 1e-6)
+            check_equal(
+                f"{kind} {name}", x.float().numpy().reshape(ref.shape), ref, 1e-3 if "16" in name else 1e-6
+            )
         del ref, x
         times: dict[str, list[float]] = {k: [] for k in cases}
         rng = random.Random(1)
@@ -314,16 +350,21 @@ def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
         peak = {name: peak_rss(path, name, kind) for name in cases}
         med = {k: statistics.median(v) for k, v in times.items()}
         n = len(sel)
-        out[kind] = {"rows": n, "seconds_median": med, "rows_per_s": {k: n / v for k, v in med.items()},
-                     "throughput_vs_raw": {k: med["raw_features"] / med[k] for k in med if k != "raw_features"},
-                     "peak_rss_above_start_mb": {k: v[0] / 2**20 for k, v in peak.items()},
-                     "result_mb": {k: v[1] / 2**20 for k, v in peak.items()}}
+        out[kind] = {
+            "rows": n,
+            "seconds_median": med,
+            "rows_per_s": {k: n / v for k, v in med.items()},
+            "throughput_vs_raw": {k: med["raw_features"] / med[k] for k in med if k != "raw_features"},
+            "peak_rss_above_start_mb": {k: v[0] / 2**20 for k, v in peak.items()},
+            "result_mb": {k: v[1] / 2**20 for k, v in peak.items()},
+        }
     return out
 
 
 # ------------------------------------------------------------------ main
-def measure_kinds(path: str, tmp: str, layer_text: str, rounds: int, thread_counts: list[int],
-                  kinds: list[str]) -> dict[str, Any]:
+def measure_kinds(
+    path: str, tmp: str, layer_text: str, rounds: int, thread_counts: list[int], kinds: list[str]
+) -> dict[str, Any]:
     """The kinds against their floors, attn_head against the memmap, the selective read."""
     import torch
 
@@ -333,11 +374,16 @@ def measure_kinds(path: str, tmp: str, layer_text: str, rounds: int, thread_coun
     store = actstore.open(path)
     g = store.geometry
     layers = [int(x) for x in layer_text.split(",")]
-    rel = store.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1").to_pylist()[0]
+    rel = store.sql(
+        "SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1"
+    ).to_pylist()[0]
     where = "relation_id = $rel"
     params = {"rel": rel["relation_id"]}
-    sel_rows = store.sql("SELECT example_id FROM examples WHERE relation_id = $rel ORDER BY example_id",
-                         params).column(0).to_numpy()
+    sel_rows = (
+        store.sql("SELECT example_id FROM examples WHERE relation_id = $rel ORDER BY example_id", params)
+        .column(0)
+        .to_numpy()
+    )
     sel_all, sel_rel = store.select(), store.select(where, params=params)
     store_files = [f for f in files_under(path) if f"{os.sep}segments{os.sep}" in f]
 
@@ -368,14 +414,17 @@ def measure_kinds(path: str, tmp: str, layer_text: str, rounds: int, thread_coun
             checks[kind] = check_equal(f"{kind} floor", fl, ref, 1e-5)
         del ref, fl
     if "attn_head" in kinds:
-        cases["attn_head/memmap32"] = lambda: np.load(mm_path, mmap_mode="r").astype(np.float32)  # the read copies
+        cases["attn_head/memmap32"] = lambda: np.load(mm_path, mmap_mode="r").astype(
+            np.float32
+        )  # the read copies
         io["attn_head/memmap32"] = [mm_path]
         check_equal("memmap32", cases["attn_head/memmap32"](), full, 0)
     lay = np.asarray(layers)
     cases["selective/factors"] = lambda: sel_rel.features("attn_head", layers=layers)
     cases["selective/full_scan"] = lambda: sel_all.features("attn_head")
-    cases["selective/memmap32"] = lambda: np.load(mm_path, mmap_mode="r")[sel_rows[:, None], lay[None, :]].astype(
-        np.float32)
+    cases["selective/memmap32"] = lambda: np.load(mm_path, mmap_mode="r")[
+        sel_rows[:, None], lay[None, :]
+    ].astype(np.float32)
     io["selective/factors"] = io["selective/full_scan"] = store_files
     io["selective/memmap32"] = [mm_path]
     sel_ref = full[sel_rows][:, layers]
@@ -395,7 +444,11 @@ def measure_kinds(path: str, tmp: str, layer_text: str, rounds: int, thread_coun
         order = list(times)
         rng.shuffle(order)
         for key in order:
-            t_s, name, state = key.split("/", 1)[0], key.split("/", 1)[1].rsplit("/", 1)[0], key.rsplit("/", 1)[1]
+            t_s, name, state = (
+                key.split("/", 1)[0],
+                key.split("/", 1)[1].rsplit("/", 1)[0],
+                key.rsplit("/", 1)[1],
+            )
             torch.set_num_threads(int(t_s))
             cases[name]()  # the same call first, so that warm and cold differ only in the page cache
             if state == "cold":
@@ -410,10 +463,21 @@ def measure_kinds(path: str, tmp: str, layer_text: str, rounds: int, thread_coun
         return med[f"{t}/{name}/{state}"]
 
     result: dict[str, Any] = {
-        "store": path, "rows": store.n_rows, "rounds": rounds, "threads": thread_counts,
-        "geometry": {"L": g.n_layers, "H": g.n_heads, "d_head": g.d_head, "d_model": g.d_model, "d_mlp": g.d_mlp},
-        "attn_head_token_rows": len(sel_rel), "floor_max_rel_error": checks,
-        "seconds_median": med, "cpu_seconds_median": med_cpu,
+        "store": path,
+        "rows": store.n_rows,
+        "rounds": rounds,
+        "threads": thread_counts,
+        "geometry": {
+            "L": g.n_layers,
+            "H": g.n_heads,
+            "d_head": g.d_head,
+            "d_model": g.d_model,
+            "d_mlp": g.d_mlp,
+        },
+        "attn_head_token_rows": len(sel_rel),
+        "floor_max_rel_error": checks,
+        "seconds_median": med,
+        "cpu_seconds_median": med_cpu,
     }
     kinds_out: dict[str, Any] = {}
     for t in thread_counts:
@@ -421,45 +485,68 @@ def measure_kinds(path: str, tmp: str, layer_text: str, rounds: int, thread_coun
             for state in ("warm", "cold"):
                 floor = m(t, f"{kind}/read", state) + m(t, f"{kind}/math")
                 kinds_out[f"{t}/{kind}/{state}"] = {
-                    "features_s": m(t, f"{kind}/features", state), "read_s": m(t, f"{kind}/read", state),
-                    "math_s": m(t, f"{kind}/math"), "floor_s": floor,
+                    "features_s": m(t, f"{kind}/features", state),
+                    "read_s": m(t, f"{kind}/read", state),
+                    "math_s": m(t, f"{kind}/math"),
+                    "floor_s": floor,
                     "features_over_floor": m(t, f"{kind}/features", state) / floor,
-                    "cpu_features_over_floor": med_cpu[f"{t}/{kind}/features/{state}"] / (
-                        med_cpu[f"{t}/{kind}/read/{state}"] + med_cpu[f"{t}/{kind}/math/warm"])}
+                    "cpu_features_over_floor": med_cpu[f"{t}/{kind}/features/{state}"]
+                    / (med_cpu[f"{t}/{kind}/read/{state}"] + med_cpu[f"{t}/{kind}/math/warm"]),
+                }
     result["kinds"] = kinds_out
     if "attn_head" in kinds:
         result["attn_head_factors_over_memmap32"] = {
             f"{t}/{s}": m(t, "attn_head/features", s) / m(t, "attn_head/memmap32", s)
-            for t in thread_counts for s in ("warm", "cold")}
+            for t in thread_counts
+            for s in ("warm", "cold")
+        }
     result["selective"] = {
-        "where": f"relation_id = {rel['relation_id']!r}", "rows": len(sel_rel), "layers": layers,
-        "full_over_selective": {f"{t}/{s}": m(t, "selective/full_scan", s) / m(t, "selective/factors", s)
-                                for t in thread_counts for s in ("warm", "cold")},
+        "where": f"relation_id = {rel['relation_id']!r}",
+        "rows": len(sel_rel),
+        "layers": layers,
+        "full_over_selective": {
+            f"{t}/{s}": m(t, "selective/full_scan", s) / m(t, "selective/factors", s)
+            for t in thread_counts
+            for s in ("warm", "cold")
+        },
         "chunks_bytes_fetched": {k: {"chunks": c, "bytes": b} for k, (c, b) in fetched.items()},
     }
-    result["bytes"] = {"z_arrays": sum(os.path.getsize(f) for f in store_files if f"{os.sep}z{os.sep}" in f),
-                       "segments": sum(os.path.getsize(f) for f in store_files),
-                       "memmap32": os.path.getsize(mm_path)}
+    result["bytes"] = {
+        "z_arrays": sum(os.path.getsize(f) for f in store_files if f"{os.sep}z{os.sep}" in f),
+        "segments": sum(os.path.getsize(f) for f in store_files),
+        "memmap32": os.path.getsize(mm_path),
+    }
     result["load_average_during_kinds"] = os.getloadavg()
     return result
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a 128-prompt store (when none is given), 3 rounds")
     ap.add_argument("--store", default=None, help="an existing store (else one is ingested into a temp dir)")
-    ap.add_argument("--prompts", type=int, default=None, help="prompts to ingest without --store (512; 128 quick)")
+    ap.add_argument(
+        "--prompts", type=int, default=None, help="prompts to ingest without --store (512; 128 quick)"
+    )
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--chunk-layers", type=int, default=1,
-                    help="layers per chunk of the store ingested without --store (0: all layers in one chunk)")
+    ap.add_argument(
+        "--chunk-layers",
+        type=int,
+        default=1,
+        help="layers per chunk of the store ingested without --store (0: all layers in one chunk)",
+    )
     ap.add_argument("--layers", default="10,11,12", help="layers of the selective read")
     ap.add_argument("--threads", default="1,2", help="torch intra-op thread counts to measure, e.g. 1,2")
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--sql-store", default="/tmp/fewrel-full",
-                    help="a store (6,128 FewRel rows in benchmarks/README.md; only read) for the SQL latency; "
-                         "'' to skip")
+    ap.add_argument(
+        "--sql-store",
+        default="/tmp/fewrel-full",
+        help="a store (6,128 FewRel rows in benchmarks/README.md; only read) for the SQL latency; '' to skip",
+    )
     ap.add_argument("--sql-calls", type=int, default=20)
     ap.add_argument("--probe-kinds", default="attn_head,mlp", help="kinds for the probe loading ('' to skip)")
-    ap.add_argument("--parts", default="kinds,sql,probe", help="what to measure (kinds includes memmap, selective)")
+    ap.add_argument(
+        "--parts", default="kinds,sql,probe", help="what to measure (kinds includes memmap, selective)"
+    )
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     parts = set(args.parts.split(","))

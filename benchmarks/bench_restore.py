@@ -70,22 +70,36 @@ def main() -> None:
         results: list[tuple[str, np.ndarray]] = []
         n_rows = 0
         for r in range(args.rounds):
-            for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
+            for name in list(modes) if r % 2 == 0 else list(modes)[::-1]:
                 t0 = time.perf_counter()
                 table = site_effects(runner, facts, {}, modes[name], std)
                 dt = time.perf_counter() - t0
                 best[name] = min(best.get(name, dt), dt)
-                results.append((name, np.asarray(table.column("p_intervened").to_pylist()
-                                                 + table.column("p_base").to_pylist())))
+                results.append(
+                    (
+                        name,
+                        np.asarray(
+                            table.column("p_intervened").to_pylist() + table.column("p_base").to_pylist()
+                        ),
+                    )
+                )
                 n_rows = table.num_rows
         ref = next(p for name, p in results if name == "full")
         diff = max(float(np.abs(p - ref).max()) for _, p in results)
         out: dict[str, Any] = {
-            "model": store.manifest.model.get("name"), "facts": len(facts), "n_tokens": [f.n_tokens for f in facts],
-            "samples": args.samples, "site_effects": n_rows, "threads": args.threads, "rounds": args.rounds,
-            "seconds_best": best, "facts_per_min": {k: 60 * len(facts) / v for k, v in best.items()},
-            "speedup": best["full"] / best["incremental"], "max_abs_diff": diff,
-            "load_before": load_before, "load_after": os.getloadavg(),
+            "model": store.manifest.model.get("name"),
+            "facts": len(facts),
+            "n_tokens": [f.n_tokens for f in facts],
+            "samples": args.samples,
+            "site_effects": n_rows,
+            "threads": args.threads,
+            "rounds": args.rounds,
+            "seconds_best": best,
+            "facts_per_min": {k: 60 * len(facts) / v for k, v in best.items()},
+            "speedup": best["full"] / best["incremental"],
+            "max_abs_diff": diff,
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
         }
     print(json.dumps(out, indent=1))
     if args.json:

@@ -41,14 +41,33 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-KNOWN = Path(os.environ.get("ACTSTORE_DATA") or REPO.parent / "shared" / "data") / "known_1000" / "known_1000.json"
+KNOWN = (
+    Path(os.environ.get("ACTSTORE_DATA") or REPO.parent / "shared" / "data")
+    / "known_1000"
+    / "known_1000.json"
+)
 MODES = ("incremental", "batched", "vectorised", "loop")
 
 
 def make_store(model: str, folder: Path, per_relation: int) -> Path:
     out = folder / "store"
-    cmd = [sys.executable, "-m", "actstore.cli", "ingest", "--model", model, "--dataset", f"known1000:{KNOWN}",
-           "--limit-per-relation", str(per_relation), "--out", str(out), "--threads", "1", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "actstore.cli",
+        "ingest",
+        "--model",
+        model,
+        "--dataset",
+        f"known1000:{KNOWN}",
+        "--limit-per-relation",
+        str(per_relation),
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+        "--quiet",
+    ]
     subprocess.run(cmd, check=True, cwd=REPO)
     return out
 
@@ -60,7 +79,9 @@ def max_diff(a: list[Any], b: list[Any]) -> float:
 
 
 PROFILE_PARTS = {  # cProfile entries (built-in torch ops) -> report heading
-    "linear": "matmuls (linear)", "scaled_dot_product_attention": "attention (sdpa)", "cat": "copies (cat)",
+    "linear": "matmuls (linear)",
+    "scaled_dot_product_attention": "attention (sdpa)",
+    "cat": "copies (cat)",
     "log_softmax": "log_softmax",
 }
 
@@ -92,25 +113,37 @@ def main() -> None:
     ap.add_argument("--facts", type=int, default=3)
     ap.add_argument("--samples", type=int, default=1, help="Noise samples per fact.")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--modes", default="incremental,batched", help=f"Comma-separated, from {', '.join(MODES)}.")
+    ap.add_argument(
+        "--modes", default="incremental,batched", help=f"Comma-separated, from {', '.join(MODES)}."
+    )
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--store", default=None, help="Existing store of the model (default: ingest a small one).")
+    ap.add_argument(
+        "--store", default=None, help="Existing store of the model (default: ingest a small one)."
+    )
     ap.add_argument("--per-relation", type=int, default=2, help="Prompts per relation in the ingested store.")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (part of the measurement).")
-    ap.add_argument("--profile", action="store_true",
-                    help="After the timed rounds, trace the first fact once per mode under cProfile and report "
-                         "where the time goes (matmuls, attention, the rest).")
-    ap.add_argument("--check64", action="store_true",
-                    help="Also trace the first fact in float64 (batched and incremental) and report each float32 "
-                         "mode's max |diff| from the float64 batched trace: float32's own rounding error.")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="After the timed rounds, trace the first fact once per mode under cProfile and report "
+        "where the time goes (matmuls, attention, the rest).",
+    )
+    ap.add_argument(
+        "--check64",
+        action="store_true",
+        help="Also trace the first fact in float64 (batched and incremental) and report each float32 "
+        "mode's max |diff| from the float64 batched trace: float32's own rounding error.",
+    )
     ap.add_argument("--json", dest="json_out", default=None)
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or "batched" not in modes:
-        sys.exit(f"error: --modes takes {', '.join(MODES)} and must include batched (the reference), "
-                 f"not {args.modes!r}")
+        sys.exit(
+            f"error: --modes takes {', '.join(MODES)} and must include batched (the reference), "
+            f"not {args.modes!r}"
+        )
     n_facts, rounds = (2, 1) if args.quick else (args.facts, args.rounds)
 
     import torch
@@ -132,8 +165,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp:
         path = Path(args.store) if args.store else make_store(args.model, Path(tmp), args.per_relation)
         store = actstore.open(str(path))
-        where = "example_id IN (SELECT min(example_id) FROM examples JOIN targets USING (example_id) " \
-                "WHERE object_rank = 0 GROUP BY relation_id)"
+        where = (
+            "example_id IN (SELECT min(example_id) FROM examples JOIN targets USING (example_id) "
+            "WHERE object_rank = 0 GROUP BY relation_id)"
+        )
         facts = stored_facts(store, where, limit=n_facts)
         if len(facts) < n_facts:
             facts = stored_facts(store, limit=n_facts)
@@ -174,7 +209,7 @@ def main() -> None:
     positions: dict[str, dict[str, int]] = {}
     results: dict[str, list[list[Any]]] = {m: [] for m in modes}
     for r in range(rounds):
-        for mode in (modes if r % 2 == 0 else modes[::-1]):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             todo = facts[:1] if mode == "loop" else facts
             count.update(attn=0, mlp=0)
             t0 = time.perf_counter()
@@ -183,7 +218,7 @@ def main() -> None:
             positions[mode] = dict(count)
     profiles = {m: profile(tracers[m], facts[:1]) for m in modes} if args.profile else {}
     ref = results["batched"][0]  # every round of every mode against the reference's first round
-    diffs = {m: max(max_diff(ref[:len(out)], out) for out in results[m]) for m in modes}
+    diffs = {m: max(max_diff(ref[: len(out)], out) for out in results[m]) for m in modes}
     for h in handles:
         h.remove()
     check64: dict[str, float] = {}
@@ -192,32 +227,48 @@ def main() -> None:
         truth = tracers["batched"].trace(facts[:1])
         inc64 = tracers["incremental"].trace(facts[:1])
         model.float()
-        check64 = {"batched_float32_vs_float64": max_diff(truth, results["batched"][0][:1]),
-                   "incremental_float32_vs_float64": max_diff(truth, results["incremental"][0][:1])
-                   if "incremental" in results else float("nan"),
-                   "incremental_float64_vs_batched_float64": max_diff(truth, inc64)}
+        check64 = {
+            "batched_float32_vs_float64": max_diff(truth, results["batched"][0][:1]),
+            "incremental_float32_vs_float64": max_diff(truth, results["incremental"][0][:1])
+            if "incremental" in results
+            else float("nan"),
+            "incremental_float64_vs_batched_float64": max_diff(truth, inc64),
+        }
     load_after = os.getloadavg()
 
     def rate(n: int, s: float) -> float:
         return 60 * n / s
 
     res: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "model": args.model, "threads": args.threads, "samples": args.samples,
-        "window": 10, "batch_size": args.batch_size, "rounds": rounds, "facts": len(facts),
-        "tokens_per_fact": [f.n_tokens for f in facts], "subject_spans": [list(f.subject_span) for f in facts],
-        "restorations_per_fact": rows_per_fact, "load_average_before": list(load_before),
-        "load_average_after": list(load_after), "uptime": subprocess.run(["uptime"], capture_output=True,
-                                                                         text=True).stdout.strip(),
+        "date": time.strftime("%Y-%m-%d"),
+        "model": args.model,
+        "threads": args.threads,
+        "samples": args.samples,
+        "window": 10,
+        "batch_size": args.batch_size,
+        "rounds": rounds,
+        "facts": len(facts),
+        "tokens_per_fact": [f.n_tokens for f in facts],
+        "subject_spans": [list(f.subject_span) for f in facts],
+        "restorations_per_fact": rows_per_fact,
+        "load_average_before": list(load_before),
+        "load_average_after": list(load_after),
+        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
     }
     for mode in modes:
         n = 1 if mode == "loop" else len(facts)
         rows = rows_per_fact[0] if mode == "loop" else sum(rows_per_fact)
         pos = positions[mode]
         flops = pos["attn"] * attn_flops + pos["mlp"] * mlp_flops + rows * head_flops
-        res[mode] = {"facts": n, "seconds": seconds[mode], "facts_per_minute": rate(n, min(seconds[mode])),
-                     "attn_positions_x_layers_per_fact": pos["attn"] / n,
-                     "mlp_positions_x_layers_per_fact": pos["mlp"] / n, "gflop_per_fact": flops / n / 1e9,
-                     "max_abs_diff_vs_batched": diffs[mode]}
+        res[mode] = {
+            "facts": n,
+            "seconds": seconds[mode],
+            "facts_per_minute": rate(n, min(seconds[mode])),
+            "attn_positions_x_layers_per_fact": pos["attn"] / n,
+            "mlp_positions_x_layers_per_fact": pos["mlp"] / n,
+            "gflop_per_fact": flops / n / 1e9,
+            "max_abs_diff_vs_batched": diffs[mode],
+        }
     base = res["batched"]
     for mode in modes:
         if mode in profiles:
@@ -225,26 +276,42 @@ def main() -> None:
         if mode != "batched":
             res[mode]["speedup_vs_batched"] = res[mode]["facts_per_minute"] / base["facts_per_minute"]
             res[mode]["flop_ratio_batched_over_this"] = base["gflop_per_fact"] / res[mode]["gflop_per_fact"]
-    print(f"{args.model}, {len(facts)} facts ({', '.join(str(f.n_tokens) for f in facts)} tokens; "
-          f"{sum(rows_per_fact) / len(rows_per_fact):.0f} restorations each: {args.samples} noise sample(s) x "
-          f"(1 + 3 components x layers x positions)), window 10, {args.threads} thread(s), batch {args.batch_size}, "
-          f"{rounds} interleaved round(s), best kept")
+    print(
+        f"{args.model}, {len(facts)} facts ({', '.join(str(f.n_tokens) for f in facts)} tokens; "
+        f"{sum(rows_per_fact) / len(rows_per_fact):.0f} restorations each: {args.samples} noise sample(s) x "
+        f"(1 + 3 components x layers x positions)), window 10, {args.threads} thread(s), batch {args.batch_size}, "
+        f"{rounds} interleaved round(s), best kept"
+    )
     for mode in modes:
         m = res[mode]
-        extra = f"  max |diff| {m['max_abs_diff_vs_batched']:.1e}" if mode == "batched" else (
-            f"  {m['speedup_vs_batched']:.2f}x faster, {m['flop_ratio_batched_over_this']:.2f}x fewer FLOPs, "
-            f"max |diff| {m['max_abs_diff_vs_batched']:.1e}")
-        print(f"  {mode:<11} {m['facts_per_minute']:7.2f} facts/min  {m['gflop_per_fact']:8.0f} GFLOP/fact  "
-              f"{m['attn_positions_x_layers_per_fact']:7.0f} / {m['mlp_positions_x_layers_per_fact']:7.0f} "
-              f"attn / mlp positions x layers/fact  "
-              f"rounds {', '.join(f'{s:.1f}' for s in m['seconds'])} s{extra}")
+        extra = (
+            f"  max |diff| {m['max_abs_diff_vs_batched']:.1e}"
+            if mode == "batched"
+            else (
+                f"  {m['speedup_vs_batched']:.2f}x faster, {m['flop_ratio_batched_over_this']:.2f}x fewer FLOPs, "
+                f"max |diff| {m['max_abs_diff_vs_batched']:.1e}"
+            )
+        )
+        print(
+            f"  {mode:<11} {m['facts_per_minute']:7.2f} facts/min  {m['gflop_per_fact']:8.0f} GFLOP/fact  "
+            f"{m['attn_positions_x_layers_per_fact']:7.0f} / {m['mlp_positions_x_layers_per_fact']:7.0f} "
+            f"attn / mlp positions x layers/fact  "
+            f"rounds {', '.join(f'{s:.1f}' for s in m['seconds'])} s{extra}"
+        )
     if check64:
         res["float64_check_first_fact"] = check64
-        print("  first fact, max |diff| from the float64 batched trace: " + ", ".join(
-            f"{k.replace('_vs_float64', '').replace('_vs_batched_float64', '')} {v:.1e}" for k, v in check64.items()))
+        print(
+            "  first fact, max |diff| from the float64 batched trace: "
+            + ", ".join(
+                f"{k.replace('_vs_float64', '').replace('_vs_batched_float64', '')} {v:.1e}"
+                for k, v in check64.items()
+            )
+        )
     for mode, prof in profiles.items():
-        print(f"  profile {mode:<11} {prof['seconds']:.1f} s: " + ", ".join(
-            f"{k} {100 * v / prof['seconds']:.0f}%" for k, v in prof["parts"].items()))
+        print(
+            f"  profile {mode:<11} {prof['seconds']:.1f} s: "
+            + ", ".join(f"{k} {100 * v / prof['seconds']:.0f}%" for k, v in prof["parts"].items())
+        )
     print(f"  {res['uptime']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1))

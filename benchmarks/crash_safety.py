@@ -33,8 +33,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
-INGEST = ["--model", "tiny-llama", "--dataset", "demo", "--batch-size", "4", "--segment-size", "8",
-          "--dtype", "float16"]
+INGEST = [
+    "--model",
+    "tiny-llama",
+    "--dataset",
+    "demo",
+    "--batch-size",
+    "4",
+    "--segment-size",
+    "8",
+    "--dtype",
+    "float16",
+]
 
 
 @dataclass
@@ -51,8 +61,18 @@ class Trial:
 
 
 def cli(out: Path, limit: int, resume: bool = False) -> list[str]:
-    return [sys.executable, "-m", "actstore.cli", "ingest", *INGEST, "--limit-per-relation", str(limit),
-            "--out", str(out), *(["--resume"] if resume else [])]
+    return [
+        sys.executable,
+        "-m",
+        "actstore.cli",
+        "ingest",
+        *INGEST,
+        "--limit-per-relation",
+        str(limit),
+        "--out",
+        str(out),
+        *(["--resume"] if resume else []),
+    ]
 
 
 class Ingest:
@@ -60,12 +80,18 @@ class Ingest:
     set is loaded (its first stderr line) and when it reports the finished store (stdout)."""
 
     def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        )
         self.loaded = threading.Event()
         self.wrote = threading.Event()
         self.output: list[str] = []
-        threading.Thread(target=self._drain, args=(self.proc.stderr, self.loaded, "dataset "), daemon=True).start()
-        threading.Thread(target=self._drain, args=(self.proc.stdout, self.wrote, "wrote "), daemon=True).start()
+        threading.Thread(
+            target=self._drain, args=(self.proc.stderr, self.loaded, "dataset "), daemon=True
+        ).start()
+        threading.Thread(
+            target=self._drain, args=(self.proc.stdout, self.wrote, "wrote "), daemon=True
+        ).start()
 
     def _drain(self, stream: IO[str] | None, event: threading.Event, marker: str) -> None:
         assert stream is not None
@@ -131,7 +157,9 @@ def check_partial(out: Path, trial: Trial) -> None:
     s = actstore.open(out)
     trial.committed_at_kill = len(s.commits)
     trial.phase = "finished" if s.complete else "capture"
-    n = s.sql("SELECT (SELECT count(*) FROM targets) AS t, (SELECT count(*) FROM examples) AS e").to_pylist()[0]
+    n = s.sql("SELECT (SELECT count(*) FROM targets) AS t, (SELECT count(*) FROM examples) AS e").to_pylist()[
+        0
+    ]
     if not n["t"] == n["e"] == s.n_rows:
         trial.problems.append(f"partial store shows {n} rows, commits hold {s.n_rows}")
     segs = set(s.sql("SELECT DISTINCT segment FROM targets").column("segment").to_pylist())
@@ -142,8 +170,15 @@ def check_partial(out: Path, trial: Trial) -> None:
         trial.problems.extend(f"partial: {p}" for p in report.problems)
 
 
-def run_trial(seed: int, workdir: Path, reference: dict[str, bytes], window: float, limit: int,
-              n_segments: int, anchor: str) -> Trial:
+def run_trial(
+    seed: int,
+    workdir: Path,
+    reference: dict[str, bytes],
+    window: float,
+    limit: int,
+    n_segments: int,
+    anchor: str,
+) -> Trial:
     rng = random.Random(seed)
     out = workdir / f"trial-{seed}"
     if anchor == "commits":
@@ -153,8 +188,12 @@ def run_trial(seed: int, workdir: Path, reference: dict[str, bytes], window: flo
         trial = Trial(seed, round(rng.uniform(0.0, window), 3))
     t0 = time.monotonic()
     try:
-        killed = run_and_kill(cli(out, limit), trial.kill_after_s, out / "commits" if anchor == "commits" else None,
-                              trial.after_commits)
+        killed = run_and_kill(
+            cli(out, limit),
+            trial.kill_after_s,
+            out / "commits" if anchor == "commits" else None,
+            trial.after_commits,
+        )
         check_partial(out, trial)
         if not killed:
             trial.phase = "finished"
@@ -162,13 +201,22 @@ def run_trial(seed: int, workdir: Path, reference: dict[str, bytes], window: flo
         if rng.random() < 0.25:  # kill the resumed ingest too
             trial.second_kill = True
             if anchor == "commits":
-                run_and_kill(cli(out, limit, resume=resume), rng.uniform(0.0, window / n_segments), out / "commits",
-                             rng.randint(_count(out / "commits"), n_segments))
+                run_and_kill(
+                    cli(out, limit, resume=resume),
+                    rng.uniform(0.0, window / n_segments),
+                    out / "commits",
+                    rng.randint(_count(out / "commits"), n_segments),
+                )
             else:
                 run_and_kill(cli(out, limit, resume=resume), rng.uniform(0.0, window))
             resume = (out / "manifest.json").exists() or (out / ".creating").exists()
-        done = subprocess.run(cli(out, limit, resume=resume) + ["--quiet"], capture_output=True, text=True,
-                              env=_env(), timeout=900)
+        done = subprocess.run(
+            cli(out, limit, resume=resume) + ["--quiet"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=900,
+        )
         if done.returncode != 0:
             trial.problems.append(f"resume failed: {done.stderr.strip()[-300:]}")
         else:
@@ -193,8 +241,12 @@ def main() -> int:
     ap.add_argument("--limit-per-relation", type=int, default=30, help="corpus size (demo: 6 relations)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write the trials and summary here")
-    ap.add_argument("--anchor", choices=["commits", "time"], default="commits",
-                    help="draw the kill moment after k commits (default) or over the reference run's duration")
+    ap.add_argument(
+        "--anchor",
+        choices=["commits", "time"],
+        default="commits",
+        help="draw the kill moment after k commits (default) or over the reference run's duration",
+    )
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="actstore-crash-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -211,27 +263,40 @@ def main() -> int:
         return 2
     reference = files(ref)
     n_segments = len([k for k in reference if k.startswith("commits/")])
-    print(f"reference: {len(reference)} files, {sum(map(len, reference.values())) / 1e6:.1f} MB, "
-          f"kill window {window:.1f}s (startup {t_data - t0:.1f}s)", flush=True)
+    print(
+        f"reference: {len(reference)} files, {sum(map(len, reference.values())) / 1e6:.1f} MB, "
+        f"kill window {window:.1f}s (startup {t_data - t0:.1f}s)",
+        flush=True,
+    )
     trials = []
     for i in range(args.trials):
-        t = run_trial(args.seed + i, workdir, reference, window * 1.05, args.limit_per_relation, n_segments,
-                      args.anchor)
+        t = run_trial(
+            args.seed + i, workdir, reference, window * 1.05, args.limit_per_relation, n_segments, args.anchor
+        )
         trials.append(t)
         status = "ok  " if t.ok else "FAIL"
-        print(f"{status} seed={t.seed:<3} kill@{t.after_commits:>2}+{t.kill_after_s:5.2f}s phase={t.phase:<8} "
-              f"committed={t.committed_at_kill:<3} second_kill={t.second_kill!s:<5} {t.seconds:5.1f}s "
-              f"{'; '.join(t.problems)}", flush=True)
+        print(
+            f"{status} seed={t.seed:<3} kill@{t.after_commits:>2}+{t.kill_after_s:5.2f}s phase={t.phase:<8} "
+            f"committed={t.committed_at_kill:<3} second_kill={t.second_kill!s:<5} {t.seconds:5.1f}s "
+            f"{'; '.join(t.problems)}",
+            flush=True,
+        )
     phases = {p: sum(t.phase == p for t in trials) for p in ("startup", "creation", "capture", "finished")}
     summary = {
-        "trials": len(trials), "passed": sum(t.ok for t in trials), "failed": sum(not t.ok for t in trials),
-        "second_kills": sum(t.second_kill for t in trials), "phases_at_kill": phases,
-        "segments_per_store": n_segments, "anchor": args.anchor,
+        "trials": len(trials),
+        "passed": sum(t.ok for t in trials),
+        "failed": sum(not t.ok for t in trials),
+        "second_kills": sum(t.second_kill for t in trials),
+        "phases_at_kill": phases,
+        "segments_per_store": n_segments,
+        "anchor": args.anchor,
         "seconds": round(time.monotonic() - t0, 1),
     }
     print(json.dumps(summary))
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "trials": [asdict(t) for t in trials]}, indent=2))
+        args.json.write_text(
+            json.dumps({"summary": summary, "trials": [asdict(t) for t in trials]}, indent=2)
+        )
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if summary["failed"] == 0 else 1

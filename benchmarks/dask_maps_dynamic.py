@@ -39,19 +39,40 @@ def main() -> None:
     t = time.perf_counter()
     here = dynamic_ranks(store, relations=rels)
     t_here = time.perf_counter() - t
-    cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                           silence_logs=logging.ERROR)
+    cluster = LocalCluster(
+        n_workers=args.workers,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )
     with Client(cluster) as client:
         t = time.perf_counter()
-        there = dynamic_ranks(store, relations=rels, client=client, prompts_per_task=args.prompts_per_task,
-                              log=lambda m: print(m, flush=True))
+        there = dynamic_ranks(
+            store,
+            relations=rels,
+            client=client,
+            prompts_per_task=args.prompts_per_task,
+            log=lambda m: print(m, flush=True),
+        )
         t_there = time.perf_counter() - t
     cluster.close()
-    same = list(here) == list(there) and all(np.array_equal(getattr(here[r], k), getattr(there[r], k))
-                                             for r in here for k in RANKS)
-    print(json.dumps({"store": store.url, "prompts": int(sum(d.group.size for d in here.values())),
-                      "workers": args.workers, "in_process_s": round(t_here, 1), "cluster_s": round(t_there, 1),
-                      "speedup": round(t_here / t_there, 2), "ranks_identical": same}))
+    same = list(here) == list(there) and all(
+        np.array_equal(getattr(here[r], k), getattr(there[r], k)) for r in here for k in RANKS
+    )
+    print(
+        json.dumps(
+            {
+                "store": store.url,
+                "prompts": int(sum(d.group.size for d in here.values())),
+                "workers": args.workers,
+                "in_process_s": round(t_here, 1),
+                "cluster_s": round(t_there, 1),
+                "speedup": round(t_here / t_there, 2),
+                "ranks_identical": same,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from actstore.query.maps import MapsError, load_pair_files  # noqa: E402
+from actstore.query.maps.defaults import MapsError  # noqa: E402
+from actstore.query.maps.pairs import load_pair_files  # noqa: E402
 
-MAPS_ROOT = Path(os.environ.get("ACTSTORE_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data") / "maps"
+MAPS_ROOT = (
+    Path(os.environ.get("ACTSTORE_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data") / "maps"
+)
 LLAMA_RESULTS = MAPS_ROOT / "reference_results" / "results" / "meta-llama" / "Meta-Llama-3.1-8B"
 NEUTRAL_TEMPLATES = LLAMA_RESULTS / "experiment1_correlative" / "multiple_prompts" / "templates.json"
 ABLATION_SETUPS = LLAMA_RESULTS / "experiment2_causal" / "vanilla" / "setups.json"
@@ -57,8 +60,14 @@ def _few_shot_sources(template: str) -> set[str]:
     return {m.strip() for m in re.findall(r"(?:^|;)\s*([^;>]+?)\s*->", template) if SLOT not in m}
 
 
-def prompt_rows(templates: dict[str, list[str]], per_relation: int | None, *, seed: int = 0,
-                pairs_dir: Path = MAPS_ROOT / "datasets", exclude_examples: bool = False) -> list[dict[str, Any]]:
+def prompt_rows(
+    templates: dict[str, list[str]],
+    per_relation: int | None,
+    *,
+    seed: int = 0,
+    pairs_dir: Path = MAPS_ROOT / "datasets",
+    exclude_examples: bool = False,
+) -> list[dict[str, Any]]:
     """One row per (sampled pair, template) for each relation in ``templates`` (pair-major)."""
     rels = load_pair_files([pairs_dir], sorted(templates))
     rows: list[dict[str, Any]] = []
@@ -74,9 +83,20 @@ def prompt_rows(templates: dict[str, list[str]], per_relation: int | None, *, se
         for i, (subject, obj) in enumerate(pairs):
             for template in templates[rel.relation]:
                 text, span = _fill(template, subject)
-                rows.append({"text": text, "subject": subject, "subject_span": span, "object": obj,
-                             "relation_id": rel.relation, "relation_name": rel.relation.replace("_", " "),
-                             "source": "maps", "target": "last", "template": template, "pair_index": i})
+                rows.append(
+                    {
+                        "text": text,
+                        "subject": subject,
+                        "subject_span": span,
+                        "object": obj,
+                        "relation_id": rel.relation,
+                        "relation_name": rel.relation.replace("_", " "),
+                        "source": "maps",
+                        "target": "last",
+                        "template": template,
+                        "pair_index": i,
+                    }
+                )
     return rows
 
 
@@ -86,7 +106,9 @@ def dynamic_templates(pairs_dir: Path = MAPS_ROOT / "datasets") -> dict[str, lis
 
 
 def ablation_templates() -> dict[str, list[str]]:
-    return {x["relation_name"]: [x["template"]] for x in json.loads(ABLATION_SETUPS.read_text(encoding="utf-8"))}
+    return {
+        x["relation_name"]: [x["template"]] for x in json.loads(ABLATION_SETUPS.read_text(encoding="utf-8"))
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from actstore.ingest.models import load_model  # noqa: E402
-from actstore.query.maps import MIN_PAIRS, load_pair_files, single_token_pairs  # noqa: E402
+from actstore.query.maps.defaults import MIN_PAIRS  # noqa: E402
+from actstore.query.maps.pairs import load_pair_files, single_token_pairs  # noqa: E402
 
 from benchmarks.maps_prompts import (  # noqa: E402
     MAPS_ROOT,
@@ -40,7 +41,9 @@ from benchmarks.maps_prompts import (  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="model alias or folder whose tokenizer decides which pairs are single-token")
+    ap.add_argument(
+        "model", help="model alias or folder whose tokenizer decides which pairs are single-token"
+    )
     ap.add_argument("--pairs", default=str(MAPS_ROOT / "datasets"), help="the authors' datasets/ folder")
     ap.add_argument("--kind", choices=["dynamic", "ablation"], default="dynamic")
     ap.add_argument("--per-relation", type=int, default=40, help="pairs sampled per relation (all if fewer)")
@@ -62,11 +65,14 @@ def main() -> None:
             if status == "kept":
                 d = Path(tmp) / rel.relation
                 d.mkdir()
-                (d / f"{rel.relation}.json").write_text(json.dumps(good, ensure_ascii=False), encoding="utf-8")
+                (d / f"{rel.relation}.json").write_text(
+                    json.dumps(good, ensure_ascii=False), encoding="utf-8"
+                )
                 kept.append(rel.relation)
         templates = {r: t for r, t in every.items() if r in kept}
-        rows = prompt_rows(templates, a.per_relation, seed=a.seed, pairs_dir=Path(tmp),
-                           exclude_examples=a.kind == "ablation")
+        rows = prompt_rows(
+            templates, a.per_relation, seed=a.seed, pairs_dir=Path(tmp), exclude_examples=a.kind == "ablation"
+        )
     write_rows(rows, a.out, len(kept))
 
 

@@ -23,13 +23,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from actstore.query.maps import (  # noqa: E402
-    VocabProjection,
-    load_pair_files,
-    salient_operations,
-    static_scores,
-    tokenize_pairs,
-)
+from actstore.query.maps.pairs import load_pair_files, tokenize_pairs  # noqa: E402
+from actstore.query.maps.projection import VocabProjection  # noqa: E402
+from actstore.query.maps.static import salient_operations, static_scores  # noqa: E402
 
 import actstore  # noqa: E402
 from actstore.api import tokenizer_for_store  # noqa: E402  (aliases and stores without a tokenizer too)
@@ -42,7 +38,12 @@ def peak_rss_bytes() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store")
-    ap.add_argument("--pairs", default=str(Path(os.environ.get("ACTSTORE_DATA") or REPO.parent / "shared" / "data") / "maps" / "datasets"))
+    ap.add_argument(
+        "--pairs",
+        default=str(
+            Path(os.environ.get("ACTSTORE_DATA") or REPO.parent / "shared" / "data") / "maps" / "datasets"
+        ),
+    )
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--salient", action="store_true", help="also time salient operations of every head")
     ap.add_argument("--threads", type=int, default=None)
@@ -63,13 +64,21 @@ def main() -> None:
     t_static = time.perf_counter() - t0
     rss_static = peak_rss_bytes()
     out = {
-        "store": s.url, "model": s.manifest.model.get("name"), "layers": g.n_layers, "heads": g.n_heads,
-        "kv_heads": g.n_kv_heads, "vocab": proj.vocab_size, "relations": len(pairs),
-        "pairs": int(sum(p.n_used for p in pairs)), "distinct_sources": int(len({int(x) for p in pairs for x in p.src})),
-        "torch_threads": torch.get_num_threads(), "weights_seconds": round(t_load, 2),
+        "store": s.url,
+        "model": s.manifest.model.get("name"),
+        "layers": g.n_layers,
+        "heads": g.n_heads,
+        "kv_heads": g.n_kv_heads,
+        "vocab": proj.vocab_size,
+        "relations": len(pairs),
+        "pairs": int(sum(p.n_used for p in pairs)),
+        "distinct_sources": int(len({int(x) for p in pairs for x in p.src})),
+        "torch_threads": torch.get_num_threads(),
+        "weights_seconds": round(t_load, 2),
         "static_seconds": round(t_static, 2),
         "heads_implementing_total": int(sum((sc.score(args.k) >= 0.15).sum() for sc in scores.values())),
-        "peak_rss_mb_before": round(rss_before / 2**20, 1), "peak_rss_mb_after_static": round(rss_static / 2**20, 1),
+        "peak_rss_mb_before": round(rss_before / 2**20, 1),
+        "peak_rss_mb_after_static": round(rss_static / 2**20, 1),
         "one_VxV_float32_mb": round(proj.vocab_size**2 * 4 / 2**20, 1),
     }
     if args.salient:

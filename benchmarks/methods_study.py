@@ -123,17 +123,32 @@ def cmd_study(a: argparse.Namespace) -> None:
     state_path = Path(a.state)
     state = load_state(state_path)
     state.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%S"))
-    rows = store.sql("""SELECT e.example_id, coalesce(e.meta->>'stratum', e.relation_id) AS stratum
+    rows = store.sql(
+        """SELECT e.example_id, coalesce(e.meta->>'stratum', e.relation_id) AS stratum
                         FROM examples e JOIN targets t USING (example_id)
                         WHERE t.object_token_id >= 0 AND e.subject_start >= 0"""
-                     + ("" if a.all_facts else " AND t.object_rank = 0")).to_pylist()
-    answered = store.sql("SELECT count(*) AS n FROM examples JOIN targets USING (example_id) "
-                         "WHERE object_token_id >= 0 AND object_rank = 0").column("n")[0].as_py()
-    n_facts = store.sql("SELECT count(*) AS n FROM examples JOIN targets USING (example_id) "
-                        "WHERE object_token_id >= 0").column("n")[0].as_py()
+        + ("" if a.all_facts else " AND t.object_rank = 0")
+    ).to_pylist()
+    answered = (
+        store.sql(
+            "SELECT count(*) AS n FROM examples JOIN targets USING (example_id) "
+            "WHERE object_token_id >= 0 AND object_rank = 0"
+        )
+        .column("n")[0]
+        .as_py()
+    )
+    n_facts = (
+        store.sql(
+            "SELECT count(*) AS n FROM examples JOIN targets USING (example_id) WHERE object_token_id >= 0"
+        )
+        .column("n")[0]
+        .as_py()
+    )
     order = stratified_order(rows, a.seed)
     state.update({"answered": int(answered), "facts": int(n_facts)})
-    log(f"{len(order)} facts to trace ({answered} answered of {n_facts}) in {len({r['stratum'] for r in rows})} strata")
+    log(
+        f"{len(order)} facts to trace ({answered} answered of {n_facts}) in {len({r['stratum'] for r in rows})} strata"
+    )
     # ---- tracing, chunk by chunk, within the budget
     cfg = TraceConfig(samples=a.samples, window=a.window, components=("mlp", "attn"), seed=0)
     t_start = time.time()
@@ -141,10 +156,14 @@ def cmd_study(a: argparse.Namespace) -> None:
     traced = list(state["traced"])
     todo = [i for i in order if i not in set(traced)][: max(0, a.max_facts - len(traced))]
     while todo and spent < a.trace_minutes * 60:
-        chunk, todo = todo[:a.chunk], todo[a.chunk:]
+        chunk, todo = todo[: a.chunk], todo[a.chunk :]
         t0 = time.time()
-        out = run_trace(store, TraceRequest(where=_where_ids(chunk), trace=cfg, quiet=True, all_facts=a.all_facts,
-                                            device=a.device))
+        out = run_trace(
+            store,
+            TraceRequest(
+                where=_where_ids(chunk), trace=cfg, quiet=True, all_facts=a.all_facts, device=a.device
+            ),
+        )
         dt = time.time() - t0
         spent += dt
         traced.extend(chunk)
@@ -153,8 +172,10 @@ def cmd_study(a: argparse.Namespace) -> None:
         state["trace_seconds"] = spent
         state["trace_cpu_note"] = "wall seconds of run_trace calls (model load included)"
         save_state(state_path, state)
-        log(f"traced {len(traced)} facts ({len(chunk)} in {dt:.0f}s, {60 * len(chunk) / dt:.2f} facts/min); "
-            f"run {out.run_id}")
+        log(
+            f"traced {len(traced)} facts ({len(chunk)} in {dt:.0f}s, {60 * len(chunk) / dt:.2f} facts/min); "
+            f"run {out.run_id}"
+        )
     log(f"tracing: {len(traced)} facts in {spent:.0f}s (this call {time.time() - t_start:.0f}s)")
     # ---- patching: the traced facts not patched yet, one run per call (the runs cover disjoint facts)
     if a.patch:
@@ -163,8 +184,16 @@ def cmd_study(a: argparse.Namespace) -> None:
         todo = [i for i in traced if i not in done]
         if todo:
             t0 = time.time()
-            pout = run_patch(store, PatchRequest(where=_where_ids(todo), quiet=True, device=a.device, all_facts=a.all_facts,
-                                                 patch=PatchConfig(components=("attn", "mlp"), heads=False)))
+            pout = run_patch(
+                store,
+                PatchRequest(
+                    where=_where_ids(todo),
+                    quiet=True,
+                    device=a.device,
+                    all_facts=a.all_facts,
+                    patch=PatchConfig(components=("attn", "mlp"), heads=False),
+                ),
+            )
             dt = time.time() - t0
             state["patch_runs"].append(pout.run_id)
             state["patched"] = state["patched"] + todo
@@ -172,8 +201,10 @@ def cmd_study(a: argparse.Namespace) -> None:
             state["patch_pairs"] = int(state.get("patch_pairs", 0)) + len(pout.results)
             state["patch_skipped"] = int(state.get("patch_skipped", 0)) + len(pout.skipped)
             save_state(state_path, state)
-            log(f"patched {len(pout.results)} pairs of {len(todo)} newly traced facts ({len(pout.skipped)} without "
-                f"a counterfactual) in {dt:.0f}s; run {pout.run_id}")
+            log(
+                f"patched {len(pout.results)} pairs of {len(todo)} newly traced facts ({len(pout.skipped)} without "
+                f"a counterfactual) in {dt:.0f}s; run {pout.run_id}"
+            )
     effects_and_metrics(store, state, state_path, a)
 
 
@@ -219,22 +250,39 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
     migrate_patch_state(store, state)
     if not state["patch_runs"] and "patch" in methods:
         methods.remove("patch")
-    tuned_config = replace(COMPARISON_TRAIN, steps=a.tuned_steps, batch=a.tuned_batch, lr=a.tuned_lr,
-                           seed=a.tuned_seed, device=a.device)
+    tuned_config = replace(
+        COMPARISON_TRAIN,
+        steps=a.tuned_steps,
+        batch=a.tuned_batch,
+        lr=a.tuned_lr,
+        seed=a.tuned_seed,
+        device=a.device,
+    )
     t_lens = time.time()
 
     def progress(step: int, loss: float) -> None:
         if step == 1 or step % 25 == 0 or step == a.tuned_steps:
-            log(f"tuned lens ({a.tuned}): step {step}/{a.tuned_steps}, sum of per-index KL {loss:.4f}, "
-                f"{time.time() - t_lens:.0f}s")
+            log(
+                f"tuned lens ({a.tuned}): step {step}/{a.tuned_steps}, sum of per-index KL {loss:.4f}, "
+                f"{time.time() - t_lens:.0f}s"
+            )
 
-    readings = study_readings(store, methods, state["trace_runs"], tuned=a.tuned, tuned_config=tuned_config,
-                              progress=progress, patch_runs=state["patch_runs"])
+    readings = study_readings(
+        store,
+        methods,
+        state["trace_runs"],
+        tuned=a.tuned,
+        tuned_config=tuned_config,
+        progress=progress,
+        patch_runs=state["patch_runs"],
+    )
     if "tuned_lens" in readings:
         state["tuned_lens"] = readings["tuned_lens"].info
         save_state(state_path, state)
-        log(f"tuned lens ({a.tuned}): {state['tuned_lens']['train_facts']} training facts, "
-            f"{state['tuned_lens']['seconds']:.0f}s")
+        log(
+            f"tuned lens ({a.tuned}): {state['tuned_lens']['train_facts']} training facts, "
+            f"{state['tuned_lens']['seconds']:.0f}s"
+        )
     log("readings: " + ", ".join(f"{m} {len(r.example_ids)}" for m, r in readings.items()))
     sites = sites_by_fact(located_sites(r) for r in readings.values())
     ids = [int(i) for i in sorted(sites)]
@@ -243,7 +291,9 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
     for mode in a.modes.split(","):
         key = f"effects_{mode}_run"
         if state.get(key) and state.get(f"effects_{mode}_facts") == ids:  # the same facts: reuse the run
-            effects[mode] = store.sql("SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = ?", [state[key]])
+            effects[mode] = store.sql(
+                "SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = ?", [state[key]]
+            )
             continue
         if loaded is None:
             loaded = load_store_model(store, model_for_store(store, None), quiet=True, device=a.device)
@@ -261,27 +311,60 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         state[f"effects_{mode}_seconds"] = time.time() - t0
         save_state(state_path, state)
         effects[mode] = table
-        log(f"{mode}: {table.num_rows} site effects of {len(facts)} facts in {time.time() - t0:.0f}s; run {rid}")
+        log(
+            f"{mode}: {table.num_rows} site effects of {len(facts)} facts in {time.time() - t0:.0f}s; run {rid}"
+        )
     L = store.geometry.n_layers
     tol = default_tolerance(L)
     all_ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
     strata = store_strata(store, all_ids)
-    summary: dict[str, Any] = {"model": store.manifest.model.get("name"), "n_layers": L, "tolerance": tol,
-                               "readings": {m: int(len(r.example_ids)) for m, r in readings.items()},
-                               "tuned_lens": state.get("tuned_lens")}
+    summary: dict[str, Any] = {
+        "model": store.manifest.model.get("name"),
+        "n_layers": L,
+        "tolerance": tol,
+        "readings": {m: int(len(r.example_ids)) for m, r in readings.items()},
+        "tuned_lens": state.get("tuned_lens"),
+    }
     trace = readings.get("trace")
     # the cross-size row does not depend on the intervention mode: it is computed once, with the first mode
-    site = np.concatenate([key_mlp_at_subject(store, r) for r in state["trace_runs"]]) if trace is not None else None
+    site = (
+        np.concatenate([key_mlp_at_subject(store, r) for r in state["trace_runs"]])
+        if trace is not None
+        else None
+    )
     for i, mode in enumerate(effects or {"none": None}):
         res = compute_metrics(list(readings.values()), strata, tol, effects.get(mode), resamples=a.resamples)
-        cross = cross_size_rows(str(summary["model"]), L, trace, readings.get("patch"), site,
-                                int(state["answered"]), int(state["facts"]), resamples=a.resamples) if i == 0 else None
+        cross = (
+            cross_size_rows(
+                str(summary["model"]),
+                L,
+                trace,
+                readings.get("patch"),
+                site,
+                int(state["answered"]),
+                int(state["facts"]),
+                resamples=a.resamples,
+            )
+            if i == 0
+            else None
+        )
         rid = new_run_id("methods")
-        write_tables(store, rid, res, cross, {"mode": mode, "trace_runs": state["trace_runs"],
-                                              "patch_runs": state["patch_runs"],
-                                              "effects_run": state.get(f"effects_{mode}_run"),
-                                              "methods": list(readings), "tolerance": tol,
-                                              "tuned_lens": state.get("tuned_lens")}, started)
+        write_tables(
+            store,
+            rid,
+            res,
+            cross,
+            {
+                "mode": mode,
+                "trace_runs": state["trace_runs"],
+                "patch_runs": state["patch_runs"],
+                "effects_run": state.get(f"effects_{mode}_run"),
+                "methods": list(readings),
+                "tolerance": tol,
+                "tuned_lens": state.get("tuned_lens"),
+            },
+            started,
+        )
         state[f"metrics_{mode}_run"] = rid
         summary[mode] = {"run_id": rid, "metrics": res.metrics.to_pylist(), "pairs": res.pairs.to_pylist()}
         if cross is not None:
@@ -302,16 +385,25 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
 # span and object token) and the same model weights.
 
 CHECKPOINT_FORMAT = 1
-CHECKPOINT_TABLES = {"trace": ("trace_effects", "trace_facts"), "patch": ("patch_effects", "patch_pairs"),
-                     "effects": ("site_effects",)}
+CHECKPOINT_TABLES = {
+    "trace": ("trace_effects", "trace_facts"),
+    "patch": ("patch_effects", "patch_pairs"),
+    "effects": ("site_effects",),
+}
 _BY_FACT = (("example_id", "example_id"),)
 DERIVED: dict[str, dict[str, tuple[str, str, tuple[tuple[str, str], ...]]]] = {
     # table -> column -> (store table, its column, ((checkpoint key, store key), ...))
     "trace_effects": {"token": ("tokens", "token", (("example_id", "example_id"), ("position", "position")))},
-    "trace_facts": {"relation_id": ("examples", "relation_id", _BY_FACT), "subject": ("examples", "subject", _BY_FACT),
-                    "object": ("examples", "object", _BY_FACT)},
-    "patch_pairs": {"relation_id": ("examples", "relation_id", _BY_FACT), "object": ("examples", "object", _BY_FACT),
-                    "counterfactual_object": ("examples", "object", (("counterfactual_id", "example_id"),))},
+    "trace_facts": {
+        "relation_id": ("examples", "relation_id", _BY_FACT),
+        "subject": ("examples", "subject", _BY_FACT),
+        "object": ("examples", "object", _BY_FACT),
+    },
+    "patch_pairs": {
+        "relation_id": ("examples", "relation_id", _BY_FACT),
+        "object": ("examples", "object", _BY_FACT),
+        "counterfactual_object": ("examples", "object", (("counterfactual_id", "example_id"),)),
+    },
 }
 
 
@@ -321,7 +413,9 @@ class CheckpointError(ValueError):
 
 def _study_runs(state: dict[str, Any]) -> list[tuple[str, str]]:
     """(kind, run id) of every run a checkpoint keeps: trace, patch and site-effect runs."""
-    runs = [("trace", r) for r in state.get("trace_runs", [])] + [("patch", r) for r in state.get("patch_runs", [])]
+    runs = [("trace", r) for r in state.get("trace_runs", [])] + [
+        ("patch", r) for r in state.get("patch_runs", [])
+    ]
     runs += [("effects", state[k]) for k in ("effects_knockout_run", "effects_restore_run") if state.get(k)]
     return runs
 
@@ -330,14 +424,19 @@ def fact_fingerprints(store: Any, ids: list[int]) -> dict[int, str]:
     """example id -> 16 hex digits of SHA-256 over the prompt's token ids, subject span and object token."""
     import hashlib
 
-    rows = store.sql("""SELECT e.example_id, e.subject_start, e.subject_end, t.object_token_id,
+    rows = store.sql(
+        """SELECT e.example_id, e.subject_start, e.subject_end, t.object_token_id,
                                list(tk.token_id ORDER BY tk.position) AS ids
                         FROM examples e JOIN targets t USING (example_id) JOIN tokens tk USING (example_id)
                         WHERE list_contains($ids, e.example_id) GROUP BY ALL ORDER BY e.example_id""",
-                     {"ids": ids}).to_pylist()
-    return {int(r["example_id"]): hashlib.sha256(json.dumps(
-        [r["ids"], r["subject_start"], r["subject_end"], r["object_token_id"]]).encode()).hexdigest()[:16]
-        for r in rows}
+        {"ids": ids},
+    ).to_pylist()
+    return {
+        int(r["example_id"]): hashlib.sha256(
+            json.dumps([r["ids"], r["subject_start"], r["subject_end"], r["object_token_id"]]).encode()
+        ).hexdigest()[:16]
+        for r in rows
+    }
 
 
 def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, int]:
@@ -352,12 +451,16 @@ def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, 
     counts: dict[str, int] = defaultdict(int)
     columns: dict[str, list[str]] = {}
     files: list[str] = []
-    runs = store.sql("SELECT * FROM runs WHERE list_contains($ids, run_id)", {"ids": [r for _, r in _study_runs(state)]})
+    runs = store.sql(
+        "SELECT * FROM runs WHERE list_contains($ids, run_id)", {"ids": [r for _, r in _study_runs(state)]}
+    )
     for kind, rid in _study_runs(state):
         run = runs.filter(pa.compute.equal(runs.column("run_id"), rid))
         if run.num_rows != 1:
             raise CheckpointError(f"{store.url}: run {rid} of the state is not in the store")
-        for name, t in [(n, store.table(n, files=[f"tables/{n}/{rid}.parquet"])) for n in CHECKPOINT_TABLES[kind]]:
+        for name, t in [
+            (n, store.table(n, files=[f"tables/{n}/{rid}.parquet"])) for n in CHECKPOINT_TABLES[kind]
+        ]:
             columns[name] = t.column_names
             for col in ("example_id", "counterfactual_id"):
                 if col in t.column_names:
@@ -372,11 +475,20 @@ def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, 
     fps = fact_fingerprints(store, sorted(ids))
     if len(fps) != len(ids):
         raise CheckpointError(f"{store.url}: {len(ids) - len(fps)} facts of the runs are not in the store")
-    pq.write_table(pa.table({"example_id": list(fps), "fingerprint": list(fps.values())}), out / "facts.parquet",
-                   compression="zstd")
+    pq.write_table(
+        pa.table({"example_id": list(fps), "fingerprint": list(fps.values())}),
+        out / "facts.parquet",
+        compression="zstd",
+    )
     model = store.manifest.model
-    doc = {"format": CHECKPOINT_FORMAT, "model": {"name": model.get("name"), "weight_hash": model.get("weight_hash")},
-           "columns": columns, "rows": counts, "files": files, "state": state}
+    doc = {
+        "format": CHECKPOINT_FORMAT,
+        "model": {"name": model.get("name"), "weight_hash": model.get("weight_hash")},
+        "columns": columns,
+        "rows": counts,
+        "files": files,
+        "state": state,
+    }
     (out / "checkpoint.json").write_text(json.dumps(doc, indent=1) + "\n")
     return dict(counts)
 
@@ -397,26 +509,36 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder}: not a study checkpoint ({e})") from e
     if doc.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{folder}: checkpoint format {doc.get('format')!r}, this code reads {CHECKPOINT_FORMAT}")
+        raise CheckpointError(
+            f"{folder}: checkpoint format {doc.get('format')!r}, this code reads {CHECKPOINT_FORMAT}"
+        )
     want, have = doc["model"].get("weight_hash"), store.manifest.model.get("weight_hash")
     if want != have:
-        raise CheckpointError(f"{store.url}: its model ({store.manifest.model.get('name')}) has other weights than "
-                              f"the checkpoint's ({doc['model'].get('name')})")
+        raise CheckpointError(
+            f"{store.url}: its model ({store.manifest.model.get('name')}) has other weights than "
+            f"the checkpoint's ({doc['model'].get('name')})"
+        )
     state = doc["state"]
     known = {n for names in CHECKPOINT_TABLES.values() for n in names} | {"runs"}
     for rel in doc.get("files", []):
         name, _, file = str(rel).partition("/")
         if name not in known or not re.fullmatch(r"[A-Za-z0-9_-]+\.parquet", file):
-            raise CheckpointError(f"{folder}: checkpoint.json names a file {rel!r} that is not TABLE/RUN_ID.parquet")
+            raise CheckpointError(
+                f"{folder}: checkpoint.json names a file {rel!r} that is not TABLE/RUN_ID.parquet"
+            )
     present = set(store.sql("SELECT run_id FROM runs").column("run_id").to_pylist())
     if clash := sorted({r for _, r in _study_runs(state)} & present):
         raise CheckpointError(f"{store.url}: already holds run {clash[0]} of the checkpoint")
     facts = pq.read_table(folder / "facts.parquet")
     fps = fact_fingerprints(store, [int(i) for i in facts.column("example_id").to_pylist()])
-    for i, fp in zip(facts.column("example_id").to_pylist(), facts.column("fingerprint").to_pylist(), strict=True):
+    for i, fp in zip(
+        facts.column("example_id").to_pylist(), facts.column("fingerprint").to_pylist(), strict=True
+    ):
         if fps.get(int(i)) != fp:
-            raise CheckpointError(f"{store.url}: fact {i} is not the checkpoint's fact {i} (other prompt, subject or "
-                                  "object token, or missing): restore into a store ingested from the same data")
+            raise CheckpointError(
+                f"{store.url}: fact {i} is not the checkpoint's fact {i} (other prompt, subject or "
+                "object token, or missing): restore into a store ingested from the same data"
+            )
     con = duckdb.connect()
     con.register("src_tokens", store.sql("SELECT example_id, position, token FROM tokens"))
     con.register("src_examples", store.sql("SELECT example_id, relation_id, subject, object FROM examples"))
@@ -437,8 +559,9 @@ def restore_checkpoint(store: Any, folder: Path) -> dict[str, Any]:
             con.unregister("ck")
             for col in DERIVED.get(name, {}):
                 if t.column(col).null_count:
-                    raise CheckpointError(f"{store.url}: {t.column(col).null_count} rows of {rel} find no {col} "
-                                          "in the store")
+                    raise CheckpointError(
+                        f"{store.url}: {t.column(col).null_count} rows of {rel} find no {col} in the store"
+                    )
         out[rel] = t
     for rel, t in sorted(out.items(), key=lambda kv: kv[0].startswith("runs/")):  # a run's row last
         name, rid = rel.split("/")[0], rel.split("/")[1].removesuffix(".parquet")
@@ -455,7 +578,9 @@ def cmd_checkpoint(a: argparse.Namespace) -> None:
 
     state = load_state(Path(a.state))
     if not _study_runs(state):
-        raise CheckpointError(f"{a.state}: no runs to checkpoint (no state file, or a study that has traced nothing)")
+        raise CheckpointError(
+            f"{a.state}: no runs to checkpoint (no state file, or a study that has traced nothing)"
+        )
     counts = write_checkpoint(open_store(a.store), state, Path(a.out))
     log(f"wrote {a.out}: " + ", ".join(f"{n} {k} rows" for k, n in counts.items()))
 
@@ -468,8 +593,10 @@ def cmd_restore(a: argparse.Namespace) -> None:
         raise CheckpointError(f"{state_path} exists; restore writes a new state file")
     state = restore_checkpoint(open_store(a.store), Path(a.checkpoint))
     save_state(state_path, state)
-    log(f"restored {len(state['traced'])} traced facts ({len(state['trace_runs'])} trace runs, "
-        f"{len(state.get('patch_runs', []))} patch runs) into {a.store}; state {state_path}")
+    log(
+        f"restored {len(state['traced'])} traced facts ({len(state['trace_runs'])} trace runs, "
+        f"{len(state.get('patch_runs', []))} patch runs) into {a.store}; state {state_path}"
+    )
 
 
 def _ci(r: dict[str, Any], pct: bool = False) -> str:
@@ -477,6 +604,7 @@ def _ci(r: dict[str, Any], pct: bool = False) -> str:
         if x is None or x != x:
             return "n/a"
         return f"{100 * x:.1f}%" if pct else f"{x:+.3f}" if abs(x) < 10 else f"{x:.0f}"
+
     if r.get("value") is None or r["value"] != r["value"]:
         return "n/a"
     if r.get("low") is None or r["low"] != r["low"]:
@@ -502,32 +630,60 @@ def cmd_tables(a: argparse.Namespace) -> None:
     for mode in modes:
         rows = d[mode]["metrics"]
         lines.append(f"\n#### Per method, all facts ({mode}; run {d[mode]['run_id']})\n")
-        metrics = ["precision", "layer_precision", "consistency", "verdict_consistency", "located_effect",
-                   "random_effect", "effectiveness", "beats_random"]
+        metrics = [
+            "precision",
+            "layer_precision",
+            "consistency",
+            "verdict_consistency",
+            "located_effect",
+            "random_effect",
+            "effectiveness",
+            "beats_random",
+        ]
         lines.append("| method | facts | " + " | ".join(metrics) + " |")
         lines.append("|---" * (len(metrics) + 2) + "|")
         for m in d["readings"]:
             got = {r["metric"]: r for r in rows if r["method"] == m and r["grouping"] == "all"}
             n = max((r["n"] for r in got.values()), default=0)
-            lines.append(f"| {method_label(m, d)} | {n} | " + " | ".join(
-                _ci(got[k], k in pct_metrics) + f" (n={got[k]['n']})" if k in got and got[k]["n"] != n else
-                _ci(got[k], k in pct_metrics) if k in got else "n/a" for k in metrics) + " |")
+            lines.append(
+                f"| {method_label(m, d)} | {n} | "
+                + " | ".join(
+                    _ci(got[k], k in pct_metrics) + f" (n={got[k]['n']})"
+                    if k in got and got[k]["n"] != n
+                    else _ci(got[k], k in pct_metrics)
+                    if k in got
+                    else "n/a"
+                    for k in metrics
+                )
+                + " |"
+            )
         for grouping in a.groupings.split(","):
             groups = sorted({r["group"] for r in rows if r["grouping"] == grouping})
             if not groups:
                 continue
             lines.append(f"\n#### By {grouping} ({mode})\n")
-            lines.append("| method | " + " | ".join(f"{g}: n / precision / consistency / effectiveness"
-                                                     for g in groups) + " |")
+            lines.append(
+                "| method | "
+                + " | ".join(f"{g}: n / precision / consistency / effectiveness" for g in groups)
+                + " |"
+            )
             lines.append("|---" * (len(groups) + 1) + "|")
             for m in d["readings"]:
                 cells = []
                 for g in groups:
-                    got = {r["metric"]: r for r in rows if r["method"] == m and r["grouping"] == grouping
-                           and r["group"] == g}
+                    got = {
+                        r["metric"]: r
+                        for r in rows
+                        if r["method"] == m and r["grouping"] == grouping and r["group"] == g
+                    }
                     n = got["precision"]["n"] if "precision" in got else 0
-                    cells.append(f"{n} / " + " / ".join(_ci(got[k], k == "consistency") if k in got else "n/a"
-                                                        for k in ("precision", "consistency", "effectiveness")))
+                    cells.append(
+                        f"{n} / "
+                        + " / ".join(
+                            _ci(got[k], k == "consistency") if k in got else "n/a"
+                            for k in ("precision", "consistency", "effectiveness")
+                        )
+                    )
                 lines.append(f"| {method_label(m, d)} | " + " | ".join(cells) + " |")
         lines.append(f"\n#### Pairs ({mode})\n")
         lines.append("| methods | facts | key layer | seed | exact | MLP/attn | seed | effect r | seed |")
@@ -540,15 +696,22 @@ def cmd_tables(a: argparse.Namespace) -> None:
                 c = got["consensus"]
                 lines.append(f"| all methods (consensus) | {c['n']} | {_ci(c, True)} | 47.6% | | | | | |")
                 continue
+
             def paper(k: str, pct: bool, got: dict[str, Any] = got) -> str:
                 p = got.get(k, {}).get("paper")
                 return "" if p is None else (f"{100 * p:.1f}%" if pct else f"{p:.2f}")
-            lines.append(f"| {method_label(x, d)} vs {method_label(y, d)} | {got['key_layer']['n']} | {_ci(got['key_layer'], True)} | "
-                         f"{paper('key_layer', True)} | {_ci(got['key_layer_exact'], True)} | "
-                         f"{_ci(got['verdict'], True)} (n={got['verdict']['n']}) | {paper('verdict', True)} | "
-                         + (f"{_ci(got['effect_correlation'])} (n={got['effect_correlation']['n']})"
-                            if "effect_correlation" in got else "n/a")
-                         + f" | {paper('effect_correlation', False)} |")
+
+            lines.append(
+                f"| {method_label(x, d)} vs {method_label(y, d)} | {got['key_layer']['n']} | {_ci(got['key_layer'], True)} | "
+                f"{paper('key_layer', True)} | {_ci(got['key_layer_exact'], True)} | "
+                f"{_ci(got['verdict'], True)} (n={got['verdict']['n']}) | {paper('verdict', True)} | "
+                + (
+                    f"{_ci(got['effect_correlation'])} (n={got['effect_correlation']['n']})"
+                    if "effect_correlation" in got
+                    else "n/a"
+                )
+                + f" | {paper('effect_correlation', False)} |"
+            )
     if d.get("cross_size"):
         lines.append("\n#### Cross-size row\n")
         lines.append("| model | metric | n | mean [95% CI] | IQR |")
@@ -586,19 +749,27 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--resamples", type=int, default=2000)
     s.add_argument("--json", default=None, help="the summary to write (gzip-compressed if it ends in .gz)")
     s.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
-    s.add_argument("--tuned", choices=("adam", "sgd", "ridge"), default="adam",
-                   help="the tuned lens: trained on the KL with adam or sgd, or the closed-form ridge fit")
+    s.add_argument(
+        "--tuned",
+        choices=("adam", "sgd", "ridge"),
+        default="adam",
+        help="the tuned lens: trained on the KL with adam or sgd, or the closed-form ridge fit",
+    )
     s.add_argument("--tuned-steps", type=int, default=250, help="tuned-lens training steps (adam, sgd)")
     s.add_argument("--tuned-batch", type=int, default=64, help="training facts per step (adam, sgd)")
     s.add_argument("--tuned-lr", type=float, default=None, help="learning rate (default: 1e-3 adam, 0.1 sgd)")
     s.add_argument("--tuned-seed", type=int, default=0, help="seed of the tuned lens's batches")
     s.set_defaults(func=cmd_study)
-    c = sub.add_parser("checkpoint", help="the study's trace, patch and effect runs, text left out, to a folder")
+    c = sub.add_parser(
+        "checkpoint", help="the study's trace, patch and effect runs, text left out, to a folder"
+    )
     c.add_argument("store")
     c.add_argument("--state", required=True)
     c.add_argument("--out", required=True)
     c.set_defaults(func=cmd_checkpoint)
-    r = sub.add_parser("restore", help="a checkpoint's runs into a store ingested from the same data; a new state")
+    r = sub.add_parser(
+        "restore", help="a checkpoint's runs into a store ingested from the same data; a new state"
+    )
     r.add_argument("store")
     r.add_argument("--from", dest="checkpoint", required=True)
     r.add_argument("--state", required=True, help="the state file to write (must not exist)")

@@ -34,12 +34,22 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--feature-dtype", default="float16")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--token-scores", default="none", choices=["none", "errors", "all"],
-                    help="TokenScores for attention kinds (the shortcut analysis needs errors).")
-    ap.add_argument("--token-scores-ways", default=None,
-                    help="Comma list of n-way settings that get --token-scores (default: all); the others get none.")
-    ap.add_argument("--no-relspec", default="attn_head",
-                    help="Comma list of kinds that also get a row without RelSpec (all features); '' for none.")
+    ap.add_argument(
+        "--token-scores",
+        default="none",
+        choices=["none", "errors", "all"],
+        help="TokenScores for attention kinds (the shortcut analysis needs errors).",
+    )
+    ap.add_argument(
+        "--token-scores-ways",
+        default=None,
+        help="Comma list of n-way settings that get --token-scores (default: all); the others get none.",
+    )
+    ap.add_argument(
+        "--no-relspec",
+        default="attn_head",
+        help="Comma list of kinds that also get a row without RelSpec (all features); '' for none.",
+    )
     ap.add_argument("--json", dest="json_out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -54,26 +64,49 @@ def main() -> None:
         load_s = time.perf_counter() - t0
         for n_way in [int(w) for w in a.ways.split(",")]:
             episodes = a.episodes_16 if (n_way >= 16 and a.episodes_16) else a.episodes
-            ts_ways = None if a.token_scores_ways is None else {int(w) for w in a.token_scores_ways.split(",")}
+            ts_ways = (
+                None if a.token_scores_ways is None else {int(w) for w in a.token_scores_ways.split(",")}
+            )
             token_scores = a.token_scores if ts_ways is None or n_way in ts_ways else "none"
             for relspec in (True, False) if kind in baseline else (True,):
-                cfg = ProbeConfig(kind=kind, n_way=n_way, k_shot=5, queries=5, episodes=episodes,
-                                  seeds=tuple(range(a.seeds)), token_scores=token_scores if relspec else "none",
-                                  threads=a.threads, feature_dtype=a.feature_dtype, relspec=relspec)
+                cfg = ProbeConfig(
+                    kind=kind,
+                    n_way=n_way,
+                    k_shot=5,
+                    queries=5,
+                    episodes=episodes,
+                    seeds=tuple(range(a.seeds)),
+                    token_scores=token_scores if relspec else "none",
+                    threads=a.threads,
+                    feature_dtype=a.feature_dtype,
+                    relspec=relspec,
+                )
                 t1 = time.perf_counter()
                 out = run_probe(store, cfg, features=fm)
                 probe_s = time.perf_counter() - t1
                 write_probe_tables(store, out)
                 lo, hi = out.ci95
                 name = kind if relspec else f"{kind}, no RelSpec"
-                row = {"kind": kind, "relspec": relspec, "n_way": n_way, "episodes": len(out.episodes),
-                       "accuracy": out.accuracy, "ci95": [lo, hi], "load_s": load_s, "probe_s": probe_s,
-                       "features": fm.n_features, "mean_selected_features": float(out.n_selected.mean()),
-                       "rows": len(fm.example_ids), "run_id": out.run_id}
+                row = {
+                    "kind": kind,
+                    "relspec": relspec,
+                    "n_way": n_way,
+                    "episodes": len(out.episodes),
+                    "accuracy": out.accuracy,
+                    "ci95": [lo, hi],
+                    "load_s": load_s,
+                    "probe_s": probe_s,
+                    "features": fm.n_features,
+                    "mean_selected_features": float(out.n_selected.mean()),
+                    "rows": len(fm.example_ids),
+                    "run_id": out.run_id,
+                }
                 rows.append(row)
-                print(f"| {name} | {n_way} | {len(out.episodes)} | {100 * out.accuracy:.1f} | "
-                      f"{100 * lo:.1f}-{100 * hi:.1f} | {out.n_selected.mean():.0f} | {load_s:.0f} + {probe_s:.0f} |",
-                      flush=True)
+                print(
+                    f"| {name} | {n_way} | {len(out.episodes)} | {100 * out.accuracy:.1f} | "
+                    f"{100 * lo:.1f}-{100 * hi:.1f} | {out.n_selected.mean():.0f} | {load_s:.0f} + {probe_s:.0f} |",
+                    flush=True,
+                )
                 if a.json_out:
                     with open(a.json_out, "w") as f:
                         json.dump(rows, f, indent=2)

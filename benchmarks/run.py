@@ -39,7 +39,10 @@ def plan(quick: bool, store: str, out: str) -> list[tuple[str, list[str]]]:
         ("maps_static", [store]),
         ("bench_probe", [store, *q, *js("bench_probe")]),
         ("bench_tracing", [*q, *js("bench_tracing")]),
-        ("crash_safety", ["--trials", "3" if quick else "20", "--json", os.path.join(out, "crash_safety.json")]),
+        (
+            "crash_safety",
+            ["--trials", "3" if quick else "20", "--json", os.path.join(out, "crash_safety.json")],
+        ),
     ]
     return [(name, args) for name, args in steps if (HERE / f"{name}.py").exists()]
 
@@ -48,7 +51,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="every script's --quick mode (make bench)")
     ap.add_argument("--only", default=None, help="comma-separated script names to run")
-    ap.add_argument("--store-prompts", type=int, default=None, help="prompts in the shared store (192, 12 per relation, enough for 5-shot episodes with 5 queries; 512 full)")
+    ap.add_argument(
+        "--store-prompts",
+        type=int,
+        default=None,
+        help="prompts in the shared store (192, 12 per relation, enough for 5-shot episodes with 5 queries; 512 full)",
+    )
     ap.add_argument("--out", default=None, help="keep JSON results and logs here")
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="actstore-bench-")
@@ -63,8 +71,10 @@ def main() -> None:
     if needs_store and not os.path.exists(os.path.join(store, "manifest.json")):
         n = args.store_prompts or (192 if args.quick else 512)
         print(f"== shared store: ingesting {n} FewRel prompts into {store}", flush=True)
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); from benchmarks.bench_query import make_store; "
-                "make_store(sys.argv[2], int(sys.argv[3]))")
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[1]); from benchmarks.bench_query import make_store; "
+            "make_store(sys.argv[2], int(sys.argv[3]))"
+        )
         subprocess.run([sys.executable, "-c", code, str(REPO), store, str(n)], check=True, env=env, cwd=REPO)
     summary: list[tuple[str, int, float]] = []
     for name, script_args in steps:
@@ -72,8 +82,9 @@ def main() -> None:
         print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         with open(os.path.join(out, f"{name}.log"), "w") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True)
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
             assert proc.stdout is not None
             for line in proc.stdout:
                 if "Loading weights" in line:  # transformers' progress bars

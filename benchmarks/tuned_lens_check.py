@@ -57,16 +57,26 @@ def prepare(work: Path, tokens: int, steps: int, seed: int, vocab: int = 512) ->
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     words = [f"w{i}" for i in range(vocab - 2)]
-    backend = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1} | {w: i + 2 for i, w in enumerate(words)},
-                                         unk_token="<unk>"))
+    backend = Tokenizer(
+        models.WordLevel({"<unk>": 0, "</s>": 1} | {w: i + 2 for i, w in enumerate(words)}, unk_token="<unk>")
+    )
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>",
-                                  model_max_length=tokens)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", unk_token="<unk>", model_max_length=tokens
+    )
     tok.save_pretrained(work / "model")
     conf = work / "model" / "tokenizer_config.json"  # loadable by the older transformers next to tuned-lens
     conf.write_text(json.dumps(json.loads(conf.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}))
-    cfg = GPT2Config(vocab_size=vocab, n_positions=tokens, n_embd=64, n_layer=4, n_head=4, initializer_range=0.2,
-                     bos_token_id=1, eos_token_id=1)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=tokens,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     torch.manual_seed(seed)
     GPT2LMHeadModel(cfg).eval().save_pretrained(work / "model")
     # one document of tokens - 1 words (Zipf-like frequencies), so that "</s>" + document = one chunk
@@ -112,10 +122,31 @@ def run_package(work: Path, tokens: int, steps: int, optimizer: str, precision: 
         if len(ids) < steps or any(x.tolist() != first for x in ids):
             raise SystemExit(f"chunking did not give {steps} identical chunks ({len(ids)} chunks)")
         (work / "chunk.json").write_text(json.dumps(first))
-    main(["train", "--model.name", str(work / "model"), "--data.name", str(work / "corpus.jsonl"),
-          "--max_length", str(tokens), "--tokens_per_step", str(tokens), "--per_gpu_batch_size", "1",
-          "--num_steps", str(steps), "--optimizer", optimizer.upper(), "--warmup_steps", "0", "--loss", "KL",
-          "--output", str(out)])
+    main(
+        [
+            "train",
+            "--model.name",
+            str(work / "model"),
+            "--data.name",
+            str(work / "corpus.jsonl"),
+            "--max_length",
+            str(tokens),
+            "--tokens_per_step",
+            str(tokens),
+            "--per_gpu_batch_size",
+            "1",
+            "--num_steps",
+            str(steps),
+            "--optimizer",
+            optimizer.upper(),
+            "--warmup_steps",
+            "0",
+            "--loss",
+            "KL",
+            "--output",
+            str(out),
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------ comparison (actstore env)
@@ -141,13 +172,27 @@ def compare(work: Path, steps: int) -> dict[str, Any]:
     L = model.config.n_layer
     states = [out.hidden_states[i][0] for i in range(L)] + [captured["last"][0]]  # pre-norm, indices 0..L
     resid = torch.stack(states, dim=1)  # [T, L+1, d]
-    readout = FinalReadout("layernorm", float(ln_f.eps), ln_f.weight.detach(), ln_f.bias.detach(),
-                           model.lm_head.weight.detach(), None, None)
+    readout = FinalReadout(
+        "layernorm",
+        float(ln_f.eps),
+        ln_f.weight.detach(),
+        ln_f.bias.detach(),
+        model.lm_head.weight.detach(),
+        None,
+        None,
+    )
     err = float((readout.logits(resid[:, L]) - out.logits[0]).abs().max())
     assert err < 1e-3, f"the readout does not reproduce the model's logits ({err})"
-    result: dict[str, Any] = {"tokens": int(resid.shape[0]), "layers": L, "d_model": int(resid.shape[2]),
-                              "vocab": int(readout.unembed.shape[0]), "steps": steps, "readout_max_abs_err": err,
-                              "kl_logit_lens": kl_per_index(readout, resid).tolist()[:L], "runs": {}}
+    result: dict[str, Any] = {
+        "tokens": int(resid.shape[0]),
+        "layers": L,
+        "d_model": int(resid.shape[2]),
+        "vocab": int(readout.unembed.shape[0]),
+        "steps": steps,
+        "readout_max_abs_err": err,
+        "kl_logit_lens": kl_per_index(readout, resid).tolist()[:L],
+        "runs": {},
+    }
     for opt in OPTIMIZERS:
         ours = train_tuned_lens(readout, resid, TrainConfig(optimizer=opt, steps=steps))
         kl_ours = kl_per_index(readout, resid, ours)[:L]
@@ -168,23 +213,29 @@ def compare(work: Path, steps: int) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> str:
-    lines = [f"random GPT-2: {r['layers']} layers, d_model {r['d_model']}, vocabulary {r['vocab']}, "
-             f"{r['tokens']} positions, {r['steps']} steps (readout max |error| {r['readout_max_abs_err']:.1e})",
-             "optimizer  index  KL logit  KL actstore  KL pkg fp32  KL pkg bf16  |dW|/|W| fp32  |db|/|b| fp32  "
-             "|dW|/|W| bf16  |db|/|b| bf16"]
+    lines = [
+        f"random GPT-2: {r['layers']} layers, d_model {r['d_model']}, vocabulary {r['vocab']}, "
+        f"{r['tokens']} positions, {r['steps']} steps (readout max |error| {r['readout_max_abs_err']:.1e})",
+        "optimizer  index  KL logit  KL actstore  KL pkg fp32  KL pkg bf16  |dW|/|W| fp32  |db|/|b| fp32  "
+        "|dW|/|W| bf16  |db|/|b| bf16",
+    ]
     for opt, row in r["runs"].items():
         for i in range(r["layers"]):
             f, h = row["fp32"], row["bf16"]
-            lines.append(f"{opt:<9}  {i:>5}  {r['kl_logit_lens'][i]:8.4f}  {row['kl_actstore'][i]:11.5f}  "
-                         f"{f['kl_package'][i]:11.5f}  {h['kl_package'][i]:11.5f}  {f['rel_diff_weight'][i]:13.1e}  "
-                         f"{f['rel_diff_bias'][i]:13.1e}  {h['rel_diff_weight'][i]:13.1e}  {h['rel_diff_bias'][i]:13.1e}")
+            lines.append(
+                f"{opt:<9}  {i:>5}  {r['kl_logit_lens'][i]:8.4f}  {row['kl_actstore'][i]:11.5f}  "
+                f"{f['kl_package'][i]:11.5f}  {h['kl_package'][i]:11.5f}  {f['rel_diff_weight'][i]:13.1e}  "
+                f"{f['rel_diff_bias'][i]:13.1e}  {h['rel_diff_weight'][i]:13.1e}  {h['rel_diff_bias'][i]:13.1e}"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("stage", nargs="?", default="all", choices=["all", "_package"])
-    ap.add_argument("--tl-python", default="/tmp/tl-venv/bin/python", help="Python of the environment with tuned-lens.")
+    ap.add_argument(
+        "--tl-python", default="/tmp/tl-venv/bin/python", help="Python of the environment with tuned-lens."
+    )
     ap.add_argument("--workdir", default="/tmp/tuned-lens-check")
     ap.add_argument("--tokens", type=int, default=1024, help="Positions per step (one chunk).")
     ap.add_argument("--steps", type=int, default=250)
@@ -199,13 +250,30 @@ def main() -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     prepare(work, a.tokens, a.steps, a.seed)
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
-                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                        "HF_DATASETS_CACHE": str(work / "hf-datasets")}
+    env = os.environ | {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "HF_DATASETS_CACHE": str(work / "hf-datasets"),
+    }
     for opt in OPTIMIZERS:
         for prec in ("fp32", "bf16"):
-            cmd = [a.tl_python, str(Path(__file__).resolve()), "_package", "--workdir", str(work), "--tokens",
-                   str(a.tokens), "--steps", str(a.steps), "--optimizer", opt, "--precision", prec]
+            cmd = [
+                a.tl_python,
+                str(Path(__file__).resolve()),
+                "_package",
+                "--workdir",
+                str(work),
+                "--tokens",
+                str(a.tokens),
+                "--steps",
+                str(a.steps),
+                "--optimizer",
+                opt,
+                "--precision",
+                prec,
+            ]
             res = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if res.returncode:
                 sys.exit(f"tuned-lens train failed ({opt}, {prec}):\n{res.stderr[-3000:]}")

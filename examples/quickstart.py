@@ -18,7 +18,9 @@ import actstore
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-llama", help="tiny-llama (random weights, no download) or smollm2-135m")
+    ap.add_argument(
+        "--model", default="tiny-llama", help="tiny-llama (random weights, no download) or smollm2-135m"
+    )
     ap.add_argument("--limit-per-relation", type=int, default=4)
     ap.add_argument("--keep", default=None, help="Write the store and report here instead of a temp dir.")
     args = ap.parse_args(argv)
@@ -32,13 +34,16 @@ def run(model: str, limit: int, folder: str) -> dict[str, object]:
     path = os.path.join(folder, "store")
 
     # 1. Ingest: the model runs once; per-head factors land in Zarr arrays, metadata in Parquet.
-    s = actstore.ingest_corpus(path, model=model, dataset="demo", limit_per_relation=limit, storage_dtype="float32",
-                        batch_size=8)
+    s = actstore.ingest_corpus(
+        path, model=model, dataset="demo", limit_per_relation=limit, storage_dtype="float32", batch_size=8
+    )
     print(s)  # <actstore.Store ...: model=..., L=.. H=.. d_model=.., N rows in S/S segments, dtype=...>
 
     # 2. SQL over the store's tables (DuckDB, read-only): Arrow by default, pandas on request; values
     #    reach the statement as parameters, never pasted into it.
-    per_relation = s.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY 1", format="pandas")
+    per_relation = s.sql(
+        "SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY 1", format="pandas"
+    )
     print(per_relation.to_string(index=False))
     n_capital = s.sql("SELECT count(*) AS n FROM examples WHERE relation_id = ?", ["country_capital"])
     print("country_capital prompts:", n_capital.column("n")[0].as_py())
@@ -68,16 +73,23 @@ def run(model: str, limit: int, folder: str) -> dict[str, object]:
     train, test = s.select().split((0.75, 0.25), seed=0, stratify=True)
     ds = actstore.FeatureDataset(train, "attn_head", layers=[1], flatten=True, shuffle=True)
     xb, yb = next(iter(torch.utils.data.DataLoader(ds, batch_size=8)))
-    print(f"train/test rows {len(train)}/{len(test)}; a training batch {tuple(xb.shape)} with labels "
-          f"{[ds.classes[i] for i in yb.tolist()][:3]}...")
+    print(
+        f"train/test rows {len(train)}/{len(test)}; a training batch {tuple(xb.shape)} with labels "
+        f"{[ds.classes[i] for i in yb.tolist()][:3]}..."
+    )
 
     # 5. A self-contained HTML report of the store (and of every analysis result it holds).
     from actstore.query.report import write_report
 
     report = write_report(s, os.path.join(folder, "report.html"))
     print(f"report: {report}")
-    return {"rows": rows, "shape": tuple(x.shape), "token_sum_error": err, "relations": len(per_relation),
-            "report_bytes": os.path.getsize(report)}
+    return {
+        "rows": rows,
+        "shape": tuple(x.shape),
+        "token_sum_error": err,
+        "relations": len(per_relation),
+        "report_bytes": os.path.getsize(report),
+    }
 
 
 if __name__ == "__main__":

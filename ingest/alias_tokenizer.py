@@ -66,4 +66,6 @@ def load_folder(folder: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises OSError, ValueError, ...
-        raise QueryError(f"cannot load a tokenizer from {str(folder)!r} ({' '.join(str(e).split())[:160]})") from None
+        raise QueryError(
+            f"cannot load a tokenizer from {str(folder)!r} ({' '.join(str(e).split())[:160]})"
+        ) from None

@@ -126,7 +126,12 @@ class Architecture:
         tied = out.weight.data_ptr() == emb.weight.data_ptr()
         kind, nw, nb, eps = self.norm_params(model)
         weights = {
-            "W_O": W_O, "b_O": b_O, "W_V": W_V, "b_V": b_V, "W_down": W_down, "b_down": b_down,
+            "W_O": W_O,
+            "b_O": b_O,
+            "W_V": W_V,
+            "b_V": b_V,
+            "W_down": W_down,
+            "b_down": b_down,
             "embed": _np(emb.weight),
             "final_norm_weight": _np(nw),
         }
@@ -157,12 +162,14 @@ class GPT2(Architecture):
 
     def blocks(self, model: Any) -> Blocks:
         layers = list(self.backbone(model).h)
-        return Blocks(layers, [x.attn for x in layers], [x.attn.c_proj for x in layers], [x.mlp.c_proj for x in layers])
+        return Blocks(
+            layers, [x.attn for x in layers], [x.attn.c_proj for x in layers], [x.mlp.c_proj for x in layers]
+        )
 
     def value_weights(self, attn: Any, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
         d = g.d_model
         w, b = attn.c_attn.weight, attn.c_attn.bias  # Conv1D: [d, 3d] = q | k | v
-        return w[:, 2 * d:], (b[2 * d:] if b is not None else None)
+        return w[:, 2 * d :], (b[2 * d :] if b is not None else None)
 
     def final_norm(self, model: Any) -> Any:
         return self.backbone(model).ln_f
@@ -177,7 +184,10 @@ class GPTNeoX(Architecture):
     def blocks(self, model: Any) -> Blocks:
         layers = list(self.backbone(model).layers)
         return Blocks(
-            layers, [x.attention for x in layers], [x.attention.dense for x in layers], [x.mlp.dense_4h_to_h for x in layers]
+            layers,
+            [x.attention for x in layers],
+            [x.attention.dense for x in layers],
+            [x.mlp.dense_4h_to_h for x in layers],
         )
 
     def value_weights(self, attn: Any, g: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -215,7 +225,9 @@ def architecture_for(model: Any) -> Architecture:
     model_type = str(getattr(model.config, "model_type", ""))
     cls = _BY_TYPE.get(model_type)
     if cls is None:
-        raise ValueError(f"unsupported architecture {model_type!r} (supported: {', '.join(sorted(_BY_TYPE))})")
+        raise ValueError(
+            f"unsupported architecture {model_type!r} (supported: {', '.join(sorted(_BY_TYPE))})"
+        )
     arch = cls()
     if model_type.startswith("gemma"):
         arch.name = "gemma3"

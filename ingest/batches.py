@@ -19,7 +19,9 @@ class PaddedBatch:
     n_tokens: list[int]  # stored tokens per example (= target_position + 1)
 
 
-def pad_batch(prompts: Sequence[TokenizedPrompt], pad_id: int, side: str, device: torch.device) -> PaddedBatch:
+def pad_batch(
+    prompts: Sequence[TokenizedPrompt], pad_id: int, side: str, device: torch.device
+) -> PaddedBatch:
     """Pad to the longest prompt on ``side`` ("left" or "right"); one target per prompt (its last token)."""
     lengths = [p.target_position + 1 for p in prompts]
     T, B = max(lengths), len(prompts)

@@ -122,8 +122,13 @@ def _capture_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     probs = target_probabilities(
-        query, key, attention_mask, float(scaling), ix,
-        softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
+        query,
+        key,
+        attention_mask,
+        float(scaling),
+        ix,
+        softcap=kwargs.get("softcap"),
+        sliding_window=kwargs.get("sliding_window"),
     )
     dt = state.z.dtype
     state.z[:, layer] = out[ix.target_b, ix.target_pos].to(dt)  # out: [B, T, H, d]
@@ -211,8 +216,13 @@ class FusedCapture:
 
     # --- one batch ------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: BatchIndex,
-            position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        index: BatchIndex,
+        position_ids: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Forward one padded batch through the backbone (no LM head over all positions).
 
         Returns device tensors ``z, attn, v, mlp, resid`` in the storage dtype and ``logits``
@@ -222,7 +232,9 @@ class FusedCapture:
         self.state = _Capture(index, self.geometry, self.dtype, device)
         try:
             backbone = self.arch.backbone(self.model)
-            backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
             state = self.state
             assert state.final is not None
             normed = self.arch.final_norm(self.model)(state.final)
@@ -231,7 +243,14 @@ class FusedCapture:
             softcap = getattr(self.model.config, "final_logit_softcapping", None)
             if softcap:
                 logits = torch.tanh(logits / softcap) * softcap
-            return {"z": state.z, "attn": state.attn, "v": state.v, "mlp": state.mlp, "resid": state.resid, "logits": logits}
+            return {
+                "z": state.z,
+                "attn": state.attn,
+                "v": state.v,
+                "mlp": state.mlp,
+                "resid": state.resid,
+                "logits": logits,
+            }
         finally:
             self.state = None
 

@@ -80,8 +80,9 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def rank_zero_first(create: Callable[[], T], open_existing: Callable[[], T], rank: int, world: int,
-                    out: str) -> T:
+def rank_zero_first(
+    create: Callable[[], T], open_existing: Callable[[], T], rank: int, world: int, out: str
+) -> T:
     """Rank 0 runs ``create``; the others wait until it succeeded, then run ``open_existing``."""
     if world == 1:
         return create()
@@ -107,8 +108,9 @@ def rank_zero_first(create: Callable[[], T], open_existing: Callable[[], T], ran
 
 
 @contextlib.contextmanager
-def ranks_writer_lock(loc: StoreLocation, rank: int, world: int, grouped: bool,
-                      log: Callable[[str], None]) -> Iterator[None]:
+def ranks_writer_lock(
+    loc: StoreLocation, rank: int, world: int, grouped: bool, log: Callable[[str], None]
+) -> Iterator[None]:
     """Hold the store's writer lock for this ingest: taken here (one process), checked (ranks under
     ``--procs``, whose launcher holds it), or taken by rank 0 for every rank (bare torchrun)."""
     token = os.environ.get(LOCK_ENV)
@@ -121,8 +123,10 @@ def ranks_writer_lock(loc: StoreLocation, rank: int, world: int, grouped: bool,
             yield
         return
     if not grouped:
-        raise RankError("ranks started by hand (RANK and WORLD_SIZE without MASTER_ADDR) cannot share the store's "
-                        "writer lock: use actstore ingest --procs N, or torchrun")
+        raise RankError(
+            "ranks started by hand (RANK and WORLD_SIZE without MASTER_ADDR) cannot share the store's "
+            "writer lock: use actstore ingest --procs N, or torchrun"
+        )
     with contextlib.ExitStack() as stack:
         if rank == 0:
             try:
@@ -152,8 +156,17 @@ def _wait_for_manifest(out: str) -> None:
 
 # --------------------------------------------------------------------------------------- --procs
 
-_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-              "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+_RANK_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 # torchrun's own lines (its logger: "E0101 12:00:00.123000 4242 torch/distributed/...") and the
 # traceback it prints after a rank failed; the ranks' own "error: ..." lines say what went wrong.
 _LAUNCHER_LINE = re.compile(r"^(\[[^\]]*\]:)?[EWI]\d{4} \d\d:\d\d:\d\d")
@@ -165,8 +178,10 @@ _NATIVE_LOG_LINE = re.compile(r"^\[[EWIF]\d{4} \d\d:\d\d:\d\d")
 # ``python -c`` puts '' (the current directory) first on sys.path, as ``-m`` does; this removes it
 # before anything is imported (``sys`` is built in), then runs the module named by the first argument as ``-m`` would.
 # (``-P`` does the same from Python 3.11 on; this works on 3.10 too.)
-_BOOTSTRAP = ("import sys; sys.path[:] = [p for p in sys.path if p != '']; sys.argv[:] = sys.argv[1:]; "
-              "import runpy; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+_BOOTSTRAP = (
+    "import sys; sys.path[:] = [p for p in sys.path if p != '']; sys.argv[:] = sys.argv[1:]; "
+    "import runpy; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
 
 
 def safe_python(module: str, *, unbuffered: bool = False) -> list[str]:
@@ -177,13 +192,27 @@ def safe_python(module: str, *, unbuffered: bool = False) -> list[str]:
 def torchrun_command(procs: int, ingest_args: Sequence[str]) -> list[str]:
     """``torchrun --standalone --nproc_per_node N --no-python python -m actstore.cli ingest ...``, both
     Pythons started by :func:`safe_python` (torchrun's own ``-m`` would put the cwd on sys.path)."""
-    return [*safe_python("torch.distributed.run"), "--standalone", "--nproc_per_node", str(procs), "--no-python",
-            *safe_python("actstore.cli", unbuffered=True), "ingest", *ingest_args]
+    return [
+        *safe_python("torch.distributed.run"),
+        "--standalone",
+        "--nproc_per_node",
+        str(procs),
+        "--no-python",
+        *safe_python("actstore.cli", unbuffered=True),
+        "ingest",
+        *ingest_args,
+    ]
 
 
-def launch_ranks(procs: int, ingest_args: Sequence[str], *, out: str | None = None, stderr: TextIO | None = None,
-                 log: Callable[[str], None] | None = None,
-                 precheck: Callable[[], None] | None = None) -> tuple[int, str | None]:
+def launch_ranks(
+    procs: int,
+    ingest_args: Sequence[str],
+    *,
+    out: str | None = None,
+    stderr: TextIO | None = None,
+    log: Callable[[str], None] | None = None,
+    precheck: Callable[[], None] | None = None,
+) -> tuple[int, str | None]:
     """Run the ingest as ``procs`` ranks under torchrun on this machine and wait for it.
 
     With ``out``, the store's writer lock is taken first and held until torchrun has exited
@@ -199,7 +228,9 @@ def launch_ranks(procs: int, ingest_args: Sequence[str], *, out: str | None = No
     if procs < 1:
         raise RankError(f"--procs must be at least 1, not {procs}")
     if os.environ.get("WORLD_SIZE") not in (None, "", "1") or "LOCAL_RANK" in os.environ:
-        raise RankError("--procs starts the ranks itself: run it without torchrun (or torchrun without --procs)")
+        raise RankError(
+            "--procs starts the ranks itself: run it without torchrun (or torchrun without --procs)"
+        )
     err = stderr or sys.stderr
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS and k != LOCK_ENV}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -214,9 +245,12 @@ def launch_ranks(procs: int, ingest_args: Sequence[str], *, out: str | None = No
         return _run_torchrun(procs, ingest_args, env, err, lock.inheritable_fds())
 
 
-def _run_torchrun(procs: int, ingest_args: Sequence[str], env: dict[str, str], err: TextIO,
-                  fds: tuple[int, ...]) -> tuple[int, str | None]:
-    proc = subprocess.Popen(torchrun_command(procs, ingest_args), env=env, stderr=subprocess.PIPE, pass_fds=fds)
+def _run_torchrun(
+    procs: int, ingest_args: Sequence[str], env: dict[str, str], err: TextIO, fds: tuple[int, ...]
+) -> tuple[int, str | None]:
+    proc = subprocess.Popen(
+        torchrun_command(procs, ingest_args), env=env, stderr=subprocess.PIPE, pass_fds=fds
+    )
     try:
         return _follow(proc, err)
     except BaseException:
@@ -239,11 +273,11 @@ def _follow(proc: subprocess.Popen[bytes], err: TextIO) -> tuple[int, str | None
         text = piece.decode("utf-8", "replace")
         launcher = _LAUNCHER_LINE.match(text)
         if text.startswith("error: "):
-            errors.append(text.strip()[len("error: "):])
+            errors.append(text.strip()[len("error: ") :])
         elif errors and _NATIVE_LOG_LINE.match(text):
             pass
         elif launcher:  # torchrun's log: drop it; its first error line starts the failure report
-            quiet = quiet or text[len(launcher.group(1) or ""):].startswith("E")
+            quiet = quiet or text[len(launcher.group(1) or "") :].startswith("E")
         elif not quiet:
             err.write(text)
             err.flush()

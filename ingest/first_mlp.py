@@ -21,12 +21,20 @@ import torch
 from actstore.ingest.architectures import Architecture, architecture_for
 
 
-def first_mlp_transform(model: Any, arch: Architecture | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+def first_mlp_transform(
+    model: Any, arch: Architecture | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """x [n, d_model] -> the first block's MLP output on x (float32, on the CPU)."""
     arch = arch or architecture_for(model)
     layer = arch.blocks(model).layers[0]
-    pre = next((getattr(layer, n) for n in ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
-                if hasattr(layer, n)), None)
+    pre = next(
+        (
+            getattr(layer, n)
+            for n in ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
+            if hasattr(layer, n)
+        ),
+        None,
+    )
     mlp = getattr(layer, "mlp", None)
     if pre is None or mlp is None:
         raise ValueError(f"cannot find the first MLP block and its norm in {type(layer).__name__}")

@@ -87,7 +87,7 @@ class IngestConfig:
     less; the captured rows are put back in corpus order before they are written, so rows, tables
     and token layout are as without it.  The float values may differ in their last bits: on the
     CPU, torch's matmul and attention kernels give a row results that depend on the padded length
-    of its batch (measured: 1-2 float32 ulps, tests/test_length_batching.py), as they already
+    of its batch (measured: 1-2 float32 ulps, tests/integration/test_length_batching.py), as they already
     depend on ``batch_size``.  It is therefore recorded in the manifest (when on) like the batch size.
     """
 
@@ -110,13 +110,19 @@ class IngestConfig:
 
     def validate(self) -> None:
         if self.storage_dtype not in STORAGE_DTYPES:
-            raise InvalidSetting("storage_dtype", f"must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}")
+            raise InvalidSetting(
+                "storage_dtype", f"must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}"
+            )
         if self.batch_size < 1 or self.segment_size < 1:
             raise InvalidSetting("batch_size", "the batch size and the segment size must be positive")
         if self.segment_size % self.batch_size:
-            raise InvalidSetting("segment_size", f"{self.segment_size} must be a multiple of the batch size {self.batch_size}")
+            raise InvalidSetting(
+                "segment_size", f"{self.segment_size} must be a multiple of the batch size {self.batch_size}"
+            )
         if self.chunk_layers < 0:
-            raise InvalidSetting("chunk_layers", f"must be 0 (all layers in one chunk) or positive, not {self.chunk_layers}")
+            raise InvalidSetting(
+                "chunk_layers", f"must be 0 (all layers in one chunk) or positive, not {self.chunk_layers}"
+            )
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"padding side must be left or right, not {self.padding_side!r}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -137,12 +143,19 @@ def corpus_sha256(prompts: Sequence[TokenizedPrompt]) -> str:
     h = hashlib.sha256()
     for p in prompts:
         r = p.record
-        h.update(json.dumps([r.text, r.relation_id, r.subject, r.object, p.input_ids, p.target_position]).encode())
+        h.update(
+            json.dumps([r.text, r.relation_id, r.subject, r.object, p.input_ids, p.target_position]).encode()
+        )
     return h.hexdigest()
 
 
-def build_manifest(model: torch.nn.Module, arch: Architecture, model_info: dict[str, Any],
-                   prompts: Sequence[TokenizedPrompt], cfg: IngestConfig) -> Manifest:
+def build_manifest(
+    model: torch.nn.Module,
+    arch: Architecture,
+    model_info: dict[str, Any],
+    prompts: Sequence[TokenizedPrompt],
+    cfg: IngestConfig,
+) -> Manifest:
     ingest_settings = {
         "batch_size": cfg.batch_size,
         "padding_side": cfg.padding_side,
@@ -223,7 +236,10 @@ def to_host(tensors: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str,
         buf.copy_(src, non_blocking=True)
         pinned[n] = buf
     torch.cuda.current_stream().synchronize()
-    return {n: (b.numpy().view(np.uint16) if tensors[n].dtype == torch.bfloat16 else b.numpy()) for n, b in pinned.items()}
+    return {
+        n: (b.numpy().view(np.uint16) if tensors[n].dtype == torch.bfloat16 else b.numpy())
+        for n, b in pinned.items()
+    }
 
 
 def ingest_prompts(
@@ -246,15 +262,22 @@ def ingest_prompts(
         raise ValueError("the corpus is empty: no prompts to ingest")
     url = locate(cfg.out).url
     if cfg.world_size > 1 and not holding(url):
-        raise RankError(f"rank {cfg.rank} of {cfg.world_size} must run under the writer lock of {url} "
-                        "(actstore.ingest.distributed.ranks_writer_lock)")
+        raise RankError(
+            f"rank {cfg.rank} of {cfg.world_size} must run under the writer lock of {url} "
+            "(actstore.ingest.distributed.ranks_writer_lock)"
+        )
     with writer_lock(url):
         return _ingest_prompts(model, tokenizer, model_info, prompts, cfg, on_segment)
 
 
-def _ingest_prompts(model: torch.nn.Module, tokenizer: Any, model_info: dict[str, Any],
-                prompts: Sequence[TokenizedPrompt], cfg: IngestConfig,
-                on_segment: Callable[[int], None] | None) -> IngestReport:
+def _ingest_prompts(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    model_info: dict[str, Any],
+    prompts: Sequence[TokenizedPrompt],
+    cfg: IngestConfig,
+    on_segment: Callable[[int], None] | None,
+) -> IngestReport:
     arch = architecture_for(model)
     tok_files = tokenizer_files(tokenizer)
     model_info = _with_tokenizer(model_info, tok_files, cfg)
@@ -262,13 +285,19 @@ def _ingest_prompts(model: torch.nn.Module, tokenizer: Any, model_info: dict[str
     if cfg.resume:
         writer = StoreWriter.resume(cfg.out, manifest)
     else:  # rank 0 creates the store; other ranks wait for it (actstore.ingest.distributed)
+
         def create() -> StoreWriter:
             weights, attrs = arch.weights(model)
-            files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()} if "tokenizer" in model_info else {}
+            files = (
+                {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()}
+                if "tokenizer" in model_info
+                else {}
+            )
             return StoreWriter.create(cfg.out, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
 
-        writer = rank_zero_first(create, lambda: StoreWriter.resume(cfg.out, manifest), cfg.rank,
-                                 cfg.world_size, cfg.out)
+        writer = rank_zero_first(
+            create, lambda: StoreWriter.resume(cfg.out, manifest), cfg.rank, cfg.world_size, cfg.out
+        )
     done = writer.committed()
     mine = [s for s in range(manifest.n_segments) if s % cfg.world_size == cfg.rank]
     todo = [s for s in mine if s not in done]
@@ -277,17 +306,17 @@ def _ingest_prompts(model: torch.nn.Module, tokenizer: Any, model_info: dict[str
     started = time.time()
     forward_s = 0.0
     pending: list[Future[None]] = []
-    n_todo = sum(len(prompts[s * cfg.segment_size:(s + 1) * cfg.segment_size]) for s in todo)
+    n_todo = sum(len(prompts[s * cfg.segment_size : (s + 1) * cfg.segment_size]) for s in todo)
     bar = _progress(n_todo, cfg.progress and cfg.rank == 0)
     object_ids = _object_token_ids(tokenizer, prompts)
     with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
         for seg in todo:
             lo = seg * cfg.segment_size
-            seg_prompts = prompts[lo:lo + cfg.segment_size]
+            seg_prompts = prompts[lo : lo + cfg.segment_size]
             parts: dict[str, list[np.ndarray]] = {k: [] for k in (*ARRAY_NAMES, "top", "obj_lp", "obj_rank")}
             order = forward_order(seg_prompts, cfg.length_batching)
             for b0 in range(0, len(seg_prompts), cfg.batch_size):
-                members = order[b0:b0 + cfg.batch_size]
+                members = order[b0 : b0 + cfg.batch_size]
                 chunk = [seg_prompts[i] for i in members]
                 batch = pad_batch(chunk, pad_id, cfg.padding_side, device)
                 t0 = time.perf_counter()
@@ -301,11 +330,18 @@ def _ingest_prompts(model: torch.nn.Module, tokenizer: Any, model_info: dict[str
                 forward_s += time.perf_counter() - t0
                 bar.update(len(chunk))
             n_tok = np.array([p.target_position + 1 for p in seg_prompts], dtype=np.int64)
-            arrays = {k: corpus_order(np.concatenate(parts[k]), order, n_tok if k in FLAT_ARRAYS else None)
-                      for k in ARRAY_NAMES}
-            preds = (corpus_order(np.concatenate(parts["top"]), order), corpus_order(np.concatenate(parts["obj_lp"]), order),
-                     corpus_order(np.concatenate(parts["obj_rank"]), order))
-            tables = segment_tables(seg, lo, seg_prompts, tokenizer, preds, object_ids[lo:lo + len(seg_prompts)])
+            arrays = {
+                k: corpus_order(np.concatenate(parts[k]), order, n_tok if k in FLAT_ARRAYS else None)
+                for k in ARRAY_NAMES
+            }
+            preds = (
+                corpus_order(np.concatenate(parts["top"]), order),
+                corpus_order(np.concatenate(parts["obj_lp"]), order),
+                corpus_order(np.concatenate(parts["obj_rank"]), order),
+            )
+            tables = segment_tables(
+                seg, lo, seg_prompts, tokenizer, preds, object_ids[lo : lo + len(seg_prompts)]
+            )
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
             pending.append(pool.submit(_write, writer, seg, lo, arrays, tables, on_segment))
@@ -313,20 +349,38 @@ def _ingest_prompts(model: torch.nn.Module, tokenizer: Any, model_info: dict[str
             f.result()
     bar.close()
     _write_run(writer, cfg, manifest, started, len(todo))
-    return IngestReport(cfg.out, len(prompts), len(todo), len(mine) - len(todo), time.time() - started, forward_s)
+    return IngestReport(
+        cfg.out, len(prompts), len(todo), len(mine) - len(todo), time.time() - started, forward_s
+    )
 
 
-def _write(writer: StoreWriter, seg: int, lo: int, arrays: dict[str, np.ndarray], tables: dict[str, pa.Table],
-           on_segment: Callable[[int], None] | None) -> None:
+def _write(
+    writer: StoreWriter,
+    seg: int,
+    lo: int,
+    arrays: dict[str, np.ndarray],
+    tables: dict[str, pa.Table],
+    on_segment: Callable[[int], None] | None,
+) -> None:
     writer.write_segment(seg, lo, arrays, tables)
     if on_segment is not None:
         on_segment(seg)
 
 
-def _write_run(writer: StoreWriter, cfg: IngestConfig, manifest: Manifest, started: float, n_segments: int) -> None:
+def _write_run(
+    writer: StoreWriter, cfg: IngestConfig, manifest: Manifest, started: float, n_segments: int
+) -> None:
     config = {k: v for k, v in asdict(cfg).items() if k != "extra"} | {"extra": cfg.extra}
-    write_run(writer, new_run_id("ingest"), "ingest", started, config, segments_written=n_segments, rank=cfg.rank,
-              world_size=cfg.world_size)
+    write_run(
+        writer,
+        new_run_id("ingest"),
+        "ingest",
+        started,
+        config,
+        segments_written=n_segments,
+        rank=cfg.rank,
+        world_size=cfg.world_size,
+    )
 
 
 def _object_token_ids(tokenizer: Any, prompts: Sequence[TokenizedPrompt]) -> np.ndarray:
@@ -355,8 +409,14 @@ def _predictions(logits: torch.Tensor, object_ids: np.ndarray) -> tuple[np.ndarr
     return top, lp_np, rank_np
 
 
-def segment_tables(seg: int, lo: int, prompts: Sequence[TokenizedPrompt], tokenizer: Any,
-                   preds: tuple[np.ndarray, np.ndarray, np.ndarray], object_ids: np.ndarray) -> dict[str, pa.Table]:
+def segment_tables(
+    seg: int,
+    lo: int,
+    prompts: Sequence[TokenizedPrompt],
+    tokenizer: Any,
+    preds: tuple[np.ndarray, np.ndarray, np.ndarray],
+    object_ids: np.ndarray,
+) -> dict[str, pa.Table]:
     """The examples, tokens and targets shards of one segment."""
     n = len(prompts)
     n_tok = np.array([p.target_position + 1 for p in prompts], dtype=np.int64)
@@ -367,24 +427,27 @@ def segment_tables(seg: int, lo: int, prompts: Sequence[TokenizedPrompt], tokeni
         return -1 if s is None else int(s[i])
 
     recs = [p.record for p in prompts]
-    examples = pa.table({
-        "example_id": ids,
-        "text": [r.text for r in recs],
-        "relation_id": [r.relation_id for r in recs],
-        "relation_name": [r.relation_name for r in recs],
-        "subject": [r.subject for r in recs],
-        "object": [r.object for r in recs],
-        "split": [r.split for r in recs],
-        "source": [r.source for r in recs],
-        "subject_start": [span(p.subject_tokens, 0) for p in prompts],
-        "subject_end": [span(p.subject_tokens, 1) for p in prompts],
-        "object_start": [span(p.object_tokens, 0) for p in prompts],
-        "object_end": [span(p.object_tokens, 1) for p in prompts],
-        "n_tokens": n_tok.astype(np.int32),
-        "segment": np.full(n, seg, dtype=np.int32),
-        "tok_start": tok_start,
-        "meta": [json.dumps(r.meta, sort_keys=True, default=str) for r in recs],
-    }, schema=EXAMPLES)
+    examples = pa.table(
+        {
+            "example_id": ids,
+            "text": [r.text for r in recs],
+            "relation_id": [r.relation_id for r in recs],
+            "relation_name": [r.relation_name for r in recs],
+            "subject": [r.subject for r in recs],
+            "object": [r.object for r in recs],
+            "split": [r.split for r in recs],
+            "source": [r.source for r in recs],
+            "subject_start": [span(p.subject_tokens, 0) for p in prompts],
+            "subject_end": [span(p.subject_tokens, 1) for p in prompts],
+            "object_start": [span(p.object_tokens, 0) for p in prompts],
+            "object_end": [span(p.object_tokens, 1) for p in prompts],
+            "n_tokens": n_tok.astype(np.int32),
+            "segment": np.full(n, seg, dtype=np.int32),
+            "tok_start": tok_start,
+            "meta": [json.dumps(r.meta, sort_keys=True, default=str) for r in recs],
+        },
+        schema=EXAMPLES,
+    )
     tok_rows: dict[str, list[Any]] = {k: [] for k in TOKENS.names}
     for eid, p in zip(ids.tolist(), prompts):
         n_p = p.target_position + 1
@@ -405,20 +468,23 @@ def segment_tables(seg: int, lo: int, prompts: Sequence[TokenizedPrompt], tokeni
             tok_rows["char_end"].append(ce)
     tokens = pa.table(tok_rows, schema=TOKENS)
     top, lp, rank = preds
-    targets = pa.table({
-        "example_id": ids,
-        "position": (n_tok - 1).astype(np.int32),
-        "row": ids,
-        "segment": np.full(n, seg, dtype=np.int32),
-        "seg_row": np.arange(n, dtype=np.int32),
-        "src_start": tok_start,
-        "n_src": n_tok.astype(np.int32),
-        "top_token_id": top,
-        "top_token": [str(t) for t in tokenizer.convert_ids_to_tokens(top.tolist())],
-        "object_token_id": object_ids.astype(np.int32),
-        "object_logprob": lp,
-        "object_rank": rank,
-    }, schema=TARGETS)
+    targets = pa.table(
+        {
+            "example_id": ids,
+            "position": (n_tok - 1).astype(np.int32),
+            "row": ids,
+            "segment": np.full(n, seg, dtype=np.int32),
+            "seg_row": np.arange(n, dtype=np.int32),
+            "src_start": tok_start,
+            "n_src": n_tok.astype(np.int32),
+            "top_token_id": top,
+            "top_token": [str(t) for t in tokenizer.convert_ids_to_tokens(top.tolist())],
+            "object_token_id": object_ids.astype(np.int32),
+            "object_logprob": lp,
+            "object_rank": rank,
+        },
+        schema=TARGETS,
+    )
     return {"examples": examples, "tokens": tokens, "targets": targets}
 
 

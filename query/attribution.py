@@ -59,7 +59,9 @@ def check_contrast(reading: str) -> str:
     return reading
 
 
-def contrast_coefficients(probs: torch.Tensor, pred: torch.Tensor, reading: str = DEFAULT_CONTRAST) -> torch.Tensor:
+def contrast_coefficients(
+    probs: torch.Tensor, pred: torch.Tensor, reading: str = DEFAULT_CONTRAST
+) -> torch.Tensor:
     """Per prediction ([..., C]), dW = W @ coef: ``onehot(c_hat) - pi'`` (``"renormalised"``, pi' the
     softmax renormalised over the competitors) or ``onehot(c_hat) - pi * (1 - onehot)`` (``"seed"``,
     the full softmax as the seed writes it)."""
@@ -95,8 +97,9 @@ class TokenGeometry:
     @classmethod
     def of(cls, store: Store, kind: str, layers: Sequence[int], heads: Sequence[int] | None) -> TokenGeometry:
         if kind not in TOKEN_KINDS:
-            raise QueryError(f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}), "
-                             f"not {kind!r}")
+            raise QueryError(
+                f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}), not {kind!r}"
+            )
         hs = tuple(range(store.geometry.n_heads)) if heads is None or kind == "attn" else tuple(heads)
         ls = list(layers)
         WO = torch.from_numpy(store.weight("W_O"))[ls][:, list(hs)].contiguous()
@@ -114,8 +117,9 @@ class TokenGeometry:
         return torch.einsum("nlhd,lhkd->nlhk", u.view(n, len(self.layers), len(self.heads), d), self.W_O)
 
 
-def token_scores(store: Store, geo: TokenGeometry, example_ids: Sequence[int], p: torch.Tensor,
-                 *, group: int = 128) -> list[np.ndarray]:
+def token_scores(
+    store: Store, geo: TokenGeometry, example_ids: Sequence[int], p: torch.Tensor, *, group: int = 128
+) -> list[np.ndarray]:
     """TokenScore [L', n_src] for each (example, projected direction) pair, from stored A and V.
 
     ``example_ids`` may repeat (one entry per prediction); factors are read once per group of
@@ -132,19 +136,23 @@ def token_scores(store: Store, geo: TokenGeometry, example_ids: Sequence[int], p
     L = list(geo.layers)
     kv = torch.tensor([h // g.kv_group for h in geo.heads])
     for i in range(0, uniq.size, group):
-        sel = Selection.from_ids(store, uniq[i:i + group].tolist())
+        sel = Selection.from_ids(store, uniq[i : i + group].tolist())
         found = set(sel.example_ids.tolist())
-        missing = sorted(set(uniq[i:i + group].tolist()) - found)
+        missing = sorted(set(uniq[i : i + group].tolist()) - found)
         if missing:
             raise QueryError(f"example {missing[0]} is not in the store")
         for block_ids, block in sel.blocks():
-            A = torch.from_numpy(store.read_segment_ranges(block.segment, "attn", block.src_start, block.n_src)
-                                 [:, L][:, :, list(geo.heads)])  # [N, l, h]
-            V = torch.from_numpy(store.read_segment_ranges(block.segment, "v", block.src_start, block.n_src)
-                                 [:, L])[:, :, kv]  # [N, l, h, dh]
+            A = torch.from_numpy(
+                store.read_segment_ranges(block.segment, "attn", block.src_start, block.n_src)[:, L][
+                    :, :, list(geo.heads)
+                ]
+            )  # [N, l, h]
+            V = torch.from_numpy(
+                store.read_segment_ranges(block.segment, "v", block.src_start, block.n_src)[:, L]
+            )[:, :, kv]  # [N, l, h, dh]
             offs = np.concatenate([[0], np.cumsum(block.n_src)])
             for r, ex in enumerate(block_ids.tolist()):
-                a, v = A[offs[r]:offs[r + 1]], V[offs[r]:offs[r + 1]]
+                a, v = A[offs[r] : offs[r + 1]], V[offs[r] : offs[r + 1]]
                 if geo.kind == "attn_entity":
                     keep = torch.zeros(a.shape[0], dtype=a.dtype)
                     s0, s1 = int(block.subject_start[r]), int(block.subject_end[r])
@@ -165,5 +173,7 @@ def run_row(store: Store, run_id: str) -> dict[str, object]:
     rows = store.sql("SELECT * FROM probe_runs WHERE run_id = ?", [run_id]).to_pylist()
     if not rows:
         known = [r["run_id"] for r in store.sql("SELECT run_id FROM probe_runs ORDER BY started").to_pylist()]
-        raise QueryError(f"unknown probe run {run_id!r} in {store.url} (known: {', '.join(known[-5:]) or 'none'})")
+        raise QueryError(
+            f"unknown probe run {run_id!r} in {store.url} (known: {', '.join(known[-5:]) or 'none'})"
+        )
     return dict(rows[0])

@@ -87,8 +87,14 @@ def store_of(store: str | Store) -> Store:
     return store if isinstance(store, Store) else _store(store)
 
 
-def run_tasks(client: Any, fn: Callable[..., Any], args: Sequence[tuple[Any, ...]], *,
-              shared: dict[str, Any] | None = None, on_done: Callable[[int, int], None] | None = None) -> list[Any]:
+def run_tasks(
+    client: Any,
+    fn: Callable[..., Any],
+    args: Sequence[tuple[Any, ...]],
+    *,
+    shared: dict[str, Any] | None = None,
+    on_done: Callable[[int, int], None] | None = None,
+) -> list[Any]:
     """``[fn(*a, **shared) for a in args]``, in that order, here (``client=None``) or on a Dask cluster.
 
     ``shared``: keyword arguments common to every task; on a cluster they are scattered to every
@@ -140,8 +146,13 @@ def dask_client(address: str | None = None, workers: int | None = None) -> Itera
     if workers is not None:
         with warnings.catch_warnings():  # "Port 8787 is already in use": its HTTP server moves elsewhere
             warnings.simplefilter("ignore", UserWarning)
-            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
-                                   silence_logs=logging.ERROR)
+            cluster = LocalCluster(
+                n_workers=workers,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=None,
+                silence_logs=logging.ERROR,
+            )
         try:
             with Client(cluster) as client:
                 yield client
@@ -151,15 +162,24 @@ def dask_client(address: str | None = None, workers: int | None = None) -> Itera
     try:
         client = Client(address, timeout="10s")
     except (OSError, TimeoutError) as e:
-        raise QueryError(f"cannot reach the Dask scheduler at {address}: {' '.join(str(e).split())}") from None
+        raise QueryError(
+            f"cannot reach the Dask scheduler at {address}: {' '.join(str(e).split())}"
+        ) from None
     try:
         yield client
     finally:
         client.close()
 
 
-def block_moments(url: str, kind: str, layers: tuple[int, ...] | None, heads: tuple[int, ...] | None,
-                  groups: int | None, block: RowBlock, labels: np.ndarray) -> dict[str, Moments]:
+def block_moments(
+    url: str,
+    kind: str,
+    layers: tuple[int, ...] | None,
+    heads: tuple[int, ...] | None,
+    groups: int | None,
+    block: RowBlock,
+    labels: np.ndarray,
+) -> dict[str, Moments]:
     """One task: the features of ``block`` reduced to moments per label (``labels`` [n] str)."""
     store = _store(url)
     spec = FeatureSpec.parse(store, kind, layers, heads, groups)
@@ -234,9 +254,17 @@ def relation_scores(
     """
     from actstore.query.relspec import POOLED_EPS
 
-    by_group: dict[str, Moments] = feature_moments(store, kind, where=where, layers=layers, heads=heads,
-                                                   groups=groups, by=by, client=client,
-                                                   rows_per_task=rows_per_task)
+    by_group: dict[str, Moments] = feature_moments(
+        store,
+        kind,
+        where=where,
+        layers=layers,
+        heads=heads,
+        groups=groups,
+        by=by,
+        client=client,
+        rows_per_task=rows_per_task,
+    )
     names = list(by_group)
     if len(names) < 2:
         raise QueryError(f"relation scores need at least two groups of {by}, got {len(names)}")

@@ -51,8 +51,17 @@ class EpisodeSet:
         return np.repeat(np.arange(self.n_way), self.queries)
 
     def take(self, idx: np.ndarray | slice) -> EpisodeSet:
-        return EpisodeSet(self.relations, self.n_way, self.k_shot, self.queries, self.seed[idx],
-                          self.index[idx], self.classes[idx], self.support[idx], self.query[idx])
+        return EpisodeSet(
+            self.relations,
+            self.n_way,
+            self.k_shot,
+            self.queries,
+            self.seed[idx],
+            self.index[idx],
+            self.classes[idx],
+            self.support[idx],
+            self.query[idx],
+        )
 
     def find(self, seed: int, index: int) -> int:
         hit = np.flatnonzero((self.seed == seed) & (self.index == index))
@@ -74,18 +83,22 @@ def check_relations(labels: Sequence[str], n_way: int, per_class: int) -> dict[s
         raise InvalidSetting("where", "some selected rows have no relation_id; restrict the selection")
     relations = sorted(set(arr.tolist()))
     if n_way > len(relations):
-        raise InvalidSetting("n_way", f"{n_way} is larger than the number of relations in the selection ({len(relations)})")
+        raise InvalidSetting(
+            "n_way", f"{n_way} is larger than the number of relations in the selection ({len(relations)})"
+        )
     members = {r: np.flatnonzero(arr == r) for r in relations}
     short = [f"{r} ({m.size})" for r, m in members.items() if m.size < per_class]
     if short:
         raise QueryError(
             f"relations with fewer than k-shot + queries = {per_class} instances: {', '.join(short)}; "
-            "lower k-shot or queries, or exclude them from the selection")
+            "lower k-shot or queries, or exclude them from the selection"
+        )
     return members
 
 
-def sample_episodes(labels: Sequence[str], *, n_way: int, k_shot: int, queries: int, episodes: int,
-                    seed: int) -> EpisodeSet:
+def sample_episodes(
+    labels: Sequence[str], *, n_way: int, k_shot: int, queries: int, episodes: int, seed: int
+) -> EpisodeSet:
     """``episodes`` episodes drawn with ``numpy.random.default_rng(seed)``."""
     if episodes < 1:
         raise InvalidSetting("episodes", f"must be at least 1 (got {episodes})")
@@ -101,20 +114,39 @@ def sample_episodes(labels: Sequence[str], *, n_way: int, k_shot: int, queries: 
         classes[e] = cls
         for i, c in enumerate(cls):
             pick = rng.choice(members[relations[c]], size=per, replace=False)
-            support[e, i * k_shot:(i + 1) * k_shot] = pick[:k_shot]
-            query[e, i * queries:(i + 1) * queries] = pick[k_shot:]
-    return EpisodeSet(relations, n_way, k_shot, queries, np.full(episodes, seed, dtype=np.int64),
-                      np.arange(episodes, dtype=np.int64), classes, support, query)
+            support[e, i * k_shot : (i + 1) * k_shot] = pick[:k_shot]
+            query[e, i * queries : (i + 1) * queries] = pick[k_shot:]
+    return EpisodeSet(
+        relations,
+        n_way,
+        k_shot,
+        queries,
+        np.full(episodes, seed, dtype=np.int64),
+        np.arange(episodes, dtype=np.int64),
+        classes,
+        support,
+        query,
+    )
 
 
-def sample_seeds(labels: Sequence[str], *, n_way: int, k_shot: int, queries: int, episodes: int,
-                 seeds: Sequence[int]) -> EpisodeSet:
+def sample_seeds(
+    labels: Sequence[str], *, n_way: int, k_shot: int, queries: int, episodes: int, seeds: Sequence[int]
+) -> EpisodeSet:
     """Episodes of several seeds, concatenated in seed order."""
-    parts = [sample_episodes(labels, n_way=n_way, k_shot=k_shot, queries=queries, episodes=episodes, seed=s)
-             for s in seeds]
+    parts = [
+        sample_episodes(labels, n_way=n_way, k_shot=k_shot, queries=queries, episodes=episodes, seed=s)
+        for s in seeds
+    ]
     if not parts:
         raise QueryError("at least one seed is needed")
     first = parts[0]
-    return EpisodeSet(first.relations, n_way, k_shot, queries,
-                      *(np.concatenate([getattr(p, f) for p in parts]) for f in
-                        ("seed", "index", "classes", "support", "query")))
+    return EpisodeSet(
+        first.relations,
+        n_way,
+        k_shot,
+        queries,
+        *(
+            np.concatenate([getattr(p, f) for p in parts])
+            for f in ("seed", "index", "classes", "support", "query")
+        ),
+    )

@@ -60,13 +60,27 @@ class Explanation:
             hs = float(self.head_scores[self.unit_layer == layer].sum())
             ts = float(self.token_scores[i].sum())
             c = float(self.centering[i])
-            rows.append({"layer": int(layer), "head_score_sum": hs, "token_score_sum": ts, "centering": c,
-                         "residual": hs - ts - c})
+            rows.append(
+                {
+                    "layer": int(layer),
+                    "head_score_sum": hs,
+                    "token_score_sum": ts,
+                    "centering": c,
+                    "residual": hs - ts - c,
+                }
+            )
         return rows
 
 
-def explain_example(store: Store, run_id: str, example_id: int, *, seed: int | None = None,
-                    episode: int | None = None, contrast: str | None = None) -> Explanation:
+def explain_example(
+    store: Store,
+    run_id: str,
+    example_id: int,
+    *,
+    seed: int | None = None,
+    episode: int | None = None,
+    contrast: str | None = None,
+) -> Explanation:
     """Re-train the episode of run ``run_id`` in which ``example_id`` is a query (the first one,
     or the given seed/episode; the stored episode lists make this exact) and attribute its
     prediction.  ``contrast``: the reading of dW (default: the run's own)."""
@@ -77,26 +91,43 @@ def explain_example(store: Store, run_id: str, example_id: int, *, seed: int | N
         return _explain(store, run_id, cfg, example_id, seed, episode)
 
 
-def _explain(store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None,
-             episode: int | None) -> Explanation:
+def _explain(
+    store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None, episode: int | None
+) -> Explanation:
     if cfg.kind not in TOKEN_KINDS:
-        raise QueryError(f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}); "
-                         f"run {run_id} probed {cfg.kind!r}")
+        raise QueryError(
+            f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}); "
+            f"run {run_id} probed {cfg.kind!r}"
+        )
     eps = store.sql(
         "SELECT seed, episode, relations, support_ids, query_ids FROM probe_episodes "
         "WHERE run_id = $run AND list_contains(query_ids, $ex) "
         "AND ($seed IS NULL OR seed = $seed) AND ($episode IS NULL OR episode = $episode) "
         "ORDER BY seed, episode LIMIT 1",
-        {"run": run_id, "ex": int(example_id), "seed": None if seed is None else int(seed),
-         "episode": None if episode is None else int(episode)}).to_pylist()
+        {
+            "run": run_id,
+            "ex": int(example_id),
+            "seed": None if seed is None else int(seed),
+            "episode": None if episode is None else int(episode),
+        },
+    ).to_pylist()
     if not eps:
-        raise QueryError(f"example {example_id} is not a query of any episode of run {run_id}"
-                         + ("" if seed is None and episode is None else " with that seed/episode"))
+        raise QueryError(
+            f"example {example_id} is not a query of any episode of run {run_id}"
+            + ("" if seed is None and episode is None else " with that seed/episode")
+        )
     e = eps[0]
     n, sup_ids, q_ids = len(e["relations"]), list(e["support_ids"]), list(e["query_ids"])
     k, q = len(sup_ids) // n, len(q_ids) // n
-    fm = load_features(store, cfg.kind, example_ids=sup_ids + q_ids, layers=cfg.layers, heads=cfg.heads,
-                       groups=cfg.groups, dtype=cfg.feature_dtype)
+    fm = load_features(
+        store,
+        cfg.kind,
+        example_ids=sup_ids + q_ids,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        groups=cfg.groups,
+        dtype=cfg.feature_dtype,
+    )
     pos = {int(x): i for i, x in enumerate(fm.example_ids.tolist())}
     sup = torch.tensor([[pos[x] for x in sup_ids]])
     qry = torch.tensor([[pos[x] for x in q_ids]])
@@ -119,7 +150,20 @@ def _explain(store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed:
     ts = token_scores(store, geo, [int(example_id)], geo.project(u[None]))[0]
     toks = store.sql("SELECT token FROM tokens WHERE example_id = ? ORDER BY position", [int(example_id)])
     layer, head = fm.unit_labels()
-    return Explanation(run_id, int(e["seed"]), int(e["episode"]), int(example_id), e["relations"][qi // q],
-                       e["relations"][int(pred)], float(probs[pred]), fm.layers, layer, head, hs.numpy(), ts,
-                       cent.reshape(len(fm.layers), -1).sum(1).numpy(),
-                       toks.column("token").to_pylist()[:ts.shape[1]], cfg.contrast)
+    return Explanation(
+        run_id,
+        int(e["seed"]),
+        int(e["episode"]),
+        int(example_id),
+        e["relations"][qi // q],
+        e["relations"][int(pred)],
+        float(probs[pred]),
+        fm.layers,
+        layer,
+        head,
+        hs.numpy(),
+        ts,
+        cent.reshape(len(fm.layers), -1).sum(1).numpy(),
+        toks.column("token").to_pylist()[: ts.shape[1]],
+        cfg.contrast,
+    )

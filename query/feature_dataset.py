@@ -37,10 +37,20 @@ class FeatureDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     ``examples``) in :attr:`classes` (int64 scalar tensor; -1 for every row when ``label`` is None).
     """
 
-    def __init__(self, selection: Selection, kind: str, *, layers: Sequence[int] | None = None,
-                 heads: Sequence[int] | None = None, groups: int | None = None,
-                 label: str | None = "relation_id", batch_rows: int = 256, shuffle: bool = False,
-                 seed: int = 0, flatten: bool = False) -> None:
+    def __init__(
+        self,
+        selection: Selection,
+        kind: str,
+        *,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        groups: int | None = None,
+        label: str | None = "relation_id",
+        batch_rows: int = 256,
+        shuffle: bool = False,
+        seed: int = 0,
+        flatten: bool = False,
+    ) -> None:
         if batch_rows < 1:
             raise QueryError(f"batch_rows must be at least 1 (got {batch_rows})")
         self.selection = selection
@@ -58,7 +68,9 @@ class FeatureDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
         else:
             values = [str(v) for v in selection.table([label]).column(0).to_pylist()]
             self.classes = sorted(set(values))
-            self.labels = np.searchsorted(np.asarray(self.classes, dtype=object), np.asarray(values, dtype=object))
+            self.labels = np.searchsorted(
+                np.asarray(self.classes, dtype=object), np.asarray(values, dtype=object)
+            )
             self.labels = self.labels.astype(np.int64)  # [n], index into classes
 
     def __len__(self) -> int:
@@ -82,7 +94,7 @@ class FeatureDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
         order = rng.permutation(len(blocks)) if rng is not None else np.arange(len(blocks))
         info = get_worker_info()
         if info is not None:
-            order = order[info.id::info.num_workers]
+            order = order[info.id :: info.num_workers]
         store = self.selection.store
         for b in order.tolist():
             at, block = blocks[b]
@@ -92,7 +104,7 @@ class FeatureDataset(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
             if self.flatten:
                 x = x.reshape(x.shape[0], -1)
             xt = torch.from_numpy(np.ascontiguousarray(x))
-            y = torch.from_numpy(self.labels[at:at + x.shape[0]])
+            y = torch.from_numpy(self.labels[at : at + x.shape[0]])
             rows = rng.permutation(x.shape[0]) if rng is not None else range(x.shape[0])
             for i in rows:
                 yield xt[i], y[i]

@@ -59,8 +59,14 @@ class FeatureSpec:
     groups: int | None = None
 
     @classmethod
-    def parse(cls, store: Store, kind: str, layers: Sequence[int] | None, heads: Sequence[int] | None,
-              groups: int | None = None) -> FeatureSpec:
+    def parse(
+        cls,
+        store: Store,
+        kind: str,
+        layers: Sequence[int] | None,
+        heads: Sequence[int] | None,
+        groups: int | None = None,
+    ) -> FeatureSpec:
         g = store.geometry
         if kind not in KINDS:
             raise QueryError(f"unknown feature kind {kind!r} (one of {', '.join(KINDS)})")
@@ -68,7 +74,9 @@ class FeatureSpec:
         ls = tuple(range(n_layer_slots)) if layers is None else tuple(int(x) for x in layers)
         bad = [x for x in ls if not 0 <= x < n_layer_slots]
         if bad or not ls:
-            raise QueryError(f"layer {bad[0] if bad else '(none)'} out of range for {kind}: valid 0..{n_layer_slots - 1}")
+            raise QueryError(
+                f"layer {bad[0] if bad else '(none)'} out of range for {kind}: valid 0..{n_layer_slots - 1}"
+            )
         if heads is not None:
             if kind not in HEAD_KINDS:
                 raise InvalidSetting("heads", f"does not apply to feature kind {kind!r}")
@@ -160,8 +168,9 @@ def row_shape(store: Store, spec: FeatureSpec, n_sources: int = 0) -> tuple[int,
     return (n_l, n_h, n_sources, g.d_model)  # attn_head_token
 
 
-def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndarray | None = None,
-                  zeroed: bool = False) -> np.ndarray:
+def compute_block(
+    store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndarray | None = None, zeroed: bool = False
+) -> np.ndarray:
     """Features of one segment's rows: [n, *row_shape] float32, C-contiguous.
 
     ``out``: where to write them (a C-contiguous float32 array of that shape, e.g. rows of a
@@ -189,7 +198,9 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
         zeroed = kind in SOURCE_KINDS  # their padding stays untouched
         out = (np.zeros if zeroed else np.empty)(shape, dtype=np.float32)
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise QueryError(f"compute_block: out is {out.dtype} {out.shape}, expected C-contiguous float32 {shape}")
+        raise QueryError(
+            f"compute_block: out is {out.dtype} {out.shape}, expected C-contiguous float32 {shape}"
+        )
     if n == 0:
         return out
     dst = torch.from_numpy(out)
@@ -230,12 +241,14 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
         lengths = np.where(has, block.subject_end - block.subject_start, 0)
     else:
         starts, lengths = block.src_start, block.n_src
-    A = torch.from_numpy(_pick(store.read_segment_ranges(seg, "attn", starts, lengths, L), Hs, 2))  # [N, l, h]
+    A = torch.from_numpy(
+        _pick(store.read_segment_ranges(seg, "attn", starts, lengths, L), Hs, 2)
+    )  # [N, l, h]
     first = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # row r's sources: first[r] ..
     if kind == "attn_prob":
         for r in range(n):
             k = int(lengths[r])
-            dst[r, :, :, :k] = A[first[r]:first[r] + k].permute(1, 2, 0)
+            dst[r, :, :, :k] = A[first[r] : first[r] + k].permute(1, 2, 0)
             if not zeroed:
                 dst[r, :, :, k:] = 0
         return out
@@ -256,15 +269,17 @@ def compute_block(store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndar
     lh = len(L) * len(Hs)
     Wf = WOs.reshape(lh, g.d_head, g.d_model)
     Sx = out.shape[3]
-    scratch = torch.empty((lh * int(lengths.max()) * g.d_model,)) if torch.get_num_threads() > 1 and n else None
+    scratch = (
+        torch.empty((lh * int(lengths.max()) * g.d_model,)) if torch.get_num_threads() > 1 and n else None
+    )
     for r in range(n):
         k = int(lengths[r])
-        x = AV[first[r]:first[r] + k].permute(1, 2, 0, 3).reshape(lh, k, g.d_head)
+        x = AV[first[r] : first[r] + k].permute(1, 2, 0, 3).reshape(lh, k, g.d_head)
         slot = dst[r].view(lh, Sx, g.d_model)
         if scratch is None:
             torch.bmm(x, Wf, out=slot[:, :k])
         else:
-            tmp = scratch[:lh * k * g.d_model].view(lh, k, g.d_model)
+            tmp = scratch[: lh * k * g.d_model].view(lh, k, g.d_model)
             torch.bmm(x, Wf, out=tmp)
             slot[:, :k].copy_(tmp)
         if not zeroed:

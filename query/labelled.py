@@ -58,13 +58,25 @@ def units(store: Store, spec: FeatureSpec) -> list[int]:
 def row_shape(store: Store, spec: FeatureSpec, n_sources: int) -> tuple[int, ...]:
     """The shape of one row's features (everything after ``row`` in :data:`DIMS`)."""
     g = store.geometry
-    size = {"layer": len(spec.layers), "head": len(units(store, spec)), "group": len(units(store, spec)),
-            "source": n_sources, "d_model": g.d_model, "d_head": g.d_head}
+    size = {
+        "layer": len(spec.layers),
+        "head": len(units(store, spec)),
+        "group": len(units(store, spec)),
+        "source": n_sources,
+        "d_model": g.d_model,
+        "d_head": g.d_head,
+    }
     return tuple(size[d] for d in DIMS[spec.kind][1:])
 
 
-def to_dataarray(store: Store, spec: FeatureSpec, x: Any, example_ids: np.ndarray, relation_ids: Sequence[Any],
-                 mask: np.ndarray | None = None) -> xarray.DataArray:
+def to_dataarray(
+    store: Store,
+    spec: FeatureSpec,
+    x: Any,
+    example_ids: np.ndarray,
+    relation_ids: Sequence[Any],
+    mask: np.ndarray | None = None,
+) -> xarray.DataArray:
     """``x`` (numpy or dask, [n, ...] as ``Selection.features`` returns for ``spec``) labelled with the
     dimensions of :data:`DIMS`; ``example_ids`` and ``relation_ids`` [n] of the rows; ``mask`` [n, S]
     (True on the rows' real sources) for the source kinds."""
@@ -72,7 +84,9 @@ def to_dataarray(store: Store, spec: FeatureSpec, x: Any, example_ids: np.ndarra
 
     dims = DIMS[spec.kind]
     if x.ndim != len(dims) or x.shape[0] != len(example_ids):
-        raise QueryError(f"features of shape {tuple(x.shape)} do not fit {spec.kind} over {len(example_ids)} rows")
+        raise QueryError(
+            f"features of shape {tuple(x.shape)} do not fit {spec.kind} over {len(example_ids)} rows"
+        )
     coords: dict[str, Any] = {
         "example_id": ("row", np.asarray(example_ids)),
         "relation_id": ("row", np.asarray(list(relation_ids), dtype=object)),
@@ -95,7 +109,7 @@ def pad_sources(x: np.ndarray, S: int) -> np.ndarray:
     if x.shape[3] == S:
         return x
     out = np.zeros((*x.shape[:3], S, *x.shape[4:]), dtype=x.dtype)
-    out[:, :, :, :x.shape[3]] = x
+    out[:, :, :, : x.shape[3]] = x
     return out
 
 
@@ -105,8 +119,9 @@ def block_features(store: Store, spec: FeatureSpec, block: RowBlock, n_sources: 
     return pad_sources(x, n_sources) if spec.kind in SOURCE_KINDS else x
 
 
-def dask_features(store: Store, spec: FeatureSpec, blocks: Sequence[tuple[int, RowBlock]],
-                  n_sources: int) -> dask.array.Array:
+def dask_features(
+    store: Store, spec: FeatureSpec, blocks: Sequence[tuple[int, RowBlock]], n_sources: int
+) -> dask.array.Array:
     """A lazy dask array of ``spec``'s features [n, ...], one chunk per ``(rows, block)`` of ``blocks``
     (in order), each computed by :func:`block_features` when dask asks for it; source kinds padded to
     ``n_sources``.  The store travels with the tasks (it pickles: a process or distributed scheduler
@@ -124,7 +139,8 @@ def dask_features(store: Store, spec: FeatureSpec, blocks: Sequence[tuple[int, R
     token = tokenize(store.url, spec, n_sources, [(n, b.segment, b.seg_rows) for n, b in blocks])
     chunks = []
     for i, (n, block) in enumerate(blocks):
-        task = dask.delayed(block_features, pure=True)(store, spec, block, n_sources,
-                                                       dask_key_name=f"actstore-{token}-{i}")
+        task = dask.delayed(block_features, pure=True)(
+            store, spec, block, n_sources, dask_key_name=f"actstore-{token}-{i}"
+        )
         chunks.append(da.from_delayed(task, shape=(n, *rest), dtype=np.float32))
     return da.concatenate(chunks, axis=0)

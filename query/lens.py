@@ -52,13 +52,29 @@ from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_len
 
 from actstore.core.invalid import InvalidSetting
 
-__all__ = ["ALPHAS", "TUNED_METHODS", "FinalReadout", "LensError", "LensReading", "TunedLens", "read_objects",
-           "LensStudy", "lens_study", "split_facts", "stored_residuals", "LENS_SCHEMA", "fit_lens", "fit_tuned_lens"]
+__all__ = [
+    "ALPHAS",
+    "TUNED_METHODS",
+    "FinalReadout",
+    "LensError",
+    "LensReading",
+    "TunedLens",
+    "read_objects",
+    "LensStudy",
+    "lens_study",
+    "split_facts",
+    "stored_residuals",
+    "LENS_SCHEMA",
+    "fit_lens",
+    "fit_tuned_lens",
+]
 
 # ------------------------------------------------------------------------------------ study
 
 
-def split_facts(example_ids: np.ndarray, train_fraction: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def split_facts(
+    example_ids: np.ndarray, train_fraction: float, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(train ids, held-out ids): a seeded random split of facts."""
     if not 0 < train_fraction < 1:
         raise InvalidSetting("train_fraction", f"must be between 0 and 1, not {train_fraction}")
@@ -66,7 +82,9 @@ def split_facts(example_ids: np.ndarray, train_fraction: float, seed: int = 0) -
     perm = np.random.default_rng(seed).permutation(ids.size)
     k = int(round(train_fraction * ids.size))
     if k < 5 or ids.size - k < 1:
-        raise LensError(f"{ids.size} facts are too few to split into training (>= 5) and held-out (>= 1) facts")
+        raise LensError(
+            f"{ids.size} facts are too few to split into training (>= 5) and held-out (>= 1) facts"
+        )
     return np.sort(ids[perm[:k]]), np.sort(ids[perm[k:]])
 
 
@@ -104,10 +122,23 @@ class LensStudy:
 
     def table(self) -> pa.Table:
         """One row per (fact, lens, residual index)."""
-        cols: dict[str, list[Any]] = {k: [] for k in ("example_id", "lens", "split", "index", "layer",
-                                                      "object_prob", "object_rank", "top_token_id")}
-        for name, r, ids, split in (("logit", self.logit, self.example_ids, "heldout"),
-                                    ("tuned", self.tuned, self.example_ids, "heldout")):
+        cols: dict[str, list[Any]] = {
+            k: []
+            for k in (
+                "example_id",
+                "lens",
+                "split",
+                "index",
+                "layer",
+                "object_prob",
+                "object_rank",
+                "top_token_id",
+            )
+        }
+        for name, r, ids, split in (
+            ("logit", self.logit, self.example_ids, "heldout"),
+            ("tuned", self.tuned, self.example_ids, "heldout"),
+        ):
             if r is None:
                 continue
             n, K = r.prob.shape
@@ -124,13 +155,23 @@ class LensStudy:
         return pa.table(cols, schema=LENS_SCHEMA)
 
 
-LENS_SCHEMA = pa.schema([
-    ("example_id", pa.int64()), ("lens", pa.string()), ("split", pa.string()), ("index", pa.int32()),
-    ("layer", pa.int32()), ("object_prob", pa.float64()), ("object_rank", pa.int64()), ("top_token_id", pa.int64()),
-])
+LENS_SCHEMA = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("lens", pa.string()),
+        ("split", pa.string()),
+        ("index", pa.int32()),
+        ("layer", pa.int32()),
+        ("object_prob", pa.float64()),
+        ("object_rank", pa.int64()),
+        ("top_token_id", pa.int64()),
+    ]
+)
 
 
-def stored_residuals(store: Any, example_ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stored_residuals(
+    store: Any, example_ids: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(resid [n, L+1, d], object token ids [n], stored top token ids [n]) in ``example_ids`` order."""
     from actstore.query.selection import Selection
 
@@ -140,17 +181,28 @@ def stored_residuals(store: Any, example_ids: Sequence[int] | np.ndarray) -> tup
     sel = Selection.from_ids(store, ids.tolist())
     got = sel.example_ids
     x = sel.features("resid")
-    t = store.sql("SELECT example_id, object_token_id, top_token_id FROM targets").to_pandas().set_index("example_id")
+    t = (
+        store.sql("SELECT example_id, object_token_id, top_token_id FROM targets")
+        .to_pandas()
+        .set_index("example_id")
+    )
     order = np.searchsorted(got, ids)
     if got.size != ids.size or not np.array_equal(got[order], ids):
         raise LensError("some selected facts have no stored residual stream")
     return x[order], t.loc[ids, "object_token_id"].to_numpy(), t.loc[ids, "top_token_id"].to_numpy()
 
 
-def lens_study(store: Any, eval_ids: Sequence[int] | np.ndarray, train_ids: Sequence[int] | np.ndarray | None, *,
-               method: str = "adam", alphas: Sequence[float] = ALPHAS, seed: int = 0,
-               train_config: TrainConfig | None = None,
-               progress: Callable[[int, float], None] | None = None) -> tuple[LensStudy, TunedLens | None]:
+def lens_study(
+    store: Any,
+    eval_ids: Sequence[int] | np.ndarray,
+    train_ids: Sequence[int] | np.ndarray | None,
+    *,
+    method: str = "adam",
+    alphas: Sequence[float] = ALPHAS,
+    seed: int = 0,
+    train_config: TrainConfig | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> tuple[LensStudy, TunedLens | None]:
     """Logit lens on ``eval_ids``; with ``train_ids``, a tuned lens fit on them and read on ``eval_ids``.
 
     ``method``: ``adam`` or ``sgd`` (trained on the KL; ``train_config`` a
@@ -172,24 +224,39 @@ def lens_study(store: Any, eval_ids: Sequence[int] | np.ndarray, train_ids: Sequ
         if overlap.size:
             raise LensError(f"{overlap.size} facts are both training and evaluation facts of the tuned lens")
         tr_resid, _, _ = stored_residuals(store, train)
-        lens = fit_lens(readout, tr_resid, method, replace(train_config or TrainConfig(), seed=seed), alphas,
-                        progress)
+        lens = fit_lens(
+            readout, tr_resid, method, replace(train_config or TrainConfig(), seed=seed), alphas, progress
+        )
         if method != "ridge":
             lens.info["train_kl_logit"] = kl_per_index(readout, tr_resid).tolist()
             lens.info["train_kl_tuned"] = kl_per_index(readout, tr_resid, lens).tolist()
         tuned_reading = read_objects(readout, lens.translate(resid), obj)
         kl_tuned = kl_per_index(readout, resid, lens)
-    study = LensStudy(np.asarray(eval_ids, dtype=np.int64), train, logit, tuned_reading, top,
-                      lens.alphas if lens else [], lens.method if lens else None, kl_logit, kl_tuned)
+    study = LensStudy(
+        np.asarray(eval_ids, dtype=np.int64),
+        train,
+        logit,
+        tuned_reading,
+        top,
+        lens.alphas if lens else [],
+        lens.method if lens else None,
+        kl_logit,
+        kl_tuned,
+    )
     return study, lens
 
 
 # ------------------------------------------------------------------------------------ fitting
 
 
-def fit_lens(readout: FinalReadout, resid: np.ndarray, method: str = "adam", config: TrainConfig | None = None,
-             alphas: Sequence[float] = ALPHAS,
-             progress: Callable[[int, float], None] | None = None) -> TunedLens:
+def fit_lens(
+    readout: FinalReadout,
+    resid: np.ndarray,
+    method: str = "adam",
+    config: TrainConfig | None = None,
+    alphas: Sequence[float] = ALPHAS,
+    progress: Callable[[int, float], None] | None = None,
+) -> TunedLens:
     """Tuned-lens translators from training residuals ``resid`` [n, L+1, d] by ``method``.
 
     ``adam`` / ``sgd``: :func:`actstore.query.tuned_lens.train_tuned_lens` with ``config`` (its optimizer
@@ -205,16 +272,30 @@ def fit_lens(readout: FinalReadout, resid: np.ndarray, method: str = "adam", con
         lens.info["config"] = {"alphas": list(lens.alphas), "seed": cfg.seed}
     else:
         lens = train_tuned_lens(readout, resid, replace(cfg, optimizer=method), progress=progress)
-    lens.info.update({"method": method, "rows": int(np.asarray(resid).shape[0]),
-                      "seconds": round(time.time() - started, 2)})
+    lens.info.update(
+        {
+            "method": method,
+            "rows": int(np.asarray(resid).shape[0]),
+            "seconds": round(time.time() - started, 2),
+        }
+    )
     return lens
 
 
-def fit_tuned_lens(store: Any, train_ids: Sequence[int] | np.ndarray, method: str = "adam",
-                   config: TrainConfig | None = None, progress: Callable[[int, float], None] | None = None
-                   ) -> TunedLens:
+def fit_tuned_lens(
+    store: Any,
+    train_ids: Sequence[int] | np.ndarray,
+    method: str = "adam",
+    config: TrainConfig | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> TunedLens:
     """:func:`fit_lens` on the stored residual streams of the facts ``train_ids``."""
     if method not in TUNED_METHODS:  # before reading the residuals
         raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
-    return fit_lens(FinalReadout.from_store(store), stored_residuals(store, train_ids)[0], method, config,
-                    progress=progress)
+    return fit_lens(
+        FinalReadout.from_store(store),
+        stored_residuals(store, train_ids)[0],
+        method,
+        config,
+        progress=progress,
+    )

@@ -83,8 +83,15 @@ def concat_readings(readings: Sequence[MethodReading]) -> MethodReading:
     key = cat([r.key_layer for r in readings])
     verdict = cat([r.verdict for r in readings])
     assert profile is not None and key is not None and verdict is not None
-    return MethodReading(method, ids[order], profile, key, verdict, cat([r.mlp for r in readings]),
-                         cat([r.attn for r in readings]))
+    return MethodReading(
+        method,
+        ids[order],
+        profile,
+        key,
+        verdict,
+        cat([r.mlp for r in readings]),
+        cat([r.attn for r in readings]),
+    )
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,9 @@ def localisation_precision(reading: MethodReading, by_component: bool = True) ->
     return out
 
 
-def consistency(reading: MethodReading, groups: Mapping[int, str], tolerance: int) -> tuple[np.ndarray, np.ndarray]:
+def consistency(
+    reading: MethodReading, groups: Mapping[int, str], tolerance: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Per fact: (key layer within ``tolerance`` of its group's median key layer, verdict equal to its
     group's majority verdict), as 1.0 / 0.0, NaN where the fact has no key layer (verdict) or its
     group fewer than 2 such facts.  ``groups``: example id -> group label (facts absent: NaN)."""
@@ -242,8 +251,15 @@ def paired_correlation(a: np.ndarray, b: np.ndarray, resamples: int = RESAMPLES,
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.asarray((u * w).sum(axis=axis) / den)
 
-    res = stats.bootstrap((x, y), stat, paired=True, vectorized=True, n_resamples=resamples,
-                          method="percentile", rng=np.random.default_rng(seed))
+    res = stats.bootstrap(
+        (x, y),
+        stat,
+        paired=True,
+        vectorized=True,
+        n_resamples=resamples,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
     return Summary(int(x.size), float(r), lo, hi)
 
@@ -257,14 +273,17 @@ def pair_agreement(ra: MethodReading, rb: MethodReading, tolerance: int) -> dict
     ok = (ka >= 0) & (kb >= 0)
     va, vb = ra.verdict[ia], rb.verdict[ib]
     vok = np.isin(va, COMPONENTS) & np.isin(vb, COMPONENTS)
-    return {"example_ids": common,
-            "key": np.where(ok, (np.abs(ka - kb) <= tolerance).astype(float), np.nan),
-            "exact": np.where(ok, (ka == kb).astype(float), np.nan),
-            "verdict": np.where(vok, (va == vb).astype(float), np.nan)}
+    return {
+        "example_ids": common,
+        "key": np.where(ok, (np.abs(ka - kb) <= tolerance).astype(float), np.nan),
+        "exact": np.where(ok, (ka == kb).astype(float), np.nan),
+        "verdict": np.where(vok, (va == vb).astype(float), np.nan),
+    }
 
 
-def reading_agreement(ra: MethodReading, rb: MethodReading, tolerance: int, resamples: int = RESAMPLES,
-                      seed: int = 0) -> dict[str, Summary]:
+def reading_agreement(
+    ra: MethodReading, rb: MethodReading, tolerance: int, resamples: int = RESAMPLES, seed: int = 0
+) -> dict[str, Summary]:
     """How far two readings of the same facts agree, e.g. one method under two settings (tracing with
     2 and with 10 noise samples): over the facts both read, the shares ``key`` (key layers within
     ``tolerance``), ``exact`` and ``verdict`` as in :func:`pair_agreement`, ``key_distance`` (mean
@@ -278,8 +297,13 @@ def reading_agreement(ra: MethodReading, rb: MethodReading, tolerance: int, resa
     ka, kb = ra.key_layer[ia], rb.key_layer[ib]
     dist = np.where((ka >= 0) & (kb >= 0), np.abs(ka - kb).astype(float), np.nan)
     prof_r = np.asarray([pearson(ra.profile[i], rb.profile[j])[0] for i, j in zip(ia, ib)], dtype=np.float64)
-    values = {"key": ag["key"], "exact": ag["exact"], "verdict": ag["verdict"], "key_distance": dist,
-              "profile_r": prof_r}
+    values = {
+        "key": ag["key"],
+        "exact": ag["exact"],
+        "verdict": ag["verdict"],
+        "key_distance": dist,
+        "profile_r": prof_r,
+    }
     return {name: summarise(v, resamples, seed) for name, v in values.items()}
 
 
@@ -299,19 +323,43 @@ def consensus(readings: Sequence[MethodReading], tolerance: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------ the tables
 
 
-METRICS = pa.schema([
-    ("method", pa.string()), ("grouping", pa.string()), ("group", pa.string()), ("metric", pa.string()),
-    ("n", pa.int32()), ("value", pa.float64()), ("low", pa.float64()), ("high", pa.float64()),
-])
-PAIRS = pa.schema([
-    ("method_a", pa.string()), ("method_b", pa.string()), ("metric", pa.string()), ("n", pa.int32()),
-    ("value", pa.float64()), ("low", pa.float64()), ("high", pa.float64()), ("paper", pa.float64()),
-])
-CROSS_SIZE = pa.schema([
-    ("model", pa.string()), ("n_layers", pa.int32()), ("metric", pa.string()), ("n", pa.int32()),
-    ("value", pa.float64()), ("low", pa.float64()), ("high", pa.float64()), ("q25", pa.float64()),
-    ("q75", pa.float64()),
-])
+METRICS = pa.schema(
+    [
+        ("method", pa.string()),
+        ("grouping", pa.string()),
+        ("group", pa.string()),
+        ("metric", pa.string()),
+        ("n", pa.int32()),
+        ("value", pa.float64()),
+        ("low", pa.float64()),
+        ("high", pa.float64()),
+    ]
+)
+PAIRS = pa.schema(
+    [
+        ("method_a", pa.string()),
+        ("method_b", pa.string()),
+        ("metric", pa.string()),
+        ("n", pa.int32()),
+        ("value", pa.float64()),
+        ("low", pa.float64()),
+        ("high", pa.float64()),
+        ("paper", pa.float64()),
+    ]
+)
+CROSS_SIZE = pa.schema(
+    [
+        ("model", pa.string()),
+        ("n_layers", pa.int32()),
+        ("metric", pa.string()),
+        ("n", pa.int32()),
+        ("value", pa.float64()),
+        ("low", pa.float64()),
+        ("high", pa.float64()),
+        ("q25", pa.float64()),
+        ("q75", pa.float64()),
+    ]
+)
 
 
 @dataclass
@@ -321,8 +369,14 @@ class MetricsResult:
     per_fact: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # method -> name -> [n]
 
 
-def compute_metrics(readings: Sequence[MethodReading], strata: Mapping[str, Mapping[int, str]], tolerance: int,
-                    effects: pa.Table | None = None, resamples: int = RESAMPLES, seed: int = 0) -> MetricsResult:
+def compute_metrics(
+    readings: Sequence[MethodReading],
+    strata: Mapping[str, Mapping[int, str]],
+    tolerance: int,
+    effects: pa.Table | None = None,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> MetricsResult:
     """The metrics of every reading, overall and per group of each grouping in ``strata`` (a
     grouping name, e.g. ``relation`` or ``freq_band``, -> example id -> group label), the pairwise
     agreement with intervals and, when ``effects`` (a ``site_effects`` table of one mode) is given,
@@ -333,15 +387,23 @@ def compute_metrics(readings: Sequence[MethodReading], strata: Mapping[str, Mapp
     per_fact: dict[str, dict[str, np.ndarray]] = {}
     home = "relation" if "relation" in strata else next(iter(strata), None)
     for r in readings:
-        f: dict[str, np.ndarray] = {"example_ids": r.example_ids,
-                                    "precision": localisation_precision(r, True),
-                                    "layer_precision": localisation_precision(r, False)}
+        f: dict[str, np.ndarray] = {
+            "example_ids": r.example_ids,
+            "precision": localisation_precision(r, True),
+            "layer_precision": localisation_precision(r, False),
+        }
         if home is not None:
             f["consistency"], f["verdict_consistency"] = consistency(r, strata[home], tolerance)
         if effects is not None:
             eff = effectiveness(located_sites(r), effects)
-            f.update({"located_effect": eff.located, "random_effect": eff.random, "effectiveness": eff.net,
-                      "beats_random": eff.beats_random})
+            f.update(
+                {
+                    "located_effect": eff.located,
+                    "random_effect": eff.random,
+                    "effectiveness": eff.net,
+                    "beats_random": eff.beats_random,
+                }
+            )
         per_fact[r.method] = f
         groupings: dict[str, Mapping[int, str]] = {"all": {int(i): "all" for i in r.example_ids}, **strata}
         for grouping, labels in groupings.items():
@@ -352,39 +414,93 @@ def compute_metrics(readings: Sequence[MethodReading], strata: Mapping[str, Mapp
                     if name == "example_ids":
                         continue
                     s = summarise(vals[m], resamples, seed)
-                    rows.append({"method": r.method, "grouping": grouping, "group": g, "metric": name, "n": s.n,
-                                 "value": s.value, "low": s.low, "high": s.high})
+                    rows.append(
+                        {
+                            "method": r.method,
+                            "grouping": grouping,
+                            "group": g,
+                            "metric": name,
+                            "n": s.n,
+                            "value": s.value,
+                            "low": s.low,
+                            "high": s.high,
+                        }
+                    )
     pair_rows: list[dict[str, Any]] = []
     by = {r.method: r for r in readings}
     for a, b in itertools.combinations([r.method for r in readings], 2):
         ag = pair_agreement(by[a], by[b], tolerance)
         seed_fig = SEED_001.get((a, b)) or SEED_001.get((b, a))
-        for metric, paper in (("key_layer", seed_fig[0] / 100 if seed_fig else None), ("key_layer_exact", None),
-                              ("verdict", seed_fig[1] / 100 if seed_fig else None)):
-            s = summarise(ag[{"key_layer": "key", "key_layer_exact": "exact", "verdict": "verdict"}[metric]],
-                          resamples, seed)
-            pair_rows.append({"method_a": a, "method_b": b, "metric": metric, "n": s.n, "value": s.value,
-                              "low": s.low, "high": s.high, "paper": paper})
+        for metric, paper in (
+            ("key_layer", seed_fig[0] / 100 if seed_fig else None),
+            ("key_layer_exact", None),
+            ("verdict", seed_fig[1] / 100 if seed_fig else None),
+        ):
+            s = summarise(
+                ag[{"key_layer": "key", "key_layer_exact": "exact", "verdict": "verdict"}[metric]],
+                resamples,
+                seed,
+            )
+            pair_rows.append(
+                {
+                    "method_a": a,
+                    "method_b": b,
+                    "metric": metric,
+                    "n": s.n,
+                    "value": s.value,
+                    "low": s.low,
+                    "high": s.high,
+                    "paper": paper,
+                }
+            )
         if effects is not None:
             fa, fb = per_fact[a], per_fact[b]
             common = np.intersect1d(fa["example_ids"], fb["example_ids"])
             ea = fa["located_effect"][np.searchsorted(fa["example_ids"], common)]
             eb = fb["located_effect"][np.searchsorted(fb["example_ids"], common)]
             s = paired_correlation(ea, eb, resamples, seed)
-            pair_rows.append({"method_a": a, "method_b": b, "metric": "effect_correlation", "n": s.n,
-                              "value": s.value, "low": s.low, "high": s.high,
-                              "paper": seed_fig[2] if seed_fig else None})
+            pair_rows.append(
+                {
+                    "method_a": a,
+                    "method_b": b,
+                    "metric": "effect_correlation",
+                    "n": s.n,
+                    "value": s.value,
+                    "low": s.low,
+                    "high": s.high,
+                    "paper": seed_fig[2] if seed_fig else None,
+                }
+            )
     if len(readings) >= 2:
         s = summarise(consensus(readings, tolerance), resamples, seed)
-        pair_rows.append({"method_a": "all", "method_b": "all", "metric": "consensus", "n": s.n, "value": s.value,
-                          "low": s.low, "high": s.high, "paper": SEED_001_CONSENSUS / 100})
-    return MetricsResult(pa.Table.from_pylist(rows, schema=METRICS), pa.Table.from_pylist(pair_rows, schema=PAIRS),
-                         per_fact)
+        pair_rows.append(
+            {
+                "method_a": "all",
+                "method_b": "all",
+                "metric": "consensus",
+                "n": s.n,
+                "value": s.value,
+                "low": s.low,
+                "high": s.high,
+                "paper": SEED_001_CONSENSUS / 100,
+            }
+        )
+    return MetricsResult(
+        pa.Table.from_pylist(rows, schema=METRICS), pa.Table.from_pylist(pair_rows, schema=PAIRS), per_fact
+    )
 
 
-def cross_size_rows(model: str, n_layers: int, trace: MethodReading | None, patch: MethodReading | None,
-                    subject_site: np.ndarray | None, answered: int, facts: int, resamples: int = RESAMPLES,
-                    seed: int = 0) -> pa.Table:
+def cross_size_rows(
+    model: str,
+    n_layers: int,
+    trace: MethodReading | None,
+    patch: MethodReading | None,
+    subject_site: np.ndarray | None,
+    answered: int,
+    facts: int,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> pa.Table:
     """The seed's cross-size figures for one model: key MLP layer as a share of depth (at the
     subject's last token, ``subject_site`` from :func:`actstore.query.methods.key_mlp_at_subject`, and over
     all positions from the tracing MLP profile), the MLP and attention shares of the causal effect
@@ -400,8 +516,19 @@ def cross_size_rows(model: str, n_layers: int, trace: MethodReading | None, patc
         v = v[np.isfinite(v)]
         s = summarise(v, resamples, seed)
         q25, q75 = (float(np.quantile(v, 0.25)), float(np.quantile(v, 0.75))) if v.size else (np.nan, np.nan)
-        rows.append({"model": model, "n_layers": n_layers, "metric": metric, "n": s.n, "value": s.value,
-                     "low": s.low, "high": s.high, "q25": q25, "q75": q75})
+        rows.append(
+            {
+                "model": model,
+                "n_layers": n_layers,
+                "metric": metric,
+                "n": s.n,
+                "value": s.value,
+                "low": s.low,
+                "high": s.high,
+                "q25": q25,
+                "q75": q75,
+            }
+        )
 
     if subject_site is not None:
         add("key_mlp_layer_subject_last", subject_site)
@@ -421,9 +548,19 @@ def cross_size_rows(model: str, n_layers: int, trace: MethodReading | None, patc
         add("patch_mlp_share", share)
         add("patch_attn_share", 1 - share)
     lo, hi = proportion_interval(answered, facts)
-    rows.append({"model": model, "n_layers": n_layers, "metric": "recall_success", "n": facts,
-                 "value": answered / facts if facts else float("nan"), "low": lo, "high": hi,
-                 "q25": float("nan"), "q75": float("nan")})
+    rows.append(
+        {
+            "model": model,
+            "n_layers": n_layers,
+            "metric": "recall_success",
+            "n": facts,
+            "value": answered / facts if facts else float("nan"),
+            "low": lo,
+            "high": hi,
+            "q25": float("nan"),
+            "q75": float("nan"),
+        }
+    )
     return pa.Table.from_pylist(rows, schema=CROSS_SIZE)
 
 
@@ -433,10 +570,17 @@ def cross_size_rows(model: str, n_layers: int, trace: MethodReading | None, patc
 GROUPINGS = ("relation", "freq_band", "uniqueness", "source_set", "stratum")
 
 
-def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str] = (),
-                   patch_runs: Sequence[str] = (), plateau: float | None = None, probe_min_count: int = 5,
-                   tuned: str = "adam", tuned_config: TrainConfig | None = None,
-                   progress: Callable[[int, float], None] | None = None) -> dict[str, MethodReading]:
+def study_readings(
+    store: Any,
+    methods: Sequence[str],
+    trace_runs: Sequence[str] = (),
+    patch_runs: Sequence[str] = (),
+    plateau: float | None = None,
+    probe_min_count: int = 5,
+    tuned: str = "adam",
+    tuned_config: TrainConfig | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> dict[str, MethodReading]:
     """Each method's reading of the store's traced (and patched) facts, as ``actstore agree`` reads
     them, with the traces of several runs joined (:func:`concat_readings`), and likewise the patches
     of several runs (``patch_runs``, over disjoint facts); no runs named reads the newest run of
@@ -468,7 +612,11 @@ def study_readings(store: Any, methods: Sequence[str], trace_runs: Sequence[str]
     if "patch" in methods:
         patches: list[str | None] = list(patch_runs) or [None]
         out["patch"] = concat_readings([patch_reading(store, r, plat) for r in patches])
-    ids = np.unique(np.concatenate([r.example_ids for r in out.values()])) if out else fact_ids(store, None, True)
+    ids = (
+        np.unique(np.concatenate([r.example_ids for r in out.values()]))
+        if out
+        else fact_ids(store, None, True)
+    )
     if ids.size == 0:
         raise MethodsError(f"{store.url}: no facts to compare")
     so = stored_outputs(store, ids)
@@ -491,8 +639,10 @@ def store_strata(store: Any, example_ids: Sequence[int] | np.ndarray) -> dict[st
     out: dict[str, dict[int, str]] = {g: {} for g in GROUPINGS}
     if not ids:
         return {"relation": {}}
-    t = store.sql("SELECT example_id, relation_id, meta FROM examples WHERE example_id IN "
-                  f"({', '.join(str(i) for i in ids)})").to_pylist()
+    t = store.sql(
+        "SELECT example_id, relation_id, meta FROM examples WHERE example_id IN "
+        f"({', '.join(str(i) for i in ids)})"
+    ).to_pylist()
     import json
 
     for r in t:
@@ -505,14 +655,22 @@ def store_strata(store: Any, example_ids: Sequence[int] | np.ndarray) -> dict[st
     return {g: m for g, m in out.items() if m}
 
 
-def write_tables(store: Any, run_id: str, result: MetricsResult, cross: pa.Table | None,
-                 config: Mapping[str, Any], started: float) -> list[str]:
+def write_tables(
+    store: Any,
+    run_id: str,
+    result: MetricsResult,
+    cross: pa.Table | None,
+    config: Mapping[str, Any],
+    started: float,
+) -> list[str]:
     """Write ``method_metrics``, ``method_pair_metrics``, ``method_cross_size`` and the run's row."""
     from actstore.core.runs import with_run_id, write_run
     from actstore.core.writer import write_result_table
 
-    paths = [write_result_table(store, "method_metrics", run_id, with_run_id(result.metrics, run_id)),
-             write_result_table(store, "method_pair_metrics", run_id, with_run_id(result.pairs, run_id))]
+    paths = [
+        write_result_table(store, "method_metrics", run_id, with_run_id(result.metrics, run_id)),
+        write_result_table(store, "method_pair_metrics", run_id, with_run_id(result.pairs, run_id)),
+    ]
     if cross is not None:
         paths.append(write_result_table(store, "method_cross_size", run_id, with_run_id(cross, run_id)))
     write_run(store, run_id, "methods", started, dict(config))

@@ -87,14 +87,18 @@ class MethodReading:
     info: dict[str, Any] = field(default_factory=dict)  # how the reading was made (tuned lens: its fit)
 
     def table(self) -> pa.Table:
-        return pa.table({
-            "example_id": pa.array(self.example_ids, pa.int64()),
-            "method": pa.array([self.method] * len(self.example_ids), pa.string()),
-            "key_layer": pa.array(self.key_layer, pa.int32()),
-            "verdict": pa.array(self.verdict.tolist(), pa.string()),
-            "profile": pa.array([[None if not np.isfinite(v) else float(v) for v in p] for p in self.profile],
-                                pa.list_(pa.float64())),
-        })
+        return pa.table(
+            {
+                "example_id": pa.array(self.example_ids, pa.int64()),
+                "method": pa.array([self.method] * len(self.example_ids), pa.string()),
+                "key_layer": pa.array(self.key_layer, pa.int32()),
+                "verdict": pa.array(self.verdict.tolist(), pa.string()),
+                "profile": pa.array(
+                    [[None if not np.isfinite(v) else float(v) for v in p] for p in self.profile],
+                    pa.list_(pa.float64()),
+                ),
+            }
+        )
 
 
 PLATEAU = 0.9
@@ -122,8 +126,9 @@ def _keys(profile: np.ndarray, plateau: float) -> np.ndarray:
     return np.asarray([key_layer(p, plateau) for p in profile], dtype=np.int64)
 
 
-def _from_components(method: str, ids: np.ndarray, mlp: np.ndarray, attn: np.ndarray,
-                     plateau: float = PLATEAU) -> MethodReading:
+def _from_components(
+    method: str, ids: np.ndarray, mlp: np.ndarray, attn: np.ndarray, plateau: float = PLATEAU
+) -> MethodReading:
     profile = np.fmax(mlp, attn)
     ok = np.isfinite(profile).any(axis=1)
     key = _keys(profile, plateau)
@@ -132,8 +137,14 @@ def _from_components(method: str, ids: np.ndarray, mlp: np.ndarray, attn: np.nda
     return MethodReading(method, ids, profile, key.astype(np.int64), verdict.astype(object), mlp, attn)
 
 
-def _key_and_split(method: str, ids: np.ndarray, profile: np.ndarray, d_attn: np.ndarray | None,
-                   d_mlp: np.ndarray | None, plateau: float = PLATEAU) -> MethodReading:
+def _key_and_split(
+    method: str,
+    ids: np.ndarray,
+    profile: np.ndarray,
+    d_attn: np.ndarray | None,
+    d_mlp: np.ndarray | None,
+    plateau: float = PLATEAU,
+) -> MethodReading:
     key = _keys(profile, plateau)
     rows = np.arange(len(ids))
     if d_attn is None or d_mlp is None:
@@ -171,12 +182,17 @@ def latest_run(store: Any, table: str, run_id: str | None = None) -> str:
     return run_id
 
 
-def _component_grid(store: Any, table: str, run_id: str, comp: str, extra: str = "") -> tuple[np.ndarray, np.ndarray]:
-    t = store.sql(f"""SELECT example_id, layer, max(CASE WHEN isnan({'recovery' if table == 'patch_effects'
-                      else 'indirect_effect'}) THEN NULL ELSE {'recovery' if table == 'patch_effects'
-                      else 'indirect_effect'} END) AS v
+def _component_grid(
+    store: Any, table: str, run_id: str, comp: str, extra: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
+    t = store.sql(
+        f"""SELECT example_id, layer, max(CASE WHEN isnan({
+            "recovery" if table == "patch_effects" else "indirect_effect"
+        }) THEN NULL ELSE {"recovery" if table == "patch_effects" else "indirect_effect"} END) AS v
                       FROM {table} WHERE run_id = ? AND component = ? {extra}
-                      GROUP BY example_id, layer ORDER BY example_id, layer""", [run_id, comp]).to_pandas()
+                      GROUP BY example_id, layer ORDER BY example_id, layer""",
+        [run_id, comp],
+    ).to_pandas()
     if t.empty:
         raise MethodsError(f"{store.url}: run {run_id} of {table} has no {comp!r} effects")
     grid = t.pivot(index="example_id", columns="layer", values="v")
@@ -233,7 +249,9 @@ def stored_outputs(store: Any, example_ids: Sequence[int] | np.ndarray) -> Store
     return StoredOutputs(ids, resid, sel.features("attn")[order], sel.features("mlp")[order], obj)
 
 
-def lens_reading(store: Any, out: StoredOutputs, tuned: Any = None, plateau: float = PLATEAU) -> MethodReading:
+def lens_reading(
+    store: Any, out: StoredOutputs, tuned: Any = None, plateau: float = PLATEAU
+) -> MethodReading:
     """Logit lens (``tuned`` None) or tuned lens reading of the facts in ``out``."""
     from actstore.query.lens import FinalReadout, read_objects
 
@@ -251,8 +269,9 @@ def lens_reading(store: Any, out: StoredOutputs, tuned: Any = None, plateau: flo
         d_attn, d_mlp = pm - p[:, :-1], p[:, 1:] - pm
     else:
         d_attn = d_mlp = None
-    return _key_and_split("tuned_lens" if tuned is not None else "logit_lens", out.example_ids, profile,
-                          d_attn, d_mlp, plateau)
+    return _key_and_split(
+        "tuned_lens" if tuned is not None else "logit_lens", out.example_ids, profile, d_attn, d_mlp, plateau
+    )
 
 
 # The comparison's tuned-lens training: 250 steps of 64 facts (a full batch of ~2,000 facts costs about
@@ -261,9 +280,14 @@ COMPARISON_TRAIN = TrainConfig(steps=250, batch=64)
 TUNED_LABEL = "tuned lens ({})"  # how outputs name the tuned_lens method with its fitting rule
 
 
-def tuned_lens_reading(store: Any, out: StoredOutputs, method: str = "adam", config: TrainConfig | None = None,
-                       plateau: float = PLATEAU,
-                       progress: Callable[[int, float], None] | None = None) -> MethodReading:
+def tuned_lens_reading(
+    store: Any,
+    out: StoredOutputs,
+    method: str = "adam",
+    config: TrainConfig | None = None,
+    plateau: float = PLATEAU,
+    progress: Callable[[int, float], None] | None = None,
+) -> MethodReading:
     """The tuned lens's reading of ``out``'s facts, its translators fit by ``method`` (``adam``,
     ``sgd``: trained on the KL with ``config``, default ``COMPARISON_TRAIN``; ``ridge``: the
     closed-form fit) on every other fact of the store that has an object token.  ``reading.info``
@@ -275,13 +299,20 @@ def tuned_lens_reading(store: Any, out: StoredOutputs, method: str = "adam", con
         raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
     train = np.setdiff1d(fact_ids(store, None, correct_only=False), out.example_ids)
     if train.size < 5:
-        raise MethodsError(f"{store.url}: only {train.size} facts outside the compared ones to train the tuned "
-                           "lens (ingest more facts, or leave tuned_lens out of the methods)")
+        raise MethodsError(
+            f"{store.url}: only {train.size} facts outside the compared ones to train the tuned "
+            "lens (ingest more facts, or leave tuned_lens out of the methods)"
+        )
     lens = fit_tuned_lens(store, train, method, config or COMPARISON_TRAIN, progress=progress)
     reading = lens_reading(store, out, lens, plateau)
-    reading.info = {"method": method, "label": TUNED_LABEL.format(method), "config": lens.info["config"],
-                    "train_facts": int(train.size), "seconds": lens.info["seconds"],
-                    **{k: lens.info[k] for k in ("loss_first", "loss_last") if k in lens.info}}
+    reading.info = {
+        "method": method,
+        "label": TUNED_LABEL.format(method),
+        "config": lens.info["config"],
+        "train_facts": int(train.size),
+        "seconds": lens.info["seconds"],
+        **{k: lens.info[k] for k in ("loss_first", "loss_last") if k in lens.info},
+    }
     return reading
 
 
@@ -305,8 +336,9 @@ def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) 
     profile = mass.max(axis=2)
     key = _keys(profile, plateau)
     r = np.arange(len(key))
-    verdict = np.where(np.linalg.norm(ent[r, key], axis=-1) >= np.linalg.norm(out.mlp[r, key], axis=-1),
-                       "attn", "mlp").astype(object)
+    verdict = np.where(
+        np.linalg.norm(ent[r, key], axis=-1) >= np.linalg.norm(out.mlp[r, key], axis=-1), "attn", "mlp"
+    ).astype(object)
     return MethodReading("attention", out.example_ids, profile, key.astype(np.int64), verdict)
 
 
@@ -317,6 +349,7 @@ def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) 
 class LayerProbeConfig:
     """Settings of the per-layer object probes that read where a fact is (not :class:`actstore.query.probe.ProbeConfig`,
     the few-shot relation probe)."""
+
     min_count: int = 5  # objects with fewer facts in the store are not probe classes
     folds: int = 3
     l2: float = 1e-3
@@ -324,8 +357,9 @@ class LayerProbeConfig:
     seed: int = 0
 
 
-def probe_reading(store: Any, out: StoredOutputs, cfg: LayerProbeConfig = LayerProbeConfig(),
-                  plateau: float = PLATEAU) -> tuple[MethodReading, dict[str, Any]]:
+def probe_reading(
+    store: Any, out: StoredOutputs, cfg: LayerProbeConfig = LayerProbeConfig(), plateau: float = PLATEAU
+) -> tuple[MethodReading, dict[str, Any]]:
     """Cross-validated object probes on every residual index; the reading of ``out``'s facts whose
     object is a probe class, and a summary (classes, facts, per-index accuracy)."""
     t = store.sql("""SELECT e.example_id, e.object FROM examples e JOIN targets t USING (example_id)
@@ -333,8 +367,10 @@ def probe_reading(store: Any, out: StoredOutputs, cfg: LayerProbeConfig = LayerP
     counts = t["object"].value_counts()
     classes = sorted(counts[counts >= max(cfg.min_count, cfg.folds)].index.tolist())
     if len(classes) < 2:
-        raise MethodsError(f"{store.url}: fewer than 2 objects have {cfg.min_count} facts; no object probe "
-                           "(ingest more facts or lower --probe-min-count)")
+        raise MethodsError(
+            f"{store.url}: fewer than 2 objects have {cfg.min_count} facts; no object probe "
+            "(ingest more facts or lower --probe-min-count)"
+        )
     t = t[t["object"].isin(classes)]
     ids = t["example_id"].to_numpy(np.int64)
     y = np.searchsorted(np.asarray(classes), t["object"].to_numpy())
@@ -360,14 +396,20 @@ def probe_reading(store: Any, out: StoredOutputs, cfg: LayerProbeConfig = LayerP
             a = float(out.attn[sub[j], k] @ margin)
             m = float(out.mlp[sub[j], k] @ margin)
             verdict[j] = "mlp" if m >= a else "attn"
-    summary = {"classes": len(classes), "facts": int(len(ids)), "folds": cfg.folds,
-               "accuracy_per_index": [round(float(a), 4) for a in acc], "chance": round(1 / len(classes), 4),
-               "evaluated_facts": int(keep.sum())}
+    summary = {
+        "classes": len(classes),
+        "facts": int(len(ids)),
+        "folds": cfg.folds,
+        "accuracy_per_index": [round(float(a), 4) for a in acc],
+        "chance": round(1 / len(classes), 4),
+        "evaluated_facts": int(keep.sum()),
+    }
     return MethodReading("probe", eval_ids, profile, key.astype(np.int64), verdict), summary
 
 
-def _cv_probes(X: np.ndarray, y: np.ndarray, C: int, cfg: LayerProbeConfig
-               ) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray]], np.ndarray]:
+def _cv_probes(
+    X: np.ndarray, y: np.ndarray, C: int, cfg: LayerProbeConfig
+) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray]], np.ndarray]:
     """Stratified k-fold multinomial logistic probes on all K indices at once (one batched problem).
     Returns held-out probabilities [N, K, C], per-fold (W [K, d, C], sigma [K, d]), each fact's fold."""
     N, K, d = X.shape
@@ -394,7 +436,9 @@ def _cv_probes(X: np.ndarray, y: np.ndarray, C: int, cfg: LayerProbeConfig
     return probs, weights, fold_of
 
 
-def _fit_logistic(Z: torch.Tensor, y: torch.Tensor, C: int, cfg: LayerProbeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _fit_logistic(
+    Z: torch.Tensor, y: torch.Tensor, C: int, cfg: LayerProbeConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K independent multinomial logistic regressions (Z [K, n, d], labels y [n]) solved jointly by L-BFGS."""
     K, _, d = Z.shape
     W = torch.zeros((K, d, C), requires_grad=True)
@@ -405,7 +449,7 @@ def _fit_logistic(Z: torch.Tensor, y: torch.Tensor, C: int, cfg: LayerProbeConfi
     def closure() -> torch.Tensor:
         opt.zero_grad()
         logits = torch.bmm(Z, W) + b  # [K, n, C]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, C), yy) * K + cfg.l2 * (W ** 2).sum()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, C), yy) * K + cfg.l2 * (W**2).sum()
         loss.backward()
         return loss
 
@@ -435,49 +479,101 @@ def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, An
         corr = [pearson(ra.profile[i], rb.profile[j])[0] for i, j in zip(ia, ib)]
         corr_f = [c for c in corr if np.isfinite(c)]
         seed = SEED_001.get((a, b)) or SEED_001.get((b, a))
-        pairs.append({
-            "method_a": a, "method_b": b, "n_facts": int(ok.sum()),
-            "key_layer_agreement": float((np.abs(ka - kb)[ok] <= tolerance).mean()) if ok.any() else None,
-            "key_layer_exact": float((ka == kb)[ok].mean()) if ok.any() else None,
-            "n_verdict": int(vok.sum()),
-            "verdict_agreement": float((va == vb)[vok].mean()) if vok.any() else None,
-            "profile_correlation": float(np.mean(corr_f)) if corr_f else None,
-            "paper_key_layer": seed[0] / 100 if seed else None,
-            "paper_verdict": seed[1] / 100 if seed else None,
-            "paper_correlation": seed[2] if seed else None,
-        })
+        pairs.append(
+            {
+                "method_a": a,
+                "method_b": b,
+                "n_facts": int(ok.sum()),
+                "key_layer_agreement": float((np.abs(ka - kb)[ok] <= tolerance).mean()) if ok.any() else None,
+                "key_layer_exact": float((ka == kb)[ok].mean()) if ok.any() else None,
+                "n_verdict": int(vok.sum()),
+                "verdict_agreement": float((va == vb)[vok].mean()) if vok.any() else None,
+                "profile_correlation": float(np.mean(corr_f)) if corr_f else None,
+                "paper_key_layer": seed[0] / 100 if seed else None,
+                "paper_verdict": seed[1] / 100 if seed else None,
+                "paper_correlation": seed[2] if seed else None,
+            }
+        )
     common = readings[0].example_ids
     for r in readings[1:]:
         common = np.intersect1d(common, r.example_ids)
-    keys = np.stack([by[r.method].key_layer[np.searchsorted(by[r.method].example_ids, common)] for r in readings]) \
-        if len(common) else np.zeros((len(readings), 0), np.int64)
+    keys = (
+        np.stack(
+            [by[r.method].key_layer[np.searchsorted(by[r.method].example_ids, common)] for r in readings]
+        )
+        if len(common)
+        else np.zeros((len(readings), 0), np.int64)
+    )
     defined = (keys >= 0).all(axis=0)
     spread = keys.max(axis=0) - keys.min(axis=0) if keys.size else np.zeros(0)
     consensus = float((spread[defined] <= tolerance).mean()) if defined.any() else None
-    return {"tolerance": tolerance, "methods": [r.method for r in readings], "pairs": pairs,
-            "consensus": consensus, "consensus_facts": int(defined.sum()), "paper_consensus": SEED_001_CONSENSUS / 100}
+    return {
+        "tolerance": tolerance,
+        "methods": [r.method for r in readings],
+        "pairs": pairs,
+        "consensus": consensus,
+        "consensus_facts": int(defined.sum()),
+        "paper_consensus": SEED_001_CONSENSUS / 100,
+    }
 
 
 def agreement_table(result: dict[str, Any]) -> pa.Table:
-    rows = [{k: p[k] for k in ("method_a", "method_b", "n_facts", "key_layer_agreement", "key_layer_exact",
-                               "n_verdict", "verdict_agreement", "profile_correlation")} for p in result["pairs"]]
-    rows.append({"method_a": "all", "method_b": "all", "n_facts": result["consensus_facts"],
-                 "key_layer_agreement": result["consensus"], "key_layer_exact": None, "n_verdict": 0,
-                 "verdict_agreement": None, "profile_correlation": None})
-    return pa.Table.from_pylist(rows, schema=pa.schema([
-        ("method_a", pa.string()), ("method_b", pa.string()), ("n_facts", pa.int32()),
-        ("key_layer_agreement", pa.float64()), ("key_layer_exact", pa.float64()), ("n_verdict", pa.int32()),
-        ("verdict_agreement", pa.float64()), ("profile_correlation", pa.float64())]))
+    rows = [
+        {
+            k: p[k]
+            for k in (
+                "method_a",
+                "method_b",
+                "n_facts",
+                "key_layer_agreement",
+                "key_layer_exact",
+                "n_verdict",
+                "verdict_agreement",
+                "profile_correlation",
+            )
+        }
+        for p in result["pairs"]
+    ]
+    rows.append(
+        {
+            "method_a": "all",
+            "method_b": "all",
+            "n_facts": result["consensus_facts"],
+            "key_layer_agreement": result["consensus"],
+            "key_layer_exact": None,
+            "n_verdict": 0,
+            "verdict_agreement": None,
+            "profile_correlation": None,
+        }
+    )
+    return pa.Table.from_pylist(
+        rows,
+        schema=pa.schema(
+            [
+                ("method_a", pa.string()),
+                ("method_b", pa.string()),
+                ("n_facts", pa.int32()),
+                ("key_layer_agreement", pa.float64()),
+                ("key_layer_exact", pa.float64()),
+                ("n_verdict", pa.int32()),
+                ("verdict_agreement", pa.float64()),
+                ("profile_correlation", pa.float64()),
+            ]
+        ),
+    )
 
 
 def key_mlp_at_subject(store: Any, run_id: str | None = None) -> np.ndarray:
     """Per traced fact, the layer whose windowed-MLP restoration at the subject's last token has the
     largest indirect effect (ROME's decisive MLP site), as a fraction of the depth."""
     run = latest_run(store, "trace_effects", run_id)
-    t = store.sql("""SELECT e.example_id, e.layer, e.indirect_effect AS ie FROM trace_effects e
+    t = store.sql(
+        """SELECT e.example_id, e.layer, e.indirect_effect AS ie FROM trace_effects e
                       JOIN trace_facts f ON f.run_id = e.run_id AND f.example_id = e.example_id
                       WHERE e.run_id = ? AND e.component = 'mlp' AND e.position = f.subject_end - 1
-                      ORDER BY 1, 2""", [run]).to_pandas()
+                      ORDER BY 1, 2""",
+        [run],
+    ).to_pandas()
     if t.empty:
         return np.zeros(0)
     grid = t.pivot(index="example_id", columns="layer", values="ie").to_numpy()
@@ -487,12 +583,17 @@ def key_mlp_at_subject(store: Any, run_id: str | None = None) -> np.ndarray:
 def _spread(rel: np.ndarray) -> dict[str, float] | None:
     if rel.size == 0:
         return None
-    return {"median": float(np.median(rel)), "q25": float(np.quantile(rel, 0.25)),
-            "q75": float(np.quantile(rel, 0.75)), "mean": float(rel.mean())}
+    return {
+        "median": float(np.median(rel)),
+        "q25": float(np.quantile(rel, 0.25)),
+        "q75": float(np.quantile(rel, 0.75)),
+        "mean": float(rel.mean()),
+    }
 
 
-def causal_shares(trace: MethodReading, patch: MethodReading | None, n_layers: int,
-                  subject_site: np.ndarray | None = None) -> dict[str, Any]:
+def causal_shares(
+    trace: MethodReading, patch: MethodReading | None, n_layers: int, subject_site: np.ndarray | None = None
+) -> dict[str, Any]:
     """MLP vs attention share of the causal effect, and where the key MLP layers sit (relative depth).
 
     Tracing: per fact, peak windowed-MLP effect / (peak MLP + peak attention effect), positive parts.
@@ -516,5 +617,7 @@ def causal_shares(trace: MethodReading, patch: MethodReading | None, n_layers: i
         out["patch_facts"] = int(okp.sum())
     rel = np.nanargmax(np.where(np.isfinite(trace.mlp), trace.mlp, -np.inf), axis=1) / max(1, n_layers - 1)
     out["key_mlp_layer_relative"] = _spread(rel)
-    out["key_mlp_layer_relative_subject_last"] = _spread(np.zeros(0) if subject_site is None else subject_site)
+    out["key_mlp_layer_relative_subject_last"] = _spread(
+        np.zeros(0) if subject_site is None else subject_site
+    )
     return out

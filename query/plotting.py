@@ -40,7 +40,9 @@ DIVERGING_CMAP = "RdBu_r"
 SEQUENTIAL_CMAP = "viridis"
 
 
-def new_figure(ncols: int = 1, nrows: int = 1, *, figsize: tuple[float, float] = (6.4, 4.8)) -> tuple[Figure, Any]:
+def new_figure(
+    ncols: int = 1, nrows: int = 1, *, figsize: tuple[float, float] = (6.4, 4.8)
+) -> tuple[Figure, Any]:
     """A figure and its axes as a ``[nrows, ncols]`` object array (always 2-D, like ``squeeze=False``)."""
     fig = Figure(figsize=figsize)
     axes = fig.subplots(nrows, ncols, squeeze=False)
@@ -68,8 +70,9 @@ def data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def label_ticks(ax: Axes, axis: Literal["x", "y"], labels: Sequence[object], *, fontsize: float = 7,
-                max_ticks: int = 16) -> None:
+def label_ticks(
+    ax: Axes, axis: Literal["x", "y"], labels: Sequence[object], *, fontsize: float = 7, max_ticks: int = 16
+) -> None:
     """A tick at every cell of an image axis (every n-th when there are more than ~``max_ticks``),
     labelled with ``labels[i]``."""
     step = max(1, len(labels) // max_ticks)
@@ -98,12 +101,27 @@ def outline_cells(ax: Axes, mask: np.ndarray, *, color: str = "red", linewidth: 
         ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor=color, linewidth=linewidth))
 
 
-def draw_heatmap(ax: Axes, grid: np.ndarray, *, rows: Sequence[object] | None = None,
-                 cols: Sequence[object] | None = None, title: str | None = None, xlabel: str | None = "head",
-                 ylabel: str | None = "layer", cmap: str | None = None, diverging: bool = False,
-                 vmin: float | None = None, vmax: float | None = None, origin: Origin = "lower",
-                 colorbar: bool = True, colorbar_label: str | None = None, outline_at_least: float | None = None,
-                 fontsize: float = 8, tick_fontsize: float = 7, max_ticks: int = 16) -> AxesImage:
+def draw_heatmap(
+    ax: Axes,
+    grid: np.ndarray,
+    *,
+    rows: Sequence[object] | None = None,
+    cols: Sequence[object] | None = None,
+    title: str | None = None,
+    xlabel: str | None = "head",
+    ylabel: str | None = "layer",
+    cmap: str | None = None,
+    diverging: bool = False,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    origin: Origin = "lower",
+    colorbar: bool = True,
+    colorbar_label: str | None = None,
+    outline_at_least: float | None = None,
+    fontsize: float = 8,
+    tick_fontsize: float = 7,
+    max_ticks: int = 16,
+) -> AxesImage:
     """Draw ``grid`` ([rows, cols]) on ``ax``: cell ``(i, j)`` is row ``i`` (``rows[i]``, counted from the
     bottom with ``origin="lower"``, from the top with ``"upper"``) and column ``j`` (``cols[j]``).
 
@@ -120,14 +138,26 @@ def draw_heatmap(ax: Axes, grid: np.ndarray, *, rows: Sequence[object] | None = 
     colours = cmap or (DIVERGING_CMAP if diverging else SEQUENTIAL_CMAP)
     fig = ax.get_figure()
     assert fig is not None
-    im = ax.imshow(g, aspect="auto", origin=origin, cmap=colours, vmin=vmin, vmax=vmax, interpolation="nearest")
+    im = ax.imshow(
+        g, aspect="auto", origin=origin, cmap=colours, vmin=vmin, vmax=vmax, interpolation="nearest"
+    )
     if outline_at_least is not None:
         with np.errstate(invalid="ignore"):
             outline_cells(ax, g >= outline_at_least)
-    label_ticks(ax, "x", list(range(g.shape[1])) if cols is None else list(cols), fontsize=tick_fontsize,
-                max_ticks=max_ticks)
-    label_ticks(ax, "y", list(range(g.shape[0])) if rows is None else list(rows), fontsize=tick_fontsize,
-                max_ticks=max_ticks)
+    label_ticks(
+        ax,
+        "x",
+        list(range(g.shape[1])) if cols is None else list(cols),
+        fontsize=tick_fontsize,
+        max_ticks=max_ticks,
+    )
+    label_ticks(
+        ax,
+        "y",
+        list(range(g.shape[0])) if rows is None else list(rows),
+        fontsize=tick_fontsize,
+        max_ticks=max_ticks,
+    )
     if xlabel:
         ax.set_xlabel(xlabel, fontsize=fontsize)
     if ylabel:
@@ -146,19 +176,46 @@ def heatmap_size(n_rows: int, n_cols: int) -> tuple[float, float]:
     return min(9.0, 1.8 + 0.32 * n_cols), min(7.0, 1.4 + 0.16 * n_rows)
 
 
-def heatmap(grid: np.ndarray, *, rows: Sequence[object] | None = None, cols: Sequence[object] | None = None,
-            title: str | None = None, xlabel: str | None = "head", ylabel: str | None = "layer",
-            cmap: str | None = None, diverging: bool = False, vmin: float | None = None, vmax: float | None = None,
-            origin: Origin = "lower", colorbar: bool = True, colorbar_label: str | None = None,
-            outline_at_least: float | None = None, figsize: tuple[float, float] | None = None) -> Figure:
+def heatmap(
+    grid: np.ndarray,
+    *,
+    rows: Sequence[object] | None = None,
+    cols: Sequence[object] | None = None,
+    title: str | None = None,
+    xlabel: str | None = "head",
+    ylabel: str | None = "layer",
+    cmap: str | None = None,
+    diverging: bool = False,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    origin: Origin = "lower",
+    colorbar: bool = True,
+    colorbar_label: str | None = None,
+    outline_at_least: float | None = None,
+    figsize: tuple[float, float] | None = None,
+) -> Figure:
     """One heatmap figure of ``grid`` ([rows, cols], e.g. [n_layers, n_heads]); options as :func:`draw_heatmap`."""
     g = np.asarray(grid, dtype=np.float64)
     if g.ndim != 2:
         raise QueryError(f"a heatmap needs a 2-D grid (got shape {g.shape})")
     fig, axes = new_figure(figsize=figsize or heatmap_size(g.shape[0], g.shape[1]))
-    draw_heatmap(axes[0, 0], g, rows=rows, cols=cols, title=title, xlabel=xlabel, ylabel=ylabel, cmap=cmap,
-                 diverging=diverging, vmin=vmin, vmax=vmax, origin=origin, colorbar=colorbar,
-                 colorbar_label=colorbar_label, outline_at_least=outline_at_least)
+    draw_heatmap(
+        axes[0, 0],
+        g,
+        rows=rows,
+        cols=cols,
+        title=title,
+        xlabel=xlabel,
+        ylabel=ylabel,
+        cmap=cmap,
+        diverging=diverging,
+        vmin=vmin,
+        vmax=vmax,
+        origin=origin,
+        colorbar=colorbar,
+        colorbar_label=colorbar_label,
+        outline_at_least=outline_at_least,
+    )
     fig.tight_layout()
     return fig
 
@@ -169,8 +226,11 @@ def heatmap(grid: np.ndarray, *, rows: Sequence[object] | None = None, cols: Seq
 # and the HeadScore layer x head heatmap.  Each function writes one PNG and returns its path.
 
 _TRACE_CMAPS = {"resid": "Purples", "mlp": "Greens", "attn": "Reds"}
-_TRACE_TITLES = {"resid": "single restored layer (residual)", "mlp": "restored MLP (window)",
-                 "attn": "restored attention (window)"}
+_TRACE_TITLES = {
+    "resid": "single restored layer (residual)",
+    "mlp": "restored MLP (window)",
+    "attn": "restored attention (window)",
+}
 #: ROME's position classes (Meng et al. 2022, Fig. 1e-g), in the order the average heatmap draws them.
 ROLE_ORDER = ("subject_first", "subject_middle", "subject_last", "first_after", "further_after", "last")
 
@@ -184,12 +244,24 @@ def trace_heatmap(result: Any, path: str | os.PathLike[str]) -> Path:
     labels = [t + ("*" if f.subject_span[0] <= i < f.subject_span[1] else "") for i, t in enumerate(f.tokens)]
     for ax, c in zip(axes[0], comps):
         grid = np.asarray(result.restored[c]).T  # [T, L]
-        draw_heatmap(ax, grid, rows=labels, xlabel="layer", ylabel=None, title=_TRACE_TITLES.get(c, c),
-                     cmap=_TRACE_CMAPS.get(c, SEQUENTIAL_CMAP), vmin=min(result.p_corrupt, float(np.nanmin(grid))),
-                     origin="upper", colorbar_label=f"p({f.object!r})", fontsize=9,
-                     max_ticks=max(16, f.n_tokens))
-    fig.suptitle(f"{f.subject} -> {f.object}: p_clean {result.p_clean:.3f}, p_corrupt {result.p_corrupt:.3f}",
-                 fontsize=9)
+        draw_heatmap(
+            ax,
+            grid,
+            rows=labels,
+            xlabel="layer",
+            ylabel=None,
+            title=_TRACE_TITLES.get(c, c),
+            cmap=_TRACE_CMAPS.get(c, SEQUENTIAL_CMAP),
+            vmin=min(result.p_corrupt, float(np.nanmin(grid))),
+            origin="upper",
+            colorbar_label=f"p({f.object!r})",
+            fontsize=9,
+            max_ticks=max(16, f.n_tokens),
+        )
+    fig.suptitle(
+        f"{f.subject} -> {f.object}: p_clean {result.p_clean:.3f}, p_corrupt {result.p_corrupt:.3f}",
+        fontsize=9,
+    )
     fig.tight_layout()
     return save_png(fig, path, dpi=110)
 
@@ -233,9 +305,17 @@ def trace_average_heatmap(results: Sequence[Any], path: str | os.PathLike[str]) 
     comps = list(results[0].restored)
     fig, axes = new_figure(len(comps), figsize=(4.2 * len(comps), 3.2))
     for ax, c in zip(axes[0], comps):
-        draw_heatmap(ax, average_by_class(results, c), rows=[r.replace("_", " ") for r in ROLE_ORDER],
-                     xlabel="layer", ylabel=None, title=f"average indirect effect: {c}",
-                     cmap=_TRACE_CMAPS.get(c, SEQUENTIAL_CMAP), origin="upper", fontsize=9)
+        draw_heatmap(
+            ax,
+            average_by_class(results, c),
+            rows=[r.replace("_", " ") for r in ROLE_ORDER],
+            xlabel="layer",
+            ylabel=None,
+            title=f"average indirect effect: {c}",
+            cmap=_TRACE_CMAPS.get(c, SEQUENTIAL_CMAP),
+            origin="upper",
+            fontsize=9,
+        )
     fig.suptitle(f"causal tracing, {len(results)} facts", fontsize=9)
     fig.tight_layout()
     return save_png(fig, path, dpi=110)
@@ -280,10 +360,17 @@ def profile_curves(readings: Sequence[Any], path: str | os.PathLike[str], title:
     return save_png(fig, path, dpi=110)
 
 
-def headscore_heatmap(grid: np.ndarray, layers: Sequence[int], heads: Sequence[int], path: str | os.PathLike[str],
-                      title: str) -> Path:
+def headscore_heatmap(
+    grid: np.ndarray, layers: Sequence[int], heads: Sequence[int], path: str | os.PathLike[str], title: str
+) -> Path:
     """Mean HeadScore, layers (rows, from the bottom) x heads (columns), diverging colours around 0.
     ``grid``: [L, H]."""
-    fig = heatmap(grid, rows=list(layers), cols=list(heads), title=title, diverging=True,
-                  figsize=(1.5 + 0.35 * len(heads), 1.5 + 0.2 * len(layers)))
+    fig = heatmap(
+        grid,
+        rows=list(layers),
+        cols=list(heads),
+        title=title,
+        diverging=True,
+        figsize=(1.5 + 0.35 * len(heads), 1.5 + 0.2 * len(layers)),
+    )
     return save_png(fig, path, dpi=100)

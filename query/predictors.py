@@ -101,8 +101,9 @@ class KnowledgeGraph:
 
 def _instances(store: Store, where: str | None) -> list[dict[str, object]]:
     cond = where if where and where.strip() else "TRUE"
-    return store.sql(f"SELECT example_id, relation_id, object, text, meta FROM examples WHERE {cond} "
-                     "ORDER BY example_id").to_pylist()
+    return store.sql(
+        f"SELECT example_id, relation_id, object, text, meta FROM examples WHERE {cond} ORDER BY example_id"
+    ).to_pylist()
 
 
 def _meta(row: Mapping[str, Any]) -> dict[str, object]:
@@ -119,7 +120,9 @@ def output_ranges(rows: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int
     objs: dict[str, list[str]] = {}
     for r in rows:
         qid = _meta(r).get("object_qid")
-        objs.setdefault(str(r["relation_id"]), []).append(str(qid) if qid else str(r["object"] or "").strip().lower())
+        objs.setdefault(str(r["relation_id"]), []).append(
+            str(qid) if qid else str(r["object"] or "").strip().lower()
+        )
     return {k: (len(v), len(set(v))) for k, v in objs.items()}
 
 
@@ -140,21 +143,27 @@ def dataset_output_ranges(path: str | os.PathLike[str]) -> dict[str, tuple[int, 
     except (json.JSONDecodeError, RecursionError) as e:
         raise InvalidSetting("dataset_file", f"{p}: not JSON ({e})") from None
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
-        raise InvalidSetting("dataset_file", f"{p}: expected FewRel's layout, an object of relation -> list of instances")
+        raise InvalidSetting(
+            "dataset_file", f"{p}: expected FewRel's layout, an object of relation -> list of instances"
+        )
     out: dict[str, tuple[int, int]] = {}
     for rel, insts in data.items():
         objs = []
         for i, inst in enumerate(insts):
             t = inst.get("t") if isinstance(inst, dict) else None
             if not (isinstance(t, list) and len(t) >= 2):
-                raise InvalidSetting("dataset_file", f"{p}: {rel} instance {i} has no object ('t': [name, qid, spans])")
+                raise InvalidSetting(
+                    "dataset_file", f"{p}: {rel} instance {i} has no object ('t': [name, qid, spans])"
+                )
             qid, name = t[1], t[0]
             objs.append(str(qid) if qid else str(name or "").strip().lower())
         out[str(rel)] = (len(objs), len(set(objs)))
     return out
 
 
-def connectivity(rows: Sequence[Mapping[str, Any]], kg: KnowledgeGraph) -> dict[str, tuple[float, float, int]]:
+def connectivity(
+    rows: Sequence[Mapping[str, Any]], kg: KnowledgeGraph
+) -> dict[str, tuple[float, float, int]]:
     """relation -> (mean shared properties over covered instances, coverage, covered count)."""
     acc: dict[str, list[int | None]] = {}
     for r in rows:
@@ -226,8 +235,10 @@ def tfidf_similarity(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     texts = [str(r["text"] or "") for r in rows]
     terms, idf = inverse_document_frequency(document_frequencies(texts), len(texts))
     rel = np.asarray([str(r["relation_id"]) for r in rows], dtype=object)
-    return {r: mean_pairwise_similarity([texts[i] for i in np.flatnonzero(rel == r)], terms, idf)
-            for r in sorted(set(rel.tolist()))}
+    return {
+        r: mean_pairwise_similarity([texts[i] for i in np.flatnonzero(rel == r)], terms, idf)
+        for r in sorted(set(rel.tolist()))
+    }
 
 
 def head_concentration(scores: np.ndarray, share: float = 0.95) -> int:
@@ -244,8 +255,13 @@ def correlate(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
     xa, ya = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     rho, rho_p = spearman(xa, ya)
     r, r_p = pearson(xa, ya)
-    return {"n": float((np.isfinite(xa) & np.isfinite(ya)).sum()), "spearman_rho": rho, "spearman_p": rho_p,
-            "pearson_r": r, "pearson_p": r_p}
+    return {
+        "n": float((np.isfinite(xa) & np.isfinite(ya)).sum()),
+        "spearman_rho": rho,
+        "spearman_p": rho_p,
+        "pearson_r": r,
+        "pearson_p": r_p,
+    }
 
 
 @dataclass(frozen=True)
@@ -257,12 +273,20 @@ class PredictorResult:
     kb_coverage: float  # share of all instances whose subject and object are in the graph (nan without one)
 
 
-def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.PathLike[str]] = (),
-                        direction: str = "out", share: float = 0.95, client: Any = None,
-                        segments_per_task: int | None = None,
-                        relations_per_task: int | None = None, concentration: str = "predicted-abs",
-                        dataset_file: str | os.PathLike[str] | None = None,
-                        output_range: str | None = None) -> PredictorResult:
+def relation_predictors(
+    store: Store,
+    run_id: str,
+    *,
+    kb: Sequence[str | os.PathLike[str]] = (),
+    direction: str = "out",
+    share: float = 0.95,
+    client: Any = None,
+    segments_per_task: int | None = None,
+    relations_per_task: int | None = None,
+    concentration: str = "predicted-abs",
+    dataset_file: str | os.PathLike[str] | None = None,
+    output_range: str | None = None,
+) -> PredictorResult:
     """Per-relation F1 and predictors for a probe run, and their correlations with F1.
 
     ``concentration``: ``"predicted-abs"`` (default) or ``"gold-signed"`` (module docstring).
@@ -289,25 +313,40 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
     if output_range not in OUTPUT_RANGES:
         raise QueryError(f"output range must be one of {', '.join(OUTPUT_RANGES)}, not {output_range!r}")
     if output_range == "dataset" and dataset_file is None:
-        raise InvalidSetting("dataset_file", "the output range over the data set needs its file (the FewRel JSON "
-                             "the store was ingested from), or the output range 'sample'")
+        raise InvalidSetting(
+            "dataset_file",
+            "the output range over the data set needs its file (the FewRel JSON "
+            "the store was ingested from), or the output range 'sample'",
+        )
     for name, value in (("segments_per_task", segments_per_task), ("relations_per_task", relations_per_task)):
         if value is not None and value < 1:
             raise QueryError(f"{name} must be at least 1, not {value}")
     where = json.loads(str(run_row(store, run_id)["config"])).get("where")
-    metrics = {r["relation_id"]: r for r in
-               store.sql("SELECT * FROM relation_metrics WHERE run_id = ?", [run_id]).to_pylist()}
+    metrics = {
+        r["relation_id"]: r
+        for r in store.sql("SELECT * FROM relation_metrics WHERE run_id = ?", [run_id]).to_pylist()
+    }
     score_col = _concentration_column(store, run_id, concentration)
-    file_ranges = dataset_output_ranges(dataset_file) if output_range == "dataset" and dataset_file is not None else None
+    file_ranges = (
+        dataset_output_ranges(dataset_file)
+        if output_range == "dataset" and dataset_file is not None
+        else None
+    )
     if file_ranges is not None:
         missing = sorted(set(metrics) - set(file_ranges))
         if missing:
-            raise InvalidSetting("dataset_file", f"{os.fspath(dataset_file or '')}: relation(s) "
-                                 f"{', '.join(missing[:5])} of run {run_id} are not in it (not the file the store "
-                                 "was ingested from?)")
-    range_source = (f"data set file {os.path.basename(os.fspath(dataset_file or ''))}: every instance, object-first "
-                    "ones included (ours; the seed counts objects in Wikidata)" if file_ranges is not None
-                    else "stored sample: the run's selected instances")
+            raise InvalidSetting(
+                "dataset_file",
+                f"{os.fspath(dataset_file or '')}: relation(s) "
+                f"{', '.join(missing[:5])} of run {run_id} are not in it (not the file the store "
+                "was ingested from?)",
+            )
+    range_source = (
+        f"data set file {os.path.basename(os.fspath(dataset_file or ''))}: every instance, object-first "
+        "ones included (ours; the seed counts objects in Wikidata)"
+        if file_ranges is not None
+        else "stored sample: the run's selected instances"
+    )
     src: str | Store = store if client is None else store.url
     segs = sorted(store.commits)
     parts = run_tasks(client, _rows_task, [(src, b, where) for b in _split(segs, segments_per_task, client)])
@@ -323,11 +362,21 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
     rels = sorted(metrics)
     groups = _split(rels, relations_per_task, client)
     jobs = [("kg", (f,)) for f in files] + [("relations", g) for g in groups]
-    done = run_tasks(client, _relations_or_graph_task, [(src, run_id, where, kind, x) for kind, x in jobs],
-                     shared={"terms": terms, "idf": idf, "share": share, "direction": direction, "score_col": score_col,
-                             "wanted": _entities(rows) if files else frozenset()})
-    graph = _merge_graphs(files, done[:len(files)]) if files else None
-    per_rel = {r: v for part in done[len(files):] for r, v in part.items()}
+    done = run_tasks(
+        client,
+        _relations_or_graph_task,
+        [(src, run_id, where, kind, x) for kind, x in jobs],
+        shared={
+            "terms": terms,
+            "idf": idf,
+            "share": share,
+            "direction": direction,
+            "score_col": score_col,
+            "wanted": _entities(rows) if files else frozenset(),
+        },
+    )
+    graph = _merge_graphs(files, done[: len(files)]) if files else None
+    per_rel = {r: v for part in done[len(files) :] for r, v in part.items()}
     conn = connectivity(rows, graph) if graph is not None else {}
     table = []
     for rel in rels:
@@ -335,14 +384,26 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
         r_inst, r_distinct = file_ranges[rel] if file_ranges is not None else (n_inst, distinct)
         c = conn.get(rel, (float("nan"), float("nan"), 0))
         sim, conc = per_rel[rel]
-        table.append({"run_id": run_id, "relation_id": rel, "relation_name": metrics[rel].get("relation_name"),
-                      "f1": float(metrics[rel]["f1"]), "n_queries": int(metrics[rel]["n_queries"]),
-                      "n_instances": n_inst, "output_range": float(r_distinct),
-                      "output_range_ratio": r_distinct / r_inst if r_inst else float("nan"),
-                      "output_range_instances": r_inst, "output_range_source": range_source,
-                      "connectivity": c[0], "connectivity_coverage": c[1], "connectivity_covered": c[2],
-                      "tfidf_similarity": sim, "head_concentration": conc,
-                      "head_concentration_method": concentration})
+        table.append(
+            {
+                "run_id": run_id,
+                "relation_id": rel,
+                "relation_name": metrics[rel].get("relation_name"),
+                "f1": float(metrics[rel]["f1"]),
+                "n_queries": int(metrics[rel]["n_queries"]),
+                "n_instances": n_inst,
+                "output_range": float(r_distinct),
+                "output_range_ratio": r_distinct / r_inst if r_inst else float("nan"),
+                "output_range_instances": r_inst,
+                "output_range_source": range_source,
+                "connectivity": c[0],
+                "connectivity_coverage": c[1],
+                "connectivity_covered": c[2],
+                "tfidf_similarity": sim,
+                "head_concentration": conc,
+                "head_concentration_method": concentration,
+            }
+        )
     rel_table = pa.Table.from_pylist(table)
     f1 = [r["f1"] for r in table]
     covered = sum(r["connectivity_covered"] for r in table)
@@ -352,26 +413,51 @@ def relation_predictors(store: Store, run_id: str, *, kb: Sequence[str | os.Path
         if name == "connectivity" and graph is None:
             continue
         stat = correlate([r[name] for r in table], f1)
-        corr.append({"run_id": run_id, "predictor": name, "n": int(stat["n"]),
-                     **{k: v for k, v in stat.items() if k != "n"},
-                     "coverage": coverage if name == "connectivity" else float("nan"),
-                     "kb": ",".join(os.path.basename(f) for f in graph.files) if graph and name == "connectivity" else None,
-                     "definition": (concentration if name == "head_concentration" else
-                                    output_range if name.startswith("output_range") else None)})
-    return PredictorResult(run_id, rel_table, pa.Table.from_pylist(corr), graph.files if graph else (), coverage)
+        corr.append(
+            {
+                "run_id": run_id,
+                "predictor": name,
+                "n": int(stat["n"]),
+                **{k: v for k, v in stat.items() if k != "n"},
+                "coverage": coverage if name == "connectivity" else float("nan"),
+                "kb": ",".join(os.path.basename(f) for f in graph.files)
+                if graph and name == "connectivity"
+                else None,
+                "definition": (
+                    concentration
+                    if name == "head_concentration"
+                    else output_range
+                    if name.startswith("output_range")
+                    else None
+                ),
+            }
+        )
+    return PredictorResult(
+        run_id, rel_table, pa.Table.from_pylist(corr), graph.files if graph else (), coverage
+    )
 
 
 def _concentration_column(store: Store, run_id: str, concentration: str) -> str:
     """The ``head_scores`` column the concentration reads; one error line when the run lacks it."""
     if concentration == "gold-signed":
         return "score"
-    cols = store.sql("SELECT * FROM head_scores LIMIT 0").column_names if "head_scores" in store.table_files() else []
-    have = "pred_abs_score" in cols and store.sql(
-        "SELECT count(pred_abs_score) AS n FROM head_scores WHERE run_id = ?", [run_id]).column("n")[0].as_py()
+    cols = (
+        store.sql("SELECT * FROM head_scores LIMIT 0").column_names
+        if "head_scores" in store.table_files()
+        else []
+    )
+    have = (
+        "pred_abs_score" in cols
+        and store.sql("SELECT count(pred_abs_score) AS n FROM head_scores WHERE run_id = ?", [run_id])
+        .column("n")[0]
+        .as_py()
+    )
     if not have:
-        raise QueryError(f"probe run {run_id} was stored before per-predicted-class head scores "
-                         "(head_scores.pred_abs_score): re-run the probe, or use --concentration gold-signed (the "
-                         "gold-label signed version, which is what this run has)")
+        raise QueryError(
+            f"probe run {run_id} was stored before per-predicted-class head scores "
+            "(head_scores.pred_abs_score): re-run the probe, or use --concentration gold-signed (the "
+            "gold-label signed version, which is what this run has)"
+        )
     return "pred_abs_score"
 
 
@@ -386,23 +472,38 @@ def _split(items: Sequence[Any], per_task: int | None, client: Any) -> list[tupl
         return []
     if per_task is None:
         per_task = len(items) if client is None else -(-len(items) // (2 * client_threads(client)))
-    return [tuple(items[i:i + per_task]) for i in range(0, len(items), per_task)]
+    return [tuple(items[i : i + per_task]) for i in range(0, len(items), per_task)]
 
 
-def _rows_task(store: str | Store, segments: tuple[int, ...], where: str | None) -> tuple[pa.Table, dict[str, int], int]:
+def _rows_task(
+    store: str | Store, segments: tuple[int, ...], where: str | None
+) -> tuple[pa.Table, dict[str, int], int]:
     """One task: the selected ``examples`` rows of ``segments`` (without their text) and the
     document frequencies of their texts."""
     st = store_of(store)
     segs = ", ".join(str(int(s)) for s in segments)
-    t = st.sql(f"SELECT example_id, relation_id, object, text, meta FROM examples "
-               f"WHERE segment IN ({segs}) AND {_cond(where)} ORDER BY example_id")
+    t = st.sql(
+        f"SELECT example_id, relation_id, object, text, meta FROM examples "
+        f"WHERE segment IN ({segs}) AND {_cond(where)} ORDER BY example_id"
+    )
     df = document_frequencies(str(x or "") for x in t.column("text").to_pylist())
     return t.drop_columns(["text"]), dict(df), t.num_rows
 
 
-def _relations_or_graph_task(store: str | Store, run_id: str, where: str | None, kind: str, what: tuple[str, ...], *,
-                             terms: list[str], idf: np.ndarray, share: float, direction: str,
-                             wanted: frozenset[str], score_col: str = "score") -> Any:
+def _relations_or_graph_task(
+    store: str | Store,
+    run_id: str,
+    where: str | None,
+    kind: str,
+    what: tuple[str, ...],
+    *,
+    terms: list[str],
+    idf: np.ndarray,
+    share: float,
+    direction: str,
+    wanted: frozenset[str],
+    score_col: str = "score",
+) -> Any:
     """One task: ``{relation: (TF-IDF similarity, HeadScore concentration)}`` for the relations
     ``what``, or for ``kind="kg"`` the graph file ``what[0]`` cut down to the ``wanted`` entities
     (properties, entities present, triples read)."""
@@ -414,13 +515,23 @@ def _relations_or_graph_task(store: str | Store, run_id: str, where: str | None,
     st = store_of(store)
     con = st.connect()  # one connection for both reads
     listed = list(what)
-    ex = run_sql(st, f"SELECT relation_id, text FROM examples WHERE list_contains($rels, relation_id) AND {_cond(where)} "
-                     "ORDER BY example_id", con, params={"rels": listed})
+    ex = run_sql(
+        st,
+        f"SELECT relation_id, text FROM examples WHERE list_contains($rels, relation_id) AND {_cond(where)} "
+        "ORDER BY example_id",
+        con,
+        params={"rels": listed},
+    )
     only = " AND pred_n > 0" if score_col == "pred_abs_score" else ""  # never-predicted relations: no scores
     if score_col not in ("score", "pred_abs_score"):  # a column name (pasted): only the two known ones
         raise QueryError(f"unknown head score column {score_col!r}")
-    hs = run_sql(st, f"SELECT relation_id, {score_col} AS score FROM head_scores WHERE run_id = $run "
-                     f"AND list_contains($rels, relation_id){only}", con, params={"run": run_id, "rels": listed})
+    hs = run_sql(
+        st,
+        f"SELECT relation_id, {score_col} AS score FROM head_scores WHERE run_id = $run "
+        f"AND list_contains($rels, relation_id){only}",
+        con,
+        params={"run": run_id, "rels": listed},
+    )
     con.close()
     ex_rel = np.asarray(ex.column("relation_id").to_pylist(), dtype=object)
     texts = [str(x or "") for x in ex.column("text").to_pylist()]
@@ -474,10 +585,14 @@ def scatter_plots(result: PredictorResult, out_dir: str | os.PathLike[str]) -> l
         ax.scatter(xs, ys)
         for r, x, y in zip(rel, xs, ys):
             if np.isfinite(x):
-                ax.annotate(str(r["relation_id"]), (x, y), fontsize=7, xytext=(2, 2), textcoords="offset points")
+                ax.annotate(
+                    str(r["relation_id"]), (x, y), fontsize=7, xytext=(2, 2), textcoords="offset points"
+                )
         ax.set_xlabel(name)
         ax.set_ylabel("F1")
-        ax.set_title(f"{name}: Spearman {c['spearman_rho']:.2f} (p={c['spearman_p']:.2g}), n={c['n']}", fontsize=9)
+        ax.set_title(
+            f"{name}: Spearman {c['spearman_rho']:.2f} (p={c['spearman_p']:.2g}), n={c['n']}", fontsize=9
+        )
         fig.tight_layout()
         path = os.path.join(str(out_dir), f"{result.run_id}_{name}.png")
         plotting.save_png(fig, path, dpi=100)

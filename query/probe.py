@@ -94,9 +94,18 @@ class FeatureMatrix:
         return np.repeat(layers, n_h), np.tile(heads, layers.size)
 
 
-def load_features(store: Store, kind: str, *, where: str | None = None, example_ids: Sequence[int] | None = None,
-                  layers: Sequence[int] | None = None, heads: Sequence[int] | None = None,
-                  groups: int | None = None, dtype: str = "float32", batch_rows: int = 64) -> FeatureMatrix:
+def load_features(
+    store: Store,
+    kind: str,
+    *,
+    where: str | None = None,
+    example_ids: Sequence[int] | None = None,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    groups: int | None = None,
+    dtype: str = "float32",
+    batch_rows: int = 64,
+) -> FeatureMatrix:
     """Stream the selection's features into one preallocated ``[N, F]`` matrix of ``dtype``.
 
     float32: each block of at most ``batch_rows`` rows is computed straight into its rows of the
@@ -111,12 +120,18 @@ def load_features(store: Store, kind: str, *, where: str | None = None, example_
     if dtype not in ("float32", "float16"):
         raise QueryError(f"feature dtype must be float32 or float16, not {dtype!r}")
     spec = FeatureSpec.parse(store, kind, layers, heads, groups)
-    sel = Selection.from_ids(store, example_ids) if example_ids is not None else Selection.from_sql(store, where)
+    sel = (
+        Selection.from_ids(store, example_ids)
+        if example_ids is not None
+        else Selection.from_sql(store, where)
+    )
     if len(sel) == 0:
         raise QueryError("the selection is empty")
     ids = sel.example_ids
-    rel = {int(r["example_id"]): r["relation_id"] for r in
-           store.sql("SELECT example_id, relation_id FROM examples").to_pylist()}
+    rel = {
+        int(r["example_id"]): r["relation_id"]
+        for r in store.sql("SELECT example_id, relation_id FROM examples").to_pylist()
+    }
     shape = row_shape(store, spec)
     width = int(np.prod(shape))
     data = torch.empty((len(ids), width), dtype=getattr(torch, dtype))
@@ -126,10 +141,12 @@ def load_features(store: Store, kind: str, *, where: str | None = None, example_
     for _, block in sel.blocks(batch_rows):
         n = len(block.seg_rows)
         if scratch is None:
-            compute_block(store, spec, block, out=rows[i:i + n].reshape(n, *shape))
+            compute_block(store, spec, block, out=rows[i : i + n].reshape(n, *shape))
         else:
             x = compute_block(store, spec, block, out=scratch[:n])
-            data[i:i + n].copy_(torch.from_numpy(x.reshape(n, width)))  # torch's float16 conversion: ~10x numpy's
+            data[i : i + n].copy_(
+                torch.from_numpy(x.reshape(n, width))
+            )  # torch's float16 conversion: ~10x numpy's
         i += n
     if i != len(ids):
         raise QueryError(f"the selection's blocks hold {i} rows, not {len(ids)}")
@@ -158,7 +175,9 @@ class ProbeConfig:
     threads: int = 1  # torch CPU threads during the run; 0 = leave torch's setting
     train_batch: int = 2  # episodes per training tensor problem (small is fastest on CPU caches)
     relspec: bool = True  # False: every feature, the same standardisation and training (the baseline)
-    contrast: str = DEFAULT_CONTRAST  # reading of dW: "renormalised" (ours) or "seed" (actstore.query.attribution)
+    contrast: str = (
+        DEFAULT_CONTRAST  # reading of dW: "renormalised" (ours) or "seed" (actstore.query.attribution)
+    )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -210,13 +229,24 @@ class ProbeOutput:
     def summary(self) -> dict[str, Any]:
         c = self.config
         lo, hi = self.ci95
-        return {"run_id": self.run_id, "kind": c.kind, "n_way": c.n_way, "k_shot": c.k_shot, "queries": c.queries,
-                "episodes": len(self.episodes), "seeds": list(c.seeds), "relspec": c.relspec, "contrast": c.contrast,
-                "accuracy": round(self.accuracy, 6),
-                "ci95": [round(lo, 6), round(hi, 6)], "rows": int(self.example_ids.size),
-                "relations": len(self.episodes.relations), "mean_selected_features": float(self.n_selected.mean()),
-                "seconds": round(self.seconds, 2),
-                "timings": {k: round(v, 2) for k, v in self.timings.items()}}
+        return {
+            "run_id": self.run_id,
+            "kind": c.kind,
+            "n_way": c.n_way,
+            "k_shot": c.k_shot,
+            "queries": c.queries,
+            "episodes": len(self.episodes),
+            "seeds": list(c.seeds),
+            "relspec": c.relspec,
+            "contrast": c.contrast,
+            "accuracy": round(self.accuracy, 6),
+            "ci95": [round(lo, 6), round(hi, 6)],
+            "rows": int(self.example_ids.size),
+            "relations": len(self.episodes.relations),
+            "mean_selected_features": float(self.n_selected.mean()),
+            "seconds": round(self.seconds, 2),
+            "timings": {k: round(v, 2) for k, v in self.timings.items()},
+        }
 
 
 def _chunk_size(n_way: int, k_shot: int, queries: int, n_features: int, top_k: int, memory_mb: int) -> int:
@@ -241,27 +271,53 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def run_probe(store: Store, cfg: ProbeConfig, *, features: FeatureMatrix | None = None,
-              episodes: EpisodeSet | None = None, progress: bool = False, run_id: str | None = None) -> ProbeOutput:
+def run_probe(
+    store: Store,
+    cfg: ProbeConfig,
+    *,
+    features: FeatureMatrix | None = None,
+    episodes: EpisodeSet | None = None,
+    progress: bool = False,
+    run_id: str | None = None,
+) -> ProbeOutput:
     """Sample episodes, select features, train and evaluate the probes, attribute predictions."""
     with torch_threads(cfg.threads):
         return _run_probe(store, cfg, features, episodes, progress, run_id)
 
 
-def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, episodes: EpisodeSet | None,
-               progress: bool, run_id: str | None) -> ProbeOutput:
+def _run_probe(
+    store: Store,
+    cfg: ProbeConfig,
+    features: FeatureMatrix | None,
+    episodes: EpisodeSet | None,
+    progress: bool,
+    run_id: str | None,
+) -> ProbeOutput:
     started = time.time()
     clock = _Clock()
-    fm = features or load_features(store, cfg.kind, where=cfg.where, layers=cfg.layers, heads=cfg.heads,
-                                   groups=cfg.groups, dtype=cfg.feature_dtype)
+    fm = features or load_features(
+        store,
+        cfg.kind,
+        where=cfg.where,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        groups=cfg.groups,
+        dtype=cfg.feature_dtype,
+    )
     for name, bad in (("top_k", cfg.top_k < 1), ("epochs", cfg.epochs < 1), ("lr", cfg.lr <= 0)):
         if bad:
             raise InvalidSetting(name, f"must be above 0, not {getattr(cfg, name)}")
     if cfg.token_scores not in ("none", "errors", "all"):
         raise QueryError(f"token scores must be none, errors or all (got {cfg.token_scores!r})")
     check_contrast(cfg.contrast)
-    ep = episodes or sample_seeds(fm.labels, n_way=cfg.n_way, k_shot=cfg.k_shot, queries=cfg.queries,
-                                  episodes=cfg.episodes, seeds=cfg.seeds)
+    ep = episodes or sample_seeds(
+        fm.labels,
+        n_way=cfg.n_way,
+        k_shot=cfg.k_shot,
+        queries=cfg.queries,
+        episodes=cfg.episodes,
+        seeds=cfg.seeds,
+    )
     n, k, q = ep.n_way, ep.k_shot, ep.queries
     E, Q, R = len(ep), n * q, len(ep.relations)
     U, usize = fm.n_units, fm.unit_size
@@ -279,7 +335,9 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
     hs_abs = torch.zeros((R, U), dtype=torch.float64)
     hs_n = torch.zeros(R, dtype=torch.float64)
     hsp_sum, hsp_abs, hsp_n = torch.zeros_like(hs_sum), torch.zeros_like(hs_abs), torch.zeros_like(hs_n)
-    pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (episode, query, p, centering per layer)
+    pending: list[
+        tuple[int, int, torch.Tensor, torch.Tensor]
+    ] = []  # (episode, query, p, centering per layer)
     token_rows: list[dict[str, Any]] = []
     pending_limit = max(1, cfg.memory_mb * 2**20 // 2)
     B = _chunk_size(n, k, q, fm.n_features, cfg.top_k if cfg.relspec else fm.n_features, cfg.memory_mb)
@@ -295,7 +353,10 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         xq = gather_standardized(fm.data, qry, sel)
         clock.lap("gather")
         tb = max(1, cfg.train_batch)
-        parts = [train_batched(xs[i:i + tb], ysup, n, epochs=cfg.epochs, lr=cfg.lr) for i in range(0, hi - lo, tb)]
+        parts = [
+            train_batched(xs[i : i + tb], ysup, n, epochs=cfg.epochs, lr=cfg.lr)
+            for i in range(0, hi - lo, tb)
+        ]
         W, b = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         del xs, parts
         clock.lap("train")
@@ -310,23 +371,33 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
         units = torch.where(sel.valid, sel.index // usize, torch.full_like(sel.index, U))
         hs = unit_scores(dW * xq, units, U)  # [B, Q, U]
         total_all[lo:hi] = hs.sum(-1).numpy()
-        gold = torch.from_numpy(ep.classes[lo:hi][:, ep.query_labels]).reshape(-1)  # relation index per prediction
+        gold = torch.from_numpy(ep.classes[lo:hi][:, ep.query_labels]).reshape(
+            -1
+        )  # relation index per prediction
         predicted = torch.gather(torch.from_numpy(ep.classes[lo:hi]), 1, pred).reshape(-1)
         hs_flat = hs.reshape(-1, U).to(torch.float64)
         accumulate_head_scores(hs_flat, gold, hs_sum, hs_abs, hs_n)
         accumulate_head_scores(hs_flat, predicted, hsp_sum, hsp_abs, hsp_n)
         clock.lap("headscore")
         if geo is not None:
-            pick = (pred != yq[None]) if cfg.token_scores == "errors" else torch.ones_like(pred, dtype=torch.bool)
+            pick = (
+                (pred != yq[None])
+                if cfg.token_scores == "errors"
+                else torch.ones_like(pred, dtype=torch.bool)
+            )
             where = pick.nonzero()
             for g0 in range(0, where.shape[0], 64):
-                e_loc, qi = where[g0:g0 + 64, 0], where[g0:g0 + 64, 1]
+                e_loc, qi = where[g0 : g0 + 64, 0], where[g0 : g0 + 64, 1]
                 u_sel = dW[e_loc, qi] / sel.std[e_loc]  # [g, Fm], zero on padding (W is 0 there)
-                cent = unit_scores((u_sel * (geo.offset[sel.index[e_loc]] - sel.mean[e_loc]))[:, None], units[e_loc], U)
+                cent = unit_scores(
+                    (u_sel * (geo.offset[sel.index[e_loc]] - sel.mean[e_loc]))[:, None], units[e_loc], U
+                )
                 u = torch.zeros((e_loc.numel(), fm.n_features)).scatter_add_(1, sel.index[e_loc], u_sel)
                 p = geo.project(u)
                 for j in range(e_loc.numel()):
-                    pending.append((lo + int(e_loc[j]), int(qi[j]), p[j], _per_layer(cent[j, 0], len(fm.layers))))
+                    pending.append(
+                        (lo + int(e_loc[j]), int(qi[j]), p[j], _per_layer(cent[j, 0], len(fm.layers)))
+                    )
             if sum(x[2].numel() * 4 for x in pending) > pending_limit:
                 token_rows += _flush_tokens(store, geo, pending, fm, ep, pred_all, total_all)
                 pending = []
@@ -336,19 +407,42 @@ def _run_probe(store: Store, cfg: ProbeConfig, features: FeatureMatrix | None, e
     if geo is not None and pending:
         token_rows += _flush_tokens(store, geo, pending, fm, ep, pred_all, total_all)
         clock.lap("tokenscore")
-    names = {r["relation_id"]: r["relation_name"] for r in
-             store.sql("SELECT relation_id, any_value(relation_name) AS relation_name FROM examples "
-                       "GROUP BY 1").to_pylist()}
+    names = {
+        r["relation_id"]: r["relation_name"]
+        for r in store.sql(
+            "SELECT relation_id, any_value(relation_name) AS relation_name FROM examples GROUP BY 1"
+        ).to_pylist()
+    }
     return ProbeOutput(
-        run_id=run_id or new_run_id("probe"), config=cfg,
-        episodes=ep, example_ids=fm.example_ids, labels=fm.labels, relation_names=names,
-        unit_layer=unit_layer, unit_head=unit_head, episode_accuracy=acc, n_selected=n_sel, pred=pred_all,
-        prob=prob_all, head_total=total_all, hs_sum=hs_sum.numpy(), hs_abs=hs_abs.numpy(), hs_n=hs_n.numpy(),
-        hsp_sum=hsp_sum.numpy(), hsp_abs=hsp_abs.numpy(), hsp_n=hsp_n.numpy(), token_rows=token_rows, seconds=time.time() - started, started=started, timings=clock.laps)
+        run_id=run_id or new_run_id("probe"),
+        config=cfg,
+        episodes=ep,
+        example_ids=fm.example_ids,
+        labels=fm.labels,
+        relation_names=names,
+        unit_layer=unit_layer,
+        unit_head=unit_head,
+        episode_accuracy=acc,
+        n_selected=n_sel,
+        pred=pred_all,
+        prob=prob_all,
+        head_total=total_all,
+        hs_sum=hs_sum.numpy(),
+        hs_abs=hs_abs.numpy(),
+        hs_n=hs_n.numpy(),
+        hsp_sum=hsp_sum.numpy(),
+        hsp_abs=hsp_abs.numpy(),
+        hsp_n=hsp_n.numpy(),
+        token_rows=token_rows,
+        seconds=time.time() - started,
+        started=started,
+        timings=clock.laps,
+    )
 
 
-def accumulate_head_scores(hs: torch.Tensor, relation: torch.Tensor, sums: torch.Tensor, abs_sums: torch.Tensor,
-                           counts: torch.Tensor) -> None:
+def accumulate_head_scores(
+    hs: torch.Tensor, relation: torch.Tensor, sums: torch.Tensor, abs_sums: torch.Tensor, counts: torch.Tensor
+) -> None:
     """Add each prediction's head scores ``hs`` [P, U] (and their magnitudes) to the row of its ``relation``
     [P] (an index into the run's relations: the gold one, or the predicted one)."""
     sums.index_add_(0, relation, hs)
@@ -389,17 +483,32 @@ def _per_layer(unit_values: torch.Tensor, n_layers: int) -> torch.Tensor:
     return unit_values.reshape(n_layers, -1).sum(1)
 
 
-def _flush_tokens(store: Store, geo: TokenGeometry, pending: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-                  fm: FeatureMatrix, ep: EpisodeSet, pred: np.ndarray, total: np.ndarray) -> list[dict[str, Any]]:
+def _flush_tokens(
+    store: Store,
+    geo: TokenGeometry,
+    pending: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+    fm: FeatureMatrix,
+    ep: EpisodeSet,
+    pred: np.ndarray,
+    total: np.ndarray,
+) -> list[dict[str, Any]]:
     ids = [int(fm.example_ids[ep.query[e, qi]]) for e, qi, _, _ in pending]
     scores = token_scores(store, geo, ids, torch.stack([x[2] for x in pending]))
     rows = []
     for (e, qi, _, cent), ex, ts in zip(pending, ids, scores):
         rel = ep.relations
-        rows.append({"seed": int(ep.seed[e]), "episode": int(ep.index[e]), "example_id": ex,
-                     "relation_id": rel[ep.classes[e, ep.query_labels[qi]]], "predicted": rel[ep.classes[e, pred[e, qi]]],
-                     "scores": ts.sum(0).astype(np.float32).tolist(), "centering": float(cent.sum()),
-                     "head_score_total": float(total[e, qi])})
+        rows.append(
+            {
+                "seed": int(ep.seed[e]),
+                "episode": int(ep.index[e]),
+                "example_id": ex,
+                "relation_id": rel[ep.classes[e, ep.query_labels[qi]]],
+                "predicted": rel[ep.classes[e, pred[e, qi]]],
+                "scores": ts.sum(0).astype(np.float32).tolist(),
+                "centering": float(cent.sum()),
+                "head_score_total": float(total[e, qi]),
+            }
+        )
     return rows
 
 
@@ -412,52 +521,98 @@ def probe_tables(out: ProbeOutput) -> dict[str, pa.Table]:
     gold_idx = ep.classes[:, ep.query_labels]  # [E, Q]
     pred_idx = np.take_along_axis(ep.classes, out.pred, 1)
     lo, hi = out.ci95
-    runs = pa.table({
-        "run_id": [rid], "kind": [c.kind], "selection": [c.where], "layers": [_ints(c.layers)], "heads": [_ints(c.heads)],
-        "groups": pa.array([c.groups], pa.int32()), "n_way": [c.n_way], "k_shot": [c.k_shot], "queries": [c.queries],
-        "episodes": [len(ep)], "seeds": [_ints(c.seeds)], "top_k": [c.top_k], "relspec": [c.relspec],
-        "contrast": [c.contrast], "epochs": [c.epochs], "lr": [c.lr],
-        "rows": [int(out.example_ids.size)], "relations": [len(ep.relations)],
-        "mean_selected_features": [float(out.n_selected.mean())], "accuracy": [out.accuracy],
-        "ci95_low": [lo], "ci95_high": [hi], "seconds": [out.seconds], "started": [out.started],
-        "config": [c.to_json()],
-    })
+    runs = pa.table(
+        {
+            "run_id": [rid],
+            "kind": [c.kind],
+            "selection": [c.where],
+            "layers": [_ints(c.layers)],
+            "heads": [_ints(c.heads)],
+            "groups": pa.array([c.groups], pa.int32()),
+            "n_way": [c.n_way],
+            "k_shot": [c.k_shot],
+            "queries": [c.queries],
+            "episodes": [len(ep)],
+            "seeds": [_ints(c.seeds)],
+            "top_k": [c.top_k],
+            "relspec": [c.relspec],
+            "contrast": [c.contrast],
+            "epochs": [c.epochs],
+            "lr": [c.lr],
+            "rows": [int(out.example_ids.size)],
+            "relations": [len(ep.relations)],
+            "mean_selected_features": [float(out.n_selected.mean())],
+            "accuracy": [out.accuracy],
+            "ci95_low": [lo],
+            "ci95_high": [hi],
+            "seconds": [out.seconds],
+            "started": [out.started],
+            "config": [c.to_json()],
+        }
+    )
     qids = out.example_ids[ep.query]
-    episodes = pa.table({
-        "run_id": [rid] * E, "seed": ep.seed, "episode": ep.index,
-        "relations": [list(rel[x]) for x in ep.classes],
-        "support_ids": [list(x) for x in out.example_ids[ep.support]], "query_ids": [list(x) for x in qids],
-        "n_selected": out.n_selected, "accuracy": out.episode_accuracy,
-    })
-    predictions = pa.table({
-        "run_id": [rid] * (E * Q), "seed": np.repeat(ep.seed, Q), "episode": np.repeat(ep.index, Q),
-        "example_id": qids.reshape(-1), "relation_id": rel[gold_idx].reshape(-1),
-        "predicted": rel[pred_idx].reshape(-1), "correct": (gold_idx == pred_idx).reshape(-1),
-        "prob": out.prob.reshape(-1), "head_score_total": out.head_total.reshape(-1),
-    })
+    episodes = pa.table(
+        {
+            "run_id": [rid] * E,
+            "seed": ep.seed,
+            "episode": ep.index,
+            "relations": [list(rel[x]) for x in ep.classes],
+            "support_ids": [list(x) for x in out.example_ids[ep.support]],
+            "query_ids": [list(x) for x in qids],
+            "n_selected": out.n_selected,
+            "accuracy": out.episode_accuracy,
+        }
+    )
+    predictions = pa.table(
+        {
+            "run_id": [rid] * (E * Q),
+            "seed": np.repeat(ep.seed, Q),
+            "episode": np.repeat(ep.index, Q),
+            "example_id": qids.reshape(-1),
+            "relation_id": rel[gold_idx].reshape(-1),
+            "predicted": rel[pred_idx].reshape(-1),
+            "correct": (gold_idx == pred_idx).reshape(-1),
+            "prob": out.prob.reshape(-1),
+            "head_score_total": out.head_total.reshape(-1),
+        }
+    )
     metrics = relation_metrics(rel[gold_idx].reshape(-1), rel[pred_idx].reshape(-1), list(ep.relations))
     metrics = metrics.add_column(0, "run_id", pa.array([rid] * metrics.num_rows))
-    metrics = metrics.append_column("relation_name", pa.array([out.relation_names.get(r) for r in
-                                                               metrics.column("relation_id").to_pylist()]))
-    seen = np.flatnonzero(out.hs_n > 0)  # relations with at least one query (every predicted one is among them)
+    metrics = metrics.append_column(
+        "relation_name",
+        pa.array([out.relation_names.get(r) for r in metrics.column("relation_id").to_pylist()]),
+    )
+    seen = np.flatnonzero(
+        out.hs_n > 0
+    )  # relations with at least one query (every predicted one is among them)
     R, U = seen.size, out.hs_sum.shape[1]
     n = out.hs_n[seen][:, None]
     cols: dict[str, Any] = {
-        "run_id": [rid] * (R * U), "relation_id": np.repeat(rel[seen], U),
-        "layer": np.tile(out.unit_layer, R), "head": np.tile(out.unit_head, R),
-        "score": (out.hs_sum[seen] / n).reshape(-1), "abs_score": (out.hs_abs[seen] / n).reshape(-1),
+        "run_id": [rid] * (R * U),
+        "relation_id": np.repeat(rel[seen], U),
+        "layer": np.tile(out.unit_layer, R),
+        "head": np.tile(out.unit_head, R),
+        "score": (out.hs_sum[seen] / n).reshape(-1),
+        "abs_score": (out.hs_abs[seen] / n).reshape(-1),
         "n": np.repeat(out.hs_n[seen].astype(np.int64), U),
     }
     if out.hsp_sum is not None and out.hsp_abs is not None and out.hsp_n is not None:
         # per *predicted* relation (0 where the relation was never predicted; pred_n says so)
         pn = out.hsp_n[seen][:, None]
         safe = np.where(pn > 0, pn, 1.0)
-        cols.update(pred_score=(out.hsp_sum[seen] / safe).reshape(-1),
-                    pred_abs_score=(out.hsp_abs[seen] / safe).reshape(-1),
-                    pred_n=np.repeat(out.hsp_n[seen].astype(np.int64), U))
+        cols.update(
+            pred_score=(out.hsp_sum[seen] / safe).reshape(-1),
+            pred_abs_score=(out.hsp_abs[seen] / safe).reshape(-1),
+            pred_n=np.repeat(out.hsp_n[seen].astype(np.int64), U),
+        )
     heads = pa.table(cols)
-    tables = {"probe_runs": runs, "probe_episodes": episodes, "probe_predictions": predictions,
-              "relation_metrics": metrics, "head_scores": heads}
+    tables = {
+        "probe_runs": runs,
+        "probe_episodes": episodes,
+        "probe_predictions": predictions,
+        "relation_metrics": metrics,
+        "head_scores": heads,
+    }
     if out.token_rows:
         t = pa.Table.from_pylist(out.token_rows)
         tables["token_scores"] = t.add_column(0, "run_id", pa.array([rid] * t.num_rows))
@@ -472,8 +627,17 @@ def relation_metrics(gold: np.ndarray, pred: np.ndarray, relations: Sequence[str
         n_gold, n_pred = int(np.sum(gold == r)), int(np.sum(pred == r))
         p = tp / n_pred if n_pred else 0.0
         rc = tp / n_gold if n_gold else 0.0
-        rows.append({"relation_id": r, "n_queries": n_gold, "n_predicted": n_pred, "tp": tp, "precision": p,
-                     "recall": rc, "f1": 2 * p * rc / (p + rc) if p + rc else 0.0})
+        rows.append(
+            {
+                "relation_id": r,
+                "n_queries": n_gold,
+                "n_predicted": n_pred,
+                "tp": tp,
+                "precision": p,
+                "recall": rc,
+                "f1": 2 * p * rc / (p + rc) if p + rc else 0.0,
+            }
+        )
     return pa.Table.from_pylist(rows)
 
 
@@ -482,8 +646,11 @@ def write_probe_tables(store: Store, out: ProbeOutput) -> list[str]:
     from actstore.core.writer import write_result_table
 
     paths = [write_result_table(store, name, out.run_id, t) for name, t in probe_tables(out).items()]
-    paths.append(write_run(store, out.run_id, "probe", out.started, out.config.to_json(),
-                           finished=out.started + out.seconds))
+    paths.append(
+        write_run(
+            store, out.run_id, "probe", out.started, out.config.to_json(), finished=out.started + out.seconds
+        )
+    )
     return paths
 
 
@@ -492,17 +659,19 @@ def _ints(x: Sequence[int] | None) -> str | None:
 
 
 # ----------------------------------------------------------------------------------- reference
-def run_reference(fm: FeatureMatrix, ep: EpisodeSet, cfg: ProbeConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def run_reference(
+    fm: FeatureMatrix, ep: EpisodeSet, cfg: ProbeConfig
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One episode at a time with :func:`train_reference`: (accuracy [E], predictions [E, Q],
     probabilities [E, Q, C])."""
     ysup = torch.from_numpy(ep.support_labels)
     yq = torch.from_numpy(ep.query_labels)
     accs, preds, probs = [], [], []
     for e in range(len(ep)):
-        sup = torch.from_numpy(ep.support[e:e + 1])
+        sup = torch.from_numpy(ep.support[e : e + 1])
         sel = select_or_all(fm.data[sup].to(torch.float32), ep.n_way, ep.k_shot, cfg)
         xs = gather_standardized(fm.data, sup, sel)[0]
-        xq = gather_standardized(fm.data, torch.from_numpy(ep.query[e:e + 1]), sel)[0]
+        xq = gather_standardized(fm.data, torch.from_numpy(ep.query[e : e + 1]), sel)[0]
         W, b = train_reference(xs, ysup, ep.n_way, epochs=cfg.epochs, lr=cfg.lr)
         p = torch.softmax(xq @ W + b, -1)
         preds.append(p.argmax(-1).numpy())

@@ -13,8 +13,16 @@ import torch
 __all__ = ["train_batched", "train_reference"]
 
 
-def train_batched(xs: torch.Tensor, y: torch.Tensor, n_classes: int, *, epochs: int = 200, lr: float = 1e-3,
-                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+def train_batched(
+    xs: torch.Tensor,
+    y: torch.Tensor,
+    n_classes: int,
+    *,
+    epochs: int = 200,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Train B independent probes at once: ``xs`` [B, S, F], labels ``y`` [S] (shared) or [B, S].
     Returns W [B, F, C] and b [B, C].
 
@@ -56,8 +64,21 @@ class _Adam:
         for t in self.steps:
             t += 1
         if self.fused:
-            torch._fused_adam_(self.params, grads, self.m, self.v, [], self.steps, amsgrad=False, lr=self.lr,
-                               beta1=b1, beta2=b2, weight_decay=0.0, eps=self.eps, maximize=False)
+            torch._fused_adam_(
+                self.params,
+                grads,
+                self.m,
+                self.v,
+                [],
+                self.steps,
+                amsgrad=False,
+                lr=self.lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=0.0,
+                eps=self.eps,
+                maximize=False,
+            )
             return
         n = float(self.steps[0])
         bc1, bc2 = 1 - b1**n, 1 - b2**n
@@ -67,8 +88,9 @@ class _Adam:
             p.addcdiv_(m, v.sqrt().div_(bc2**0.5).add_(self.eps), value=-self.lr / bc1)
 
 
-def train_reference(xs: torch.Tensor, y: torch.Tensor, n_classes: int, *, epochs: int = 200,
-                    lr: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+def train_reference(
+    xs: torch.Tensor, y: torch.Tensor, n_classes: int, *, epochs: int = 200, lr: float = 1e-3
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain one-episode trainer: ``xs`` [S, F] -> W [F, C], b [C]."""
     lin = torch.nn.Linear(xs.shape[1], n_classes)
     torch.nn.init.zeros_(lin.weight)

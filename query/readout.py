@@ -43,7 +43,9 @@ class FinalReadout:
         attrs = store.weight_attrs
 
         def t(name: str) -> torch.Tensor | None:
-            return torch.from_numpy(store.weight(name)) if store.has_weight(name) or name == "unembed" else None
+            return (
+                torch.from_numpy(store.weight(name)) if store.has_weight(name) or name == "unembed" else None
+            )
 
         unembed = t("unembed")
         assert unembed is not None
@@ -51,8 +53,15 @@ class FinalReadout:
         if weight is None:
             raise LensError(f"{store.url}: no stored final norm weight")
         cap = attrs.get("final_logit_softcapping")
-        return cls(str(attrs.get("final_norm", "rmsnorm")), float(attrs.get("final_norm_eps", 1e-6)), weight,
-                   t("final_norm_bias"), unembed, t("unembed_bias"), float(cap) if cap else None)
+        return cls(
+            str(attrs.get("final_norm", "rmsnorm")),
+            float(attrs.get("final_norm_eps", 1e-6)),
+            weight,
+            t("final_norm_bias"),
+            unembed,
+            t("unembed_bias"),
+            float(cap) if cap else None,
+        )
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         h = h.float()
@@ -82,8 +91,9 @@ class LensReading:
     top: np.ndarray  # [n, L+1] top token id
 
 
-def read_objects(readout: FinalReadout, resid: np.ndarray | torch.Tensor, objects: np.ndarray,
-                 batch: int = 64) -> LensReading:
+def read_objects(
+    readout: FinalReadout, resid: np.ndarray | torch.Tensor, objects: np.ndarray, batch: int = 64
+) -> LensReading:
     """Object probability/rank at every index of ``resid`` [n, K, d] for ``objects`` [n]."""
     x = torch.as_tensor(resid, dtype=torch.float32)
     n, K, _ = x.shape
@@ -92,13 +102,13 @@ def read_objects(readout: FinalReadout, resid: np.ndarray | torch.Tensor, object
     top = np.zeros((n, K), np.int64)
     obj = torch.as_tensor(np.array(objects, dtype=np.int64))
     for i in range(0, n, batch):
-        lg = readout.logits(x[i:i + batch])  # [b, K, V]
+        lg = readout.logits(x[i : i + batch])  # [b, K, V]
         logp = torch.log_softmax(lg.double(), dim=-1)
-        o = obj[i:i + batch]
+        o = obj[i : i + batch]
         lp = logp.gather(-1, o[:, None, None].expand(-1, K, 1))[..., 0]
-        prob[i:i + batch] = lp.exp().numpy()
-        rank[i:i + batch] = (logp > lp[..., None]).sum(-1).numpy()
-        top[i:i + batch] = logp.argmax(-1).numpy()
+        prob[i : i + batch] = lp.exp().numpy()
+        rank[i : i + batch] = (logp > lp[..., None]).sum(-1).numpy()
+        top[i : i + batch] = logp.argmax(-1).numpy()
     return LensReading(prob, rank, top)
 
 

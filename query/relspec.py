@@ -74,9 +74,11 @@ def select_features(xs: torch.Tensor, n_way: int, k_shot: int, top_k: int) -> Se
     mean = torch.empty((B, F))
     std = torch.empty((B, F))
     for i in range(0, B, SELECT_BATCH):  # small groups keep the [b, n, F] temporaries in cache
-        d, mean[i:i + SELECT_BATCH], std[i:i + SELECT_BATCH] = smd_scores(xs[i:i + SELECT_BATCH], n_way, k_shot)
+        d, mean[i : i + SELECT_BATCH], std[i : i + SELECT_BATCH] = smd_scores(
+            xs[i : i + SELECT_BATCH], n_way, k_shot
+        )
         top = torch.topk(d.abs_(), k, dim=-1, sorted=False).indices  # [b, n, k]
-        mask[i:i + SELECT_BATCH].scatter_(1, top.reshape(top.shape[0], -1), True)
+        mask[i : i + SELECT_BATCH].scatter_(1, top.reshape(top.shape[0], -1), True)
     counts = mask.sum(1)
     width = int(counts.max())
     nz = mask.nonzero()  # (episode, feature) pairs, sorted by episode then feature

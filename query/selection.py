@@ -51,6 +51,7 @@ Output = Literal["numpy", "torch", "xarray"]
 # The steps of a plan.  Each maps its parent's rows (a table with the columns of _ROWS_SQL, in
 # store order) to a subset of them, in the same order.
 
+
 @dataclass(frozen=True)
 class _Query:
     """The first step: the target rows whose example matches ``where`` or whose id ``query`` returns."""
@@ -62,8 +63,13 @@ class _Query:
     text: str
 
     def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
-        return run_sql(store, _ROWS_SQL.format(cond=self.cond), params=self.params,
-                       memory_limit=self.memory_limit, timeout=self.timeout)
+        return run_sql(
+            store,
+            _ROWS_SQL.format(cond=self.cond),
+            params=self.params,
+            memory_limit=self.memory_limit,
+            timeout=self.timeout,
+        )
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,11 @@ class _Filter:
 
     def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
         assert rows is not None
-        ids = run_sql(store, f"SELECT DISTINCT example_id FROM examples WHERE {predicate(self.where)}",
-                      params=self.params).column(0)
+        ids = run_sql(
+            store,
+            f"SELECT DISTINCT example_id FROM examples WHERE {predicate(self.where)}",
+            params=self.params,
+        ).column(0)
         return rows.filter(pc.is_in(rows.column("example_id"), value_set=ids.combine_chunks()))
 
 
@@ -141,8 +150,9 @@ class _Part:
         groups = None
         if self.by is not None or self.stratify:
             groups = np.array([str(r) for r in rows.column("relation_id").to_pylist()], dtype=object)
-        parts = split_indices(rows.num_rows, self.fractions, self.seed, groups=groups,
-                              whole_groups=self.by is not None)
+        parts = split_indices(
+            rows.num_rows, self.fractions, self.seed, groups=groups, whole_groups=self.by is not None
+        )
         return rows.take(parts[self.index])
 
 
@@ -165,8 +175,14 @@ def _cut(n: int, fractions: Sequence[float]) -> np.ndarray:
     return np.concatenate([[0], np.minimum(bounds, n)])
 
 
-def split_indices(n_rows: int, fractions: Sequence[float], seed: int | None, *,
-                  groups: np.ndarray | None = None, whole_groups: bool = False) -> list[np.ndarray]:
+def split_indices(
+    n_rows: int,
+    fractions: Sequence[float],
+    seed: int | None,
+    *,
+    groups: np.ndarray | None = None,
+    whole_groups: bool = False,
+) -> list[np.ndarray]:
     """Disjoint sorted positions of ``n_rows`` rows for each part, in a random order drawn with ``seed``.
 
     Without ``groups``: a permutation of the rows cut at the fractions.  With ``groups`` [n_rows]
@@ -180,13 +196,13 @@ def split_indices(n_rows: int, fractions: Sequence[float], seed: int | None, *,
         perm = rng.permutation(n_rows)
         b = _cut(n_rows, fractions)
         for k in range(len(fractions)):
-            out[k].append(perm[b[k]:b[k + 1]])
+            out[k].append(perm[b[k] : b[k + 1]])
     else:
         names = sorted(set(groups.tolist()))
         if whole_groups:
             order = [names[i] for i in rng.permutation(len(names))]
             b = _cut(len(order), fractions)
-            part_of = {g: k for k in range(len(fractions)) for g in order[b[k]:b[k + 1]]}
+            part_of = {g: k for k in range(len(fractions)) for g in order[b[k] : b[k + 1]]}
             for k in range(len(fractions)):
                 out[k].append(np.flatnonzero([part_of.get(g) == k for g in groups.tolist()]))
         else:
@@ -195,7 +211,7 @@ def split_indices(n_rows: int, fractions: Sequence[float], seed: int | None, *,
                 perm = members[rng.permutation(members.size)]
                 b = _cut(members.size, fractions)
                 for k in range(len(fractions)):
-                    out[k].append(perm[b[k]:b[k + 1]])
+                    out[k].append(perm[b[k] : b[k + 1]])
     return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in out]
 
 
@@ -227,8 +243,14 @@ class Selection:
     query); :meth:`from_sql`, :meth:`from_ids` and ``store.select(...)`` make plans.
     """
 
-    def __init__(self, store: Store, rows: pa.Table | None = None, *, parent: Selection | None = None,
-                 step: _Step | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rows: pa.Table | None = None,
+        *,
+        parent: Selection | None = None,
+        step: _Step | None = None,
+    ) -> None:
         self.store = store
         self._parent = parent
         self._step = step
@@ -240,9 +262,16 @@ class Selection:
     # -- making plans -------------------------------------------------------------------------
 
     @classmethod
-    def from_sql(cls, store: Store, where: str | None = None, *, query: str | None = None,
-                 params: Params | None = None, memory_limit: str | None = None,
-                 timeout: float | None = None) -> Selection:
+    def from_sql(
+        cls,
+        store: Store,
+        where: str | None = None,
+        *,
+        query: str | None = None,
+        params: Params | None = None,
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> Selection:
         """``where``: one SQL expression over ``examples``; ``query``: one SELECT returning ``example_id``.
 
         Each is parsed now (:func:`actstore.core.sql.predicate`, :func:`actstore.core.sql.subquery`), before it is
@@ -254,9 +283,15 @@ class Selection:
         if where is not None and query is not None:
             raise QueryError("give a WHERE predicate or a query, not both")
         if query is not None:
-            cond, text = f"t.example_id IN (SELECT example_id FROM {subquery(query)})", f"query({query.strip()})"
+            cond, text = (
+                f"t.example_id IN (SELECT example_id FROM {subquery(query)})",
+                f"query({query.strip()})",
+            )
         elif where is not None and where.strip():
-            cond, text = f"t.example_id IN (SELECT example_id FROM examples WHERE {predicate(where)})", where.strip()
+            cond, text = (
+                f"t.example_id IN (SELECT example_id FROM examples WHERE {predicate(where)})",
+                where.strip(),
+            )
         else:
             cond, text = "TRUE", "all rows"
         step = _Query(cond, check_params(params), memory_limit, timeout, text)
@@ -296,8 +331,14 @@ class Selection:
         fewer), kept in store order."""
         return self._then(_Sample(_count(n, "sample"), seed))
 
-    def split(self, parts: float | int | Sequence[float] = (0.8, 0.2), seed: int | None = 0, *,
-              by: Literal["relation"] | None = None, stratify: bool = False) -> tuple[Selection, ...]:
+    def split(
+        self,
+        parts: float | int | Sequence[float] = (0.8, 0.2),
+        seed: int | None = 0,
+        *,
+        by: Literal["relation"] | None = None,
+        stratify: bool = False,
+    ) -> tuple[Selection, ...]:
         """Disjoint random parts of the rows: ``parts`` is a sequence of fractions (summing to at most
         1; rows left over belong to no part), one fraction ``f`` for ``(f, 1 - f)``, or a number of
         equal parts.  Each part keeps store order.
@@ -347,18 +388,25 @@ class Selection:
         head = ""
         if n:
             ex = self.table(["example_id", "relation_id", "text"]).slice(0, 5).to_pylist()
-            head = "".join(f"<tr><td>{r['example_id']}</td><td>{escape(str(r['relation_id']))}</td>"
-                           f"<td style='text-align:left'>{escape(str(r['text']))}</td></tr>" for r in ex)
+            head = "".join(
+                f"<tr><td>{r['example_id']}</td><td>{escape(str(r['relation_id']))}</td>"
+                f"<td style='text-align:left'>{escape(str(r['text']))}</td></tr>"
+                for r in ex
+            )
             head = f"<table><tr><th>example_id</th><th>relation</th><th>text</th></tr>{head}</table>"
         rel = ""
         if n:
             counts: dict[str, int] = {}
             for r in self.rows.column("relation_id").to_pylist():
                 counts[str(r)] = counts.get(str(r), 0) + 1
-            rel = ", ".join(f"{escape(k)} ({v})" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:12])
+            rel = ", ".join(
+                f"{escape(k)} ({v})" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:12]
+            )
             rel = f"<p>per relation: {rel}{', ...' if len(counts) > 12 else ''}</p>"
-        return (f"<div><b>Selection</b> of {n} target rows from <code>{escape(self.store.url)}</code>{rel}"
-                f"{head}</div>")
+        return (
+            f"<div><b>Selection</b> of {n} target rows from <code>{escape(self.store.url)}</code>{rel}"
+            f"{head}</div>"
+        )
 
     @property
     def example_ids(self) -> np.ndarray:
@@ -369,19 +417,29 @@ class Selection:
         """The ``examples`` rows of the selection, one per selected target row and in its order, with the
         target's store ``row`` first; ``columns``: only these (``row`` may be one of them)."""
         rows = self.rows.column("row").combine_chunks()
-        got = run_sql(self.store, "SELECT t.row, e.* FROM targets t JOIN examples e USING (example_id) "
-                      "WHERE t.row IN (SELECT unnest($rows::BIGINT[]))", params={"rows": rows.to_pylist()})
+        got = run_sql(
+            self.store,
+            "SELECT t.row, e.* FROM targets t JOIN examples e USING (example_id) "
+            "WHERE t.row IN (SELECT unnest($rows::BIGINT[]))",
+            params={"rows": rows.to_pylist()},
+        )
         got = got.take(pc.index_in(rows, value_set=got.column("row").combine_chunks()))
         if columns is not None:
             missing = [c for c in columns if c not in got.column_names]
             if missing:
-                raise QueryError(f"no column {missing[0]!r} in examples (columns: {', '.join(got.column_names)})")
+                raise QueryError(
+                    f"no column {missing[0]!r} in examples (columns: {', '.join(got.column_names)})"
+                )
             got = got.select(list(columns))
         return got
 
     def blocks(self, batch_rows: int | None = None) -> Iterator[tuple[np.ndarray, RowBlock]]:
         """(example ids, RowBlock) per segment, split into at most ``batch_rows`` rows each."""
-        cols = {name: self.rows.column(name).to_numpy() for name in self.rows.column_names if name != "relation_id"}
+        cols = {
+            name: self.rows.column(name).to_numpy()
+            for name in self.rows.column_names
+            if name != "relation_id"
+        }
         segs = cols["segment"]
         if segs.size == 0:
             return
@@ -389,14 +447,17 @@ class Selection:
         for part in np.split(np.arange(segs.size), bounds):
             step = batch_rows or part.size
             for i in range(0, part.size, step):
-                p = part[i:i + step]
-                yield cols["example_id"][p], RowBlock(
-                    segment=int(segs[p[0]]),
-                    seg_rows=cols["seg_row"][p].astype(np.int64),
-                    src_start=cols["src_start"][p].astype(np.int64),
-                    n_src=cols["n_src"][p].astype(np.int64),
-                    subject_start=cols["subject_start"][p].astype(np.int64),
-                    subject_end=cols["subject_end"][p].astype(np.int64),
+                p = part[i : i + step]
+                yield (
+                    cols["example_id"][p],
+                    RowBlock(
+                        segment=int(segs[p[0]]),
+                        seg_rows=cols["seg_row"][p].astype(np.int64),
+                        src_start=cols["src_start"][p].astype(np.int64),
+                        n_src=cols["n_src"][p].astype(np.int64),
+                        subject_start=cols["subject_start"][p].astype(np.int64),
+                        subject_end=cols["subject_end"][p].astype(np.int64),
+                    ),
                 )
 
     def n_sources(self) -> int:
@@ -459,12 +520,15 @@ class Selection:
         # Several segments: each block's matmuls write straight into its rows of one result (no
         # per-block array, no second copy); compute_block zero-fills a source axis beyond a block's rows.
         S = self.n_sources() if kind in SOURCE_KINDS else 0
-        zeroed = kind in SOURCE_KINDS  # a fresh np.zeros: the padding beyond each row's sources is never written
-        out = (np.zeros if zeroed else np.empty)((sum(len(b.seg_rows) for b in blocks),
-                                                  *row_shape(self.store, spec, S)), np.float32)
+        zeroed = (
+            kind in SOURCE_KINDS
+        )  # a fresh np.zeros: the padding beyond each row's sources is never written
+        out = (np.zeros if zeroed else np.empty)(
+            (sum(len(b.seg_rows) for b in blocks), *row_shape(self.store, spec, S)), np.float32
+        )
         at = 0
         for b in blocks:
-            compute_block(self.store, spec, b, out=out[at:at + len(b.seg_rows)], zeroed=zeroed)
+            compute_block(self.store, spec, b, out=out[at : at + len(b.seg_rows)], zeroed=zeroed)
             at += len(b.seg_rows)
         return _convert(out, output)
 
@@ -487,8 +551,14 @@ class Selection:
             x = self.to_dask(kind, layers=layers, heads=heads, groups=groups)
         else:
             x = self.features(kind, layers=layers, heads=heads, groups=groups)
-        return to_dataarray(self.store, spec, x, self.example_ids, self.rows.column("relation_id").to_pylist(),
-                            self.source_mask() if kind in SOURCE_KINDS else None)
+        return to_dataarray(
+            self.store,
+            spec,
+            x,
+            self.example_ids,
+            self.rows.column("relation_id").to_pylist(),
+            self.source_mask() if kind in SOURCE_KINDS else None,
+        )
 
     def to_dask(
         self,

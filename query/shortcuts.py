@@ -69,9 +69,11 @@ def lexical_model(store: Store, where: str | None, n_cues: int = 20) -> LexicalM
     if n_cues < 1:
         raise InvalidSetting("n_cues", f"must be at least 1 (got {n_cues})")
     cond = where if where and where.strip() else "TRUE"
-    rows = store.sql(f"SELECT e.relation_id, list(t.token ORDER BY t.position) AS toks FROM examples e "
-                     f"JOIN tokens t USING (example_id) WHERE e.example_id IN (SELECT example_id FROM examples "
-                     f"WHERE {cond}) GROUP BY e.example_id, e.relation_id").to_pylist()
+    rows = store.sql(
+        f"SELECT e.relation_id, list(t.token ORDER BY t.position) AS toks FROM examples e "
+        f"JOIN tokens t USING (example_id) WHERE e.example_id IN (SELECT example_id FROM examples "
+        f"WHERE {cond}) GROUP BY e.example_id, e.relation_id"
+    ).to_pylist()
     docs: dict[str, list[str]] = {}
     for r in rows:
         docs.setdefault(r["relation_id"], []).extend(t for t in map(normalize, r["toks"]) if t is not None)
@@ -94,16 +96,26 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
     """Spearman rho, Mass and StrongAlign-x over the run's stored error TokenScores."""
     cfg = json.loads(str(run_row(store, run_id)["config"]))
     if "token_scores" not in store.table_files():
-        raise QueryError(f"run {run_id} has no token scores (probe an attention kind with token scores of its errors)")
-    ts = store.sql("SELECT seed, episode, example_id, relation_id, predicted, scores FROM token_scores "
-                   "WHERE run_id = ? AND relation_id <> predicted", [run_id]).to_pylist()
+        raise QueryError(
+            f"run {run_id} has no token scores (probe an attention kind with token scores of its errors)"
+        )
+    ts = store.sql(
+        "SELECT seed, episode, example_id, relation_id, predicted, scores FROM token_scores "
+        "WHERE run_id = ? AND relation_id <> predicted",
+        [run_id],
+    ).to_pylist()
     if not ts:
-        raise QueryError(f"run {run_id} has no stored error token scores "
-                         f"(kind {cfg.get('kind')!r}, token scores {cfg.get('token_scores')!r})")
+        raise QueryError(
+            f"run {run_id} has no stored error token scores "
+            f"(kind {cfg.get('kind')!r}, token scores {cfg.get('token_scores')!r})"
+        )
     lex = lexical_model(store, cfg.get("where"), n_cues)
     ids = sorted({int(r["example_id"]) for r in ts})
-    toks = store.sql("SELECT example_id, list(token ORDER BY position) AS toks FROM tokens "
-                     "WHERE list_contains(?, example_id) GROUP BY 1", [ids]).to_pylist()
+    toks = store.sql(
+        "SELECT example_id, list(token ORDER BY position) AS toks FROM tokens "
+        "WHERE list_contains(?, example_id) GROUP BY 1",
+        [ids],
+    ).to_pylist()
     tokens = {int(r["example_id"]): [normalize(t) for t in r["toks"]] for r in toks}
     cue_sets = {r: lex.cues(r) for r in lex.relations}
     out = []
@@ -115,21 +127,36 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
         rho = spearman(s, a)[0]
         mag = np.abs(s).sum()
         top = int(np.argmax(s))
-        out.append({"run_id": run_id, "seed": r["seed"], "episode": r["episode"], "example_id": r["example_id"],
-                    "relation_id": r["relation_id"], "predicted": r["predicted"], "rho": rho,
-                    "mass": float(np.abs(s[is_cue]).sum() / mag) if mag > 0 else float("nan"),
-                    "mass_baseline": float(is_cue.mean()), "strong_align": bool(is_cue[top]),
-                    "top_token": terms[top], "top_position": top})
+        out.append(
+            {
+                "run_id": run_id,
+                "seed": r["seed"],
+                "episode": r["episode"],
+                "example_id": r["example_id"],
+                "relation_id": r["relation_id"],
+                "predicted": r["predicted"],
+                "rho": rho,
+                "mass": float(np.abs(s[is_cue]).sum() / mag) if mag > 0 else float("nan"),
+                "mass_baseline": float(is_cue.mean()),
+                "strong_align": bool(is_cue[top]),
+                "top_token": terms[top],
+                "top_position": top,
+            }
+        )
     errors = pa.Table.from_pylist(out)
     rhos = np.asarray([x["rho"] for x in out])
     mass = np.asarray([x["mass"] for x in out])
-    summary = pa.table({
-        "run_id": [run_id], "n_errors": [len(out)], "n_cues": [n_cues],
-        "spearman_rho": [float(np.nanmean(rhos)) if np.isfinite(rhos).any() else float("nan")],
-        "mass": [float(np.nanmean(mass)) if np.isfinite(mass).any() else float("nan")],
-        "mass_baseline": [float(np.mean([x["mass_baseline"] for x in out]))],
-        "strong_align": [float(np.mean([x["strong_align"] for x in out]))],
-    })
+    summary = pa.table(
+        {
+            "run_id": [run_id],
+            "n_errors": [len(out)],
+            "n_cues": [n_cues],
+            "spearman_rho": [float(np.nanmean(rhos)) if np.isfinite(rhos).any() else float("nan")],
+            "mass": [float(np.nanmean(mass)) if np.isfinite(mass).any() else float("nan")],
+            "mass_baseline": [float(np.mean([x["mass_baseline"] for x in out]))],
+            "strong_align": [float(np.mean([x["strong_align"] for x in out]))],
+        }
+    )
     return ShortcutResult(run_id, errors, summary)
 
 
@@ -145,10 +172,14 @@ def shortcut_figure(result: ShortcutResult, path: str | os.PathLike[str]) -> str
     axes[0].hist(rho, bins=20, range=(-1, 1))
     axes[0].axvline(s["spearman_rho"], color="k", ls="--")
     axes[0].set_title(f"Spearman rho per error (mean {s['spearman_rho']:.3f})", fontsize=9)
-    axes[1].hist([x["mass"] for x in e if np.isfinite(x["mass"])], bins=20, range=(0, 1), alpha=0.7, label="mass")
+    axes[1].hist(
+        [x["mass"] for x in e if np.isfinite(x["mass"])], bins=20, range=(0, 1), alpha=0.7, label="mass"
+    )
     axes[1].hist([x["mass_baseline"] for x in e], bins=20, range=(0, 1), alpha=0.5, label="baseline")
     axes[1].legend(fontsize=8)
-    axes[1].set_title(f"TokenScore mass on cues (mean {s['mass']:.3f}, baseline {s['mass_baseline']:.3f})", fontsize=9)
+    axes[1].set_title(
+        f"TokenScore mass on cues (mean {s['mass']:.3f}, baseline {s['mass_baseline']:.3f})", fontsize=9
+    )
     axes[2].bar(["aligned", "not aligned"], [s["strong_align"], 1 - s["strong_align"]])
     axes[2].set_title(f"StrongAlign-x {100 * s['strong_align']:.1f}% of {s['n_errors']} errors", fontsize=9)
     fig.tight_layout()

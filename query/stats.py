@@ -101,8 +101,9 @@ def mean_interval(values: ArrayLike, level: float = 0.95) -> tuple[float, float]
     return mean - half, mean + half
 
 
-def proportion_interval(successes: int, trials: int, level: float = 0.95,
-                        method: str = "wilson") -> tuple[float, float]:
+def proportion_interval(
+    successes: int, trials: int, level: float = 0.95, method: str = "wilson"
+) -> tuple[float, float]:
     """Binomial interval of a proportion (an accuracy): ``successes`` out of ``trials``.
 
     ``method``: ``"wilson"`` (default), ``"wilsoncc"`` (with continuity correction) or ``"exact"``
@@ -123,8 +124,14 @@ def proportion_interval(successes: int, trials: int, level: float = 0.95,
     return float(ci.low), float(ci.high)
 
 
-def bootstrap_interval(values: ArrayLike, statistic: Callable[..., Any] = np.mean, *, level: float = 0.95,
-                       n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:
+def bootstrap_interval(
+    values: ArrayLike,
+    statistic: Callable[..., Any] = np.mean,
+    *,
+    level: float = 0.95,
+    n_resamples: int = 9999,
+    seed: int = 0,
+) -> tuple[float, float]:
     """Percentile bootstrap interval of ``statistic`` over the finite ``values``: resampled with
     replacement ``n_resamples`` times from a generator seeded with ``seed``, so a result repeats.
 
@@ -143,6 +150,12 @@ def bootstrap_interval(values: ArrayLike, statistic: Callable[..., Any] = np.mea
     if np.ptp(v) == 0:
         value = float(statistic(v, axis=-1))
         return value, value
-    res = stats.bootstrap((v,), statistic, confidence_level=level, n_resamples=n_resamples, method="percentile",
-                          rng=np.random.default_rng(seed))
+    res = stats.bootstrap(
+        (v,),
+        statistic,
+        confidence_level=level,
+        n_resamples=n_resamples,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)

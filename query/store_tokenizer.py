@@ -65,5 +65,7 @@ def _auto(name: str, *, local: bool = False) -> Any:
     except Exception as e:  # transformers raises OSError, ValueError, HTTP errors, ...
         reason = " ".join(str(e).split())[:160]
         where = "the store's tokenizer files" if local else repr(name)
-        raise QueryError(f"cannot load a tokenizer from {where} ({reason}); name the model's tokenizer") from None
+        raise QueryError(
+            f"cannot load a tokenizer from {where} ({reason}); name the model's tokenizer"
+        ) from None
     return tok

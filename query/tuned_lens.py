@@ -55,15 +55,17 @@ class TrainConfig:
     momentum: float = 0.9  # SGD momentum (Nesterov) or Adam's beta1
     weight_decay: float = 1e-3
     warmup: int = 0  # steps of linear warm-up before the linear decay
-    batch: int = 2 ** 18  # rows per step (every row when there are fewer)
+    batch: int = 2**18  # rows per step (every row when there are fewer)
     clip: float = 1.0  # max norm of the gradient of all translators together (0: no clipping)
     seed: int = 0
-    chunk_elements: int = 2 ** 24  # rows x vocabulary per forward chunk (memory bound)
+    chunk_elements: int = 2**24  # rows x vocabulary per forward chunk (memory bound)
     device: str = "cpu"  # cpu | cuda | auto
 
     def check(self) -> None:
         if self.optimizer not in OPTIMIZERS:
-            raise LensError(f"unknown tuned-lens optimizer {self.optimizer!r} (one of {', '.join(OPTIMIZERS)})")
+            raise LensError(
+                f"unknown tuned-lens optimizer {self.optimizer!r} (one of {', '.join(OPTIMIZERS)})"
+            )
         if self.steps < 1:
             raise LensError(f"the tuned lens needs at least 1 training step, not {self.steps}")
         if self.batch < 1:
@@ -94,7 +96,9 @@ def rows_from_padded(hidden: np.ndarray | torch.Tensor, mask: np.ndarray | torch
     h = torch.as_tensor(hidden)
     m = torch.as_tensor(mask).bool()
     if h.ndim != 4 or m.shape != h.shape[:2]:
-        raise LensError(f"states {tuple(h.shape)} and mask {tuple(m.shape)} do not match ([B, T, K, d] and [B, T])")
+        raise LensError(
+            f"states {tuple(h.shape)} and mask {tuple(m.shape)} do not match ([B, T, K, d] and [B, T])"
+        )
     return h[m]
 
 
@@ -127,8 +131,15 @@ def _readout_on(readout: FinalReadout, device: torch.device) -> FinalReadout:
     def mv(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device)
 
-    return FinalReadout(readout.kind, readout.eps, readout.weight.to(device), mv(readout.bias),
-                        readout.unembed.to(device), mv(readout.unembed_bias), readout.softcap)
+    return FinalReadout(
+        readout.kind,
+        readout.eps,
+        readout.weight.to(device),
+        mv(readout.bias),
+        readout.unembed.to(device),
+        mv(readout.unembed_bias),
+        readout.softcap,
+    )
 
 
 def _batches(n: int, batch: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
@@ -147,15 +158,19 @@ def _batches(n: int, batch: int, steps: int, seed: int) -> Iterator[torch.Tensor
             if pos == n:
                 perm, pos = torch.randperm(n, generator=gen), 0
             k = min(need, n - pos)
-            take.append(perm[pos:pos + k])
+            take.append(perm[pos : pos + k])
             pos += k
             need -= k
         yield torch.cat(take)
 
 
-def train_tuned_lens(readout: FinalReadout, resid: np.ndarray | torch.Tensor, config: TrainConfig | None = None,
-                     mask: np.ndarray | torch.Tensor | None = None,
-                     progress: Callable[[int, float], None] | None = None) -> TunedLens:
+def train_tuned_lens(
+    readout: FinalReadout,
+    resid: np.ndarray | torch.Tensor,
+    config: TrainConfig | None = None,
+    mask: np.ndarray | torch.Tensor | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> TunedLens:
     """Translators for indices 0..L-1 trained on rows ``resid`` [n, L+1, d] (``mask`` [n]: rows to use).
 
     ``progress(step, loss)`` is called after every step (loss: the sum over indices of the mean KL)."""
@@ -172,11 +187,17 @@ def train_tuned_lens(readout: FinalReadout, resid: np.ndarray | torch.Tensor, co
     params = [p for pair in zip(A, b) for p in pair]
     opt: torch.optim.Optimizer
     if cfg.optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=cfg.learning_rate, betas=(cfg.momentum, 0.999),
-                               weight_decay=cfg.weight_decay, amsgrad=True)
+        opt = torch.optim.Adam(
+            params,
+            lr=cfg.learning_rate,
+            betas=(cfg.momentum, 0.999),
+            weight_decay=cfg.weight_decay,
+            amsgrad=True,
+        )
     else:
-        opt = torch.optim.SGD(params, lr=cfg.learning_rate, momentum=cfg.momentum, nesterov=True,
-                              weight_decay=cfg.weight_decay)
+        opt = torch.optim.SGD(
+            params, lr=cfg.learning_rate, momentum=cfg.momentum, nesterov=True, weight_decay=cfg.weight_decay
+        )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps, cfg.warmup))
     V = ro.unembed.shape[0]
     chunk = max(1, cfg.chunk_elements // V)
@@ -186,7 +207,7 @@ def train_tuned_lens(readout: FinalReadout, resid: np.ndarray | torch.Tensor, co
         B = rows.numel()
         step_loss = 0.0
         for lo in range(0, B, chunk):
-            h = x[rows[lo:lo + chunk]].to(dev)
+            h = x[rows[lo : lo + chunk]].to(dev)
             with torch.no_grad():
                 target = torch.log_softmax(ro.logits(h[:, L]), dim=-1)
                 p = target.exp()
@@ -205,13 +226,23 @@ def train_tuned_lens(readout: FinalReadout, resid: np.ndarray | torch.Tensor, co
             progress(len(losses), step_loss)
     D = torch.stack([a.detach() for a in A]).cpu()
     bias = torch.stack([c.detach() for c in b]).cpu()
-    info = {"config": cfg.describe(), "rows": int(n), "loss_first": losses[0], "loss_last": losses[-1],
-            "loss_per_step": losses, "seconds": round(time.time() - started, 2)}
+    info = {
+        "config": cfg.describe(),
+        "rows": int(n),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "loss_per_step": losses,
+        "seconds": round(time.time() - started, 2),
+    }
     return TunedLens(D, bias, method=cfg.optimizer, info=info)
 
 
-def kl_per_index(readout: FinalReadout, resid: np.ndarray | torch.Tensor, lens: TunedLens | None = None,
-                 chunk_elements: int = 2 ** 22) -> np.ndarray:
+def kl_per_index(
+    readout: FinalReadout,
+    resid: np.ndarray | torch.Tensor,
+    lens: TunedLens | None = None,
+    chunk_elements: int = 2**22,
+) -> np.ndarray:
     """Mean over rows of KL(final distribution || lens distribution) at each index [K] (nats).
 
     ``lens`` None: the logit lens (index L gives 0)."""
@@ -221,7 +252,7 @@ def kl_per_index(readout: FinalReadout, resid: np.ndarray | torch.Tensor, lens: 
     total = torch.zeros(K, dtype=torch.float64)
     with torch.no_grad():
         for lo in range(0, n, rows):
-            h = x[lo:lo + rows]
+            h = x[lo : lo + rows]
             target = torch.log_softmax(readout.logits(h[:, -1]).double(), dim=-1)
             p = target.exp()
             for k in range(K):

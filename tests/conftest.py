@@ -1,73 +1,15 @@
-"""Shared fixtures: data paths, tiny models of each architecture, small stores built from them.
-
-Data.  Every code path is tested on small fixtures the project wrote itself (``tests/data/``,
-same formats as the public data sets, see its README).  Tests that need the *full* public data
-sets carry the ``real_data`` marker and read them from ``$ACTSTORE_DATA`` (default
-``../shared/data`` beside the repository).  Without the data they skip with one line saying how
-to get it; with ``ACTSTORE_REQUIRE_REAL=1`` (set by ``.ci/run``) missing data, a missing
-Chromium or a missing model package is a failure instead of a skip.
-"""
+"""The fixtures every test module may use; the shared helpers are in helpers.py."""
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO / "tests" / "data"
-REAL_DATA = Path(os.environ.get("ACTSTORE_DATA") or REPO.parent / "shared" / "data")
-REQUIRE_REAL = os.environ.get("ACTSTORE_REQUIRE_REAL", "") not in ("", "0")
-# Old names, kept until every module reads its data through FIXTURES or real_data().
-SHARED_DATA = REAL_DATA
-FEWREL = REAL_DATA / "fewrel" / "val_wiki.json"
-# A small store of invented known_1000 facts (two relations, 5 facts each): trace, lens and methods tests.
-KNOWN_STORE_KW: dict[str, Any] = {"dataset": f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}", "limit": 5,
-                                  "relations": ("P30", "P103")}
-GET_DATA = ("set ACTSTORE_DATA to a folder holding the public data sets "
-            "(fewrel/, lre_relations/, maps/, known_1000/, codex_m/; see tests/data/README.md for their sources)")
-
-
-def missing(what: str, how: str) -> None:
-    """Skip the test (one line naming ``what`` is missing and ``how`` to get it), or fail under
-    ``ACTSTORE_REQUIRE_REAL=1`` (CI), where every real-data, browser and model-package test must run."""
-    msg = f"{what} is missing: {how}"
-    if REQUIRE_REAL:
-        pytest.fail(f"{msg} (ACTSTORE_REQUIRE_REAL=1: required here)", pytrace=False)
-    pytest.skip(msg)
-
-
-def real_data(relative: str) -> Path:
-    """The path of ``relative`` inside ``$ACTSTORE_DATA``; skips (fails in CI) when it is absent.
-    Call it from tests marked ``@pytest.mark.real_data``."""
-    path = REAL_DATA / relative
-    if not path.exists():
-        missing(f"real data {path}", GET_DATA)
-    return path
-
-
-def require_chromium() -> str:
-    """Path of a Chromium binary; skips (fails in CI) when none is installed."""
-    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if exe is None:
-        missing("chromium", "apt-get install -y chromium")
-    assert exe is not None
-    return exe
-
-
-def require_module(name: str, install: str) -> None:
-    """Skips (fails in CI) when the importable distribution ``name`` is absent.  The module is
-    located, never imported (model packages are data files)."""
-    import importlib.util
-
-    if importlib.util.find_spec(name) is None:
-        missing(f"package {name}", install)
+from helpers import BuildCache, build_store
 
 
 @pytest.fixture(autouse=True)
@@ -90,59 +32,12 @@ def client() -> Iterator[Any]:
     """A Dask client on a real 2-worker LocalCluster (processes), one per test module."""
     from dask.distributed import Client, LocalCluster
 
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                           silence_logs=logging.ERROR)
+    cluster = LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=logging.ERROR
+    )
     with Client(cluster) as c:
         yield c
     cluster.close()
-
-
-def build_store(
-    out: Path,
-    arch: str = "llama",
-    *,
-    dataset: str = "demo",
-    limit: int = 3,
-    storage_dtype: str = "float32",
-    batch_size: int = 4,
-    segment_size: int = 8,
-    padding_side: str = "right",
-    chunk_layers: int = 1,
-    **options: Any,
-) -> Path:
-    """Ingest a few prompts with a tiny random model into ``out`` and return the path (``chunk_layers``:
-    layers per chunk, 1 as ``actstore ingest`` writes by default; 0 the whole layer axis per chunk)."""
-    from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.models import tiny_model
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
-
-    loaded = tiny_model(arch)
-    records = load_dataset(dataset, limit_per_relation=limit, **options).records
-    prompts = tokenize_records(records, loaded.tokenizer)
-    cfg = IngestConfig(out=str(out), batch_size=batch_size, storage_dtype=storage_dtype, segment_size=segment_size,
-                       chunk_rows=4, chunk_flat=64, chunk_layers=chunk_layers, padding_side=padding_side, progress=False)
-    info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
-    ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg)
-    return out
-
-
-def recording_mutation_coverage() -> bool:
-    """True while mutmut runs the suite once to record which tests call which functions
-    (``make mutants``).  Cached stores must then be rebuilt in every test: mutmut reruns only the
-    tests it saw calling a mutated function, and a store built once for many tests would count
-    for the first of them alone, so the tests that check the store's values would never run."""
-    return os.environ.get("MUTANT_UNDER_TEST") == "stats"
-
-
-class BuildCache(dict[Any, Any]):
-    """Things built once and shared by many tests (stores, oracles), rebuilt per call while
-    :func:`recording_mutation_coverage`."""
-
-    def get_or_build(self, key: Any, build: Callable[[], Any]) -> Any:
-        if recording_mutation_coverage() or key not in self:
-            self[key] = build()
-        return self[key]
 
 
 @pytest.fixture(scope="session")
@@ -151,20 +46,11 @@ def store_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
 
     def make(arch: str = "llama", **kw: Any) -> Path:
         key = (arch, tuple(sorted(kw.items())))
-        return cache.get_or_build(key, lambda: build_store(tmp_path_factory.mktemp("stores") / f"{arch}", arch, **kw))
+        return cache.get_or_build(
+            key, lambda: build_store(tmp_path_factory.mktemp("stores") / f"{arch}", arch, **kw)
+        )
 
     return make
-
-
-def fewrel_store_at(store_factory: Callable[..., Path], path: Path, segment_size: int = 64) -> Path:
-    """Tiny Llama (float32) over the first 10 kept instances of each relation of the FewRel file
-    ``path``, built on one torch thread (the tiny model's many small ops: much faster on a busy machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return store_factory("llama", dataset=f"fewrel:{path}", limit=10, segment_size=segment_size)
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")

@@ -54,20 +54,31 @@ def moto_server() -> Iterator[S3Server]:
 
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_listening(port, proc)
-        base = {"aws_access_key_id": "setup", "aws_secret_access_key": "setup", "region_name": "us-east-1",
-                "endpoint_url": endpoint}
+        base = {
+            "aws_access_key_id": "setup",
+            "aws_secret_access_key": "setup",
+            "region_name": "us-east-1",
+            "endpoint_url": endpoint,
+        }
         iam = boto3.client("iam", **base)
         iam.create_user(UserName="actstore")
         policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
         iam.put_user_policy(UserName="actstore", PolicyName="all", PolicyDocument=json.dumps(policy))
         key = iam.create_access_key(UserName="actstore")["AccessKey"]
         boto3.client("s3", **base).create_bucket(Bucket=BUCKET)
-        req = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=b"0", method="POST",
-                                     headers={"Content-Type": "text/plain"})
+        req = urllib.request.Request(
+            f"{endpoint}/moto-api/reset-auth",
+            data=b"0",
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
         urllib.request.urlopen(req, timeout=10).read()
         env = {
             "AWS_ACCESS_KEY_ID": key["AccessKeyId"],

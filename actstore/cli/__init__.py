@@ -49,18 +49,26 @@ def _flags_before_command(args: Sequence[str], group: click.Group) -> list[str]:
 
 
 def _json_requested(args: Sequence[str]) -> bool:
-    return "--json" in list(args)[:list(args).index("--")] if "--" in args else "--json" in args
+    return "--json" in list(args)[: list(args).index("--")] if "--" in args else "--json" in args
 
 
 class ActstoreGroup(click.Group):
     """The top-level group: every error becomes one line (or one JSON object) and an exit code."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
-             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,  # type: ignore[override]
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
         argv = list(sys.argv[1:] if args is None else args)
-        debug = "--debug" in _flags_before_command(argv, self) or os.environ.get("ACTSTORE_DEBUG", "") not in ("", "0")
+        debug = "--debug" in _flags_before_command(argv, self) or os.environ.get(
+            "ACTSTORE_DEBUG", ""
+        ) not in ("", "0")
         as_json = _json_requested(argv)
         setup_logging(logging.DEBUG if debug else logging.WARNING if "--quiet" in argv else logging.INFO)
 
@@ -91,9 +99,12 @@ class ActstoreGroup(click.Group):
         except EXPECTED as e:
             fail(str(e), EXIT_ERROR, type(e).__name__)
         except Exception as e:  # a bug: say so, and how to see where
-            fail(f"internal error: {type(e).__name__}: {e}" + ("" if debug else " (run 'actstore --debug ...' for "
-                                                                                 "the traceback)"),
-                 EXIT_ERROR, type(e).__name__)
+            fail(
+                f"internal error: {type(e).__name__}: {e}"
+                + ("" if debug else " (run 'actstore --debug ...' for the traceback)"),
+                EXIT_ERROR,
+                type(e).__name__,
+            )
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
@@ -126,9 +137,12 @@ def setup_logging(level: int) -> None:
         logger.propagate = False
 
 
-@click.group(cls=ActstoreGroup, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog="\b\nExample:\n  actstore ingest --model tiny-llama --out /tmp/s\n  actstore info /tmp/s\n\n"
-                    "\b\nExit codes: 0 ok, 1 error, 2 usage error, 3 verify found damage, 130 interrupted.")
+@click.group(
+    cls=ActstoreGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="\b\nExample:\n  actstore ingest --model tiny-llama --out /tmp/s\n  actstore info /tmp/s\n\n"
+    "\b\nExit codes: 0 ok, 1 error, 2 usage error, 3 verify found damage, 130 interrupted.",
+)
 @click.version_option(package_name="actstore")
 @click.option("--debug", is_flag=True, help="Print the traceback of an error (or set ACTSTORE_DEBUG=1).")
 def main(debug: bool) -> None:
@@ -139,5 +153,15 @@ for _module in (_store, _ingest, _probe, _maps, _interventions, _methods, _repor
     for _cmd in _module.COMMANDS:
         main.add_command(_cmd)
 
-__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "main", "parse_int_list",
-           "printable", "sql_limit_options", "where_option"]
+__all__ = [
+    "EXIT_DAMAGED",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "main",
+    "parse_int_list",
+    "printable",
+    "sql_limit_options",
+    "where_option",
+]

@@ -1,9 +1,4 @@
-"""What every command shares: the command class (hidden aliases of renamed options, the store as
-the first argument), the options defined once, and small parsing helpers.
-
-Renamed options keep their old spelling for one release as a hidden alias (:func:`alias`): the
-old spelling sets the new option's value and prints one ``note:`` line on stderr.
-"""
+"""What every command shares: the command class, the options defined once, and small parsing helpers."""
 
 from __future__ import annotations
 
@@ -12,7 +7,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
-from click.core import ParameterSource
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,7 +44,9 @@ def parse_int_list(text: str | None, what: str = "layers") -> list[int] | None:
             else:
                 out.append(int(part))
         except ValueError:
-            raise click.BadParameter(f"{part!r} is not an integer or a range like 5-7", param_hint=f"--{what}") from None
+            raise click.BadParameter(
+                f"{part!r} is not an integer or a range like 5-7", param_hint=f"--{what}"
+            ) from None
     return out
 
 
@@ -65,48 +61,11 @@ def note(message: str) -> None:
     click.echo(f"note: {printable(message)}", err=True)
 
 
-# --------------------------------------------------------------------------------------- aliases
-
-
-class AliasOption(click.Option):
-    """A hidden old spelling of another option (``alias_of``: the new option's parameter name)."""
-
-    def __init__(self, *args: Any, alias_of: str, new_flag: str, **kwargs: Any) -> None:
-        kwargs.setdefault("hidden", True)
-        super().__init__(*args, **kwargs)
-        self.alias_of = alias_of
-        self.new_flag = new_flag
-
-
-def alias(old: str, alias_of: str, new_flag: str, **kwargs: Any) -> Callable[[F], F]:
-    """A hidden option ``old`` setting parameter ``alias_of`` (spelled ``new_flag`` now)."""
-    name = "_alias_" + old.lstrip("-").replace("-", "_")
-    return click.option(old, name, cls=AliasOption, alias_of=alias_of, new_flag=new_flag, expose_value=True,
-                        help=f"Deprecated spelling of {new_flag}.", **kwargs)
+# --------------------------------------------------------------------------------------- commands
 
 
 class ActstoreCommand(click.Command):
-    """A command whose hidden :class:`AliasOption` s fill the options they stand for (with a note),
-    and whose optional STORE argument may also come from the old ``--store`` option."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        rest = super().parse_args(ctx, args)
-        for p in self.params:
-            if not isinstance(p, AliasOption) or p.name is None:
-                continue
-            value = ctx.params.pop(p.name, None)
-            if ctx.get_parameter_source(p.name) != ParameterSource.COMMANDLINE:
-                continue
-            old = p.opts[0]
-            if ctx.get_parameter_source(p.alias_of) == ParameterSource.COMMANDLINE:
-                raise click.UsageError(f"{old} and {p.new_flag} are the same option; give one", ctx)
-            note(f"{old} is deprecated and will be removed in the next release; use {p.new_flag}")
-            ctx.params[p.alias_of] = value
-            ctx.set_parameter_source(p.alias_of, ParameterSource.COMMANDLINE)
-        if any(getattr(p, "store_argument", False) for p in self.params) and not ctx.params.get("store"):
-            if not ctx.resilient_parsing:
-                raise click.MissingParameter(ctx=ctx, param=next(p for p in self.params if p.name == "store"))
-        return rest
+    """A command whose errors name the command-line option of a refused setting."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -116,7 +75,9 @@ class ActstoreCommand(click.Command):
             raise
 
 
-def command(name: str | None = None, *, example: str, **kwargs: Any) -> Callable[[Callable[..., Any]], click.Command]:
+def command(
+    name: str | None = None, *, example: str, **kwargs: Any
+) -> Callable[[Callable[..., Any]], click.Command]:
     """``click.command`` with :class:`ActstoreCommand` and ``example`` as the help's epilog."""
     epilog = "\b\nExample:\n  " + example.strip().replace("\n", "\n  ")
     return click.command(name, cls=ActstoreCommand, epilog=epilog, **kwargs)
@@ -125,19 +86,18 @@ def command(name: str | None = None, *, example: str, **kwargs: Any) -> Callable
 # --------------------------------------------------------------------------------------- shared options
 
 
-class StoreArgument(click.Argument):
-    store_argument = True
-
-
 def store_argument(fn: F) -> F:
-    """STORE, the first positional argument of every command reading a store (old ``--store`` hidden)."""
-    fn = alias("--store", "store", "the STORE argument")(fn)
-    return click.argument("store", required=False, cls=StoreArgument, metavar="STORE")(fn)  # type: ignore[return-value]
+    """STORE, the first positional argument of every command reading a store."""
+    return click.argument("store", metavar="STORE")(fn)
 
 
 def json_option(fn: F) -> F:
-    return click.option("--json", "as_json", is_flag=True,
-                        help="Print one JSON object on stdout (errors too: {\"error\": ..., \"type\": ...}).")(fn)
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help='Print one JSON object on stdout (errors too: {"error": ..., "type": ...}).',
+    )(fn)
 
 
 def quiet_option(fn: F) -> F:
@@ -145,20 +105,11 @@ def quiet_option(fn: F) -> F:
 
 
 def no_save_option(fn: F) -> F:
-    """``--no-save`` (old ``--no-write``)."""
-    fn = alias("--no-write", "no_save", "--no-save", is_flag=True)(fn)
     return click.option("--no-save", is_flag=True, help="Do not write result tables into the store.")(fn)
 
 
-def figures_option(*old: str, help: str = "Folder for the figures (PNG).") -> Callable[[F], F]:
-    """``--figures DIR`` (old spellings ``old``, e.g. ``--heatmaps``)."""
-
-    def deco(fn: F) -> F:
-        for o in old:
-            fn = alias(o, "figures", "--figures", metavar="DIR")(fn)
-        return click.option("--figures", default=None, metavar="DIR", help=help)(fn)  # type: ignore[return-value]
-
-    return deco
+def figures_option(help: str = "Folder for the figures (PNG).") -> Callable[[F], F]:
+    return click.option("--figures", default=None, metavar="DIR", help=help)
 
 
 def layers_option(help: str = "Layer subset, e.g. 0,3,5-7 (default: all).") -> Callable[[F], F]:
@@ -169,17 +120,27 @@ def heads_option(help: str = "Head subset, e.g. 0-3 (default: all).") -> Callabl
     return click.option("--heads", default=None, metavar="LIST", help=help)
 
 
-def model_option(help: str = "Model: alias, local folder or hub name (default: the store's model when it is one "
-                 "of actstore's aliases).") -> Callable[[F], F]:
+def model_option(
+    help: str = "Model: alias, local folder or hub name (default: the store's model when it is one "
+    "of actstore's aliases).",
+) -> Callable[[F], F]:
     return click.option("--model", "model", default=None, help=help)
 
 
 def device_options(fn: F) -> F:
-    fn = click.option("--model-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
-                      show_default=True, help="dtype the model runs in.")(fn)
-    fn = click.option("--device", default="cpu", show_default=True, help="torch device of the model (cpu, cuda, ...).")(fn)
-    return click.option("--allow-other-model", is_flag=True,
-                        help="Run even if the model's weights differ from the store's.")(fn)  # type: ignore[return-value]
+    fn = click.option(
+        "--model-dtype",
+        type=click.Choice(["float32", "float16", "bfloat16"]),
+        default="float32",
+        show_default=True,
+        help="dtype the model runs in.",
+    )(fn)
+    fn = click.option(
+        "--device", default="cpu", show_default=True, help="torch device of the model (cpu, cuda, ...)."
+    )(fn)
+    return click.option(
+        "--allow-other-model", is_flag=True, help="Run even if the model's weights differ from the store's."
+    )(fn)  # type: ignore[return-value]
 
 
 def _sql_memory(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -217,10 +178,20 @@ def sql_limit_options(fn: F) -> F:
         with limits(memory_limit=sql_memory, timeout=sql_timeout):
             return fn(*args, **kwargs)
 
-    wrapper = click.option("--sql-timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
-                           help="Seconds one SQL statement may run (0: no limit).")(wrapper)
-    wrapper = click.option("--sql-memory", default=DEFAULT_MEMORY_LIMIT, show_default=True, callback=_sql_memory,
-                           help="Memory one SQL statement may use, e.g. 512MB; nothing spills to disk.")(wrapper)
+    wrapper = click.option(
+        "--sql-timeout",
+        type=click.FloatRange(min=0),
+        default=DEFAULT_TIMEOUT,
+        show_default=True,
+        help="Seconds one SQL statement may run (0: no limit).",
+    )(wrapper)
+    wrapper = click.option(
+        "--sql-memory",
+        default=DEFAULT_MEMORY_LIMIT,
+        show_default=True,
+        callback=_sql_memory,
+        help="Memory one SQL statement may use, e.g. 512MB; nothing spills to disk.",
+    )(wrapper)
     return wrapper  # type: ignore[return-value]
 
 
@@ -243,7 +214,9 @@ def check_where(store: Any, where: str | None) -> None:
     try:
         store.sql(f"SELECT example_id FROM examples WHERE ({where}\n) LIMIT 0")
     except ActstoreError as e:
-        raise click.BadParameter(f"a predicate over the examples table's columns: {e}", param_hint="--where") from None
+        raise click.BadParameter(
+            f"a predicate over the examples table's columns: {e}", param_hint="--where"
+        ) from None
 
 
 def open_store(path: str) -> Any:
@@ -256,7 +229,7 @@ def option_names(params: Sequence[click.Parameter]) -> dict[str, str]:
     """Parameter name -> its (first long) option spelling, for naming settings in errors."""
     out: dict[str, str] = {}
     for p in params:
-        if isinstance(p, click.Option) and p.name and not isinstance(p, AliasOption):
+        if isinstance(p, click.Option) and p.name:
             longs = [o for o in p.opts if o.startswith("--")]
             out[p.name] = longs[0] if longs else p.opts[0]
     return out

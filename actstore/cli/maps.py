@@ -23,29 +23,44 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
+from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS  # torch-free: the help imports it
 
-# The authors' defaults (actstore.query.maps.IMPLEMENTS_THRESHOLD, MIN_PAIRS), written here so that
-# ``actstore --help`` need not import actstore.query.maps (and torch); a test holds them equal.
-IMPLEMENTS_THRESHOLD = 0.15
-MIN_PAIRS = 30
-
-K_HELP = ("Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
-          "(1 for copying relations, 10 otherwise; Llama-3: 3 and 25).")
-FIRST_MLP_MODEL_HELP = ("Model whose first MLP is loaded (default: the store's model when it is one of actstore's "
-                        "aliases).")
+K_HELP = (
+    "Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
+    "(1 for copying relations, 10 otherwise; Llama-3: 3 and 25)."
+)
+FIRST_MLP_MODEL_HELP = (
+    "Model whose first MLP is loaded (default: the store's model when it is one of actstore's aliases)."
+)
 
 
-def _scoring_options(multi_token_help: str,
-                     min_pairs_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _scoring_options(
+    multi_token_help: str, min_pairs_help: str
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The options maps and maps-dynamic share: --k, --threshold, --multi-token, --min-pairs."""
     options = [
         click.option("--k", type=click.IntRange(min=1), default=None, help=K_HELP),
-        click.option("--threshold", type=click.FloatRange(0, 1), default=IMPLEMENTS_THRESHOLD, show_default=True,
-                     help="A head implements R when its score is at least this."),
-        click.option("--multi-token", type=click.Choice(["skip", "first"]), default="skip", show_default=True,
-                     help=multi_token_help),
-        click.option("--min-pairs", type=click.IntRange(min=0), default=MIN_PAIRS, show_default=True,
-                     help=min_pairs_help),
+        click.option(
+            "--threshold",
+            type=click.FloatRange(0, 1),
+            default=IMPLEMENTS_THRESHOLD,
+            show_default=True,
+            help="A head implements R when its score is at least this.",
+        ),
+        click.option(
+            "--multi-token",
+            type=click.Choice(["skip", "first"]),
+            default="skip",
+            show_default=True,
+            help=multi_token_help,
+        ),
+        click.option(
+            "--min-pairs",
+            type=click.IntRange(min=0),
+            default=MIN_PAIRS,
+            show_default=True,
+            help=min_pairs_help,
+        ),
     ]
 
     def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,134 +93,280 @@ def _tokenizer(s: Any, name: str | None) -> Callable[[], Any]:
 
 @command("maps", example="actstore maps /tmp/s --pairs maps/ --relations country_capital --figures figs")
 @store_argument
-@click.option("--pairs", "pair_paths", multiple=True, required=True,
-              help="MAPS pair file ([[source, target], ...]) or a directory of them; repeatable.")
+@click.option(
+    "--pairs",
+    "pair_paths",
+    multiple=True,
+    required=True,
+    help="MAPS pair file ([[source, target], ...]) or a directory of them; repeatable.",
+)
 @click.option("--relations", default=None, help="Comma-separated relation names (file stems) to keep.")
-@_scoring_options("skip: score single-token pairs only (the authors' filter); first: a multi-token word stands "
-                  "as its first token (ours).",
-                  "Relations with fewer usable pairs are reported as excluded and scored nowhere (the authors' "
-                  "min_filtered_dataset_size).")
-@click.option("--no-final-norm", is_flag=True, help="Read heads through the raw unembedding (the paper's code) "
-              "instead of the final norm's weight times it.")
+@_scoring_options(
+    "skip: score single-token pairs only (the authors' filter); first: a multi-token word stands "
+    "as its first token (ours).",
+    "Relations with fewer usable pairs are reported as excluded and scored nowhere (the authors' "
+    "min_filtered_dataset_size).",
+)
+@click.option(
+    "--no-final-norm",
+    is_flag=True,
+    help="Read heads through the raw unembedding (the paper's code) "
+    "instead of the final norm's weight times it.",
+)
 @click.option("--tokenizer", default=None, help="Tokenizer folder or name (default: the store's model).")
-@click.option("--first-mlp/--no-first-mlp", "first_mlp", default=None,
-              help="Read layers >= 1 through the first MLP's output on the embeddings (the authors' code; default: "
-              "on, except for Llama-3.1-70B as in their code).  It loads the model (the store lacks that block's "
-              "input weights); --no-first-mlp scores from the store's weights alone.")
+@click.option(
+    "--first-mlp/--no-first-mlp",
+    "first_mlp",
+    default=None,
+    help="Read layers >= 1 through the first MLP's output on the embeddings (the authors' code; default: "
+    "on, except for Llama-3.1-70B as in their code).  It loads the model (the store lacks that block's "
+    "input weights); --no-first-mlp scores from the store's weights alone.",
+)
 @model_option(FIRST_MLP_MODEL_HELP)
-@click.option("--salient-heads", default="all", show_default=True,
-              help="Heads for salient operations: all, none, or LAYER.HEAD list (12.3,7.*).")
-@click.option("--salient-tokens", type=int, default=10, show_default=True, help="Salient tokens per head (by sigma).")
-@click.option("--mappings", type=int, default=5, show_default=True, help="Top mapped tokens per salient token.")
-@figures_option("--heatmaps", help="Folder for a layer x head PNG per relation.")
+@click.option(
+    "--salient-heads",
+    default="all",
+    show_default=True,
+    help="Heads for salient operations: all, none, or LAYER.HEAD list (12.3,7.*).",
+)
+@click.option(
+    "--salient-tokens", type=int, default=10, show_default=True, help="Salient tokens per head (by sigma)."
+)
+@click.option(
+    "--mappings", type=int, default=5, show_default=True, help="Top mapped tokens per salient token."
+)
+@figures_option(help="Folder for a layer x head PNG per relation.")
 @no_save_option
 @json_option
-def maps(store: str, pair_paths: tuple[str, ...], relations: str | None, k: int | None, threshold: float,
-         multi_token: str, min_pairs: int, no_final_norm: bool, tokenizer: str | None, first_mlp: bool | None,
-         model: str | None, salient_heads: str, salient_tokens: int, mappings: int, figures: str | None,
-         no_save: bool, as_json: bool) -> None:
+def maps(
+    store: str,
+    pair_paths: tuple[str, ...],
+    relations: str | None,
+    k: int | None,
+    threshold: float,
+    multi_token: str,
+    min_pairs: int,
+    no_final_norm: bool,
+    tokenizer: str | None,
+    first_mlp: bool | None,
+    model: str | None,
+    salient_heads: str,
+    salient_tokens: int,
+    mappings: int,
+    figures: str | None,
+    no_save: bool,
+    as_json: bool,
+) -> None:
     """Static MAPS scores of every head for each relation in --pairs, from STORE's weights."""
     from actstore.jobs.maps import MapsRunConfig, k_groups, run_maps, top_heads
-    from actstore.query.maps import excluded_line
+    from actstore.query.maps.pairs import excluded_line
 
     s = open_store(store)
-    cfg = MapsRunConfig(pairs=pair_paths, relations=split_list(relations) or None, k=k, threshold=threshold,
-                        multi_token=multi_token, min_pairs=min_pairs, final_norm=not no_final_norm,
-                        tokenizer=tokenizer, first_mlp=first_mlp, salient_heads=salient_heads,
-                        salient_tokens=salient_tokens, mappings=mappings, save=not no_save, figures=figures)
+    cfg = MapsRunConfig(
+        pairs=pair_paths,
+        relations=split_list(relations) or None,
+        k=k,
+        threshold=threshold,
+        multi_token=multi_token,
+        min_pairs=min_pairs,
+        final_norm=not no_final_norm,
+        tokenizer=tokenizer,
+        first_mlp=first_mlp,
+        salient_heads=salient_heads,
+        salient_tokens=salient_tokens,
+        mappings=mappings,
+        save=not no_save,
+        figures=figures,
+    )
     out = run_maps(s, cfg, _tokenizer(s, tokenizer), first_mlp=_first_mlp(s, model))
     if as_json:
         click.echo(json.dumps(out.result))
         return
     g = s.geometry
-    k_text = f"k={k}" if k is not None else "k per relation (the authors': " + ", ".join(
-        f"{v} for {n}" for v, n in k_groups(out.ks)) + ")"
-    click.echo(f"MAPS static scores, {k_text}, threshold={threshold}, {g.n_layers}x{g.n_heads} heads, "
-               f"{'single-token pairs' if multi_token == 'skip' else 'multi-token words as their first token'}"
-               f"{', first MLP' if out.first_mlp else ', embeddings (no first MLP)'}, run {out.run_id}")
+    k_text = (
+        f"k={k}"
+        if k is not None
+        else "k per relation (the authors': " + ", ".join(f"{v} for {n}" for v, n in k_groups(out.ks)) + ")"
+    )
+    click.echo(
+        f"MAPS static scores, {k_text}, threshold={threshold}, {g.n_layers}x{g.n_heads} heads, "
+        f"{'single-token pairs' if multi_token == 'skip' else 'multi-token words as their first token'}"
+        f"{', first MLP' if out.first_mlp else ', embeddings (no first MLP)'}, run {out.run_id}"
+    )
     click.echo(f"{'relation':<40} {'k':>2} {'pairs':>11} {'multi':>5} {'impl':>4} {'supp':>4}  best heads")
     for summ in out.summaries:
         sc = out.scores[summ["relation"]]
         multi = summ["n_multi_token"] if multi_token == "first" else summ["n_skipped_multi_token"]
-        click.echo(f"{summ['relation']:<40} {summ['k']:>2} {summ['n_used']:>5}/{summ['n_pairs']:<5} {multi:>5} "
-                   f"{summ['n_implementing']:>4} {summ['n_suppressing']:>4}  {top_heads(sc.score(summ['k']))}")
-    click.echo("(multi: " + ("pairs scored on a first token" if multi_token == "first" else "multi-token pairs dropped")
-               + ")")
+        click.echo(
+            f"{summ['relation']:<40} {summ['k']:>2} {summ['n_used']:>5}/{summ['n_pairs']:<5} {multi:>5} "
+            f"{summ['n_implementing']:>4} {summ['n_suppressing']:>4}  {top_heads(sc.score(summ['k']))}"
+        )
+    click.echo(
+        "(multi: "
+        + ("pairs scored on a first token" if multi_token == "first" else "multi-token pairs dropped")
+        + ")"
+    )
     if out.excluded:
-        click.echo(f"excluded, fewer than {min_pairs} usable pairs (usable/pairs): {excluded_line(out.excluded)}")
+        click.echo(
+            f"excluded, fewer than {min_pairs} usable pairs (usable/pairs): {excluded_line(out.excluded)}"
+        )
     if out.salient:
-        click.echo(f"salient operations for {len(out.salient)} heads (table maps_salient)" if not no_save else
-                   f"salient operations for {len(out.salient)} heads")
+        click.echo(
+            f"salient operations for {len(out.salient)} heads (table maps_salient)"
+            if not no_save
+            else f"salient operations for {len(out.salient)} heads"
+        )
     for f in out.tables:
         click.echo(f"wrote {f}")
 
 
-@command("maps-dynamic", example="actstore maps-dynamic /tmp/s --where \"source = 'maps'\" --pairs maps/ --workers 2")
+@command(
+    "maps-dynamic",
+    example="actstore maps-dynamic /tmp/s --where \"source = 'maps'\" --pairs maps/ --workers 2",
+)
 @store_argument
 @where_option
 @click.option("--relations", default=None, help="Comma-separated relation ids.")
-@_scoring_options("skip: only prompts whose subject and object are one token each (the authors' filter); "
-                  "first: every prompt, a multi-token word standing as its first token (ours).",
-                  "Relations with fewer usable pairs are reported as excluded and left out.")
-@click.option("--pairs", "pair_paths", multiple=True,
-              help="MAPS pair files or directories: count each relation's usable pairs in its file (the authors' "
-              "criterion) rather than among the store's prompts (a sample of it undercounts).")
+@_scoring_options(
+    "skip: only prompts whose subject and object are one token each (the authors' filter); "
+    "first: every prompt, a multi-token word standing as its first token (ours).",
+    "Relations with fewer usable pairs are reported as excluded and left out.",
+)
+@click.option(
+    "--pairs",
+    "pair_paths",
+    multiple=True,
+    help="MAPS pair files or directories: count each relation's usable pairs in its file (the authors' "
+    "criterion) rather than among the store's prompts (a sample of it undercounts).",
+)
 @click.option("--tokenizer", default=None, help="Tokenizer folder or name (default: the store's model).")
-@click.option("--source-token", type=click.Choice(["first", "last"]), default="first", show_default=True,
-              help="Which subject token is the static source and the no-context attention target.")
+@click.option(
+    "--source-token",
+    type=click.Choice(["first", "last"]),
+    default="first",
+    show_default=True,
+    help="Which subject token is the static source and the no-context attention target.",
+)
 @click.option("--no-final-norm", is_flag=True, help="Raw unembedding instead of final norm weight times it.")
-@click.option("--first-mlp/--no-first-mlp", "first_mlp", default=None,
-              help="Static scores through the first MLP (the authors' code; default on except for Llama-3.1-70B; "
-              "loads the model).")
+@click.option(
+    "--first-mlp/--no-first-mlp",
+    "first_mlp",
+    default=None,
+    help="Static scores through the first MLP (the authors' code; default on except for Llama-3.1-70B; "
+    "loads the model).",
+)
 @model_option(FIRST_MLP_MODEL_HELP)
-@click.option("--compare-first-mlp", is_flag=True,
-              help="Static scores both from the embeddings and through the first MLP (loads the model), sharing "
-              "one dynamic pass: a correlation row per relation and variant.")
-@figures_option("--heatmaps", help="Folder for the static and dynamic heatmaps.")
+@click.option(
+    "--compare-first-mlp",
+    is_flag=True,
+    help="Static scores both from the embeddings and through the first MLP (loads the model), sharing "
+    "one dynamic pass: a correlation row per relation and variant.",
+)
+@figures_option(help="Folder for the static and dynamic heatmaps.")
 @no_save_option
 @quiet_option
-@click.option("--dask", "dask_address", default=None, metavar="SCHEDULER_ADDRESS",
-              help="Run the projections on this Dask scheduler's workers (they open STORE themselves).")
-@click.option("--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes.")
-@click.option("--prompts-per-task", type=int, default=None,
-              help="Prompts per Dask task (whole chunks of 256; default: one task per worker).")
+@click.option(
+    "--dask",
+    "dask_address",
+    default=None,
+    metavar="SCHEDULER_ADDRESS",
+    help="Run the projections on this Dask scheduler's workers (they open STORE themselves).",
+)
+@click.option(
+    "--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes."
+)
+@click.option(
+    "--prompts-per-task",
+    type=int,
+    default=None,
+    help="Prompts per Dask task (whole chunks of 256; default: one task per worker).",
+)
 @json_option
-def maps_dynamic(store: str, where: str | None, relations: str | None, k: int | None, threshold: float,
-                 multi_token: str, min_pairs: int, pair_paths: tuple[str, ...], tokenizer: str | None,
-                 source_token: str, no_final_norm: bool, first_mlp: bool | None, model: str | None,
-                 compare_first_mlp: bool, figures: str | None, no_save: bool, quiet: bool,
-                 dask_address: str | None, workers: int | None, prompts_per_task: int | None, as_json: bool) -> None:
+def maps_dynamic(
+    store: str,
+    where: str | None,
+    relations: str | None,
+    k: int | None,
+    threshold: float,
+    multi_token: str,
+    min_pairs: int,
+    pair_paths: tuple[str, ...],
+    tokenizer: str | None,
+    source_token: str,
+    no_final_norm: bool,
+    first_mlp: bool | None,
+    model: str | None,
+    compare_first_mlp: bool,
+    figures: str | None,
+    no_save: bool,
+    quiet: bool,
+    dask_address: str | None,
+    workers: int | None,
+    prompts_per_task: int | None,
+    as_json: bool,
+) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
     from actstore.jobs.maps import MapsDynamicConfig, run_maps_dynamic
     from actstore.query.distributed import dask_client
 
     s = open_store(store)
     check_where(s, where)
-    cfg = MapsDynamicConfig(where=where, relations=split_list(relations) or None, k=k, threshold=threshold,
-                            multi_token=multi_token, min_pairs=min_pairs, pairs=pair_paths, tokenizer=tokenizer,
-                            source_token=source_token, final_norm=not no_final_norm, first_mlp=first_mlp,
-                            compare_first_mlp=compare_first_mlp, save=not no_save, figures=figures,
-                            prompts_per_task=prompts_per_task)
+    cfg = MapsDynamicConfig(
+        where=where,
+        relations=split_list(relations) or None,
+        k=k,
+        threshold=threshold,
+        multi_token=multi_token,
+        min_pairs=min_pairs,
+        pairs=pair_paths,
+        tokenizer=tokenizer,
+        source_token=source_token,
+        final_norm=not no_final_norm,
+        first_mlp=first_mlp,
+        compare_first_mlp=compare_first_mlp,
+        save=not no_save,
+        figures=figures,
+        prompts_per_task=prompts_per_task,
+    )
     mlp = _first_mlp(s, model)
     with dask_client(dask_address, workers) as client:
-        out = run_maps_dynamic(s, cfg, _tokenizer(s, tokenizer), mlp, client=client, log=None if quiet else lambda m: click.echo(m, err=True))
+        out = run_maps_dynamic(
+            s,
+            cfg,
+            _tokenizer(s, tokenizer),
+            mlp,
+            client=client,
+            log=None if quiet else lambda m: click.echo(m, err=True),
+        )
     if as_json:
         click.echo(json.dumps(out.result))
         return
-    static_src = ("embeddings and first MLP" if compare_first_mlp else "first MLP" if out.first_mlp else "embeddings")
+    static_src = (
+        "embeddings and first MLP" if compare_first_mlp else "first MLP" if out.first_mlp else "embeddings"
+    )
     k_text = f"k={k}" if k is not None else "k per relation (the authors')"
-    click.echo(f"MAPS static ({static_src}) vs dynamic (Pearson over heads x templates), {k_text}, "
-               f"{'single-token prompts' if multi_token == 'skip' else 'every prompt (first tokens)'}, run {out.run_id}")
-    click.echo(f"{'relation':<40} {'k':>2} {'prompts':>7} {'tmpl':>4} {'r w/o ctx':>9} {'r w/ ctx':>9} "
-               f"{'supp w/o':>8} {'supp w/':>8} {'impl s/wo/w':>12}")
+    click.echo(
+        f"MAPS static ({static_src}) vs dynamic (Pearson over heads x templates), {k_text}, "
+        f"{'single-token prompts' if multi_token == 'skip' else 'every prompt (first tokens)'}, run {out.run_id}"
+    )
+    click.echo(
+        f"{'relation':<40} {'k':>2} {'prompts':>7} {'tmpl':>4} {'r w/o ctx':>9} {'r w/ ctx':>9} "
+        f"{'supp w/o':>8} {'supp w/':>8} {'impl s/wo/w':>12}"
+    )
     for m in out.summaries:
         name = m["relation"] + (" (first MLP)" if m["first_mlp"] else " (embeddings)")
-        click.echo(f"{name:<40} {m['k']:>2} {m['n_prompts']:>7} {m['n_templates']:>4} {m['corr_wo_context']:>9.3f} "
-                   f"{m['corr_w_context']:>9.3f} {m['supp_corr_wo_context']:>8.3f} {m['supp_corr_w_context']:>8.3f} "
-                   f"{m['n_implementing_static']:>4}/{m['n_implementing_wo_context']}/{m['n_implementing_w_context']}")
+        click.echo(
+            f"{name:<40} {m['k']:>2} {m['n_prompts']:>7} {m['n_templates']:>4} {m['corr_wo_context']:>9.3f} "
+            f"{m['corr_w_context']:>9.3f} {m['supp_corr_wo_context']:>8.3f} {m['supp_corr_w_context']:>8.3f} "
+            f"{m['n_implementing_static']:>4}/{m['n_implementing_wo_context']}/{m['n_implementing_w_context']}"
+        )
     if out.excluded:
-        click.echo(f"excluded, fewer than {min_pairs} usable pairs (usable/pairs, counted from): " + ", ".join(
-            f"{e['relation']} {e['n_used']}/{e['n_pairs']} ({e['counted_from']})" for e in out.excluded))
+        click.echo(
+            f"excluded, fewer than {min_pairs} usable pairs (usable/pairs, counted from): "
+            + ", ".join(
+                f"{e['relation']} {e['n_used']}/{e['n_pairs']} ({e['counted_from']})" for e in out.excluded
+            )
+        )
     for f in out.tables:
         click.echo(f"wrote {f}")
 

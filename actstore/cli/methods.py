@@ -34,20 +34,33 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def tuned_lens_options(batch: int, batch_help: str) -> Callable[[F], F]:
     """``--tuned``, ``--tuned-steps`` and ``--tuned-batch`` (``batch``: its default), shared by lens and agree."""
+
     def deco(fn: F) -> F:
-        for opt in reversed([
-            click.option("--tuned", "tuned_method", type=click.Choice(["adam", "sgd", "ridge"]), default="adam",
-                         show_default=True,
-                         help="Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov "
-                              "SGD (Belrose et al., the tuned-lens package's settings), or the closed-form ridge fit "
-                              "(ours)."),
-            click.option("--tuned-steps", type=int, default=250, show_default=True,
-                         help="Training steps (adam, sgd)."),
-            click.option("--tuned-batch", type=int, default=batch, show_default=True,
-                         help=batch_help),
-        ]):
+        for opt in reversed(
+            [
+                click.option(
+                    "--tuned",
+                    "tuned_method",
+                    type=click.Choice(["adam", "sgd", "ridge"]),
+                    default="adam",
+                    show_default=True,
+                    help="Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov "
+                    "SGD (Belrose et al., the tuned-lens package's settings), or the closed-form ridge fit "
+                    "(ours).",
+                ),
+                click.option(
+                    "--tuned-steps",
+                    type=int,
+                    default=250,
+                    show_default=True,
+                    help="Training steps (adam, sgd).",
+                ),
+                click.option("--tuned-batch", type=int, default=batch, show_default=True, help=batch_help),
+            ]
+        ):
             fn = opt(fn)
         return fn
+
     return deco
 
 
@@ -66,32 +79,65 @@ def _fmt(x: float | None, pct: bool = True) -> str:
 @command(example="actstore lens /tmp/s --correct-only --tuned adam --figures figs")
 @store_argument
 @where_option
-@click.option("--correct-only", is_flag=True, help="Only facts the model answers correctly (object_rank = 0).")
-@click.option("--train-fraction", type=float, default=0.5, show_default=True,
-              help="Share of the facts that train the tuned lens; the rest are held out and evaluated.")
+@click.option(
+    "--correct-only", is_flag=True, help="Only facts the model answers correctly (object_rank = 0)."
+)
+@click.option(
+    "--train-fraction",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="Share of the facts that train the tuned lens; the rest are held out and evaluated.",
+)
 @click.option("--no-tuned", is_flag=True, help="Logit lens only, on every selected fact.")
-@tuned_lens_options(2 ** 18, "Training facts per step (adam, sgd); at least the number of training facts = full batch.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the train/held-out split and training.")
+@tuned_lens_options(
+    2**18, "Training facts per step (adam, sgd); at least the number of training facts = full batch."
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the train/held-out split and training."
+)
 @figures_option(help="Folder for the lens curves (PNG).")
 @no_save_option
 @json_option
-def lens(store: str, where: str | None, correct_only: bool, train_fraction: float, no_tuned: bool,
-         tuned_method: str, tuned_steps: int, tuned_batch: int, seed: int, figures: str | None, no_save: bool,
-         as_json: bool) -> None:
+def lens(
+    store: str,
+    where: str | None,
+    correct_only: bool,
+    train_fraction: float,
+    no_tuned: bool,
+    tuned_method: str,
+    tuned_steps: int,
+    tuned_batch: int,
+    seed: int,
+    figures: str | None,
+    no_save: bool,
+    as_json: bool,
+) -> None:
     """Logit lens and tuned lens from the stored residual stream: object probability and rank per layer."""
     from actstore.jobs.lens import LensRunConfig, run_lens
 
     started = time.time()
     s = open_store(store)
     check_where(s, where)
-    cfg = LensRunConfig(where=where, correct_only=correct_only, train_fraction=train_fraction,
-                        tuned=None if no_tuned else tuned_method, steps=tuned_steps, batch=tuned_batch, seed=seed,
-                        save=not no_save, figures=figures)
+    cfg = LensRunConfig(
+        where=where,
+        correct_only=correct_only,
+        train_fraction=train_fraction,
+        tuned=None if no_tuned else tuned_method,
+        steps=tuned_steps,
+        batch=tuned_batch,
+        seed=seed,
+        save=not no_save,
+        figures=figures,
+    )
 
     def progress(step: int, loss: float) -> None:
         if step == 1 or step % 25 == 0 or step == tuned_steps:
-            click.echo(f"tuned lens ({tuned_method}): step {step}/{tuned_steps}, sum of per-index KL {loss:.4f}, "
-                       f"{time.time() - started:.0f} s", err=True)
+            click.echo(
+                f"tuned lens ({tuned_method}): step {step}/{tuned_steps}, sum of per-index KL {loss:.4f}, "
+                f"{time.time() - started:.0f} s",
+                err=True,
+            )
 
     out = run_lens(s, cfg, progress=None if as_json else progress)
     r = out.result
@@ -99,74 +145,141 @@ def lens(store: str, where: str | None, correct_only: bool, train_fraction: floa
         click.echo(json.dumps(r))
         return
     method = r["tuned_method"]
-    how = "" if method is None else f"; tuned lens: {method}" + (
-        "" if method == "ridge" else f", {out.steps} steps, lr {out.learning_rate:g}")
-    click.echo(f"{s.url}: lens on {r['n_eval']} held-out facts ({r['n_train']} train the tuned lens{how}); final index "
-               f"= model output on {100 * r['final_index_matches_model']:.1f}%")
-    click.echo("index  logit p   tuned p   logit rank  tuned rank  logit top1  tuned top1  logit KL  tuned KL")
+    how = (
+        ""
+        if method is None
+        else f"; tuned lens: {method}"
+        + ("" if method == "ridge" else f", {out.steps} steps, lr {out.learning_rate:g}")
+    )
+    click.echo(
+        f"{s.url}: lens on {r['n_eval']} held-out facts ({r['n_train']} train the tuned lens{how}); final index "
+        f"= model output on {100 * r['final_index_matches_model']:.1f}%"
+    )
+    click.echo(
+        "index  logit p   tuned p   logit rank  tuned rank  logit top1  tuned top1  logit KL  tuned KL"
+    )
     nan = float("nan")
     for x in out.summary:
-        click.echo(f"{x['index']:>5}  {x['logit_prob']:7.4f}  {x.get('tuned_prob', nan):8.4f}   "
-                   f"{x['logit_rank_median']:9.0f}  {x.get('tuned_rank_median', nan):10.0f}  "
-                   f"{100 * x['logit_top1']:9.1f}%  {100 * x.get('tuned_top1', nan):9.1f}%  "
-                   f"{x['logit_kl']:8.3f}  {x.get('tuned_kl', nan):8.3f}")
+        click.echo(
+            f"{x['index']:>5}  {x['logit_prob']:7.4f}  {x.get('tuned_prob', nan):8.4f}   "
+            f"{x['logit_rank_median']:9.0f}  {x.get('tuned_rank_median', nan):10.0f}  "
+            f"{100 * x['logit_top1']:9.1f}%  {100 * x.get('tuned_top1', nan):9.1f}%  "
+            f"{x['logit_kl']:8.3f}  {x.get('tuned_kl', nan):8.3f}"
+        )
     for f in (*out.tables, *out.figures):
         click.echo(f"wrote {f}")
 
 
 # ------------------------------------------------------------------------------------ agree
-@command(example="actstore agree /tmp/s --run trace-20261201T080351-97216b7b --methods trace,patch,logit_lens")
+@command(
+    example="actstore agree /tmp/s --run trace-20261201T080351-97216b7b --methods trace,patch,logit_lens"
+)
 @store_argument
-@click.option("--run", "runs", multiple=True,
-              help="A trace or patch run to read (repeatable; default: the newest of each).")
-@click.option("--trace-run", default=None, hidden=True, help="Deprecated: use --run.")
-@click.option("--patch-run", default=None, hidden=True, help="Deprecated: use --run.")
-@click.option("--methods", default=",".join(METHOD_NAMES), show_default=True,
-              help="Methods to compare (comma-separated).")
-@click.option("--tolerance", type=click.IntRange(min=0), default=None,
-              help="Key layers agree within this many layers (default L/10).")
-@click.option("--plateau", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
-              help="Key layer = middle of the run of layers within this fraction of the peak (1 = argmax).")
-@click.option("--probe-min-count", type=int, default=5, show_default=True,
-              help="Objects with fewer facts in the store are not probe classes.")
-@click.option("--probe-folds", type=int, default=3, show_default=True, help="Cross-validation folds of the probes.")
-@tuned_lens_options(64, "Training facts per step (adam, sgd), drawn from the facts not compared; at least their "
-                        "number = full batch (about a minute per step on SmolLM2 on one CPU thread).")
+@click.option(
+    "--run",
+    "runs",
+    multiple=True,
+    help="A trace or patch run to read (repeatable; default: the newest of each).",
+)
+@click.option(
+    "--methods",
+    default=",".join(METHOD_NAMES),
+    show_default=True,
+    help="Methods to compare (comma-separated).",
+)
+@click.option(
+    "--tolerance",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Key layers agree within this many layers (default L/10).",
+)
+@click.option(
+    "--plateau",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=0.9,
+    show_default=True,
+    help="Key layer = middle of the run of layers within this fraction of the peak (1 = argmax).",
+)
+@click.option(
+    "--probe-min-count",
+    type=int,
+    default=5,
+    show_default=True,
+    help="Objects with fewer facts in the store are not probe classes.",
+)
+@click.option(
+    "--probe-folds", type=int, default=3, show_default=True, help="Cross-validation folds of the probes."
+)
+@tuned_lens_options(
+    64,
+    "Training facts per step (adam, sgd), drawn from the facts not compared; at least their "
+    "number = full batch (about a minute per step on SmolLM2 on one CPU thread).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the tuned lens's training.")
 @figures_option(help="Folder for the profile curves (PNG).")
 @no_save_option
 @quiet_option
 @json_option
-def agree(store: str, runs: tuple[str, ...], trace_run: str | None, patch_run: str | None, methods: str,
-          tolerance: int | None, plateau: float, probe_min_count: int, probe_folds: int, tuned_method: str,
-          tuned_steps: int, tuned_batch: int, seed: int, figures: str | None, no_save: bool, quiet: bool,
-          as_json: bool) -> None:
+def agree(
+    store: str,
+    runs: tuple[str, ...],
+    methods: str,
+    tolerance: int | None,
+    plateau: float,
+    probe_min_count: int,
+    probe_folds: int,
+    tuned_method: str,
+    tuned_steps: int,
+    tuned_batch: int,
+    seed: int,
+    figures: str | None,
+    no_save: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Key layers and MLP-vs-attention verdicts of each method per fact, and how far the methods agree."""
-    from actstore.cli._options import note
     from actstore.jobs.compare import AgreeConfig, run_agreement
     from actstore.query.methods import COMPARISON_TRAIN
 
-    for old, value in (("--trace-run", trace_run), ("--patch-run", patch_run)):
-        if value is not None:
-            note(f"{old} is deprecated and will be removed in the next release; use --run")
     started = time.time()
     s = open_store(store)
-    cfg = AgreeConfig(methods=split_list(methods) or (), runs=runs, trace_run=trace_run, patch_run=patch_run,
-                      tolerance=tolerance, plateau=plateau, probe_min_count=probe_min_count, probe_folds=probe_folds,
-                      tuned=tuned_method, tuned_config=replace(COMPARISON_TRAIN, steps=tuned_steps, batch=tuned_batch,
-                                                               seed=seed),
-                      save=not no_save, figures=figures)
+    cfg = AgreeConfig(
+        methods=split_list(methods) or (),
+        runs=runs,
+        tolerance=tolerance,
+        plateau=plateau,
+        probe_min_count=probe_min_count,
+        probe_folds=probe_folds,
+        tuned=tuned_method,
+        tuned_config=replace(COMPARISON_TRAIN, steps=tuned_steps, batch=tuned_batch, seed=seed),
+        save=not no_save,
+        figures=figures,
+    )
 
     def progress(step: int, loss: float) -> None:
         if step == 1 or step % 25 == 0 or step == tuned_steps:
-            click.echo(f"tuned lens ({tuned_method}): step {step}/{tuned_steps}, sum of per-index KL {loss:.4f}, "
-                       f"{time.time() - started:.0f} s", err=True)
+            click.echo(
+                f"tuned lens ({tuned_method}): step {step}/{tuned_steps}, sum of per-index KL {loss:.4f}, "
+                f"{time.time() - started:.0f} s",
+                err=True,
+            )
 
-    out = run_agreement(s, cfg, log=None if quiet else lambda m: click.echo(m, err=True),
-                        progress=None if quiet or as_json else progress)
+    out = run_agreement(
+        s,
+        cfg,
+        log=None if quiet else lambda m: click.echo(m, err=True),
+        progress=None if quiet or as_json else progress,
+    )
     result = dict(out.result)
-    result.update({"store": s.url, "run_id": out.run_id, "tables": out.tables, "figures": out.figures,
-                   "seconds": round(time.time() - started, 2)})
+    result.update(
+        {
+            "store": s.url,
+            "run_id": out.run_id,
+            "tables": out.tables,
+            "figures": out.figures,
+            "seconds": round(time.time() - started, 2),
+        }
+    )
     if as_json:
         click.echo(json.dumps(result, default=float))
         return
@@ -178,31 +291,53 @@ def agree(store: str, runs: tuple[str, ...], trace_run: str | None, patch_run: s
 
     click.echo(f"{result['model']} (L={L}): key layers agree within {tol} layer(s)")
     if tl:
-        how = "" if tl["method"] == "ridge" else \
-            f", {tl['config']['steps']} steps of {min(tl['config']['batch'], tl['train_facts'])} facts"
-        click.echo(f"{label('tuned_lens')}: fit on {tl['train_facts']} facts not compared{how}, {tl['seconds']:.0f} s")
-    click.echo(f"{'methods':<34} {'facts':>5} {'key layer':>9} {'exact':>6} {'MLP/attn':>8} {'profile r':>9}   paper")
+        how = (
+            ""
+            if tl["method"] == "ridge"
+            else f", {tl['config']['steps']} steps of {min(tl['config']['batch'], tl['train_facts'])} facts"
+        )
+        click.echo(
+            f"{label('tuned_lens')}: fit on {tl['train_facts']} facts not compared{how}, {tl['seconds']:.0f} s"
+        )
+    click.echo(
+        f"{'methods':<34} {'facts':>5} {'key layer':>9} {'exact':>6} {'MLP/attn':>8} {'profile r':>9}   paper"
+    )
     for p in result["pairs"]:
-        paper = "" if p["paper_key_layer"] is None else \
-            f"{100 * p['paper_key_layer']:.1f}% / {100 * p['paper_verdict']:.1f}% / {p['paper_correlation']:.2f}"
+        paper = (
+            ""
+            if p["paper_key_layer"] is None
+            else f"{100 * p['paper_key_layer']:.1f}% / {100 * p['paper_verdict']:.1f}% / {p['paper_correlation']:.2f}"
+        )
         r = p["profile_correlation"]
-        click.echo(f"{label(p['method_a']) + ' vs ' + label(p['method_b']):<34} {p['n_facts']:>5} {_fmt(p['key_layer_agreement']):>9} "
-                   f"{_fmt(p['key_layer_exact']):>6} {_fmt(p['verdict_agreement']):>8} "
-                   f"{'n/a' if r is None else f'{r:+.2f}':>9}   {paper}")
-    click.echo(f"{'all methods agree':<34} {result['consensus_facts']:>5} {_fmt(result['consensus']):>9}"
-               f"{'':>27}   {SEED_CONSENSUS_TEXT}")
+        click.echo(
+            f"{label(p['method_a']) + ' vs ' + label(p['method_b']):<34} {p['n_facts']:>5} {_fmt(p['key_layer_agreement']):>9} "
+            f"{_fmt(p['key_layer_exact']):>6} {_fmt(p['verdict_agreement']):>8} "
+            f"{'n/a' if r is None else f'{r:+.2f}':>9}   {paper}"
+        )
+    click.echo(
+        f"{'all methods agree':<34} {result['consensus_facts']:>5} {_fmt(result['consensus']):>9}"
+        f"{'':>27}   {SEED_CONSENSUS_TEXT}"
+    )
     cs = result.get("causal_shares")
     if cs:
-        click.echo(f"MLP share of the causal effect: tracing {_fmt(cs['trace_mlp_share'])}, "
-                   f"patching {_fmt(cs.get('patch_mlp_share'))}")
-        for name, key in (("at the subject's last token", "key_mlp_layer_relative_subject_last"),
-                          ("at any position", "key_mlp_layer_relative")):
+        click.echo(
+            f"MLP share of the causal effect: tracing {_fmt(cs['trace_mlp_share'])}, "
+            f"patching {_fmt(cs.get('patch_mlp_share'))}"
+        )
+        for name, key in (
+            ("at the subject's last token", "key_mlp_layer_relative_subject_last"),
+            ("at any position", "key_mlp_layer_relative"),
+        ):
             rel = cs.get(key)
             if rel:
-                click.echo(f"key MLP layer {name}: {100 * rel['median']:.0f}% of depth "
-                           f"(IQR {100 * rel['q25']:.0f}-{100 * rel['q75']:.0f}%)")
-    click.echo("median key layer: " + ", ".join(f"{label(m)} {v:.1f}" for m, v in result["key_layer_median"].items()
-                                                if v is not None))
+                click.echo(
+                    f"key MLP layer {name}: {100 * rel['median']:.0f}% of depth "
+                    f"(IQR {100 * rel['q25']:.0f}-{100 * rel['q75']:.0f}%)"
+                )
+    click.echo(
+        "median key layer: "
+        + ", ".join(f"{label(m)} {v:.1f}" for m, v in result["key_layer_median"].items() if v is not None)
+    )
     for f in (*out.tables, *out.figures):
         click.echo(f"wrote {f}")
 

@@ -12,7 +12,6 @@ from typing import Any
 import click
 
 from actstore.cli._options import (
-    alias,
     command,
     figures_option,
     heads_option,
@@ -51,9 +50,9 @@ def run_option(fn: Any) -> Any:
 # --------------------------------------------------------------------------------------- probe
 @command(example="actstore probe /tmp/s --kind attn_head --where \"split = 'val'\" --episodes 100 --seeds 1")
 @store_argument
-@click.option("--kind", required=True,
-              help="Feature kind: attn_head, attn, attn_entity, mlp, mlp_group, resid or z.")
-@alias("--features", "kind", "--kind")
+@click.option(
+    "--kind", required=True, help="Feature kind: attn_head, attn, attn_entity, mlp, mlp_group, resid or z."
+)
 @where_option
 @layers_option("Layer subset, e.g. 0,3,5-7 (resid: residual indices; default: all).")
 @heads_option("Head (or mlp_group group) subset, e.g. 0-3 (default: all).")
@@ -62,43 +61,114 @@ def run_option(fn: Any) -> Any:
 @click.option("--k-shot", type=int, default=5, show_default=True, help="Support examples per class.")
 @click.option("--queries", type=int, default=5, show_default=True, help="Queries per class.")
 @click.option("--episodes", type=int, default=500, show_default=True, help="Episodes per seed.")
-@click.option("--seeds", type=click.IntRange(min=1), default=5, show_default=True, help="Number of seeds (0 .. N-1).")
+@click.option(
+    "--seeds", type=click.IntRange(min=1), default=5, show_default=True, help="Number of seeds (0 .. N-1)."
+)
 @click.option("--seed-start", type=int, default=0, show_default=True, help="First seed.")
 @click.option("--top-k", type=int, default=3000, show_default=True, help="RelSpec features per relation.")
-@click.option("--no-relspec", is_flag=True,
-              help="Baseline without RelSpec: every feature, the same standardisation and training.")
-@click.option("--contrast", type=click.Choice(["renormalised", "seed"]), default="renormalised", show_default=True,
-              help="dW for HeadScore/TokenScore: competitors weighted by the softmax renormalised over them (ours) "
-              "or by the full softmax (the seed's formula as written).")
+@click.option(
+    "--no-relspec",
+    is_flag=True,
+    help="Baseline without RelSpec: every feature, the same standardisation and training.",
+)
+@click.option(
+    "--contrast",
+    type=click.Choice(["renormalised", "seed"]),
+    default="renormalised",
+    show_default=True,
+    help="dW for HeadScore/TokenScore: competitors weighted by the softmax renormalised over them (ours) "
+    "or by the full softmax (the seed's formula as written).",
+)
 @click.option("--epochs", type=int, default=200, show_default=True, help="Training epochs per episode.")
 @click.option("--lr", type=float, default=1e-3, show_default=True, help="Adam learning rate.")
-@click.option("--feature-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
-              help="In-memory feature matrix dtype (float16 halves memory).")
-@click.option("--token-scores", type=click.Choice(["errors", "all", "none"]), default="errors", show_default=True,
-              help="Which predictions get TokenScores stored (attention kinds only).")
-@click.option("--train-batch", type=int, default=2, show_default=True,
-              help="Episodes per training tensor problem (1-2 is fastest on a CPU).")
-@click.option("--memory-mb", type=int, default=1024, show_default=True, help="Working-memory budget per chunk.")
-@click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
-              help="torch CPU threads (1 is fastest on a shared machine; 0 = torch's default).")
+@click.option(
+    "--feature-dtype",
+    type=click.Choice(["float32", "float16"]),
+    default="float32",
+    show_default=True,
+    help="In-memory feature matrix dtype (float16 halves memory).",
+)
+@click.option(
+    "--token-scores",
+    type=click.Choice(["errors", "all", "none"]),
+    default="errors",
+    show_default=True,
+    help="Which predictions get TokenScores stored (attention kinds only).",
+)
+@click.option(
+    "--train-batch",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Episodes per training tensor problem (1-2 is fastest on a CPU).",
+)
+@click.option(
+    "--memory-mb", type=int, default=1024, show_default=True, help="Working-memory budget per chunk."
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="torch CPU threads (1 is fastest on a shared machine; 0 = torch's default).",
+)
 @no_save_option
 @quiet_option
 @json_option
-def probe(store: str, kind: str, where: str | None, layers: str | None, heads: str | None, groups: int | None,
-          n_way: int, k_shot: int, queries: int, episodes: int, seeds: int, seed_start: int, top_k: int,
-          no_relspec: bool, contrast: str, epochs: int, lr: float, feature_dtype: str, token_scores: str,
-          train_batch: int, memory_mb: int, threads: int, no_save: bool, quiet: bool, as_json: bool) -> None:
+def probe(
+    store: str,
+    kind: str,
+    where: str | None,
+    layers: str | None,
+    heads: str | None,
+    groups: int | None,
+    n_way: int,
+    k_shot: int,
+    queries: int,
+    episodes: int,
+    seeds: int,
+    seed_start: int,
+    top_k: int,
+    no_relspec: bool,
+    contrast: str,
+    epochs: int,
+    lr: float,
+    feature_dtype: str,
+    token_scores: str,
+    train_batch: int,
+    memory_mb: int,
+    threads: int,
+    no_save: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
     from actstore.jobs.probe import contrast_text
     from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
 
     ls, hs = parse_int_list(layers), parse_int_list(heads, "heads")
-    cfg = ProbeConfig(kind=kind, where=where, layers=None if ls is None else tuple(ls),
-                      heads=None if hs is None else tuple(hs), groups=groups, n_way=n_way, k_shot=k_shot,
-                      queries=queries, episodes=episodes, seeds=tuple(range(seed_start, seed_start + seeds)),
-                      top_k=top_k, epochs=epochs, lr=lr, feature_dtype=feature_dtype, token_scores=token_scores,
-                      memory_mb=memory_mb, threads=threads, train_batch=train_batch, relspec=not no_relspec,
-                      contrast=contrast)
+    cfg = ProbeConfig(
+        kind=kind,
+        where=where,
+        layers=None if ls is None else tuple(ls),
+        heads=None if hs is None else tuple(hs),
+        groups=groups,
+        n_way=n_way,
+        k_shot=k_shot,
+        queries=queries,
+        episodes=episodes,
+        seeds=tuple(range(seed_start, seed_start + seeds)),
+        top_k=top_k,
+        epochs=epochs,
+        lr=lr,
+        feature_dtype=feature_dtype,
+        token_scores=token_scores,
+        memory_mb=memory_mb,
+        threads=threads,
+        train_batch=train_batch,
+        relspec=not no_relspec,
+        contrast=contrast,
+    )
     s = open_store(store)
     out = run_probe(s, cfg, progress=not quiet and sys.stderr.isatty())
     summary = out.summary()
@@ -109,48 +179,59 @@ def probe(store: str, kind: str, where: str | None, layers: str | None, heads: s
         return
     lo, hi = out.ci95
     selection = "no RelSpec (all features)" if no_relspec else f"RelSpec top {top_k}"
-    click.echo(f"{kind} {n_way}-way {k_shot}-shot: accuracy {100 * out.accuracy:.2f}% "
-               f"(95% CI {100 * lo:.2f}-{100 * hi:.2f}) over {len(out.episodes)} episodes "
-               f"({episodes} x {seeds} seeds), {selection}, {summary['mean_selected_features']:.0f} features/episode, "
-               f"{out.seconds:.1f}s")
+    click.echo(
+        f"{kind} {n_way}-way {k_shot}-shot: accuracy {100 * out.accuracy:.2f}% "
+        f"(95% CI {100 * lo:.2f}-{100 * hi:.2f}) over {len(out.episodes)} episodes "
+        f"({episodes} x {seeds} seeds), {selection}, {summary['mean_selected_features']:.0f} features/episode, "
+        f"{out.seconds:.1f}s"
+    )
     click.echo(f"HeadScore contrast: {contrast_text(contrast)}")
     click.echo(f"run {out.run_id}" + ("" if no_save else f" (tables: {', '.join(summary['tables'])})"))
 
 
 # --------------------------------------------------------------------------------------- headscore
-@command(example="actstore headscore /tmp/s --run probe-20261201T080351-97216b7b --relation P17 --figures figs")
+@command(
+    example="actstore headscore /tmp/s --run probe-20261201T080351-97216b7b --relation P17 --figures figs"
+)
 @store_argument
 @run_option
 @click.option("--relation", default=None, help="Only predictions whose gold relation is this one.")
 @figures_option(help="Folder for the layer x head heatmap (headscore_RUN[_RELATION].png).")
-@click.option("--heatmap", default=None, hidden=True, help="Deprecated: the heatmap's PNG file (use --figures).")
 @json_option
-def headscore(store: str, run_id: str, relation: str | None, figures: str | None, heatmap: str | None,
-              as_json: bool) -> None:
+def headscore(store: str, run_id: str, relation: str | None, figures: str | None, as_json: bool) -> None:
     """Mean HeadScore per layer x head over a run's query predictions."""
-    from actstore.cli._options import note
     from actstore.jobs.probe import contrast_text, headscore_grid
 
     s = open_store(store)
     g = headscore_grid(s, run_id, relation)
     title = f"HeadScore {run_id}" + (f" {relation}" if relation else "")
     pngs: list[str] = []
-    if heatmap or figures:
+    if figures:
         from actstore.query.plotting import headscore_heatmap
 
-        if heatmap:
-            note("--heatmap is deprecated and will be removed in the next release; use --figures DIR")
-            pngs.append(str(headscore_heatmap(g.scores, g.layers, g.heads, heatmap, title)))
-        if figures:
-            name = f"headscore_{run_id}" + (f"_{relation}" if relation else "") + ".png"
-            pngs.append(str(headscore_heatmap(g.scores, g.layers, g.heads, os.path.join(figures, name), title)))
+        name = f"headscore_{run_id}" + (f"_{relation}" if relation else "") + ".png"
+        pngs.append(str(headscore_heatmap(g.scores, g.layers, g.heads, os.path.join(figures, name), title)))
     if as_json:
-        _echo_json({"run_id": run_id, "relation": relation, "predictions": g.n_predictions, "layers": g.layers,
-                    "heads": g.heads, "scores": g.scores.tolist(), "heatmap": pngs[0] if pngs else None,
-                    "figures": pngs, "contrast": g.contrast})
+        _echo_json(
+            {
+                "run_id": run_id,
+                "relation": relation,
+                "predictions": g.n_predictions,
+                "layers": g.layers,
+                "heads": g.heads,
+                "scores": g.scores.tolist(),
+                "heatmap": pngs[0] if pngs else None,
+                "figures": pngs,
+                "contrast": g.contrast,
+            }
+        )
         return
-    click.echo(f"mean HeadScore over {g.n_predictions} predictions" + (f" of {relation}" if relation else "") +
-               " (rows: layers, columns: heads; -1 = whole layer); contrast " + contrast_text(g.contrast))
+    click.echo(
+        f"mean HeadScore over {g.n_predictions} predictions"
+        + (f" of {relation}" if relation else "")
+        + " (rows: layers, columns: heads; -1 = whole layer); contrast "
+        + contrast_text(g.contrast)
+    )
     click.echo("layer " + " ".join(f"{h:>8d}" for h in g.heads))
     for i, layer in enumerate(g.layers):
         click.echo(f"{layer:>5d} " + " ".join(f"{v:8.3f}" for v in g.scores[i]))
@@ -163,13 +244,26 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
 @store_argument
 @run_option
 @click.option("--example", "example_id", type=int, required=True, help="Example id of the query prompt.")
-@click.option("--seed", type=int, default=None, help="Episode seed (default: the first episode with this query).")
+@click.option(
+    "--seed", type=int, default=None, help="Episode seed (default: the first episode with this query)."
+)
 @click.option("--episode", type=int, default=None, help="Episode index within the seed.")
-@click.option("--contrast", type=click.Choice(["renormalised", "seed"]), default=None,
-              help="Reading of dW (default: the run's own, see probe --contrast).")
+@click.option(
+    "--contrast",
+    type=click.Choice(["renormalised", "seed"]),
+    default=None,
+    help="Reading of dW (default: the run's own, see probe --contrast).",
+)
 @json_option
-def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episode: int | None,
-               contrast: str | None, as_json: bool) -> None:
+def tokenscore(
+    store: str,
+    run_id: str,
+    example_id: int,
+    seed: int | None,
+    episode: int | None,
+    contrast: str | None,
+    as_json: bool,
+) -> None:
     """TokenScore per layer over a query prompt's tokens (its episode is re-trained)."""
     from actstore.jobs.probe import contrast_text
     from actstore.query.explain import explain_example
@@ -180,48 +274,107 @@ def tokenscore(store: str, run_id: str, example_id: int, seed: int | None, episo
     if as_json:
         for row, ts in zip(layers, ex.token_scores):
             row["token_scores"] = ts.tolist()
-        _echo_json({"run_id": run_id, "example_id": example_id, "seed": ex.seed, "episode": ex.episode,
-                    "relation_id": ex.relation_id, "predicted": ex.predicted, "probability": ex.probability,
-                    "contrast": ex.contrast, "tokens": ex.tokens, "token_scores": total.tolist(), "layers": layers})
+        _echo_json(
+            {
+                "run_id": run_id,
+                "example_id": example_id,
+                "seed": ex.seed,
+                "episode": ex.episode,
+                "relation_id": ex.relation_id,
+                "predicted": ex.predicted,
+                "probability": ex.probability,
+                "contrast": ex.contrast,
+                "tokens": ex.tokens,
+                "token_scores": total.tolist(),
+                "layers": layers,
+            }
+        )
         return
-    click.echo(f"example {example_id} (seed {ex.seed}, episode {ex.episode}): gold {ex.relation_id}, "
-               f"predicted {ex.predicted} (p={ex.probability:.3f}); contrast {contrast_text(ex.contrast)}")
+    click.echo(
+        f"example {example_id} (seed {ex.seed}, episode {ex.episode}): gold {ex.relation_id}, "
+        f"predicted {ex.predicted} (p={ex.probability:.3f}); contrast {contrast_text(ex.contrast)}"
+    )
     for tok, v in zip(ex.tokens, total):
         click.echo(f"  {tok!r:>20} {v:+10.4f}")
     click.echo("layer  head_score_sum  token_score_sum  centering  residual")
     for r in layers:
-        click.echo(f"{r['layer']:>5} {r['head_score_sum']:15.4f} {r['token_score_sum']:16.4f} "
-                   f"{r['centering']:10.4f} {r['residual']:9.2e}")
+        click.echo(
+            f"{r['layer']:>5} {r['head_score_sum']:15.4f} {r['token_score_sum']:16.4f} "
+            f"{r['centering']:10.4f} {r['residual']:9.2e}"
+        )
 
 
 # --------------------------------------------------------------------------------------- correlate
-@command(example="actstore correlate /tmp/s --run probe-20261201T080351-97216b7b --kb 'kb/*.txt' "
-                 "--dataset-file val_wiki.json --figures figs")
+@command(
+    example="actstore correlate /tmp/s --run probe-20261201T080351-97216b7b --kb 'kb/*.txt' "
+    "--dataset-file val_wiki.json --figures figs"
+)
 @store_argument
 @click.argument("more_kb", nargs=-1)
 @run_option
-@click.option("--kb", multiple=True, help="Q-id triple files (globs allowed; the option may repeat, and "
-              "further files may follow it), or codex-m: the public CoDEx-M graph by name (docs/datasets.md).")
-@click.option("--direction", type=click.Choice(["out", "both"]), default="out", show_default=True,
-              help="An entity's properties: those it has as head, or in either position.")
-@figures_option("--plots", help="Folder for one scatter PNG per predictor.")
-@click.option("--concentration", type=click.Choice(["predicted-abs", "gold-signed"]), default="predicted-abs",
-              show_default=True, help="HeadScore concentration over the predictions assigned to each relation, "
-              "summing |score| (no labels needed, the seed's reading), or the earlier gold-label signed version.")
-@click.option("--dataset-file", default=None,
-              help="The FewRel JSON the store was ingested from: output range over every instance of each relation "
-              "in it, object-first ones included (ours; default when given).")
-@click.option("--output-range", "range_kind", type=click.Choice(["dataset", "sample"]), default=None,
-              help="Output range over the data set file or over the run's stored sample (default: dataset when "
-              "--dataset-file is given, else sample).")
-@click.option("--dask", "dask_address", default=None, metavar="SCHEDULER_ADDRESS",
-              help="Run the predictor tasks on this Dask scheduler's workers (they open STORE and the --kb files).")
-@click.option("--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes.")
+@click.option(
+    "--kb",
+    multiple=True,
+    help="Q-id triple files (globs allowed; the option may repeat, and "
+    "further files may follow it), or codex-m: the public CoDEx-M graph by name (docs/datasets.md).",
+)
+@click.option(
+    "--direction",
+    type=click.Choice(["out", "both"]),
+    default="out",
+    show_default=True,
+    help="An entity's properties: those it has as head, or in either position.",
+)
+@figures_option(help="Folder for one scatter PNG per predictor.")
+@click.option(
+    "--concentration",
+    type=click.Choice(["predicted-abs", "gold-signed"]),
+    default="predicted-abs",
+    show_default=True,
+    help="HeadScore concentration over the predictions assigned to each relation, "
+    "summing |score| (no labels needed, the seed's reading), or the earlier gold-label signed version.",
+)
+@click.option(
+    "--dataset-file",
+    default=None,
+    help="The FewRel JSON the store was ingested from: output range over every instance of each relation "
+    "in it, object-first ones included (ours; default when given).",
+)
+@click.option(
+    "--output-range",
+    "range_kind",
+    type=click.Choice(["dataset", "sample"]),
+    default=None,
+    help="Output range over the data set file or over the run's stored sample (default: dataset when "
+    "--dataset-file is given, else sample).",
+)
+@click.option(
+    "--dask",
+    "dask_address",
+    default=None,
+    metavar="SCHEDULER_ADDRESS",
+    help="Run the predictor tasks on this Dask scheduler's workers (they open STORE and the --kb files).",
+)
+@click.option(
+    "--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes."
+)
 @no_save_option
 @json_option
-def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, ...], direction: str,
-              figures: str | None, concentration: str, dataset_file: str | None, range_kind: str | None,
-              dask_address: str | None, workers: int | None, no_save: bool, as_json: bool) -> None:
+def correlate(
+    store: str,
+    more_kb: tuple[str, ...],
+    run_id: str,
+    kb: tuple[str, ...],
+    direction: str,
+    figures: str | None,
+    concentration: str,
+    dataset_file: str | None,
+    range_kind: str | None,
+    dask_address: str | None,
+    workers: int | None,
+    no_save: bool,
+    as_json: bool,
+) -> None:
     """Per-relation F1 vs output range, KG connectivity, TF-IDF similarity, HeadScore concentration."""
     from actstore.core.writer import write_result_table
     from actstore.query.distributed import dask_client
@@ -230,9 +383,16 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
     files = _kb_files((*kb, *more_kb))
     s = open_store(store)
     with dask_client(dask_address, workers) as client:
-        res = relation_predictors(s, run_id, kb=[os.path.abspath(f) for f in files], direction=direction,
-                                  client=client, concentration=concentration, dataset_file=dataset_file,
-                                  output_range=range_kind)
+        res = relation_predictors(
+            s,
+            run_id,
+            kb=[os.path.abspath(f) for f in files],
+            direction=direction,
+            client=client,
+            concentration=concentration,
+            dataset_file=dataset_file,
+            output_range=range_kind,
+        )
     pngs = scatter_plots(res, figures) if figures else []
     if not no_save:
         write_result_table(s, "relation_predictors", run_id, res.relations)
@@ -240,24 +400,41 @@ def correlate(store: str, more_kb: tuple[str, ...], run_id: str, kb: tuple[str, 
     rel_rows = res.relations.to_pylist()
     range_source = rel_rows[0]["output_range_source"] if rel_rows else None
     if as_json:
-        _echo_json({"run_id": run_id, "relations": rel_rows, "correlations": res.correlations.to_pylist(),
-                    "kb_coverage": res.kb_coverage, "plots": pngs, "concentration": concentration,
-                    "output_range": range_source})
+        _echo_json(
+            {
+                "run_id": run_id,
+                "relations": rel_rows,
+                "correlations": res.correlations.to_pylist(),
+                "kb_coverage": res.kb_coverage,
+                "plots": pngs,
+                "concentration": concentration,
+                "output_range": range_source,
+            }
+        )
         return
     click.echo(f"{'relation':<10} {'f1':>6} {'range':>6} {'conn':>6} {'cov':>5} {'tfidf':>6} {'conc':>5}")
     for r in rel_rows:
-        click.echo(f"{r['relation_id']:<10} {r['f1']:6.3f} {r['output_range']:6.0f} {r['connectivity']:6.2f} "
-                   f"{r['connectivity_coverage']:5.2f} {r['tfidf_similarity']:6.3f} {r['head_concentration']:5.0f}")
+        click.echo(
+            f"{r['relation_id']:<10} {r['f1']:6.3f} {r['output_range']:6.0f} {r['connectivity']:6.2f} "
+            f"{r['connectivity_coverage']:5.2f} {r['tfidf_similarity']:6.3f} {r['head_concentration']:5.0f}"
+        )
     click.echo(f"{'predictor':<20} {'n':>3} {'spearman':>9} {'p':>8} {'pearson':>8} {'p':>8}")
     for c in res.correlations.to_pylist():
-        click.echo(f"{c['predictor']:<20} {c['n']:>3} {c['spearman_rho']:9.3f} {c['spearman_p']:8.3g} "
-                   f"{c['pearson_r']:8.3f} {c['pearson_p']:8.3g}")
+        click.echo(
+            f"{c['predictor']:<20} {c['n']:>3} {c['spearman_rho']:9.3f} {c['spearman_p']:8.3g} "
+            f"{c['pearson_r']:8.3f} {c['pearson_p']:8.3g}"
+        )
     if files:
         click.echo(f"knowledge-graph coverage: {100 * res.kb_coverage:.1f}% of instances")
     click.echo(f"output range: {range_source}")
-    click.echo("HeadScore concentration: " + (
-        "predictions assigned to each relation, sum of |HeadScore| (no labels)" if concentration == "predicted-abs"
-        else "predictions of each gold relation, |mean signed HeadScore| (gold labels)"))
+    click.echo(
+        "HeadScore concentration: "
+        + (
+            "predictions assigned to each relation, sum of |HeadScore| (no labels)"
+            if concentration == "predicted-abs"
+            else "predictions of each gold relation, |mean signed HeadScore| (gold labels)"
+        )
+    )
     for p in pngs:
         click.echo(f"wrote {p}")
 
@@ -284,21 +461,18 @@ def _kb_files(patterns: tuple[str, ...]) -> list[str]:
 @run_option
 @click.option("--cues", "n_cues", type=int, default=20, show_default=True, help="Lexical cues per relation.")
 @figures_option(help="Folder for the three-panel figure (shortcuts_RUN.png).")
-@click.option("--plot", default=None, hidden=True, help="Deprecated: the figure's PNG file (use --figures).")
 @no_save_option
 @json_option
-def shortcuts(store: str, run_id: str, n_cues: int, figures: str | None, plot: str | None, no_save: bool,
-              as_json: bool) -> None:
+def shortcuts(
+    store: str, run_id: str, n_cues: int, figures: str | None, no_save: bool, as_json: bool
+) -> None:
     """Spearman rho, Mass and StrongAlign-x of the run's errors' TokenScores vs lexical cues."""
-    from actstore.cli._options import note
     from actstore.core.writer import write_result_table
     from actstore.query.shortcuts import shortcut_analysis, shortcut_figure
 
     s = open_store(store)
     res = shortcut_analysis(s, run_id, n_cues=n_cues)
-    if plot:
-        note("--plot is deprecated and will be removed in the next release; use --figures DIR")
-    target = plot or (os.path.join(figures, f"shortcuts_{run_id}.png") if figures else None)
+    target = os.path.join(figures, f"shortcuts_{run_id}.png") if figures else None
     if target and os.path.dirname(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
     png = shortcut_figure(res, target) if target else None
@@ -309,9 +483,11 @@ def shortcuts(store: str, run_id: str, n_cues: int, figures: str | None, plot: s
     if as_json:
         _echo_json({**summ, "plot": png})
         return
-    click.echo(f"{summ['n_errors']} errors, {n_cues} cues per relation: Spearman rho {summ['spearman_rho']:.3f}, "
-               f"Mass {summ['mass']:.3f} (baseline {summ['mass_baseline']:.3f}), "
-               f"StrongAlign-x {100 * summ['strong_align']:.1f}%")
+    click.echo(
+        f"{summ['n_errors']} errors, {n_cues} cues per relation: Spearman rho {summ['spearman_rho']:.3f}, "
+        f"Mass {summ['mass']:.3f} (baseline {summ['mass_baseline']:.3f}), "
+        f"StrongAlign-x {100 * summ['strong_align']:.1f}%"
+    )
     if png:
         click.echo(f"wrote {png}")
 

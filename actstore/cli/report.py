@@ -13,33 +13,65 @@ from actstore.cli._options import command, json_option, open_store, quiet_option
 @store_argument
 @click.option("--out", "out_path", default="report.html", show_default=True, help="HTML file to write.")
 @click.option("--title", default=None, help="Page title (default: 'actstore report: MODEL').")
-@click.option("--max-runs", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Most recent runs shown per analysis.")
-@click.option("--max-relations", type=click.IntRange(min=1), default=24, show_default=True,
-              help="Heatmaps per run, at most.")
-@click.option("--token-examples", type=click.IntRange(min=0), default=6, show_default=True,
-              help="TokenScore examples shown: this many errors and about two thirds as many correct predictions.")
+@click.option(
+    "--max-runs",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Most recent runs shown per analysis.",
+)
+@click.option(
+    "--max-relations",
+    type=click.IntRange(min=1),
+    default=24,
+    show_default=True,
+    help="Heatmaps per run, at most.",
+)
+@click.option(
+    "--token-examples",
+    type=click.IntRange(min=0),
+    default=6,
+    show_default=True,
+    help="TokenScore examples shown: this many errors and about two thirds as many correct predictions.",
+)
 @quiet_option
 @json_option
-def report(store: str, out_path: str, title: str | None, max_runs: int, max_relations: int, token_examples: int,
-           quiet: bool, as_json: bool) -> None:
+def report(
+    store: str,
+    out_path: str,
+    title: str | None,
+    max_runs: int,
+    max_relations: int,
+    token_examples: int,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Write one self-contained HTML file: the store's summary and every analysis result it holds."""
     from actstore.query.report import ReportOptions, collect_sections, render_html, write_text_atomically
 
     s = open_store(store)
-    opts = ReportOptions(max_runs=max_runs, max_relations=max_relations, token_errors=token_examples,
-                         token_correct=(2 * token_examples + 2) // 3)
+    opts = ReportOptions(
+        max_runs=max_runs,
+        max_relations=max_relations,
+        token_errors=token_examples,
+        token_correct=(2 * token_examples + 2) // 3,
+    )
     sections = collect_sections(s, opts, log=None if quiet or as_json else lambda m: click.echo(m, err=True))
     text = render_html(s, sections, title=title)
     write_text_atomically(out_path, text)
     n_img = text.count("<img ")
     size = len(text.encode("utf-8"))
     if as_json:
-        click.echo(json.dumps({"report": out_path, "sections": [sec.id for sec in sections], "images": n_img,
-                               "bytes": size}))
+        click.echo(
+            json.dumps(
+                {"report": out_path, "sections": [sec.id for sec in sections], "images": n_img, "bytes": size}
+            )
+        )
         return
-    click.echo(f"wrote {out_path}: {len(sections)} sections ({', '.join(sec.id for sec in sections)}), "
-               f"{n_img} images, {size / 1e6:.1f} MB")
+    click.echo(
+        f"wrote {out_path}: {len(sections)} sections ({', '.join(sec.id for sec in sections)}), "
+        f"{n_img} images, {size / 1e6:.1f} MB"
+    )
 
 
 COMMANDS = [report]

@@ -40,17 +40,30 @@ def _du(s: Any) -> int:
 def info(store: str, as_json: bool) -> None:
     """Summarise a store: model, geometry, corpus, sizes."""
     s = open_store(store)
-    rel = s.sql("SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
-                "FROM examples GROUP BY 1 ORDER BY 1").to_pylist()
+    rel = s.sql(
+        "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
+        "FROM examples GROUP BY 1 ORDER BY 1"
+    ).to_pylist()
     s.check_table_shards()  # info lists every table: each file is checked (hash, footer), as a statement reading it would
     tables = {name: len(files) for name, files in s.table_files().items()}
     d = {
-        "store": s.url, "format_version": s.manifest.format_version, "model": s.manifest.model,
-        "geometry": s.geometry.to_dict(), "storage_dtype": s.manifest.storage_dtype,
-        "examples": s.manifest.n_examples, "rows_committed": s.n_rows,
-        "segments": {"committed": len(s.commits), "total": s.manifest.n_segments}, "complete": s.complete,
-        "relations": rel, "tables": tables, "bytes": _du(s),
-        "chunks": {"rows": s.manifest.chunk_rows, "flat": s.manifest.chunk_flat, "layers": s.manifest.chunk_layers},
+        "store": s.url,
+        "format_version": s.manifest.format_version,
+        "model": s.manifest.model,
+        "geometry": s.geometry.to_dict(),
+        "storage_dtype": s.manifest.storage_dtype,
+        "examples": s.manifest.n_examples,
+        "rows_committed": s.n_rows,
+        "segments": {"committed": len(s.commits), "total": s.manifest.n_segments},
+        "complete": s.complete,
+        "relations": rel,
+        "tables": tables,
+        "bytes": _du(s),
+        "chunks": {
+            "rows": s.manifest.chunk_rows,
+            "flat": s.manifest.chunk_flat,
+            "layers": s.manifest.chunk_layers,
+        },
     }
     if as_json:
         click.echo(json.dumps(d, indent=2, default=str))
@@ -74,11 +87,17 @@ def info(store: str, as_json: bool) -> None:
         click.echo(printable(line))
 
 
-@command(example="actstore sql /tmp/s \"SELECT relation_id, count(*) FROM examples GROUP BY 1\" --json")
+@command(example='actstore sql /tmp/s "SELECT relation_id, count(*) FROM examples GROUP BY 1" --json')
 @store_argument
 @click.argument("query")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
-              help="Output format (--json is the same as --format json).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "csv", "json"]),
+    default="table",
+    show_default=True,
+    help="Output format (--json is the same as --format json).",
+)
 @json_option
 @sql_limit_options
 def sql(store: str, query: str, fmt: str, as_json: bool) -> None:
@@ -91,8 +110,10 @@ def sql(store: str, query: str, fmt: str, as_json: bool) -> None:
 FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, mlp, mlp_group, resid"
 
 
-@command(example="actstore features /tmp/s --kind attn_head --layers 0-3 --where \"relation_id = 'P17'\" "
-                 "--out x.npy")
+@command(
+    example="actstore features /tmp/s --kind attn_head --layers 0-3 --where \"relation_id = 'P17'\" "
+    "--out x.npy"
+)
 @store_argument
 @click.option("--kind", required=True, help=f"Feature kind: {FEATURE_KINDS}.")
 @where_option
@@ -101,8 +122,16 @@ FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, ml
 @click.option("--groups", type=int, default=None, help="mlp_group: number of neuron groups (default: heads).")
 @click.option("--out", "out_path", required=True, help="Output .npy file.")
 @click.option("--ids-out", default=None, help="Parquet file of (example_id, row) in the array's order.")
-def features(store: str, kind: str, where: str | None, layers: str | None, heads: str | None, groups: int | None,
-             out_path: str, ids_out: str | None) -> None:
+def features(
+    store: str,
+    kind: str,
+    where: str | None,
+    layers: str | None,
+    heads: str | None,
+    groups: int | None,
+    out_path: str,
+    ids_out: str | None,
+) -> None:
     """Write the features of the selected target rows to a .npy file (target-row order)."""
     import numpy as np
     import pyarrow.parquet as pq
@@ -131,18 +160,31 @@ def verify(store: str, values: bool, as_json: bool) -> None:
 
     report = verify_store(open_store(store), values=values)
     if as_json:
-        click.echo(json.dumps({"store": report.store, "ok": report.ok, "status": report.status,
-                               "segments": report.segments_checked, "chunks": report.chunks_checked,
-                               "uncommitted_segments": report.uncommitted, "values_checked": report.values_checked,
-                               "problems": report.problems, "notes": report.notes}))
+        click.echo(
+            json.dumps(
+                {
+                    "store": report.store,
+                    "ok": report.ok,
+                    "status": report.status,
+                    "segments": report.segments_checked,
+                    "chunks": report.chunks_checked,
+                    "uncommitted_segments": report.uncommitted,
+                    "values_checked": report.values_checked,
+                    "problems": report.problems,
+                    "notes": report.notes,
+                }
+            )
+        )
     else:
         for n in report.notes:
             click.echo(f"NOTE {printable(n)}", err=True)
         for p in report.problems:
             click.echo(f"PROBLEM {printable(p)}", err=True)
-        click.echo(f"{report.status}: {report.segments_checked} segments, "
-                   f"{report.chunks_checked} chunks checked{' (values scanned)' if values else ''}, "
-                   f"{len(report.problems)} problems")
+        click.echo(
+            f"{report.status}: {report.segments_checked} segments, "
+            f"{report.chunks_checked} chunks checked{' (values scanned)' if values else ''}, "
+            f"{len(report.problems)} problems"
+        )
     if not report.ok:
         sys.exit(EXIT_DAMAGED)
 

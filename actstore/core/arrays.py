@@ -43,15 +43,27 @@ from zarr.storage import WrapperStore
 from actstore.core.errors import CorruptStoreError
 from actstore.core.fs import check_regular_file, open_regular_file, pread_exact, read_local_file
 
-NUMPY_DTYPE: dict[str, np.dtype] = {"float32": np.dtype("float32"), "float16": np.dtype("float16"), "bfloat16": np.dtype("uint16")}
+NUMPY_DTYPE: dict[str, np.dtype] = {
+    "float32": np.dtype("float32"),
+    "float16": np.dtype("float16"),
+    "bfloat16": np.dtype("uint16"),
+}
 
 
 def compressors() -> list[Any]:
     return [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), Crc32cCodec()]
 
 
-def create_array(group: zarr.Group, name: str, data: np.ndarray, chunk0: int, *, logical_dtype: str,
-                 compress: bool = True, chunk1: int = 0) -> None:
+def create_array(
+    group: zarr.Group,
+    name: str,
+    data: np.ndarray,
+    chunk0: int,
+    *,
+    logical_dtype: str,
+    compress: bool = True,
+    chunk1: int = 0,
+) -> None:
     """Write ``data`` as a new array chunked along axis 0 (``chunk0`` rows per chunk).
 
     With ``chunk1`` > 0 (fewer than axis 1's length), each chunk of rows is a shard holding inner
@@ -89,7 +101,7 @@ def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence
     """Array ``name`` of ``group`` (created by :func:`create_array` with layer chunks ``inner``) written
     shard by shard: each inner chunk (padded with zeros at the edges) Blosc/LZ4-compressed with byte
     shuffle and followed by its CRC32C, in C order, then the index of (offset, length) uint64 pairs and
-    its CRC32C, exactly as zarr's sharding codec lays them out (tests/test_local_chunks.py compares the
+    its CRC32C, exactly as zarr's sharding codec lays them out (tests/integration/test_local_chunks.py compares the
     bytes).  Written through the group's store, so the store's wrappers see every object.  zarr's own
     writer takes about 6x longer for these many small inner chunks (benchmarks/bench_layer_chunks.py),
     which a GPU ingest's host side would pay."""
@@ -107,17 +119,17 @@ def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence
     store = group.store
     prefix = f"{group.path}/{name}" if group.path else name
     for i in range(-(-n0 // c0)):
-        rows = src[i * c0:(i + 1) * c0]
+        rows = src[i * c0 : (i + 1) * c0]
         parts: list[bytes] = []
         index = np.empty((nb, 2), dtype="<u8")
         offset = 0
         for j in range(nb):
-            piece = rows[:, j * k1:(j + 1) * k1]
+            piece = rows[:, j * k1 : (j + 1) * k1]
             if piece.shape == block.shape:
                 raw = np.ascontiguousarray(piece)
             else:  # an edge chunk: zarr stores it whole, padded with the fill value
                 block[...] = 0
-                block[:piece.shape[0], :piece.shape[1]] = piece
+                block[: piece.shape[0], : piece.shape[1]] = piece
                 raw = block
             # the shuffle's type size is the array's item size (as zarr's codec passes it)
             body = blosc.compress(raw.reshape(-1), b"lz4", 5, blosc.SHUFFLE, blosc.AUTOBLOCKS)
@@ -155,12 +167,13 @@ def take1(x: np.ndarray, idx: Sequence[int] | None) -> np.ndarray:
         return x
     idx = list(idx)
     if idx and idx == list(range(idx[0], idx[0] + len(idx))):
-        return x[:, idx[0]:idx[0] + len(idx)]
+        return x[:, idx[0] : idx[0] + len(idx)]
     return x[:, idx]
 
 
-def axis1_plan(shape: Sequence[int], chunks: Sequence[int], axis1: Sequence[int] | None
-               ) -> tuple[list[int] | None, list[int] | None]:
+def axis1_plan(
+    shape: Sequence[int], chunks: Sequence[int], axis1: Sequence[int] | None
+) -> tuple[list[int] | None, list[int] | None]:
     """Which axis-1 chunks a read of ``axis1`` fetches, and where ``axis1``'s positions then lie.
 
     Returns ``(blocks, positions)``: ``blocks`` the sorted axis-1 chunk indices to read (None: the
@@ -185,8 +198,13 @@ def axis1_plan(shape: Sequence[int], chunks: Sequence[int], axis1: Sequence[int]
     return blocks, [offset[a // k1] + a % k1 for a in ax]
 
 
-def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str | None = None,
-              axis1: Sequence[int] | None = None) -> np.ndarray:
+def read_rows(
+    arr: zarr.Array,
+    rows: np.ndarray,
+    where: str,
+    logical_dtype: str | None = None,
+    axis1: Sequence[int] | None = None,
+) -> np.ndarray:
     """``arr[rows][:, axis1]`` for sorted row indices, reading each touched run of whole chunks once.
 
     With ``logical_dtype``, the rows come back widened to float32 (:func:`widen`), converted while
@@ -213,27 +231,35 @@ def read_rows(arr: zarr.Array, rows: np.ndarray, where: str, logical_dtype: str 
         sel = rows[(rows >= lo) & (rows < hi)] - lo
         consecutive = sel[-1] - sel[0] + 1 == sel.size and bool(np.all(sel[1:] != sel[:-1]))
         kept = take1(block, positions)  # a view: the rows are gathered (and widened) from the kept part only
-        piece = kept[sel[0]:sel[-1] + 1] if consecutive else kept[sel]
+        piece = kept[sel[0] : sel[-1] + 1] if consecutive else kept[sel]
         if len(spans) == 1:
             return widen(piece, logical_dtype) if logical_dtype is not None else np.ascontiguousarray(piece)
         if out is None:
             out = np.empty((rows.size, *tail), dtype=dtype)
         if logical_dtype == "bfloat16":
-            out[i:i + sel.size] = widen(piece, logical_dtype)
+            out[i : i + sel.size] = widen(piece, logical_dtype)
         else:
-            out[i:i + sel.size] = piece  # float16 -> float32 while copying
+            out[i : i + sel.size] = piece  # float16 -> float32 while copying
         i += sel.size
     assert out is not None
     return out
 
 
-def read_ranges(arr: zarr.Array, starts: Sequence[int], lengths: Sequence[int], where: str,
-                logical_dtype: str | None = None, axis1: Sequence[int] | None = None) -> np.ndarray:
+def read_ranges(
+    arr: zarr.Array,
+    starts: Sequence[int],
+    lengths: Sequence[int],
+    where: str,
+    logical_dtype: str | None = None,
+    axis1: Sequence[int] | None = None,
+) -> np.ndarray:
     """Concatenation of ``arr[s:s+n]`` for each range, reading each touched run of chunks once
     (widened to float32 with ``logical_dtype``, restricted to ``axis1``, as :func:`read_rows`)."""
-    idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lengths)]) if len(
-        starts
-    ) else np.zeros(0, dtype=np.int64)
+    idx = (
+        np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lengths)])
+        if len(starts)
+        else np.zeros(0, dtype=np.int64)
+    )
     if idx.size < 2 or bool(np.all(idx[1:] > idx[:-1])):  # ascending, no repeats (rows in store order)
         return read_rows(arr, idx, where, logical_dtype, axis1)
     order = np.argsort(idx, kind="stable")
@@ -332,7 +358,7 @@ class LocalChunks:
             data = pread_exact(fd, size, 0, self.path(i)) if whole else b""
             table = cache.get(file_id)
             if table is None or table.shape[0] != self.n_inner:
-                index = data[size - n_idx:] if whole else pread_exact(fd, n_idx, size - n_idx, self.path(i))
+                index = data[size - n_idx :] if whole else pread_exact(fd, n_idx, size - n_idx, self.path(i))
                 if int(google_crc32c.value(index[:-4])).to_bytes(4, "little") != index[-4:]:
                     raise ValueError(f"{self.key(i)}: the shard index fails its CRC32C checksum")
                 table = np.frombuffer(index[:-4], dtype="<u8").reshape(self.n_inner, 2)
@@ -343,13 +369,17 @@ class LocalChunks:
             for b in blocks:
                 off, n = (int(v) for v in table[b])
                 if off == _MISSING and n == _MISSING:
-                    raise MissingChunkError(f"{self.key(i)}: inner chunk {b} (layers {b * self.inner1}:"
-                                            f"{(b + 1) * self.inner1}) is missing from the shard")
+                    raise MissingChunkError(
+                        f"{self.key(i)}: inner chunk {b} (layers {b * self.inner1}:"
+                        f"{(b + 1) * self.inner1}) is missing from the shard"
+                    )
                 if off + n > size - n_idx:
-                    raise ValueError(f"{self.key(i)}: the shard index points past the data ({off}+{n} > {size - n_idx})")
+                    raise ValueError(
+                        f"{self.key(i)}: the shard index points past the data ({off}+{n} > {size - n_idx})"
+                    )
                 spans.append((off, n))
             if whole:
-                return [data[off:off + n] for off, n in spans]
+                return [data[off : off + n] for off, n in spans]
             out: list[bytes] = []
             k = 0
             while k < len(spans):  # adjacent inner chunks (consecutive layers) in one read
@@ -358,7 +388,7 @@ class LocalChunks:
                     m += 1
                 lo = spans[k][0]
                 buf = pread_exact(fd, spans[m - 1][0] + spans[m - 1][1] - lo, lo, self.path(i))
-                out += [buf[off - lo:off - lo + n] for off, n in spans[k:m]]
+                out += [buf[off - lo : off - lo + n] for off, n in spans[k:m]]
                 k = m
             return out
         finally:
@@ -384,11 +414,15 @@ class LocalChunks:
             for j, i in enumerate(range(c0, c1)):
                 self._decode(i, blocks[0], self._inner(i, blocks)[0], flat[j])
             return out[:stop]
-        if k1 == 1:  # one layer per inner chunk: decode in place into [layer, row, ...], return a [row, layer] view
+        if (
+            k1 == 1
+        ):  # one layer per inner chunk: decode in place into [layer, row, ...], return a [row, layer] view
             by_layer = np.empty((len(blocks), (c1 - c0) * n, *self.chunks[2:]), dtype=self.dtype)
             for j, i in enumerate(range(c0, c1)):
                 for m, data in enumerate(self._inner(i, blocks)):
-                    self._decode(i, blocks[m], data, by_layer[m, j * n:(j + 1) * n].reshape(-1).view(np.uint8))
+                    self._decode(
+                        i, blocks[m], data, by_layer[m, j * n : (j + 1) * n].reshape(-1).view(np.uint8)
+                    )
             return by_layer.swapaxes(0, 1)[:stop]
         tmp = np.empty(self.chunks, dtype=self.dtype)
         raw = tmp.reshape(-1).view(np.uint8)
@@ -396,7 +430,7 @@ class LocalChunks:
             at = 0
             for b, w, data in zip(blocks, widths, self._inner(i, blocks)):
                 self._decode(i, b, data, raw)
-                out[j * n:(j + 1) * n, at:at + w] = tmp[:, :w]
+                out[j * n : (j + 1) * n, at : at + w] = tmp[:, :w]
                 at += w
         return out[:stop]
 
@@ -416,8 +450,11 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     meta = arr.metadata
     if not isinstance(guard, ChunkGuard) or guard._local_root is None or not guard._strict:
         return None
-    if not isinstance(meta, ArrayV3Metadata) or not isinstance(meta.chunk_key_encoding, DefaultChunkKeyEncoding) \
-            or meta.chunk_key_encoding.separator != "/":
+    if (
+        not isinstance(meta, ArrayV3Metadata)
+        or not isinstance(meta.chunk_key_encoding, DefaultChunkKeyEncoding)
+        or meta.chunk_key_encoding.separator != "/"
+    ):
         return None
     codecs = list(meta.codecs)
     shape, chunks = tuple(int(n) for n in arr.shape), tuple(int(n) for n in arr.chunks)
@@ -425,9 +462,14 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
         sc = codecs[0]
         index = list(sc.index_codecs)
-        if sc.index_location != ShardingCodecIndexLocation.end or len(index) != 2 \
-                or not isinstance(index[0], BytesCodec) or not isinstance(index[1], Crc32cCodec) \
-                or getattr(index[0].endian, "value", None) != "little" or arr.shards is None:
+        if (
+            sc.index_location != ShardingCodecIndexLocation.end
+            or len(index) != 2
+            or not isinstance(index[0], BytesCodec)
+            or not isinstance(index[1], Crc32cCodec)
+            or getattr(index[0].endian, "value", None) != "little"
+            or arr.shards is None
+        ):
             return None
         shards = tuple(int(n) for n in arr.shards)
         if len(shape) < 2 or not sharded_ok(shape, chunks, shards):
@@ -441,10 +483,20 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     if middle and not (len(middle) == 1 and isinstance(middle[0], BloscCodec)):
         return None
     dtype = np.dtype(arr.dtype)
-    if dtype.kind not in "fiu" or (dtype.itemsize > 1 and getattr(codecs[0].endian, "value", None) != "little"):
+    if dtype.kind not in "fiu" or (
+        dtype.itemsize > 1 and getattr(codecs[0].endian, "value", None) != "little"
+    ):
         return None
-    return LocalChunks(os.path.join(guard._local_root, *arr.path.split("/")), shape, chunks,
-                       dtype.newbyteorder("<"), bool(middle), guard._max_bytes, inner1, guard._shard_index)
+    return LocalChunks(
+        os.path.join(guard._local_root, *arr.path.split("/")),
+        shape,
+        chunks,
+        dtype.newbyteorder("<"),
+        bool(middle),
+        guard._max_bytes,
+        inner1,
+        guard._shard_index,
+    )
 
 
 def sharded_ok(shape: Sequence[int], chunks: Sequence[int], shards: Sequence[int]) -> bool:
@@ -454,8 +506,12 @@ def sharded_ok(shape: Sequence[int], chunks: Sequence[int], shards: Sequence[int
     if len(shape) < 2 or not len(shape) == len(chunks) == len(shards):
         return False
     k1, n1 = int(chunks[1]), int(shape[1])
-    return (int(chunks[0]) == int(shards[0]) >= 1 and 1 <= k1 < n1 and int(shards[1]) == -(-n1 // k1) * k1
-            and tuple(chunks[2:]) == tuple(shape[2:]) == tuple(shards[2:]))
+    return (
+        int(chunks[0]) == int(shards[0]) >= 1
+        and 1 <= k1 < n1
+        and int(shards[1]) == -(-n1 // k1) * k1
+        and tuple(chunks[2:]) == tuple(shape[2:]) == tuple(shards[2:])
+    )
 
 
 def _read(arr: zarr.Array, sl: slice, where: str, blocks: Sequence[int] | None = None) -> np.ndarray:
@@ -466,11 +522,11 @@ def _read(arr: zarr.Array, sl: slice, where: str, blocks: Sequence[int] | None =
             n = int(arr.chunks[0])
             lo, hi = int(sl.start or 0), min(int(sl.stop), int(arr.shape[0]))
             if lo % n == 0 and hi > lo:
-                return direct.read(lo // n, -(-hi // n), blocks)[:hi - lo]
+                return direct.read(lo // n, -(-hi // n), blocks)[: hi - lo]
         if blocks is None:
             return np.asarray(arr[sl])
         k1, n1 = int(arr.chunks[1]), int(arr.shape[1])
-        parts = [np.asarray(arr[sl, b0 * k1:min(b1 * k1, n1)]) for b0, b1 in runs(np.asarray(blocks))]
+        parts = [np.asarray(arr[sl, b0 * k1 : min(b1 * k1, n1)]) for b0, b1 in runs(np.asarray(blocks))]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     except MissingChunkError as e:
         _settle_zarr_reads()
@@ -517,8 +573,15 @@ class ChunkGuard(WrapperStore[Store]):
     (when ``strict``) instead of letting zarr return the fill value, and refuses special files and
     files larger than ``max_bytes`` of a local store (``local_root``) before zarr opens them."""
 
-    def __init__(self, store: Store, *, where: str = "", strict: bool = True, local_root: str | None = None,
-                 max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        where: str = "",
+        strict: bool = True,
+        local_root: str | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         super().__init__(store)
         self._where = where
         self._strict = strict
@@ -527,15 +590,24 @@ class ChunkGuard(WrapperStore[Store]):
         self._shard_index: dict[tuple[object, ...], np.ndarray] = {}  # for LocalChunks: checked shard indexes
 
     def _with_store(self, store: Store) -> ChunkGuard:
-        return ChunkGuard(store, where=self._where, strict=self._strict, local_root=self._local_root,
-                          max_bytes=self._max_bytes)
+        return ChunkGuard(
+            store,
+            where=self._where,
+            strict=self._strict,
+            local_root=self._local_root,
+            max_bytes=self._max_bytes,
+        )
 
-    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
         if self._local_root is not None:
             check_regular_file(os.path.join(self._local_root, key), self._max_bytes)
         buf = await self._store.get(key, prototype, byte_range)
         if buf is None and self._strict and is_chunk_key(key):
-            raise MissingChunkError(f"{self._where}/{key}: chunk is missing (lost or deleted; run actstore verify)")
+            raise MissingChunkError(
+                f"{self._where}/{key}: chunk is missing (lost or deleted; run actstore verify)"
+            )
         return buf
 
     async def _get_many(
@@ -545,8 +617,14 @@ class ChunkGuard(WrapperStore[Store]):
             yield key, await self.get(key, prototype, byte_range)
 
 
-def check_array(arr: zarr.Array, where: str, shape: tuple[int, ...] | None, dtype: np.dtype | None,
-                max_chunk_bytes: int | None = None, max_chunks: int = 1 << 20) -> None:
+def check_array(
+    arr: zarr.Array,
+    where: str,
+    shape: tuple[int, ...] | None,
+    dtype: np.dtype | None,
+    max_chunk_bytes: int | None = None,
+    max_chunks: int = 1 << 20,
+) -> None:
     """Refuse (:class:`CorruptStoreError`) an array whose metadata disagrees with what the store's manifest
     and commit markers say: its ``shape`` and ``dtype``, chunking along axis 0 only (or shards of
     rows x layer chunks, :func:`sharded_ok`), at most ``max_chunks`` chunks (inner chunks of shards
@@ -561,15 +639,22 @@ def check_array(arr: zarr.Array, where: str, shape: tuple[int, ...] | None, dtyp
     shards = tuple(int(n) for n in arr.shards) if arr.shards is not None else None
     if shards is not None:
         if not sharded_ok(got, chunks, shards):
-            raise CorruptStoreError(f"{where}: shards {shards} of chunks {chunks} for shape {got}: not rows x every "
-                                    "layer in layer chunks")
+            raise CorruptStoreError(
+                f"{where}: shards {shards} of chunks {chunks} for shape {got}: not rows x every "
+                "layer in layer chunks"
+            )
         n_chunks = -(-got[0] // chunks[0]) * (shards[1] // chunks[1])
     else:
         if len(chunks) != len(got) or not got or chunks[0] < 1 or chunks[1:] != got[1:]:
-            raise CorruptStoreError(f"{where}: chunks {chunks} for shape {got}: not chunked along axis 0 only")
+            raise CorruptStoreError(
+                f"{where}: chunks {chunks} for shape {got}: not chunked along axis 0 only"
+            )
         n_chunks = -(-got[0] // chunks[0])
     if n_chunks > max_chunks:
         raise CorruptStoreError(f"{where}: {n_chunks} chunks, more than the {max_chunks} an array may have")
     whole = shards or chunks  # what one file holds, and a whole-file read decodes
-    if max_chunk_bytes is not None and int(np.prod(whole, dtype=np.float64)) * arr.dtype.itemsize > max_chunk_bytes:
+    if (
+        max_chunk_bytes is not None
+        and int(np.prod(whole, dtype=np.float64)) * arr.dtype.itemsize > max_chunk_bytes
+    ):
         raise CorruptStoreError(f"{where}: chunks of {whole} {arr.dtype} exceed {max_chunk_bytes >> 20} MiB")

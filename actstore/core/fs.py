@@ -142,7 +142,7 @@ class StoreLocation:
             except FileNotFoundError:
                 return []
         prefix = base.rstrip("/") + "/"
-        return sorted(p[len(prefix):] for p in found if p.startswith(prefix))
+        return sorted(p[len(prefix) :] for p in found if p.startswith(prefix))
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Write ``data`` so that readers see either the old object or the whole new one.
@@ -217,14 +217,20 @@ class StoreLocation:
             yield zarr.open_group(store=self.zarr_store(rel, read_only=False), mode="w")
             if digests is not None:  # hashed from the page cache, just after writing
                 for key in self.walk_files(rel):
-                    digests[key] = hashlib.sha256(read_local_file(posixpath.join(self.path(rel), key), None)).hexdigest()
+                    digests[key] = hashlib.sha256(
+                        read_local_file(posixpath.join(self.path(rel), key), None)
+                    ).hexdigest()
             return
         objects: dict[str, Any] = {}
         yield zarr.open_group(store=zarr.storage.MemoryStore(objects), mode="w")
         payload = {posixpath.join(self.path(rel), key): buf.to_bytes() for key, buf in objects.items()}
         if digests is not None:
-            digests.update({key: hashlib.sha256(payload[posixpath.join(self.path(rel), key)]).hexdigest()
-                            for key in objects})
+            digests.update(
+                {
+                    key: hashlib.sha256(payload[posixpath.join(self.path(rel), key)]).hexdigest()
+                    for key in objects
+                }
+            )
         with self.io():
             self.fs.pipe(payload)
 
@@ -253,10 +259,14 @@ def open_regular_file(path: str, max_bytes: int | None) -> tuple[int, os.stat_re
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptStoreError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read it")
+            raise CorruptStoreError(
+                f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read it"
+            )
         if max_bytes is not None and st.st_size > max_bytes:
-            raise CorruptStoreError(f"{path}: {st.st_size} bytes, more than the {max_bytes} such a file may have; "
-                                    "refusing to read it")
+            raise CorruptStoreError(
+                f"{path}: {st.st_size} bytes, more than the {max_bytes} such a file may have; "
+                "refusing to read it"
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -270,7 +280,9 @@ def pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     while got < n:
         part = os.pread(fd, n - got, offset + got)
         if not part:
-            raise CorruptStoreError(f"{path}: ends at {offset + got} bytes, {n - got} short of what its index says")
+            raise CorruptStoreError(
+                f"{path}: ends at {offset + got} bytes, {n - got} short of what its index says"
+            )
         parts.append(part)
         got += len(part)
     return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -298,8 +310,13 @@ def read_local_file(path: str, max_bytes: int | None) -> bytes:
 
 
 def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "a special file"
@@ -316,7 +333,9 @@ def check_regular_file(path: str, max_bytes: int | None = None) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise CorruptStoreError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); refusing to read it")
     if max_bytes is not None and st.st_size > max_bytes:
-        raise CorruptStoreError(f"{path}: {st.st_size} bytes, more than the {max_bytes} it may have; refusing to read it")
+        raise CorruptStoreError(
+            f"{path}: {st.st_size} bytes, more than the {max_bytes} it may have; refusing to read it"
+        )
 
 
 _ASYNC_FILESYSTEMS: list[Any] = []
@@ -377,14 +396,26 @@ def _object_store_error(loc: StoreLocation, e: BaseException) -> ActstoreError |
         if "NoSuchBucket" in chain or "bucket does not exist" in text.lower():
             return StoreNotFoundError(f"{loc.url}: bucket {bucket!r} does not exist at {loc.endpoint}")
         return None
-    if isinstance(e, PermissionError) or any(n in ("NoCredentialsError", "PartialCredentialsError") for n in chain):
+    if isinstance(e, PermissionError) or any(
+        n in ("NoCredentialsError", "PartialCredentialsError") for n in chain
+    ):
         return StorageError(
             f"{loc.url}: access denied by {loc.endpoint} ({text}); check AWS_ACCESS_KEY_ID, "
             f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the bucket's permissions"
         )
-    network = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-               "ClientConnectorError", "ServerDisconnectedError", "ConnectionRefusedError", "TimeoutError",
-               "FSTimeoutError", "HTTPClientError", "gaierror")
+    network = (
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ConnectionRefusedError",
+        "TimeoutError",
+        "FSTimeoutError",
+        "HTTPClientError",
+        "gaierror",
+    )
     if isinstance(e, ConnectionError) or any(n in network for n in chain):
         return StorageError(
             f"{loc.url}: cannot reach the object store at {loc.endpoint} ({text}); "

@@ -63,8 +63,10 @@ def held_message(loc: StoreLocation, holder: Holder | None) -> str:
 
 
 def _stale_elsewhere_message(loc: StoreLocation, holder: Holder) -> str:
-    return (f"{loc.url} has a writer lock from {holder.describe()}; this host cannot tell whether that ingest "
-            f"still runs: if it does not, delete {loc.path(LOCK_NAME)}")
+    return (
+        f"{loc.url} has a writer lock from {holder.describe()}; this host cannot tell whether that ingest "
+        f"still runs: if it does not, delete {loc.path(LOCK_NAME)}"
+    )
 
 
 # --------------------------------------------------------------------------------------- the lock
@@ -102,11 +104,14 @@ class WriterLock:
         path = self.loc.path(LOCK_NAME)
         for _ in range(20):
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+                fd = os.open(
+                    path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644
+                )
             except OSError as e:
                 if e.errno == errno.ELOOP:
-                    raise StorageError(f"{path} is a symbolic link, not actstore's lock file; refusing to use it") \
-                        from None
+                    raise StorageError(
+                        f"{path} is a symbolic link, not actstore's lock file; refusing to use it"
+                    ) from None
                 raise
             try:
                 st = os.fstat(fd)
@@ -117,8 +122,9 @@ class WriterLock:
 
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise StoreLockedError(held_message(self.loc, self._read_record_local(fd, settle=True))) \
-                        from None
+                    raise StoreLockedError(
+                        held_message(self.loc, self._read_record_local(fd, settle=True))
+                    ) from None
                 try:  # the path may have been unlinked (released) between our open and our flock
                     now = os.stat(path, follow_symlinks=False)
                 except FileNotFoundError:
@@ -131,8 +137,10 @@ class WriterLock:
                 if previous is not None:
                     self._check_stale(previous)
                 elif os.fstat(fd).st_size:
-                    raise StorageError(f"{path} holds something that is not an actstore lock record; "
-                                       "delete it if no ingest writes this store")
+                    raise StorageError(
+                        f"{path} holds something that is not an actstore lock record; "
+                        "delete it if no ingest writes this store"
+                    )
                 data = self.holder.to_json()
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, data, 0)
@@ -164,7 +172,9 @@ class WriterLock:
             raise StoreLockedError(_stale_elsewhere_message(self.loc, previous))
         if previous.alive():
             raise StoreLockedError(held_message(self.loc, previous))
-        self.log(f"taking over the writer lock of {self.loc.url} from {previous.describe()}: that process is gone")
+        self.log(
+            f"taking over the writer lock of {self.loc.url} from {previous.describe()}: that process is gone"
+        )
 
     def _release_local(self) -> None:
         fd, self._fd = self._fd, None
@@ -230,12 +240,15 @@ class WriterLock:
                 if etag is None:
                     continue  # released in between: try again
                 if previous is None:
-                    raise StorageError(f"{self.loc.url}/{LOCK_NAME} holds something that is not an actstore lock "
-                                       "record; delete it if no ingest writes this store") from None
+                    raise StorageError(
+                        f"{self.loc.url}/{LOCK_NAME} holds something that is not an actstore lock "
+                        "record; delete it if no ingest writes this store"
+                    ) from None
                 if not previous.same_machine():
                     raise StoreLockedError(
                         f"{held_message(self.loc, previous)} (if that ingest no longer runs, delete "
-                        f"{self.loc.url}/{LOCK_NAME})") from None
+                        f"{self.loc.url}/{LOCK_NAME})"
+                    ) from None
                 self._check_stale(previous)
                 try:
                     put = self._s3("put_object", Body=data, IfMatch=etag)
@@ -271,7 +284,9 @@ class WriterLock:
         elif self.loc.fs.__class__.__name__ == "S3FileSystem":
             self._acquire_s3()
         else:
-            raise StorageError(f"{self.loc.url}: actstore can lock stores only in local directories and on S3")
+            raise StorageError(
+                f"{self.loc.url}: actstore can lock stores only in local directories and on S3"
+            )
 
     def release(self) -> None:
         if self.loc.is_local:
@@ -373,8 +388,10 @@ class _Terminated(SystemExit):
 def _sigterm_unwinds() -> Iterator[None]:
     """SIGTERM (torchrun stopping a rank, ``kill``) unwinds the stack like an exception, so ``finally``
     blocks release the lock; the previous handler is put back after."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         yield
         return
 
@@ -402,8 +419,12 @@ def _signals_deferred() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def writer_lock(url: str | os.PathLike[str] | StoreLocation, *, command: str = "actstore ingest",
-                log: Callable[[str], None] = _log_nothing) -> Iterator[WriterLock | None]:
+def writer_lock(
+    url: str | os.PathLike[str] | StoreLocation,
+    *,
+    command: str = "actstore ingest",
+    log: Callable[[str], None] = _log_nothing,
+) -> Iterator[WriterLock | None]:
     """Hold the writer lock of a store for the ``with`` block (re-entrant within a thread).
 
     Yields the lock this call took, or None when this process already holds the lock (or runs
@@ -419,7 +440,7 @@ def writer_lock(url: str | os.PathLike[str] | StoreLocation, *, command: str = "
     with _sigterm_unwinds():
         try:
             with _signals_deferred():  # (a signal inside would leave a record with no holder to remove it;
-                lock.acquire()         # one that arrived meanwhile is raised on leaving, and released below)
+                lock.acquire()  # one that arrived meanwhile is raised on leaving, and released below)
             with _registered(loc.url):
                 yield lock
         finally:
@@ -434,8 +455,10 @@ def under_launcher(url: str | os.PathLike[str] | StoreLocation, token: str) -> I
     holder = read_holder(loc)
     if holder is None or holder.token != token:
         who = f"it is held by {holder.describe()}" if holder else "no lock is held"
-        raise StoreLockedError(f"{loc.url}: this process was started to run under the writer lock of its launcher "
-                               f"({LOCK_ENV}), but {who}")
+        raise StoreLockedError(
+            f"{loc.url}: this process was started to run under the writer lock of its launcher "
+            f"({LOCK_ENV}), but {who}"
+        )
     with _registered(loc.url):
         yield
 

@@ -27,7 +27,7 @@ def _process_start(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read().decode("ascii", "replace")
-        return int(text[text.rindex(")") + 2:].split()[19])
+        return int(text[text.rindex(")") + 2 :].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -36,7 +36,7 @@ def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read().decode("ascii", "replace")
-        return text[text.rindex(")") + 2:].split()[0] == "Z"
+        return text[text.rindex(")") + 2 :].split()[0] == "Z"
     except (OSError, ValueError, IndexError):
         return False
 
@@ -55,9 +55,15 @@ class Holder:
 
     @classmethod
     def me(cls, command: str) -> Holder:
-        return cls(host=socket.gethostname(), pid=os.getpid(), pid_ns=_pid_namespace(),
-                   proc_start=_process_start(os.getpid()), started=time.time(), token=secrets.token_hex(16),
-                   command=command)
+        return cls(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            pid_ns=_pid_namespace(),
+            proc_start=_process_start(os.getpid()),
+            started=time.time(),
+            token=secrets.token_hex(16),
+            command=command,
+        )
 
     def to_json(self) -> bytes:
         return json.dumps({"kind": RECORD_KIND, **asdict(self)}, sort_keys=True).encode()
@@ -70,7 +76,14 @@ class Holder:
             if not isinstance(d, dict) or d.get("kind") != RECORD_KIND:
                 return None
             host, pid, ns, start, started, token, command = (
-                d["host"], d["pid"], d["pid_ns"], d["proc_start"], d["started"], d["token"], d["command"])
+                d["host"],
+                d["pid"],
+                d["pid_ns"],
+                d["proc_start"],
+                d["started"],
+                d["token"],
+                d["command"],
+            )
             if not (isinstance(host, str) and isinstance(token, str) and isinstance(command, str)):
                 return None
             if any(type(v) is not int for v in (pid, ns)) or not 0 < pid < 2**31:

@@ -39,8 +39,13 @@ MAX_CONTEXT = 1 << 22  # tokens per prompt a marker may claim
 # Geometry bounds: far beyond today's largest models, small enough that nothing derived from
 # them (the heads table, a row of z, a weight matrix) is an absurd allocation.
 GEOMETRY_LIMITS: dict[str, int] = {
-    "n_layers": 4096, "n_heads": 4096, "n_kv_heads": 4096, "d_head": 1 << 16,
-    "d_model": 1 << 20, "d_mlp": 1 << 22, "vocab_size": 1 << 24,
+    "n_layers": 4096,
+    "n_heads": 4096,
+    "n_kv_heads": 4096,
+    "d_head": 1 << 16,
+    "d_model": 1 << 20,
+    "d_mlp": 1 << 22,
+    "vocab_size": 1 << 24,
 }
 MAX_HEADS_TOTAL = 1 << 20  # n_layers * n_heads
 
@@ -50,7 +55,10 @@ _OBJECT_KEY = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 
 def _digest(d: dict[str, Any]) -> str:
     body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
-    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return (
+        "sha256:"
+        + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    )
 
 
 def seal(d: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +91,9 @@ def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
 def parse_json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
     """``data`` parsed as one JSON object, refusing oversized, deeply nested or non-object input."""
     if len(data) > MAX_JSON_BYTES:
-        raise CorruptStoreError(f"{where}: {what} is larger than {MAX_JSON_BYTES >> 20} MiB; refusing to parse it")
+        raise CorruptStoreError(
+            f"{where}: {what} is larger than {MAX_JSON_BYTES >> 20} MiB; refusing to parse it"
+        )
     try:
         d = json.loads(data)
     except RecursionError:
@@ -118,7 +128,9 @@ def field_int(d: dict[str, Any], key: str, where: str, lo: int, hi: int) -> int:
     return v
 
 
-def _field_dict(d: dict[str, Any], key: str, where: str, default: dict[str, Any] | None = None) -> dict[str, Any]:
+def _field_dict(
+    d: dict[str, Any], key: str, where: str, default: dict[str, Any] | None = None
+) -> dict[str, Any]:
     if key not in d and default is not None:
         return dict(default)
     v = d.get(key)
@@ -161,14 +173,18 @@ class Geometry:
         """A geometry from stored JSON, every field checked (see :data:`GEOMETRY_LIMITS`)."""
         if not isinstance(d, dict):
             raise CorruptStoreError(f"{where} field 'geometry' must be a JSON object, got {_kind(d)}")
-        values = {f.name: field_int(d, f.name, f"{where} geometry", 1, GEOMETRY_LIMITS[f.name]) for f in fields(cls)}
+        values = {
+            f.name: field_int(d, f.name, f"{where} geometry", 1, GEOMETRY_LIMITS[f.name]) for f in fields(cls)
+        }
         g = cls(**values)
         if g.n_heads % g.n_kv_heads:
-            raise CorruptStoreError(f"{where} geometry: n_heads {g.n_heads} is not a multiple of n_kv_heads "
-                                    f"{g.n_kv_heads}")
+            raise CorruptStoreError(
+                f"{where} geometry: n_heads {g.n_heads} is not a multiple of n_kv_heads {g.n_kv_heads}"
+            )
         if g.n_layers * g.n_heads > MAX_HEADS_TOTAL:
-            raise CorruptStoreError(f"{where} geometry: {g.n_layers} x {g.n_heads} heads, more than "
-                                    f"{MAX_HEADS_TOTAL}")
+            raise CorruptStoreError(
+                f"{where} geometry: {g.n_layers} x {g.n_heads} heads, more than {MAX_HEADS_TOTAL}"
+            )
         return g
 
 
@@ -201,16 +217,23 @@ class SegmentCommit:
 
         where = f"{where}: commit marker"
         tables = _field_dict(d, "table_sha256", where)
-        if set(tables) != set(SEGMENT_TABLES) or not all(isinstance(v, str) and _HEX64.fullmatch(v)
-                                                         for v in tables.values()):
-            raise CorruptStoreError(f"{where} field 'table_sha256' must map {', '.join(SEGMENT_TABLES)} "
-                                    "to SHA-256 hex digests")
+        if set(tables) != set(SEGMENT_TABLES) or not all(
+            isinstance(v, str) and _HEX64.fullmatch(v) for v in tables.values()
+        ):
+            raise CorruptStoreError(
+                f"{where} field 'table_sha256' must map {', '.join(SEGMENT_TABLES)} to SHA-256 hex digests"
+            )
         objects: dict[str, str] | None = None
         if "objects" in d:
             raw = _field_dict(d, "objects", where)
             for k, v in raw.items():
-                if (not _OBJECT_KEY.fullmatch(k) or ".." in k.split("/") or len(k) > 512
-                        or not isinstance(v, str) or not _HEX64.fullmatch(v)):
+                if (
+                    not _OBJECT_KEY.fullmatch(k)
+                    or ".." in k.split("/")
+                    or len(k) > 512
+                    or not isinstance(v, str)
+                    or not _HEX64.fullmatch(v)
+                ):
                     raise CorruptStoreError(f"{where} field 'objects' has a bad entry {_show(k)}: {_show(v)}")
             objects = dict(raw)
         return cls(
@@ -231,8 +254,9 @@ class SegmentCommit:
                 "(a copied or renamed marker; the store cannot be read until it is fixed)"
             )
         if self.segment >= manifest.n_segments:
-            raise CorruptStoreError(f"{where}: segment {self.segment} is past the store's {manifest.n_segments} "
-                                    "segments")
+            raise CorruptStoreError(
+                f"{where}: segment {self.segment} is past the store's {manifest.n_segments} segments"
+            )
         want_start = self.segment * manifest.segment_size
         want_rows = min(manifest.segment_size, manifest.n_examples - want_start)
         if self.row_start != want_start or self.n_rows != want_rows:
@@ -241,8 +265,10 @@ class SegmentCommit:
                 f"rows {want_start}..{want_start + want_rows}"
             )
         if max(self.n_sources, self.n_tokens) > max(1, self.n_rows) * MAX_CONTEXT:
-            raise CorruptStoreError(f"{where}: {max(self.n_sources, self.n_tokens)} sources or tokens for "
-                                    f"{self.n_rows} rows is more than {MAX_CONTEXT} per row")
+            raise CorruptStoreError(
+                f"{where}: {max(self.n_sources, self.n_tokens)} sources or tokens for "
+                f"{self.n_rows} rows is more than {MAX_CONTEXT} per row"
+            )
 
 
 @dataclass(frozen=True)
@@ -288,14 +314,23 @@ class Manifest:
                 f"(up to {FORMAT_VERSION}); upgrade actstore"
             )
         if version < 1:
-            raise FormatVersionError(f"{where}: store format version {version} is not a valid actstore version")
+            raise FormatVersionError(
+                f"{where}: store format version {version} is not a valid actstore version"
+            )
         if not checksum_ok(d, {f.name for f in fields(cls)} | {"format"}):
             raise CorruptStoreError(f"{where}: manifest.json fails its checksum (the file is corrupt)")
         w = f"{where}: manifest"
+        integrity = field_int(d, "integrity", w, 0, 1 << 20) if "integrity" in d else 0
+        if version < FORMAT_VERSION or integrity < INTEGRITY:
+            raise FormatVersionError(
+                f"{where}: written by an earlier actstore (format {version}, integrity {integrity}; this one reads "
+                f"format {FORMAT_VERSION}, integrity {INTEGRITY}): ingest it again (actstore ingest ... --overwrite)"
+            )
         storage_dtype = _field_str(d, "storage_dtype", w)
         if storage_dtype not in STORAGE_DTYPES:
-            raise CorruptStoreError(f"{w} field 'storage_dtype' is {_show(storage_dtype)}, not one of "
-                                    f"{', '.join(STORAGE_DTYPES)}")
+            raise CorruptStoreError(
+                f"{w} field 'storage_dtype' is {_show(storage_dtype)}, not one of {', '.join(STORAGE_DTYPES)}"
+            )
         model = _field_dict(d, "model", w)
         if "name" in model and model["name"] is not None and not isinstance(model["name"], str):
             raise CorruptStoreError(f"{w} field 'model.name' must be a string, got {_kind(model['name'])}")
@@ -312,5 +347,5 @@ class Manifest:
             architecture=_field_dict(d, "architecture", w, {}),
             code_version=_field_str(d, "code_version", w, ""),
             format_version=version,
-            integrity=field_int(d, "integrity", w, 0, 1 << 20) if "integrity" in d else 0,
+            integrity=integrity,
         )

@@ -27,7 +27,9 @@ from actstore.core.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
 CREATING = ".creating"  # present while a store is being created, before its manifest exists
 CREATING_SIGNATURE = "actstore store being created"
 # Top-level entries a store holds (and the temporary files of their atomic writes).
-STORE_ENTRIES = frozenset({"manifest.json", CREATING, "commits", "segments", "tables", "weights", "tokenizer", LOCK_NAME})
+STORE_ENTRIES = frozenset(
+    {"manifest.json", CREATING, "commits", "segments", "tables", "weights", "tokenizer", LOCK_NAME}
+)
 _TEMP = re.compile(r"^(manifest\.json|\.creating)\.tmp-[0-9a-f]{32}$")
 _MAX_SMALL_FILE = 16 * 1024 * 1024
 
@@ -38,8 +40,16 @@ class NotOursError(StoreExistsError):
 
 def creating_marker() -> bytes:
     """The contents of ``.creating``: actstore's signature and who started the creation."""
-    return json.dumps({"format": FORMAT_NAME, "signature": CREATING_SIGNATURE, "host": socket.gethostname(),
-                       "pid": os.getpid(), "started": time.time()}, sort_keys=True).encode()
+    return json.dumps(
+        {
+            "format": FORMAT_NAME,
+            "signature": CREATING_SIGNATURE,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+        },
+        sort_keys=True,
+    ).encode()
 
 
 def signed_creating(loc: StoreLocation) -> bool:
@@ -116,17 +126,22 @@ def check_root(loc: StoreLocation, *, overwrite: bool) -> str | None:
         if not os.path.isdir(loc.root):
             raise StoreExistsError(f"{loc.url} exists and is not a directory; refusing to write there")
         if os.path.islink(loc.root) and entries(loc):
-            raise NotOursError(f"{loc.url} is a symbolic link; actstore does not delete through links "
-                               "(give the real path)")
+            raise NotOursError(
+                f"{loc.url} is a symbolic link; actstore does not delete through links (give the real path)"
+            )
     names = entries(loc)
     if not names:
         return None
     if "manifest.json" in names:
         if not overwrite:
-            raise StoreExistsError(f"{loc.url} already holds a store (use --resume to continue it, or --overwrite)")
+            raise StoreExistsError(
+                f"{loc.url} already holds a store (use --resume to continue it, or --overwrite)"
+            )
         problem = manifest_problem(loc)
         if problem is not None:
-            raise NotOursError(f"--overwrite: {loc.url} is not an actstore store ({problem}); nothing was deleted")
+            raise NotOursError(
+                f"--overwrite: {loc.url} is not an actstore store ({problem}); nothing was deleted"
+            )
         why = "--overwrite replaces the store there"
     elif CREATING in names:
         if not signed_creating(loc):

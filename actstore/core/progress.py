@@ -16,10 +16,17 @@ from collections.abc import Iterable
 from typing import Any
 
 
-def progress_bar(iterable: Iterable[Any] | None = None, *, total: int | None = None, desc: str = "",
-                 unit: str = "it", enabled: bool = True) -> Any:
+def progress_bar(
+    iterable: Iterable[Any] | None = None,
+    *,
+    total: int | None = None,
+    desc: str = "",
+    unit: str = "it",
+    enabled: bool = True,
+) -> Any:
     """A ``tqdm.auto.tqdm`` bar on stderr (``disable`` when not ``enabled``); wraps ``iterable`` when given."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr,
-                dynamic_ncols=True)
+    return tqdm(
+        iterable, total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True
+    )

@@ -30,17 +30,21 @@ from actstore.core.tables import to_parquet_bytes
 
 RUNS_TABLE = "runs"
 
-RUNS_SCHEMA = pa.schema([
-    pa.field("run_id", pa.string()),
-    pa.field("kind", pa.string()),  # ingest, probe, maps, maps-dynamic, lens, agree, trace, patch, ablate, ...
-    pa.field("started", pa.float64()),  # seconds since the epoch
-    pa.field("finished", pa.float64()),
-    pa.field("segments_written", pa.int64()),  # ingest: segments this process committed; analyses: 0
-    pa.field("rank", pa.int64()),
-    pa.field("world_size", pa.int64()),
-    pa.field("config", pa.string()),  # JSON of the run's settings, keys sorted
-    pa.field("code_version", pa.string()),
-])
+RUNS_SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string()),
+        pa.field(
+            "kind", pa.string()
+        ),  # ingest, probe, maps, maps-dynamic, lens, agree, trace, patch, ablate, ...
+        pa.field("started", pa.float64()),  # seconds since the epoch
+        pa.field("finished", pa.float64()),
+        pa.field("segments_written", pa.int64()),  # ingest: segments this process committed; analyses: 0
+        pa.field("rank", pa.int64()),
+        pa.field("world_size", pa.int64()),
+        pa.field("config", pa.string()),  # JSON of the run's settings, keys sorted
+        pa.field("code_version", pa.string()),
+    ]
+)
 
 
 class HasLocation(Protocol):
@@ -71,26 +75,59 @@ def config_json(config: Mapping[str, Any] | str) -> str:
     return config if isinstance(config, str) else json.dumps(dict(config), sort_keys=True, default=str)
 
 
-def run_record(run_id: str, kind: str, started: float, config: Mapping[str, Any] | str, *,
-               finished: float | None = None, segments_written: int = 0, rank: int = 0,
-               world_size: int = 1) -> pa.Table:
+def run_record(
+    run_id: str,
+    kind: str,
+    started: float,
+    config: Mapping[str, Any] | str,
+    *,
+    finished: float | None = None,
+    segments_written: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> pa.Table:
     """One row of the ``runs`` table (schema :data:`RUNS_SCHEMA`); ``finished`` defaults to now."""
-    return pa.table({
-        "run_id": [run_id], "kind": [kind], "started": [float(started)],
-        "finished": [float(time.time() if finished is None else finished)],
-        "segments_written": [int(segments_written)], "rank": [int(rank)], "world_size": [int(world_size)],
-        "config": [config_json(config)], "code_version": [code_version()],
-    }, schema=RUNS_SCHEMA)
+    return pa.table(
+        {
+            "run_id": [run_id],
+            "kind": [kind],
+            "started": [float(started)],
+            "finished": [float(time.time() if finished is None else finished)],
+            "segments_written": [int(segments_written)],
+            "rank": [int(rank)],
+            "world_size": [int(world_size)],
+            "config": [config_json(config)],
+            "code_version": [code_version()],
+        },
+        schema=RUNS_SCHEMA,
+    )
 
 
-def write_run(target: HasLocation, run_id: str, kind: str, started: float, config: Mapping[str, Any] | str, *,
-              finished: float | None = None, segments_written: int = 0, rank: int = 0,
-              world_size: int = 1) -> str:
+def write_run(
+    target: HasLocation,
+    run_id: str,
+    kind: str,
+    started: float,
+    config: Mapping[str, Any] | str,
+    *,
+    finished: float | None = None,
+    segments_written: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> str:
     """Add the run's row to the ``runs`` table of ``target`` (a Store or a StoreWriter), atomically;
     return the file's path inside the store."""
     rel = f"tables/{RUNS_TABLE}/{run_id}.parquet"
-    table = run_record(run_id, kind, started, config, finished=finished, segments_written=segments_written,
-                       rank=rank, world_size=world_size)
+    table = run_record(
+        run_id,
+        kind,
+        started,
+        config,
+        finished=finished,
+        segments_written=segments_written,
+        rank=rank,
+        world_size=world_size,
+    )
     target.location.write_bytes_atomic(rel, to_parquet_bytes(table))
     return rel
 

@@ -73,12 +73,16 @@ class TableSource(Protocol):
 
     def table_files(self) -> dict[str, list[str]]: ...
 
-    def table(self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None) -> pa.Table: ...
+    def table(
+        self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None
+    ) -> pa.Table: ...
 
-    def check_table_shards(self, names: Iterable[str] | None = None,
-                           listed: dict[str, list[str]] | None = None) -> None: ...
+    def check_table_shards(
+        self, names: Iterable[str] | None = None, listed: dict[str, list[str]] | None = None
+    ) -> None: ...
 
     def file_schema(self, rel: str) -> pa.Schema: ...
+
 
 ALLOWED_STATEMENTS = {"SELECT"}
 THREADS = 2
@@ -98,8 +102,9 @@ def _dataset(store: TableSource, files: list[str]) -> pads.Dataset:
     try:
         schema = pa.unify_schemas(schemas, promote_options="permissive") if len(schemas) > 1 else schemas[0]
     except pa.ArrowException as e:
-        raise CorruptStoreError(f"{store.url}: the files of one table have incompatible schemas ({_one_line(e)})"
-                                ) from None
+        raise CorruptStoreError(
+            f"{store.url}: the files of one table have incompatible schemas ({_one_line(e)})"
+        ) from None
     return pads.dataset(paths, schema=schema, format="parquet")
 
 
@@ -107,11 +112,19 @@ def _new_connection(memory_limit: str) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection, locked down (see the module notes), with no table yet."""
     import duckdb
 
-    con = duckdb.connect(":memory:", config={
-        "autoinstall_known_extensions": False, "autoload_known_extensions": False,
-        "allow_community_extensions": False, "threads": THREADS, "python_enable_replacements": False,
-        "temp_directory": "", "max_temp_directory_size": "0B", "memory_limit": memory_limit,
-    })
+    con = duckdb.connect(
+        ":memory:",
+        config={
+            "autoinstall_known_extensions": False,
+            "autoload_known_extensions": False,
+            "allow_community_extensions": False,
+            "threads": THREADS,
+            "python_enable_replacements": False,
+            "temp_directory": "",
+            "max_temp_directory_size": "0B",
+            "memory_limit": memory_limit,
+        },
+    )
     try:
         con.execute("SET enable_external_access = false")  # no allowed directories or paths: none at all
         con.execute("SET lock_configuration = true")
@@ -229,7 +242,9 @@ class SQLSession:
         self._key: tuple[int, str] | None = None
         self._views: dict[str, tuple[str, ...]] = {}
 
-    def connection(self, store: TableSource, memory_limit: str, tables: set[str] | None) -> duckdb.DuckDBPyConnection:
+    def connection(
+        self, store: TableSource, memory_limit: str, tables: set[str] | None
+    ) -> duckdb.DuckDBPyConnection:
         """The connection, with current views of ``tables`` (all tables when None); hold ``lock``."""
         import os
 
@@ -286,8 +301,10 @@ def check_read_only(query: str) -> duckdb.Statement:
     stmt = _statement(query)
     kind = stmt.type.name
     if kind == "EXPLAIN":
-        raise ReadOnlySQLError("SQL is read-only: EXPLAIN statements are not allowed (EXPLAIN ANALYZE runs the "
-                               "statement it explains; only SELECT)")
+        raise ReadOnlySQLError(
+            "SQL is read-only: EXPLAIN statements are not allowed (EXPLAIN ANALYZE runs the "
+            "statement it explains; only SELECT)"
+        )
     if kind not in ALLOWED_STATEMENTS:
         raise ReadOnlySQLError(f"SQL is read-only: {kind} statements are not allowed (only SELECT)")
     return stmt
@@ -314,10 +331,10 @@ def predicate(where: str) -> str:
     try:
         duckdb.SQLExpression(where)
     except (duckdb.Error, ValueError, TypeError) as e:
-        raise QueryError(f"SQL error: the WHERE predicate must be one SQL expression: {_one_line(e)}") from None
+        raise QueryError(
+            f"SQL error: the WHERE predicate must be one SQL expression: {_one_line(e)}"
+        ) from None
     return "(\n" + where + "\n)"
-
-
 
 
 def check_params(params: object) -> list[Any] | dict[str, Any] | None:
@@ -335,9 +352,15 @@ def check_params(params: object) -> list[Any] | dict[str, Any] | None:
     return list(params)
 
 
-def run_sql(store: TableSource, query: str, con: duckdb.DuckDBPyConnection | None = None, *,
-            params: Params | None = None, memory_limit: str | None = None,
-            timeout: float | None = None) -> pa.Table:
+def run_sql(
+    store: TableSource,
+    query: str,
+    con: duckdb.DuckDBPyConnection | None = None,
+    *,
+    params: Params | None = None,
+    memory_limit: str | None = None,
+    timeout: float | None = None,
+) -> pa.Table:
     """Execute one read-only SELECT eagerly, within the limits, and return its result as Arrow.
 
     ``params``: values bound to the statement's placeholders by DuckDB (see the module notes); the
@@ -355,8 +378,9 @@ def run_sql(store: TableSource, query: str, con: duckdb.DuckDBPyConnection | Non
     session = session_of() if callable(session_of) else None
     if isinstance(session, SQLSession):
         with session.lock:
-            return _execute(session.connection(store, lim.memory_limit, referenced_tables(stmt.query)), stmt,
-                            bound, lim)
+            return _execute(
+                session.connection(store, lim.memory_limit, referenced_tables(stmt.query)), stmt, bound, lim
+            )
     own = connect(store, memory_limit=lim.memory_limit)
     try:
         return _execute(own, stmt, bound, lim)
@@ -364,8 +388,12 @@ def run_sql(store: TableSource, query: str, con: duckdb.DuckDBPyConnection | Non
         own.close()
 
 
-def _execute(con: duckdb.DuckDBPyConnection, stmt: duckdb.Statement, bound: list[Any] | dict[str, Any] | None,
-             lim: SQLLimits) -> pa.Table:
+def _execute(
+    con: duckdb.DuckDBPyConnection,
+    stmt: duckdb.Statement,
+    bound: list[Any] | dict[str, Any] | None,
+    lim: SQLLimits,
+) -> pa.Table:
     import duckdb
 
     fired = threading.Event()
@@ -385,12 +413,16 @@ def _execute(con: duckdb.DuckDBPyConnection, stmt: duckdb.Statement, bound: list
             return con.sql(stmt, params=bound).to_arrow_table()
     except duckdb.InterruptException:
         if fired.is_set():
-            raise QueryError(f"SQL error: the query ran longer than the time limit of {lim.timeout:g} s and was "
-                             "stopped (raise it with --sql-timeout or timeout=)") from None
+            raise QueryError(
+                f"SQL error: the query ran longer than the time limit of {lim.timeout:g} s and was "
+                "stopped (raise it with --sql-timeout or timeout=)"
+            ) from None
         raise QueryError("SQL error: the query was interrupted") from None
     except (duckdb.OutOfMemoryException, MemoryError):
-        raise QueryError(f"SQL error: the query needs more memory than the limit of {lim.memory_limit} "
-                         "(raise it with --sql-memory or memory_limit=)") from None
+        raise QueryError(
+            f"SQL error: the query needs more memory than the limit of {lim.memory_limit} "
+            "(raise it with --sql-memory or memory_limit=)"
+        ) from None
     except duckdb.PermissionException as e:
         raise ReadOnlySQLError(f"SQL may only read the store's tables: {_one_line(e)}") from None
     except duckdb.Error as e:

@@ -16,9 +16,18 @@ def _one_line(e: BaseException) -> str:
 
 def _is_plain(t: pa.DataType) -> bool:
     """A type pandas and the Arrow CSV writer both print as is."""
-    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
-                or pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_decimal(t)
-                or pa.types.is_date(t) or pa.types.is_time(t) or pa.types.is_timestamp(t))
+    return bool(
+        pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_null(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_date(t)
+        or pa.types.is_time(t)
+        or pa.types.is_timestamp(t)
+    )
 
 
 def _text(value: object) -> str | None:
@@ -32,8 +41,10 @@ def _text(value: object) -> str | None:
 def _as_text(table: pa.Table) -> pa.Table:
     """``table`` with every column that is not a plain scalar (LIST, STRUCT, MAP, UNION, INTERVAL, BLOB, ...)
     turned into text, lists and structs as JSON."""
-    cols = [c if _is_plain(c.type) else pa.array([_text(v) for v in c.to_pylist()], pa.string())
-            for c in table.columns]
+    cols = [
+        c if _is_plain(c.type) else pa.array([_text(v) for v in c.to_pylist()], pa.string())
+        for c in table.columns
+    ]
     return pa.Table.from_arrays(cols, names=table.column_names)
 
 
@@ -54,14 +65,17 @@ def _cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     text = _escape(str(value))
-    return text if len(text) <= MAX_WIDTH else text[:MAX_WIDTH - 3] + "..."
+    return text if len(text) <= MAX_WIDTH else text[: MAX_WIDTH - 3] + "..."
 
 
 def _aligned(table: pa.Table) -> str:
     """Columns right-aligned under their names (no pandas: it would double the CLI's start-up time)."""
     n = table.num_rows
-    shown = table if n <= MAX_ROWS else pa.concat_tables([table.slice(0, MAX_ROWS // 2),
-                                                          table.slice(n - MAX_ROWS // 2)])
+    shown = (
+        table
+        if n <= MAX_ROWS
+        else pa.concat_tables([table.slice(0, MAX_ROWS // 2), table.slice(n - MAX_ROWS // 2)])
+    )
     cols = [[_cell(v) for v in c.to_pylist()] for c in shown.columns]
     names = [_cell(str(c)) for c in table.column_names]
     widths = [max([len(h), *map(len, col)]) for h, col in zip(names, cols)]
@@ -99,4 +113,6 @@ def render(table: pa.Table, fmt: str) -> str:
     except QueryError:
         raise
     except Exception as e:  # noqa: BLE001 - any printing failure is one line naming the format
-        raise QueryError(f"SQL error: cannot print the result as {fmt}: {type(e).__name__}: {_one_line(e)}") from None
+        raise QueryError(
+            f"SQL error: cannot print the result as {fmt}: {type(e).__name__}: {_one_line(e)}"
+        ) from None

@@ -48,15 +48,22 @@ SEGMENT_ARRAYS = ("z", "attn", "v", "resid", "mlp")
 
 _SESSION_LOCK = threading.Lock()
 MAX_CHUNK_BYTES = 1 << 31  # a segment array chunk larger than this (uncompressed) is refused
-TOKENIZER_DIR = "tokenizer"  # the model's tokenizer files (``save_pretrained``), hashes in manifest model.tokenizer
+TOKENIZER_DIR = (
+    "tokenizer"  # the model's tokenizer files (``save_pretrained``), hashes in manifest model.tokenizer
+)
 MAX_TOKENIZER_FILE_BYTES = 1 << 28
 _HEX = frozenset("0123456789abcdef")
 
 
 def tokenizer_file_name_ok(name: str) -> bool:
     """True for a plain file name a tokenizer folder may hold (no path, no leading dot, 128 characters)."""
-    return (isinstance(name, str) and 0 < len(name) <= 128 and name.isascii() and name[0].isalnum()
-            and all(c.isalnum() or c in "._-" for c in name))
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 128
+        and name.isascii()
+        and name[0].isalnum()
+        and all(c.isalnum() or c in "._-" for c in name)
+    )
 
 
 def segment_name(seg: int) -> str:
@@ -78,9 +85,16 @@ def expected_weight_shape(g: Geometry, name: str) -> tuple[int, ...] | None:
     """The shape of a stored weight the ingest writes (None for a name it does not write)."""
     L, H, Hkv, dh, d = g.n_layers, g.n_heads, g.n_kv_heads, g.d_head, g.d_model
     return {
-        "W_O": (L, H, dh, d), "b_O": (L, d), "W_V": (L, Hkv, d, dh), "b_V": (L, Hkv, dh),
-        "W_down": (L, g.d_mlp, d), "b_down": (L, d), "unembed": (g.vocab_size, d), "unembed_bias": (g.vocab_size,),
-        "final_norm_weight": (d,), "final_norm_bias": (d,),
+        "W_O": (L, H, dh, d),
+        "b_O": (L, d),
+        "W_V": (L, Hkv, d, dh),
+        "b_V": (L, Hkv, dh),
+        "W_down": (L, g.d_mlp, d),
+        "b_down": (L, d),
+        "unembed": (g.vocab_size, d),
+        "unembed_bias": (g.vocab_size,),
+        "final_norm_weight": (d,),
+        "final_norm_bias": (d,),
     }.get(name)
 
 
@@ -90,13 +104,22 @@ def check_weight(g: Geometry, name: str, arr: zarr.Array, where: str) -> None:
     largest weight it does."""
     want = expected_weight_shape(g, name)
     if want is None:
-        if name == "embed" and arr.ndim == 2 and int(arr.shape[1]) == g.d_model and arr.shape[0] <= 4 * g.vocab_size:
+        if (
+            name == "embed"
+            and arr.ndim == 2
+            and int(arr.shape[1]) == g.d_model
+            and arr.shape[0] <= 4 * g.vocab_size
+        ):
             want = tuple(int(n) for n in arr.shape)
         else:
-            limit = max(int(np.prod(s, dtype=np.float64)) for s in (
-                expected_weight_shape(g, n) or () for n in ("W_O", "W_V", "W_down", "unembed")))
+            limit = max(
+                int(np.prod(s, dtype=np.float64))
+                for s in (expected_weight_shape(g, n) or () for n in ("W_O", "W_V", "W_down", "unembed"))
+            )
             if int(np.prod(arr.shape, dtype=np.float64)) > limit or arr.ndim > 4:
-                raise CorruptStoreError(f"{where}: shape {tuple(arr.shape)} is larger than any weight of this geometry")
+                raise CorruptStoreError(
+                    f"{where}: shape {tuple(arr.shape)} is larger than any weight of this geometry"
+                )
     check_array(arr, where, want, None, max_chunks=1 << 16)
 
 
@@ -117,7 +140,9 @@ class Store:
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
         self._verified: set[str] = set()  # table shards whose SHA-256 matched their commit marker
         self._tables: dict[str, pa.Table] = {}  # table files read so far (immutable once visible)
-        self._schemas: dict[str, pa.Schema] = {}  # schema of each table file whose hash and footer were checked
+        self._schemas: dict[
+            str, pa.Schema
+        ] = {}  # schema of each table file whose hash and footer were checked
         self.commits: dict[int, SegmentCommit] = {}
         self.refresh()
 
@@ -159,22 +184,43 @@ class Store:
         rows = [
             ("store", self.url),
             ("model", f"{model.get('name')} ({self.manifest.architecture.get('family', '?')})"),
-            ("geometry", f"{g.n_layers} layers x {g.n_heads} heads ({g.n_kv_heads} kv), d_model {g.d_model}, "
-                         f"d_head {g.d_head}, d_mlp {g.d_mlp}, vocab {g.vocab_size}"),
-            ("rows", f"{self.n_rows} target rows committed in {len(self.commits)}/{self.manifest.n_segments} "
-                     f"segments ({'complete' if self.complete else 'incomplete'}), {self.manifest.storage_dtype}"),
+            (
+                "geometry",
+                f"{g.n_layers} layers x {g.n_heads} heads ({g.n_kv_heads} kv), d_model {g.d_model}, "
+                f"d_head {g.d_head}, d_mlp {g.d_mlp}, vocab {g.vocab_size}",
+            ),
+            (
+                "rows",
+                f"{self.n_rows} target rows committed in {len(self.commits)}/{self.manifest.n_segments} "
+                f"segments ({'complete' if self.complete else 'incomplete'}), {self.manifest.storage_dtype}",
+            ),
         ]
         if self.commits:
-            rel = self.sql("SELECT relation_id, any_value(relation_name) AS name, count(*) AS n FROM examples "
-                           "GROUP BY 1 ORDER BY n DESC, 1").to_pylist()
-            shown = ", ".join(f"{r['relation_id']} {r['name']} ({r['n']})" if r["name"] and r["name"] != r["relation_id"]
-                              else f"{r['relation_id']} ({r['n']})" for r in rel[:12])
+            rel = self.sql(
+                "SELECT relation_id, any_value(relation_name) AS name, count(*) AS n FROM examples "
+                "GROUP BY 1 ORDER BY n DESC, 1"
+            ).to_pylist()
+            shown = ", ".join(
+                f"{r['relation_id']} {r['name']} ({r['n']})"
+                if r["name"] and r["name"] != r["relation_id"]
+                else f"{r['relation_id']} ({r['n']})"
+                for r in rel[:12]
+            )
             rows.append(("relations", f"{len(rel)}: {shown}" + (", ..." if len(rel) > 12 else "")))
-        results = {k: len(v) for k, v in self.table_files().items() if k not in SEGMENT_TABLES and k != "heads"}
+        results = {
+            k: len(v) for k, v in self.table_files().items() if k not in SEGMENT_TABLES and k != "heads"
+        }
         if results:
-            rows.append(("result tables", ", ".join(f"{k} ({n} file{'s' * (n != 1)})" for k, n in sorted(results.items()))))
-        body = "".join(f"<tr><th style='text-align:left'>{escape(k)}</th><td style='text-align:left'>{escape(str(v))}</td></tr>"
-                       for k, v in rows)
+            rows.append(
+                (
+                    "result tables",
+                    ", ".join(f"{k} ({n} file{'s' * (n != 1)})" for k, n in sorted(results.items())),
+                )
+            )
+        body = "".join(
+            f"<tr><th style='text-align:left'>{escape(k)}</th><td style='text-align:left'>{escape(str(v))}</td></tr>"
+            for k, v in rows
+        )
         return f"<table><caption style='text-align:left'><b>actstore.Store</b></caption>{body}</table>"
 
     # ------------------------------------------------------------------ arrays
@@ -185,9 +231,8 @@ class Store:
                 raise QueryError(f"segment {seg} is not committed in {self.url}")
             rel = f"segments/{segment_name(seg)}"
             commit = self.commits[seg]
-            strict = commit.objects is not None or self.manifest.integrity >= 1
             try:
-                group = zarr.open_group(store=self._guarded(rel, strict, MAX_CHUNK_BYTES + (1 << 20)), mode="r")
+                group = zarr.open_group(store=self._guarded(rel, MAX_CHUNK_BYTES + (1 << 20)), mode="r")
                 arr = group[name]
             except CorruptStoreError:
                 raise
@@ -195,48 +240,66 @@ class Store:
                 raise CorruptStoreError(f"{self.url}/{rel}/{name}: cannot open array ({e})") from None
             if not isinstance(arr, zarr.Array):
                 raise CorruptStoreError(f"{self.url}/{rel}/{name}: not an array")
-            check_array(arr, f"{self.url}/{rel}/{name}", expected_shape(self.geometry, name, commit),
-                        NUMPY_DTYPE[self.manifest.storage_dtype], MAX_CHUNK_BYTES)
+            check_array(
+                arr,
+                f"{self.url}/{rel}/{name}",
+                expected_shape(self.geometry, name, commit),
+                NUMPY_DTYPE[self.manifest.storage_dtype],
+                MAX_CHUNK_BYTES,
+            )
             self._arrays[key] = arr
         return self._arrays[key]
 
-    def _guarded(self, rel: str, strict: bool, max_bytes: int) -> ChunkGuard:
+    def _guarded(self, rel: str, max_bytes: int) -> ChunkGuard:
         """The zarr store at ``rel``, read through :class:`ChunkGuard` (missing chunks, special files and
         local files over ``max_bytes`` refused)."""
         loc = self.location
-        return ChunkGuard(loc.zarr_store(rel, read_only=True), where=f"{self.url}/{rel}", strict=strict,
-                          local_root=loc.path(rel) if loc.is_local else None, max_bytes=max_bytes)
+        return ChunkGuard(
+            loc.zarr_store(rel, read_only=True),
+            where=f"{self.url}/{rel}",
+            local_root=loc.path(rel) if loc.is_local else None,
+            max_bytes=max_bytes,
+        )
 
-    def read_segment_rows(self, seg: int, name: str, rows: np.ndarray, axis1: Sequence[int] | None = None) -> np.ndarray:
+    def read_segment_rows(
+        self, seg: int, name: str, rows: np.ndarray, axis1: Sequence[int] | None = None
+    ) -> np.ndarray:
         """Rows (sorted, segment-local) of a per-target array, as float32; ``axis1``: only these positions
         of its second axis (layers), converted alone."""
         arr = self.array(seg, name)
         where = f"{self.url}/segments/{segment_name(seg)}/{name}"
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= arr.shape[0]):
-            raise CorruptStoreError(f"{where}: rows {int(rows.min())}..{int(rows.max())} asked for, the array has "
-                                    f"{arr.shape[0]} (the targets table disagrees with the arrays; run actstore verify)")
+            raise CorruptStoreError(
+                f"{where}: rows {int(rows.min())}..{int(rows.max())} asked for, the array has "
+                f"{arr.shape[0]} (the targets table disagrees with the arrays; run actstore verify)"
+            )
         return read_rows(arr, rows, where, self.manifest.storage_dtype, axis1)
 
-    def read_segment_ranges(self, seg: int, name: str, starts: np.ndarray, lengths: np.ndarray,
-                            axis1: Sequence[int] | None = None) -> np.ndarray:
+    def read_segment_ranges(
+        self, seg: int, name: str, starts: np.ndarray, lengths: np.ndarray, axis1: Sequence[int] | None = None
+    ) -> np.ndarray:
         """Concatenated ranges of a flat (ragged) array, as float32 (``axis1`` as in :meth:`read_segment_rows`)."""
         arr = self.array(seg, name)
         where = f"{self.url}/segments/{segment_name(seg)}/{name}"
         starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
         if starts.size and (starts.min() < 0 or lengths.min() < 0 or (starts + lengths).max() > arr.shape[0]):
-            raise CorruptStoreError(f"{where}: offsets outside the array's {arr.shape[0]} entries (a table's "
-                                    "src_start/n_src or tok_start/n_tokens is wrong; run actstore verify)")
+            raise CorruptStoreError(
+                f"{where}: offsets outside the array's {arr.shape[0]} entries (a table's "
+                "src_start/n_src or tok_start/n_tokens is wrong; run actstore verify)"
+            )
         return read_ranges(arr, starts.tolist(), lengths.tolist(), where, self.manifest.storage_dtype, axis1)
 
     @cached_property
     def _weights_group(self) -> zarr.Group:
         try:
             g = self.geometry
-            largest = 4 * max(g.n_layers * max(g.n_heads, g.n_kv_heads) * g.d_head * g.d_model,
-                              g.n_layers * g.d_mlp * g.d_model, 4 * g.vocab_size * g.d_model)
-            return zarr.open_group(store=self._guarded("weights", self.manifest.integrity >= 1, largest + (1 << 20)),
-                                   mode="r")
+            largest = 4 * max(
+                g.n_layers * max(g.n_heads, g.n_kv_heads) * g.d_head * g.d_model,
+                g.n_layers * g.d_mlp * g.d_model,
+                4 * g.vocab_size * g.d_model,
+            )
+            return zarr.open_group(store=self._guarded("weights", largest + (1 << 20)), mode="r")
         except CorruptStoreError:
             raise
         except Exception as e:
@@ -261,7 +324,9 @@ class Store:
         try:
             return np.asarray(arr[...], dtype=np.float32)
         except Exception as e:
-            raise CorruptStoreError(f"{self.url}/weights/{name}: read failed ({type(e).__name__}: {e})") from None
+            raise CorruptStoreError(
+                f"{self.url}/weights/{name}: read failed ({type(e).__name__}: {e})"
+            ) from None
 
     def has_weight(self, name: str) -> bool:
         return name in self._weights_group
@@ -297,7 +362,9 @@ class Store:
         ``AutoTokenizer.from_pretrained`` once written out; see :mod:`actstore.query.store_tokenizer`)."""
         record = self.tokenizer_record()
         if record is None:
-            raise QueryError(f"{self.url} holds no tokenizer (ingested before tokenizers were saved with stores)")
+            raise QueryError(
+                f"{self.url} holds no tokenizer (ingested before tokenizers were saved with stores)"
+            )
         out: dict[str, bytes] = {}
         for name, want in record.items():
             rel = f"{TOKENIZER_DIR}/{name}"
@@ -306,7 +373,9 @@ class Store:
             except FileNotFoundError:
                 raise CorruptStoreError(f"{self.url}/{rel}: missing (the manifest records it)") from None
             if sha256(data) != want:
-                raise CorruptStoreError(f"{self.url}/{rel}: SHA-256 does not match the manifest's model.tokenizer")
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: SHA-256 does not match the manifest's model.tokenizer"
+                )
             out[name] = data
         return out
 
@@ -324,7 +393,9 @@ class Store:
                 out[name] = [f"tables/{name}/{f}" for f in files]
         return out
 
-    def table(self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None) -> pa.Table:
+    def table(
+        self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None
+    ) -> pa.Table:
         """A whole table as Arrow (for small tables and tests; use :meth:`sql` for selections).
         ``files``: the table's files when already listed by :meth:`table_files`."""
         files = self.table_files().get(name) if files is None else files
@@ -346,7 +417,9 @@ class Store:
             try:
                 cached = pq.ParquetFile(pa.BufferReader(data)).read()  # (pq.read_table: a dataset, slower)
             except Exception as e:
-                raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})") from None
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})"
+                ) from None
             self._tables[rel] = cached
         return cached.select(columns) if columns else cached
 
@@ -371,8 +444,10 @@ class Store:
         else:
             want = self.table_hash(rel)
             if want is not None and sha256(data) != want:
-                raise CorruptStoreError(f"{self.url}/{rel}: SHA-256 does not match {parts[-1]}{HASH_SUFFIX} "
-                                        "(the table file or its hash is corrupt; run actstore verify)")
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: SHA-256 does not match {parts[-1]}{HASH_SUFFIX} "
+                    "(the table file or its hash is corrupt; run actstore verify)"
+                )
         self._verified.add(rel)
         return data
 
@@ -386,8 +461,9 @@ class Store:
             raise CorruptStoreError(f"{self.url}/{rel}{HASH_SUFFIX}: not a SHA-256 hex digest")
         return text
 
-    def check_table_shards(self, names: Iterable[str] | None = None,
-                           listed: dict[str, list[str]] | None = None) -> None:
+    def check_table_shards(
+        self, names: Iterable[str] | None = None, listed: dict[str, list[str]] | None = None
+    ) -> None:
         """Check every visible table file (of the tables ``names``; all when None) not yet checked: its
         hash and its Parquet footer (DuckDB reads local files directly, and a garbage file must be one
         clear error, not a DuckDB one).  The footer's schema is kept for :meth:`file_schema`.
@@ -404,8 +480,9 @@ class Store:
             schema = pq.read_metadata(pa.BufferReader(data)).schema.to_arrow_schema()
         except Exception as e:
             self._verified.discard(rel)
-            raise CorruptStoreError(f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: "
-                                    f"{' '.join(str(e).split())[:160]})") from None
+            raise CorruptStoreError(
+                f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+            ) from None
         self._schemas[rel] = schema
         return schema
 
@@ -436,15 +513,36 @@ class Store:
         return state
 
     @overload
-    def sql(self, query: str, params: Params | None = None, *, format: Literal["arrow"] = "arrow",
-            memory_limit: str | None = None, timeout: float | None = None) -> pa.Table: ...
+    def sql(
+        self,
+        query: str,
+        params: Params | None = None,
+        *,
+        format: Literal["arrow"] = "arrow",
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> pa.Table: ...
 
     @overload
-    def sql(self, query: str, params: Params | None = None, *, format: Literal["pandas"],
-            memory_limit: str | None = None, timeout: float | None = None) -> pd.DataFrame: ...
+    def sql(
+        self,
+        query: str,
+        params: Params | None = None,
+        *,
+        format: Literal["pandas"],
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> pd.DataFrame: ...
 
-    def sql(self, query: str, params: Params | None = None, *, format: str = "arrow",
-            memory_limit: str | None = None, timeout: float | None = None) -> pa.Table | pd.DataFrame:
+    def sql(
+        self,
+        query: str,
+        params: Params | None = None,
+        *,
+        format: str = "arrow",
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> pa.Table | pd.DataFrame:
         """Run one read-only SELECT over the store's tables; ``format`` is ``arrow`` or ``pandas``.
 
         ``params`` are bound by DuckDB, never pasted into the text: a list for ``?`` (or ``$1``)

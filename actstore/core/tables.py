@@ -88,4 +88,9 @@ def needs_hash_file(rel: str) -> bool:
     """True for a non-segment table file (``tables/<name>/<file>.parquet``, name not a segment table),
     which is written with a ``.sha256`` companion."""
     parts = rel.split("/")
-    return len(parts) == 3 and parts[0] == "tables" and parts[1] not in SEGMENT_TABLES and parts[2].endswith(".parquet")
+    return (
+        len(parts) == 3
+        and parts[0] == "tables"
+        and parts[1] not in SEGMENT_TABLES
+        and parts[2].endswith(".parquet")
+    )

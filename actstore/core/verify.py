@@ -6,16 +6,12 @@ Checks, collected rather than raised so that one run reports all of them:
   ``segment`` field disagrees with its file name stops the store from opening at all);
 - every segment the manifest promises is committed; a segment whose data is there without its
   marker (a deleted marker, or an ingest still running or killed) is named;
-- every object a commit marker lists (stores of integrity 1: every chunk and ``zarr.json`` of the
-  segment) exists and has the recorded SHA-256; every array has the shape the marker implies and
-  the full chunk grid; markers without object lists (older stores) get their chunks decoded
-  instead (the CRC32C codec fails on any flipped byte), with a note that a lost chunk there may
-  be indistinguishable from an all-zero one;
+- every object a commit marker lists (every chunk and ``zarr.json`` of the segment) exists and
+  has the recorded SHA-256; every array has the shape the marker implies and the full chunk grid;
 - every table file matches its SHA-256 (segment shards: the marker; other tables: the
   ``.sha256`` companion) and parses; the ragged offsets in the tables stay inside the flat
   arrays; ``heads`` is the table the geometry implies;
-- the weights decode, have the shapes the geometry implies and, in stores of integrity 1, every
-  chunk;
+- the weights decode, have the shapes the geometry implies and every chunk;
 - every tokenizer file the manifest records (``model.tokenizer``) exists and has its SHA-256;
 - with ``values=True``, every chunk is decoded and NaN or infinite values are problems.
 """
@@ -32,7 +28,6 @@ import zarr
 
 from actstore.core.arrays import widen
 from actstore.core.errors import ActstoreError
-from actstore.core.manifest import INTEGRITY
 from actstore.core.store import (
     MAX_CHUNK_BYTES,
     MAX_TOKENIZER_FILE_BYTES,
@@ -63,7 +58,9 @@ class VerifyReport:
         """``ok``, ``INCOMPLETE`` (only uncommitted segments are wrong) or ``CORRUPT``."""
         if self.ok:
             return "ok"
-        n_uncommitted = sum(1 for p in self.problems if p.startswith(("segment ", "segments ")) and "not committed" in p)
+        n_uncommitted = sum(
+            1 for p in self.problems if p.startswith(("segment ", "segments ")) and "not committed" in p
+        )
         return "INCOMPLETE" if n_uncommitted == len(self.problems) else "CORRUPT"
 
 
@@ -97,12 +94,13 @@ def _rows(arr: zarr.Array, i: int) -> str:
     return f"rows {i * chunk}:{min((i + 1) * chunk, n)}"
 
 
-def _scan_chunk(report: VerifyReport, where: str, arr: zarr.Array, i: int, logical_dtype: str | None,
-                values: bool) -> None:
+def _scan_chunk(
+    report: VerifyReport, where: str, arr: zarr.Array, i: int, logical_dtype: str | None, values: bool
+) -> None:
     """Decode chunk ``i`` (its CRC32C is checked by the codec) and, with ``values``, count NaN/Inf."""
     chunk = int(arr.chunks[0])
     try:
-        data = np.asarray(arr[i * chunk:(i + 1) * chunk])
+        data = np.asarray(arr[i * chunk : (i + 1) * chunk])
     except Exception as e:
         report.problems.append(f"{where}: chunk {i} ({_rows(arr, i)}) is corrupt: {type(e).__name__}: {e}")
         return
@@ -110,7 +108,9 @@ def _scan_chunk(report: VerifyReport, where: str, arr: zarr.Array, i: int, logic
         x = widen(data, logical_dtype) if logical_dtype else data.astype(np.float32, copy=False)
         n_nan, n_inf = int(np.isnan(x).sum()), int(np.isinf(x).sum())
         if n_nan or n_inf:
-            report.problems.append(f"{where}: chunk {i} ({_rows(arr, i)}) holds {n_nan} NaN and {n_inf} infinite values")
+            report.problems.append(
+                f"{where}: chunk {i} ({_rows(arr, i)}) holds {n_nan} NaN and {n_inf} infinite values"
+            )
 
 
 def _uncommitted(store: Store, report: VerifyReport) -> None:
@@ -149,7 +149,9 @@ def _uncommitted(store: Store, report: VerifyReport) -> None:
         )
 
 
-def _check_objects(store: Store, report: VerifyReport, seg: int, objects: dict[str, str], values: bool) -> None:
+def _check_objects(
+    store: Store, report: VerifyReport, seg: int, objects: dict[str, str], values: bool
+) -> None:
     """A segment whose marker lists its objects: every one present with its SHA-256, the full chunk grid listed."""
     loc = store.location
     rel = f"segments/{segment_name(seg)}"
@@ -166,7 +168,11 @@ def _check_objects(store: Store, report: VerifyReport, seg: int, objects: dict[s
         name, _, sub = key.partition("/")
         i = _chunk_index(sub)
         arr = arrays.get(name)
-        what = f"{rel}/{name}: chunk {i} ({_rows(arr, i)})" if i is not None and arr is not None else f"{rel}/{key}"
+        what = (
+            f"{rel}/{name}: chunk {i} ({_rows(arr, i)})"
+            if i is not None and arr is not None
+            else f"{rel}/{key}"
+        )
         if key not in present:
             report.problems.append(f"{what} is missing (lost or deleted; the commit marker lists it)")
             continue
@@ -186,26 +192,9 @@ def _check_objects(store: Store, report: VerifyReport, seg: int, objects: dict[s
         listed = {_chunk_index(k.partition("/")[2]) for k in objects if k.startswith(name + "/")}
         unlisted = [i for i in _grid_keys(arr).values() if i not in listed]
         if unlisted:
-            report.problems.append(f"{rel}/{name}: the commit marker does not list chunk(s) {_ranges(unlisted)}")
-
-
-def _check_unlisted(store: Store, report: VerifyReport, seg: int, values: bool) -> None:
-    """A segment whose marker predates object lists: shapes, the chunk grid as far as listing tells, decoding."""
-    rel = f"segments/{segment_name(seg)}"
-    present = set(store.location.walk_files(rel))
-    for name in SEGMENT_ARRAYS:
-        try:
-            arr = store.array(seg, name)
-        except ActstoreError as e:
-            report.problems.append(str(e))
-            continue
-        for key, i in _grid_keys(arr).items():
-            if f"{name}/{key}" not in present:
-                report.problems.append(f"{rel}/{name}: chunk {i} ({_rows(arr, i)}) is missing (lost, or an all-zero "
-                                       "chunk, which stores written before integrity 1 did not write)")
-                continue
-            report.chunks_checked += 1
-            _scan_chunk(report, f"{rel}/{name}", arr, i, store.manifest.storage_dtype, values)
+            report.problems.append(
+                f"{rel}/{name}: the commit marker does not list chunk(s) {_ranges(unlisted)}"
+            )
 
 
 def _check_segment_tables(store: Store, report: VerifyReport, seg: int) -> None:
@@ -213,8 +202,15 @@ def _check_segment_tables(store: Store, report: VerifyReport, seg: int) -> None:
     tables: dict[str, pa.Table] = {}
     for name in SEGMENT_TABLES:
         rel = f"tables/{name}/{segment_name(seg)}.parquet"
-        data = _read_hashed(store, report, rel, MAX_TABLE_BYTES, commit.table_sha256.get(name),
-                            f"segment {seg} is committed", "the commit marker (table corrupted)")
+        data = _read_hashed(
+            store,
+            report,
+            rel,
+            MAX_TABLE_BYTES,
+            commit.table_sha256.get(name),
+            f"segment {seg} is committed",
+            "the commit marker (table corrupted)",
+        )
         if data is None:
             continue
         try:
@@ -225,23 +221,54 @@ def _check_segment_tables(store: Store, report: VerifyReport, seg: int) -> None:
     try:
         if "targets" in tables:
             t = tables["targets"]
-            _check_spans(report, f"tables/targets/{seg_rel}", t, commit.n_rows, ("src_start", "n_src"),
-                         commit.n_sources, "source", "attn")
+            _check_spans(
+                report,
+                f"tables/targets/{seg_rel}",
+                t,
+                commit.n_rows,
+                ("src_start", "n_src"),
+                commit.n_sources,
+                "source",
+                "attn",
+            )
             rows = t.column("row").to_numpy()
-            if rows.size and not np.array_equal(rows, np.arange(commit.row_start, commit.row_start + rows.size)):
+            if rows.size and not np.array_equal(
+                rows, np.arange(commit.row_start, commit.row_start + rows.size)
+            ):
                 report.problems.append(f"tables/targets/{seg_rel}: rows are not {commit.row_start}..")
             seg_rows = t.column("seg_row").to_numpy()
-            if not np.array_equal(seg_rows, np.arange(seg_rows.size)) or (t.column("segment").to_numpy() != seg).any():
-                report.problems.append(f"tables/targets/{seg_rel}: segment/seg_row columns do not match segment {seg}")
+            if (
+                not np.array_equal(seg_rows, np.arange(seg_rows.size))
+                or (t.column("segment").to_numpy() != seg).any()
+            ):
+                report.problems.append(
+                    f"tables/targets/{seg_rel}: segment/seg_row columns do not match segment {seg}"
+                )
         if "examples" in tables:
-            _check_spans(report, f"tables/examples/{seg_rel}", tables["examples"], commit.n_rows,
-                         ("tok_start", "n_tokens"), commit.n_tokens, "token", "v")
+            _check_spans(
+                report,
+                f"tables/examples/{seg_rel}",
+                tables["examples"],
+                commit.n_rows,
+                ("tok_start", "n_tokens"),
+                commit.n_tokens,
+                "token",
+                "v",
+            )
     except (KeyError, pa.ArrowException) as e:
         report.problems.append(f"tables/*/{seg_rel}: a column is missing or has the wrong type ({e})")
 
 
-def _check_spans(report: VerifyReport, rel: str, table: pa.Table, n_rows: int, columns: tuple[str, str],
-                 bound: int, what: str, array: str) -> None:
+def _check_spans(
+    report: VerifyReport,
+    rel: str,
+    table: pa.Table,
+    n_rows: int,
+    columns: tuple[str, str],
+    bound: int,
+    what: str,
+    array: str,
+) -> None:
     """``table`` has the commit's ``n_rows`` rows, and its spans (``columns``: start, length) lie in
     ``0..bound`` of the flat ``array``."""
     start, length = (table.column(c).to_numpy() for c in columns)
@@ -261,7 +288,9 @@ def _check_other_tables(store: Store, report: VerifyReport) -> None:
         files = loc.listdir(f"tables/{name}")
         for f in files:
             if f.endswith(".parquet" + HASH_SUFFIX) and f[: -len(HASH_SUFFIX)] not in files:
-                report.notes.append(f"tables/{name}/{f}: a hash without its table file (an interrupted write)")
+                report.notes.append(
+                    f"tables/{name}/{f}: a hash without its table file (an interrupted write)"
+                )
         for f in (f for f in files if f.endswith(".parquet")):
             rel = f"tables/{name}/{f}"
             try:
@@ -278,19 +307,20 @@ def _check_other_tables(store: Store, report: VerifyReport) -> None:
             try:
                 table = pq.read_table(pa.BufferReader(data))
             except Exception as e:
-                report.problems.append(f"{rel}: unreadable Parquet ({type(e).__name__}: {' '.join(str(e).split())})")
+                report.problems.append(
+                    f"{rel}: unreadable Parquet ({type(e).__name__}: {' '.join(str(e).split())})"
+                )
                 continue
             if rel == "tables/heads/heads.parquet" and not _heads_ok(store, table):
                 report.problems.append(f"{rel}: not the (layer, head, kv_head) table of the store's geometry")
     if "heads" not in loc.listdir("tables") or "heads.parquet" not in loc.listdir("tables/heads"):
         report.problems.append("tables/heads/heads.parquet: missing")
     if unhashed:
-        text = f"{len(unhashed)} table file(s) without a {HASH_SUFFIX} companion ({', '.join(unhashed[:3])}" \
-               f"{', ...' if len(unhashed) > 3 else ''})"
-        if store.manifest.integrity >= 1:
-            report.problems.append(f"{text}: this store writes one beside every table file (deleted?)")
-        else:
-            report.notes.append(f"{text}: written before table hashes; their bytes could only be parsed, not checked")
+        text = (
+            f"{len(unhashed)} table file(s) without a {HASH_SUFFIX} companion ({', '.join(unhashed[:3])}"
+            f"{', ...' if len(unhashed) > 3 else ''})"
+        )
+        report.problems.append(f"{text}: this store writes one beside every table file (deleted?)")
 
 
 def _heads_ok(store: Store, table: pa.Table) -> bool:
@@ -299,9 +329,11 @@ def _heads_ok(store: Store, table: pa.Table) -> bool:
         layer, head, kv = (table.column(c).to_numpy() for c in ("layer", "head", "kv_head"))
     except (KeyError, pa.ArrowException):
         return False
-    return (np.array_equal(layer, np.repeat(np.arange(g.n_layers), g.n_heads))
-            and np.array_equal(head, np.tile(np.arange(g.n_heads), g.n_layers))
-            and np.array_equal(kv, np.tile(np.arange(g.n_heads) // g.kv_group, g.n_layers)))
+    return (
+        np.array_equal(layer, np.repeat(np.arange(g.n_layers), g.n_heads))
+        and np.array_equal(head, np.tile(np.arange(g.n_heads), g.n_layers))
+        and np.array_equal(kv, np.tile(np.arange(g.n_heads) // g.kv_group, g.n_layers))
+    )
 
 
 def _check_weights(store: Store, report: VerifyReport, values: bool) -> None:
@@ -312,7 +344,6 @@ def _check_weights(store: Store, report: VerifyReport, values: bool) -> None:
         report.problems.append(str(e))
         return
     present = set(store.location.walk_files("weights"))
-    absent: list[str] = []
     for name in names:
         where = f"weights/{name}"
         try:
@@ -322,16 +353,10 @@ def _check_weights(store: Store, report: VerifyReport, values: bool) -> None:
             continue
         for key, i in _grid_keys(arr).items():
             if posixpath.join(name, key) not in present:
-                if store.manifest.integrity >= 1:
-                    report.problems.append(f"{where}: chunk {i} ({_rows(arr, i)}) is missing (lost or deleted)")
-                else:
-                    absent.append(f"{where} chunk {i}")
+                report.problems.append(f"{where}: chunk {i} ({_rows(arr, i)}) is missing (lost or deleted)")
                 continue
             report.chunks_checked += 1
             _scan_chunk(report, where, arr, i, None, values)
-    if absent:
-        report.notes.append(f"{', '.join(absent)}: absent, read as zeros (stores written before integrity "
-                            f"{INTEGRITY} skipped all-zero chunks, so a lost one cannot be told apart)")
 
 
 def _check_tokenizer(store: Store, report: VerifyReport) -> None:
@@ -342,12 +367,26 @@ def _check_tokenizer(store: Store, report: VerifyReport) -> None:
         report.problems.append(str(e))
         return
     for name, want in sorted((record or {}).items()):
-        _read_hashed(store, report, f"{TOKENIZER_DIR}/{name}", MAX_TOKENIZER_FILE_BYTES, want,
-                     "the manifest's model.tokenizer records it", "the manifest's model.tokenizer")
+        _read_hashed(
+            store,
+            report,
+            f"{TOKENIZER_DIR}/{name}",
+            MAX_TOKENIZER_FILE_BYTES,
+            want,
+            "the manifest's model.tokenizer records it",
+            "the manifest's model.tokenizer",
+        )
 
 
-def _read_hashed(store: Store, report: VerifyReport, rel: str, max_bytes: int, want: str | None, missing: str,
-                 recorded_in: str) -> bytes | None:
+def _read_hashed(
+    store: Store,
+    report: VerifyReport,
+    rel: str,
+    max_bytes: int,
+    want: str | None,
+    missing: str,
+    recorded_in: str,
+) -> bytes | None:
     """The bytes of ``rel`` when it exists, can be read and has the SHA-256 ``want``; else None, with the
     problem reported (``missing``: why it should be there; ``recorded_in``: what records its hash)."""
     try:
@@ -370,19 +409,13 @@ def verify_store(store: Store, *, values: bool = False) -> VerifyReport:
     _uncommitted(store, report)
     old = [seg for seg, c in store.commits.items() if c.objects is None]
     if old:
-        report.notes.append(
-            f"segment{'s' * (len(old) > 1)} {_ranges(old)}: commit markers without object lists (written before "
-            f"integrity {INTEGRITY}): chunks were decoded instead of hashed, and a lost all-zero chunk could not be told "
-            "from one never written"
+        report.problems.append(
+            f"segments {_ranges(old)}: commit markers lack the object list this store writes"
         )
-        if store.manifest.integrity >= 1:
-            report.problems.append(f"segments {_ranges(old)}: commit markers lack the object list this store writes")
     for seg, commit in store.commits.items():
         report.segments_checked += 1
         if commit.objects is not None:
             _check_objects(store, report, seg, commit.objects, values)
-        else:
-            _check_unlisted(store, report, seg, values)
         _check_segment_tables(store, report, seg)
     _check_other_tables(store, report)
     _check_weights(store, report, values)

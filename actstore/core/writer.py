@@ -25,8 +25,17 @@ from actstore.core.store import SEGMENT_ARRAYS, Store, read_commits, segment_nam
 from actstore.core.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
-RESUME_KEYS = ("geometry", "model", "storage_dtype", "segment_size", "n_examples", "chunk_rows", "chunk_flat", "chunk_layers",
-               "ingest")
+RESUME_KEYS = (
+    "geometry",
+    "model",
+    "storage_dtype",
+    "segment_size",
+    "n_examples",
+    "chunk_rows",
+    "chunk_flat",
+    "chunk_layers",
+    "ingest",
+)
 
 
 def creation_interrupted(url: str | os.PathLike[str]) -> bool:
@@ -64,7 +73,14 @@ class StoreWriter:
         with loc.zarr_group_writer("weights") as group:
             group.attrs.update(dict(weight_attrs))
             for name, value in weights.items():
-                create_array(group, name, np.ascontiguousarray(value, dtype=np.float32), max(1, value.shape[0]), logical_dtype="float32", compress=False)
+                create_array(
+                    group,
+                    name,
+                    np.ascontiguousarray(value, dtype=np.float32),
+                    max(1, value.shape[0]),
+                    logical_dtype="float32",
+                    compress=False,
+                )
         g = manifest.geometry
         heads = pa.table(
             {
@@ -93,17 +109,29 @@ class StoreWriter:
             detail = ""
             if "model" in diffs:
                 was, now = old["model"].get("weight_hash", "?"), new["model"].get("weight_hash", "?")
-                detail = f" (store: {old['model'].get('name')} weights {str(was)[:12]}, given: " \
-                         f"{new['model'].get('name')} weights {str(now)[:12]})"
+                detail = (
+                    f" (store: {old['model'].get('name')} weights {str(was)[:12]}, given: "
+                    f"{new['model'].get('name')} weights {str(now)[:12]})"
+                )
             elif "ingest" in diffs:  # name the settings: {key: (store's, given)}
                 a, b = old.get("ingest") or {}, new.get("ingest") or {}
                 keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-                detail = " settings (" + ", ".join(f"{k}: store {a.get(k, 'unset')}, given {b.get(k, 'unset')}"
-                                                    for k in keys) + ")"
+                detail = (
+                    " settings ("
+                    + ", ".join(f"{k}: store {a.get(k, 'unset')}, given {b.get(k, 'unset')}" for k in keys)
+                    + ")"
+                )
             else:
                 scalar = [k for k in diffs if not isinstance(old.get(k), dict)]
-                detail = " (" + ", ".join(f"{k}: store {old.get(k, 'unset')}, given {new.get(k, 'unset')}"
-                                          for k in scalar) + ")" if scalar else ""
+                detail = (
+                    " ("
+                    + ", ".join(
+                        f"{k}: store {old.get(k, 'unset')}, given {new.get(k, 'unset')}" for k in scalar
+                    )
+                    + ")"
+                    if scalar
+                    else ""
+                )
             raise StoreMismatchError(
                 f"cannot resume {store.url}: the store was written with different {', '.join(diffs)}{detail}"
             )
@@ -117,11 +145,7 @@ class StoreWriter:
         return set(read_commits(self.location, self.manifest))
 
     def write_segment(
-        self,
-        seg: int,
-        row_start: int,
-        arrays: Mapping[str, np.ndarray],
-        tables: Mapping[str, pa.Table],
+        self, seg: int, row_start: int, arrays: Mapping[str, np.ndarray], tables: Mapping[str, pa.Table]
     ) -> SegmentCommit:
         """Write one segment's arrays and tables, then commit it (the marker is the last write)."""
         m = self.manifest

@@ -101,8 +101,12 @@ def split_runs(store: Store, runs: Sequence[str]) -> tuple[str | None, str | Non
     ``patch_effects``; an id in neither is an error.  None where no id names a run of that table."""
     found: dict[str, str] = {}
     files = store.table_files()
-    have = {kind: set(store.sql(f"SELECT DISTINCT run_id FROM {table}").column("run_id").to_pylist())
-            if table in files else set() for table, kind in (("trace_effects", "trace"), ("patch_effects", "patch"))}
+    have = {
+        kind: set(store.sql(f"SELECT DISTINCT run_id FROM {table}").column("run_id").to_pylist())
+        if table in files
+        else set()
+        for table, kind in (("trace_effects", "trace"), ("patch_effects", "patch"))
+    }
     for run in runs:
         hit = next((kind for kind, ids in have.items() if run in ids), None)
         if hit is None:
@@ -113,8 +117,12 @@ def split_runs(store: Store, runs: Sequence[str]) -> tuple[str | None, str | Non
     return found.get("trace"), found.get("patch")
 
 
-def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None,
-                  progress: Callable[[int, float], None] | None = None) -> AgreeOutcome:
+def run_agreement(
+    store: Store,
+    cfg: AgreeConfig,
+    log: Log | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> AgreeOutcome:
     """Read each method of ``cfg.methods`` over the store's facts and compare their key layers and
     verdicts; write ``method_readings``, ``method_agreement`` and a ``runs`` row unless
     ``cfg.save`` is False, and the profile curves when ``cfg.figures`` names a folder.
@@ -145,7 +153,9 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None,
         readings["logit_lens"] = lens_reading(store, out, plateau=cfg.plateau)
     if "tuned_lens" in wanted:
         say(f"tuned lens ({cfg.tuned}): fitting on the facts not compared")
-        readings["tuned_lens"] = tuned_lens_reading(store, out, cfg.tuned, cfg.tuned_config, cfg.plateau, progress)
+        readings["tuned_lens"] = tuned_lens_reading(
+            store, out, cfg.tuned, cfg.tuned_config, cfg.plateau, progress
+        )
         extra["tuned_lens"] = readings["tuned_lens"].info
         extra["tuned_lens_train_facts"] = readings["tuned_lens"].info["train_facts"]
     if "attention" in wanted:
@@ -153,20 +163,26 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None,
     if "probe" in wanted:
         say("probes: cross-validated object probes on every residual index")
         readings["probe"], extra["probe"] = probe_reading(
-            store, out, LayerProbeConfig(min_count=cfg.probe_min_count, folds=cfg.probe_folds), cfg.plateau)
+            store, out, LayerProbeConfig(min_count=cfg.probe_min_count, folds=cfg.probe_folds), cfg.plateau
+        )
     ordered = [readings[m] for m in wanted]
     result = agreement(ordered, tol)
     if "trace" in readings:
-        result["causal_shares"] = causal_shares(readings["trace"], readings.get("patch"), L,
-                                                key_mlp_at_subject(store, trace_run))
+        result["causal_shares"] = causal_shares(
+            readings["trace"], readings.get("patch"), L, key_mlp_at_subject(store, trace_run)
+        )
     result.update(extra)
     result["n_layers"] = L
     result["plateau"] = cfg.plateau
     result["model"] = store.manifest.model.get("name")
-    result["verdict_mlp_share"] = {r.method: (float(np.mean(r.verdict[r.verdict != ""] == "mlp"))
-                                              if (r.verdict != "").any() else None) for r in ordered}
-    result["key_layer_median"] = {r.method: float(np.median(r.key_layer[r.key_layer >= 0]))
-                                  if (r.key_layer >= 0).any() else None for r in ordered}
+    result["verdict_mlp_share"] = {
+        r.method: (float(np.mean(r.verdict[r.verdict != ""] == "mlp")) if (r.verdict != "").any() else None)
+        for r in ordered
+    }
+    result["key_layer_median"] = {
+        r.method: float(np.median(r.key_layer[r.key_layer >= 0])) if (r.key_layer >= 0).any() else None
+        for r in ordered
+    }
     result["n_facts"] = {r.method: int(len(r.example_ids)) for r in ordered}
     result["tolerance"] = tol
     run_id = new_run_id("agree")
@@ -176,19 +192,48 @@ def run_agreement(store: Store, cfg: AgreeConfig, log: Log | None = None,
 
         from actstore.core.writer import write_result_table
 
-        outcome.tables.append(write_result_table(store, "method_readings", run_id,
-                                                 with_run_id(pa.concat_tables([r.table() for r in ordered]), run_id)))
-        outcome.tables.append(write_result_table(store, "method_agreement", run_id,
-                                                 with_run_id(agreement_table(result), run_id)))
-        used = {"trace": latest_run(store, "trace_effects", trace_run) if "trace" in readings else trace_run,
-                "patch": latest_run(store, "patch_effects", patch_run) if "patch" in readings else patch_run}
-        write_run(store, run_id, "agree", started, {"trace_run": used["trace"], "patch_run": used["patch"],
-                                                     "methods": wanted, "tolerance": tol, "plateau": cfg.plateau,
-                                                     "tuned_lens": extra.get("tuned_lens")})
+        outcome.tables.append(
+            write_result_table(
+                store,
+                "method_readings",
+                run_id,
+                with_run_id(pa.concat_tables([r.table() for r in ordered]), run_id),
+            )
+        )
+        outcome.tables.append(
+            write_result_table(
+                store, "method_agreement", run_id, with_run_id(agreement_table(result), run_id)
+            )
+        )
+        used = {
+            "trace": latest_run(store, "trace_effects", trace_run) if "trace" in readings else trace_run,
+            "patch": latest_run(store, "patch_effects", patch_run) if "patch" in readings else patch_run,
+        }
+        write_run(
+            store,
+            run_id,
+            "agree",
+            started,
+            {
+                "trace_run": used["trace"],
+                "patch_run": used["patch"],
+                "methods": wanted,
+                "tolerance": tol,
+                "plateau": cfg.plateau,
+                "tuned_lens": extra.get("tuned_lens"),
+            },
+        )
     if cfg.figures:
         from actstore.query.plotting import profile_curves
 
         Path(cfg.figures).mkdir(parents=True, exist_ok=True)
-        outcome.figures.append(str(profile_curves(ordered, Path(cfg.figures) / "method_profiles.png",
-                                                  f"{result['model']}: mean per-layer profiles")))
+        outcome.figures.append(
+            str(
+                profile_curves(
+                    ordered,
+                    Path(cfg.figures) / "method_profiles.png",
+                    f"{result['model']}: mean per-layer profiles",
+                )
+            )
+        )
     return outcome

@@ -67,16 +67,28 @@ class DemoLog:
 
 
 # ----------------------------------------------------------------------------------- steps
-def probe_step(store: Store, kind: str, episodes: int, token_scores: str, log: Step = _quiet) -> dict[str, Any]:
+def probe_step(
+    store: Store, kind: str, episodes: int, token_scores: str, log: Step = _quiet
+) -> dict[str, Any]:
     from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
 
-    cfg = ProbeConfig(kind=kind, n_way=5, k_shot=5, queries=5, episodes=episodes, seeds=(0,),
-                      token_scores=token_scores, threads=1)
+    cfg = ProbeConfig(
+        kind=kind,
+        n_way=5,
+        k_shot=5,
+        queries=5,
+        episodes=episodes,
+        seeds=(0,),
+        token_scores=token_scores,
+        threads=1,
+    )
     out = run_probe(store, cfg, progress=True)
     write_probe_tables(store, out)
     lo, hi = out.ci95
-    log(f"    {kind} 5-way 5-shot: accuracy {100 * out.accuracy:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}) "
-          f"over {len(out.episodes)} episodes in {out.seconds:.0f}s")
+    log(
+        f"    {kind} 5-way 5-shot: accuracy {100 * out.accuracy:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}) "
+        f"over {len(out.episodes)} episodes in {out.seconds:.0f}s"
+    )
     return {"run_id": out.run_id, "accuracy": round(out.accuracy, 4), "ci95": [round(lo, 4), round(hi, 4)]}
 
 
@@ -103,7 +115,7 @@ def shortcuts_step(store: Store, run_id: str) -> dict[str, Any]:
 def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[Any]:
     """Each relation's distinct (subject's first token, object's first token) pairs, from the
     store's own prompts (no tokenizer needed): the MAPS pairs of the demo corpus."""
-    from actstore.query.maps import TokenPairs, store_pairs
+    from actstore.query.maps.pairs import TokenPairs, store_pairs
 
     t = store_pairs(store)
     rel = np.asarray(t.column("relation_id").to_pylist())
@@ -114,16 +126,21 @@ def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[
             continue
         m = rel == name
         pairs = np.unique(np.stack([src[m], dst[m]], axis=1), axis=0)
-        out.append(TokenPairs(name, pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64),
-                              int(pairs.shape[0]), 0, 0))
+        out.append(
+            TokenPairs(
+                name, pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64), int(pairs.shape[0]), 0, 0
+            )
+        )
     return out
 
 
-def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet) -> dict[str, Any]:
+def maps_step(
+    store: Store, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet
+) -> dict[str, Any]:
     import pyarrow as pa
 
     from actstore.core.writer import write_result_table
-    from actstore.query.maps import StaticScores, relation_summary, scores_table, static_scores
+    from actstore.query.maps.static import StaticScores, relation_summary, scores_table, static_scores
 
     started = time.time()
     pairs = store_token_pairs(store)
@@ -131,22 +148,35 @@ def maps_step(store: Store, proj: Any, k: int = 10, threshold: float = 0.15, log
     parts = []  # one pass per layer, for the progress bar; other layers' ranks are -1 in each part
     for layer in progress_bar(range(g.n_layers), desc="MAPS static", unit="layer"):
         parts.append(static_scores(proj, pairs, heads=[(layer, h) for h in range(g.n_heads)]))
-    scores = {name: StaticScores(parts[0][name].pairs, np.max([p[name].rank_up for p in parts], axis=0),
-                                 np.max([p[name].rank_down for p in parts], axis=0)) for name in parts[0]}
+    scores = {
+        name: StaticScores(
+            parts[0][name].pairs,
+            np.max([p[name].rank_up for p in parts], axis=0),
+            np.max([p[name].rank_down for p in parts], axis=0),
+        )
+        for name in parts[0]
+    }
     summaries = [relation_summary(name, sc, k, threshold) for name, sc in scores.items()]
     run_id = new_run_id("maps")
-    write_result_table(store, "maps_scores", run_id,
-                       with_run_id(scores_table(scores, k, threshold, store.geometry.kv_group), run_id))
+    write_result_table(
+        store,
+        "maps_scores",
+        run_id,
+        with_run_id(scores_table(scores, k, threshold, store.geometry.kv_group), run_id),
+    )
     write_result_table(store, "maps_relations", run_id, with_run_id(pa.Table.from_pylist(summaries), run_id))
     write_run(store, run_id, "maps", started, {"pairs": "store prompts", "k": k, "threshold": threshold})
     for s in summaries:
-        log(f"    {s['relation']:<22} {s['n_used']:>3} pairs, {s['n_implementing']:>3} heads implement it, "
-              f"best {s['best_layer']}.{s['best_head']} (phi={s['max_score']:.2f})")
+        log(
+            f"    {s['relation']:<22} {s['n_used']:>3} pairs, {s['n_implementing']:>3} heads implement it, "
+            f"best {s['best_layer']}.{s['best_head']} (phi={s['max_score']:.2f})"
+        )
     return {"run_id": run_id, "relations": {s["relation"]: s["n_implementing"] for s in summaries}}
 
 
-def maps_dynamic_step(store: Store, proj: Any, relations: list[str], k: int = 10,
-                      log: Step = _quiet) -> dict[str, Any]:
+def maps_dynamic_step(
+    store: Store, proj: Any, relations: list[str], k: int = 10, log: Step = _quiet
+) -> dict[str, Any]:
     import pyarrow as pa
 
     from actstore.core.writer import write_result_table
@@ -156,28 +186,44 @@ def maps_dynamic_step(store: Store, proj: Any, relations: list[str], k: int = 10
     ranks = dynamic_ranks(store, relations=relations, proj=proj)
     summaries = [correlation_summary(d, k) for d in ranks.values()]
     run_id = new_run_id("maps-dynamic")
-    write_result_table(store, "maps_dynamic", run_id,
-                       with_run_id(pa.concat_tables([head_table(d, k) for d in ranks.values()]), run_id))
+    write_result_table(
+        store,
+        "maps_dynamic",
+        run_id,
+        with_run_id(pa.concat_tables([head_table(d, k) for d in ranks.values()]), run_id),
+    )
     write_result_table(store, "maps_correlation", run_id, with_run_id(correlation_table(summaries), run_id))
     write_run(store, run_id, "maps-dynamic", started, {"relations": relations, "k": k})
     for s in summaries:
-        log(f"    {s['relation']:<22} static vs dynamic r = {s['corr_wo_context']:.2f} (no context), "
-              f"{s['corr_w_context']:.2f} (context)")
+        log(
+            f"    {s['relation']:<22} static vs dynamic r = {s['corr_wo_context']:.2f} (no context), "
+            f"{s['corr_w_context']:.2f} (context)"
+        )
     return {"run_id": run_id, "correlation": {s["relation"]: s["corr_wo_context"] for s in summaries}}
 
 
 def _demo_relations(store: Store, n: int) -> list[str]:
     """The ``n`` relations with the most prompts the model answers (ties by name)."""
-    rows = store.sql("SELECT e.relation_id, sum(CASE WHEN t.object_rank = 0 THEN 1 ELSE 0 END) AS ok "
-                     "FROM examples e JOIN targets t USING (example_id) WHERE e.subject_start >= 0 "
-                     "GROUP BY 1 ORDER BY ok DESC, 1").to_pylist()
+    rows = store.sql(
+        "SELECT e.relation_id, sum(CASE WHEN t.object_rank = 0 THEN 1 ELSE 0 END) AS ok "
+        "FROM examples e JOIN targets t USING (example_id) WHERE e.subject_start >= 0 "
+        "GROUP BY 1 ORDER BY ok DESC, 1"
+    ).to_pylist()
     return [str(r["relation_id"]) for r in rows[:n]]
 
 
 # ----------------------------------------------------------------------------------- entry point
-def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step = _quiet,
-                      probe_kinds: tuple[str, ...] = ("attn_head", "attn"), dynamic_relations: int = 1,
-                      budget_s: float = 300.0, log: Step = _quiet) -> dict[str, Any]:
+def run_demo_analyses(
+    store: Store,
+    *,
+    out: str,
+    episodes: int = 100,
+    step: Step = _quiet,
+    probe_kinds: tuple[str, ...] = ("attn_head", "attn"),
+    dynamic_relations: int = 1,
+    budget_s: float = 300.0,
+    log: Step = _quiet,
+) -> dict[str, Any]:
     """Run the demo's analyses over ``store``, write ``out/report.html``; return a summary dict
     with ``report`` (the path), per-step results, ``timings`` and ``cpu_seconds`` per step, and
     ``notes`` (what was skipped and why).  ``step(title)`` is called as each step starts, ``log``
@@ -200,8 +246,11 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
 
     def probe(kind: str, token_scores: str) -> Any:
         title = f"probe {kind}: {episodes} episodes, 5-way 5-shot, HeadScore" + (
-            "/TokenScore" if token_scores != "none" else "")
-        return runs.run(f"probe_{kind}", title, functools.partial(probe_step, store, kind, episodes, token_scores, log))
+            "/TokenScore" if token_scores != "none" else ""
+        )
+        return runs.run(
+            f"probe_{kind}", title, functools.partial(probe_step, store, kind, episodes, token_scores, log)
+        )
 
     first = probe(probe_kinds[0], "all") if probe_kinds else None
     if first is not None:
@@ -212,19 +261,24 @@ def run_demo_analyses(store: Store, *, out: str, episodes: int = 100, step: Step
 
     def proj() -> Any:
         if "p" not in proj_cache:
-            from actstore.query.maps import VocabProjection
+            from actstore.query.maps.projection import VocabProjection
 
             proj_cache["p"] = VocabProjection(store)
         return proj_cache["p"]
 
-    runs.run("maps", "MAPS static scores of every head (weights only)", lambda: maps_step(store, proj(), log=log))
+    runs.run(
+        "maps", "MAPS static scores of every head (weights only)", lambda: maps_step(store, proj(), log=log)
+    )
     for kind in probe_kinds[1:]:
         if not over_budget(f"probe_{kind}"):
             probe(kind, "none")
     if dynamic_relations > 0 and not over_budget("maps_dynamic"):
         rels = _demo_relations(store, dynamic_relations)
-        runs.run("maps_dynamic", f"MAPS dynamic scores from stored head outputs ({', '.join(rels)})",
-                 lambda: maps_dynamic_step(store, proj(), rels, log=log))
+        runs.run(
+            "maps_dynamic",
+            f"MAPS dynamic scores from stored head outputs ({', '.join(rels)})",
+            lambda: maps_dynamic_step(store, proj(), rels, log=log),
+        )
     proj_cache.clear()
     summary: dict[str, Any] = dict(runs.results)
     report_path = os.path.join(out, "report.html")

@@ -68,14 +68,25 @@ def check_sizes(batch_size: int, segment_size: int) -> None:
     """A segment holds whole batches: ``segment_size`` must be a positive multiple of ``batch_size``
     (it is used as given, never rounded)."""
     if batch_size < 1 or segment_size < 1:
-        raise InvalidSetting("batch_size" if batch_size < 1 else "segment_size",
-                             f"the batch size ({batch_size}) and the segment size ({segment_size}) must be positive")
+        raise InvalidSetting(
+            "batch_size" if batch_size < 1 else "segment_size",
+            f"the batch size ({batch_size}) and the segment size ({segment_size}) must be positive",
+        )
     if segment_size % batch_size:
-        near = [m for m in (segment_size - segment_size % batch_size, segment_size - segment_size % batch_size
-                            + batch_size) if m > 0]
-        raise InvalidSetting("segment_size", f"{segment_size} is not a multiple of the batch size {batch_size} (a "
-                             f"segment holds whole batches): use {' or '.join(map(str, near))}, or a batch size "
-                             f"that divides {segment_size}")
+        near = [
+            m
+            for m in (
+                segment_size - segment_size % batch_size,
+                segment_size - segment_size % batch_size + batch_size,
+            )
+            if m > 0
+        ]
+        raise InvalidSetting(
+            "segment_size",
+            f"{segment_size} is not a multiple of the batch size {batch_size} (a "
+            f"segment holds whole batches): use {' or '.join(map(str, near))}, or a batch size "
+            f"that divides {segment_size}",
+        )
 
 
 def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestRequest:
@@ -94,15 +105,23 @@ def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestR
 
 def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
     if req.relations is not None and not req.relations:
-        raise InvalidSetting("relations", "no relation ids given (leave the setting out to keep every relation)")
+        raise InvalidSetting(
+            "relations", "no relation ids given (leave the setting out to keep every relation)"
+        )
     check_sizes(req.batch_size, req.segment_size)
-    options: dict[str, object] = {"relations": req.relations, "limit_per_relation": req.limit_per_relation,
-                                  "template": req.template, "keep_object_first": req.keep_object_first}
+    options: dict[str, object] = {
+        "relations": req.relations,
+        "limit_per_relation": req.limit_per_relation,
+        "template": req.template,
+        "keep_object_first": req.keep_object_first,
+    }
     data = load_dataset(req.dataset, **options)
     if not data.records:
         raise InvalidSetting("dataset", f"{req.dataset}: no records left after filtering")
     skipped = sum(sum(v.values()) for v in data.skipped.values())
-    log(f"dataset {req.dataset}: {len(data.records)} prompts in {len(data.kept)} relations ({skipped} skipped)")
+    log(
+        f"dataset {req.dataset}: {len(data.records)} prompts in {len(data.kept)} relations ({skipped} skipped)"
+    )
     loc = locate(req.out)
     loc.probe()  # a wrong S3 endpoint, credentials or bucket fails here, before the model loads
     grouped = join_process_group(req.rank, req.world_size)
@@ -122,7 +141,9 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
         return _ingest_locked(req, loc, data, log)
 
 
-def _ingest_locked(req: IngestRequest, loc: StoreLocation, data: DatasetResult, log: Callable[[str], None]) -> IngestReport:
+def _ingest_locked(
+    req: IngestRequest, loc: StoreLocation, data: DatasetResult, log: Callable[[str], None]
+) -> IngestReport:
     from actstore.ingest.models import load_model
 
     if not req.progress:  # --quiet: no "Loading weights" bar from transformers either
@@ -130,7 +151,9 @@ def _ingest_locked(req: IngestRequest, loc: StoreLocation, data: DatasetResult, 
 
         hf_logging.disable_progress_bar()
     loaded = load_model(req.model, device=req.device, dtype=MODEL_DTYPES[req.model_dtype])
-    max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(loaded.model.config, "n_positions", None)
+    max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(
+        loaded.model.config, "n_positions", None
+    )
     prompts = tokenize_records(data.records, loaded.tokenizer, max_length=max_len)
     model_info = {
         "name": loaded.name,
@@ -139,7 +162,15 @@ def _ingest_locked(req: IngestRequest, loc: StoreLocation, data: DatasetResult, 
         "weight_hash": loaded.weight_hash,
         "dtype": req.model_dtype,
     }
-    cfg = req.capture_config(loc.url, {
-        "dataset": req.dataset, "relations": req.relations, "limit_per_relation": req.limit_per_relation,
-        "template": req.template, "keep_object_first": req.keep_object_first, "skipped": data.skipped})
+    cfg = req.capture_config(
+        loc.url,
+        {
+            "dataset": req.dataset,
+            "relations": req.relations,
+            "limit_per_relation": req.limit_per_relation,
+            "template": req.template,
+            "keep_object_first": req.keep_object_first,
+            "skipped": data.skipped,
+        },
+    )
     return ingest_prompts(loaded.model, loaded.tokenizer, model_info, prompts, cfg)

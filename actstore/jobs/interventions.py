@@ -40,14 +40,24 @@ def model_for_store(store: Store, model: str | None) -> str:
         raise InvalidSetting("model", f"{store.url} names no model; name the model to load")
     alias = known_alias(stored)
     if alias is None:
-        raise InvalidSetting("model", f"the store's model {stored!r} is not one of actstore's aliases, and a name "
-                                      "read from a store is never loaded from disk or the hub on its own; name the "
-                                      "model to load")
+        raise InvalidSetting(
+            "model",
+            f"the store's model {stored!r} is not one of actstore's aliases, and a name "
+            "read from a store is never loaded from disk or the hub on its own; name the "
+            "model to load",
+        )
     return alias
 
 
-def load_store_model(store: Store, model: str | None, *, device: str = "cpu", model_dtype: str = "float32",
-                     allow_other_model: bool = False, quiet: bool = False) -> Any:
+def load_store_model(
+    store: Store,
+    model: str | None,
+    *,
+    device: str = "cpu",
+    model_dtype: str = "float32",
+    allow_other_model: bool = False,
+    quiet: bool = False,
+) -> Any:
     """The store's model (see :func:`model_for_store`), loaded; refused when its weights differ from
     the store's unless ``allow_other_model``."""
     import torch
@@ -64,9 +74,12 @@ def load_store_model(store: Store, model: str | None, *, device: str = "cpu", mo
     loaded = load_model(name, device=device, dtype=getattr(torch, model_dtype))
     want = str(store.manifest.model.get("weight_hash") or "")
     if want and want != loaded.weight_hash and not allow_other_model:
-        raise InvalidSetting("model", f"{name!r} has other weights than the store's "
-                                      f"({store.manifest.model.get('name')}); use the store's model, or allow "
-                                      "another model explicitly")
+        raise InvalidSetting(
+            "model",
+            f"{name!r} has other weights than the store's "
+            f"({store.manifest.model.get('name')}); use the store's model, or allow "
+            "another model explicitly",
+        )
     return loaded
 
 
@@ -79,8 +92,9 @@ def first_mlp_for_store(store: Store, model: str | None) -> Any:
     return first_mlp_transform(loaded.model)
 
 
-def _save(store: Store, run_id: str, kind: str, started: float, config: dict[str, Any],
-          tables: dict[str, Any]) -> list[str]:
+def _save(
+    store: Store, run_id: str, kind: str, started: float, config: dict[str, Any], tables: dict[str, Any]
+) -> list[str]:
     """Write the run's result ``tables`` (name -> Arrow table, each tagged with ``run_id``) and then its
     ``runs`` row; return the tables' paths in the store."""
     from actstore.core.writer import write_result_table
@@ -146,31 +160,58 @@ def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
         raise InvalidSetting("limit", f"must be positive, not {req.limit}")
     facts = stored_facts(store, req.where, correct_only=not req.all_facts, limit=req.limit)
     if not facts:
-        raise TraceError(f"{store.url}: no facts to trace" + (f" where {req.where}" if req.where else "") +
-                         ("" if req.all_facts else " that the model answers correctly (wrong answers are left out unless all facts are asked for)"))
+        raise TraceError(
+            f"{store.url}: no facts to trace"
+            + (f" where {req.where}" if req.where else "")
+            + (
+                ""
+                if req.all_facts
+                else " that the model answers correctly (wrong answers are left out unless all facts are asked for)"
+            )
+        )
     model = model_for_store(store, req.model)
-    loaded = load_store_model(store, model, device=req.device, model_dtype=req.model_dtype,
-                              allow_other_model=req.allow_other_model, quiet=req.quiet)
+    loaded = load_store_model(
+        store,
+        model,
+        device=req.device,
+        model_dtype=req.model_dtype,
+        allow_other_model=req.allow_other_model,
+        quiet=req.quiet,
+    )
     runner = InterventionRunner(loaded.model)
-    std = req.noise_std if req.noise_std is not None else \
-        cfg.noise_scale * subject_embedding_std(loaded.model, store, runner.arch)
+    std = (
+        req.noise_std
+        if req.noise_std is not None
+        else cfg.noise_scale * subject_embedding_std(loaded.model, store, runner.arch)
+    )
     tracer = CausalTracer(runner, cfg, std)
     t0 = time.time()
     with _bar(len(facts), "trace", req.quiet) as bar:
         results = tracer.trace(facts, progress=bar.update)
     out = TraceOutcome(new_run_id("trace"), results, std, dict(cfg.__dict__), time.time() - t0)
     if req.save:
-        out.tables += _save(store, out.run_id, "trace", started, {
-            **cfg.__dict__, "noise_std": std, "model": model, "where": req.where, "limit": req.limit,
-            "all_facts": req.all_facts},
-            {"trace_effects": effects_table(results), "trace_facts": facts_table(results, cfg)})
+        out.tables += _save(
+            store,
+            out.run_id,
+            "trace",
+            started,
+            {
+                **cfg.__dict__,
+                "noise_std": std,
+                "model": model,
+                "where": req.where,
+                "limit": req.limit,
+                "all_facts": req.all_facts,
+            },
+            {"trace_effects": effects_table(results), "trace_facts": facts_table(results, cfg)},
+        )
     if req.figures:
         from actstore.query.plotting import trace_average_heatmap, trace_heatmap
 
         folder = Path(req.figures)
         folder.mkdir(parents=True, exist_ok=True)
         out.figures.append(str(trace_average_heatmap(results, folder / "trace_average.png")))
-        for r in results[:req.max_figures]:
+        for r in results[: req.max_figures]:
             out.figures.append(str(trace_heatmap(r, folder / f"trace_{r.fact.example_id}.png")))
     return out
 
@@ -244,27 +285,49 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
             raise InvalidSetting("limit", f"must be positive, not {req.limit}")
         facts = stored_facts(store, req.where, correct_only=not req.all_facts, limit=req.limit)
         # counterfactuals are facts the model answers, or any fact with --all-facts
-        candidates = [f for f in stored_facts(store, correct_only=not req.all_facts, check=False)
-                      if f.subject_span[0] >= 0]
+        candidates = [
+            f
+            for f in stored_facts(store, correct_only=not req.all_facts, check=False)
+            if f.subject_span[0] >= 0
+        ]
         pairs, skipped = choose_counterfactuals(facts, candidates)
     for p in pairs:
         p.check()  # a counterfactual of another relation, a subject not in its prompt: one line, before the model
     if not pairs:
-        raise PatchError(f"{store.url}: no fact with a counterfactual to patch"
-                         + (f" ({skipped[0]['reason']})" if skipped else ""))
+        raise PatchError(
+            f"{store.url}: no fact with a counterfactual to patch"
+            + (f" ({skipped[0]['reason']})" if skipped else "")
+        )
     model = model_for_store(store, req.model)
-    loaded = load_store_model(store, model, device=req.device, model_dtype=req.model_dtype,
-                              allow_other_model=req.allow_other_model, quiet=req.quiet)
+    loaded = load_store_model(
+        store,
+        model,
+        device=req.device,
+        model_dtype=req.model_dtype,
+        allow_other_model=req.allow_other_model,
+        quiet=req.quiet,
+    )
     patcher = ActivationPatcher(InterventionRunner(loaded.model), cfg)
     t0 = time.time()
     with _bar(len(pairs), "patch", req.quiet) as bar:
         results = patcher.patch(pairs, progress=bar.update)
     out = PatchOutcome(new_run_id("patch"), results, skipped, dict(cfg.__dict__), time.time() - t0)
     if req.save:
-        out.tables += _save(store, out.run_id, "patch", started, {
-            **cfg.__dict__, "model": model, "where": req.where, "limit": req.limit,
-            "pairs": [f"{c}:{x}" for c, x in req.pairs], "skipped": skipped},
-            {"patch_effects": effects_table(results), "patch_pairs": pairs_table(results)})
+        out.tables += _save(
+            store,
+            out.run_id,
+            "patch",
+            started,
+            {
+                **cfg.__dict__,
+                "model": model,
+                "where": req.where,
+                "limit": req.limit,
+                "pairs": [f"{c}:{x}" for c, x in req.pairs],
+                "skipped": skipped,
+            },
+            {"patch_effects": effects_table(results), "patch_pairs": pairs_table(results)},
+        )
     return out
 
 
@@ -320,7 +383,7 @@ def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> Abla
     from actstore.core.store import open_store
     from actstore.ingest.interventions import InterventionRunner
     from actstore.ingest.interventions.ablation import relation_prompts, run_ablation
-    from actstore.query.maps import load_pair_files, tokenize_pairs
+    from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
 
     say = log or (lambda m: None)
     cfg = req.ablation
@@ -330,34 +393,58 @@ def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> Abla
     have = relation_prompts(store, cfg.where)  # checks the relation before the (slow) model load
     for r in (cfg.relation, *(cfg.controls or ())):
         if r not in have:
-            raise InvalidSetting("relation", f"{r!r} has no prompts with an object in {store.url} "
-                                             f"(it holds: {', '.join(have) or 'none'})")
+            raise InvalidSetting(
+                "relation",
+                f"{r!r} has no prompts with an object in {store.url} (it holds: {', '.join(have) or 'none'})",
+            )
     other = None
     if req.scores_store is not None:
         other = open_store(req.scores_store)
         mine, theirs = (str(x.manifest.model.get("weight_hash") or "") for x in (store, other))
         if not mine or mine != theirs or other.geometry != g:
-            raise InvalidSetting("scores_store", f"{other.url} holds another model's weights than {store.url}")
+            raise InvalidSetting(
+                "scores_store", f"{other.url} holds another model's weights than {store.url}"
+            )
     rels = []
     if req.pairs:
         rels = load_pair_files(list(req.pairs), [cfg.relation])  # the relation must have a pair file
         if cfg.controls is None:  # the candidate controls' pair files, where there are some
-            rels += [rp for rp in load_pair_files(list(req.pairs)) if rp.relation in have and rp.relation != cfg.relation]
+            rels += [
+                rp
+                for rp in load_pair_files(list(req.pairs))
+                if rp.relation in have and rp.relation != cfg.relation
+            ]
     model = model_for_store(store, req.model)
-    loaded = load_store_model(store, model, device=req.device, model_dtype=req.model_dtype,
-                              allow_other_model=req.allow_other_model)
+    loaded = load_store_model(
+        store, model, device=req.device, model_dtype=req.model_dtype, allow_other_model=req.allow_other_model
+    )
     # single-token pairs (the authors' filter); a relation below min_pairs is excluded by run_ablation
-    pairs = {rp.relation: tokenize_pairs(rp, loaded.tokenizer, vocab_size=g.vocab_size, allow_empty=True,
-                                         multi_token=cfg.multi_token) for rp in rels}
+    pairs = {
+        rp.relation: tokenize_pairs(
+            rp, loaded.tokenizer, vocab_size=g.vocab_size, allow_empty=True, multi_token=cfg.multi_token
+        )
+        for rp in rels
+    }
     res = run_ablation(InterventionRunner(loaded.model), store, cfg, pairs=pairs, scores_store=other, log=say)
     out = AblateOutcome(new_run_id("ablate"), res.summary, res.rows)
     if req.save:
         config: dict[str, Any] = asdict(cfg)
         config.update(first_mlp=res.summary["first_mlp"], k_per_relation={cfg.relation: res.summary["k"]})
-        out.tables += _save(store, out.run_id, "ablate", started, {
-            **config, "model": model, "pairs": list(req.pairs), "scores_store": req.scores_store,
-            "static_scores": res.summary["static_scores"], "control_choice": res.summary["control_choice"]},
-            {"maps_ablation": res.table()})
+        out.tables += _save(
+            store,
+            out.run_id,
+            "ablate",
+            started,
+            {
+                **config,
+                "model": model,
+                "pairs": list(req.pairs),
+                "scores_store": req.scores_store,
+                "static_scores": res.summary["static_scores"],
+                "control_choice": res.summary["control_choice"],
+            },
+            {"maps_ablation": res.table()},
+        )
     return out
 
 
@@ -365,7 +452,7 @@ def parse_heads_text(text: str | None, store: Store) -> tuple[tuple[int, int], .
     """``"12.3,7.*"`` -> the (layer, head) pairs of the store's model; None for None."""
     if not text:
         return None
-    from actstore.query.maps import parse_heads
+    from actstore.query.maps.projection import parse_heads
 
     g = store.geometry
     heads = parse_heads(text, g.n_layers, g.n_heads)
@@ -373,6 +460,14 @@ def parse_heads_text(text: str | None, store: Store) -> tuple[tuple[int, int], .
 
 
 __all__: Sequence[str] = [
-    "AblateRequest", "PatchRequest", "TraceRequest", "first_mlp_for_store", "load_store_model", "model_for_store",
-    "parse_pair", "run_ablate", "run_patch", "run_trace",
+    "AblateRequest",
+    "PatchRequest",
+    "TraceRequest",
+    "first_mlp_for_store",
+    "load_store_model",
+    "model_for_store",
+    "parse_pair",
+    "run_ablate",
+    "run_patch",
+    "run_trace",
 ]

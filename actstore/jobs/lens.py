@@ -1,7 +1,7 @@
 """Run the logit and tuned lens over a store's facts (``actstore lens``) and record the run.
 
-    out = run_lens(store, LensRunConfig(where="relation_id = 'P17'", tuned="adam"))
-    out.summary                      # per residual index: mean p(object), median rank, top-1, KL
+out = run_lens(store, LensRunConfig(where="relation_id = 'P17'", tuned="adam"))
+out.summary                      # per residual index: mean p(object), median rank, top-1, KL
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class LensRunConfig:
     train_fraction: float = 0.5  # share of the facts that train the tuned lens; the rest are evaluated
     tuned: str | None = "adam"  # adam, sgd, ridge, or None for the logit lens alone
     steps: int = 250
-    batch: int = 2 ** 18
+    batch: int = 2**18
     seed: int = 0
     save: bool = True
     figures: str | None = None  # folder for the lens curves
@@ -43,8 +43,9 @@ class LensOutcome:
     learning_rate: float = 0.0
 
 
-def run_lens(store: Store, cfg: LensRunConfig,
-             progress: Callable[[int, float], None] | None = None) -> LensOutcome:
+def run_lens(
+    store: Store, cfg: LensRunConfig, progress: Callable[[int, float], None] | None = None
+) -> LensOutcome:
     """Evaluate the logit lens (and the tuned lens, trained on ``train_fraction`` of the facts) on
     the held-out facts; write the ``lens`` table and a ``runs`` row unless ``cfg.save`` is False.
     ``progress(step, loss)`` is called while the tuned lens trains."""
@@ -55,19 +56,27 @@ def run_lens(store: Store, cfg: LensRunConfig,
         raise LensError(f"tuned lens method {cfg.tuned!r} is not one of {', '.join(TUNED_METHODS)}")
     started = time.time()
     method = cfg.tuned
-    config = TrainConfig(optimizer=method if method not in (None, "ridge") else "adam", steps=cfg.steps,
-                         batch=cfg.batch, seed=cfg.seed, device="auto")
+    config = TrainConfig(
+        optimizer=method if method not in (None, "ridge") else "adam",
+        steps=cfg.steps,
+        batch=cfg.batch,
+        seed=cfg.seed,
+        device="auto",
+    )
     if method not in (None, "ridge"):
         config.check()
     ids = fact_ids(store, cfg.where, cfg.correct_only)
     if ids.size == 0:
-        raise LensError(f"{store.url}: no facts with an object" + (f" where {cfg.where}" if cfg.where else ""))
+        raise LensError(
+            f"{store.url}: no facts with an object" + (f" where {cfg.where}" if cfg.where else "")
+        )
     if method is None:
         train, held = None, ids
     else:
         train, held = split_facts(ids, cfg.train_fraction, cfg.seed)
-    study, tuned = lens_study(store, held, train, method=method or "adam", seed=cfg.seed, train_config=config,
-                              progress=progress)
+    study, tuned = lens_study(
+        store, held, train, method=method or "adam", seed=cfg.seed, train_config=config, progress=progress
+    )
     summary = study.summary()
     final_match = float((study.logit.top[:, -1] == study.final_top).mean())
     tuned_config: dict[str, Any] | None = None
@@ -81,25 +90,53 @@ def run_lens(store: Store, cfg: LensRunConfig,
         from actstore.core.writer import write_result_table
 
         out.tables.append(write_result_table(store, "lens", run_id, with_run_id(study.table(), run_id)))
-        write_run(store, run_id, "lens", started, {"where": cfg.where, "correct_only": cfg.correct_only,
-                                                    "seed": cfg.seed,
-                                                    "train_fraction": None if method is None else cfg.train_fraction,
-                                                    "tuned": method, "tuned_config": tuned_config})
+        write_run(
+            store,
+            run_id,
+            "lens",
+            started,
+            {
+                "where": cfg.where,
+                "correct_only": cfg.correct_only,
+                "seed": cfg.seed,
+                "train_fraction": None if method is None else cfg.train_fraction,
+                "tuned": method,
+                "tuned_config": tuned_config,
+            },
+        )
     if cfg.figures:
         from actstore.query.plotting import lens_curves
 
         Path(cfg.figures).mkdir(parents=True, exist_ok=True)
-        out.figures.append(str(lens_curves(summary, Path(cfg.figures) / "lens_curves.png",
-                                           f"{store.manifest.model.get('name')}: {study.example_ids.size} "
-                                           "held-out facts")))
+        out.figures.append(
+            str(
+                lens_curves(
+                    summary,
+                    Path(cfg.figures) / "lens_curves.png",
+                    f"{store.manifest.model.get('name')}: {study.example_ids.size} held-out facts",
+                )
+            )
+        )
     training: dict[str, Any] = {}
     if tuned is not None and method != "ridge":
-        training = {k: tuned.info[k] for k in ("rows", "loss_first", "loss_last", "seconds", "train_kl_logit",
-                                               "train_kl_tuned")}
-    out.result = {"store": store.url, "run_id": run_id, "n_eval": int(study.example_ids.size),
-                  "n_train": int(study.train_ids.size), "final_index_matches_model": final_match,
-                  "tuned_method": method, "tuned_config": tuned_config, "tuned_training": training,
-                  "ridge_alphas": study.alphas, "per_index": summary, "tables": out.tables, "figures": out.figures,
-                  "seconds": round(time.time() - started, 2)}
+        training = {
+            k: tuned.info[k]
+            for k in ("rows", "loss_first", "loss_last", "seconds", "train_kl_logit", "train_kl_tuned")
+        }
+    out.result = {
+        "store": store.url,
+        "run_id": run_id,
+        "n_eval": int(study.example_ids.size),
+        "n_train": int(study.train_ids.size),
+        "final_index_matches_model": final_match,
+        "tuned_method": method,
+        "tuned_config": tuned_config,
+        "tuned_training": training,
+        "ridge_alphas": study.alphas,
+        "per_index": summary,
+        "tables": out.tables,
+        "figures": out.figures,
+        "seconds": round(time.time() - started, 2),
+    }
     out.steps, out.learning_rate = config.steps, config.learning_rate
     return out

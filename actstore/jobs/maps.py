@@ -52,15 +52,18 @@ FirstMlp = Callable[[], Any]
 
 def _load_first_mlp(loader: FirstMlp | None) -> Any:
     if loader is None:
-        raise InvalidSetting("first_mlp", "scores through the first MLP need the model: pass a loader of its "
-                                          "transform, or score from the embeddings")
+        raise InvalidSetting(
+            "first_mlp",
+            "scores through the first MLP need the model: pass a loader of its "
+            "transform, or score from the embeddings",
+        )
     return loader()
 
 
 def first_mlp_wanted(store: Store, first_mlp: bool | None, compare: bool = False) -> bool:
     """Whether a run needs the first-MLP transform: as asked, else the authors' default for the
     store's model (on, except for Llama-3.1-70B)."""
-    from actstore.query.maps import paper_first_mlp
+    from actstore.query.maps.defaults import paper_first_mlp
 
     if compare:
         return True
@@ -102,27 +105,24 @@ class MapsOutcome:
     figures: list[str] = field(default_factory=list)
 
 
-def run_maps(store: Store, cfg: MapsRunConfig, tokenizer: Callable[[], Any],
-             first_mlp: FirstMlp | None = None) -> MapsOutcome:
+def run_maps(
+    store: Store, cfg: MapsRunConfig, tokenizer: Callable[[], Any], first_mlp: FirstMlp | None = None
+) -> MapsOutcome:
     """Static MAPS scores of every head for each relation in the pair files, from the store's
     weights (``first_mlp``: loads the first-MLP transform when the run needs it)."""
     from actstore.core.writer import write_result_table
-    from actstore.query.maps import (
-        MapsError,
-        VocabProjection,
-        excluded_line,
-        load_pair_files,
-        parse_heads,
-        relation_ks,
+    from actstore.query.maps.defaults import MapsError, relation_ks
+    from actstore.query.maps.pairs import excluded_line, load_pair_files, split_by_min_pairs, tokenize_pairs
+    from actstore.query.maps.projection import VocabProjection, parse_heads
+    from actstore.query.maps.static import (
         relation_summary,
         salient_operations,
         salient_table,
         scores_table,
-        split_by_min_pairs,
         static_scores,
         token_decoder,
-        tokenize_pairs,
     )
+
     _check(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
     started = time.time()
     g = store.geometry
@@ -131,65 +131,143 @@ def run_maps(store: Store, cfg: MapsRunConfig, tokenizer: Callable[[], Any],
     want_salient = cfg.salient_heads.strip().lower() != "none"
     sal_heads = parse_heads(cfg.salient_heads, g.n_layers, g.n_heads) if want_salient else None
     tok = tokenizer()
-    tokenized = [tokenize_pairs(r, tok, vocab_size=g.vocab_size, multi_token=cfg.multi_token,  # type: ignore[arg-type]
-                                allow_empty=True) for r in rels]
+    tokenized = [
+        tokenize_pairs(
+            r,
+            tok,
+            vocab_size=g.vocab_size,
+            multi_token=cfg.multi_token,  # type: ignore[arg-type]
+            allow_empty=True,
+        )
+        for r in rels
+    ]
     stored_name = str(store.manifest.model.get("name") or "")
     use_mlp = first_mlp_wanted(store, cfg.first_mlp)
     mlp = _load_first_mlp(first_mlp) if use_mlp else None
     kept, excluded = split_by_min_pairs(tokenized, cfg.min_pairs)
     if not kept:
-        raise MapsError(f"no relation has the {cfg.min_pairs} usable pairs needed (usable/pairs: "
-                        f"{excluded_line(excluded)}); lower the minimum, or score multi-token words by their first token")
+        raise MapsError(
+            f"no relation has the {cfg.min_pairs} usable pairs needed (usable/pairs: "
+            f"{excluded_line(excluded)}); lower the minimum, or score multi-token words by their first token"
+        )
     ks = relation_ks([p.relation for p in kept], cfg.k, stored_name)
     proj = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=mlp)
     scores = static_scores(proj, kept, k_max=max(ks.values()))
     summaries = [relation_summary(name, sc, ks[name], cfg.threshold) for name, sc in scores.items()]
     run_id = new_run_id("maps")
-    ops = salient_operations(proj, sal_heads, n_tokens=cfg.salient_tokens, n_mappings=cfg.mappings,
-                             vocab_limit=len(tok)) if want_salient else []
+    ops = (
+        salient_operations(
+            proj, sal_heads, n_tokens=cfg.salient_tokens, n_mappings=cfg.mappings, vocab_limit=len(tok)
+        )
+        if want_salient
+        else []
+    )
     decode = token_decoder(tok)
     k_policy = "given" if cfg.k is not None else "paper"
     out = MapsOutcome(run_id, scores, summaries, excluded, ks, use_mlp, {}, ops)
     if cfg.save:
-        tables = {"maps_scores": scores_table(scores, ks, cfg.threshold, g.kv_group),
-                  "maps_relations": pa.Table.from_pylist(summaries)}
+        tables = {
+            "maps_scores": scores_table(scores, ks, cfg.threshold, g.kv_group),
+            "maps_relations": pa.Table.from_pylist(summaries),
+        }
         if excluded:
             tables["maps_excluded"] = pa.Table.from_pylist(excluded)
         if ops:
             tables["maps_salient"] = salient_table(ops, decode)
         for name, table in tables.items():
             out.tables.append(write_result_table(store, name, run_id, with_run_id(table, run_id)))
-        write_run(store, run_id, "maps", started, {
-            "pairs": list(cfg.pairs), "relations": wanted, "k": cfg.k, "k_policy": k_policy, "k_per_relation": ks,
-            "threshold": cfg.threshold, "multi_token": cfg.multi_token, "min_pairs": cfg.min_pairs,
-            "excluded": [e["relation"] for e in excluded], "final_norm": cfg.final_norm,
-            "tokenizer": cfg.tokenizer, "first_mlp": use_mlp})
+        write_run(
+            store,
+            run_id,
+            "maps",
+            started,
+            {
+                "pairs": list(cfg.pairs),
+                "relations": wanted,
+                "k": cfg.k,
+                "k_policy": k_policy,
+                "k_per_relation": ks,
+                "threshold": cfg.threshold,
+                "multi_token": cfg.multi_token,
+                "min_pairs": cfg.min_pairs,
+                "excluded": [e["relation"] for e in excluded],
+                "final_norm": cfg.final_norm,
+                "tokenizer": cfg.tokenizer,
+                "first_mlp": use_mlp,
+            },
+        )
     if cfg.figures:
         from actstore.query.maps_figures import head_heatmap, safe_name
 
         for name, sc in scores.items():
             kr = ks[name]
-            out.figures.append(str(head_heatmap(sc.score(kr), f"{cfg.figures}/maps_{safe_name(name)}.png",
-                                                f"MAPS static score, {name} (k={kr})", vmax=1.0,
-                                                threshold=cfg.threshold)))
-            out.figures.append(str(head_heatmap(sc.suppression(kr), f"{cfg.figures}/maps_{safe_name(name)}_suppression.png",
-                                                f"MAPS suppression score, {name} (k={kr})", vmax=1.0,
-                                                threshold=cfg.threshold)))
+            out.figures.append(
+                str(
+                    head_heatmap(
+                        sc.score(kr),
+                        f"{cfg.figures}/maps_{safe_name(name)}.png",
+                        f"MAPS static score, {name} (k={kr})",
+                        vmax=1.0,
+                        threshold=cfg.threshold,
+                    )
+                )
+            )
+            out.figures.append(
+                str(
+                    head_heatmap(
+                        sc.suppression(kr),
+                        f"{cfg.figures}/maps_{safe_name(name)}_suppression.png",
+                        f"MAPS suppression score, {name} (k={kr})",
+                        vmax=1.0,
+                        threshold=cfg.threshold,
+                    )
+                )
+            )
     out_rel = []
     for summ in summaries:
         sc = scores[summ["relation"]]
         phi, sup = sc.score(summ["k"]), sc.suppression(summ["k"])
-        heads = [{"relation": summ["relation"], "layer": layer, "head": h, "score": float(phi[layer, h]),
-                  "suppression": float(sup[layer, h])} for layer in range(g.n_layers) for h in range(g.n_heads)]
+        heads = [
+            {
+                "relation": summ["relation"],
+                "layer": layer,
+                "head": h,
+                "score": float(phi[layer, h]),
+                "suppression": float(sup[layer, h]),
+            }
+            for layer in range(g.n_layers)
+            for h in range(g.n_heads)
+        ]
         out_rel.append({**summ, "heads": heads})
-    salient = [{"layer": op.layer, "head": op.head, "tokens": [
-        {"token": t, "token_id": int(i), "sigma": float(sg), "mapped": decode([int(x) for x in m])}
-        for i, t, sg, m in zip(op.token_ids.tolist(), decode(op.token_ids.tolist()), op.sigma.tolist(), op.mapped_ids)]}
-        for op in ops]
-    out.result = {"store": store.url, "run_id": run_id, "k": cfg.k, "k_policy": k_policy, "threshold": cfg.threshold,
-                  "final_norm": cfg.final_norm, "first_mlp": use_mlp, "multi_token": cfg.multi_token,
-                  "min_pairs": cfg.min_pairs, "relations": out_rel, "excluded": excluded,
-                  "salient": salient, "tables": out.tables, "heatmaps": out.figures}
+    salient = [
+        {
+            "layer": op.layer,
+            "head": op.head,
+            "tokens": [
+                {"token": t, "token_id": int(i), "sigma": float(sg), "mapped": decode([int(x) for x in m])}
+                for i, t, sg, m in zip(
+                    op.token_ids.tolist(), decode(op.token_ids.tolist()), op.sigma.tolist(), op.mapped_ids
+                )
+            ],
+        }
+        for op in ops
+    ]
+    out.result = {
+        "store": store.url,
+        "run_id": run_id,
+        "k": cfg.k,
+        "k_policy": k_policy,
+        "threshold": cfg.threshold,
+        "final_norm": cfg.final_norm,
+        "first_mlp": use_mlp,
+        "multi_token": cfg.multi_token,
+        "min_pairs": cfg.min_pairs,
+        "relations": out_rel,
+        "excluded": excluded,
+        "salient": salient,
+        "tables": out.tables,
+        "heatmaps": out.figures,
+    }
     return out
 
 
@@ -230,14 +308,20 @@ def _nan_to_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
 
 
-def run_maps_dynamic(store: Store, cfg: MapsDynamicConfig, tokenizer: Callable[[], Any] | None = None,
-                     first_mlp: FirstMlp | None = None, *, client: Any = None,
-                     log: Log | None = None) -> MapsDynamicOutcome:
+def run_maps_dynamic(
+    store: Store,
+    cfg: MapsDynamicConfig,
+    tokenizer: Callable[[], Any] | None = None,
+    first_mlp: FirstMlp | None = None,
+    *,
+    client: Any = None,
+    log: Log | None = None,
+) -> MapsDynamicOutcome:
     """Dynamic MAPS scores from the store's head outputs and their correlation with the static
     scores; ``tokenizer`` is loaded for single-token prompts and pair files; ``client``: a Dask
     client for the projections (None: in this process)."""
     from actstore.core.writer import write_result_table
-    from actstore.query.maps import MapsError, VocabProjection, load_pair_files, relation_ks, tokenize_pairs
+    from actstore.query.maps.defaults import MapsError, relation_ks
     from actstore.query.maps.dynamic import (
         correlation_summary,
         correlation_table,
@@ -245,6 +329,8 @@ def run_maps_dynamic(store: Store, cfg: MapsDynamicConfig, tokenizer: Callable[[
         head_table,
         usable_prompts,
     )
+    from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
+    from actstore.query.maps.projection import VocabProjection
 
     _check(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
     started = time.time()
@@ -259,28 +345,51 @@ def run_maps_dynamic(store: Store, cfg: MapsDynamicConfig, tokenizer: Callable[[
     if cfg.pairs:
         pair_counts = {}
         for rp in load_pair_files(list(cfg.pairs)):
-            tp = tokenize_pairs(rp, tok, vocab_size=store.geometry.vocab_size,
-                                multi_token=cfg.multi_token, allow_empty=True)  # type: ignore[arg-type]
+            mode: Any = cfg.multi_token  # checked by _check above
+            tp = tokenize_pairs(
+                rp, tok, vocab_size=store.geometry.vocab_size, multi_token=mode, allow_empty=True
+            )
             pair_counts[rp.relation] = (tp.n_used, tp.n_pairs)
     use_mlp = first_mlp_wanted(store, cfg.first_mlp)
     mlp = _load_first_mlp(first_mlp) if use_mlp or cfg.compare_first_mlp else None
-    chosen = usable_prompts(store, tokenizer=tok, where=cfg.where, relations=wanted, multi_token=cfg.multi_token,
-                            min_pairs=cfg.min_pairs, pair_counts=pair_counts)
+    chosen = usable_prompts(
+        store,
+        tokenizer=tok,
+        where=cfg.where,
+        relations=wanted,
+        multi_token=cfg.multi_token,
+        min_pairs=cfg.min_pairs,
+        pair_counts=pair_counts,
+    )
     if not chosen.relations:
-        raise MapsError("no relation has the usable prompts and pairs needed (usable pairs/pairs: "
-                        + ", ".join(f"{e['relation']} {e['n_used']}/{e['n_pairs']} ({e['counted_from']})"
-                                    for e in chosen.excluded)
-                        + f"; minimum {cfg.min_pairs}); lower the minimum, or score multi-token words by their "
-                        "first token")
+        raise MapsError(
+            "no relation has the usable prompts and pairs needed (usable pairs/pairs: "
+            + ", ".join(
+                f"{e['relation']} {e['n_used']}/{e['n_pairs']} ({e['counted_from']})" for e in chosen.excluded
+            )
+            + f"; minimum {cfg.min_pairs}); lower the minimum, or score multi-token words by their "
+            "first token"
+        )
     ks = relation_ks(chosen.relations, cfg.k, stored_name)
     proj = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=None if cfg.compare_first_mlp else mlp)
     alt = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=mlp) if cfg.compare_first_mlp else None
-    ranks = dynamic_ranks(store, where=cfg.where, relations=chosen.relations,
-                          source_token=cfg.source_token,  # type: ignore[arg-type]
-                          final_norm=cfg.final_norm, k_max=max(ks.values()), proj=proj, log=log,
-                          client=client, prompts_per_task=cfg.prompts_per_task, alt_proj=alt,
-                          example_ids=chosen.example_ids.tolist())
-    variants = [v for d in ranks.values() for v in (d, d.alt) if v is not None]  # per relation: plain, first MLP
+    ranks = dynamic_ranks(
+        store,
+        where=cfg.where,
+        relations=chosen.relations,
+        source_token=cfg.source_token,  # type: ignore[arg-type]
+        final_norm=cfg.final_norm,
+        k_max=max(ks.values()),
+        proj=proj,
+        log=log,
+        client=client,
+        prompts_per_task=cfg.prompts_per_task,
+        alt_proj=alt,
+        example_ids=chosen.example_ids.tolist(),
+    )
+    variants = [
+        v for d in ranks.values() for v in (d, d.alt) if v is not None
+    ]  # per relation: plain, first MLP
     summaries = [correlation_summary(d, ks[d.relation], cfg.threshold) for d in variants]
     run_id = new_run_id("maps-dynamic")
     k_policy = "given" if cfg.k is not None else "paper"
@@ -288,16 +397,38 @@ def run_maps_dynamic(store: Store, cfg: MapsDynamicConfig, tokenizer: Callable[[
     if cfg.save:
         heads_t = pa.concat_tables([head_table(d, ks[d.relation]) for d in variants])
         out.tables.append(write_result_table(store, "maps_dynamic", run_id, with_run_id(heads_t, run_id)))
-        out.tables.append(write_result_table(store, "maps_correlation", run_id,
-                                             with_run_id(correlation_table(summaries), run_id)))
+        out.tables.append(
+            write_result_table(
+                store, "maps_correlation", run_id, with_run_id(correlation_table(summaries), run_id)
+            )
+        )
         if chosen.excluded:
-            out.tables.append(write_result_table(store, "maps_excluded", run_id,
-                                                 with_run_id(pa.Table.from_pylist(chosen.excluded), run_id)))
-        write_run(store, run_id, "maps-dynamic", started, {
-            "where": cfg.where, "relations": wanted, "k": cfg.k, "k_policy": k_policy, "k_per_relation": ks,
-            "multi_token": cfg.multi_token, "min_pairs": cfg.min_pairs, "pairs": list(cfg.pairs),
-            "excluded": [e["relation"] for e in chosen.excluded], "source_token": cfg.source_token,
-            "final_norm": cfg.final_norm, "first_mlp": use_mlp, "compare_first_mlp": cfg.compare_first_mlp})
+            out.tables.append(
+                write_result_table(
+                    store, "maps_excluded", run_id, with_run_id(pa.Table.from_pylist(chosen.excluded), run_id)
+                )
+            )
+        write_run(
+            store,
+            run_id,
+            "maps-dynamic",
+            started,
+            {
+                "where": cfg.where,
+                "relations": wanted,
+                "k": cfg.k,
+                "k_policy": k_policy,
+                "k_per_relation": ks,
+                "multi_token": cfg.multi_token,
+                "min_pairs": cfg.min_pairs,
+                "pairs": list(cfg.pairs),
+                "excluded": [e["relation"] for e in chosen.excluded],
+                "source_token": cfg.source_token,
+                "final_norm": cfg.final_norm,
+                "first_mlp": use_mlp,
+                "compare_first_mlp": cfg.compare_first_mlp,
+            },
+        )
     if cfg.figures:
         from actstore.query.maps_figures import head_heatmap, safe_name
 
@@ -307,24 +438,58 @@ def run_maps_dynamic(store: Store, cfg: MapsDynamicConfig, tokenizer: Callable[[
             if d.alt is not None:
                 maps_.append(("static_first_mlp", d.alt.static_up))
             for key, arr in (*maps_, ("dynamic_w_context", d.w_up), ("dynamic_wo_context", d.wo_up)):
-                out.figures.append(str(head_heatmap(d.per_template(arr, kr).mean(0),
-                                                    f"{cfg.figures}/maps_{key}_{safe_name(name)}.png",
-                                                    f"{key.replace('_', ' ')}, {name} (k={kr})", vmax=1.0,
-                                                    threshold=cfg.threshold)))
+                out.figures.append(
+                    str(
+                        head_heatmap(
+                            d.per_template(arr, kr).mean(0),
+                            f"{cfg.figures}/maps_{key}_{safe_name(name)}.png",
+                            f"{key.replace('_', ' ')}, {name} (k={kr})",
+                            vmax=1.0,
+                            threshold=cfg.threshold,
+                        )
+                    )
+                )
     rel_out = []
     for summ, d in zip(summaries, variants):
         kr = ks[d.relation]
         st, w, o = (d.per_template(a, kr).mean(0) for a in (d.static_up, d.w_up, d.wo_up))
         L, H = st.shape
-        heads = [{"relation": d.relation, "layer": layer, "head": h, "static": float(st[layer, h]),
-                  "dyn_w_context": float(w[layer, h]), "dyn_wo_context": float(o[layer, h])}
-                 for layer in range(L) for h in range(H)]
-        rel_out.append({**_nan_to_none(summ), "templates": d.templates, "heads": heads,
-                        "n_prompts_store": chosen.counts[d.relation]["n_prompts"]})
-    out.result = {"store": store.url, "run_id": run_id, "k": cfg.k, "k_policy": k_policy,
-                  "final_norm": cfg.final_norm, "first_mlp": use_mlp, "compare_first_mlp": cfg.compare_first_mlp,
-                  "multi_token": cfg.multi_token, "min_pairs": cfg.min_pairs, "source_token": cfg.source_token,
-                  "relations": rel_out, "excluded": chosen.excluded, "tables": out.tables, "heatmaps": out.figures}
+        heads = [
+            {
+                "relation": d.relation,
+                "layer": layer,
+                "head": h,
+                "static": float(st[layer, h]),
+                "dyn_w_context": float(w[layer, h]),
+                "dyn_wo_context": float(o[layer, h]),
+            }
+            for layer in range(L)
+            for h in range(H)
+        ]
+        rel_out.append(
+            {
+                **_nan_to_none(summ),
+                "templates": d.templates,
+                "heads": heads,
+                "n_prompts_store": chosen.counts[d.relation]["n_prompts"],
+            }
+        )
+    out.result = {
+        "store": store.url,
+        "run_id": run_id,
+        "k": cfg.k,
+        "k_policy": k_policy,
+        "final_norm": cfg.final_norm,
+        "first_mlp": use_mlp,
+        "compare_first_mlp": cfg.compare_first_mlp,
+        "multi_token": cfg.multi_token,
+        "min_pairs": cfg.min_pairs,
+        "source_token": cfg.source_token,
+        "relations": rel_out,
+        "excluded": chosen.excluded,
+        "tables": out.tables,
+        "heatmaps": out.figures,
+    }
     return out
 
 
@@ -343,4 +508,6 @@ def k_groups(ks: dict[str, int]) -> list[tuple[int, str]]:
     if len(by) == 1:
         return [(next(iter(by)), "all")]
     big = max(by, key=lambda v: len(by[v]))
-    return [(v, ", ".join(names)) for v, names in sorted(by.items()) if v != big] + [(big, f"the other {len(by[big])}")]
+    return [(v, ", ".join(names)) for v, names in sorted(by.items()) if v != big] + [
+        (big, f"the other {len(by[big])}")
+    ]

@@ -54,14 +54,22 @@ def headscore_grid(store: Store, run_id: str, relation: str | None = None) -> He
     run_row(store, run_id)  # an unknown run: one line naming the runs there are
     cond, params = "run_id = ?", [run_id]
     if relation is not None:
-        known = [r["relation_id"] for r in store.sql(f"SELECT DISTINCT relation_id FROM head_scores WHERE {cond} "
-                                                     "ORDER BY 1", params).to_pylist()]
+        known = [
+            r["relation_id"]
+            for r in store.sql(
+                f"SELECT DISTINCT relation_id FROM head_scores WHERE {cond} ORDER BY 1", params
+            ).to_pylist()
+        ]
         if relation not in known:
-            raise InvalidSetting("relation", f"unknown relation {relation!r} for run {run_id} "
-                                             f"(one of {', '.join(known)})")
+            raise InvalidSetting(
+                "relation", f"unknown relation {relation!r} for run {run_id} (one of {', '.join(known)})"
+            )
         cond, params = cond + " AND relation_id = ?", [run_id, relation]
-    rows = store.sql(f"SELECT layer, head, sum(score * n) / greatest(sum(n), 1) AS score, sum(n) AS n "
-                     f"FROM head_scores WHERE {cond} GROUP BY 1, 2 ORDER BY 1, 2", params).to_pylist()
+    rows = store.sql(
+        f"SELECT layer, head, sum(score * n) / greatest(sum(n), 1) AS score, sum(n) AS n "
+        f"FROM head_scores WHERE {cond} GROUP BY 1, 2 ORDER BY 1, 2",
+        params,
+    ).to_pylist()
     layers = sorted({r["layer"] for r in rows})
     heads = sorted({r["head"] for r in rows})
     grid = np.full((len(layers), len(heads)), np.nan)

@@ -28,7 +28,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     store = actstore.open(args.store)
-    rel = store.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1").to_pylist()[0]
+    rel = store.sql(
+        "SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1"
+    ).to_pylist()[0]
     sel = store.select("relation_id = $rel", params={"rel": rel["relation_id"]})
     files = [f for f in files_under(args.store) if "/segments/" in f]
     for _ in range(args.calls):
@@ -42,9 +44,11 @@ def main() -> None:
             wall = time.perf_counter() - t0
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             del x
-            print(f"{state}: {wall * 1e3:.0f} ms wall, user {(r1.ru_utime - r0.ru_utime) * 1e3:.0f} ms, "
-                  f"system {(r1.ru_stime - r0.ru_stime) * 1e3:.0f} ms, minor faults {r1.ru_minflt - r0.ru_minflt}, "
-                  f"major {r1.ru_majflt - r0.ru_majflt}")
+            print(
+                f"{state}: {wall * 1e3:.0f} ms wall, user {(r1.ru_utime - r0.ru_utime) * 1e3:.0f} ms, "
+                f"system {(r1.ru_stime - r0.ru_stime) * 1e3:.0f} ms, minor faults {r1.ru_minflt - r0.ru_minflt}, "
+                f"major {r1.ru_majflt - r0.ru_majflt}"
+            )
 
 
 if __name__ == "__main__":

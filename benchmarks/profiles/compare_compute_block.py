@@ -47,7 +47,9 @@ def main() -> None:
     sys.modules["old_features"] = old  # dataclasses look their module up
     spec_.loader.exec_module(old)
     store = actstore.open(a.store)
-    rel = store.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1").column(0)[0]
+    rel = store.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1").column(
+        0
+    )[0]
     sel_all, sel_rel = store.select(), store.select("relation_id = $r", params={"r": rel.as_py()})
 
     def cases(kind: str) -> dict[str, Any]:
@@ -57,7 +59,9 @@ def main() -> None:
         S = max(int(b.n_src.max()) for b in blocks)
 
         def run_old() -> np.ndarray:
-            parts = [old.compute_block(store, old.FeatureSpec.parse(store, kind, None, None), b) for b in blocks]
+            parts = [
+                old.compute_block(store, old.FeatureSpec.parse(store, kind, None, None), b) for b in blocks
+            ]
             if kind == "attn_head_token":
                 parts = [np.pad(p, [(0, 0)] * 3 + [(0, S - p.shape[3]), (0, 0)]) for p in parts]
             return np.concatenate(parts)
@@ -66,7 +70,7 @@ def main() -> None:
             out = np.empty((len(sel), *row_shape(store, spec, S)), dtype=np.float32)
             at = 0
             for b in blocks:
-                compute_block(store, spec, b, out=out[at:at + len(b.seg_rows)])
+                compute_block(store, spec, b, out=out[at : at + len(b.seg_rows)])
                 at += len(b.seg_rows)
             return out
 
@@ -91,8 +95,12 @@ def main() -> None:
                 wall[name].append(time.perf_counter() - w0)
         med_c = {k: statistics.median(v) for k, v in cpu.items()}
         med_w = {k: statistics.median(v) for k, v in wall.items()}
-        result[kind] = {"cpu_s": med_c, "wall_s": med_w, "old_over_new_cpu": med_c["old"] / med_c["new"],
-                        "max_rel_difference": err}
+        result[kind] = {
+            "cpu_s": med_c,
+            "wall_s": med_w,
+            "old_over_new_cpu": med_c["old"] / med_c["new"],
+            "max_rel_difference": err,
+        }
         print(kind, json.dumps(result[kind]), flush=True)
     import os
 

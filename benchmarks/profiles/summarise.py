@@ -36,13 +36,16 @@ def summarise(lines: list[str], top: int, under: str | None) -> str:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames = [short(f) for f in stack.split(";") if f and not f.startswith("process ")
-                  and not f.startswith("thread ")]
+        frames = [
+            short(f)
+            for f in stack.split(";")
+            if f and not f.startswith("process ") and not f.startswith("thread ")
+        ]
         if under is not None:
             hit = [i for i, f in enumerate(frames) if under in f]
             if not hit:
                 continue
-            frames = frames[hit[0]:]
+            frames = frames[hit[0] :]
         n = int(count)
         total += n
         for f in set(frames):

@@ -37,8 +37,11 @@ def main() -> None:
         torch.set_num_threads(int(sys.argv[4]) if len(sys.argv) > 4 else 1)
         n = int(sys.argv[5]) if len(sys.argv) > 5 else 3
         if kind == "attn_head_token":
-            rel = store.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1"
-                            ).column(0)[0].as_py()
+            rel = (
+                store.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY n DESC, 1")
+                .column(0)[0]
+                .as_py()
+            )
             sel = store.select("relation_id = $r", params={"r": rel})
         else:
             sel = store.select()

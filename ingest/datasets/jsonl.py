@@ -39,10 +39,11 @@ def _parse_json_value(text: str, where: str) -> Any:
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
-        bad = e.object[e.start:e.end] if isinstance(e.object, str) else ""
+        bad = e.object[e.start : e.end] if isinstance(e.object, str) else ""
         escaped = bad.encode("unicode_escape").decode()
-        raise DatasetError(f"{where}: a string holds {escaped} (a lone surrogate), "
-                           "which is not valid Unicode text") from None
+        raise DatasetError(
+            f"{where}: a string holds {escaped} (a lone surrogate), which is not valid Unicode text"
+        ) from None
     return value
 
 
@@ -196,10 +197,7 @@ def _jsonl_record(row: Any, where: str) -> PromptRecord:
 
 
 def load_jsonl(
-    path: str | Path,
-    *,
-    relations: Sequence[str] | None = None,
-    limit_per_relation: int | None = None,
+    path: str | Path, *, relations: Sequence[str] | None = None, limit_per_relation: int | None = None
 ) -> DatasetResult:
     """Generic prompts from JSON lines (``.jsonl``; ``.json`` may also be one array) or Parquet.
 

@@ -92,8 +92,10 @@ def wordfreq_zipf() -> Frequency:
     try:
         from wordfreq import zipf_frequency
     except ImportError:
-        raise DatasetError("the methods2k frequency proxy needs the wordfreq package "
-                           "(pip install 'actstore[methods]'), or pass a frequency table") from None
+        raise DatasetError(
+            "the methods2k frequency proxy needs the wordfreq package "
+            "(pip install 'actstore[methods]'), or pass a frequency table"
+        ) from None
     return lambda text: float(zipf_frequency(text, "en"))
 
 
@@ -109,10 +111,14 @@ def lre_facts(path: str | Path, *, exclude: Sequence[str] = DEFAULT_EXCLUDE) -> 
             continue
         data = read_json(f)
         if not isinstance(data, dict) or not isinstance(data.get("samples"), list):
-            raise DatasetError(f"{f}: expected an LRE relation object with 'name', 'prompt_templates', 'samples'")
+            raise DatasetError(
+                f"{f}: expected an LRE relation object with 'name', 'prompt_templates', 'samples'"
+            )
         template = string_list(data.get("prompt_templates"), "'prompt_templates'", f)[0]
         for s in data["samples"]:
-            if not (isinstance(s, dict) and isinstance(s.get("subject"), str) and isinstance(s.get("object"), str)):
+            if not (
+                isinstance(s, dict) and isinstance(s.get("subject"), str) and isinstance(s.get("object"), str)
+            ):
                 raise DatasetError(f"{f}: every sample needs string 'subject' and 'object'")
             subject, obj = clean_name(s["subject"]), clean_name(s["object"])
             if not subject or not obj:
@@ -133,14 +139,26 @@ def known1000_facts(path: str | Path) -> list[Fact]:
     if not isinstance(data, list) or not all(
         isinstance(x, dict) and all(isinstance(x.get(k), str) for k in keys) for x in data
     ):
-        raise DatasetError(f"{p}: expected a list of objects with string {', '.join(keys)} (known_1000 format)")
+        raise DatasetError(
+            f"{p}: expected a list of objects with string {', '.join(keys)} (known_1000 format)"
+        )
     out = []
     for x in data:
         span = find_span(x["prompt"], x["subject"])
         if span is None or not x["attribute"].strip():
             continue
-        out.append(Fact("known1000", x["relation_id"], x["relation_id"], x["subject"], x["attribute"].strip(),
-                        x["prompt"], span[0], span[1]))
+        out.append(
+            Fact(
+                "known1000",
+                x["relation_id"],
+                x["relation_id"],
+                x["subject"],
+                x["attribute"].strip(),
+                x["prompt"],
+                span[0],
+                span[1],
+            )
+        )
     return out
 
 
@@ -163,10 +181,18 @@ def tag_facts(facts: Sequence[Fact], frequency: Frequency | Mapping[str, float])
     out = []
     for f in facts:
         n = len(objects[(f.relation_id, f.subject)])
-        out.append(Fact(**{**asdict(f), "zipf": round(zipf[f.subject], 4),
-                           "freq_band": "high" if zipf[f.subject] > median[f.relation_id] else "low",
-                           "n_objects": n, "uniqueness": "unique" if n == 1 else "several",
-                           "object_subjects": len(subjects[(f.relation_id, f.object)])}))
+        out.append(
+            Fact(
+                **{
+                    **asdict(f),
+                    "zipf": round(zipf[f.subject], 4),
+                    "freq_band": "high" if zipf[f.subject] > median[f.relation_id] else "low",
+                    "n_objects": n,
+                    "uniqueness": "unique" if n == 1 else "several",
+                    "object_subjects": len(subjects[(f.relation_id, f.object)]),
+                }
+            )
+        )
     return out
 
 
@@ -216,7 +242,7 @@ def stratified_sample(facts: Sequence[Fact], total: int, seed: int = 0) -> list[
     for k in sorted(by):
         idx = list(by[k])
         random.Random(f"{seed}:{k}").shuffle(idx)
-        keep.extend(idx[:quota[k]])
+        keep.extend(idx[: quota[k]])
     return [facts[i] for i in sorted(keep)]
 
 
@@ -228,16 +254,23 @@ def strata_sizes(facts: Sequence[Fact]) -> dict[str, int]:
 # ------------------------------------------------------------------------------------ build / load
 
 
-def build_methods2k(lre: str | Path | None, known: str | Path | None, out: str | Path, *,
-                    size: int = DEFAULT_SIZE, seed: int = 0,
-                    frequency: Frequency | Mapping[str, float] | None = None,
-                    exclude: Sequence[str] = DEFAULT_EXCLUDE) -> Path:
+def build_methods2k(
+    lre: str | Path | None,
+    known: str | Path | None,
+    out: str | Path,
+    *,
+    size: int = DEFAULT_SIZE,
+    seed: int = 0,
+    frequency: Frequency | Mapping[str, float] | None = None,
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
+) -> Path:
     """Tag the pool of ``lre`` (LRE relation files: use the ``factual`` folder) and ``known``
     (known_1000.json) facts (a (relation, subject, object) repeated in the sources counted once), sample ``size`` of them and write ``out/methods2k.json``; returns its path."""
     if lre is None and known is None:
         raise DatasetError("methods2k needs LRE relation files, known_1000 or both")
-    pool = (lre_facts(lre, exclude=exclude) if lre is not None else []) + \
-        (known1000_facts(known) if known is not None else [])
+    pool = (lre_facts(lre, exclude=exclude) if lre is not None else []) + (
+        known1000_facts(known) if known is not None else []
+    )
     if not pool:
         raise DatasetError("methods2k: the sources hold no facts")
     seen: set[tuple[str, str, str]] = set()
@@ -252,10 +285,14 @@ def build_methods2k(lre: str | Path | None, known: str | Path | None, out: str |
     folder = Path(out).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     doc = {
-        "format": FORMAT, "size": len(chosen), "seed": seed, "pool": len(tagged),
+        "format": FORMAT,
+        "size": len(chosen),
+        "seed": seed,
+        "pool": len(tagged),
         "frequency_proxy": "wordfreq zipf_frequency(subject, 'en')" if frequency is None else "given table",
         "excluded_relations": list(exclude),
-        "pool_strata": strata_sizes(tagged), "strata": strata_sizes(chosen),
+        "pool_strata": strata_sizes(tagged),
+        "strata": strata_sizes(chosen),
         "facts": [{**asdict(f), "stratum": f.stratum} for f in chosen],
     }
     path = folder / FILE_NAME
@@ -263,9 +300,21 @@ def build_methods2k(lre: str | Path | None, known: str | Path | None, out: str |
     return path
 
 
-_FIELDS = {"source": str, "relation_id": str, "relation_name": str, "subject": str, "object": str, "prompt": str,
-           "subject_start": int, "subject_end": int, "zipf": float, "freq_band": str, "n_objects": int,
-           "uniqueness": str, "object_subjects": int}
+_FIELDS = {
+    "source": str,
+    "relation_id": str,
+    "relation_name": str,
+    "subject": str,
+    "object": str,
+    "prompt": str,
+    "subject_start": int,
+    "subject_end": int,
+    "zipf": float,
+    "freq_band": str,
+    "n_objects": int,
+    "uniqueness": str,
+    "object_subjects": int,
+}
 
 
 def read_methods2k(path: str | Path) -> list[Fact]:
@@ -273,25 +322,31 @@ def read_methods2k(path: str | Path) -> list[Fact]:
     p = existing(path, "methods2k")
     f = p / FILE_NAME if p.is_dir() else p
     if not f.exists():
-        raise DatasetError(f"{p}: no {FILE_NAME} (build it with actstore.ingest.datasets.methods2k.build_methods2k)")
+        raise DatasetError(
+            f"{p}: no {FILE_NAME} (build it with actstore.ingest.datasets.methods2k.build_methods2k)"
+        )
     doc = read_json(f)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("facts"), list):
         raise DatasetError(f"{f}: not a methods2k data set (expected format {FORMAT!r})")
     out = []
     for i, row in enumerate(doc["facts"]):
-        if not isinstance(row, dict) or not all(isinstance(row.get(k), t if t is not float else (int, float))
-                                                for k, t in _FIELDS.items()):
+        if not isinstance(row, dict) or not all(
+            isinstance(row.get(k), t if t is not float else (int, float)) for k, t in _FIELDS.items()
+        ):
             raise DatasetError(f"{f}: fact {i} lacks one of {', '.join(_FIELDS)}")
         fact = Fact(**{k: row[k] for k in _FIELDS})
-        if not (0 <= fact.subject_start < fact.subject_end <= len(fact.prompt)) or \
-                fact.prompt[fact.subject_start:fact.subject_end] != fact.subject:
+        if (
+            not (0 <= fact.subject_start < fact.subject_end <= len(fact.prompt))
+            or fact.prompt[fact.subject_start : fact.subject_end] != fact.subject
+        ):
             raise DatasetError(f"{f}: fact {i}: the subject span does not hold {fact.subject!r}")
         out.append(fact)
     return out
 
 
-def load_methods2k(path: str | Path | None, *, relations: Sequence[str] | None = None,
-                   limit_per_relation: int | None = None) -> DatasetResult:
+def load_methods2k(
+    path: str | Path | None, *, relations: Sequence[str] | None = None, limit_per_relation: int | None = None
+) -> DatasetResult:
     """Prompt records of a built methods2k data set, their tags in ``meta``.  ``path`` None builds
     the default data set from the public LRE and known_1000 (:mod:`actstore.ingest.datasets.registry`) into
     the data set cache first."""
@@ -312,9 +367,25 @@ def load_methods2k(path: str | Path | None, *, relations: Sequence[str] | None =
     for f in facts:
         if f.relation_id not in wanted:
             continue
-        meta = {"source_set": f.source, "zipf": f.zipf, "freq_band": f.freq_band, "n_objects": f.n_objects,
-                "uniqueness": f.uniqueness, "object_subjects": f.object_subjects, "stratum": f.stratum}
-        out.add(PromptRecord(text=f.prompt, relation_id=f.relation_id, relation_name=f.relation_name,
-                             subject=f.subject, object=f.object, subject_span=(f.subject_start, f.subject_end),
-                             source="methods2k", meta=meta))
+        meta = {
+            "source_set": f.source,
+            "zipf": f.zipf,
+            "freq_band": f.freq_band,
+            "n_objects": f.n_objects,
+            "uniqueness": f.uniqueness,
+            "object_subjects": f.object_subjects,
+            "stratum": f.stratum,
+        }
+        out.add(
+            PromptRecord(
+                text=f.prompt,
+                relation_id=f.relation_id,
+                relation_name=f.relation_name,
+                subject=f.subject,
+                object=f.object,
+                subject_span=(f.subject_start, f.subject_end),
+                source="methods2k",
+                meta=meta,
+            )
+        )
     return out.result()

@@ -66,7 +66,7 @@ class NamedDataset:
         """The URL of one of :attr:`files`: on the mirror (same layout) or at its public source."""
         if mirror:
             return f"{mirror.rstrip('/')}/{layout_path}"
-        rest = layout_path[len(self.folder) + 1:]
+        rest = layout_path[len(self.folder) + 1 :]
         where = f"{self.upstream}/{rest}" if self.upstream else rest
         return f"{GITHUB_RAW}/{self.repository}/{self.commit}/{where}"
 
@@ -75,17 +75,56 @@ class NamedDataset:
 DATASETS: dict[str, NamedDataset] = {
     ds.name: ds
     for ds in (
-        NamedDataset("fewrel", "fewrel", "fewrel", "fewrel/val_wiki.json", "thunlp/FewRel",
-                     "278a2315d2138810a379cd8d5718914dc56e2582", "data", _pinned("fewrel")),
-        NamedDataset("lre", "lre", "lre_relations", "lre_relations/data", "evandez/relations",
-                     "1b9ec3cf2b8368e42bde7e80fcef384312a6ec07", "", _pinned("lre_relations")),
-        NamedDataset("known1000", "known1000", "known_1000", "known_1000/known_1000.json",
-                     "khnhenriette/ProjectADL", "6f1637bbf55cc8506e565513f31e24dda55b9858", "dsets",
-                     _pinned("known_1000")),
-        NamedDataset("maps", "maps", "maps", "maps/datasets", "amitelhelo/MAPS",
-                     "b320fcd972bab3e05f4a0b7d5d266641a0f1bcfe", "", _pinned("maps")),
-        NamedDataset("codex-m", None, "codex_m", "codex_m", "tsafavi/codex",
-                     "3132e426c2a6b643b70bad679905a3a6270be440", "data/triples/codex-m", _pinned("codex_m")),
+        NamedDataset(
+            "fewrel",
+            "fewrel",
+            "fewrel",
+            "fewrel/val_wiki.json",
+            "thunlp/FewRel",
+            "278a2315d2138810a379cd8d5718914dc56e2582",
+            "data",
+            _pinned("fewrel"),
+        ),
+        NamedDataset(
+            "lre",
+            "lre",
+            "lre_relations",
+            "lre_relations/data",
+            "evandez/relations",
+            "1b9ec3cf2b8368e42bde7e80fcef384312a6ec07",
+            "",
+            _pinned("lre_relations"),
+        ),
+        NamedDataset(
+            "known1000",
+            "known1000",
+            "known_1000",
+            "known_1000/known_1000.json",
+            "khnhenriette/ProjectADL",
+            "6f1637bbf55cc8506e565513f31e24dda55b9858",
+            "dsets",
+            _pinned("known_1000"),
+        ),
+        NamedDataset(
+            "maps",
+            "maps",
+            "maps",
+            "maps/datasets",
+            "amitelhelo/MAPS",
+            "b320fcd972bab3e05f4a0b7d5d266641a0f1bcfe",
+            "",
+            _pinned("maps"),
+        ),
+        NamedDataset(
+            "codex-m",
+            None,
+            "codex_m",
+            "codex_m",
+            "tsafavi/codex",
+            "3132e426c2a6b643b70bad679905a3a6270be440",
+            "data/triples/codex-m",
+            _pinned("codex_m"),
+        ),
     )
 }
 
@@ -167,8 +206,14 @@ def _retrieve(ds: NamedDataset, url: str, sha256: str, target: Path) -> None:
     try:
         with _quiet_pooch():
             log.debug("%s: checking the cache, else downloading %s", target, url)
-            pooch.retrieve(url, known_hash=f"sha256:{sha256}", fname=target.name, path=target.parent,
-                           downloader=downloader, progressbar=False)
+            pooch.retrieve(
+                url,
+                known_hash=f"sha256:{sha256}",
+                fname=target.name,
+                path=target.parent,
+                downloader=downloader,
+                progressbar=False,
+            )
     except requests.exceptions.RequestException as e:
         raise DatasetError(
             f"cannot download the {ds.name} data set: {url} failed ({_reason(e)}); set {DATA_ENV} to a "

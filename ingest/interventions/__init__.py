@@ -29,6 +29,13 @@ from actstore.ingest.interventions.runner import (
 )
 
 __all__ = [
-    "COMPONENTS", "OPS", "Intervention", "InterventionError", "InterventionRunner", "RunItem", "RunResult",
-    "head_ablation", "stored_head_means",
+    "COMPONENTS",
+    "OPS",
+    "Intervention",
+    "InterventionError",
+    "InterventionRunner",
+    "RunItem",
+    "RunResult",
+    "head_ablation",
+    "stored_head_means",
 ]

@@ -40,21 +40,10 @@ import numpy as np
 import pyarrow as pa
 from actstore.ingest.first_mlp import first_mlp_transform
 from actstore.ingest.interventions.runner import InterventionRunner, RunItem, head_ablation, stored_head_means
-from actstore.query.maps import (
-    IMPLEMENTS_THRESHOLD,
-    MIN_PAIRS,
-    MapsError,
-    TokenPairs,
-    VocabProjection,
-    check_head,
-    implementing_heads,
-    paper_first_mlp,
-    paper_k,
-    static_scores,
-    store_pairs,
-    stored_static_scores,
-    top_heads,
-)
+from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MapsError, paper_first_mlp, paper_k
+from actstore.query.maps.pairs import TokenPairs, store_pairs
+from actstore.query.maps.projection import VocabProjection, check_head
+from actstore.query.maps.static import implementing_heads, static_scores, stored_static_scores, top_heads
 
 from actstore.core.errors import ActstoreError
 from actstore.core.store import Store
@@ -79,7 +68,9 @@ class AblationConfig:
     where: str | None = None
     batch_size: int = 32
     final_norm: bool = True
-    first_mlp: bool | None = None  # static scores through the first MLP; None: as the authors (paper_first_mlp)
+    first_mlp: bool | None = (
+        None  # static scores through the first MLP; None: as the authors (paper_first_mlp)
+    )
     min_pairs: int = MIN_PAIRS  # relations with fewer usable pairs take no part (the authors' minimum)
     multi_token: str = "skip"  # the policy the given pair files were tokenized with (to match stored runs)
     max_controls: int = 3
@@ -112,11 +103,20 @@ class AblationResult:
         return pa.Table.from_pylist(self.rows, schema=ROW_SCHEMA)
 
 
-ROW_SCHEMA = pa.schema([
-    ("relation", pa.string()), ("evaluated", pa.string()), ("condition", pa.string()), ("draw", pa.int32()),
-    ("n_heads", pa.int32()), ("heads", pa.string()), ("accuracy", pa.float64()), ("n_prompts", pa.int32()),
-    ("mode", pa.string()), ("positions", pa.string()),
-])
+ROW_SCHEMA = pa.schema(
+    [
+        ("relation", pa.string()),
+        ("evaluated", pa.string()),
+        ("condition", pa.string()),
+        ("draw", pa.int32()),
+        ("n_heads", pa.int32()),
+        ("heads", pa.string()),
+        ("accuracy", pa.float64()),
+        ("n_prompts", pa.int32()),
+        ("mode", pa.string()),
+        ("positions", pa.string()),
+    ]
+)
 
 
 def relation_prompts(store: Store, where: str | None = None) -> dict[str, Prompts]:
@@ -133,8 +133,13 @@ def relation_prompts(store: Store, where: str | None = None) -> dict[str, Prompt
     for name in sorted(set(rel.tolist())):
         m = rel == name
         sub = t.filter(pa.array(m))
-        out[name] = Prompts(name, sub.column("example_id").to_numpy(), sub.column("ids").to_pylist(),
-                            sub.column("target").to_numpy().astype(np.int64), sub.column("top").to_numpy())
+        out[name] = Prompts(
+            name,
+            sub.column("example_id").to_numpy(),
+            sub.column("ids").to_pylist(),
+            sub.column("target").to_numpy().astype(np.int64),
+            sub.column("top").to_numpy(),
+        )
     return out
 
 
@@ -142,18 +147,28 @@ def pairs_from_store(store: Store, relation: str, where: str | None = None) -> T
     """Distinct (subject first token, object first token) pairs of a relation's stored prompts."""
     t = store_pairs(store, where, relations=[relation])
     if t.num_rows == 0:
-        raise AblationError(f"relation {relation!r} has no prompts with a subject and an object in {store.url}")
+        raise AblationError(
+            f"relation {relation!r} has no prompts with a subject and an object in {store.url}"
+        )
     pairs = np.unique(np.stack([t.column("src_id").to_numpy(), t.column("dst_id").to_numpy()], 1), axis=0)
-    return TokenPairs(relation, pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64), int(pairs.shape[0]), 0, 0)
+    return TokenPairs(
+        relation, pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64), int(pairs.shape[0]), 0, 0
+    )
 
 
 def _fmt(heads: Sequence[tuple[int, int]]) -> str:
     return ",".join(f"{layer}.{h}" for layer, h in heads)
 
 
-def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, *,
-                 pairs: dict[str, TokenPairs] | None = None, scores_store: Store | None = None,
-                 log: Callable[[str], None] = lambda m: None) -> AblationResult:
+def run_ablation(
+    runner: InterventionRunner,
+    store: Store,
+    cfg: AblationConfig,
+    *,
+    pairs: dict[str, TokenPairs] | None = None,
+    scores_store: Store | None = None,
+    log: Callable[[str], None] = lambda m: None,
+) -> AblationResult:
     """Run the experiment of the module docstring.
 
     ``pairs``: token pairs per relation (from MAPS pair files); a relation without them is scored on the
@@ -170,11 +185,15 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     if cfg.random_draws < 0:
         raise AblationError("the number of random draws must be >= 0")
     if cfg.max_controls < 0 or not 0 <= cfg.max_head_overlap <= 1 or cfg.max_accuracy_gap < 0:
-        raise AblationError("the number of controls, the head overlap (0..1) and the accuracy gap must not be negative")
+        raise AblationError(
+            "the number of controls, the head overlap (0..1) and the accuracy gap must not be negative"
+        )
     prompts = relation_prompts(store, cfg.where)
     if cfg.relation not in prompts:
         have = ", ".join(prompts) or "none"
-        raise AblationError(f"relation {cfg.relation!r} has no prompts with an object in {store.url} (it holds: {have})")
+        raise AblationError(
+            f"relation {cfg.relation!r} has no prompts with an object in {store.url} (it holds: {have})"
+        )
     controls = list(cfg.controls or [])
     missing = [c for c in controls if c not in prompts]
     if missing:
@@ -184,14 +203,19 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
     scorer = _Scorer(runner, store, cfg, dict(pairs or {}), scores_store)
     # Static scores of R and, when controls are chosen here, of every other relation in the store: read from a
     # matching stored `maps` run where there is one, the rest computed in one pass over the heads.
-    scorer.resolve(([cfg.relation] if cfg.heads is None else []) + ([r for r in prompts if r != cfg.relation] if auto else []))
+    scorer.resolve(
+        ([cfg.relation] if cfg.heads is None else [])
+        + ([r for r in prompts if r != cfg.relation] if auto else [])
+    )
     if cfg.heads is not None:
         for layer, h in cfg.heads:
             check_head(g, layer, h)
         heads = list(cfg.heads)
     else:
         score = scorer.score(cfg.relation)
-        heads = top_heads(score, cfg.top_m) if cfg.top_m is not None else implementing_heads(score, cfg.threshold)
+        heads = (
+            top_heads(score, cfg.top_m) if cfg.top_m is not None else implementing_heads(score, cfg.threshold)
+        )
     positions: tuple[int, ...] | None = None if cfg.all_positions else (-1,)
     means = stored_head_means(store, cfg.where) if cfg.mode == "mean" else None
     pos_name = "all" if cfg.all_positions else "last"
@@ -203,17 +227,32 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
         return runner.run(p.items(), shared=shared, batch_size=cfg.batch_size).accuracy(p.targets)
 
     def add(evaluated: str, condition: str, draw: int, hs: Sequence[tuple[int, int]], acc: float) -> None:
-        res.rows.append({"relation": cfg.relation, "evaluated": evaluated, "condition": condition, "draw": draw,
-                         "n_heads": len(hs), "heads": _fmt(hs), "accuracy": acc,
-                         "n_prompts": len(prompts[evaluated].targets), "mode": cfg.mode, "positions": pos_name})
+        res.rows.append(
+            {
+                "relation": cfg.relation,
+                "evaluated": evaluated,
+                "condition": condition,
+                "draw": draw,
+                "n_heads": len(hs),
+                "heads": _fmt(hs),
+                "accuracy": acc,
+                "n_prompts": len(prompts[evaluated].targets),
+                "mode": cfg.mode,
+                "positions": pos_name,
+            }
+        )
 
     base = accuracy(cfg.relation, [])
     add(cfg.relation, "none", 0, [], base)
-    log(f"{cfg.relation}: base accuracy {base:.3f} on {len(prompts[cfg.relation].targets)} prompts; removing {len(heads)} heads")
+    log(
+        f"{cfg.relation}: base accuracy {base:.3f} on {len(prompts[cfg.relation].targets)} prompts; removing {len(heads)} heads"
+    )
     ablated = accuracy(cfg.relation, heads)
     add(cfg.relation, "relation_heads", 0, heads, ablated)
     rng = np.random.default_rng(cfg.seed)
-    others = [(layer, h) for layer in range(g.n_layers) for h in range(g.n_heads) if (layer, h) not in set(heads)]
+    others = [
+        (layer, h) for layer in range(g.n_layers) for h in range(g.n_heads) if (layer, h) not in set(heads)
+    ]
     random_accs: list[float] = []
     if heads:
         for d in range(cfg.random_draws):
@@ -228,7 +267,9 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
             choice = choose_controls(cfg, prompts, heads, scorer)
             controls = [c["relation"] for c in choice if c["chosen"]]
             for cand in choice:
-                log(f"control {cand['relation']}: {'chosen' if cand['chosen'] else 'skipped'}, {cand['reason']}")
+                log(
+                    f"control {cand['relation']}: {'chosen' if cand['chosen'] else 'skipped'}, {cand['reason']}"
+                )
         else:
             log("no heads removed: no control relation chosen")
     control_summary = []
@@ -237,25 +278,40 @@ def run_ablation(runner: InterventionRunner, store: Store, cfg: AblationConfig, 
         c_abl = accuracy(c, heads) if heads else c_base
         add(c, "control_none", 0, [], c_base)
         add(c, "control_relation_heads", 0, heads, c_abl)
-        control_summary.append({"relation": c, "base": c_base, "ablated": c_abl, "drop_pct": _drop(c_base, c_abl)})
+        control_summary.append(
+            {"relation": c, "base": c_base, "ablated": c_abl, "drop_pct": _drop(c_base, c_abl)}
+        )
     p = prompts[cfg.relation]
     res.summary = {
-        "relation": cfg.relation, "n_prompts": len(p.targets), "n_heads": len(heads), "heads": _fmt(heads),
-        "head_selection": "explicit" if cfg.heads is not None else (f"top {cfg.top_m}" if cfg.top_m is not None else
-                                                                     f"score >= {cfg.threshold}"),
-        "k": scorer.k(cfg.relation), "k_policy": "given" if cfg.k is not None else "paper", "mode": cfg.mode,
-        "positions": pos_name, "first_mlp": cfg.first_mlp,
-        "base": base, "store_base": _store_base(p),
-        "ablated": ablated, "drop_pct": _drop(base, ablated),
+        "relation": cfg.relation,
+        "n_prompts": len(p.targets),
+        "n_heads": len(heads),
+        "heads": _fmt(heads),
+        "head_selection": "explicit"
+        if cfg.heads is not None
+        else (f"top {cfg.top_m}" if cfg.top_m is not None else f"score >= {cfg.threshold}"),
+        "k": scorer.k(cfg.relation),
+        "k_policy": "given" if cfg.k is not None else "paper",
+        "mode": cfg.mode,
+        "positions": pos_name,
+        "first_mlp": cfg.first_mlp,
+        "base": base,
+        "store_base": _store_base(p),
+        "ablated": ablated,
+        "drop_pct": _drop(base, ablated),
         "random_mean": float(np.mean(random_accs)) if random_accs else None,
         "random_std": float(np.std(random_accs)) if random_accs else None,
         "random_drop_pct": _drop(base, float(np.mean(random_accs))) if random_accs else None,
-        "random_draws": len(random_accs), "controls": control_summary,
-        "control_selection": ("given" if not auto else
-                              f"automatic: {cfg.relation}'s head overlap < {cfg.max_head_overlap} and base accuracy "
-                              f"(recorded at ingest) above {cfg.min_control_base} and within {cfg.max_accuracy_gap} of "
-                              f"{cfg.relation}'s, closest base "
-                              f"first, at most {cfg.max_controls}"),
+        "random_draws": len(random_accs),
+        "controls": control_summary,
+        "control_selection": (
+            "given"
+            if not auto
+            else f"automatic: {cfg.relation}'s head overlap < {cfg.max_head_overlap} and base accuracy "
+            f"(recorded at ingest) above {cfg.min_control_base} and within {cfg.max_accuracy_gap} of "
+            f"{cfg.relation}'s, closest base "
+            f"first, at most {cfg.max_controls}"
+        ),
         "control_choice": choice,
         "static_scores": dict(scorer.source),
     }
@@ -271,8 +327,14 @@ class _Scorer:
     """Static scores per relation at its k: from a stored ``maps`` run with the same settings and pair
     counts, or computed from the store's weights; ``source`` says which, per relation."""
 
-    def __init__(self, runner: InterventionRunner, store: Store, cfg: AblationConfig, pairs: dict[str, TokenPairs],
-                 scores_store: Store | None) -> None:
+    def __init__(
+        self,
+        runner: InterventionRunner,
+        store: Store,
+        cfg: AblationConfig,
+        pairs: dict[str, TokenPairs],
+        scores_store: Store | None,
+    ) -> None:
         self.runner, self.store, self.cfg, self.pairs = runner, store, cfg, pairs
         self.scores_store = store if scores_store is None else scores_store
         self.scores: dict[str, np.ndarray] = {}
@@ -287,8 +349,11 @@ class _Scorer:
 
     def proj(self) -> VocabProjection:
         if self._proj is None:
-            self._proj = VocabProjection(self.store, final_norm=self.cfg.final_norm,
-                                         first_mlp=first_mlp_transform(self.runner.model) if self.cfg.first_mlp else None)
+            self._proj = VocabProjection(
+                self.store,
+                final_norm=self.cfg.final_norm,
+                first_mlp=first_mlp_transform(self.runner.model) if self.cfg.first_mlp else None,
+            )
         return self._proj
 
     def resolve(self, relations: Sequence[str]) -> None:
@@ -296,8 +361,18 @@ class _Scorer:
         if not todo:
             return
         cfg = self.cfg
-        stored = stored_static_scores(self.scores_store, todo, k={r: self.k(r) for r in todo}, final_norm=cfg.final_norm,
-                                      first_mlp=bool(cfg.first_mlp), multi_token=cfg.multi_token) if cfg.reuse_stored else {}
+        stored = (
+            stored_static_scores(
+                self.scores_store,
+                todo,
+                k={r: self.k(r) for r in todo},
+                final_norm=cfg.final_norm,
+                first_mlp=bool(cfg.first_mlp),
+                multi_token=cfg.multi_token,
+            )
+            if cfg.reuse_stored
+            else {}
+        )
         compute: list[TokenPairs] = []
         for rel in todo:
             tp = self.pairs.get(rel)
@@ -311,8 +386,10 @@ class _Scorer:
                     continue
             if tp.n_used < max(cfg.min_pairs, 1):
                 where = "in its pair file" if rel in self.from_files else "among its stored prompts"
-                msg = (f"relation {rel!r} has {tp.n_used} usable pairs {where} ({tp.n_pairs} in all), fewer than "
-                       f"{cfg.min_pairs}: excluded, as in the authors' code")
+                msg = (
+                    f"relation {rel!r} has {tp.n_used} usable pairs {where} ({tp.n_pairs} in all), fewer than "
+                    f"{cfg.min_pairs}: excluded, as in the authors' code"
+                )
                 if rel == cfg.relation:
                     raise AblationError(msg)
                 self.errors[rel] = msg
@@ -327,11 +404,18 @@ class _Scorer:
             ks = {tp.relation: self.k(tp.relation) for tp in compute}
             for rel, sc in static_scores(self.proj(), compute, k_max=max(ks.values())).items():
                 self.scores[rel] = sc.score(ks[rel])
-                src = "computed from its pair file" if rel in self.from_files else "computed from the store's prompts"
+                src = (
+                    "computed from its pair file"
+                    if rel in self.from_files
+                    else "computed from the store's prompts"
+                )
                 st = stored.get(rel)
                 if st is not None:
-                    src += f" (stored run {st.run_id} " + ("has other pair counts)" if rel in self.from_files else
-                                                           "scored pair files, not these prompts)")
+                    src += f" (stored run {st.run_id} " + (
+                        "has other pair counts)"
+                        if rel in self.from_files
+                        else "scored pair files, not these prompts)"
+                    )
                 self.source[rel] = src
 
     def score(self, rel: str) -> np.ndarray:
@@ -341,8 +425,9 @@ class _Scorer:
         return self.scores[rel]
 
 
-def choose_controls(cfg: AblationConfig, prompts: dict[str, Prompts], heads: Sequence[tuple[int, int]],
-                    scorer: _Scorer) -> list[dict[str, Any]]:
+def choose_controls(
+    cfg: AblationConfig, prompts: dict[str, Prompts], heads: Sequence[tuple[int, int]], scorer: _Scorer
+) -> list[dict[str, Any]]:
     """Every other relation of the store as a control candidate, with the decision and its reason.
 
     A candidate C qualifies when its own top ``len(heads)`` heads (non-zero scores) share fewer than
@@ -357,8 +442,15 @@ def choose_controls(cfg: AblationConfig, prompts: dict[str, Prompts], heads: Seq
             continue
         c_base = _store_base(prompts[c])
         # rounded, so that a gap of exactly max_accuracy_gap (e.g. 18/60 - 6/60) is not below it by float error
-        row: dict[str, Any] = {"relation": c, "store_base": c_base, "base_gap": round(abs(c_base - r_base), 9),
-                               "head_overlap": None, "shared_heads": "", "score_source": None, "chosen": False}
+        row: dict[str, Any] = {
+            "relation": c,
+            "store_base": c_base,
+            "base_gap": round(abs(c_base - r_base), 9),
+            "head_overlap": None,
+            "shared_heads": "",
+            "score_source": None,
+            "chosen": False,
+        }
         try:
             score = scorer.score(c)
         except (MapsError, AblationError) as e:
@@ -377,13 +469,17 @@ def choose_controls(cfg: AblationConfig, prompts: dict[str, Prompts], heads: Seq
             row["reason"] = f"head overlap {overlap:.2f}, base accuracy {c_base:.2f} vs {r_base:.2f}"
             row["eligible"] = True
         rows.append(row)
-    eligible = sorted((r for r in rows if r.pop("eligible", False)),
-                      key=lambda r: (r["base_gap"], r["head_overlap"], r["relation"]))
+    eligible = sorted(
+        (r for r in rows if r.pop("eligible", False)),
+        key=lambda r: (r["base_gap"], r["head_overlap"], r["relation"]),
+    )
     for i, r in enumerate(eligible):
         if i < cfg.max_controls:
             r["chosen"] = True
         else:
-            r["reason"] += f"; qualifies, but {cfg.max_controls} ranked before it (closer base accuracy, then lower overlap)"
+            r["reason"] += (
+                f"; qualifies, but {cfg.max_controls} ranked before it (closer base accuracy, then lower overlap)"
+            )
     return rows
 
 

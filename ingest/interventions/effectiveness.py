@@ -45,10 +45,18 @@ if TYPE_CHECKING:
 MODES = ("knockout", "restore")
 SITE_COMPONENTS = ("mlp", "attn")
 
-SITE_EFFECTS = pa.schema([
-    ("example_id", pa.int64()), ("mode", pa.string()), ("component", pa.string()), ("layer", pa.int32()),
-    ("random", pa.bool_()), ("p_base", pa.float64()), ("p_intervened", pa.float64()), ("effect", pa.float64()),
-])
+SITE_EFFECTS = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("mode", pa.string()),
+        ("component", pa.string()),
+        ("layer", pa.int32()),
+        ("random", pa.bool_()),
+        ("p_base", pa.float64()),
+        ("p_intervened", pa.float64()),
+        ("effect", pa.float64()),
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,14 @@ class _Row:
     sample: int  # -1: no noise
 
 
-def site_effects(runner: InterventionRunner, facts: Sequence[StoredFact],
-                 sites: Mapping[int, Iterable[tuple[str, int]]], cfg: EffectConfig, noise_std: float = 0.0,
-                 progress: Callable[[int], None] | None = None) -> pa.Table:
+def site_effects(
+    runner: InterventionRunner,
+    facts: Sequence[StoredFact],
+    sites: Mapping[int, Iterable[tuple[str, int]]],
+    cfg: EffectConfig,
+    noise_std: float = 0.0,
+    progress: Callable[[int], None] | None = None,
+) -> pa.Table:
     """The ``site_effects`` rows of ``facts``: every located site of ``sites`` (example id -> (component,
     layer) pairs; facts without an entry get only random sites) and ``cfg.random_draws`` random layers
     per component.  ``noise_std`` is the absolute noise std (restore mode)."""
@@ -106,19 +119,38 @@ def site_effects(runner: InterventionRunner, facts: Sequence[StoredFact],
     if cfg.mode == "restore":
         from actstore.ingest.interventions.tracing import CausalTracer
 
-        tracer = CausalTracer(runner, TraceConfig(samples=cfg.samples, components=SITE_COMPONENTS, seed=cfg.seed,
-                                                  window=1, batch_size=cfg.batch_size), noise_std)
+        tracer = CausalTracer(
+            runner,
+            TraceConfig(
+                samples=cfg.samples,
+                components=SITE_COMPONENTS,
+                seed=cfg.seed,
+                window=1,
+                batch_size=cfg.batch_size,
+            ),
+            noise_std,
+        )
     for f in facts:
         located = sorted({(str(c), int(layer)) for c, layer in sites.get(f.example_id, ())})
         for c, layer in located:
             if c not in SITE_COMPONENTS or not 0 <= layer < L:
-                raise TraceError(f"fact {f.example_id}: site {c}@{layer} is not an MLP or attention layer of 0..{L - 1}")
+                raise TraceError(
+                    f"fact {f.example_id}: site {c}@{layer} is not an MLP or attention layer of 0..{L - 1}"
+                )
         todo = [(c, layer, False) for c, layer in located] + [
-            (c, layer, True) for c in SITE_COMPONENTS for layer in random_layers(f.example_id, c, L, cfg.random_draws,
-                                                                                 cfg.seed)]
+            (c, layer, True)
+            for c in SITE_COMPONENTS
+            for layer in random_layers(f.example_id, c, L, cfg.random_draws, cfg.seed)
+        ]
         if tracer is not None and cfg.incremental:
             base, p_site = _restore_incremental(tracer, f, sorted({(c, layer) for c, layer, _ in todo}))
-            _append(out, f.example_id, cfg.mode, base, [(c, layer, rnd, p_site[(c, layer)]) for c, layer, rnd in todo])
+            _append(
+                out,
+                f.example_id,
+                cfg.mode,
+                base,
+                [(c, layer, rnd, p_site[(c, layer)]) for c, layer, rnd in todo],
+            )
             if progress:
                 progress(1)
             continue
@@ -140,8 +172,13 @@ def site_effects(runner: InterventionRunner, facts: Sequence[StoredFact],
                 rows.append(_Row(0, "", -1, False, s))
                 for c, layer, rnd in todo:
                     value = clean.states[(c, layer)][s0:]
-                    items.append(RunItem(f.input_ids, (noise, Intervention(c, layer, "set", positions, value=value)),
-                                         f.target_id))
+                    items.append(
+                        RunItem(
+                            f.input_ids,
+                            (noise, Intervention(c, layer, "set", positions, value=value)),
+                            f.target_id,
+                        )
+                    )
                     rows.append(_Row(0, c, layer, rnd, s))
         p = np.exp(runner.run(items, batch_size=cfg.batch_size).target_logprob.astype(np.float64))
         base = p[[i for i, r in enumerate(rows) if r.component == ""]].mean()
@@ -149,15 +186,25 @@ def site_effects(runner: InterventionRunner, facts: Sequence[StoredFact],
         for r, v in zip(rows, p):
             if r.component:
                 sums.setdefault((r.component, r.layer, r.random), []).append(float(v))
-        _append(out, f.example_id, cfg.mode, float(base),
-                [(c, layer, rnd, float(np.mean(vals))) for (c, layer, rnd), vals in sums.items()])
+        _append(
+            out,
+            f.example_id,
+            cfg.mode,
+            float(base),
+            [(c, layer, rnd, float(np.mean(vals))) for (c, layer, rnd), vals in sums.items()],
+        )
         if progress:
             progress(1)
     return pa.table(out, schema=SITE_EFFECTS)
 
 
-def _append(out: dict[str, list[Any]], example_id: int, mode: str, base: float,
-            sites: Iterable[tuple[str, int, bool, float]]) -> None:
+def _append(
+    out: dict[str, list[Any]],
+    example_id: int,
+    mode: str,
+    base: float,
+    sites: Iterable[tuple[str, int, bool, float]],
+) -> None:
     """One ``site_effects`` row per (component, layer, random, P(o) intervened) of a fact."""
     for c, layer, rnd, pi in sites:
         out["example_id"].append(example_id)
@@ -170,8 +217,9 @@ def _append(out: dict[str, list[Any]], example_id: int, mode: str, base: float,
         out["effect"].append(base - pi if mode == "knockout" else pi - base)
 
 
-def _restore_incremental(tracer: CausalTracer, fact: StoredFact, sites: Sequence[tuple[str, int]]
-                         ) -> tuple[float, dict[tuple[str, int], float]]:
+def _restore_incremental(
+    tracer: CausalTracer, fact: StoredFact, sites: Sequence[tuple[str, int]]
+) -> tuple[float, dict[tuple[str, int], float]]:
     """Restores of ``sites`` computed from the corrupted runs (see the module docstring): the mean
     corrupted P(o) over the noise samples and, per site, the mean restored P(o)."""
     from actstore.ingest.interventions.tracing_incremental import Incremental

@@ -47,8 +47,10 @@ class StoredFact:
         """Raise :class:`TraceError` when the fact cannot be traced or patched."""
         s0, s1 = self.subject_span
         if s0 < 0 or s1 <= s0 or s1 > self.n_tokens:
-            raise TraceError(f"fact {self.example_id}: its subject {self.subject!r} is not in its prompt "
-                             f"({' '.join(self.tokens)!r}); tracing needs the subject's tokens")
+            raise TraceError(
+                f"fact {self.example_id}: its subject {self.subject!r} is not in its prompt "
+                f"({' '.join(self.tokens)!r}); tracing needs the subject's tokens"
+            )
         if self.target_id < 0:
             raise TraceError(f"fact {self.example_id}: it has no object token to measure")
 
@@ -63,8 +65,15 @@ GROUP BY ALL ORDER BY e.example_id
 """
 
 
-def stored_facts(store: Any, where: str | None = None, *, correct_only: bool = True, limit: int | None = None,
-                 example_ids: Sequence[int] | None = None, check: bool = True) -> list[StoredFact]:
+def stored_facts(
+    store: Any,
+    where: str | None = None,
+    *,
+    correct_only: bool = True,
+    limit: int | None = None,
+    example_ids: Sequence[int] | None = None,
+    check: bool = True,
+) -> list[StoredFact]:
     """Facts of ``store`` in example order.
 
     ``where``: a SQL predicate over ``examples JOIN targets USING (example_id)`` (so both
@@ -76,7 +85,9 @@ def stored_facts(store: Any, where: str | None = None, *, correct_only: bool = T
     if correct_only:
         conds.append("t.object_rank = 0")
     if where and where.strip():
-        conds.append(f"e.example_id IN (SELECT example_id FROM examples JOIN targets USING (example_id) WHERE {where})")
+        conds.append(
+            f"e.example_id IN (SELECT example_id FROM examples JOIN targets USING (example_id) WHERE {where})"
+        )
     params = None
     if example_ids is not None:
         conds.append("list_contains($ids, e.example_id)")
@@ -88,10 +99,17 @@ def stored_facts(store: Any, where: str | None = None, *, correct_only: bool = T
     for r in rows:
         meta = json.loads(r["meta"] or "{}")
         fact = StoredFact(
-            example_id=int(r["example_id"]), relation_id=str(r["relation_id"]), subject=str(r["subject"]),
-            object=str(r["object"]), input_ids=tuple(int(i) for i in r["ids"]), tokens=tuple(str(t) for t in r["toks"]),
-            subject_span=(int(r["subject_start"]), int(r["subject_end"])), target_id=int(r["object_token_id"]),
-            correct=int(r["object_rank"]) == 0, template=str(meta.get("template") or ""))
+            example_id=int(r["example_id"]),
+            relation_id=str(r["relation_id"]),
+            subject=str(r["subject"]),
+            object=str(r["object"]),
+            input_ids=tuple(int(i) for i in r["ids"]),
+            tokens=tuple(str(t) for t in r["toks"]),
+            subject_span=(int(r["subject_start"]), int(r["subject_end"])),
+            target_id=int(r["object_token_id"]),
+            correct=int(r["object_rank"]) == 0,
+            template=str(meta.get("template") or ""),
+        )
         if check:
             fact.check()
         out.append(fact)
@@ -107,7 +125,7 @@ def subject_embedding_std(model: Any, store: Any, arch: Any = None) -> float:
     ids = store.sql("SELECT token_id FROM tokens WHERE role = 'subject'").column("token_id").to_numpy()
     if ids.size == 0:
         raise TraceError(f"{store.url}: no subject tokens to estimate the embedding scale from")
-    emb = (arch.embedding(model) if arch is not None else model.get_input_embeddings())
+    emb = arch.embedding(model) if arch is not None else model.get_input_embeddings()
     device = next(model.parameters()).device
     with torch.inference_mode():
         x = emb(torch.as_tensor(ids.astype(np.int64), device=device)).float()

@@ -80,19 +80,24 @@ class PatchPair:
         c.check()
         x.check()
         if c.relation_id != x.relation_id:
-            raise PatchError(f"counterfactual {x.example_id} is from relation {x.relation_id!r}, fact {c.example_id} "
-                             f"from {c.relation_id!r}: a counterfactual must come from the same relation")
+            raise PatchError(
+                f"counterfactual {x.example_id} is from relation {x.relation_id!r}, fact {c.example_id} "
+                f"from {c.relation_id!r}: a counterfactual must come from the same relation"
+            )
         if c.target_id == x.target_id:
-            raise PatchError(f"counterfactual {x.example_id} has the same object token as fact {c.example_id} "
-                             f"({c.object!r} / {x.object!r}): the logit difference would be 0")
+            raise PatchError(
+                f"counterfactual {x.example_id} has the same object token as fact {c.example_id} "
+                f"({c.object!r} / {x.object!r}): the logit difference would be 0"
+            )
 
 
 def position_of(fact: StoredFact, name: str) -> int:
     return fact.subject_last if name == "subject_last" else fact.n_tokens - 1
 
 
-def choose_counterfactuals(facts: Sequence[StoredFact], candidates: Sequence[StoredFact]
-                           ) -> tuple[list[PatchPair], list[dict[str, Any]]]:
+def choose_counterfactuals(
+    facts: Sequence[StoredFact], candidates: Sequence[StoredFact]
+) -> tuple[list[PatchPair], list[dict[str, Any]]]:
     """A counterfactual for each fact among ``candidates`` (see the module docstring), and the facts
     left without one ({example_id, reason})."""
     by_rel: dict[str, list[StoredFact]] = {}
@@ -100,16 +105,28 @@ def choose_counterfactuals(facts: Sequence[StoredFact], candidates: Sequence[Sto
         by_rel.setdefault(x.relation_id, []).append(x)
     pairs, skipped = [], []
     for c in facts:
-        pool = [x for x in by_rel.get(c.relation_id, []) if x.target_id != c.target_id and x.example_id != c.example_id]
+        pool = [
+            x
+            for x in by_rel.get(c.relation_id, [])
+            if x.target_id != c.target_id and x.example_id != c.example_id
+        ]
         if not pool:
-            skipped.append({"example_id": c.example_id, "reason": f"no fact of relation {c.relation_id} with another "
-                            "object answered correctly"})
+            skipped.append(
+                {
+                    "example_id": c.example_id,
+                    "reason": f"no fact of relation {c.relation_id} with another object answered correctly",
+                }
+            )
             continue
         n_sub = c.subject_span[1] - c.subject_span[0]
 
         def score(x: StoredFact, c: StoredFact = c, n_sub: int = n_sub) -> tuple[int, int, int, int]:
-            return (int(x.template != c.template), int(x.n_tokens != c.n_tokens),
-                    int(x.subject_span[1] - x.subject_span[0] != n_sub), abs(x.example_id - c.example_id))
+            return (
+                int(x.template != c.template),
+                int(x.n_tokens != c.n_tokens),
+                int(x.subject_span[1] - x.subject_span[0] != n_sub),
+                abs(x.example_id - c.example_id),
+            )
 
         pairs.append(PatchPair(c, min(pool, key=score)))
     return pairs, skipped
@@ -126,28 +143,50 @@ class PatchResult:
     def to_json(self) -> dict[str, Any]:
         c, x = self.pair.clean, self.pair.counterfactual
         return {
-            "example_id": c.example_id, "counterfactual_id": x.example_id, "relation_id": c.relation_id,
-            "subject": c.subject, "object": c.object, "counterfactual_subject": x.subject,
-            "counterfactual_object": x.object, "ld_clean": self.ld_clean, "ld_counterfactual": self.ld_cf,
+            "example_id": c.example_id,
+            "counterfactual_id": x.example_id,
+            "relation_id": c.relation_id,
+            "subject": c.subject,
+            "object": c.object,
+            "counterfactual_subject": x.subject,
+            "counterfactual_object": x.object,
+            "ld_clean": self.ld_clean,
+            "ld_counterfactual": self.ld_cf,
             "recovery": {f"{comp}@{pos}": _round(v) for (comp, pos), v in self.recovery.items()},
             "head_recovery": {pos: _round(v) for pos, v in self.head_recovery.items()},
         }
 
 
 def _round(x: np.ndarray) -> Any:
-    return [None if not np.isfinite(v) else round(float(v), 6) for v in x.ravel()] if x.ndim == 1 else \
-        [_round(row) for row in x]
+    return (
+        [None if not np.isfinite(v) else round(float(v), 6) for v in x.ravel()]
+        if x.ndim == 1
+        else [_round(row) for row in x]
+    )
 
 
-PATCH_EFFECTS = pa.schema([
-    ("example_id", pa.int64()), ("counterfactual_id", pa.int64()), ("component", pa.string()),
-    ("layer", pa.int32()), ("head", pa.int32()), ("position", pa.string()), ("recovery", pa.float64()),
-])
-PATCH_PAIRS = pa.schema([
-    ("example_id", pa.int64()), ("counterfactual_id", pa.int64()), ("relation_id", pa.string()),
-    ("object", pa.string()), ("counterfactual_object", pa.string()), ("ld_clean", pa.float64()),
-    ("ld_counterfactual", pa.float64()),
-])
+PATCH_EFFECTS = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("counterfactual_id", pa.int64()),
+        ("component", pa.string()),
+        ("layer", pa.int32()),
+        ("head", pa.int32()),
+        ("position", pa.string()),
+        ("recovery", pa.float64()),
+    ]
+)
+PATCH_PAIRS = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("counterfactual_id", pa.int64()),
+        ("relation_id", pa.string()),
+        ("object", pa.string()),
+        ("counterfactual_object", pa.string()),
+        ("ld_clean", pa.float64()),
+        ("ld_counterfactual", pa.float64()),
+    ]
+)
 
 
 def effects_table(results: Sequence[PatchResult]) -> pa.Table:
@@ -175,15 +214,29 @@ def effects_table(results: Sequence[PatchResult]) -> pa.Table:
 
 
 def pairs_table(results: Sequence[PatchResult]) -> pa.Table:
-    return pa.Table.from_pylist([{
-        "example_id": r.pair.clean.example_id, "counterfactual_id": r.pair.counterfactual.example_id,
-        "relation_id": r.pair.clean.relation_id, "object": r.pair.clean.object,
-        "counterfactual_object": r.pair.counterfactual.object, "ld_clean": r.ld_clean, "ld_counterfactual": r.ld_cf,
-    } for r in results], schema=PATCH_PAIRS)
+    return pa.Table.from_pylist(
+        [
+            {
+                "example_id": r.pair.clean.example_id,
+                "counterfactual_id": r.pair.counterfactual.example_id,
+                "relation_id": r.pair.clean.relation_id,
+                "object": r.pair.clean.object,
+                "counterfactual_object": r.pair.counterfactual.object,
+                "ld_clean": r.ld_clean,
+                "ld_counterfactual": r.ld_cf,
+            }
+            for r in results
+        ],
+        schema=PATCH_PAIRS,
+    )
 
 
-_KEY = {"resid": lambda layer: ("resid", layer + 1), "mlp": lambda layer: ("mlp", layer),
-        "attn": lambda layer: ("attn", layer), "head": lambda layer: ("head", layer)}
+_KEY = {
+    "resid": lambda layer: ("resid", layer + 1),
+    "mlp": lambda layer: ("mlp", layer),
+    "attn": lambda layer: ("attn", layer),
+    "head": lambda layer: ("head", layer),
+}
 
 
 @dataclass(frozen=True)
@@ -205,7 +258,9 @@ class ActivationPatcher:
         g = runner.geometry
         self.n_layers, self.n_heads = g.n_layers, g.n_heads
 
-    def patch(self, pairs: Sequence[PatchPair], progress: Callable[[int], None] | None = None) -> list[PatchResult]:
+    def patch(
+        self, pairs: Sequence[PatchPair], progress: Callable[[int], None] | None = None
+    ) -> list[PatchResult]:
         for p in pairs:
             p.check()
         out = []
@@ -268,14 +323,18 @@ class ActivationPatcher:
         out = []
         step = self.cfg.batch_size
         for i in range(0, len(items), step):
-            res = self.runner.run(items[i:i + step], batch_size=step, keep_logits=True)
+            res = self.runner.run(items[i : i + step], batch_size=step, keep_logits=True)
             assert res.logits is not None
             lg = res.logits.to(torch.float64)
             out.append((lg[:, o] - lg[:, o_cf]).numpy())
         return np.concatenate(out)
 
 
-def patch_pairs(runner: InterventionRunner, pairs: Sequence[PatchPair], cfg: PatchConfig,
-                progress: Callable[[int], None] | None = None) -> list[PatchResult]:
+def patch_pairs(
+    runner: InterventionRunner,
+    pairs: Sequence[PatchPair],
+    cfg: PatchConfig,
+    progress: Callable[[int], None] | None = None,
+) -> list[PatchResult]:
     """Convenience: :class:`ActivationPatcher` (cfg) over ``pairs``."""
     return ActivationPatcher(runner, cfg).patch(pairs, progress)

@@ -83,7 +83,9 @@ class Intervention:
                 raise InterventionError(f"heads apply to the head component, not {self.component!r}")
             bad = [h for h in self.heads if not 0 <= h < g.n_heads]
             if bad or not self.heads:
-                raise InterventionError(f"head {bad[0] if bad else '(none)'} of layer {self.layer} is out of range 0..{g.n_heads - 1}")
+                raise InterventionError(
+                    f"head {bad[0] if bad else '(none)'} of layer {self.layer} is out of range 0..{g.n_heads - 1}"
+                )
         if self.op in ("mean", "set", "add") and self.value is None:
             raise InterventionError(f"op {self.op!r} needs a value")
         if self.op == "add_noise" and self.value is None and self.noise_std <= 0:
@@ -108,7 +110,9 @@ class RunResult:
     top_ids: np.ndarray  # [n] greedy next token at each prompt's last position
     target_logprob: np.ndarray  # [n] log-probability of the item's target (nan without one)
     logits: torch.Tensor | None = None  # [n, V] float32, when asked for
-    records: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per item: "head:3" -> [T, H, d_head]
+    records: list[dict[str, torch.Tensor]] = field(
+        default_factory=list
+    )  # per item: "head:3" -> [T, H, d_head]
 
     def accuracy(self, targets: Sequence[int] | np.ndarray) -> float:
         t = np.asarray(targets)
@@ -166,7 +170,7 @@ class InterventionRunner:
         handles = self._install()
         try:
             for b0 in range(0, len(items), batch_size):
-                chunk = items[b0:b0 + batch_size]
+                chunk = items[b0 : b0 + batch_size]
                 top, lp, logits, recs = self._batch(chunk, shared, padding_side, pad_id)
                 tops.append(top)
                 lps.append(lp)
@@ -187,8 +191,9 @@ class InterventionRunner:
 
     # --------------------------------------------------------------------------- one batch
     @torch.inference_mode()
-    def _batch(self, items: Sequence[RunItem], shared: Sequence[Intervention], side: str,
-               pad_id: int) -> tuple[np.ndarray, np.ndarray, torch.Tensor, list[dict[str, torch.Tensor]]]:
+    def _batch(
+        self, items: Sequence[RunItem], shared: Sequence[Intervention], side: str, pad_id: int
+    ) -> tuple[np.ndarray, np.ndarray, torch.Tensor, list[dict[str, torch.Tensor]]]:
         prompts = [_as_prompt(it.input_ids) for it in items]
         batch = pad_batch(prompts, pad_id, side, self.device)
         lengths = batch.n_tokens
@@ -201,8 +206,12 @@ class InterventionRunner:
                 self._edits.setdefault(iv.key, []).append(_Edit(b, pos, iv))
         self._recorded = {}
         backbone = self.arch.backbone(self.model)
-        out = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       position_ids=batch.position_ids, use_cache=False)
+        out = backbone(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # after the final norm
         last = hidden[batch.index.target_b, batch.index.target_pos]
         model: Any = self.model
@@ -221,7 +230,7 @@ class InterventionRunner:
             for b, n in enumerate(lengths):
                 d: dict[str, torch.Tensor] = {}
                 for (c, layer), t in self._recorded.items():
-                    x = t[b, offsets[b]:offsets[b] + n].float().cpu()
+                    x = t[b, offsets[b] : offsets[b] + n].float().cpu()
                     d[f"{c}:{layer}"] = x.view(n, self.geometry.n_heads, -1) if c == "head" else x
                 recs.append(d)
         return top, tgt, logits.cpu(), recs
@@ -232,7 +241,9 @@ class InterventionRunner:
         L = self.geometry.n_layers
         handles: list[Any] = [blocks.layers[0].register_forward_pre_hook(self._resid0_hook, with_kwargs=True)]
         for layer in range(L):
-            handles.append(blocks.layers[layer].register_forward_hook(self._output_hook(("resid", layer + 1))))
+            handles.append(
+                blocks.layers[layer].register_forward_hook(self._output_hook(("resid", layer + 1)))
+            )
             handles.append(blocks.out_proj[layer].register_forward_hook(self._output_hook(("attn", layer))))
             handles.append(blocks.down_proj[layer].register_forward_hook(self._output_hook(("mlp", layer))))
             handles.append(blocks.out_proj[layer].register_forward_pre_hook(self._head_hook(layer)))
@@ -251,8 +262,9 @@ class InterventionRunner:
             iv = e.iv
             idx: tuple[Any, ...] = (e.row, e.positions)
             if key[0] == "head":
-                hs = torch.as_tensor(iv.heads if iv.heads is not None else range(self.geometry.n_heads),
-                                     device=x.device)
+                hs = torch.as_tensor(
+                    iv.heads if iv.heads is not None else range(self.geometry.n_heads), device=x.device
+                )
                 idx = (e.row, e.positions[:, None], hs[None, :])
             cur = view[idx]
             view[idx] = _apply_op(iv, cur)
@@ -295,7 +307,9 @@ def _as_prompt(ids: Sequence[int]) -> TokenizedPrompt:
     return TokenizedPrompt(PromptRecord(text=""), [int(i) for i in ids], [(0, 0)] * n, n - 1, None, None)
 
 
-def _padded_positions(positions: tuple[int, ...] | None, n: int, offset: int, device: torch.device) -> torch.Tensor:
+def _padded_positions(
+    positions: tuple[int, ...] | None, n: int, offset: int, device: torch.device
+) -> torch.Tensor:
     if positions is None:
         return torch.arange(n, device=device) + offset
     out = []
@@ -320,12 +334,18 @@ def _apply_op(iv: Intervention, cur: torch.Tensor) -> torch.Tensor:
     except RuntimeError:
         raise InterventionError(
             f"{iv.op} value of shape {list(iv.value.shape)} does not fit the edited {iv.component} slice "
-            f"{list(cur.shape)} at layer {iv.layer}") from None
+            f"{list(cur.shape)} at layer {iv.layer}"
+        ) from None
     return value.clone() if iv.op in ("mean", "set") else cur + value
 
 
-def head_ablation(heads: Iterable[tuple[int, int]], *, mode: str = "zero", means: np.ndarray | torch.Tensor | None = None,
-                  positions: tuple[int, ...] | None = (-1,)) -> list[Intervention]:
+def head_ablation(
+    heads: Iterable[tuple[int, int]],
+    *,
+    mode: str = "zero",
+    means: np.ndarray | torch.Tensor | None = None,
+    positions: tuple[int, ...] | None = (-1,),
+) -> list[Intervention]:
     """Interventions removing ``heads`` ((layer, head) pairs): one per layer.
 
     ``mode="zero"`` sets z_h to 0; ``mode="mean"`` sets it to ``means[layer, head]`` (e.g.
@@ -354,7 +374,9 @@ def stored_head_means(store: Any, where: str | None = None, batch_rows: int = 51
     """Mean of the stored z over the selected target rows: [L, H, d_head] float32 (float64 sums)."""
     sel = store.select(where)
     if len(sel) == 0:
-        raise InterventionError(f"{store.url}: no stored rows to average" + (f" for {where!r}" if where else ""))
+        raise InterventionError(
+            f"{store.url}: no stored rows to average" + (f" for {where!r}" if where else "")
+        )
     total: np.ndarray | None = None
     n = 0
     for _, z in sel.iter_features("z", batch_rows=batch_rows):

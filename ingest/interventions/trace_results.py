@@ -24,7 +24,9 @@ class TraceConfig:
     window: int = 10  # layers restored together for mlp and attn
     components: tuple[str, ...] = COMPONENTS
     seed: int = 0
-    batch_size: int = 64  # corrupted copies per forward pass (incremental: batch_size x longest prompt positions)
+    batch_size: int = (
+        64  # corrupted copies per forward pass (incremental: batch_size x longest prompt positions)
+    )
     skip_before_subject: bool = True  # positions before the subject have IE = 0 exactly; do not run them
     max_rows_per_call: int = 8192  # restorations held in memory at once (several facts)
     incremental: bool = True  # restorations reuse the corrupted run (False: recompute every row in full)
@@ -32,7 +34,9 @@ class TraceConfig:
     def validate(self, n_layers: int) -> None:
         bad = [c for c in self.components if c not in COMPONENTS]
         if bad or not self.components:
-            raise TraceError(f"unknown component {bad[0] if bad else '(none)'!r} (one of {', '.join(COMPONENTS)})")
+            raise TraceError(
+                f"unknown component {bad[0] if bad else '(none)'!r} (one of {', '.join(COMPONENTS)})"
+            )
         if self.samples < 1:
             raise TraceError(f"the number of noise samples must be at least 1, not {self.samples}")
         if self.noise_scale < 0:
@@ -40,7 +44,9 @@ class TraceConfig:
         if self.window < 1:
             raise TraceError(f"the window must be at least 1 layer, not {self.window}")
         if self.window > n_layers:
-            raise TraceError(f"the window of {self.window} layers is larger than the model ({n_layers} layers)")
+            raise TraceError(
+                f"the window of {self.window} layers is larger than the model ({n_layers} layers)"
+            )
         if self.batch_size < 1:
             raise TraceError("the batch size must be positive")
 
@@ -74,23 +80,49 @@ class TraceResult:
     def to_json(self) -> dict[str, Any]:
         f = self.fact
         return {
-            "example_id": f.example_id, "relation_id": f.relation_id, "subject": f.subject, "object": f.object,
-            "tokens": list(f.tokens), "subject_span": list(f.subject_span), "p_clean": self.p_clean,
-            "p_corrupt": self.p_corrupt, "total_effect": self.total_effect, "noise_std": self.noise_std,
+            "example_id": f.example_id,
+            "relation_id": f.relation_id,
+            "subject": f.subject,
+            "object": f.object,
+            "tokens": list(f.tokens),
+            "subject_span": list(f.subject_span),
+            "p_clean": self.p_clean,
+            "p_corrupt": self.p_corrupt,
+            "total_effect": self.total_effect,
+            "noise_std": self.noise_std,
             "indirect_effect": {c: np.round(self.indirect_effect(c), 6).tolist() for c in self.restored},
         }
 
 
-TRACE_EFFECTS = pa.schema([
-    ("example_id", pa.int64()), ("component", pa.string()), ("layer", pa.int32()), ("position", pa.int32()),
-    ("token", pa.string()), ("role", pa.string()), ("prob", pa.float64()), ("indirect_effect", pa.float64()),
-])
-TRACE_FACTS = pa.schema([
-    ("example_id", pa.int64()), ("relation_id", pa.string()), ("subject", pa.string()), ("object", pa.string()),
-    ("subject_start", pa.int32()), ("subject_end", pa.int32()), ("n_tokens", pa.int32()),
-    ("p_clean", pa.float64()), ("p_corrupt", pa.float64()), ("total_effect", pa.float64()),
-    ("noise_std", pa.float64()), ("samples", pa.int32()), ("window", pa.int32()),
-])
+TRACE_EFFECTS = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("component", pa.string()),
+        ("layer", pa.int32()),
+        ("position", pa.int32()),
+        ("token", pa.string()),
+        ("role", pa.string()),
+        ("prob", pa.float64()),
+        ("indirect_effect", pa.float64()),
+    ]
+)
+TRACE_FACTS = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("relation_id", pa.string()),
+        ("subject", pa.string()),
+        ("object", pa.string()),
+        ("subject_start", pa.int32()),
+        ("subject_end", pa.int32()),
+        ("n_tokens", pa.int32()),
+        ("p_clean", pa.float64()),
+        ("p_corrupt", pa.float64()),
+        ("total_effect", pa.float64()),
+        ("noise_std", pa.float64()),
+        ("samples", pa.int32()),
+        ("window", pa.int32()),
+    ]
+)
 
 
 def effects_table(results: Sequence[TraceResult]) -> pa.Table:
@@ -115,12 +147,24 @@ def effects_table(results: Sequence[TraceResult]) -> pa.Table:
 
 
 def facts_table(results: Sequence[TraceResult], cfg: TraceConfig) -> pa.Table:
-    rows = [{
-        "example_id": r.fact.example_id, "relation_id": r.fact.relation_id, "subject": r.fact.subject,
-        "object": r.fact.object, "subject_start": r.fact.subject_span[0], "subject_end": r.fact.subject_span[1],
-        "n_tokens": r.fact.n_tokens, "p_clean": r.p_clean, "p_corrupt": r.p_corrupt,
-        "total_effect": r.total_effect, "noise_std": r.noise_std, "samples": cfg.samples, "window": cfg.window,
-    } for r in results]
+    rows = [
+        {
+            "example_id": r.fact.example_id,
+            "relation_id": r.fact.relation_id,
+            "subject": r.fact.subject,
+            "object": r.fact.object,
+            "subject_start": r.fact.subject_span[0],
+            "subject_end": r.fact.subject_span[1],
+            "n_tokens": r.fact.n_tokens,
+            "p_clean": r.p_clean,
+            "p_corrupt": r.p_corrupt,
+            "total_effect": r.total_effect,
+            "noise_std": r.noise_std,
+            "samples": cfg.samples,
+            "window": cfg.window,
+        }
+        for r in results
+    ]
     return pa.Table.from_pylist(rows, schema=TRACE_FACTS)
 
 
@@ -136,8 +180,10 @@ def _role(p: int, span: tuple[int, int]) -> str:
 
 
 STATE_KEY: dict[str, Callable[[int], tuple[str, int]]] = {
-    "resid": lambda layer: ("resid", layer + 1), "mlp": lambda layer: ("mlp", layer),
-    "attn": lambda layer: ("attn", layer)}
+    "resid": lambda layer: ("resid", layer + 1),
+    "mlp": lambda layer: ("mlp", layer),
+    "attn": lambda layer: ("attn", layer),
+}
 """Hook point a restoration of (component, layer) sets: resid at layer l is the output of layer l."""
 
 

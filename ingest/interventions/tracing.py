@@ -68,9 +68,21 @@ from actstore.ingest.interventions.trace_results import (
 from actstore.ingest.interventions.tracing_incremental import Incremental
 
 __all__ = [
-    "COMPONENTS", "TRACE_EFFECTS", "TRACE_FACTS", "CausalTracer", "GroupedEditRunner", "StoredFact", "TraceConfig",
-    "TraceError", "TraceResult", "effects_table", "facts_table", "stored_facts", "subject_embedding_std",
-    "trace_facts", "window_layers",
+    "COMPONENTS",
+    "TRACE_EFFECTS",
+    "TRACE_FACTS",
+    "CausalTracer",
+    "GroupedEditRunner",
+    "StoredFact",
+    "TraceConfig",
+    "TraceError",
+    "TraceResult",
+    "effects_table",
+    "facts_table",
+    "stored_facts",
+    "subject_embedding_std",
+    "trace_facts",
+    "window_layers",
 ]
 
 
@@ -100,7 +112,9 @@ class GroupedEditRunner(InterventionRunner):
             return super()._edit(key, x)
         X = x.shape[-1]
         vals = torch.cat([_value(e.iv, n, X) for e, n in zip(edits, sizes)]).to(x.device, x.dtype)
-        add = torch.as_tensor([e.iv.op != "set" for e, n in zip(edits, sizes) for _ in range(n)], device=x.device)
+        add = torch.as_tensor(
+            [e.iv.op != "set" for e, n in zip(edits, sizes) for _ in range(n)], device=x.device
+        )
         x = x.clone()
         x[rows, pos] = torch.where(add[:, None], x[rows, pos] + vals, vals)
         if key in self._record:
@@ -110,15 +124,21 @@ class GroupedEditRunner(InterventionRunner):
 
 def _groupable(iv: Intervention, n: int) -> bool:
     v = iv.value
-    return iv.op in ("set", "add", "add_noise") and v is not None and (v.dim() == 1 or (v.dim() == 2 and v.shape[0] in (1, n)))
+    return (
+        iv.op in ("set", "add", "add_noise")
+        and v is not None
+        and (v.dim() == 1 or (v.dim() == 2 and v.shape[0] in (1, n)))
+    )
 
 
 def _value(iv: Intervention, n: int, width: int) -> torch.Tensor:
     assert iv.value is not None
     v = iv.value
     if v.shape[-1] != width:
-        raise InterventionError(f"{iv.op} value of shape {list(v.shape)} does not fit the edited {iv.component} "
-                                f"slice [{n}, {width}] at layer {iv.layer}")
+        raise InterventionError(
+            f"{iv.op} value of shape {list(v.shape)} does not fit the edited {iv.component} "
+            f"slice [{n}, {width}] at layer {iv.layer}"
+        )
     return v.reshape(-1, width).expand(n, width)
 
 
@@ -148,7 +168,9 @@ class CausalTracer:
         self._noise_cache: dict[tuple[tuple[int, int], int], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ public
-    def trace(self, facts: Sequence[StoredFact], progress: Callable[[int], None] | None = None) -> list[TraceResult]:
+    def trace(
+        self, facts: Sequence[StoredFact], progress: Callable[[int], None] | None = None
+    ) -> list[TraceResult]:
         """Trace every fact; facts are run together, ``max_rows_per_call`` restorations at a time."""
         for f in facts:
             f.check()
@@ -185,17 +207,31 @@ class CausalTracer:
     def clean(self, facts: Sequence[StoredFact]) -> list[CleanStates]:
         """Clean probabilities of the object and every state restorations need, from one clean pass."""
         keys = sorted({STATE_KEY[c](layer) for c in self.cfg.components for layer in range(self.n_layers)})
-        res = self.runner.run([RunItem(f.input_ids, target_id=f.target_id) for f in facts],
-                              record=keys, batch_size=self.cfg.batch_size)
+        res = self.runner.run(
+            [RunItem(f.input_ids, target_id=f.target_id) for f in facts],
+            record=keys,
+            batch_size=self.cfg.batch_size,
+        )
         dev = self.runner.device  # restorations read them where the model runs
-        return [CleanStates(float(np.exp(lp)), {k: rec[f"{k[0]}:{k[1]}"].to(dev) for k in keys})
-                for lp, rec in zip(res.target_logprob, res.records)]
+        return [
+            CleanStates(float(np.exp(lp)), {k: rec[f"{k[0]}:{k[1]}"].to(dev) for k in keys})
+            for lp, rec in zip(res.target_logprob, res.records)
+        ]
 
-    def restore(self, fact: StoredFact, clean: CleanStates, component: str, layer: int, position: int,
-                sample: int | None) -> RunItem:
+    def restore(
+        self,
+        fact: StoredFact,
+        clean: CleanStates,
+        component: str,
+        layer: int,
+        position: int,
+        sample: int | None,
+    ) -> RunItem:
         """One corrupted copy of ``fact`` (noise ``sample``; None: no noise) with one restoration."""
         edits = [] if sample is None else [self._noise_edit(fact, sample)]
-        layers = [layer] if component == "resid" else list(window_layers(layer, self.cfg.window, self.n_layers))
+        layers = (
+            [layer] if component == "resid" else list(window_layers(layer, self.cfg.window, self.n_layers))
+        )
         for lay in layers:
             key = STATE_KEY[component](lay)
             edits.append(Intervention(key[0], key[1], "set", (position,), value=clean.states[key][position]))
@@ -231,7 +267,9 @@ class CausalTracer:
                         for p in self._positions(f):
                             items.append(self.restore(f, cl, c, layer, p, s))
                             cells.append(_Cell(i, c, layer, p, s))
-        probs = np.exp(self.runner.run(items, batch_size=self.cfg.batch_size).target_logprob.astype(np.float64))
+        probs = np.exp(
+            self.runner.run(items, batch_size=self.cfg.batch_size).target_logprob.astype(np.float64)
+        )
         S = self.cfg.samples
         low = np.zeros((len(facts), S))
         sums = [{c: np.zeros((self.n_layers, f.n_tokens)) for c in self.cfg.components} for f in facts]
@@ -255,11 +293,16 @@ class CausalTracer:
         np.add.at(inc.grid_sums, (rows.fact, rows.comp, rows.layer, rows.position), probs)
         for i, f in enumerate(facts):
             for j, c in enumerate(self.cfg.components):
-                sums[i][c] += inc.grid_sums[i, j, :, :f.n_tokens]
+                sums[i][c] += inc.grid_sums[i, j, :, : f.n_tokens]
         return self._results(facts, cleans, low, sums)
 
-    def _results(self, facts: Sequence[StoredFact], cleans: Sequence[CleanStates], low: np.ndarray,
-                 sums: list[dict[str, np.ndarray]]) -> list[TraceResult]:
+    def _results(
+        self,
+        facts: Sequence[StoredFact],
+        cleans: Sequence[CleanStates],
+        low: np.ndarray,
+        sums: list[dict[str, np.ndarray]],
+    ) -> list[TraceResult]:
         S = self.cfg.samples
         out = []
         for i, (f, cl) in enumerate(zip(facts, cleans)):
@@ -267,14 +310,18 @@ class CausalTracer:
             restored = {}
             for c, grid in sums[i].items():
                 grid = grid / S
-                grid[:, :self._positions(f).start] = p_low  # unreachable by the noise: IE = 0 exactly
+                grid[:, : self._positions(f).start] = p_low  # unreachable by the noise: IE = 0 exactly
                 restored[c] = grid
             out.append(TraceResult(f, cl.p, p_low, low[i].copy(), self.noise_std, restored))
         return out
 
 
-def trace_facts(runner: InterventionRunner, facts: Sequence[StoredFact], cfg: TraceConfig, noise_std: float,
-                progress: Callable[[int], None] | None = None) -> list[TraceResult]:
+def trace_facts(
+    runner: InterventionRunner,
+    facts: Sequence[StoredFact],
+    cfg: TraceConfig,
+    noise_std: float,
+    progress: Callable[[int], None] | None = None,
+) -> list[TraceResult]:
     """Convenience: :class:`CausalTracer` (cfg, noise_std) over ``facts``."""
     return CausalTracer(runner, cfg, noise_std).trace(facts, progress)
-

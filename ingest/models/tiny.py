@@ -161,21 +161,54 @@ def tiny_tokenizer(*, add_bos: bool = False) -> PreTrainedTokenizerFast:
 
 # Each tiny architecture: its transformers config class and how it differs from the shared small sizes
 # (the GPT-2 config names its sizes its own way, so it lists them all).
-_SMALL: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                          "num_attention_heads": 4, "max_position_embeddings": 256}
+_SMALL: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+}
 _TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", _SMALL | {"num_key_value_heads": 2, "head_dim": 16,
-                                       "tie_word_embeddings": True}),
+    "llama": (
+        "LlamaConfig",
+        _SMALL | {"num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
+    ),
     "qwen2": ("Qwen2Config", _SMALL | {"num_key_value_heads": 2, "tie_word_embeddings": False}),
-    "gemma3": ("Gemma3TextConfig", _SMALL | {
-        "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-        "query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
-    "gpt2": ("GPT2Config", {"n_positions": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0,
-                            "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}),
-    "gpt_neox": ("GPTNeoXConfig", _SMALL | {
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        "use_parallel_residual": True, "tie_word_embeddings": False}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        _SMALL
+        | {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 16,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gpt2": (
+        "GPT2Config",
+        {
+            "n_positions": 256,
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        _SMALL
+        | {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            "use_parallel_residual": True,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 

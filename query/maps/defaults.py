@@ -56,4 +56,3 @@ def k_of(k: int | Mapping[str, int], relation: str) -> int:
 def check_k(k: int, k_max: int) -> None:
     if not 1 <= k <= k_max:
         raise MapsError(f"k={k} is outside 1..{k_max}, the ranks computed (ranks are kept up to k_max)")
-

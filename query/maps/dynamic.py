@@ -87,13 +87,22 @@ class DynamicRanks:
         return np.stack([(ranks[self.group == t] < k).mean(axis=0) for t in range(len(self.templates))])
 
 
-def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence[str] | None = None,
-                  source_token: Literal["first", "last"] = "first", final_norm: bool = True,
-                  k_max: int = DEFAULT_K, proj: VocabProjection | None = None,
-                  log: Callable[[str], None] | None = None, client: Any = None,
-                  prompts_per_task: int | None = None, rows_per_chunk: int = ROW_CHUNK,
-                  alt_proj: VocabProjection | None = None,
-                  example_ids: Sequence[int] | None = None) -> dict[str, DynamicRanks]:
+def dynamic_ranks(
+    store: Store,
+    *,
+    where: str | None = None,
+    relations: Sequence[str] | None = None,
+    source_token: Literal["first", "last"] = "first",
+    final_norm: bool = True,
+    k_max: int = DEFAULT_K,
+    proj: VocabProjection | None = None,
+    log: Callable[[str], None] | None = None,
+    client: Any = None,
+    prompts_per_task: int | None = None,
+    rows_per_chunk: int = ROW_CHUNK,
+    alt_proj: VocabProjection | None = None,
+    example_ids: Sequence[int] | None = None,
+) -> dict[str, DynamicRanks]:
     """Ranks for every relation in the (filtered) store; see the module docstring.
 
     ``example_ids``: only these prompts (e.g. those of :func:`usable_prompts`: single-token pairs of the
@@ -112,16 +121,22 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
     """
     pairs = store_pairs(store, where, source_token=source_token)
     if example_ids is not None:
-        pairs = pairs.filter(pa.array(np.isin(pairs.column("example_id").to_numpy(), np.asarray(example_ids, np.int64))))
+        pairs = pairs.filter(
+            pa.array(np.isin(pairs.column("example_id").to_numpy(), np.asarray(example_ids, np.int64)))
+        )
     if pairs.num_rows == 0:
-        raise MapsError(f"{store.url}: no prompts with a subject and an object token"
-                        + (f" match {where!r}" if where else "") + (" among the usable ones" if example_ids is not None
-                                                                   else ""))
+        raise MapsError(
+            f"{store.url}: no prompts with a subject and an object token"
+            + (f" match {where!r}" if where else "")
+            + (" among the usable ones" if example_ids is not None else "")
+        )
     names = sorted(set(pairs.column("relation_id").to_pylist()))
     if relations is not None:
         missing = sorted(set(relations) - set(names))
         if missing:
-            raise MapsError(f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}")
+            raise MapsError(
+                f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}"
+            )
         names = [n for n in names if n in set(relations)]
     if rows_per_chunk < 1:
         raise MapsError(f"rows_per_chunk must be at least 1, not {rows_per_chunk}")
@@ -133,13 +148,18 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
     rel_col = np.asarray(pairs.column("relation_id").to_pylist())
     keep = np.isin(rel_col, names)
     pairs, rel_col = pairs.filter(pa.array(keep)), rel_col[keep]
-    ranks = _ranks(store, proj, pairs, k_max, log, client, prompts_per_task, rows_per_chunk)  # all relations at once
+    ranks = _ranks(
+        store, proj, pairs, k_max, log, client, prompts_per_task, rows_per_chunk
+    )  # all relations at once
     if alt_proj is not None:
         # The alternative static side needs only the distinct (source, object) pairs.
-        both = np.stack([pairs.column("src_id").to_numpy(), pairs.column("dst_id").to_numpy()], axis=1).astype(np.int64)
+        both = np.stack(
+            [pairs.column("src_id").to_numpy(), pairs.column("dst_id").to_numpy()], axis=1
+        ).astype(np.int64)
         uniq, inverse = np.unique(both, axis=0, return_inverse=True)
-        a_up, a_down = pair_ranks(alt_proj, uniq[:, 0].copy(), uniq[:, 1].copy(), k_max=k_max,
-                                  rows_per_chunk=rows_per_chunk)
+        a_up, a_down = pair_ranks(
+            alt_proj, uniq[:, 0].copy(), uniq[:, 1].copy(), k_max=k_max, rows_per_chunk=rows_per_chunk
+        )
         alt_up, alt_down = a_up[inverse.reshape(-1)], a_down[inverse.reshape(-1)]
     ids = pairs.column("example_id").to_numpy()
     templates_col = np.asarray(pairs.column("template").to_pylist(), dtype=object)
@@ -149,11 +169,39 @@ def dynamic_ranks(store: Store, *, where: str | None = None, relations: Sequence
         templates = sorted(set(templates_col[m].tolist()))
         group = np.asarray([templates.index(t) for t in templates_col[m]])
         r = {key: arr[m] for key, arr in ranks.items()}
-        alt = None if alt_proj is None else DynamicRanks(
-            name, templates, group, ids[m], alt_up[m], alt_down[m], r["wu"], r["wd"], r["ou"], r["od"], k_max,
-            first_mlp=alt_proj.first_mlp is not None)
-        out[name] = DynamicRanks(name, templates, group, ids[m], r["su"], r["sd"], r["wu"], r["wd"], r["ou"], r["od"],
-                                 k_max, first_mlp=proj.first_mlp is not None, alt=alt)
+        alt = (
+            None
+            if alt_proj is None
+            else DynamicRanks(
+                name,
+                templates,
+                group,
+                ids[m],
+                alt_up[m],
+                alt_down[m],
+                r["wu"],
+                r["wd"],
+                r["ou"],
+                r["od"],
+                k_max,
+                first_mlp=alt_proj.first_mlp is not None,
+            )
+        )
+        out[name] = DynamicRanks(
+            name,
+            templates,
+            group,
+            ids[m],
+            r["su"],
+            r["sd"],
+            r["wu"],
+            r["wd"],
+            r["ou"],
+            r["od"],
+            k_max,
+            first_mlp=proj.first_mlp is not None,
+            alt=alt,
+        )
     return out
 
 
@@ -167,9 +215,16 @@ class PromptSelection:
     counts: dict[str, dict[str, Any]]  # per relation: prompts, prompts kept, distinct pairs, usable pairs
 
 
-def usable_prompts(store: Store, *, tokenizer: Any = None, where: str | None = None,
-                   relations: Sequence[str] | None = None, multi_token: str = "skip", min_pairs: int = MIN_PAIRS,
-                   pair_counts: dict[str, tuple[int, int]] | None = None) -> PromptSelection:
+def usable_prompts(
+    store: Store,
+    *,
+    tokenizer: Any = None,
+    where: str | None = None,
+    relations: Sequence[str] | None = None,
+    multi_token: str = "skip",
+    min_pairs: int = MIN_PAIRS,
+    pair_counts: dict[str, tuple[int, int]] | None = None,
+) -> PromptSelection:
     """The published pair policy applied to a store's prompts.
 
     ``multi_token="skip"`` (the authors' filter) keeps a prompt only when its subject and its object
@@ -195,11 +250,16 @@ def usable_prompts(store: Store, *, tokenizer: Any = None, where: str | None = N
     if relations is not None:
         missing = sorted(set(relations) - set(names))
         if missing:
-            raise MapsError(f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}")
+            raise MapsError(
+                f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}"
+            )
         names = [n for n in names if n in set(relations)]
     uniq = sorted(set(zip(subj, obj)))
-    ok = dict(zip(uniq, single_token_pairs(uniq, tokenizer, vocab_size=store.geometry.vocab_size).tolist())
-              if multi_token == "skip" else ((p, True) for p in uniq))
+    ok = dict(
+        zip(uniq, single_token_pairs(uniq, tokenizer, vocab_size=store.geometry.vocab_size).tolist())
+        if multi_token == "skip"
+        else ((p, True) for p in uniq)
+    )
     usable = np.asarray([ok[(a, b)] for a, b in zip(subj, obj)], bool)
     counts: dict[str, dict[str, Any]] = {}
     kept: list[str] = []
@@ -212,8 +272,15 @@ def usable_prompts(store: Store, *, tokenizer: Any = None, where: str | None = N
             n_used, n_pairs, source = pair_counts[name][0], pair_counts[name][1], "pair file"
         else:
             n_used, n_pairs, source = len(good), len(pairs), "store prompts"
-        c = {"relation": name, "n_prompts": int(m.sum()), "n_prompts_used": int((m & usable).sum()),
-             "n_pairs": int(n_pairs), "n_used": int(n_used), "counted_from": source, "min_pairs": int(min_pairs)}
+        c = {
+            "relation": name,
+            "n_prompts": int(m.sum()),
+            "n_prompts_used": int((m & usable).sum()),
+            "n_pairs": int(n_pairs),
+            "n_used": int(n_used),
+            "counted_from": source,
+            "min_pairs": int(min_pairs),
+        }
         counts[name] = c
         if n_used < max(min_pairs, 1) or c["n_prompts_used"] == 0:
             excluded.append(c)
@@ -223,9 +290,16 @@ def usable_prompts(store: Store, *, tokenizer: Any = None, where: str | None = N
     return PromptSelection(ids[keep], kept, excluded, counts)
 
 
-def _ranks(store: Store, proj: VocabProjection, pairs: pa.Table, k_max: int, log: Callable[[str], None] | None,
-           client: Any = None, prompts_per_task: int | None = None,
-           rows_per_chunk: int = ROW_CHUNK) -> dict[str, np.ndarray]:
+def _ranks(
+    store: Store,
+    proj: VocabProjection,
+    pairs: pa.Table,
+    k_max: int,
+    log: Callable[[str], None] | None,
+    client: Any = None,
+    prompts_per_task: int | None = None,
+    rows_per_chunk: int = ROW_CHUNK,
+) -> dict[str, np.ndarray]:
     """Static (su/sd), with-context (wu/wd) and without-context (ou/od) ranks: [n, L, H] int32 each.
 
     Task j ranks prompts [j P, (j + 1) P) with and without context, and the distinct (source,
@@ -255,25 +329,46 @@ def _ranks(store: Store, proj: VocabProjection, pairs: pa.Table, k_max: int, log
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         ulo, uhi = min(lo, uniq.shape[0]), min(hi, uniq.shape[0])
-        tasks.append((ids[lo:hi], src_pos[lo:hi], dst[lo:hi], s0[ulo:uhi], None if s1 is None else s1[ulo:uhi],
-                      uniq[ulo:uhi, 1].copy()))
+        tasks.append(
+            (
+                ids[lo:hi],
+                src_pos[lo:hi],
+                dst[lo:hi],
+                s0[ulo:uhi],
+                None if s1 is None else s1[ulo:uhi],
+                uniq[ulo:uhi, 1].copy(),
+            )
+        )
     one_here = client is None and len(tasks) == 1
     on_layer = None
     if log is not None and one_here:
+
         def on_layer(layer: int) -> None:
-            log(f"layer {layer + 1}/{g.n_layers}: {n} prompts, {uniq.shape[0]} distinct pairs, "
-                f"{time.perf_counter() - t0:.0f}s")
+            log(
+                f"layer {layer + 1}/{g.n_layers}: {n} prompts, {uniq.shape[0]} distinct pairs, "
+                f"{time.perf_counter() - t0:.0f}s"
+            )
 
     def on_done(done: int, total: int) -> None:
         if log is not None and not one_here:
-            log(f"task {done}/{total} done: {n} prompts in tasks of {step}, {uniq.shape[0]} distinct pairs, "
-                f"{time.perf_counter() - t0:.0f}s")
+            log(
+                f"task {done}/{total} done: {n} prompts in tasks of {step}, {uniq.shape[0]} distinct pairs, "
+                f"{time.perf_counter() - t0:.0f}s"
+            )
 
     target: Any = (store, proj) if client is None else (store.url, proj.final_norm)
-    parts = run_tasks(client, rank_block, [(*target, *t) for t in tasks],
-                      shared={"k_max": k_max, "n_rows": n_rows, "rows_per_chunk": rows_per_chunk,
-                              **({"on_layer": on_layer} if on_layer is not None else {})},
-                      on_done=on_done)
+    parts = run_tasks(
+        client,
+        rank_block,
+        [(*target, *t) for t in tasks],
+        shared={
+            "k_max": k_max,
+            "n_rows": n_rows,
+            "rows_per_chunk": rows_per_chunk,
+            **({"on_layer": on_layer} if on_layer is not None else {}),
+        },
+        on_done=on_done,
+    )
     out = {key: np.concatenate([p[key] for p in parts]) for key in ("wu", "wd", "ou", "od")}
     for key in ("su", "sd"):
         out[key] = np.concatenate([p[key] for p in parts])[inverse]
@@ -285,10 +380,21 @@ def _ranks(store: Store, proj: VocabProjection, pairs: pa.Table, k_max: int, log
 _PROJ: dict[tuple[str, bool], VocabProjection] = {}
 
 
-def rank_block(store: str | Store, proj: VocabProjection | bool, ids: np.ndarray, src_pos: np.ndarray,
-               dst: np.ndarray, s0: torch.Tensor, s1: torch.Tensor | None, u_dst: np.ndarray, *, k_max: int,
-               n_rows: int, rows_per_chunk: int = ROW_CHUNK,
-               on_layer: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+def rank_block(
+    store: str | Store,
+    proj: VocabProjection | bool,
+    ids: np.ndarray,
+    src_pos: np.ndarray,
+    dst: np.ndarray,
+    s0: torch.Tensor,
+    s1: torch.Tensor | None,
+    u_dst: np.ndarray,
+    *,
+    k_max: int,
+    n_rows: int,
+    rows_per_chunk: int = ROW_CHUNK,
+    on_layer: Callable[[int], None] | None = None,
+) -> dict[str, np.ndarray]:
     """One task: ranks of the prompts ``ids`` with and without context (``wu/wd/ou/od``
     [n, L, H]) and the static ranks of the distinct pairs whose source vectors are ``s0``
     (layer 0) and ``s1`` (layers >= 1; None: ``s0``) and targets ``u_dst`` (``su/sd``).
@@ -322,18 +428,23 @@ def rank_block(store: str | Store, proj: VocabProjection | bool, ids: np.ndarray
                 kv = vp.kv(head)
                 if nu:
                     out["su"][:, layer, head], out["sd"][:, layer, head] = projected_ranks(
-                        xs[kv], B, u_dst_t, k_max, rows_per_chunk)
+                        xs[kv], B, u_dst_t, k_max, rows_per_chunk
+                    )
                 if zl is not None and vl is not None:
                     out["wu"][:, layer, head], out["wd"][:, layer, head] = projected_ranks(
-                        zl[:, head], B, dst_t, k_max, rows_per_chunk)
+                        zl[:, head], B, dst_t, k_max, rows_per_chunk
+                    )
                     out["ou"][:, layer, head], out["od"][:, layer, head] = projected_ranks(
-                        vl[:, kv], B, dst_t, k_max, rows_per_chunk)
+                        vl[:, kv], B, dst_t, k_max, rows_per_chunk
+                    )
             if on_layer is not None:
                 on_layer(layer)
     return out
 
 
-def _read_factors(store: Store, ids: np.ndarray, src_pos: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _read_factors(
+    store: Store, ids: np.ndarray, src_pos: dict[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """z at the target and V at the source token, for ``ids`` (in that order)."""
     sel = Selection.from_ids(store, ids.tolist())
     got_ids: list[np.ndarray] = []
@@ -353,7 +464,9 @@ def _read_factors(store: Store, ids: np.ndarray, src_pos: dict[int, int]) -> tup
 # ----------------------------------------------------------------------------------- correlations
 
 
-def correlation_summary(d: DynamicRanks, k: int = DEFAULT_K, threshold: float = IMPLEMENTS_THRESHOLD) -> dict[str, Any]:
+def correlation_summary(
+    d: DynamicRanks, k: int = DEFAULT_K, threshold: float = IMPLEMENTS_THRESHOLD
+) -> dict[str, Any]:
     """Static vs dynamic Pearson correlations of one relation, over (head, template) points
     (:func:`actstore.query.stats.pearson`: NaN for a constant side)."""
     s, sd = d.per_template(d.static_up, k), d.per_template(d.static_down, k)
@@ -364,28 +477,51 @@ def correlation_summary(d: DynamicRanks, k: int = DEFAULT_K, threshold: float = 
     rs_wo, ps_wo = pearson(sd, od)
     rs_w, ps_w = pearson(sd, wd)
     return {
-        "relation": d.relation, "first_mlp": d.first_mlp, "n_prompts": int(d.group.size),
-        "n_templates": len(d.templates), "k": k,
-        "corr_wo_context": r_wo, "pval_wo_context": p_wo, "corr_w_context": r_w, "pval_w_context": p_w,
-        "supp_corr_wo_context": rs_wo, "supp_pval_wo_context": ps_wo,
-        "supp_corr_w_context": rs_w, "supp_pval_w_context": ps_w,
+        "relation": d.relation,
+        "first_mlp": d.first_mlp,
+        "n_prompts": int(d.group.size),
+        "n_templates": len(d.templates),
+        "k": k,
+        "corr_wo_context": r_wo,
+        "pval_wo_context": p_wo,
+        "corr_w_context": r_w,
+        "pval_w_context": p_w,
+        "supp_corr_wo_context": rs_wo,
+        "supp_pval_wo_context": ps_wo,
+        "supp_corr_w_context": rs_w,
+        "supp_pval_w_context": ps_w,
         "n_implementing_static": int((s.mean(0) >= threshold).sum()),
         "n_implementing_wo_context": int((o.mean(0) >= threshold).sum()),
         "n_implementing_w_context": int((w.mean(0) >= threshold).sum()),
-        "max_static": float(s.max()), "max_wo_context": float(o.max()), "max_w_context": float(w.max()),
+        "max_static": float(s.max()),
+        "max_wo_context": float(o.max()),
+        "max_w_context": float(w.max()),
     }
 
 
-CORRELATION_SCHEMA = pa.schema([
-    ("relation", pa.string()), ("first_mlp", pa.bool_()), ("n_prompts", pa.int32()), ("n_templates", pa.int32()),
-    ("k", pa.int32()), ("corr_wo_context", pa.float64()), ("pval_wo_context", pa.float64()),
-    ("corr_w_context", pa.float64()), ("pval_w_context", pa.float64()),
-    ("supp_corr_wo_context", pa.float64()), ("supp_pval_wo_context", pa.float64()),
-    ("supp_corr_w_context", pa.float64()), ("supp_pval_w_context", pa.float64()),
-    ("n_implementing_static", pa.int32()), ("n_implementing_wo_context", pa.int32()),
-    ("n_implementing_w_context", pa.int32()), ("max_static", pa.float64()), ("max_wo_context", pa.float64()),
-    ("max_w_context", pa.float64()),
-])
+CORRELATION_SCHEMA = pa.schema(
+    [
+        ("relation", pa.string()),
+        ("first_mlp", pa.bool_()),
+        ("n_prompts", pa.int32()),
+        ("n_templates", pa.int32()),
+        ("k", pa.int32()),
+        ("corr_wo_context", pa.float64()),
+        ("pval_wo_context", pa.float64()),
+        ("corr_w_context", pa.float64()),
+        ("pval_w_context", pa.float64()),
+        ("supp_corr_wo_context", pa.float64()),
+        ("supp_pval_wo_context", pa.float64()),
+        ("supp_corr_w_context", pa.float64()),
+        ("supp_pval_w_context", pa.float64()),
+        ("n_implementing_static", pa.int32()),
+        ("n_implementing_wo_context", pa.int32()),
+        ("n_implementing_w_context", pa.int32()),
+        ("max_static", pa.float64()),
+        ("max_wo_context", pa.float64()),
+        ("max_w_context", pa.float64()),
+    ]
+)
 
 
 def correlation_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
@@ -395,18 +531,24 @@ def correlation_table(rows: Sequence[dict[str, Any]]) -> pa.Table:
 def head_table(d: DynamicRanks, k: int = DEFAULT_K) -> pa.Table:
     """One row per (template, layer, head): static and dynamic scores and suppression scores."""
     parts = {
-        "static_score": d.per_template(d.static_up, k), "static_suppression": d.per_template(d.static_down, k),
-        "dyn_w_context": d.per_template(d.w_up, k), "dyn_wo_context": d.per_template(d.wo_up, k),
-        "supp_w_context": d.per_template(d.w_down, k), "supp_wo_context": d.per_template(d.wo_down, k),
+        "static_score": d.per_template(d.static_up, k),
+        "static_suppression": d.per_template(d.static_down, k),
+        "dyn_w_context": d.per_template(d.w_up, k),
+        "dyn_wo_context": d.per_template(d.wo_up, k),
+        "supp_w_context": d.per_template(d.w_down, k),
+        "supp_wo_context": d.per_template(d.wo_down, k),
     }
     T, L, H = parts["static_score"].shape
     counts = np.bincount(d.group, minlength=T)
     t_idx, l_idx, h_idx = np.meshgrid(np.arange(T), np.arange(L), np.arange(H), indexing="ij")
     cols: dict[str, Any] = {
-        "relation": [d.relation] * (T * L * H), "first_mlp": [d.first_mlp] * (T * L * H),
+        "relation": [d.relation] * (T * L * H),
+        "first_mlp": [d.first_mlp] * (T * L * H),
         "template": [d.templates[t] for t in t_idx.ravel()],
-        "layer": l_idx.ravel().astype(np.int32), "head": h_idx.ravel().astype(np.int32),
-        "n_prompts": counts[t_idx.ravel()].astype(np.int32), "k": np.full(T * L * H, k, np.int32),
+        "layer": l_idx.ravel().astype(np.int32),
+        "head": h_idx.ravel().astype(np.int32),
+        "n_prompts": counts[t_idx.ravel()].astype(np.int32),
+        "k": np.full(T * L * H, k, np.int32),
     }
     for key, arr in parts.items():
         cols[key] = arr.ravel().astype(np.float64)

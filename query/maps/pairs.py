@@ -35,7 +35,9 @@ class RelationPairs:
     path: str
 
 
-def load_pair_files(paths: Sequence[str | Path], relations: Sequence[str] | None = None) -> list[RelationPairs]:
+def load_pair_files(
+    paths: Sequence[str | Path], relations: Sequence[str] | None = None
+) -> list[RelationPairs]:
     """MAPS pair files (``[["France", "Paris"], ...]``): files, or directories searched for ``*.json``.
 
     The relation is the file's stem.  ``relations`` keeps only those (unknown ones are an error).
@@ -58,7 +60,9 @@ def load_pair_files(paths: Sequence[str | Path], relations: Sequence[str] | None
     if relations is not None:
         unknown = sorted(set(relations) - set(names))
         if unknown:
-            raise MapsError(f"unknown relation(s) {', '.join(unknown)}; the pair files hold {', '.join(names)}")
+            raise MapsError(
+                f"unknown relation(s) {', '.join(unknown)}; the pair files hold {', '.join(names)}"
+            )
         names = [n for n in names if n in set(relations)]
     return [RelationPairs(n, _read_pairs(files[n]), str(files[n])) for n in names]
 
@@ -71,12 +75,16 @@ def _read_pairs(path: Path) -> tuple[tuple[str, str], ...]:
     except json.JSONDecodeError as e:
         raise MapsError(f"{path}: malformed JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(data, list):
-        raise MapsError(f"{path}: expected a JSON list of [source, target] string pairs, got {type(data).__name__}")
+        raise MapsError(
+            f"{path}: expected a JSON list of [source, target] string pairs, got {type(data).__name__}"
+        )
     if not data:
         raise MapsError(f"{path}: the list of pairs is empty")
     for i, p in enumerate(data):
         if not (isinstance(p, list | tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)):
-            raise MapsError(f"{path}: item {i} is {json.dumps(p)[:60]}, not a [source, target] pair of strings")
+            raise MapsError(
+                f"{path}: item {i} is {json.dumps(p)[:60]}, not a [source, target] pair of strings"
+            )
     return tuple((str(a), str(b)) for a, b in data)
 
 
@@ -120,15 +128,21 @@ def tokenize_pairs(
         raise MapsError(f"multi_token must be 'first' or 'skip', not {multi_token!r}")
     words = [w for pair in rel.pairs for w in pair]
     prefix = " " if leading_space else ""
-    enc = tokenizer([prefix + w.strip() if w.strip() else "" for w in words], add_special_tokens=False)["input_ids"]
+    enc = tokenizer([prefix + w.strip() if w.strip() else "" for w in words], add_special_tokens=False)[
+        "input_ids"
+    ]
     unk = getattr(tokenizer, "unk_token_id", None)
     src: list[int] = []
     dst: list[int] = []
     multi = unknown = skipped = 0
     for i in range(len(rel.pairs)):
         a, b = list(enc[2 * i]), list(enc[2 * i + 1])
-        if not a or not b or a[0] == unk or b[0] == unk or (
-            vocab_size is not None and max(a[0], b[0]) >= vocab_size
+        if (
+            not a
+            or not b
+            or a[0] == unk
+            or b[0] == unk
+            or (vocab_size is not None and max(a[0], b[0]) >= vocab_size)
         ):
             unknown += 1
             continue
@@ -140,32 +154,55 @@ def tokenize_pairs(
         src.append(int(a[0]))
         dst.append(int(b[0]))
     if not src and not allow_empty:
-        why = "has a source and a target the tokenizer knows" if unknown == len(rel.pairs) else (
-            "is left after dropping multi-token words")
+        why = (
+            "has a source and a target the tokenizer knows"
+            if unknown == len(rel.pairs)
+            else ("is left after dropping multi-token words")
+        )
         raise MapsError(f"relation {rel.relation}: none of its {len(rel.pairs)} pairs {why}")
-    return TokenPairs(rel.relation, np.asarray(src, np.int64), np.asarray(dst, np.int64), len(rel.pairs),
-                      multi, unknown, skipped)
+    return TokenPairs(
+        rel.relation,
+        np.asarray(src, np.int64),
+        np.asarray(dst, np.int64),
+        len(rel.pairs),
+        multi,
+        unknown,
+        skipped,
+    )
 
 
-def single_token_pairs(pairs: Sequence[tuple[str, str]], tokenizer: Any, *, vocab_size: int | None = None,
-                       leading_space: bool = True) -> np.ndarray:
+def single_token_pairs(
+    pairs: Sequence[tuple[str, str]],
+    tokenizer: Any,
+    *,
+    vocab_size: int | None = None,
+    leading_space: bool = True,
+) -> np.ndarray:
     """[n] bool: whether source and target are each one known token (the rule of
     ``tokenize_pairs(..., multi_token="skip")``, pair by pair)."""
     if not pairs:
         return np.zeros(0, bool)
     prefix = " " if leading_space else ""
     words = [w for pair in pairs for w in pair]
-    enc = tokenizer([prefix + w.strip() if w.strip() else "" for w in words], add_special_tokens=False)["input_ids"]
+    enc = tokenizer([prefix + w.strip() if w.strip() else "" for w in words], add_special_tokens=False)[
+        "input_ids"
+    ]
     unk = getattr(tokenizer, "unk_token_id", None)
     out = np.zeros(len(pairs), bool)
     for i in range(len(pairs)):
         a, b = list(enc[2 * i]), list(enc[2 * i + 1])
-        out[i] = (len(a) == 1 and len(b) == 1 and unk not in (a[0], b[0])
-                  and (vocab_size is None or max(a[0], b[0]) < vocab_size))
+        out[i] = (
+            len(a) == 1
+            and len(b) == 1
+            and unk not in (a[0], b[0])
+            and (vocab_size is None or max(a[0], b[0]) < vocab_size)
+        )
     return out
 
-def split_by_min_pairs(pairs: Sequence[TokenPairs], min_pairs: int = MIN_PAIRS
-                       ) -> tuple[list[TokenPairs], list[dict[str, Any]]]:
+
+def split_by_min_pairs(
+    pairs: Sequence[TokenPairs], min_pairs: int = MIN_PAIRS
+) -> tuple[list[TokenPairs], list[dict[str, Any]]]:
     """(relations with at least ``min_pairs`` usable pairs, the others as report rows).
 
     An excluded relation enters no score, summary or figure; its row says why (pairs in the file,
@@ -173,10 +210,19 @@ def split_by_min_pairs(pairs: Sequence[TokenPairs], min_pairs: int = MIN_PAIRS
     if min_pairs < 0:
         raise MapsError(f"the minimum number of pairs must not be negative, not {min_pairs}")
     kept = [p for p in pairs if p.n_used >= max(min_pairs, 1)]
-    excluded = [{"relation": p.relation, "n_pairs": p.n_pairs, "n_used": p.n_used,
-                 "n_skipped_multi_token": p.n_skipped_multi_token, "n_multi_token": p.n_multi_token,
-                 "n_unknown": p.n_unknown, "min_pairs": int(min_pairs)}
-                for p in pairs if p.n_used < max(min_pairs, 1)]
+    excluded = [
+        {
+            "relation": p.relation,
+            "n_pairs": p.n_pairs,
+            "n_used": p.n_used,
+            "n_skipped_multi_token": p.n_skipped_multi_token,
+            "n_multi_token": p.n_multi_token,
+            "n_unknown": p.n_unknown,
+            "min_pairs": int(min_pairs),
+        }
+        for p in pairs
+        if p.n_used < max(min_pairs, 1)
+    ]
     return kept, excluded
 
 
@@ -185,10 +231,13 @@ def excluded_line(rows: Sequence[Mapping[str, Any]]) -> str:
     return ", ".join(f"{r['relation']} {r['n_used']}/{r['n_pairs']}" for r in rows)
 
 
-
-
-def store_pairs(store: Store, where: str | None = None, *, source_token: Literal["first", "last"] = "first",
-                relations: Sequence[str] | None = None) -> pa.Table:
+def store_pairs(
+    store: Store,
+    where: str | None = None,
+    *,
+    source_token: Literal["first", "last"] = "first",
+    relations: Sequence[str] | None = None,
+) -> pa.Table:
     """Per example with a subject and an object: (example_id, relation_id, template, src_id, dst_id).
 
     ``src_id`` is the prompt's token at the subject's first (or last) position, ``dst_id`` the
@@ -202,11 +251,13 @@ def store_pairs(store: Store, where: str | None = None, *, source_token: Literal
     cond = f"AND ({where})" if where and where.strip() else ""
     if relations is not None:
         cond += " AND list_contains($relations, e.relation_id)"
-    return store.sql(f"""
+    return store.sql(
+        f"""
         SELECT e.example_id, e.relation_id, coalesce(json_extract_string(e.meta, '$.template'), '') AS template,
                tk.token_id::BIGINT AS src_id, t.object_token_id::BIGINT AS dst_id, {pos} AS src_position
         FROM examples e JOIN targets t USING (example_id)
         JOIN tokens tk ON tk.example_id = e.example_id AND tk.position = {pos}
         WHERE e.subject_start >= 0 AND t.object_token_id >= 0 {cond}
-        ORDER BY e.example_id""", None if relations is None else {"relations": list(relations)})
-
+        ORDER BY e.example_id""",
+        None if relations is None else {"relations": list(relations)},
+    )

@@ -20,17 +20,20 @@ from actstore.core.store import Store
 SourceTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
-
 def check_head(g: Geometry, layer: int, head: int) -> None:
     """One error line for a head outside the store's geometry."""
     if not (0 <= layer < g.n_layers and 0 <= head < g.n_heads):
-        raise MapsError(f"head {layer}.{head} is out of range: layers 0..{g.n_layers - 1}, heads 0..{g.n_heads - 1}")
+        raise MapsError(
+            f"head {layer}.{head} is out of range: layers 0..{g.n_layers - 1}, heads 0..{g.n_heads - 1}"
+        )
 
 
 class VocabProjection:
     """The store's weights arranged for vocabulary projections of heads (float32 torch)."""
 
-    def __init__(self, store: Store, *, final_norm: bool = True, first_mlp: SourceTransform | None = None) -> None:
+    def __init__(
+        self, store: Store, *, final_norm: bool = True, first_mlp: SourceTransform | None = None
+    ) -> None:
         g = store.geometry
         self.geometry = g
         self.final_norm = final_norm
@@ -69,7 +72,7 @@ class VocabProjection:
         key = token_ids.numpy().tobytes()
         if self._sources is None or self._sources[0] != key:
             with torch.inference_mode():
-                out = torch.cat([self.first_mlp(e[i:i + 4096]).float() for i in range(0, e.shape[0], 4096)])
+                out = torch.cat([self.first_mlp(e[i : i + 4096]).float() for i in range(0, e.shape[0], 4096)])
             self._sources = (key, out)
         return self._sources[1]
 
@@ -97,8 +100,9 @@ class HeadMap:
         return x @ self.B if self.B is not None else (x @ self.W_O) @ self.U_T
 
 
-def target_ranks(rows: torch.Tensor, targets: torch.Tensor, k_max: int,
-                 local: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def target_ranks(
+    rows: torch.Tensor, targets: torch.Tensor, k_max: int, local: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Ranks of each target in its row, censored at ``k_max``: ([p], [p]) int32.
 
     ``rank_up`` counts the row's entries strictly greater than the target's value, ``rank_down``
@@ -116,8 +120,9 @@ def target_ranks(rows: torch.Tensor, targets: torch.Tensor, k_max: int,
     return (hi > val).sum(1, dtype=torch.int32), (lo < val).sum(1, dtype=torch.int32)
 
 
-def projected_ranks(x: torch.Tensor, readout: HeadMap, targets: torch.Tensor, k_max: int,
-                    rows_per_chunk: int = ROW_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+def projected_ranks(
+    x: torch.Tensor, readout: HeadMap, targets: torch.Tensor, k_max: int, rows_per_chunk: int = ROW_CHUNK
+) -> tuple[np.ndarray, np.ndarray]:
     """:func:`target_ranks` of the rows ``readout(x)`` (x: [n, d_head]), in chunks."""
     n = int(x.shape[0])
     up = np.empty(n, np.int32)
@@ -159,7 +164,8 @@ def parse_heads(text: str | None, n_layers: int, n_heads: int) -> list[tuple[int
             raise MapsError(f"heads: {part!r} is not LAYER.HEAD (e.g. 12.3, or 12.* for a whole layer)")
         for h in heads:
             if not (0 <= layer < n_layers and 0 <= h < n_heads):
-                raise MapsError(f"head {layer}.{h} is out of range: layers 0..{n_layers - 1}, heads 0..{n_heads - 1}")
+                raise MapsError(
+                    f"head {layer}.{h} is out of range: layers 0..{n_layers - 1}, heads 0..{n_heads - 1}"
+                )
             out.append((layer, h))
     return out
-

@@ -92,9 +92,15 @@ class StaticScores:
         return (self.rank_down < k).mean(axis=0)
 
 
-def pair_ranks(proj: VocabProjection, src: np.ndarray, dst: np.ndarray, *, k_max: int = DEFAULT_K,
-               heads: Iterable[tuple[int, int]] | None = None,
-               rows_per_chunk: int = ROW_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+def pair_ranks(
+    proj: VocabProjection,
+    src: np.ndarray,
+    dst: np.ndarray,
+    *,
+    k_max: int = DEFAULT_K,
+    heads: Iterable[tuple[int, int]] | None = None,
+    rows_per_chunk: int = ROW_CHUNK,
+) -> tuple[np.ndarray, np.ndarray]:
     """Ranks (censored at ``k_max``) of ``dst[i]`` in row ``src[i]`` of every head's M:
     ([n, L, H], [n, L, H]) int32.
 
@@ -130,7 +136,7 @@ def pair_ranks(proj: VocabProjection, src: np.ndarray, dst: np.ndarray, *, k_max
                     if lo == hi:
                         continue
                     u0 = c * rows_per_chunk
-                    rows = B(x[u0:u0 + rows_per_chunk])  # [chunk, V]
+                    rows = B(x[u0 : u0 + rows_per_chunk])  # [chunk, V]
                     local = torch.from_numpy(inv_sorted[lo:hi] - u0)
                     r_up, r_down = target_ranks(rows, dst_sorted[lo:hi], k_max, local)
                     up[order[lo:hi], layer, head] = r_up.numpy()
@@ -138,8 +144,13 @@ def pair_ranks(proj: VocabProjection, src: np.ndarray, dst: np.ndarray, *, k_max
     return up, down
 
 
-def static_scores(proj: VocabProjection, relations: Sequence[TokenPairs], *, k_max: int = DEFAULT_K,
-                  heads: Iterable[tuple[int, int]] | None = None) -> dict[str, StaticScores]:
+def static_scores(
+    proj: VocabProjection,
+    relations: Sequence[TokenPairs],
+    *,
+    k_max: int = DEFAULT_K,
+    heads: Iterable[tuple[int, int]] | None = None,
+) -> dict[str, StaticScores]:
     """Ranks for every relation's pairs, all relations in one pass (shared source rows computed once)."""
     if not relations:
         return {}
@@ -157,7 +168,6 @@ def static_scores(proj: VocabProjection, relations: Sequence[TokenPairs], *, k_m
         out[r.relation] = StaticScores(r, up[start:stop], down[start:stop], k_max)
         start = stop
     return out
-
 
 
 def implementing_heads(score: np.ndarray, threshold: float = IMPLEMENTS_THRESHOLD) -> list[tuple[int, int]]:
@@ -186,8 +196,14 @@ class SalientOps:
     mapped_ids: np.ndarray  # [n, m] top mapped tokens of each
 
 
-def salient_operations(proj: VocabProjection, heads: Iterable[tuple[int, int]] | None = None, *,
-                       n_tokens: int = 10, n_mappings: int = 5, vocab_limit: int | None = None) -> list[SalientOps]:
+def salient_operations(
+    proj: VocabProjection,
+    heads: Iterable[tuple[int, int]] | None = None,
+    *,
+    n_tokens: int = 10,
+    n_mappings: int = 5,
+    vocab_limit: int | None = None,
+) -> list[SalientOps]:
     """Per head: the ``n_tokens`` tokens with the largest sigma_t and each one's top ``n_mappings`` targets.
 
     ``vocab_limit`` restricts the candidate source tokens to ids below it (the tokenizer's size,
@@ -195,7 +211,9 @@ def salient_operations(proj: VocabProjection, heads: Iterable[tuple[int, int]] |
     """
     if n_tokens < 1 or n_mappings < 1:
         raise MapsError("the numbers of salient tokens and of mappings per token must be positive")
-    V_in = int(proj.embed.shape[0]) if vocab_limit is None else min(int(vocab_limit), int(proj.embed.shape[0]))
+    V_in = (
+        int(proj.embed.shape[0]) if vocab_limit is None else min(int(vocab_limit), int(proj.embed.shape[0]))
+    )
     all_ids = torch.arange(V_in)
     wanted = head_list(proj, heads)
     out: list[SalientOps] = []
@@ -223,12 +241,27 @@ def salient_operations(proj: VocabProjection, heads: Iterable[tuple[int, int]] |
 # ----------------------------------------------------------------------------------- tables
 
 
-def scores_table(scores: dict[str, StaticScores], k: int | Mapping[str, int], threshold: float,
-                 kv_group: int) -> pa.Table:
+def scores_table(
+    scores: dict[str, StaticScores], k: int | Mapping[str, int], threshold: float, kv_group: int
+) -> pa.Table:
     """One row per (relation, layer, head); ``k`` for all relations or per relation."""
-    cols: dict[str, list[Any]] = {c: [] for c in (
-        "relation", "layer", "head", "kv_head", "score", "suppression", "implements", "suppresses", "k",
-        "n_pairs", "n_used", "n_multi_token")}
+    cols: dict[str, list[Any]] = {
+        c: []
+        for c in (
+            "relation",
+            "layer",
+            "head",
+            "kv_head",
+            "score",
+            "suppression",
+            "implements",
+            "suppresses",
+            "k",
+            "n_pairs",
+            "n_used",
+            "n_multi_token",
+        )
+    }
     for name, s in scores.items():
         kr = k_of(k, name)
         phi, sup = s.score(kr), s.suppression(kr)
@@ -247,11 +280,25 @@ def scores_table(scores: dict[str, StaticScores], k: int | Mapping[str, int], th
                 cols["n_pairs"].append(s.pairs.n_pairs)
                 cols["n_used"].append(s.pairs.n_used)
                 cols["n_multi_token"].append(s.pairs.n_multi_token)
-    return pa.table(cols, schema=pa.schema([
-        ("relation", pa.string()), ("layer", pa.int32()), ("head", pa.int32()), ("kv_head", pa.int32()),
-        ("score", pa.float64()), ("suppression", pa.float64()), ("implements", pa.bool_()),
-        ("suppresses", pa.bool_()), ("k", pa.int32()), ("n_pairs", pa.int32()), ("n_used", pa.int32()),
-        ("n_multi_token", pa.int32())]))
+    return pa.table(
+        cols,
+        schema=pa.schema(
+            [
+                ("relation", pa.string()),
+                ("layer", pa.int32()),
+                ("head", pa.int32()),
+                ("kv_head", pa.int32()),
+                ("score", pa.float64()),
+                ("suppression", pa.float64()),
+                ("implements", pa.bool_()),
+                ("suppresses", pa.bool_()),
+                ("k", pa.int32()),
+                ("n_pairs", pa.int32()),
+                ("n_used", pa.int32()),
+                ("n_multi_token", pa.int32()),
+            ]
+        ),
+    )
 
 
 def relation_summary(name: str, s: StaticScores, k: int, threshold: float) -> dict[str, Any]:
@@ -259,21 +306,32 @@ def relation_summary(name: str, s: StaticScores, k: int, threshold: float) -> di
     best = np.unravel_index(int(np.argmax(phi)), phi.shape)
     p = s.pairs
     return {
-        "relation": name, "k": int(k), "n_pairs": p.n_pairs, "n_used": p.n_used, "n_multi_token": p.n_multi_token,
-        "n_unknown": p.n_unknown, "n_skipped_multi_token": p.n_skipped_multi_token,
-        "n_implementing": int((phi >= threshold).sum()), "n_suppressing": int((sup >= threshold).sum()),
-        "max_score": float(phi.max()), "best_layer": int(best[0]), "best_head": int(best[1]),
+        "relation": name,
+        "k": int(k),
+        "n_pairs": p.n_pairs,
+        "n_used": p.n_used,
+        "n_multi_token": p.n_multi_token,
+        "n_unknown": p.n_unknown,
+        "n_skipped_multi_token": p.n_skipped_multi_token,
+        "n_implementing": int((phi >= threshold).sum()),
+        "n_suppressing": int((sup >= threshold).sum()),
+        "max_score": float(phi.max()),
+        "best_layer": int(best[0]),
+        "best_head": int(best[1]),
         "max_suppression": float(sup.max()),
     }
 
 
 def salient_table(ops: Sequence[SalientOps], decode: Any) -> pa.Table:
     """One row per (head, salient token) with its mapped tokens as lists; ``decode(ids) -> list[str]``."""
-    cols: dict[str, list[Any]] = {c: [] for c in (
-        "layer", "head", "rank", "token_id", "token", "sigma", "mapped_ids", "mapped_tokens")}
+    cols: dict[str, list[Any]] = {
+        c: [] for c in ("layer", "head", "rank", "token_id", "token", "sigma", "mapped_ids", "mapped_tokens")
+    }
     for op in ops:
         names = decode(op.token_ids.tolist())
-        for r, (tid, name, sig, mapped) in enumerate(zip(op.token_ids.tolist(), names, op.sigma.tolist(), op.mapped_ids)):
+        for r, (tid, name, sig, mapped) in enumerate(
+            zip(op.token_ids.tolist(), names, op.sigma.tolist(), op.mapped_ids)
+        ):
             cols["layer"].append(op.layer)
             cols["head"].append(op.head)
             cols["rank"].append(r)
@@ -282,14 +340,26 @@ def salient_table(ops: Sequence[SalientOps], decode: Any) -> pa.Table:
             cols["sigma"].append(float(sig))
             cols["mapped_ids"].append([int(i) for i in mapped])
             cols["mapped_tokens"].append(decode([int(i) for i in mapped]))
-    return pa.table(cols, schema=pa.schema([
-        ("layer", pa.int32()), ("head", pa.int32()), ("rank", pa.int32()), ("token_id", pa.int32()),
-        ("token", pa.string()), ("sigma", pa.float32()), ("mapped_ids", pa.list_(pa.int32())),
-        ("mapped_tokens", pa.list_(pa.string()))]))
+    return pa.table(
+        cols,
+        schema=pa.schema(
+            [
+                ("layer", pa.int32()),
+                ("head", pa.int32()),
+                ("rank", pa.int32()),
+                ("token_id", pa.int32()),
+                ("token", pa.string()),
+                ("sigma", pa.float32()),
+                ("mapped_ids", pa.list_(pa.int32())),
+                ("mapped_tokens", pa.list_(pa.string())),
+            ]
+        ),
+    )
 
 
 def token_decoder(tokenizer: Any) -> Any:
     """ids -> the text of each token on its own (as the paper prints them)."""
+
     def decode(ids: list[int]) -> list[str]:
         return [str(tokenizer.decode([i])) for i in ids]
 
@@ -316,11 +386,22 @@ class StoredScores:
         """Whether ``pairs`` has the counts the stored run recorded (the check that it read the same pair file
         with the same tokenizer; the ids themselves are not stored)."""
         return (self.n_pairs, self.n_used, self.n_multi_token, self.n_unknown) == (
-            pairs.n_pairs, pairs.n_used, pairs.n_multi_token, pairs.n_unknown)
+            pairs.n_pairs,
+            pairs.n_used,
+            pairs.n_multi_token,
+            pairs.n_unknown,
+        )
 
 
-def stored_static_scores(store: Store, relations: Sequence[str], *, k: int | Mapping[str, int], final_norm: bool,
-                         first_mlp: bool, multi_token: str = "skip") -> dict[str, StoredScores]:
+def stored_static_scores(
+    store: Store,
+    relations: Sequence[str],
+    *,
+    k: int | Mapping[str, int],
+    final_norm: bool,
+    first_mlp: bool,
+    multi_token: str = "skip",
+) -> dict[str, StoredScores]:
     """Static scores already in ``store`` for ``relations``, from the latest ``maps`` run whose settings match
     (final norm, first MLP, multi-token policy) and that scored the relation at its ``k`` (one for all, or per
     relation); relations no matching run holds are left out.
@@ -341,17 +422,26 @@ def stored_static_scores(store: Store, relations: Sequence[str], *, k: int | Map
             cfg = json.loads(r["config"] or "{}")
         except json.JSONDecodeError:
             continue
-        if (bool(cfg.get("final_norm", True)) == final_norm and bool(cfg.get("first_mlp", False)) == first_mlp
-                and cfg.get("multi_token", "first") == multi_token):
+        if (
+            bool(cfg.get("final_norm", True)) == final_norm
+            and bool(cfg.get("first_mlp", False)) == first_mlp
+            and cfg.get("multi_token", "first") == multi_token
+        ):
             matching.append((float(r["finished"] or 0.0), str(r["run_id"])))
     if not matching:
         return {}
     g = store.geometry
     params = {"ids": [rid for _, rid in matching], "names": list(relations)}
-    sc = store.sql("""SELECT run_id, relation, layer, head, score, k FROM maps_scores
-                      WHERE list_contains($ids, run_id) AND list_contains($names, relation)""", params)
-    rel = store.sql("""SELECT run_id, relation, n_pairs, n_used, n_multi_token, n_unknown FROM maps_relations
-                       WHERE list_contains($ids, run_id) AND list_contains($names, relation)""", params).to_pylist()
+    sc = store.sql(
+        """SELECT run_id, relation, layer, head, score, k FROM maps_scores
+                      WHERE list_contains($ids, run_id) AND list_contains($names, relation)""",
+        params,
+    )
+    rel = store.sql(
+        """SELECT run_id, relation, n_pairs, n_used, n_multi_token, n_unknown FROM maps_relations
+                       WHERE list_contains($ids, run_id) AND list_contains($names, relation)""",
+        params,
+    ).to_pylist()
     counts = {(r["run_id"], r["relation"]): r for r in rel}
     grids: dict[tuple[str, str], np.ndarray] = {}
     cols = [sc.column(c).to_pylist() for c in ("run_id", "relation", "layer", "head", "score", "k")]
@@ -370,6 +460,13 @@ def stored_static_scores(store: Store, relations: Sequence[str], *, k: int | Map
             if name in out or key not in grids or key not in counts or np.isnan(grids[key]).any():
                 continue
             c = counts[key]
-            out[name] = StoredScores(name, rid, grids[key], int(c["n_pairs"]), int(c["n_used"]),
-                                     int(c["n_multi_token"]), int(c["n_unknown"]))
+            out[name] = StoredScores(
+                name,
+                rid,
+                grids[key],
+                int(c["n_pairs"]),
+                int(c["n_used"]),
+                int(c["n_multi_token"]),
+                int(c["n_unknown"]),
+            )
     return out

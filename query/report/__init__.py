@@ -50,7 +50,23 @@ from actstore.query.report.summary import store_bytes
 from actstore.query.report.tokens import token_colour
 
 __all__ = [
-    "READ_ERRORS", "SECTIONS", "SECTION_IDS", "SECTION_TABLES", "TRACE_CLASSES", "ReportContext", "ReportOptions",
-    "Section", "SectionSpec", "build_report", "collect_sections", "expected_sections", "fmt", "render_html",
-    "store_bytes", "token_colour", "trace_classes", "write_report", "write_text_atomically",
+    "READ_ERRORS",
+    "SECTIONS",
+    "SECTION_IDS",
+    "SECTION_TABLES",
+    "TRACE_CLASSES",
+    "ReportContext",
+    "ReportOptions",
+    "Section",
+    "SectionSpec",
+    "build_report",
+    "collect_sections",
+    "expected_sections",
+    "fmt",
+    "render_html",
+    "store_bytes",
+    "token_colour",
+    "trace_classes",
+    "write_report",
+    "write_text_atomically",
 ]

@@ -41,26 +41,54 @@ class SectionSpec:
 
 
 SECTIONS: tuple[SectionSpec, ...] = (
-    SectionSpec("probes", "Probes: episodic relation classification",
-                ("probe_runs", "relation_metrics", "probe_episodes", "probe_predictions"), probes_section),
+    SectionSpec(
+        "probes",
+        "Probes: episodic relation classification",
+        ("probe_runs", "relation_metrics", "probe_episodes", "probe_predictions"),
+        probes_section,
+    ),
     SectionSpec("headscore", "HeadScore per relation (layer × head)", ("head_scores",), headscore_section),
     SectionSpec("tokenscore", "TokenScore over the prompt", ("token_scores",), tokenscore_section),
-    SectionSpec("predictors", "Predictors of per-relation probe accuracy", ("relation_predictors", "correlations"),
-                predictors_section),
-    SectionSpec("shortcuts", "Lexical shortcuts in probe errors", ("shortcut_summary", "shortcut_errors"),
-                shortcuts_section),
-    SectionSpec("maps", "MAPS: head functions from the weights", ("maps_scores", "maps_relations", "maps_salient"),
-                maps_section),
-    SectionSpec("maps_dynamic", "MAPS: static vs dynamic scores", ("maps_dynamic", "maps_correlation"),
-                maps_dynamic_section),
+    SectionSpec(
+        "predictors",
+        "Predictors of per-relation probe accuracy",
+        ("relation_predictors", "correlations"),
+        predictors_section,
+    ),
+    SectionSpec(
+        "shortcuts",
+        "Lexical shortcuts in probe errors",
+        ("shortcut_summary", "shortcut_errors"),
+        shortcuts_section,
+    ),
+    SectionSpec(
+        "maps",
+        "MAPS: head functions from the weights",
+        ("maps_scores", "maps_relations", "maps_salient"),
+        maps_section,
+    ),
+    SectionSpec(
+        "maps_dynamic",
+        "MAPS: static vs dynamic scores",
+        ("maps_dynamic", "maps_correlation"),
+        maps_dynamic_section,
+    ),
     SectionSpec("maps_ablation", "MAPS: head ablation", ("maps_ablation",), maps_ablation_section),
     SectionSpec("tracing", "Causal tracing", ("trace_effects", "trace_facts"), tracing_section),
     SectionSpec("patching", "Activation patching", ("patch_effects", "patch_pairs"), patching_section),
     SectionSpec("lens", "Logit and tuned lens", ("lens",), lens_section),
-    SectionSpec("agreement", "Agreement between interpretability methods", ("method_agreement", "method_readings"),
-                agreement_section),
-    SectionSpec("method_metrics", "Method comparison (seed 001)",
-                ("method_metrics", "method_pair_metrics", "method_cross_size"), method_metrics_section),
+    SectionSpec(
+        "agreement",
+        "Agreement between interpretability methods",
+        ("method_agreement", "method_readings"),
+        agreement_section,
+    ),
+    SectionSpec(
+        "method_metrics",
+        "Method comparison (seed 001)",
+        ("method_metrics", "method_pair_metrics", "method_cross_size"),
+        method_metrics_section,
+    ),
 )
 
 #: Result tables each section reads (one of them must exist for the section to appear).
@@ -70,7 +98,9 @@ SECTION_TABLES: dict[str, tuple[str, ...]] = {s.key: s.tables for s in SECTIONS}
 def expected_sections(store: Store) -> list[str]:
     """Ids of the sections a report of ``store`` holds (tables present), in page order."""
     files = store.table_files()
-    return [SECTION_IDS["summary"]] + [SECTION_IDS[s.key] for s in SECTIONS if any(files.get(t) for t in s.tables)]
+    return [SECTION_IDS["summary"]] + [
+        SECTION_IDS[s.key] for s in SECTIONS if any(files.get(t) for t in s.tables)
+    ]
 
 
 def _run_started(ctx: ReportContext) -> dict[str, float]:
@@ -85,8 +115,9 @@ def _run_started(ctx: ReportContext) -> dict[str, float]:
     return {str(r["run_id"]): float(r["started"]) for r in rows if r["started"] is not None}
 
 
-def collect_sections(store: Store, options: ReportOptions | None = None,
-                     log: Callable[[str], None] | None = None) -> list[Section]:
+def collect_sections(
+    store: Store, options: ReportOptions | None = None, log: Callable[[str], None] | None = None
+) -> list[Section]:
     """Every section for ``store``, in page order.  A section whose tables cannot be read (a file missing or
     damaged, columns a statement needs) is kept with a note saying so; every other section is unaffected.
     ``log``: called with a line as each section starts (progress)."""
@@ -102,8 +133,16 @@ def collect_sections(store: Store, options: ReportOptions | None = None,
             sec = spec.build(ctx)
         except READ_ERRORS as e:
             logger.warning("report: section %s omitted (%s)", spec.key, e)
-            sec = Section(spec.key, spec.title, [Omitted(f"This section is omitted: a table it reads could not be "
-                                                         f"read ({type(e).__name__}: {e}).")])
+            sec = Section(
+                spec.key,
+                spec.title,
+                [
+                    Omitted(
+                        f"This section is omitted: a table it reads could not be "
+                        f"read ({type(e).__name__}: {e})."
+                    )
+                ],
+            )
             ctx.used.update(spec.tables)
         if sec is not None:
             sections.append(sec)
@@ -124,8 +163,13 @@ def render_html(store: Store, sections: Sequence[Section], *, title: str | None 
     return render_page(store, sections, title=title)
 
 
-def build_report(store: Store, *, options: ReportOptions | None = None, title: str | None = None,
-                 log: Callable[[str], None] | None = None) -> str:
+def build_report(
+    store: Store,
+    *,
+    options: ReportOptions | None = None,
+    title: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> str:
     """The report of ``store`` as one HTML string."""
     return render_html(store, collect_sections(store, options, log), title=title)
 
@@ -148,7 +192,13 @@ def write_text_atomically(path: str | os.PathLike[str], text: str) -> str:
     return out
 
 
-def write_report(store: Store, out: str | os.PathLike[str], *, options: ReportOptions | None = None,
-                 title: str | None = None, log: Callable[[str], None] | None = None) -> str:
+def write_report(
+    store: Store,
+    out: str | os.PathLike[str],
+    *,
+    options: ReportOptions | None = None,
+    title: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> str:
     """Write the report atomically to ``out`` (a local file) and return its path."""
     return write_text_atomically(out, build_report(store, options=options, title=title, log=log))

@@ -195,8 +195,11 @@ class ReportContext:
         """The table's run ids, newest first, at most ``max_runs`` ([""] when it has no run_id)."""
         if "run_id" not in t.column_names:
             return [""]
-        runs = sorted({str(r) for r in t.column("run_id").to_pylist()},
-                      key=lambda r: (self.run_started.get(r, 0.0), r), reverse=True)
+        runs = sorted(
+            {str(r) for r in t.column("run_id").to_pylist()},
+            key=lambda r: (self.run_started.get(r, 0.0), r),
+            reverse=True,
+        )
         return runs[: self.opts.max_runs]
 
     def latest_run(self, t: pa.Table) -> tuple[str, pa.Table]:
@@ -216,7 +219,7 @@ def fmt(v: object, digits: int = 3) -> str:
         f = float(v)
         if not math.isfinite(f):
             return "–"
-        if f != 0 and (abs(f) >= 1e7 or abs(f) < 10 ** -digits):
+        if f != 0 and (abs(f) >= 1e7 or abs(f) < 10**-digits):
             return f"{f:.{digits}g}"
         if abs(f) >= 100:
             return f"{f:,.0f}" if f == int(f) or abs(f) >= 1e4 else f"{f:.1f}"
@@ -230,10 +233,14 @@ def fmt(v: object, digits: int = 3) -> str:
 
 def floats(t: pa.Table, column: str) -> np.ndarray:
     """A column as float64 ([rows]), None as NaN."""
-    return np.asarray([np.nan if x is None else float(x) for x in t.column(column).to_pylist()], dtype=np.float64)
+    return np.asarray(
+        [np.nan if x is None else float(x) for x in t.column(column).to_pylist()], dtype=np.float64
+    )
 
 
-def grid_mean(t: pa.Table, value: str, row: str = "layer", col: str = "head") -> tuple[np.ndarray, list[Any], list[Any]]:
+def grid_mean(
+    t: pa.Table, value: str, row: str = "layer", col: str = "head"
+) -> tuple[np.ndarray, list[Any], list[Any]]:
     """Mean of ``value`` per (row, col) cell of a long table: the grid [n_rows, n_cols] (NaN: no finite
     value), and the sorted distinct row and column labels."""
     r = np.asarray(t.column(row).to_pylist())
@@ -274,8 +281,13 @@ def run_label(run: str) -> str:
     return f"run {run}" if run else "all runs"
 
 
-def table_block(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, *,
-                headers: dict[str, str] | None = None, cls: str = "data") -> Table:
+def table_block(
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    headers: dict[str, str] | None = None,
+    cls: str = "data",
+) -> Table:
     """A table of ``rows`` (columns: those given, else the first row's keys)."""
     cols = list(columns) if columns is not None else (list(rows[0]) if rows else [])
     return Table(list(rows), cols, dict(headers or {}), cls)
@@ -286,7 +298,16 @@ def figure_block(fig: MplFigure, alt: str, dpi: int) -> Figure:
     return Figure(plotting.data_uri(plotting.png_bytes(fig, dpi)), alt)
 
 
-def heatmap_block(grid: np.ndarray, *, rows: Sequence[object], cols: Sequence[object], title: str, dpi: int,
-                  diverging: bool = True) -> Figure:
+def heatmap_block(
+    grid: np.ndarray,
+    *,
+    rows: Sequence[object],
+    cols: Sequence[object],
+    title: str,
+    dpi: int,
+    diverging: bool = True,
+) -> Figure:
     """A [rows, cols] layer x head heatmap block (diverging around 0 unless told otherwise)."""
-    return figure_block(plotting.heatmap(grid, rows=rows, cols=cols, title=title, diverging=diverging), title, dpi)
+    return figure_block(
+        plotting.heatmap(grid, rows=rows, cols=cols, title=title, diverging=diverging), title, dpi
+    )

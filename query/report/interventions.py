@@ -37,8 +37,11 @@ def trace_classes(t: pa.Table) -> np.ndarray:
     the subject)."""
     ex = np.asarray(t.column("example_id").to_pylist())
     pos = np.asarray(t.column("position").to_pylist())
-    role = np.asarray([str(x) for x in t.column("role").to_pylist()]) if "role" in t.column_names else \
-        np.full(ex.size, "")
+    role = (
+        np.asarray([str(x) for x in t.column("role").to_pylist()])
+        if "role" in t.column_names
+        else np.full(ex.size, "")
+    )
     last: dict[int, int] = {}
     first_after: dict[int, int] = {}
     for e, p, r in zip(ex.tolist(), pos.tolist(), role.tolist()):
@@ -73,16 +76,26 @@ def _average_figure(sub: pa.Table, comps: list[str], value: str, n_facts: int, d
     cls = trace_classes(sub)
     layer = np.asarray(sub.column("layer").to_pylist())
     vals = floats(sub, value)
-    comp_col = np.asarray([str(c) for c in sub.column("component").to_pylist()]) if comps != [""] else \
-        np.full(layer.size, "")
+    comp_col = (
+        np.asarray([str(c) for c in sub.column("component").to_pylist()])
+        if comps != [""]
+        else np.full(layer.size, "")
+    )
     n_layers = int(layer.max()) + 1 if layer.size else 0
     fig, axes = plotting.new_figure(len(comps), figsize=(4.2 * len(comps), 3.0))
     for ax, c in zip(axes[0], comps):
         m = comp_col == c
-        plotting.draw_heatmap(ax, class_grid(cls[m], layer[m], vals[m], n_layers),
-                              rows=[x.replace("_", " ") for x in TRACE_CLASSES], cols=list(range(n_layers)),
-                              origin="upper", cmap=COMPONENT_CMAPS.get(c, "viridis"), xlabel="layer", ylabel=None,
-                              title=f"mean indirect effect: {c or value}")
+        plotting.draw_heatmap(
+            ax,
+            class_grid(cls[m], layer[m], vals[m], n_layers),
+            rows=[x.replace("_", " ") for x in TRACE_CLASSES],
+            cols=list(range(n_layers)),
+            origin="upper",
+            cmap=COMPONENT_CMAPS.get(c, "viridis"),
+            xlabel="layer",
+            ylabel=None,
+            title=f"mean indirect effect: {c or value}",
+        )
     fig.tight_layout()
     return figure_block(fig, f"causal tracing, average over {n_facts} facts", dpi)
 
@@ -98,10 +111,22 @@ def _fact_figure(one: pa.Table, comps: list[str], value: str, title: str, dpi: i
     fig, axes = plotting.new_figure(len(comps), figsize=(4.2 * len(comps), min(9.0, 0.22 * n_tokens + 1.6)))
     for ax, c in zip(axes[0], comps):
         part = where_equal(one, "component", c) if c else one
-        g, ps, ls = grid_mean(part, "prob" if "prob" in part.column_names else value, row="position", col="layer")
-        plotting.draw_heatmap(ax, g, rows=[toks[int(p)] for p in ps], cols=ls, origin="upper",
-                              cmap=COMPONENT_CMAPS.get(c, "viridis"), xlabel="layer", ylabel=None, title=c or value,
-                              tick_fontsize=6 if len(ps) > 30 else 7, max_ticks=max(16, len(ps)))
+        g, ps, ls = grid_mean(
+            part, "prob" if "prob" in part.column_names else value, row="position", col="layer"
+        )
+        plotting.draw_heatmap(
+            ax,
+            g,
+            rows=[toks[int(p)] for p in ps],
+            cols=ls,
+            origin="upper",
+            cmap=COMPONENT_CMAPS.get(c, "viridis"),
+            xlabel="layer",
+            ylabel=None,
+            title=c or value,
+            tick_fontsize=6 if len(ps) > 30 else 7,
+            max_ticks=max(16, len(ps)),
+        )
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return figure_block(fig, f"causal tracing, {title}", dpi)
@@ -117,26 +142,54 @@ def tracing_section(ctx: ReportContext) -> Section | None:
     if miss or value is None:
         return Section("tracing", "Causal tracing", [Note(f"trace_effects lacks columns {miss}")])
     run, sub = ctx.latest_run(t)
-    comps = sorted({str(c) for c in sub.column("component").to_pylist()}) if "component" in sub.column_names else [""]
+    comps = (
+        sorted({str(c) for c in sub.column("component").to_pylist()})
+        if "component" in sub.column_names
+        else [""]
+    )
     comps.sort(key=lambda c: COMPONENT_ORDER.get(c, 9))
     n_facts = len(set(sub.column("example_id").to_pylist()))
     blocks: list[Block] = [
-        Note("Causal tracing (ROME): Gaussian noise on the subject's embeddings, then the clean state of one "
-             "component restored at one layer (a window of layers for MLP and attention) and position. "
-             "Indirect effect = P(object | restored) − P(object | corrupted), averaged over facts per "
-             "position class."),
+        Note(
+            "Causal tracing (ROME): Gaussian noise on the subject's embeddings, then the clean state of one "
+            "component restored at one layer (a window of layers for MLP and attention) and position. "
+            "Indirect effect = P(object | restored) − P(object | corrupted), averaged over facts per "
+            "position class."
+        ),
         Heading(f"{run_label(run)}: {n_facts} facts"),
-        _average_figure(sub, comps, value, n_facts, ctx.opts.dpi)]
-    fact_info = {int(r["example_id"]): r for r in facts.to_pylist()} if facts is not None and \
-        "example_id" in facts.column_names else {}
+        _average_figure(sub, comps, value, n_facts, ctx.opts.dpi),
+    ]
+    fact_info = (
+        {int(r["example_id"]): r for r in facts.to_pylist()}
+        if facts is not None and "example_id" in facts.column_names
+        else {}
+    )
     for e in sorted(set(sub.column("example_id").to_pylist()))[:2]:
         f = fact_info.get(int(e), {})
-        title = f"example {e}" + (f": {f.get('subject')} → {f.get('object')}, p_clean {fmt(f.get('p_clean'))}, "
-                                  f"p_corrupt {fmt(f.get('p_corrupt'))}" if f else "")
+        title = f"example {e}" + (
+            f": {f.get('subject')} → {f.get('object')}, p_clean {fmt(f.get('p_clean'))}, "
+            f"p_corrupt {fmt(f.get('p_corrupt'))}"
+            if f
+            else ""
+        )
         blocks.append(_fact_figure(where_equal(sub, "example_id", e), comps, value, title, ctx.opts.dpi))
     if facts is not None:
-        blocks.append(table_block(pick(of_run(facts, run), ["example_id", "relation_id", "subject", "object",
-                                                            "p_clean", "p_corrupt", "total_effect"])[:20]))
+        blocks.append(
+            table_block(
+                pick(
+                    of_run(facts, run),
+                    [
+                        "example_id",
+                        "relation_id",
+                        "subject",
+                        "object",
+                        "p_clean",
+                        "p_corrupt",
+                        "total_effect",
+                    ],
+                )[:20]
+            )
+        )
     return Section("tracing", "Causal tracing", blocks)
 
 
@@ -144,15 +197,23 @@ def _patching_layers_figure(whole: pa.Table, dpi: int) -> Block:
     fig, axes = plotting.new_figure(figsize=(7, 3.2))
     ax = axes[0, 0]
     comp = np.asarray([str(c) for c in whole.column("component").to_pylist()])
-    pos = np.asarray([str(p) for p in whole.column("position").to_pylist()]) if "position" in whole.column_names \
+    pos = (
+        np.asarray([str(p) for p in whole.column("position").to_pylist()])
+        if "position" in whole.column_names
         else np.full(comp.size, "")
+    )
     layer = np.asarray(whole.column("layer").to_pylist())
     rec = floats(whole, "recovery")
     for c in sorted(set(comp.tolist())):
         for p in sorted(set(pos[comp == c].tolist())):
             m = (comp == c) & (pos == p)
             ls = sorted(set(layer[m].tolist()))
-            ax.plot(ls, [np.nanmean(rec[m & (layer == li)]) for li in ls], marker=".", label=f"{c} @ {p}" if p else c)
+            ax.plot(
+                ls,
+                [np.nanmean(rec[m & (layer == li)]) for li in ls],
+                marker=".",
+                label=f"{c} @ {p}" if p else c,
+            )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel("mean recovery")
@@ -171,13 +232,18 @@ def patching_section(ctx: ReportContext) -> Section | None:
         return Section("patching", "Activation patching", [Note(f"patch_effects lacks columns {miss}")])
     run, sub = ctx.latest_run(t)
     blocks: list[Block] = [
-        Note("Activation patching: a clean activation patched into a counterfactual prompt; recovery of the "
-             "clean-minus-counterfactual logit difference (1 = fully recovered)."),
+        Note(
+            "Activation patching: a clean activation patched into a counterfactual prompt; recovery of the "
+            "clean-minus-counterfactual logit difference (1 = fully recovered)."
+        ),
         Heading(run_label(run)),
-        _patching_layers_figure(sub.filter(pc.not_equal(sub.column("component"), "head")), ctx.opts.dpi)]
+        _patching_layers_figure(sub.filter(pc.not_equal(sub.column("component"), "head")), ctx.opts.dpi),
+    ]
     heads = where_equal(sub, "component", "head")
     if heads.num_rows and "head" in heads.column_names:
         g, ls, hs = grid_mean(heads, "recovery")
-        blocks.append(heatmap_block(g, rows=ls, cols=hs, title="per-head patching recovery", dpi=ctx.opts.dpi))
+        blocks.append(
+            heatmap_block(g, rows=ls, cols=hs, title="per-head patching recovery", dpi=ctx.opts.dpi)
+        )
     ctx.used.add("patch_pairs")
     return Section("patching", "Activation patching", blocks)

@@ -41,10 +41,15 @@ def lens_section(ctx: ReportContext) -> Section | None:
     xcol = "index" if "index" in t.column_names else "layer"
     panels = lens_panels(t.column_names)
     if xcol not in t.column_names or not panels:
-        return Section("lens", "Logit and tuned lens", [Note("lens lacks a layer and an object_prob/object_rank column")])
+        return Section(
+            "lens", "Logit and tuned lens", [Note("lens lacks a layer and an object_prob/object_rank column")]
+        )
     run, sub = ctx.latest_run(t)
-    lens = np.asarray([str(x) for x in sub.column("lens").to_pylist()]) if "lens" in sub.column_names else \
-        np.full(sub.num_rows, "lens")
+    lens = (
+        np.asarray([str(x) for x in sub.column("lens").to_pylist()])
+        if "lens" in sub.column_names
+        else np.full(sub.num_rows, "lens")
+    )
     x = np.asarray(sub.column(xcol).to_pylist())
     fig, axes = plotting.new_figure(len(panels), figsize=(4.2 * len(panels), 3.2))
     for ax, (col, agg, label) in zip(axes[0], panels):
@@ -61,10 +66,18 @@ def lens_section(ctx: ReportContext) -> Section | None:
     n = len(set(sub.column("example_id").to_pylist())) if "example_id" in sub.column_names else sub.num_rows
     fig.suptitle(f"lens curves, {n} facts", fontsize=9)
     fig.tight_layout()
-    return Section("lens", "Logit and tuned lens", [
-        Note("Logit lens: the stored residual stream read through the final norm and unembedding. Tuned lens: "
-             "an affine translator per layer trained on stored residuals, evaluated on held-out facts."),
-        Heading(run_label(run)), figure_block(fig, "logit and tuned lens per layer", ctx.opts.dpi)])
+    return Section(
+        "lens",
+        "Logit and tuned lens",
+        [
+            Note(
+                "Logit lens: the stored residual stream read through the final norm and unembedding. Tuned lens: "
+                "an affine translator per layer trained on stored residuals, evaluated on held-out facts."
+            ),
+            Heading(run_label(run)),
+            figure_block(fig, "logit and tuned lens per layer", ctx.opts.dpi),
+        ],
+    )
 
 
 def agreement_section(ctx: ReportContext) -> Section | None:
@@ -73,7 +86,25 @@ def agreement_section(ctx: ReportContext) -> Section | None:
         return None
     run, sub = ctx.latest_run(t)
     ctx.used.add("method_readings")
-    return Section("agreement", "Agreement between interpretability methods", [
-        Heading(run_label(run)),
-        table_block(pick(sub, ["method_a", "method_b", "n_facts", "key_layer_agreement", "key_layer_exact",
-                               "n_verdict", "verdict_agreement", "profile_correlation"]))])
+    return Section(
+        "agreement",
+        "Agreement between interpretability methods",
+        [
+            Heading(run_label(run)),
+            table_block(
+                pick(
+                    sub,
+                    [
+                        "method_a",
+                        "method_b",
+                        "n_facts",
+                        "key_layer_agreement",
+                        "key_layer_exact",
+                        "n_verdict",
+                        "verdict_agreement",
+                        "profile_correlation",
+                    ],
+                )
+            ),
+        ],
+    )

@@ -23,8 +23,14 @@ from actstore.query.report.context import (
 )
 
 TITLE = "Method comparison: precision, consistency, effectiveness (seed 001)"
-METRIC_COLUMNS = ("precision", "consistency", "verdict_consistency", "effectiveness", "located_effect",
-                  "beats_random")
+METRIC_COLUMNS = (
+    "precision",
+    "consistency",
+    "verdict_consistency",
+    "effectiveness",
+    "located_effect",
+    "beats_random",
+)
 NEEDED = {"method", "grouping", "group", "metric", "n", "value", "low", "high"}
 PAIR_NEEDED = {"method_a", "method_b", "metric", "n", "value", "low", "high"}
 
@@ -69,7 +75,9 @@ def _per_method(sub: pa.Table, grouping: str) -> list[dict[str, Any]]:
     for r in sub.to_pylist():
         if r["grouping"] != grouping or r["metric"] not in METRIC_COLUMNS:
             continue
-        row = rows.setdefault((r["method"], r["group"]), {"method": r["method"], "group": r["group"], "facts": 0})
+        row = rows.setdefault(
+            (r["method"], r["group"]), {"method": r["method"], "group": r["group"], "facts": 0}
+        )
         row["facts"] = max(row["facts"], int(r["n"] or 0))
         row[r["metric"]] = _ci(r) if r["n"] else None
     return [rows[k] for k in sorted(rows)]
@@ -80,14 +88,19 @@ def method_metrics_section(ctx: ReportContext) -> Section | None:
     if t is None:
         return None
     ctx.used.update({"site_effects"})
-    blocks: list[Block] = [Note(
-        "Per method, the mean over facts with a percentile bootstrap 95% interval: localisation precision (share of "
-        "the method's positive effect at its located layer and component), consistency (key layer within the "
-        "tolerance of its relation's median key layer; verdict equal to the relation's majority), intervention "
-        "effectiveness (effect of intervening on the located site minus the mean over random layers of the same "
-        "component; knock-out: drop in P(object), restore: gain under subject noise). Definitions: docs/analyses.md.")]
+    blocks: list[Block] = [
+        Note(
+            "Per method, the mean over facts with a percentile bootstrap 95% interval: localisation precision (share of "
+            "the method's positive effect at its located layer and component), consistency (key layer within the "
+            "tolerance of its relation's median key layer; verdict equal to the relation's majority), intervention "
+            "effectiveness (effect of intervening on the located site minus the mean over random layers of the same "
+            "component; knock-out: drop in P(object), restore: gain under subject noise). Definitions: docs/analyses.md."
+        )
+    ]
     if not NEEDED <= set(t.column_names):
-        blocks.append(Note(f"method_metrics lacks the columns {', '.join(sorted(NEEDED - set(t.column_names)))}"))
+        blocks.append(
+            Note(f"method_metrics lacks the columns {', '.join(sorted(NEEDED - set(t.column_names)))}")
+        )
         return Section("method_metrics", TITLE, blocks)
     pairs = ctx.table("method_pair_metrics")
     for run in ctx.latest_runs(t):
@@ -104,8 +117,12 @@ def method_metrics_section(ctx: ReportContext) -> Section | None:
                 blocks.append(table_block(_relabel(rows, "method", labels), ["method", "group", *cols[1:]]))
         n_strata = len({r["group"] for r in sub.to_pylist() if r["grouping"] == "stratum"})
         if n_strata:
-            blocks.append(Note(f"{n_strata} strata (relation x frequency band x uniqueness) in the method_metrics "
-                               "table (grouping = 'stratum')."))
+            blocks.append(
+                Note(
+                    f"{n_strata} strata (relation x frequency band x uniqueness) in the method_metrics "
+                    "table (grouping = 'stratum')."
+                )
+            )
         if pairs is not None and PAIR_NEEDED <= set(pairs.column_names):
             prow = of_run(pairs, run).to_pylist()
             table: dict[tuple[str, str], dict[str, Any]] = {}
@@ -116,10 +133,20 @@ def method_metrics_section(ctx: ReportContext) -> Section | None:
                 row[r["metric"]] = _ci(r) if r["n"] else None
                 if r.get("paper") is not None:
                     row[f"seed {r['metric']}"] = fmt(r["paper"])
-            keys = ["key_layer", "seed key_layer", "verdict", "seed verdict", "effect_correlation",
-                    "seed effect_correlation", "consensus", "seed consensus"]
+            keys = [
+                "key_layer",
+                "seed key_layer",
+                "verdict",
+                "seed verdict",
+                "effect_correlation",
+                "seed effect_correlation",
+                "consensus",
+                "seed consensus",
+            ]
             present = [k for k in keys if any(k in row for row in table.values())]
-            blocks.append(Note("agreement between methods (95% bootstrap intervals), with the seed's figures"))
+            blocks.append(
+                Note("agreement between methods (95% bootstrap intervals), with the seed's figures")
+            )
             blocks.append(table_block(list(table.values()), ["methods", "facts", *present]))
     cross = ctx.table("method_cross_size")
     if cross is not None and {"model", "metric", "value"} <= set(cross.column_names):

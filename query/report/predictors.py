@@ -24,7 +24,13 @@ from actstore.query.report.context import (
     table_block,
 )
 
-PREDICTOR_COLUMNS = ("output_range", "output_range_ratio", "connectivity", "tfidf_similarity", "head_concentration")
+PREDICTOR_COLUMNS = (
+    "output_range",
+    "output_range_ratio",
+    "connectivity",
+    "tfidf_similarity",
+    "head_concentration",
+)
 
 
 def _scatter(recs: list[dict[str, Any]], predictor: str, stats: dict[str, Any], dpi: int) -> Block | None:
@@ -38,11 +44,15 @@ def _scatter(recs: list[dict[str, Any]], predictor: str, stats: dict[str, Any], 
     ax.scatter(xs, ys, s=18, color="#dd8452")
     for r, x, y in zip(recs, xs, ys):
         if np.isfinite(x) and np.isfinite(y):
-            ax.annotate(str(r.get("relation_id")), (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+            ax.annotate(
+                str(r.get("relation_id")), (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points"
+            )
     ax.set_xlabel(predictor, fontsize=8)
     ax.set_ylabel("probe F1", fontsize=8)
-    ax.set_title(f"{predictor}: Spearman {fmt(stats.get('spearman_rho'), 2)} (p={fmt(stats.get('spearman_p'), 2)})",
-                 fontsize=8)
+    ax.set_title(
+        f"{predictor}: Spearman {fmt(stats.get('spearman_rho'), 2)} (p={fmt(stats.get('spearman_p'), 2)})",
+        fontsize=8,
+    )
     fig.tight_layout()
     return figure_block(fig, f"F1 vs {predictor}", dpi)
 
@@ -59,8 +69,22 @@ def predictors_section(ctx: ReportContext) -> Section | None:
         r_sub = of_run(rel, run) if rel is not None else None
         blocks.append(Heading(run_label(run)))
         if c_sub is not None:
-            blocks.append(table_block(pick(c_sub, ["predictor", "n", "spearman_rho", "spearman_p", "pearson_r",
-                                                   "pearson_p", "coverage"])))
+            blocks.append(
+                table_block(
+                    pick(
+                        c_sub,
+                        [
+                            "predictor",
+                            "n",
+                            "spearman_rho",
+                            "spearman_p",
+                            "pearson_r",
+                            "pearson_p",
+                            "coverage",
+                        ],
+                    )
+                )
+            )
         if r_sub is None or "f1" not in r_sub.column_names:
             continue
         recs = r_sub.to_pylist()
@@ -69,11 +93,28 @@ def predictors_section(ctx: ReportContext) -> Section | None:
         else:
             predictors = [c for c in r_sub.column_names if c in PREDICTOR_COLUMNS]
         stats = {str(x.get("predictor")): x for x in (c_sub.to_pylist() if c_sub is not None else [])}
-        imgs = [_scatter(recs, p, stats.get(p, {}), ctx.opts.dpi) for p in predictors if p in r_sub.column_names]
+        imgs = [
+            _scatter(recs, p, stats.get(p, {}), ctx.opts.dpi) for p in predictors if p in r_sub.column_names
+        ]
         blocks.append(Grid([b for b in imgs if b is not None]))
-        blocks.append(table_block(pick(r_sub, ["relation_id", "relation_name", "f1", "n_instances", "output_range",
-                                               "connectivity", "connectivity_coverage", "tfidf_similarity",
-                                               "head_concentration"])))
+        blocks.append(
+            table_block(
+                pick(
+                    r_sub,
+                    [
+                        "relation_id",
+                        "relation_name",
+                        "f1",
+                        "n_instances",
+                        "output_range",
+                        "connectivity",
+                        "connectivity_coverage",
+                        "tfidf_similarity",
+                        "head_concentration",
+                    ],
+                )
+            )
+        )
     return Section("predictors", "Predictors of per-relation probe accuracy", blocks)
 
 
@@ -88,9 +129,15 @@ def shortcuts_section(ctx: ReportContext) -> Section | None:
         return None
     blocks: list[Block] = []
     if summ is not None:
-        blocks.append(table_block(pick(summ, ["run_id", "n_errors", "n_cues", "spearman_rho", "mass",
-                                              "mass_baseline", "strong_align"]),
-                                  headers={"strong_align": "StrongAlign-x", "spearman_rho": "Spearman rho"}))
+        blocks.append(
+            table_block(
+                pick(
+                    summ,
+                    ["run_id", "n_errors", "n_cues", "spearman_rho", "mass", "mass_baseline", "strong_align"],
+                ),
+                headers={"strong_align": "StrongAlign-x", "spearman_rho": "Spearman rho"},
+            )
+        )
     if errs is not None and not missing(errs, "rho", "mass"):
         run, sub = ctx.latest_run(errs)
         fig, axes = plotting.new_figure(2, figsize=(8, 3))

@@ -24,16 +24,29 @@ from actstore.query.report.context import (
     where_equal,
 )
 
-PROBE_RUN_COLUMNS = ("run_id", "kind", "setting", "episodes", "relations", "rows", "mean_selected_features", "relspec",
-                     "contrast", "accuracy ± 95% CI", "seconds")
+PROBE_RUN_COLUMNS = (
+    "run_id",
+    "kind",
+    "setting",
+    "episodes",
+    "relations",
+    "rows",
+    "mean_selected_features",
+    "relspec",
+    "contrast",
+    "accuracy ± 95% CI",
+    "seconds",
+)
 
 
 def _accuracy_figure(rows: list[dict[str, Any]], dpi: int) -> Block:
     fig, axes = plotting.new_figure(figsize=(min(10.0, 2.5 + 0.9 * len(rows)), 3.2))
     ax = axes[0, 0]
     acc = [100 * float(r["accuracy"]) for r in rows]
-    err = [[100 * (float(r["accuracy"]) - float(r.get("ci95_low") or r["accuracy"])) for r in rows],
-           [100 * (float(r.get("ci95_high") or r["accuracy"]) - float(r["accuracy"])) for r in rows]]
+    err = [
+        [100 * (float(r["accuracy"]) - float(r.get("ci95_low") or r["accuracy"])) for r in rows],
+        [100 * (float(r.get("ci95_high") or r["accuracy"]) - float(r["accuracy"])) for r in rows],
+    ]
     labels = [f"{r.get('kind', '?')}\n{r['setting']}" for r in rows]
     ax.bar(range(len(rows)), acc, yerr=err, capsize=3, color="#4c72b0")
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
@@ -49,12 +62,15 @@ def probes_section(ctx: ReportContext) -> Section | None:
     if runs is None:
         return None
     blocks: list[Block] = []
-    rows = sorted(runs.to_pylist(),
-                  key=lambda r: (ctx.run_started.get(str(r.get("run_id")), 0.0), str(r.get("run_id"))))
+    rows = sorted(
+        runs.to_pylist(), key=lambda r: (ctx.run_started.get(str(r.get("run_id")), 0.0), str(r.get("run_id")))
+    )
     for r in rows:
         if "accuracy" in r and r.get("ci95_low") is not None and r.get("ci95_high") is not None:
-            r["accuracy ± 95% CI"] = (f"{100 * float(r['accuracy']):.2f}% "
-                                      f"({100 * float(r['ci95_low']):.2f}–{100 * float(r['ci95_high']):.2f})")
+            r["accuracy ± 95% CI"] = (
+                f"{100 * float(r['accuracy']):.2f}% "
+                f"({100 * float(r['ci95_low']):.2f}–{100 * float(r['ci95_high']):.2f})"
+            )
         r["setting"] = f"{r.get('n_way', '?')}-way {r.get('k_shot', '?')}-shot"
     cols = [c for c in PROBE_RUN_COLUMNS if rows and (c in rows[0] or c in ("setting", "accuracy ± 95% CI"))]
     blocks.append(table_block(rows, cols, headers={"mean_selected_features": "features / episode"}))
@@ -64,14 +80,29 @@ def probes_section(ctx: ReportContext) -> Section | None:
     if metrics is not None:
         for run in ctx.latest_runs(metrics):
             sub = of_run(metrics, run)
-            mcols = [c for c in ("relation_id", "relation_name", "n_queries", "n_predicted", "precision", "recall",
-                                 "f1") if c in sub.column_names]
+            mcols = [
+                c
+                for c in (
+                    "relation_id",
+                    "relation_name",
+                    "n_queries",
+                    "n_predicted",
+                    "precision",
+                    "recall",
+                    "f1",
+                )
+                if c in sub.column_names
+            ]
             recs = pick(sub, mcols)
             drawn = [r for r in recs if r.get("n_queries") or r.get("n_predicted")]
             blocks += [Heading(f"Per relation, {run_label(run)}"), table_block(drawn, mcols)]
             if len(drawn) < len(recs):
-                blocks.append(Note(f"{len(recs) - len(drawn)} relations were never drawn as queries in this run's "
-                                   "episodes (too few episodes): not shown"))
+                blocks.append(
+                    Note(
+                        f"{len(recs) - len(drawn)} relations were never drawn as queries in this run's "
+                        "episodes (too few episodes): not shown"
+                    )
+                )
     ctx.used.update({"probe_episodes", "probe_predictions"})
     return Section("probes", "Probes: episodic relation classification", blocks)
 
@@ -80,8 +111,10 @@ def run_kinds(ctx: ReportContext) -> dict[str, str]:
     """``run_id -> "kind, N-way K-shot"`` of every probe run (empty when the table lacks those columns)."""
     if not {"run_id", "kind", "n_way", "k_shot"} <= set(ctx.columns("probe_runs")):
         return {}
-    return {str(r["run_id"]): f"{r['kind']}, {r['n_way']}-way {r['k_shot']}-shot"
-            for r in ctx.sql('SELECT run_id, kind, n_way, k_shot FROM "probe_runs"').to_pylist()}
+    return {
+        str(r["run_id"]): f"{r['kind']}, {r['n_way']}-way {r['k_shot']}-shot"
+        for r in ctx.sql('SELECT run_id, kind, n_way, k_shot FROM "probe_runs"').to_pylist()
+    }
 
 
 def headscore_section(ctx: ReportContext) -> Section | None:
@@ -93,15 +126,20 @@ def headscore_section(ctx: ReportContext) -> Section | None:
         return Section("headscore", "HeadScore", [Note(f"head_scores lacks columns {miss}")])
     kinds = run_kinds(ctx)
     dpi = ctx.opts.dpi
-    blocks: list[Block] = [Note(
-        "Mean HeadScore of the predictions of each gold relation: sum over the features of head (l, h) of dW_m x'_m, "
-        "with dW = W_pred - sum of the renormalised competitors' weights. Red: the head pushes towards the predicted "
-        "relation. Column -1 = a whole layer (per-layer feature kinds).")]
+    blocks: list[Block] = [
+        Note(
+            "Mean HeadScore of the predictions of each gold relation: sum over the features of head (l, h) of dW_m x'_m, "
+            "with dW = W_pred - sum of the renormalised competitors' weights. Red: the head pushes towards the predicted "
+            "relation. Column -1 = a whole layer (per-layer feature kinds)."
+        )
+    ]
     for run in ctx.latest_runs(t):
         sub = of_run(t, run)
         blocks.append(Heading(run_label(run) + (f" ({kinds[run]})" if run in kinds else "")))
         grid, layers, heads = grid_mean(sub, "score")
-        imgs: list[Block] = [heatmap_block(grid, rows=layers, cols=heads, title="HeadScore, all relations", dpi=dpi)]
+        imgs: list[Block] = [
+            heatmap_block(grid, rows=layers, cols=heads, title="HeadScore, all relations", dpi=dpi)
+        ]
         if "relation_id" in sub.column_names:
             rels = sorted({str(r) for r in sub.column("relation_id").to_pylist()})
             for rel in rels[: ctx.opts.max_relations]:

@@ -15,8 +15,12 @@ from actstore.core.store import Store
 
 @functools.cache
 def environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("actstore.query.report", "templates"), autoescape=True,
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("actstore.query.report", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
     env.filters["cell"] = fmt
     return env
 
@@ -31,6 +35,16 @@ def render_page(store: Store, sections: Sequence[Section], *, title: str | None 
     """The whole report page: header, navigation and ``sections`` in order."""
     g = store.geometry
     name = str(store.manifest.model.get("name"))
-    return environment().get_template("page.html.j2").render(
-        title=title or f"actstore report: {name}", store_url=store.url, n_rows=store.n_rows, n_layers=g.n_layers,
-        n_heads=g.n_heads, generated=time.strftime("%Y-%m-%d %H:%M:%S"), sections=list(sections))
+    return (
+        environment()
+        .get_template("page.html.j2")
+        .render(
+            title=title or f"actstore report: {name}",
+            store_url=store.url,
+            n_rows=store.n_rows,
+            n_layers=g.n_layers,
+            n_heads=g.n_heads,
+            generated=time.strftime("%Y-%m-%d %H:%M:%S"),
+            sections=list(sections),
+        )
+    )

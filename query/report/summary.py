@@ -20,13 +20,17 @@ from actstore.query.report.context import (
 from actstore.core.store import Store
 from actstore.core.tables import SEGMENT_TABLES
 
-CORPUS_WITH_TARGETS = ("SELECT e.relation_id, any_value(e.relation_name) AS relation_name, "
-                       "any_value(e.source) AS source, count(*) AS prompts, "
-                       "avg(CASE WHEN t.object_rank = 0 THEN 1.0 ELSE 0.0 END) AS model_top1, "
-                       "avg(e.n_tokens) AS mean_tokens "
-                       "FROM examples e LEFT JOIN targets t USING (example_id) GROUP BY 1 ORDER BY 1")
-CORPUS_PLAIN = ("SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS prompts "
-                "FROM examples GROUP BY 1 ORDER BY 1")
+CORPUS_WITH_TARGETS = (
+    "SELECT e.relation_id, any_value(e.relation_name) AS relation_name, "
+    "any_value(e.source) AS source, count(*) AS prompts, "
+    "avg(CASE WHEN t.object_rank = 0 THEN 1.0 ELSE 0.0 END) AS model_top1, "
+    "avg(e.n_tokens) AS mean_tokens "
+    "FROM examples e LEFT JOIN targets t USING (example_id) GROUP BY 1 ORDER BY 1"
+)
+CORPUS_PLAIN = (
+    "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS prompts "
+    "FROM examples GROUP BY 1 ORDER BY 1"
+)
 
 
 def store_bytes(store: Store) -> int | None:
@@ -63,10 +67,16 @@ def _store_info(store: Store) -> list[dict[str, Any]]:
         {"": "format", "value": f"actstore v{m.format_version}"},
         {"": "model", "value": f"{model.get('name')} ({model.get('architecture', '?')})"},
         {"": "weights sha256", "value": str(model.get("weight_hash", ""))[:16]},
-        {"": "geometry", "value": f"L={g.n_layers} H={g.n_heads} H_kv={g.n_kv_heads} d_head={g.d_head} "
-                                  f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}"},
-        {"": "rows", "value": f"{store.n_rows} of {m.n_examples} examples in {len(store.commits)}/{m.n_segments} "
-                              "segments" + ("" if store.complete else " (INCOMPLETE)")},
+        {
+            "": "geometry",
+            "value": f"L={g.n_layers} H={g.n_heads} H_kv={g.n_kv_heads} d_head={g.d_head} "
+            f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}",
+        },
+        {
+            "": "rows",
+            "value": f"{store.n_rows} of {m.n_examples} examples in {len(store.commits)}/{m.n_segments} "
+            "segments" + ("" if store.complete else " (INCOMPLETE)"),
+        },
         {"": "storage dtype", "value": m.storage_dtype},
         {"": "size on disk", "value": human_size(store_bytes(store))},
     ]
@@ -88,11 +98,18 @@ def _runs(ctx: ReportContext) -> list[dict[str, Any]]:
     for r in ctx.sql('SELECT * FROM "runs"').to_pylist():
         started, finished = r.get("started"), r.get("finished")
         timed = isinstance(started, int | float)
-        rows.append({"run_id": r.get("run_id"), "kind": r.get("kind"),
-                     "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(started)))
-                     if timed else started,
-                     "seconds": float(finished) - float(started) if timed and isinstance(finished, int | float)
-                     else None})
+        rows.append(
+            {
+                "run_id": r.get("run_id"),
+                "kind": r.get("kind"),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(started)))
+                if timed
+                else started,
+                "seconds": float(finished) - float(started)
+                if timed and isinstance(finished, int | float)
+                else None,
+            }
+        )
     rows.sort(key=lambda r: str(r["started"]))
     return rows
 
@@ -102,13 +119,26 @@ def summary_section(ctx: ReportContext) -> Section:
     # Stores written before targets carried object_rank get the corpus table without the model's accuracy.
     has_rank = "object_rank" in ctx.columns("targets")
     rel = ctx.sql(CORPUS_WITH_TARGETS if has_rank else CORPUS_PLAIN).to_pylist()
-    cols = ["relation_id", "relation_name", "source", "prompts", "mean_tokens"] + (["model_top1"] if has_rank else [])
-    blocks += [Heading(f"Corpus: {len(rel)} relations, {sum(int(r['prompts']) for r in rel)} prompts"),
-               table_block(rel, cols, headers={"model_top1": "model top-1 = object"})]
-    tables = [{"table": name, "files": len(files), "rows": _table_rows(ctx, name),
-               "kind": "corpus" if name in SEGMENT_TABLES or name == "heads" else
-               "run log" if name == "runs" else "result"}
-              for name, files in sorted(ctx.files.items())]
+    cols = ["relation_id", "relation_name", "source", "prompts", "mean_tokens"] + (
+        ["model_top1"] if has_rank else []
+    )
+    blocks += [
+        Heading(f"Corpus: {len(rel)} relations, {sum(int(r['prompts']) for r in rel)} prompts"),
+        table_block(rel, cols, headers={"model_top1": "model top-1 = object"}),
+    ]
+    tables = [
+        {
+            "table": name,
+            "files": len(files),
+            "rows": _table_rows(ctx, name),
+            "kind": "corpus"
+            if name in SEGMENT_TABLES or name == "heads"
+            else "run log"
+            if name == "runs"
+            else "result",
+        }
+        for name, files in sorted(ctx.files.items())
+    ]
     blocks += [Heading("Tables"), table_block(tables, ["table", "kind", "files", "rows"])]
     if ctx.has("runs"):
         try:
@@ -117,6 +147,8 @@ def summary_section(ctx: ReportContext) -> Section:
             log.warning("report: the runs table cannot be read (%s)", e)
             blocks += [Heading("Runs"), Omitted(f"the runs table could not be read: {e}")]
         else:
-            blocks += [Heading(f"Runs ({len(runs)})"),
-                       table_block(runs[-30:], ["run_id", "kind", "started", "seconds"])]
+            blocks += [
+                Heading(f"Runs ({len(runs)})"),
+                table_block(runs[-30:], ["run_id", "kind", "started", "seconds"]),
+            ]
     return Section("summary", "Store summary", blocks)

@@ -29,6 +29,8 @@ def other_tables_section(ctx: ReportContext) -> Section | None:
             log.warning("report: table %s cannot be read (%s)", name, e)
             blocks += [Heading(f"{name}: {len(ctx.files[name])} runs"), Omitted(f"could not be read: {e}")]
             continue
-        blocks += [Heading(f"{name}: {t.num_rows} rows, {len(ctx.files[name])} runs"),
-                   table_block(t.slice(0, ctx.opts.preview_rows).to_pylist(), t.column_names)]
+        blocks += [
+            Heading(f"{name}: {t.num_rows} rows, {len(ctx.files[name])} runs"),
+            table_block(t.slice(0, ctx.opts.preview_rows).to_pylist(), t.column_names),
+        ]
     return Section("tables", "Other result tables", blocks)

@@ -59,13 +59,19 @@ def prompt_tokens(ctx: ReportContext, ids: list[int]) -> dict[int, list[str]]:
     wanted = [int(i) for i in ids]
     spans = {"char_start", "char_end"} <= set(ctx.columns("tokens")) and "text" in ctx.columns("examples")
     if spans:
-        rows = ctx.sql("SELECT t.example_id, list(t.token ORDER BY t.position) AS toks, "
-                       "list(t.char_start ORDER BY t.position) AS cs, list(t.char_end ORDER BY t.position) AS ce, "
-                       "any_value(e.text) AS text FROM tokens t JOIN examples e USING (example_id) "
-                       "WHERE list_contains(?, t.example_id) GROUP BY 1", [wanted]).to_pylist()
+        rows = ctx.sql(
+            "SELECT t.example_id, list(t.token ORDER BY t.position) AS toks, "
+            "list(t.char_start ORDER BY t.position) AS cs, list(t.char_end ORDER BY t.position) AS ce, "
+            "any_value(e.text) AS text FROM tokens t JOIN examples e USING (example_id) "
+            "WHERE list_contains(?, t.example_id) GROUP BY 1",
+            [wanted],
+        ).to_pylist()
     else:  # stores written before tokens carried character spans
-        rows = ctx.sql("SELECT example_id, list(token ORDER BY position) AS toks FROM tokens "
-                       "WHERE list_contains(?, example_id) GROUP BY 1", [wanted]).to_pylist()
+        rows = ctx.sql(
+            "SELECT example_id, list(token ORDER BY position) AS toks FROM tokens "
+            "WHERE list_contains(?, example_id) GROUP BY 1",
+            [wanted],
+        ).to_pylist()
     out: dict[int, list[str]] = {}
     for r in rows:
         text = r.get("text")
@@ -89,8 +95,10 @@ def prediction_probs(ctx: ReportContext, run: str, picked: list[dict[str, Any]])
     if not ctx.has("probe_predictions") or not run or not picked:
         return {}
     try:
-        t = ctx.store.table("probe_predictions", files=ctx.run_file("probe_predictions", run)
-                            or ctx.files["probe_predictions"])
+        t = ctx.store.table(
+            "probe_predictions",
+            files=ctx.run_file("probe_predictions", run) or ctx.files["probe_predictions"],
+        )
     except READ_ERRORS as e:  # the probabilities only annotate the examples: show them without
         log.warning("report: probe_predictions of run %s cannot be read (%s)", run, e)
         return {}
@@ -99,15 +107,19 @@ def prediction_probs(ctx: ReportContext, run: str, picked: list[dict[str, Any]])
     t = of_run(t, run)
     wanted = pa.array([int(r["example_id"]) for r in picked], type=t.schema.field("example_id").type)
     t = t.filter(pc.is_in(t.column("example_id"), value_set=wanted))
-    return {(r["seed"], r["episode"], r["example_id"]): float(r["prob"])
-            for r in t.select(["seed", "episode", "example_id", "prob"]).to_pylist()}
+    return {
+        (r["seed"], r["episode"], r["example_id"]): float(r["prob"])
+        for r in t.select(["seed", "episode", "example_id", "prob"]).to_pylist()
+    }
 
 
 def _example(r: dict[str, Any], words: list[str], has_pred: bool, probs: dict[Key, float]) -> TokenExample:
     scores = [float(x) for x in (r["scores"] or [])]
     lim = max((abs(x) for x in scores), default=0.0)
-    spans = [TokenSpan(words[j] if j < len(words) else f"<{j}>", token_colour(s, lim), f"{s:+.4f}")
-             for j, s in enumerate(scores)]
+    spans = [
+        TokenSpan(words[j] if j < len(words) else f"<{j}>", token_colour(s, lim), f"{s:+.4f}")
+        for j, s in enumerate(scores)
+    ]
     ok = has_pred and r["relation_id"] == r["predicted"]
     details = []
     if _key(r) in probs:
@@ -116,8 +128,14 @@ def _example(r: dict[str, Any], words: list[str], has_pred: bool, probs: dict[Ke
         details.append(f", centering {float(r['centering']):+.3f}")
     if r.get("head_score_total") is not None:
         details.append(f", total HeadScore {float(r['head_score_total']):+.3f}")
-    return TokenExample(r["example_id"], "correct" if ok else "error" if has_pred else "",
-                        r["relation_id"] if has_pred else None, r["predicted"] if has_pred else None, details, spans)
+    return TokenExample(
+        r["example_id"],
+        "correct" if ok else "error" if has_pred else "",
+        r["relation_id"] if has_pred else None,
+        r["predicted"] if has_pred else None,
+        details,
+        spans,
+    )
 
 
 def tokenscore_section(ctx: ReportContext) -> Section | None:
@@ -128,11 +146,14 @@ def tokenscore_section(ctx: ReportContext) -> Section | None:
     if miss:
         return Section("tokenscore", "TokenScore", [Note(f"token_scores lacks columns {miss}")])
     blocks: list[Block] = [
-        Note("TokenScore of each prompt token (summed over the probed layers): the contribution of that source "
-             "token's attention-head outputs to the predicted relation's logit contrast. Red pushes towards the "
-             "prediction, blue away from it; hover a token for its value. The centering term makes token "
-             "scores plus centering add up to the prediction's total HeadScore."),
-        TokenLegend(negative=f"rgba({NEGATIVE_RGB}, 0.85)", positive=f"rgba({POSITIVE_RGB}, 0.85)")]
+        Note(
+            "TokenScore of each prompt token (summed over the probed layers): the contribution of that source "
+            "token's attention-head outputs to the predicted relation's logit contrast. Red pushes towards the "
+            "prediction, blue away from it; hover a token for its value. The centering term makes token "
+            "scores plus centering add up to the prediction's total HeadScore."
+        ),
+        TokenLegend(negative=f"rgba({NEGATIVE_RGB}, 0.85)", positive=f"rgba({POSITIVE_RGB}, 0.85)"),
+    ]
     for run in ctx.latest_runs(t)[:1]:
         recs = of_run(t, run).to_pylist()
         has_pred = "relation_id" in t.column_names and "predicted" in t.column_names
@@ -143,7 +164,11 @@ def tokenscore_section(ctx: ReportContext) -> Section | None:
             continue
         toks = prompt_tokens(ctx, sorted({int(r["example_id"]) for r in picked}))
         probs = prediction_probs(ctx, run, picked)
-        blocks.append(Heading(f"{run_label(run)}: {len(errors)} errors and {len(correct)} correct predictions "
-                              f"with token scores; showing {len(picked)}"))
+        blocks.append(
+            Heading(
+                f"{run_label(run)}: {len(errors)} errors and {len(correct)} correct predictions "
+                f"with token scores; showing {len(picked)}"
+            )
+        )
         blocks += [_example(r, toks.get(int(r["example_id"]), []), has_pred, probs) for r in picked]
     return Section("tokenscore", "TokenScore over the prompt", blocks)

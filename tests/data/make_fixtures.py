@@ -52,8 +52,32 @@ def _dump_object(mapping: dict[str, Any]) -> str:
 
 FEWREL_SEED = 1307
 N_VALID = 12
-SYLLABLES = ("ka", "lo", "mer", "ti", "van", "or", "sel", "bru", "den", "as", "qui", "rho", "ne", "tam", "vi",
-             "gor", "el", "pa", "zun", "dri", "ho", "mel", "ost", "ra")
+SYLLABLES = (
+    "ka",
+    "lo",
+    "mer",
+    "ti",
+    "van",
+    "or",
+    "sel",
+    "bru",
+    "den",
+    "as",
+    "qui",
+    "rho",
+    "ne",
+    "tam",
+    "vi",
+    "gor",
+    "el",
+    "pa",
+    "zun",
+    "dri",
+    "ho",
+    "mel",
+    "ost",
+    "ra",
+)
 
 
 def _name(rng: random.Random, used: set[str], parts: int = 2) -> str:
@@ -69,64 +93,133 @@ def _name(rng: random.Random, used: set[str], parts: int = 2) -> str:
 # relation id -> (name, description, subject kind, object kind, subject-first templates, object-first template)
 # {s} and {o} mark the head and tail; {x} is a filler name, {y} a year.  Tokens are split on spaces.
 RELATIONS: dict[str, tuple[str, str, str, str, tuple[str, ...], str]] = {
-    "P177": ("crosses", "what a bridge or tunnel passes over or under (invented fixture text)", "bridge", "river",
-             ("The {s} crosses the {o} south of {x} .",
-              "Opened in {y} , the {s} spans the {o} .",
-              "{s} carries a railway over the {o} near {x} .",
-              "Engineers in {x} rebuilt the {s} over the {o} in {y} ."),
-             "The {o} is crossed by the {s} near {x} ."),
-    "P206": ("located in or next to body of water", "the lake, sea or river a place lies on (invented)", "town",
-             "lake",
-             ("{s} is a fishing town on the shore of {o} .",
-              "The harbour of {s} opens onto {o} .",
-              "In {y} the village of {s} , beside {o} , was flooded .",
-              "Ferries leave {s} every hour for the far side of {o} ."),
-             "On the east side of {o} lies the port of {s} ."),
-    "P641": ("sport", "the sport a person or team takes part in (invented)", "person", "sport",
-             ("{s} is a professional {o} player from {x} .",
-              "Born in {y} , {s} won three national titles in {o} .",
-              "After leaving school {s} took up {o} at {x} .",
-              "The coach of {s} says that {o} suits a patient mind ."),
-             "The {o} champion {s} retired in {y} ."),
-    "P26": ("spouse", "the person someone is married to (invented)", "person", "person",
-            ("{s} married {o} in {y} .",
-             "In {x} , {s} met {o} , whom she married a year later .",
-             "The writer {s} and her husband {o} lived in {x} .",
-             "{s} was widowed when {o} died in {y} ."),
-            "In {y} {o} , the wife of {s} , opened a school in {x} ."),
-    "P25": ("mother", "the female parent of a person (invented)", "person", "person",
-            ("{s} was the eldest son of {o} .",
-             "Raised in {x} , {s} was taught to read by his mother {o} .",
-             "According to the parish record , {s} was born in {y} to {o} .",
-             "{s} dedicated his first novel to {o} , his mother ."),
-            "In {y} {o} gave birth to {s} in {x} ."),
-    "P463": ("member of", "an organisation or club someone belongs to (invented)", "band", "org",
-             ("{s} joined the {o} in {y} .",
-              "Since {y} the band {s} has been a member of the {o} .",
-              "{s} was admitted to the {o} after a vote in {x} .",
-              "{s} left the {o} in a dispute over fees ."),
-             "The {o} counts {s} among its founders ."),
-    "P364": ("original language of film or TV show", "the language a film was first made in (invented)", "film",
-             "language",
-             ("{s} is a {y} drama film shot in {o} .",
-              "The comedy {s} was written and filmed in {o} .",
-              "Directed in {x} , {s} was released in {y} in {o} .",
-              "{s} , a thriller from {y} , was dubbed from {o} ."),
-             "Most {o} cinema of the decade , like {s} , was silent ."),
-    "P921": ("main subject", "the main topic of a written work (invented)", "book", "topic",
-             ("{s} is a short book about {o} .",
-              "Published in {y} , {s} studies {o} in the valleys of {x} .",
-              "The essay {s} argues that {o} shaped the town of {x} .",
-              "Critics praised {s} for its account of {o} ."),
-             "A history of {o} , {s} appeared in {y} ."),
+    "P177": (
+        "crosses",
+        "what a bridge or tunnel passes over or under (invented fixture text)",
+        "bridge",
+        "river",
+        (
+            "The {s} crosses the {o} south of {x} .",
+            "Opened in {y} , the {s} spans the {o} .",
+            "{s} carries a railway over the {o} near {x} .",
+            "Engineers in {x} rebuilt the {s} over the {o} in {y} .",
+        ),
+        "The {o} is crossed by the {s} near {x} .",
+    ),
+    "P206": (
+        "located in or next to body of water",
+        "the lake, sea or river a place lies on (invented)",
+        "town",
+        "lake",
+        (
+            "{s} is a fishing town on the shore of {o} .",
+            "The harbour of {s} opens onto {o} .",
+            "In {y} the village of {s} , beside {o} , was flooded .",
+            "Ferries leave {s} every hour for the far side of {o} .",
+        ),
+        "On the east side of {o} lies the port of {s} .",
+    ),
+    "P641": (
+        "sport",
+        "the sport a person or team takes part in (invented)",
+        "person",
+        "sport",
+        (
+            "{s} is a professional {o} player from {x} .",
+            "Born in {y} , {s} won three national titles in {o} .",
+            "After leaving school {s} took up {o} at {x} .",
+            "The coach of {s} says that {o} suits a patient mind .",
+        ),
+        "The {o} champion {s} retired in {y} .",
+    ),
+    "P26": (
+        "spouse",
+        "the person someone is married to (invented)",
+        "person",
+        "person",
+        (
+            "{s} married {o} in {y} .",
+            "In {x} , {s} met {o} , whom she married a year later .",
+            "The writer {s} and her husband {o} lived in {x} .",
+            "{s} was widowed when {o} died in {y} .",
+        ),
+        "In {y} {o} , the wife of {s} , opened a school in {x} .",
+    ),
+    "P25": (
+        "mother",
+        "the female parent of a person (invented)",
+        "person",
+        "person",
+        (
+            "{s} was the eldest son of {o} .",
+            "Raised in {x} , {s} was taught to read by his mother {o} .",
+            "According to the parish record , {s} was born in {y} to {o} .",
+            "{s} dedicated his first novel to {o} , his mother .",
+        ),
+        "In {y} {o} gave birth to {s} in {x} .",
+    ),
+    "P463": (
+        "member of",
+        "an organisation or club someone belongs to (invented)",
+        "band",
+        "org",
+        (
+            "{s} joined the {o} in {y} .",
+            "Since {y} the band {s} has been a member of the {o} .",
+            "{s} was admitted to the {o} after a vote in {x} .",
+            "{s} left the {o} in a dispute over fees .",
+        ),
+        "The {o} counts {s} among its founders .",
+    ),
+    "P364": (
+        "original language of film or TV show",
+        "the language a film was first made in (invented)",
+        "film",
+        "language",
+        (
+            "{s} is a {y} drama film shot in {o} .",
+            "The comedy {s} was written and filmed in {o} .",
+            "Directed in {x} , {s} was released in {y} in {o} .",
+            "{s} , a thriller from {y} , was dubbed from {o} .",
+        ),
+        "Most {o} cinema of the decade , like {s} , was silent .",
+    ),
+    "P921": (
+        "main subject",
+        "the main topic of a written work (invented)",
+        "book",
+        "topic",
+        (
+            "{s} is a short book about {o} .",
+            "Published in {y} , {s} studies {o} in the valleys of {x} .",
+            "The essay {s} argues that {o} shaped the town of {x} .",
+            "Critics praised {s} for its account of {o} .",
+        ),
+        "A history of {o} , {s} appeared in {y} .",
+    ),
 }
 OBJECT_POOL = {"river": 6, "lake": 4, "sport": 3, "person": 12, "org": 5, "language": 3, "topic": 7}
 SPORTS = ("hurling", "rowing", "fencing")
-TOPICS = ("salt trade", "river fishing", "glass making", "the copper mines", "village dialects", "sheep farming",
-          "the old railway")
+TOPICS = (
+    "salt trade",
+    "river fishing",
+    "glass making",
+    "the copper mines",
+    "village dialects",
+    "sheep farming",
+    "the old railway",
+)
 # Share of each relation's well-formed instances whose subject and object are both in the CoDEx fixture.
-KG_SHARE = {"P177": 0.5, "P206": 0.25, "P641": 0.0, "P26": 0.75, "P25": 0.5, "P463": 0.33, "P364": 0.25,
-            "P921": 0.6}
+KG_SHARE = {
+    "P177": 0.5,
+    "P206": 0.25,
+    "P641": 0.0,
+    "P26": 0.75,
+    "P25": 0.5,
+    "P463": 0.33,
+    "P364": 0.25,
+    "P921": 0.6,
+}
 KG_PROPERTIES = ("P17", "P31", "P131", "P27", "P495", "P106", "P361", "P1412", "P136", "P279")
 
 
@@ -180,7 +273,9 @@ def _objects(ents: _Entities, kind: str) -> list[str]:
     return [ents.make(kind) for _ in range(OBJECT_POOL[kind])]
 
 
-def _fill(template: str, s: str, o: str, rng: random.Random, ents: _Entities) -> tuple[list[str], list[int], list[int]]:
+def _fill(
+    template: str, s: str, o: str, rng: random.Random, ents: _Entities
+) -> tuple[list[str], list[int], list[int]]:
     """Tokens of the filled template and the token indices of the head and the tail."""
     tokens: list[str] = []
     head: list[int] = []
@@ -201,7 +296,9 @@ def _fill(template: str, s: str, o: str, rng: random.Random, ents: _Entities) ->
     return tokens, head, tail
 
 
-def _instance(tokens: list[str], s: str, o: str, ents: _Entities, head: list[int], tail: list[int]) -> dict[str, Any]:
+def _instance(
+    tokens: list[str], s: str, o: str, ents: _Entities, head: list[int], tail: list[int]
+) -> dict[str, Any]:
     return {"tokens": tokens, "h": [s.lower(), ents.qid[s], [head]], "t": [o.lower(), ents.qid[o], [tail]]}
 
 
@@ -223,8 +320,9 @@ def _odd_instance(which: str, s: str, o: str, ents: _Entities) -> dict[str, Any]
     raise ValueError(which)
 
 
-def fewrel_instances(rng: random.Random, ents: _Entities) -> tuple[dict[str, list[dict[str, Any]]],
-                                                                    dict[str, list[tuple[str, str]]]]:
+def fewrel_instances(
+    rng: random.Random, ents: _Entities
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[tuple[str, str]]]]:
     """The FewRel fixture and, per relation, its well-formed (subject, object) pairs in file order."""
     odd = ("malformed", "invalid_span", "empty_prompt", "subject_not_in_prompt")
     data: dict[str, list[dict[str, Any]]] = {}
@@ -257,8 +355,9 @@ def fewrel_instances(rng: random.Random, ents: _Entities) -> tuple[dict[str, lis
     return data, pairs
 
 
-def codex_triples(rng: random.Random, ents: _Entities,
-                  pairs: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str, str]]:
+def codex_triples(
+    rng: random.Random, ents: _Entities, pairs: dict[str, list[tuple[str, str]]]
+) -> list[tuple[str, str, str]]:
     """Triples about the FewRel fixture's entities (a share KG_SHARE of each relation's pairs
     covered) plus other invented entities."""
     q = ents.qid
@@ -295,8 +394,10 @@ def write_fewrel_and_codex(root: Path = HERE) -> None:
     rng = random.Random(FEWREL_SEED)
     ents = _Entities(rng)
     data, pairs = fewrel_instances(rng, ents)
-    body = ",\n".join(f"{_dump(pid)}: [\n" + ",\n".join(" " + _dump(i) for i in insts) + "\n]"
-                      for pid, insts in data.items())
+    body = ",\n".join(
+        f"{_dump(pid)}: [\n" + ",\n".join(" " + _dump(i) for i in insts) + "\n]"
+        for pid, insts in data.items()
+    )
     _write_text(root / "fewrel" / "val_wiki.json", "{\n" + body + "\n}\n")
     names = {pid: [v[0], v[1]] for pid, v in RELATIONS.items()}
     names["P9999"] = ["unused fixture relation", "listed in pid2name.json but absent from val_wiki.json"]
@@ -304,19 +405,29 @@ def write_fewrel_and_codex(root: Path = HERE) -> None:
 
     triples = codex_triples(rng, ents, pairs)
     n = len(triples)
-    splits = {"train": triples[: n * 8 // 10], "valid": triples[n * 8 // 10: n * 9 // 10],
-              "test": triples[n * 9 // 10:]}
+    splits = {
+        "train": triples[: n * 8 // 10],
+        "valid": triples[n * 8 // 10 : n * 9 // 10],
+        "test": triples[n * 9 // 10 :],
+    }
     for split, rows in splits.items():
         _write_text(root / "codex_m" / f"{split}.txt", "".join(f"{h}\t{p}\t{t}\n" for h, p, t in rows))
     by_qid = {qid: name for name, qid in ents.qid.items()}
     kinds = sorted(set(ents.kind.values()))
     type_qid = {k: f"Q{9190001 + i}" for i, k in enumerate(kinds)}
     in_graph = sorted({e for h, _, t in triples for e in (h, t)}, key=lambda x: int(x[1:]))
-    _write_text(root / "codex_m" / "entity2types.json",
-                _dump_object({e: [type_qid[ents.kind[by_qid[e]]]] for e in in_graph}))
+    _write_text(
+        root / "codex_m" / "entity2types.json",
+        _dump_object({e: [type_qid[ents.kind[by_qid[e]]]] for e in in_graph}),
+    )
     props = sorted({p for _, p, _ in triples}, key=lambda x: int(x[1:]))
-    labels = {p: {"label": RELATIONS[p][0] if p in RELATIONS else f"fixture property {p}",
-                  "description": "invented fixture label"} for p in props}
+    labels = {
+        p: {
+            "label": RELATIONS[p][0] if p in RELATIONS else f"fixture property {p}",
+            "description": "invented fixture label",
+        }
+        for p in props
+    }
     _write_text(root / "codex_m" / "relations_en.json", _dump_object(labels))
 
 
@@ -336,13 +447,25 @@ def _write_json(path: Path, value: Any) -> None:
 # space (the loader cleans both).  One blank subject exercises the ``empty_subject`` skip.
 
 
-def _lre(name: str, templates: list[str], zero_shot: list[str], kind: str, domain: str, range_: str,
-         samples: list[tuple[str, str]]) -> dict[str, Any]:
+def _lre(
+    name: str,
+    templates: list[str],
+    zero_shot: list[str],
+    kind: str,
+    domain: str,
+    range_: str,
+    samples: list[tuple[str, str]],
+) -> dict[str, Any]:
     return {
         "name": name,
         "prompt_templates": templates,
         "prompt_templates_zs": zero_shot,
-        "properties": {"relation_type": kind, "domain_name": domain, "range_name": range_, "symmetric": False},
+        "properties": {
+            "relation_type": kind,
+            "domain_name": domain,
+            "range_name": range_,
+            "symmetric": False,
+        },
         "samples": [{"subject": s, "object": o} for s, o in samples],
     }
 
@@ -352,37 +475,57 @@ LRE_RELATIONS: dict[str, dict[str, Any]] = {
         "country capital city",
         ["The seat of government of {} is in", "Officials of {} meet in the city of"],
         ["The seat of government of {} is the city of"],
-        "factual", "country", "city",
-        [("Ostravia", "Brn\\u00edk"), ("Velmaria ", "Port Sella"), ("Kaldun", "Kaldun City"),
-         ("Norvessa", "Tirelle"), ("Amberlund", "Ostmark"), ("Quellara", "Vigo Alta")],
+        "factual",
+        "country",
+        "city",
+        [
+            ("Ostravia", "Brn\\u00edk"),
+            ("Velmaria ", "Port Sella"),
+            ("Kaldun", "Kaldun City"),
+            ("Norvessa", "Tirelle"),
+            ("Amberlund", "Ostmark"),
+            ("Quellara", "Vigo Alta"),
+        ],
     ),
     "factual/person_occupation": _lre(
         "person occupation",
         ["Day to day, {} earns a living as a"],
         ["In the job register, {} is listed as a"],
-        "factual", "person", "occupation",
-        [("Idris Pallow", "carpenter"), ("Mena Okafri", "nurse"), ("Tobiah Crane", "pilot"),
-         ("Selka Varn", "chemist")],
+        "factual",
+        "person",
+        "occupation",
+        [
+            ("Idris Pallow", "carpenter"),
+            ("Mena Okafri", "nurse"),
+            ("Tobiah Crane", "pilot"),
+            ("Selka Varn", "chemist"),
+        ],
     ),
     "linguistic/adj_antonym": _lre(
         "adjective antonym",
         ["Turn {} around and you get"],
         ["What is the opposite of {}? It is"],
-        "linguistic", "adjective", "adjective",
+        "linguistic",
+        "adjective",
+        "adjective",
         [("hot", "cold"), ("tall", "short"), ("early", "late"), ("open", "closed"), ("light", "dark")],
     ),
     "commonsense/fruit_inside_color": _lre(
         "fruit inside color",
         ["Sliced in half, {} show a flesh that is", "Cut open, {} are coloured"],
         ["What colour is the inside of {}? It is"],
-        "commonsense", "fruit", "color",
+        "commonsense",
+        "fruit",
+        "color",
         [("glimberries", "purple"), ("sunplums", "orange"), ("frostmelons", "white")],
     ),
     "bias/name_birthplace": _lre(
         "name birthplace",
         ["The birth record of {} names the country"],
         ["Where was {} most likely born? In"],
-        "bias", "name", "country",
+        "bias",
+        "name",
+        "country",
         [("Arvo", "Norvessa"), ("Lintu", "Norvessa"), (" ", "Ostravia"), ("Caio", "Velmaria")],
     ),
 }
@@ -431,8 +574,17 @@ def known_1000_rows() -> list[dict[str, Any]]:
     rows = []
     for i, (rel, subject, attribute, template, suffix) in enumerate(KNOWN_FACTS):
         prompt = template.format(subject.lower() if i == KNOWN_NOT_IN_PROMPT else subject) + suffix
-        rows.append({"known_id": i, "subject": subject, "attribute": attribute, "template": template,
-                     "prediction": f" {attribute}, as the fixture says", "prompt": prompt, "relation_id": rel})
+        rows.append(
+            {
+                "known_id": i,
+                "subject": subject,
+                "attribute": attribute,
+                "template": template,
+                "prediction": f" {attribute}, as the fixture says",
+                "prompt": prompt,
+                "relation_id": rel,
+            }
+        )
     return rows
 
 
@@ -451,32 +603,95 @@ def write_known_1000(root: Path = HERE) -> None:
 
 MAPS_RELATIONS: dict[str, list[tuple[str, str]]] = {
     "country_to_capital_wikidata": [
-        ("Ostravia", "Brnik"), ("Velmaria", "Port Sella"), ("Kaldun", "Kaldun City"), ("Norvessa", "Tirelle"),
-        ("Amberlund", "Ostmark"), ("Quellara", "Vigo Alta"), ("Sarnovia", "Sarnov"), ("Drennic", "Lake Town"),
-        ("Pellador", "Pellador"), ("Harrowmere", "Greyfort"), ("Isolde Isles", "Marrow Bay"),
-        ("Tiberan", "Tiber Falls"), ("Vossland", "Vossburg"), ("Corvath", "New Arden"), ("Elvar", "Elvar"),
+        ("Ostravia", "Brnik"),
+        ("Velmaria", "Port Sella"),
+        ("Kaldun", "Kaldun City"),
+        ("Norvessa", "Tirelle"),
+        ("Amberlund", "Ostmark"),
+        ("Quellara", "Vigo Alta"),
+        ("Sarnovia", "Sarnov"),
+        ("Drennic", "Lake Town"),
+        ("Pellador", "Pellador"),
+        ("Harrowmere", "Greyfort"),
+        ("Isolde Isles", "Marrow Bay"),
+        ("Tiberan", "Tiber Falls"),
+        ("Vossland", "Vossburg"),
+        ("Corvath", "New Arden"),
+        ("Elvar", "Elvar"),
         ("Omburu", "Kessa"),
     ],
     "adj_antonym": [
-        ("hot", "cold"), ("young", "old"), ("tall", "short"), ("deep", "shallow"), ("early", "late"),
-        ("open", "closed"), ("wild", "tame"), ("light", "dark"), ("wet", "dry"), ("polite", "rude"),
-        ("loud", "quiet"), ("rich", "poor"), ("thick", "thin"), ("happy", "sad"),
+        ("hot", "cold"),
+        ("young", "old"),
+        ("tall", "short"),
+        ("deep", "shallow"),
+        ("early", "late"),
+        ("open", "closed"),
+        ("wild", "tame"),
+        ("light", "dark"),
+        ("wet", "dry"),
+        ("polite", "rude"),
+        ("loud", "quiet"),
+        ("rich", "poor"),
+        ("thick", "thin"),
+        ("happy", "sad"),
     ],
     "adj_comparative": [
-        ("big", "bigger"), ("small", "smaller"), ("warm", "warmer"), ("strong", "stronger"),
-        ("bright", "brighter"), ("long", "longer"), ("green", "greener"), ("deep", "deeper"),
-        ("calm", "calmer"), ("kind", "kinder"), ("wide", "wider"), ("sharp", "sharper"),
+        ("big", "bigger"),
+        ("small", "smaller"),
+        ("warm", "warmer"),
+        ("strong", "stronger"),
+        ("bright", "brighter"),
+        ("long", "longer"),
+        ("green", "greener"),
+        ("deep", "deeper"),
+        ("calm", "calmer"),
+        ("kind", "kinder"),
+        ("wide", "wider"),
+        ("sharp", "sharper"),
     ],
     "verb_past_tense": [
-        ("walk", "walked"), ("run", "ran"), ("swim", "swam"), ("write", "wrote"), ("build", "built"),
-        ("sing", "sang"), ("jump", "jumped"), ("think", "thought"), ("bring", "brought"), ("carry", "carried"),
-        ("teach", "taught"), ("fly", "flew"),
+        ("walk", "walked"),
+        ("run", "ran"),
+        ("swim", "swam"),
+        ("write", "wrote"),
+        ("build", "built"),
+        ("sing", "sang"),
+        ("jump", "jumped"),
+        ("think", "thought"),
+        ("bring", "brought"),
+        ("carry", "carried"),
+        ("teach", "taught"),
+        ("fly", "flew"),
     ],
-    "name_copying": [(n, n) for n in ("Arvo", "Lintu", "Caio", "Odile", "Margit", "Pekka", "Ilse", "Tobiah",
-                                      "Selka", "Idris", "Mena", "Henri")],
+    "name_copying": [
+        (n, n)
+        for n in (
+            "Arvo",
+            "Lintu",
+            "Caio",
+            "Odile",
+            "Margit",
+            "Pekka",
+            "Ilse",
+            "Tobiah",
+            "Selka",
+            "Idris",
+            "Mena",
+            "Henri",
+        )
+    ],
     "english_to_french": [
-        ("bread", "pain"), ("house", "maison"), ("river", "rivi\u00e8re"), ("apple", "pomme"), ("book", "livre"),
-        ("moon", "lune"), ("tree", "arbre"), ("sea", "mer"), ("window", "fen\u00eatre"), ("key", "cl\u00e9"),
+        ("bread", "pain"),
+        ("house", "maison"),
+        ("river", "rivi\u00e8re"),
+        ("apple", "pomme"),
+        ("book", "livre"),
+        ("moon", "lune"),
+        ("tree", "arbre"),
+        ("sea", "mer"),
+        ("window", "fen\u00eatre"),
+        ("key", "cl\u00e9"),
     ],
     "year_to_following": [("1901", "1902"), ("1957", "1958"), ("2033", "2034")],
 }
@@ -487,8 +702,10 @@ def write_maps(root: Path = HERE) -> None:
     for rel, pairs in MAPS_RELATIONS.items():
         folder = root / "maps" / "datasets" / rel
         _write_json(folder / f"{rel}.json", [list(p) for p in pairs])
-        _write_text(folder / "data_source.txt",
-                    "Invented for actstore's tests by tests/data/make_fixtures.py (write_maps).\n")
+        _write_text(
+            folder / "data_source.txt",
+            "Invented for actstore's tests by tests/data/make_fixtures.py (write_maps).\n",
+        )
 
 
 # =========================================================================== methods2k sources
@@ -501,25 +718,63 @@ def write_maps(root: Path = HERE) -> None:
 
 M2K_LRE: dict[str, dict[str, Any]] = {
     "region_river": _lre(
-        "region river", ["The main river of {} is the"], ["Which river crosses {}? The"], "factual", "region", "river",
-        [("Ostravia", "Velta"), ("Ostravia", "Morn"), ("Kaldun", "Velta"), ("Norvessa", "Sarn"),
-         ("Amberlund", "Tiber"), ("Quellara", "Velta"), ("Pellador", "Morn"), ("Pellador", "Drisk"),
-         ("Harrowmere", "Drisk")],
+        "region river",
+        ["The main river of {} is the"],
+        ["Which river crosses {}? The"],
+        "factual",
+        "region",
+        "river",
+        [
+            ("Ostravia", "Velta"),
+            ("Ostravia", "Morn"),
+            ("Kaldun", "Velta"),
+            ("Norvessa", "Sarn"),
+            ("Amberlund", "Tiber"),
+            ("Quellara", "Velta"),
+            ("Pellador", "Morn"),
+            ("Pellador", "Drisk"),
+            ("Harrowmere", "Drisk"),
+        ],
     ),
     "guild_founder": _lre(
-        "guild founder", ["The guild {} was founded by"], ["Who founded {}?"], "factual", "guild", "person",
-        [("Brass Lantern", "Tavi Orsel"), ("Quiet Oar", "Mena Okafri"), ("Salt Anvil", "Idris Pallow"),
-         ("Grey Heron", "Selka Varn"), ("Iron Thimble", "Tavi Orsel")],
+        "guild founder",
+        ["The guild {} was founded by"],
+        ["Who founded {}?"],
+        "factual",
+        "guild",
+        "person",
+        [
+            ("Brass Lantern", "Tavi Orsel"),
+            ("Quiet Oar", "Mena Okafri"),
+            ("Salt Anvil", "Idris Pallow"),
+            ("Grey Heron", "Selka Varn"),
+            ("Iron Thimble", "Tavi Orsel"),
+        ],
     ),
 }
 M2K_KNOWN: list[tuple[str, str, str]] = [  # relation, subject, attribute
-    ("P9001", "Lake Omburu", "Kessa"), ("P9001", "Sarn Glacier", "Brnik"), ("P9001", "Velm", "Kessa"),
+    ("P9001", "Lake Omburu", "Kessa"),
+    ("P9001", "Sarn Glacier", "Brnik"),
+    ("P9001", "Velm", "Kessa"),
     ("P9001", "Tiberan Highlands", "Port Sella"),
 ]
 M2K_ZIPF: dict[str, float] = {
-    "Ostravia": 3.1, "Kaldun": 1.2, "Norvessa": 2.0, "Amberlund": 2.0, "Quellara": 0.0, "Pellador": 4.4,
-    "Harrowmere": 2.0, "Brass Lantern": 2.5, "Quiet Oar": 1.0, "Salt Anvil": 3.3, "Grey Heron": 4.0,
-    "Iron Thimble": 0.5, "Lake Omburu": 1.5, "Sarn Glacier": 0.0, "Velm": 2.2, "Tiberan Highlands": 0.4,
+    "Ostravia": 3.1,
+    "Kaldun": 1.2,
+    "Norvessa": 2.0,
+    "Amberlund": 2.0,
+    "Quellara": 0.0,
+    "Pellador": 4.4,
+    "Harrowmere": 2.0,
+    "Brass Lantern": 2.5,
+    "Quiet Oar": 1.0,
+    "Salt Anvil": 3.3,
+    "Grey Heron": 4.0,
+    "Iron Thimble": 0.5,
+    "Lake Omburu": 1.5,
+    "Sarn Glacier": 0.0,
+    "Velm": 2.2,
+    "Tiberan Highlands": 0.4,
 }
 
 
@@ -528,10 +783,21 @@ def write_methods2k(root: Path = HERE) -> None:
     folder = root / "methods2k"
     for rel, data in M2K_LRE.items():
         _write_json(folder / "lre" / "factual" / f"{rel}.json", data)
-    _write_json(folder / "known_1000.json", [
-        {"known_id": i, "subject": s, "attribute": o, "template": "{} drains into the sea near",
-         "prediction": f" {o}, as the fixture says", "prompt": f"{s} drains into the sea near", "relation_id": r}
-        for i, (r, s, o) in enumerate(M2K_KNOWN)])
+    _write_json(
+        folder / "known_1000.json",
+        [
+            {
+                "known_id": i,
+                "subject": s,
+                "attribute": o,
+                "template": "{} drains into the sea near",
+                "prediction": f" {o}, as the fixture says",
+                "prompt": f"{s} drains into the sea near",
+                "relation_id": r,
+            }
+            for i, (r, s, o) in enumerate(M2K_KNOWN)
+        ],
+    )
     _write_json(folder / "zipf.json", M2K_ZIPF)
 
 

@@ -1,0 +1,214 @@
+"""The method comparison's tuned lens (issue 18): trained with Adam on the KL by default, the ridge fit
+an option, in ``actstore agree`` and the study's readings alike; checked against a lens trained here by
+calling ``train_tuned_lens`` directly on the facts not compared, read from the store independently."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from actstore.query.lens import FinalReadout, LensError, TunedLens
+from actstore.query.method_metrics import study_readings
+from actstore.query.methods import (
+    MethodReading,
+    StoredOutputs,
+    lens_reading,
+    stored_outputs,
+    tuned_lens_reading,
+)
+from actstore.query.tuned_lens import TrainConfig, train_tuned_lens
+from click.testing import CliRunner
+from helpers import KNOWN_STORE_KW
+
+import actstore
+from actstore.core.errors import ActstoreError
+from actstore.jobs.compare import AgreeConfig
+
+STORE_KW = {**KNOWN_STORE_KW, "limit": 6}  # a store of this module's own (it adds a trace run)
+CFG = TrainConfig(steps=12, batch=4, seed=3)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def traced(store_factory: Callable[..., Path]) -> tuple[str, str]:
+    """(store path, trace run id) of 3 traced facts."""
+    from actstore.cli import main
+
+    path = str(store_factory("llama", **STORE_KW))
+    res = CliRunner().invoke(
+        main,
+        [
+            "trace",
+            "--model",
+            "tiny-llama",
+            path,
+            "--quiet",
+            "--all-facts",
+            "--limit",
+            "3",
+            "--samples",
+            "1",
+            "--window",
+            "2",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    return path, json.loads(res.stdout)["run_id"]
+
+
+def _direct(store: Any, compared: np.ndarray, method: str) -> tuple[TunedLens, int]:
+    """A lens fit here on every fact with an object token that is not compared, its residuals read
+    through ``store.select`` (not the library's ``stored_residuals``)."""
+    ids = np.asarray(
+        store.sql("SELECT example_id FROM targets WHERE object_token_id >= 0 ORDER BY 1")
+        .column("example_id")
+        .to_pylist(),
+        dtype=np.int64,
+    )
+    train = ids[~np.isin(ids, compared)]
+    sel = store.select(f"example_id IN ({', '.join(str(int(i)) for i in train)})")
+    assert np.array_equal(sel.example_ids, train)
+    resid = sel.features("resid")
+    if method == "ridge":
+        return TunedLens.fit_ridge(resid, seed=CFG.seed), train.size
+    return train_tuned_lens(FinalReadout.from_store(store), resid, replace(CFG, optimizer=method)), train.size
+
+
+def _same(a: MethodReading, b: MethodReading) -> None:
+    np.testing.assert_allclose(a.profile, b.profile, rtol=1e-5, atol=1e-7)
+    assert np.array_equal(a.key_layer, b.key_layer) and list(a.verdict) == list(b.verdict)
+
+
+def _outputs(store: Any, run: str) -> StoredOutputs:
+    ids = store.sql("SELECT DISTINCT example_id FROM trace_effects WHERE run_id = ? ORDER BY 1", [run])
+    return stored_outputs(store, ids.column("example_id").to_numpy())
+
+
+@pytest.mark.parametrize("method", ["adam", "sgd"])
+def test_comparison_lens_equals_a_lens_trained_directly(traced: tuple[str, str], method: str) -> None:
+    path, run = traced
+    store = actstore.open(path)
+    out = _outputs(store, run)
+    got = tuned_lens_reading(store, out, method, CFG)
+    lens, n_train = _direct(store, out.example_ids, method)
+    _same(got, lens_reading(store, out, lens))
+    assert (
+        got.method == "tuned_lens"
+        and got.info["method"] == method
+        and got.info["label"] == f"tuned lens ({method})"
+    )
+    assert got.info["train_facts"] == n_train >= 5
+    assert (
+        got.info["config"]["steps"] == 12
+        and got.info["config"]["batch"] == 4
+        and got.info["config"]["seed"] == 3
+    )
+    # the training moved the translators: the reading is not the logit lens's
+    assert not np.allclose(got.profile, lens_reading(store, out).profile, atol=1e-6)
+
+
+def test_ridge_is_reachable_and_differs(traced: tuple[str, str]) -> None:
+    path, run = traced
+    store = actstore.open(path)
+    out = _outputs(store, run)
+    ridge = tuned_lens_reading(store, out, "ridge", CFG)
+    lens, _ = _direct(store, out.example_ids, "ridge")
+    _same(ridge, lens_reading(store, out, lens))
+    assert ridge.info["method"] == "ridge" and ridge.info["config"]["alphas"] == lens.alphas
+    adam = tuned_lens_reading(store, out, "adam", CFG)
+    assert not np.allclose(ridge.profile, adam.profile, atol=1e-6)
+
+
+def test_study_readings_and_agree_read_the_same_trained_lens(traced: tuple[str, str]) -> None:
+    from actstore.cli import main
+
+    path, run = traced
+    store = actstore.open(path)
+    out = _outputs(store, run)
+    lens, n_train = _direct(store, out.example_ids, "adam")
+    want = lens_reading(store, out, lens)
+    got = study_readings(store, ["trace", "tuned_lens"], [run], tuned="adam", tuned_config=CFG)
+    _same(got["tuned_lens"], want)
+    assert got["tuned_lens"].info["train_facts"] == n_train
+    # the command line: --tuned adam with --tuned-steps / --tuned-batch / --seed, recorded with the run
+    res = CliRunner().invoke(
+        main,
+        [
+            "agree",
+            path,
+            "--run",
+            run,
+            "--methods",
+            "trace,tuned_lens",
+            "--quiet",
+            "--json",
+            "--tuned",
+            "adam",
+            "--tuned-steps",
+            "12",
+            "--tuned-batch",
+            "4",
+            "--seed",
+            "3",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["tuned_lens"]["method"] == "adam" and r["tuned_lens"]["train_facts"] == n_train
+    assert (r["tuned_lens"]["config"]["steps"], r["tuned_lens"]["config"]["batch"]) == (12, 4)
+    t = store.sql(
+        "SELECT example_id, key_layer, verdict FROM method_readings WHERE run_id = ? "
+        "AND method = 'tuned_lens' ORDER BY example_id",
+        [r["run_id"]],
+    ).to_pydict()
+    assert t["example_id"] == out.example_ids.tolist()
+    assert t["key_layer"] == want.key_layer.tolist() and t["verdict"] == list(want.verdict)
+    cfg = json.loads(
+        store.sql("SELECT config FROM runs WHERE run_id = ?", [r["run_id"]]).column("config")[0].as_py()
+    )
+    assert cfg["tuned_lens"]["method"] == "adam" and cfg["tuned_lens"]["config"]["batch"] == 4
+    # the table names the lens with its rule
+    text = CliRunner().invoke(
+        main,
+        [
+            "agree",
+            path,
+            "--run",
+            run,
+            "--methods",
+            "trace,tuned_lens",
+            "--quiet",
+            "--no-save",
+            "--tuned",
+            "ridge",
+        ],
+    )
+    assert text.exit_code == 0, text.output
+    assert "trace vs tuned lens (ridge)" in text.stdout and "tuned lens (adam)" not in text.stdout
+
+
+def test_a_wrong_method_name_is_one_clear_error(traced: tuple[str, str]) -> None:
+    from actstore.cli import main
+
+    path, run = traced
+    store = actstore.open(path)
+    out = _outputs(store, run)
+    for call in (
+        lambda: tuned_lens_reading(store, out, "adamw"),
+        lambda: AgreeConfig(tuned="adamw").check(),
+        lambda: study_readings(store, ["trace", "tuned_lens"], [run], tuned="adamw"),
+    ):
+        with pytest.raises(LensError, match="unknown tuned-lens method 'adamw'") as e:
+            call()
+        assert isinstance(e.value, ActstoreError)
+    res = CliRunner().invoke(main, ["agree", path, "--tuned", "adamw"])
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tuned" in lines[0] and "adamw" in lines[0]

@@ -1,0 +1,271 @@
+"""The method study's checkpoints (benchmarks/methods_study.py ``checkpoint`` and ``restore``): a
+study's runs leave a store as numbers and run records only, and come back into a store ingested
+from the same data byte for byte equal as tables, text columns included; a resumed study goes on
+from them as the original would; a wrong store is refused with one line and left as it was."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from actstore.ingest.datasets.methods2k import build_methods2k
+from helpers import FIXTURES, build_store
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+M2K = FIXTURES / "methods2k"
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import methods_study  # noqa: E402
+
+COMMON = [
+    "--all-facts",
+    "--chunk",
+    "2",
+    "--samples",
+    "2",
+    "--window",
+    "2",
+    "--methods",
+    "trace,patch",
+    "--modes",
+    "knockout",
+    "--random-draws",
+    "1",
+    "--resamples",
+    "20",
+]
+
+
+def _store(root: Path, name: str, *, size: int = 18, arch: str = "llama") -> Path:
+    data = root / f"m2k-{size}"
+    if not data.exists():
+        build_methods2k(
+            M2K / "lre" / "factual",
+            M2K / "known_1000.json",
+            data,
+            size=size,
+            frequency=json.loads((M2K / "zipf.json").read_text()),
+        )
+    return build_store(root / name, arch, dataset=f"methods2k:{data}", limit=100)
+
+
+def _files(store: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(store)): p.read_bytes()
+        for p in sorted((store / "tables").rglob("*"))
+        if p.is_file()
+    }
+
+
+def _run_tables(s: Any, state: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    out = {}
+    for kind, rid in methods_study._study_runs(state):
+        for name in (*methods_study.CHECKPOINT_TABLES[kind], "runs"):
+            out[(name, rid)] = s.table(name, files=[f"tables/{name}/{rid}.parquet"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def studied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A store with a 4-fact study (2 trace runs, 1 patch run, knock-out effects) and its checkpoint."""
+    root = tmp_path_factory.mktemp("ck")
+    a = _store(root, "a")
+    state = root / "a.json"
+    assert methods_study.main(["study", str(a), "--state", str(state), "--max-facts", "4", *COMMON]) == 0
+    assert methods_study.main(["checkpoint", str(a), "--state", str(state), "--out", str(root / "ck")]) == 0
+    return root, a, state
+
+
+def test_checkpoint_holds_no_text_of_the_data_set(studied: tuple[Path, Path, Path]) -> None:
+    import actstore
+
+    root, a, _ = studied
+    s = actstore.open(str(a))
+    text = set(
+        s.sql(
+            "SELECT subject AS x FROM examples UNION SELECT object FROM examples UNION "
+            "SELECT relation_id FROM examples UNION SELECT token FROM tokens"
+        )
+        .column("x")
+        .to_pylist()
+    )
+    text = {t for t in text if t and len(t.strip()) >= 3}
+    assert len(text) > 30
+    seen = 0
+    files = sorted((root / "ck").rglob("*.parquet"))
+    assert {f.parent.name for f in files} == {
+        "ck",
+        "runs",
+        "trace_effects",
+        "trace_facts",
+        "patch_effects",
+        "patch_pairs",
+        "site_effects",
+    }
+    for f in files:
+        t = pq.read_table(f)
+        for col in t.column_names:
+            if t.schema.field(col).type == "string":
+                values = set(t.column(col).to_pylist())
+                seen += len(values)
+                assert not values & text, (f.name, col, sorted(values & text)[:3])
+    assert seen > 0
+    ids = pq.read_table(root / "ck" / "facts.parquet").column("example_id").to_pylist()
+    assert ids == sorted(ids) and len(ids) >= 4  # in example order: a rewrite gives the same bytes
+    assert not any(x in (root / "ck" / "checkpoint.json").read_text() for x in text if len(x) >= 6)
+    # and the text columns are really gone from the result tables
+    for f in files:
+        names = set(pq.read_schema(f).names)
+        assert not names & {"token", "subject", "object", "relation_id", "counterfactual_object"}, f
+        assert f.parent.name in ("ck", "runs") or "run_id" in names
+
+
+def test_restore_gives_back_equal_tables_and_a_study_that_resumes(
+    studied: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    import actstore
+
+    root, a, state_a = studied
+    b = _store(tmp_path, "b")
+    state_b = tmp_path / "b.json"
+    assert methods_study.main(["restore", str(b), "--from", str(root / "ck"), "--state", str(state_b)]) == 0
+    st_a, st_b = json.loads(state_a.read_text()), json.loads(state_b.read_text())
+    assert st_b == {k: v for k, v in st_a.items() if not k.startswith("metrics_")}
+    assert len(st_b["trace_runs"]) == 2 and len(st_b["patch_runs"]) == 1 and st_b["effects_knockout_run"]
+    sa, sb = actstore.open(str(a)), actstore.open(str(b))
+    ta, tb = _run_tables(sa, st_a), _run_tables(sb, st_b)
+    assert ta.keys() == tb.keys() and len(ta) == 2 * 3 + 3 + 2
+    for key, t in ta.items():
+        assert tb[key].equals(t), key  # schema, column order, row order and every value, text included
+    assert tb[("trace_effects", st_a["trace_runs"][0])].column("token").null_count == 0
+    # the restored store answers SQL over the runs as the original does
+    q = "SELECT example_id, component, layer, position, token, prob FROM trace_effects ORDER BY ALL"
+    assert sb.sql(q).equals(sa.sql(q))
+    # a resumed study goes on from the restored state as it goes on from the original one
+    for store, state in ((a, state_a), (b, state_b)):
+        assert (
+            methods_study.main(["study", str(store), "--state", str(state), "--max-facts", "6", *COMMON]) == 0
+        )
+    st_a, st_b = json.loads(state_a.read_text()), json.loads(state_b.read_text())
+    assert st_a["traced"] == st_b["traced"] and len(st_b["traced"]) == 6 and len(st_b["trace_runs"]) == 3
+    new_a, new_b = st_a["trace_runs"][-1], st_b["trace_runs"][-1]
+    assert new_a != new_b
+    for name in ("trace_effects", "trace_facts"):
+        ea = sa.table(name, files=[f"tables/{name}/{new_a}.parquet"]).drop_columns(["run_id"])
+        eb = sb.table(name, files=[f"tables/{name}/{new_b}.parquet"]).drop_columns(["run_id"])
+        assert ea.equals(eb), name
+    # a checkpoint of the grown study keeps the earlier runs' files byte for byte (a commit adds only new files)
+    ck2 = tmp_path / "ck2"
+    assert methods_study.main(["checkpoint", str(a), "--state", str(state_a), "--out", str(ck2)]) == 0
+
+    def run_files(ck: Path) -> dict[Path, bytes]:
+        return {
+            f.relative_to(ck): f.read_bytes()
+            for f in ck.rglob("*.parquet")
+            if f.parent.name not in ("ck", "ck2", "site_effects") and not f.name.startswith("effects-")
+        }
+
+    before, after = run_files(root / "ck"), run_files(ck2)
+    assert [k for k in before if before[k] != after.get(k)] == []
+    assert len(before) == 2 * 3 + 3 and before.items() <= after.items() and len(after) == len(before) + 6
+
+
+def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(
+    studied: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _, _ = studied
+    ck = str(root / "ck")
+
+    def refused(store: Path, state: Path, words: str) -> None:
+        before = _files(store)
+        capsys.readouterr()
+        assert methods_study.main(["restore", str(store), "--from", ck, "--state", str(state)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and words in err, err
+        assert _files(store) == before
+
+    other_facts = _store(
+        tmp_path, "small", size=12
+    )  # a smaller sample of the pool: other facts under the same ids
+    refused(other_facts, tmp_path / "s1.json", "is not the checkpoint's fact")
+    other_model = _store(tmp_path, "gpt2", arch="gpt2")
+    refused(other_model, tmp_path / "g.json", "other weights")
+    b = _store(tmp_path, "b")
+    assert methods_study.main(["restore", str(b), "--from", ck, "--state", str(tmp_path / "b.json")]) == 0
+    refused(b, tmp_path / "b2.json", "already holds run")  # twice into one store
+    existing = tmp_path / "exists.json"
+    existing.write_text("{}")
+    refused(_store(tmp_path, "c"), existing, "exists")
+    assert existing.read_text() == "{}"
+    refused(b, tmp_path / "b3.json", "already holds run")
+    (tmp_path / "notck").mkdir()
+    capsys.readouterr()
+    assert (
+        methods_study.main(
+            ["restore", str(b), "--from", str(tmp_path / "notck"), "--state", str(tmp_path / "b4.json")]
+        )
+        == 2
+    )
+    assert "not a study checkpoint" in capsys.readouterr().err
+    # a checkpoint whose file list points outside its tables
+    bad = tmp_path / "bad"
+    import shutil
+
+    shutil.copytree(ck, bad)
+    doc = json.loads((bad / "checkpoint.json").read_text())
+    doc["files"][0] = "../../escape.parquet"
+    (bad / "checkpoint.json").write_text(json.dumps(doc))
+    fresh = _store(tmp_path, "d")
+    before = _files(fresh)
+    assert (
+        methods_study.main(["restore", str(fresh), "--from", str(bad), "--state", str(tmp_path / "d.json")])
+        == 2
+    )
+    assert "is not TABLE/RUN_ID.parquet" in capsys.readouterr().err and _files(fresh) == before
+    # a store that is not there, a state with nothing to keep: one line each
+    assert (
+        methods_study.main(
+            ["restore", str(tmp_path / "nowhere"), "--from", ck, "--state", str(tmp_path / "b5.json")]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no actstore store at") and "\n" not in err
+    assert (
+        methods_study.main(
+            ["checkpoint", str(b), "--state", str(tmp_path / "none.json"), "--out", str(tmp_path / "ck3")]
+        )
+        == 2
+    )
+    assert "no runs to checkpoint" in capsys.readouterr().err and not (tmp_path / "ck3").exists()
+
+
+GEMMA_SUMMARY = ROOT / "benchmarks" / "results" / "methods-gemma3-270m-s10" / "study.out.json.gz"
+
+
+def test_committed_summary_prints_the_tables_the_results_page_cites(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Gemma-3-270M study's summary is kept gzip-compressed; ``tables`` reads it as it reads the
+    plain JSON the study writes, and prints the figures docs/results-methods.md quotes."""
+    summary = methods_study.read_summary(GEMMA_SUMMARY)
+    plain = tmp_path / "out.json"
+    methods_study.write_summary(plain, summary)
+    assert methods_study.read_summary(plain) == summary
+    again = tmp_path / "out.json.gz"
+    methods_study.write_summary(again, summary)
+    assert methods_study.read_summary(again) == summary
+    printed = []
+    for path in (GEMMA_SUMMARY, plain):
+        assert methods_study.main(["tables", str(path)]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1]
+    assert "| trace vs patch | 520 | 43.7% [39.2%, 47.9%] | 82.5% |" in printed[0]
+    assert "| all methods (consensus) | 400 | 3.2% [1.8%, 5.0%] | 47.6% |" in printed[0]
+    docs = (ROOT / "docs" / "results-methods.md").read_text()
+    assert "43.7% [39.2, 47.9]" in docs and "3.2% [1.8, 5.0]" in docs
