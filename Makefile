@@ -38,6 +38,10 @@ lint: install view
 test: lint
 	$(BIN)/pytest
 
+# The fast loop: the unit and integration tiers without the real model and the full data sets.
+test-fast: install
+	$(BIN)/pytest -x -m "not slow and not real_data" tests/unit tests/integration
+
 bench: install
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/run.py --quick

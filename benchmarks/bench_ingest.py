@@ -58,6 +58,7 @@ def load(n_prompts: int) -> tuple[Any, list[Any]]:
 
 def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool) -> float:
     import torch
+
     from actstore.ingest.architectures import architecture_for
     from actstore.ingest.batches import pad_batch
 

@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from actstore.query.episodes import EpisodeSet, sample_seeds
-from actstore.query.probe import ProbeConfig, load_features, run_probe, run_reference
 
 import actstore
+from actstore.query.episodes import EpisodeSet, sample_seeds
+from actstore.query.probe import ProbeConfig, load_features, run_probe, run_reference
 
 
 def subset(ep: EpisodeSet, n: int) -> EpisodeSet:

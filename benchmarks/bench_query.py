@@ -156,6 +156,7 @@ def factor_reader(store: Any, kind: str, blocks: list[Any]) -> Callable[[], list
 def factor_math(store: Any, kind: str, factors: list[dict[str, np.ndarray]]) -> Callable[[], Any]:
     """The arithmetic of ``kind`` alone (written here, not the library's), on factors in memory."""
     import torch
+
     from actstore.query.features import group_bounds
 
     g = store.geometry
@@ -234,9 +235,8 @@ def check_equal(name: str, x: np.ndarray, ref: np.ndarray, tol: float) -> float:
 # ------------------------------------------------------------------ sql and probe (once)
 def sql_latency(path: str, n: int) -> dict[str, Any]:
     """Fresh ``actstore.open`` + first query in this process, and ``actstore sql`` end to end."""
-    from actstore.query.selection import _ROWS_SQL
-
     import actstore
+    from actstore.query.selection import _ROWS_SQL
 
     actstore.open(path).sql(FIRST_QUERY)  # imports and the process's database, outside the timing
     sel_sql = _ROWS_SQL.format(
@@ -320,9 +320,8 @@ def peak_rss(path: str, case: str, kind: str) -> tuple[int, int]:
 
 def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
     """``load_features`` (float32, float16) against ``sel.features`` for the same rows, rows/s and peak RSS."""
-    from actstore.query.probe import load_features
-
     import actstore
+    from actstore.query.probe import load_features
 
     store = actstore.open(path)
     sel = store.select()

@@ -48,12 +48,12 @@ def main() -> None:
 
     import numpy as np
     import torch
+
+    import actstore
     from actstore.ingest.interventions import InterventionRunner
     from actstore.ingest.interventions.effectiveness import EffectConfig, noise_std_for, site_effects
     from actstore.ingest.interventions.facts import stored_facts
-
-    import actstore
-    from actstore.jobs.interventions import load_store_model, model_for_store
+    from actstore.jobs.model import load_store_model, model_for_store
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

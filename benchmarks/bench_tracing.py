@@ -149,6 +149,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    import actstore
     from actstore.ingest.interventions import InterventionRunner
     from actstore.ingest.interventions.tracing import (
         CausalTracer,
@@ -158,8 +159,6 @@ def main() -> None:
         subject_embedding_std,
     )
     from actstore.ingest.models import load_model
-
-    import actstore
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp:

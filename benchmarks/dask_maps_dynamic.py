@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 import torch
-from actstore.query.maps.dynamic import dynamic_ranks
 
 import actstore
+from actstore.query.maps.dynamic import dynamic_ranks
 
 RANKS = ("static_up", "static_down", "w_up", "w_down", "wo_up", "wo_down", "example_ids")
 

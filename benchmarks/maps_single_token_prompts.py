@@ -29,7 +29,6 @@ if str(REPO) not in sys.path:
 from actstore.ingest.models import load_model  # noqa: E402
 from actstore.query.maps.defaults import MIN_PAIRS  # noqa: E402
 from actstore.query.maps.pairs import load_pair_files, single_token_pairs  # noqa: E402
-
 from benchmarks.maps_prompts import (  # noqa: E402
     MAPS_ROOT,
     ablation_templates,

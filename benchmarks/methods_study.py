@@ -113,11 +113,11 @@ def _where_ids(ids: list[int]) -> str:
 
 
 def cmd_study(a: argparse.Namespace) -> None:
+    from actstore.api import open_store
     from actstore.ingest.interventions.patching import PatchConfig
     from actstore.ingest.interventions.trace_results import TraceConfig
-
-    from actstore.api import open_store
-    from actstore.jobs.interventions import PatchRequest, TraceRequest, run_patch, run_trace
+    from actstore.jobs.patch import PatchRequest, run_patch
+    from actstore.jobs.trace import TraceRequest, run_trace
 
     store = open_store(a.store)
     state_path = Path(a.state)
@@ -223,6 +223,9 @@ def migrate_patch_state(store: Any, state: dict[str, Any]) -> None:
 
 def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: argparse.Namespace) -> None:
     import numpy as np
+
+    from actstore.core.runs import new_run_id, with_run_id, write_run
+    from actstore.core.writer import write_result_table
     from actstore.ingest.interventions import InterventionRunner
     from actstore.ingest.interventions.effectiveness import (
         EffectConfig,
@@ -231,19 +234,16 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         sites_by_fact,
     )
     from actstore.ingest.interventions.facts import stored_facts
+    from actstore.jobs.methods import record_method_metrics
+    from actstore.jobs.model import load_store_model, model_for_store
     from actstore.query.method_metrics import (
         compute_metrics,
         cross_size_rows,
         located_sites,
         store_strata,
         study_readings,
-        write_tables,
     )
     from actstore.query.methods import COMPARISON_TRAIN, default_tolerance, key_mlp_at_subject
-
-    from actstore.core.runs import new_run_id, with_run_id, write_run
-    from actstore.core.writer import write_result_table
-    from actstore.jobs.interventions import load_store_model, model_for_store
 
     started = time.time()
     methods = [m for m in a.methods.split(",") if m]
@@ -349,7 +349,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
             else None
         )
         rid = new_run_id("methods")
-        write_tables(
+        record_method_metrics(
             store,
             rid,
             res,

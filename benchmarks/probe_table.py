@@ -19,9 +19,10 @@ import json
 import time
 
 import torch
-from actstore.query.probe import ProbeConfig, load_features, run_probe, write_probe_tables
 
 import actstore
+from actstore.jobs.probe import record_probe
+from actstore.query.probe import ProbeConfig, load_features, run_probe
 
 
 def main() -> None:
@@ -84,7 +85,7 @@ def main() -> None:
                 t1 = time.perf_counter()
                 out = run_probe(store, cfg, features=fm)
                 probe_s = time.perf_counter() - t1
-                write_probe_tables(store, out)
+                record_probe(store, out)
                 lo, hi = out.ci95
                 name = kind if relspec else f"{kind}, no RelSpec"
                 row = {

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actstore.ingest.records import PromptRecord, TokenizedPrompt
 from transformers import PreTrainedTokenizerBase
 
 from actstore.core.errors import ActstoreError
+from actstore.ingest.records import PromptRecord, TokenizedPrompt
 
 
 class AlignmentError(ActstoreError, ValueError):

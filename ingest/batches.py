@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from actstore.ingest.capture import BatchIndex
 from actstore.ingest.records import TokenizedPrompt
 

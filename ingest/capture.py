@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from actstore.ingest.architectures import Architecture
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from actstore.core.manifest import Geometry
+from actstore.ingest.architectures import Architecture
 
 CAPTURE_ATTENTION = "actstore_capture"
 TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from actstore.ingest.architectures import Architecture, architecture_for
 
 

@@ -22,11 +22,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from actstore.ingest.architectures import Architecture, architecture_for
-from actstore.ingest.batches import pad_batch
-from actstore.ingest.capture import FusedCapture
-from actstore.ingest.distributed import RankError, rank_zero_first
-from actstore.ingest.records import TokenizedPrompt
 
 from actstore.core._version import __version__
 from actstore.core.errors import StoreNotFoundError
@@ -39,6 +34,11 @@ from actstore.core.runs import new_run_id, write_run
 from actstore.core.store import TOKENIZER_DIR, Store, tokenizer_file_name_ok
 from actstore.core.tables import EXAMPLES, TARGETS, TOKENS, sha256
 from actstore.core.writer import StoreWriter
+from actstore.ingest.architectures import Architecture, architecture_for
+from actstore.ingest.batches import pad_batch
+from actstore.ingest.capture import FusedCapture
+from actstore.ingest.distributed import RankError, rank_zero_first
+from actstore.ingest.records import TokenizedPrompt
 
 ARRAY_NAMES = ("z", "attn", "v", "resid", "mlp")
 FLAT_ARRAYS = ("attn", "v")  # one entry per stored token of each example, examples concatenated

@@ -47,10 +47,9 @@ import torch
 
 from actstore.core.errors import QueryError
 from actstore.core.store import Store
+from actstore.query.probe_config import CONTRASTS, DEFAULT_CONTRAST
 
 TOKEN_KINDS = ("attn_head", "attn_entity", "attn")
-CONTRASTS = ("renormalised", "seed")
-DEFAULT_CONTRAST = "renormalised"
 
 
 def check_contrast(reading: str) -> str:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from actstore.query.features import FeatureSpec, RowBlock, compute_block
-from actstore.query.selection import Selection
 
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import Store, open_store
+from actstore.query.features import FeatureSpec, RowBlock, compute_block
+from actstore.query.selection import Selection
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+from actstore.core.errors import QueryError
+from actstore.core.store import Store
 from actstore.query import probe
 from actstore.query.attribution import (
     DEFAULT_CONTRAST,
@@ -27,9 +30,6 @@ from actstore.query.attribution import (
 )
 from actstore.query.probe import ProbeConfig, load_features, select_or_all, torch_threads
 from actstore.query.relspec import gather_standardized
-
-from actstore.core.errors import QueryError
-from actstore.core.store import Store
 
 
 @dataclass(frozen=True)

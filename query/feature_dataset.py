@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from actstore.query.features import FeatureSpec, RowBlock, compute_block
-from actstore.query.labelled import SOURCE_KINDS, pad_sources
 from torch.utils.data import IterableDataset, get_worker_info
 
 from actstore.core.errors import QueryError
+from actstore.query.features import FeatureSpec, RowBlock, compute_block
+from actstore.query.labelled import SOURCE_KINDS, pad_sources
 
 if TYPE_CHECKING:
     from actstore.query.selection import Selection

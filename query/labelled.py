@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from actstore.query.features import SOURCE_KINDS, FeatureSpec, RowBlock, compute_block
 
 from actstore.core.errors import QueryError
+from actstore.query.features import SOURCE_KINDS, FeatureSpec, RowBlock, compute_block
 
 if TYPE_CHECKING:
     import dask.array

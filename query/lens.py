@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from actstore.core.invalid import InvalidSetting
 from actstore.query.readout import (
     ALPHAS,
     TUNED_METHODS,
@@ -49,8 +51,6 @@ from actstore.query.readout import (
     read_objects,
 )
 from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
-
-from actstore.core.invalid import InvalidSetting
 
 __all__ = [
     "ALPHAS",

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+
 from actstore.query import plotting
 
 

@@ -37,12 +37,14 @@ carries its number of facts.  Summaries: the mean over facts with its bootstrap 
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
 from actstore.query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading, MethodsError
 from actstore.query.stats import bootstrap_interval, pearson
 from actstore.query.tuned_lens import TrainConfig
@@ -251,15 +253,17 @@ def paired_correlation(a: np.ndarray, b: np.ndarray, resamples: int = RESAMPLES,
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.asarray((u * w).sum(axis=axis) / den)
 
-    res = stats.bootstrap(
-        (x, y),
-        stat,
-        paired=True,
-        vectorized=True,
-        n_resamples=resamples,
-        method="percentile",
-        rng=np.random.default_rng(seed),
-    )
+    with warnings.catch_warnings():  # a resample without spread has no r; scipy says so once per call
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        res = stats.bootstrap(
+            (x, y),
+            stat,
+            paired=True,
+            vectorized=True,
+            n_resamples=resamples,
+            method="percentile",
+            rng=np.random.default_rng(seed),
+        )
     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
     return Summary(int(x.size), float(r), lo, hi)
 
@@ -653,25 +657,3 @@ def store_strata(store: Any, example_ids: Sequence[int] | np.ndarray) -> dict[st
             if meta.get(g) not in (None, ""):
                 out[g][e] = str(meta[g])
     return {g: m for g, m in out.items() if m}
-
-
-def write_tables(
-    store: Any,
-    run_id: str,
-    result: MetricsResult,
-    cross: pa.Table | None,
-    config: Mapping[str, Any],
-    started: float,
-) -> list[str]:
-    """Write ``method_metrics``, ``method_pair_metrics``, ``method_cross_size`` and the run's row."""
-    from actstore.core.runs import with_run_id, write_run
-    from actstore.core.writer import write_result_table
-
-    paths = [
-        write_result_table(store, "method_metrics", run_id, with_run_id(result.metrics, run_id)),
-        write_result_table(store, "method_pair_metrics", run_id, with_run_id(result.pairs, run_id)),
-    ]
-    if cross is not None:
-        paths.append(write_result_table(store, "method_cross_size", run_id, with_run_id(cross, run_id)))
-    write_run(store, run_id, "methods", started, dict(config))
-    return paths

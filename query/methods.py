@@ -54,10 +54,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from actstore.query.stats import pearson
-from actstore.query.tuned_lens import TrainConfig
 
 from actstore.core.errors import QueryError
+from actstore.query.stats import pearson
+from actstore.query.tuned_lens import TrainConfig
 
 METHODS = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
 SEED_001 = {  # the paper's agreement table (GPT-2): key layer %, MLP/attn %, effect correlation
@@ -132,7 +132,7 @@ def _from_components(
     profile = np.fmax(mlp, attn)
     ok = np.isfinite(profile).any(axis=1)
     key = _keys(profile, plateau)
-    verdict = np.where(np.nanmax(mlp, axis=1) >= np.nanmax(attn, axis=1), "mlp", "attn")
+    verdict = np.where(np.fmax.reduce(mlp, axis=1) >= np.fmax.reduce(attn, axis=1), "mlp", "attn")
     verdict = np.where(ok, verdict, "")
     return MethodReading(method, ids, profile, key.astype(np.int64), verdict.astype(object), mlp, attn)
 

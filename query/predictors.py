@@ -43,13 +43,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from actstore.query.attribution import run_row
-from actstore.query.distributed import client_threads, run_tasks, store_of
-from actstore.query.stats import pearson, spearman
 
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import Store
+from actstore.query.attribution import run_row
+from actstore.query.distributed import client_threads, run_tasks, store_of
+from actstore.query.stats import pearson, spearman
 
 PREDICTORS = ("output_range", "output_range_ratio", "connectivity", "tfidf_similarity", "head_concentration")
 CONCENTRATIONS = ("predicted-abs", "gold-signed")

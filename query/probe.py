@@ -3,7 +3,7 @@
     fm = load_features(store, "attn_head", where="split = 'val'")
     out = run_probe(store, ProbeConfig(kind="attn_head", n_way=5, k_shot=5), features=fm)
     out.accuracy, out.ci95
-    write_probe_tables(store, out)         # probe_runs, probe_episodes, probe_predictions, ...
+    record_probe(store, out)   # actstore.jobs.probe: probe_runs, probe_episodes, probe_predictions, ...
 
 The features of every selected row are computed once from the store's factors (streamed in
 batches of rows) and kept as one ``[N, F]`` matrix (float32, or float16 to halve memory).
@@ -24,37 +24,32 @@ one-episode trainer (``nn.Linear`` + ``torch.optim.Adam``) the tests compare aga
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
+
+from actstore.core.errors import QueryError
+from actstore.core.progress import progress_bar
+from actstore.core.runs import new_run_id
+from actstore.core.store import Store
 from actstore.query.attribution import (
-    DEFAULT_CONTRAST,
     TOKEN_KINDS,
     TokenGeometry,
-    check_contrast,
     contrast_coefficients,
     token_scores,
     unit_scores,
 )
 from actstore.query.episodes import EpisodeSet, sample_seeds
 from actstore.query.features import FeatureSpec
+from actstore.query.probe_config import PROBE_KINDS, ProbeConfig
 from actstore.query.probe_training import train_batched, train_reference
 from actstore.query.relspec import Selected, gather_standardized, select_features
 from actstore.query.stats import mean_interval
-
-from actstore.core.errors import QueryError
-from actstore.core.invalid import InvalidSetting
-from actstore.core.progress import progress_bar
-from actstore.core.runs import new_run_id, write_run
-from actstore.core.store import Store
-
-PROBE_KINDS = ("attn_head", "attn", "attn_entity", "mlp", "mlp_group", "resid", "z")
 
 
 # ----------------------------------------------------------------------------------- features
@@ -154,43 +149,6 @@ def load_features(
 
 
 # ----------------------------------------------------------------------------------- runs
-@dataclass(frozen=True)
-class ProbeConfig:
-    kind: str = "attn_head"
-    where: str | None = None
-    layers: tuple[int, ...] | None = None
-    heads: tuple[int, ...] | None = None
-    groups: int | None = None
-    n_way: int = 5
-    k_shot: int = 5
-    queries: int = 5
-    episodes: int = 500
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
-    top_k: int = 3000
-    epochs: int = 200
-    lr: float = 1e-3
-    feature_dtype: str = "float32"
-    token_scores: str = "errors"  # none | errors | all (kinds with per-source factors only)
-    memory_mb: int = 1024
-    threads: int = 1  # torch CPU threads during the run; 0 = leave torch's setting
-    train_batch: int = 2  # episodes per training tensor problem (small is fastest on CPU caches)
-    relspec: bool = True  # False: every feature, the same standardisation and training (the baseline)
-    contrast: str = (
-        DEFAULT_CONTRAST  # reading of dW: "renormalised" (ours) or "seed" (actstore.query.attribution)
-    )
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ProbeConfig:
-        d = json.loads(text)
-        for k in ("layers", "heads", "seeds"):
-            if d.get(k) is not None:
-                d[k] = tuple(d[k])
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
-
 @dataclass
 class ProbeOutput:
     run_id: str
@@ -304,12 +262,6 @@ def _run_probe(
         groups=cfg.groups,
         dtype=cfg.feature_dtype,
     )
-    for name, bad in (("top_k", cfg.top_k < 1), ("epochs", cfg.epochs < 1), ("lr", cfg.lr <= 0)):
-        if bad:
-            raise InvalidSetting(name, f"must be above 0, not {getattr(cfg, name)}")
-    if cfg.token_scores not in ("none", "errors", "all"):
-        raise QueryError(f"token scores must be none, errors or all (got {cfg.token_scores!r})")
-    check_contrast(cfg.contrast)
     ep = episodes or sample_seeds(
         fm.labels,
         n_way=cfg.n_way,
@@ -639,19 +591,6 @@ def relation_metrics(gold: np.ndarray, pred: np.ndarray, relations: Sequence[str
             }
         )
     return pa.Table.from_pylist(rows)
-
-
-def write_probe_tables(store: Store, out: ProbeOutput) -> list[str]:
-    """Write every result table of the run (one file each, atomically); return their paths."""
-    from actstore.core.writer import write_result_table
-
-    paths = [write_result_table(store, name, out.run_id, t) for name, t in probe_tables(out).items()]
-    paths.append(
-        write_run(
-            store, out.run_id, "probe", out.started, out.config.to_json(), finished=out.started + out.seconds
-        )
-    )
-    return paths
 
 
 def _ints(x: Sequence[int] | None) -> str | None:

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from actstore.query.features import FeatureSpec, RowBlock, compute_block, row_shape
-from actstore.query.labelled import SOURCE_KINDS, dask_features, to_dataarray
 
 from actstore.core.errors import QueryError
 from actstore.core.sql import Params, check_params, predicate, run_sql, subquery
 from actstore.core.store import Store
+from actstore.query.features import FeatureSpec, RowBlock, compute_block, row_shape
+from actstore.query.labelled import SOURCE_KINDS, dask_features, to_dataarray
 
 if TYPE_CHECKING:
     import dask.array

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-from actstore.query.attribution import run_row
-from actstore.query.stats import spearman
 
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import Store
+from actstore.query.attribution import run_row
+from actstore.query.stats import spearman
 
 
 def normalize(token: str | None) -> str | None:

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from actstore.query.readout import FinalReadout, LensError, TunedLens
 
 OPTIMIZERS = ("adam", "sgd")

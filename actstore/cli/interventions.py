@@ -106,7 +106,7 @@ def trace(
     import numpy as np
 
     from actstore.ingest.interventions.tracing import TraceConfig
-    from actstore.jobs.interventions import TraceRequest, run_trace
+    from actstore.jobs.trace import TraceRequest, run_trace
 
     s = open_store(store)
     check_where(s, where)
@@ -177,7 +177,7 @@ def trace(
 # ----------------------------------------------------------------------------------- patch
 def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     from actstore.core.invalid import InvalidSetting
-    from actstore.jobs.interventions import parse_pair
+    from actstore.jobs.patch import parse_pair
 
     try:
         return tuple(parse_pair(v) for v in value)
@@ -244,7 +244,7 @@ def patch(
     import numpy as np
 
     from actstore.ingest.interventions.patching import PatchConfig
-    from actstore.jobs.interventions import PatchRequest, run_patch
+    from actstore.jobs.patch import PatchRequest, run_patch
 
     s = open_store(store)
     check_where(s, where)
@@ -454,7 +454,7 @@ def ablate(
     """Accuracy on RELATION's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations."""
     from actstore.ingest.interventions.ablation import AblationConfig
-    from actstore.jobs.interventions import AblateRequest, parse_heads_text, run_ablate
+    from actstore.jobs.ablate import AblateRequest, parse_heads_text, run_ablate
 
     s = open_store(store)
     check_where(s, where)

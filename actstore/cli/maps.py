@@ -1,6 +1,6 @@
 """``actstore maps`` (static MAPS scores and salient operations, weights only) and ``actstore
 maps-dynamic`` (scores from stored head outputs and their correlation with the static ones).
-The result tables are described in :mod:`actstore.jobs.maps`."""
+The result tables are described in :mod:`actstore.jobs.maps` and :mod:`actstore.jobs.maps_dynamic`."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _first_mlp(s: Any, model: str | None) -> Callable[[], Any]:
     """A loader of the store model's first-MLP transform (called only when a run needs it)."""
 
     def load() -> Any:
-        from actstore.jobs.interventions import first_mlp_for_store
+        from actstore.jobs.model import first_mlp_for_store
 
         return first_mlp_for_store(s, model)
 
@@ -158,7 +158,7 @@ def maps(
     as_json: bool,
 ) -> None:
     """Static MAPS scores of every head for each relation in --pairs, from STORE's weights."""
-    from actstore.jobs.maps import MapsRunConfig, k_groups, run_maps, top_heads
+    from actstore.jobs.maps import MapsRunConfig, k_groups, run_maps, top_heads_text
     from actstore.query.maps.pairs import excluded_line
 
     s = open_store(store)
@@ -199,7 +199,7 @@ def maps(
         multi = summ["n_multi_token"] if multi_token == "first" else summ["n_skipped_multi_token"]
         click.echo(
             f"{summ['relation']:<40} {summ['k']:>2} {summ['n_used']:>5}/{summ['n_pairs']:<5} {multi:>5} "
-            f"{summ['n_implementing']:>4} {summ['n_suppressing']:>4}  {top_heads(sc.score(summ['k']))}"
+            f"{summ['n_implementing']:>4} {summ['n_suppressing']:>4}  {top_heads_text(sc.score(summ['k']))}"
         )
     click.echo(
         "(multi: "
@@ -306,7 +306,7 @@ def maps_dynamic(
     as_json: bool,
 ) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
-    from actstore.jobs.maps import MapsDynamicConfig, run_maps_dynamic
+    from actstore.jobs.maps_dynamic import MapsDynamicConfig, run_maps_dynamic
     from actstore.query.distributed import dask_client
 
     s = open_store(store)

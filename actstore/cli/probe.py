@@ -11,19 +11,20 @@ from typing import Any
 
 import click
 
+from actstore.cli._config import config_from, defaults, options_from
 from actstore.cli._options import (
     command,
     figures_option,
-    heads_option,
     json_option,
-    layers_option,
     no_save_option,
     open_store,
-    parse_int_list,
     quiet_option,
     store_argument,
     where_option,
 )
+from actstore.query.probe_config import ProbeConfig
+
+PROBE_DEFAULTS = defaults(ProbeConfig)
 
 
 def _clean(x: Any) -> Any:
@@ -50,142 +51,54 @@ def run_option(fn: Any) -> Any:
 # --------------------------------------------------------------------------------------- probe
 @command(example="actstore probe /tmp/s --kind attn_head --where \"split = 'val'\" --episodes 100 --seeds 1")
 @store_argument
-@click.option(
-    "--kind", required=True, help="Feature kind: attn_head, attn, attn_entity, mlp, mlp_group, resid or z."
-)
 @where_option
-@layers_option("Layer subset, e.g. 0,3,5-7 (resid: residual indices; default: all).")
-@heads_option("Head (or mlp_group group) subset, e.g. 0-3 (default: all).")
-@click.option("--groups", type=int, default=None, help="mlp_group: number of neuron groups (default: heads).")
-@click.option("--n-way", type=int, default=5, show_default=True, help="Classes (relations) per episode.")
-@click.option("--k-shot", type=int, default=5, show_default=True, help="Support examples per class.")
-@click.option("--queries", type=int, default=5, show_default=True, help="Queries per class.")
-@click.option("--episodes", type=int, default=500, show_default=True, help="Episodes per seed.")
+@options_from(ProbeConfig)
 @click.option(
-    "--seeds", type=click.IntRange(min=1), default=5, show_default=True, help="Number of seeds (0 .. N-1)."
-)
-@click.option("--seed-start", type=int, default=0, show_default=True, help="First seed.")
-@click.option("--top-k", type=int, default=3000, show_default=True, help="RelSpec features per relation.")
-@click.option(
-    "--no-relspec",
-    is_flag=True,
-    help="Baseline without RelSpec: every feature, the same standardisation and training.",
-)
-@click.option(
-    "--contrast",
-    type=click.Choice(["renormalised", "seed"]),
-    default="renormalised",
+    "--seeds",
+    "n_seeds",
+    type=click.IntRange(min=1),
+    default=len(PROBE_DEFAULTS["seeds"]),
     show_default=True,
-    help="dW for HeadScore/TokenScore: competitors weighted by the softmax renormalised over them (ours) "
-    "or by the full softmax (the seed's formula as written).",
-)
-@click.option("--epochs", type=int, default=200, show_default=True, help="Training epochs per episode.")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="Adam learning rate.")
-@click.option(
-    "--feature-dtype",
-    type=click.Choice(["float32", "float16"]),
-    default="float32",
-    show_default=True,
-    help="In-memory feature matrix dtype (float16 halves memory).",
+    help="Number of seeds (seed-start .. seed-start + N - 1).",
 )
 @click.option(
-    "--token-scores",
-    type=click.Choice(["errors", "all", "none"]),
-    default="errors",
-    show_default=True,
-    help="Which predictions get TokenScores stored (attention kinds only).",
-)
-@click.option(
-    "--train-batch",
-    type=int,
-    default=2,
-    show_default=True,
-    help="Episodes per training tensor problem (1-2 is fastest on a CPU).",
-)
-@click.option(
-    "--memory-mb", type=int, default=1024, show_default=True, help="Working-memory budget per chunk."
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=0),
-    default=1,
-    show_default=True,
-    help="torch CPU threads (1 is fastest on a shared machine; 0 = torch's default).",
+    "--seed-start", type=int, default=PROBE_DEFAULTS["seeds"][0], show_default=True, help="First seed."
 )
 @no_save_option
 @quiet_option
 @json_option
 def probe(
     store: str,
-    kind: str,
     where: str | None,
-    layers: str | None,
-    heads: str | None,
-    groups: int | None,
-    n_way: int,
-    k_shot: int,
-    queries: int,
-    episodes: int,
-    seeds: int,
+    n_seeds: int,
     seed_start: int,
-    top_k: int,
-    no_relspec: bool,
-    contrast: str,
-    epochs: int,
-    lr: float,
-    feature_dtype: str,
-    token_scores: str,
-    train_batch: int,
-    memory_mb: int,
-    threads: int,
     no_save: bool,
     quiet: bool,
     as_json: bool,
+    **given: Any,
 ) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
-    from actstore.jobs.probe import contrast_text
-    from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
+    from actstore.jobs.probe import contrast_text, record_probe
+    from actstore.query.probe import run_probe
 
-    ls, hs = parse_int_list(layers), parse_int_list(heads, "heads")
-    cfg = ProbeConfig(
-        kind=kind,
-        where=where,
-        layers=None if ls is None else tuple(ls),
-        heads=None if hs is None else tuple(hs),
-        groups=groups,
-        n_way=n_way,
-        k_shot=k_shot,
-        queries=queries,
-        episodes=episodes,
-        seeds=tuple(range(seed_start, seed_start + seeds)),
-        top_k=top_k,
-        epochs=epochs,
-        lr=lr,
-        feature_dtype=feature_dtype,
-        token_scores=token_scores,
-        memory_mb=memory_mb,
-        threads=threads,
-        train_batch=train_batch,
-        relspec=not no_relspec,
-        contrast=contrast,
-    )
+    cfg = config_from(ProbeConfig, given, where=where, seeds=tuple(range(seed_start, seed_start + n_seeds)))
     s = open_store(store)
     out = run_probe(s, cfg, progress=not quiet and sys.stderr.isatty())
     summary = out.summary()
     if not no_save:
-        summary["tables"] = sorted({p.split("/")[1] for p in write_probe_tables(s, out)})
+        summary["tables"] = sorted({p.split("/")[1] for p in record_probe(s, out)})
     if as_json:
         _echo_json(summary)
         return
     lo, hi = out.ci95
-    selection = "no RelSpec (all features)" if no_relspec else f"RelSpec top {top_k}"
+    selection = f"RelSpec top {cfg.top_k}" if cfg.relspec else "no RelSpec (all features)"
     click.echo(
-        f"{kind} {n_way}-way {k_shot}-shot: accuracy {100 * out.accuracy:.2f}% "
+        f"{cfg.kind} {cfg.n_way}-way {cfg.k_shot}-shot: accuracy {100 * out.accuracy:.2f}% "
         f"(95% CI {100 * lo:.2f}-{100 * hi:.2f}) over {len(out.episodes)} episodes "
-        f"({episodes} x {seeds} seeds), {selection}, {summary['mean_selected_features']:.0f} features/episode, "
+        f"({cfg.episodes} x {n_seeds} seeds), {selection}, {summary['mean_selected_features']:.0f} features/episode, "
         f"{out.seconds:.1f}s"
     )
-    click.echo(f"HeadScore contrast: {contrast_text(contrast)}")
+    click.echo(f"HeadScore contrast: {contrast_text(cfg.contrast)}")
     click.echo(f"run {out.run_id}" + ("" if no_save else f" (tables: {', '.join(summary['tables'])})"))
 
 
@@ -376,33 +289,29 @@ def correlate(
     as_json: bool,
 ) -> None:
     """Per-relation F1 vs output range, KG connectivity, TF-IDF similarity, HeadScore concentration."""
-    from actstore.core.writer import write_result_table
-    from actstore.query.distributed import dask_client
-    from actstore.query.predictors import relation_predictors, scatter_plots
+    from actstore.jobs.correlate import CorrelateConfig, run_correlate
 
-    files = _kb_files((*kb, *more_kb))
-    s = open_store(store)
-    with dask_client(dask_address, workers) as client:
-        res = relation_predictors(
-            s,
-            run_id,
-            kb=[os.path.abspath(f) for f in files],
-            direction=direction,
-            client=client,
-            concentration=concentration,
-            dataset_file=dataset_file,
-            output_range=range_kind,
-        )
-    pngs = scatter_plots(res, figures) if figures else []
-    if not no_save:
-        write_result_table(s, "relation_predictors", run_id, res.relations)
-        write_result_table(s, "correlations", run_id, res.correlations)
+    cfg = CorrelateConfig(
+        probe_run=run_id,
+        kb=tuple(_kb_files((*kb, *more_kb))),
+        direction=direction,
+        concentration=concentration,
+        dataset_file=dataset_file,
+        output_range=range_kind,
+        dask_address=dask_address,
+        workers=workers,
+        figures=figures,
+        save=not no_save,
+    )
+    out = run_correlate(open_store(store), cfg)
+    res, pngs, files = out.result, out.figures, cfg.kb
     rel_rows = res.relations.to_pylist()
     range_source = rel_rows[0]["output_range_source"] if rel_rows else None
     if as_json:
         _echo_json(
             {
-                "run_id": run_id,
+                "run_id": out.run_id,
+                "probe_run": run_id,
                 "relations": rel_rows,
                 "correlations": res.correlations.to_pylist(),
                 "kb_coverage": res.kb_coverage,
@@ -437,6 +346,8 @@ def correlate(
     )
     for p in pngs:
         click.echo(f"wrote {p}")
+    if out.run_id:
+        click.echo(f"run {out.run_id} (tables: relation_predictors, correlations)")
 
 
 def _kb_files(patterns: tuple[str, ...]) -> list[str]:
@@ -467,21 +378,14 @@ def shortcuts(
     store: str, run_id: str, n_cues: int, figures: str | None, no_save: bool, as_json: bool
 ) -> None:
     """Spearman rho, Mass and StrongAlign-x of the run's errors' TokenScores vs lexical cues."""
-    from actstore.core.writer import write_result_table
-    from actstore.query.shortcuts import shortcut_analysis, shortcut_figure
+    from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
 
-    s = open_store(store)
-    res = shortcut_analysis(s, run_id, n_cues=n_cues)
-    target = os.path.join(figures, f"shortcuts_{run_id}.png") if figures else None
-    if target and os.path.dirname(target):
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-    png = shortcut_figure(res, target) if target else None
-    if not no_save:
-        write_result_table(s, "shortcut_errors", run_id, res.errors)
-        write_result_table(s, "shortcut_summary", run_id, res.summary)
+    cfg = ShortcutsConfig(probe_run=run_id, n_cues=n_cues, figures=figures, save=not no_save)
+    out = run_shortcuts(open_store(store), cfg)
+    res, png = out.result, out.figure
     summ = res.summary.to_pylist()[0]
     if as_json:
-        _echo_json({**summ, "plot": png})
+        _echo_json({**summ, "run_id": out.run_id, "probe_run": run_id, "plot": png})
         return
     click.echo(
         f"{summ['n_errors']} errors, {n_cues} cues per relation: Spearman rho {summ['spearman_rho']:.3f}, "
@@ -490,6 +394,8 @@ def shortcuts(
     )
     if png:
         click.echo(f"wrote {png}")
+    if out.run_id:
+        click.echo(f"run {out.run_id} (tables: shortcut_errors, shortcut_summary)")
 
 
 COMMANDS = [probe, headscore, tokenscore, correlate, shortcuts]

@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from actstore.core.runs import new_run_id, with_run_id, write_run
+from actstore.core.runs import new_run_id
 from actstore.core.store import Store
+from actstore.jobs.record import record_run
 from actstore.query.methods import (
     COMPARISON_TRAIN,
     METHODS,
@@ -190,39 +191,23 @@ def run_agreement(
     if cfg.save:
         import pyarrow as pa
 
-        from actstore.core.writer import write_result_table
-
-        outcome.tables.append(
-            write_result_table(
-                store,
-                "method_readings",
-                run_id,
-                with_run_id(pa.concat_tables([r.table() for r in ordered]), run_id),
-            )
-        )
-        outcome.tables.append(
-            write_result_table(
-                store, "method_agreement", run_id, with_run_id(agreement_table(result), run_id)
-            )
-        )
+        tables = {
+            "method_readings": pa.concat_tables([r.table() for r in ordered]),
+            "method_agreement": agreement_table(result),
+        }
         used = {
             "trace": latest_run(store, "trace_effects", trace_run) if "trace" in readings else trace_run,
             "patch": latest_run(store, "patch_effects", patch_run) if "patch" in readings else patch_run,
         }
-        write_run(
-            store,
-            run_id,
-            "agree",
-            started,
-            {
-                "trace_run": used["trace"],
-                "patch_run": used["patch"],
-                "methods": wanted,
-                "tolerance": tol,
-                "plateau": cfg.plateau,
-                "tuned_lens": extra.get("tuned_lens"),
-            },
-        )
+        config = {
+            "trace_run": used["trace"],
+            "patch_run": used["patch"],
+            "methods": wanted,
+            "tolerance": tol,
+            "plateau": cfg.plateau,
+            "tuned_lens": extra.get("tuned_lens"),
+        }
+        outcome.tables += record_run(store, "agree", config, tables, started=started, run_id=run_id).tables
     if cfg.figures:
         from actstore.query.plotting import profile_curves
 

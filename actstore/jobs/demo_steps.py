@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from actstore.core.progress import progress_bar
-from actstore.core.runs import new_run_id, with_run_id, write_run
 from actstore.core.store import Store
+from actstore.jobs.record import record_run
 
 Step = Callable[[str], None]
 
@@ -70,7 +70,8 @@ class DemoLog:
 def probe_step(
     store: Store, kind: str, episodes: int, token_scores: str, log: Step = _quiet
 ) -> dict[str, Any]:
-    from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
+    from actstore.jobs.probe import record_probe
+    from actstore.query.probe import ProbeConfig, run_probe
 
     cfg = ProbeConfig(
         kind=kind,
@@ -83,7 +84,7 @@ def probe_step(
         threads=1,
     )
     out = run_probe(store, cfg, progress=True)
-    write_probe_tables(store, out)
+    record_probe(store, out)
     lo, hi = out.ci95
     log(
         f"    {kind} 5-way 5-shot: accuracy {100 * out.accuracy:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}) "
@@ -93,23 +94,17 @@ def probe_step(
 
 
 def predictors_step(store: Store, run_id: str) -> dict[str, Any]:
-    from actstore.core.writer import write_result_table
-    from actstore.query.predictors import relation_predictors
+    from actstore.jobs.correlate import CorrelateConfig, run_correlate
 
-    res = relation_predictors(store, run_id)
-    write_result_table(store, "relation_predictors", run_id, res.relations)
-    write_result_table(store, "correlations", run_id, res.correlations)
-    return {r["predictor"]: r["spearman_rho"] for r in res.correlations.to_pylist()}
+    out = run_correlate(store, CorrelateConfig(probe_run=run_id))
+    return {r["predictor"]: r["spearman_rho"] for r in out.result.correlations.to_pylist()}
 
 
 def shortcuts_step(store: Store, run_id: str) -> dict[str, Any]:
-    from actstore.core.writer import write_result_table
-    from actstore.query.shortcuts import shortcut_analysis
+    from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
 
-    res = shortcut_analysis(store, run_id)
-    write_result_table(store, "shortcut_errors", run_id, res.errors)
-    write_result_table(store, "shortcut_summary", run_id, res.summary)
-    return dict(res.summary.to_pylist()[0])
+    out = run_shortcuts(store, ShortcutsConfig(probe_run=run_id))
+    return dict(out.result.summary.to_pylist()[0])
 
 
 def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[Any]:
@@ -139,7 +134,6 @@ def maps_step(
 ) -> dict[str, Any]:
     import pyarrow as pa
 
-    from actstore.core.writer import write_result_table
     from actstore.query.maps.static import StaticScores, relation_summary, scores_table, static_scores
 
     started = time.time()
@@ -157,15 +151,12 @@ def maps_step(
         for name in parts[0]
     }
     summaries = [relation_summary(name, sc, k, threshold) for name, sc in scores.items()]
-    run_id = new_run_id("maps")
-    write_result_table(
-        store,
-        "maps_scores",
-        run_id,
-        with_run_id(scores_table(scores, k, threshold, store.geometry.kv_group), run_id),
-    )
-    write_result_table(store, "maps_relations", run_id, with_run_id(pa.Table.from_pylist(summaries), run_id))
-    write_run(store, run_id, "maps", started, {"pairs": "store prompts", "k": k, "threshold": threshold})
+    tables = {
+        "maps_scores": scores_table(scores, k, threshold, store.geometry.kv_group),
+        "maps_relations": pa.Table.from_pylist(summaries),
+    }
+    config = {"pairs": "store prompts", "k": k, "threshold": threshold}
+    run_id = record_run(store, "maps", config, tables, started=started).run_id
     for s in summaries:
         log(
             f"    {s['relation']:<22} {s['n_used']:>3} pairs, {s['n_implementing']:>3} heads implement it, "
@@ -179,21 +170,17 @@ def maps_dynamic_step(
 ) -> dict[str, Any]:
     import pyarrow as pa
 
-    from actstore.core.writer import write_result_table
     from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 
     started = time.time()
     ranks = dynamic_ranks(store, relations=relations, proj=proj)
     summaries = [correlation_summary(d, k) for d in ranks.values()]
-    run_id = new_run_id("maps-dynamic")
-    write_result_table(
-        store,
-        "maps_dynamic",
-        run_id,
-        with_run_id(pa.concat_tables([head_table(d, k) for d in ranks.values()]), run_id),
-    )
-    write_result_table(store, "maps_correlation", run_id, with_run_id(correlation_table(summaries), run_id))
-    write_run(store, run_id, "maps-dynamic", started, {"relations": relations, "k": k})
+    tables = {
+        "maps_dynamic": pa.concat_tables([head_table(d, k) for d in ranks.values()]),
+        "maps_correlation": correlation_table(summaries),
+    }
+    config = {"relations": relations, "k": k}
+    run_id = record_run(store, "maps-dynamic", config, tables, started=started).run_id
     for s in summaries:
         log(
             f"    {s['relation']:<22} static vs dynamic r = {s['corr_wo_context']:.2f} (no context), "

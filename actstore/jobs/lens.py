@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.core.runs import new_run_id, with_run_id, write_run
+from actstore.core.runs import new_run_id
 from actstore.core.store import Store
+from actstore.jobs.record import record_run
 from actstore.query.methods import fact_ids
 
 TUNED_METHODS = ("adam", "sgd", "ridge")
@@ -87,23 +88,16 @@ def run_lens(
     run_id = new_run_id("lens")
     out = LensOutcome(run_id, summary, {})
     if cfg.save:
-        from actstore.core.writer import write_result_table
-
-        out.tables.append(write_result_table(store, "lens", run_id, with_run_id(study.table(), run_id)))
-        write_run(
-            store,
-            run_id,
-            "lens",
-            started,
-            {
-                "where": cfg.where,
-                "correct_only": cfg.correct_only,
-                "seed": cfg.seed,
-                "train_fraction": None if method is None else cfg.train_fraction,
-                "tuned": method,
-                "tuned_config": tuned_config,
-            },
-        )
+        run_config = {
+            "where": cfg.where,
+            "correct_only": cfg.correct_only,
+            "seed": cfg.seed,
+            "train_fraction": None if method is None else cfg.train_fraction,
+            "tuned": method,
+            "tuned_config": tuned_config,
+        }
+        tables = {"lens": study.table()}
+        out.tables += record_run(store, "lens", run_config, tables, started=started, run_id=run_id).tables
     if cfg.figures:
         from actstore.query.plotting import lens_curves
 

@@ -1,11 +1,11 @@
-"""Run MAPS over a store (``actstore maps`` and ``actstore maps-dynamic``): scores, result tables,
+"""Run MAPS static scores over a store (``actstore maps``; ``maps-dynamic`` is :mod:`actstore.jobs.maps_dynamic`): scores, result tables,
 the ``runs`` row, heatmaps, and a JSON-ready summary.
 
     out = run_maps(store, MapsRunConfig(pairs=("maps/",), first_mlp=False), tokenizer=load_tokenizer)
     out.summaries                             # per relation: k, pairs used, heads implementing it
 
 The first-MLP source transform loads the model, which the query layer does not do: the caller
-passes a loader of it (e.g. ``lambda: actstore.jobs.interventions.first_mlp_for_store(store, None)``),
+passes a loader of it (e.g. ``lambda: actstore.jobs.model.first_mlp_for_store(store, None)``),
 called only when the run reads through the first MLP (:func:`first_mlp_wanted`).  The tokenizer
 comes the same way (``tokenizer``: a loader, e.g. ``lambda: actstore.api.tokenizer_for_store(store)``).
 
@@ -15,8 +15,6 @@ Tables (one file per run, unless ``save`` is False):
     maps_relations    per relation: k, pairs used, multi-token and unknown counts, heads implementing R
     maps_excluded     relations left out for having fewer usable pairs than min_pairs, with their counts
     maps_salient      layer, head, rank, token, sigma, mapped_tokens
-    maps_dynamic      relation, template, layer, head, static_score, dyn_w_context, dyn_wo_context, ...
-    maps_correlation  per relation: Pearson r (and p) static vs dynamic, with and without context
 """
 
 from __future__ import annotations
@@ -30,13 +28,14 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.core.invalid import InvalidSetting
-from actstore.core.runs import new_run_id, with_run_id, write_run
+from actstore.core.runs import new_run_id
 from actstore.core.store import Store
+from actstore.jobs.record import record_run
 
 Log = Callable[[str], None]
 
 
-def _check(k: int | None, threshold: float, min_pairs: int, multi_token: str) -> None:
+def check_scoring(k: int | None, threshold: float, min_pairs: int, multi_token: str) -> None:
     if k is not None and k < 1:
         raise InvalidSetting("k", f"must be at least 1, not {k}")
     if not 0.0 <= threshold <= 1.0:
@@ -50,7 +49,7 @@ def _check(k: int | None, threshold: float, min_pairs: int, multi_token: str) ->
 FirstMlp = Callable[[], Any]
 
 
-def _load_first_mlp(loader: FirstMlp | None) -> Any:
+def load_first_mlp(loader: FirstMlp | None) -> Any:
     if loader is None:
         raise InvalidSetting(
             "first_mlp",
@@ -110,7 +109,6 @@ def run_maps(
 ) -> MapsOutcome:
     """Static MAPS scores of every head for each relation in the pair files, from the store's
     weights (``first_mlp``: loads the first-MLP transform when the run needs it)."""
-    from actstore.core.writer import write_result_table
     from actstore.query.maps.defaults import MapsError, relation_ks
     from actstore.query.maps.pairs import excluded_line, load_pair_files, split_by_min_pairs, tokenize_pairs
     from actstore.query.maps.projection import VocabProjection, parse_heads
@@ -123,7 +121,7 @@ def run_maps(
         token_decoder,
     )
 
-    _check(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
+    check_scoring(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
     started = time.time()
     g = store.geometry
     wanted = list(cfg.relations) if cfg.relations else None
@@ -143,7 +141,7 @@ def run_maps(
     ]
     stored_name = str(store.manifest.model.get("name") or "")
     use_mlp = first_mlp_wanted(store, cfg.first_mlp)
-    mlp = _load_first_mlp(first_mlp) if use_mlp else None
+    mlp = load_first_mlp(first_mlp) if use_mlp else None
     kept, excluded = split_by_min_pairs(tokenized, cfg.min_pairs)
     if not kept:
         raise MapsError(
@@ -174,28 +172,21 @@ def run_maps(
             tables["maps_excluded"] = pa.Table.from_pylist(excluded)
         if ops:
             tables["maps_salient"] = salient_table(ops, decode)
-        for name, table in tables.items():
-            out.tables.append(write_result_table(store, name, run_id, with_run_id(table, run_id)))
-        write_run(
-            store,
-            run_id,
-            "maps",
-            started,
-            {
-                "pairs": list(cfg.pairs),
-                "relations": wanted,
-                "k": cfg.k,
-                "k_policy": k_policy,
-                "k_per_relation": ks,
-                "threshold": cfg.threshold,
-                "multi_token": cfg.multi_token,
-                "min_pairs": cfg.min_pairs,
-                "excluded": [e["relation"] for e in excluded],
-                "final_norm": cfg.final_norm,
-                "tokenizer": cfg.tokenizer,
-                "first_mlp": use_mlp,
-            },
-        )
+        config = {
+            "pairs": list(cfg.pairs),
+            "relations": wanted,
+            "k": cfg.k,
+            "k_policy": k_policy,
+            "k_per_relation": ks,
+            "threshold": cfg.threshold,
+            "multi_token": cfg.multi_token,
+            "min_pairs": cfg.min_pairs,
+            "excluded": [e["relation"] for e in excluded],
+            "final_norm": cfg.final_norm,
+            "tokenizer": cfg.tokenizer,
+            "first_mlp": use_mlp,
+        }
+        out.tables += record_run(store, "maps", config, tables, started=started, run_id=run_id).tables
     if cfg.figures:
         from actstore.query.maps_figures import head_heatmap, safe_name
 
@@ -271,229 +262,7 @@ def run_maps(
     return out
 
 
-# ----------------------------------------------------------------------------------- dynamic
-
-
-@dataclass(frozen=True)
-class MapsDynamicConfig:
-    where: str | None = None  # SQL predicate over the examples table
-    relations: tuple[str, ...] | None = None
-    k: int | None = None
-    threshold: float = 0.15
-    multi_token: str = "skip"
-    min_pairs: int = 30
-    pairs: tuple[str, ...] = ()  # pair files: count usable pairs in them rather than among the prompts
-    tokenizer: str | None = None
-    source_token: str = "first"
-    final_norm: bool = True
-    first_mlp: bool | None = None
-    compare_first_mlp: bool = False
-    save: bool = True
-    figures: str | None = None
-    prompts_per_task: int | None = None
-
-
-@dataclass
-class MapsDynamicOutcome:
-    run_id: str
-    summaries: list[dict[str, Any]]
-    excluded: list[dict[str, Any]]
-    first_mlp: bool
-    result: dict[str, Any]
-    tables: list[str] = field(default_factory=list)
-    figures: list[str] = field(default_factory=list)
-
-
-def _nan_to_none(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
-
-
-def run_maps_dynamic(
-    store: Store,
-    cfg: MapsDynamicConfig,
-    tokenizer: Callable[[], Any] | None = None,
-    first_mlp: FirstMlp | None = None,
-    *,
-    client: Any = None,
-    log: Log | None = None,
-) -> MapsDynamicOutcome:
-    """Dynamic MAPS scores from the store's head outputs and their correlation with the static
-    scores; ``tokenizer`` is loaded for single-token prompts and pair files; ``client``: a Dask
-    client for the projections (None: in this process)."""
-    from actstore.core.writer import write_result_table
-    from actstore.query.maps.defaults import MapsError, relation_ks
-    from actstore.query.maps.dynamic import (
-        correlation_summary,
-        correlation_table,
-        dynamic_ranks,
-        head_table,
-        usable_prompts,
-    )
-    from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
-    from actstore.query.maps.projection import VocabProjection
-
-    _check(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
-    started = time.time()
-    wanted = list(cfg.relations) if cfg.relations else None
-    stored_name = str(store.manifest.model.get("name") or "")
-    tok = None
-    if cfg.multi_token == "skip" or cfg.pairs:
-        if tokenizer is None:
-            raise InvalidSetting("tokenizer", "single-token prompts and pair files need the tokenizer")
-        tok = tokenizer()
-    pair_counts = None
-    if cfg.pairs:
-        pair_counts = {}
-        for rp in load_pair_files(list(cfg.pairs)):
-            mode: Any = cfg.multi_token  # checked by _check above
-            tp = tokenize_pairs(
-                rp, tok, vocab_size=store.geometry.vocab_size, multi_token=mode, allow_empty=True
-            )
-            pair_counts[rp.relation] = (tp.n_used, tp.n_pairs)
-    use_mlp = first_mlp_wanted(store, cfg.first_mlp)
-    mlp = _load_first_mlp(first_mlp) if use_mlp or cfg.compare_first_mlp else None
-    chosen = usable_prompts(
-        store,
-        tokenizer=tok,
-        where=cfg.where,
-        relations=wanted,
-        multi_token=cfg.multi_token,
-        min_pairs=cfg.min_pairs,
-        pair_counts=pair_counts,
-    )
-    if not chosen.relations:
-        raise MapsError(
-            "no relation has the usable prompts and pairs needed (usable pairs/pairs: "
-            + ", ".join(
-                f"{e['relation']} {e['n_used']}/{e['n_pairs']} ({e['counted_from']})" for e in chosen.excluded
-            )
-            + f"; minimum {cfg.min_pairs}); lower the minimum, or score multi-token words by their "
-            "first token"
-        )
-    ks = relation_ks(chosen.relations, cfg.k, stored_name)
-    proj = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=None if cfg.compare_first_mlp else mlp)
-    alt = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=mlp) if cfg.compare_first_mlp else None
-    ranks = dynamic_ranks(
-        store,
-        where=cfg.where,
-        relations=chosen.relations,
-        source_token=cfg.source_token,  # type: ignore[arg-type]
-        final_norm=cfg.final_norm,
-        k_max=max(ks.values()),
-        proj=proj,
-        log=log,
-        client=client,
-        prompts_per_task=cfg.prompts_per_task,
-        alt_proj=alt,
-        example_ids=chosen.example_ids.tolist(),
-    )
-    variants = [
-        v for d in ranks.values() for v in (d, d.alt) if v is not None
-    ]  # per relation: plain, first MLP
-    summaries = [correlation_summary(d, ks[d.relation], cfg.threshold) for d in variants]
-    run_id = new_run_id("maps-dynamic")
-    k_policy = "given" if cfg.k is not None else "paper"
-    out = MapsDynamicOutcome(run_id, summaries, chosen.excluded, use_mlp, {})
-    if cfg.save:
-        heads_t = pa.concat_tables([head_table(d, ks[d.relation]) for d in variants])
-        out.tables.append(write_result_table(store, "maps_dynamic", run_id, with_run_id(heads_t, run_id)))
-        out.tables.append(
-            write_result_table(
-                store, "maps_correlation", run_id, with_run_id(correlation_table(summaries), run_id)
-            )
-        )
-        if chosen.excluded:
-            out.tables.append(
-                write_result_table(
-                    store, "maps_excluded", run_id, with_run_id(pa.Table.from_pylist(chosen.excluded), run_id)
-                )
-            )
-        write_run(
-            store,
-            run_id,
-            "maps-dynamic",
-            started,
-            {
-                "where": cfg.where,
-                "relations": wanted,
-                "k": cfg.k,
-                "k_policy": k_policy,
-                "k_per_relation": ks,
-                "multi_token": cfg.multi_token,
-                "min_pairs": cfg.min_pairs,
-                "pairs": list(cfg.pairs),
-                "excluded": [e["relation"] for e in chosen.excluded],
-                "source_token": cfg.source_token,
-                "final_norm": cfg.final_norm,
-                "first_mlp": use_mlp,
-                "compare_first_mlp": cfg.compare_first_mlp,
-            },
-        )
-    if cfg.figures:
-        from actstore.query.maps_figures import head_heatmap, safe_name
-
-        for name, d in ranks.items():
-            kr = ks[name]
-            maps_: list[tuple[str, Any]] = [("static_first_mlp" if d.first_mlp else "static", d.static_up)]
-            if d.alt is not None:
-                maps_.append(("static_first_mlp", d.alt.static_up))
-            for key, arr in (*maps_, ("dynamic_w_context", d.w_up), ("dynamic_wo_context", d.wo_up)):
-                out.figures.append(
-                    str(
-                        head_heatmap(
-                            d.per_template(arr, kr).mean(0),
-                            f"{cfg.figures}/maps_{key}_{safe_name(name)}.png",
-                            f"{key.replace('_', ' ')}, {name} (k={kr})",
-                            vmax=1.0,
-                            threshold=cfg.threshold,
-                        )
-                    )
-                )
-    rel_out = []
-    for summ, d in zip(summaries, variants):
-        kr = ks[d.relation]
-        st, w, o = (d.per_template(a, kr).mean(0) for a in (d.static_up, d.w_up, d.wo_up))
-        L, H = st.shape
-        heads = [
-            {
-                "relation": d.relation,
-                "layer": layer,
-                "head": h,
-                "static": float(st[layer, h]),
-                "dyn_w_context": float(w[layer, h]),
-                "dyn_wo_context": float(o[layer, h]),
-            }
-            for layer in range(L)
-            for h in range(H)
-        ]
-        rel_out.append(
-            {
-                **_nan_to_none(summ),
-                "templates": d.templates,
-                "heads": heads,
-                "n_prompts_store": chosen.counts[d.relation]["n_prompts"],
-            }
-        )
-    out.result = {
-        "store": store.url,
-        "run_id": run_id,
-        "k": cfg.k,
-        "k_policy": k_policy,
-        "final_norm": cfg.final_norm,
-        "first_mlp": use_mlp,
-        "compare_first_mlp": cfg.compare_first_mlp,
-        "multi_token": cfg.multi_token,
-        "min_pairs": cfg.min_pairs,
-        "source_token": cfg.source_token,
-        "relations": rel_out,
-        "excluded": chosen.excluded,
-        "tables": out.tables,
-        "heatmaps": out.figures,
-    }
-    return out
-
-
-def top_heads(scores: np.ndarray, n: int = 3) -> str:
+def top_heads_text(scores: np.ndarray, n: int = 3) -> str:
     """The ``n`` best heads of a [L, H] score grid as ``"layer.head=score"`` words."""
     H = scores.shape[1]
     flat = np.argsort(-scores.ravel(), kind="stable")[:n]

@@ -15,6 +15,8 @@ import numpy as np
 
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import Store
+from actstore.jobs.record import record_run
+from actstore.query.probe import ProbeOutput, probe_tables
 
 CONTRAST_TEXT = {
     "renormalised": "renormalised (dW = W_c_hat - sum pi'_c W_c, pi' renormalised over the competitors; ours)",
@@ -88,3 +90,17 @@ def expand_files(patterns: Sequence[str]) -> list[str]:
             raise InvalidSetting("kb", f"{pattern}: no such file")
         files += hits
     return files
+
+
+def record_probe(store: Store, out: ProbeOutput) -> list[str]:
+    """Write every result table of the probe run and its ``runs`` row; return the tables' paths."""
+    recorded = record_run(
+        store,
+        "probe",
+        out.config.to_json(),
+        probe_tables(out),
+        started=out.started,
+        finished=out.started + out.seconds,
+        run_id=out.run_id,
+    )
+    return recorded.tables

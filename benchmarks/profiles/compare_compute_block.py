@@ -36,9 +36,9 @@ def main() -> None:
     a = ap.parse_args()
     import numpy as np
     import torch
-    from actstore.query.features import FeatureSpec, compute_block, row_shape
 
     import actstore
+    from actstore.query.features import FeatureSpec, compute_block, row_shape
 
     torch.set_num_threads(a.threads)
     spec_ = importlib.util.spec_from_file_location("old_features", Path(a.old) / "query" / "features.py")

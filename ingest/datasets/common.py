@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.ingest.records import PromptRecord
-
 from actstore.core.errors import ActstoreError
+from actstore.ingest.records import PromptRecord
 
 # The prompt data set kinds ``load_dataset`` dispatches on (``KIND:PATH``, or ``demo``).
 KINDS = ("fewrel", "lre", "known1000", "maps", "jsonl", "demo", "methods2k")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import torch
+
 from actstore.ingest.interventions.facts import StoredFact, TraceError
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
 from actstore.ingest.interventions.trace_results import TraceConfig

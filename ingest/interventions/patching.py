@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from actstore.ingest.interventions.facts import StoredFact
-from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
 
 from actstore.core.errors import ActstoreError
+from actstore.ingest.interventions.facts import StoredFact
+from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
 
 COMPONENTS = ("resid", "attn", "mlp")
 POSITIONS = ("subject_last", "last")

@@ -41,13 +41,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from actstore.ingest.architectures import Architecture, architecture_for
-from actstore.ingest.batches import pad_batch
-from actstore.ingest.records import PromptRecord, TokenizedPrompt
 from torch import nn
 
 from actstore.core.errors import ActstoreError
 from actstore.core.manifest import Geometry
+from actstore.ingest.architectures import Architecture, architecture_for
+from actstore.ingest.batches import pad_batch
+from actstore.ingest.records import PromptRecord, TokenizedPrompt
 
 COMPONENTS = ("resid", "attn", "mlp", "head")
 OPS = ("zero", "mean", "set", "add", "add_noise")

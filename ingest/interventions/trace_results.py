@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+
 from actstore.ingest.interventions.facts import StoredFact, TraceError
 
 COMPONENTS = ("resid", "mlp", "attn")

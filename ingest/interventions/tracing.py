@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from actstore.ingest.interventions.facts import StoredFact, TraceError, stored_facts, subject_embedding_std
 from actstore.ingest.interventions.runner import Intervention, InterventionError, InterventionRunner, RunItem
 from actstore.ingest.interventions.trace_results import (

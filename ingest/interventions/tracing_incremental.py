@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
 from actstore.ingest.interventions.facts import StoredFact
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner
 from actstore.ingest.interventions.trace_results import STATE_KEY, CleanStates, TraceConfig, window_layers

@@ -44,6 +44,8 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 import torch
+
+from actstore.core.store import Store
 from actstore.query.distributed import client_threads, run_tasks, store_of
 from actstore.query.maps.defaults import (
     DEFAULT_K,
@@ -58,8 +60,6 @@ from actstore.query.maps.projection import VocabProjection, projected_ranks
 from actstore.query.maps.static import pair_ranks
 from actstore.query.selection import Selection
 from actstore.query.stats import pearson
-
-from actstore.core.store import Store
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from actstore.query.maps.defaults import MIN_PAIRS, MapsError
 
 from actstore.core.store import Store
+from actstore.query.maps.defaults import MIN_PAIRS, MapsError
 
 
 @dataclass(frozen=True)

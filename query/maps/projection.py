@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
-from actstore.query.maps.defaults import ROW_CHUNK, MapsError
 
 from actstore.core.manifest import Geometry
 from actstore.core.store import Store
+from actstore.query.maps.defaults import ROW_CHUNK, MapsError
 
 SourceTransform = Callable[[torch.Tensor], torch.Tensor]
 

@@ -63,11 +63,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+
+from actstore.core.store import Store
 from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, MapsError, check_k, k_of
 from actstore.query.maps.pairs import TokenPairs
 from actstore.query.maps.projection import VocabProjection, head_list, target_ranks
-
-from actstore.core.store import Store
 
 # ----------------------------------------------------------------------------------- static scores
 

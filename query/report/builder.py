@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from actstore.core.store import Store
 from actstore.query.report.context import (
     READ_ERRORS,
     SECTION_IDS,
@@ -25,8 +26,6 @@ from actstore.query.report.render import render_page
 from actstore.query.report.summary import summary_section
 from actstore.query.report.tables import other_tables_section
 from actstore.query.report.tokens import tokenscore_section
-
-from actstore.core.store import Store
 
 
 @dataclass(frozen=True)

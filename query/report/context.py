@@ -18,11 +18,11 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from actstore.query import plotting
 from matplotlib.figure import Figure as MplFigure
 
 from actstore.core.errors import CorruptStoreError, QueryError, StorageError
 from actstore.core.store import Store
+from actstore.query import plotting
 
 log = logging.getLogger("actstore.query.report")
 

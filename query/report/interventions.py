@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from matplotlib.ticker import MaxNLocator
+
 from actstore.query import plotting
 from actstore.query.report.context import (
     Block,
@@ -25,7 +27,6 @@ from actstore.query.report.context import (
     table_block,
     where_equal,
 )
-from matplotlib.ticker import MaxNLocator
 
 TRACE_CLASSES = ("subject_first", "subject_middle", "subject_last", "first_after", "further_after", "last")
 COMPONENT_ORDER = {"resid": 0, "mlp": 1, "attn": 2}

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
+
 from actstore.query import plotting
 from actstore.query.report.context import (
     Heading,
@@ -18,7 +20,6 @@ from actstore.query.report.context import (
     run_label,
     table_block,
 )
-from matplotlib.ticker import MaxNLocator
 
 Panel = tuple[str, Callable[[np.ndarray], float], str]
 

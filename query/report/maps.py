@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from actstore.query import plotting
 from actstore.query.report.context import (
     Block,

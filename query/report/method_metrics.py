@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import pyarrow as pa
+
 from actstore.query.report.context import (
     Block,
     Heading,

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
 from actstore.query import plotting
 from actstore.query.report.context import (
     Block,

@@ -7,10 +7,10 @@ import time
 from collections.abc import Sequence
 
 import jinja2
-from actstore.query.report.context import Block, Section, fmt
 from markupsafe import Markup
 
 from actstore.core.store import Store
+from actstore.query.report.context import Block, Section, fmt
 
 
 @functools.cache

@@ -6,6 +6,8 @@ import os
 import time
 from typing import Any
 
+from actstore.core.store import Store
+from actstore.core.tables import SEGMENT_TABLES
 from actstore.query.report.context import (
     READ_ERRORS,
     Block,
@@ -16,9 +18,6 @@ from actstore.query.report.context import (
     log,
     table_block,
 )
-
-from actstore.core.store import Store
-from actstore.core.tables import SEGMENT_TABLES
 
 CORPUS_WITH_TARGETS = (
     "SELECT e.relation_id, any_value(e.relation_name) AS relation_name, "

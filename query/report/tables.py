@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from actstore.core.tables import SEGMENT_TABLES
 from actstore.query.report.context import (
     READ_ERRORS,
     Block,
@@ -12,8 +13,6 @@ from actstore.query.report.context import (
     log,
     table_block,
 )
-
-from actstore.core.tables import SEGMENT_TABLES
 
 
 def other_tables_section(ctx: ReportContext) -> Section | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from actstore.query.report.context import (
     READ_ERRORS,
     Block,

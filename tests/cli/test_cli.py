@@ -32,12 +32,17 @@ def invoke(*args: str) -> click.testing.Result:
 # ----------------------------------------------------------------------------------- startup and help
 
 
+# The torch-free modules of settings the command line builds its options from.
+SETTINGS_MODULES = {"actstore.query.probe_config", "actstore.query.maps", "actstore.query.maps.defaults"}
+
+
 def test_help_does_not_import_torch_or_the_analysis_packages() -> None:
     code = (
-        "import sys\nfrom actstore.cli import main\n"
+        f"import sys\nfrom actstore.cli import main\nSETTINGS = {sorted(SETTINGS_MODULES)!r}\n"
         "for args in (['--help'], ['trace', '--help'], ['maps', '--help'], ['probe', '--help']):\n"
         "    try:\n        main(args)\n    except SystemExit as e:\n        assert e.code == 0, (args, e.code)\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'ingest', 'query', 'matplotlib') if m in sys.modules)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'matplotlib')"
+        " or m.startswith(('actstore.ingest.', 'actstore.query.', 'actstore.jobs.')) and m not in SETTINGS)\n"
         "print('HEAVY', heavy, file=sys.stderr)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -98,7 +103,7 @@ def test_every_command_reads_its_store_first_and_documents_every_option() -> Non
 )
 def test_an_old_spelling_is_a_usage_error(tiny_store: Path, command: str, old: str) -> None:
     r = invoke(command, str(tiny_store), old, "x")
-    assert r.exit_code == 2 and f"No such option: {old}" in r.stderr, r.output
+    assert r.exit_code == 2 and "No such option" in r.stderr and old in r.stderr, r.output
 
 
 def test_sql_json_equals_format_json(tiny_store: Path) -> None:
@@ -201,7 +206,7 @@ def test_exit_codes_are_documented() -> None:
 
 
 def test_model_defaults_to_the_stores_alias(tiny_store: Path, tmp_path: Path) -> None:
-    from actstore.jobs.interventions import model_for_store
+    from actstore.jobs.model import model_for_store
 
     s = actstore.open(tiny_store)
     assert s.manifest.model["name"] == "tiny-llama"
@@ -236,13 +241,13 @@ def test_a_store_model_that_is_no_alias_is_not_loaded_on_its_own(
     monkeypatch: pytest.MonkeyPatch, tiny_store: Path
 ) -> None:
     from actstore.core.invalid import InvalidSetting
-    from actstore.jobs.interventions import model_for_store
+    from actstore.jobs.model import model_for_store
 
     fake = SimpleNamespace(url="mem://x", manifest=SimpleNamespace(model={"name": "/somewhere/else"}))
     with pytest.raises(InvalidSetting, match="never loaded from disk or the hub on its own") as e:
         model_for_store(fake, None)  # type: ignore[arg-type]
     assert e.value.setting == "model"
-    import actstore.jobs.interventions as runs
+    import actstore.jobs.model as runs
 
     def refuse(store: object, model: str | None) -> str:
         raise InvalidSetting("model", "the store's model is not one of actstore's aliases")

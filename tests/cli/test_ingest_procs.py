@@ -6,11 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from actstore.ingest.distributed import safe_python, torchrun_command
 from test_crash_resume import assert_same_store
 from test_multiprocess import ARGS, env
 
 import actstore
+from actstore.ingest.distributed import safe_python, torchrun_command
 
 
 def ingest(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -25,7 +25,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from actstore.query.report import SECTION_IDS, build_report, collect_sections, expected_sections, write_report
 from click.testing import CliRunner
 from helpers import FIXTURES, require_chromium
 
@@ -33,6 +32,7 @@ import actstore
 from actstore.cli import main
 from actstore.core.errors import CorruptStoreError
 from actstore.core.writer import write_result_table
+from actstore.query.report import SECTION_IDS, build_report, collect_sections, expected_sections, write_report
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from actstore.query.features import KINDS
 from click.testing import CliRunner
 from s3server import S3Server, aws_env, moto_server
 
@@ -18,6 +17,7 @@ import actstore
 from actstore.cli import main
 from actstore.core.store import SEGMENT_ARRAYS
 from actstore.core.verify import verify_store
+from actstore.query.features import KINDS
 
 INGEST = [
     "ingest",

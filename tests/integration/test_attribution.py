@@ -11,10 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from actstore.query.attribution import TokenGeometry, contrast_coefficients, token_scores
-from actstore.query.explain import explain_example
-from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
-from actstore.query.selection import Selection
 from click.testing import CliRunner
 from helpers import FIXTURES, fewrel_store_at
 from hypothesis import given, settings
@@ -22,6 +18,11 @@ from hypothesis import strategies as st
 
 import actstore
 from actstore.cli import main
+from actstore.jobs.probe import record_probe
+from actstore.query.attribution import TokenGeometry, contrast_coefficients, token_scores
+from actstore.query.explain import explain_example
+from actstore.query.probe import ProbeConfig, run_probe
+from actstore.query.selection import Selection
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,7 +44,7 @@ def runs(fewrel_store: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     for kind in ("attn_head", "attn_entity", "attn"):
         cfg = ProbeConfig(kind=kind, top_k=40, epochs=40, episodes=2, seeds=(0,), token_scores="all")
         out = run_probe(store, cfg)
-        write_probe_tables(store, out)
+        record_probe(store, out)
         ids[kind] = out.run_id
     return dst, ids
 

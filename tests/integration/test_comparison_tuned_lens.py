@@ -12,6 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from helpers import KNOWN_STORE_KW
+
+import actstore
+from actstore.core.errors import ActstoreError
+from actstore.jobs.compare import AgreeConfig
 from actstore.query.lens import FinalReadout, LensError, TunedLens
 from actstore.query.method_metrics import study_readings
 from actstore.query.methods import (
@@ -22,12 +28,6 @@ from actstore.query.methods import (
     tuned_lens_reading,
 )
 from actstore.query.tuned_lens import TrainConfig, train_tuned_lens
-from click.testing import CliRunner
-from helpers import KNOWN_STORE_KW
-
-import actstore
-from actstore.core.errors import ActstoreError
-from actstore.jobs.compare import AgreeConfig
 
 STORE_KW = {**KNOWN_STORE_KW, "limit": 6}  # a store of this module's own (it adds a trace run)
 CFG = TrainConfig(steps=12, batch=4, seed=3)

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from actstore.query.distributed import Moments, feature_moments, relation_scores
 
 import actstore
+from actstore.query.distributed import Moments, feature_moments, relation_scores
 
 
 def numpy_moments(

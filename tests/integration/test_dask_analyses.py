@@ -21,6 +21,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from click.testing import CliRunner
+from helpers import FIXTURES
+
+import actstore
+from actstore.cli import main
 from actstore.query.predictors import (
     KnowledgeGraph,
     _instances,
@@ -32,11 +37,6 @@ from actstore.query.predictors import (
     relation_predictors,
     tfidf_similarity,
 )
-from click.testing import CliRunner
-from helpers import FIXTURES
-
-import actstore
-from actstore.cli import main
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))
@@ -177,7 +177,8 @@ def probe_run(
 ) -> tuple[Path, str]:
     """An 8-way probe run over a store of the FewRel fixture in 5 segments (80 prompts; tiny model,
     one short episode)."""
-    from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
+    from actstore.jobs.probe import record_probe
+    from actstore.query.probe import ProbeConfig, run_probe
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -199,7 +200,7 @@ def probe_run(
                 epochs=5,
             ),
         )
-        write_probe_tables(store, out)
+        record_probe(store, out)
     finally:
         torch.set_num_threads(old)
     return dst, out.run_id

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from actstore.ingest.architectures import architecture_for
-from actstore.ingest.models import TINY_ARCHS, tiny_model
 from helpers import FIXTURES, real_data, require_module
 
 import actstore
+from actstore.ingest.architectures import architecture_for
+from actstore.ingest.models import TINY_ARCHS, tiny_model
 
 RTOL = 1e-4
 

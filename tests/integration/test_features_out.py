@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from actstore.query.features import KINDS, FeatureSpec, compute_block, group_bounds
 
 import actstore
 from actstore.core.arrays import create_array, read_ranges, read_rows, widen
+from actstore.query.features import KINDS, FeatureSpec, compute_block, group_bounds
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from actstore.query.features import HEAD_KINDS, KINDS
 
 import actstore
+from actstore.query.features import HEAD_KINDS, KINDS
 
 LAYER_SETS = [[0], [1], [0, 1], [1, 0]]
 HEAD_SETS = [None, [1, 2], [2, 0], [3]]

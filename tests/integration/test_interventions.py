@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
+import actstore
 from actstore.ingest.interventions import (
     Intervention,
     InterventionError,
@@ -18,8 +20,6 @@ from actstore.ingest.interventions import (
     stored_head_means,
 )
 from actstore.ingest.models import tiny_model
-
-import actstore
 
 PROMPTS = ["The capital of France is", "Tokyo is the capital of", "The Nile is a river in Africa that"]
 

@@ -24,13 +24,13 @@ from typing import Any, cast
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from helpers import FIXTURES
+
+import actstore
 from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import load_dataset
 from actstore.ingest.models import tiny_model
 from actstore.ingest.pipeline import ARRAY_NAMES, IngestConfig, corpus_order, forward_order, ingest_prompts
-from helpers import FIXTURES
-
-import actstore
 
 SEG, BATCH = 16, 4
 

@@ -9,6 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
+from helpers import KNOWN_STORE_KW
+
+import actstore
 from actstore.ingest.models import tiny_model
 from actstore.query.lens import (
     FinalReadout,
@@ -19,10 +23,6 @@ from actstore.query.lens import (
     split_facts,
     stored_residuals,
 )
-from click.testing import CliRunner
-from helpers import KNOWN_STORE_KW
-
-import actstore
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 

@@ -15,17 +15,17 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from click.testing import CliRunner
+from helpers import FIXTURES, real_data
+
+import actstore
+from actstore.cli import main
 from actstore.ingest.models import tiny_model
 from actstore.query.maps.dynamic import correlation_summary, dynamic_ranks
 from actstore.query.maps.pairs import load_pair_files, store_pairs, tokenize_pairs
 from actstore.query.maps.projection import VocabProjection
 from actstore.query.maps.static import salient_operations, static_scores
 from actstore.query.store_tokenizer import tokenizer_for_store
-from click.testing import CliRunner
-from helpers import FIXTURES, real_data
-
-import actstore
-from actstore.cli import main
 
 MAPS_DATA = FIXTURES / "maps" / "datasets"
 RELS = ("country_to_capital_wikidata", "adj_antonym")

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import actstore
 from actstore.query.maps.defaults import MapsError
 from actstore.query.maps.pairs import TokenPairs
 from actstore.query.maps.projection import VocabProjection
 from actstore.query.maps.static import static_scores
-
-import actstore
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

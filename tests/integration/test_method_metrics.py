@@ -13,6 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from helpers import FIXTURES, build_store
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from actstore.ingest.datasets import load_dataset
 from actstore.ingest.datasets.common import DatasetError
 from actstore.ingest.datasets.methods2k import (
@@ -36,9 +40,6 @@ from actstore.query.method_metrics import (
     paired_correlation,
 )
 from actstore.query.methods import MethodReading
-from helpers import FIXTURES, build_store
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"
@@ -566,11 +567,11 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import methods_study
+
     from actstore.ingest.interventions.patching import PatchConfig
+    from actstore.jobs.patch import PatchRequest, run_patch
     from actstore.query.method_metrics import study_readings
     from actstore.query.methods import patch_reading
-
-    from actstore.jobs.interventions import PatchRequest, run_patch
 
     data = tmp_path / "m2k"
     build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from helpers import KNOWN_STORE_KW
+
+import actstore
 from actstore.query.methods import (
     LayerProbeConfig,
     MethodReading,
@@ -17,10 +21,6 @@ from actstore.query.methods import (
     probe_reading,
     stored_outputs,
 )
-from click.testing import CliRunner
-from helpers import KNOWN_STORE_KW
-
-import actstore
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 

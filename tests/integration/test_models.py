@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from actstore.core.errors import ActstoreError
 from actstore.ingest import models
 from actstore.ingest.models import TINY_ARCHS, LoadedModel, ModelError, load_model, tiny_model, weight_hash
 from actstore.ingest.models import cache as model_cache
 from actstore.ingest.models import gguf as model_gguf
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from actstore.core.errors import ActstoreError
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is Paris.", "Hi there"]

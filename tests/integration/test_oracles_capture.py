@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from actstore.ingest.models import TINY_ARCHS, LoadedModel, tiny_model
-from actstore.query.features import group_bounds
 from helpers import BuildCache
 
 import actstore
+from actstore.ingest.models import TINY_ARCHS, LoadedModel, tiny_model
+from actstore.query.features import group_bounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

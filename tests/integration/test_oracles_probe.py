@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import actstore.query.probe as probe_mod
 import numpy as np
 import pytest
 import torch
-from actstore.query.attribution import contrast_coefficients
-from actstore.query.explain import explain_example
-from actstore.query.probe import ProbeConfig, ProbeOutput, run_probe, write_probe_tables
-from actstore.query.relspec import gather_standardized, select_features
 
 import actstore
+import actstore.query.probe as probe_mod
+from actstore.jobs.probe import record_probe
+from actstore.query.attribution import contrast_coefficients
+from actstore.query.explain import explain_example
+from actstore.query.probe import ProbeConfig, ProbeOutput, run_probe
+from actstore.query.relspec import gather_standardized, select_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -413,7 +414,7 @@ def test_probe_run_equals_reference_pipeline_and_head_scores(name: str, open_cop
         size = np.abs(r.dW * r.xq).sum(1).max()  # the size of the summed terms
         assert close(out.head_total[e], total, scale=size)
     # The stored table: per gold relation, the mean over its predictions of each unit's score.
-    write_probe_tables(store, out)
+    record_probe(store, out)
     labels = unit_labels(store, cfg, layout)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
@@ -496,7 +497,7 @@ def test_explain_example_equals_reference(name: str, open_copy: Any, spy: Spy) -
     cfg = small(cfg)
     store = open_copy(arch)
     out = run_probe(store, cfg)
-    write_probe_tables(store, out)
+    record_probe(store, out)
     refs, layout, _ = reference_episodes(store, cfg, out, spy)
     labels = unit_labels(store, cfg, layout)
     ep = out.episodes

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from actstore.ingest.models import TINY_ARCHS, tiny_model
-from actstore.query.lens import FinalReadout
 
 import actstore
+from actstore.ingest.models import TINY_ARCHS, tiny_model
+from actstore.query.lens import FinalReadout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -24,13 +24,14 @@ import numpy as np
 import pytest
 import test_oracles_probe as oracle
 import torch
-from actstore.ingest.models import tiny_model
-from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
 from click.testing import CliRunner
 from helpers import FIXTURES, build_store
 
 import actstore
 from actstore.cli import main
+from actstore.ingest.models import tiny_model
+from actstore.jobs.probe import record_probe
+from actstore.query.probe import ProbeConfig, run_probe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -353,7 +354,7 @@ def test_probe_with_seed_contrast_equals_numpy(open_copy: Any, spy: Any) -> None
     cfg = oracle.small(ProbeConfig(kind="attn_head"), contrast="seed")
     store = open_copy("llama")
     out = run_probe(store, cfg)
-    write_probe_tables(store, out)
+    record_probe(store, out)
     refs, layout, _ = oracle.reference_episodes(store, cfg, out, spy)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
@@ -390,7 +391,7 @@ def test_concentration_groups_by_predicted_class(open_copy: Any, spy: Any) -> No
     cfg = oracle.small(ProbeConfig(kind="attn_head"))
     store = open_copy("llama")
     out = run_probe(store, cfg)
-    write_probe_tables(store, out)
+    record_probe(store, out)
     refs, layout, _ = oracle.reference_episodes(store, cfg, out, spy)
     ep = out.episodes
     per_pred: dict[str, list[np.ndarray]] = {}
@@ -555,7 +556,7 @@ def test_output_range_counts_every_instance_of_the_file(
             kind="attn_head", n_way=n_rel, k_shot=2, queries=2, episodes=1, seeds=(0,), top_k=20, epochs=3
         ),
     )
-    write_probe_tables(store, out)
+    record_probe(store, out)
     assert store.sql("SELECT count(*) FROM examples WHERE meta LIKE '%Q7654321%'").column(0)[0].as_py() == 0
     r = CliRunner().invoke(
         main,

@@ -12,6 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
+from helpers import FIXTURES, real_data
+from scipy import stats
+
+import actstore
+from actstore.cli import main
+from actstore.jobs.probe import record_probe
 from actstore.query.predictors import (
     KnowledgeGraph,
     connectivity,
@@ -22,14 +29,8 @@ from actstore.query.predictors import (
     scatter_plots,
     tfidf_similarity,
 )
-from actstore.query.probe import ProbeConfig, run_probe, write_probe_tables
+from actstore.query.probe import ProbeConfig, run_probe
 from actstore.query.shortcuts import normalize, shortcut_analysis, shortcut_figure
-from click.testing import CliRunner
-from helpers import FIXTURES, real_data
-from scipy import stats
-
-import actstore
-from actstore.cli import main
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))  # test, train, valid
@@ -64,7 +65,7 @@ def all_run(
             kind="attn_head", n_way=n, k_shot=5, queries=5, episodes=2, seeds=(0,), top_k=40, epochs=30
         )
         out = run_probe(store, cfg)
-        write_probe_tables(store, out)
+        record_probe(store, out)
     finally:
         torch.set_num_threads(old)
     return dst, out.run_id
@@ -277,15 +278,28 @@ def test_cli_correlate_and_shortcuts_write_tables(run_all: tuple[Path, str], tmp
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert len(d["relations"]) == N_RELATIONS and len(d["correlations"]) == 5 and len(d["plots"]) == 5
+    assert d["probe_run"] == rid and d["run_id"].startswith("correlate-")
     res = runner.invoke(main, ["shortcuts", str(path), "--run", rid, "--json"])
     assert res.exit_code == 0, res.output
-    assert 0 <= json.loads(res.output)["strong_align"] <= 1
+    sc = json.loads(res.output)
+    assert 0 <= sc["strong_align"] <= 1 and sc["run_id"].startswith("shortcuts-")
     store = actstore.open(path)
-    assert store.sql(f"SELECT count(*) FROM correlations WHERE run_id = '{rid}'").column(0)[0].as_py() == 5
-    assert (
-        store.sql(f"SELECT count(*) FROM relation_predictors WHERE run_id = '{rid}'").column(0)[0].as_py()
-        == N_RELATIONS
+    corr_run, sc_run = d["run_id"], sc["run_id"]
+
+    def count(table: str, run: str) -> int:
+        return int(
+            store.sql(f"SELECT count(*) FROM {table} WHERE run_id = ? AND probe_run = ?", [run, rid])[0][
+                0
+            ].as_py()
+        )
+
+    assert count("correlations", corr_run) == 5
+    assert count("relation_predictors", corr_run) == N_RELATIONS
+    assert count("shortcut_summary", sc_run) == 1
+    runs = store.sql(
+        "SELECT run_id, kind, config FROM runs WHERE run_id IN (?, ?) ORDER BY kind", [corr_run, sc_run]
     )
-    assert store.sql(f"SELECT n_errors FROM shortcut_summary WHERE run_id = '{rid}'").num_rows == 1
+    assert runs.column("kind").to_pylist() == ["correlate", "shortcuts"]
+    assert all(json.loads(c)["probe_run"] == rid for c in runs.column("config").to_pylist())
     bad = runner.invoke(main, ["correlate", str(path), "--run", rid, "--kb", str(tmp_path / "missing.txt")])
     assert bad.exit_code != 0 and bad.output.startswith("error:") and "no such file" in bad.output

@@ -10,10 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from actstore.query.episodes import sample_episodes, sample_seeds
-from actstore.query.probe import ProbeConfig, load_features, run_probe, run_reference, write_probe_tables
-from actstore.query.probe_training import _Adam, train_batched, train_reference
-from actstore.query.relspec import gather_standardized, select_features, smd_scores
 from click.testing import CliRunner
 from helpers import FIXTURES, fewrel_store_at, real_data
 
@@ -21,6 +17,11 @@ import actstore
 from actstore.cli import main
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
+from actstore.jobs.probe import record_probe
+from actstore.query.episodes import sample_episodes, sample_seeds
+from actstore.query.probe import ProbeConfig, load_features, run_probe, run_reference
+from actstore.query.probe_training import _Adam, train_batched, train_reference
+from actstore.query.relspec import gather_standardized, select_features, smd_scores
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 N_RELATIONS = len(json.loads(FEWREL_FIXTURE.read_text(encoding="utf-8")))  # 8 invented relations
@@ -161,7 +162,7 @@ def test_result_tables_are_sql_visible(store_copy: Path) -> None:
     store = actstore.open(store_copy)
     cfg = ProbeConfig(kind="attn", top_k=30, epochs=30, episodes=4, seeds=(0, 1))
     out = run_probe(store, cfg)
-    write_probe_tables(store, out)
+    record_probe(store, out)
     rid = out.run_id
     r = store.sql(
         f"SELECT accuracy, ci95_low, ci95_high, episodes FROM probe_runs WHERE run_id = '{rid}'"

@@ -11,10 +11,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from actstore.query.selection import Selection
 
 import actstore
 from actstore.core.errors import QueryError, ReadOnlySQLError
+from actstore.query.selection import Selection
 
 HOSTILE = [
     "x' OR '1'='1",

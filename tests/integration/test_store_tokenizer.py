@@ -15,8 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from actstore.ingest.models import tiny_model
-from actstore.query.store_tokenizer import tokenizer_for_store
 
 import actstore
 from actstore.api import tokenizer_for_store as facade_tokenizer
@@ -24,6 +22,8 @@ from actstore.core.errors import CorruptStoreError, QueryError
 from actstore.core.manifest import seal
 from actstore.core.tables import sha256
 from actstore.core.verify import verify_store
+from actstore.ingest.models import tiny_model
+from actstore.query.store_tokenizer import tokenizer_for_store
 
 TEXTS = ["The capital of France is", "Zebras weren't seen; — naïve café 123", "", "  two  spaces\tand a tab"]
 
@@ -189,10 +189,11 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
     """Written and read through the storage layer: the same files on an S3-compatible server (moto)."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
+    from s3server import moto_server
+
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
     from actstore.ingest.pipeline import IngestConfig, ingest_prompts
-    from s3server import moto_server
 
     with moto_server() as server:
         for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):

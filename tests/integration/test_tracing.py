@@ -10,6 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
+from helpers import KNOWN_STORE_KW
+
+import actstore
 from actstore.ingest.architectures import architecture_for as architecture_for_model
 from actstore.ingest.interventions import Intervention, InterventionRunner, RunItem
 from actstore.ingest.interventions.patching import ActivationPatcher, PatchConfig, PatchError, PatchPair
@@ -24,10 +28,6 @@ from actstore.ingest.interventions.tracing import (
     window_layers,
 )
 from actstore.ingest.models import tiny_model
-from click.testing import CliRunner
-from helpers import KNOWN_STORE_KW
-
-import actstore
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 

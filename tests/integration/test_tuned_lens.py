@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from actstore.query.lens import FinalReadout, LensError, TunedLens, lens_study, read_objects, stored_residuals
-from actstore.query.tuned_lens import TrainConfig, kl_per_index, lr_factor, rows_from_padded, train_tuned_lens
 from click.testing import CliRunner
 from helpers import FIXTURES
 
 import actstore
+from actstore.query.lens import FinalReadout, LensError, TunedLens, lens_study, read_objects, stored_residuals
+from actstore.query.tuned_lens import TrainConfig, kl_per_index, lr_factor, rows_from_padded, train_tuned_lens
 
 KNOWN = f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}"  # invented facts
 STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 20}

@@ -9,14 +9,15 @@ from typing import Any
 
 import pytest
 import transformers
-from actstore.ingest.align import AlignmentError, tokenize_record, tokenize_records
-from actstore.ingest.datasets import load_demo, load_fewrel
-from actstore.ingest.records import PromptRecord, TokenizedPrompt
 from helpers import FIXTURES, real_data, require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from actstore.ingest.align import AlignmentError, tokenize_record, tokenize_records
+from actstore.ingest.datasets import load_demo, load_fewrel
+from actstore.ingest.records import PromptRecord, TokenizedPrompt
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CORPUS = [

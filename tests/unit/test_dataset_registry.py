@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import FIXTURES, real_data
+
 from actstore.ingest.datasets import (
     DatasetError,
     DatasetResult,
@@ -29,7 +31,6 @@ from actstore.ingest.datasets import (
     triple_files,
 )
 from actstore.ingest.datasets.pins import SHA256
-from helpers import FIXTURES, real_data
 
 # The files each named data set needs, as globs in the fixtures' (= $ACTSTORE_DATA's) layout.
 FIXTURE_FILES = {

@@ -13,6 +13,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import FIXTURES, real_data
+
 from actstore.ingest.datasets import (
     DatasetError,
     DatasetResult,
@@ -26,7 +28,6 @@ from actstore.ingest.datasets import (
     load_maps,
 )
 from actstore.ingest.records import PromptRecord
-from helpers import FIXTURES, real_data
 
 FEWREL = FIXTURES / "fewrel" / "val_wiki.json"
 LRE = FIXTURES / "lre_relations" / "data"

@@ -14,13 +14,13 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 import pytest
-from actstore.query import plotting
-from actstore.query.maps_figures import head_heatmap
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 from matplotlib.patches import Rectangle
 
 from actstore.core.errors import QueryError
+from actstore.query import plotting
+from actstore.query.maps_figures import head_heatmap
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOL = 2.5 / 255  # PNG stores 8-bit channels

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+
 from actstore.query.method_metrics import reading_agreement
 from actstore.query.methods import MethodReading
 

@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from actstore.query.relspec import POOLED_EPS, smd_scores
 
 

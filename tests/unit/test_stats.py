@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from scipy import special, stats
+
 from actstore.query.stats import (
     StatsError,
     bootstrap_interval,
@@ -14,7 +16,6 @@ from actstore.query.stats import (
     proportion_interval,
     spearman,
 )
-from scipy import special, stats
 
 
 def _rng() -> np.random.Generator:

@@ -12,8 +12,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from actstore.ingest.datasets.methods2k import build_methods2k
 from helpers import FIXTURES, build_store
+
+from actstore.ingest.datasets.methods2k import build_methods2k
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"

@@ -1,0 +1,110 @@
+"""Command-line options made from a settings dataclass (:mod:`actstore.core.settings`), so that each
+default, help text and set of choices is written once, in the dataclass.
+
+    @options_from(ProbeConfig, skip=("seeds",))
+    def probe(store: str, **given: Any) -> None:
+        cfg = config_from(ProbeConfig, given, seeds=...)
+
+A field ``n_way: int`` becomes ``--n-way`` (an integer, its default shown); a boolean defaulting to
+False becomes the flag ``--name``, one defaulting to True the flag ``--no-name``; ``tuple[int, ...]``
+takes a list like ``0,3,5-7`` and ``tuple[str, ...]`` a comma-separated list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import click
+
+from actstore.cli._options import parse_int_list, split_list
+
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C")
+
+
+def _kind(hint: Any) -> tuple[type, bool]:
+    """(the base type, whether None is allowed) of a field's annotation."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is tuple:
+        return (tuple, optional) if typing.get_args(hint)[0] is int else (list, optional)
+    return hint, optional
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def cli_fields(cls: type, skip: tuple[str, ...] = ()) -> list[dataclasses.Field[Any]]:
+    """The fields of ``cls`` that become options: declared with a help text, not ``cli=False``."""
+    return [
+        f
+        for f in dataclasses.fields(cls)
+        if "help" in f.metadata and f.metadata.get("cli", True) and f.name not in skip
+    ]
+
+
+def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
+    base, _ = _kind(hint)
+    meta, default = f.metadata, f.default
+    help = str(meta["help"])
+    if base is bool:
+        if default is True:
+            return click.option(_flag("no_" + f.name), "no_" + f.name, is_flag=True, help=help)
+        return click.option(_flag(f.name), f.name, is_flag=True, help=help)
+    kw: dict[str, Any] = {"default": default, "help": help, "show_default": default is not None}
+    if meta.get("metavar"):
+        kw["metavar"] = meta["metavar"]
+    if base in (tuple, list):
+        kw.update(
+            default=None if default is None else ",".join(map(str, default)),
+            metavar=kw.get("metavar", "LIST"),
+        )
+    elif meta.get("choices"):
+        kw["type"] = click.Choice([str(c) for c in meta["choices"]])
+    elif base in (int, float):
+        kw["type"] = base
+    return click.option(_flag(f.name), f.name, **kw)
+
+
+def options_from(cls: type, *, skip: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """The options of every command-line field of ``cls`` (see the module docstring)."""
+    hints = typing.get_type_hints(cls)
+    options = [_option(f, hints[f.name]) for f in cli_fields(cls, skip)]
+
+    def deco(fn: F) -> F:
+        for opt in reversed(options):
+            fn = opt(fn)
+        return fn
+
+    return deco
+
+
+def config_from(cls: type[C], given: dict[str, Any], /, **values: Any) -> C:
+    """``cls`` from the parsed options of :func:`options_from` (taken out of ``given``) and
+    ``values`` (settings the command sets itself)."""
+    hints = typing.get_type_hints(cls)
+    for f in cli_fields(cls, tuple(values)):
+        base, _ = _kind(hints[f.name])
+        if base is bool and f.default is True:
+            values[f.name] = not given.pop("no_" + f.name)
+            continue
+        raw = given.pop(f.name)
+        if base is tuple and raw is not None:
+            ints = parse_int_list(raw, f.name.replace("_", "-"))
+            raw = None if ints is None else tuple(ints)
+        elif base is list and raw is not None:
+            raw = split_list(raw)
+        values[f.name] = raw
+    return cls(**values)
+
+
+def defaults(cls: type) -> Mapping[str, Any]:
+    """Field name -> default of ``cls`` (for help texts that quote a default)."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}

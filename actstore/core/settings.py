@@ -1,0 +1,56 @@
+"""Settings of a job or an analysis, declared once: a dataclass field per setting whose metadata
+carries its help text and its allowed values, validated by :func:`check_settings` (one error type,
+:class:`~actstore.core.invalid.InvalidSetting`) and turned into command-line options by
+``actstore.cli._config``.
+
+    @dataclass(frozen=True)
+    class ProbeConfig:
+        n_way: int = setting(5, "Classes (relations) per episode.", low=2)
+        feature_dtype: str = setting("float32", "In-memory feature matrix dtype.", choices=("float32", "float16"))
+
+        def __post_init__(self) -> None:
+            check_settings(self)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from actstore.core.invalid import InvalidSetting
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    low: float | None = None,
+    above: float | None = None,
+    metavar: str | None = None,
+    cli: bool = True,
+) -> Any:
+    """A dataclass field with its default, help text and bounds (``low``: at least; ``above``:
+    strictly above); ``cli=False`` keeps it off the command line."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "low": low, "above": above}
+    return dataclasses.field(default=default, metadata={**meta, "metavar": metavar, "cli": cli})
+
+
+def check_settings(config: Any) -> None:
+    """Every field declared with :func:`setting`: its value among the choices and within bounds
+    (None passes: it means the default behaviour)."""
+    for f in dataclasses.fields(config):
+        meta, value = f.metadata, getattr(config, f.name)
+        if "help" not in meta or value is None:
+            continue
+        if meta["choices"] and value not in meta["choices"]:
+            raise InvalidSetting(f.name, f"{value!r} is not one of {', '.join(map(str, meta['choices']))}")
+        values = value if isinstance(value, tuple) else (value,)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if meta["low"] is not None and v < meta["low"]:
+                raise InvalidSetting(f.name, f"must be at least {meta['low']:g}, not {v}")
+            if meta["above"] is not None and v <= meta["above"]:
+                raise InvalidSetting(f.name, f"must be above {meta['above']:g}, not {v}")

@@ -1,0 +1,141 @@
+"""MAPS head ablation (``actstore ablate``): one settings object to its result tables and ``runs`` row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.runs import new_run_id
+from actstore.core.store import Store
+from actstore.jobs.model import load_store_model, model_for_store
+from actstore.jobs.record import record_run
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class AblateRequest:
+    """One ablation run: ``ablation`` (actstore.ingest.interventions.ablation.AblationConfig) says what is removed and
+    measured; the rest where the model, the pairs and the stored scores come from."""
+
+    ablation: Any
+    model: str | None = None
+    pairs: tuple[str, ...] = ()  # MAPS pair files or folders for the static scores
+    scores_store: str | None = None  # read stored static scores from this store of the same model
+    device: str = "cpu"
+    model_dtype: str = "float32"
+    allow_other_model: bool = False
+    save: bool = True
+
+
+@dataclass
+class AblateOutcome:
+    run_id: str
+    summary: dict[str, Any]
+    rows: list[dict[str, Any]]
+    tables: list[str] = field(default_factory=list)
+
+
+def check_ablation(cfg: Any) -> None:
+    """Settings of an AblationConfig that are wrong before anything runs."""
+    if cfg.k is not None and cfg.k < 1:
+        raise InvalidSetting("k", f"must be at least 1, not {cfg.k}")
+    if cfg.min_pairs < 0:
+        raise InvalidSetting("min_pairs", f"must not be negative, not {cfg.min_pairs}")
+    if not 0 <= cfg.threshold <= 1:
+        raise InvalidSetting("threshold", f"must be in [0, 1], not {cfg.threshold}")
+    if cfg.top_m is not None and cfg.top_m < 1:
+        raise InvalidSetting("top_m", f"must be at least 1, not {cfg.top_m}")
+    if cfg.batch_size < 1:
+        raise InvalidSetting("batch_size", f"must be at least 1, not {cfg.batch_size}")
+    if cfg.max_controls < 0:
+        raise InvalidSetting("max_controls", f"must not be negative, not {cfg.max_controls}")
+    if not 0 <= cfg.max_head_overlap <= 1:
+        raise InvalidSetting("max_head_overlap", f"must be in [0, 1], not {cfg.max_head_overlap}")
+    if cfg.max_accuracy_gap < 0:
+        raise InvalidSetting("max_accuracy_gap", f"must not be negative, not {cfg.max_accuracy_gap}")
+
+
+def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> AblateOutcome:
+    """Accuracy on the relation's prompts with no ablation, with its MAPS heads removed, with as many
+    random heads removed, and on control relations; the ``maps_ablation`` table and a ``runs`` row."""
+    from actstore.core.store import open_store
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.ablation import relation_prompts, run_ablation
+    from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
+
+    say = log or (lambda m: None)
+    cfg = req.ablation
+    check_ablation(cfg)
+    started = time.time()
+    g = store.geometry
+    have = relation_prompts(store, cfg.where)  # checks the relation before the (slow) model load
+    for r in (cfg.relation, *(cfg.controls or ())):
+        if r not in have:
+            raise InvalidSetting(
+                "relation",
+                f"{r!r} has no prompts with an object in {store.url} (it holds: {', '.join(have) or 'none'})",
+            )
+    other = None
+    if req.scores_store is not None:
+        other = open_store(req.scores_store)
+        mine, theirs = (str(x.manifest.model.get("weight_hash") or "") for x in (store, other))
+        if not mine or mine != theirs or other.geometry != g:
+            raise InvalidSetting(
+                "scores_store", f"{other.url} holds another model's weights than {store.url}"
+            )
+    rels = []
+    if req.pairs:
+        rels = load_pair_files(list(req.pairs), [cfg.relation])  # the relation must have a pair file
+        if cfg.controls is None:  # the candidate controls' pair files, where there are some
+            rels += [
+                rp
+                for rp in load_pair_files(list(req.pairs))
+                if rp.relation in have and rp.relation != cfg.relation
+            ]
+    model = model_for_store(store, req.model)
+    loaded = load_store_model(
+        store, model, device=req.device, model_dtype=req.model_dtype, allow_other_model=req.allow_other_model
+    )
+    # single-token pairs (the authors' filter); a relation below min_pairs is excluded by run_ablation
+    pairs = {
+        rp.relation: tokenize_pairs(
+            rp, loaded.tokenizer, vocab_size=g.vocab_size, allow_empty=True, multi_token=cfg.multi_token
+        )
+        for rp in rels
+    }
+    res = run_ablation(InterventionRunner(loaded.model), store, cfg, pairs=pairs, scores_store=other, log=say)
+    out = AblateOutcome(new_run_id("ablate"), res.summary, res.rows)
+    if req.save:
+        config: dict[str, Any] = asdict(cfg)
+        config.update(first_mlp=res.summary["first_mlp"], k_per_relation={cfg.relation: res.summary["k"]})
+        out.tables += record_run(
+            store,
+            "ablate",
+            {
+                **config,
+                "model": model,
+                "pairs": list(req.pairs),
+                "scores_store": req.scores_store,
+                "static_scores": res.summary["static_scores"],
+                "control_choice": res.summary["control_choice"],
+            },
+            {"maps_ablation": res.table()},
+            started=started,
+            run_id=out.run_id,
+        ).tables
+    return out
+
+
+def parse_heads_text(text: str | None, store: Store) -> tuple[tuple[int, int], ...] | None:
+    """``"12.3,7.*"`` -> the (layer, head) pairs of the store's model; None for None."""
+    if not text:
+        return None
+    from actstore.query.maps.projection import parse_heads
+
+    g = store.geometry
+    heads = parse_heads(text, g.n_layers, g.n_heads)
+    return tuple(heads) if heads else None

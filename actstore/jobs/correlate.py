@@ -1,0 +1,89 @@
+"""Predictors of per-relation probe accuracy (``actstore correlate``): one probe run's F1 per relation
+against output range, knowledge-graph connectivity, TF-IDF similarity and HeadScore concentration,
+recorded as a run of its own (``relation_predictors``, ``correlations``; ``probe_run`` names the run
+it read).
+
+    out = run_correlate(store, CorrelateConfig(probe_run="probe-..."))
+    out.result.correlations, out.run_id, out.tables
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.store import Store
+from actstore.jobs.record import read_run_column, record_run
+from actstore.query.distributed import dask_client
+from actstore.query.predictors import PredictorResult, relation_predictors, scatter_plots
+
+DIRECTIONS = ("out", "in", "both")
+CONCENTRATIONS = ("predicted-abs", "gold-signed")
+OUTPUT_RANGES = ("dataset", "sample")
+
+
+@dataclass(frozen=True)
+class CorrelateConfig:
+    """The settings of one ``correlate`` run (``kb``: triple files of the knowledge graph)."""
+
+    probe_run: str
+    kb: tuple[str, ...] = ()
+    direction: str = "out"
+    concentration: str = "predicted-abs"
+    dataset_file: str | None = None
+    output_range: str | None = None  # None: "dataset" with a dataset_file, else "sample"
+    dask_address: str | None = None
+    workers: int | None = None
+    figures: str | None = None
+    save: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.probe_run:
+            raise InvalidSetting("probe_run", "name the probe run to read")
+        for name, value, allowed in (
+            ("direction", self.direction, DIRECTIONS),
+            ("concentration", self.concentration, CONCENTRATIONS),
+            ("output_range", self.output_range, (None, *OUTPUT_RANGES)),
+        ):
+            if value not in allowed:
+                raise InvalidSetting(
+                    name, f"{value!r} is not one of {', '.join(str(a) for a in allowed if a)}"
+                )
+
+
+@dataclass
+class CorrelateOutcome:
+    run_id: str | None  # None when not saved
+    result: PredictorResult
+    figures: list[str] = field(default_factory=list)
+    tables: list[str] = field(default_factory=list)
+
+
+def run_correlate(store: Store, cfg: CorrelateConfig) -> CorrelateOutcome:
+    """Compute the predictors and their correlations with F1, draw the figures, record the run."""
+    started = time.time()
+    with dask_client(cfg.dask_address, cfg.workers) as client:
+        res = relation_predictors(
+            store,
+            cfg.probe_run,
+            kb=[os.path.abspath(f) for f in cfg.kb],
+            direction=cfg.direction,
+            client=client,
+            concentration=cfg.concentration,
+            dataset_file=cfg.dataset_file,
+            output_range=cfg.output_range,
+        )
+    out = CorrelateOutcome(None, res, scatter_plots(res, cfg.figures) if cfg.figures else [])
+    if cfg.save:
+        tables = {
+            "relation_predictors": read_run_column(res.relations, "probe_run"),
+            "correlations": read_run_column(res.correlations, "probe_run"),
+        }
+        config = {
+            k: v for k, v in asdict(cfg).items() if k not in ("save", "figures", "dask_address", "workers")
+        }
+        recorded = record_run(store, "correlate", config, tables, started=started)
+        out.run_id, out.tables = recorded.run_id, recorded.tables
+    return out

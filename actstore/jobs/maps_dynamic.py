@@ -1,0 +1,230 @@
+"""MAPS dynamic scores over a store (``actstore maps-dynamic``): what the heads wrote on the stored
+prompts, its correlation with the static scores, the result tables and the ``runs`` row.
+
+Tables (one file per run, unless ``save`` is False):
+
+    maps_dynamic      relation, template, layer, head, static_score, dyn_w_context, dyn_wo_context, ...
+    maps_correlation  per relation: Pearson r (and p) static vs dynamic, with and without context
+    maps_excluded     relations left out for having fewer usable pairs than min_pairs, with their counts
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.runs import new_run_id
+from actstore.core.store import Store
+from actstore.jobs.maps import FirstMlp, Log, check_scoring, first_mlp_wanted, load_first_mlp
+from actstore.jobs.record import record_run
+
+
+@dataclass(frozen=True)
+class MapsDynamicConfig:
+    where: str | None = None  # SQL predicate over the examples table
+    relations: tuple[str, ...] | None = None
+    k: int | None = None
+    threshold: float = 0.15
+    multi_token: str = "skip"
+    min_pairs: int = 30
+    pairs: tuple[str, ...] = ()  # pair files: count usable pairs in them rather than among the prompts
+    tokenizer: str | None = None
+    source_token: str = "first"
+    final_norm: bool = True
+    first_mlp: bool | None = None
+    compare_first_mlp: bool = False
+    save: bool = True
+    figures: str | None = None
+    prompts_per_task: int | None = None
+
+
+@dataclass
+class MapsDynamicOutcome:
+    run_id: str
+    summaries: list[dict[str, Any]]
+    excluded: list[dict[str, Any]]
+    first_mlp: bool
+    result: dict[str, Any]
+    tables: list[str] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)
+
+
+def _nan_to_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and v != v else v) for k, v in d.items()}
+
+
+def run_maps_dynamic(
+    store: Store,
+    cfg: MapsDynamicConfig,
+    tokenizer: Callable[[], Any] | None = None,
+    first_mlp: FirstMlp | None = None,
+    *,
+    client: Any = None,
+    log: Log | None = None,
+) -> MapsDynamicOutcome:
+    """Dynamic MAPS scores from the store's head outputs and their correlation with the static
+    scores; ``tokenizer`` is loaded for single-token prompts and pair files; ``client``: a Dask
+    client for the projections (None: in this process)."""
+    from actstore.query.maps.defaults import MapsError, relation_ks
+    from actstore.query.maps.dynamic import (
+        correlation_summary,
+        correlation_table,
+        dynamic_ranks,
+        head_table,
+        usable_prompts,
+    )
+    from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
+    from actstore.query.maps.projection import VocabProjection
+
+    check_scoring(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
+    started = time.time()
+    wanted = list(cfg.relations) if cfg.relations else None
+    stored_name = str(store.manifest.model.get("name") or "")
+    tok = None
+    if cfg.multi_token == "skip" or cfg.pairs:
+        if tokenizer is None:
+            raise InvalidSetting("tokenizer", "single-token prompts and pair files need the tokenizer")
+        tok = tokenizer()
+    pair_counts = None
+    if cfg.pairs:
+        pair_counts = {}
+        for rp in load_pair_files(list(cfg.pairs)):
+            mode: Any = cfg.multi_token  # checked by _check above
+            tp = tokenize_pairs(
+                rp, tok, vocab_size=store.geometry.vocab_size, multi_token=mode, allow_empty=True
+            )
+            pair_counts[rp.relation] = (tp.n_used, tp.n_pairs)
+    use_mlp = first_mlp_wanted(store, cfg.first_mlp)
+    mlp = load_first_mlp(first_mlp) if use_mlp or cfg.compare_first_mlp else None
+    chosen = usable_prompts(
+        store,
+        tokenizer=tok,
+        where=cfg.where,
+        relations=wanted,
+        multi_token=cfg.multi_token,
+        min_pairs=cfg.min_pairs,
+        pair_counts=pair_counts,
+    )
+    if not chosen.relations:
+        raise MapsError(
+            "no relation has the usable prompts and pairs needed (usable pairs/pairs: "
+            + ", ".join(
+                f"{e['relation']} {e['n_used']}/{e['n_pairs']} ({e['counted_from']})" for e in chosen.excluded
+            )
+            + f"; minimum {cfg.min_pairs}); lower the minimum, or score multi-token words by their "
+            "first token"
+        )
+    ks = relation_ks(chosen.relations, cfg.k, stored_name)
+    proj = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=None if cfg.compare_first_mlp else mlp)
+    alt = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=mlp) if cfg.compare_first_mlp else None
+    ranks = dynamic_ranks(
+        store,
+        where=cfg.where,
+        relations=chosen.relations,
+        source_token=cfg.source_token,  # type: ignore[arg-type]
+        final_norm=cfg.final_norm,
+        k_max=max(ks.values()),
+        proj=proj,
+        log=log,
+        client=client,
+        prompts_per_task=cfg.prompts_per_task,
+        alt_proj=alt,
+        example_ids=chosen.example_ids.tolist(),
+    )
+    variants = [
+        v for d in ranks.values() for v in (d, d.alt) if v is not None
+    ]  # per relation: plain, first MLP
+    summaries = [correlation_summary(d, ks[d.relation], cfg.threshold) for d in variants]
+    run_id = new_run_id("maps-dynamic")
+    k_policy = "given" if cfg.k is not None else "paper"
+    out = MapsDynamicOutcome(run_id, summaries, chosen.excluded, use_mlp, {})
+    if cfg.save:
+        tables = {
+            "maps_dynamic": pa.concat_tables([head_table(d, ks[d.relation]) for d in variants]),
+            "maps_correlation": correlation_table(summaries),
+        }
+        if chosen.excluded:
+            tables["maps_excluded"] = pa.Table.from_pylist(chosen.excluded)
+        config = {
+            "where": cfg.where,
+            "relations": wanted,
+            "k": cfg.k,
+            "k_policy": k_policy,
+            "k_per_relation": ks,
+            "multi_token": cfg.multi_token,
+            "min_pairs": cfg.min_pairs,
+            "pairs": list(cfg.pairs),
+            "excluded": [e["relation"] for e in chosen.excluded],
+            "source_token": cfg.source_token,
+            "final_norm": cfg.final_norm,
+            "first_mlp": use_mlp,
+            "compare_first_mlp": cfg.compare_first_mlp,
+        }
+        out.tables += record_run(store, "maps-dynamic", config, tables, started=started, run_id=run_id).tables
+    if cfg.figures:
+        from actstore.query.maps_figures import head_heatmap, safe_name
+
+        for name, d in ranks.items():
+            kr = ks[name]
+            maps_: list[tuple[str, Any]] = [("static_first_mlp" if d.first_mlp else "static", d.static_up)]
+            if d.alt is not None:
+                maps_.append(("static_first_mlp", d.alt.static_up))
+            for key, arr in (*maps_, ("dynamic_w_context", d.w_up), ("dynamic_wo_context", d.wo_up)):
+                out.figures.append(
+                    str(
+                        head_heatmap(
+                            d.per_template(arr, kr).mean(0),
+                            f"{cfg.figures}/maps_{key}_{safe_name(name)}.png",
+                            f"{key.replace('_', ' ')}, {name} (k={kr})",
+                            vmax=1.0,
+                            threshold=cfg.threshold,
+                        )
+                    )
+                )
+    rel_out = []
+    for summ, d in zip(summaries, variants):
+        kr = ks[d.relation]
+        st, w, o = (d.per_template(a, kr).mean(0) for a in (d.static_up, d.w_up, d.wo_up))
+        L, H = st.shape
+        heads = [
+            {
+                "relation": d.relation,
+                "layer": layer,
+                "head": h,
+                "static": float(st[layer, h]),
+                "dyn_w_context": float(w[layer, h]),
+                "dyn_wo_context": float(o[layer, h]),
+            }
+            for layer in range(L)
+            for h in range(H)
+        ]
+        rel_out.append(
+            {
+                **_nan_to_none(summ),
+                "templates": d.templates,
+                "heads": heads,
+                "n_prompts_store": chosen.counts[d.relation]["n_prompts"],
+            }
+        )
+    out.result = {
+        "store": store.url,
+        "run_id": run_id,
+        "k": cfg.k,
+        "k_policy": k_policy,
+        "final_norm": cfg.final_norm,
+        "first_mlp": use_mlp,
+        "compare_first_mlp": cfg.compare_first_mlp,
+        "multi_token": cfg.multi_token,
+        "min_pairs": cfg.min_pairs,
+        "source_token": cfg.source_token,
+        "relations": rel_out,
+        "excluded": chosen.excluded,
+        "tables": out.tables,
+        "heatmaps": out.figures,
+    }
+    return out

@@ -1,0 +1,76 @@
+"""The store's model for the jobs that run it (tracing, patching, ablation, MAPS through the first
+MLP): the model named, else the store's own when that is one of actstore's aliases (a name read
+from a store is never loaded from a folder or the hub on its own); its weights must match the
+store's unless ``allow_other_model``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.store import Store
+
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def model_for_store(store: Store, model: str | None) -> str:
+    """``model`` when given, else the store's own model when it is one of actstore's aliases."""
+    from actstore.ingest.models import known_alias
+
+    if model:
+        return model
+    stored = str(store.manifest.model.get("name") or "").strip()
+    if not stored:
+        raise InvalidSetting("model", f"{store.url} names no model; name the model to load")
+    alias = known_alias(stored)
+    if alias is None:
+        raise InvalidSetting(
+            "model",
+            f"the store's model {stored!r} is not one of actstore's aliases, and a name "
+            "read from a store is never loaded from disk or the hub on its own; name the "
+            "model to load",
+        )
+    return alias
+
+
+def load_store_model(
+    store: Store,
+    model: str | None,
+    *,
+    device: str = "cpu",
+    model_dtype: str = "float32",
+    allow_other_model: bool = False,
+    quiet: bool = False,
+) -> Any:
+    """The store's model (see :func:`model_for_store`), loaded; refused when its weights differ from
+    the store's unless ``allow_other_model``."""
+    import torch
+
+    from actstore.ingest.models import load_model
+
+    if model_dtype not in MODEL_DTYPES:
+        raise InvalidSetting("model_dtype", f"{model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    name = model_for_store(store, model)
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    loaded = load_model(name, device=device, dtype=getattr(torch, model_dtype))
+    want = str(store.manifest.model.get("weight_hash") or "")
+    if want and want != loaded.weight_hash and not allow_other_model:
+        raise InvalidSetting(
+            "model",
+            f"{name!r} has other weights than the store's "
+            f"({store.manifest.model.get('name')}); use the store's model, or allow "
+            "another model explicitly",
+        )
+    return loaded
+
+
+def first_mlp_for_store(store: Store, model: str | None) -> Any:
+    """The first-MLP source transform of the store's model (loaded on the CPU, float32), for MAPS
+    static scores through the first MLP."""
+    from actstore.ingest.first_mlp import first_mlp_transform
+
+    loaded = load_store_model(store, model)
+    return first_mlp_transform(loaded.model)

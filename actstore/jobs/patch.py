@@ -1,0 +1,133 @@
+"""Activation patching (``actstore patch``): one settings object to its result tables and ``runs`` row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.progress import progress_bar
+from actstore.core.runs import new_run_id
+from actstore.core.store import Store
+from actstore.jobs.model import load_store_model, model_for_store
+from actstore.jobs.record import record_run
+
+Log = Callable[[str], None]
+
+
+def _bar(total: int, desc: str, quiet: bool) -> Any:
+    return progress_bar(total=total, unit="fact", desc=desc, enabled=not quiet)
+
+
+@dataclass(frozen=True)
+class PatchRequest:
+    model: str | None = None
+    where: str | None = None  # SQL predicate over the examples table choosing the clean facts
+    limit: int | None = None
+    all_facts: bool = False
+    pairs: tuple[tuple[int, int], ...] = ()  # (clean, counterfactual) example ids instead of choosing them
+    patch: Any = None  # actstore.ingest.interventions.patching.PatchConfig (None: its defaults)
+    device: str = "cpu"
+    model_dtype: str = "float32"
+    allow_other_model: bool = False
+    save: bool = True
+    quiet: bool = False
+
+
+@dataclass
+class PatchOutcome:
+    run_id: str
+    results: list[Any]
+    skipped: list[dict[str, Any]]
+    config: dict[str, Any]
+    seconds: float
+    tables: list[str] = field(default_factory=list)
+
+
+def parse_pair(text: str) -> tuple[int, int]:
+    """``"12:40"`` (or ``"12,40"``) -> (12, 40)."""
+    parts = text.replace(",", ":").split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return int(parts[0]), int(parts[1])
+    except ValueError:
+        raise InvalidSetting("pairs", f"{text!r} is not CLEAN_ID:COUNTERFACTUAL_ID") from None
+
+
+def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
+    """Activation patching: clean activations into a counterfactual prompt of the same relation."""
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.patching import (
+        ActivationPatcher,
+        PatchConfig,
+        PatchError,
+        PatchPair,
+        choose_counterfactuals,
+        effects_table,
+        pairs_table,
+    )
+    from actstore.ingest.interventions.tracing import stored_facts
+
+    started = time.time()
+    cfg = req.patch if req.patch is not None else PatchConfig()
+    cfg.validate()
+    skipped: list[dict[str, Any]] = []
+    if req.pairs:
+        ids = sorted({i for p in req.pairs for i in p})
+        got = {f.example_id: f for f in stored_facts(store, correct_only=False, example_ids=ids, check=False)}
+        missing = [i for i in ids if i not in got]
+        if missing:
+            raise PatchError(f"{store.url}: no fact {missing[0]} with an object token")
+        pairs = [PatchPair(got[c], got[x]) for c, x in req.pairs]
+    else:
+        if req.limit is not None and req.limit < 1:
+            raise InvalidSetting("limit", f"must be positive, not {req.limit}")
+        facts = stored_facts(store, req.where, correct_only=not req.all_facts, limit=req.limit)
+        # counterfactuals are facts the model answers, or any fact with --all-facts
+        candidates = [
+            f
+            for f in stored_facts(store, correct_only=not req.all_facts, check=False)
+            if f.subject_span[0] >= 0
+        ]
+        pairs, skipped = choose_counterfactuals(facts, candidates)
+    for p in pairs:
+        p.check()  # a counterfactual of another relation, a subject not in its prompt: one line, before the model
+    if not pairs:
+        raise PatchError(
+            f"{store.url}: no fact with a counterfactual to patch"
+            + (f" ({skipped[0]['reason']})" if skipped else "")
+        )
+    model = model_for_store(store, req.model)
+    loaded = load_store_model(
+        store,
+        model,
+        device=req.device,
+        model_dtype=req.model_dtype,
+        allow_other_model=req.allow_other_model,
+        quiet=req.quiet,
+    )
+    patcher = ActivationPatcher(InterventionRunner(loaded.model), cfg)
+    t0 = time.time()
+    with _bar(len(pairs), "patch", req.quiet) as bar:
+        results = patcher.patch(pairs, progress=bar.update)
+    out = PatchOutcome(new_run_id("patch"), results, skipped, dict(cfg.__dict__), time.time() - t0)
+    if req.save:
+        out.tables += record_run(
+            store,
+            "patch",
+            {
+                **cfg.__dict__,
+                "model": model,
+                "where": req.where,
+                "limit": req.limit,
+                "pairs": [f"{c}:{x}" for c, x in req.pairs],
+                "skipped": skipped,
+            },
+            {"patch_effects": effects_table(results), "patch_pairs": pairs_table(results)},
+            started=started,
+            run_id=out.run_id,
+        ).tables
+    return out

@@ -1,0 +1,62 @@
+"""Lexical shortcuts in a probe run's errors (``actstore shortcuts``): Spearman rho, Mass and
+StrongAlign-x of the errors' TokenScores against lexical cues, recorded as a run of its own
+(``shortcut_errors``, ``shortcut_summary``; ``probe_run`` names the run it read).
+
+    out = run_shortcuts(store, ShortcutsConfig(probe_run="probe-..."))
+    out.result.summary, out.run_id, out.tables
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.store import Store
+from actstore.jobs.record import read_run_column, record_run
+from actstore.query.shortcuts import ShortcutResult, shortcut_analysis, shortcut_figure
+
+
+@dataclass(frozen=True)
+class ShortcutsConfig:
+    """The settings of one ``shortcuts`` run (``n_cues``: lexical cues per relation)."""
+
+    probe_run: str
+    n_cues: int = 20
+    figures: str | None = None  # folder for shortcuts_RUN.png
+    save: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.probe_run:
+            raise InvalidSetting("probe_run", "name the probe run to read")
+        if self.n_cues < 1:
+            raise InvalidSetting("n_cues", f"must be at least 1, not {self.n_cues}")
+
+
+@dataclass
+class ShortcutsOutcome:
+    run_id: str | None  # None when not saved
+    result: ShortcutResult
+    figure: str | None = None
+    tables: list[str] = field(default_factory=list)
+
+
+def run_shortcuts(store: Store, cfg: ShortcutsConfig) -> ShortcutsOutcome:
+    """Score the run's errors against the cues, draw the figure, record the run."""
+    started = time.time()
+    res = shortcut_analysis(store, cfg.probe_run, n_cues=cfg.n_cues)
+    figure = None
+    if cfg.figures:
+        os.makedirs(cfg.figures, exist_ok=True)
+        figure = shortcut_figure(res, os.path.join(cfg.figures, f"shortcuts_{cfg.probe_run}.png"))
+    out = ShortcutsOutcome(None, res, figure)
+    if cfg.save:
+        tables = {
+            "shortcut_errors": read_run_column(res.errors, "probe_run"),
+            "shortcut_summary": read_run_column(res.summary, "probe_run"),
+        }
+        config = {"probe_run": cfg.probe_run, "n_cues": cfg.n_cues}
+        recorded = record_run(store, "shortcuts", config, tables, started=started)
+        out.run_id, out.tables = recorded.run_id, recorded.tables
+    return out

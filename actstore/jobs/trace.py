@@ -1,0 +1,131 @@
+"""Causal tracing (``actstore trace``): one settings object to its result tables and ``runs`` row.
+
+out = run_trace(store, TraceRequest(model=None, limit=3))     # model None: the store's own
+out.results, out.run_id, out.tables
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.progress import progress_bar
+from actstore.core.runs import new_run_id
+from actstore.core.store import Store
+from actstore.jobs.model import load_store_model, model_for_store
+from actstore.jobs.record import record_run
+
+Log = Callable[[str], None]
+
+
+def _bar(total: int, desc: str, quiet: bool) -> Any:
+    return progress_bar(total=total, unit="fact", desc=desc, enabled=not quiet)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    model: str | None = None  # None: the store's own (an actstore alias)
+    where: str | None = None  # SQL predicate over the examples table choosing the facts
+    limit: int | None = None
+    all_facts: bool = False  # also facts the model gets wrong
+    noise_std: float | None = None  # absolute noise std (overrides trace.noise_scale)
+    trace: Any = None  # actstore.ingest.interventions.tracing.TraceConfig (None: its defaults)
+    device: str = "cpu"
+    model_dtype: str = "float32"
+    allow_other_model: bool = False
+    save: bool = True
+    figures: str | None = None  # folder for ROME-style heatmaps
+    max_figures: int = 8
+    quiet: bool = False
+
+
+@dataclass
+class TraceOutcome:
+    run_id: str
+    results: list[Any]
+    noise_std: float
+    config: dict[str, Any]
+    seconds: float
+    tables: list[str] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)
+
+
+def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
+    """Causal tracing of the store's facts: noise on the subject, clean states restored per layer
+    and position.  Settings are checked before the model loads."""
+    from actstore.ingest.interventions import InterventionRunner
+    from actstore.ingest.interventions.tracing import (
+        CausalTracer,
+        TraceConfig,
+        TraceError,
+        effects_table,
+        facts_table,
+        stored_facts,
+        subject_embedding_std,
+    )
+
+    started = time.time()
+    cfg = req.trace if req.trace is not None else TraceConfig()
+    cfg.validate(store.geometry.n_layers)
+    if req.limit is not None and req.limit < 1:
+        raise InvalidSetting("limit", f"must be positive, not {req.limit}")
+    facts = stored_facts(store, req.where, correct_only=not req.all_facts, limit=req.limit)
+    if not facts:
+        raise TraceError(
+            f"{store.url}: no facts to trace"
+            + (f" where {req.where}" if req.where else "")
+            + (
+                ""
+                if req.all_facts
+                else " that the model answers correctly (wrong answers are left out unless all facts are asked for)"
+            )
+        )
+    model = model_for_store(store, req.model)
+    loaded = load_store_model(
+        store,
+        model,
+        device=req.device,
+        model_dtype=req.model_dtype,
+        allow_other_model=req.allow_other_model,
+        quiet=req.quiet,
+    )
+    runner = InterventionRunner(loaded.model)
+    std = (
+        req.noise_std
+        if req.noise_std is not None
+        else cfg.noise_scale * subject_embedding_std(loaded.model, store, runner.arch)
+    )
+    tracer = CausalTracer(runner, cfg, std)
+    t0 = time.time()
+    with _bar(len(facts), "trace", req.quiet) as bar:
+        results = tracer.trace(facts, progress=bar.update)
+    out = TraceOutcome(new_run_id("trace"), results, std, dict(cfg.__dict__), time.time() - t0)
+    if req.save:
+        out.tables += record_run(
+            store,
+            "trace",
+            {
+                **cfg.__dict__,
+                "noise_std": std,
+                "model": model,
+                "where": req.where,
+                "limit": req.limit,
+                "all_facts": req.all_facts,
+            },
+            {"trace_effects": effects_table(results), "trace_facts": facts_table(results, cfg)},
+            started=started,
+            run_id=out.run_id,
+        ).tables
+    if req.figures:
+        from actstore.query.plotting import trace_average_heatmap, trace_heatmap
+
+        folder = Path(req.figures)
+        folder.mkdir(parents=True, exist_ok=True)
+        out.figures.append(str(trace_average_heatmap(results, folder / "trace_average.png")))
+        for r in results[: req.max_figures]:
+            out.figures.append(str(trace_heatmap(r, folder / f"trace_{r.fact.example_id}.png")))
+    return out
