@@ -52,7 +52,7 @@ def cli_fields(cls: type, skip: tuple[str, ...] = ()) -> list[dataclasses.Field[
 
 def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     base, _ = _kind(hint)
-    meta, default = f.metadata, f.default
+    meta, default = f.metadata, f.default if f.default is not dataclasses.MISSING else None
     help = str(meta["help"])
     if base is bool:
         if default is True:
