@@ -11,7 +11,6 @@ The query layer is imported when a method needs it, not when this module is: ``i
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from actstore.core.errors import ActstoreError, QueryError
@@ -123,56 +122,30 @@ def open_store(url: str | os.PathLike[str]) -> Store:
     return Store(locate(url))
 
 
-def ingest_corpus(
-    out: str | os.PathLike[str],
-    *,
-    model: str = "smollm2-135m",
-    dataset: str = "demo",
-    relations: Sequence[str] | None = None,
-    limit_per_relation: int | None = None,
-    storage_dtype: str = "float16",
-    batch_size: int = 16,
-    segment_size: int = 256,
-    device: str = "cpu",
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = False,
-    **options: Any,
-) -> Store:
-    """Run ``model`` once over ``dataset`` and write a store at ``out`` (a path or URL); returns it, open.
+def ingest_corpus(out: str | os.PathLike[str], *, progress: bool = False, **settings: Any) -> Store:
+    """Run a model once over a data set and write a store at ``out`` (a path or URL); returns it, open.
 
-    ``model``: an alias (``tiny-llama``, ``smollm2-135m``, ...) or a hub name / folder; ``dataset``: a
-    name (``demo``, ``fewrel``, ``lre``, ...) or ``kind:PATH``.  ``options``: any other field of
-    :class:`actstore.jobs.ingest.IngestRequest` (``template``, ``model_dtype``, ``padding_side``, ``threads``,
-    ...).  The same as ``actstore ingest`` on the command line::
+    ``settings``: any field of :class:`actstore.ingest.settings.IngestRequest`, with its defaults
+    (``model``: an alias such as ``tiny-llama`` or ``smollm2-135m``, a hub name or a folder;
+    ``dataset``: a name such as ``demo`` or ``fewrel``, or ``kind:PATH``; ``limit_per_relation``,
+    ``storage_dtype``, ``batch_size``, ...).  The same as ``actstore ingest`` on the command line::
 
         store = actstore.ingest_corpus("/tmp/s", model="tiny-llama", dataset="demo", limit_per_relation=4)
     """
     from dataclasses import fields
 
-    from actstore.jobs.ingest import IngestRequest, run_ingest
+    from actstore.ingest.settings import IngestRequest
+    from actstore.jobs.ingest import run_ingest
 
-    known = {f.name for f in fields(IngestRequest)}
-    unknown = sorted(set(options) - known)
+    known = {f.name for f in fields(IngestRequest)} - {"out", "progress", "extra"}
+    unknown = sorted(set(settings) - known)
     if unknown:
         raise ActstoreError(
-            f"ingest_corpus() got unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            f"ingest_corpus() got unknown setting(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
         )
-    req = IngestRequest(
-        model=model,
-        dataset=dataset,
-        out=os.fspath(out),
-        relations=list(relations) if relations is not None else None,
-        limit_per_relation=limit_per_relation,
-        storage_dtype=storage_dtype,
-        batch_size=batch_size,
-        segment_size=segment_size,
-        device=device,
-        resume=resume,
-        overwrite=overwrite,
-        progress=progress,
-        **options,
-    )
+    if settings.get("relations") is not None:
+        settings["relations"] = tuple(settings["relations"])
+    req = IngestRequest(out=os.fspath(out), progress=progress, **settings)
     run_ingest(req)
     return open_store(out)
 
@@ -181,10 +154,9 @@ def tokenizer_for_store(store: CoreStore, name: str | None = None) -> Any:
     """The tokenizer of ``store``'s model, or ``name``'s (a folder, a hub name, or one of actstore's
     model aliases such as ``tiny-llama`` or ``smollm2-135m``).
 
-    A store holds its model's tokenizer since it was ingested (:func:`actstore.query.store_tokenizer.
-    tokenizer_for_store` reads it).  The aliases, and stores written before tokenizers were saved
-    whose manifest names an alias, are resolved through the model registry of ``ingest``, which is
-    why this lives in the facade and not in ``query``.
+    A store holds its model's tokenizer (:func:`actstore.query.store_tokenizer.tokenizer_for_store`
+    reads it).  An alias given as ``name`` is resolved through the model registry of ``ingest``, which
+    is why this lives in the facade and not in ``query``.
     """
     from actstore.ingest.alias_tokenizer import alias_tokenizer
     from actstore.query.store_tokenizer import check_vocabulary
@@ -192,13 +164,6 @@ def tokenizer_for_store(store: CoreStore, name: str | None = None) -> Any:
 
     weight_hash = str(store.manifest.model.get("weight_hash") or "")
     key = name.strip() if name is not None and name.strip() else None
-    if key is None and not store.has_tokenizer():
-        key = str(store.manifest.model.get("name") or "").strip() or None
-        if key is not None:
-            tok = alias_tokenizer(key, weight_hash)
-            if tok is not None:
-                return check_vocabulary(store, tok, key)
-        return from_store(store)  # the error naming what is missing
     if key is not None and not os.path.isdir(os.path.expanduser(key)):
         tok = alias_tokenizer(key, weight_hash)
         if tok is not None:

@@ -1,7 +1,7 @@
 """The tokenizer of one of actstore's model aliases, without loading the model's weights.
 
 Stores hold their model's tokenizer since it was ingested; this is for a tokenizer named by alias
-(``tiny-llama``, ``smollm2-135m``) and for stores written before tokenizers were saved.  It lives
+(``tiny-llama``, ``smollm2-135m``).  It lives
 in ``ingest`` because it needs the model registry (:mod:`actstore.ingest.models`); ``query`` never imports
 it, the facade does (:func:`actstore.api.tokenizer_for_store`).
 

@@ -37,7 +37,7 @@ from typing import TextIO, TypeVar
 import torch.distributed as dist
 
 from actstore.core.errors import ActstoreError
-from actstore.core.fs import StoreLocation, locate
+from actstore.core.fs import StoreLocation
 from actstore.core.lock import LOCK_ENV, held_by_peer, under_launcher, writer_lock
 
 T = TypeVar("T")
@@ -81,7 +81,7 @@ def leave_process_group() -> None:
 
 
 def rank_zero_first(
-    create: Callable[[], T], open_existing: Callable[[], T], rank: int, world: int, out: str
+    create: Callable[[], T], open_existing: Callable[[], T], rank: int, world: int, loc: StoreLocation
 ) -> T:
     """Rank 0 runs ``create``; the others wait until it succeeded, then run ``open_existing``."""
     if world == 1:
@@ -101,9 +101,9 @@ def rank_zero_first(
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is not None:
-            raise RankError(f"rank 0 could not create {out}: {box[0]}")
+            raise RankError(f"rank 0 could not create {loc.url}: {box[0]}")
     else:
-        _wait_for_manifest(out)
+        _wait_for_manifest(loc)
     return open_existing()
 
 
@@ -145,12 +145,13 @@ def ranks_writer_lock(
         barrier()  # every rank has written its segments before rank 0 lets the lock go
 
 
-def _wait_for_manifest(out: str) -> None:
-    loc = locate(out)
+def _wait_for_manifest(loc: StoreLocation) -> None:
     deadline = time.monotonic() + WAIT_SECONDS
     while not loc.exists("manifest.json"):
         if time.monotonic() > deadline:
-            raise RankError(f"rank 0 did not create {out} within {WAIT_SECONDS:.0f}s (ACTSTORE_RANK_WAIT)")
+            raise RankError(
+                f"rank 0 did not create {loc.url} within {WAIT_SECONDS:.0f}s (ACTSTORE_RANK_WAIT)"
+            )
         time.sleep(0.5)
 
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,13 @@ import pyarrow as pa
 import torch
 
 from actstore.core._version import __version__
-from actstore.core.errors import StoreNotFoundError
-from actstore.core.fs import locate
+from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
 from actstore.core.lock import holding, writer_lock
-from actstore.core.manifest import STORAGE_DTYPES, Manifest
+from actstore.core.manifest import Manifest
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id, write_run
-from actstore.core.store import TOKENIZER_DIR, Store, tokenizer_file_name_ok
+from actstore.core.store import TOKENIZER_DIR, tokenizer_file_name_ok
 from actstore.core.tables import EXAMPLES, TARGETS, TOKENS, sha256
 from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import Architecture, architecture_for
@@ -39,6 +38,7 @@ from actstore.ingest.batches import pad_batch
 from actstore.ingest.capture import FusedCapture
 from actstore.ingest.distributed import RankError, rank_zero_first
 from actstore.ingest.records import TokenizedPrompt
+from actstore.ingest.settings import IngestConfig
 
 ARRAY_NAMES = ("z", "attn", "v", "resid", "mlp")
 FLAT_ARRAYS = ("attn", "v")  # one entry per stored token of each example, examples concatenated
@@ -75,58 +75,6 @@ def corpus_order(data: np.ndarray, order: np.ndarray, lengths: np.ndarray | None
     # Gather index: for corpus row i, start[i] .. start[i] + lengths[i] - 1, rows concatenated.
     base = np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
     return data[base + np.arange(int(lengths.sum()), dtype=np.int64)]
-
-
-@dataclass(frozen=True)
-class IngestConfig:
-    """Settings of one ingest.  Everything except ``device``, ``rank``/``world_size`` and ``progress``
-    must match on ``--resume`` (they cannot change the stored bytes).
-
-    ``length_batching``: each segment's prompts go through the model in batches of similar length
-    (sorted by token count, ties in corpus order) instead of corpus order, so batches are padded
-    less; the captured rows are put back in corpus order before they are written, so rows, tables
-    and token layout are as without it.  The float values may differ in their last bits: on the
-    CPU, torch's matmul and attention kernels give a row results that depend on the padded length
-    of its batch (measured: 1-2 float32 ulps, tests/integration/test_length_batching.py), as they already
-    depend on ``batch_size``.  It is therefore recorded in the manifest (when on) like the batch size.
-    """
-
-    out: str
-    batch_size: int = 16  # prompts per forward pass
-    storage_dtype: str = "float16"  # float32 | float16 | bfloat16
-    segment_size: int = 256  # examples per commit unit; a multiple of batch_size and chunk_rows
-    chunk_rows: int = 32  # rows per chunk of the per-target arrays (z, resid, mlp)
-    chunk_flat: int = 512  # entries per chunk of the flat token/source arrays (attn, v)
-    chunk_layers: int = 1  # layers per chunk of every segment array (0: all layers in one chunk)
-    padding_side: str = "right"
-    length_batching: bool = False  # forward passes over a segment's rows sorted by length (less padding)
-    device: str = "cpu"
-    resume: bool = False
-    overwrite: bool = False
-    rank: int = 0
-    world_size: int = 1
-    progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)  # dataset spec and options, recorded in the manifest
-
-    def validate(self) -> None:
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise InvalidSetting(
-                "storage_dtype", f"must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}"
-            )
-        if self.batch_size < 1 or self.segment_size < 1:
-            raise InvalidSetting("batch_size", "the batch size and the segment size must be positive")
-        if self.segment_size % self.batch_size:
-            raise InvalidSetting(
-                "segment_size", f"{self.segment_size} must be a multiple of the batch size {self.batch_size}"
-            )
-        if self.chunk_layers < 0:
-            raise InvalidSetting(
-                "chunk_layers", f"must be 0 (all layers in one chunk) or positive, not {self.chunk_layers}"
-            )
-        if self.padding_side not in ("left", "right"):
-            raise ValueError(f"padding side must be left or right, not {self.padding_side!r}")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in 0..world_size-1 (world_size {self.world_size})")
 
 
 @dataclass
@@ -197,18 +145,10 @@ def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
     return out
 
 
-def _with_tokenizer(model_info: dict[str, Any], files: dict[str, bytes], cfg: IngestConfig) -> dict[str, Any]:
-    """``model_info`` recording the tokenizer files' SHA-256 (``model.tokenizer``), except when resuming a
-    store ingested before tokenizers were saved (its manifest must still match)."""
+def _with_tokenizer(model_info: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
+    """``model_info`` recording the tokenizer files' SHA-256 (``model.tokenizer``)."""
     if not files:
         return model_info
-    if cfg.resume or cfg.world_size > 1:
-        try:
-            old = Store(locate(cfg.out)).manifest.model
-        except StoreNotFoundError:
-            old = None
-        if old is not None and "tokenizer" not in old:
-            return model_info
     return {**model_info, "tokenizer": {"files": {name: sha256(data) for name, data in files.items()}}}
 
 
@@ -251,39 +191,42 @@ def ingest_prompts(
     *,
     on_segment: Callable[[int], None] | None = None,
 ) -> IngestReport:
-    """Capture ``prompts`` into the store ``cfg.out`` (create, or resume an interrupted ingest).
-
-    The store's writer lock (:mod:`actstore.core.lock`) is held throughout: taken here by a single
-    process unless its caller already holds it; ranks (``world_size > 1``) must run under the
-    lock their launcher or rank 0 holds (:func:`actstore.ingest.distributed.ranks_writer_lock`).
-    """
-    cfg.validate()
-    if not prompts:
-        raise ValueError("the corpus is empty: no prompts to ingest")
-    url = locate(cfg.out).url
-    if cfg.world_size > 1 and not holding(url):
+    """Capture ``prompts`` into the store ``cfg.out`` (create, or resume an interrupted ingest),
+    holding its writer lock (:mod:`actstore.core.lock`) throughout: the library's way in.  The
+    ``actstore ingest`` job takes the lock itself and calls :func:`capture_corpus`."""
+    loc = locate(cfg.out)
+    if cfg.world_size > 1:
         raise RankError(
-            f"rank {cfg.rank} of {cfg.world_size} must run under the writer lock of {url} "
-            "(actstore.ingest.distributed.ranks_writer_lock)"
+            "ranks run through the ingest job under one writer lock (actstore.jobs.ingest, ranks_writer_lock)"
         )
-    with writer_lock(url):
-        return _ingest_prompts(model, tokenizer, model_info, prompts, cfg, on_segment)
+    with writer_lock(loc):
+        return capture_corpus(loc, model, tokenizer, model_info, prompts, cfg, on_segment=on_segment)
 
 
-def _ingest_prompts(
+def capture_corpus(
+    loc: StoreLocation,
     model: torch.nn.Module,
     tokenizer: Any,
     model_info: dict[str, Any],
     prompts: Sequence[TokenizedPrompt],
     cfg: IngestConfig,
-    on_segment: Callable[[int], None] | None,
+    *,
+    on_segment: Callable[[int], None] | None = None,
 ) -> IngestReport:
+    """Capture ``prompts`` into the store at ``loc``, whose writer lock the caller holds (this
+    process, or the launcher of its ranks: :func:`actstore.ingest.distributed.ranks_writer_lock`)."""
+    if not holding(loc.url):
+        raise RankError(
+            f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)"
+        )
+    if not prompts:
+        raise InvalidSetting("dataset", "the corpus is empty: no prompts to ingest")
     arch = architecture_for(model)
     tok_files = tokenizer_files(tokenizer)
-    model_info = _with_tokenizer(model_info, tok_files, cfg)
+    model_info = _with_tokenizer(model_info, tok_files)
     manifest = build_manifest(model, arch, model_info, prompts, cfg)
     if cfg.resume:
-        writer = StoreWriter.resume(cfg.out, manifest)
+        writer = StoreWriter.resume(loc, manifest)
     else:  # rank 0 creates the store; other ranks wait for it (actstore.ingest.distributed)
 
         def create() -> StoreWriter:
@@ -293,10 +236,10 @@ def _ingest_prompts(
                 if "tokenizer" in model_info
                 else {}
             )
-            return StoreWriter.create(cfg.out, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
+            return StoreWriter.create(loc, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
 
         writer = rank_zero_first(
-            create, lambda: StoreWriter.resume(cfg.out, manifest), cfg.rank, cfg.world_size, cfg.out
+            create, lambda: StoreWriter.resume(loc, manifest), cfg.rank, cfg.world_size, loc
         )
     done = writer.committed()
     mine = [s for s in range(manifest.n_segments) if s % cfg.world_size == cfg.rank]

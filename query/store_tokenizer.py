@@ -9,8 +9,7 @@ no model package.  :func:`tokenizer_for_store` loads, in order:
 2. the store's own ``tokenizer/`` files, checked against the manifest's hashes.
 
 A name written in a store's manifest is never loaded from disk or the hub.  Actstore's model
-aliases (``tiny-llama``, ``smollm2-135m``) and stores written before tokenizers were saved are
-resolved by the facade (:func:`actstore.api.tokenizer_for_store`), which may use ``ingest``.
+aliases (``tiny-llama``, ``smollm2-135m``) are resolved by the facade (:func:`actstore.api.tokenizer_for_store`), which may use ``ingest``.
 
 Every failure is a :class:`~actstore.core.errors.QueryError` with one line naming what to pass.
 """
@@ -35,8 +34,8 @@ def tokenizer_for_store(store: Store, name: str | None = None) -> Any:
         key = f"{store.url}/tokenizer"
         if not store.has_tokenizer():
             raise QueryError(
-                f"{store.url} holds no tokenizer (the store was ingested before tokenizers were saved with it); "
-                "name the model's tokenizer (a folder or hub name) explicitly"
+                f"{store.url} holds no tokenizer; name the model's tokenizer (a folder, a hub name or an "
+                "alias) explicitly"
             )
         files = store.tokenizer_files()
         with tempfile.TemporaryDirectory(prefix="actstore-tokenizer-") as tmp:

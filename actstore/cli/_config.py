@@ -37,8 +37,8 @@ def _kind(hint: Any) -> tuple[type, bool]:
     return hint, optional
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _flag(name: str, meta: Mapping[str, Any] | None = None) -> str:
+    return str((meta or {}).get("flag") or "--" + name.replace("_", "-"))
 
 
 def cli_fields(cls: type, skip: tuple[str, ...] = ()) -> list[dataclasses.Field[Any]]:
@@ -57,8 +57,10 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     if base is bool:
         if default is True:
             return click.option(_flag("no_" + f.name), "no_" + f.name, is_flag=True, help=help)
-        return click.option(_flag(f.name), f.name, is_flag=True, help=help)
+        return click.option(_flag(f.name, meta), f.name, is_flag=True, help=help)
     kw: dict[str, Any] = {"default": default, "help": help, "show_default": default is not None}
+    if meta.get("required"):
+        kw.update(required=True, default=None, show_default=False)
     if meta.get("metavar"):
         kw["metavar"] = meta["metavar"]
     if base in (tuple, list):
@@ -70,13 +72,16 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
         kw["type"] = click.Choice([str(c) for c in meta["choices"]])
     elif base in (int, float):
         kw["type"] = base
-    return click.option(_flag(f.name), f.name, **kw)
+    return click.option(_flag(f.name, meta), f.name, **kw)
 
 
-def options_from(cls: type, *, skip: tuple[str, ...] = ()) -> Callable[[F], F]:
-    """The options of every command-line field of ``cls`` (see the module docstring)."""
+def options_from(cls: type, *, skip: tuple[str, ...] = (), first: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """The options of every command-line field of ``cls`` (see the module docstring), in field order
+    after those named in ``first``."""
     hints = typing.get_type_hints(cls)
-    options = [_option(f, hints[f.name]) for f in cli_fields(cls, skip)]
+    order = {name: i for i, name in enumerate(first)}
+    chosen = sorted(cli_fields(cls, skip), key=lambda f: order.get(f.name, len(order)))
+    options = [_option(f, hints[f.name]) for f in chosen]
 
     def deco(fn: F) -> F:
         for opt in reversed(options):

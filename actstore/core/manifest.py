@@ -17,9 +17,12 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from actstore.core.errors import CorruptStoreError, FormatVersionError
+from actstore.core.errors import CorruptStoreError, FormatVersionError, StoreNotFoundError
+
+if TYPE_CHECKING:
+    from actstore.core.fs import StoreLocation
 
 FORMAT_NAME = "actstore"
 FORMAT_VERSION = 2  # 2: segment arrays may be chunked along the layer axis too (chunk_layers)
@@ -349,3 +352,11 @@ class Manifest:
             format_version=version,
             integrity=integrity,
         )
+
+
+def read_manifest(location: StoreLocation) -> Manifest:
+    """The manifest of the store at ``location`` (no segment, table or weight is read)."""
+    if not location.exists("manifest.json"):
+        location.probe()  # a wrong endpoint, credentials or bucket says so, not "no store"
+        raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)")
+    return Manifest.from_json(location.read_bytes("manifest.json", MAX_JSON_BYTES), location.url)

@@ -29,12 +29,16 @@ def setting(
     low: float | None = None,
     above: float | None = None,
     metavar: str | None = None,
+    flag: str | None = None,
+    required: bool = False,
     cli: bool = True,
 ) -> Any:
     """A dataclass field with its default, help text and bounds (``low``: at least; ``above``:
-    strictly above); ``cli=False`` keeps it off the command line."""
+    strictly above).  On the command line: ``flag`` (default ``--field-name``), ``required``;
+    ``cli=False`` keeps it off."""
     meta = {"help": help, "choices": tuple(choices) if choices else None, "low": low, "above": above}
-    return dataclasses.field(default=default, metadata={**meta, "metavar": metavar, "cli": cli})
+    cli_meta = {"metavar": metavar, "flag": flag, "required": required, "cli": cli}
+    return dataclasses.field(default=default, metadata={**meta, **cli_meta})
 
 
 def check_settings(config: Any) -> None:

@@ -32,9 +32,9 @@ import pyarrow.parquet as pq
 import zarr
 
 from actstore.core.arrays import NUMPY_DTYPE, ChunkGuard, check_array, read_ranges, read_rows
-from actstore.core.errors import CorruptStoreError, QueryError, StoreNotFoundError
+from actstore.core.errors import CorruptStoreError, QueryError
 from actstore.core.fs import StoreLocation, locate
-from actstore.core.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit
+from actstore.core.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit, read_manifest
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
 
 if TYPE_CHECKING:
@@ -133,10 +133,7 @@ class Store:
 
     def __init__(self, location: StoreLocation) -> None:
         self.location = location
-        if not location.exists("manifest.json"):
-            location.probe()  # a wrong endpoint, credentials or bucket says so, not "no store"
-            raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)")
-        self.manifest = Manifest.from_json(location.read_bytes("manifest.json", MAX_JSON_BYTES), location.url)
+        self.manifest = read_manifest(location)
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
         self._verified: set[str] = set()  # table shards whose SHA-256 matched their commit marker
         self._tables: dict[str, pa.Table] = {}  # table files read so far (immutable once visible)
@@ -337,8 +334,8 @@ class Store:
 
     # ------------------------------------------------------------------ tokenizer
     def tokenizer_record(self) -> dict[str, str] | None:
-        """``{file name: SHA-256}`` of the tokenizer files the manifest records (None for a store ingested
-        before tokenizers were saved); a malformed record is a CorruptStoreError."""
+        """``{file name: SHA-256}`` of the tokenizer files the manifest records (None when it records
+        none); a malformed record is a CorruptStoreError."""
         rec = self.manifest.model.get("tokenizer")
         if rec is None:
             return None
@@ -362,9 +359,7 @@ class Store:
         ``AutoTokenizer.from_pretrained`` once written out; see :mod:`actstore.query.store_tokenizer`)."""
         record = self.tokenizer_record()
         if record is None:
-            raise QueryError(
-                f"{self.url} holds no tokenizer (ingested before tokenizers were saved with stores)"
-            )
+            raise QueryError(f"{self.url} holds no tokenizer")
         out: dict[str, bytes] = {}
         for name, want in record.items():
             rel = f"{TOKENIZER_DIR}/{name}"

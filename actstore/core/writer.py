@@ -9,7 +9,6 @@ per process or GPU) can each take a disjoint set of segments.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,8 +17,8 @@ import pyarrow as pa
 
 from actstore.core.arrays import create_array
 from actstore.core.errors import StoreMismatchError
-from actstore.core.fs import StoreLocation, locate
-from actstore.core.manifest import Manifest, SegmentCommit
+from actstore.core.fs import StoreLocation
+from actstore.core.manifest import Manifest, SegmentCommit, read_manifest
 from actstore.core.ownership import CREATING, creating_marker, prepare_root, signed_creating
 from actstore.core.store import SEGMENT_ARRAYS, Store, read_commits, segment_name
 from actstore.core.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
@@ -38,10 +37,9 @@ RESUME_KEYS = (
 )
 
 
-def creation_interrupted(url: str | os.PathLike[str]) -> bool:
-    """True when ``url`` holds only the remains of a creation killed before its manifest (a
+def creation_interrupted(loc: StoreLocation) -> bool:
+    """True when ``loc`` holds only the remains of a creation killed before its manifest (a
     ``.creating`` marker with actstore's signature: an empty or foreign one proves nothing)."""
-    loc = locate(url)
     return loc.exists(CREATING) and not loc.exists("manifest.json") and signed_creating(loc)
 
 
@@ -55,7 +53,7 @@ class StoreWriter:
     @classmethod
     def create(
         cls,
-        url: str | os.PathLike[str],
+        loc: StoreLocation,
         manifest: Manifest,
         weights: Mapping[str, np.ndarray],
         weight_attrs: Mapping[str, Any],
@@ -63,10 +61,9 @@ class StoreWriter:
         overwrite: bool = False,
         files: Mapping[str, bytes] | None = None,
     ) -> StoreWriter:
-        """A new store at ``url``.  The caller holds the writer lock (:mod:`actstore.core.lock`); an existing
+        """A new store at ``loc``.  The caller holds the writer lock (:mod:`actstore.core.lock`); an existing
         store is replaced only with ``overwrite`` and only when it provably is one, and the signed
         remains of a killed creation are cleared (:func:`actstore.core.ownership.prepare_root`)."""
-        loc = locate(url)
         prepare_root(loc, overwrite=overwrite)
         loc.makedirs("")
         loc.write_bytes_atomic(CREATING, creating_marker())
@@ -99,10 +96,11 @@ class StoreWriter:
         return cls(loc, manifest)
 
     @classmethod
-    def resume(cls, url: str | os.PathLike[str], manifest: Manifest) -> StoreWriter:
-        """Reopen a store for writing; ``manifest`` must describe the same ingest."""
-        store = Store(locate(url))
-        old = json.loads(store.manifest.to_json())
+    def resume(cls, loc: StoreLocation, manifest: Manifest) -> StoreWriter:
+        """Reopen a store for writing; ``manifest`` must describe the same ingest (only the store's
+        manifest is read)."""
+        stored = read_manifest(loc)
+        old = json.loads(stored.to_json())
         new = json.loads(manifest.to_json())
         diffs = [k for k in RESUME_KEYS if old.get(k) != new.get(k)]
         if diffs:
@@ -133,11 +131,11 @@ class StoreWriter:
                     else ""
                 )
             raise StoreMismatchError(
-                f"cannot resume {store.url}: the store was written with different {', '.join(diffs)}{detail}"
+                f"cannot resume {loc.url}: the store was written with different {', '.join(diffs)}{detail}"
             )
-        if store.location.exists(CREATING):  # killed between writing the manifest and removing the flag
-            store.location.fs.rm(store.location.path(CREATING))
-        return cls(store.location, store.manifest)
+        if loc.exists(CREATING):  # killed between writing the manifest and removing the flag
+            loc.fs.rm(loc.path(CREATING))
+        return cls(loc, stored)
 
     def committed(self) -> set[int]:
         """Segments with a valid commit marker, read exactly as readers read them (a marker whose

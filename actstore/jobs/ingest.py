@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 
 import torch
 
@@ -21,30 +21,10 @@ from actstore.core.writer import creation_interrupted
 from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import DatasetResult, load_dataset
 from actstore.ingest.distributed import barrier, join_process_group, ranks_writer_lock
-from actstore.ingest.pipeline import IngestConfig, IngestReport, ingest_prompts
+from actstore.ingest.pipeline import IngestReport, capture_corpus
+from actstore.ingest.settings import IngestRequest
 
 MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class IngestRequest(IngestConfig):
-    """One ``actstore ingest``: the capture settings of :class:`actstore.ingest.pipeline.IngestConfig` (``out``,
-    ``batch_size``, ``storage_dtype``, ``segment_size``, ``padding_side``, ``device``, ``resume``, ...),
-    written once there, and what this job adds: the model, the data set and its filters."""
-
-    model: str = "smollm2-135m"
-    dataset: str = "demo"
-    relations: list[str] | None = None
-    limit_per_relation: int | None = None
-    template: str | None = None
-    keep_object_first: bool = False  # fewrel: keep instances whose object precedes the subject
-    model_dtype: str = "float32"
-    threads: int = 0  # torch CPU threads for this ingest (0: leave torch's setting)
-
-    def capture_config(self, out: str, extra: dict[str, object]) -> IngestConfig:
-        """The pipeline's settings: this request's IngestConfig fields, with ``out`` and ``extra`` replaced."""
-        own = {f.name: getattr(self, f.name) for f in fields(IngestConfig)}
-        return IngestConfig(**(own | {"out": out, "extra": extra}))
 
 
 def _log_nothing(message: str) -> None:
@@ -53,8 +33,6 @@ def _log_nothing(message: str) -> None:
 
 def run_ingest(req: IngestRequest, log: Callable[[str], None] = _log_nothing) -> IngestReport:
     """Ingest ``req.dataset`` with ``req.model`` into ``req.out``; torch's thread count is restored after."""
-    if req.threads < 0:
-        raise InvalidSetting("threads", f"must be 0 (torch's default) or more (got {req.threads})")
     old = torch.get_num_threads()
     if req.threads > 0:
         torch.set_num_threads(req.threads)
@@ -64,37 +42,12 @@ def run_ingest(req: IngestRequest, log: Callable[[str], None] = _log_nothing) ->
         torch.set_num_threads(old)
 
 
-def check_sizes(batch_size: int, segment_size: int) -> None:
-    """A segment holds whole batches: ``segment_size`` must be a positive multiple of ``batch_size``
-    (it is used as given, never rounded)."""
-    if batch_size < 1 or segment_size < 1:
-        raise InvalidSetting(
-            "batch_size" if batch_size < 1 else "segment_size",
-            f"the batch size ({batch_size}) and the segment size ({segment_size}) must be positive",
-        )
-    if segment_size % batch_size:
-        near = [
-            m
-            for m in (
-                segment_size - segment_size % batch_size,
-                segment_size - segment_size % batch_size + batch_size,
-            )
-            if m > 0
-        ]
-        raise InvalidSetting(
-            "segment_size",
-            f"{segment_size} is not a multiple of the batch size {batch_size} (a "
-            f"segment holds whole batches): use {' or '.join(map(str, near))}, or a batch size "
-            f"that divides {segment_size}",
-        )
-
-
 def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestRequest:
     """Whether ``req`` may write ``loc`` as asked; run before the writer lock (fail fast, touch
     nothing) and again under it.  A ``--resume`` of a creation killed before its manifest (signed
     remains, see :mod:`actstore.core.ownership`) becomes a fresh create."""
     if req.resume and not loc.exists("manifest.json"):
-        if not creation_interrupted(loc.url):
+        if not creation_interrupted(loc):
             check_root(loc, overwrite=False)  # a foreign .creating or a non-empty directory: say so
             raise InvalidSetting("resume", f"no store at {loc.url} to resume")
         return replace(req, resume=False)  # killed while creating: nothing was committed, start afresh
@@ -104,11 +57,6 @@ def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestR
 
 
 def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
-    if req.relations is not None and not req.relations:
-        raise InvalidSetting(
-            "relations", "no relation ids given (leave the setting out to keep every relation)"
-        )
-    check_sizes(req.batch_size, req.segment_size)
     options: dict[str, object] = {
         "relations": req.relations,
         "limit_per_relation": req.limit_per_relation,
@@ -173,4 +121,4 @@ def _ingest_locked(
             "skipped": data.skipped,
         },
     )
-    return ingest_prompts(loaded.model, loaded.tokenizer, model_info, prompts, cfg)
+    return capture_corpus(loc, loaded.model, loaded.tokenizer, model_info, prompts, cfg)

@@ -433,5 +433,5 @@ def test_facade_names_and_ingest(tmp_path: Path) -> None:
     per = s.sql("SELECT relation_id, count(*) AS n FROM examples GROUP BY 1", format="pandas")
     assert len(per) == 6 and set(per.n) == {2} and s.n_rows == 12
     assert s.manifest.model["name"] == "tiny-llama" and s.manifest.storage_dtype == "float32"
-    with pytest.raises(ActstoreError, match="unknown option"):
+    with pytest.raises(ActstoreError, match="unknown setting"):
         actstore.ingest_corpus(tmp_path / "t", model="tiny-llama", no_such_option=1)

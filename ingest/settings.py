@@ -1,0 +1,139 @@
+"""The settings of an ingest, torch-free so that the command line builds its options from them
+(:mod:`actstore.cli._config`) without loading the model code.
+
+:class:`IngestConfig` holds what the capture pipeline needs (:mod:`actstore.ingest.pipeline`);
+:class:`IngestRequest` adds what the ``actstore ingest`` job resolves before it (the model, the data
+set and its filters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.manifest import STORAGE_DTYPES
+from actstore.core.settings import check_settings, setting
+
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """Settings of one ingest.  Everything except ``device``, ``rank``/``world_size`` and ``progress``
+    must match on ``--resume`` (they cannot change the stored bytes).
+
+    ``length_batching``: each segment's prompts go through the model in batches of similar length
+    (sorted by token count, ties in corpus order) instead of corpus order, so batches are padded
+    less; the captured rows are put back in corpus order before they are written, so rows, tables
+    and token layout are as without it.  The float values may differ in their last bits: on the
+    CPU, torch's matmul and attention kernels give a row results that depend on the padded length
+    of its batch (measured: 1-2 float32 ulps, tests/integration/test_length_batching.py), as they already
+    depend on ``batch_size``.  It is therefore recorded in the manifest (when on) like the batch size.
+    """
+
+    out: str = setting(None, "Store directory or URL.", required=True)
+    batch_size: int = setting(16, "Prompts per forward pass.")
+    storage_dtype: str = setting(
+        "float16", "Storage dtype of the captured arrays.", choices=STORAGE_DTYPES, flag="--dtype"
+    )
+    segment_size: int = setting(256, "Examples per commit, a multiple of --batch-size.")
+    chunk_rows: int = setting(32, "Rows per chunk of the per-target arrays (z, resid, mlp).", cli=False)
+    chunk_flat: int = setting(512, "Entries per chunk of the flat token/source arrays (attn, v).", cli=False)
+    chunk_layers: int = setting(
+        1,
+        "Layers per chunk of the stored arrays (0: all layers in one chunk). One layer per chunk lets "
+        "a query of a few layers read only their bytes.",
+    )
+    padding_side: str = setting(
+        "right", "Side the prompts of a batch are padded on.", choices=("left", "right")
+    )
+    length_batching: bool = setting(
+        False,
+        "Run each segment's prompts through the model sorted by length (less padding; rows are "
+        "stored in corpus order). Float values may differ from corpus-order batches in their last "
+        "bits; recorded in the manifest, and --resume must repeat it.",
+    )
+    device: str = setting("cpu", "torch device of the model (cpu, cuda, ...).")
+    resume: bool = setting(False, "Continue an interrupted ingest from its last commit.")
+    overwrite: bool = setting(False, "Replace an existing store at --out.")
+    rank: int = setting(0, "This process's rank (set from torchrun's environment).", cli=False)
+    world_size: int = setting(1, "Number of ranks.", cli=False)
+    progress: bool = setting(True, "Progress bars on stderr.", cli=False)
+    extra: dict[str, Any] = field(default_factory=dict)  # dataset spec and options, recorded in the manifest
+
+    def __post_init__(self) -> None:
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise InvalidSetting(
+                "storage_dtype", f"must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}"
+            )
+        check_sizes(self.batch_size, self.segment_size)
+        if self.chunk_layers < 0:
+            raise InvalidSetting(
+                "chunk_layers", f"must be 0 (all layers in one chunk) or positive, not {self.chunk_layers}"
+            )
+        if self.padding_side not in ("left", "right"):
+            raise InvalidSetting("padding_side", f"must be left or right, not {self.padding_side!r}")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise InvalidSetting(
+                "rank", f"{self.rank} is not in 0..world_size-1 (world_size {self.world_size})"
+            )
+
+
+def check_sizes(batch_size: int, segment_size: int) -> None:
+    """A segment holds whole batches: ``segment_size`` must be a positive multiple of ``batch_size``
+    (it is used as given, never rounded)."""
+    if batch_size < 1 or segment_size < 1:
+        raise InvalidSetting(
+            "batch_size" if batch_size < 1 else "segment_size",
+            f"the batch size ({batch_size}) and the segment size ({segment_size}) must be positive",
+        )
+    if segment_size % batch_size:
+        low = segment_size - segment_size % batch_size
+        near = [m for m in (low, low + batch_size) if m > 0]
+        raise InvalidSetting(
+            "segment_size",
+            f"{segment_size} is not a multiple of the batch size {batch_size} (a "
+            f"segment holds whole batches): use {' or '.join(map(str, near))}, or a batch size "
+            f"that divides {segment_size}",
+        )
+
+
+@dataclass(frozen=True)
+class IngestRequest(IngestConfig):
+    """One ``actstore ingest``: the capture settings of :class:`IngestConfig`, written once there, and
+    what the job adds: the model, the data set and its filters."""
+
+    model: str = setting(
+        "smollm2-135m", "Alias (smollm2-135m, gemma3-270m, tiny-llama, ...), local folder or hub name."
+    )
+    dataset: str = setting(
+        "demo",
+        "KIND:PATH (KIND in fewrel, lre, known1000, maps, jsonl), a public data set by name "
+        "(fewrel, lre, known1000, maps; docs/datasets.md), or demo.",
+    )
+    relations: tuple[str, ...] | None = setting(None, "Comma-separated relation ids to keep.")
+    limit_per_relation: int | None = setting(None, "At most this many prompts per relation.", low=1)
+    template: str | None = setting(None, "Prompt template for maps pairs, e.g. 'The capital of {} is'.")
+    keep_object_first: bool = setting(
+        False, "fewrel: keep instances whose object comes before the subject (skipped by default)."
+    )
+    model_dtype: str = setting("float32", "dtype the model runs in.", choices=MODEL_DTYPES)
+    threads: int = setting(
+        0,
+        "torch CPU threads per process (0: torch's default, one per core). Use 1 when other jobs share "
+        "the cores: oversubscribed threads slow the forward pass several-fold.",
+        low=0,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_settings(self)
+        if self.relations is not None and not self.relations:
+            raise InvalidSetting(
+                "relations", "no relation ids given (leave the setting out to keep every relation)"
+            )
+
+    def capture_config(self, out: str, extra: dict[str, object]) -> IngestConfig:
+        """The pipeline's settings: this request's IngestConfig fields, with ``out`` and ``extra`` replaced."""
+        own = {f.name: getattr(self, f.name) for f in fields(IngestConfig)}
+        return IngestConfig(**(own | {"out": out, "extra": extra}))
