@@ -28,6 +28,7 @@ import torch
 import actstore
 from actstore.query.episodes import EpisodeSet, sample_seeds
 from actstore.query.probe import ProbeConfig, load_features, run_probe, run_reference
+from actstore.query.selection import Selection
 
 
 def subset(ep: EpisodeSet, n: int) -> EpisodeSet:
@@ -64,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     store = actstore.open(a.store)
     t0 = time.perf_counter()
-    fm = load_features(store, a.kind, where=a.where, dtype=a.feature_dtype)
+    fm = load_features(store, a.kind, rows=Selection.from_sql(store, a.where), dtype=a.feature_dtype)
     load_s = time.perf_counter() - t0
     cfg = ProbeConfig(
         kind=a.kind,

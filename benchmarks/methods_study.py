@@ -244,6 +244,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         study_readings,
     )
     from actstore.query.methods import COMPARISON_TRAIN, default_tolerance, key_mlp_at_subject
+    from actstore.query.selection import Selection
 
     started = time.time()
     methods = [m for m in a.methods.split(",") if m]
@@ -300,7 +301,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
             runner = InterventionRunner(loaded.model)
         cfg = EffectConfig(mode=mode, random_draws=a.random_draws, samples=a.samples)
         std = noise_std_for(loaded.model, store, runner, cfg.noise_scale) if mode == "restore" else 0.0
-        facts = stored_facts(store, correct_only=False, example_ids=ids)
+        facts = stored_facts(store, Selection.from_ids(store, ids), correct_only=False)
         t0 = time.time()
         table = site_effects(runner, facts, sites, cfg, std)
         rid = new_run_id("effects")

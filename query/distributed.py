@@ -191,7 +191,7 @@ def feature_moments(
     store: str | Store,
     kind: str,
     *,
-    where: str | None = None,
+    rows: Selection | None = None,
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
     groups: int | None = None,
@@ -199,7 +199,7 @@ def feature_moments(
     client: Any = None,
     rows_per_task: int | None = None,
 ) -> Any:
-    """Per-feature moments of ``kind`` over the rows ``where`` selects.
+    """Per-feature moments of ``kind`` over ``rows`` (every row of the store when None).
 
     ``by``: a column (or expression) of ``examples`` to group by, e.g. ``"relation_id"``; the
     result is then a dict ``{group: Moments}`` (groups as strings, sorted), else one
@@ -209,7 +209,7 @@ def feature_moments(
     """
     st = store if isinstance(store, Store) else open_store(store)
     FeatureSpec.parse(st, kind, layers, heads, groups)  # fail on the driver, not in every task
-    sel = Selection.from_sql(st, where=where)
+    sel = rows if rows is not None else Selection.from_sql(st)
     if len(sel) == 0:
         raise QueryError("the selection is empty")
     label_of = _labels(st, sel, by)
@@ -237,7 +237,7 @@ def relation_scores(
     store: str | Store,
     kind: str,
     *,
-    where: str | None = None,
+    rows: Selection | None = None,
     by: str = "relation_id",
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
@@ -257,7 +257,7 @@ def relation_scores(
     by_group: dict[str, Moments] = feature_moments(
         store,
         kind,
-        where=where,
+        rows=rows,
         layers=layers,
         heads=heads,
         groups=groups,

@@ -30,6 +30,7 @@ from actstore.query.attribution import (
 )
 from actstore.query.probe import ProbeConfig, load_features, select_or_all, torch_threads
 from actstore.query.relspec import gather_standardized
+from actstore.query.selection import Selection
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def _explain(
     fm = load_features(
         store,
         cfg.kind,
-        example_ids=sup_ids + q_ids,
+        rows=Selection.from_ids(store, sup_ids + q_ids),
         layers=cfg.layers,
         heads=cfg.heads,
         groups=cfg.groups,

@@ -56,6 +56,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import QueryError
+from actstore.query.rows import Rows, rows_condition
 from actstore.query.stats import pearson
 from actstore.query.tuned_lens import TrainConfig
 
@@ -157,15 +158,13 @@ def _key_and_split(
 # ------------------------------------------------------------------------------------ from result tables
 
 
-def fact_ids(store: Any, where: str | None = None, correct_only: bool = False) -> np.ndarray:
+def fact_ids(store: Any, rows: Rows | None = None, correct_only: bool = False) -> np.ndarray:
     """Example ids (sorted, int64) of the store's facts: prompts with an object token, optionally only
-    those the model answers (``object_rank = 0``) and those matching ``where`` (a SQL predicate over
-    the examples table)."""
-    conds = ["t.object_token_id >= 0"] + (["t.object_rank = 0"] if correct_only else [])
-    if where and where.strip():
-        conds.append(f"e.example_id IN (SELECT example_id FROM examples WHERE {where})")
+    those the model answers (``object_rank = 0``) and those of ``rows`` (all when None)."""
+    cond, params = rows_condition(rows, "e.example_id")
+    conds = ["t.object_token_id >= 0", cond] + (["t.object_rank = 0"] if correct_only else [])
     q = f"SELECT e.example_id FROM examples e JOIN targets t USING (example_id) WHERE {' AND '.join(conds)} ORDER BY 1"
-    return np.asarray(store.sql(q).column("example_id").to_pylist(), dtype=np.int64)
+    return np.asarray(store.sql(q, params).column("example_id").to_pylist(), dtype=np.int64)
 
 
 def latest_run(store: Any, table: str, run_id: str | None = None) -> str:

@@ -49,6 +49,7 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.store import Store
 from actstore.query.attribution import run_row
 from actstore.query.distributed import client_threads, run_tasks, store_of
+from actstore.query.selection import Selection
 from actstore.query.stats import pearson, spearman
 
 PREDICTORS = ("output_range", "output_range_ratio", "connectivity", "tfidf_similarity", "head_concentration")
@@ -97,13 +98,6 @@ class KnowledgeGraph:
         if subject not in self.entities or obj not in self.entities:
             return None
         return len(self.properties.get(subject, frozenset()) & self.properties.get(obj, frozenset()))
-
-
-def _instances(store: Store, where: str | None) -> list[dict[str, object]]:
-    cond = where if where and where.strip() else "TRUE"
-    return store.sql(
-        f"SELECT example_id, relation_id, object, text, meta FROM examples WHERE {cond} ORDER BY example_id"
-    ).to_pylist()
 
 
 def _meta(row: Mapping[str, Any]) -> dict[str, object]:
@@ -321,7 +315,11 @@ def relation_predictors(
     for name, value in (("segments_per_task", segments_per_task), ("relations_per_task", relations_per_task)):
         if value is not None and value < 1:
             raise QueryError(f"{name} must be at least 1, not {value}")
-    where = json.loads(str(run_row(store, run_id)["config"])).get("where")
+    # the run's rows, as it selected them; the tasks get their ids (bound, never a pasted predicate)
+    ids = Selection.from_sql(
+        store, json.loads(str(run_row(store, run_id)["config"])).get("where")
+    ).example_ids
+    ids_list = [int(i) for i in ids]
     metrics = {
         r["relation_id"]: r
         for r in store.sql("SELECT * FROM relation_metrics WHERE run_id = ?", [run_id]).to_pylist()
@@ -349,7 +347,9 @@ def relation_predictors(
     )
     src: str | Store = store if client is None else store.url
     segs = sorted(store.commits)
-    parts = run_tasks(client, _rows_task, [(src, b, where) for b in _split(segs, segments_per_task, client)])
+    parts = run_tasks(
+        client, _rows_task, [(src, b, ids_list) for b in _split(segs, segments_per_task, client)]
+    )
     df: Counter[str] = Counter()
     n_docs = 0
     for _, d, n in parts:  # task order; integer sums
@@ -365,7 +365,7 @@ def relation_predictors(
     done = run_tasks(
         client,
         _relations_or_graph_task,
-        [(src, run_id, where, kind, x) for kind, x in jobs],
+        [(src, run_id, ids_list, kind, x) for kind, x in jobs],
         shared={
             "terms": terms,
             "idf": idf,
@@ -461,10 +461,6 @@ def _concentration_column(store: Store, run_id: str, concentration: str) -> str:
     return "pred_abs_score"
 
 
-def _cond(where: str | None) -> str:
-    return f"({where})" if where and where.strip() else "TRUE"
-
-
 def _split(items: Sequence[Any], per_task: int | None, client: Any) -> list[tuple[Any, ...]]:
     """``items`` in consecutive groups: ``per_task`` each, else all in one group without a
     client and about two groups per worker thread with one."""
@@ -476,15 +472,15 @@ def _split(items: Sequence[Any], per_task: int | None, client: Any) -> list[tupl
 
 
 def _rows_task(
-    store: str | Store, segments: tuple[int, ...], where: str | None
+    store: str | Store, segments: tuple[int, ...], ids: list[int]
 ) -> tuple[pa.Table, dict[str, int], int]:
-    """One task: the selected ``examples`` rows of ``segments`` (without their text) and the
+    """One task: the ``examples`` rows of ``segments`` among ``ids`` (without their text) and the
     document frequencies of their texts."""
     st = store_of(store)
-    segs = ", ".join(str(int(s)) for s in segments)
     t = st.sql(
-        f"SELECT example_id, relation_id, object, text, meta FROM examples "
-        f"WHERE segment IN ({segs}) AND {_cond(where)} ORDER BY example_id"
+        "SELECT example_id, relation_id, object, text, meta FROM examples "
+        "WHERE list_contains($segs, segment) AND list_contains($ids, example_id) ORDER BY example_id",
+        {"segs": [int(s) for s in segments], "ids": ids},
     )
     df = document_frequencies(str(x or "") for x in t.column("text").to_pylist())
     return t.drop_columns(["text"]), dict(df), t.num_rows
@@ -493,7 +489,7 @@ def _rows_task(
 def _relations_or_graph_task(
     store: str | Store,
     run_id: str,
-    where: str | None,
+    ids: list[int],
     kind: str,
     what: tuple[str, ...],
     *,
@@ -517,10 +513,10 @@ def _relations_or_graph_task(
     listed = list(what)
     ex = run_sql(
         st,
-        f"SELECT relation_id, text FROM examples WHERE list_contains($rels, relation_id) AND {_cond(where)} "
-        "ORDER BY example_id",
+        "SELECT relation_id, text FROM examples WHERE list_contains($rels, relation_id) "
+        "AND list_contains($ids, example_id) ORDER BY example_id",
         con,
-        params={"rels": listed},
+        params={"rels": listed, "ids": ids},
     )
     only = " AND pred_n > 0" if score_col == "pred_abs_score" else ""  # never-predicted relations: no scores
     if score_col not in ("score", "pred_abs_score"):  # a column name (pasted): only the two known ones

@@ -1,6 +1,6 @@
 """Episodic relation probes over the store, many episodes trained as one tensor problem.
 
-    fm = load_features(store, "attn_head", where="split = 'val'")
+    fm = load_features(store, "attn_head", rows=Selection.from_sql(store, "split = 'val'"))
     out = run_probe(store, ProbeConfig(kind="attn_head", n_way=5, k_shot=5), features=fm)
     out.accuracy, out.ci95
     record_probe(store, out)   # actstore.jobs.probe: probe_runs, probe_episodes, probe_predictions, ...
@@ -49,6 +49,7 @@ from actstore.query.features import FeatureSpec
 from actstore.query.probe_config import PROBE_KINDS, ProbeConfig
 from actstore.query.probe_training import train_batched, train_reference
 from actstore.query.relspec import Selected, gather_standardized, select_features
+from actstore.query.selection import Selection
 from actstore.query.stats import mean_interval
 
 
@@ -93,33 +94,28 @@ def load_features(
     store: Store,
     kind: str,
     *,
-    where: str | None = None,
-    example_ids: Sequence[int] | None = None,
+    rows: Selection | None = None,
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
     groups: int | None = None,
     dtype: str = "float32",
     batch_rows: int = 64,
 ) -> FeatureMatrix:
-    """Stream the selection's features into one preallocated ``[N, F]`` matrix of ``dtype``.
+    """Stream the features of ``rows`` (every row of the store when None) into one preallocated
+    ``[N, F]`` matrix of ``dtype``.
 
     float32: each block of at most ``batch_rows`` rows is computed straight into its rows of the
     matrix (:func:`actstore.query.features.compute_block` with ``out``), with no intermediate array; float16:
     into one reused float32 block buffer, then converted into the matrix's rows.  Memory: the matrix
     plus one block (and that block's factors), whatever N."""
     from actstore.query.features import compute_block, row_shape
-    from actstore.query.selection import Selection
 
     if kind not in PROBE_KINDS:
         raise QueryError(f"feature kind {kind!r} cannot be probed (one of {', '.join(PROBE_KINDS)})")
     if dtype not in ("float32", "float16"):
         raise QueryError(f"feature dtype must be float32 or float16, not {dtype!r}")
     spec = FeatureSpec.parse(store, kind, layers, heads, groups)
-    sel = (
-        Selection.from_ids(store, example_ids)
-        if example_ids is not None
-        else Selection.from_sql(store, where)
-    )
+    sel = rows if rows is not None else Selection.from_sql(store)
     if len(sel) == 0:
         raise QueryError("the selection is empty")
     ids = sel.example_ids
@@ -130,13 +126,13 @@ def load_features(
     shape = row_shape(store, spec)
     width = int(np.prod(shape))
     data = torch.empty((len(ids), width), dtype=getattr(torch, dtype))
-    rows = data.numpy()
+    matrix = data.numpy()
     scratch = np.empty((batch_rows, *shape), dtype=np.float32) if dtype != "float32" else None
     i = 0
     for _, block in sel.blocks(batch_rows):
         n = len(block.seg_rows)
         if scratch is None:
-            compute_block(store, spec, block, out=rows[i : i + n].reshape(n, *shape))
+            compute_block(store, spec, block, out=matrix[i : i + n].reshape(n, *shape))
         else:
             x = compute_block(store, spec, block, out=scratch[:n])
             data[i : i + n].copy_(
@@ -256,7 +252,7 @@ def _run_probe(
     fm = features or load_features(
         store,
         cfg.kind,
-        where=cfg.where,
+        rows=Selection.from_sql(store, cfg.where),
         layers=cfg.layers,
         heads=cfg.heads,
         groups=cfg.groups,

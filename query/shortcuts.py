@@ -36,6 +36,8 @@ from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import Store
 from actstore.query.attribution import run_row
+from actstore.query.rows import rows_condition
+from actstore.query.selection import Selection
 from actstore.query.stats import spearman
 
 
@@ -63,19 +65,20 @@ class LexicalModel:
         return np.asarray([row[self.vocab[t]] if t is not None and t in self.vocab else 0.0 for t in terms])
 
 
-def lexical_model(store: Store, where: str | None, n_cues: int = 20) -> LexicalModel:
+def lexical_model(rows: Selection, n_cues: int = 20) -> LexicalModel:
+    """Per relation, the ``n_cues`` tokens most associated with it over the prompts of ``rows``."""
     from sklearn.feature_extraction.text import CountVectorizer
 
     if n_cues < 1:
         raise InvalidSetting("n_cues", f"must be at least 1 (got {n_cues})")
-    cond = where if where and where.strip() else "TRUE"
-    rows = store.sql(
-        f"SELECT e.relation_id, list(t.token ORDER BY t.position) AS toks FROM examples e "
-        f"JOIN tokens t USING (example_id) WHERE e.example_id IN (SELECT example_id FROM examples "
-        f"WHERE {cond}) GROUP BY e.example_id, e.relation_id"
+    cond, params = rows_condition(rows, "e.example_id")
+    found = rows.store.sql(
+        "SELECT e.relation_id, list(t.token ORDER BY t.position) AS toks FROM examples e "
+        f"JOIN tokens t USING (example_id) WHERE {cond} GROUP BY e.example_id, e.relation_id",
+        params,
     ).to_pylist()
     docs: dict[str, list[str]] = {}
-    for r in rows:
+    for r in found:
         docs.setdefault(r["relation_id"], []).extend(t for t in map(normalize, r["toks"]) if t is not None)
     relations = tuple(sorted(docs))
     vec = CountVectorizer(analyzer=lambda d: d, lowercase=False)
@@ -109,7 +112,7 @@ def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> Shortcu
             f"run {run_id} has no stored error token scores "
             f"(kind {cfg.get('kind')!r}, token scores {cfg.get('token_scores')!r})"
         )
-    lex = lexical_model(store, cfg.get("where"), n_cues)
+    lex = lexical_model(Selection.from_sql(store, cfg.get("where")), n_cues)
     ids = sorted({int(r["example_id"]) for r in ts})
     toks = store.sql(
         "SELECT example_id, list(token ORDER BY position) AS toks FROM tokens "

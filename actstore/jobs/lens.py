@@ -16,6 +16,7 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import Store
 from actstore.jobs.record import record_run
 from actstore.query.methods import fact_ids
+from actstore.query.selection import Selection
 
 TUNED_METHODS = ("adam", "sgd", "ridge")
 
@@ -66,7 +67,7 @@ def run_lens(
     )
     if method not in (None, "ridge"):
         config.check()
-    ids = fact_ids(store, cfg.where, cfg.correct_only)
+    ids = fact_ids(store, Selection.from_sql(store, cfg.where), cfg.correct_only)
     if ids.size == 0:
         raise LensError(
             f"{store.url}: no facts with an object" + (f" where {cfg.where}" if cfg.where else "")

@@ -22,6 +22,7 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import Store
 from actstore.jobs.maps import FirstMlp, Log, check_scoring, first_mlp_wanted, load_first_mlp
 from actstore.jobs.record import record_run
+from actstore.query.selection import Selection
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def run_maps_dynamic(
     chosen = usable_prompts(
         store,
         tokenizer=tok,
-        where=cfg.where,
+        rows=Selection.from_sql(store, cfg.where),
         relations=wanted,
         multi_token=cfg.multi_token,
         min_pairs=cfg.min_pairs,
@@ -124,7 +125,7 @@ def run_maps_dynamic(
     alt = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=mlp) if cfg.compare_first_mlp else None
     ranks = dynamic_ranks(
         store,
-        where=cfg.where,
+        rows=Selection.from_ids(store, chosen.example_ids.tolist()),
         relations=chosen.relations,
         source_token=cfg.source_token,  # type: ignore[arg-type]
         final_norm=cfg.final_norm,
@@ -134,7 +135,6 @@ def run_maps_dynamic(
         client=client,
         prompts_per_task=cfg.prompts_per_task,
         alt_proj=alt,
-        example_ids=chosen.example_ids.tolist(),
     )
     variants = [
         v for d in ranks.values() for v in (d, d.alt) if v is not None

@@ -13,6 +13,7 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import Store
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
+from actstore.query.selection import Selection
 
 Log = Callable[[str], None]
 
@@ -77,7 +78,10 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
     skipped: list[dict[str, Any]] = []
     if req.pairs:
         ids = sorted({i for p in req.pairs for i in p})
-        got = {f.example_id: f for f in stored_facts(store, correct_only=False, example_ids=ids, check=False)}
+        got = {
+            f.example_id: f
+            for f in stored_facts(store, Selection.from_ids(store, ids), correct_only=False, check=False)
+        }
         missing = [i for i in ids if i not in got]
         if missing:
             raise PatchError(f"{store.url}: no fact {missing[0]} with an object token")
@@ -85,7 +89,9 @@ def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
     else:
         if req.limit is not None and req.limit < 1:
             raise InvalidSetting("limit", f"must be positive, not {req.limit}")
-        facts = stored_facts(store, req.where, correct_only=not req.all_facts, limit=req.limit)
+        facts = stored_facts(
+            store, Selection.from_sql(store, req.where), correct_only=not req.all_facts, limit=req.limit
+        )
         # counterfactuals are facts the model answers, or any fact with --all-facts
         candidates = [
             f

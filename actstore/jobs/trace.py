@@ -18,6 +18,7 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import Store
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
+from actstore.query.selection import Selection
 
 Log = Callable[[str], None]
 
@@ -73,7 +74,9 @@ def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
     cfg.validate(store.geometry.n_layers)
     if req.limit is not None and req.limit < 1:
         raise InvalidSetting("limit", f"must be positive, not {req.limit}")
-    facts = stored_facts(store, req.where, correct_only=not req.all_facts, limit=req.limit)
+    facts = stored_facts(
+        store, Selection.from_sql(store, req.where), correct_only=not req.all_facts, limit=req.limit
+    )
     if not facts:
         raise TraceError(
             f"{store.url}: no facts to trace"

@@ -47,6 +47,8 @@ from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MapsEr
 from actstore.query.maps.pairs import TokenPairs, store_pairs
 from actstore.query.maps.projection import VocabProjection, check_head
 from actstore.query.maps.static import implementing_heads, static_scores, stored_static_scores, top_heads
+from actstore.query.rows import Rows, rows_condition
+from actstore.query.selection import Selection
 
 
 class AblationError(ActstoreError, ValueError):
@@ -119,15 +121,20 @@ ROW_SCHEMA = pa.schema(
 )
 
 
-def relation_prompts(store: Store, where: str | None = None) -> dict[str, Prompts]:
-    """The store's prompts with an object token, per relation, as token ids."""
-    cond = f"AND ({where})" if where and where.strip() else ""
-    t = store.sql(f"""
+def relation_prompts(store: Store, rows: Rows | None = None) -> dict[str, Prompts]:
+    """The store's prompts with an object token (those of ``rows``; all when None), per relation, as
+    token ids."""
+    rows_cond, params = rows_condition(rows, "e.example_id")
+    cond = f"AND {rows_cond}"
+    t = store.sql(
+        f"""
         SELECT e.example_id, e.relation_id, t.object_token_id AS target, t.top_token_id AS top,
                list(tk.token_id ORDER BY tk.position) AS ids
         FROM examples e JOIN targets t USING (example_id) JOIN tokens tk USING (example_id)
         WHERE t.object_token_id >= 0 {cond}
-        GROUP BY ALL ORDER BY e.example_id""")
+        GROUP BY ALL ORDER BY e.example_id""",
+        params or None,
+    )
     out: dict[str, Prompts] = {}
     rel = np.asarray(t.column("relation_id").to_pylist())
     for name in sorted(set(rel.tolist())):
@@ -143,9 +150,9 @@ def relation_prompts(store: Store, where: str | None = None) -> dict[str, Prompt
     return out
 
 
-def pairs_from_store(store: Store, relation: str, where: str | None = None) -> TokenPairs:
+def pairs_from_store(store: Store, relation: str, rows: Rows | None = None) -> TokenPairs:
     """Distinct (subject first token, object first token) pairs of a relation's stored prompts."""
-    t = store_pairs(store, where, relations=[relation])
+    t = store_pairs(store, rows, relations=[relation])
     if t.num_rows == 0:
         raise AblationError(
             f"relation {relation!r} has no prompts with a subject and an object in {store.url}"
@@ -188,7 +195,8 @@ def run_ablation(
         raise AblationError(
             "the number of controls, the head overlap (0..1) and the accuracy gap must not be negative"
         )
-    prompts = relation_prompts(store, cfg.where)
+    rows = Selection.from_sql(store, cfg.where)
+    prompts = relation_prompts(store, rows)
     if cfg.relation not in prompts:
         have = ", ".join(prompts) or "none"
         raise AblationError(
@@ -200,7 +208,7 @@ def run_ablation(
         raise AblationError(f"control relation(s) {', '.join(missing)} have no prompts in {store.url}")
     g = store.geometry
     auto = cfg.controls is None
-    scorer = _Scorer(runner, store, cfg, dict(pairs or {}), scores_store)
+    scorer = _Scorer(runner, store, cfg, dict(pairs or {}), scores_store, rows)
     # Static scores of R and, when controls are chosen here, of every other relation in the store: read from a
     # matching stored `maps` run where there is one, the rest computed in one pass over the heads.
     scorer.resolve(
@@ -217,7 +225,7 @@ def run_ablation(
             top_heads(score, cfg.top_m) if cfg.top_m is not None else implementing_heads(score, cfg.threshold)
         )
     positions: tuple[int, ...] | None = None if cfg.all_positions else (-1,)
-    means = stored_head_means(store, cfg.where) if cfg.mode == "mean" else None
+    means = stored_head_means(rows) if cfg.mode == "mean" else None
     pos_name = "all" if cfg.all_positions else "last"
     res = AblationResult(cfg.relation, heads)
 
@@ -334,8 +342,9 @@ class _Scorer:
         cfg: AblationConfig,
         pairs: dict[str, TokenPairs],
         scores_store: Store | None,
+        rows: Rows | None = None,
     ) -> None:
-        self.runner, self.store, self.cfg, self.pairs = runner, store, cfg, pairs
+        self.runner, self.store, self.cfg, self.pairs, self.rows = runner, store, cfg, pairs, rows
         self.scores_store = store if scores_store is None else scores_store
         self.scores: dict[str, np.ndarray] = {}
         self.source: dict[str, str] = {}
@@ -378,7 +387,7 @@ class _Scorer:
             tp = self.pairs.get(rel)
             if tp is None:
                 try:
-                    tp = self.pairs[rel] = pairs_from_store(self.store, rel, cfg.where)
+                    tp = self.pairs[rel] = pairs_from_store(self.store, rel, self.rows)
                 except AblationError as e:
                     if rel == cfg.relation:
                         raise

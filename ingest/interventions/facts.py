@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 
 from actstore.core.errors import ActstoreError
+from actstore.query.rows import Rows, rows_condition
 
 
 class TraceError(ActstoreError, ValueError):
@@ -67,36 +67,26 @@ GROUP BY ALL ORDER BY e.example_id
 
 def stored_facts(
     store: Any,
-    where: str | None = None,
+    rows: Rows | None = None,
     *,
     correct_only: bool = True,
     limit: int | None = None,
-    example_ids: Sequence[int] | None = None,
     check: bool = True,
 ) -> list[StoredFact]:
-    """Facts of ``store`` in example order.
+    """Facts of ``store`` among ``rows`` (all when None), in example order.
 
-    ``where``: a SQL predicate over ``examples JOIN targets USING (example_id)`` (so both
-    ``relation_id = 'P17'`` and ``object_rank < 3`` work).  ``correct_only`` keeps the facts the
-    model answers correctly (``object_rank = 0``).  ``check`` raises on a selected fact whose
-    subject is not in its prompt.
+    ``correct_only`` keeps the facts the model answers correctly (``object_rank = 0``).  ``check``
+    raises on a selected fact whose subject is not in its prompt.
     """
-    conds = ["t.object_token_id >= 0"]
-    if correct_only:
-        conds.append("t.object_rank = 0")
-    if where and where.strip():
-        conds.append(
-            f"e.example_id IN (SELECT example_id FROM examples JOIN targets USING (example_id) WHERE {where})"
-        )
-    params = None
-    if example_ids is not None:
-        conds.append("list_contains($ids, e.example_id)")
-        params = {"ids": [int(i) for i in example_ids]}
-    rows = store.sql(_FACTS_SQL.format(cond=" AND ".join(f"({c})" for c in conds)), params).to_pylist()
+    cond, params = rows_condition(rows, "e.example_id")
+    conds = ["t.object_token_id >= 0", cond] + (["t.object_rank = 0"] if correct_only else [])
+    found = store.sql(
+        _FACTS_SQL.format(cond=" AND ".join(f"({c})" for c in conds)), params or None
+    ).to_pylist()
     if limit is not None:
-        rows = rows[:limit]
+        found = found[:limit]
     out = []
-    for r in rows:
+    for r in found:
         meta = json.loads(r["meta"] or "{}")
         fact = StoredFact(
             example_id=int(r["example_id"]),

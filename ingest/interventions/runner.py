@@ -370,13 +370,11 @@ def head_ablation(
     return out
 
 
-def stored_head_means(store: Any, where: str | None = None, batch_rows: int = 512) -> np.ndarray:
-    """Mean of the stored z over the selected target rows: [L, H, d_head] float32 (float64 sums)."""
-    sel = store.select(where)
+def stored_head_means(sel: Any, batch_rows: int = 512) -> np.ndarray:
+    """Mean of the stored z over the target rows of the selection ``sel``: [L, H, d_head] float32
+    (float64 sums)."""
     if len(sel) == 0:
-        raise InterventionError(
-            f"{store.url}: no stored rows to average" + (f" for {where!r}" if where else "")
-        )
+        raise InterventionError(f"{sel.store.url}: no stored rows to average")
     total: np.ndarray | None = None
     n = 0
     for _, z in sel.iter_features("z", batch_rows=batch_rows):

@@ -58,6 +58,7 @@ from actstore.query.maps.defaults import (
 from actstore.query.maps.pairs import single_token_pairs, store_pairs
 from actstore.query.maps.projection import VocabProjection, projected_ranks
 from actstore.query.maps.static import pair_ranks
+from actstore.query.rows import Rows, rows_condition
 from actstore.query.selection import Selection
 from actstore.query.stats import pearson
 
@@ -90,7 +91,7 @@ class DynamicRanks:
 def dynamic_ranks(
     store: Store,
     *,
-    where: str | None = None,
+    rows: Rows | None = None,
     relations: Sequence[str] | None = None,
     source_token: Literal["first", "last"] = "first",
     final_norm: bool = True,
@@ -101,12 +102,12 @@ def dynamic_ranks(
     prompts_per_task: int | None = None,
     rows_per_chunk: int = ROW_CHUNK,
     alt_proj: VocabProjection | None = None,
-    example_ids: Sequence[int] | None = None,
 ) -> dict[str, DynamicRanks]:
-    """Ranks for every relation in the (filtered) store; see the module docstring.
+    """Ranks for every relation in the store, over ``rows`` (every prompt when None); see the module
+    docstring.
 
-    ``example_ids``: only these prompts (e.g. those of :func:`usable_prompts`: single-token pairs of the
-    relations not excluded).  The functions here apply no pair policy of their own; the command line does.
+    ``rows``: e.g. the prompts of :func:`usable_prompts` (single-token pairs of the relations not
+    excluded).  The functions here apply no pair policy of their own; the command line does.
 
     ``alt_proj``: a second static variant (the same store's weights, usually with the other
     ``first_mlp`` setting) ranked on the same distinct pairs; each result's ``alt`` then holds
@@ -119,16 +120,11 @@ def dynamic_ranks(
     rounded up to whole ``rows_per_chunk`` chunks; by default all prompts in one task without a
     client, and about one task per worker thread with one.
     """
-    pairs = store_pairs(store, where, source_token=source_token)
-    if example_ids is not None:
-        pairs = pairs.filter(
-            pa.array(np.isin(pairs.column("example_id").to_numpy(), np.asarray(example_ids, np.int64)))
-        )
+    pairs = store_pairs(store, rows, source_token=source_token)
     if pairs.num_rows == 0:
         raise MapsError(
             f"{store.url}: no prompts with a subject and an object token"
-            + (f" match {where!r}" if where else "")
-            + (" among the usable ones" if example_ids is not None else "")
+            + (" among the selected ones" if rows is not None else "")
         )
     names = sorted(set(pairs.column("relation_id").to_pylist()))
     if relations is not None:
@@ -219,7 +215,7 @@ def usable_prompts(
     store: Store,
     *,
     tokenizer: Any = None,
-    where: str | None = None,
+    rows: Rows | None = None,
     relations: Sequence[str] | None = None,
     multi_token: str = "skip",
     min_pairs: int = MIN_PAIRS,
@@ -238,10 +234,13 @@ def usable_prompts(
         raise MapsError(f"multi_token must be 'skip' or 'first', not {multi_token!r}")
     if multi_token == "skip" and tokenizer is None:
         raise MapsError("single-token prompts need the tokenizer")
-    cond = f"AND ({where})" if where and where.strip() else ""
-    t = store.sql(f"""SELECT e.example_id, e.relation_id, e.subject, e.object FROM examples e
-                      JOIN targets t USING (example_id)
-                      WHERE e.subject_start >= 0 AND t.object_token_id >= 0 {cond} ORDER BY e.example_id""")
+    cond, params = rows_condition(rows, "e.example_id")
+    t = store.sql(
+        f"""SELECT e.example_id, e.relation_id, e.subject, e.object FROM examples e
+            JOIN targets t USING (example_id)
+            WHERE e.subject_start >= 0 AND t.object_token_id >= 0 AND {cond} ORDER BY e.example_id""",
+        params or None,
+    )
     ids = t.column("example_id").to_numpy()
     rel = np.asarray(t.column("relation_id").to_pylist(), dtype=object)
     subj = [str(x or "") for x in t.column("subject").to_pylist()]

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from actstore.core.store import Store
 from actstore.query.maps.defaults import MIN_PAIRS, MapsError
+from actstore.query.rows import Rows, rows_condition
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,7 @@ def excluded_line(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def store_pairs(
     store: Store,
-    where: str | None = None,
+    rows: Rows | None = None,
     *,
     source_token: Literal["first", "last"] = "first",
     relations: Sequence[str] | None = None,
@@ -242,15 +243,17 @@ def store_pairs(
 
     ``src_id`` is the prompt's token at the subject's first (or last) position, ``dst_id`` the
     first token of " " + object (``targets.object_token_id``), ``template`` the dataset's
-    template when its loader recorded one (``meta.template``), else ''.  ``where``: a SQL predicate
-    over ``examples e JOIN targets t``; ``relations``: only these relation ids (bound, not pasted).
+    template when its loader recorded one (``meta.template``), else ''.  ``rows``: only these prompts;
+    ``relations``: only these relation ids (both bound, not pasted).
     """
     if source_token not in ("first", "last"):
         raise MapsError(f"source token must be 'first' or 'last', not {source_token!r}")
     pos = "e.subject_start" if source_token == "first" else "e.subject_end - 1"
-    cond = f"AND ({where})" if where and where.strip() else ""
+    rows_cond, params = rows_condition(rows, "e.example_id")
+    cond = f"AND {rows_cond}"
     if relations is not None:
         cond += " AND list_contains($relations, e.relation_id)"
+        params["relations"] = list(relations)
     return store.sql(
         f"""
         SELECT e.example_id, e.relation_id, coalesce(json_extract_string(e.meta, '$.template'), '') AS template,
@@ -259,5 +262,5 @@ def store_pairs(
         JOIN tokens tk ON tk.example_id = e.example_id AND tk.position = {pos}
         WHERE e.subject_start >= 0 AND t.object_token_id >= 0 {cond}
         ORDER BY e.example_id""",
-        None if relations is None else {"relations": list(relations)},
+        params or None,
     )

@@ -40,7 +40,7 @@ def test_grouped_moments_and_relation_scores(tiny_store: Path, client: Any) -> N
     by_rel = feature_moments(
         str(tiny_store),
         "attn_head",
-        where=where,
+        rows=actstore.open(tiny_store).select(where),
         layers=[0],
         by="relation_id",
         client=client,
@@ -59,8 +59,8 @@ def test_grouped_moments_and_relation_scores(tiny_store: Path, client: Any) -> N
         np.testing.assert_allclose(m.mean, x[labels == g].mean(0), rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(m.var, x[labels == g].var(0), rtol=1e-9, atol=1e-12)
 
-    names, d = relation_scores(str(tiny_store), "attn_head", where=where, layers=[0], client=client)
-    names_here, d_here = relation_scores(str(tiny_store), "attn_head", where=where, layers=[0])
+    names, d = relation_scores(str(tiny_store), "attn_head", rows=sel, layers=[0], client=client)
+    names_here, d_here = relation_scores(str(tiny_store), "attn_head", rows=sel, layers=[0])
     assert names == names_here and np.array_equal(d, d_here)
     # Cohen's d with the pooled within-group variance, computed directly.
     from actstore.query.relspec import POOLED_EPS

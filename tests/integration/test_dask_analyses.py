@@ -28,7 +28,6 @@ import actstore
 from actstore.cli import main
 from actstore.query.predictors import (
     KnowledgeGraph,
-    _instances,
     connectivity,
     document_frequencies,
     head_concentration,
@@ -58,6 +57,13 @@ def maps_store(store_factory: Callable[..., Path]) -> Path:
     return store_factory(
         "llama", dataset=f"maps:{MAPS_DATA}", template="This is a document about {}", relations=RELS, limit=12
     )
+
+
+def instances(store: Any) -> list[dict[str, object]]:
+    """Every example row, as the predictors read them (an independent query)."""
+    return store.sql(
+        "SELECT example_id, relation_id, object, text, meta FROM examples ORDER BY example_id"
+    ).to_pylist()
 
 
 def assert_same_ranks(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -214,7 +220,7 @@ def kg_files(probe_run: tuple[Path, str], tmp_path_factory: pytest.TempPathFacto
     rng = random.Random(0)
     files = [tmp_path_factory.mktemp("kg") / f"part{i}.tsv" for i in range(2)]
     lines: list[list[str]] = [[], []]
-    for r in _instances(store, None):
+    for r in instances(store):
         m = json.loads(str(r["meta"]))
         if rng.random() < 0.5:
             continue
@@ -255,7 +261,7 @@ def test_predictors_on_dask_equal_in_process(
         for line in f.read_text(encoding="utf-8").splitlines()
         for e in line.split("\t")[::2]
     }
-    metas = [json.loads(str(r["meta"])) for r in _instances(store, None)]
+    metas = [json.loads(str(r["meta"])) for r in instances(store)]
     covered = sum(m["subject_qid"] in entities and m["object_qid"] in entities for m in metas)
     assert here.kb_coverage == covered / len(metas)
     # CoDEx alone covers less than CoDEx plus the synthetic files, which cover about half the instances.
@@ -272,7 +278,7 @@ def test_predictors_equal_single_pass_functions(
     store = actstore.open(path)
     res = relation_predictors(store, rid, kb=kg_files, client=client)
     rel = {r["relation_id"]: r for r in res.relations.to_pylist()}
-    rows = _instances(store, None)  # the probe ran over the whole store (no where)
+    rows = instances(store)  # the probe ran over the whole store (no where)
     ranges = output_ranges(rows)
     conn = connectivity(rows, KnowledgeGraph.load(kg_files))
     # the default concentration: each relation's predicted rows, mean |HeadScore| per unit (pred_abs_score)

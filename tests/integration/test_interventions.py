@@ -97,7 +97,7 @@ def test_per_row_edits_in_one_batch_equal_separate_runs() -> None:
 def test_mean_ablation_uses_stored_means(store_factory: Callable[..., Path]) -> None:
     path = store_factory("llama", limit=2)
     store = actstore.open(path)
-    means = stored_head_means(store)
+    means = stored_head_means(store.select())
     z = store.select().features("z")
     np.testing.assert_allclose(means, z.mean(axis=0), rtol=1e-5, atol=1e-6)
     loaded = tiny_model("llama")
@@ -116,7 +116,7 @@ def test_mean_ablation_uses_stored_means(store_factory: Callable[..., Path]) -> 
     for layer, h in heads:
         np.testing.assert_allclose(res.records[0][f"head:{layer}"][-1, h].numpy(), means[layer, h], rtol=1e-6)
     # The mean over one prompt is that prompt's own activation: ablating with it changes nothing.
-    own = stored_head_means(store, where="example_id = 0")
+    own = stored_head_means(store.select("example_id = 0"))
     clean = runner.run([RunItem(ids)], keep_logits=True)
     same = runner.run([RunItem(ids)], shared=head_ablation(heads, mode="mean", means=own), keep_logits=True)
     assert clean.logits is not None and same.logits is not None

@@ -239,8 +239,8 @@ def test_cli_probe_json_and_headscore(store_copy: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--kind", "attn_prob"], "cannot be probed"),
-        (["--kind", "nope"], "cannot be probed"),
+        (["--kind", "attn_prob"], "'attn_prob' is not one of 'attn_head'"),
+        (["--kind", "nope"], "'nope' is not one of 'attn_head'"),
         (["--kind", "attn", "--n-way", str(N_RELATIONS + 1)], "larger than the number of relations"),
         (["--kind", "attn", "--k-shot", "8", "--queries", "5"], "fewer than k-shot + queries = 13"),
         (["--kind", "attn", "--where", "relation_id = 'P177'"], "larger than the number of relations"),

@@ -28,6 +28,7 @@ from actstore.ingest.interventions.tracing import (
     window_layers,
 )
 from actstore.ingest.models import tiny_model
+from actstore.query.selection import Selection
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 
@@ -75,9 +76,9 @@ def test_stored_facts_of_chosen_examples(llama_store: Path) -> None:
     store = actstore.open(llama_store)
     every = stored_facts(store, correct_only=False)
     pick = [every[-1].example_id, every[0].example_id, 10**9]  # any order; an unknown id selects nothing
-    got = stored_facts(store, correct_only=False, example_ids=pick)
+    got = stored_facts(store, Selection.from_ids(store, pick), correct_only=False)
     assert [f.example_id for f in got] == sorted(pick[:2]) and got[0] == every[0] and got[1] == every[-1]
-    assert stored_facts(store, correct_only=False, example_ids=[]) == []
+    assert stored_facts(store, Selection.from_ids(store, []), correct_only=False) == []
 
 
 def test_restoring_every_position_recovers_the_clean_probability(llama_store: Path) -> None:
