@@ -26,18 +26,13 @@ import argparse
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from actstore.query.maps.defaults import MapsError  # noqa: E402
-from actstore.query.maps.pairs import load_pair_files  # noqa: E402
+from actstore.core.errors import MapsError
+from actstore.query.maps.pairs import load_pair_files
 
 MAPS_ROOT = (
     Path(os.environ.get("ACTSTORE_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data") / "maps"

@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from actstore.ingest.models import load_model  # noqa: E402
-from actstore.query.maps.defaults import MIN_PAIRS  # noqa: E402
-from actstore.query.maps.pairs import load_pair_files, single_token_pairs  # noqa: E402
-from benchmarks.maps_prompts import (  # noqa: E402
+from actstore.ingest.models import load_model
+from actstore.query.maps.defaults import MIN_PAIRS
+from actstore.query.maps.pairs import load_pair_files, single_token_pairs
+from benchmarks.maps_prompts import (
     MAPS_ROOT,
     ablation_templates,
     dynamic_templates,

@@ -14,20 +14,18 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import actstore
+from actstore.api import tokenizer_for_store
+from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
+from actstore.query.maps.projection import VocabProjection
+from actstore.query.maps.static import salient_operations, static_scores
 
-import actstore  # noqa: E402
-from actstore.api import tokenizer_for_store  # noqa: E402  (aliases and stores without a tokenizer too)
-from actstore.query.maps.pairs import load_pair_files, tokenize_pairs  # noqa: E402
-from actstore.query.maps.projection import VocabProjection  # noqa: E402
-from actstore.query.maps.static import salient_operations, static_scores  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def peak_rss_bytes() -> int:

@@ -12,12 +12,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import AlignmentError
 from actstore.ingest.records import PromptRecord, TokenizedPrompt
-
-
-class AlignmentError(ActstoreError, ValueError):
-    """A record cannot be aligned to the tokenizer (one-line message)."""
 
 
 def tokenize_record(

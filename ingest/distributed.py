@@ -36,17 +36,13 @@ from typing import TextIO, TypeVar
 
 import torch.distributed as dist
 
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import RankError
 from actstore.core.fs import StoreLocation
 from actstore.core.lock import LOCK_ENV, held_by_peer, under_launcher, writer_lock
 
 T = TypeVar("T")
 
 WAIT_SECONDS = float(os.environ.get("ACTSTORE_RANK_WAIT", "1800"))  # how long ranks wait for rank 0's store
-
-
-class RankError(ActstoreError, RuntimeError):
-    """Another rank failed, or the ranks' settings are inconsistent."""
 
 
 def ranks_from_env() -> tuple[int, int]:

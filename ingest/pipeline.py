@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core._version import __version__
+from actstore.core.errors import RankError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
 from actstore.core.lock import holding, writer_lock
@@ -36,7 +37,7 @@ from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import Architecture, architecture_for
 from actstore.ingest.batches import pad_batch
 from actstore.ingest.capture import FusedCapture
-from actstore.ingest.distributed import RankError, rank_zero_first
+from actstore.ingest.distributed import rank_zero_first
 from actstore.ingest.records import TokenizedPrompt
 from actstore.ingest.settings import IngestConfig
 

@@ -40,16 +40,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from actstore.core.errors import LensError
 from actstore.core.invalid import InvalidSetting
-from actstore.query.readout import (
-    ALPHAS,
-    TUNED_METHODS,
-    FinalReadout,
-    LensError,
-    LensReading,
-    TunedLens,
-    read_objects,
-)
+from actstore.query.readout import ALPHAS, TUNED_METHODS, FinalReadout, LensReading, TunedLens, read_objects
 from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
 
 __all__ = [

@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading, MethodsError
+from actstore.core.errors import MethodsError
+from actstore.query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading
 from actstore.query.stats import bootstrap_interval, pearson
 from actstore.query.tuned_lens import TrainConfig
 
@@ -592,6 +593,7 @@ def study_readings(
     on the facts not compared, as ``agree`` fits it (:func:`actstore.query.methods.tuned_lens_reading`:
     ``tuned`` = adam, sgd or ridge, ``tuned_config`` default ``COMPARISON_TRAIN``); its reading's
     ``info`` records the fit."""
+    from actstore.core.errors import LensError
     from actstore.query.methods import (
         PLATEAU,
         LayerProbeConfig,
@@ -604,7 +606,7 @@ def study_readings(
         trace_reading,
         tuned_lens_reading,
     )
-    from actstore.query.readout import TUNED_METHODS, LensError
+    from actstore.query.readout import TUNED_METHODS
 
     if "tuned_lens" in methods and tuned not in TUNED_METHODS:  # before the other readings
         raise LensError(f"unknown tuned-lens method {tuned!r} (one of {', '.join(TUNED_METHODS)})")

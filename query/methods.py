@@ -55,7 +55,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actstore.core.errors import QueryError
+from actstore.core.errors import MethodsError
 from actstore.query.rows import Rows, rows_condition
 from actstore.query.stats import pearson
 from actstore.query.tuned_lens import TrainConfig
@@ -68,10 +68,6 @@ SEED_001 = {  # the paper's agreement table (GPT-2): key layer %, MLP/attn %, ef
     ("probe", "attention"): (55.3, 48.7, 0.52),
 }
 SEED_001_CONSENSUS = 47.6
-
-
-class MethodsError(QueryError):
-    """A method comparison cannot run as asked (one line)."""
 
 
 @dataclass

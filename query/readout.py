@@ -14,13 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.core.errors import QueryError
+from actstore.core.errors import LensError
 
 ALPHAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
-
-
-class LensError(QueryError):
-    """A lens cannot be computed as asked (one line)."""
 
 
 # ------------------------------------------------------------------------------------ readout

@@ -28,13 +28,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from actstore.core.errors import QueryError
+from actstore.core.errors import StatsError
 
 NAN = float("nan")
-
-
-class StatsError(QueryError):
-    """A statistic asked for with impossible settings (one line)."""
 
 
 def _pairs(a: ArrayLike, b: ArrayLike) -> tuple[np.ndarray, np.ndarray]:

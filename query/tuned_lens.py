@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.query.readout import FinalReadout, LensError, TunedLens
+from actstore.core.errors import LensError
+from actstore.query.readout import FinalReadout, TunedLens
 
 OPTIMIZERS = ("adam", "sgd")
 DEFAULT_LR = {"adam": 1e-3, "sgd": 0.1}

@@ -40,7 +40,7 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
-from actstore.core.errors import CorruptStoreError
+from actstore.core.errors import CorruptStoreError, MissingChunkError
 from actstore.core.fs import check_regular_file, open_regular_file, pread_exact, read_local_file
 
 NUMPY_DTYPE: dict[str, np.dtype] = {
@@ -556,10 +556,6 @@ def _settle_zarr_reads() -> None:
         sync(settle())
     except Exception:  # best effort: never hide the read error behind a second one
         pass
-
-
-class MissingChunkError(CorruptStoreError):
-    """A chunk that the store's writer wrote (every chunk, for stores of integrity 1) is not there."""
 
 
 def is_chunk_key(key: str) -> bool:

@@ -41,3 +41,66 @@ class ReadOnlySQLError(QueryError, PermissionError):
 
 class StorageError(ActstoreError, OSError):
     """The storage backend (an object store) cannot be reached or refuses access (credentials, network)."""
+
+
+class StoreLockedError(ActstoreError, RuntimeError):
+    """Another writer holds the store's lock (or its record cannot be proven stale)."""
+
+
+class NotOursError(StoreExistsError):
+    """The directory holds something actstore did not write: it is left untouched."""
+
+
+class MissingChunkError(CorruptStoreError):
+    """A chunk that the store's writer wrote is not there."""
+
+
+class AlignmentError(ActstoreError, ValueError):
+    """A record cannot be aligned to the tokenizer (one-line message)."""
+
+
+class DatasetError(ActstoreError, ValueError):
+    """A data set is missing or malformed, or a loader option is invalid (one-line message)."""
+
+
+class ModelError(ActstoreError, ValueError):
+    """A model could not be resolved or loaded; the message is one line meant for the user."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))  # one line: every run of whitespace one space
+
+
+class AblationError(ActstoreError, ValueError):
+    """The ablation cannot run as asked (one line)."""
+
+
+class PatchError(ActstoreError, ValueError):
+    """Patching cannot run as asked (one line)."""
+
+
+class InterventionError(ActstoreError, ValueError):
+    """An intervention that cannot apply to this model or prompt (one line)."""
+
+
+class TraceError(ActstoreError, ValueError):
+    """Tracing cannot run as asked (one line)."""
+
+
+class RankError(ActstoreError, RuntimeError):
+    """Another rank failed, or the ranks' settings are inconsistent."""
+
+
+class StatsError(QueryError):
+    """A statistic asked for with impossible settings (one line)."""
+
+
+class LensError(QueryError):
+    """A lens cannot be computed as asked (one line)."""
+
+
+class MethodsError(QueryError):
+    """A method comparison cannot run as asked (one line)."""
+
+
+class MapsError(QueryError):
+    """Bad MAPS input (pair files, relations, heads); one line for the command line."""

@@ -36,17 +36,13 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-from actstore.core.errors import ActstoreError, StorageError
+from actstore.core.errors import ActstoreError, StorageError, StoreLockedError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.lock_holder import Holder
 
 LOCK_NAME = ".actstore-writer.lock"
 LOCK_ENV = "ACTSTORE_WRITER_LOCK"  # token of the lock a launcher holds for its ranks
 _MAX_RECORD = 64 * 1024
-
-
-class StoreLockedError(ActstoreError, RuntimeError):
-    """Another writer holds the store's lock (or its record cannot be proven stale)."""
 
 
 class _Conflict(ActstoreError):

@@ -19,7 +19,7 @@ import socket
 import stat
 import time
 
-from actstore.core.errors import ActstoreError, StoreExistsError
+from actstore.core.errors import ActstoreError, NotOursError, StoreExistsError
 from actstore.core.fs import StoreLocation
 from actstore.core.lock import LOCK_NAME
 from actstore.core.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
@@ -32,10 +32,6 @@ STORE_ENTRIES = frozenset(
 )
 _TEMP = re.compile(r"^(manifest\.json|\.creating)\.tmp-[0-9a-f]{32}$")
 _MAX_SMALL_FILE = 16 * 1024 * 1024
-
-
-class NotOursError(StoreExistsError):
-    """The directory holds something actstore did not write: it is left untouched."""
 
 
 def creating_marker() -> bytes:

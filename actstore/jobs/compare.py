@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.core.errors import LensError, MethodsError
 from actstore.core.runs import new_run_id
 from actstore.core.store import Store
 from actstore.jobs.record import record_run
@@ -31,7 +32,6 @@ from actstore.query.methods import (
     PLATEAU,
     LayerProbeConfig,
     MethodReading,
-    MethodsError,
     agreement,
     agreement_table,
     attention_reading,
@@ -47,7 +47,7 @@ from actstore.query.methods import (
     trace_reading,
     tuned_lens_reading,
 )
-from actstore.query.readout import TUNED_METHODS, LensError
+from actstore.query.readout import TUNED_METHODS
 from actstore.query.tuned_lens import TrainConfig
 
 Log = Callable[[str], None]

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import torch
 
-from actstore.core.errors import StoreExistsError
+from actstore.core.errors import StoreExistsError, StoreLockedError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
-from actstore.core.lock import LOCK_ENV, StoreLockedError, active_writer
+from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
 from actstore.ingest.align import tokenize_records

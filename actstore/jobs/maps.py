@@ -109,7 +109,8 @@ def run_maps(
 ) -> MapsOutcome:
     """Static MAPS scores of every head for each relation in the pair files, from the store's
     weights (``first_mlp``: loads the first-MLP transform when the run needs it)."""
-    from actstore.query.maps.defaults import MapsError, relation_ks
+    from actstore.core.errors import MapsError
+    from actstore.query.maps.defaults import relation_ks
     from actstore.query.maps.pairs import excluded_line, load_pair_files, split_by_min_pairs, tokenize_pairs
     from actstore.query.maps.projection import VocabProjection, parse_heads
     from actstore.query.maps.static import (

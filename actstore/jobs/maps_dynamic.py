@@ -71,7 +71,8 @@ def run_maps_dynamic(
     """Dynamic MAPS scores from the store's head outputs and their correlation with the static
     scores; ``tokenizer`` is loaded for single-token prompts and pair files; ``client``: a Dask
     client for the projections (None: in this process)."""
-    from actstore.query.maps.defaults import MapsError, relation_ks
+    from actstore.core.errors import MapsError
+    from actstore.query.maps.defaults import relation_ks
     from actstore.query.maps.dynamic import (
         correlation_summary,
         correlation_table,

@@ -60,11 +60,11 @@ def parse_pair(text: str) -> tuple[int, int]:
 
 def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
     """Activation patching: clean activations into a counterfactual prompt of the same relation."""
+    from actstore.core.errors import PatchError
     from actstore.ingest.interventions import InterventionRunner
     from actstore.ingest.interventions.patching import (
         ActivationPatcher,
         PatchConfig,
-        PatchError,
         PatchPair,
         choose_counterfactuals,
         effects_table,

@@ -19,8 +19,9 @@ reads the public data set by name.
 
 from __future__ import annotations
 
+from actstore.core.errors import DatasetError
 from actstore.ingest.datasets.codex import triple_files
-from actstore.ingest.datasets.common import KINDS, DatasetError, DatasetResult, fill_template, parse_spec
+from actstore.ingest.datasets.common import KINDS, DatasetResult, fill_template, parse_spec
 from actstore.ingest.datasets.demo import DEMO_PATH, load_demo
 from actstore.ingest.datasets.dispatch import load_dataset
 from actstore.ingest.datasets.fewrel import join_tokens, load_fewrel

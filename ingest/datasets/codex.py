@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actstore.ingest.datasets.common import DatasetError, existing
+from actstore.core.errors import DatasetError
+from actstore.ingest.datasets.common import existing
 
 SPLITS = ("train", "valid", "test")
 

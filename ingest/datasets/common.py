@@ -14,15 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import DatasetError
 from actstore.ingest.records import PromptRecord
 
 # The prompt data set kinds ``load_dataset`` dispatches on (``KIND:PATH``, or ``demo``).
 KINDS = ("fewrel", "lre", "known1000", "maps", "jsonl", "demo", "methods2k")
-
-
-class DatasetError(ActstoreError, ValueError):
-    """A data set is missing or malformed, or a loader option is invalid (one-line message)."""
 
 
 @dataclass

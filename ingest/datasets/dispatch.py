@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import actstore.ingest.datasets.registry as registry
-from actstore.ingest.datasets.common import KINDS, DatasetError, DatasetResult, existing, parse_spec
+from actstore.core.errors import DatasetError
+from actstore.ingest.datasets.common import KINDS, DatasetResult, existing, parse_spec
 from actstore.ingest.datasets.demo import load_demo
 from actstore.ingest.datasets.fewrel import load_fewrel
 from actstore.ingest.datasets.jsonl import load_jsonl

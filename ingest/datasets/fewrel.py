@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from actstore.core.errors import DatasetError
 from actstore.ingest.datasets.common import (
     Collector,
-    DatasetError,
     DatasetResult,
     existing,
     read_json,

@@ -7,8 +7,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from actstore.core.errors import DatasetError
 from actstore.core.manifest import json_depth
-from actstore.ingest.datasets.common import Collector, DatasetError, DatasetResult, existing, find_span
+from actstore.ingest.datasets.common import Collector, DatasetResult, existing, find_span
 from actstore.ingest.records import PromptRecord
 
 _JSONL_STRINGS = ("subject", "object", "relation_id", "relation_name", "split", "source")

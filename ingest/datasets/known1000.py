@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from actstore.core.errors import DatasetError
 from actstore.ingest.datasets.common import (
     Collector,
-    DatasetError,
     DatasetResult,
     check_limit,
     existing,

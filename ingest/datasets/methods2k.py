@@ -40,9 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from actstore.core.errors import DatasetError
 from actstore.ingest.datasets.common import (
     Collector,
-    DatasetError,
     DatasetResult,
     clean_name,
     existing,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from actstore.ingest.datasets.common import DatasetError
+from actstore.core.errors import DatasetError
 from actstore.ingest.datasets.pins import SHA256
 
 DATA_ENV = "ACTSTORE_DATA"

@@ -16,11 +16,11 @@ keeps working; the experiments are imported from their modules.
 
 from __future__ import annotations
 
+from actstore.core.errors import InterventionError
 from actstore.ingest.interventions.runner import (
     COMPONENTS,
     OPS,
     Intervention,
-    InterventionError,
     InterventionRunner,
     RunItem,
     RunResult,

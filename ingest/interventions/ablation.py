@@ -39,20 +39,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import AblationError, MapsError
 from actstore.core.store import Store
 from actstore.ingest.first_mlp import first_mlp_transform
 from actstore.ingest.interventions.runner import InterventionRunner, RunItem, head_ablation, stored_head_means
-from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MapsError, paper_first_mlp, paper_k
+from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, paper_first_mlp, paper_k
 from actstore.query.maps.pairs import TokenPairs, store_pairs
 from actstore.query.maps.projection import VocabProjection, check_head
 from actstore.query.maps.static import implementing_heads, static_scores, stored_static_scores, top_heads
 from actstore.query.rows import Rows, rows_condition
 from actstore.query.selection import Selection
-
-
-class AblationError(ActstoreError, ValueError):
-    """The ablation cannot run as asked (one line)."""
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actstore.ingest.interventions.facts import StoredFact, TraceError
+from actstore.core.errors import TraceError
+from actstore.ingest.interventions.facts import StoredFact
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
 from actstore.ingest.interventions.trace_results import TraceConfig
 

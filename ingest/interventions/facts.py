@@ -9,13 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import TraceError
 from actstore.query.rows import Rows, rows_condition
-
-
-class TraceError(ActstoreError, ValueError):
-    """Tracing cannot run as asked (one line)."""
-
 
 # ------------------------------------------------------------------------------------ facts
 

@@ -36,16 +36,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import PatchError
 from actstore.ingest.interventions.facts import StoredFact
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
 
 COMPONENTS = ("resid", "attn", "mlp")
 POSITIONS = ("subject_last", "last")
-
-
-class PatchError(ActstoreError, ValueError):
-    """Patching cannot run as asked (one line)."""
 
 
 @dataclass(frozen=True)

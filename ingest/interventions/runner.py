@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import InterventionError
 from actstore.core.manifest import Geometry
 from actstore.ingest.architectures import Architecture, architecture_for
 from actstore.ingest.batches import pad_batch
@@ -51,10 +51,6 @@ from actstore.ingest.records import PromptRecord, TokenizedPrompt
 
 COMPONENTS = ("resid", "attn", "mlp", "head")
 OPS = ("zero", "mean", "set", "add", "add_noise")
-
-
-class InterventionError(ActstoreError, ValueError):
-    """An intervention that cannot apply to this model or prompt (one line)."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actstore.ingest.interventions.facts import StoredFact, TraceError
+from actstore.core.errors import TraceError
+from actstore.ingest.interventions.facts import StoredFact
 
 COMPONENTS = ("resid", "mlp", "attn")
 

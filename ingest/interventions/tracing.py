@@ -52,8 +52,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from actstore.ingest.interventions.facts import StoredFact, TraceError, stored_facts, subject_embedding_std
-from actstore.ingest.interventions.runner import Intervention, InterventionError, InterventionRunner, RunItem
+from actstore.core.errors import InterventionError, TraceError
+from actstore.ingest.interventions.facts import StoredFact, stored_facts, subject_embedding_std
+from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
 from actstore.ingest.interventions.trace_results import (
     COMPONENTS,
     STATE_KEY,

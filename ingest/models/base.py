@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import ModelError
 
 __all__ = ["LoadedModel", "ModelError", "weight_hash"]
 
@@ -24,13 +24,6 @@ def short_reason(exc: BaseException, limit: int = 200) -> str:
     """The exception's message on one line, cut to ``limit`` characters (its type when empty)."""
     text = one_line(str(exc)) or type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class ModelError(ActstoreError, ValueError):
-    """A model could not be resolved or loaded; the message is one line meant for the user."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(one_line(message))
 
 
 @dataclass

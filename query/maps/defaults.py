@@ -16,17 +16,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from actstore.core.errors import QueryError
+from actstore.core.errors import MapsError
 
 DEFAULT_K = 10  # the paper's k for every relation but the copying ones, on every model but Llama-3
 COPYING_K = 1  # the paper's k for the copying relations
 MIN_PAIRS = 30  # the authors' min_filtered_dataset_size: fewer usable pairs and a relation is excluded
 IMPLEMENTS_THRESHOLD = 0.15
 ROW_CHUNK = 256  # source rows per [rows, |V|] block
-
-
-class MapsError(QueryError):
-    """Bad MAPS input (pair files, relations, heads); one line for the command line."""
 
 
 def paper_k(relation: str, model_name: str = "") -> int:

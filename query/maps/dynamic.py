@@ -45,16 +45,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from actstore.core.errors import MapsError
 from actstore.core.store import Store
 from actstore.query.distributed import client_threads, run_tasks, store_of
-from actstore.query.maps.defaults import (
-    DEFAULT_K,
-    IMPLEMENTS_THRESHOLD,
-    MIN_PAIRS,
-    ROW_CHUNK,
-    MapsError,
-    check_k,
-)
+from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, MIN_PAIRS, ROW_CHUNK, check_k
 from actstore.query.maps.pairs import single_token_pairs, store_pairs
 from actstore.query.maps.projection import VocabProjection, projected_ranks
 from actstore.query.maps.static import pair_ranks

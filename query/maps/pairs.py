@@ -22,8 +22,9 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 
+from actstore.core.errors import MapsError
 from actstore.core.store import Store
-from actstore.query.maps.defaults import MIN_PAIRS, MapsError
+from actstore.query.maps.defaults import MIN_PAIRS
 from actstore.query.rows import Rows, rows_condition
 
 

@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from actstore.core.errors import MapsError
 from actstore.core.manifest import Geometry
 from actstore.core.store import Store
-from actstore.query.maps.defaults import ROW_CHUNK, MapsError
+from actstore.query.maps.defaults import ROW_CHUNK
 
 SourceTransform = Callable[[torch.Tensor], torch.Tensor]
 

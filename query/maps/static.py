@@ -64,8 +64,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from actstore.core.errors import MapsError
 from actstore.core.store import Store
-from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, MapsError, check_k, k_of
+from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, check_k, k_of
 from actstore.query.maps.pairs import TokenPairs
 from actstore.query.maps.projection import VocabProjection, head_list, target_ranks
 

@@ -27,8 +27,9 @@ import pytest
 from click.testing import CliRunner
 
 from actstore.cli import main
+from actstore.core.errors import StoreLockedError
 from actstore.core.fs import locate
-from actstore.core.lock import LOCK_NAME, Holder, StoreLockedError, WriterLock
+from actstore.core.lock import LOCK_NAME, Holder, WriterLock
 from actstore.core.manifest import FORMAT_VERSION, seal
 from actstore.core.ownership import CREATING, creating_marker
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import actstore
-from actstore.query.maps.defaults import MapsError
+from actstore.core.errors import MapsError
 from actstore.query.maps.pairs import TokenPairs
 from actstore.query.maps.projection import VocabProjection
 from actstore.query.maps.static import static_scores

@@ -17,8 +17,8 @@ from helpers import FIXTURES, build_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actstore.core.errors import DatasetError
 from actstore.ingest.datasets import load_dataset
-from actstore.ingest.datasets.common import DatasetError
 from actstore.ingest.datasets.methods2k import (
     allocate,
     build_methods2k,

@@ -14,9 +14,10 @@ from click.testing import CliRunner
 from helpers import KNOWN_STORE_KW
 
 import actstore
+from actstore.core.errors import PatchError
 from actstore.ingest.architectures import architecture_for as architecture_for_model
 from actstore.ingest.interventions import Intervention, InterventionRunner, RunItem
-from actstore.ingest.interventions.patching import ActivationPatcher, PatchConfig, PatchError, PatchPair
+from actstore.ingest.interventions.patching import ActivationPatcher, PatchConfig, PatchPair
 from actstore.ingest.interventions.tracing import (
     CausalTracer,
     GroupedEditRunner,

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from actstore.ingest.align import AlignmentError, tokenize_record, tokenize_records
+from actstore.core.errors import AlignmentError
+from actstore.ingest.align import tokenize_record, tokenize_records
 from actstore.ingest.datasets import load_demo, load_fewrel
 from actstore.ingest.records import PromptRecord, TokenizedPrompt
 

@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from actstore.query.stats import (
-    StatsError,
-    bootstrap_interval,
-    mean_interval,
-    pearson,
-    proportion_interval,
-    spearman,
-)
+from actstore.core.errors import StatsError
+from actstore.query.stats import bootstrap_interval, mean_interval, pearson, proportion_interval, spearman
 
 
 def _rng() -> np.random.Generator:
