@@ -1,6 +1,6 @@
 """The public facade: the store as researchers use it, on top of the core, ``query`` and ``ingest``.
 
-:class:`Store` is the core :class:`actstore.core.store.Store` (manifest, arrays, weights, tables, SQL)
+:class:`Store` is the core :class:`actstore.core.store.StoreReader` (manifest, arrays, weights, tables, SQL)
 plus the methods that need the query layer.  ``actstore.open`` returns one.  The layers below
 never import this module (docs/architecture.md; enforced by import-linter, ``make lint``).
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from actstore.core.errors import ActstoreError, QueryError
 from actstore.core.fs import locate
 from actstore.core.sql import Params
-from actstore.core.store import Store as CoreStore
+from actstore.core.store import StoreReader
 
 if TYPE_CHECKING:
     import duckdb
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from actstore.query.selection import Selection
 
 
-class Store(CoreStore):
-    """A read-only view of a store (see :class:`actstore.core.store.Store`), with selections of its rows."""
+class Store(StoreReader):
+    """A read-only view of a store (see :class:`actstore.core.store.StoreReader`), with selections of its rows."""
 
     def select(
         self,
@@ -88,7 +88,7 @@ class Store(CoreStore):
         memory_limit: str | None = None,
         timeout: float | None = None,
     ) -> pa.Table | pd.DataFrame | duckdb.DuckDBPyRelation:
-        """Run one read-only SELECT over the store's tables (:meth:`actstore.core.store.Store.sql`):
+        """Run one read-only SELECT over the store's tables (:meth:`actstore.core.store.StoreReader.sql`):
         ``format="arrow"`` (a ``pyarrow.Table``, the default) or ``"pandas"`` run it now, within the
         limits; ``"relation"`` returns a lazy ``duckdb.DuckDBPyRelation`` over the same locked-down
         connection, to refine before anything runs (``.filter()``, ``.aggregate()``, ``.limit()``)
@@ -150,7 +150,7 @@ def ingest_corpus(out: str | os.PathLike[str], *, progress: bool = False, **sett
     return open_store(out)
 
 
-def tokenizer_for_store(store: CoreStore, name: str | None = None) -> Any:
+def tokenizer_for_store(store: StoreReader, name: str | None = None) -> Any:
     """The tokenizer of ``store``'s model, or ``name``'s (a folder, a hub name, or one of actstore's
     model aliases such as ``tiny-llama`` or ``smollm2-135m``).
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from actstore.core.errors import QueryError
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.probe_config import CONTRASTS, DEFAULT_CONTRAST
 
 TOKEN_KINDS = ("attn_head", "attn_entity", "attn")
@@ -94,7 +94,9 @@ class TokenGeometry:
     offset: torch.Tensor  # [F] constant part of each raw feature (b_O for ``attn``, else 0)
 
     @classmethod
-    def of(cls, store: Store, kind: str, layers: Sequence[int], heads: Sequence[int] | None) -> TokenGeometry:
+    def of(
+        cls, store: StoreReader, kind: str, layers: Sequence[int], heads: Sequence[int] | None
+    ) -> TokenGeometry:
         if kind not in TOKEN_KINDS:
             raise QueryError(
                 f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}), not {kind!r}"
@@ -117,7 +119,7 @@ class TokenGeometry:
 
 
 def token_scores(
-    store: Store, geo: TokenGeometry, example_ids: Sequence[int], p: torch.Tensor, *, group: int = 128
+    store: StoreReader, geo: TokenGeometry, example_ids: Sequence[int], p: torch.Tensor, *, group: int = 128
 ) -> list[np.ndarray]:
     """TokenScore [L', n_src] for each (example, projected direction) pair, from stored A and V.
 
@@ -165,7 +167,7 @@ def token_scores(
     return [x for x in out if x is not None]
 
 
-def run_row(store: Store, run_id: str) -> dict[str, object]:
+def run_row(store: StoreReader, run_id: str) -> dict[str, object]:
     """The ``probe_runs`` row of ``run_id``; one clear error when there is none."""
     if "probe_runs" not in store.table_files():
         raise QueryError(f"{store.url} holds no probe runs (run `actstore probe` first)")

@@ -30,7 +30,7 @@ import numpy as np
 
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
-from actstore.core.store import Store, open_store
+from actstore.core.store import StoreReader, open_store
 from actstore.query.features import FeatureSpec, RowBlock, compute_block
 from actstore.query.selection import Selection
 
@@ -73,18 +73,18 @@ class Moments:
 
 
 # Stores opened by this process (a Dask worker keeps them between tasks).
-_OPEN: dict[str, Store] = {}
+_OPEN: dict[str, StoreReader] = {}
 
 
-def _store(url: str) -> Store:
+def _store(url: str) -> StoreReader:
     if url not in _OPEN:
         _OPEN[url] = open_store(url)
     return _OPEN[url]
 
 
-def store_of(store: str | Store) -> Store:
-    """A task's store: the caller's :class:`Store` in process, else opened by URL once per process."""
-    return store if isinstance(store, Store) else _store(store)
+def store_of(store: str | StoreReader) -> StoreReader:
+    """A task's store: the caller's :class:`StoreReader` in process, else opened by URL once per process."""
+    return store if isinstance(store, StoreReader) else _store(store)
 
 
 def run_tasks(
@@ -188,7 +188,7 @@ def block_moments(
 
 
 def feature_moments(
-    store: str | Store,
+    store: str | StoreReader,
     kind: str,
     *,
     rows: Selection | None = None,
@@ -207,7 +207,7 @@ def feature_moments(
     ``rows_per_task``: split segments into tasks of at most this many rows (rounded to whole
     chunks); default one task per segment.
     """
-    st = store if isinstance(store, Store) else open_store(store)
+    st = store if isinstance(store, StoreReader) else open_store(store)
     FeatureSpec.parse(st, kind, layers, heads, groups)  # fail on the driver, not in every task
     sel = rows if rows is not None else Selection.from_sql(st)
     if len(sel) == 0:
@@ -234,7 +234,7 @@ def feature_moments(
 
 
 def relation_scores(
-    store: str | Store,
+    store: str | StoreReader,
     kind: str,
     *,
     rows: Selection | None = None,
@@ -288,7 +288,7 @@ def _tuple(xs: Sequence[int] | None) -> tuple[int, ...] | None:
     return None if xs is None else tuple(int(x) for x in xs)
 
 
-def _labels(store: Store, sel: Selection, by: str | None) -> Any:
+def _labels(store: StoreReader, sel: Selection, by: str | None) -> Any:
     """An array mapping each selected row (in selection order) to its group label."""
     if by is None:
         return _Const("all")

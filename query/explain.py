@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from actstore.core.errors import QueryError
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query import probe
 from actstore.query.attribution import (
     DEFAULT_CONTRAST,
@@ -74,7 +74,7 @@ class Explanation:
 
 
 def explain_example(
-    store: Store,
+    store: StoreReader,
     run_id: str,
     example_id: int,
     *,
@@ -93,7 +93,7 @@ def explain_example(
 
 
 def _explain(
-    store: Store, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None, episode: int | None
+    store: StoreReader, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None, episode: int | None
 ) -> Explanation:
     if cfg.kind not in TOKEN_KINDS:
         raise QueryError(

@@ -32,7 +32,7 @@ from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 
 if TYPE_CHECKING:
-    from actstore.core.store import Store
+    from actstore.core.store import StoreReader
 
 KINDS = ("z", "attn_head", "attn", "attn_head_token", "attn_entity", "attn_prob", "mlp", "mlp_group", "resid")
 SOURCE_KINDS = ("attn_head_token", "attn_prob")  # kinds with a (zero-padded) source axis
@@ -61,7 +61,7 @@ class FeatureSpec:
     @classmethod
     def parse(
         cls,
-        store: Store,
+        store: StoreReader,
         kind: str,
         layers: Sequence[int] | None,
         heads: Sequence[int] | None,
@@ -110,7 +110,7 @@ def group_bounds(d_mlp: int, groups: int) -> list[int]:
 class WeightCache:
     """Weights as float32 torch tensors, loaded once per store (weights never change once written)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StoreReader) -> None:
         self._store = weakref.ref(store)  # the cache must not keep its store alive (see _CACHES)
         self._w: dict[str, torch.Tensor] = {}
 
@@ -123,11 +123,11 @@ class WeightCache:
         return self._w[name]
 
 
-_CACHES: weakref.WeakKeyDictionary[Store, WeightCache] = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary[StoreReader, WeightCache] = weakref.WeakKeyDictionary()
 _CACHES_LOCK = threading.Lock()
 
 
-def weights(store: Store) -> WeightCache:
+def weights(store: StoreReader) -> WeightCache:
     """The weight cache of ``store``, made on first use and dropped with the store."""
     with _CACHES_LOCK:
         cache = _CACHES.get(store)
@@ -148,7 +148,7 @@ def _pick(x: Any, idx: list[int], dim: int) -> Any:
     return x[(*pre, idx)]
 
 
-def row_shape(store: Store, spec: FeatureSpec, n_sources: int = 0) -> tuple[int, ...]:
+def row_shape(store: StoreReader, spec: FeatureSpec, n_sources: int = 0) -> tuple[int, ...]:
     """The shape of one row of ``spec``'s features (``n_sources``: the source axis of the source kinds)."""
     g = store.geometry
     n_l = len(spec.layers)
@@ -169,7 +169,11 @@ def row_shape(store: Store, spec: FeatureSpec, n_sources: int = 0) -> tuple[int,
 
 
 def compute_block(
-    store: Store, spec: FeatureSpec, block: RowBlock, out: np.ndarray | None = None, zeroed: bool = False
+    store: StoreReader,
+    spec: FeatureSpec,
+    block: RowBlock,
+    out: np.ndarray | None = None,
+    zeroed: bool = False,
 ) -> np.ndarray:
     """Features of one segment's rows: [n, *row_shape] float32, C-contiguous.
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import dask.array
     import xarray
 
-    from actstore.core.store import Store
+    from actstore.core.store import StoreReader
 
 
 DIMS: dict[str, tuple[str, ...]] = {
@@ -47,7 +47,7 @@ DIMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def units(store: Store, spec: FeatureSpec) -> list[int]:
+def units(store: StoreReader, spec: FeatureSpec) -> list[int]:
     """The head (or, for ``mlp_group``, group) numbers of ``spec``'s features, in order."""
     if spec.heads is not None:
         return list(spec.heads)
@@ -55,7 +55,7 @@ def units(store: Store, spec: FeatureSpec) -> list[int]:
     return list(range((spec.groups or g.n_heads) if spec.kind == "mlp_group" else g.n_heads))
 
 
-def row_shape(store: Store, spec: FeatureSpec, n_sources: int) -> tuple[int, ...]:
+def row_shape(store: StoreReader, spec: FeatureSpec, n_sources: int) -> tuple[int, ...]:
     """The shape of one row's features (everything after ``row`` in :data:`DIMS`)."""
     g = store.geometry
     size = {
@@ -70,7 +70,7 @@ def row_shape(store: Store, spec: FeatureSpec, n_sources: int) -> tuple[int, ...
 
 
 def to_dataarray(
-    store: Store,
+    store: StoreReader,
     spec: FeatureSpec,
     x: Any,
     example_ids: np.ndarray,
@@ -113,14 +113,14 @@ def pad_sources(x: np.ndarray, S: int) -> np.ndarray:
     return out
 
 
-def block_features(store: Store, spec: FeatureSpec, block: RowBlock, n_sources: int) -> np.ndarray:
+def block_features(store: StoreReader, spec: FeatureSpec, block: RowBlock, n_sources: int) -> np.ndarray:
     """:func:`actstore.query.features.compute_block`, the source axis (if any) zero-padded to ``n_sources``."""
     x = compute_block(store, spec, block)
     return pad_sources(x, n_sources) if spec.kind in SOURCE_KINDS else x
 
 
 def dask_features(
-    store: Store, spec: FeatureSpec, blocks: Sequence[tuple[int, RowBlock]], n_sources: int
+    store: StoreReader, spec: FeatureSpec, blocks: Sequence[tuple[int, RowBlock]], n_sources: int
 ) -> dask.array.Array:
     """A lazy dask array of ``spec``'s features [n, ...], one chunk per ``(rows, block)`` of ``blocks``
     (in order), each computed by :func:`block_features` when dask asks for it; source kinds padded to

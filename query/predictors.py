@@ -46,7 +46,7 @@ import pyarrow as pa
 
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.attribution import run_row
 from actstore.query.distributed import client_threads, run_tasks, store_of
 from actstore.query.selection import Selection
@@ -268,7 +268,7 @@ class PredictorResult:
 
 
 def relation_predictors(
-    store: Store,
+    store: StoreReader,
     run_id: str,
     *,
     kb: Sequence[str | os.PathLike[str]] = (),
@@ -345,7 +345,7 @@ def relation_predictors(
         if file_ranges is not None
         else "stored sample: the run's selected instances"
     )
-    src: str | Store = store if client is None else store.url
+    src: str | StoreReader = store if client is None else store.url
     segs = sorted(store.commits)
     parts = run_tasks(
         client, _rows_task, [(src, b, ids_list) for b in _split(segs, segments_per_task, client)]
@@ -437,7 +437,7 @@ def relation_predictors(
     )
 
 
-def _concentration_column(store: Store, run_id: str, concentration: str) -> str:
+def _concentration_column(store: StoreReader, run_id: str, concentration: str) -> str:
     """The ``head_scores`` column the concentration reads; one error line when the run lacks it."""
     if concentration == "gold-signed":
         return "score"
@@ -472,7 +472,7 @@ def _split(items: Sequence[Any], per_task: int | None, client: Any) -> list[tupl
 
 
 def _rows_task(
-    store: str | Store, segments: tuple[int, ...], ids: list[int]
+    store: str | StoreReader, segments: tuple[int, ...], ids: list[int]
 ) -> tuple[pa.Table, dict[str, int], int]:
     """One task: the ``examples`` rows of ``segments`` among ``ids`` (without their text) and the
     document frequencies of their texts."""
@@ -487,7 +487,7 @@ def _rows_task(
 
 
 def _relations_or_graph_task(
-    store: str | Store,
+    store: str | StoreReader,
     run_id: str,
     ids: list[int],
     kind: str,

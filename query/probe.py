@@ -36,7 +36,7 @@ import torch
 from actstore.core.errors import QueryError
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.attribution import (
     TOKEN_KINDS,
     TokenGeometry,
@@ -91,7 +91,7 @@ class FeatureMatrix:
 
 
 def load_features(
-    store: Store,
+    store: StoreReader,
     kind: str,
     *,
     rows: Selection | None = None,
@@ -226,7 +226,7 @@ def torch_threads(n: int) -> Iterator[None]:
 
 
 def run_probe(
-    store: Store,
+    store: StoreReader,
     cfg: ProbeConfig,
     *,
     features: FeatureMatrix | None = None,
@@ -240,7 +240,7 @@ def run_probe(
 
 
 def _run_probe(
-    store: Store,
+    store: StoreReader,
     cfg: ProbeConfig,
     features: FeatureMatrix | None,
     episodes: EpisodeSet | None,
@@ -432,7 +432,7 @@ def _per_layer(unit_values: torch.Tensor, n_layers: int) -> torch.Tensor:
 
 
 def _flush_tokens(
-    store: Store,
+    store: StoreReader,
     geo: TokenGeometry,
     pending: list[tuple[int, int, torch.Tensor, torch.Tensor]],
     fm: FeatureMatrix,

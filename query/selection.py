@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from actstore.core.errors import QueryError
 from actstore.core.sql import Params, check_params, predicate, run_sql, subquery
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.features import FeatureSpec, RowBlock, compute_block, row_shape
 from actstore.query.labelled import SOURCE_KINDS, dask_features, to_dataarray
 
@@ -62,7 +62,7 @@ class _Query:
     timeout: float | None
     text: str
 
-    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
         return run_sql(
             store,
             _ROWS_SQL.format(cond=self.cond),
@@ -81,7 +81,7 @@ class _Filter:
     def text(self) -> str:
         return f"filter({self.where})"
 
-    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
         assert rows is not None
         ids = run_sql(
             store,
@@ -99,7 +99,7 @@ class _Relations:
     def text(self) -> str:
         return f"relations({', '.join(self.names)})"
 
-    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
         assert rows is not None
         keep = pc.is_in(rows.column("relation_id"), value_set=pa.array(self.names, pa.string()))
         return rows.filter(pc.fill_null(keep, False))
@@ -113,7 +113,7 @@ class _Limit:
     def text(self) -> str:
         return f"limit({self.n})"
 
-    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
         assert rows is not None
         return rows.slice(0, self.n)
 
@@ -127,7 +127,7 @@ class _Sample:
     def text(self) -> str:
         return f"sample({self.n}, seed={self.seed})"
 
-    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
         assert rows is not None
         return rows.take(sample_indices(rows.num_rows, self.n, self.seed))
 
@@ -145,7 +145,7 @@ class _Part:
         how = f", by={self.by}" if self.by else ", stratified" if self.stratify else ""
         return f"split({', '.join(f'{f:g}' for f in self.fractions)}, seed={self.seed}{how})[{self.index}]"
 
-    def apply(self, store: Store, rows: pa.Table | None) -> pa.Table:
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
         assert rows is not None
         groups = None
         if self.by is not None or self.stratify:
@@ -245,7 +245,7 @@ class Selection:
 
     def __init__(
         self,
-        store: Store,
+        store: StoreReader,
         rows: pa.Table | None = None,
         *,
         parent: Selection | None = None,
@@ -264,7 +264,7 @@ class Selection:
     @classmethod
     def from_sql(
         cls,
-        store: Store,
+        store: StoreReader,
         where: str | None = None,
         *,
         query: str | None = None,
@@ -298,7 +298,7 @@ class Selection:
         return cls(store, step=step)
 
     @classmethod
-    def from_ids(cls, store: Store, example_ids: Sequence[int]) -> Selection:
+    def from_ids(cls, store: StoreReader, example_ids: Sequence[int]) -> Selection:
         """The target rows of these examples (in store order; unknown ids select nothing)."""
         ids = [int(i) for i in example_ids]
         return cls.from_sql(store, query="SELECT unnest($ids::BIGINT[]) AS example_id", params={"ids": ids})

@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.attribution import run_row
 from actstore.query.rows import rows_condition
 from actstore.query.selection import Selection
@@ -95,7 +95,7 @@ class ShortcutResult:
     summary: pa.Table  # one row
 
 
-def shortcut_analysis(store: Store, run_id: str, *, n_cues: int = 20) -> ShortcutResult:
+def shortcut_analysis(store: StoreReader, run_id: str, *, n_cues: int = 20) -> ShortcutResult:
     """Spearman rho, Mass and StrongAlign-x over the run's stored error TokenScores."""
     cfg = json.loads(str(run_row(store, run_id)["config"]))
     if "token_scores" not in store.table_files():

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from actstore.core.errors import QueryError
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 
 
-def tokenizer_for_store(store: Store, name: str | None = None) -> Any:
+def tokenizer_for_store(store: StoreReader, name: str | None = None) -> Any:
     """A fast tokenizer for ``store``'s model (or for ``name``, a folder or hub name, when given)."""
     if name is not None and name.strip():
         key = name.strip()
@@ -45,7 +45,7 @@ def tokenizer_for_store(store: Store, name: str | None = None) -> Any:
     return check_vocabulary(store, tok, key)
 
 
-def check_vocabulary(store: Store, tok: Any, key: str) -> Any:
+def check_vocabulary(store: StoreReader, tok: Any, key: str) -> Any:
     """``tok`` if it fits the store's vocabulary, else one QueryError."""
     vocab = store.geometry.vocab_size
     if len(tok) > vocab:

@@ -63,7 +63,7 @@ Params = Sequence[Any] | Mapping[str, Any]
 
 
 class TableSource(Protocol):
-    """What this module needs of a store (:class:`actstore.core.store.Store` is one): its location and
+    """What this module needs of a store (:class:`actstore.core.store.StoreReader` is one): its location and
     its visible, checked table files.  A protocol, so the store imports this module and not back."""
 
     location: StoreLocation
@@ -225,7 +225,7 @@ def _database(memory_limit: str) -> duckdb.DuckDBPyConnection:
 
 
 class SQLSession:
-    """The SQL connection a store keeps (:meth:`actstore.core.store.Store.sql`) between statements.
+    """The SQL connection a store keeps (:meth:`actstore.core.store.StoreReader.sql`) between statements.
 
     It is a connection to the process's locked-down in-memory database (one per memory limit), with
     the store's tables as views of its own (``TEMP``: other stores' sessions on the same database do

@@ -123,7 +123,7 @@ def check_weight(g: Geometry, name: str, arr: zarr.Array, where: str) -> None:
     check_array(arr, where, want, None, max_chunks=1 << 16)
 
 
-class Store:
+class StoreReader:
     """A read-only view of a store as of the moment it was opened (or last :meth:`refresh`).
 
     This is the store core: manifest, arrays, weights, tables and SQL.  It imports nothing from
@@ -586,6 +586,6 @@ def read_commits(location: StoreLocation, manifest: Manifest) -> dict[int, Segme
     return dict(sorted(commits.items()))
 
 
-def open_store(url: str | os.PathLike[str]) -> Store:
+def open_store(url: str | os.PathLike[str]) -> StoreReader:
     """Open an existing store (local path or URL) for reading."""
-    return Store(locate(url))
+    return StoreReader(locate(url))

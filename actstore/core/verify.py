@@ -33,7 +33,7 @@ from actstore.core.store import (
     MAX_TOKENIZER_FILE_BYTES,
     SEGMENT_ARRAYS,
     TOKENIZER_DIR,
-    Store,
+    StoreReader,
     segment_name,
 )
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
@@ -113,7 +113,7 @@ def _scan_chunk(
             )
 
 
-def _uncommitted(store: Store, report: VerifyReport) -> None:
+def _uncommitted(store: StoreReader, report: VerifyReport) -> None:
     """Segments the manifest promises that are not committed, told apart by whether their data exists."""
     loc = store.location
     present: set[int] = set()
@@ -150,7 +150,7 @@ def _uncommitted(store: Store, report: VerifyReport) -> None:
 
 
 def _check_objects(
-    store: Store, report: VerifyReport, seg: int, objects: dict[str, str], values: bool
+    store: StoreReader, report: VerifyReport, seg: int, objects: dict[str, str], values: bool
 ) -> None:
     """A segment whose marker lists its objects: every one present with its SHA-256, the full chunk grid listed."""
     loc = store.location
@@ -197,7 +197,7 @@ def _check_objects(
             )
 
 
-def _check_segment_tables(store: Store, report: VerifyReport, seg: int) -> None:
+def _check_segment_tables(store: StoreReader, report: VerifyReport, seg: int) -> None:
     commit = store.commits[seg]
     tables: dict[str, pa.Table] = {}
     for name in SEGMENT_TABLES:
@@ -278,7 +278,7 @@ def _check_spans(
         report.problems.append(f"{rel}: {what} offsets run outside the {array} array (0..{bound})")
 
 
-def _check_other_tables(store: Store, report: VerifyReport) -> None:
+def _check_other_tables(store: StoreReader, report: VerifyReport) -> None:
     """Non-segment tables: each file's ``.sha256`` companion and Parquet; ``heads`` against the geometry."""
     loc = store.location
     unhashed: list[str] = []
@@ -323,7 +323,7 @@ def _check_other_tables(store: Store, report: VerifyReport) -> None:
         report.problems.append(f"{text}: this store writes one beside every table file (deleted?)")
 
 
-def _heads_ok(store: Store, table: pa.Table) -> bool:
+def _heads_ok(store: StoreReader, table: pa.Table) -> bool:
     g = store.geometry
     try:
         layer, head, kv = (table.column(c).to_numpy() for c in ("layer", "head", "kv_head"))
@@ -336,7 +336,7 @@ def _heads_ok(store: Store, table: pa.Table) -> bool:
     )
 
 
-def _check_weights(store: Store, report: VerifyReport, values: bool) -> None:
+def _check_weights(store: StoreReader, report: VerifyReport, values: bool) -> None:
     try:
         group = store._weights_group
         names = sorted(group.array_keys())
@@ -359,7 +359,7 @@ def _check_weights(store: Store, report: VerifyReport, values: bool) -> None:
             _scan_chunk(report, where, arr, i, None, values)
 
 
-def _check_tokenizer(store: Store, report: VerifyReport) -> None:
+def _check_tokenizer(store: StoreReader, report: VerifyReport) -> None:
     """Each tokenizer file the manifest records: present, with its SHA-256 (every file is reported)."""
     try:
         record = store.tokenizer_record()
@@ -379,7 +379,7 @@ def _check_tokenizer(store: Store, report: VerifyReport) -> None:
 
 
 def _read_hashed(
-    store: Store,
+    store: StoreReader,
     report: VerifyReport,
     rel: str,
     max_bytes: int,
@@ -403,7 +403,7 @@ def _read_hashed(
     return data
 
 
-def verify_store(store: Store, *, values: bool = False) -> VerifyReport:
+def verify_store(store: StoreReader, *, values: bool = False) -> VerifyReport:
     """Check ``store`` (see the module docstring); ``values`` also scans every chunk for NaN/Inf."""
     report = VerifyReport(store.url, values_checked=values)
     _uncommitted(store, report)

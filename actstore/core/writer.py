@@ -20,7 +20,7 @@ from actstore.core.errors import StoreMismatchError
 from actstore.core.fs import StoreLocation
 from actstore.core.manifest import Manifest, SegmentCommit, read_manifest
 from actstore.core.ownership import CREATING, creating_marker, prepare_root, signed_creating
-from actstore.core.store import SEGMENT_ARRAYS, Store, read_commits, segment_name
+from actstore.core.store import SEGMENT_ARRAYS, StoreReader, read_commits, segment_name
 from actstore.core.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
@@ -176,7 +176,7 @@ class StoreWriter:
         return commit
 
 
-def write_result_table(store: Store, name: str, run_id: str, table: pa.Table) -> str:
+def write_result_table(store: StoreReader, name: str, run_id: str, table: pa.Table) -> str:
     """Add an analysis result (one file per run, written atomically) and return its path."""
     if name in SEGMENT_TABLES or name == "heads" or not name.replace("_", "").isalnum():
         raise ValueError(f"invalid result table name {name!r}")

@@ -9,7 +9,7 @@ from typing import Any
 
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
 
@@ -59,7 +59,7 @@ def check_ablation(cfg: Any) -> None:
         raise InvalidSetting("max_accuracy_gap", f"must not be negative, not {cfg.max_accuracy_gap}")
 
 
-def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> AblateOutcome:
+def run_ablate(store: StoreReader, req: AblateRequest, log: Log | None = None) -> AblateOutcome:
     """Accuracy on the relation's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations; the ``maps_ablation`` table and a ``runs`` row."""
     from actstore.core.store import open_store
@@ -130,7 +130,7 @@ def run_ablate(store: Store, req: AblateRequest, log: Log | None = None) -> Abla
     return out
 
 
-def parse_heads_text(text: str | None, store: Store) -> tuple[tuple[int, int], ...] | None:
+def parse_heads_text(text: str | None, store: StoreReader) -> tuple[tuple[int, int], ...] | None:
     """``"12.3,7.*"`` -> the (layer, head) pairs of the store's model; None for None."""
     if not text:
         return None

@@ -24,7 +24,7 @@ import numpy as np
 
 from actstore.core.errors import LensError, MethodsError
 from actstore.core.runs import new_run_id
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.query.methods import (
     COMPARISON_TRAIN,
@@ -97,7 +97,7 @@ class AgreeOutcome:
     figures: list[str] = field(default_factory=list)
 
 
-def split_runs(store: Store, runs: Sequence[str]) -> tuple[str | None, str | None]:
+def split_runs(store: StoreReader, runs: Sequence[str]) -> tuple[str | None, str | None]:
     """(trace run, patch run) among ``runs``: each id is looked up in ``trace_effects`` and
     ``patch_effects``; an id in neither is an error.  None where no id names a run of that table."""
     found: dict[str, str] = {}
@@ -119,7 +119,7 @@ def split_runs(store: Store, runs: Sequence[str]) -> tuple[str | None, str | Non
 
 
 def run_agreement(
-    store: Store,
+    store: StoreReader,
     cfg: AgreeConfig,
     log: Log | None = None,
     progress: Callable[[int, float], None] | None = None,

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from actstore.core.invalid import InvalidSetting
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.record import read_run_column, record_run
 from actstore.query.distributed import dask_client
 from actstore.query.predictors import PredictorResult, relation_predictors, scatter_plots
@@ -61,7 +61,7 @@ class CorrelateOutcome:
     tables: list[str] = field(default_factory=list)
 
 
-def run_correlate(store: Store, cfg: CorrelateConfig) -> CorrelateOutcome:
+def run_correlate(store: StoreReader, cfg: CorrelateConfig) -> CorrelateOutcome:
     """Compute the predictors and their correlations with F1, draw the figures, record the run."""
     started = time.time()
     with dask_client(cfg.dask_address, cfg.workers) as client:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from actstore.core.progress import progress_bar
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 
 Step = Callable[[str], None]
@@ -68,7 +68,7 @@ class DemoLog:
 
 # ----------------------------------------------------------------------------------- steps
 def probe_step(
-    store: Store, kind: str, episodes: int, token_scores: str, log: Step = _quiet
+    store: StoreReader, kind: str, episodes: int, token_scores: str, log: Step = _quiet
 ) -> dict[str, Any]:
     from actstore.jobs.probe import record_probe
     from actstore.query.probe import ProbeConfig, run_probe
@@ -93,21 +93,21 @@ def probe_step(
     return {"run_id": out.run_id, "accuracy": round(out.accuracy, 4), "ci95": [round(lo, 4), round(hi, 4)]}
 
 
-def predictors_step(store: Store, run_id: str) -> dict[str, Any]:
+def predictors_step(store: StoreReader, run_id: str) -> dict[str, Any]:
     from actstore.jobs.correlate import CorrelateConfig, run_correlate
 
     out = run_correlate(store, CorrelateConfig(probe_run=run_id))
     return {r["predictor"]: r["spearman_rho"] for r in out.result.correlations.to_pylist()}
 
 
-def shortcuts_step(store: Store, run_id: str) -> dict[str, Any]:
+def shortcuts_step(store: StoreReader, run_id: str) -> dict[str, Any]:
     from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
 
     out = run_shortcuts(store, ShortcutsConfig(probe_run=run_id))
     return dict(out.result.summary.to_pylist()[0])
 
 
-def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[Any]:
+def store_token_pairs(store: StoreReader, relations: list[str] | None = None) -> list[Any]:
     """Each relation's distinct (subject's first token, object's first token) pairs, from the
     store's own prompts (no tokenizer needed): the MAPS pairs of the demo corpus."""
     from actstore.query.maps.pairs import TokenPairs, store_pairs
@@ -130,7 +130,7 @@ def store_token_pairs(store: Store, relations: list[str] | None = None) -> list[
 
 
 def maps_step(
-    store: Store, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet
+    store: StoreReader, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet
 ) -> dict[str, Any]:
     import pyarrow as pa
 
@@ -166,7 +166,7 @@ def maps_step(
 
 
 def maps_dynamic_step(
-    store: Store, proj: Any, relations: list[str], k: int = 10, log: Step = _quiet
+    store: StoreReader, proj: Any, relations: list[str], k: int = 10, log: Step = _quiet
 ) -> dict[str, Any]:
     import pyarrow as pa
 
@@ -189,7 +189,7 @@ def maps_dynamic_step(
     return {"run_id": run_id, "correlation": {s["relation"]: s["corr_wo_context"] for s in summaries}}
 
 
-def _demo_relations(store: Store, n: int) -> list[str]:
+def _demo_relations(store: StoreReader, n: int) -> list[str]:
     """The ``n`` relations with the most prompts the model answers (ties by name)."""
     rows = store.sql(
         "SELECT e.relation_id, sum(CASE WHEN t.object_rank = 0 THEN 1 ELSE 0 END) AS ok "
@@ -201,7 +201,7 @@ def _demo_relations(store: Store, n: int) -> list[str]:
 
 # ----------------------------------------------------------------------------------- entry point
 def run_demo_analyses(
-    store: Store,
+    store: StoreReader,
     *,
     out: str,
     episodes: int = 100,
@@ -280,7 +280,7 @@ def run_demo_analyses(
     return summary
 
 
-def _write_report(store: Store, path: str) -> str:
+def _write_report(store: StoreReader, path: str) -> str:
     from actstore.query.report import write_report
 
     return write_report(store, path)

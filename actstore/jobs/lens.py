@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.core.runs import new_run_id
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.query.methods import fact_ids
 from actstore.query.selection import Selection
@@ -46,7 +46,7 @@ class LensOutcome:
 
 
 def run_lens(
-    store: Store, cfg: LensRunConfig, progress: Callable[[int, float], None] | None = None
+    store: StoreReader, cfg: LensRunConfig, progress: Callable[[int, float], None] | None = None
 ) -> LensOutcome:
     """Evaluate the logit lens (and the tuned lens, trained on ``train_fraction`` of the facts) on
     the held-out facts; write the ``lens`` table and a ``runs`` row unless ``cfg.save`` is False.

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 
 Log = Callable[[str], None]
@@ -59,7 +59,7 @@ def load_first_mlp(loader: FirstMlp | None) -> Any:
     return loader()
 
 
-def first_mlp_wanted(store: Store, first_mlp: bool | None, compare: bool = False) -> bool:
+def first_mlp_wanted(store: StoreReader, first_mlp: bool | None, compare: bool = False) -> bool:
     """Whether a run needs the first-MLP transform: as asked, else the authors' default for the
     store's model (on, except for Llama-3.1-70B)."""
     from actstore.query.maps.defaults import paper_first_mlp
@@ -105,7 +105,7 @@ class MapsOutcome:
 
 
 def run_maps(
-    store: Store, cfg: MapsRunConfig, tokenizer: Callable[[], Any], first_mlp: FirstMlp | None = None
+    store: StoreReader, cfg: MapsRunConfig, tokenizer: Callable[[], Any], first_mlp: FirstMlp | None = None
 ) -> MapsOutcome:
     """Static MAPS scores of every head for each relation in the pair files, from the store's
     weights (``first_mlp``: loads the first-MLP transform when the run needs it)."""

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.maps import FirstMlp, Log, check_scoring, first_mlp_wanted, load_first_mlp
 from actstore.jobs.record import record_run
 from actstore.query.selection import Selection
@@ -60,7 +60,7 @@ def _nan_to_none(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_maps_dynamic(
-    store: Store,
+    store: StoreReader,
     cfg: MapsDynamicConfig,
     tokenizer: Callable[[], Any] | None = None,
     first_mlp: FirstMlp | None = None,

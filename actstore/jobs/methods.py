@@ -9,13 +9,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.query.method_metrics import MetricsResult
 
 
 def record_method_metrics(
-    store: Store,
+    store: StoreReader,
     run_id: str,
     result: MetricsResult,
     cross: pa.Table | None,

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from actstore.core.invalid import InvalidSetting
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def model_for_store(store: Store, model: str | None) -> str:
+def model_for_store(store: StoreReader, model: str | None) -> str:
     """``model`` when given, else the store's own model when it is one of actstore's aliases."""
     from actstore.ingest.models import known_alias
 
@@ -34,7 +34,7 @@ def model_for_store(store: Store, model: str | None) -> str:
 
 
 def load_store_model(
-    store: Store,
+    store: StoreReader,
     model: str | None,
     *,
     device: str = "cpu",
@@ -67,7 +67,7 @@ def load_store_model(
     return loaded
 
 
-def first_mlp_for_store(store: Store, model: str | None) -> Any:
+def first_mlp_for_store(store: StoreReader, model: str | None) -> Any:
     """The first-MLP source transform of the store's model (loaded on the CPU, float32), for MAPS
     static scores through the first MLP."""
     from actstore.ingest.first_mlp import first_mlp_transform

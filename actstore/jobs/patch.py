@@ -10,7 +10,7 @@ from typing import Any
 from actstore.core.invalid import InvalidSetting
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
 from actstore.query.selection import Selection
@@ -58,7 +58,7 @@ def parse_pair(text: str) -> tuple[int, int]:
         raise InvalidSetting("pairs", f"{text!r} is not CLEAN_ID:COUNTERFACTUAL_ID") from None
 
 
-def run_patch(store: Store, req: PatchRequest) -> PatchOutcome:
+def run_patch(store: StoreReader, req: PatchRequest) -> PatchOutcome:
     """Activation patching: clean activations into a counterfactual prompt of the same relation."""
     from actstore.core.errors import PatchError
     from actstore.ingest.interventions import InterventionRunner

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actstore.core.invalid import InvalidSetting
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.query.probe import ProbeOutput, probe_tables
 
@@ -29,7 +29,7 @@ def contrast_text(reading: str | None) -> str:
     return CONTRAST_TEXT[reading or "renormalised"]
 
 
-def run_contrast(store: Store, run_id: str) -> str:
+def run_contrast(store: StoreReader, run_id: str) -> str:
     """The contrast reading the probe run ``run_id`` was made with."""
     from actstore.query.attribution import run_row
     from actstore.query.probe import ProbeConfig
@@ -48,7 +48,7 @@ class HeadScoreGrid:
     contrast: str
 
 
-def headscore_grid(store: Store, run_id: str, relation: str | None = None) -> HeadScoreGrid:
+def headscore_grid(store: StoreReader, run_id: str, relation: str | None = None) -> HeadScoreGrid:
     """Mean HeadScore per layer x head over the run's query predictions (only those whose gold
     relation is ``relation`` when given)."""
     from actstore.query.attribution import run_row
@@ -92,7 +92,7 @@ def expand_files(patterns: Sequence[str]) -> list[str]:
     return files
 
 
-def record_probe(store: Store, out: ProbeOutput) -> list[str]:
+def record_probe(store: StoreReader, out: ProbeOutput) -> list[str]:
     """Write every result table of the probe run and its ``runs`` row; return the tables' paths."""
     recorded = record_run(
         store,

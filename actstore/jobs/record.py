@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 
 from actstore.core.runs import new_run_id, with_run_id, write_run
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.core.writer import write_result_table
 
 
@@ -23,7 +23,7 @@ class RecordedRun:
 
 
 def record_run(
-    store: Store,
+    store: StoreReader,
     kind: str,
     config: Mapping[str, Any] | str,
     tables: Mapping[str, pa.Table],

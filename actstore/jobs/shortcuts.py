@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from actstore.core.invalid import InvalidSetting
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.record import read_run_column, record_run
 from actstore.query.shortcuts import ShortcutResult, shortcut_analysis, shortcut_figure
 
@@ -42,7 +42,7 @@ class ShortcutsOutcome:
     tables: list[str] = field(default_factory=list)
 
 
-def run_shortcuts(store: Store, cfg: ShortcutsConfig) -> ShortcutsOutcome:
+def run_shortcuts(store: StoreReader, cfg: ShortcutsConfig) -> ShortcutsOutcome:
     """Score the run's errors against the cues, draw the figure, record the run."""
     started = time.time()
     res = shortcut_analysis(store, cfg.probe_run, n_cues=cfg.n_cues)

@@ -15,7 +15,7 @@ from typing import Any
 from actstore.core.invalid import InvalidSetting
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
 from actstore.query.selection import Selection
@@ -55,7 +55,7 @@ class TraceOutcome:
     figures: list[str] = field(default_factory=list)
 
 
-def run_trace(store: Store, req: TraceRequest) -> TraceOutcome:
+def run_trace(store: StoreReader, req: TraceRequest) -> TraceOutcome:
     """Causal tracing of the store's facts: noise on the subject, clean states restored per layer
     and position.  Settings are checked before the model loads."""
     from actstore.ingest.interventions import InterventionRunner

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.core.errors import AblationError, MapsError
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.ingest.first_mlp import first_mlp_transform
 from actstore.ingest.interventions.runner import InterventionRunner, RunItem, head_ablation, stored_head_means
 from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, paper_first_mlp, paper_k
@@ -117,7 +117,7 @@ ROW_SCHEMA = pa.schema(
 )
 
 
-def relation_prompts(store: Store, rows: Rows | None = None) -> dict[str, Prompts]:
+def relation_prompts(store: StoreReader, rows: Rows | None = None) -> dict[str, Prompts]:
     """The store's prompts with an object token (those of ``rows``; all when None), per relation, as
     token ids."""
     rows_cond, params = rows_condition(rows, "e.example_id")
@@ -146,7 +146,7 @@ def relation_prompts(store: Store, rows: Rows | None = None) -> dict[str, Prompt
     return out
 
 
-def pairs_from_store(store: Store, relation: str, rows: Rows | None = None) -> TokenPairs:
+def pairs_from_store(store: StoreReader, relation: str, rows: Rows | None = None) -> TokenPairs:
     """Distinct (subject first token, object first token) pairs of a relation's stored prompts."""
     t = store_pairs(store, rows, relations=[relation])
     if t.num_rows == 0:
@@ -165,11 +165,11 @@ def _fmt(heads: Sequence[tuple[int, int]]) -> str:
 
 def run_ablation(
     runner: InterventionRunner,
-    store: Store,
+    store: StoreReader,
     cfg: AblationConfig,
     *,
     pairs: dict[str, TokenPairs] | None = None,
-    scores_store: Store | None = None,
+    scores_store: StoreReader | None = None,
     log: Callable[[str], None] = lambda m: None,
 ) -> AblationResult:
     """Run the experiment of the module docstring.
@@ -334,10 +334,10 @@ class _Scorer:
     def __init__(
         self,
         runner: InterventionRunner,
-        store: Store,
+        store: StoreReader,
         cfg: AblationConfig,
         pairs: dict[str, TokenPairs],
-        scores_store: Store | None,
+        scores_store: StoreReader | None,
         rows: Rows | None = None,
     ) -> None:
         self.runner, self.store, self.cfg, self.pairs, self.rows = runner, store, cfg, pairs, rows

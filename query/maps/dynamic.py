@@ -46,7 +46,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import MapsError
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.distributed import client_threads, run_tasks, store_of
 from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, MIN_PAIRS, ROW_CHUNK, check_k
 from actstore.query.maps.pairs import single_token_pairs, store_pairs
@@ -83,7 +83,7 @@ class DynamicRanks:
 
 
 def dynamic_ranks(
-    store: Store,
+    store: StoreReader,
     *,
     rows: Rows | None = None,
     relations: Sequence[str] | None = None,
@@ -206,7 +206,7 @@ class PromptSelection:
 
 
 def usable_prompts(
-    store: Store,
+    store: StoreReader,
     *,
     tokenizer: Any = None,
     rows: Rows | None = None,
@@ -284,7 +284,7 @@ def usable_prompts(
 
 
 def _ranks(
-    store: Store,
+    store: StoreReader,
     proj: VocabProjection,
     pairs: pa.Table,
     k_max: int,
@@ -374,7 +374,7 @@ _PROJ: dict[tuple[str, bool], VocabProjection] = {}
 
 
 def rank_block(
-    store: str | Store,
+    store: str | StoreReader,
     proj: VocabProjection | bool,
     ids: np.ndarray,
     src_pos: np.ndarray,
@@ -436,7 +436,7 @@ def rank_block(
 
 
 def _read_factors(
-    store: Store, ids: np.ndarray, src_pos: dict[int, int]
+    store: StoreReader, ids: np.ndarray, src_pos: dict[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """z at the target and V at the source token, for ``ids`` (in that order)."""
     sel = Selection.from_ids(store, ids.tolist())

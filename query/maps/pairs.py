@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.core.errors import MapsError
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.maps.defaults import MIN_PAIRS
 from actstore.query.rows import Rows, rows_condition
 
@@ -234,7 +234,7 @@ def excluded_line(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def store_pairs(
-    store: Store,
+    store: StoreReader,
     rows: Rows | None = None,
     *,
     source_token: Literal["first", "last"] = "first",

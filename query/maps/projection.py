@@ -15,7 +15,7 @@ import torch
 
 from actstore.core.errors import MapsError
 from actstore.core.manifest import Geometry
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.maps.defaults import ROW_CHUNK
 
 SourceTransform = Callable[[torch.Tensor], torch.Tensor]
@@ -33,7 +33,7 @@ class VocabProjection:
     """The store's weights arranged for vocabulary projections of heads (float32 torch)."""
 
     def __init__(
-        self, store: Store, *, final_norm: bool = True, first_mlp: SourceTransform | None = None
+        self, store: StoreReader, *, final_norm: bool = True, first_mlp: SourceTransform | None = None
     ) -> None:
         g = store.geometry
         self.geometry = g

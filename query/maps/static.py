@@ -65,7 +65,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import MapsError
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, check_k, k_of
 from actstore.query.maps.pairs import TokenPairs
 from actstore.query.maps.projection import VocabProjection, head_list, target_ranks
@@ -395,7 +395,7 @@ class StoredScores:
 
 
 def stored_static_scores(
-    store: Store,
+    store: StoreReader,
     relations: Sequence[str],
     *,
     k: int | Mapping[str, int],

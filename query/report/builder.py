@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.report.context import (
     READ_ERRORS,
     SECTION_IDS,
@@ -94,7 +94,7 @@ SECTIONS: tuple[SectionSpec, ...] = (
 SECTION_TABLES: dict[str, tuple[str, ...]] = {s.key: s.tables for s in SECTIONS}
 
 
-def expected_sections(store: Store) -> list[str]:
+def expected_sections(store: StoreReader) -> list[str]:
     """Ids of the sections a report of ``store`` holds (tables present), in page order."""
     files = store.table_files()
     return [SECTION_IDS["summary"]] + [
@@ -115,7 +115,7 @@ def _run_started(ctx: ReportContext) -> dict[str, float]:
 
 
 def collect_sections(
-    store: Store, options: ReportOptions | None = None, log: Callable[[str], None] | None = None
+    store: StoreReader, options: ReportOptions | None = None, log: Callable[[str], None] | None = None
 ) -> list[Section]:
     """Every section for ``store``, in page order.  A section whose tables cannot be read (a file missing or
     damaged, columns a statement needs) is kept with a note saying so; every other section is unaffected.
@@ -157,13 +157,13 @@ def _progress(line: str, callback: Callable[[str], None] | None) -> None:
         callback(line)
 
 
-def render_html(store: Store, sections: Sequence[Section], *, title: str | None = None) -> str:
+def render_html(store: StoreReader, sections: Sequence[Section], *, title: str | None = None) -> str:
     """The page holding ``sections`` (one self-contained HTML string)."""
     return render_page(store, sections, title=title)
 
 
 def build_report(
-    store: Store,
+    store: StoreReader,
     *,
     options: ReportOptions | None = None,
     title: str | None = None,
@@ -192,7 +192,7 @@ def write_text_atomically(path: str | os.PathLike[str], text: str) -> str:
 
 
 def write_report(
-    store: Store,
+    store: StoreReader,
     out: str | os.PathLike[str],
     *,
     options: ReportOptions | None = None,

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from matplotlib.figure import Figure as MplFigure
 
 from actstore.core.errors import CorruptStoreError, QueryError, StorageError
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query import plotting
 
 log = logging.getLogger("actstore.query.report")
@@ -157,7 +157,7 @@ class Section:
 # ----------------------------------------------------------------------------------- context
 @dataclass
 class ReportContext:
-    store: Store
+    store: StoreReader
     opts: ReportOptions
     files: dict[str, list[str]]
     con: duckdb.DuckDBPyConnection

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import jinja2
 from markupsafe import Markup
 
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.query.report.context import Block, Section, fmt
 
 
@@ -31,7 +31,7 @@ def render_blocks(blocks: Sequence[Block]) -> Markup:
     return Markup(module.render_blocks(list(blocks)))  # type: ignore[attr-defined]
 
 
-def render_page(store: Store, sections: Sequence[Section], *, title: str | None = None) -> str:
+def render_page(store: StoreReader, sections: Sequence[Section], *, title: str | None = None) -> str:
     """The whole report page: header, navigation and ``sections`` in order."""
     g = store.geometry
     name = str(store.manifest.model.get("name"))

@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from actstore.core.store import Store
+from actstore.core.store import StoreReader
 from actstore.core.tables import SEGMENT_TABLES
 from actstore.query.report.context import (
     READ_ERRORS,
@@ -32,7 +32,7 @@ CORPUS_PLAIN = (
 )
 
 
-def store_bytes(store: Store) -> int | None:
+def store_bytes(store: StoreReader) -> int | None:
     """The store's size on disk in bytes (None when an object store does not say)."""
     loc = store.location
     if loc.is_local:
@@ -58,7 +58,7 @@ def human_size(n: int | None) -> str:
     return f"{n} B"
 
 
-def _store_info(store: Store) -> list[dict[str, Any]]:
+def _store_info(store: StoreReader) -> list[dict[str, Any]]:
     m, g = store.manifest, store.geometry
     model = m.model
     return [
