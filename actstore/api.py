@@ -154,13 +154,12 @@ def tokenizer_for_store(store: StoreReader, name: str | None = None) -> Any:
     """The tokenizer of ``store``'s model, or ``name``'s (a folder, a hub name, or one of actstore's
     model aliases such as ``tiny-llama`` or ``smollm2-135m``).
 
-    A store holds its model's tokenizer (:func:`actstore.query.store_tokenizer.tokenizer_for_store`
+    A store holds its model's tokenizer (:func:`actstore.query.store_tokenizer.stored_tokenizer`
     reads it).  An alias given as ``name`` is resolved through the model registry of ``ingest``, which
     is why this lives in the facade and not in ``query``.
     """
     from actstore.ingest.alias_tokenizer import alias_tokenizer
-    from actstore.query.store_tokenizer import check_vocabulary
-    from actstore.query.store_tokenizer import tokenizer_for_store as from_store
+    from actstore.query.store_tokenizer import check_vocabulary, stored_tokenizer
 
     weight_hash = str(store.manifest.model.get("weight_hash") or "")
     key = name.strip() if name is not None and name.strip() else None
@@ -168,4 +167,4 @@ def tokenizer_for_store(store: StoreReader, name: str | None = None) -> Any:
         tok = alias_tokenizer(key, weight_hash)
         if tok is not None:
             return check_vocabulary(store, tok, key)
-    return from_store(store, key)
+    return stored_tokenizer(store, key)

@@ -23,7 +23,7 @@ from actstore.core.errors import QueryError
 def alias_tokenizer(name: str, weight_hash: str = "") -> Any | None:
     """The tokenizer of alias ``name`` (preferring the converted copy with ``weight_hash``), or None
     when ``name`` is not one of actstore's aliases."""
-    from actstore.ingest.models import GGUF_ALIASES, default_cache_dir, known_alias, tiny_model
+    from actstore.ingest.models import GGUF_ALIASES, known_alias, model_cache_dir, tiny_model
 
     low = known_alias(name)
     if low is None:
@@ -31,10 +31,10 @@ def alias_tokenizer(name: str, weight_hash: str = "") -> Any | None:
     if low.startswith("tiny-"):
         return tiny_model(low[5:]).tokenizer
     if low in GGUF_ALIASES:
-        folder = converted_folder(default_cache_dir(), low, weight_hash)
+        folder = converted_folder(model_cache_dir(), low, weight_hash)
         if folder is None:
             raise QueryError(
-                f"no converted copy of {low!r} in {default_cache_dir()} to read its tokenizer from; "
+                f"no converted copy of {low!r} in {model_cache_dir()} to read its tokenizer from; "
                 f"load the model once (e.g. actstore ingest --model {low}) or name a tokenizer folder"
             )
         return load_folder(folder)

@@ -1,6 +1,6 @@
 """Where each supported architecture keeps its blocks, and how its weights map onto the store's.
 
-The store speaks one vocabulary for every model (SPEC section 3):
+The store speaks one vocabulary for every model:
 
     W_O     [L, H, d_head, d_model]   per-head slice of the attention output projection
     b_O     [L, d_model]

@@ -31,7 +31,7 @@ from actstore.core.lock import holding, writer_lock
 from actstore.core.manifest import Manifest
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id, write_run
-from actstore.core.store import TOKENIZER_DIR, tokenizer_file_name_ok
+from actstore.core.store import SEGMENT_ARRAYS, TOKENIZER_DIR, tokenizer_file_name_ok
 from actstore.core.tables import EXAMPLES, TARGETS, TOKENS, sha256
 from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import Architecture, architecture_for
@@ -41,7 +41,6 @@ from actstore.ingest.distributed import rank_zero_first
 from actstore.ingest.records import TokenizedPrompt
 from actstore.ingest.settings import IngestConfig
 
-ARRAY_NAMES = ("z", "attn", "v", "resid", "mlp")
 FLAT_ARRAYS = ("attn", "v")  # one entry per stored token of each example, examples concatenated
 
 
@@ -257,7 +256,9 @@ def capture_corpus(
         for seg in todo:
             lo = seg * cfg.segment_size
             seg_prompts = prompts[lo : lo + cfg.segment_size]
-            parts: dict[str, list[np.ndarray]] = {k: [] for k in (*ARRAY_NAMES, "top", "obj_lp", "obj_rank")}
+            parts: dict[str, list[np.ndarray]] = {
+                k: [] for k in (*SEGMENT_ARRAYS, "top", "obj_lp", "obj_rank")
+            }
             order = forward_order(seg_prompts, cfg.length_batching)
             for b0 in range(0, len(seg_prompts), cfg.batch_size):
                 members = order[b0 : b0 + cfg.batch_size]
@@ -265,7 +266,7 @@ def capture_corpus(
                 batch = pad_batch(chunk, pad_id, cfg.padding_side, device)
                 t0 = time.perf_counter()
                 out = capture.run(batch.input_ids, batch.attention_mask, batch.index, batch.position_ids)
-                for name, host in to_host(out, ARRAY_NAMES).items():
+                for name, host in to_host(out, SEGMENT_ARRAYS).items():
                     parts[name].append(host)
                 top, lp, rank = _predictions(out["logits"], object_ids[lo + members])
                 parts["top"].append(top)
@@ -276,7 +277,7 @@ def capture_corpus(
             n_tok = np.array([p.target_position + 1 for p in seg_prompts], dtype=np.int64)
             arrays = {
                 k: corpus_order(np.concatenate(parts[k]), order, n_tok if k in FLAT_ARRAYS else None)
-                for k in ARRAY_NAMES
+                for k in SEGMENT_ARRAYS
             }
             preds = (
                 corpus_order(np.concatenate(parts["top"]), order),

@@ -1,4 +1,4 @@
-"""HeadScore and TokenScore for probe predictions (SPEC section 5, seed 000).
+"""HeadScore and TokenScore for probe predictions ("Tracing Relational Knowledge Recall", ACL 2026 Findings).
 
 For a prediction c_hat with softmax pi over the episode's classes, the contrast direction is one of
 two readings of the seed (``contrast``, recorded with every run):

@@ -30,7 +30,7 @@ import numpy as np
 
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
-from actstore.core.store import StoreReader, open_store
+from actstore.core.store import StoreReader, open_reader
 from actstore.query.features import FeatureSpec, RowBlock, compute_block
 from actstore.query.selection import Selection
 
@@ -78,7 +78,7 @@ _OPEN: dict[str, StoreReader] = {}
 
 def _store(url: str) -> StoreReader:
     if url not in _OPEN:
-        _OPEN[url] = open_store(url)
+        _OPEN[url] = open_reader(url)
     return _OPEN[url]
 
 
@@ -207,7 +207,7 @@ def feature_moments(
     ``rows_per_task``: split segments into tasks of at most this many rows (rounded to whole
     chunks); default one task per segment.
     """
-    st = store if isinstance(store, StoreReader) else open_store(store)
+    st = store if isinstance(store, StoreReader) else open_reader(store)
     FeatureSpec.parse(st, kind, layers, heads, groups)  # fail on the driver, not in every task
     sel = rows if rows is not None else Selection.from_sql(st)
     if len(sel) == 0:

@@ -1,4 +1,4 @@
-"""n-way k-shot episodes over the relations of a selection (SPEC section 5, seed 000).
+"""n-way k-shot episodes over the relations of a selection ("Tracing Relational Knowledge Recall", ACL 2026 Findings).
 
 An episode draws ``n_way`` distinct relations and, for each, ``k_shot + queries`` distinct
 instances (target rows) without replacement: the first ``k_shot`` are the support set, the

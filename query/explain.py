@@ -1,4 +1,4 @@
-"""Explaining one stored probe prediction: re-train its episode and attribute it (SPEC section 5).
+"""Explaining one stored probe prediction: re-train its episode and attribute it.
 
 :func:`explain_example` finds the episode of a probe run in which an example is a query (the stored
 episode lists make the re-training exact), trains that episode's probe again and returns the

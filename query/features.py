@@ -1,4 +1,4 @@
-"""Feature kinds computed from the stored factors (SPEC sections 1 and 4).
+"""Feature kinds computed from the stored factors.
 
 For n selected target rows (float32 accumulation throughout):
 
@@ -96,7 +96,7 @@ class FeatureSpec:
 def group_bounds(d_mlp: int, groups: int) -> list[int]:
     """Boundaries of ``groups`` contiguous neuron blocks whose sizes differ by at most one.
 
-    Our definition (SPEC section 1): block g holds neurons [bounds[g], bounds[g+1]); when
+    Our definition: block g holds neurons [bounds[g], bounds[g+1]); when
     ``d_mlp`` divides evenly these are equal blocks, otherwise the first ``d_mlp % groups``
     blocks hold one neuron more (SmolLM2: 1536 neurons in 9 groups of 171 or 170).
     """

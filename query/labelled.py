@@ -55,7 +55,7 @@ def units(store: StoreReader, spec: FeatureSpec) -> list[int]:
     return list(range((spec.groups or g.n_heads) if spec.kind == "mlp_group" else g.n_heads))
 
 
-def row_shape(store: StoreReader, spec: FeatureSpec, n_sources: int) -> tuple[int, ...]:
+def labelled_shape(store: StoreReader, spec: FeatureSpec, n_sources: int) -> tuple[int, ...]:
     """The shape of one row's features (everything after ``row`` in :data:`DIMS`)."""
     g = store.geometry
     size = {
@@ -135,7 +135,7 @@ def dask_features(
 
     if not blocks:
         raise QueryError("the selection is empty")
-    rest = row_shape(store, spec, n_sources if spec.kind in SOURCE_KINDS else 0)
+    rest = labelled_shape(store, spec, n_sources if spec.kind in SOURCE_KINDS else 0)
     token = tokenize(store.url, spec, n_sources, [(n, b.segment, b.seg_rows) for n, b in blocks])
     chunks = []
     for i, (n, block) in enumerate(blocks):

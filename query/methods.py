@@ -1,4 +1,4 @@
-"""Comparing interpretability methods on factual recall (SPEC section 5, seed 001).
+"""Comparing interpretability methods on factual recall (the ACL 2025 comparison of methods for factual recall).
 
 Every method reads each fact as a per-layer effect profile over the decoder layers 0..L-1 and
 names a *key layer* and an *MLP-vs-attention verdict*.  Our definitions (the paper leaves them

@@ -1,4 +1,4 @@
-"""Predictors of per-relation probe accuracy and their correlations (SPEC section 5, seed 000).
+"""Predictors of per-relation probe accuracy and their correlations ("Tracing Relational Knowledge Recall", ACL 2026 Findings).
 
 For a probe run (typically 16-way 5-shot over all relations), per relation:
 

@@ -1,4 +1,4 @@
-"""RelSpec feature selection and per-episode standardisation (SPEC section 5, seed 000).
+"""RelSpec feature selection and per-episode standardisation ("Tracing Relational Knowledge Recall", ACL 2026 Findings).
 
 Our definition (the paper leaves it open): on an episode's support set, for every relation c
 of the episode, features are ranked by the absolute standardised mean difference between the

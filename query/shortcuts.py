@@ -1,4 +1,4 @@
-"""Lexical shortcut analysis of probe errors (SPEC section 5, seed 000; our definitions).
+"""Lexical shortcut analysis of probe errors ("Tracing Relational Knowledge Recall", ACL 2026 Findings; our definitions).
 
 Lexical association: every relation of the run's selection is one document, the bag of its
 instances' prompt tokens (the store's tokens, stripped and lower-cased; tokens without a

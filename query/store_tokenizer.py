@@ -3,7 +3,7 @@
 Weight-only analyses (MAPS) turn words into token ids and token ids back into text, so they need
 the tokenizer, but not the model.  The ingest saves the model's tokenizer into the store
 (``tokenizer/``, each file's SHA-256 in the manifest's ``model.tokenizer``), so the query layer needs
-no model package.  :func:`tokenizer_for_store` loads, in order:
+no model package.  :func:`stored_tokenizer` loads, in order:
 
 1. an explicit ``name`` (a local folder, or a hub name given by the user);
 2. the store's own ``tokenizer/`` files, checked against the manifest's hashes.
@@ -24,7 +24,7 @@ from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
 
 
-def tokenizer_for_store(store: StoreReader, name: str | None = None) -> Any:
+def stored_tokenizer(store: StoreReader, name: str | None = None) -> Any:
     """A fast tokenizer for ``store``'s model (or for ``name``, a folder or hub name, when given)."""
     if name is not None and name.strip():
         key = name.strip()

@@ -219,7 +219,7 @@ def check_where(store: Any, where: str | None) -> None:
         ) from None
 
 
-def open_store(path: str) -> Any:
+def open_store_arg(path: str) -> Any:
     import actstore
 
     return actstore.open(path)

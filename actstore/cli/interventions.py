@@ -16,7 +16,7 @@ from actstore.cli._options import (
     json_option,
     model_option,
     no_save_option,
-    open_store,
+    open_store_arg,
     quiet_option,
     split_list,
     store_argument,
@@ -108,7 +108,7 @@ def trace(
     from actstore.ingest.interventions.tracing import TraceConfig
     from actstore.jobs.trace import TraceRequest, run_trace
 
-    s = open_store(store)
+    s = open_store_arg(store)
     check_where(s, where)
     cfg = TraceConfig(
         samples=samples,
@@ -246,7 +246,7 @@ def patch(
     from actstore.ingest.interventions.patching import PatchConfig
     from actstore.jobs.patch import PatchRequest, run_patch
 
-    s = open_store(store)
+    s = open_store_arg(store)
     check_where(s, where)
     cfg = PatchConfig(
         components=split_list(components) or (),
@@ -456,7 +456,7 @@ def ablate(
     from actstore.ingest.interventions.ablation import AblationConfig
     from actstore.jobs.ablate import AblateRequest, parse_heads_text, run_ablate
 
-    s = open_store(store)
+    s = open_store_arg(store)
     check_where(s, where)
     cfg = AblationConfig(
         relation=relation,

@@ -17,7 +17,7 @@ from actstore.cli._options import (
     json_option,
     model_option,
     no_save_option,
-    open_store,
+    open_store_arg,
     quiet_option,
     split_list,
     store_argument,
@@ -161,7 +161,7 @@ def maps(
     from actstore.jobs.maps import MapsRunConfig, k_groups, run_maps, top_heads_text
     from actstore.query.maps.pairs import excluded_line
 
-    s = open_store(store)
+    s = open_store_arg(store)
     cfg = MapsRunConfig(
         pairs=pair_paths,
         relations=split_list(relations) or None,
@@ -309,7 +309,7 @@ def maps_dynamic(
     from actstore.jobs.maps_dynamic import MapsDynamicConfig, run_maps_dynamic
     from actstore.query.distributed import dask_client
 
-    s = open_store(store)
+    s = open_store_arg(store)
     check_where(s, where)
     cfg = MapsDynamicConfig(
         where=where,

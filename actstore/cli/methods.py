@@ -18,7 +18,7 @@ from actstore.cli._options import (
     figures_option,
     json_option,
     no_save_option,
-    open_store,
+    open_store_arg,
     quiet_option,
     split_list,
     store_argument,
@@ -117,7 +117,7 @@ def lens(
     from actstore.jobs.lens import LensRunConfig, run_lens
 
     started = time.time()
-    s = open_store(store)
+    s = open_store_arg(store)
     check_where(s, where)
     cfg = LensRunConfig(
         where=where,
@@ -242,7 +242,7 @@ def agree(
     from actstore.query.methods import COMPARISON_TRAIN
 
     started = time.time()
-    s = open_store(store)
+    s = open_store_arg(store)
     cfg = AgreeConfig(
         methods=split_list(methods) or (),
         runs=runs,

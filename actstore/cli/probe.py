@@ -17,7 +17,7 @@ from actstore.cli._options import (
     figures_option,
     json_option,
     no_save_option,
-    open_store,
+    open_store_arg,
     quiet_option,
     store_argument,
     where_option,
@@ -82,7 +82,7 @@ def probe(
     from actstore.query.probe import run_probe
 
     cfg = config_from(ProbeConfig, given, where=where, seeds=tuple(range(seed_start, seed_start + n_seeds)))
-    s = open_store(store)
+    s = open_store_arg(store)
     out = run_probe(s, cfg, progress=not quiet and sys.stderr.isatty())
     summary = out.summary()
     if not no_save:
@@ -115,7 +115,7 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
     """Mean HeadScore per layer x head over a run's query predictions."""
     from actstore.jobs.probe import contrast_text, headscore_grid
 
-    s = open_store(store)
+    s = open_store_arg(store)
     g = headscore_grid(s, run_id, relation)
     title = f"HeadScore {run_id}" + (f" {relation}" if relation else "")
     pngs: list[str] = []
@@ -181,7 +181,9 @@ def tokenscore(
     from actstore.jobs.probe import contrast_text
     from actstore.query.explain import explain_example
 
-    ex = explain_example(open_store(store), run_id, example_id, seed=seed, episode=episode, contrast=contrast)
+    ex = explain_example(
+        open_store_arg(store), run_id, example_id, seed=seed, episode=episode, contrast=contrast
+    )
     layers = ex.layer_table()
     total = ex.token_scores.sum(0)
     if as_json:
@@ -303,7 +305,7 @@ def correlate(
         figures=figures,
         save=not no_save,
     )
-    out = run_correlate(open_store(store), cfg)
+    out = run_correlate(open_store_arg(store), cfg)
     res, pngs, files = out.result, out.figures, cfg.kb
     rel_rows = res.relations.to_pylist()
     range_source = rel_rows[0]["output_range_source"] if rel_rows else None
@@ -381,7 +383,7 @@ def shortcuts(
     from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
 
     cfg = ShortcutsConfig(probe_run=run_id, n_cues=n_cues, figures=figures, save=not no_save)
-    out = run_shortcuts(open_store(store), cfg)
+    out = run_shortcuts(open_store_arg(store), cfg)
     res, png = out.result, out.figure
     summ = res.summary.to_pylist()[0]
     if as_json:

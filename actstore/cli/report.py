@@ -6,7 +6,7 @@ import json
 
 import click
 
-from actstore.cli._options import command, json_option, open_store, quiet_option, store_argument
+from actstore.cli._options import command, json_option, open_store_arg, quiet_option, store_argument
 
 
 @command(example="actstore report /tmp/s --out report.html --max-runs 2")
@@ -49,7 +49,7 @@ def report(
     """Write one self-contained HTML file: the store's summary and every analysis result it holds."""
     from actstore.query.report import ReportOptions, collect_sections, render_html, write_text_atomically
 
-    s = open_store(store)
+    s = open_store_arg(store)
     opts = ReportOptions(
         max_runs=max_runs,
         max_relations=max_relations,

@@ -14,7 +14,7 @@ from actstore.cli._options import (
     heads_option,
     json_option,
     layers_option,
-    open_store,
+    open_store_arg,
     parse_int_list,
     printable,
     sql_limit_options,
@@ -39,7 +39,7 @@ def _du(s: Any) -> int:
 @json_option
 def info(store: str, as_json: bool) -> None:
     """Summarise a store: model, geometry, corpus, sizes."""
-    s = open_store(store)
+    s = open_store_arg(store)
     rel = s.sql(
         "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
         "FROM examples GROUP BY 1 ORDER BY 1"
@@ -104,7 +104,7 @@ def sql(store: str, query: str, fmt: str, as_json: bool) -> None:
     """Run one read-only SELECT over the store's tables."""
     from actstore.core.sql import render
 
-    click.echo(render(open_store(store).sql(query), "json" if as_json else fmt))
+    click.echo(render(open_store_arg(store).sql(query), "json" if as_json else fmt))
 
 
 FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, mlp, mlp_group, resid"
@@ -136,7 +136,7 @@ def features(
     import numpy as np
     import pyarrow.parquet as pq
 
-    s = open_store(store)
+    s = open_store_arg(store)
     sel = s.select(where)
     x = sel.features(kind, layers=parse_int_list(layers), heads=parse_int_list(heads, "heads"), groups=groups)
     tmp = out_path + ".tmp.npy"
@@ -158,7 +158,7 @@ def verify(store: str, values: bool, as_json: bool) -> None:
     cannot be checked at all."""
     from actstore.core.verify import verify_store
 
-    report = verify_store(open_store(store), values=values)
+    report = verify_store(open_store_arg(store), values=values)
     if as_json:
         click.echo(
             json.dumps(

@@ -586,6 +586,6 @@ def read_commits(location: StoreLocation, manifest: Manifest) -> dict[int, Segme
     return dict(sorted(commits.items()))
 
 
-def open_store(url: str | os.PathLike[str]) -> StoreReader:
+def open_reader(url: str | os.PathLike[str]) -> StoreReader:
     """Open an existing store (local path or URL) for reading."""
     return StoreReader(locate(url))

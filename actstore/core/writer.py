@@ -1,6 +1,6 @@
 """Writing a store: create or resume, write a segment, commit it.
 
-Commit protocol (SPEC section 3): a segment's arrays are written first, then its table
+Commit protocol: a segment's arrays are written first, then its table
 shards, then its commit marker, atomically.  A segment without a marker is garbage: a
 resume deletes it and writes it again.  Segments are independent, so several writers (one
 per process or GPU) can each take a disjoint set of segments.

@@ -62,7 +62,7 @@ def check_ablation(cfg: Any) -> None:
 def run_ablate(store: StoreReader, req: AblateRequest, log: Log | None = None) -> AblateOutcome:
     """Accuracy on the relation's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations; the ``maps_ablation`` table and a ``runs`` row."""
-    from actstore.core.store import open_store
+    from actstore.core.store import open_reader
     from actstore.ingest.interventions import InterventionRunner
     from actstore.ingest.interventions.ablation import relation_prompts, run_ablation
     from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
@@ -81,7 +81,7 @@ def run_ablate(store: StoreReader, req: AblateRequest, log: Log | None = None) -
             )
     other = None
     if req.scores_store is not None:
-        other = open_store(req.scores_store)
+        other = open_reader(req.scores_store)
         mine, theirs = (str(x.manifest.model.get("weight_hash") or "") for x in (store, other))
         if not mine or mine != theirs or other.geometry != g:
             raise InvalidSetting(

@@ -33,7 +33,7 @@ def run_demo(
     """Ingest the demo corpus into ``out/store`` (resuming a store already there), run the analyses
     (:func:`actstore.jobs.demo_steps.run_demo_analyses`) and write ``out/summary.json``; return the summary.
     ``step(title)`` is called as each step starts, ``log`` with the detail lines."""
-    from actstore.core.store import open_store
+    from actstore.core.store import open_reader
     from actstore.jobs.demo_steps import run_demo_analyses
     from actstore.jobs.ingest import IngestRequest, run_ingest
 
@@ -48,7 +48,7 @@ def run_demo(
         ),
         log=lambda m: log(f"    {m}"),
     )
-    store = open_store(store_path)
+    store = open_reader(store_path)
     log(f"    {store!r}")
     acc = store.sql(
         "SELECT relation_id, count(*) AS n, avg(CASE WHEN object_rank = 0 THEN 1 ELSE 0 END) AS top1 "

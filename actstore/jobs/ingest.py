@@ -24,8 +24,6 @@ from actstore.ingest.distributed import barrier, join_process_group, ranks_write
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.settings import IngestRequest
 
-MODEL_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def _log_nothing(message: str) -> None:
     pass
@@ -98,7 +96,7 @@ def _ingest_locked(
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    loaded = load_model(req.model, device=req.device, dtype=MODEL_DTYPES[req.model_dtype])
+    loaded = load_model(req.model, device=req.device, dtype=getattr(torch, req.model_dtype))
     max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(
         loaded.model.config, "n_positions", None
     )

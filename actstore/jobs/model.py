@@ -9,8 +9,7 @@ from typing import Any
 
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
-
-MODEL_DTYPES = ("float32", "float16", "bfloat16")
+from actstore.ingest.settings import MODEL_DTYPES
 
 
 def model_for_store(store: StoreReader, model: str | None) -> str:

@@ -1,4 +1,4 @@
-"""The method-comparison data set (seed 001): about 2,000 facts stratified by relation, subject
+"""The method-comparison data set (the ACL 2025 comparison of methods for factual recall): about 2,000 facts stratified by relation, subject
 frequency band and answer uniqueness.
 
 Built by :func:`build_methods2k` from the LRE factual relations (first prompt template) and ROME's
@@ -355,7 +355,7 @@ def load_methods2k(
 
         lre_root = registry.fetch("lre")
         factual = lre_root / "data" / "factual" if (lre_root / "data" / "factual").is_dir() else lre_root
-        target = registry.default_cache_dir() / "methods2k"
+        target = registry.dataset_cache_dir() / "methods2k"
         if not (target / FILE_NAME).exists():
             build_methods2k(factual, registry.fetch("known1000"), target)
         path = target

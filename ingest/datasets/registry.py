@@ -137,7 +137,7 @@ def lookup(name: str) -> NamedDataset:
     return ds
 
 
-def default_cache_dir() -> Path:
+def dataset_cache_dir() -> Path:
     """``$ACTSTORE_DATA_CACHE`` if set, else the user cache folder's ``actstore/datasets``."""
     env = os.environ.get(CACHE_ENV)
     if env:
@@ -166,7 +166,7 @@ def fetch(
     """A local path to the data set called ``name``, downloading what the cache lacks.
 
     ``data_dir``, ``cache_dir`` and ``mirror`` default to ``$ACTSTORE_DATA``,
-    :func:`default_cache_dir` and ``$ACTSTORE_DATA_URL`` (no mirror: the public source).
+    :func:`dataset_cache_dir` and ``$ACTSTORE_DATA_URL`` (no mirror: the public source).
     Raises :class:`DatasetError` (one line) when a file cannot be downloaded, naming its URL and
     ``ACTSTORE_DATA``, or when a download does not match its pinned SHA-256 (nothing is kept).
     """
@@ -174,7 +174,7 @@ def fetch(
     local = local_copy(ds.name, data_dir)
     if local is not None:
         return local
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else dataset_cache_dir()
     base = mirror if mirror is not None else os.environ.get(MIRROR_ENV) or None
     if not ds.files:
         raise DatasetError(f"the {ds.name} data set pins no files")

@@ -1,4 +1,4 @@
-"""Intervention effectiveness (seed 001): intervene on a component at one layer and measure the
+"""Intervention effectiveness (the ACL 2025 comparison of methods for factual recall): intervene on a component at one layer and measure the
 change in the object's probability, at the sites methods locate and at random layers.
 
 A *site* is (component, layer) with component ``mlp`` or ``attn`` (the output of that block at

@@ -12,7 +12,7 @@ Library code here reports through ``logging`` (logger names ``actstore.ingest.mo
 """
 
 from .base import LoadedModel, ModelError, weight_hash
-from .cache import default_cache_dir
+from .cache import model_cache_dir
 from .gguf import GGUF_ALIASES
 from .registry import known_alias, load_model
 from .tiny import TINY_ARCHS, tiny_model, tiny_tokenizer
@@ -22,7 +22,7 @@ __all__ = [
     "TINY_ARCHS",
     "LoadedModel",
     "ModelError",
-    "default_cache_dir",
+    "model_cache_dir",
     "known_alias",
     "load_model",
     "tiny_model",

@@ -30,7 +30,7 @@ from filelock import FileLock, Timeout
 
 from .base import ModelError
 
-__all__ = ["CACHE_ENV", "LOCK_TIMEOUT_S", "conversion_lock", "default_cache_dir", "file_sha256"]
+__all__ = ["CACHE_ENV", "LOCK_TIMEOUT_S", "conversion_lock", "model_cache_dir", "file_sha256"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ LOCK_DIR = ".locks"
 _CHUNK = 1 << 20
 
 
-def default_cache_dir() -> Path:
+def model_cache_dir() -> Path:
     """``$ACTSTORE_CACHE`` if set, else ``<platformdirs.user_cache_dir("actstore")>/models``."""
     env = os.environ.get(CACHE_ENV)
     if env:

@@ -1,6 +1,6 @@
 """GGUF models: the packaged aliases, and their conversion into cached safetensors folders.
 
-Cache layout (``cache_dir``, see :func:`actstore.ingest.models.cache.default_cache_dir`)::
+Cache layout (``cache_dir``, see :func:`actstore.ingest.models.cache.model_cache_dir`)::
 
     <cache_dir>/
         gguf-sha256.json                    sha256 of GGUF files, keyed by path, size and mtime

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .base import LoadedModel, ModelError, prepare, short_reason, weight_hash
-from .cache import default_cache_dir
+from .cache import model_cache_dir
 from .gguf import GGUF_ALIASES, converted_alias, converted_gguf
 from .tiny import TINY_ARCHS, tiny_arch, tiny_model
 
@@ -57,10 +57,10 @@ def load_model(
 ) -> LoadedModel:
     """Resolve ``name`` (see the module docstring) and load it in eval mode on ``device``/``dtype``.
 
-    ``cache_dir`` is the converted-model cache (default :func:`actstore.ingest.models.cache.default_cache_dir`).
+    ``cache_dir`` is the converted-model cache (default :func:`actstore.ingest.models.cache.model_cache_dir`).
     Raises ModelError (one line) when the name resolves to nothing loadable.
     """
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
     key = name.strip()
     if key.lower() in GGUF_ALIASES:
         folder, source = converted_alias(GGUF_ALIASES[key.lower()], cache)

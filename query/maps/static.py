@@ -1,6 +1,6 @@
 """MAPS, static part: what each attention head does, from the store's weights alone.
 
-For head h of layer l (Elhelo & Geva, 2025; SPEC section 5, seed 004) the vocabulary map is
+For head h of layer l (Elhelo & Geva, 2025) the vocabulary map is
 
     M = E W_VO U,    W_VO = W_V[l, kv(h)] W_O[l, h]       (kv(h) = h // (H / H_kv))
 

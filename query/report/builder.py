@@ -84,7 +84,7 @@ SECTIONS: tuple[SectionSpec, ...] = (
     ),
     SectionSpec(
         "method_metrics",
-        "Method comparison (seed 001)",
+        "Method comparison (the ACL 2025 comparison of methods for factual recall)",
         ("method_metrics", "method_pair_metrics", "method_cross_size"),
         method_metrics_section,
     ),

@@ -27,10 +27,11 @@ import pytest
 from helpers import FIXTURES
 
 import actstore
+from actstore.core.store import SEGMENT_ARRAYS
 from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import load_dataset
 from actstore.ingest.models import tiny_model
-from actstore.ingest.pipeline import ARRAY_NAMES, IngestConfig, corpus_order, forward_order, ingest_prompts
+from actstore.ingest.pipeline import IngestConfig, corpus_order, forward_order, ingest_prompts
 
 SEG, BATCH = 16, 4
 
@@ -98,7 +99,7 @@ def test_length_batching_writes_the_rows_of_its_forward_passes_in_corpus_order(
     for seg in srt.commits:
         local = order[seg * SEG : (seg + 1) * SEG] - seg * SEG  # presorted row k holds corpus row local[k]
         inv = np.argsort(local)
-        for name in ARRAY_NAMES:
+        for name in SEGMENT_ARRAYS:
             got, want, near = rows_of(srt, seg, name), rows_of(pre, seg, name), rows_of(corpus, seg, name)
             assert len(got) == len(want) == len(near)
             for i in range(len(got)):  # corpus row i = presorted row inv[i], bit for bit

@@ -25,7 +25,7 @@ from actstore.query.maps.dynamic import correlation_summary, dynamic_ranks
 from actstore.query.maps.pairs import load_pair_files, store_pairs, tokenize_pairs
 from actstore.query.maps.projection import VocabProjection
 from actstore.query.maps.static import salient_operations, static_scores
-from actstore.query.store_tokenizer import tokenizer_for_store
+from actstore.query.store_tokenizer import stored_tokenizer
 
 MAPS_DATA = FIXTURES / "maps" / "datasets"
 RELS = ("country_to_capital_wikidata", "adj_antonym")
@@ -68,7 +68,7 @@ def test_static_scores_equal_brute_force(
 ) -> None:
     store = actstore.open(store_factory(arch, limit=1))
     model = tiny_model(arch).model
-    tok = tokenizer_for_store(store)
+    tok = stored_tokenizer(store)
     rels = load_pair_files([MAPS_DATA], list(RELS))
     # The "first" variant (ours): the tiny vocabulary splits most names, so first tokens stand in (the
     # published single-token default is checked in test_paper_defaults.py).
@@ -98,7 +98,7 @@ def test_first_mlp_static_scores_equal_brute_force(arch: str, store_factory: Cal
     model = tiny_model(arch).model
     rel = load_pair_files([MAPS_DATA], [RELS[1]])[0]
     pairs = tokenize_pairs(
-        rel, tokenizer_for_store(store), vocab_size=store.geometry.vocab_size, multi_token="first"
+        rel, stored_tokenizer(store), vocab_size=store.geometry.vocab_size, multi_token="first"
     )
     proj = VocabProjection(store, first_mlp=first_mlp_transform(model))
     s = static_scores(proj, [pairs])[RELS[1]]
@@ -135,9 +135,7 @@ def test_real_pair_files_score_like_brute_force(store_factory: Callable[..., Pat
     rels = load_pair_files([real])
     assert len(rels) == 20 and {r.relation for r in rels} >= set(CONTROL_RELS)
     pairs = [
-        tokenize_pairs(
-            r, tokenizer_for_store(store), vocab_size=store.geometry.vocab_size, multi_token="first"
-        )
+        tokenize_pairs(r, stored_tokenizer(store), vocab_size=store.geometry.vocab_size, multi_token="first")
         for r in rels
     ]
     assert all(p.n_used + p.n_unknown == p.n_pairs for p in pairs)
@@ -153,7 +151,7 @@ def test_real_pair_files_score_like_brute_force(store_factory: Callable[..., Pat
 def test_salient_operations_equal_brute_force(store_factory: Callable[..., Path]) -> None:
     store = actstore.open(store_factory("llama", limit=1))
     model = tiny_model("llama").model
-    V = len(tokenizer_for_store(store))
+    V = len(stored_tokenizer(store))
     ops = salient_operations(VocabProjection(store), [(1, 2)], n_tokens=5, n_mappings=3, vocab_limit=V)
     attn = model.model.layers[1].self_attn
     dh = 16

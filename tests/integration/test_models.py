@@ -509,11 +509,11 @@ def test_leftovers_of_dead_writers_are_removed(tiny_gguf: tuple[Path, LoadedMode
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "mine"))
-    assert models.default_cache_dir() == tmp_path / "mine"
+    assert models.model_cache_dir() == tmp_path / "mine"
     monkeypatch.delenv("ACTSTORE_CACHE")
     if sys.platform.startswith("linux"):  # platformdirs follows the XDG base directory spec there
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-        assert models.default_cache_dir() == tmp_path / "xdg" / "actstore" / "models"
+        assert models.model_cache_dir() == tmp_path / "xdg" / "actstore" / "models"
 
 
 _HOLD_LOCK = (
@@ -665,7 +665,7 @@ def test_smollm2_generates_paris(smollm2: LoadedModel) -> None:
 
 @pytest.mark.slow
 def test_smollm2_loads_from_cache(smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = models.default_cache_dir()
+    cache = models.model_cache_dir()
     folders = [p for p in cache.glob("smollm2-135m-*") if (p / "actstore-conversion.json").exists()]
     assert folders and (folders[0] / "model.safetensors").exists()
     monkeypatch.setattr(model_gguf, "_convert", _no_conversion)

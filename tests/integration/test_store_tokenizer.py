@@ -23,7 +23,7 @@ from actstore.core.manifest import seal
 from actstore.core.tables import sha256
 from actstore.core.verify import verify_store
 from actstore.ingest.models import tiny_model
-from actstore.query.store_tokenizer import tokenizer_for_store
+from actstore.query.store_tokenizer import stored_tokenizer
 
 TEXTS = ["The capital of France is", "Zebras weren't seen; — naïve café 123", "", "  two  spaces\tand a tab"]
 
@@ -48,9 +48,9 @@ def test_the_store_holds_the_ingest_tokenizer(store_factory: Callable[..., Path]
     for name, digest in record.items():
         assert sha256((path / "tokenizer" / name).read_bytes()) == digest
     corpus = store.table("examples", ["text"]).column(0).to_pylist()
-    same_tokenizer(tokenizer_for_store(store), tiny_model(arch).tokenizer, TEXTS + corpus)
+    same_tokenizer(stored_tokenizer(store), tiny_model(arch).tokenizer, TEXTS + corpus)
     # every stored token id of the corpus is what the stored tokenizer makes of the prompt's text
-    tok = tokenizer_for_store(store)
+    tok = stored_tokenizer(store)
     ids = store.sql(
         "SELECT e.text, list(t.token_id ORDER BY t.position) AS ids FROM examples e "
         "JOIN tokens t USING (example_id) GROUP BY e.example_id, e.text"
@@ -88,7 +88,7 @@ def test_a_changed_tokenizer_file_is_refused(tiny_store: Path, tmp_path: Path) -
     f = path / "tokenizer" / "tokenizer.json"
     f.write_bytes(f.read_bytes().replace(b'"<pad>"', b'"<PAD>"', 1))
     with pytest.raises(CorruptStoreError, match="tokenizer/tokenizer.json: SHA-256 does not match"):
-        tokenizer_for_store(actstore.open(path))
+        stored_tokenizer(actstore.open(path))
 
 
 def test_verify_checks_every_tokenizer_file(tiny_store: Path, tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ def test_a_missing_tokenizer_file_is_refused(tiny_store: Path, tmp_path: Path) -
     path = copy_store(tiny_store, tmp_path / "s")
     (path / "tokenizer" / "tokenizer_config.json").unlink()
     with pytest.raises(CorruptStoreError, match="tokenizer_config.json: missing"):
-        tokenizer_for_store(actstore.open(path))
+        stored_tokenizer(actstore.open(path))
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,7 @@ def test_a_malformed_manifest_record_is_refused(tiny_store: Path, tmp_path: Path
     path = copy_store(tiny_store, tmp_path / "s")
     edit_model(path, tokenizer=bad)
     with pytest.raises(CorruptStoreError, match="model.tokenizer"):
-        tokenizer_for_store(actstore.open(path))
+        stored_tokenizer(actstore.open(path))
 
 
 def test_a_store_without_a_tokenizer_says_so(tiny_store: Path, tmp_path: Path) -> None:
@@ -132,7 +132,7 @@ def test_a_store_without_a_tokenizer_says_so(tiny_store: Path, tmp_path: Path) -
     model the manifest names is not resolved on its own, an explicit alias still is."""
     old = actstore.open(without_tokenizer(copy_store(tiny_store, tmp_path / "old")))
     assert not old.has_tokenizer()
-    for read in (tokenizer_for_store, facade_tokenizer):
+    for read in (stored_tokenizer, facade_tokenizer):
         with pytest.raises(QueryError, match="holds no tokenizer"):
             read(old)
     same_tokenizer(facade_tokenizer(old, "tiny-llama"), tiny_model("llama").tokenizer, TEXTS)
@@ -143,14 +143,14 @@ def test_an_explicit_tokenizer_folder_or_alias(tiny_store: Path, tmp_path: Path)
     ref = tiny_model("llama").tokenizer
     folder = tmp_path / "tok"
     ref.save_pretrained(folder)
-    same_tokenizer(tokenizer_for_store(store, str(folder)), ref, TEXTS)
+    same_tokenizer(stored_tokenizer(store, str(folder)), ref, TEXTS)
     same_tokenizer(facade_tokenizer(store, "tiny-llama"), ref, TEXTS)
     big = tiny_model("llama").tokenizer
     big.add_tokens([f"extra{i}" for i in range(store.geometry.vocab_size)])
     big_folder = tmp_path / "big"
     big.save_pretrained(big_folder)
     with pytest.raises(QueryError, match="vocabulary of"):
-        tokenizer_for_store(store, str(big_folder))
+        stored_tokenizer(store, str(big_folder))
 
 
 def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,4 +181,4 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
         )
         store = actstore.open(url)
         assert store.has_tokenizer() and not store.location.is_local
-        same_tokenizer(tokenizer_for_store(store), loaded.tokenizer, TEXTS)
+        same_tokenizer(stored_tokenizer(store), loaded.tokenizer, TEXTS)
