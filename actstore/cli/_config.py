@@ -70,6 +70,10 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
         )
     elif meta.get("choices"):
         kw["type"] = click.Choice([str(c) for c in meta["choices"]])
+    elif base is int and meta.get("low") is not None:
+        kw["type"] = click.IntRange(min=int(meta["low"]))
+    elif base is float and meta.get("above") is not None:
+        kw["type"] = click.FloatRange(min=float(meta["above"]), min_open=True)
     elif base in (int, float):
         kw["type"] = base
     return click.option(_flag(f.name, meta), f.name, **kw)

@@ -33,7 +33,12 @@ def invoke(*args: str) -> click.testing.Result:
 
 
 # The torch-free modules of settings the command line builds its options from.
-SETTINGS_MODULES = {"actstore.query.probe_config", "actstore.query.maps", "actstore.query.maps.defaults"}
+SETTINGS_MODULES = {
+    "actstore.query.probe_config",
+    "actstore.query.maps",
+    "actstore.query.maps.defaults",
+    "actstore.ingest.settings",
+}
 
 
 def test_help_does_not_import_torch_or_the_analysis_packages() -> None:
