@@ -37,7 +37,7 @@ from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import Architecture, architecture_for
 from actstore.ingest.batches import pad_batch
 from actstore.ingest.capture import FusedCapture
-from actstore.ingest.distributed import rank_zero_first
+from actstore.ingest.ranks import rank_zero_first
 from actstore.ingest.records import TokenizedPrompt
 from actstore.ingest.settings import IngestConfig
 
@@ -214,7 +214,7 @@ def capture_corpus(
     on_segment: Callable[[int], None] | None = None,
 ) -> IngestReport:
     """Capture ``prompts`` into the store at ``loc``, whose writer lock the caller holds (this
-    process, or the launcher of its ranks: :func:`actstore.ingest.distributed.ranks_writer_lock`)."""
+    process, or the launcher of its ranks: :func:`actstore.ingest.ranks.ranks_writer_lock`)."""
     if not holding(loc.url):
         raise RankError(
             f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)"
@@ -227,7 +227,7 @@ def capture_corpus(
     manifest = build_manifest(model, arch, model_info, prompts, cfg)
     if cfg.resume:
         writer = StoreWriter.resume(loc, manifest)
-    else:  # rank 0 creates the store; other ranks wait for it (actstore.ingest.distributed)
+    else:  # rank 0 creates the store; other ranks wait for it (actstore.ingest.ranks)
 
         def create() -> StoreWriter:
             weights, attrs = arch.weights(model)

@@ -48,7 +48,7 @@ from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.query.attribution import run_row
-from actstore.query.distributed import client_threads, run_tasks, store_of
+from actstore.query.dask_tasks import client_threads, run_tasks, store_of
 from actstore.query.selection import Selection
 from actstore.query.stats import pearson, spearman
 
@@ -287,7 +287,7 @@ def relation_predictors(
     ``output_range``: ``"dataset"`` (every instance in ``dataset_file``; the default when it is given)
     or ``"sample"`` (the run's stored selection; the default without a file).
 
-    The work is split into tasks (see :func:`actstore.query.distributed.run_tasks`): one per
+    The work is split into tasks (see :func:`actstore.query.dask_tasks.run_tasks`): one per
     ``segments_per_task`` segments reads their ``examples`` rows (object keys, entity ids and
     document frequencies); then one per knowledge-graph file reads the graph for the entities
     those rows name, and one per ``relations_per_task`` relations computes their TF-IDF

@@ -28,7 +28,7 @@ from actstore.ingest.settings import IngestRequest
 )
 def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
-    from actstore.ingest.distributed import launch_ranks, leave_process_group, ranks_from_env
+    from actstore.ingest.ranks import launch_ranks, leave_process_group, ranks_from_env
     from actstore.jobs.ingest import run_ingest
 
     out, resume, overwrite = given["out"], given["resume"], given["overwrite"]

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import read_run_column, record_run
-from actstore.query.distributed import dask_client
+from actstore.query.dask_tasks import dask_client
 from actstore.query.predictors import PredictorResult, relation_predictors, scatter_plots
 
 DIRECTIONS = ("out", "in", "both")

@@ -20,8 +20,8 @@ from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
 from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import DatasetResult, load_dataset
-from actstore.ingest.distributed import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.pipeline import IngestReport, capture_corpus
+from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import IngestRequest
 
 

@@ -47,7 +47,7 @@ import torch
 
 from actstore.core.errors import MapsError
 from actstore.core.store import StoreReader
-from actstore.query.distributed import client_threads, run_tasks, store_of
+from actstore.query.dask_tasks import client_threads, run_tasks, store_of
 from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, MIN_PAIRS, ROW_CHUNK, check_k
 from actstore.query.maps.pairs import single_token_pairs, store_pairs
 from actstore.query.maps.projection import VocabProjection, projected_ranks

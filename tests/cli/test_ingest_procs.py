@@ -10,7 +10,7 @@ from test_crash_resume import assert_same_store
 from test_multiprocess import ARGS, env
 
 import actstore
-from actstore.ingest.distributed import safe_python, torchrun_command
+from actstore.ingest.ranks import safe_python, torchrun_command
 
 
 def ingest(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -224,7 +224,7 @@ def _synthetic_tables(store: actstore.Store) -> None:
 @pytest.fixture(scope="module")
 def report_store(store_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the tiny-Llama FewRel store (shared with tests/integration/test_probe.py) holding every kind of result."""
-    from actstore.jobs.demo_steps import run_demo_analyses
+    from actstore.jobs.demo import run_demo_analyses
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -406,7 +406,7 @@ def test_report_in_headless_chromium(report_store: Path, tmp_path: Path) -> None
 
 
 def test_demo_steps_note_failures_and_raise_on_a_missing_module() -> None:
-    from actstore.jobs.demo_steps import DemoLog
+    from actstore.jobs.demo import DemoLog
 
     seen: list[str] = []
     details: list[str] = []

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import actstore
-from actstore.query.distributed import Moments, feature_moments, relation_scores
+from actstore.query.dask_tasks import Moments, feature_moments, relation_scores
 
 
 def numpy_moments(
