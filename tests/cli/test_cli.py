@@ -196,7 +196,7 @@ def test_exit_codes(tiny_store: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     def interrupted(path: str) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store_commands, "open_store", interrupted)
+    monkeypatch.setattr(store_commands, "open_store_arg", interrupted)
     r = invoke("info", str(tiny_store))
     assert r.exit_code == 130 and r.stderr.strip() == "error: interrupted"
 
