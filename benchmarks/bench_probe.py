@@ -27,7 +27,8 @@ import torch
 
 import actstore
 from actstore.query.episodes import EpisodeSet, sample_seeds
-from actstore.query.probe import ProbeConfig, load_features, run_probe, run_reference
+from actstore.query.probe import ProbeConfig, run_probe, run_reference
+from actstore.query.probe_features import load_features
 from actstore.query.selection import Selection
 
 

@@ -321,7 +321,7 @@ def peak_rss(path: str, case: str, kind: str) -> tuple[int, int]:
 def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
     """``load_features`` (float32, float16) against ``sel.features`` for the same rows, rows/s and peak RSS."""
     import actstore
-    from actstore.query.probe import load_features
+    from actstore.query.probe_features import load_features
 
     store = actstore.open(path)
     sel = store.select()

@@ -236,14 +236,11 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
     from actstore.ingest.interventions.facts import stored_facts
     from actstore.jobs.methods import record_method_metrics
     from actstore.jobs.model import load_store_model, model_for_store
-    from actstore.query.method_metrics import (
-        compute_metrics,
-        cross_size_rows,
-        located_sites,
-        store_strata,
-        study_readings,
-    )
-    from actstore.query.methods import COMPARISON_TRAIN, default_tolerance, key_mlp_at_subject
+    from actstore.query.method_agreement import default_tolerance
+    from actstore.query.method_metrics import located_sites
+    from actstore.query.method_study import store_strata, study_readings
+    from actstore.query.method_tables import compute_metrics, cross_size_rows
+    from actstore.query.methods import COMPARISON_TRAIN, key_mlp_at_subject
     from actstore.query.selection import Selection
 
     started = time.time()

@@ -28,7 +28,8 @@ from actstore.query.attribution import (
     token_scores,
     unit_scores,
 )
-from actstore.query.probe import ProbeConfig, load_features, select_or_all, torch_threads
+from actstore.query.probe import ProbeConfig, select_or_all, torch_threads
+from actstore.query.probe_features import load_features
 from actstore.query.relspec import gather_standardized
 from actstore.query.selection import Selection
 

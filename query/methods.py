@@ -46,7 +46,6 @@ those every method reads, whose key layers all lie within ``tolerance`` of each 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +56,6 @@ import torch
 
 from actstore.core.errors import MethodsError
 from actstore.query.rows import Rows, rows_condition
-from actstore.query.stats import pearson
 from actstore.query.tuned_lens import TrainConfig
 
 METHODS = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
@@ -119,7 +117,7 @@ def key_layer(profile: np.ndarray, plateau: float = PLATEAU) -> int:
     return (lo + hi) // 2
 
 
-def _keys(profile: np.ndarray, plateau: float) -> np.ndarray:
+def key_layers(profile: np.ndarray, plateau: float) -> np.ndarray:
     return np.asarray([key_layer(p, plateau) for p in profile], dtype=np.int64)
 
 
@@ -128,7 +126,7 @@ def _from_components(
 ) -> MethodReading:
     profile = np.fmax(mlp, attn)
     ok = np.isfinite(profile).any(axis=1)
-    key = _keys(profile, plateau)
+    key = key_layers(profile, plateau)
     verdict = np.where(np.fmax.reduce(mlp, axis=1) >= np.fmax.reduce(attn, axis=1), "mlp", "attn")
     verdict = np.where(ok, verdict, "")
     return MethodReading(method, ids, profile, key.astype(np.int64), verdict.astype(object), mlp, attn)
@@ -142,7 +140,7 @@ def _key_and_split(
     d_mlp: np.ndarray | None,
     plateau: float = PLATEAU,
 ) -> MethodReading:
-    key = _keys(profile, plateau)
+    key = key_layers(profile, plateau)
     rows = np.arange(len(ids))
     if d_attn is None or d_mlp is None:
         verdict = np.array([""] * len(ids), dtype=object)
@@ -329,7 +327,7 @@ def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) 
     mask = ((j[None] >= s0[:, None]) & (j[None] < s1[:, None])).astype(np.float32)  # [n, S]
     mass = np.einsum("nlhs,ns->nlh", A, mask)
     profile = mass.max(axis=2)
-    key = _keys(profile, plateau)
+    key = key_layers(profile, plateau)
     r = np.arange(len(key))
     verdict = np.where(
         np.linalg.norm(ent[r, key], axis=-1) >= np.linalg.norm(out.mlp[r, key], axis=-1), "attn", "mlp"
@@ -340,222 +338,7 @@ def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) 
 # ------------------------------------------------------------------------------------ probes
 
 
-@dataclass(frozen=True)
-class LayerProbeConfig:
-    """Settings of the per-layer object probes that read where a fact is (not :class:`actstore.query.probe.ProbeConfig`,
-    the few-shot relation probe)."""
-
-    min_count: int = 5  # objects with fewer facts in the store are not probe classes
-    folds: int = 3
-    l2: float = 1e-3
-    steps: int = 60  # L-BFGS iterations
-    seed: int = 0
-
-
-def probe_reading(
-    store: Any, out: StoredOutputs, cfg: LayerProbeConfig = LayerProbeConfig(), plateau: float = PLATEAU
-) -> tuple[MethodReading, dict[str, Any]]:
-    """Cross-validated object probes on every residual index; the reading of ``out``'s facts whose
-    object is a probe class, and a summary (classes, facts, per-index accuracy)."""
-    t = store.sql("""SELECT e.example_id, e.object FROM examples e JOIN targets t USING (example_id)
-                     WHERE t.object_token_id >= 0 ORDER BY e.example_id""").to_pandas()
-    counts = t["object"].value_counts()
-    classes = sorted(counts[counts >= max(cfg.min_count, cfg.folds)].index.tolist())
-    if len(classes) < 2:
-        raise MethodsError(
-            f"{store.url}: fewer than 2 objects have {cfg.min_count} facts; no object probe "
-            "(ingest more facts or lower --probe-min-count)"
-        )
-    t = t[t["object"].isin(classes)]
-    ids = t["example_id"].to_numpy(np.int64)
-    y = np.searchsorted(np.asarray(classes), t["object"].to_numpy())
-    from actstore.query.lens import stored_residuals
-
-    X, _, _ = stored_residuals(store, ids)  # [N, K, d]
-    probs, weights, fold_of = _cv_probes(X, y, len(classes), cfg)
-    acc = (probs.argmax(-1) == y[:, None]).mean(axis=0)  # [K]
-    p_true = probs[np.arange(len(y)), :, y]  # [N, K]
-    keep = np.isin(out.example_ids, ids)
-    eval_ids = out.example_ids[keep]
-    pos = np.searchsorted(ids, eval_ids)
-    profile = p_true[pos, 1:] - p_true[pos, :-1]  # [n, L]
-    key = _keys(profile, plateau)
-    verdict = np.array([""] * len(eval_ids), dtype=object)
-    if out.additive:
-        sub = np.flatnonzero(keep)
-        for j, (i, k) in enumerate(zip(pos, key)):
-            W, sigma = weights[fold_of[i]]  # [K, d, C], [K, d]
-            w = W[k + 1] / sigma[k + 1][:, None]  # raw-feature weights of the probe after layer k
-            c = y[i]
-            margin = w[:, c] - np.delete(w, c, axis=1).mean(axis=1)  # [d]
-            a = float(out.attn[sub[j], k] @ margin)
-            m = float(out.mlp[sub[j], k] @ margin)
-            verdict[j] = "mlp" if m >= a else "attn"
-    summary = {
-        "classes": len(classes),
-        "facts": int(len(ids)),
-        "folds": cfg.folds,
-        "accuracy_per_index": [round(float(a), 4) for a in acc],
-        "chance": round(1 / len(classes), 4),
-        "evaluated_facts": int(keep.sum()),
-    }
-    return MethodReading("probe", eval_ids, profile, key.astype(np.int64), verdict), summary
-
-
-def _cv_probes(
-    X: np.ndarray, y: np.ndarray, C: int, cfg: LayerProbeConfig
-) -> tuple[np.ndarray, dict[int, tuple[np.ndarray, np.ndarray]], np.ndarray]:
-    """Stratified k-fold multinomial logistic probes on all K indices at once (one batched problem).
-    Returns held-out probabilities [N, K, C], per-fold (W [K, d, C], sigma [K, d]), each fact's fold."""
-    N, K, d = X.shape
-    rng = np.random.default_rng(cfg.seed)
-    fold_of = np.zeros(N, np.int64)
-    for c in range(C):
-        idx = rng.permutation(np.flatnonzero(y == c))
-        fold_of[idx] = np.arange(idx.size) % cfg.folds
-    probs = np.zeros((N, K, C))
-    weights: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    Xt = torch.as_tensor(X, dtype=torch.float32).transpose(0, 1)  # [K, N, d]
-    yt = torch.as_tensor(y, dtype=torch.long)
-    for f in range(cfg.folds):
-        tr = torch.as_tensor(np.flatnonzero(fold_of != f))
-        te = torch.as_tensor(np.flatnonzero(fold_of == f))
-        mu = Xt[:, tr].mean(1, keepdim=True)
-        sd = Xt[:, tr].std(1, keepdim=True) + 1e-6
-        Ztr, Zte = (Xt[:, tr] - mu) / sd, (Xt[:, te] - mu) / sd
-        W, b = _fit_logistic(Ztr, yt[tr], C, cfg)
-        with torch.no_grad():
-            p = torch.softmax(torch.bmm(Zte, W) + b, dim=-1)  # [K, n_te, C]
-            probs[te.numpy()] = p.transpose(0, 1).numpy()
-            weights[f] = (W.numpy().copy(), sd[:, 0].numpy().copy())
-    return probs, weights, fold_of
-
-
-def _fit_logistic(
-    Z: torch.Tensor, y: torch.Tensor, C: int, cfg: LayerProbeConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K independent multinomial logistic regressions (Z [K, n, d], labels y [n]) solved jointly by L-BFGS."""
-    K, _, d = Z.shape
-    W = torch.zeros((K, d, C), requires_grad=True)
-    b = torch.zeros((K, 1, C), requires_grad=True)
-    opt = torch.optim.LBFGS([W, b], lr=1.0, max_iter=cfg.steps, line_search_fn="strong_wolfe")
-    yy = y.repeat(K)
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        logits = torch.bmm(Z, W) + b  # [K, n, C]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, C), yy) * K + cfg.l2 * (W**2).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    return W.detach(), b.detach()
-
-
 # ------------------------------------------------------------------------------------ agreement
-
-
-def default_tolerance(n_layers: int) -> int:
-    return max(1, round(n_layers / 10))
-
-
-def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, Any]:
-    """Pairwise key-layer / verdict agreement, profile correlation, and all-method consensus."""
-    by = {r.method: r for r in readings}
-    pairs = []
-    for a, b in itertools.combinations([r.method for r in readings], 2):
-        ra, rb = by[a], by[b]
-        common = np.intersect1d(ra.example_ids, rb.example_ids)
-        ia, ib = np.searchsorted(ra.example_ids, common), np.searchsorted(rb.example_ids, common)
-        ka, kb = ra.key_layer[ia], rb.key_layer[ib]
-        ok = (ka >= 0) & (kb >= 0)
-        va, vb = ra.verdict[ia], rb.verdict[ib]
-        vok = (va != "") & (vb != "")
-        corr = [pearson(ra.profile[i], rb.profile[j])[0] for i, j in zip(ia, ib)]
-        corr_f = [c for c in corr if np.isfinite(c)]
-        seed = SEED_001.get((a, b)) or SEED_001.get((b, a))
-        pairs.append(
-            {
-                "method_a": a,
-                "method_b": b,
-                "n_facts": int(ok.sum()),
-                "key_layer_agreement": float((np.abs(ka - kb)[ok] <= tolerance).mean()) if ok.any() else None,
-                "key_layer_exact": float((ka == kb)[ok].mean()) if ok.any() else None,
-                "n_verdict": int(vok.sum()),
-                "verdict_agreement": float((va == vb)[vok].mean()) if vok.any() else None,
-                "profile_correlation": float(np.mean(corr_f)) if corr_f else None,
-                "paper_key_layer": seed[0] / 100 if seed else None,
-                "paper_verdict": seed[1] / 100 if seed else None,
-                "paper_correlation": seed[2] if seed else None,
-            }
-        )
-    common = readings[0].example_ids
-    for r in readings[1:]:
-        common = np.intersect1d(common, r.example_ids)
-    keys = (
-        np.stack(
-            [by[r.method].key_layer[np.searchsorted(by[r.method].example_ids, common)] for r in readings]
-        )
-        if len(common)
-        else np.zeros((len(readings), 0), np.int64)
-    )
-    defined = (keys >= 0).all(axis=0)
-    spread = keys.max(axis=0) - keys.min(axis=0) if keys.size else np.zeros(0)
-    consensus = float((spread[defined] <= tolerance).mean()) if defined.any() else None
-    return {
-        "tolerance": tolerance,
-        "methods": [r.method for r in readings],
-        "pairs": pairs,
-        "consensus": consensus,
-        "consensus_facts": int(defined.sum()),
-        "paper_consensus": SEED_001_CONSENSUS / 100,
-    }
-
-
-def agreement_table(result: dict[str, Any]) -> pa.Table:
-    rows = [
-        {
-            k: p[k]
-            for k in (
-                "method_a",
-                "method_b",
-                "n_facts",
-                "key_layer_agreement",
-                "key_layer_exact",
-                "n_verdict",
-                "verdict_agreement",
-                "profile_correlation",
-            )
-        }
-        for p in result["pairs"]
-    ]
-    rows.append(
-        {
-            "method_a": "all",
-            "method_b": "all",
-            "n_facts": result["consensus_facts"],
-            "key_layer_agreement": result["consensus"],
-            "key_layer_exact": None,
-            "n_verdict": 0,
-            "verdict_agreement": None,
-            "profile_correlation": None,
-        }
-    )
-    return pa.Table.from_pylist(
-        rows,
-        schema=pa.schema(
-            [
-                ("method_a", pa.string()),
-                ("method_b", pa.string()),
-                ("n_facts", pa.int32()),
-                ("key_layer_agreement", pa.float64()),
-                ("key_layer_exact", pa.float64()),
-                ("n_verdict", pa.int32()),
-                ("verdict_agreement", pa.float64()),
-                ("profile_correlation", pa.float64()),
-            ]
-        ),
-    )
 
 
 def key_mlp_at_subject(store: Any, run_id: str | None = None) -> np.ndarray:

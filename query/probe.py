@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-from actstore.core.errors import QueryError
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
@@ -45,103 +43,12 @@ from actstore.query.attribution import (
     unit_scores,
 )
 from actstore.query.episodes import EpisodeSet, sample_seeds
-from actstore.query.features import FeatureSpec
-from actstore.query.probe_config import PROBE_KINDS, ProbeConfig
+from actstore.query.probe_config import ProbeConfig
+from actstore.query.probe_features import FeatureMatrix, load_features
 from actstore.query.probe_training import train_batched, train_reference
 from actstore.query.relspec import Selected, gather_standardized, select_features
 from actstore.query.selection import Selection
 from actstore.query.stats import mean_interval
-
-
-# ----------------------------------------------------------------------------------- features
-@dataclass(frozen=True)
-class FeatureMatrix:
-    """Flattened features of selected rows, with what attribution needs to name them."""
-
-    kind: str
-    layers: tuple[int, ...]
-    heads: tuple[int, ...] | None
-    groups: int | None
-    example_ids: np.ndarray  # [N]
-    labels: list[str]  # relation_id per row
-    data: torch.Tensor  # [N, F]
-    unit_shape: tuple[int, ...]  # per-row shape: (L', H', d) or (L', d)
-
-    @property
-    def n_features(self) -> int:
-        return int(self.data.shape[1])
-
-    @property
-    def unit_size(self) -> int:
-        return self.unit_shape[-1]
-
-    @property
-    def n_units(self) -> int:
-        return self.n_features // self.unit_size
-
-    def unit_labels(self) -> tuple[np.ndarray, np.ndarray]:
-        """(layer, head) of each unit; head is -1 for per-layer kinds.  For ``resid`` the layer is
-        the residual index (0 = embeddings)."""
-        layers = np.asarray(self.layers, dtype=np.int32)
-        if len(self.unit_shape) == 2:
-            return layers, np.full(layers.size, -1, dtype=np.int32)
-        n_h = self.unit_shape[1]
-        heads = np.asarray(self.heads if self.heads is not None else range(n_h), dtype=np.int32)
-        return np.repeat(layers, n_h), np.tile(heads, layers.size)
-
-
-def load_features(
-    store: StoreReader,
-    kind: str,
-    *,
-    rows: Selection | None = None,
-    layers: Sequence[int] | None = None,
-    heads: Sequence[int] | None = None,
-    groups: int | None = None,
-    dtype: str = "float32",
-    batch_rows: int = 64,
-) -> FeatureMatrix:
-    """Stream the features of ``rows`` (every row of the store when None) into one preallocated
-    ``[N, F]`` matrix of ``dtype``.
-
-    float32: each block of at most ``batch_rows`` rows is computed straight into its rows of the
-    matrix (:func:`actstore.query.features.compute_block` with ``out``), with no intermediate array; float16:
-    into one reused float32 block buffer, then converted into the matrix's rows.  Memory: the matrix
-    plus one block (and that block's factors), whatever N."""
-    from actstore.query.features import compute_block, row_shape
-
-    if kind not in PROBE_KINDS:
-        raise QueryError(f"feature kind {kind!r} cannot be probed (one of {', '.join(PROBE_KINDS)})")
-    if dtype not in ("float32", "float16"):
-        raise QueryError(f"feature dtype must be float32 or float16, not {dtype!r}")
-    spec = FeatureSpec.parse(store, kind, layers, heads, groups)
-    sel = rows if rows is not None else Selection.from_sql(store)
-    if len(sel) == 0:
-        raise QueryError("the selection is empty")
-    ids = sel.example_ids
-    rel = {
-        int(r["example_id"]): r["relation_id"]
-        for r in store.sql("SELECT example_id, relation_id FROM examples").to_pylist()
-    }
-    shape = row_shape(store, spec)
-    width = int(np.prod(shape))
-    data = torch.empty((len(ids), width), dtype=getattr(torch, dtype))
-    matrix = data.numpy()
-    scratch = np.empty((batch_rows, *shape), dtype=np.float32) if dtype != "float32" else None
-    i = 0
-    for _, block in sel.blocks(batch_rows):
-        n = len(block.seg_rows)
-        if scratch is None:
-            compute_block(store, spec, block, out=matrix[i : i + n].reshape(n, *shape))
-        else:
-            x = compute_block(store, spec, block, out=scratch[:n])
-            data[i : i + n].copy_(
-                torch.from_numpy(x.reshape(n, width))
-            )  # torch's float16 conversion: ~10x numpy's
-        i += n
-    if i != len(ids):
-        raise QueryError(f"the selection's blocks hold {i} rows, not {len(ids)}")
-    return FeatureMatrix(kind, spec.layers, spec.heads, groups, ids, [rel[int(e)] for e in ids], data, shape)
 
 
 # ----------------------------------------------------------------------------------- runs
@@ -458,139 +365,6 @@ def _flush_tokens(
             }
         )
     return rows
-
-
-# ----------------------------------------------------------------------------------- tables
-def probe_tables(out: ProbeOutput) -> dict[str, pa.Table]:
-    """The run's result tables (all carry ``run_id``)."""
-    ep, c, rid = out.episodes, out.config, out.run_id
-    rel = np.asarray(ep.relations, dtype=object)
-    E, Q = out.pred.shape
-    gold_idx = ep.classes[:, ep.query_labels]  # [E, Q]
-    pred_idx = np.take_along_axis(ep.classes, out.pred, 1)
-    lo, hi = out.ci95
-    runs = pa.table(
-        {
-            "run_id": [rid],
-            "kind": [c.kind],
-            "selection": [c.where],
-            "layers": [_ints(c.layers)],
-            "heads": [_ints(c.heads)],
-            "groups": pa.array([c.groups], pa.int32()),
-            "n_way": [c.n_way],
-            "k_shot": [c.k_shot],
-            "queries": [c.queries],
-            "episodes": [len(ep)],
-            "seeds": [_ints(c.seeds)],
-            "top_k": [c.top_k],
-            "relspec": [c.relspec],
-            "contrast": [c.contrast],
-            "epochs": [c.epochs],
-            "lr": [c.lr],
-            "rows": [int(out.example_ids.size)],
-            "relations": [len(ep.relations)],
-            "mean_selected_features": [float(out.n_selected.mean())],
-            "accuracy": [out.accuracy],
-            "ci95_low": [lo],
-            "ci95_high": [hi],
-            "seconds": [out.seconds],
-            "started": [out.started],
-            "config": [c.to_json()],
-        }
-    )
-    qids = out.example_ids[ep.query]
-    episodes = pa.table(
-        {
-            "run_id": [rid] * E,
-            "seed": ep.seed,
-            "episode": ep.index,
-            "relations": [list(rel[x]) for x in ep.classes],
-            "support_ids": [list(x) for x in out.example_ids[ep.support]],
-            "query_ids": [list(x) for x in qids],
-            "n_selected": out.n_selected,
-            "accuracy": out.episode_accuracy,
-        }
-    )
-    predictions = pa.table(
-        {
-            "run_id": [rid] * (E * Q),
-            "seed": np.repeat(ep.seed, Q),
-            "episode": np.repeat(ep.index, Q),
-            "example_id": qids.reshape(-1),
-            "relation_id": rel[gold_idx].reshape(-1),
-            "predicted": rel[pred_idx].reshape(-1),
-            "correct": (gold_idx == pred_idx).reshape(-1),
-            "prob": out.prob.reshape(-1),
-            "head_score_total": out.head_total.reshape(-1),
-        }
-    )
-    metrics = relation_metrics(rel[gold_idx].reshape(-1), rel[pred_idx].reshape(-1), list(ep.relations))
-    metrics = metrics.add_column(0, "run_id", pa.array([rid] * metrics.num_rows))
-    metrics = metrics.append_column(
-        "relation_name",
-        pa.array([out.relation_names.get(r) for r in metrics.column("relation_id").to_pylist()]),
-    )
-    seen = np.flatnonzero(
-        out.hs_n > 0
-    )  # relations with at least one query (every predicted one is among them)
-    R, U = seen.size, out.hs_sum.shape[1]
-    n = out.hs_n[seen][:, None]
-    cols: dict[str, Any] = {
-        "run_id": [rid] * (R * U),
-        "relation_id": np.repeat(rel[seen], U),
-        "layer": np.tile(out.unit_layer, R),
-        "head": np.tile(out.unit_head, R),
-        "score": (out.hs_sum[seen] / n).reshape(-1),
-        "abs_score": (out.hs_abs[seen] / n).reshape(-1),
-        "n": np.repeat(out.hs_n[seen].astype(np.int64), U),
-    }
-    if out.hsp_sum is not None and out.hsp_abs is not None and out.hsp_n is not None:
-        # per *predicted* relation (0 where the relation was never predicted; pred_n says so)
-        pn = out.hsp_n[seen][:, None]
-        safe = np.where(pn > 0, pn, 1.0)
-        cols.update(
-            pred_score=(out.hsp_sum[seen] / safe).reshape(-1),
-            pred_abs_score=(out.hsp_abs[seen] / safe).reshape(-1),
-            pred_n=np.repeat(out.hsp_n[seen].astype(np.int64), U),
-        )
-    heads = pa.table(cols)
-    tables = {
-        "probe_runs": runs,
-        "probe_episodes": episodes,
-        "probe_predictions": predictions,
-        "relation_metrics": metrics,
-        "head_scores": heads,
-    }
-    if out.token_rows:
-        t = pa.Table.from_pylist(out.token_rows)
-        tables["token_scores"] = t.add_column(0, "run_id", pa.array([rid] * t.num_rows))
-    return tables
-
-
-def relation_metrics(gold: np.ndarray, pred: np.ndarray, relations: Sequence[str]) -> pa.Table:
-    """Per-relation precision, recall and F1 over pooled query predictions."""
-    rows = []
-    for r in relations:
-        tp = int(np.sum((gold == r) & (pred == r)))
-        n_gold, n_pred = int(np.sum(gold == r)), int(np.sum(pred == r))
-        p = tp / n_pred if n_pred else 0.0
-        rc = tp / n_gold if n_gold else 0.0
-        rows.append(
-            {
-                "relation_id": r,
-                "n_queries": n_gold,
-                "n_predicted": n_pred,
-                "tp": tp,
-                "precision": p,
-                "recall": rc,
-                "f1": 2 * p * rc / (p + rc) if p + rc else 0.0,
-            }
-        )
-    return pa.Table.from_pylist(rows)
-
-
-def _ints(x: Sequence[int] | None) -> str | None:
-    return None if x is None else ",".join(str(int(v)) for v in x)
 
 
 # ----------------------------------------------------------------------------------- reference

@@ -26,23 +26,20 @@ from actstore.core.errors import LensError, MethodsError
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
+from actstore.query.method_agreement import agreement, agreement_table, default_tolerance
+from actstore.query.method_probe import LayerProbeConfig, probe_reading
 from actstore.query.methods import (
     COMPARISON_TRAIN,
     METHODS,
     PLATEAU,
-    LayerProbeConfig,
     MethodReading,
-    agreement,
-    agreement_table,
     attention_reading,
     causal_shares,
-    default_tolerance,
     fact_ids,
     key_mlp_at_subject,
     latest_run,
     lens_reading,
     patch_reading,
-    probe_reading,
     stored_outputs,
     trace_reading,
     tuned_lens_reading,

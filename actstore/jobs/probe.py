@@ -16,7 +16,8 @@ import numpy as np
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
-from actstore.query.probe import ProbeOutput, probe_tables
+from actstore.query.probe import ProbeOutput
+from actstore.query.probe_tables import probe_tables
 
 CONTRAST_TEXT = {
     "renormalised": "renormalised (dW = W_c_hat - sum pi'_c W_c, pi' renormalised over the competitors; ours)",

@@ -19,7 +19,7 @@ import actstore
 from actstore.core.errors import ActstoreError
 from actstore.jobs.compare import AgreeConfig
 from actstore.query.lens import FinalReadout, LensError, TunedLens
-from actstore.query.method_metrics import study_readings
+from actstore.query.method_study import study_readings
 from actstore.query.methods import (
     MethodReading,
     StoredOutputs,

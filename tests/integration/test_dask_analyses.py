@@ -26,16 +26,16 @@ from helpers import FIXTURES
 
 import actstore
 from actstore.cli import main
-from actstore.query.predictors import (
+from actstore.query.predictor_measures import (
     KnowledgeGraph,
     connectivity,
     document_frequencies,
     head_concentration,
     inverse_document_frequency,
     output_ranges,
-    relation_predictors,
     tfidf_similarity,
 )
+from actstore.query.predictors import relation_predictors
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))

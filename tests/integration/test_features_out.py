@@ -177,7 +177,7 @@ def test_compute_block_writes_into_the_rows_it_is_given(
 
 @pytest.mark.parametrize("kind", ["attn_head", "mlp_group", "attn_entity", "resid"])
 def test_load_features_streams_blocks_into_one_matrix(tiny_store: Path, kind: str) -> None:
-    from actstore.query.probe import load_features
+    from actstore.query.probe_features import load_features
 
     store = actstore.open(tiny_store)
     want = store.select().features(kind)

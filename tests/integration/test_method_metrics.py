@@ -30,7 +30,6 @@ from actstore.ingest.datasets.methods2k import (
 )
 from actstore.query.method_metrics import (
     Sites,
-    compute_metrics,
     consensus,
     consistency,
     effectiveness,
@@ -39,6 +38,7 @@ from actstore.query.method_metrics import (
     pair_agreement,
     paired_correlation,
 )
+from actstore.query.method_tables import compute_metrics
 from actstore.query.methods import MethodReading
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -570,7 +570,7 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
 
     from actstore.ingest.interventions.patching import PatchConfig
     from actstore.jobs.patch import PatchRequest, run_patch
-    from actstore.query.method_metrics import study_readings
+    from actstore.query.method_study import study_readings
     from actstore.query.methods import patch_reading
 
     data = tmp_path / "m2k"

@@ -12,15 +12,9 @@ from click.testing import CliRunner
 from helpers import KNOWN_STORE_KW
 
 import actstore
-from actstore.query.methods import (
-    LayerProbeConfig,
-    MethodReading,
-    agreement,
-    attention_reading,
-    lens_reading,
-    probe_reading,
-    stored_outputs,
-)
+from actstore.query.method_agreement import agreement
+from actstore.query.method_probe import LayerProbeConfig, probe_reading
+from actstore.query.methods import MethodReading, attention_reading, lens_reading, stored_outputs
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 

@@ -386,7 +386,8 @@ def test_concentration_groups_by_predicted_class(open_copy: Any, spy: Any) -> No
     """head_scores.pred_abs_score is, per relation, the mean |HeadScore| over the predictions the probe
     assigned to it (numpy over the reference's per-prediction scores); an error row (gold A, predicted B)
     is in B's aggregate and never in A's; the default predictor reads exactly that."""
-    from actstore.query.predictors import head_concentration, relation_predictors
+    from actstore.query.predictor_measures import head_concentration
+    from actstore.query.predictors import relation_predictors
 
     cfg = oracle.small(ProbeConfig(kind="attn_head"))
     store = open_copy("llama")
@@ -446,7 +447,7 @@ def test_concentration_groups_by_predicted_class(open_copy: Any, spy: Any) -> No
 
 def test_old_store_without_predicted_scores_is_one_clear_error(open_copy: Any) -> None:
     from actstore.query.predictors import relation_predictors
-    from actstore.query.probe import probe_tables
+    from actstore.query.probe_tables import probe_tables
 
     store = open_copy("llama")
     out = run_probe(store, oracle.small(ProbeConfig(kind="attn_head")))

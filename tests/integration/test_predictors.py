@@ -19,16 +19,15 @@ from scipy import stats
 import actstore
 from actstore.cli import main
 from actstore.jobs.probe import record_probe
-from actstore.query.predictors import (
+from actstore.query.predictor_measures import (
     KnowledgeGraph,
     connectivity,
     correlate,
     head_concentration,
     output_ranges,
-    relation_predictors,
-    scatter_plots,
     tfidf_similarity,
 )
+from actstore.query.predictors import relation_predictors, scatter_plots
 from actstore.query.probe import ProbeConfig, run_probe
 from actstore.query.shortcuts import normalize, shortcut_analysis, shortcut_figure
 

@@ -19,7 +19,8 @@ from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.jobs.probe import record_probe
 from actstore.query.episodes import sample_episodes, sample_seeds
-from actstore.query.probe import ProbeConfig, load_features, run_probe, run_reference
+from actstore.query.probe import ProbeConfig, run_probe, run_reference
+from actstore.query.probe_features import load_features
 from actstore.query.probe_training import _Adam, train_batched, train_reference
 from actstore.query.relspec import gather_standardized, select_features, smd_scores
 

@@ -1,0 +1,117 @@
+"""How far methods agree: key layers within a tolerance, equal MLP-vs-attention verdicts, and the
+per-fact tables of an agreement run."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from actstore.query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading
+from actstore.query.stats import pearson
+
+
+def default_tolerance(n_layers: int) -> int:
+    return max(1, round(n_layers / 10))
+
+
+def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, Any]:
+    """Pairwise key-layer / verdict agreement, profile correlation, and all-method consensus."""
+    by = {r.method: r for r in readings}
+    pairs = []
+    for a, b in itertools.combinations([r.method for r in readings], 2):
+        ra, rb = by[a], by[b]
+        common = np.intersect1d(ra.example_ids, rb.example_ids)
+        ia, ib = np.searchsorted(ra.example_ids, common), np.searchsorted(rb.example_ids, common)
+        ka, kb = ra.key_layer[ia], rb.key_layer[ib]
+        ok = (ka >= 0) & (kb >= 0)
+        va, vb = ra.verdict[ia], rb.verdict[ib]
+        vok = (va != "") & (vb != "")
+        corr = [pearson(ra.profile[i], rb.profile[j])[0] for i, j in zip(ia, ib)]
+        corr_f = [c for c in corr if np.isfinite(c)]
+        seed = SEED_001.get((a, b)) or SEED_001.get((b, a))
+        pairs.append(
+            {
+                "method_a": a,
+                "method_b": b,
+                "n_facts": int(ok.sum()),
+                "key_layer_agreement": float((np.abs(ka - kb)[ok] <= tolerance).mean()) if ok.any() else None,
+                "key_layer_exact": float((ka == kb)[ok].mean()) if ok.any() else None,
+                "n_verdict": int(vok.sum()),
+                "verdict_agreement": float((va == vb)[vok].mean()) if vok.any() else None,
+                "profile_correlation": float(np.mean(corr_f)) if corr_f else None,
+                "paper_key_layer": seed[0] / 100 if seed else None,
+                "paper_verdict": seed[1] / 100 if seed else None,
+                "paper_correlation": seed[2] if seed else None,
+            }
+        )
+    common = readings[0].example_ids
+    for r in readings[1:]:
+        common = np.intersect1d(common, r.example_ids)
+    keys = (
+        np.stack(
+            [by[r.method].key_layer[np.searchsorted(by[r.method].example_ids, common)] for r in readings]
+        )
+        if len(common)
+        else np.zeros((len(readings), 0), np.int64)
+    )
+    defined = (keys >= 0).all(axis=0)
+    spread = keys.max(axis=0) - keys.min(axis=0) if keys.size else np.zeros(0)
+    consensus = float((spread[defined] <= tolerance).mean()) if defined.any() else None
+    return {
+        "tolerance": tolerance,
+        "methods": [r.method for r in readings],
+        "pairs": pairs,
+        "consensus": consensus,
+        "consensus_facts": int(defined.sum()),
+        "paper_consensus": SEED_001_CONSENSUS / 100,
+    }
+
+
+def agreement_table(result: dict[str, Any]) -> pa.Table:
+    rows = [
+        {
+            k: p[k]
+            for k in (
+                "method_a",
+                "method_b",
+                "n_facts",
+                "key_layer_agreement",
+                "key_layer_exact",
+                "n_verdict",
+                "verdict_agreement",
+                "profile_correlation",
+            )
+        }
+        for p in result["pairs"]
+    ]
+    rows.append(
+        {
+            "method_a": "all",
+            "method_b": "all",
+            "n_facts": result["consensus_facts"],
+            "key_layer_agreement": result["consensus"],
+            "key_layer_exact": None,
+            "n_verdict": 0,
+            "verdict_agreement": None,
+            "profile_correlation": None,
+        }
+    )
+    return pa.Table.from_pylist(
+        rows,
+        schema=pa.schema(
+            [
+                ("method_a", pa.string()),
+                ("method_b", pa.string()),
+                ("n_facts", pa.int32()),
+                ("key_layer_agreement", pa.float64()),
+                ("key_layer_exact", pa.float64()),
+                ("n_verdict", pa.int32()),
+                ("verdict_agreement", pa.float64()),
+                ("profile_correlation", pa.float64()),
+            ]
+        ),
+    )

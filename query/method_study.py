@@ -1,0 +1,101 @@
+"""The method-comparison study's readings from a store: every method's reading of the facts a study
+traced and patched, and the strata (relation, subject frequency, uniqueness, source set) of those facts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from actstore.core.errors import MethodsError
+from actstore.query.method_metrics import concat_readings
+from actstore.query.methods import MethodReading
+from actstore.query.tuned_lens import TrainConfig
+
+GROUPINGS = ("relation", "freq_band", "uniqueness", "source_set", "stratum")
+
+
+def study_readings(
+    store: Any,
+    methods: Sequence[str],
+    trace_runs: Sequence[str] = (),
+    patch_runs: Sequence[str] = (),
+    plateau: float | None = None,
+    probe_min_count: int = 5,
+    tuned: str = "adam",
+    tuned_config: TrainConfig | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> dict[str, MethodReading]:
+    """Each method's reading of the store's traced (and patched) facts, as ``actstore agree`` reads
+    them, with the traces of several runs joined (:func:`concat_readings`), and likewise the patches
+    of several runs (``patch_runs``, over disjoint facts); no runs named reads the newest run of
+    each.  The tuned lens is fit
+    on the facts not compared, as ``agree`` fits it (:func:`actstore.query.methods.tuned_lens_reading`:
+    ``tuned`` = adam, sgd or ridge, ``tuned_config`` default ``COMPARISON_TRAIN``); its reading's
+    ``info`` records the fit."""
+    from actstore.core.errors import LensError
+    from actstore.query.method_probe import LayerProbeConfig, probe_reading
+    from actstore.query.methods import (
+        PLATEAU,
+        attention_reading,
+        fact_ids,
+        lens_reading,
+        patch_reading,
+        stored_outputs,
+        trace_reading,
+        tuned_lens_reading,
+    )
+    from actstore.query.readout import TUNED_METHODS
+
+    if "tuned_lens" in methods and tuned not in TUNED_METHODS:  # before the other readings
+        raise LensError(f"unknown tuned-lens method {tuned!r} (one of {', '.join(TUNED_METHODS)})")
+    plat = PLATEAU if plateau is None else plateau
+    out: dict[str, MethodReading] = {}
+    if "trace" in methods:
+        runs: list[str | None] = list(trace_runs) or [None]
+        out["trace"] = concat_readings([trace_reading(store, r, plat) for r in runs])
+    if "patch" in methods:
+        patches: list[str | None] = list(patch_runs) or [None]
+        out["patch"] = concat_readings([patch_reading(store, r, plat) for r in patches])
+    ids = (
+        np.unique(np.concatenate([r.example_ids for r in out.values()]))
+        if out
+        else fact_ids(store, None, True)
+    )
+    if ids.size == 0:
+        raise MethodsError(f"{store.url}: no facts to compare")
+    so = stored_outputs(store, ids)
+    if "logit_lens" in methods:
+        out["logit_lens"] = lens_reading(store, so, plateau=plat)
+    if "tuned_lens" in methods:
+        out["tuned_lens"] = tuned_lens_reading(store, so, tuned, tuned_config, plat, progress)
+    if "attention" in methods:
+        out["attention"] = attention_reading(store, so, plat)
+    if "probe" in methods:
+        out["probe"], _ = probe_reading(store, so, LayerProbeConfig(min_count=probe_min_count), plat)
+    return {m: out[m] for m in methods if m in out}
+
+
+def store_strata(store: Any, example_ids: Sequence[int] | np.ndarray) -> dict[str, dict[int, str]]:
+    """Grouping -> example id -> label for the facts: ``relation`` (the relation id) and, where the
+    examples carry methods2k tags in ``meta``, ``freq_band``, ``uniqueness``, ``source_set``,
+    ``stratum``."""
+    ids = [int(i) for i in example_ids]
+    out: dict[str, dict[int, str]] = {g: {} for g in GROUPINGS}
+    if not ids:
+        return {"relation": {}}
+    t = store.sql(
+        "SELECT example_id, relation_id, meta FROM examples WHERE example_id IN "
+        f"({', '.join(str(i) for i in ids)})"
+    ).to_pylist()
+    import json
+
+    for r in t:
+        e = int(r["example_id"])
+        out["relation"][e] = str(r["relation_id"])
+        meta = json.loads(r["meta"] or "{}")
+        for g in GROUPINGS[1:]:
+            if meta.get(g) not in (None, ""):
+                out[g][e] = str(meta[g])
+    return {g: m for g, m in out.items() if m}
