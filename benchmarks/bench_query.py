@@ -85,13 +85,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 class ReadCounter:
-    """Counts the chunks and bytes the store fetches: wraps :class:`actstore.core.arrays.ChunkGuard`'s ``get``
-    (reads through zarr) and :meth:`actstore.core.arrays.LocalChunks._decode` (each chunk, or inner chunk of
+    """Counts the chunks and bytes the store fetches: wraps :class:`actstore.core.chunks.ChunkGuard`'s ``get``
+    (reads through zarr) and :meth:`actstore.core.chunks.LocalChunks._decode` (each chunk, or inner chunk of
     a shard, of a local read without zarr's dispatch; bytes = its stored bytes, a shard's index not
     counted: 16 bytes per inner chunk)."""
 
     def __init__(self) -> None:
-        from actstore.core.arrays import ChunkGuard, LocalChunks, is_chunk_key
+        from actstore.core.chunks import ChunkGuard, LocalChunks, is_chunk_key
 
         self.chunks = 0
         self.bytes = 0
@@ -236,12 +236,10 @@ def check_equal(name: str, x: np.ndarray, ref: np.ndarray, tol: float) -> float:
 def sql_latency(path: str, n: int) -> dict[str, Any]:
     """Fresh ``actstore.open`` + first query in this process, and ``actstore sql`` end to end."""
     import actstore
-    from actstore.query.selection import _ROWS_SQL
+    from actstore.query.selection_plan import ROWS_SQL
 
     actstore.open(path).sql(FIRST_QUERY)  # imports and the process's database, outside the timing
-    sel_sql = _ROWS_SQL.format(
-        cond="t.example_id IN (SELECT example_id FROM examples WHERE relation_id = $r)"
-    )
+    sel_sql = ROWS_SQL.format(cond="t.example_id IN (SELECT example_id FROM examples WHERE relation_id = $r)")
     rel = actstore.open(path).sql("SELECT relation_id FROM examples LIMIT 1").column(0)[0].as_py()
     first, sel, cpu = [], [], []
     for _ in range(n):

@@ -27,11 +27,12 @@ from actstore.core._version import __version__
 from actstore.core.errors import RankError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
+from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.lock import holding, writer_lock
 from actstore.core.manifest import Manifest
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id, write_run
-from actstore.core.store import SEGMENT_ARRAYS, TOKENIZER_DIR, tokenizer_file_name_ok
+from actstore.core.segments import tokenizer_file_name_ok
 from actstore.core.tables import EXAMPLES, TARGETS, TOKENS, sha256
 from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import Architecture, architecture_for

@@ -19,7 +19,6 @@ from it (the parts of a ``split`` run their parent's SQL once).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,208 +31,30 @@ from actstore.core.sql import Params, check_params, predicate, run_sql, subquery
 from actstore.core.store import StoreReader
 from actstore.query.features import FeatureSpec, RowBlock, compute_block, row_shape
 from actstore.query.labelled import SOURCE_KINDS, dask_features, to_dataarray
+from actstore.query.selection_plan import (
+    FilterStep,
+    LimitStep,
+    PartStep,
+    QueryStep,
+    RelationsStep,
+    SampleStep,
+    check_count,
+    split_fractions,
+)
 
 if TYPE_CHECKING:
     import dask.array
     import xarray
 
-_ROWS_SQL = """
-SELECT t.example_id, t.row, t.segment, t.seg_row, t.src_start, t.n_src, e.subject_start, e.subject_end,
-       e.relation_id
-FROM targets t JOIN examples e USING (example_id)
-WHERE {cond}
-ORDER BY t.row
-"""
 
 Output = Literal["numpy", "torch", "xarray"]
 
 
-# The steps of a plan.  Each maps its parent's rows (a table with the columns of _ROWS_SQL, in
+# The steps of a plan.  Each maps its parent's rows (a table with the columns of ROWS_SQL, in
 # store order) to a subset of them, in the same order.
 
 
-@dataclass(frozen=True)
-class _Query:
-    """The first step: the target rows whose example matches ``where`` or whose id ``query`` returns."""
-
-    cond: str
-    params: list[Any] | dict[str, Any] | None
-    memory_limit: str | None
-    timeout: float | None
-    text: str
-
-    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
-        return run_sql(
-            store,
-            _ROWS_SQL.format(cond=self.cond),
-            params=self.params,
-            memory_limit=self.memory_limit,
-            timeout=self.timeout,
-        )
-
-
-@dataclass(frozen=True)
-class _Filter:
-    where: str
-    params: list[Any] | dict[str, Any] | None
-
-    @property
-    def text(self) -> str:
-        return f"filter({self.where})"
-
-    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
-        assert rows is not None
-        ids = run_sql(
-            store,
-            f"SELECT DISTINCT example_id FROM examples WHERE {predicate(self.where)}",
-            params=self.params,
-        ).column(0)
-        return rows.filter(pc.is_in(rows.column("example_id"), value_set=ids.combine_chunks()))
-
-
-@dataclass(frozen=True)
-class _Relations:
-    names: tuple[str, ...]
-
-    @property
-    def text(self) -> str:
-        return f"relations({', '.join(self.names)})"
-
-    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
-        assert rows is not None
-        keep = pc.is_in(rows.column("relation_id"), value_set=pa.array(self.names, pa.string()))
-        return rows.filter(pc.fill_null(keep, False))
-
-
-@dataclass(frozen=True)
-class _Limit:
-    n: int
-
-    @property
-    def text(self) -> str:
-        return f"limit({self.n})"
-
-    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
-        assert rows is not None
-        return rows.slice(0, self.n)
-
-
-@dataclass(frozen=True)
-class _Sample:
-    n: int
-    seed: int | None
-
-    @property
-    def text(self) -> str:
-        return f"sample({self.n}, seed={self.seed})"
-
-    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
-        assert rows is not None
-        return rows.take(sample_indices(rows.num_rows, self.n, self.seed))
-
-
-@dataclass(frozen=True)
-class _Part:
-    index: int
-    fractions: tuple[float, ...]
-    seed: int | None
-    by: str | None
-    stratify: bool
-
-    @property
-    def text(self) -> str:
-        how = f", by={self.by}" if self.by else ", stratified" if self.stratify else ""
-        return f"split({', '.join(f'{f:g}' for f in self.fractions)}, seed={self.seed}{how})[{self.index}]"
-
-    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
-        assert rows is not None
-        groups = None
-        if self.by is not None or self.stratify:
-            groups = np.array([str(r) for r in rows.column("relation_id").to_pylist()], dtype=object)
-        parts = split_indices(
-            rows.num_rows, self.fractions, self.seed, groups=groups, whole_groups=self.by is not None
-        )
-        return rows.take(parts[self.index])
-
-
-_Step = _Query | _Filter | _Relations | _Limit | _Sample | _Part
-
-
-def sample_indices(n_rows: int, n: int, seed: int | None) -> np.ndarray:
-    """``min(n, n_rows)`` distinct positions out of ``n_rows``, drawn uniformly with ``seed``, sorted."""
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(n_rows, size=min(n, n_rows), replace=False)).astype(np.int64)
-
-
-def _cut(n: int, fractions: Sequence[float]) -> np.ndarray:
-    """Boundaries of consecutive parts of ``n`` items with these fractions (the last one exact at ``n``
-    when the fractions sum to one)."""
-    cum = np.cumsum(np.asarray(fractions, dtype=np.float64))
-    bounds = np.floor(cum * n + 0.5).astype(np.int64)
-    if abs(cum[-1] - 1.0) < 1e-9:
-        bounds[-1] = n
-    return np.concatenate([[0], np.minimum(bounds, n)])
-
-
-def split_indices(
-    n_rows: int,
-    fractions: Sequence[float],
-    seed: int | None,
-    *,
-    groups: np.ndarray | None = None,
-    whole_groups: bool = False,
-) -> list[np.ndarray]:
-    """Disjoint sorted positions of ``n_rows`` rows for each part, in a random order drawn with ``seed``.
-
-    Without ``groups``: a permutation of the rows cut at the fractions.  With ``groups`` [n_rows]
-    and ``whole_groups``: the distinct groups are permuted and cut (each part gets whole groups;
-    the fractions are of the groups, not of the rows).  With ``groups`` alone: each group's rows are
-    permuted and cut on their own (stratified: every group in every part, in proportion).
-    """
-    rng = np.random.default_rng(seed)
-    out: list[list[np.ndarray]] = [[] for _ in fractions]
-    if groups is None:
-        perm = rng.permutation(n_rows)
-        b = _cut(n_rows, fractions)
-        for k in range(len(fractions)):
-            out[k].append(perm[b[k] : b[k + 1]])
-    else:
-        names = sorted(set(groups.tolist()))
-        if whole_groups:
-            order = [names[i] for i in rng.permutation(len(names))]
-            b = _cut(len(order), fractions)
-            part_of = {g: k for k in range(len(fractions)) for g in order[b[k] : b[k + 1]]}
-            for k in range(len(fractions)):
-                out[k].append(np.flatnonzero([part_of.get(g) == k for g in groups.tolist()]))
-        else:
-            for g in names:
-                members = np.flatnonzero(groups == g)
-                perm = members[rng.permutation(members.size)]
-                b = _cut(members.size, fractions)
-                for k in range(len(fractions)):
-                    out[k].append(perm[b[k] : b[k + 1]])
-    return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in out]
-
-
-def _fractions(parts: float | int | Sequence[float]) -> tuple[float, ...]:
-    if isinstance(parts, (bool, np.bool_)):
-        raise QueryError(f"split takes fractions or a number of parts, not {parts!r}")
-    if isinstance(parts, (int, np.integer)):
-        if parts < 2:
-            raise QueryError(f"split into at least 2 parts (got {parts})")
-        return (1.0 / int(parts),) * int(parts)
-    if isinstance(parts, (float, np.floating)):
-        parts = (float(parts), 1.0 - float(parts))
-    fr = tuple(float(f) for f in parts)
-    if len(fr) < 1 or any(not np.isfinite(f) or f <= 0 for f in fr) or sum(fr) > 1 + 1e-9:
-        raise QueryError(f"split fractions must be positive and sum to at most 1 (got {list(fr)})")
-    return fr
-
-
-def _count(n: int, what: str) -> int:
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise QueryError(f"{what} takes a number of rows >= 0 (got {n!r})")
-    return int(n)
+Step = QueryStep | FilterStep | RelationsStep | LimitStep | SampleStep | PartStep
 
 
 class Selection:
@@ -249,7 +70,7 @@ class Selection:
         rows: pa.Table | None = None,
         *,
         parent: Selection | None = None,
-        step: _Step | None = None,
+        step: Step | None = None,
     ) -> None:
         self.store = store
         self._parent = parent
@@ -294,7 +115,7 @@ class Selection:
             )
         else:
             cond, text = "TRUE", "all rows"
-        step = _Query(cond, check_params(params), memory_limit, timeout, text)
+        step = QueryStep(cond, check_params(params), memory_limit, timeout, text)
         return cls(store, step=step)
 
     @classmethod
@@ -303,7 +124,7 @@ class Selection:
         ids = [int(i) for i in example_ids]
         return cls.from_sql(store, query="SELECT unnest($ids::BIGINT[]) AS example_id", params={"ids": ids})
 
-    def _then(self, step: _Step) -> Selection:
+    def _then(self, step: Step) -> Selection:
         return Selection(self.store, parent=self, step=step)
 
     def filter(self, where: str, params: Params | None = None) -> Selection:
@@ -311,7 +132,7 @@ class Selection:
         ``examples``, with ``params`` bound by DuckDB (``sel.filter("split = $s", {"s": "val"})``).
         Conditions on other tables: ``where="example_id IN (SELECT example_id FROM targets WHERE ...)"``."""
         predicate(where)
-        return self._then(_Filter(where, check_params(params)))
+        return self._then(FilterStep(where, check_params(params)))
 
     def relations(self, relation_ids: Sequence[str]) -> Selection:
         """The rows whose example's ``relation_id`` is one of ``relation_ids``."""
@@ -320,16 +141,16 @@ class Selection:
         names = tuple(str(r) for r in relation_ids)
         if not names:
             raise QueryError("relations() needs at least one relation id")
-        return self._then(_Relations(names))
+        return self._then(RelationsStep(names))
 
     def limit(self, n: int) -> Selection:
         """The first ``n`` rows (in store order)."""
-        return self._then(_Limit(_count(n, "limit")))
+        return self._then(LimitStep(check_count(n, "limit")))
 
     def sample(self, n: int, seed: int | None = 0) -> Selection:
         """``n`` rows drawn uniformly without replacement with ``seed`` (all of them when there are
         fewer), kept in store order."""
-        return self._then(_Sample(_count(n, "sample"), seed))
+        return self._then(SampleStep(check_count(n, "sample"), seed))
 
     def split(
         self,
@@ -347,12 +168,12 @@ class Selection:
         probe tested on relations it never saw).  ``stratify=True``: every relation is split on its
         own, so each part holds the same share of every relation.
         """
-        fr = _fractions(parts)
+        fr = split_fractions(parts)
         if by not in (None, "relation"):
             raise QueryError(f"split by {by!r}: only by='relation' (or None for rows)")
         if by is not None and stratify:
             raise QueryError("split: by='relation' puts whole relations in one part; it cannot also stratify")
-        return tuple(self._then(_Part(k, fr, seed, by, stratify)) for k in range(len(fr)))
+        return tuple(self._then(PartStep(k, fr, seed, by, stratify)) for k in range(len(fr)))
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import click
 from actstore.cli._options import parse_int_list, printable, sql_limit_options, where_option
 from actstore.core.errors import ActstoreError
 
+from . import ablate as _ablate
 from . import demo as _demo
 from . import ingest as _ingest
 from . import interventions as _interventions
@@ -149,7 +150,7 @@ def main(debug: bool) -> None:
     """actstore: ingest a corpus once with fused capture, then query per-head and per-token features."""
 
 
-for _module in (_store, _ingest, _probe, _maps, _interventions, _methods, _report, _demo):
+for _module in (_store, _ingest, _probe, _maps, _interventions, _ablate, _methods, _report, _demo):
     for _cmd in _module.COMMANDS:
         main.add_command(_cmd)
 

@@ -6,16 +6,14 @@ Layout under the store root::
     weights/                           zarr group: W_O, b_O, W_V, b_V, W_down, b_down, embed, unembed, ...
     tokenizer/                         the model's tokenizer (save_pretrained), SHA-256 in manifest model.tokenizer
     segments/NNNNNN/                   zarr group per segment: z, attn, v, resid, mlp
-    tables/{examples,tokens,targets}/NNNNNN.parquet   one shard per segment
-    tables/heads/heads.parquet, tables/<result>/<run>.parquet
+    tables/{examples,tokens,targets}/NNNNNN.parquet, tables/heads/heads.parquet, tables/<result>/<run>.parquet
     commits/NNNNNN.json                written last: the segment is visible once this exists
 
-What a store says about itself is checked before it is used: the manifest and every commit
-marker field by type and range (:mod:`actstore.core.manifest`), each marker against its file name,
-each array's metadata against the shape the marker implies, every table file against its
-SHA-256 (in the marker, or in its ``.sha256`` companion) and its Parquet footer before DuckDB
-sees it, and every read offset against the array it reads.  A missing chunk is an error, not
-zeros (:class:`actstore.core.arrays.ChunkGuard`).
+What a store says about itself is checked before it is used: the manifest and every commit marker
+field by type and range (:mod:`actstore.core.manifest`), each marker against its file name, each
+array's metadata against the shape the marker implies, every table file against its SHA-256 (in
+the marker, or its ``.sha256`` companion) and its Parquet footer before DuckDB sees it, and every
+read offset against the array it reads.  A missing chunk is an error, not zeros (:mod:`actstore.core.chunks`).
 """
 
 from __future__ import annotations
@@ -31,10 +29,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from actstore.core.arrays import NUMPY_DTYPE, ChunkGuard, check_array, read_ranges, read_rows
+from actstore.core.arrays import NUMPY_DTYPE, check_array, read_ranges, read_rows
+from actstore.core.chunks import ChunkGuard
 from actstore.core.errors import CorruptStoreError, QueryError
 from actstore.core.fs import StoreLocation, locate
-from actstore.core.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit, read_manifest
+from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, TOKENIZER_DIR
+from actstore.core.manifest import Geometry, SegmentCommit, read_manifest
+from actstore.core.segments import (
+    _HEX,
+    check_weight,
+    expected_shape,
+    read_commits,
+    segment_name,
+    tokenizer_file_name_ok,
+)
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
 
 if TYPE_CHECKING:
@@ -43,84 +51,8 @@ if TYPE_CHECKING:
 
     from actstore.core.sql import Params, SQLSession
 
-SEGMENT_ARRAYS = ("z", "attn", "v", "resid", "mlp")
-
 
 _SESSION_LOCK = threading.Lock()
-MAX_CHUNK_BYTES = 1 << 31  # a segment array chunk larger than this (uncompressed) is refused
-TOKENIZER_DIR = (
-    "tokenizer"  # the model's tokenizer files (``save_pretrained``), hashes in manifest model.tokenizer
-)
-MAX_TOKENIZER_FILE_BYTES = 1 << 28
-_HEX = frozenset("0123456789abcdef")
-
-
-def tokenizer_file_name_ok(name: str) -> bool:
-    """True for a plain file name a tokenizer folder may hold (no path, no leading dot, 128 characters)."""
-    return (
-        isinstance(name, str)
-        and 0 < len(name) <= 128
-        and name.isascii()
-        and name[0].isalnum()
-        and all(c.isalnum() or c in "._-" for c in name)
-    )
-
-
-def segment_name(seg: int) -> str:
-    return f"{seg:06d}"
-
-
-def expected_shape(g: Geometry, name: str, commit: SegmentCommit) -> tuple[int, ...]:
-    """The shape of segment array ``name`` that the geometry and ``commit``'s sizes imply."""
-    return {
-        "z": (commit.n_rows, g.n_layers, g.n_heads, g.d_head),
-        "attn": (commit.n_sources, g.n_layers, g.n_heads),
-        "v": (commit.n_tokens, g.n_layers, g.n_kv_heads, g.d_head),
-        "resid": (commit.n_rows, g.n_layers + 1, g.d_model),
-        "mlp": (commit.n_rows, g.n_layers, g.d_mlp),
-    }[name]
-
-
-def expected_weight_shape(g: Geometry, name: str) -> tuple[int, ...] | None:
-    """The shape of a stored weight the ingest writes (None for a name it does not write)."""
-    L, H, Hkv, dh, d = g.n_layers, g.n_heads, g.n_kv_heads, g.d_head, g.d_model
-    return {
-        "W_O": (L, H, dh, d),
-        "b_O": (L, d),
-        "W_V": (L, Hkv, d, dh),
-        "b_V": (L, Hkv, dh),
-        "W_down": (L, g.d_mlp, d),
-        "b_down": (L, d),
-        "unembed": (g.vocab_size, d),
-        "unembed_bias": (g.vocab_size,),
-        "final_norm_weight": (d,),
-        "final_norm_bias": (d,),
-    }.get(name)
-
-
-def check_weight(g: Geometry, name: str, arr: zarr.Array, where: str) -> None:
-    """Refuse a weight whose metadata the geometry cannot explain (a made-up shape is never allocated).
-    ``embed`` may have other rows than the vocabulary; names the ingest does not write are bounded by the
-    largest weight it does."""
-    want = expected_weight_shape(g, name)
-    if want is None:
-        if (
-            name == "embed"
-            and arr.ndim == 2
-            and int(arr.shape[1]) == g.d_model
-            and arr.shape[0] <= 4 * g.vocab_size
-        ):
-            want = tuple(int(n) for n in arr.shape)
-        else:
-            limit = max(
-                int(np.prod(s, dtype=np.float64))
-                for s in (expected_weight_shape(g, n) or () for n in ("W_O", "W_V", "W_down", "unembed"))
-            )
-            if int(np.prod(arr.shape, dtype=np.float64)) > limit or arr.ndim > 4:
-                raise CorruptStoreError(
-                    f"{where}: shape {tuple(arr.shape)} is larger than any weight of this geometry"
-                )
-    check_array(arr, where, want, None, max_chunks=1 << 16)
 
 
 class StoreReader:
@@ -560,30 +492,6 @@ class StoreReader:
         from actstore.core.sql import connect
 
         return connect(self, memory_limit=memory_limit)
-
-
-def commit_name_ok(name: str) -> bool:
-    """True for a commit marker's file name (``NNNNNN.json``, six or more digits)."""
-    stem, dot, ext = name.partition(".")
-    return ext == "json" and dot == "." and len(stem) >= 6 and stem.isascii() and stem.isdigit()
-
-
-def read_commits(location: StoreLocation, manifest: Manifest) -> dict[int, SegmentCommit]:
-    """Every commit marker under ``commits/``, checked: its size, fields and checksum, and that its
-    ``segment`` field matches its file name and the manifest's row layout.  Readers and a resuming
-    writer both use this one list, so they cannot disagree about what is committed."""
-    commits: dict[int, SegmentCommit] = {}
-    for name in location.listdir("commits"):
-        if not name.endswith(".json"):
-            continue  # temporary files of atomic writes
-        rel = f"commits/{name}"
-        where = f"{location.url}/{rel}"
-        if not commit_name_ok(name):
-            raise CorruptStoreError(f"{where}: not a commit marker name (NNNNNN.json)")
-        c = SegmentCommit.from_json(location.read_bytes(rel, MAX_JSON_BYTES), where)
-        c.check_against(manifest, name, where)
-        commits[c.segment] = c
-    return dict(sorted(commits.items()))
 
 
 def open_reader(url: str | os.PathLike[str]) -> StoreReader:

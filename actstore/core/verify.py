@@ -28,14 +28,9 @@ import zarr
 
 from actstore.core.arrays import widen
 from actstore.core.errors import ActstoreError
-from actstore.core.store import (
-    MAX_CHUNK_BYTES,
-    MAX_TOKENIZER_FILE_BYTES,
-    SEGMENT_ARRAYS,
-    TOKENIZER_DIR,
-    StoreReader,
-    segment_name,
-)
+from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
+from actstore.core.segments import segment_name
+from actstore.core.store import StoreReader
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
 
 

@@ -18,9 +18,11 @@ import pyarrow as pa
 from actstore.core.arrays import create_array
 from actstore.core.errors import StoreMismatchError
 from actstore.core.fs import StoreLocation
+from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.manifest import Manifest, SegmentCommit, read_manifest
 from actstore.core.ownership import CREATING, creating_marker, prepare_root, signed_creating
-from actstore.core.store import SEGMENT_ARRAYS, StoreReader, read_commits, segment_name
+from actstore.core.segments import read_commits, segment_name
+from actstore.core.store import StoreReader
 from actstore.core.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.

@@ -73,15 +73,10 @@ def run_maps_dynamic(
     client for the projections (None: in this process)."""
     from actstore.core.errors import MapsError
     from actstore.query.maps.defaults import relation_ks
-    from actstore.query.maps.dynamic import (
-        correlation_summary,
-        correlation_table,
-        dynamic_ranks,
-        head_table,
-        usable_prompts,
-    )
+    from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
     from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
     from actstore.query.maps.projection import VocabProjection
+    from actstore.query.maps.prompt_policy import usable_prompts
 
     check_scoring(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
     started = time.time()

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import actstore
-from actstore.core.store import SEGMENT_ARRAYS
+from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.jobs.ingest import IngestRequest, run_ingest
 
 ARGS = dict(

@@ -15,7 +15,7 @@ from s3server import S3Server, aws_env, moto_server
 
 import actstore
 from actstore.cli import main
-from actstore.core.store import SEGMENT_ARRAYS
+from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.verify import verify_store
 from actstore.query.features import KINDS
 

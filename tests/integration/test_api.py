@@ -119,9 +119,10 @@ def test_composition_equals_numpy_masks(
 def test_nothing_is_read_until_asked(store: actstore.Store, monkeypatch: pytest.MonkeyPatch) -> None:
     import actstore.query.features
     import actstore.query.selection as qs
+    import actstore.query.selection_plan as plan
 
     calls: list[str] = []
-    real_sql, real_block = qs.run_sql, qs.compute_block
+    real_sql, real_block = plan.run_sql, qs.compute_block
 
     def sql(*a: Any, **k: Any) -> Any:
         calls.append("sql")
@@ -131,7 +132,7 @@ def test_nothing_is_read_until_asked(store: actstore.Store, monkeypatch: pytest.
         calls.append("block")
         return real_block(*a, **k)
 
-    monkeypatch.setattr(qs, "run_sql", sql)
+    monkeypatch.setattr(plan, "run_sql", sql)  # the plan's steps run the selection's SQL
     monkeypatch.setattr(qs, "compute_block", block)
     monkeypatch.setattr(actstore.query.features, "compute_block", block)
     sel = (

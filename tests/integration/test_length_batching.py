@@ -27,7 +27,7 @@ import pytest
 from helpers import FIXTURES
 
 import actstore
-from actstore.core.store import SEGMENT_ARRAYS
+from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import load_dataset
 from actstore.ingest.models import tiny_model

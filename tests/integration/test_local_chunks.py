@@ -1,4 +1,4 @@
-"""Local chunk reads without zarr's dispatch (:func:`actstore.core.arrays.local_chunks`) against zarr itself.
+"""Local chunk reads without zarr's dispatch (:func:`actstore.core.chunks.local_chunks`) against zarr itself.
 
 The oracle is zarr's own decoding of the same array (``arr[:]``, through its codec pipeline): every
 segment array of stores in each storage dtype (float16, bfloat16 bits, float32) and of two
@@ -23,7 +23,8 @@ from zarr.codecs import BytesCodec
 from zarr.storage import LocalStore
 
 import actstore
-from actstore.core.arrays import ChunkGuard, local_chunks, read_ranges, read_rows, widen
+from actstore.core.arrays import read_ranges, read_rows, widen
+from actstore.core.chunks import ChunkGuard, local_chunks
 from actstore.core.errors import CorruptStoreError
 
 
@@ -170,7 +171,7 @@ def test_a_layer_read_fetches_only_its_chunks(tmp_path: Path, monkeypatch: pytes
     """The point of layer chunks: reading layers 3-4 of 9 (chunks of 2) decodes the inner chunks of axis-1
     block 1 and 2 only, and reading every layer decodes the whole grid; counted at the decoder.  Each chunk
     of rows is one file (a shard), as in a store without layer chunks."""
-    from actstore.core.arrays import LocalChunks
+    from actstore.core.chunks import LocalChunks
 
     fast, _, data = _axis1_chunked(tmp_path, (8, 9, 5), 4, 2)
     seen: list[tuple[int, int]] = []

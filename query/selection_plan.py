@@ -1,0 +1,206 @@
+"""The steps of a selection's plan.  Each maps its parent's rows (a table with the columns of
+:data:`ROWS_SQL`, in store order) to a subset of them, in the same order; a split's parts share
+their parent's rows (its SQL runs once)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from actstore.core.errors import QueryError
+from actstore.core.sql import predicate, run_sql
+from actstore.core.store import StoreReader
+
+ROWS_SQL = """
+SELECT t.example_id, t.row, t.segment, t.seg_row, t.src_start, t.n_src, e.subject_start, e.subject_end,
+       e.relation_id
+FROM targets t JOIN examples e USING (example_id)
+WHERE {cond}
+ORDER BY t.row
+"""
+
+
+@dataclass(frozen=True)
+class QueryStep:
+    """The first step: the target rows whose example matches ``where`` or whose id ``query`` returns."""
+
+    cond: str
+    params: list[Any] | dict[str, Any] | None
+    memory_limit: str | None
+    timeout: float | None
+    text: str
+
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
+        return run_sql(
+            store,
+            ROWS_SQL.format(cond=self.cond),
+            params=self.params,
+            memory_limit=self.memory_limit,
+            timeout=self.timeout,
+        )
+
+
+@dataclass(frozen=True)
+class FilterStep:
+    where: str
+    params: list[Any] | dict[str, Any] | None
+
+    @property
+    def text(self) -> str:
+        return f"filter({self.where})"
+
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        ids = run_sql(
+            store,
+            f"SELECT DISTINCT example_id FROM examples WHERE {predicate(self.where)}",
+            params=self.params,
+        ).column(0)
+        return rows.filter(pc.is_in(rows.column("example_id"), value_set=ids.combine_chunks()))
+
+
+@dataclass(frozen=True)
+class RelationsStep:
+    names: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return f"relations({', '.join(self.names)})"
+
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        keep = pc.is_in(rows.column("relation_id"), value_set=pa.array(self.names, pa.string()))
+        return rows.filter(pc.fill_null(keep, False))
+
+
+@dataclass(frozen=True)
+class LimitStep:
+    n: int
+
+    @property
+    def text(self) -> str:
+        return f"limit({self.n})"
+
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        return rows.slice(0, self.n)
+
+
+@dataclass(frozen=True)
+class SampleStep:
+    n: int
+    seed: int | None
+
+    @property
+    def text(self) -> str:
+        return f"sample({self.n}, seed={self.seed})"
+
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        return rows.take(sample_indices(rows.num_rows, self.n, self.seed))
+
+
+@dataclass(frozen=True)
+class PartStep:
+    index: int
+    fractions: tuple[float, ...]
+    seed: int | None
+    by: str | None
+    stratify: bool
+
+    @property
+    def text(self) -> str:
+        how = f", by={self.by}" if self.by else ", stratified" if self.stratify else ""
+        return f"split({', '.join(f'{f:g}' for f in self.fractions)}, seed={self.seed}{how})[{self.index}]"
+
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        groups = None
+        if self.by is not None or self.stratify:
+            groups = np.array([str(r) for r in rows.column("relation_id").to_pylist()], dtype=object)
+        parts = split_indices(
+            rows.num_rows, self.fractions, self.seed, groups=groups, whole_groups=self.by is not None
+        )
+        return rows.take(parts[self.index])
+
+
+def sample_indices(n_rows: int, n: int, seed: int | None) -> np.ndarray:
+    """``min(n, n_rows)`` distinct positions out of ``n_rows``, drawn uniformly with ``seed``, sorted."""
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(n_rows, size=min(n, n_rows), replace=False)).astype(np.int64)
+
+
+def _cut(n: int, fractions: Sequence[float]) -> np.ndarray:
+    """Boundaries of consecutive parts of ``n`` items with these fractions (the last one exact at ``n``
+    when the fractions sum to one)."""
+    cum = np.cumsum(np.asarray(fractions, dtype=np.float64))
+    bounds = np.floor(cum * n + 0.5).astype(np.int64)
+    if abs(cum[-1] - 1.0) < 1e-9:
+        bounds[-1] = n
+    return np.concatenate([[0], np.minimum(bounds, n)])
+
+
+def split_indices(
+    n_rows: int,
+    fractions: Sequence[float],
+    seed: int | None,
+    *,
+    groups: np.ndarray | None = None,
+    whole_groups: bool = False,
+) -> list[np.ndarray]:
+    """Disjoint sorted positions of ``n_rows`` rows for each part, in a random order drawn with ``seed``.
+
+    Without ``groups``: a permutation of the rows cut at the fractions.  With ``groups`` [n_rows]
+    and ``whole_groups``: the distinct groups are permuted and cut (each part gets whole groups;
+    the fractions are of the groups, not of the rows).  With ``groups`` alone: each group's rows are
+    permuted and cut on their own (stratified: every group in every part, in proportion).
+    """
+    rng = np.random.default_rng(seed)
+    out: list[list[np.ndarray]] = [[] for _ in fractions]
+    if groups is None:
+        perm = rng.permutation(n_rows)
+        b = _cut(n_rows, fractions)
+        for k in range(len(fractions)):
+            out[k].append(perm[b[k] : b[k + 1]])
+    else:
+        names = sorted(set(groups.tolist()))
+        if whole_groups:
+            order = [names[i] for i in rng.permutation(len(names))]
+            b = _cut(len(order), fractions)
+            part_of = {g: k for k in range(len(fractions)) for g in order[b[k] : b[k + 1]]}
+            for k in range(len(fractions)):
+                out[k].append(np.flatnonzero([part_of.get(g) == k for g in groups.tolist()]))
+        else:
+            for g in names:
+                members = np.flatnonzero(groups == g)
+                perm = members[rng.permutation(members.size)]
+                b = _cut(members.size, fractions)
+                for k in range(len(fractions)):
+                    out[k].append(perm[b[k] : b[k + 1]])
+    return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64) for p in out]
+
+
+def split_fractions(parts: float | int | Sequence[float]) -> tuple[float, ...]:
+    if isinstance(parts, (bool, np.bool_)):
+        raise QueryError(f"split takes fractions or a number of parts, not {parts!r}")
+    if isinstance(parts, (int, np.integer)):
+        if parts < 2:
+            raise QueryError(f"split into at least 2 parts (got {parts})")
+        return (1.0 / int(parts),) * int(parts)
+    if isinstance(parts, (float, np.floating)):
+        parts = (float(parts), 1.0 - float(parts))
+    fr = tuple(float(f) for f in parts)
+    if len(fr) < 1 or any(not np.isfinite(f) or f <= 0 for f in fr) or sum(fr) > 1 + 1e-9:
+        raise QueryError(f"split fractions must be positive and sum to at most 1 (got {list(fr)})")
+    return fr
+
+
+def check_count(n: int, what: str) -> int:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise QueryError(f"{what} takes a number of rows >= 0 (got {n!r})")
+    return int(n)
