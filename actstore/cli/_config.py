@@ -63,7 +63,9 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
         kw.update(required=True, default=None, show_default=False)
     if meta.get("metavar"):
         kw["metavar"] = meta["metavar"]
-    if base in (tuple, list):
+    if meta.get("multiple"):
+        kw.update(multiple=True, default=tuple(default or ()), show_default=False)
+    elif base in (tuple, list):
         kw.update(
             default=None if default is None else ",".join(map(str, default)),
             metavar=kw.get("metavar", "LIST"),
@@ -74,6 +76,8 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
         kw["type"] = click.IntRange(min=int(meta["low"]))
     elif base is float and meta.get("above") is not None:
         kw["type"] = click.FloatRange(min=float(meta["above"]), min_open=True)
+    elif base is float and (meta.get("low") is not None or meta.get("high") is not None):
+        kw["type"] = click.FloatRange(min=meta.get("low"), max=meta.get("high"))
     elif base in (int, float):
         kw["type"] = base
     return click.option(_flag(f.name, meta), f.name, **kw)
@@ -105,7 +109,9 @@ def config_from(cls: type[C], given: dict[str, Any], /, **values: Any) -> C:
             values[f.name] = not given.pop("no_" + f.name)
             continue
         raw = given.pop(f.name)
-        if base is tuple and raw is not None:
+        if f.metadata.get("multiple"):
+            raw = tuple(raw)
+        elif base is tuple and raw is not None:
             ints = parse_int_list(raw, f.name.replace("_", "-"))
             raw = None if ints is None else tuple(ints)
         elif base is list and raw is not None:

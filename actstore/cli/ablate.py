@@ -19,7 +19,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-from actstore.cli.maps import IMPLEMENTS_THRESHOLD, MIN_PAIRS
+from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS
 
 
 def _pct(x: float | None) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
     check_where,
     command,
@@ -19,56 +20,14 @@ from actstore.cli._options import (
     no_save_option,
     open_store_arg,
     quiet_option,
-    split_list,
     store_argument,
     where_option,
 )
-from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS  # torch-free: the help imports it
+from actstore.jobs.settings import MapsDynamicConfig, MapsRunConfig  # torch-free: the help imports it
 
-K_HELP = (
-    "Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
-    "(1 for copying relations, 10 otherwise; Llama-3: 3 and 25)."
-)
 FIRST_MLP_MODEL_HELP = (
     "Model whose first MLP is loaded (default: the store's model when it is one of actstore's aliases)."
 )
-
-
-def _scoring_options(
-    multi_token_help: str, min_pairs_help: str
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The options maps and maps-dynamic share: --k, --threshold, --multi-token, --min-pairs."""
-    options = [
-        click.option("--k", type=click.IntRange(min=1), default=None, help=K_HELP),
-        click.option(
-            "--threshold",
-            type=click.FloatRange(0, 1),
-            default=IMPLEMENTS_THRESHOLD,
-            show_default=True,
-            help="A head implements R when its score is at least this.",
-        ),
-        click.option(
-            "--multi-token",
-            type=click.Choice(["skip", "first"]),
-            default="skip",
-            show_default=True,
-            help=multi_token_help,
-        ),
-        click.option(
-            "--min-pairs",
-            type=click.IntRange(min=0),
-            default=MIN_PAIRS,
-            show_default=True,
-            help=min_pairs_help,
-        ),
-    ]
-
-    def apply(fn: Callable[..., Any]) -> Callable[..., Any]:
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-
-    return apply
 
 
 def _first_mlp(s: Any, model: str | None) -> Callable[[], Any]:
@@ -93,27 +52,7 @@ def _tokenizer(s: Any, name: str | None) -> Callable[[], Any]:
 
 @command("maps", example="actstore maps /tmp/s --pairs maps/ --relations country_capital --figures figs")
 @store_argument
-@click.option(
-    "--pairs",
-    "pair_paths",
-    multiple=True,
-    required=True,
-    help="MAPS pair file ([[source, target], ...]) or a directory of them; repeatable.",
-)
-@click.option("--relations", default=None, help="Comma-separated relation names (file stems) to keep.")
-@_scoring_options(
-    "skip: score single-token pairs only (the authors' filter); first: a multi-token word stands "
-    "as its first token (ours).",
-    "Relations with fewer usable pairs are reported as excluded and scored nowhere (the authors' "
-    "min_filtered_dataset_size).",
-)
-@click.option(
-    "--no-final-norm",
-    is_flag=True,
-    help="Read heads through the raw unembedding (the paper's code) "
-    "instead of the final norm's weight times it.",
-)
-@click.option("--tokenizer", default=None, help="Tokenizer folder or name (default: the store's model).")
+@options_from(MapsRunConfig)
 @click.option(
     "--first-mlp/--no-first-mlp",
     "first_mlp",
@@ -123,60 +62,30 @@ def _tokenizer(s: Any, name: str | None) -> Callable[[], Any]:
     "input weights); --no-first-mlp scores from the store's weights alone.",
 )
 @model_option(FIRST_MLP_MODEL_HELP)
-@click.option(
-    "--salient-heads",
-    default="all",
-    show_default=True,
-    help="Heads for salient operations: all, none, or LAYER.HEAD list (12.3,7.*).",
-)
-@click.option(
-    "--salient-tokens", type=int, default=10, show_default=True, help="Salient tokens per head (by sigma)."
-)
-@click.option(
-    "--mappings", type=int, default=5, show_default=True, help="Top mapped tokens per salient token."
-)
 @figures_option(help="Folder for a layer x head PNG per relation.")
 @no_save_option
 @json_option
 def maps(
     store: str,
-    pair_paths: tuple[str, ...],
-    relations: str | None,
-    k: int | None,
-    threshold: float,
-    multi_token: str,
-    min_pairs: int,
-    no_final_norm: bool,
-    tokenizer: str | None,
     first_mlp: bool | None,
     model: str | None,
-    salient_heads: str,
-    salient_tokens: int,
-    mappings: int,
     figures: str | None,
     no_save: bool,
     as_json: bool,
+    **given: Any,
 ) -> None:
     """Static MAPS scores of every head for each relation in --pairs, from STORE's weights."""
-    from actstore.jobs.maps import MapsRunConfig, k_groups, run_maps, top_heads_text
+    from actstore.jobs.maps import k_groups, run_maps, top_heads_text
     from actstore.query.maps.pairs import excluded_line
 
     s = open_store_arg(store)
-    cfg = MapsRunConfig(
-        pairs=pair_paths,
-        relations=split_list(relations) or None,
-        k=k,
-        threshold=threshold,
-        multi_token=multi_token,
-        min_pairs=min_pairs,
-        final_norm=not no_final_norm,
-        tokenizer=tokenizer,
-        first_mlp=first_mlp,
-        salient_heads=salient_heads,
-        salient_tokens=salient_tokens,
-        mappings=mappings,
-        save=not no_save,
-        figures=figures,
+    cfg = config_from(MapsRunConfig, given, first_mlp=first_mlp, save=not no_save, figures=figures)
+    k, threshold, multi_token, tokenizer, min_pairs = (
+        cfg.k,
+        cfg.threshold,
+        cfg.multi_token,
+        cfg.tokenizer,
+        cfg.min_pairs,
     )
     out = run_maps(s, cfg, _tokenizer(s, tokenizer), first_mlp=_first_mlp(s, model))
     if as_json:
@@ -226,28 +135,7 @@ def maps(
 )
 @store_argument
 @where_option
-@click.option("--relations", default=None, help="Comma-separated relation ids.")
-@_scoring_options(
-    "skip: only prompts whose subject and object are one token each (the authors' filter); "
-    "first: every prompt, a multi-token word standing as its first token (ours).",
-    "Relations with fewer usable pairs are reported as excluded and left out.",
-)
-@click.option(
-    "--pairs",
-    "pair_paths",
-    multiple=True,
-    help="MAPS pair files or directories: count each relation's usable pairs in its file (the authors' "
-    "criterion) rather than among the store's prompts (a sample of it undercounts).",
-)
-@click.option("--tokenizer", default=None, help="Tokenizer folder or name (default: the store's model).")
-@click.option(
-    "--source-token",
-    type=click.Choice(["first", "last"]),
-    default="first",
-    show_default=True,
-    help="Which subject token is the static source and the no-context attention target.",
-)
-@click.option("--no-final-norm", is_flag=True, help="Raw unembedding instead of final norm weight times it.")
+@options_from(MapsDynamicConfig, first=("relations", "k", "threshold", "multi_token", "min_pairs", "pairs"))
 @click.option(
     "--first-mlp/--no-first-mlp",
     "first_mlp",
@@ -256,12 +144,6 @@ def maps(
     "loads the model).",
 )
 @model_option(FIRST_MLP_MODEL_HELP)
-@click.option(
-    "--compare-first-mlp",
-    is_flag=True,
-    help="Static scores both from the embeddings and through the first MLP (loads the model), sharing "
-    "one dynamic pass: a correlation row per relation and variant.",
-)
 @figures_option(help="Folder for the static and dynamic heatmaps.")
 @no_save_option
 @quiet_option
@@ -275,59 +157,31 @@ def maps(
 @click.option(
     "--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes."
 )
-@click.option(
-    "--prompts-per-task",
-    type=int,
-    default=None,
-    help="Prompts per Dask task (whole chunks of 256; default: one task per worker).",
-)
 @json_option
 def maps_dynamic(
     store: str,
     where: str | None,
-    relations: str | None,
-    k: int | None,
-    threshold: float,
-    multi_token: str,
-    min_pairs: int,
-    pair_paths: tuple[str, ...],
-    tokenizer: str | None,
-    source_token: str,
-    no_final_norm: bool,
     first_mlp: bool | None,
     model: str | None,
-    compare_first_mlp: bool,
     figures: str | None,
     no_save: bool,
     quiet: bool,
     dask_address: str | None,
     workers: int | None,
-    prompts_per_task: int | None,
     as_json: bool,
+    **given: Any,
 ) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
-    from actstore.jobs.maps_dynamic import MapsDynamicConfig, run_maps_dynamic
+    from actstore.jobs.maps_dynamic import run_maps_dynamic
     from actstore.query.dask_tasks import dask_client
 
     s = open_store_arg(store)
     check_where(s, where)
-    cfg = MapsDynamicConfig(
-        where=where,
-        relations=split_list(relations) or None,
-        k=k,
-        threshold=threshold,
-        multi_token=multi_token,
-        min_pairs=min_pairs,
-        pairs=pair_paths,
-        tokenizer=tokenizer,
-        source_token=source_token,
-        final_norm=not no_final_norm,
-        first_mlp=first_mlp,
-        compare_first_mlp=compare_first_mlp,
-        save=not no_save,
-        figures=figures,
-        prompts_per_task=prompts_per_task,
+    cfg = config_from(
+        MapsDynamicConfig, given, where=where, first_mlp=first_mlp, save=not no_save, figures=figures
     )
+    k, multi_token, tokenizer, min_pairs = cfg.k, cfg.multi_token, cfg.tokenizer, cfg.min_pairs
+    compare_first_mlp = cfg.compare_first_mlp
     mlp = _first_mlp(s, model)
     with dask_client(dask_address, workers) as client:
         out = run_maps_dynamic(

@@ -22,6 +22,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
+from actstore.jobs.settings import CorrelateConfig, ShortcutsConfig
 from actstore.query.probe_config import ProbeConfig
 
 PROBE_DEFAULTS = defaults(ProbeConfig)
@@ -233,36 +234,8 @@ def tokenscore(
     help="Q-id triple files (globs allowed; the option may repeat, and "
     "further files may follow it), or codex-m: the public CoDEx-M graph by name (docs/datasets.md).",
 )
-@click.option(
-    "--direction",
-    type=click.Choice(["out", "both"]),
-    default="out",
-    show_default=True,
-    help="An entity's properties: those it has as head, or in either position.",
-)
+@options_from(CorrelateConfig)
 @figures_option(help="Folder for one scatter PNG per predictor.")
-@click.option(
-    "--concentration",
-    type=click.Choice(["predicted-abs", "gold-signed"]),
-    default="predicted-abs",
-    show_default=True,
-    help="HeadScore concentration over the predictions assigned to each relation, "
-    "summing |score| (no labels needed, the seed's reading), or the earlier gold-label signed version.",
-)
-@click.option(
-    "--dataset-file",
-    default=None,
-    help="The FewRel JSON the store was ingested from: output range over every instance of each relation "
-    "in it, object-first ones included (ours; default when given).",
-)
-@click.option(
-    "--output-range",
-    "range_kind",
-    type=click.Choice(["dataset", "sample"]),
-    default=None,
-    help="Output range over the data set file or over the run's stored sample (default: dataset when "
-    "--dataset-file is given, else sample).",
-)
 @click.option(
     "--dask",
     "dask_address",
@@ -280,31 +253,27 @@ def correlate(
     more_kb: tuple[str, ...],
     run_id: str,
     kb: tuple[str, ...],
-    direction: str,
     figures: str | None,
-    concentration: str,
-    dataset_file: str | None,
-    range_kind: str | None,
     dask_address: str | None,
     workers: int | None,
     no_save: bool,
     as_json: bool,
+    **given: Any,
 ) -> None:
     """Per-relation F1 vs output range, KG connectivity, TF-IDF similarity, HeadScore concentration."""
-    from actstore.jobs.correlate import CorrelateConfig, run_correlate
+    from actstore.jobs.correlate import run_correlate
 
-    cfg = CorrelateConfig(
+    cfg = config_from(
+        CorrelateConfig,
+        given,
         probe_run=run_id,
         kb=tuple(_kb_files((*kb, *more_kb))),
-        direction=direction,
-        concentration=concentration,
-        dataset_file=dataset_file,
-        output_range=range_kind,
         dask_address=dask_address,
         workers=workers,
         figures=figures,
         save=not no_save,
     )
+    concentration = cfg.concentration
     out = run_correlate(open_store_arg(store), cfg)
     res, pngs, files = out.result, out.figures, cfg.kb
     rel_rows = res.relations.to_pylist()
@@ -372,17 +341,18 @@ def _kb_files(patterns: tuple[str, ...]) -> list[str]:
 @command(example="actstore shortcuts /tmp/s --run probe-20261201T080351-97216b7b --figures figs")
 @store_argument
 @run_option
-@click.option("--cues", "n_cues", type=int, default=20, show_default=True, help="Lexical cues per relation.")
+@options_from(ShortcutsConfig)
 @figures_option(help="Folder for the three-panel figure (shortcuts_RUN.png).")
 @no_save_option
 @json_option
 def shortcuts(
-    store: str, run_id: str, n_cues: int, figures: str | None, no_save: bool, as_json: bool
+    store: str, run_id: str, figures: str | None, no_save: bool, as_json: bool, **given: Any
 ) -> None:
     """Spearman rho, Mass and StrongAlign-x of the run's errors' TokenScores vs lexical cues."""
-    from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
+    from actstore.jobs.shortcuts import run_shortcuts
 
-    cfg = ShortcutsConfig(probe_run=run_id, n_cues=n_cues, figures=figures, save=not no_save)
+    cfg = config_from(ShortcutsConfig, given, probe_run=run_id, figures=figures, save=not no_save)
+    n_cues = cfg.n_cues
     out = run_shortcuts(open_store_arg(store), cfg)
     res, png = out.result, out.figure
     summ = res.summary.to_pylist()[0]

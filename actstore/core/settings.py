@@ -28,16 +28,24 @@ def setting(
     choices: Sequence[Any] | None = None,
     low: float | None = None,
     above: float | None = None,
+    high: float | None = None,
     metavar: str | None = None,
     flag: str | None = None,
     required: bool = False,
+    multiple: bool = False,
     cli: bool = True,
 ) -> Any:
     """A dataclass field with its default, help text and bounds (``low``: at least; ``above``:
-    strictly above).  On the command line: ``flag`` (default ``--field-name``), ``required``;
-    ``cli=False`` keeps it off."""
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "low": low, "above": above}
-    cli_meta = {"metavar": metavar, "flag": flag, "required": required, "cli": cli}
+    strictly above; ``high``: at most).  On the command line: ``flag`` (default ``--field-name``),
+    ``required``, ``multiple`` (a repeatable option); ``cli=False`` keeps it off."""
+    meta = {
+        "help": help,
+        "choices": tuple(choices) if choices else None,
+        "low": low,
+        "above": above,
+        "high": high,
+    }
+    cli_meta = {"metavar": metavar, "flag": flag, "required": required, "multiple": multiple, "cli": cli}
     return dataclasses.field(default=default, metadata={**meta, **cli_meta})
 
 
@@ -58,3 +66,5 @@ def check_settings(config: Any) -> None:
                 raise InvalidSetting(f.name, f"must be at least {meta['low']:g}, not {v}")
             if meta["above"] is not None and v <= meta["above"]:
                 raise InvalidSetting(f.name, f"must be above {meta['above']:g}, not {v}")
+            if meta["high"] is not None and v > meta["high"]:
+                raise InvalidSetting(f.name, f"must be at most {meta['high']:g}, not {v}")

@@ -13,44 +13,11 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import read_run_column, record_run
+from actstore.jobs.settings import CorrelateConfig
 from actstore.query.dask_tasks import dask_client
 from actstore.query.predictors import PredictorResult, relation_predictors, scatter_plots
-
-DIRECTIONS = ("out", "in", "both")
-CONCENTRATIONS = ("predicted-abs", "gold-signed")
-OUTPUT_RANGES = ("dataset", "sample")
-
-
-@dataclass(frozen=True)
-class CorrelateConfig:
-    """The settings of one ``correlate`` run (``kb``: triple files of the knowledge graph)."""
-
-    probe_run: str
-    kb: tuple[str, ...] = ()
-    direction: str = "out"
-    concentration: str = "predicted-abs"
-    dataset_file: str | None = None
-    output_range: str | None = None  # None: "dataset" with a dataset_file, else "sample"
-    dask_address: str | None = None
-    workers: int | None = None
-    figures: str | None = None
-    save: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.probe_run:
-            raise InvalidSetting("probe_run", "name the probe run to read")
-        for name, value, allowed in (
-            ("direction", self.direction, DIRECTIONS),
-            ("concentration", self.concentration, CONCENTRATIONS),
-            ("output_range", self.output_range, (None, *OUTPUT_RANGES)),
-        ):
-            if value not in allowed:
-                raise InvalidSetting(
-                    name, f"{value!r} is not one of {', '.join(str(a) for a in allowed if a)}"
-                )
 
 
 @dataclass

@@ -31,19 +31,9 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import MapsRunConfig
 
 Log = Callable[[str], None]
-
-
-def check_scoring(k: int | None, threshold: float, min_pairs: int, multi_token: str) -> None:
-    if k is not None and k < 1:
-        raise InvalidSetting("k", f"must be at least 1, not {k}")
-    if not 0.0 <= threshold <= 1.0:
-        raise InvalidSetting("threshold", f"must be between 0 and 1, not {threshold}")
-    if min_pairs < 0:
-        raise InvalidSetting("min_pairs", f"must not be negative, not {min_pairs}")
-    if multi_token not in ("skip", "first"):
-        raise InvalidSetting("multi_token", f"must be 'skip' or 'first', not {multi_token!r}")
 
 
 FirstMlp = Callable[[], Any]
@@ -70,24 +60,6 @@ def first_mlp_wanted(store: StoreReader, first_mlp: bool | None, compare: bool =
 
 
 # ----------------------------------------------------------------------------------- static
-
-
-@dataclass(frozen=True)
-class MapsRunConfig:
-    pairs: tuple[str, ...]  # MAPS pair files ([[source, target], ...]) or folders of them
-    relations: tuple[str, ...] | None = None  # relation names (file stems) to keep
-    k: int | None = None  # None: the authors' k per relation
-    threshold: float = 0.15
-    multi_token: str = "skip"
-    min_pairs: int = 30
-    final_norm: bool = True
-    tokenizer: str | None = None  # the tokenizer's folder or name as given (recorded in the run)
-    first_mlp: bool | None = None  # None: the authors' default
-    salient_heads: str = "all"  # all, none, or LAYER.HEAD list
-    salient_tokens: int = 10
-    mappings: int = 5
-    save: bool = True
-    figures: str | None = None  # folder for one layer x head heatmap per relation
 
 
 @dataclass
@@ -122,7 +94,6 @@ def run_maps(
         token_decoder,
     )
 
-    check_scoring(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
     started = time.time()
     g = store.geometry
     wanted = list(cfg.relations) if cfg.relations else None

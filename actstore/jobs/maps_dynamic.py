@@ -20,28 +20,10 @@ import pyarrow as pa
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
-from actstore.jobs.maps import FirstMlp, Log, check_scoring, first_mlp_wanted, load_first_mlp
+from actstore.jobs.maps import FirstMlp, Log, first_mlp_wanted, load_first_mlp
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import MapsDynamicConfig
 from actstore.query.selection import Selection
-
-
-@dataclass(frozen=True)
-class MapsDynamicConfig:
-    where: str | None = None  # SQL predicate over the examples table
-    relations: tuple[str, ...] | None = None
-    k: int | None = None
-    threshold: float = 0.15
-    multi_token: str = "skip"
-    min_pairs: int = 30
-    pairs: tuple[str, ...] = ()  # pair files: count usable pairs in them rather than among the prompts
-    tokenizer: str | None = None
-    source_token: str = "first"
-    final_norm: bool = True
-    first_mlp: bool | None = None
-    compare_first_mlp: bool = False
-    save: bool = True
-    figures: str | None = None
-    prompts_per_task: int | None = None
 
 
 @dataclass
@@ -78,7 +60,6 @@ def run_maps_dynamic(
     from actstore.query.maps.projection import VocabProjection
     from actstore.query.maps.prompt_policy import usable_prompts
 
-    check_scoring(cfg.k, cfg.threshold, cfg.min_pairs, cfg.multi_token)
     started = time.time()
     wanted = list(cfg.relations) if cfg.relations else None
     stored_name = str(store.manifest.model.get("name") or "")

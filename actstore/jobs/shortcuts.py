@@ -12,26 +12,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import read_run_column, record_run
+from actstore.jobs.settings import ShortcutsConfig
 from actstore.query.shortcuts import ShortcutResult, shortcut_analysis, shortcut_figure
-
-
-@dataclass(frozen=True)
-class ShortcutsConfig:
-    """The settings of one ``shortcuts`` run (``n_cues``: lexical cues per relation)."""
-
-    probe_run: str
-    n_cues: int = 20
-    figures: str | None = None  # folder for shortcuts_RUN.png
-    save: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.probe_run:
-            raise InvalidSetting("probe_run", "name the probe run to read")
-        if self.n_cues < 1:
-            raise InvalidSetting("n_cues", f"must be at least 1, not {self.n_cues}")
 
 
 @dataclass

@@ -38,6 +38,7 @@ SETTINGS_MODULES = {
     "actstore.query.maps",
     "actstore.query.maps.defaults",
     "actstore.ingest.settings",
+    "actstore.jobs.settings",
 }
 
 

@@ -1,0 +1,169 @@
+"""The settings of the jobs whose command-line options are made from them (:mod:`actstore.cli._config`),
+torch-free so that ``actstore --help`` loads no analysis: MAPS static and dynamic scores, the
+predictors of probe accuracy, and lexical shortcuts.  Each is validated when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actstore.core.invalid import InvalidSetting
+from actstore.core.settings import check_settings, setting
+from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS
+
+K_HELP = (
+    "Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
+    "(1 for copying relations, 10 otherwise; Llama-3: 3 and 25)."
+)
+MULTI_TOKEN = ("skip", "first")
+DIRECTIONS = ("out", "both")
+CONCENTRATIONS = ("predicted-abs", "gold-signed")
+OUTPUT_RANGES = ("dataset", "sample")
+
+
+@dataclass(frozen=True)
+class MapsRunConfig:
+    """One ``actstore maps`` run: static scores of every head for the relations of ``pairs``."""
+
+    pairs: tuple[str, ...] = setting(
+        (),
+        "MAPS pair file ([[source, target], ...]) or a directory of them; repeatable.",
+        multiple=True,
+        required=True,
+    )
+    relations: tuple[str, ...] | None = setting(None, "Comma-separated relation names (file stems) to keep.")
+    k: int | None = setting(None, K_HELP, low=1)
+    threshold: float = setting(
+        IMPLEMENTS_THRESHOLD, "A head implements R when its score is at least this.", low=0, high=1
+    )
+    multi_token: str = setting(
+        "skip",
+        "skip: score single-token pairs only (the authors' filter); first: a multi-token word stands "
+        "as its first token (ours).",
+        choices=MULTI_TOKEN,
+    )
+    min_pairs: int = setting(
+        MIN_PAIRS,
+        "Relations with fewer usable pairs are reported as excluded and scored nowhere (the authors' "
+        "min_filtered_dataset_size).",
+        low=0,
+    )
+    final_norm: bool = setting(
+        True,
+        "Read heads through the raw unembedding (the paper's code) instead of the final norm's weight times it.",
+    )
+    tokenizer: str | None = setting(None, "Tokenizer folder or name (default: the store's model).")
+    first_mlp: bool | None = setting(
+        None, "Read through the first MLP (None: the authors' default).", cli=False
+    )
+    salient_heads: str = setting(
+        "all", "Heads for salient operations: all, none, or LAYER.HEAD list (12.3,7.*)."
+    )
+    salient_tokens: int = setting(10, "Salient tokens per head (by sigma).", low=1)
+    mappings: int = setting(5, "Top mapped tokens per salient token.", low=1)
+    save: bool = setting(True, "Write the result tables.", cli=False)
+    figures: str | None = setting(None, "Folder for one layer x head heatmap per relation.", cli=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.pairs:
+            raise InvalidSetting("pairs", "give at least one pair file or folder")
+
+
+@dataclass(frozen=True)
+class MapsDynamicConfig:
+    """One ``actstore maps-dynamic`` run: what the heads wrote on the stored prompts."""
+
+    where: str | None = setting(None, "SQL predicate over the examples table.", cli=False)
+    relations: tuple[str, ...] | None = setting(None, "Comma-separated relation ids.")
+    k: int | None = setting(None, K_HELP, low=1)
+    threshold: float = setting(
+        IMPLEMENTS_THRESHOLD, "A head implements R when its score is at least this.", low=0, high=1
+    )
+    multi_token: str = setting(
+        "skip",
+        "skip: only prompts whose subject and object are one token each (the authors' filter); "
+        "first: every prompt, a multi-token word standing as its first token (ours).",
+        choices=MULTI_TOKEN,
+    )
+    min_pairs: int = setting(
+        MIN_PAIRS, "Relations with fewer usable pairs are reported as excluded and left out.", low=0
+    )
+    pairs: tuple[str, ...] = setting(
+        (),
+        "MAPS pair files or directories: count each relation's usable pairs in its file (the authors' "
+        "criterion) rather than among the store's prompts (a sample of it undercounts).",
+        multiple=True,
+    )
+    tokenizer: str | None = setting(None, "Tokenizer folder or name (default: the store's model).")
+    source_token: str = setting(
+        "first",
+        "Which subject token is the static source and the no-context attention target.",
+        choices=("first", "last"),
+    )
+    final_norm: bool = setting(True, "Raw unembedding instead of final norm weight times it.")
+    first_mlp: bool | None = setting(None, "Through the first MLP (None: the authors' default).", cli=False)
+    compare_first_mlp: bool = setting(
+        False,
+        "Static scores both from the embeddings and through the first MLP (loads the model), sharing "
+        "one dynamic pass: a correlation row per relation and variant.",
+    )
+    save: bool = setting(True, "Write the result tables.", cli=False)
+    figures: str | None = setting(None, "Folder for the static and dynamic heatmaps.", cli=False)
+    prompts_per_task: int | None = setting(
+        None, "Prompts per Dask task (whole chunks of 256; default: one task per worker).", low=1
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
+class CorrelateConfig:
+    """One ``correlate`` run over the probe run ``probe_run`` (``kb``: triple files of the knowledge graph)."""
+
+    probe_run: str = setting("", "Probe run id (see the runs table).", cli=False)
+    kb: tuple[str, ...] = setting((), "Knowledge-graph triple files.", cli=False)
+    direction: str = setting(
+        "out", "An entity's properties: those it has as head, or in either position.", choices=DIRECTIONS
+    )
+    concentration: str = setting(
+        "predicted-abs",
+        "HeadScore concentration over the predictions assigned to each relation, summing |score| (no labels "
+        "needed, the seed's reading), or the earlier gold-label signed version.",
+        choices=CONCENTRATIONS,
+    )
+    dataset_file: str | None = setting(
+        None,
+        "The FewRel JSON the store was ingested from: output range over every instance of each relation "
+        "in it, object-first ones included (ours; default when given).",
+    )
+    output_range: str | None = setting(
+        None,
+        "Output range over the data set file or over the run's stored sample (default: dataset when "
+        "--dataset-file is given, else sample).",
+        choices=OUTPUT_RANGES,
+    )
+    dask_address: str | None = setting(None, "Dask scheduler address.", cli=False)
+    workers: int | None = setting(None, "Local Dask worker processes.", cli=False)
+    figures: str | None = setting(None, "Folder for one scatter PNG per predictor.", cli=False)
+    save: bool = setting(True, "Write the result tables.", cli=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.probe_run:
+            raise InvalidSetting("probe_run", "name the probe run to read")
+
+
+@dataclass(frozen=True)
+class ShortcutsConfig:
+    """One ``shortcuts`` run over the probe run ``probe_run``."""
+
+    probe_run: str = setting("", "Probe run id (see the runs table).", cli=False)
+    n_cues: int = setting(20, "Lexical cues per relation.", low=1, flag="--cues")
+    figures: str | None = setting(None, "Folder for shortcuts_RUN.png.", cli=False)
+    save: bool = setting(True, "Write the result tables.", cli=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.probe_run:
+            raise InvalidSetting("probe_run", "name the probe run to read")
