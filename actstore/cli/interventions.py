@@ -4,7 +4,6 @@ patching); ``ablate`` is :mod:`actstore.cli.ablate`."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import click
 
@@ -22,14 +21,6 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-
-
-def _pct(x: float | None) -> str:
-    return "   n/a" if x is None else f"{x:+6.1f}%"
-
-
-def _stderr(quiet: bool) -> Any:
-    return None if quiet else (lambda m: click.echo(m, err=True))
 
 
 # ----------------------------------------------------------------------------------- trace

@@ -18,10 +18,6 @@ from actstore.query.selection import Selection
 Log = Callable[[str], None]
 
 
-def _bar(total: int, desc: str, quiet: bool) -> Any:
-    return progress_bar(total=total, unit="fact", desc=desc, enabled=not quiet)
-
-
 @dataclass(frozen=True)
 class PatchRequest:
     model: str | None = None
@@ -117,7 +113,7 @@ def run_patch(store: StoreReader, req: PatchRequest) -> PatchOutcome:
     )
     patcher = ActivationPatcher(InterventionRunner(loaded.model), cfg)
     t0 = time.time()
-    with _bar(len(pairs), "patch", req.quiet) as bar:
+    with progress_bar(total=len(pairs), unit="fact", desc="patch", enabled=not req.quiet) as bar:
         results = patcher.patch(pairs, progress=bar.update)
     out = PatchOutcome(new_run_id("patch"), results, skipped, dict(cfg.__dict__), time.time() - t0)
     if req.save:

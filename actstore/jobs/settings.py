@@ -15,6 +15,20 @@ K_HELP = (
     "(1 for copying relations, 10 otherwise; Llama-3: 3 and 25)."
 )
 MULTI_TOKEN = ("skip", "first")
+
+
+def k_setting() -> int | None:
+    """``k`` of a MAPS run (a dataclass field)."""
+    return setting(None, K_HELP, low=1)
+
+
+def threshold_setting() -> float:
+    """``threshold`` of a MAPS run (a dataclass field)."""
+    return setting(
+        IMPLEMENTS_THRESHOLD, "A head implements R when its score is at least this.", low=0, high=1
+    )
+
+
 DIRECTIONS = ("out", "both")
 CONCENTRATIONS = ("predicted-abs", "gold-signed")
 OUTPUT_RANGES = ("dataset", "sample")
@@ -31,10 +45,8 @@ class MapsRunConfig:
         required=True,
     )
     relations: tuple[str, ...] | None = setting(None, "Comma-separated relation names (file stems) to keep.")
-    k: int | None = setting(None, K_HELP, low=1)
-    threshold: float = setting(
-        IMPLEMENTS_THRESHOLD, "A head implements R when its score is at least this.", low=0, high=1
-    )
+    k: int | None = k_setting()
+    threshold: float = threshold_setting()
     multi_token: str = setting(
         "skip",
         "skip: score single-token pairs only (the authors' filter); first: a multi-token word stands "
@@ -75,10 +87,8 @@ class MapsDynamicConfig:
 
     where: str | None = setting(None, "SQL predicate over the examples table.", cli=False)
     relations: tuple[str, ...] | None = setting(None, "Comma-separated relation ids.")
-    k: int | None = setting(None, K_HELP, low=1)
-    threshold: float = setting(
-        IMPLEMENTS_THRESHOLD, "A head implements R when its score is at least this.", low=0, high=1
-    )
+    k: int | None = k_setting()
+    threshold: float = threshold_setting()
     multi_token: str = setting(
         "skip",
         "skip: only prompts whose subject and object are one token each (the authors' filter); "

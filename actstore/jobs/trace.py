@@ -23,10 +23,6 @@ from actstore.query.selection import Selection
 Log = Callable[[str], None]
 
 
-def _bar(total: int, desc: str, quiet: bool) -> Any:
-    return progress_bar(total=total, unit="fact", desc=desc, enabled=not quiet)
-
-
 @dataclass(frozen=True)
 class TraceRequest:
     model: str | None = None  # None: the store's own (an actstore alias)
@@ -104,7 +100,7 @@ def run_trace(store: StoreReader, req: TraceRequest) -> TraceOutcome:
     )
     tracer = CausalTracer(runner, cfg, std)
     t0 = time.time()
-    with _bar(len(facts), "trace", req.quiet) as bar:
+    with progress_bar(total=len(facts), unit="fact", desc="trace", enabled=not req.quiet) as bar:
         results = tracer.trace(facts, progress=bar.update)
     out = TraceOutcome(new_run_id("trace"), results, std, dict(cfg.__dict__), time.time() - t0)
     if req.save:
