@@ -199,7 +199,7 @@ def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
     "--positions",
     default="subject_last,last",
     show_default=True,
-    help="Positions patched (subject_first, subject_last, last, ...; comma-separated).",
+    help="Positions patched: subject_last (the subject's last token), last (the prompt's), or both (comma-separated).",
 )
 @click.option("--no-heads", is_flag=True, help="Skip the per-head patches.")
 @click.option(

@@ -343,3 +343,13 @@ def test_library_log_messages_reach_stderr_at_the_chosen_level() -> None:
     )
     assert lines["quiet"] == ["actstore: warning from actstore.core.store"]
     assert lines["debug"] == ["actstore: debug from actstore.ingest.models.cache", *lines["default"]]
+
+
+def test_patch_help_names_only_positions_the_patcher_accepts() -> None:
+    from actstore.ingest.interventions.patching import POSITIONS
+
+    cmd = main.get_command(click.Context(main), "patch")
+    assert cmd is not None
+    option = next(p for p in cmd.params if p.name == "positions")
+    named = set(re.findall(r"\b(subject_\w+|last|first\w*)\b", str(getattr(option, "help", ""))))
+    assert named and named <= set(POSITIONS), named
