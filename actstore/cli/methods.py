@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import click
 import numpy as np
 
+from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
     check_where,
     command,
@@ -24,6 +25,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
+from actstore.jobs.settings import LensRunConfig
 
 METHOD_NAMES = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
 SEED_CONSENSUS_TEXT = "47.6%"  # the seed paper's share of facts on which every method agrees
@@ -79,57 +81,30 @@ def _fmt(x: float | None, pct: bool = True) -> str:
 @command(example="actstore lens /tmp/s --correct-only --tuned adam --figures figs")
 @store_argument
 @where_option
-@click.option(
-    "--correct-only", is_flag=True, help="Only facts the model answers correctly (object_rank = 0)."
-)
-@click.option(
-    "--train-fraction",
-    type=float,
-    default=0.5,
-    show_default=True,
-    help="Share of the facts that train the tuned lens; the rest are held out and evaluated.",
-)
+@options_from(LensRunConfig)
 @click.option("--no-tuned", is_flag=True, help="Logit lens only, on every selected fact.")
-@tuned_lens_options(
-    2**18, "Training facts per step (adam, sgd); at least the number of training facts = full batch."
-)
-@click.option(
-    "--seed", type=int, default=0, show_default=True, help="Seed of the train/held-out split and training."
-)
 @figures_option(help="Folder for the lens curves (PNG).")
 @no_save_option
 @json_option
 def lens(
     store: str,
     where: str | None,
-    correct_only: bool,
-    train_fraction: float,
     no_tuned: bool,
-    tuned_method: str,
-    tuned_steps: int,
-    tuned_batch: int,
-    seed: int,
     figures: str | None,
     no_save: bool,
     as_json: bool,
+    **given: Any,
 ) -> None:
     """Logit lens and tuned lens from the stored residual stream: object probability and rank per layer."""
-    from actstore.jobs.lens import LensRunConfig, run_lens
+    from actstore.jobs.lens import run_lens
 
     started = time.time()
     s = open_store_arg(store)
     check_where(s, where)
-    cfg = LensRunConfig(
-        where=where,
-        correct_only=correct_only,
-        train_fraction=train_fraction,
-        tuned=None if no_tuned else tuned_method,
-        steps=tuned_steps,
-        batch=tuned_batch,
-        seed=seed,
-        save=not no_save,
-        figures=figures,
-    )
+    if no_tuned:
+        given["tuned"] = None
+    cfg = config_from(LensRunConfig, given, where=where, save=not no_save, figures=figures)
+    tuned_method, tuned_steps = cfg.tuned, cfg.steps
 
     def progress(step: int, loss: float) -> None:
         if step == 1 or step % 25 == 0 or step == tuned_steps:

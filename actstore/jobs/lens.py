@@ -15,23 +15,9 @@ from typing import Any
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import LensRunConfig
 from actstore.query.methods import fact_ids
 from actstore.query.selection import Selection
-
-TUNED_METHODS = ("adam", "sgd", "ridge")
-
-
-@dataclass(frozen=True)
-class LensRunConfig:
-    where: str | None = None  # SQL predicate over the examples table choosing the facts
-    correct_only: bool = False  # only facts the model answers (object_rank = 0)
-    train_fraction: float = 0.5  # share of the facts that train the tuned lens; the rest are evaluated
-    tuned: str | None = "adam"  # adam, sgd, ridge, or None for the logit lens alone
-    steps: int = 250
-    batch: int = 2**18
-    seed: int = 0
-    save: bool = True
-    figures: str | None = None  # folder for the lens curves
 
 
 @dataclass
@@ -54,8 +40,6 @@ def run_lens(
     from actstore.query.lens import LensError, lens_study, split_facts
     from actstore.query.tuned_lens import TrainConfig
 
-    if cfg.tuned is not None and cfg.tuned not in TUNED_METHODS:
-        raise LensError(f"tuned lens method {cfg.tuned!r} is not one of {', '.join(TUNED_METHODS)}")
     started = time.time()
     method = cfg.tuned
     config = TrainConfig(

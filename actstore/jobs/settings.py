@@ -32,6 +32,7 @@ def threshold_setting() -> float:
 DIRECTIONS = ("out", "both")
 CONCENTRATIONS = ("predicted-abs", "gold-signed")
 OUTPUT_RANGES = ("dataset", "sample")
+TUNED_METHODS = ("adam", "sgd", "ridge")
 
 
 @dataclass(frozen=True)
@@ -177,3 +178,37 @@ class ShortcutsConfig:
         check_settings(self)
         if not self.probe_run:
             raise InvalidSetting("probe_run", "name the probe run to read")
+
+
+@dataclass(frozen=True)
+class LensRunConfig:
+    """One ``actstore lens`` run: the logit lens on every selected fact, and a tuned lens trained on a
+    share of them and evaluated on the rest."""
+
+    where: str | None = setting(None, "SQL predicate over the examples table choosing the facts.", cli=False)
+    correct_only: bool = setting(False, "Only facts the model answers correctly (object_rank = 0).")
+    train_fraction: float = setting(
+        0.5,
+        "Share of the facts that train the tuned lens; the rest are held out and evaluated.",
+        above=0,
+        high=1,
+    )
+    tuned: str | None = setting(
+        "adam",
+        "Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov SGD (Belrose "
+        "et al., the tuned-lens package's settings), or the closed-form ridge fit (ours).",
+        choices=TUNED_METHODS,
+    )
+    steps: int = setting(250, "Training steps (adam, sgd).", low=1, flag="--tuned-steps")
+    batch: int = setting(
+        2**18,
+        "Training facts per step (adam, sgd); at least the number of training facts = full batch.",
+        low=1,
+        flag="--tuned-batch",
+    )
+    seed: int = setting(0, "Seed of the train/held-out split and training.")
+    save: bool = setting(True, "Write the result tables.", cli=False)
+    figures: str | None = setting(None, "Folder for the lens curves.", cli=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self)

@@ -311,4 +311,4 @@ def test_cli_lens_methods(store_factory: Callable[..., Path]) -> None:
     bad = runner.invoke(main, ["lens", str(path), "--tuned", "newton"])
     assert bad.exit_code != 0 and "newton" in bad.output
     bad = runner.invoke(main, ["lens", str(path), "--tuned-steps", "0"])
-    assert bad.exit_code != 0 and "at least 1 training step" in bad.output
+    assert bad.exit_code == 2 and "'--tuned-steps': 0 is not in the range x>=1" in bad.output
