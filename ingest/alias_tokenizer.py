@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from actstore.core.dependencies import transformers
 from actstore.core.errors import QueryError
 
 
@@ -61,10 +62,10 @@ def converted_folder(cache: Path, alias: str, weight_hash: str) -> Path | None:
 
 def load_folder(folder: Path) -> Any:
     """A tokenizer from a local folder (nothing fetched, no code run)."""
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        return transformers.AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # transformers raises OSError, ValueError, ...
         raise QueryError(
             f"cannot load a tokenizer from {str(folder)!r} ({' '.join(str(e).split())[:160]})"

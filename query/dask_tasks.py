@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.core.dependencies import dask_distributed
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader, open_reader
@@ -110,13 +111,11 @@ def run_tasks(
             if on_done is not None:
                 on_done(i + 1, len(args))
         return out
-    from dask.distributed import as_completed
-
     if shared:
         shared = dict(zip(shared, client.scatter(list(shared.values()), broadcast=True)))
     futures = [client.submit(fn, *a, **shared, pure=False) for a in args]
     if on_done is not None:
-        for i, _ in enumerate(as_completed(futures)):
+        for i, _ in enumerate(dask_distributed.as_completed(futures)):
             on_done(i + 1, len(futures))
     return list(client.gather(futures))
 
@@ -139,10 +138,7 @@ def dask_client(address: str | None = None, workers: int | None = None) -> Itera
         return
     if workers is not None and workers < 1:
         raise InvalidSetting("workers", f"must be at least 1, not {workers}")
-    try:
-        from dask.distributed import Client, LocalCluster
-    except ImportError:
-        raise QueryError("Dask is not installed: pip install 'dask[distributed]'") from None
+    Client, LocalCluster = dask_distributed.Client, dask_distributed.LocalCluster  # one line if missing
     if workers is not None:
         with warnings.catch_warnings():  # "Port 8787 is already in use": its HTTP server moves elsewhere
             warnings.simplefilter("ignore", UserWarning)

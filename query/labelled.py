@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from actstore.core.dependencies import dask, dask_array, dask_base
 from actstore.core.errors import QueryError
 from actstore.query.features import SOURCE_KINDS, FeatureSpec, RowBlock, compute_block
 
 if TYPE_CHECKING:
-    import dask.array
+    import dask.array as dask_arrays
     import xarray
 
     from actstore.core.store import StoreReader
@@ -121,22 +122,16 @@ def block_features(store: StoreReader, spec: FeatureSpec, block: RowBlock, n_sou
 
 def dask_features(
     store: StoreReader, spec: FeatureSpec, blocks: Sequence[tuple[int, RowBlock]], n_sources: int
-) -> dask.array.Array:
+) -> dask_arrays.Array:
     """A lazy dask array of ``spec``'s features [n, ...], one chunk per ``(rows, block)`` of ``blocks``
     (in order), each computed by :func:`block_features` when dask asks for it; source kinds padded to
     ``n_sources``.  The store travels with the tasks (it pickles: a process or distributed scheduler
     reopens it by URL)."""
-    try:
-        import dask
-        import dask.array as da
-    except ImportError:
-        raise QueryError("Selection.to_dask needs dask: pip install 'actstore[dask]'") from None
-    from dask.base import tokenize
-
+    da = dask_array.load()  # Selection.to_dask needs dask: one line naming the extra when it is missing
     if not blocks:
         raise QueryError("the selection is empty")
     rest = labelled_shape(store, spec, n_sources if spec.kind in SOURCE_KINDS else 0)
-    token = tokenize(store.url, spec, n_sources, [(n, b.segment, b.seg_rows) for n, b in blocks])
+    token = dask_base.tokenize(store.url, spec, n_sources, [(n, b.segment, b.seg_rows) for n, b in blocks])
     chunks = []
     for i, (n, block) in enumerate(blocks):
         task = dask.delayed(block_features, pure=True)(

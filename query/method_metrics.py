@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from actstore.core.dependencies import scipy_stats as stats
 from actstore.core.errors import MethodsError
 from actstore.query.methods import MethodReading
 from actstore.query.stats import bootstrap_interval, pearson
@@ -227,8 +228,6 @@ def summarise(values: np.ndarray, resamples: int = RESAMPLES, seed: int = 0) -> 
 def paired_correlation(a: np.ndarray, b: np.ndarray, resamples: int = RESAMPLES, seed: int = 0) -> Summary:
     """Pearson r of the pairs where both are finite, with a paired percentile bootstrap interval
     (scipy.stats.bootstrap, ``paired=True``); NaN with fewer than 3 pairs or no spread."""
-    from scipy import stats
-
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     m = np.isfinite(a) & np.isfinite(b)
     x, y = a[m], b[m]

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.core.dependencies import sklearn_text
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.query.stats import pearson, spearman
@@ -135,9 +136,7 @@ def connectivity(
 
 def _analyzer() -> Callable[[str], list[str]]:
     """scikit-learn's default word analyzer (lower-case, tokens of two or more word characters)."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-
-    analyze: Callable[[str], list[str]] = TfidfVectorizer().build_analyzer()
+    analyze: Callable[[str], list[str]] = sklearn_text.TfidfVectorizer().build_analyzer()
     return analyze
 
 
@@ -168,13 +167,13 @@ def inverse_document_frequency(df: Mapping[str, int], n_docs: int) -> tuple[list
 def mean_pairwise_similarity(texts: Sequence[str], terms: Sequence[str], idf: np.ndarray) -> float:
     """Mean cosine similarity over the distinct pairs of ``texts``' TF-IDF vectors (scikit-learn's
     count vectorizer over ``terms`` and its TF-IDF transformer with ``idf``: L2-normalised rows)."""
-    from sklearn.feature_extraction.text import CountVectorizer, TfidfTransformer
-
     n = len(texts)
     if n < 2:
         return float("nan")
-    counts = CountVectorizer(vocabulary={t: i for i, t in enumerate(terms)}).transform(list(texts))
-    tf = TfidfTransformer()
+    counts = sklearn_text.CountVectorizer(vocabulary={t: i for i, t in enumerate(terms)}).transform(
+        list(texts)
+    )
+    tf = sklearn_text.TfidfTransformer()
     tf.idf_ = idf
     tf.n_features_in_ = len(terms)
     X = tf.transform(counts)  # each row's terms in column order, whatever else was fitted
@@ -184,7 +183,7 @@ def mean_pairwise_similarity(texts: Sequence[str], terms: Sequence[str], idf: np
 
 def tfidf_similarity(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """relation -> mean pairwise cosine similarity of its instances' TF-IDF vectors (idf fitted
-    on every row).  Equal to scikit-learn's ``TfidfVectorizer().fit_transform`` of all texts up
+    on every row).  Equal to scikit-learn's ``sklearn_text.TfidfVectorizer().fit_transform`` of all texts up
     to the order in which each row's terms are summed (1e-12, see the tests); computed this way
     so that :func:`relation_predictors` gets the same numbers from any split of the rows."""
     texts = [str(r["text"] or "") for r in rows]

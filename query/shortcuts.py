@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from actstore.core.dependencies import sklearn_text
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
@@ -67,8 +68,6 @@ class LexicalModel:
 
 def lexical_model(rows: Selection, n_cues: int = 20) -> LexicalModel:
     """Per relation, the ``n_cues`` tokens most associated with it over the prompts of ``rows``."""
-    from sklearn.feature_extraction.text import CountVectorizer
-
     if n_cues < 1:
         raise InvalidSetting("n_cues", f"must be at least 1 (got {n_cues})")
     cond, params = rows_condition(rows, "e.example_id")
@@ -81,7 +80,7 @@ def lexical_model(rows: Selection, n_cues: int = 20) -> LexicalModel:
     for r in found:
         docs.setdefault(r["relation_id"], []).extend(t for t in map(normalize, r["toks"]) if t is not None)
     relations = tuple(sorted(docs))
-    vec = CountVectorizer(analyzer=lambda d: d, lowercase=False)
+    vec = sklearn_text.CountVectorizer(analyzer=lambda d: d, lowercase=False)
     counts = vec.fit_transform([docs[r] for r in relations]).toarray().astype(np.float64)  # [R, V]
     tf = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     idf = np.log(len(relations) / np.maximum((counts > 0).sum(0), 1))  # 0 for terms in every document

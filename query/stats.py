@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
+from actstore.core.dependencies import scipy_stats as stats
 from actstore.core.errors import StatsError
 
 NAN = float("nan")
@@ -49,8 +50,6 @@ def _correlatable(x: np.ndarray, y: np.ndarray) -> bool:
 def pearson(a: ArrayLike, b: ArrayLike) -> tuple[float, float]:
     """Pearson's r and its two-sided p-value over the finite pairs of ``a`` and ``b`` (any shapes of
     one size, flattened): (r, p), or (NaN, NaN) for fewer than three pairs or a constant input."""
-    from scipy import stats
-
     x, y = _pairs(a, b)
     if not _correlatable(x, y):
         return NAN, NAN
@@ -62,8 +61,6 @@ def pearson(a: ArrayLike, b: ArrayLike) -> tuple[float, float]:
 
 def spearman(a: ArrayLike, b: ArrayLike) -> tuple[float, float]:
     """Spearman's rho and its two-sided p-value over the finite pairs, as :func:`pearson`."""
-    from scipy import stats
-
     x, y = _pairs(a, b)
     if not _correlatable(x, y):
         return NAN, NAN
@@ -83,8 +80,6 @@ def mean_interval(values: ArrayLike, level: float = 0.95) -> tuple[float, float]
 
     One value gives (mean, mean) (no spread to estimate); none gives (NaN, NaN).
     """
-    from scipy import stats
-
     _check_level(level)
     v = np.asarray(values, dtype=np.float64).ravel()
     v = v[np.isfinite(v)]
@@ -106,8 +101,6 @@ def proportion_interval(
     (Clopper-Pearson), as ``scipy.stats.binomtest(...).proportion_ci`` names them.  No trials gives
     (NaN, NaN).
     """
-    from scipy import stats
-
     _check_level(level)
     if method not in ("wilson", "wilsoncc", "exact"):
         raise StatsError(f"interval method must be wilson, wilsoncc or exact, not {method!r}")
@@ -134,8 +127,6 @@ def bootstrap_interval(
     ``statistic``: a numpy reduction that takes ``axis`` (``np.mean``, ``np.median``).  Fewer than
     two values give (NaN, NaN); values that are all equal give (statistic, statistic).
     """
-    from scipy import stats
-
     _check_level(level)
     if n_resamples < 1:
         raise StatsError(f"the bootstrap needs at least one resample, not {n_resamples}")

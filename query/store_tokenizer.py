@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from actstore.core.dependencies import transformers
 from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
 
@@ -57,10 +58,10 @@ def check_vocabulary(store: StoreReader, tok: Any, key: str) -> Any:
 
 
 def _auto(name: str, *, local: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(name, local_files_only=local, trust_remote_code=False)
+        tok = transformers.AutoTokenizer.from_pretrained(
+            name, local_files_only=local, trust_remote_code=False
+        )
     except Exception as e:  # transformers raises OSError, ValueError, HTTP errors, ...
         reason = " ".join(str(e).split())[:160]
         where = "the store's tokenizer files" if local else repr(name)

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from actstore.core.dependencies import transformers_logging
 from actstore.core.errors import StoreExistsError, StoreLockedError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
@@ -93,9 +94,7 @@ def _ingest_locked(
     from actstore.ingest.models import load_model
 
     if not req.progress:  # --quiet: no "Loading weights" bar from transformers either
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
     loaded = load_model(req.model, device=req.device, dtype=getattr(torch, req.model_dtype))
     max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(
         loaded.model.config, "n_positions", None

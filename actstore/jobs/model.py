@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from actstore.core.dependencies import transformers_logging
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.ingest.settings import MODEL_DTYPES
@@ -51,9 +52,7 @@ def load_store_model(
         raise InvalidSetting("model_dtype", f"{model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
     name = model_for_store(store, model)
     if quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
     loaded = load_model(name, device=device, dtype=getattr(torch, model_dtype))
     want = str(store.manifest.model.get("weight_hash") or "")
     if want and want != loaded.weight_hash and not allow_other_model:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from actstore.core.dependencies import MissingDependency, wordfreq
 from actstore.core.errors import DatasetError
 from actstore.ingest.datasets.common import (
     Collector,
@@ -90,8 +91,8 @@ class Fact:
 def wordfreq_zipf() -> Frequency:
     """The default frequency proxy: ``wordfreq.zipf_frequency(text, "en")`` (extra ``methods``)."""
     try:
-        from wordfreq import zipf_frequency
-    except ImportError:
+        zipf_frequency = wordfreq.zipf_frequency
+    except MissingDependency:
         raise DatasetError(
             "the methods2k frequency proxy needs the wordfreq package "
             "(pip install 'actstore[methods]'), or pass a frequency table"

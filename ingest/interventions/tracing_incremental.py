@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from actstore.core.dependencies import transformers
 from actstore.ingest.interventions.facts import StoredFact
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner
 from actstore.ingest.interventions.trace_results import STATE_KEY, CleanStates, TraceConfig, window_layers
@@ -172,8 +173,6 @@ class Incremental:
     ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], list[torch.Tensor], np.ndarray]:
         """Corrupted runs of (fact, sample) pairs, right-padded to the group's longest prompt: the inputs of
         every layer, the cached keys and values of every layer, P(o)."""
-        from transformers import DynamicCache
-
         T, L, B = self.T, self.L, len(chunk)
         d = self.tracer.runner.geometry.d_model
         ids = torch.zeros((B, T), dtype=torch.long)
@@ -207,7 +206,9 @@ class Incremental:
         layers = self.blocks.layers
         handles = [layers[0].register_forward_pre_hook(add_noise, with_kwargs=True)]
         handles += [layers[k - 1].register_forward_hook(record(k)) for k in range(1, L)]
-        cache: Any = DynamicCache()  # full layers: a sliding layer keeps every position (its mask slides)
+        cache: Any = (
+            transformers.DynamicCache()
+        )  # full layers: a sliding layer keeps every position (its mask slides)
         try:
             out = self.backbone(
                 input_ids=ids.to(self.device),
@@ -304,8 +305,6 @@ class Incremental:
     @torch.inference_mode()
     def _batch(self, rows: _Rows, n_run: np.ndarray) -> np.ndarray:
         """One forward pass over restorations sorted by ``start``: layer k runs the rows with start <= k."""
-        from transformers import DynamicCache
-
         dev, S, L = self.device, self.cfg.samples, self.L
         B, N = len(rows), int(n_run.max())
         P = int(rows.position.max())  # past slots (left-padded)
@@ -335,7 +334,7 @@ class Incremental:
                     self.corrupted.values[k][src[:m, None], :, gather[:m]].transpose(1, 2),
                 )
             )
-        cache = DynamicCache(cache_data)
+        cache = transformers.DynamicCache(cache_data)
         mask = torch.cat([past_pos >= 0, q_valid], dim=1).long()
         # The last layer's MLP runs only the last position (every row runs N positions, the last is the
         # prompt's last token): its other positions' outputs reach nothing.  Their residual sums

@@ -12,6 +12,7 @@ import functools
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from .base import LoadedModel, ModelError, prepare, weight_hash
@@ -215,8 +216,6 @@ _TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 def _tiny_config(arch: str, vocab_size: int, overrides: dict[str, Any]) -> PretrainedConfig:
     if arch not in _TINY_CONFIGS:  # pragma: no cover
         raise ModelError(f"unknown tiny architecture {arch!r}")
-    import transformers
-
     class_name, sizes = _TINY_CONFIGS[arch]
     common = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     config: PretrainedConfig = getattr(transformers, class_name)(**(common | sizes | overrides))
