@@ -290,3 +290,16 @@ def test_cli_unknown_run_and_relation(store_copy: Path) -> None:
     assert res.exit_code != 0 and "unknown relation 'P0'" in res.output
     res = runner.invoke(main, ["probe", str(store_copy), "--kind", "attn_head", "--heads", "9"])
     assert res.exit_code != 0 and "head 9 out of range" in res.output
+
+
+@pytest.mark.parametrize("episodes", [0, -3])
+def test_sample_episodes_refuses_too_few_episodes_naming_the_setting(episodes: int) -> None:
+    """The library's own check (the command line's option refuses these values before it is reached)."""
+    from actstore.core.invalid import InvalidSetting
+    from actstore.query.episodes import sample_episodes
+
+    labels = [r for r in "abcdef" for _ in range(10)]
+    with pytest.raises(InvalidSetting) as e:
+        sample_episodes(labels, n_way=5, k_shot=1, queries=1, episodes=episodes, seed=0)
+    assert e.value.setting == "episodes"
+    assert str(e.value) == f"episodes: must be at least 1 (got {episodes})"
