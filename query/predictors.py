@@ -126,10 +126,14 @@ def relation_predictors(
         if value is not None and value < 1:
             raise QueryError(f"{name} must be at least 1, not {value}")
     # the run's rows, as it selected them; the tasks get their ids (bound, never a pasted predicate)
-    ids = Selection.from_sql(
-        store, json.loads(str(run_row(store, run_id)["config"])).get("where")
-    ).example_ids
-    ids_list = [int(i) for i in ids]
+    chosen = Selection.from_sql(store, json.loads(str(run_row(store, run_id)["config"])).get("where")).rows
+    ids_list = [int(i) for i in chosen.column("example_id").to_pylist()]
+    seg_of = np.asarray(chosen.column("segment").to_numpy(), dtype=np.int64)
+    ids_arr = np.asarray(ids_list, dtype=np.int64)
+
+    def ids_in(segments: tuple[int, ...]) -> list[int]:  # a rows task gets the ids of its segments only
+        return [int(i) for i in ids_arr[np.isin(seg_of, segments)]]
+
     metrics = {
         r["relation_id"]: r
         for r in store.sql("SELECT * FROM relation_metrics WHERE run_id = ?", [run_id]).to_pylist()
@@ -158,7 +162,7 @@ def relation_predictors(
     src: str | StoreReader = store if client is None else store.url
     segs = sorted(store.commits)
     parts = run_tasks(
-        client, _rows_task, [(src, b, ids_list) for b in _split(segs, segments_per_task, client)]
+        client, _rows_task, [(src, b, ids_in(b)) for b in _split(segs, segments_per_task, client)]
     )
     df: Counter[str] = Counter()
     n_docs = 0
