@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core._version import __version__
+from actstore.core.compact import compact_held
 from actstore.core.errors import RankError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
@@ -249,7 +250,8 @@ def capture_corpus(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.time()
     forward_s = 0.0
-    pending: list[Future[None]] = []
+    pending: list[Future[Any]] = []
+    written = 0
     n_todo = sum(len(prompts[s * cfg.segment_size : (s + 1) * cfg.segment_size]) for s in todo)
     bar = _progress(n_todo, cfg.progress and cfg.rank == 0)
     object_ids = _object_token_ids(tokenizer, prompts)
@@ -291,13 +293,23 @@ def capture_corpus(
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
             pending.append(pool.submit(_write, writer, seg, lo, arrays, tables, on_segment))
+            written += 1
+            if cfg.world_size == 1 and cfg.compact_every and written % cfg.compact_every == 0:
+                # (the pool's one thread runs it after the writes before it: a snapshot of committed segments)
+                pending.append(pool.submit(compact_held, loc, full=False, log=_quiet))
         for f in pending:
             f.result()
     bar.close()
     _write_run(writer, cfg, manifest, started, len(todo))
+    if cfg.world_size == 1:  # ranks: rank 0 compacts once every rank is done (actstore.jobs.ingest)
+        compact_held(loc, full=True, log=_quiet)
     return IngestReport(
         cfg.out, len(prompts), len(todo), len(mine) - len(todo), time.time() - started, forward_s
     )
+
+
+def _quiet(message: str) -> None:
+    pass
 
 
 def _write(

@@ -1,4 +1,4 @@
-"""``actstore info | sql | features | verify``: read a store."""
+"""``actstore info | sql | features | verify | compact``: read a store, check it, compact its tables."""
 
 from __future__ import annotations
 
@@ -189,4 +189,35 @@ def verify(store: str, values: bool, as_json: bool) -> None:
         sys.exit(EXIT_DAMAGED)
 
 
-COMMANDS = [info, sql, features, verify]
+@command(example="actstore compact /tmp/s")
+@store_argument
+@click.option(
+    "--incremental",
+    is_flag=True,
+    help="Only gather the segments committed since the last snapshot (default: rewrite all tables).",
+)
+@json_option
+def compact(store: str, incremental: bool, as_json: bool) -> None:
+    """Gather the per-segment table shards into a few large files listed in a new snapshot, so that
+    opening the store and each query cost the same at any size (takes the writer lock; readers go on
+    reading the previous snapshot until the new one is committed).  Upgrades a format 2 store."""
+    from dataclasses import asdict
+
+    from actstore.core.compact import compact as run_compact
+
+    open_store_arg(store)  # a damaged or foreign store: one line before the lock is taken
+    report = run_compact(store, full=not incremental)
+    if as_json:
+        click.echo(json.dumps(asdict(report)))
+        return
+    if report.snapshot is None:
+        click.echo(f"{report.url}: no committed segment to compact")
+        return
+    click.echo(
+        f"snapshot {report.snapshot}: {report.segments} segments, {report.files_written} files written "
+        f"({report.bytes_written / 1e6:.1f} MB), {report.files_removed} old files removed"
+        + ("; upgraded to the current format" if report.upgraded else "")
+    )
+
+
+COMMANDS = [info, sql, features, verify, compact]

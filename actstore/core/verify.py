@@ -13,6 +13,9 @@ Checks, collected rather than raised so that one run reports all of them:
   arrays; ``heads`` is the table the geometry implies;
 - the weights decode, have the shapes the geometry implies and every chunk;
 - every tokenizer file the manifest records (``model.tokenizer``) exists and has its SHA-256;
+- the snapshot (when the store has one): each segment it lists has its marker with the same sizes,
+  and each compacted file exists, matches the snapshot's SHA-256 and holds exactly the rows of the
+  shards it replaces, in order;
 - with ``values=True``, every chunk is decoded and NaN or infinite values are problems.
 """
 
@@ -29,7 +32,9 @@ import zarr
 from actstore.core.arrays import widen
 from actstore.core.errors import ActstoreError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
-from actstore.core.segments import segment_name
+from actstore.core.manifest import SegmentCommit
+from actstore.core.segments import read_commits, segment_name
+from actstore.core.snapshot import Snapshot
 from actstore.core.store import StoreReader
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
 
@@ -192,8 +197,8 @@ def _check_objects(
             )
 
 
-def _check_segment_tables(store: StoreReader, report: VerifyReport, seg: int) -> None:
-    commit = store.commits[seg]
+def _check_segment_tables(store: StoreReader, report: VerifyReport, commit: SegmentCommit) -> None:
+    seg = commit.segment
     tables: dict[str, pa.Table] = {}
     for name in SEGMENT_TABLES:
         rel = f"tables/{name}/{segment_name(seg)}.parquet"
@@ -402,17 +407,71 @@ def verify_store(store: StoreReader, *, values: bool = False) -> VerifyReport:
     """Check ``store`` (see the module docstring); ``values`` also scans every chunk for NaN/Inf."""
     report = VerifyReport(store.url, values_checked=values)
     _uncommitted(store, report)
-    old = [seg for seg, c in store.commits.items() if c.objects is None]
+    markers = read_commits(store.location, store.manifest)  # every marker, the snapshot's segments too
+    lost = [seg for seg in store.commits if seg not in markers]
+    if lost:
+        report.problems.append(
+            f"segments {_ranges(lost)}: the snapshot lists them but their commit markers are missing"
+        )
+    old = [seg for seg, c in markers.items() if c.objects is None]
     if old:
         report.problems.append(
             f"segments {_ranges(old)}: commit markers lack the object list this store writes"
         )
-    for seg, commit in store.commits.items():
+    for seg, commit in markers.items():
         report.segments_checked += 1
         if commit.objects is not None:
             _check_objects(store, report, seg, commit.objects, values)
-        _check_segment_tables(store, report, seg)
+        _check_segment_tables(store, report, commit)
+    if store.snapshot is not None:
+        check_snapshot(store, report, store.snapshot, markers)
     _check_other_tables(store, report)
     _check_weights(store, report, values)
     _check_tokenizer(store, report)
     return report
+
+
+def check_snapshot(
+    store: StoreReader, report: VerifyReport, snap: Snapshot, markers: dict[int, SegmentCommit]
+) -> None:
+    """The snapshot against the markers and the shards: sizes, each compacted file's hash and rows."""
+    for seg, (n_sources, n_tokens) in snap.segments.items():
+        m = markers.get(seg)
+        if m is not None and (m.n_sources, m.n_tokens) != (n_sources, n_tokens):
+            report.problems.append(
+                f"snapshot {snap.number}: segment {seg}'s sizes differ from its commit marker"
+            )
+    for table, files in snap.tables.items():
+        for f in files:
+            data = _read_hashed(
+                store,
+                report,
+                f.path,
+                MAX_TABLE_BYTES,
+                f.sha256,
+                f"snapshot {snap.number} lists it",
+                "the snapshot",
+            )
+            if data is None:
+                continue
+            try:
+                got = pq.read_table(pa.BufferReader(data))
+            except Exception as e:
+                report.problems.append(f"{f.path}: unreadable Parquet ({type(e).__name__}: {e})")
+                continue
+            shards = []
+            for seg in sorted(s for s in snap.segments if f.first <= s <= f.last):
+                rel = f"tables/{table}/{segment_name(seg)}.parquet"
+                try:
+                    shards.append(
+                        pq.read_table(pa.BufferReader(store.location.read_bytes(rel, MAX_TABLE_BYTES)))
+                    )
+                except Exception:
+                    shards = []  # (a missing or damaged shard is reported by the segment's own check)
+                    break
+            if shards and not got.equals(pa.concat_tables(shards, promote_options="permissive")):
+                report.problems.append(
+                    f"{f.path}: its rows differ from the shards of segments {f.first}..{f.last} it replaces"
+                )
+            elif got.num_rows != f.rows:
+                report.problems.append(f"{f.path}: {got.num_rows} rows, the snapshot says {f.rows}")

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from actstore.core.compact import compact_held
 from actstore.core.dependencies import transformers_logging
 from actstore.core.errors import StoreExistsError, StoreLockedError
 from actstore.core.fs import StoreLocation, locate
@@ -85,7 +86,13 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
         req = _check_out(loc, req, grouped)
         if grouped:
             barrier()  # every rank has looked before rank 0 can create (or overwrite) the store
-        return _ingest_locked(req, loc, data, log)
+        report = _ingest_locked(req, loc, data, log)
+        if req.world_size > 1:  # one snapshot of every rank's segments, written by rank 0 alone
+            if grouped:
+                barrier()
+            if req.rank == 0 and grouped:
+                compact_held(loc, full=True)
+        return report
 
 
 def _ingest_locked(
