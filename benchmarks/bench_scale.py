@@ -4,18 +4,16 @@ a prompt), ingested with the tiny random Llama, then the figures of issue 33 at 
     python benchmarks/bench_scale.py corpus 10000 /tmp/c10k.jsonl
     python benchmarks/bench_scale.py build /tmp/c10k.jsonl /tmp/s10k          # ingest: wall, CPU, peak RSS
     python benchmarks/bench_scale.py measure /tmp/s10k --json out.json        # queries, info, verify
-    python benchmarks/bench_scale.py grow /tmp/s10k /tmp/s1m --rows 1000000   # see below
+    python benchmarks/bench_scale.py compare /tmp/plain10k /tmp/s10k          # several stores, one run
 
 ``measure`` times each query as a median of 5 on an open store (``actstore.open``, imports done), and
 "fresh open + first query" (imports done before the clock starts) and the commands in fresh processes
 (medians of 3; the commands' figures include Python's start and imports).  Bytes and files
 on disk are counted under the store's root.
 
-``grow`` makes a larger store from an ingested one by repeating its committed segments with fresh
-example ids and rows (arrays copied byte for byte, tables rewritten, commit markers re-hashed): the
-ingest's cost is measured by ``build``; the read path's costs depend on the layout (rows, segments,
-files), not on the values, so a grown store measures them at sizes the ingest would take hours to
-reach on this machine.  The grown store passes ``actstore verify``.
+The uncompacted figures ("before") are those of the same store read from its shards
+(``tests/helpers.uncompact``: snapshot and compacted files removed), the path every store took before
+format 3 and a store still takes while its ingest runs.
 """
 
 from __future__ import annotations
@@ -170,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("measure")
     m.add_argument("store", type=Path)
     m.add_argument("--json", default=None)
+    cmp = sub.add_parser("compare", help="measure several stores one after the other, in one run")
+    cmp.add_argument("stores", type=Path, nargs="+")
+    cmp.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if a.cmd == "corpus":
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
             {"corpus": str(a.corpus), **build(a.corpus, a.out, a.segment_size, a.batch_size), **disk(a.out)},
             a.json,
         )
+    elif a.cmd == "compare":
+        emit({str(p): measure(p) for p in a.stores}, a.json)
     else:
         emit({"store": str(a.store), **measure(a.store)}, a.json)
 

@@ -185,7 +185,11 @@ def compact_held(
             bytes_written += len(blob)
         tables[table] = tuple(files)
     segments = {s: (c.n_sources, c.n_tokens) for s, c in commits.items()}
-    snap = Snapshot(number=number, segments=segments, tables=tables)
+    counted = old is not None and old.segment_bytes >= 0
+    seg_bytes = (old.segment_bytes if counted and old else 0) + sum(
+        _tree_bytes(loc, f"segments/{s:06d}") for s in segments if not (counted and old and s in old.segments)
+    )
+    snap = Snapshot(number=number, segments=segments, tables=tables, segment_bytes=seg_bytes)
     loc.write_bytes_atomic(snapshot_name(number), snap.to_json())
     loc.write_bytes_atomic(CURRENT, f"{number:06d}\n".encode())
     removed = _remove_unreferenced(loc, snap, old)
@@ -194,6 +198,17 @@ def compact_held(
         f"{bytes_written / 1e6:.1f} MB written, {removed} old files removed)"
     )
     return CompactReport(loc.url, number, len(segments), written, removed, bytes_written, upgraded)
+
+
+def _tree_bytes(loc: StoreLocation, rel: str) -> int:
+    """Bytes of the files under ``rel`` (one segment's folder)."""
+    if loc.is_local:
+        import os
+
+        return sum(
+            os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(loc.path(rel)) for f in files
+        )
+    return int(loc.fs.du(loc.path(rel)))
 
 
 def _remove_unreferenced(loc: StoreLocation, snap: Snapshot, previous: Snapshot | None) -> int:

@@ -5,8 +5,9 @@ a directory.
 Layout::
 
     snapshot/CURRENT            the number of the current snapshot (``000003``), replaced atomically
-    snapshot/000003.json        segments [[segment, n_sources, n_tokens], ...] and, per segment table,
-                                its files [{path, sha256, rows, bytes, first, last, min_id, max_id}]
+    snapshot/000003.json        segments [[segment, n_sources, n_tokens], ...], their bytes on disk, and,
+                                per segment table, its files [{path, sha256, rows, bytes, first, last,
+                                min_id, max_id}]
     tables/<table>/c000003-000.parquet
                                 compacted files: the shards of segments ``first..last`` concatenated in
                                 example order, row groups of :data:`ROW_GROUP_ROWS` rows (their min/max
@@ -89,6 +90,7 @@ class Snapshot:
     number: int
     segments: dict[int, tuple[int, int]]  # segment -> (n_sources, n_tokens)
     tables: dict[str, tuple[TableFile, ...]]
+    segment_bytes: int = -1  # bytes under segments/ of the covered segments (-1: not counted)
 
     def files(self) -> dict[str, TableFile]:
         return {f.path: f for files in self.tables.values() for f in files}
@@ -115,6 +117,7 @@ class Snapshot:
             "snapshot": self.number,
             "segments": [[s, a, b] for s, (a, b) in sorted(self.segments.items())],
             "tables": {t: [f.to_dict() for f in files] for t, files in sorted(self.tables.items())},
+            "segment_bytes": self.segment_bytes,
         }
         return json.dumps(seal(d), sort_keys=True, separators=(",", ":")).encode()
 
@@ -168,7 +171,8 @@ class Snapshot:
         ranges = {t: [(f.first, f.last) for f in files] for t, files in tables.items()}
         if len({tuple(r) for r in ranges.values()}) > 1:
             raise CorruptStoreError(f"{where}: the tables' files cover different segment ranges")
-        return cls(number=number, segments=segments, tables=tables)
+        segment_bytes = field_int(d, "segment_bytes", where, -1, 1 << 62) if "segment_bytes" in d else -1
+        return cls(number=number, segments=segments, tables=tables, segment_bytes=segment_bytes)
 
 
 def _int(v: Any) -> bool:

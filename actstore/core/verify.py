@@ -475,3 +475,37 @@ def check_snapshot(
                 )
             elif got.num_rows != f.rows:
                 report.problems.append(f"{f.path}: {got.num_rows} rows, the snapshot says {f.rows}")
+
+
+def quick_verify_store(store: StoreReader) -> VerifyReport:
+    """``verify --quick``: the manifest, every commit marker and the snapshot parse and agree, every
+    promised segment is committed, and every table file exists with a Parquet footer that parses;
+    no chunk or table byte is hashed (cost: one marker read per segment and one footer read per
+    table file)."""
+    report = VerifyReport(store.url, values_checked=False)
+    _uncommitted(store, report)
+    markers = read_commits(store.location, store.manifest)
+    report.segments_checked = len(markers)
+    lost = [seg for seg in store.commits if seg not in markers]
+    if lost:
+        report.problems.append(
+            f"segments {_ranges(lost)}: the snapshot lists them but their commit markers are missing"
+        )
+    snap = store.snapshot
+    if snap is not None:
+        for seg, sizes in snap.segments.items():
+            m = markers.get(seg)
+            if m is not None and (m.n_sources, m.n_tokens) != sizes:
+                report.problems.append(
+                    f"snapshot {snap.number}: segment {seg}'s sizes differ from its commit marker"
+                )
+    for files in store.table_files().values():
+        for rel in files:
+            try:
+                with store.location.fs.open(store.location.path(rel), "rb") as f:
+                    pq.read_metadata(f)
+            except FileNotFoundError:
+                report.problems.append(f"{rel}: missing")
+            except Exception as e:
+                report.problems.append(f"{rel}: unreadable Parquet footer ({type(e).__name__}: {e})")
+    return report
