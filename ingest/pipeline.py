@@ -39,6 +39,7 @@ from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import Architecture, architecture_for
 from actstore.ingest.batches import pad_batch
 from actstore.ingest.capture import FusedCapture
+from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.ranks import rank_zero_first
 from actstore.ingest.records import TokenizedPrompt
 from actstore.ingest.settings import IngestConfig
@@ -252,7 +253,7 @@ def capture_corpus(
     forward_s = 0.0
     pending: list[Future[Any]] = []
     written = 0
-    n_todo = sum(len(prompts[s * cfg.segment_size : (s + 1) * cfg.segment_size]) for s in todo)
+    n_todo = sum(min(cfg.segment_size, len(prompts) - s * cfg.segment_size) for s in todo)
     bar = _progress(n_todo, cfg.progress and cfg.rank == 0)
     object_ids = _object_token_ids(tokenizer, prompts)
     with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
@@ -343,7 +344,8 @@ def _write_run(
 
 def _object_token_ids(tokenizer: Any, prompts: Sequence[TokenizedPrompt]) -> np.ndarray:
     """First token id of " " + object for each prompt (-1 without an object)."""
-    objects = [p.record.object for p in prompts]
+    records = prompts.records if isinstance(prompts, LazyPrompts) else [p.record for p in prompts]
+    objects = [r.object for r in records]
     out = np.full(len(prompts), -1, dtype=np.int64)
     idx = [i for i, o in enumerate(objects) if o]
     if idx:

@@ -20,8 +20,8 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
-from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import DatasetResult, load_dataset
+from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import IngestRequest
@@ -106,7 +106,7 @@ def _ingest_locked(
     max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(
         loaded.model.config, "n_positions", None
     )
-    prompts = tokenize_records(data.records, loaded.tokenizer, max_length=max_len)
+    prompts = LazyPrompts(data.records, loaded.tokenizer, max_length=max_len)  # a segment's tokens at a time
     model_info = {
         "name": loaded.name,
         "source": loaded.source,

@@ -290,3 +290,15 @@ def test_verify_quick_sees_missing_markers_and_broken_footers(base: Path, tmp_pa
             assert full.exit_code == 3 and "000001.parquet: missing" in full.stderr, full.output
         else:
             assert r.exit_code == 3 and message in r.stderr, r.output
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 100])
+def test_a_limit_after_the_query_equals_the_first_rows(base: Path, n: int) -> None:
+    s = actstore.open(base)
+    where = "relation_id <> (SELECT min(relation_id) FROM examples)"
+    pushed = s.select(where).limit(n)  # the LIMIT goes into the SQL
+    whole = s.select(where)
+    assert len(whole) > 0  # (whole's rows are read first below: its limit slices them in Python)
+    sliced = whole.limit(n)
+    assert pushed.rows.to_pylist() == whole.rows.slice(0, n).to_pylist() == sliced.rows.to_pylist()
+    np.testing.assert_array_equal(pushed.features("resid", layers=[1]), sliced.features("resid", layers=[1]))
