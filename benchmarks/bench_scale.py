@@ -99,6 +99,17 @@ def _median_ms(fn: Any, n: int = 5) -> float:
     return round(1000 * statistics.median(ts), 2)
 
 
+def read_all(root: Path) -> float:
+    """Seconds to read every file of the store once, one thread per core (what verify must at least do)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = [p for p in root.rglob("*") if p.is_file()]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        sum(pool.map(lambda p: len(p.read_bytes()), files))
+    return time.perf_counter() - t0
+
+
 FRESH = """
 import sys, time
 import actstore, duckdb, pyarrow.dataset, actstore.query.selection  # imports done (the issue's measure)
@@ -134,6 +145,7 @@ def measure(store: Path) -> dict[str, Any]:
         fresh.append([float(v) for v in r.stdout.split()])
     out["fresh_open_count_ms"] = round(statistics.median(f[0] for f in fresh), 1)
     out["fresh_rel64_resid_ms"] = round(statistics.median(f[1] for f in fresh), 1)
+    out["read_all_files_s"] = round(read_all(store), 3)  # verify's floor: every file read once, threads
     for name, cmd in (
         ("info_s", ["info"]),
         ("verify_s", ["verify"]),
