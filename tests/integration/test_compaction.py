@@ -302,3 +302,17 @@ def test_a_limit_after_the_query_equals_the_first_rows(base: Path, n: int) -> No
     sliced = whole.limit(n)
     assert pushed.rows.to_pylist() == whole.rows.slice(0, n).to_pylist() == sliced.rows.to_pylist()
     np.testing.assert_array_equal(pushed.features("resid", layers=[1]), sliced.features("resid", layers=[1]))
+
+
+def test_verify_on_threads_reports_what_one_thread_does(base: Path, tmp_path: Path) -> None:
+    def damage(s: Path) -> None:
+        flip_compacted(s)
+        for seg in (1, 4, 7):  # the last z chunk of three segments
+            chunk = sorted(p for p in (s / "segments" / f"{seg:06d}" / "z").rglob("*") if p.is_file())[-1]
+            chunk.write_bytes(chunk.read_bytes()[:-1] + b"\0")
+        (s / "tables" / "examples" / "000005.parquet").unlink()
+
+    s = actstore.open(damaged(base, tmp_path, "several", damage))
+    one, many = verify_store(s, threads=1), verify_store(s, threads=4)
+    assert len(one.problems) >= 4 and one.problems == many.problems
+    assert (one.chunks_checked, one.segments_checked) == (many.chunks_checked, many.segments_checked)
