@@ -44,6 +44,7 @@ from actstore.core.segments import (
     tokenizer_file_name_ok,
 )
 from actstore.core.snapshot import Snapshot, is_compacted_file, read_snapshot
+from actstore.core.store_html import store_html
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
 
 if TYPE_CHECKING:
@@ -115,51 +116,7 @@ class StoreReader:
 
     def _repr_html_(self) -> str:
         """A summary table for notebooks: model, geometry, corpus per relation, result tables."""
-        from html import escape
-
-        g = self.geometry
-        model = self.manifest.model
-        rows = [
-            ("store", self.url),
-            ("model", f"{model.get('name')} ({self.manifest.architecture.get('family', '?')})"),
-            (
-                "geometry",
-                f"{g.n_layers} layers x {g.n_heads} heads ({g.n_kv_heads} kv), d_model {g.d_model}, "
-                f"d_head {g.d_head}, d_mlp {g.d_mlp}, vocab {g.vocab_size}",
-            ),
-            (
-                "rows",
-                f"{self.n_rows} target rows committed in {len(self.commits)}/{self.manifest.n_segments} "
-                f"segments ({'complete' if self.complete else 'incomplete'}), {self.manifest.storage_dtype}",
-            ),
-        ]
-        if self.commits:
-            rel = self.sql(
-                "SELECT relation_id, any_value(relation_name) AS name, count(*) AS n FROM examples "
-                "GROUP BY 1 ORDER BY n DESC, 1"
-            ).to_pylist()
-            shown = ", ".join(
-                f"{r['relation_id']} {r['name']} ({r['n']})"
-                if r["name"] and r["name"] != r["relation_id"]
-                else f"{r['relation_id']} ({r['n']})"
-                for r in rel[:12]
-            )
-            rows.append(("relations", f"{len(rel)}: {shown}" + (", ..." if len(rel) > 12 else "")))
-        results = {
-            k: len(v) for k, v in self.table_files().items() if k not in SEGMENT_TABLES and k != "heads"
-        }
-        if results:
-            rows.append(
-                (
-                    "result tables",
-                    ", ".join(f"{k} ({n} file{'s' * (n != 1)})" for k, n in sorted(results.items())),
-                )
-            )
-        body = "".join(
-            f"<tr><th style='text-align:left'>{escape(k)}</th><td style='text-align:left'>{escape(str(v))}</td></tr>"
-            for k, v in rows
-        )
-        return f"<table><caption style='text-align:left'><b>actstore.Store</b></caption>{body}</table>"
+        return store_html(self)
 
     # ------------------------------------------------------------------ arrays
     def array(self, seg: int, name: str) -> zarr.Array:

@@ -36,9 +36,9 @@ from actstore.core.errors import ActstoreError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.manifest import SegmentCommit
 from actstore.core.segments import read_commits, segment_name
-from actstore.core.snapshot import Snapshot
 from actstore.core.store import StoreReader
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
+from actstore.core.verify_snapshot import check_snapshot
 
 
 @dataclass
@@ -438,73 +438,19 @@ def verify_store(store: StoreReader, *, values: bool = False, threads: int | Non
             report.problems += part.problems
             report.notes += part.notes
     if store.snapshot is not None:
-        check_snapshot(store, report, store.snapshot, markers)
+        check_snapshot(
+            store.location,
+            report.problems,
+            store.snapshot,
+            markers,
+            lambda rel, want, missing: _read_hashed(
+                store, report, rel, MAX_TABLE_BYTES, want, missing, "the snapshot"
+            ),
+        )
     _check_other_tables(store, report)
     _check_weights(store, report, values)
     _check_tokenizer(store, report)
     return report
-
-
-def _same_rows(a: pa.Table, b: pa.Table) -> bool:
-    """Equal schemas and values in the same order, NaN equal to NaN (a float column of NaNs is not
-    ``equals`` to itself)."""
-    if a.schema != b.schema or a.num_rows != b.num_rows:
-        return False
-    for x, y in zip(a.columns, b.columns):
-        if pa.types.is_floating(x.type):
-            if not np.array_equal(
-                x.to_numpy(zero_copy_only=False), y.to_numpy(zero_copy_only=False), equal_nan=True
-            ):
-                return False
-        elif not x.equals(y):
-            return False
-    return True
-
-
-def check_snapshot(
-    store: StoreReader, report: VerifyReport, snap: Snapshot, markers: dict[int, SegmentCommit]
-) -> None:
-    """The snapshot against the markers and the shards: sizes, each compacted file's hash and rows."""
-    for seg, (n_sources, n_tokens) in snap.segments.items():
-        m = markers.get(seg)
-        if m is not None and (m.n_sources, m.n_tokens) != (n_sources, n_tokens):
-            report.problems.append(
-                f"snapshot {snap.number}: segment {seg}'s sizes differ from its commit marker"
-            )
-    for table, files in snap.tables.items():
-        for f in files:
-            data = _read_hashed(
-                store,
-                report,
-                f.path,
-                MAX_TABLE_BYTES,
-                f.sha256,
-                f"snapshot {snap.number} lists it",
-                "the snapshot",
-            )
-            if data is None:
-                continue
-            try:
-                got = pq.read_table(pa.BufferReader(data))
-            except Exception as e:
-                report.problems.append(f"{f.path}: unreadable Parquet ({type(e).__name__}: {e})")
-                continue
-            shards = []
-            for seg in sorted(s for s in snap.segments if f.first <= s <= f.last):
-                rel = f"tables/{table}/{segment_name(seg)}.parquet"
-                try:
-                    shards.append(
-                        pq.read_table(pa.BufferReader(store.location.read_bytes(rel, MAX_TABLE_BYTES)))
-                    )
-                except Exception:
-                    shards = []  # (a missing or damaged shard is reported by the segment's own check)
-                    break
-            if shards and not _same_rows(got, pa.concat_tables(shards, promote_options="permissive")):
-                report.problems.append(
-                    f"{f.path}: its rows differ from the shards of segments {f.first}..{f.last} it replaces"
-                )
-            elif got.num_rows != f.rows:
-                report.problems.append(f"{f.path}: {got.num_rows} rows, the snapshot says {f.rows}")
 
 
 def quick_verify_store(store: StoreReader) -> VerifyReport:

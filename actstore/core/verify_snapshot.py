@@ -1,0 +1,72 @@
+"""``actstore verify``'s check of a snapshot (:mod:`actstore.core.snapshot`) against the commit markers
+and the shards the compacted files replace."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from actstore.core.fs import StoreLocation
+from actstore.core.manifest import SegmentCommit
+from actstore.core.segments import segment_name
+from actstore.core.snapshot import Snapshot
+from actstore.core.tables import MAX_TABLE_BYTES
+
+
+def _same_rows(a: pa.Table, b: pa.Table) -> bool:
+    """Equal schemas and values in the same order, NaN equal to NaN (a float column of NaNs is not
+    ``equals`` to itself)."""
+    if a.schema != b.schema or a.num_rows != b.num_rows:
+        return False
+    for x, y in zip(a.columns, b.columns):
+        if pa.types.is_floating(x.type):
+            if not np.array_equal(
+                x.to_numpy(zero_copy_only=False), y.to_numpy(zero_copy_only=False), equal_nan=True
+            ):
+                return False
+        elif not x.equals(y):
+            return False
+    return True
+
+
+def check_snapshot(
+    location: StoreLocation,
+    problems: list[str],
+    snap: Snapshot,
+    markers: dict[int, SegmentCommit],
+    read_hashed: Callable[[str, str, str], bytes | None],
+) -> None:
+    """The snapshot against the markers and the shards: sizes, each compacted file's hash and rows.
+    ``read_hashed(rel, sha256, why it should exist)``: the file's bytes when they match, else None
+    (the problem reported)."""
+    for seg, (n_sources, n_tokens) in snap.segments.items():
+        m = markers.get(seg)
+        if m is not None and (m.n_sources, m.n_tokens) != (n_sources, n_tokens):
+            problems.append(f"snapshot {snap.number}: segment {seg}'s sizes differ from its commit marker")
+    for table, files in snap.tables.items():
+        for f in files:
+            data = read_hashed(f.path, f.sha256, f"snapshot {snap.number} lists it")
+            if data is None:
+                continue
+            try:
+                got = pq.read_table(pa.BufferReader(data))
+            except Exception as e:
+                problems.append(f"{f.path}: unreadable Parquet ({type(e).__name__}: {e})")
+                continue
+            shards = []
+            for seg in sorted(s for s in snap.segments if f.first <= s <= f.last):
+                rel = f"tables/{table}/{segment_name(seg)}.parquet"
+                try:
+                    shards.append(pq.read_table(pa.BufferReader(location.read_bytes(rel, MAX_TABLE_BYTES))))
+                except Exception:
+                    shards = []  # (a missing or damaged shard is reported by the segment's own check)
+                    break
+            if shards and not _same_rows(got, pa.concat_tables(shards, promote_options="permissive")):
+                problems.append(
+                    f"{f.path}: its rows differ from the shards of segments {f.first}..{f.last} it replaces"
+                )
+            elif got.num_rows != f.rows:
+                problems.append(f"{f.path}: {got.num_rows} rows, the snapshot says {f.rows}")
