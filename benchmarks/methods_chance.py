@@ -125,7 +125,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "key_layer_distinct": {
             m: int(np.unique(r.key_layer[r.key_layer >= 0]).size) for m, r in {**readings, **variants}.items()
         },
-        "rome": {
+        "rome_filter": {
             "threshold": rome.threshold,
             "facts": int(len(te)),
             "removed": int(rome.removed.size),
@@ -189,6 +189,30 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 {"method_a": "all", "method_b": f"all, {v} for {base}", "metric": "consensus", **f.__dict__}
             )
         block["variants"] = rows
+        # the same pairs against two other nulls: shuffles within relations, and over all facts
+        # (the latter is kappa's p_e, in every row as chance_pooled)
+        rel = strata.get("relation")
+        block["relation_null"] = [
+            {"method_a": x, "method_b": y, "metric": m, **f.__dict__}
+            for x, y in itertools.combinations(list(rs), 2)
+            for m, f in pair_chance(rs[x], rs[y], tol, rel, a.permutations, a.resamples).items()
+        ] + [
+            {
+                "method_a": "all",
+                "method_b": "all",
+                "metric": "consensus",
+                **consensus_chance(list(rs.values()), tol, rel, a.permutations, a.resamples).__dict__,
+            }
+        ]
+        sizes = (
+            np.bincount(group_codes([null.get(int(i), "") for i in keep])) if null else np.array([len(keep)])
+        )
+        block["stratum_sizes"] = {
+            "strata": int(sizes.size),
+            "single_fact_strata": int((sizes == 1).sum()),
+            "median": float(np.median(sizes)),
+            "max": int(sizes.max()),
+        }
         block["n_facts"] = int(len(keep))
         result[subset] = block
     result["seconds"] = time.time() - t0
@@ -238,6 +262,16 @@ def tables(d: dict[str, Any]) -> str:
                 f"{r['p_value']:.3f} | {_pp(r['excess'])} [{_pp(r['excess_low'])}, {_pp(r['excess_high'])}] | "
                 f"{_r(r['kappa'])} [{_r(r['kappa_low'])}, {_r(r['kappa_high'])}] |"
             )
+        lines.append(f"\n#### The same pairs against the within-relation null ({subset})\n")
+        lines.append("| methods | metric | facts | observed | chance | p | excess [95%] |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in blk.get("relation_null", []):
+            if r["n"]:
+                lines.append(
+                    f"| {r['method_a']} vs {r['method_b']} | {r['metric']} | {r['n']} | {_pct(r['value'])} | "
+                    f"{_pct(r['chance'])} | {r['p_value']:.3f} | {_pp(r['excess'])} [{_pp(r['excess_low'])}, {_pp(r['excess_high'])}] |"
+                )
+        lines.append(f"\nStrata of the null ({subset}): {blk.get('stratum_sizes')}")
         for mode in ("knockout", "restore"):
             if mode not in blk:
                 continue
@@ -263,7 +297,7 @@ def tables(d: dict[str, Any]) -> str:
                         "n/a" if r is None else f"{_r(r['value'])} [{_r(r['low'])}, {_r(r['high'])}]"
                     )
                 lines.append(f"| {x} vs {y} | " + " | ".join(cells) + f" | {m['effect_correlation']['n']} |")
-    rome = d["rome"]
+    rome = d["rome_filter"]
     lines.append(
         f"\nROME's filter (total effect > {rome['threshold']}): {rome['removed']} of {rome['facts']} facts removed, "
         f"per stratum: {rome['removed_per_stratum']}"
