@@ -118,10 +118,9 @@ def patch_position_readings(
     from actstore.query.method_metrics import concat_readings
 
     out = {}
+    named: list[str | None] = list(runs) or [None]  # none named: the newest run
     for pos in PATCH_POSITIONS:
-        r = concat_readings(
-            [patch_reading(store, run, plateau, position=pos) for run in (list(runs) or [None])]
-        )
+        r = concat_readings([patch_reading(store, run, plateau, position=pos) for run in named])
         out[f"patch@{pos}"] = replace(r, method=f"patch@{pos}")
     return out
 
