@@ -59,7 +59,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         patch_position_readings,
         trace_centre_reading,
         trace_window,
-        window_range,
+        window_kernel,
     )
     from actstore.query.method_metrics import subset_reading
     from actstore.query.method_study import rome_filter, store_strata, study_readings, trace_total_effects
@@ -160,10 +160,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 rows.append({"method_a": x, "method_b": y, "metric": metric, **ch[metric].__dict__})
         # the trace window's reading: the other method's key inside the trace key's window
         tr = rs["trace"]
-        kernel = np.zeros((L, L))
-        for k in range(L):
-            lo, hi = window_range(k, window, L)
-            kernel[k, lo : hi + 1] = 1
+        kernel = window_kernel(window, L)
         for other in [m for m in every if SUBSTITUTES.get(m, m) != "trace"]:
             o = every[other]
             common = np.intersect1d(tr.example_ids, o.example_ids)

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.core.errors import MethodsError
 from actstore.query.methods import PATCH_POSITIONS, PLATEAU, MethodReading, StoredOutputs, patch_reading
 
 TOP_K = 10
@@ -72,8 +73,6 @@ def trace_centre_reading(trace: MethodReading, window: int, n_layers: int) -> Me
 
 def trace_window(store: Any, runs: list[str] | tuple[str, ...]) -> int:
     """The restoration window of the trace runs (one value; an error if they differ)."""
-    from actstore.core.errors import MethodsError
-
     if not runs:
         raise MethodsError("no trace runs named")
     got = (
@@ -87,6 +86,16 @@ def trace_window(store: Any, runs: list[str] | tuple[str, ...]) -> int:
     if len(got) != 1:
         raise MethodsError(f"the trace runs have windows {sorted(got)}; read runs of one window")
     return int(got[0])
+
+
+def window_kernel(window: int, n_layers: int) -> np.ndarray:
+    """W[k, j] = 1 when block j lies in the window of trace label k: the agreement kernel of
+    ``in_trace_window`` for :func:`actstore.query.method_chance.coded_chance`.  [L, L] float."""
+    W = np.zeros((n_layers, n_layers))
+    for k in range(n_layers):
+        lo, hi = window_range(k, window, n_layers)
+        W[k, lo : hi + 1] = 1.0
+    return W
 
 
 def window_contains(
@@ -169,8 +178,6 @@ def lens_variant_readings(
     from actstore.query.lens import FinalReadout, read_objects
 
     if not np.array_equal(out.example_ids, base.example_ids):
-        from actstore.core.errors import MethodsError
-
         raise MethodsError("the lens reading and the stored outputs cover different facts")
     resid = torch.as_tensor(out.resid)
     if tuned is not None:

@@ -19,6 +19,7 @@ from actstore.query.method_keys import (
     rekey,
     trace_window,
     window_contains,
+    window_kernel,
     window_range,
 )
 from actstore.query.method_metrics import subset_reading
@@ -144,6 +145,8 @@ def test_window_contains_by_hand() -> None:
     ids, inside = window_contains(tr, other, 10, 18)  # label 5 restores 0..9
     np.testing.assert_array_equal(ids, [1, 2])
     np.testing.assert_array_equal(inside, [1.0, 0.0])
+    W = window_kernel(10, 18)
+    assert W[5, 9] == 1 and W[5, 10] == 0 and W[0].sum() == 5 and W[17].sum() == 6  # clipped at the edges
 
 
 def test_lens_keys_by_hand() -> None:
