@@ -6,6 +6,9 @@ patching or intervention is run again):
     python benchmarks/methods_chance.py G --state G.study.json --json OUT.json     # the readings and every figure
     python benchmarks/methods_chance.py --tables OUT.json                           # Markdown for results-methods.md
 
+(``OUT.json.gz``: gzip-compressed.)  The Gemma-3-270M output of issue 36 is
+``benchmarks/results/methods-gemma3-270m-s10/chance.json.gz`` (``--tuned adam``: the study's fit).
+
 Readings as the study reads them (``query/method_study.py::study_readings``; the tuned lens only
 with ``--tuned``: the study's Adam fit takes ~11 minutes on 2 cores), the variants of
 ``query/method_keys.py``, the metrics of ``query/method_tables.py::compute_metrics`` (pairs with
@@ -17,6 +20,7 @@ both intervention modes, on all traced facts and on the facts ROME's filter keep
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import sys
@@ -317,13 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resamples", type=int, default=2000)
     a = p.parse_args(argv)
     if a.tables:
-        print(tables(json.loads(Path(a.tables).read_text())))
+        raw = Path(a.tables).read_bytes()
+        print(tables(json.loads(gzip.decompress(raw) if a.tables.endswith(".gz") else raw)))
         return 0
     if not a.store or not a.state:
         p.error("a store and --state are needed (or --tables)")
     d = run(a)
     if a.json:
-        Path(a.json).write_text(json.dumps(d, indent=1, default=float) + "\n")
+        text = (json.dumps(d, indent=1, default=float) + "\n").encode()
+        Path(a.json).write_bytes(gzip.compress(text, mtime=0) if a.json.endswith(".gz") else text)
         log(f"wrote {a.json}")
     print(tables(d))
     return 0
