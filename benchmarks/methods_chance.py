@@ -75,7 +75,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     state = json.loads(Path(a.state).read_text())
     L = store.geometry.n_layers
     tol = default_tolerance(L)
-    methods = [m for m in BASE if m != "tuned_lens" or a.tuned]
+    methods = [m for m in a.methods.split(",") if m] + (["tuned_lens"] if a.tuned else [])
+    if "trace" not in methods or any(m not in BASE for m in methods):
+        raise SystemExit(f"--methods: trace and any of {', '.join(BASE[1:-1])}")
     tcfg = COMPARISON_TRAIN
     if a.tuned and state.get("tuned_lens", {}).get("config"):
         from dataclasses import replace
@@ -92,9 +94,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     )
     window = trace_window(store, state["trace_runs"])
     variants = {"trace@centre": trace_centre_reading(readings["trace"], window, L)}
-    variants.update(patch_position_readings(store, state["patch_runs"]))
-    out = stored_outputs(store, readings["logit_lens"].example_ids)
-    variants.update(lens_variant_readings(store, out, readings["logit_lens"]))
+    if "patch" in readings:
+        variants.update(patch_position_readings(store, state["patch_runs"]))
+    if "logit_lens" in readings:
+        out = stored_outputs(store, readings["logit_lens"].example_ids)
+        variants.update(lens_variant_readings(store, out, readings["logit_lens"]))
     log(f"variants ({time.time() - t0:.0f}s)")
     ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
     strata = store_strata(store, ids)
@@ -313,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state", help="the study's state file (methods_study.py restore writes one)")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--tables", help="print the Markdown tables of a --json output and stop")
+    p.add_argument(
+        "--methods", default="trace,patch,probe,attention,logit_lens", help="trace and any of these"
+    )
     p.add_argument(
         "--tuned", choices=("adam", "ridge"), default=None, help="also the tuned lens (the study's fit)"
     )
