@@ -150,11 +150,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     import actstore
+    from actstore.ingest.intervention_settings import TraceConfig
     from actstore.ingest.interventions import InterventionRunner
     from actstore.ingest.interventions.tracing import (
         CausalTracer,
         GroupedEditRunner,
-        TraceConfig,
         stored_facts,
         subject_embedding_std,
     )

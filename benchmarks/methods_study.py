@@ -114,8 +114,7 @@ def _where_ids(ids: list[int]) -> str:
 
 def cmd_study(a: argparse.Namespace) -> None:
     from actstore.api import open_store
-    from actstore.ingest.interventions.patching import PatchConfig
-    from actstore.ingest.interventions.trace_results import TraceConfig
+    from actstore.ingest.intervention_settings import PatchConfig, TraceConfig
     from actstore.jobs.patch import PatchRequest, run_patch
     from actstore.jobs.trace import TraceRequest, run_trace
 

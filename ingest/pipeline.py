@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core._version import __version__
+from actstore.core.compact import compact_held
 from actstore.core.errors import RankError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
@@ -38,6 +39,7 @@ from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import Architecture, architecture_for
 from actstore.ingest.batches import pad_batch
 from actstore.ingest.capture import FusedCapture
+from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.ranks import rank_zero_first
 from actstore.ingest.records import TokenizedPrompt
 from actstore.ingest.settings import IngestConfig
@@ -249,8 +251,9 @@ def capture_corpus(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.time()
     forward_s = 0.0
-    pending: list[Future[None]] = []
-    n_todo = sum(len(prompts[s * cfg.segment_size : (s + 1) * cfg.segment_size]) for s in todo)
+    pending: list[Future[Any]] = []
+    written = 0
+    n_todo = sum(min(cfg.segment_size, len(prompts) - s * cfg.segment_size) for s in todo)
     bar = _progress(n_todo, cfg.progress and cfg.rank == 0)
     object_ids = _object_token_ids(tokenizer, prompts)
     with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
@@ -291,13 +294,23 @@ def capture_corpus(
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
             pending.append(pool.submit(_write, writer, seg, lo, arrays, tables, on_segment))
+            written += 1
+            if cfg.world_size == 1 and cfg.compact_every and written % cfg.compact_every == 0:
+                # (the pool's one thread runs it after the writes before it: a snapshot of committed segments)
+                pending.append(pool.submit(compact_held, loc, full=False, log=_quiet))
         for f in pending:
             f.result()
     bar.close()
     _write_run(writer, cfg, manifest, started, len(todo))
+    if cfg.world_size == 1:  # ranks: rank 0 compacts once every rank is done (actstore.jobs.ingest)
+        compact_held(loc, full=True, log=_quiet)
     return IngestReport(
         cfg.out, len(prompts), len(todo), len(mine) - len(todo), time.time() - started, forward_s
     )
+
+
+def _quiet(message: str) -> None:
+    pass
 
 
 def _write(
@@ -331,7 +344,8 @@ def _write_run(
 
 def _object_token_ids(tokenizer: Any, prompts: Sequence[TokenizedPrompt]) -> np.ndarray:
     """First token id of " " + object for each prompt (-1 without an object)."""
-    objects = [p.record.object for p in prompts]
+    records = prompts.records if isinstance(prompts, LazyPrompts) else [p.record for p in prompts]
+    objects = [r.object for r in records]
     out = np.full(len(prompts), -1, dtype=np.int64)
     idx = [i for i, o in enumerate(objects) if o]
     if idx:

@@ -19,8 +19,8 @@ MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """Settings of one ingest.  Everything except ``device``, ``rank``/``world_size`` and ``progress``
-    must match on ``--resume`` (they cannot change the stored bytes).
+    """Settings of one ingest.  Everything except ``device``, ``rank``/``world_size``, ``progress`` and
+    ``compact_every`` must match on ``--resume`` (they cannot change the stored bytes).
 
     ``length_batching``: each segment's prompts go through the model in batches of similar length
     (sorted by token count, ties in corpus order) instead of corpus order, so batches are padded
@@ -52,6 +52,12 @@ class IngestConfig:
         "Run each segment's prompts through the model sorted by length (less padding; rows are "
         "stored in corpus order). Float values may differ from corpus-order batches in their last "
         "bits; recorded in the manifest, and --resume must repeat it.",
+    )
+    compact_every: int = setting(
+        64,
+        "Gather the new segments' table shards into a snapshot every N segments of a long ingest "
+        "(0: only at the end). The end of an ingest always compacts the whole store.",
+        low=0,
     )
     device: str = setting("cpu", "torch device of the model (cpu, cuda, ...).")
     resume: bool = setting(False, "Continue an interrupted ingest from its last commit.")

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from actstore.core.errors import MethodsError
-from actstore.query.methods import PLATEAU, MethodReading, StoredOutputs, key_layers
+from actstore.query.method_defaults import PLATEAU
+from actstore.query.methods import MethodReading, StoredOutputs, key_layers
 
 
 @dataclass(frozen=True)

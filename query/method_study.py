@@ -36,9 +36,9 @@ def study_readings(
     ``tuned`` = adam, sgd or ridge, ``tuned_config`` default ``COMPARISON_TRAIN``); its reading's
     ``info`` records the fit."""
     from actstore.core.errors import LensError
+    from actstore.query.method_defaults import PLATEAU
     from actstore.query.method_probe import LayerProbeConfig, probe_reading
     from actstore.query.methods import (
-        PLATEAU,
         attention_reading,
         fact_ids,
         lens_reading,

@@ -55,10 +55,10 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import MethodsError
+from actstore.query.method_defaults import COMPARISON_BATCH, COMPARISON_STEPS, PLATEAU
 from actstore.query.rows import Rows, rows_condition
 from actstore.query.tuned_lens import TrainConfig
 
-METHODS = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
 SEED_001 = {  # the paper's agreement table (GPT-2): key layer %, MLP/attn %, effect correlation
     ("trace", "patch"): (82.5, 76.3, 0.84),
     ("trace", "probe"): (68.2, 61.5, 0.67),
@@ -94,9 +94,6 @@ class MethodReading:
                 ),
             }
         )
-
-
-PLATEAU = 0.9
 
 
 def key_layer(profile: np.ndarray, plateau: float = PLATEAU) -> int:
@@ -279,9 +276,8 @@ def lens_reading(
     )
 
 
-# The comparison's tuned-lens training: 250 steps of 64 facts (a full batch of ~2,000 facts costs about
-# a minute per step on SmolLM2-135M on one CPU thread); the rest as the tuned-lens package.
-COMPARISON_TRAIN = TrainConfig(steps=250, batch=64)
+# The comparison's tuned-lens training (see actstore.query.method_defaults); the rest as the tuned-lens package.
+COMPARISON_TRAIN = TrainConfig(steps=COMPARISON_STEPS, batch=COMPARISON_BATCH)
 TUNED_LABEL = "tuned lens ({})"  # how outputs name the tuned_lens method with its fitting rule
 
 

@@ -182,7 +182,15 @@ class Selection:
         """The selected target rows (example_id, row, segment, seg_row, src_start, n_src,
         subject_start, subject_end, relation_id), in store order; read on first use, then kept."""
         assert self._step is not None
-        parent = self._parent.rows if self._parent is not None else None
+        up = self._parent
+        if (  # a limit right after the query, whose rows were never read: the limit goes into the SQL
+            isinstance(self._step, LimitStep)
+            and up is not None
+            and isinstance(up._step, QueryStep)
+            and "rows" not in up.__dict__
+        ):
+            return up._step.apply(self.store, None, limit=self._step.n)
+        parent = up.rows if up is not None else None
         return self._step.apply(self.store, parent)
 
     @property

@@ -35,14 +35,11 @@ class QueryStep:
     timeout: float | None
     text: str
 
-    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
-        return run_sql(
-            store,
-            ROWS_SQL.format(cond=self.cond),
-            params=self.params,
-            memory_limit=self.memory_limit,
-            timeout=self.timeout,
-        )
+    def apply(self, store: StoreReader, rows: pa.Table | None, limit: int | None = None) -> pa.Table:
+        """The rows; ``limit``: only the first ``limit`` (DuckDB stops early: a limit on a large
+        selection costs the rows it returns, not the rows it selects)."""
+        text = ROWS_SQL.format(cond=self.cond) + ("" if limit is None else f"LIMIT {int(limit)}\n")
+        return run_sql(store, text, params=self.params, memory_limit=self.memory_limit, timeout=self.timeout)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ def build_store(
     segment_size: int = 8,
     padding_side: str = "right",
     chunk_layers: int = 1,
+    compact_every: int = 64,
     **options: Any,
 ) -> Path:
     """Ingest a few prompts with a tiny random model into ``out`` and return the path (``chunk_layers``:
@@ -104,11 +105,23 @@ def build_store(
         chunk_flat=64,
         chunk_layers=chunk_layers,
         padding_side=padding_side,
+        compact_every=compact_every,
         progress=False,
     )
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
     ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg)
     return out
+
+
+def uncompact(store: Path) -> Path:
+    """``store`` without its snapshot and compacted files: a store read from its commit markers and
+    per-segment shards, as while an ingest runs (a valid store: the shards are never removed)."""
+    import shutil
+
+    shutil.rmtree(store / "snapshot", ignore_errors=True)
+    for f in (store / "tables").glob("*/c*-*.parquet"):
+        f.unlink()
+    return store
 
 
 def recording_mutation_coverage() -> bool:

@@ -6,8 +6,9 @@ default, help text and set of choices is written once, in the dataclass.
         cfg = config_from(ProbeConfig, given, seeds=...)
 
 A field ``n_way: int`` becomes ``--n-way`` (an integer, its default shown); a boolean defaulting to
-False becomes the flag ``--name``, one defaulting to True the flag ``--no-name``; ``tuple[int, ...]``
-takes a list like ``0,3,5-7`` and ``tuple[str, ...]`` a comma-separated list.
+False becomes the flag ``--name``, one defaulting to True the flag ``--no-name`` (or the field's
+``flag``), one that may be None (the default behaviour) the pair ``--name/--no-name``;
+``tuple[int, ...]`` takes a list like ``0,3,5-7`` and ``tuple[str, ...]`` a comma-separated list.
 """
 
 from __future__ import annotations
@@ -51,12 +52,15 @@ def cli_fields(cls: type, skip: tuple[str, ...] = ()) -> list[dataclasses.Field[
 
 
 def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
-    base, _ = _kind(hint)
+    base, optional = _kind(hint)
     meta, default = f.metadata, f.default if f.default is not dataclasses.MISSING else None
     help = str(meta["help"])
     if base is bool:
         if default is True:
-            return click.option(_flag("no_" + f.name), "no_" + f.name, is_flag=True, help=help)
+            return click.option(_flag("no_" + f.name, meta), "no_" + f.name, is_flag=True, help=help)
+        if optional and default is None:
+            flag = _flag(f.name, meta)
+            return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help)
         return click.option(_flag(f.name, meta), f.name, is_flag=True, help=help)
     kw: dict[str, Any] = {"default": default, "help": help, "show_default": default is not None}
     if meta.get("required"):
@@ -75,7 +79,7 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     elif base is int and meta.get("low") is not None:
         kw["type"] = click.IntRange(min=int(meta["low"]))
     elif base is float and meta.get("above") is not None:
-        kw["type"] = click.FloatRange(min=float(meta["above"]), min_open=True)
+        kw["type"] = click.FloatRange(min=float(meta["above"]), max=meta.get("high"), min_open=True)
     elif base is float and (meta.get("low") is not None or meta.get("high") is not None):
         kw["type"] = click.FloatRange(min=meta.get("low"), max=meta.get("high"))
     elif base in (int, float):
@@ -110,7 +114,7 @@ def config_from(cls: type[C], given: dict[str, Any], /, **values: Any) -> C:
             continue
         raw = given.pop(f.name)
         if f.metadata.get("multiple"):
-            raw = tuple(raw)
+            raw = tuple(raw) or f.default  # none given: the field's default (None: decided later)
         elif base is tuple and raw is not None:
             ints = parse_int_list(raw, f.name.replace("_", "-"))
             raw = None if ints is None else tuple(ints)

@@ -4,9 +4,11 @@ patching); ``ablate`` is :mod:`actstore.cli.ablate`."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
+from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
     check_where,
     command,
@@ -17,10 +19,10 @@ from actstore.cli._options import (
     no_save_option,
     open_store_arg,
     quiet_option,
-    split_list,
     store_argument,
     where_option,
 )
+from actstore.ingest.intervention_settings import PatchConfig, TraceConfig
 
 
 # ----------------------------------------------------------------------------------- trace
@@ -34,33 +36,8 @@ from actstore.cli._options import (
 @click.option(
     "--all-facts", is_flag=True, help="Also facts the model gets wrong (default: object_rank = 0 only)."
 )
-@click.option("--samples", type=int, default=3, show_default=True, help="Noise samples per fact.")
-@click.option(
-    "--noise",
-    "noise_scale",
-    type=float,
-    default=3.0,
-    show_default=True,
-    help="Noise std in multiples of the std of the store's subject-token embeddings.",
-)
+@options_from(TraceConfig)
 @click.option("--noise-std", type=float, default=None, help="Absolute noise std (overrides --noise).")
-@click.option(
-    "--window",
-    type=int,
-    default=10,
-    show_default=True,
-    help="Layers restored together for MLP and attention.",
-)
-@click.option(
-    "--components", default="resid,mlp,attn", show_default=True, help="Components restored (comma-separated)."
-)
-@click.option(
-    "--all-positions", is_flag=True, help="Also run the positions before the subject (their effect is 0)."
-)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the noise.")
-@click.option(
-    "--batch-size", type=int, default=64, show_default=True, help="Corrupted copies per forward pass."
-)
 @device_options
 @figures_option(help="Folder for ROME-style heatmaps (PNG).")
 @click.option(
@@ -75,14 +52,7 @@ def trace(
     where: str | None,
     limit: int | None,
     all_facts: bool,
-    samples: int,
-    noise_scale: float,
     noise_std: float | None,
-    window: int,
-    components: str,
-    all_positions: bool,
-    seed: int,
-    batch_size: int,
     device: str,
     model_dtype: str,
     allow_other_model: bool,
@@ -91,24 +61,16 @@ def trace(
     no_save: bool,
     quiet: bool,
     as_json: bool,
+    **given: Any,
 ) -> None:
     """Causal tracing: noise on the subject, restore clean states per layer and position, measure P(object)."""
     import numpy as np
 
-    from actstore.ingest.interventions.tracing import TraceConfig
     from actstore.jobs.trace import TraceRequest, run_trace
 
     s = open_store_arg(store)
     check_where(s, where)
-    cfg = TraceConfig(
-        samples=samples,
-        noise_scale=noise_scale,
-        window=window,
-        components=split_list(components) or (),
-        seed=seed,
-        batch_size=batch_size,
-        skip_before_subject=not all_positions,
-    )
+    cfg = config_from(TraceConfig, given)
     out = run_trace(
         s,
         TraceRequest(
@@ -147,7 +109,7 @@ def trace(
         return
     click.echo(
         f"traced {len(out.results)} facts in {out.seconds:.1f}s ({rate or 0:.1f} facts/min), noise std "
-        f"{out.noise_std:.4g} ({samples} samples, window {window}); run {out.run_id}"
+        f"{out.noise_std:.4g} ({cfg.samples} samples, window {cfg.window}); run {out.run_id}"
     )
     for r in out.results:
         f = r.fact
@@ -192,20 +154,7 @@ def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
     callback=_pairs,
     help="CLEAN_ID:COUNTERFACTUAL_ID (repeatable) instead of choosing counterfactuals.",
 )
-@click.option(
-    "--components", default="resid,attn,mlp", show_default=True, help="Components patched (comma-separated)."
-)
-@click.option(
-    "--positions",
-    default="subject_last,last",
-    show_default=True,
-    help="Positions patched: subject_last (the subject's last token), last (the prompt's), or both (comma-separated).",
-)
-@click.option("--no-heads", is_flag=True, help="Skip the per-head patches.")
-@click.option(
-    "--head-positions", default="last", show_default=True, help="Positions of the per-head patches."
-)
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Patched runs per forward pass.")
+@options_from(PatchConfig)
 @device_options
 @no_save_option
 @quiet_option
@@ -217,34 +166,23 @@ def patch(
     limit: int | None,
     all_facts: bool,
     pairs: tuple[tuple[int, int], ...],
-    components: str,
-    positions: str,
-    no_heads: bool,
-    head_positions: str,
-    batch_size: int,
     device: str,
     model_dtype: str,
     allow_other_model: bool,
     no_save: bool,
     quiet: bool,
     as_json: bool,
+    **given: Any,
 ) -> None:
     """Activation patching: clean activations into a counterfactual prompt of the same relation;
     logit-difference recovery per layer (attention, MLP, residual) and per head."""
     import numpy as np
 
-    from actstore.ingest.interventions.patching import PatchConfig
     from actstore.jobs.patch import PatchRequest, run_patch
 
     s = open_store_arg(store)
     check_where(s, where)
-    cfg = PatchConfig(
-        components=split_list(components) or (),
-        positions=split_list(positions) or (),
-        heads=not no_heads,
-        head_positions=split_list(head_positions) or (),
-        batch_size=batch_size,
-    )
+    cfg = config_from(PatchConfig, given)
     out = run_patch(
         s,
         PatchRequest(

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 import numpy as np
@@ -21,49 +19,12 @@ from actstore.cli._options import (
     no_save_option,
     open_store_arg,
     quiet_option,
-    split_list,
     store_argument,
     where_option,
 )
-from actstore.jobs.settings import LensRunConfig
+from actstore.jobs.settings import AgreeConfig, LensRunConfig
 
-METHOD_NAMES = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
 SEED_CONSENSUS_TEXT = "47.6%"  # the seed paper's share of facts on which every method agrees
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def tuned_lens_options(batch: int, batch_help: str) -> Callable[[F], F]:
-    """``--tuned``, ``--tuned-steps`` and ``--tuned-batch`` (``batch``: its default), shared by lens and agree."""
-
-    def deco(fn: F) -> F:
-        for opt in reversed(
-            [
-                click.option(
-                    "--tuned",
-                    "tuned_method",
-                    type=click.Choice(["adam", "sgd", "ridge"]),
-                    default="adam",
-                    show_default=True,
-                    help="Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov "
-                    "SGD (Belrose et al., the tuned-lens package's settings), or the closed-form ridge fit "
-                    "(ours).",
-                ),
-                click.option(
-                    "--tuned-steps",
-                    type=int,
-                    default=250,
-                    show_default=True,
-                    help="Training steps (adam, sgd).",
-                ),
-                click.option("--tuned-batch", type=int, default=batch, show_default=True, help=batch_help),
-            ]
-        ):
-            fn = opt(fn)
-        return fn
-
-    return deco
 
 
 def method_label(method: str, tuned: str | None) -> str:
@@ -150,86 +111,26 @@ def lens(
     example="actstore agree /tmp/s --run trace-20261201T080351-97216b7b --methods trace,patch,logit_lens"
 )
 @store_argument
-@click.option(
-    "--run",
-    "runs",
-    multiple=True,
-    help="A trace or patch run to read (repeatable; default: the newest of each).",
-)
-@click.option(
-    "--methods",
-    default=",".join(METHOD_NAMES),
-    show_default=True,
-    help="Methods to compare (comma-separated).",
-)
-@click.option(
-    "--tolerance",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Key layers agree within this many layers (default L/10).",
-)
-@click.option(
-    "--plateau",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=0.9,
-    show_default=True,
-    help="Key layer = middle of the run of layers within this fraction of the peak (1 = argmax).",
-)
-@click.option(
-    "--probe-min-count",
-    type=int,
-    default=5,
-    show_default=True,
-    help="Objects with fewer facts in the store are not probe classes.",
-)
-@click.option(
-    "--probe-folds", type=int, default=3, show_default=True, help="Cross-validation folds of the probes."
-)
-@tuned_lens_options(
-    64,
-    "Training facts per step (adam, sgd), drawn from the facts not compared; at least their "
-    "number = full batch (about a minute per step on SmolLM2 on one CPU thread).",
-)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the tuned lens's training.")
+@options_from(AgreeConfig, first=("runs",))
 @figures_option(help="Folder for the profile curves (PNG).")
 @no_save_option
 @quiet_option
 @json_option
 def agree(
     store: str,
-    runs: tuple[str, ...],
-    methods: str,
-    tolerance: int | None,
-    plateau: float,
-    probe_min_count: int,
-    probe_folds: int,
-    tuned_method: str,
-    tuned_steps: int,
-    tuned_batch: int,
-    seed: int,
     figures: str | None,
     no_save: bool,
     quiet: bool,
     as_json: bool,
+    **given: Any,
 ) -> None:
     """Key layers and MLP-vs-attention verdicts of each method per fact, and how far the methods agree."""
-    from actstore.jobs.compare import AgreeConfig, run_agreement
-    from actstore.query.methods import COMPARISON_TRAIN
+    from actstore.jobs.compare import run_agreement
 
     started = time.time()
     s = open_store_arg(store)
-    cfg = AgreeConfig(
-        methods=split_list(methods) or (),
-        runs=runs,
-        tolerance=tolerance,
-        plateau=plateau,
-        probe_min_count=probe_min_count,
-        probe_folds=probe_folds,
-        tuned=tuned_method,
-        tuned_config=replace(COMPARISON_TRAIN, steps=tuned_steps, batch=tuned_batch, seed=seed),
-        save=not no_save,
-        figures=figures,
-    )
+    cfg = config_from(AgreeConfig, given, save=not no_save, figures=figures)
+    tuned_method, tuned_steps = cfg.tuned, cfg.steps
 
     def progress(step: int, loss: float) -> None:
         if step == 1 or step % 25 == 0 or step == tuned_steps:

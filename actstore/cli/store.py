@@ -1,4 +1,4 @@
-"""``actstore info | sql | features | verify``: read a store."""
+"""``actstore info | sql | features | verify | compact``: read a store, check it, compact its tables."""
 
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ def _du(s: Any) -> int:
     return int(s.location.fs.du(s.location.root))
 
 
+def _bytes(s: Any) -> int:
+    """The store's bytes: from the snapshot when it covers every segment (arrays as counted at the
+    last compaction, compacted tables), else by walking the store (linear in files)."""
+    snap = s.snapshot
+    if snap is None or snap.segment_bytes < 0 or len(snap.segments) < len(s.commits):
+        return _du(s)
+    return int(snap.segment_bytes + sum(f.bytes for f in snap.files().values()))
+
+
 @command(example="actstore info /tmp/s --json")
 @store_argument
 @json_option
@@ -44,7 +53,8 @@ def info(store: str, as_json: bool) -> None:
         "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
         "FROM examples GROUP BY 1 ORDER BY 1"
     ).to_pylist()
-    s.check_table_shards()  # info lists every table: each file is checked (hash, footer), as a statement reading it would
+    # Tables are counted from the listing (and the snapshot), not opened: the relation counts above read
+    # (and checked) examples only, and verify checks every file.
     tables = {name: len(files) for name, files in s.table_files().items()}
     d = {
         "store": s.url,
@@ -58,7 +68,7 @@ def info(store: str, as_json: bool) -> None:
         "complete": s.complete,
         "relations": rel,
         "tables": tables,
-        "bytes": _du(s),
+        "bytes": _bytes(s),
         "chunks": {
             "rows": s.manifest.chunk_rows,
             "flat": s.manifest.chunk_flat,
@@ -77,7 +87,8 @@ def info(store: str, as_json: bool) -> None:
         f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}",
         f"rows      {s.n_rows}/{s.manifest.n_examples} in {len(s.commits)}/{s.manifest.n_segments} "
         f"segments, {s.manifest.storage_dtype}{'' if s.complete else '  (INCOMPLETE: resume the ingest)'}",
-        f"size      {d['bytes'] / 1e6:.1f} MB",
+        f"size      {d['bytes'] / 1e6:.1f} MB"
+        + (f"  (segments and compacted tables at snapshot {s.snapshot.number})" if s.snapshot else ""),
         f"chunks    {s.manifest.chunk_rows} rows / {s.manifest.chunk_flat} flat entries x "
         + (f"{s.manifest.chunk_layers} layer(s)" if s.manifest.chunk_layers else "all layers"),
         f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}",
@@ -150,15 +161,23 @@ def features(
 @command(example="actstore verify /tmp/s --values")
 @store_argument
 @click.option("--values", is_flag=True, help="Also decode every chunk and report NaN or infinite values.")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Only the markers, the snapshot and every table file's footer (no byte hashed).",
+)
 @json_option
-def verify(store: str, values: bool, as_json: bool) -> None:
+def verify(store: str, values: bool, quick: bool, as_json: bool) -> None:
     """Check that every committed chunk and table is there with its recorded hash, offsets, the manifest.
 
     Exit status 3 when a problem is found (the store is damaged or incomplete), 1 when the store
     cannot be checked at all."""
-    from actstore.core.verify import verify_store
+    from actstore.core.verify import quick_verify_store, verify_store
 
-    report = verify_store(open_store_arg(store), values=values)
+    if quick and values:
+        raise click.UsageError("--quick and --values exclude each other (--values decodes every chunk)")
+    s = open_store_arg(store)
+    report = quick_verify_store(s) if quick else verify_store(s, values=values)
     if as_json:
         click.echo(
             json.dumps(
@@ -189,4 +208,35 @@ def verify(store: str, values: bool, as_json: bool) -> None:
         sys.exit(EXIT_DAMAGED)
 
 
-COMMANDS = [info, sql, features, verify]
+@command(example="actstore compact /tmp/s")
+@store_argument
+@click.option(
+    "--incremental",
+    is_flag=True,
+    help="Only gather the segments committed since the last snapshot (default: rewrite all tables).",
+)
+@json_option
+def compact(store: str, incremental: bool, as_json: bool) -> None:
+    """Gather the per-segment table shards into a few large files listed in a new snapshot, so that
+    opening the store and each query cost the same at any size (takes the writer lock; readers go on
+    reading the previous snapshot until the new one is committed).  Upgrades a format 2 store."""
+    from dataclasses import asdict
+
+    from actstore.core.compact import compact as run_compact
+
+    open_store_arg(store)  # a damaged or foreign store: one line before the lock is taken
+    report = run_compact(store, full=not incremental)
+    if as_json:
+        click.echo(json.dumps(asdict(report)))
+        return
+    if report.snapshot is None:
+        click.echo(f"{report.url}: no committed segment to compact")
+        return
+    click.echo(
+        f"snapshot {report.snapshot}: {report.segments} segments, {report.files_written} files written "
+        f"({report.bytes_written / 1e6:.1f} MB), {report.files_removed} old files removed"
+        + ("; upgraded to the current format" if report.upgraded else "")
+    )
+
+
+COMMANDS = [info, sql, features, verify, compact]

@@ -299,7 +299,8 @@ def read_local_file(path: str, max_bytes: int | None) -> bytes:
         parts = [os.read(fd, want)]
         got = len(parts[0])
         while parts[-1] and (max_bytes is None or got <= max_bytes):  # short reads, or a file that grew
-            parts.append(os.read(fd, max(want - got, 1 << 16) if max_bytes is None else max_bytes + 1 - got))
+            step = max(want - got, 1 << 16)  # (never the whole max_bytes at once: os.read reserves it)
+            parts.append(os.read(fd, step if max_bytes is None else min(step, max_bytes + 1 - got)))
             got += len(parts[-1])
         data = parts[0] if len(parts) == 2 and not parts[1] else b"".join(parts)
     finally:

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     from actstore.core.fs import StoreLocation
 
 FORMAT_NAME = "actstore"
-FORMAT_VERSION = 2  # 2: segment arrays may be chunked along the layer axis too (chunk_layers)
+FORMAT_VERSION = 3  # 2: segment arrays may be chunked along the layer axis too (chunk_layers);
+#                     3: a snapshot (snapshot/CURRENT) may list compacted segment tables
+OLDEST_READ = 2  # format 2 reads as a store without a snapshot; `actstore compact` upgrades it in place
 # What a store's writer guarantees beyond format version 1 (readers of older levels ignore it):
 #   0  stores written before 2026-12: all-zero chunks may be absent, markers carry no object list;
 #   1  every chunk is written (all-zero ones too), each commit marker lists every object of its
@@ -324,7 +326,7 @@ class Manifest:
             raise CorruptStoreError(f"{where}: manifest.json fails its checksum (the file is corrupt)")
         w = f"{where}: manifest"
         integrity = field_int(d, "integrity", w, 0, 1 << 20) if "integrity" in d else 0
-        if version < FORMAT_VERSION or integrity < INTEGRITY:
+        if version < OLDEST_READ or integrity < INTEGRITY:
             raise FormatVersionError(
                 f"{where}: written by an earlier actstore (format {version}, integrity {integrity}; this one reads "
                 f"format {FORMAT_VERSION}, integrity {INTEGRITY}): ingest it again (actstore ingest ... --overwrite)"

@@ -28,7 +28,17 @@ CREATING = ".creating"  # present while a store is being created, before its man
 CREATING_SIGNATURE = "actstore store being created"
 # Top-level entries a store holds (and the temporary files of their atomic writes).
 STORE_ENTRIES = frozenset(
-    {"manifest.json", CREATING, "commits", "segments", "tables", "weights", "tokenizer", LOCK_NAME}
+    {
+        "manifest.json",
+        CREATING,
+        "commits",
+        "segments",
+        "snapshot",
+        "tables",
+        "weights",
+        "tokenizer",
+        LOCK_NAME,
+    }
 )
 _TEMP = re.compile(r"^(manifest\.json|\.creating)\.tmp-[0-9a-f]{32}$")
 _MAX_SMALL_FILE = 16 * 1024 * 1024

@@ -88,14 +88,19 @@ def commit_name_ok(name: str) -> bool:
     return ext == "json" and dot == "." and len(stem) >= 6 and stem.isascii() and stem.isdigit()
 
 
-def read_commits(location: StoreLocation, manifest: Manifest) -> dict[int, SegmentCommit]:
+def read_commits(
+    location: StoreLocation, manifest: Manifest, skip: set[int] | None = None
+) -> dict[int, SegmentCommit]:
     """Every commit marker under ``commits/``, checked: its size, fields and checksum, and that its
-    ``segment`` field matches its file name and the manifest's row layout.  Readers and a resuming
+    ``segment`` field matches its file name and the manifest's row layout; ``skip``: segments whose
+    markers are not read (those a snapshot covers).  Readers and a resuming
     writer both use this one list, so they cannot disagree about what is committed."""
     commits: dict[int, SegmentCommit] = {}
     for name in location.listdir("commits"):
         if not name.endswith(".json"):
             continue  # temporary files of atomic writes
+        if skip and commit_name_ok(name) and int(name[:-5]) in skip:
+            continue  # covered by the snapshot
         rel = f"commits/{name}"
         where = f"{location.url}/{rel}"
         if not commit_name_ok(name):

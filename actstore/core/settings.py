@@ -36,8 +36,9 @@ def setting(
     cli: bool = True,
 ) -> Any:
     """A dataclass field with its default, help text and bounds (``low``: at least; ``above``:
-    strictly above; ``high``: at most).  On the command line: ``flag`` (default ``--field-name``),
-    ``required``, ``multiple`` (a repeatable option); ``cli=False`` keeps it off."""
+    strictly above; ``high``: at most).  On the command line: ``flag`` (default ``--field-name``, or
+    ``--no-field-name`` for a boolean defaulting to True), ``required``, ``multiple`` (a repeatable
+    option); ``cli=False`` keeps it off."""
     meta = {
         "help": help,
         "choices": tuple(choices) if choices else None,
@@ -50,15 +51,16 @@ def setting(
 
 
 def check_settings(config: Any) -> None:
-    """Every field declared with :func:`setting`: its value among the choices and within bounds
-    (None passes: it means the default behaviour)."""
+    """Every field declared with :func:`setting`: its value among the choices and within bounds, each
+    element of a tuple on its own (None passes: it means the default behaviour)."""
     for f in dataclasses.fields(config):
         meta, value = f.metadata, getattr(config, f.name)
         if "help" not in meta or value is None:
             continue
-        if meta["choices"] and value not in meta["choices"]:
-            raise InvalidSetting(f.name, f"{value!r} is not one of {', '.join(map(str, meta['choices']))}")
         values = value if isinstance(value, tuple) else (value,)
+        bad = [v for v in values if meta["choices"] and v not in meta["choices"]]
+        if bad:
+            raise InvalidSetting(f.name, f"{bad[0]!r} is not one of {', '.join(map(str, meta['choices']))}")
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue

@@ -43,6 +43,7 @@ from actstore.core.segments import (
     segment_name,
     tokenizer_file_name_ok,
 )
+from actstore.core.snapshot import Snapshot, is_compacted_file, read_snapshot
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class StoreReader:
             str, pa.Schema
         ] = {}  # schema of each table file whose hash and footer were checked
         self.commits: dict[int, SegmentCommit] = {}
+        self.snapshot: Snapshot | None = None
         self.refresh()
 
     # ------------------------------------------------------------------ basics
@@ -85,8 +87,15 @@ class StoreReader:
         return self.manifest.geometry
 
     def refresh(self) -> None:
-        """Pick up segments committed since the store was opened."""
-        self.commits = read_commits(self.location, self.manifest)
+        """Pick up segments committed (and snapshots written) since the store was opened.  A store
+        whose snapshot covers every segment is read from the snapshot alone (no directory is listed);
+        otherwise the markers of the segments it does not cover are read from ``commits/``."""
+        snap = read_snapshot(self.location, self.manifest)
+        covered = snap.commits(self.manifest) if snap is not None else {}
+        if len(covered) < self.manifest.n_segments:
+            rest = read_commits(self.location, self.manifest, skip=set(covered))
+            covered = dict(sorted({**covered, **rest}.items()))
+        self.snapshot, self.commits = snap, covered
 
     @property
     def n_rows(self) -> int:
@@ -310,8 +319,14 @@ class StoreReader:
     def table_files(self) -> dict[str, list[str]]:
         """Visible Parquet files per table name (segment tables: committed shards only)."""
         out: dict[str, list[str]] = {}
+        snap = self.snapshot
         for name in SEGMENT_TABLES:
-            out[name] = [f"tables/{name}/{segment_name(s)}.parquet" for s in self.commits]
+            compacted = [f.path for f in snap.tables[name]] if snap is not None else []
+            out[name] = compacted + [
+                f"tables/{name}/{segment_name(s)}.parquet"
+                for s in self.commits
+                if snap is None or s not in snap.segments
+            ]
         for name in self.location.listdir("tables"):
             if name in SEGMENT_TABLES:
                 continue
@@ -360,7 +375,19 @@ class StoreReader:
         if rel in self._verified:
             return data
         parts = rel.split("/")
-        if len(parts) == 3 and parts[1] in SEGMENT_TABLES:
+        if is_compacted_file(rel):
+            listed = self.snapshot.files().get(rel) if self.snapshot is not None else None
+            if listed is None or sha256(data) != listed.sha256:
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: "
+                    + (
+                        "not in the store's snapshot"
+                        if listed is None
+                        else "SHA-256 does not match the snapshot"
+                    )
+                    + " (run actstore verify)"
+                )
+        elif len(parts) == 3 and parts[1] in SEGMENT_TABLES:
             seg = int(parts[2].split(".")[0])
             commit = self.commits.get(seg)
             if commit is not None and sha256(data) != commit.table_sha256.get(parts[1]):

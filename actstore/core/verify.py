@@ -13,12 +13,17 @@ Checks, collected rather than raised so that one run reports all of them:
   arrays; ``heads`` is the table the geometry implies;
 - the weights decode, have the shapes the geometry implies and every chunk;
 - every tokenizer file the manifest records (``model.tokenizer``) exists and has its SHA-256;
+- the snapshot (when the store has one): each segment it lists has its marker with the same sizes,
+  and each compacted file exists, matches the snapshot's SHA-256 and holds exactly the rows of the
+  shards it replaces, in order;
 - with ``values=True``, every chunk is decoded and NaN or infinite values are problems.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +34,9 @@ import zarr
 from actstore.core.arrays import widen
 from actstore.core.errors import ActstoreError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
-from actstore.core.segments import segment_name
+from actstore.core.manifest import SegmentCommit
+from actstore.core.segments import read_commits, segment_name
+from actstore.core.snapshot import Snapshot
 from actstore.core.store import StoreReader
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
 
@@ -192,8 +199,8 @@ def _check_objects(
             )
 
 
-def _check_segment_tables(store: StoreReader, report: VerifyReport, seg: int) -> None:
-    commit = store.commits[seg]
+def _check_segment_tables(store: StoreReader, report: VerifyReport, commit: SegmentCommit) -> None:
+    seg = commit.segment
     tables: dict[str, pa.Table] = {}
     for name in SEGMENT_TABLES:
         rel = f"tables/{name}/{segment_name(seg)}.parquet"
@@ -398,21 +405,137 @@ def _read_hashed(
     return data
 
 
-def verify_store(store: StoreReader, *, values: bool = False) -> VerifyReport:
-    """Check ``store`` (see the module docstring); ``values`` also scans every chunk for NaN/Inf."""
+def verify_store(store: StoreReader, *, values: bool = False, threads: int | None = None) -> VerifyReport:
+    """Check ``store`` (see the module docstring); ``values`` also scans every chunk for NaN/Inf;
+    ``threads``: segments checked at once (default: one per core, at most 8)."""
     report = VerifyReport(store.url, values_checked=values)
     _uncommitted(store, report)
-    old = [seg for seg, c in store.commits.items() if c.objects is None]
+    markers = read_commits(store.location, store.manifest)  # every marker, the snapshot's segments too
+    lost = [seg for seg in store.commits if seg not in markers]
+    if lost:
+        report.problems.append(
+            f"segments {_ranges(lost)}: the snapshot lists them but their commit markers are missing"
+        )
+    old = [seg for seg, c in markers.items() if c.objects is None]
     if old:
         report.problems.append(
             f"segments {_ranges(old)}: commit markers lack the object list this store writes"
         )
-    for seg, commit in store.commits.items():
-        report.segments_checked += 1
+
+    def one(commit: SegmentCommit) -> VerifyReport:
+        part = VerifyReport(store.url, values_checked=values)
         if commit.objects is not None:
-            _check_objects(store, report, seg, commit.objects, values)
-        _check_segment_tables(store, report, seg)
+            _check_objects(store, part, commit.segment, commit.objects, values)
+        _check_segment_tables(store, part, commit)
+        return part
+
+    # Segments are independent: checked on threads (file reads and SHA-256 release the GIL), their
+    # findings merged in segment order, so the report is the same as one thread's.
+    with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+        for part in pool.map(one, markers.values()):
+            report.segments_checked += 1
+            report.chunks_checked += part.chunks_checked
+            report.problems += part.problems
+            report.notes += part.notes
+    if store.snapshot is not None:
+        check_snapshot(store, report, store.snapshot, markers)
     _check_other_tables(store, report)
     _check_weights(store, report, values)
     _check_tokenizer(store, report)
+    return report
+
+
+def _same_rows(a: pa.Table, b: pa.Table) -> bool:
+    """Equal schemas and values in the same order, NaN equal to NaN (a float column of NaNs is not
+    ``equals`` to itself)."""
+    if a.schema != b.schema or a.num_rows != b.num_rows:
+        return False
+    for x, y in zip(a.columns, b.columns):
+        if pa.types.is_floating(x.type):
+            if not np.array_equal(
+                x.to_numpy(zero_copy_only=False), y.to_numpy(zero_copy_only=False), equal_nan=True
+            ):
+                return False
+        elif not x.equals(y):
+            return False
+    return True
+
+
+def check_snapshot(
+    store: StoreReader, report: VerifyReport, snap: Snapshot, markers: dict[int, SegmentCommit]
+) -> None:
+    """The snapshot against the markers and the shards: sizes, each compacted file's hash and rows."""
+    for seg, (n_sources, n_tokens) in snap.segments.items():
+        m = markers.get(seg)
+        if m is not None and (m.n_sources, m.n_tokens) != (n_sources, n_tokens):
+            report.problems.append(
+                f"snapshot {snap.number}: segment {seg}'s sizes differ from its commit marker"
+            )
+    for table, files in snap.tables.items():
+        for f in files:
+            data = _read_hashed(
+                store,
+                report,
+                f.path,
+                MAX_TABLE_BYTES,
+                f.sha256,
+                f"snapshot {snap.number} lists it",
+                "the snapshot",
+            )
+            if data is None:
+                continue
+            try:
+                got = pq.read_table(pa.BufferReader(data))
+            except Exception as e:
+                report.problems.append(f"{f.path}: unreadable Parquet ({type(e).__name__}: {e})")
+                continue
+            shards = []
+            for seg in sorted(s for s in snap.segments if f.first <= s <= f.last):
+                rel = f"tables/{table}/{segment_name(seg)}.parquet"
+                try:
+                    shards.append(
+                        pq.read_table(pa.BufferReader(store.location.read_bytes(rel, MAX_TABLE_BYTES)))
+                    )
+                except Exception:
+                    shards = []  # (a missing or damaged shard is reported by the segment's own check)
+                    break
+            if shards and not _same_rows(got, pa.concat_tables(shards, promote_options="permissive")):
+                report.problems.append(
+                    f"{f.path}: its rows differ from the shards of segments {f.first}..{f.last} it replaces"
+                )
+            elif got.num_rows != f.rows:
+                report.problems.append(f"{f.path}: {got.num_rows} rows, the snapshot says {f.rows}")
+
+
+def quick_verify_store(store: StoreReader) -> VerifyReport:
+    """``verify --quick``: the manifest, every commit marker and the snapshot parse and agree, every
+    promised segment is committed, and every table file exists with a Parquet footer that parses;
+    no chunk or table byte is hashed (cost: one marker read per segment and one footer read per
+    table file)."""
+    report = VerifyReport(store.url, values_checked=False)
+    _uncommitted(store, report)
+    markers = read_commits(store.location, store.manifest)
+    report.segments_checked = len(markers)
+    lost = [seg for seg in store.commits if seg not in markers]
+    if lost:
+        report.problems.append(
+            f"segments {_ranges(lost)}: the snapshot lists them but their commit markers are missing"
+        )
+    snap = store.snapshot
+    if snap is not None:
+        for seg, sizes in snap.segments.items():
+            m = markers.get(seg)
+            if m is not None and (m.n_sources, m.n_tokens) != sizes:
+                report.problems.append(
+                    f"snapshot {snap.number}: segment {seg}'s sizes differ from its commit marker"
+                )
+    for files in store.table_files().values():
+        for rel in files:
+            try:
+                with store.location.fs.open(store.location.path(rel), "rb") as f:
+                    pq.read_metadata(f)
+            except FileNotFoundError:
+                report.problems.append(f"{rel}: missing")
+            except Exception as e:
+                report.problems.append(f"{rel}: unreadable Parquet footer ({type(e).__name__}: {e})")
     return report

@@ -10,18 +10,20 @@ from typing import Any
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
+from actstore.ingest.intervention_settings import AblationConfig
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
+from actstore.query.selection import Selection
 
 Log = Callable[[str], None]
 
 
 @dataclass(frozen=True)
 class AblateRequest:
-    """One ablation run: ``ablation`` (actstore.ingest.interventions.ablation.AblationConfig) says what is removed and
-    measured; the rest where the model, the pairs and the stored scores come from."""
+    """One ablation run: ``ablation`` says what is removed and measured; the rest where the model,
+    the pairs and the stored scores come from."""
 
-    ablation: Any
+    ablation: AblationConfig
     model: str | None = None
     pairs: tuple[str, ...] = ()  # MAPS pair files or folders for the static scores
     scores_store: str | None = None  # read stored static scores from this store of the same model
@@ -39,26 +41,6 @@ class AblateOutcome:
     tables: list[str] = field(default_factory=list)
 
 
-def check_ablation(cfg: Any) -> None:
-    """Settings of an AblationConfig that are wrong before anything runs."""
-    if cfg.k is not None and cfg.k < 1:
-        raise InvalidSetting("k", f"must be at least 1, not {cfg.k}")
-    if cfg.min_pairs < 0:
-        raise InvalidSetting("min_pairs", f"must not be negative, not {cfg.min_pairs}")
-    if not 0 <= cfg.threshold <= 1:
-        raise InvalidSetting("threshold", f"must be in [0, 1], not {cfg.threshold}")
-    if cfg.top_m is not None and cfg.top_m < 1:
-        raise InvalidSetting("top_m", f"must be at least 1, not {cfg.top_m}")
-    if cfg.batch_size < 1:
-        raise InvalidSetting("batch_size", f"must be at least 1, not {cfg.batch_size}")
-    if cfg.max_controls < 0:
-        raise InvalidSetting("max_controls", f"must not be negative, not {cfg.max_controls}")
-    if not 0 <= cfg.max_head_overlap <= 1:
-        raise InvalidSetting("max_head_overlap", f"must be in [0, 1], not {cfg.max_head_overlap}")
-    if cfg.max_accuracy_gap < 0:
-        raise InvalidSetting("max_accuracy_gap", f"must not be negative, not {cfg.max_accuracy_gap}")
-
-
 def run_ablate(store: StoreReader, req: AblateRequest, log: Log | None = None) -> AblateOutcome:
     """Accuracy on the relation's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations; the ``maps_ablation`` table and a ``runs`` row."""
@@ -69,10 +51,10 @@ def run_ablate(store: StoreReader, req: AblateRequest, log: Log | None = None) -
 
     say = log or (lambda m: None)
     cfg = req.ablation
-    check_ablation(cfg)
     started = time.time()
     g = store.geometry
-    have = relation_prompts(store, cfg.where)  # checks the relation before the (slow) model load
+    # checks the relation before the (slow) model load
+    have = relation_prompts(store, Selection.from_sql(store, cfg.where))
     for r in (cfg.relation, *(cfg.controls or ())):
         if r not in have:
             raise InvalidSetting(
@@ -103,7 +85,11 @@ def run_ablate(store: StoreReader, req: AblateRequest, log: Log | None = None) -
     # single-token pairs (the authors' filter); a relation below min_pairs is excluded by run_ablation
     pairs = {
         rp.relation: tokenize_pairs(
-            rp, loaded.tokenizer, vocab_size=g.vocab_size, allow_empty=True, multi_token=cfg.multi_token
+            rp,
+            loaded.tokenizer,
+            vocab_size=g.vocab_size,
+            allow_empty=True,
+            multi_token=cfg.multi_token,  # type: ignore[arg-type]
         )
         for rp in rels
     }

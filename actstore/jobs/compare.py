@@ -7,32 +7,33 @@ their pairwise agreement, and the result tables.
     out.run_id, out.tables                    # written unless cfg.save is False
 
 The tuned lens is trained with Adam on the KL (``cfg.tuned``; ``ridge`` is the closed-form fit) on
-the store's facts that are not compared; ``result["tuned_lens"]`` and the run's config record how.
+the store's facts that are not compared, ``cfg.steps`` steps of ``cfg.batch`` facts;
+``result["tuned_lens"]`` and the run's config record how.
 
-The definitions of each reading are in :mod:`actstore.query.methods`.
+The settings, ``AgreeConfig``, are in :mod:`actstore.jobs.settings`; the definitions of each reading
+in :mod:`actstore.query.methods`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from actstore.core.errors import LensError, MethodsError
+from actstore.core.errors import MethodsError
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import AgreeConfig
 from actstore.query.method_agreement import agreement, agreement_table, default_tolerance
 from actstore.query.method_probe import LayerProbeConfig, probe_reading
 from actstore.query.method_study import store_strata
 from actstore.query.methods import (
     COMPARISON_TRAIN,
-    METHODS,
-    PLATEAU,
     MethodReading,
     attention_reading,
     causal_shares,
@@ -45,45 +46,8 @@ from actstore.query.methods import (
     trace_reading,
     tuned_lens_reading,
 )
-from actstore.query.readout import TUNED_METHODS
-from actstore.query.tuned_lens import TrainConfig
 
 Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class AgreeConfig:
-    """Settings of one comparison.  ``runs``: trace and/or patch run ids to read, each found in its
-    own table (``trace_run``/``patch_run`` name them explicitly); the newest run of a table when no
-    run of it is named."""
-
-    methods: tuple[str, ...] = METHODS
-    runs: tuple[str, ...] = ()
-    trace_run: str | None = None
-    patch_run: str | None = None
-    tolerance: int | None = None  # key layers agree within this many layers (None: max(1, round(L/10)))
-    plateau: float = PLATEAU
-    probe_min_count: int = 5
-    probe_folds: int = 3
-    tuned: str = "adam"  # the tuned lens's fitting rule: adam | sgd (trained on the KL) | ridge (closed form)
-    tuned_config: TrainConfig = COMPARISON_TRAIN  # training of adam / sgd (steps, rows per step, lr, seed)
-    save: bool = True
-    figures: str | None = None  # folder for the profile curves
-
-    def check(self) -> None:
-        bad = [m for m in self.methods if m not in METHODS]
-        if bad:
-            raise MethodsError(f"{bad[0]!r} is not a method ({', '.join(METHODS)})")
-        if len(self.methods) < 2:
-            raise MethodsError("compare at least two methods")
-        if self.tolerance is not None and self.tolerance < 0:
-            raise MethodsError(f"the tolerance must be 0 or more layers (got {self.tolerance})")
-        if not 0 < self.plateau <= 1:
-            raise MethodsError(f"the plateau must be in (0, 1] (got {self.plateau})")
-        if self.tuned not in TUNED_METHODS:
-            raise LensError(f"unknown tuned-lens method {self.tuned!r} (one of {', '.join(TUNED_METHODS)})")
-        if "tuned_lens" in self.methods and self.tuned != "ridge":
-            self.tuned_config.check()
 
 
 @dataclass
@@ -127,7 +91,9 @@ def run_agreement(
     ``cfg.save`` is False, and the profile curves when ``cfg.figures`` names a folder.
     ``progress(step, loss)`` is called while the tuned lens trains."""
     say = log or (lambda m: None)
-    cfg.check()
+    train = replace(COMPARISON_TRAIN, steps=cfg.steps, batch=cfg.batch, seed=cfg.seed)
+    if "tuned_lens" in cfg.methods and cfg.tuned != "ridge":
+        train.check()
     started = time.time()
     trace_run, patch_run = split_runs(store, cfg.runs)
     trace_run, patch_run = cfg.trace_run or trace_run, cfg.patch_run or patch_run
@@ -152,9 +118,7 @@ def run_agreement(
         readings["logit_lens"] = lens_reading(store, out, plateau=cfg.plateau)
     if "tuned_lens" in wanted:
         say(f"tuned lens ({cfg.tuned}): fitting on the facts not compared")
-        readings["tuned_lens"] = tuned_lens_reading(
-            store, out, cfg.tuned, cfg.tuned_config, cfg.plateau, progress
-        )
+        readings["tuned_lens"] = tuned_lens_reading(store, out, cfg.tuned, train, cfg.plateau, progress)
         extra["tuned_lens"] = readings["tuned_lens"].info
         extra["tuned_lens_train_facts"] = readings["tuned_lens"].info["train_facts"]
     if "attention" in wanted:

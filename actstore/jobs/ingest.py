@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import torch
 
+from actstore.core.compact import compact_held
 from actstore.core.dependencies import transformers_logging
 from actstore.core.errors import StoreExistsError, StoreLockedError
 from actstore.core.fs import StoreLocation, locate
@@ -19,8 +20,8 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
-from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import DatasetResult, load_dataset
+from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import IngestRequest
@@ -85,7 +86,13 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
         req = _check_out(loc, req, grouped)
         if grouped:
             barrier()  # every rank has looked before rank 0 can create (or overwrite) the store
-        return _ingest_locked(req, loc, data, log)
+        report = _ingest_locked(req, loc, data, log)
+        if req.world_size > 1:  # one snapshot of every rank's segments, written by rank 0 alone
+            if grouped:
+                barrier()
+            if req.rank == 0 and grouped:
+                compact_held(loc, full=True)
+        return report
 
 
 def _ingest_locked(
@@ -99,7 +106,7 @@ def _ingest_locked(
     max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(
         loaded.model.config, "n_positions", None
     )
-    prompts = tokenize_records(data.records, loaded.tokenizer, max_length=max_len)
+    prompts = LazyPrompts(data.records, loaded.tokenizer, max_length=max_len)  # a segment's tokens at a time
     model_info = {
         "name": loaded.name,
         "source": loaded.source,

@@ -1,20 +1,22 @@
 """The settings of the jobs whose command-line options are made from them (:mod:`actstore.cli._config`),
 torch-free so that ``actstore --help`` loads no analysis: MAPS static and dynamic scores, the
-predictors of probe accuracy, and lexical shortcuts.  Each is validated when it is made."""
+predictors of probe accuracy, lexical shortcuts, the lens and the method comparison.  Each is
+validated when it is made."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actstore.core.errors import LensError, MethodsError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.settings import check_settings, setting
-from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS
+from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MULTI_TOKEN
+from actstore.query.method_defaults import COMPARISON_BATCH, COMPARISON_STEPS, METHODS, PLATEAU
 
 K_HELP = (
     "Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
     "(1 for copying relations, 10 otherwise; Llama-3: 3 and 25)."
 )
-MULTI_TOKEN = ("skip", "first")
 
 
 def k_setting() -> int | None:
@@ -33,6 +35,10 @@ DIRECTIONS = ("out", "both")
 CONCENTRATIONS = ("predicted-abs", "gold-signed")
 OUTPUT_RANGES = ("dataset", "sample")
 TUNED_METHODS = ("adam", "sgd", "ridge")
+TUNED_HELP = (
+    "Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov SGD (Belrose "
+    "et al., the tuned-lens package's settings), or the closed-form ridge fit (ours)."
+)
 
 
 @dataclass(frozen=True)
@@ -193,12 +199,7 @@ class LensRunConfig:
         above=0,
         high=1,
     )
-    tuned: str | None = setting(
-        "adam",
-        "Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov SGD (Belrose "
-        "et al., the tuned-lens package's settings), or the closed-form ridge fit (ours).",
-        choices=TUNED_METHODS,
-    )
+    tuned: str | None = setting("adam", TUNED_HELP, choices=TUNED_METHODS)
     steps: int = setting(250, "Training steps (adam, sgd).", low=1, flag="--tuned-steps")
     batch: int = setting(
         2**18,
@@ -212,3 +213,48 @@ class LensRunConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+
+@dataclass(frozen=True)
+class AgreeConfig:
+    """One ``actstore agree`` run.  ``runs``: trace and/or patch run ids to read, each found in its
+    own table (``trace_run``/``patch_run`` name them explicitly); the newest run of a table when no
+    run of it is named.  ``steps``, ``batch``, ``seed``: the tuned lens's training (adam, sgd), the
+    rest as ``actstore.query.methods.COMPARISON_TRAIN``."""
+
+    methods: tuple[str, ...] = setting(METHODS, "Methods to compare (comma-separated).", choices=METHODS)
+    runs: tuple[str, ...] = setting(
+        (),
+        "A trace or patch run to read (repeatable; default: the newest of each).",
+        multiple=True,
+        flag="--run",
+    )
+    trace_run: str | None = setting(None, "Trace run id to read.", cli=False)
+    patch_run: str | None = setting(None, "Patch run id to read.", cli=False)
+    tolerance: int | None = setting(None, "Key layers agree within this many layers (default L/10).", low=0)
+    plateau: float = setting(
+        PLATEAU,
+        "Key layer = middle of the run of layers within this fraction of the peak (1 = argmax).",
+        above=0,
+        high=1,
+    )
+    probe_min_count: int = setting(5, "Objects with fewer facts in the store are not probe classes.")
+    probe_folds: int = setting(3, "Cross-validation folds of the probes.")
+    tuned: str = setting("adam", TUNED_HELP, choices=TUNED_METHODS)
+    steps: int = setting(COMPARISON_STEPS, "Training steps (adam, sgd).", flag="--tuned-steps")
+    batch: int = setting(
+        COMPARISON_BATCH,
+        "Training facts per step (adam, sgd), drawn from the facts not compared; at least their number = "
+        "full batch (about a minute per step on SmolLM2 on one CPU thread).",
+        flag="--tuned-batch",
+    )
+    seed: int = setting(0, "Seed of the tuned lens's training.")
+    save: bool = setting(True, "Write the result tables.", cli=False)
+    figures: str | None = setting(None, "Folder for the profile curves.", cli=False)
+
+    def __post_init__(self) -> None:
+        if self.tuned not in TUNED_METHODS:  # the one error of a wrong name, as the tuned lens's own
+            raise LensError(f"unknown tuned-lens method {self.tuned!r} (one of {', '.join(TUNED_METHODS)})")
+        check_settings(self)
+        if len(self.methods) < 2:
+            raise MethodsError("compare at least two methods")

@@ -16,6 +16,7 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
+from actstore.ingest.intervention_settings import TraceConfig
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
 from actstore.query.selection import Selection
@@ -30,7 +31,7 @@ class TraceRequest:
     limit: int | None = None
     all_facts: bool = False  # also facts the model gets wrong
     noise_std: float | None = None  # absolute noise std (overrides trace.noise_scale)
-    trace: Any = None  # actstore.ingest.interventions.tracing.TraceConfig (None: its defaults)
+    trace: TraceConfig | None = None  # None: its defaults
     device: str = "cpu"
     model_dtype: str = "float32"
     allow_other_model: bool = False
@@ -57,7 +58,6 @@ def run_trace(store: StoreReader, req: TraceRequest) -> TraceOutcome:
     from actstore.ingest.interventions import InterventionRunner
     from actstore.ingest.interventions.tracing import (
         CausalTracer,
-        TraceConfig,
         TraceError,
         effects_table,
         facts_table,

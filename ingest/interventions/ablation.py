@@ -42,40 +42,14 @@ import pyarrow as pa
 from actstore.core.errors import AblationError, MapsError
 from actstore.core.store import StoreReader
 from actstore.ingest.first_mlp import first_mlp_transform
+from actstore.ingest.intervention_settings import AblationConfig
 from actstore.ingest.interventions.runner import InterventionRunner, RunItem, head_ablation, stored_head_means
-from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, paper_first_mlp, paper_k
+from actstore.query.maps.defaults import paper_first_mlp, paper_k
 from actstore.query.maps.pairs import TokenPairs, store_pairs
 from actstore.query.maps.projection import VocabProjection, check_head
 from actstore.query.maps.static import implementing_heads, static_scores, stored_static_scores, top_heads
 from actstore.query.rows import Rows, rows_condition
 from actstore.query.selection import Selection
-
-
-@dataclass(frozen=True)
-class AblationConfig:
-    relation: str
-    controls: tuple[str, ...] | None = None  # None: choose as the paper does
-    k: int | None = None  # None: the authors' k per relation (actstore.query.maps.paper_k)
-    threshold: float = IMPLEMENTS_THRESHOLD
-    top_m: int | None = None  # None: the heads with score >= threshold
-    heads: tuple[tuple[int, int], ...] | None = None  # explicit heads instead of MAPS's
-    random_draws: int = 5
-    seed: int = 0
-    mode: str = "zero"
-    all_positions: bool = False
-    where: str | None = None
-    batch_size: int = 32
-    final_norm: bool = True
-    first_mlp: bool | None = (
-        None  # static scores through the first MLP; None: as the authors (paper_first_mlp)
-    )
-    min_pairs: int = MIN_PAIRS  # relations with fewer usable pairs take no part (the authors' minimum)
-    multi_token: str = "skip"  # the policy the given pair files were tokenized with (to match stored runs)
-    max_controls: int = 3
-    max_head_overlap: float = 0.15
-    max_accuracy_gap: float = 0.2
-    min_control_base: float = 0.0  # a control must answer some prompts (base accuracy above this)
-    reuse_stored: bool = True  # read static scores from a matching stored `maps` run when there is one
 
 
 @dataclass
@@ -178,19 +152,11 @@ def run_ablation(
     store's own prompts.  ``scores_store``: where to look for stored static scores (default: ``store``;
     another store of the same model also works, the caller checks that its weights are the same).
     """
-    if cfg.mode not in ("zero", "mean"):
-        raise AblationError(f"the ablation mode must be zero or mean, not {cfg.mode!r}")
-    if cfg.min_pairs < 0:
-        raise AblationError("the minimum number of pairs must not be negative")
     model_name = str(store.manifest.model.get("name") or "")
     if cfg.first_mlp is None:
         cfg = replace(cfg, first_mlp=paper_first_mlp(model_name))
     if cfg.random_draws < 0:
         raise AblationError("the number of random draws must be >= 0")
-    if cfg.max_controls < 0 or not 0 <= cfg.max_head_overlap <= 1 or cfg.max_accuracy_gap < 0:
-        raise AblationError(
-            "the number of controls, the head overlap (0..1) and the accuracy gap must not be negative"
-        )
     rows = Selection.from_sql(store, cfg.where)
     prompts = relation_prompts(store, rows)
     if cfg.relation not in prompts:

@@ -37,9 +37,9 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import TraceError
+from actstore.ingest.intervention_settings import TraceConfig
 from actstore.ingest.interventions.facts import StoredFact
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
-from actstore.ingest.interventions.trace_results import TraceConfig
 
 if TYPE_CHECKING:
     from actstore.ingest.interventions.tracing import CausalTracer

@@ -37,33 +37,9 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import PatchError
+from actstore.ingest.intervention_settings import PatchConfig
 from actstore.ingest.interventions.facts import StoredFact
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
-
-COMPONENTS = ("resid", "attn", "mlp")
-POSITIONS = ("subject_last", "last")
-
-
-@dataclass(frozen=True)
-class PatchConfig:
-    components: tuple[str, ...] = COMPONENTS
-    positions: tuple[str, ...] = POSITIONS
-    heads: bool = True
-    head_positions: tuple[str, ...] = ("last",)
-    batch_size: int = 64
-    min_denominator: float = 1e-3  # |LD_clean - LD_cf| below this: recovery undefined (NaN)
-
-    def validate(self) -> None:
-        for c in self.components:
-            if c not in COMPONENTS:
-                raise PatchError(f"unknown component {c!r} (one of {', '.join(COMPONENTS)})")
-        for p in (*self.positions, *self.head_positions):
-            if p not in POSITIONS:
-                raise PatchError(f"unknown position {p!r} (one of {', '.join(POSITIONS)})")
-        if not self.components and not self.heads:
-            raise PatchError("nothing to patch: give a component or heads")
-        if self.batch_size < 1:
-            raise PatchError("the batch size must be positive")
 
 
 @dataclass(frozen=True)
@@ -248,7 +224,6 @@ class ActivationPatcher:
     """Runs activation patching through an :class:`InterventionRunner` (see the module docstring)."""
 
     def __init__(self, runner: InterventionRunner, cfg: PatchConfig) -> None:
-        cfg.validate()
         self.runner = runner
         self.cfg = cfg
         g = runner.geometry

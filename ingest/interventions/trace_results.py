@@ -1,4 +1,5 @@
-"""Causal tracing: its settings, its results and their tables (see :mod:`actstore.ingest.interventions.tracing`)."""
+"""Causal tracing: its results and their tables (see :mod:`actstore.ingest.interventions.tracing`; its
+settings, :class:`~actstore.ingest.intervention_settings.TraceConfig`)."""
 
 from __future__ import annotations
 
@@ -10,47 +11,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actstore.core.errors import TraceError
+from actstore.ingest.intervention_settings import TraceConfig
 from actstore.ingest.interventions.facts import StoredFact
-
-COMPONENTS = ("resid", "mlp", "attn")
-
-
-# ------------------------------------------------------------------------------------ config
-
-
-@dataclass(frozen=True)
-class TraceConfig:
-    samples: int = 3  # noise samples per fact (ROME: 10)
-    noise_scale: float = 3.0  # noise std in multiples of the subject embeddings' std
-    window: int = 10  # layers restored together for mlp and attn
-    components: tuple[str, ...] = COMPONENTS
-    seed: int = 0
-    batch_size: int = (
-        64  # corrupted copies per forward pass (incremental: batch_size x longest prompt positions)
-    )
-    skip_before_subject: bool = True  # positions before the subject have IE = 0 exactly; do not run them
-    max_rows_per_call: int = 8192  # restorations held in memory at once (several facts)
-    incremental: bool = True  # restorations reuse the corrupted run (False: recompute every row in full)
-
-    def validate(self, n_layers: int) -> None:
-        bad = [c for c in self.components if c not in COMPONENTS]
-        if bad or not self.components:
-            raise TraceError(
-                f"unknown component {bad[0] if bad else '(none)'!r} (one of {', '.join(COMPONENTS)})"
-            )
-        if self.samples < 1:
-            raise TraceError(f"the number of noise samples must be at least 1, not {self.samples}")
-        if self.noise_scale < 0:
-            raise TraceError(f"the noise scale must be >= 0, not {self.noise_scale}")
-        if self.window < 1:
-            raise TraceError(f"the window must be at least 1 layer, not {self.window}")
-        if self.window > n_layers:
-            raise TraceError(
-                f"the window of {self.window} layers is larger than the model ({n_layers} layers)"
-            )
-        if self.batch_size < 1:
-            raise TraceError("the batch size must be positive")
 
 
 def window_layers(layer: int, window: int, n_layers: int) -> range:

@@ -53,15 +53,14 @@ import numpy as np
 import torch
 
 from actstore.core.errors import InterventionError, TraceError
+from actstore.ingest.intervention_settings import TraceConfig
 from actstore.ingest.interventions.facts import StoredFact, stored_facts, subject_embedding_std
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
 from actstore.ingest.interventions.trace_results import (
-    COMPONENTS,
     STATE_KEY,
     TRACE_EFFECTS,
     TRACE_FACTS,
     CleanStates,
-    TraceConfig,
     TraceResult,
     effects_table,
     facts_table,
@@ -70,13 +69,11 @@ from actstore.ingest.interventions.trace_results import (
 from actstore.ingest.interventions.tracing_incremental import Incremental
 
 __all__ = [
-    "COMPONENTS",
     "TRACE_EFFECTS",
     "TRACE_FACTS",
     "CausalTracer",
     "GroupedEditRunner",
     "StoredFact",
-    "TraceConfig",
     "TraceError",
     "TraceResult",
     "effects_table",

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from actstore.core.dependencies import transformers
+from actstore.ingest.intervention_settings import TraceConfig
 from actstore.ingest.interventions.facts import StoredFact
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner
-from actstore.ingest.interventions.trace_results import STATE_KEY, CleanStates, TraceConfig, window_layers
+from actstore.ingest.interventions.trace_results import STATE_KEY, CleanStates, window_layers
 
 
 class TracerLike(Protocol):

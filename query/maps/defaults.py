@@ -22,6 +22,8 @@ DEFAULT_K = 10  # the paper's k for every relation but the copying ones, on ever
 COPYING_K = 1  # the paper's k for the copying relations
 MIN_PAIRS = 30  # the authors' min_filtered_dataset_size: fewer usable pairs and a relation is excluded
 IMPLEMENTS_THRESHOLD = 0.15
+# a multi-token word of a pair file: its pair left out (the authors' filter), or its first token (ours)
+MULTI_TOKEN = ("skip", "first")
 ROW_CHUNK = 256  # source rows per [rows, |V|] block
 
 

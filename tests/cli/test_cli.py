@@ -38,6 +38,8 @@ SETTINGS_MODULES = {
     "actstore.query.maps",
     "actstore.query.maps.defaults",
     "actstore.ingest.settings",
+    "actstore.ingest.intervention_settings",
+    "actstore.query.method_defaults",
     "actstore.jobs.settings",
 }
 
@@ -45,7 +47,7 @@ SETTINGS_MODULES = {
 def test_help_does_not_import_torch_or_the_analysis_packages() -> None:
     code = (
         f"import sys\nfrom actstore.cli import main\nSETTINGS = {sorted(SETTINGS_MODULES)!r}\n"
-        "for args in (['--help'], ['trace', '--help'], ['maps', '--help'], ['probe', '--help']):\n"
+        "for args in (['--help'], *([c, '--help'] for c in ('trace', 'patch', 'ablate', 'agree', 'maps', 'probe'))):\n"
         "    try:\n        main(args)\n    except SystemExit as e:\n        assert e.code == 0, (args, e.code)\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'matplotlib')"
         " or m.startswith(('actstore.ingest.', 'actstore.query.', 'actstore.jobs.')) and m not in SETTINGS)\n"
@@ -346,7 +348,7 @@ def test_library_log_messages_reach_stderr_at_the_chosen_level() -> None:
 
 
 def test_patch_help_names_only_positions_the_patcher_accepts() -> None:
-    from actstore.ingest.interventions.patching import POSITIONS
+    from actstore.ingest.intervention_settings import POSITIONS
 
     cmd = main.get_command(click.Context(main), "patch")
     assert cmd is not None

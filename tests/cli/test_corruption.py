@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from helpers import uncompact
 
 import actstore
 from actstore.cli import main
@@ -22,9 +23,11 @@ from actstore.core.verify import verify_store
 
 @pytest.fixture
 def store(tiny_store: Path, tmp_path: Path) -> Path:
+    """A copy read from its markers and shards (the damage cases of a compacted store are in
+    tests/integration/test_compaction.py)."""
     out = tmp_path / "store"
     shutil.copytree(tiny_store, out)
-    return out
+    return uncompact(out)
 
 
 def flip(path: Path, pos: int) -> None:

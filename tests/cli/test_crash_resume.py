@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import uncompact
 
 import actstore
 from actstore.core.layout import SEGMENT_ARRAYS
@@ -255,6 +256,7 @@ def test_reader_sees_only_committed_segments(reference: Path, tmp_path: Path) ->
 
     out = tmp_path / "store"
     shutil.copytree(reference, out)
+    uncompact(out)  # (mid-ingest: no snapshot covers the segment yet)
     (out / "commits" / "000002.json").unlink()
     s = actstore.open(out)
     assert 2 not in s.commits and not s.complete

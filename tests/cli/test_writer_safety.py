@@ -324,6 +324,7 @@ def test_signed_remains_are_cleared_but_not_through_a_link(store: Path, tmp_path
         "commits",
         "manifest.json",
         "segments",
+        "snapshot",
         "tables",
         "tokenizer",
         "weights",

@@ -17,7 +17,7 @@ from helpers import KNOWN_STORE_KW
 
 import actstore
 from actstore.core.errors import ActstoreError
-from actstore.jobs.compare import AgreeConfig
+from actstore.jobs.settings import AgreeConfig
 from actstore.query.lens import FinalReadout, LensError, TunedLens
 from actstore.query.method_study import study_readings
 from actstore.query.methods import (
@@ -202,7 +202,7 @@ def test_a_wrong_method_name_is_one_clear_error(traced: tuple[str, str]) -> None
     out = _outputs(store, run)
     for call in (
         lambda: tuned_lens_reading(store, out, "adamw"),
-        lambda: AgreeConfig(tuned="adamw").check(),
+        lambda: AgreeConfig(tuned="adamw"),
         lambda: study_readings(store, ["trace", "tuned_lens"], [run], tuned="adamw"),
     ):
         with pytest.raises(LensError, match="unknown tuned-lens method 'adamw'") as e:

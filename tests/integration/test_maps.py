@@ -256,8 +256,9 @@ def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> Non
 
 
 def test_ablation_experiment(maps_store: Path) -> None:
+    from actstore.ingest.intervention_settings import AblationConfig
     from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.ablation import AblationConfig, run_ablation
+    from actstore.ingest.interventions.ablation import run_ablation
 
     store = actstore.open(maps_store)
     runner = InterventionRunner(tiny_model("llama").model)
@@ -308,8 +309,9 @@ CONTROL_RELS = (
 def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[..., Path]) -> None:
     """The control choice reads a matching stored `maps` run or recomputes the scores; both give the same
     choice, and the overlaps and base accuracies reported equal a brute-force computation from the model."""
+    from actstore.ingest.intervention_settings import AblationConfig
     from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.ablation import AblationConfig, run_ablation
+    from actstore.ingest.interventions.ablation import run_ablation
 
     path = store_factory(
         "llama",
@@ -578,27 +580,17 @@ def test_cli_maps_json_and_tables(maps_store: Path, tmp_path: Path) -> None:
 
 
 def test_cli_ablate_json(maps_store: Path) -> None:
-    r = CliRunner().invoke(
-        main,
-        [
-            "ablate",
-            "--model",
-            "tiny-llama",
-            str(maps_store),
-            "--relation",
-            RELS[0],
-            "--heads",
-            "1.0,1.1",
-            "--random-draws",
-            "1",
-            "--no-controls",
-            "--json",
-            "--quiet",
-        ],
-    )
+    args = ["ablate", "--model", "tiny-llama", str(maps_store), "--relation", RELS[0], "--heads", "1.0,1.1"]
+    args += ["--random-draws", "1", "--no-controls", "--json", "--quiet"]
+    r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output + str(r.stderr)
     out = json.loads(r.stdout)
     assert out["relations"][0]["n_heads"] == 2 and len(out["rows"]) == 3
+    # --where keeps the relation's prompts it selects (checked before the model loads, then run)
+    half = CliRunner().invoke(main, [*args, "--where", "example_id % 2 = 0"])
+    assert half.exit_code == 0, half.output + str(half.stderr)
+    n_all, n_half = out["relations"][0]["n_prompts"], json.loads(half.stdout)["relations"][0]["n_prompts"]
+    assert 0 < n_half < n_all, (n_half, n_all)
 
 
 @pytest.mark.parametrize(

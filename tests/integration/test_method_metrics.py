@@ -569,7 +569,7 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import methods_study
 
-    from actstore.ingest.interventions.patching import PatchConfig
+    from actstore.ingest.intervention_settings import PatchConfig
     from actstore.jobs.patch import PatchRequest, run_patch
     from actstore.query.method_study import study_readings
     from actstore.query.methods import patch_reading

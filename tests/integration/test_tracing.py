@@ -16,13 +16,13 @@ from helpers import KNOWN_STORE_KW
 import actstore
 from actstore.core.errors import PatchError
 from actstore.ingest.architectures import architecture_for as architecture_for_model
+from actstore.ingest.intervention_settings import PatchConfig, TraceConfig
 from actstore.ingest.interventions import Intervention, InterventionRunner, RunItem
-from actstore.ingest.interventions.patching import ActivationPatcher, PatchConfig, PatchPair
+from actstore.ingest.interventions.patching import ActivationPatcher, PatchPair
 from actstore.ingest.interventions.tracing import (
     CausalTracer,
     GroupedEditRunner,
     StoredFact,
-    TraceConfig,
     TraceError,
     stored_facts,
     subject_embedding_std,

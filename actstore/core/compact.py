@@ -1,0 +1,230 @@
+"""Compaction: the per-segment shards of ``examples``, ``tokens`` and ``targets`` gathered into a few
+large files listed in a new snapshot (:mod:`actstore.core.snapshot`).
+
+Steps, each a complete write, in this order: the new files (fresh names), the snapshot file, then
+``snapshot/CURRENT``.  Killed before the last step, the store is the store it was (readers see the
+previous snapshot, or none; the new files are unreferenced and the next compaction removes them);
+killed after it, the new snapshot is the store.  Files of the snapshot before the previous one, and
+unreferenced compacted files, are removed after ``CURRENT`` is written: a reader that opened the
+store before the last compaction still finds its files.  The writer lock is held throughout;
+readers take no lock.
+
+A full compaction rewrites every table into files of at most :data:`FILE_EXAMPLES` examples; an
+incremental one (every ``compact_every`` segments of a long ingest) keeps the snapshot's files and
+adds one file per table for the segments committed since.  Cost: a full compaction reads and writes
+every table byte once (linear in rows); an incremental one only the new segments' shards.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from actstore.core.fs import StoreLocation, locate
+from actstore.core.lock import writer_lock
+from actstore.core.manifest import FORMAT_VERSION
+from actstore.core.snapshot import (
+    CURRENT,
+    ROW_GROUP_ROWS,
+    SNAPSHOT_DIR,
+    Snapshot,
+    TableFile,
+    compacted_name,
+    is_compacted_file,
+    snapshot_name,
+)
+from actstore.core.store import StoreReader
+from actstore.core.tables import SCHEMAS, SEGMENT_TABLES, sha256
+
+FILE_EXAMPLES = 1 << 18  # examples per compacted file at most (a full compaction's file size)
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    url: str
+    snapshot: int | None  # the snapshot written (None: nothing to compact)
+    segments: int  # segments the snapshot covers
+    files_written: int
+    files_removed: int
+    bytes_written: int
+    upgraded: bool  # the manifest's format version was raised
+
+
+def _groups(units: list[list[int]], rows: dict[int, int], limit: int) -> list[list[int]]:
+    """Consecutive ``units`` (runs of segments that stay together: an old file's, or one segment)
+    joined into groups of at most ``limit`` rows (a unit larger than that is a group of its own)."""
+    groups: list[list[int]] = []
+    size = 0
+    for unit in units:
+        n = sum(rows[s] for s in unit)
+        if not groups or size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].extend(unit)
+        size += n
+    return groups
+
+
+def _units(segments: list[int], old: Snapshot | None) -> list[list[int]]:
+    """``segments`` (sorted) cut into the runs an old snapshot's files cover (the same for every
+    table: compaction writes them together) and single uncovered segments."""
+    files = old.tables[SEGMENT_TABLES[0]] if old else ()
+    units: list[list[int]] = []
+    current: TableFile | None = None
+    for seg in segments:
+        owner = (
+            next((f for f in files if f.first <= seg <= f.last), None)
+            if old and seg in old.segments
+            else None
+        )
+        if owner is not None and owner is current:
+            units[-1].append(seg)
+        else:
+            units.append([seg])
+        current = owner
+    return units
+
+
+def _parquet(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", row_group_size=ROW_GROUP_ROWS, write_statistics=True)
+    return buf.getvalue()
+
+
+def _gather(store: StoreReader, table: str, segs: list[int], old: Snapshot | None) -> pa.Table:
+    """The rows of ``table`` for segments ``segs`` (consecutive in store order), read from the old
+    snapshot's files where they cover them (a full compaction takes whole files) and from the shards
+    otherwise; every file is hash-checked as it is read."""
+    old_files = old.tables[table] if old else ()
+    parts: list[pa.Table] = []
+    taken: set[str] = set()
+    for seg in segs:
+        owner = next((f for f in old_files if f.first <= seg <= f.last), None)
+        if owner is not None and old is not None and seg in old.segments:
+            if owner.path not in taken:
+                taken.add(owner.path)
+                parts.append(store._read_table_file(owner.path, None))
+        else:
+            parts.append(store._read_table_file(f"tables/{table}/{seg:06d}.parquet", None))
+    if not parts:
+        return SCHEMAS[table].empty_table()
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
+def compact(
+    url: str | StoreLocation,
+    *,
+    full: bool = True,
+    log: Callable[[str], None] = lambda m: None,
+) -> CompactReport:
+    """Compact the store at ``url`` (see the module notes), holding its writer lock."""
+    loc = url if isinstance(url, StoreLocation) else locate(url)
+    with writer_lock(loc, command="actstore compact", log=log):
+        return compact_held(loc, full=full, log=log)
+
+
+def compact_held(
+    loc: StoreLocation, *, full: bool = True, log: Callable[[str], None] = lambda m: None
+) -> CompactReport:
+    """:func:`compact` for a caller that holds the writer lock (an ingest, at its end or every
+    ``compact_every`` segments)."""
+    store = StoreReader(loc)
+    old = store.snapshot
+    upgraded = False
+    if store.manifest.format_version < FORMAT_VERSION:  # format 2 -> 3: the same files, plus a snapshot
+        from dataclasses import replace
+
+        loc.write_bytes_atomic(
+            "manifest.json", replace(store.manifest, format_version=FORMAT_VERSION).to_json()
+        )
+        upgraded = True
+        store = StoreReader(loc)
+    commits = store.commits
+    if not commits:
+        return CompactReport(loc.url, None, 0, 0, 0, 0, upgraded)
+    new_segs = [s for s in commits if old is None or s not in old.segments]
+    if not full and not new_segs:
+        return CompactReport(loc.url, old.number if old else None, len(commits), 0, 0, 0, upgraded)
+    number = (old.number if old else 0) + 1
+    rows = {s: c.n_rows for s, c in commits.items()}
+    if full or old is None:
+        groups = _groups(_units(sorted(commits), old), rows, FILE_EXAMPLES)
+        kept: dict[str, list[TableFile]] = {t: [] for t in SEGMENT_TABLES}
+    else:
+        groups = [new_segs]
+        kept = {t: list(old.tables[t]) for t in SEGMENT_TABLES}
+    written = 0
+    bytes_written = 0
+    tables: dict[str, tuple[TableFile, ...]] = {}
+    for table in SEGMENT_TABLES:
+        files = kept[table]
+        for k, segs in enumerate(groups, start=len(files)):
+            data = _gather(store, table, segs, old)
+            blob = _parquet(data)
+            path = compacted_name(table, number, k)
+            loc.write_bytes_atomic(path, blob)
+            ids = data.column("example_id")
+            files.append(
+                TableFile(
+                    path=path,
+                    sha256=sha256(blob),
+                    rows=data.num_rows,
+                    bytes=len(blob),
+                    first=min(segs),
+                    last=max(segs),
+                    min_id=int(pc.min(ids).as_py()) if data.num_rows else -1,
+                    max_id=int(pc.max(ids).as_py()) if data.num_rows else -1,
+                )
+            )
+            written += 1
+            bytes_written += len(blob)
+        tables[table] = tuple(files)
+    segments = {s: (c.n_sources, c.n_tokens) for s, c in commits.items()}
+    counted = old is not None and old.segment_bytes >= 0
+    seg_bytes = (old.segment_bytes if counted and old else 0) + sum(
+        _tree_bytes(loc, f"segments/{s:06d}") for s in segments if not (counted and old and s in old.segments)
+    )
+    snap = Snapshot(number=number, segments=segments, tables=tables, segment_bytes=seg_bytes)
+    loc.write_bytes_atomic(snapshot_name(number), snap.to_json())
+    loc.write_bytes_atomic(CURRENT, f"{number:06d}\n".encode())
+    removed = _remove_unreferenced(loc, snap, old)
+    log(
+        f"compacted {len(segments)} segments into snapshot {number} ({written} files, "
+        f"{bytes_written / 1e6:.1f} MB written, {removed} old files removed)"
+    )
+    return CompactReport(loc.url, number, len(segments), written, removed, bytes_written, upgraded)
+
+
+def _tree_bytes(loc: StoreLocation, rel: str) -> int:
+    """Bytes of the files under ``rel`` (one segment's folder)."""
+    if loc.is_local:
+        import os
+
+        return sum(
+            os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(loc.path(rel)) for f in files
+        )
+    return int(loc.fs.du(loc.path(rel)))
+
+
+def _remove_unreferenced(loc: StoreLocation, snap: Snapshot, previous: Snapshot | None) -> int:
+    """Remove compacted files and snapshot files that neither ``snap`` nor ``previous`` names."""
+    keep = set(snap.files()) | set(previous.files() if previous else ())
+    keep_snaps = {snapshot_name(snap.number)} | ({snapshot_name(previous.number)} if previous else set())
+    removed = 0
+    for table in SEGMENT_TABLES:
+        for name in loc.listdir(f"tables/{table}"):
+            rel = f"tables/{table}/{name}"
+            if is_compacted_file(rel) and rel not in keep:
+                loc.fs.rm(loc.path(rel))
+                removed += 1
+    for name in loc.listdir(SNAPSHOT_DIR):
+        rel = f"{SNAPSHOT_DIR}/{name}"
+        if name.endswith(".json") and rel not in keep_snaps and name[:-5].isdigit():
+            loc.fs.rm(loc.path(rel))
+            removed += 1
+    return removed

@@ -1,0 +1,235 @@
+"""A store's snapshot: the committed segments and the compacted files of its segment tables, in one
+file, so that opening a complete store reads three small files whatever its size, and no query lists
+a directory.
+
+Layout::
+
+    snapshot/CURRENT            the number of the current snapshot (``000003``), replaced atomically
+    snapshot/000003.json        segments [[segment, n_sources, n_tokens], ...], their bytes on disk, and,
+                                per segment table, its files [{path, sha256, rows, bytes, first, last,
+                                min_id, max_id}]
+    tables/<table>/c000003-000.parquet
+                                compacted files: the shards of segments ``first..last`` concatenated in
+                                example order, row groups of :data:`ROW_GROUP_ROWS` rows (their min/max
+                                statistics let DuckDB skip row groups by ``example_id``)
+
+Per-segment shards and commit markers stay where they are (the markers still hold every object's
+hash, and ``actstore verify`` checks the snapshot against them).  A snapshot is written by
+:mod:`actstore.core.compact`: files first, then the snapshot file, then ``CURRENT``; until
+``CURRENT`` names it, readers see the previous one.  Everything in a snapshot is checked before it is
+used: its checksum, every field by type and range, each segment against the manifest's row layout,
+each file path (a compacted file of its own table, named once), and that every table's files cover
+exactly the snapshot's segments, each once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from actstore.core.errors import CorruptStoreError
+from actstore.core.fs import StoreLocation
+from actstore.core.manifest import (
+    MAX_COUNT,
+    Manifest,
+    SegmentCommit,
+    checksum_ok,
+    field_int,
+    parse_json_object,
+    seal,
+)
+from actstore.core.tables import SEGMENT_TABLES
+
+SNAPSHOT_DIR = "snapshot"
+CURRENT = f"{SNAPSHOT_DIR}/CURRENT"
+SNAPSHOT_VERSION = 1
+ROW_GROUP_ROWS = 32_768  # rows per row group of a compacted file (statistics prune by these)
+MAX_SNAPSHOT_BYTES = 256 << 20  # about 10^7 segments; a larger snapshot file is refused unread
+_FILE_NAME = re.compile(r"c(\d{6,})-(\d{3,})\.parquet")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def snapshot_name(number: int) -> str:
+    return f"{SNAPSHOT_DIR}/{number:06d}.json"
+
+
+def compacted_name(table: str, number: int, k: int) -> str:
+    return f"tables/{table}/c{number:06d}-{k:03d}.parquet"
+
+
+def is_compacted_file(rel: str) -> bool:
+    """True for the path of a compacted segment-table file (``tables/<table>/cNNNNNN-KKK.parquet``)."""
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[1] in SEGMENT_TABLES and bool(_FILE_NAME.fullmatch(parts[2]))
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """One compacted file: the shards of the snapshot's segments ``first..last`` of one table."""
+
+    path: str
+    sha256: str
+    rows: int
+    bytes: int
+    first: int
+    last: int
+    min_id: int  # smallest and largest example_id in the file (-1, -1 when it has no rows)
+    max_id: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a snapshot file says: its number, the committed segments it covers, and the compacted
+    files of every segment table."""
+
+    number: int
+    segments: dict[int, tuple[int, int]]  # segment -> (n_sources, n_tokens)
+    tables: dict[str, tuple[TableFile, ...]]
+    segment_bytes: int = -1  # bytes under segments/ of the covered segments (-1: not counted)
+
+    def files(self) -> dict[str, TableFile]:
+        return {f.path: f for files in self.tables.values() for f in files}
+
+    def commits(self, manifest: Manifest) -> dict[int, SegmentCommit]:
+        """The covered segments as commit records (their shard hashes are not needed to read: the
+        compacted files replace the shards; ``verify`` reads the markers themselves)."""
+        out = {}
+        for seg, (n_sources, n_tokens) in sorted(self.segments.items()):
+            start = seg * manifest.segment_size
+            out[seg] = SegmentCommit(
+                segment=seg,
+                row_start=start,
+                n_rows=min(manifest.segment_size, manifest.n_examples - start),
+                n_sources=n_sources,
+                n_tokens=n_tokens,
+                table_sha256={},
+            )
+        return out
+
+    def to_json(self) -> bytes:
+        d = {
+            "version": SNAPSHOT_VERSION,
+            "snapshot": self.number,
+            "segments": [[s, a, b] for s, (a, b) in sorted(self.segments.items())],
+            "tables": {t: [f.to_dict() for f in files] for t, files in sorted(self.tables.items())},
+            "segment_bytes": self.segment_bytes,
+        }
+        return json.dumps(seal(d), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str, manifest: Manifest) -> Snapshot:
+        d = parse_json_object(data, where, "snapshot")
+        if not checksum_ok(d, set()):
+            raise CorruptStoreError(f"{where}: snapshot fails its checksum (the file is corrupt)")
+        where = f"{where}: snapshot"
+        version = field_int(d, "version", where, 1, 1 << 20)
+        if version > SNAPSHOT_VERSION:
+            raise CorruptStoreError(f"{where} version {version} is newer than this actstore reads; upgrade")
+        number = field_int(d, "snapshot", where, 0, MAX_COUNT)
+        raw = d.get("segments")
+        if not isinstance(raw, list):
+            raise CorruptStoreError(f"{where} field 'segments' must be a list")
+        segments: dict[int, tuple[int, int]] = {}
+        for entry in raw:
+            if not (isinstance(entry, list) and len(entry) == 3 and all(_int(v) for v in entry)):
+                raise CorruptStoreError(f"{where}: a segment entry is not [segment, n_sources, n_tokens]")
+            seg, n_sources, n_tokens = entry
+            if not 0 <= seg < manifest.n_segments:
+                raise CorruptStoreError(f"{where}: segment {seg} is past the store's {manifest.n_segments}")
+            if seg in segments:
+                raise CorruptStoreError(f"{where}: segment {seg} is listed twice")
+            if not (0 <= n_sources <= MAX_COUNT and 0 <= n_tokens <= MAX_COUNT):
+                raise CorruptStoreError(f"{where}: segment {seg} has impossible sizes")
+            segments[seg] = (n_sources, n_tokens)
+        tables_raw = d.get("tables")
+        if not isinstance(tables_raw, dict) or set(tables_raw) != set(SEGMENT_TABLES):
+            raise CorruptStoreError(
+                f"{where} field 'tables' must list the files of {', '.join(SEGMENT_TABLES)}"
+            )
+        tables: dict[str, tuple[TableFile, ...]] = {}
+        seen: set[str] = set()
+        for table, files_raw in tables_raw.items():
+            if not isinstance(files_raw, list):
+                raise CorruptStoreError(f"{where}: the files of table {table!r} are not a list")
+            files = tuple(_table_file(f, table, where) for f in files_raw)
+            covered: list[int] = []
+            for f in files:
+                if f.path in seen:
+                    raise CorruptStoreError(f"{where}: file {f.path} is listed twice")
+                seen.add(f.path)
+                covered += [s for s in segments if f.first <= s <= f.last]
+            if sorted(covered) != sorted(segments):
+                raise CorruptStoreError(
+                    f"{where}: the files of table {table!r} do not cover its segments exactly once"
+                )
+            tables[table] = files
+        ranges = {t: [(f.first, f.last) for f in files] for t, files in tables.items()}
+        if len({tuple(r) for r in ranges.values()}) > 1:
+            raise CorruptStoreError(f"{where}: the tables' files cover different segment ranges")
+        segment_bytes = field_int(d, "segment_bytes", where, -1, 1 << 62) if "segment_bytes" in d else -1
+        return cls(number=number, segments=segments, tables=tables, segment_bytes=segment_bytes)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _table_file(raw: Any, table: str, where: str) -> TableFile:
+    if not isinstance(raw, dict):
+        raise CorruptStoreError(f"{where}: a file entry of table {table!r} is not an object")
+    path = raw.get("path")
+    if not isinstance(path, str) or not is_compacted_file(path) or path.split("/")[1] != table:
+        shown = repr(path)[:80]
+        raise CorruptStoreError(
+            f"{where}: {shown} is not a compacted file of table {table!r} (tables/{table}/cNNNNNN-KKK.parquet)"
+        )
+    digest = raw.get("sha256")
+    if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+        raise CorruptStoreError(f"{where}: the hash of {path} is not a SHA-256 hex digest")
+    w = f"{where} file {path}"
+    f = TableFile(
+        path=path,
+        sha256=digest,
+        rows=field_int(raw, "rows", w, 0, MAX_COUNT),
+        bytes=field_int(raw, "bytes", w, 0, MAX_COUNT),
+        first=field_int(raw, "first", w, 0, MAX_COUNT),
+        last=field_int(raw, "last", w, 0, MAX_COUNT),
+        min_id=field_int(raw, "min_id", w, -1, 1 << 62),
+        max_id=field_int(raw, "max_id", w, -1, 1 << 62),
+    )
+    if f.last < f.first:
+        raise CorruptStoreError(f"{w}: segments {f.first}..{f.last} is an empty range")
+    return f
+
+
+def current_number(location: StoreLocation) -> int | None:
+    """The number ``snapshot/CURRENT`` names (None when the store has no snapshot)."""
+    try:
+        text = location.read_bytes(CURRENT, 64).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit() or len(text) > 12:
+        raise CorruptStoreError(f"{location.url}/{CURRENT}: not a snapshot number ({text[:20]!r})")
+    return int(text)
+
+
+def read_snapshot(location: StoreLocation, manifest: Manifest) -> Snapshot | None:
+    """The current snapshot, checked (None when the store has none)."""
+    number = current_number(location)
+    if number is None:
+        return None
+    rel = snapshot_name(number)
+    where = f"{location.url}/{rel}"
+    try:
+        data = location.read_bytes(rel, MAX_SNAPSHOT_BYTES)
+    except FileNotFoundError:
+        raise CorruptStoreError(f"{where}: missing ({CURRENT} names it)") from None
+    snap = Snapshot.from_json(data, where, manifest)
+    if snap.number != number:
+        raise CorruptStoreError(f"{where}: says it is snapshot {snap.number}, {CURRENT} says {number}")
+    return snap
