@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from actstore.core.errors import MethodsError
-from actstore.query.methods import PATCH_POSITIONS, PLATEAU, MethodReading, StoredOutputs, patch_reading
+from actstore.query.method_defaults import PLATEAU
+from actstore.query.methods import PATCH_POSITIONS, MethodReading, StoredOutputs, patch_reading
 
 TOP_K = 10
 FRACTION = 0.5
