@@ -66,7 +66,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         window_kernel,
     )
     from actstore.query.method_metrics import subset_reading
-    from actstore.query.method_study import rome_filter, store_strata, study_readings, trace_total_effects
+    from actstore.query.method_study import (
+        rome_filter,
+        store_strata,
+        study_readings,
+        trace_clean_probabilities,
+        trace_total_effects,
+    )
     from actstore.query.method_tables import compute_metrics
     from actstore.query.methods import COMPARISON_TRAIN, stored_outputs
 
@@ -103,13 +109,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
     strata = store_strata(store, ids)
     te = trace_total_effects(store, state["trace_runs"])
-    p_clean = {
-        int(r["example_id"]): float(r["p_clean"])
-        for r in store.sql(
-            "SELECT example_id, p_clean FROM trace_facts WHERE list_contains($runs, run_id)",
-            {"runs": state["trace_runs"]},
-        ).to_pylist()
-    }
+    p_clean = trace_clean_probabilities(store, state["trace_runs"])
     rome = rome_filter(te, strata.get("stratum", {}), a.threshold)
     effects = {
         mode: store.sql(

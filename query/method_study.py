@@ -118,19 +118,29 @@ class RomeFilter:
     facts_per_stratum: dict[str, int]  # stratum -> facts before the filter
 
 
-def trace_total_effects(store: Any, trace_runs: Sequence[str]) -> dict[int, float]:
-    """example id -> total effect TE = p_clean - p_corrupt of its trace (the first run that has it)."""
+def _trace_fact_column(store: Any, trace_runs: Sequence[str], column: str) -> dict[int, float]:
     if not trace_runs:
         raise MethodsError("no trace runs named")
     rows = store.sql(
-        "SELECT example_id, total_effect, run_id FROM trace_facts WHERE list_contains($runs, run_id) "
+        f"SELECT example_id, {column} AS v, run_id FROM trace_facts WHERE list_contains($runs, run_id) "
         "ORDER BY run_id, example_id",
         {"runs": list(trace_runs)},
     ).to_pylist()
     out: dict[int, float] = {}
     for r in rows:
-        out.setdefault(int(r["example_id"]), float(r["total_effect"]))
+        out.setdefault(int(r["example_id"]), float(r["v"]))
     return out
+
+
+def trace_total_effects(store: Any, trace_runs: Sequence[str]) -> dict[int, float]:
+    """example id -> total effect TE = p_clean - p_corrupt of its trace (the first run that has it)."""
+    return _trace_fact_column(store, trace_runs, "total_effect")
+
+
+def trace_clean_probabilities(store: Any, trace_runs: Sequence[str]) -> dict[int, float]:
+    """example id -> P(object | clean prompt) of its trace (the first run that has it): the p_clean of
+    the relative effects (:mod:`actstore.query.method_effects`)."""
+    return _trace_fact_column(store, trace_runs, "p_clean")
 
 
 def rome_filter(

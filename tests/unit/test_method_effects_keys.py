@@ -23,7 +23,7 @@ from actstore.query.method_keys import (
     window_range,
 )
 from actstore.query.method_metrics import subset_reading
-from actstore.query.method_study import rome_filter, trace_total_effects
+from actstore.query.method_study import rome_filter, trace_clean_probabilities, trace_total_effects
 from actstore.query.methods import MethodReading, patch_reading
 
 
@@ -223,6 +223,7 @@ def _trace_facts() -> pa.Table:
             "run_id": ["t1", "t1", "t1", "t2"],
             "example_id": [1, 2, 3, 4],
             "total_effect": [0.3, 0.0, -0.1, 0.05],
+            "p_clean": [0.4, 0.2, 0.1, 0.9],
             "window": pa.array([10, 10, 10, 10], pa.int32()),
         }
     )
@@ -232,6 +233,7 @@ def test_rome_filter_and_its_counts() -> None:
     store = FakeStore(trace_facts=_trace_facts())
     te = trace_total_effects(store, ["t1", "t2"])
     assert te == {1: 0.3, 2: 0.0, 3: -0.1, 4: 0.05}
+    assert trace_clean_probabilities(store, ["t2"]) == {4: 0.9}
     assert trace_window(store, ["t1", "t2"]) == 10
     f = rome_filter(te, {1: "a", 2: "a", 3: "b", 4: "b"})
     assert f.kept.tolist() == [1, 4] and f.removed.tolist() == [2, 3]  # TE <= 0 removed (0 included)
