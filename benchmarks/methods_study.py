@@ -237,7 +237,7 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
     from actstore.jobs.model import load_store_model, model_for_store
     from actstore.query.method_agreement import default_tolerance
     from actstore.query.method_metrics import located_sites
-    from actstore.query.method_study import store_strata, study_readings
+    from actstore.query.method_study import store_strata, study_readings, trace_clean_probabilities
     from actstore.query.method_tables import compute_metrics, cross_size_rows
     from actstore.query.methods import COMPARISON_TRAIN, key_mlp_at_subject
     from actstore.query.selection import Selection
@@ -329,8 +329,11 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
         if trace is not None
         else None
     )
+    p_clean = trace_clean_probabilities(store, state["trace_runs"]) if state["trace_runs"] else None
     for i, mode in enumerate(effects or {"none": None}):
-        res = compute_metrics(list(readings.values()), strata, tol, effects.get(mode), resamples=a.resamples)
+        res = compute_metrics(
+            list(readings.values()), strata, tol, effects.get(mode), resamples=a.resamples, p_clean=p_clean
+        )
         cross = (
             cross_size_rows(
                 str(summary["model"]),

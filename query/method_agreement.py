@@ -1,15 +1,19 @@
 """How far methods agree: key layers within a tolerance, equal MLP-vs-attention verdicts, and the
-per-fact tables of an agreement run."""
+per-fact tables of an agreement run.  Every key-layer, verdict and consensus figure comes with its
+chance level under the within-stratum permutation null, the excess over it and Cohen's kappa
+(:mod:`actstore.query.method_chance`; the strata are the facts' methods2k strata, or relations,
+or, with none given, all facts together)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from actstore.query.method_chance import PERMUTATIONS, RESAMPLES, ChanceFigure, consensus_chance, pair_chance
 from actstore.query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading
 from actstore.query.stats import pearson
 
@@ -18,8 +22,26 @@ def default_tolerance(n_layers: int) -> int:
     return max(1, round(n_layers / 10))
 
 
-def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, Any]:
-    """Pairwise key-layer / verdict agreement, profile correlation, and all-method consensus."""
+CHANCE_FIELDS = ("chance", "excess", "excess_low", "excess_high", "kappa", "p_value")
+
+
+def _chance(prefix: str, f: ChanceFigure) -> dict[str, float | None]:
+    return {
+        f"{prefix}_{k}": (None if v != v else float(v)) for k, v in f.columns().items() if k in CHANCE_FIELDS
+    }
+
+
+def agreement(
+    readings: Sequence[MethodReading],
+    tolerance: int,
+    strata: Mapping[int, str] | None = None,
+    permutations: int = PERMUTATIONS,
+    resamples: int = RESAMPLES,
+) -> dict[str, Any]:
+    """Pairwise key-layer / verdict agreement, profile correlation, and all-method consensus, each
+    agreement with ``..._chance``, ``..._excess`` (and its interval), ``..._kappa`` and
+    ``..._p_value`` against the permutation null within ``strata`` (example id -> label; None: all
+    facts one stratum)."""
     by = {r.method: r for r in readings}
     pairs = []
     for a, b in itertools.combinations([r.method for r in readings], 2):
@@ -32,6 +54,7 @@ def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, An
         vok = (va != "") & (vb != "")
         corr = [pearson(ra.profile[i], rb.profile[j])[0] for i, j in zip(ia, ib)]
         corr_f = [c for c in corr if np.isfinite(c)]
+        chance = pair_chance(ra, rb, tolerance, strata, permutations, resamples)
         seed = SEED_001.get((a, b)) or SEED_001.get((b, a))
         pairs.append(
             {
@@ -43,6 +66,8 @@ def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, An
                 "n_verdict": int(vok.sum()),
                 "verdict_agreement": float((va == vb)[vok].mean()) if vok.any() else None,
                 "profile_correlation": float(np.mean(corr_f)) if corr_f else None,
+                **_chance("key_layer", chance["key_layer"]),
+                **_chance("verdict", chance["verdict"]),
                 "paper_key_layer": seed[0] / 100 if seed else None,
                 "paper_verdict": seed[1] / 100 if seed else None,
                 "paper_correlation": seed[2] if seed else None,
@@ -67,11 +92,17 @@ def agreement(readings: Sequence[MethodReading], tolerance: int) -> dict[str, An
         "pairs": pairs,
         "consensus": consensus,
         "consensus_facts": int(defined.sum()),
+        **_chance("consensus", consensus_chance(readings, tolerance, strata, permutations, resamples)),
         "paper_consensus": SEED_001_CONSENSUS / 100,
     }
 
 
+TABLE_CHANCE = tuple(f"{m}_{k}" for m in ("key_layer", "verdict") for k in CHANCE_FIELDS)
+
+
 def agreement_table(result: dict[str, Any]) -> pa.Table:
+    """One row per pair and one for the consensus (method_a = method_b = "all", its chance columns
+    in the key_layer_* ones)."""
     rows = [
         {
             k: p[k]
@@ -84,6 +115,7 @@ def agreement_table(result: dict[str, Any]) -> pa.Table:
                 "n_verdict",
                 "verdict_agreement",
                 "profile_correlation",
+                *TABLE_CHANCE,
             )
         }
         for p in result["pairs"]
@@ -98,6 +130,10 @@ def agreement_table(result: dict[str, Any]) -> pa.Table:
             "n_verdict": 0,
             "verdict_agreement": None,
             "profile_correlation": None,
+            **{
+                k: result.get(k.replace("key_layer", "consensus")) if k.startswith("key_layer") else None
+                for k in TABLE_CHANCE
+            },
         }
     )
     return pa.Table.from_pylist(
@@ -112,6 +148,7 @@ def agreement_table(result: dict[str, Any]) -> pa.Table:
                 ("n_verdict", pa.int32()),
                 ("verdict_agreement", pa.float64()),
                 ("profile_correlation", pa.float64()),
+                *[(k, pa.float64()) for k in TABLE_CHANCE],
             ]
         ),
     )

@@ -87,6 +87,25 @@ def concat_readings(readings: Sequence[MethodReading]) -> MethodReading:
     )
 
 
+def subset_reading(reading: MethodReading, example_ids: np.ndarray | Sequence[int]) -> MethodReading:
+    """``reading`` restricted to the facts of ``example_ids`` that it reads (order kept)."""
+    keep = np.isin(reading.example_ids, np.asarray(example_ids, dtype=np.int64))
+
+    def cut(x: np.ndarray | None) -> np.ndarray | None:
+        return None if x is None else x[keep]
+
+    return MethodReading(
+        reading.method,
+        reading.example_ids[keep],
+        reading.profile[keep],
+        reading.key_layer[keep],
+        reading.verdict[keep],
+        cut(reading.mlp),
+        cut(reading.attn),
+        dict(reading.info),
+    )
+
+
 @dataclass(frozen=True)
 class Sites:
     """Located sites of one method: per fact the key layer (-1: none) and component ('' : none)."""

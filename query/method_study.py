@@ -3,7 +3,8 @@ traced and patched, and the strata (relation, subject frequency, uniqueness, sou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -99,3 +100,65 @@ def store_strata(store: Any, example_ids: Sequence[int] | np.ndarray) -> dict[st
             if meta.get(g) not in (None, ""):
                 out[g][e] = str(meta[g])
     return {g: m for g, m in out.items() if m}
+
+
+# ------------------------------------------------------------------------------------ ROME's filter
+
+ROME_THRESHOLD = 0.0  # facts whose corruption lowers P(object) by at most this are left out
+
+
+@dataclass(frozen=True)
+class RomeFilter:
+    """The facts kept by ROME's filter and how many each stratum lost."""
+
+    threshold: float
+    kept: np.ndarray  # example ids, sorted
+    removed: np.ndarray  # example ids, sorted
+    removed_per_stratum: dict[str, int]  # stratum -> facts removed (strata that lost none absent)
+    facts_per_stratum: dict[str, int]  # stratum -> facts before the filter
+
+
+def _trace_fact_column(store: Any, trace_runs: Sequence[str], column: str) -> dict[int, float]:
+    if not trace_runs:
+        raise MethodsError("no trace runs named")
+    rows = store.sql(
+        f"SELECT example_id, {column} AS v, run_id FROM trace_facts WHERE list_contains($runs, run_id) "
+        "ORDER BY run_id, example_id",
+        {"runs": list(trace_runs)},
+    ).to_pylist()
+    out: dict[int, float] = {}
+    for r in rows:
+        out.setdefault(int(r["example_id"]), float(r["v"]))
+    return out
+
+
+def trace_total_effects(store: Any, trace_runs: Sequence[str]) -> dict[int, float]:
+    """example id -> total effect TE = p_clean - p_corrupt of its trace (the first run that has it)."""
+    return _trace_fact_column(store, trace_runs, "total_effect")
+
+
+def trace_clean_probabilities(store: Any, trace_runs: Sequence[str]) -> dict[int, float]:
+    """example id -> P(object | clean prompt) of its trace (the first run that has it): the p_clean of
+    the relative effects (:mod:`actstore.query.method_effects`)."""
+    return _trace_fact_column(store, trace_runs, "p_clean")
+
+
+def rome_filter(
+    total_effect: Mapping[int, float], strata: Mapping[int, str], threshold: float = ROME_THRESHOLD
+) -> RomeFilter:
+    """Keep the facts whose total effect is above ``threshold`` (ROME traces only facts the noise
+    hurts; ours: the threshold is stated, 0 by default); count the removed facts per stratum
+    (``strata``: example id -> label; unlabelled facts count under "")."""
+    ids = np.asarray(sorted(total_effect), dtype=np.int64)
+    te = np.asarray([total_effect[int(i)] for i in ids], dtype=np.float64)
+    keep = np.isfinite(te) & (te > threshold)
+    removed: dict[str, int] = {}
+    per: dict[str, int] = {}
+    for i, k in zip(ids, keep):
+        s = strata.get(int(i), "")
+        per[s] = per.get(s, 0) + 1
+        if not k:
+            removed[s] = removed.get(s, 0) + 1
+    return RomeFilter(
+        float(threshold), ids[keep], ids[~keep], dict(sorted(removed.items())), dict(sorted(per.items()))
+    )

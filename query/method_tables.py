@@ -11,8 +11,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from actstore.query.method_chance import PERMUTATIONS, ChanceFigure, consensus_chance, pair_chance
+from actstore.query.method_effects import FORMS, clean_probabilities, effect_forms, partial_correlation
 from actstore.query.method_metrics import (
     RESAMPLES,
+    Summary,
     consensus,
     consistency,
     effectiveness,
@@ -48,6 +51,21 @@ METRICS = pa.schema(
 )
 
 
+CHANCE_COLUMNS = (
+    "chance",
+    "chance_low",
+    "chance_high",
+    "null_low",
+    "null_high",
+    "p_value",
+    "excess",
+    "excess_low",
+    "excess_high",
+    "kappa",
+    "kappa_low",
+    "kappa_high",
+    "chance_pooled",
+)
 PAIRS = pa.schema(
     [
         ("method_a", pa.string()),
@@ -59,6 +77,8 @@ PAIRS = pa.schema(
         ("high", pa.float64()),
         ("paper", pa.float64()),
     ]
+    # agreement against chance (actstore.query.method_chance); null on the effect rows
+    + [(c, pa.float64()) for c in CHANCE_COLUMNS]
 )
 
 
@@ -82,6 +102,7 @@ class MetricsResult:
     metrics: pa.Table  # METRICS
     pairs: pa.Table  # PAIRS
     per_fact: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # method -> name -> [n]
+    null_grouping: str = ""  # the grouping whose strata the permutation null shuffles within ("" : all facts)
 
 
 def compute_metrics(
@@ -91,14 +112,32 @@ def compute_metrics(
     effects: pa.Table | None = None,
     resamples: int = RESAMPLES,
     seed: int = 0,
+    p_clean: Mapping[int, float] | None = None,
+    null_grouping: str = "stratum",
+    permutations: int = PERMUTATIONS,
 ) -> MetricsResult:
     """The metrics of every reading, overall and per group of each grouping in ``strata`` (a
     grouping name, e.g. ``relation`` or ``freq_band``, -> example id -> group label), the pairwise
     agreement with intervals and, when ``effects`` (a ``site_effects`` table of one mode) is given,
     intervention effectiveness and the effect correlation between methods.  Consistency is computed
     within the groups of the ``relation`` grouping when there is one (else of the first grouping)
-    and summarised like the other metrics."""
+    and summarised like the other metrics.
+
+    Effects are read in the forms of :mod:`actstore.query.method_effects` (raw, relative to
+    ``p_clean``: example id -> P(o | clean), by default the knock-out rows' ``p_base``; log-odds):
+    ``located_effect``/``effectiveness`` are the raw form, ``..._relative`` and ``..._logodds`` the
+    others.  Every agreement row carries its chance level, permutation null, excess and kappa
+    (:mod:`actstore.query.method_chance`, ``permutations`` shuffles within the groups of
+    ``null_grouping``, else of ``relation``, else of all facts)."""
     rows: list[dict[str, Any]] = []
+    forms = effect_forms(effects, p_clean) if effects is not None else {}
+    pc = (
+        dict(p_clean)
+        if p_clean is not None
+        else (clean_probabilities(effects) if effects is not None else {})
+    )
+    grouping = next((g for g in (null_grouping, "relation") if g in strata), "")
+    null_strata = strata.get(grouping) if grouping else None
     per_fact: dict[str, dict[str, np.ndarray]] = {}
     home = "relation" if "relation" in strata else next(iter(strata), None)
     for r in readings:
@@ -109,16 +148,19 @@ def compute_metrics(
         }
         if home is not None:
             f["consistency"], f["verdict_consistency"] = consistency(r, strata[home], tolerance)
-        if effects is not None:
-            eff = effectiveness(located_sites(r), effects)
-            f.update(
-                {
-                    "located_effect": eff.located,
-                    "random_effect": eff.random,
-                    "effectiveness": eff.net,
-                    "beats_random": eff.beats_random,
-                }
-            )
+        for form, table in forms.items():
+            eff = effectiveness(located_sites(r), table)
+            if form == "raw":
+                f.update(
+                    {
+                        "located_effect": eff.located,
+                        "random_effect": eff.random,
+                        "effectiveness": eff.net,
+                        "beats_random": eff.beats_random,
+                    }
+                )
+            else:
+                f.update({f"located_effect_{form}": eff.located, f"effectiveness_{form}": eff.net})
         per_fact[r.method] = f
         groupings: dict[str, Mapping[int, str]] = {"all": {int(i): "all" for i in r.example_ids}, **strata}
         for grouping, labels in groupings.items():
@@ -142,66 +184,60 @@ def compute_metrics(
                         }
                     )
     pair_rows: list[dict[str, Any]] = []
+
+    def add(
+        a: str, b: str, metric: str, s: Summary, paper: float | None, ch: ChanceFigure | None = None
+    ) -> None:
+        row: dict[str, Any] = {
+            "method_a": a,
+            "method_b": b,
+            "metric": metric,
+            "n": s.n,
+            "value": s.value,
+            "low": s.low,
+            "high": s.high,
+            "paper": paper,
+        }
+        row.update(ch.columns() if ch is not None else dict.fromkeys(CHANCE_COLUMNS))
+        pair_rows.append(row)
+
     by = {r.method: r for r in readings}
     for a, b in itertools.combinations([r.method for r in readings], 2):
         ag = pair_agreement(by[a], by[b], tolerance)
+        chance = pair_chance(by[a], by[b], tolerance, null_strata, permutations, resamples, seed)
         seed_fig = SEED_001.get((a, b)) or SEED_001.get((b, a))
-        for metric, paper in (
-            ("key_layer", seed_fig[0] / 100 if seed_fig else None),
-            ("key_layer_exact", None),
-            ("verdict", seed_fig[1] / 100 if seed_fig else None),
+        for metric, key, paper in (
+            ("key_layer", "key", seed_fig[0] / 100 if seed_fig else None),
+            ("key_layer_exact", "exact", None),
+            ("verdict", "verdict", seed_fig[1] / 100 if seed_fig else None),
         ):
-            s = summarise(
-                ag[{"key_layer": "key", "key_layer_exact": "exact", "verdict": "verdict"}[metric]],
-                resamples,
-                seed,
-            )
-            pair_rows.append(
-                {
-                    "method_a": a,
-                    "method_b": b,
-                    "metric": metric,
-                    "n": s.n,
-                    "value": s.value,
-                    "low": s.low,
-                    "high": s.high,
-                    "paper": paper,
-                }
-            )
+            add(a, b, metric, summarise(ag[key], resamples, seed), paper, chance[metric])
         if effects is not None:
             fa, fb = per_fact[a], per_fact[b]
             common = np.intersect1d(fa["example_ids"], fb["example_ids"])
-            ea = fa["located_effect"][np.searchsorted(fa["example_ids"], common)]
-            eb = fb["located_effect"][np.searchsorted(fb["example_ids"], common)]
-            s = paired_correlation(ea, eb, resamples, seed)
-            pair_rows.append(
-                {
-                    "method_a": a,
-                    "method_b": b,
-                    "metric": "effect_correlation",
-                    "n": s.n,
-                    "value": s.value,
-                    "low": s.low,
-                    "high": s.high,
-                    "paper": seed_fig[2] if seed_fig else None,
-                }
-            )
+            ia, ib = np.searchsorted(fa["example_ids"], common), np.searchsorted(fb["example_ids"], common)
+            for form in FORMS:
+                name = "located_effect" if form == "raw" else f"located_effect_{form}"
+                if name not in fa:
+                    continue
+                s = paired_correlation(fa[name][ia], fb[name][ib], resamples, seed)
+                metric = "effect_correlation" if form == "raw" else f"effect_correlation_{form}"
+                add(a, b, metric, s, seed_fig[2] if seed_fig and form == "raw" else None)
+            if pc:
+                clean = np.asarray([pc.get(int(i), np.nan) for i in common], dtype=np.float64)
+                s = partial_correlation(
+                    fa["located_effect"][ia], fb["located_effect"][ib], clean, resamples, seed
+                )
+                add(a, b, "effect_partial_correlation", s, None)
     if len(readings) >= 2:
         s = summarise(consensus(readings, tolerance), resamples, seed)
-        pair_rows.append(
-            {
-                "method_a": "all",
-                "method_b": "all",
-                "metric": "consensus",
-                "n": s.n,
-                "value": s.value,
-                "low": s.low,
-                "high": s.high,
-                "paper": SEED_001_CONSENSUS / 100,
-            }
-        )
+        ch = consensus_chance(readings, tolerance, null_strata, permutations, resamples, seed)
+        add("all", "all", "consensus", s, SEED_001_CONSENSUS / 100, ch)
     return MetricsResult(
-        pa.Table.from_pylist(rows, schema=METRICS), pa.Table.from_pylist(pair_rows, schema=PAIRS), per_fact
+        pa.Table.from_pylist(rows, schema=METRICS),
+        pa.Table.from_pylist(pair_rows, schema=PAIRS),
+        per_fact,
+        grouping,
     )
 
 

@@ -198,10 +198,22 @@ def trace_reading(store: Any, run_id: str | None = None, plateau: float = PLATEA
     return _from_components("trace", ids, mlp, attn, plateau)
 
 
-def patch_reading(store: Any, run_id: str | None = None, plateau: float = PLATEAU) -> MethodReading:
+PATCH_POSITIONS = ("subject_last", "last")  # the positions patching records (ingest's patching.POSITIONS)
+
+
+def patch_reading(
+    store: Any, run_id: str | None = None, plateau: float = PLATEAU, position: str | None = None
+) -> MethodReading:
+    """Patching's reading: per layer the largest recovery over the patched positions, or, with
+    ``position`` (``subject_last`` or ``last``), the recovery at that position alone."""
     run = latest_run(store, "patch_effects", run_id)
-    ids, mlp = _component_grid(store, "patch_effects", run, "mlp", "AND head = -1")
-    ids2, attn = _component_grid(store, "patch_effects", run, "attn", "AND head = -1")
+    extra = "AND head = -1"
+    if position is not None:
+        if position not in PATCH_POSITIONS:
+            raise MethodsError(f"unknown patch position {position!r} (one of {', '.join(PATCH_POSITIONS)})")
+        extra += f" AND position = '{position}'"
+    ids, mlp = _component_grid(store, "patch_effects", run, "mlp", extra)
+    ids2, attn = _component_grid(store, "patch_effects", run, "attn", extra)
     if not np.array_equal(ids, ids2):
         raise MethodsError(f"run {run}: mlp and attn patches cover different facts")
     return _from_components("patch", ids, mlp, attn, plateau)

@@ -31,6 +31,7 @@ from actstore.jobs.record import record_run
 from actstore.jobs.settings import AgreeConfig
 from actstore.query.method_agreement import agreement, agreement_table, default_tolerance
 from actstore.query.method_probe import LayerProbeConfig, probe_reading
+from actstore.query.method_study import store_strata
 from actstore.query.methods import (
     COMPARISON_TRAIN,
     MethodReading,
@@ -128,7 +129,11 @@ def run_agreement(
             store, out, LayerProbeConfig(min_count=cfg.probe_min_count, folds=cfg.probe_folds), cfg.plateau
         )
     ordered = [readings[m] for m in wanted]
-    result = agreement(ordered, tol)
+    # the permutation null shuffles facts within their methods2k stratum, else their relation
+    strata = store_strata(store, ids)
+    grouping = next((g for g in ("stratum", "relation") if g in strata), "")
+    result = agreement(ordered, tol, strata.get(grouping) if grouping else None)
+    result["null_grouping"] = grouping
     if "trace" in readings:
         result["causal_shares"] = causal_shares(
             readings["trace"], readings.get("patch"), L, key_mlp_at_subject(store, trace_run)

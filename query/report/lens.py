@@ -104,6 +104,11 @@ def agreement_section(ctx: ReportContext) -> Section | None:
                         "n_verdict",
                         "verdict_agreement",
                         "profile_correlation",
+                        "key_layer_chance",
+                        "key_layer_excess",
+                        "key_layer_kappa",
+                        "verdict_chance",
+                        "verdict_kappa",
                     ],
                 )
             ),

@@ -4,6 +4,7 @@ and the study driver end to end on a tiny random model over the fixture data set
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -674,3 +675,75 @@ def _chromium_shows(html: str, tmp: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     dom = res.stdout.split('id="section-method-metrics"', 1)
     assert len(dom) == 2 and "precision" in dom[1].split("</section>", 1)[0]
+
+
+def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
+    """benchmarks/methods_chance.py on a tiny study: its raw figures are the study's, its chance
+    columns the library's on the same readings, and ROME's filter removes the facts SQL says it must."""
+    import sys
+
+    import actstore
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import methods_chance
+    import methods_study
+
+    from actstore.query.method_chance import pair_chance
+    from actstore.query.method_study import store_strata, study_readings
+
+    data = tmp_path / "m2k"
+    build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())
+    store = build_store(tmp_path / "s", "llama", dataset=f"methods2k:{data}", limit=100)
+    state, out = tmp_path / "state.json", tmp_path / "chance.json.gz"
+    assert (
+        methods_study.main(
+            ["study", str(store), "--state", str(state), "--all-facts", "--max-facts", "8", "--chunk", "4"]
+            + ["--samples", "1", "--window", "2", "--random-draws", "1", "--resamples", "50"]
+            + ["--methods", "trace,patch,attention,logit_lens"]
+        )
+        == 0
+    )
+    args = [
+        str(store),
+        "--state",
+        str(state),
+        "--json",
+        str(out),
+        "--resamples",
+        "50",
+        "--permutations",
+        "200",
+        "--methods",
+        "trace,patch,attention,logit_lens",
+    ]
+    assert methods_chance.main(args) == 0
+    d = json.loads(gzip.decompress(out.read_bytes()))
+    s = actstore.open(str(store))
+    recorded = json.loads(state.read_text())
+    study = {
+        (r["method_a"], r["method_b"], r["metric"]): r
+        for r in s.sql(
+            f"SELECT * FROM method_pair_metrics WHERE run_id = '{recorded['metrics_knockout_run']}'"
+        ).to_pylist()
+    }
+    got = {(r["method_a"], r["method_b"], r["metric"]): r for r in d["all"]["knockout"]["pairs"]}
+    assert got[("trace", "patch", "key_layer")]["value"] == pytest.approx(
+        study[("trace", "patch", "key_layer")]["value"]
+    )
+    readings = study_readings(s, ["trace", "patch"], recorded["trace_runs"], recorded["patch_runs"])
+    ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
+    want = pair_chance(
+        readings["trace"], readings["patch"], d["tolerance"], store_strata(s, ids)["stratum"], 200, 50
+    )
+    assert got[("trace", "patch", "key_layer")]["chance"] == pytest.approx(want["key_layer"].chance)
+    assert got[("trace", "patch", "key_layer")]["kappa"] == pytest.approx(
+        want["key_layer"].kappa, nan_ok=True
+    )
+    assert d["window"] == 2 and {"trace@centre", "patch@last", "logit_lens@half"} <= set(d["readings"])
+    low = s.sql(
+        "SELECT count(*) AS n FROM trace_facts WHERE list_contains($r, run_id) AND total_effect <= 0",
+        {"r": recorded["trace_runs"]},
+    )
+    assert d["rome_filter"]["removed"] == low.column("n")[0].as_py()
+    assert d["rome"]["n_facts"] == 8 - d["rome_filter"]["removed"]
+    assert methods_chance.main(["--tables", str(out)]) == 0

@@ -45,6 +45,16 @@ def test_agreement_figures() -> None:
     assert ab["key_layer_agreement"] == 0.75 and ab["key_layer_exact"] == 0.5
     assert ab["verdict_agreement"] == 0.75 and ab["n_verdict"] == 4
     assert ab["paper_key_layer"] == 0.825
+    # against chance, no strata: the 16 (trace, patch) key pairs, 5 within one layer
+    # ((2,2), (2,3), (5,6), (7,6), (9,9)): chance 5/16, excess 3/4 - 5/16, kappa (3/4 - 5/16) / (11/16)
+    assert ab["key_layer_chance"] == pytest.approx(5 / 16)
+    assert ab["key_layer_excess"] == pytest.approx(7 / 16) and ab["key_layer_kappa"] == pytest.approx(7 / 11)
+    # with each fact its own stratum, every shuffle is the identity: chance = observed
+    own = agreement([a, b], tolerance=1, strata={i: str(i) for i in range(4)}, resamples=100)
+    assert (
+        own["pairs"][0]["key_layer_chance"] == pytest.approx(0.75)
+        and own["pairs"][0]["key_layer_excess"] == 0
+    )
     assert (
         pairs[("trace", "probe")]["n_verdict"] == 0 and pairs[("trace", "probe")]["verdict_agreement"] is None
     )

@@ -1,0 +1,346 @@
+"""Re-read a finished method study with issue 36's definitions: agreement against chance, effects
+relative to p_clean, key-layer variants, ROME's filter.  Reads the stored runs only (no tracing,
+patching or intervention is run again):
+
+    python benchmarks/methods_study.py restore G --from benchmarks/results/methods-gemma3-270m-s10 --state G.study.json
+    python benchmarks/methods_chance.py G --state G.study.json --json OUT.json     # the readings and every figure
+    python benchmarks/methods_chance.py --tables OUT.json                           # Markdown for results-methods.md
+
+(``OUT.json.gz``: gzip-compressed.)  The Gemma-3-270M output of issue 36 is
+``benchmarks/results/methods-gemma3-270m-s10/chance.json.gz`` (``--tuned adam``: the study's fit).
+
+Readings as the study reads them (``query/method_study.py::study_readings``; the tuned lens only
+with ``--tuned``: the study's Adam fit takes ~11 minutes on 2 cores), the variants of
+``query/method_keys.py``, the metrics of ``query/method_tables.py::compute_metrics`` (pairs with
+their chance level, kappa and excess; effect correlations raw, relative, log-odds and partial) for
+both intervention modes, on all traced facts and on the facts ROME's filter keeps
+(``query/method_study.py::rome_filter``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BASE = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
+SEED_PAIRS = (("trace", "patch"), ("trace", "probe"), ("patch", "logit_lens"), ("probe", "attention"))
+SUBSTITUTES = {  # variant -> the base method it stands in for
+    "trace@centre": "trace",
+    "patch@subject_last": "patch",
+    "patch@last": "patch",
+    "logit_lens@top10": "logit_lens",
+    "logit_lens@half": "logit_lens",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from actstore.api import open_store
+    from actstore.query.method_agreement import default_tolerance
+    from actstore.query.method_chance import (
+        coded_chance,
+        consensus_chance,
+        group_codes,
+        pair_chance,
+    )
+    from actstore.query.method_keys import (
+        lens_variant_readings,
+        patch_position_readings,
+        trace_centre_reading,
+        trace_window,
+        window_kernel,
+    )
+    from actstore.query.method_metrics import subset_reading
+    from actstore.query.method_study import (
+        rome_filter,
+        store_strata,
+        study_readings,
+        trace_clean_probabilities,
+        trace_total_effects,
+    )
+    from actstore.query.method_tables import compute_metrics
+    from actstore.query.methods import COMPARISON_TRAIN, stored_outputs
+
+    t0 = time.time()
+    store = open_store(a.store)
+    state = json.loads(Path(a.state).read_text())
+    L = store.geometry.n_layers
+    tol = default_tolerance(L)
+    methods = [m for m in a.methods.split(",") if m] + (["tuned_lens"] if a.tuned else [])
+    if "trace" not in methods or any(m not in BASE for m in methods):
+        raise SystemExit(f"--methods: trace and any of {', '.join(BASE[1:-1])}")
+    tcfg = COMPARISON_TRAIN
+    if a.tuned and state.get("tuned_lens", {}).get("config"):
+        from dataclasses import replace
+
+        c = state["tuned_lens"]["config"]
+        tcfg = replace(COMPARISON_TRAIN, steps=c["steps"], batch=c["batch"], lr=c["lr"], seed=c["seed"])
+    readings = study_readings(
+        store, methods, state["trace_runs"], state["patch_runs"], tuned=a.tuned or "adam", tuned_config=tcfg
+    )
+    log(
+        "readings: "
+        + ", ".join(f"{m} {len(r.example_ids)}" for m, r in readings.items())
+        + f" ({time.time() - t0:.0f}s)"
+    )
+    window = trace_window(store, state["trace_runs"])
+    variants = {"trace@centre": trace_centre_reading(readings["trace"], window, L)}
+    if "patch" in readings:
+        variants.update(patch_position_readings(store, state["patch_runs"]))
+    if "logit_lens" in readings:
+        out = stored_outputs(store, readings["logit_lens"].example_ids)
+        variants.update(lens_variant_readings(store, out, readings["logit_lens"]))
+    log(f"variants ({time.time() - t0:.0f}s)")
+    ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
+    strata = store_strata(store, ids)
+    te = trace_total_effects(store, state["trace_runs"])
+    p_clean = trace_clean_probabilities(store, state["trace_runs"])
+    rome = rome_filter(te, strata.get("stratum", {}), a.threshold)
+    effects = {
+        mode: store.sql(
+            "SELECT * EXCLUDE (run_id) FROM site_effects WHERE run_id = ?", [state[f"effects_{mode}_run"]]
+        )
+        for mode in ("knockout", "restore")
+        if state.get(f"effects_{mode}_run")
+    }
+    null = strata.get("stratum")
+    result: dict[str, Any] = {
+        "model": store.manifest.model.get("name"),
+        "n_layers": L,
+        "tolerance": tol,
+        "window": window,
+        "permutations": a.permutations,
+        "resamples": a.resamples,
+        "readings": {m: int(len(r.example_ids)) for m, r in {**readings, **variants}.items()},
+        "key_layer_median": {
+            m: float(np.median(r.key_layer[r.key_layer >= 0])) for m, r in {**readings, **variants}.items()
+        },
+        "key_layer_distinct": {
+            m: int(np.unique(r.key_layer[r.key_layer >= 0]).size) for m, r in {**readings, **variants}.items()
+        },
+        "rome_filter": {
+            "threshold": rome.threshold,
+            "facts": int(len(te)),
+            "removed": int(rome.removed.size),
+            "removed_ids": rome.removed.tolist(),
+            "removed_per_stratum": rome.removed_per_stratum,
+            "strata": len(rome.facts_per_stratum),
+        },
+    }
+    for subset, keep in (("all", ids), ("rome", rome.kept)):
+        rs = {m: subset_reading(r, keep) for m, r in readings.items()}
+        vs = {m: subset_reading(r, keep) for m, r in variants.items()}
+        block: dict[str, Any] = {}
+        for mode, eff in effects.items():
+            res = compute_metrics(
+                list(rs.values()), strata, tol, eff, a.resamples, p_clean=p_clean, permutations=a.permutations
+            )
+            block[mode] = {
+                "pairs": res.pairs.to_pylist(),
+                "null_grouping": res.null_grouping,
+                "methods": [r for r in res.metrics.to_pylist() if r["grouping"] == "all"],
+            }
+            log(f"{subset} / {mode}: metrics ({time.time() - t0:.0f}s)")
+        # variant pairs: each variant against every base method but its own, and variant against variant
+        rows = []
+        every = {**rs, **vs}
+        names = list(every)
+        for x, y in itertools.combinations(names, 2):
+            if SUBSTITUTES.get(x, x) == SUBSTITUTES.get(y, y) or (x in rs and y in rs):
+                continue
+            ch = pair_chance(every[x], every[y], tol, null, a.permutations, a.resamples)
+            for metric in ("key_layer", "key_layer_exact", "verdict"):
+                rows.append({"method_a": x, "method_b": y, "metric": metric, **ch[metric].__dict__})
+        # the trace window's reading: the other method's key inside the trace key's window
+        tr = rs["trace"]
+        kernel = window_kernel(window, L)
+        for other in [m for m in every if SUBSTITUTES.get(m, m) != "trace"]:
+            o = every[other]
+            common = np.intersect1d(tr.example_ids, o.example_ids)
+            kt, ko = (
+                tr.key_layer[np.searchsorted(tr.example_ids, common)],
+                o.key_layer[np.searchsorted(o.example_ids, common)],
+            )
+            ok = (kt >= 0) & (ko >= 0)
+            groups = (
+                group_codes([null.get(int(i), "") for i in common[ok]])
+                if null
+                else np.zeros(int(ok.sum()), np.int64)
+            )
+            f = coded_chance(kt[ok], ko[ok], groups, kernel, a.permutations, a.resamples)
+            rows.append({"method_a": "trace", "method_b": other, "metric": "in_trace_window", **f.__dict__})
+        # consensus with a variant in place of its method
+        for v, base in SUBSTITUTES.items():
+            if base not in rs:
+                continue
+            group = [vs[v] if m == base else r for m, r in rs.items()]
+            f = consensus_chance(group, tol, null, a.permutations, a.resamples)
+            rows.append(
+                {"method_a": "all", "method_b": f"all, {v} for {base}", "metric": "consensus", **f.__dict__}
+            )
+        block["variants"] = rows
+        # the same pairs against two other nulls: shuffles within relations, and over all facts
+        # (the latter is kappa's p_e, in every row as chance_pooled)
+        rel = strata.get("relation")
+        block["relation_null"] = [
+            {"method_a": x, "method_b": y, "metric": m, **f.__dict__}
+            for x, y in itertools.combinations(list(rs), 2)
+            for m, f in pair_chance(rs[x], rs[y], tol, rel, a.permutations, a.resamples).items()
+        ] + [
+            {
+                "method_a": "all",
+                "method_b": "all",
+                "metric": "consensus",
+                **consensus_chance(list(rs.values()), tol, rel, a.permutations, a.resamples).__dict__,
+            }
+        ]
+        sizes = (
+            np.bincount(group_codes([null.get(int(i), "") for i in keep])) if null else np.array([len(keep)])
+        )
+        block["stratum_sizes"] = {
+            "strata": int(sizes.size),
+            "single_fact_strata": int((sizes == 1).sum()),
+            "median": float(np.median(sizes)),
+            "max": int(sizes.max()),
+        }
+        block["n_facts"] = int(len(keep))
+        result[subset] = block
+    result["seconds"] = time.time() - t0
+    return result
+
+
+def _pct(x: Any) -> str:
+    return "n/a" if x is None or x != x else f"{100 * x:.1f}%"
+
+
+def _pp(x: Any) -> str:
+    return "n/a" if x is None or x != x else f"{100 * x:+.1f}"
+
+
+def _r(x: Any) -> str:
+    return "n/a" if x is None or x != x else f"{x:+.2f}"
+
+
+def tables(d: dict[str, Any]) -> str:
+    lines: list[str] = []
+    for subset in ("all", "rome"):
+        blk = d[subset]
+        lines.append(
+            f"\n#### Agreement against chance ({subset}: {blk['n_facts']} facts; null within {blk['knockout']['null_grouping']})\n"
+        )
+        lines.append(
+            "| methods | metric | facts | observed | chance [95%] | null 95% | p | excess [95%] | kappa [95%] | pooled chance | seed |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in blk["knockout"]["pairs"]:
+            if r.get("chance") is None:
+                continue
+            seed = _pct(r["paper"]) if r.get("paper") is not None else ""
+            lines.append(
+                f"| {r['method_a']} vs {r['method_b']} | {r['metric']} | {r['n']} | {_pct(r['value'])} | "
+                f"{_pct(r['chance'])} [{_pct(r['chance_low'])}, {_pct(r['chance_high'])}] | "
+                f"{_pct(r['null_low'])}-{_pct(r['null_high'])} | {r['p_value']:.3f} | "
+                f"{_pp(r['excess'])} [{_pp(r['excess_low'])}, {_pp(r['excess_high'])}] | "
+                f"{_r(r['kappa'])} [{_r(r['kappa_low'])}, {_r(r['kappa_high'])}] | {_pct(r['chance_pooled'])} | {seed} |"
+            )
+        lines.append(f"\n#### Key-layer variants ({subset})\n")
+        lines.append("| methods | metric | facts | observed | chance | p | excess [95%] | kappa [95%] |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for r in blk["variants"]:
+            lines.append(
+                f"| {r['method_a']} vs {r['method_b']} | {r['metric']} | {r['n']} | {_pct(r['value'])} | {_pct(r['chance'])} | "
+                f"{r['p_value']:.3f} | {_pp(r['excess'])} [{_pp(r['excess_low'])}, {_pp(r['excess_high'])}] | "
+                f"{_r(r['kappa'])} [{_r(r['kappa_low'])}, {_r(r['kappa_high'])}] |"
+            )
+        lines.append(f"\n#### The same pairs against the within-relation null ({subset})\n")
+        lines.append("| methods | metric | facts | observed | chance | p | excess [95%] |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in blk.get("relation_null", []):
+            if r["n"]:
+                lines.append(
+                    f"| {r['method_a']} vs {r['method_b']} | {r['metric']} | {r['n']} | {_pct(r['value'])} | "
+                    f"{_pct(r['chance'])} | {r['p_value']:.3f} | {_pp(r['excess'])} [{_pp(r['excess_low'])}, {_pp(r['excess_high'])}] |"
+                )
+        lines.append(f"\nStrata of the null ({subset}): {blk.get('stratum_sizes')}")
+        for mode in ("knockout", "restore"):
+            if mode not in blk:
+                continue
+            lines.append(f"\n#### Effect correlations ({subset}, {mode})\n")
+            lines.append(
+                "| methods | raw r [95%] | relative r [95%] | log-odds r [95%] | partial r given p_clean [95%] | facts |"
+            )
+            lines.append("|---|---|---|---|---|---|")
+            got: dict[tuple[str, str], dict[str, Any]] = {}
+            for r in blk[mode]["pairs"]:
+                if r["metric"].startswith("effect_"):
+                    got.setdefault((r["method_a"], r["method_b"]), {})[r["metric"]] = r
+            for (x, y), m in got.items():
+                cells = []
+                for k in (
+                    "effect_correlation",
+                    "effect_correlation_relative",
+                    "effect_correlation_logodds",
+                    "effect_partial_correlation",
+                ):
+                    r = m.get(k)
+                    cells.append(
+                        "n/a" if r is None else f"{_r(r['value'])} [{_r(r['low'])}, {_r(r['high'])}]"
+                    )
+                lines.append(f"| {x} vs {y} | " + " | ".join(cells) + f" | {m['effect_correlation']['n']} |")
+    rome = d["rome_filter"]
+    lines.append(
+        f"\nROME's filter (total effect > {rome['threshold']}): {rome['removed']} of {rome['facts']} facts removed, "
+        f"per stratum: {rome['removed_per_stratum']}"
+    )
+    lines.append(f"\nKey layers: median {d['key_layer_median']}, distinct values {d['key_layer_distinct']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("store", nargs="?")
+    p.add_argument("--state", help="the study's state file (methods_study.py restore writes one)")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--tables", help="print the Markdown tables of a --json output and stop")
+    p.add_argument(
+        "--methods", default="trace,patch,probe,attention,logit_lens", help="trace and any of these"
+    )
+    p.add_argument(
+        "--tuned", choices=("adam", "ridge"), default=None, help="also the tuned lens (the study's fit)"
+    )
+    p.add_argument("--threshold", type=float, default=0.0, help="ROME's filter: keep total effect above this")
+    p.add_argument("--permutations", type=int, default=1000)
+    p.add_argument("--resamples", type=int, default=2000)
+    a = p.parse_args(argv)
+    if a.tables:
+        raw = Path(a.tables).read_bytes()
+        print(tables(json.loads(gzip.decompress(raw) if a.tables.endswith(".gz") else raw)))
+        return 0
+    if not a.store or not a.state:
+        p.error("a store and --state are needed (or --tables)")
+    d = run(a)
+    if a.json:
+        text = (json.dumps(d, indent=1, default=float) + "\n").encode()
+        Path(a.json).write_bytes(gzip.compress(text, mtime=0) if a.json.endswith(".gz") else text)
+        log(f"wrote {a.json}")
+    print(tables(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
