@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from html import escape
-from typing import TYPE_CHECKING
+from typing import Any
 
 from actstore.core.tables import SEGMENT_TABLES
 
-if TYPE_CHECKING:
-    from actstore.core.store import StoreReader
 
-
-def store_html(store: StoreReader) -> str:
-    """Model, geometry, corpus per relation and result tables of ``store``."""
+def store_html(store: Any) -> str:
+    """Model, geometry, corpus per relation and result tables of ``store`` (a
+    :class:`~actstore.core.store.StoreReader`; not imported: the store imports this module)."""
     g = store.geometry
     model = store.manifest.model
     rows = [
