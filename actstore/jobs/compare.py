@@ -129,10 +129,14 @@ def run_agreement(
             store, out, LayerProbeConfig(min_count=cfg.probe_min_count, folds=cfg.probe_folds), cfg.plateau
         )
     ordered = [readings[m] for m in wanted]
-    # the permutation null shuffles facts within their methods2k stratum, else their relation
+    # the permutation null shuffles facts within their methods2k stratum (else their relation), their
+    # relation, or all together (cfg.null_grouping)
     strata = store_strata(store, ids)
-    grouping = next((g for g in ("stratum", "relation") if g in strata), "")
-    result = agreement(ordered, tol, strata.get(grouping) if grouping else None)
+    order = {"stratum": ("stratum", "relation"), "relation": ("relation",), "none": ()}[cfg.null_grouping]
+    grouping = next((g for g in order if g in strata), "")
+    result = agreement(
+        ordered, tol, strata.get(grouping) if grouping else None, permutations=cfg.permutations
+    )
     result["null_grouping"] = grouping
     if "trace" in readings:
         result["causal_shares"] = causal_shares(

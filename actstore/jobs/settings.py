@@ -249,6 +249,15 @@ class AgreeConfig:
         flag="--tuned-batch",
     )
     seed: int = setting(0, "Seed of the tuned lens's training.")
+    permutations: int = setting(
+        1000, "Shuffles of the permutation null behind each agreement's chance level.", low=1
+    )
+    null_grouping: str = setting(
+        "stratum",
+        "Facts are shuffled within their methods2k stratum (else their relation), their relation, or all "
+        "together (none).",
+        choices=("stratum", "relation", "none"),
+    )
     save: bool = setting(True, "Write the result tables.", cli=False)
     figures: str | None = setting(None, "Folder for the profile curves.", cli=False)
 

@@ -156,6 +156,25 @@ def test_cli_agree_end_to_end(store_factory: Callable[..., Path], tmp_path: Path
     assert {r["method"] for r in t} == {"trace", "patch", "probe", "attention", "logit_lens", "tuned_lens"}
     bad = cli.invoke(main, ["agree", path, "--run", "nope"])
     assert bad.exit_code == 1 and "no run 'nope'" in bad.stderr
+    assert out["null_grouping"] == "relation"  # (no methods2k strata in this store: its relations)
+    flat = cli.invoke(
+        main,
+        [
+            "agree",
+            path,
+            "--quiet",
+            "--json",
+            "--methods",
+            "trace,patch",
+            "--null-grouping",
+            "none",
+            "--permutations",
+            "20",
+            "--no-save",
+        ],
+    )
+    assert flat.exit_code == 0, flat.output
+    assert json.loads(flat.stdout)["null_grouping"] == ""
 
 
 def test_key_layer_is_the_middle_of_the_peak_plateau() -> None:
