@@ -103,19 +103,17 @@ class Selection:
         """
         if where is not None and query is not None:
             raise QueryError("give a WHERE predicate or a query, not both")
+        examples_cond = "TRUE"
         if query is not None:
             cond, text = (
                 f"t.example_id IN (SELECT example_id FROM {subquery(query)})",
                 f"query({query.strip()})",
             )
         elif where is not None and where.strip():
-            cond, text = (
-                f"t.example_id IN (SELECT example_id FROM examples WHERE {predicate(where)})",
-                where.strip(),
-            )
+            cond, text, examples_cond = "TRUE", where.strip(), predicate(where)
         else:
             cond, text = "TRUE", "all rows"
-        step = QueryStep(cond, check_params(params), memory_limit, timeout, text)
+        step = QueryStep(cond, check_params(params), memory_limit, timeout, text, examples_cond)
         return cls(store, step=step)
 
     @classmethod

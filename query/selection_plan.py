@@ -16,10 +16,15 @@ from actstore.core.errors import QueryError
 from actstore.core.sql import predicate, run_sql
 from actstore.core.store import StoreReader
 
+# The examples' condition filters a derived table, so that DuckDB carries a condition on example_id
+# across the join into the targets scan (a point lookup prunes both tables' row groups); a semi-join
+# (``t.example_id IN (SELECT ... WHERE ...)``) scanned every target row of the store.
 ROWS_SQL = """
 SELECT t.example_id, t.row, t.segment, t.seg_row, t.src_start, t.n_src, e.subject_start, e.subject_end,
        e.relation_id
-FROM targets t JOIN examples e USING (example_id)
+FROM targets t JOIN (
+    SELECT example_id, subject_start, subject_end, relation_id FROM examples WHERE {examples_cond}
+) e USING (example_id)
 WHERE {cond}
 ORDER BY t.row
 """
@@ -29,16 +34,18 @@ ORDER BY t.row
 class QueryStep:
     """The first step: the target rows whose example matches ``where`` or whose id ``query`` returns."""
 
-    cond: str
+    cond: str  # over the targets (t)
     params: list[Any] | dict[str, Any] | None
     memory_limit: str | None
     timeout: float | None
     text: str
+    examples_cond: str = "TRUE"  # over the examples (their columns unqualified)
 
     def apply(self, store: StoreReader, rows: pa.Table | None, limit: int | None = None) -> pa.Table:
         """The rows; ``limit``: only the first ``limit`` (DuckDB stops early: a limit on a large
         selection costs the rows it returns, not the rows it selects)."""
-        text = ROWS_SQL.format(cond=self.cond) + ("" if limit is None else f"LIMIT {int(limit)}\n")
+        sql = ROWS_SQL.format(cond=self.cond, examples_cond=self.examples_cond)
+        text = sql + ("" if limit is None else f"LIMIT {int(limit)}\n")
         return run_sql(store, text, params=self.params, memory_limit=self.memory_limit, timeout=self.timeout)
 
 
