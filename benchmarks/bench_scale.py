@@ -3,6 +3,7 @@ a prompt), ingested with the tiny random Llama, then the figures of issue 33 at 
 
     python benchmarks/bench_scale.py corpus 10000 /tmp/c10k.jsonl
     python benchmarks/bench_scale.py build /tmp/c10k.jsonl /tmp/s10k          # ingest: wall, CPU, peak RSS
+    python benchmarks/bench_scale.py build /tmp/c1m.jsonl /tmp/s1m --stop-after 8   # first commit, streaming RSS
     python benchmarks/bench_scale.py measure /tmp/s10k --json out.json        # queries, info, verify
     python benchmarks/bench_scale.py compare /tmp/plain10k /tmp/s10k          # several stores, one run
 
@@ -59,30 +60,61 @@ def corpus(n: int, path: Path, seed: int = 0) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def _timed(cmd: list[str]) -> dict[str, Any]:
-    """Run ``cmd``; its wall seconds, CPU seconds and peak RSS (MB) from the kernel's accounting."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return {
-        "wall_s": round(wall, 3),
-        "cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 3),
-        "peak_rss_mb": round(after.ru_maxrss / 1024, 1),  # the largest child so far (Linux: KB)
-        "stdout": proc.stdout,
-    }
-
-
-def build(corpus_path: Path, out: Path, segment_size: int, batch_size: int) -> dict[str, Any]:
+def build(
+    corpus_path: Path, out: Path, segment_size: int, batch_size: int, stop_after: int | None = None
+) -> dict[str, Any]:
+    """Ingest ``corpus_path`` into ``out`` in a child process, watching it: wall, CPU, peak RSS (the
+    kernel's, for the whole run), the seconds from the start to the first committed segment (an upper
+    bound on the first batch: that segment's forwards and its write included) and the largest RSS
+    while segments are written (sampled from /proc, before the final compaction).  ``stop_after``:
+    interrupt the ingest once that many segments are committed (a store to resume, not to query)."""
     cmd = [sys.executable, "-m", "actstore.cli", "ingest", "--model", "tiny-llama"]
     cmd += ["--dataset", f"jsonl:{corpus_path}", "--out", str(out), "--overwrite", "--quiet", "--json"]
     cmd += ["--batch-size", str(batch_size), "--segment-size", str(segment_size), "--threads", "1"]
-    r = _timed(cmd)
-    summary = json.loads(r.pop("stdout").strip().splitlines()[-1])
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first: float | None = None
+    streaming_rss = 0.0
+    n_commits = 0
+    while proc.poll() is None:
+        time.sleep(0.05 if first is None else 0.5)
+        commits = out / "commits"
+        n_commits = sum(1 for _ in commits.iterdir()) if commits.is_dir() else 0
+        if n_commits and first is None:
+            first = time.perf_counter() - t0
+        if n_commits and not (out / "snapshot").exists():  # segments being written, no compaction yet
+            streaming_rss = max(streaming_rss, _rss_mb(proc.pid))
+        if stop_after is not None and n_commits >= stop_after:
+            proc.terminate()
+            break
+    stdout, stderr = proc.communicate()
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r: dict[str, Any] = {
+        "wall_s": round(wall, 3),
+        "cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 3),
+        "peak_rss_mb": round(after.ru_maxrss / 1024, 1),  # the largest child so far (Linux: KB)
+        "first_commit_s": None if first is None else round(first, 2),
+        "streaming_rss_mb": round(streaming_rss, 1),
+    }
+    if stop_after is not None:
+        return {**r, "stopped_after_segments": n_commits}
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {stderr.strip().splitlines()[-1:]}")
+    summary = json.loads(stdout.strip().splitlines()[-1])
     return {**r, "ingest": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}}
+
+
+def _rss_mb(pid: int) -> float:
+    """The resident set of process ``pid`` now, in MB (0 when it has gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def disk(root: Path) -> dict[str, int]:
@@ -177,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--segment-size", type=int, default=256)
     b.add_argument("--batch-size", type=int, default=64)
     b.add_argument("--json", default=None)
+    b.add_argument("--stop-after", type=int, default=None, help="interrupt after this many segments")
     m = sub.add_parser("measure")
     m.add_argument("store", type=Path)
     m.add_argument("--json", default=None)
@@ -189,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         corpus(a.n, a.path)
     elif a.cmd == "build":
         emit(
-            {"corpus": str(a.corpus), **build(a.corpus, a.out, a.segment_size, a.batch_size), **disk(a.out)},
+            {"corpus": str(a.corpus), **build(a.corpus, a.out, a.segment_size, a.batch_size, a.stop_after), **disk(a.out)},
             a.json,
         )
     elif a.cmd == "compare":

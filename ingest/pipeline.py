@@ -25,7 +25,7 @@ import torch
 
 from actstore.core._version import __version__
 from actstore.core.compact import compact_held
-from actstore.core.errors import RankError
+from actstore.core.errors import AlignmentError, DatasetError, RankError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
 from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
@@ -41,7 +41,7 @@ from actstore.ingest.batches import pad_batch
 from actstore.ingest.capture import FusedCapture
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.ranks import rank_zero_first
-from actstore.ingest.records import TokenizedPrompt
+from actstore.ingest.records import PromptRecord, TokenizedPrompt
 from actstore.ingest.settings import IngestConfig
 
 FLAT_ARRAYS = ("attn", "v")  # one entry per stored token of each example, examples concatenated
@@ -90,13 +90,25 @@ class IngestReport:
     forward_seconds: float
 
 
-def corpus_sha256(prompts: Sequence[TokenizedPrompt]) -> str:
+def corpus_records(prompts: Sequence[TokenizedPrompt]) -> Sequence[PromptRecord]:
+    """The records behind ``prompts`` (a :class:`LazyPrompts`'s own, without tokenizing any)."""
+    return prompts.records if isinstance(prompts, LazyPrompts) else [p.record for p in prompts]
+
+
+def corpus_sha256(records: Sequence[PromptRecord]) -> str:
+    """The corpus fingerprint the manifest records (``--resume`` refuses another corpus): the SHA-256
+    of a streamed file's bytes (its ``fingerprint``, digested once when it was indexed), else of the
+    records' fields.  Tokens are not hashed: the tokenizer's identity is the manifest's
+    ``model.tokenizer`` (its files' hashes), so nothing is tokenized for the fingerprint."""
+    fingerprint = getattr(records, "fingerprint", None)
+    if isinstance(fingerprint, str):
+        return fingerprint
     h = hashlib.sha256()
-    for p in prompts:
-        r = p.record
-        h.update(
-            json.dumps([r.text, r.relation_id, r.subject, r.object, p.input_ids, p.target_position]).encode()
-        )
+    for r in records:
+        fields: list[object] = [r.text, r.relation_id, r.relation_name, r.subject, r.object, r.subject_span]
+        fields += [r.object_span, r.target, r.source, r.split]
+        h.update(json.dumps(fields).encode())
+        h.update(json.dumps(r.meta, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 
@@ -111,7 +123,7 @@ def build_manifest(
         "batch_size": cfg.batch_size,
         "padding_side": cfg.padding_side,
         **({"length_batching": True} if cfg.length_batching else {}),
-        "corpus_sha256": corpus_sha256(prompts),
+        "corpus_sha256": corpus_sha256(corpus_records(prompts)),
         "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         **cfg.extra,
     }
@@ -228,6 +240,8 @@ def capture_corpus(
     tok_files = tokenizer_files(tokenizer)
     model_info = _with_tokenizer(model_info, tok_files)
     manifest = build_manifest(model, arch, model_info, prompts, cfg)
+    if not cfg.resume:  # the first segment is read and aligned before the store is touched
+        _ = prompts[0 : cfg.segment_size]
     if cfg.resume:
         writer = StoreWriter.resume(loc, manifest)
     else:  # rank 0 creates the store; other ranks wait for it (actstore.ingest.ranks)
@@ -255,11 +269,11 @@ def capture_corpus(
     written = 0
     n_todo = sum(min(cfg.segment_size, len(prompts) - s * cfg.segment_size) for s in todo)
     bar = _progress(n_todo, cfg.progress and cfg.rank == 0)
-    object_ids = _object_token_ids(tokenizer, prompts)
     with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
         for seg in todo:
             lo = seg * cfg.segment_size
-            seg_prompts = prompts[lo : lo + cfg.segment_size]
+            seg_prompts = _segment_prompts(prompts, seg, lo, cfg.segment_size, len(done) + written)
+            object_ids = _object_token_ids(tokenizer, seg_prompts)
             parts: dict[str, list[np.ndarray]] = {
                 k: [] for k in (*SEGMENT_ARRAYS, "top", "obj_lp", "obj_rank")
             }
@@ -272,7 +286,7 @@ def capture_corpus(
                 out = capture.run(batch.input_ids, batch.attention_mask, batch.index, batch.position_ids)
                 for name, host in to_host(out, SEGMENT_ARRAYS).items():
                     parts[name].append(host)
-                top, lp, rank = _predictions(out["logits"], object_ids[lo + members])
+                top, lp, rank = _predictions(out["logits"], object_ids[members])
                 parts["top"].append(top)
                 parts["obj_lp"].append(lp)
                 parts["obj_rank"].append(rank)
@@ -288,9 +302,7 @@ def capture_corpus(
                 corpus_order(np.concatenate(parts["obj_lp"]), order),
                 corpus_order(np.concatenate(parts["obj_rank"]), order),
             )
-            tables = segment_tables(
-                seg, lo, seg_prompts, tokenizer, preds, object_ids[lo : lo + len(seg_prompts)]
-            )
+            tables = segment_tables(seg, lo, seg_prompts, tokenizer, preds, object_ids)
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
             pending.append(pool.submit(_write, writer, seg, lo, arrays, tables, on_segment))
@@ -307,6 +319,22 @@ def capture_corpus(
     return IngestReport(
         cfg.out, len(prompts), len(todo), len(mine) - len(todo), time.time() - started, forward_s
     )
+
+
+def _segment_prompts(
+    prompts: Sequence[TokenizedPrompt], seg: int, lo: int, size: int, n_committed: int
+) -> Sequence[TokenizedPrompt]:
+    """Segment ``seg``'s prompts, read and aligned now; a record that cannot be stops the ingest with
+    its own one-line error, saying what the store holds (the segments committed before stay valid)."""
+    try:
+        return prompts[lo : lo + size]
+    except (DatasetError, AlignmentError) as e:
+        if not n_committed:
+            raise
+        raise type(e)(
+            f"{e} (in segment {seg}; the ingest stopped there: the {n_committed} segment(s) written "
+            "before it are committed and valid, the store is incomplete)"
+        ) from None
 
 
 def _quiet(message: str) -> None:
@@ -343,9 +371,8 @@ def _write_run(
 
 
 def _object_token_ids(tokenizer: Any, prompts: Sequence[TokenizedPrompt]) -> np.ndarray:
-    """First token id of " " + object for each prompt (-1 without an object)."""
-    records = prompts.records if isinstance(prompts, LazyPrompts) else [p.record for p in prompts]
-    objects = [r.object for r in records]
+    """First token id of " " + object for each prompt of a segment (-1 without an object)."""
+    objects = [p.record.object for p in prompts]
     out = np.full(len(prompts), -1, dtype=np.int64)
     idx = [i for i, o in enumerate(objects) if o]
     if idx:

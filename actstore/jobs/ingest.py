@@ -21,6 +21,7 @@ from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
 from actstore.ingest.datasets import DatasetResult, load_dataset
+from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
@@ -63,13 +64,17 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
         "template": req.template,
         "keep_object_first": req.keep_object_first,
     }
-    data = load_dataset(req.dataset, **options)
+    # A JSON-lines file without filters streams (read and aligned a segment at a time); others load whole.
+    data = stream_dataset(req.dataset, options) or load_dataset(req.dataset, **options)
     if not data.records:
         raise InvalidSetting("dataset", f"{req.dataset}: no records left after filtering")
     skipped = sum(sum(v.values()) for v in data.skipped.values())
-    log(
-        f"dataset {req.dataset}: {len(data.records)} prompts in {len(data.kept)} relations ({skipped} skipped)"
-    )
+    if isinstance(data.records, JsonlLines):
+        log(f"dataset {req.dataset}: {len(data.records)} prompts, read and checked a segment at a time")
+    else:
+        log(
+            f"dataset {req.dataset}: {len(data.records)} prompts in {len(data.kept)} relations ({skipped} skipped)"
+        )
     loc = locate(req.out)
     loc.probe()  # a wrong S3 endpoint, credentials or bucket fails here, before the model loads
     grouped = join_process_group(req.rank, req.world_size)

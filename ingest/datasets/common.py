@@ -29,7 +29,7 @@ class DatasetResult:
     records kept; relations filtered out by ``relations=`` appear in neither.
     """
 
-    records: list[PromptRecord]
+    records: Sequence[PromptRecord]  # a list, or a streamed source (.jsonl_stream.JsonlLines)
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)
     kept: dict[str, int] = field(default_factory=dict)
 
