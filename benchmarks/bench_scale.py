@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> None:
         corpus(a.n, a.path)
     elif a.cmd == "build":
         emit(
-            {"corpus": str(a.corpus), **build(a.corpus, a.out, a.segment_size, a.batch_size, a.stop_after), **disk(a.out)},
+            {
+                "corpus": str(a.corpus),
+                **build(a.corpus, a.out, a.segment_size, a.batch_size, a.stop_after),
+                **disk(a.out),
+            },
             a.json,
         )
     elif a.cmd == "compare":
