@@ -90,30 +90,59 @@ def _units(segments: list[int], old: Snapshot | None) -> list[list[int]]:
     return units
 
 
-def _parquet(table: pa.Table) -> bytes:
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd", row_group_size=ROW_GROUP_ROWS, write_statistics=True)
-    return buf.getvalue()
+def _compacted_file(
+    store: StoreReader, table: str, segs: list[int], old: Snapshot | None
+) -> tuple[bytes, int, int, int]:
+    """One compacted file of ``table`` for segments ``segs`` (consecutive in store order): its bytes,
+    rows and smallest and largest ``example_id`` (-1, -1 when empty).  The rows come from the old
+    snapshot's files where they cover the segments (a full compaction takes whole files) and from the
+    shards otherwise, every file hash-checked as it is read; they are written a row group at a time
+    and no source is cached, so memory is about one row group plus the compressed file, whatever the
+    store's size (the reader's table cache would hold every table of the store by the end)."""
+    schema = SCHEMAS[table]
+    sink = io.BytesIO()
+    writer = pq.ParquetWriter(sink, schema, compression="zstd", write_statistics=True)
+    pending: list[pa.Table] = []
+    n_pending = rows = 0
+    lo, hi = -1, -1
+
+    def flush(n: int) -> None:
+        nonlocal pending, n_pending
+        whole = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+        writer.write_table(whole.slice(0, n), row_group_size=ROW_GROUP_ROWS)
+        rest = whole.slice(n)
+        pending, n_pending = ([rest] if rest.num_rows else []), rest.num_rows
+
+    for rel in _sources(table, segs, old):
+        part = pq.ParquetFile(pa.BufferReader(store._table_bytes(rel))).read().select(schema.names)
+        part = part.cast(schema)
+        if part.num_rows:
+            ids = part.column("example_id")
+            a, b = int(pc.min(ids).as_py()), int(pc.max(ids).as_py())
+            lo, hi = (a, b) if lo < 0 else (min(lo, a), max(hi, b))
+        rows += part.num_rows
+        pending.append(part)
+        n_pending += part.num_rows
+        while n_pending >= ROW_GROUP_ROWS:
+            flush(ROW_GROUP_ROWS)
+    if n_pending:
+        flush(n_pending)
+    writer.close()
+    return sink.getvalue(), rows, lo, hi
 
 
-def _gather(store: StoreReader, table: str, segs: list[int], old: Snapshot | None) -> pa.Table:
-    """The rows of ``table`` for segments ``segs`` (consecutive in store order), read from the old
-    snapshot's files where they cover them (a full compaction takes whole files) and from the shards
-    otherwise; every file is hash-checked as it is read."""
+def _sources(table: str, segs: list[int], old: Snapshot | None) -> list[str]:
+    """The files holding ``table``'s rows of ``segs``, in store order (see :func:`_compacted_file`)."""
     old_files = old.tables[table] if old else ()
-    parts: list[pa.Table] = []
-    taken: set[str] = set()
+    out: list[str] = []
     for seg in segs:
         owner = next((f for f in old_files if f.first <= seg <= f.last), None)
         if owner is not None and old is not None and seg in old.segments:
-            if owner.path not in taken:
-                taken.add(owner.path)
-                parts.append(store._read_table_file(owner.path, None))
+            if owner.path not in out:
+                out.append(owner.path)
         else:
-            parts.append(store._read_table_file(f"tables/{table}/{seg:06d}.parquet", None))
-    if not parts:
-        return SCHEMAS[table].empty_table()
-    return pa.concat_tables(parts, promote_options="permissive")
+            out.append(f"tables/{table}/{seg:06d}.parquet")
+    return out
 
 
 def compact(
@@ -164,21 +193,19 @@ def compact_held(
     for table in SEGMENT_TABLES:
         files = kept[table]
         for k, segs in enumerate(groups, start=len(files)):
-            data = _gather(store, table, segs, old)
-            blob = _parquet(data)
+            blob, n_rows, min_id, max_id = _compacted_file(store, table, segs, old)
             path = compacted_name(table, number, k)
             loc.write_bytes_atomic(path, blob)
-            ids = data.column("example_id")
             files.append(
                 TableFile(
                     path=path,
                     sha256=sha256(blob),
-                    rows=data.num_rows,
+                    rows=n_rows,
                     bytes=len(blob),
                     first=min(segs),
                     last=max(segs),
-                    min_id=int(pc.min(ids).as_py()) if data.num_rows else -1,
-                    max_id=int(pc.max(ids).as_py()) if data.num_rows else -1,
+                    min_id=min_id,
+                    max_id=max_id,
                 )
             )
             written += 1

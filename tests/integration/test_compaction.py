@@ -369,3 +369,34 @@ def test_a_selection_resolves_to_the_rows_a_numpy_filter_finds(
         )
         == rows
     )
+
+
+def test_compacted_files_are_written_a_row_group_at_a_time(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row groups cut across the source files at ROW_GROUP_ROWS rows, the rows those of the shards in
+    store order (a concatenation of the shards, read here with pyarrow alone)."""
+    import actstore.core.compact as compact_module
+
+    monkeypatch.setattr(compact_module, "ROW_GROUP_ROWS", 5)
+    s = copy(base, tmp_path / "s")
+    compact(str(s))
+    snap = actstore.open(s).snapshot
+    assert snap is not None
+    for table in ("examples", "tokens", "targets"):
+        shards = sorted((s / "tables" / table).glob("[0-9]*.parquet"))
+        want = pa.concat_tables([pq.read_table(f) for f in shards])
+        files = snap.tables[table]
+        got = pa.concat_tables([pq.read_table(s / f.path) for f in files])
+        assert got.equals(want.cast(got.schema)), table
+        for f in files:
+            sizes = [
+                g.num_rows
+                for g in (
+                    pq.ParquetFile(s / f.path).metadata.row_group(i)
+                    for i in range(pq.ParquetFile(s / f.path).metadata.num_row_groups)
+                )
+            ]
+            assert sizes and all(n == 5 for n in sizes[:-1]) and 0 < sizes[-1] <= 5, (table, sizes)
+            ids = pq.read_table(s / f.path).column("example_id").to_numpy()
+            assert (f.min_id, f.max_id, f.rows) == (ids.min(), ids.max(), len(ids))
