@@ -29,6 +29,13 @@ WHERE {cond}
 ORDER BY t.row
 """
 
+# The last of the first ``limit`` examples matching a condition, in store order (a limit's first step).
+LAST_EXAMPLE_SQL = """
+SELECT max(example_id) FROM (
+    SELECT example_id FROM examples WHERE {examples_cond} ORDER BY example_id LIMIT {limit}
+)
+"""
+
 
 @dataclass(frozen=True)
 class QueryStep:
@@ -44,9 +51,24 @@ class QueryStep:
     def apply(self, store: StoreReader, rows: pa.Table | None, limit: int | None = None) -> pa.Table:
         """The rows; ``limit``: only the first ``limit`` (DuckDB stops early: a limit on a large
         selection costs the rows it returns, not the rows it selects)."""
+        run = lambda text: run_sql(  # noqa: E731
+            store, text, params=self.params, memory_limit=self.memory_limit, timeout=self.timeout
+        )
+        if limit is not None and self.cond == "TRUE":
+            # Two steps: the first ``limit`` matching examples (a scan of examples alone, stopped
+            # early), then the rows of examples up to the last of them, whose targets' row groups the
+            # bound prunes.  Rows follow examples in store order, one or more per example, so those
+            # examples hold the first ``limit`` rows unless some have no row: then the plain plan.
+            last = run(LAST_EXAMPLE_SQL.format(examples_cond=self.examples_cond, limit=int(limit)))
+            bound = last.column(0)[0].as_py() if last.num_rows else None
+            if bound is None:
+                return run(ROWS_SQL.format(cond="TRUE", examples_cond=f"({self.examples_cond}) AND FALSE"))
+            cond = f"({self.examples_cond}) AND example_id <= {int(bound)}"
+            rows = run(ROWS_SQL.format(cond="TRUE", examples_cond=cond) + f"LIMIT {int(limit)}\n")
+            if rows.num_rows == limit:
+                return rows
         sql = ROWS_SQL.format(cond=self.cond, examples_cond=self.examples_cond)
-        text = sql + ("" if limit is None else f"LIMIT {int(limit)}\n")
-        return run_sql(store, text, params=self.params, memory_limit=self.memory_limit, timeout=self.timeout)
+        return run(sql + ("" if limit is None else f"LIMIT {int(limit)}\n"))
 
 
 @dataclass(frozen=True)

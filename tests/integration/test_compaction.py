@@ -400,3 +400,18 @@ def test_compacted_files_are_written_a_row_group_at_a_time(
             assert sizes and all(n == 5 for n in sizes[:-1]) and 0 < sizes[-1] <= 5, (table, sizes)
             ids = pq.read_table(s / f.path).column("example_id").to_numpy()
             assert (f.min_id, f.max_id, f.rows) == (ids.min(), ids.max(), len(ids))
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 10_000])
+def test_a_limit_with_bound_parameters_and_one_matching_nothing(base: Path, n: int) -> None:
+    """The limit's two steps (the first examples, then their rows) bind the same parameters; a
+    condition matching nothing gives the empty rows of the plain plan."""
+    s = actstore.open(base)
+    rel = s.sql("SELECT max(relation_id) AS r FROM examples").column("r")[0].as_py()
+    for params in ([rel], {"r": rel}):
+        where = "relation_id = ?" if isinstance(params, list) else "relation_id = $r"
+        whole = s.select(where, params=params)
+        assert len(whole) > 0
+        assert s.select(where, params=params).limit(n).rows.equals(whole.rows.slice(0, n))
+    nothing = s.select("relation_id = 'no such relation'")
+    assert nothing.limit(n).rows.equals(nothing.rows) and len(nothing) == 0
