@@ -113,14 +113,33 @@ class WeightCache:
     def __init__(self, store: StoreReader) -> None:
         self._store = weakref.ref(store)  # the cache must not keep its store alive (see _CACHES)
         self._w: dict[str, torch.Tensor] = {}
+        self._by_layer: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _of(self) -> StoreReader:
+        store = self._store()
+        if store is None:
+            raise QueryError("the store of this weight cache was closed")
+        return store
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._w:
-            store = self._store()
-            if store is None:
-                raise QueryError("the store of this weight cache was closed")
-            self._w[name] = torch.from_numpy(store.weight(name))
+            self._w[name] = torch.from_numpy(self._of().weight(name))
         return self._w[name]
+
+    def layers(self, name: str, layers: list[int]) -> torch.Tensor:
+        """Weight ``name`` (layers first: ``W_O``, ``b_O``, ``W_down``, ``b_down``) at ``layers`` only.
+        Unless the whole weight is loaded already, each layer is read alone and kept (a store chunks
+        these weights one layer per chunk), so a read of three layers of a freshly opened store reads
+        three layers' weights, not all of them (SmolLM2's ``W_O``: 40 MB)."""
+        store = self._of()
+        if name in self._w or len(layers) == store.geometry.n_layers or not store.layer_chunked(name):
+            return _pick(self[name], layers, 0)
+        for layer in layers:
+            if (name, layer) not in self._by_layer:
+                self._by_layer[name, layer] = torch.from_numpy(self._of().weight(name, layer))
+        if len(layers) == 1:
+            return self._by_layer[name, layers[0]][None]
+        return torch.stack([self._by_layer[name, layer] for layer in layers])
 
 
 _CACHES: weakref.WeakKeyDictionary[StoreReader, WeightCache] = weakref.WeakKeyDictionary()
@@ -213,10 +232,10 @@ def compute_block(
         return out
     if kind in ("mlp", "mlp_group"):
         a = torch.from_numpy(store.read_segment_rows(seg, "mlp", rows, L))  # [n, l, d_mlp]
-        Wd = _pick(W["W_down"], L, 0)  # [l, d_mlp, d]
+        Wd = W.layers("W_down", L)  # [l, d_mlp, d]
         if kind == "mlp":
             # One baddbmm over the layers, written through out's [l, n, d] view.
-            torch.baddbmm(_pick(W["b_down"], L, 0)[:, None], a.transpose(0, 1), Wd, out=dst.transpose(0, 1))
+            torch.baddbmm(W.layers("b_down", L)[:, None], a.transpose(0, 1), Wd, out=dst.transpose(0, 1))
             return out
         G = spec.groups or g.n_heads
         keep = list(spec.heads) if spec.heads is not None else list(range(G))
@@ -230,11 +249,11 @@ def compute_block(
         if kind == "z":
             dst.copy_(_pick(z, Hs, 2))
             return out
-        WO = _pick(W["W_O"], L, 0)  # [l, H, dh, d]
+        WO = W.layers("W_O", L)  # [l, H, dh, d]
         if kind == "attn":
             zf = z.reshape(n, len(L), -1)
             WOf = WO.reshape(len(L), -1, g.d_model)
-            torch.baddbmm(_pick(W["b_O"], L, 0)[:, None], zf.transpose(0, 1), WOf, out=dst.transpose(0, 1))
+            torch.baddbmm(W.layers("b_O", L)[:, None], zf.transpose(0, 1), WOf, out=dst.transpose(0, 1))
             return out
         _heads_matmul(_pick(z, Hs, 2), _pick(WO, Hs, 1), dst)
         return out
@@ -258,7 +277,7 @@ def compute_block(
         return out
     V = torch.from_numpy(store.read_segment_ranges(seg, "v", starts, lengths, L))  # [N, l, Hkv, dh]
     AV = _weighted_values(A, V, Hs, g.kv_group)  # [N, l, h, dh]
-    WOs = _pick(_pick(W["W_O"], L, 0), Hs, 1)  # [l, h, dh, d]
+    WOs = _pick(W.layers("W_O", L), Hs, 1)  # [l, h, dh, d]
     if kind == "attn_entity":
         owner = torch.repeat_interleave(torch.arange(n), torch.as_tensor(lengths, dtype=torch.long))
         ze = torch.zeros((n, len(L), len(Hs), g.d_head))

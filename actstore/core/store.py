@@ -208,8 +208,10 @@ class StoreReader:
         check_weight(self.geometry, name, arr, f"{self.url}/weights/{name}")
         return arr
 
-    def weight(self, name: str) -> np.ndarray:
-        """A stored weight as float32 (``W_O`` [L,H,d_head,d_model], ``unembed`` [V,d_model], ...)."""
+    def weight(self, name: str, layer: int | None = None) -> np.ndarray:
+        """A stored weight as float32 (``W_O`` [L,H,d_head,d_model], ``unembed`` [V,d_model], ...);
+        ``layer``: only that index of its first axis (``W_O[layer]``: one chunk of a store that
+        chunks its layer weights one layer per chunk)."""
         group = self._weights_group
         if name == "unembed" and group.attrs.get("tied_unembed"):
             name = "embed"
@@ -217,11 +219,17 @@ class StoreReader:
             raise QueryError(f"{self.url}: no stored weight {name!r} (have {sorted(group.array_keys())})")
         arr = self.weight_array(name)
         try:
-            return np.asarray(arr[...], dtype=np.float32)
+            return np.asarray(arr[...] if layer is None else arr[int(layer)], dtype=np.float32)
         except Exception as e:
             raise CorruptStoreError(
                 f"{self.url}/weights/{name}: read failed ({type(e).__name__}: {e})"
             ) from None
+
+    def layer_chunked(self, name: str) -> bool:
+        """Whether weight ``name`` is stored one layer (first-axis index) per chunk."""
+        if name == "unembed" and self._weights_group.attrs.get("tied_unembed"):
+            name = "embed"
+        return name in self._weights_group and int(self.weight_array(name).chunks[0]) == 1
 
     def has_weight(self, name: str) -> bool:
         return name in self._weights_group

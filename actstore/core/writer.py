@@ -76,7 +76,7 @@ class StoreWriter:
                     group,
                     name,
                     np.ascontiguousarray(value, dtype=np.float32),
-                    max(1, value.shape[0]),
+                    _weight_chunk(name, value, manifest.geometry.n_layers),
                     logical_dtype="float32",
                     compress=False,
                 )
@@ -176,6 +176,14 @@ class StoreWriter:
         )
         self.location.write_bytes_atomic(f"commits/{segment_name(seg)}.json", commit.to_json())
         return commit
+
+
+def _weight_chunk(name: str, value: np.ndarray, n_layers: int) -> int:
+    """Rows per chunk of a stored weight: one layer for the weights indexed by layer first (a read of
+    a few layers reads their chunks only), the whole array for the others (embeddings, final norm)."""
+    if name not in ("embed", "unembed") and value.ndim >= 1 and value.shape[0] == n_layers:
+        return 1
+    return max(1, value.shape[0])
 
 
 def write_result_table(store: StoreReader, name: str, run_id: str, table: pa.Table) -> str:
