@@ -30,6 +30,7 @@ semicolons or keywords is compared as data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -181,7 +182,14 @@ _PARSER_LOCK = threading.Lock()
 def referenced_tables(query: str) -> set[str] | None:
     """Names a statement reads as tables (CTE names included), from DuckDB's parse tree, without
     binding it; None when that cannot be told (a table function such as ``query_table``), in which
-    case every table is needed."""
+    case every table is needed.  Parses are kept per statement text (a selection's statement is the
+    same text each time: a parse is 2-6 ms)."""
+    names = _referenced_tables(query)
+    return None if names is None else set(names)
+
+
+@functools.lru_cache(maxsize=512)
+def _referenced_tables(query: str) -> frozenset[str] | None:
     import duckdb
 
     with _PARSER_LOCK:
@@ -207,7 +215,7 @@ def referenced_tables(query: str) -> set[str] | None:
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
-    return names
+    return frozenset(names)
 
 
 _DATABASES: dict[tuple[int, str], duckdb.DuckDBPyConnection] = {}  # (pid, memory limit) -> locked database

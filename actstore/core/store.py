@@ -57,6 +57,22 @@ if TYPE_CHECKING:
 _SESSION_LOCK = threading.Lock()
 
 
+_REOPENED: dict[tuple[Any, ...], StoreReader] = {}
+_REOPENED_LOCK = threading.Lock()
+
+
+def reopened(cls: type[StoreReader], location: StoreLocation, snapshot: int, n_commits: int) -> StoreReader:
+    """The reader a pickled reader becomes (see :meth:`StoreReader.__reduce__`): ``cls`` opened at
+    ``location`` once per process for that snapshot number and count of committed segments (a later
+    state of the store is another reader), with its own caches and SQL connection."""
+    key = (os.getpid(), cls, location.url, snapshot, n_commits)
+    with _REOPENED_LOCK:
+        reader = _REOPENED.get(key)
+        if reader is None:
+            reader = _REOPENED[key] = cls(location)
+        return reader
+
+
 class StoreReader:
     """A read-only view of a store as of the moment it was opened (or last :meth:`refresh`).
 
@@ -426,10 +442,13 @@ class StoreReader:
         if session is not None:
             session.close()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_sql_session", None)  # a connection and its lock do not travel; the copy opens its own
-        return state
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A reader pickles as its location and state (a few bytes), not as its caches: unpickled (a
+        Dask worker's task), it is the store reopened once per process and state (:func:`reopened`).
+        Pickling the reader itself sent its table cache and every commit marker with each task (at
+        10^5 rows a 391-task ``to_dask`` scan took 342 s against 1.3 s for the raw read)."""
+        number = self.snapshot.number if self.snapshot is not None else -1
+        return (reopened, (type(self), self.location, number, len(self.commits)))
 
     @overload
     def sql(
