@@ -17,9 +17,10 @@ every table byte once (linear in rows); an incremental one only the new segments
 
 from __future__ import annotations
 
-import io
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,7 +40,7 @@ from actstore.core.snapshot import (
     snapshot_name,
 )
 from actstore.core.store import StoreReader
-from actstore.core.tables import SCHEMAS, SEGMENT_TABLES, sha256
+from actstore.core.tables import SCHEMAS, SEGMENT_TABLES
 
 FILE_EXAMPLES = 1 << 18  # examples per compacted file at most (a full compaction's file size)
 
@@ -91,16 +92,16 @@ def _units(segments: list[int], old: Snapshot | None) -> list[list[int]]:
 
 
 def _compacted_file(
-    store: StoreReader, table: str, segs: list[int], old: Snapshot | None
-) -> tuple[bytes, int, int, int]:
-    """One compacted file of ``table`` for segments ``segs`` (consecutive in store order): its bytes,
-    rows and smallest and largest ``example_id`` (-1, -1 when empty).  The rows come from the old
-    snapshot's files where they cover the segments (a full compaction takes whole files) and from the
-    shards otherwise, every file hash-checked as it is read; they are written a row group at a time
-    and no source is cached, so memory is about one row group plus the compressed file, whatever the
-    store's size (the reader's table cache would hold every table of the store by the end)."""
+    sink: Any, *, store: StoreReader, table: str, segs: list[int], old: Snapshot | None
+) -> tuple[int, int, int]:
+    """Write one compacted file of ``table`` for segments ``segs`` (consecutive in store order) to the
+    binary file ``sink``; its rows and smallest and largest ``example_id`` (-1, -1 when empty).  The
+    rows come from the old snapshot's files where they cover the segments (a full compaction takes
+    whole files) and from the shards otherwise, every file hash-checked as it is read; they are
+    written a row group at a time and no source is cached, so memory is about one source file and one
+    row group, whatever the store's size (the reader's table cache would hold every table of the
+    store by the end)."""
     schema = SCHEMAS[table]
-    sink = io.BytesIO()
     writer = pq.ParquetWriter(sink, schema, compression="zstd", write_statistics=True)
     pending: list[pa.Table] = []
     n_pending = rows = 0
@@ -128,7 +129,7 @@ def _compacted_file(
     if n_pending:
         flush(n_pending)
     writer.close()
-    return sink.getvalue(), rows, lo, hi
+    return rows, lo, hi
 
 
 def _sources(table: str, segs: list[int], old: Snapshot | None) -> list[str]:
@@ -193,15 +194,16 @@ def compact_held(
     for table in SEGMENT_TABLES:
         files = kept[table]
         for k, segs in enumerate(groups, start=len(files)):
-            blob, n_rows, min_id, max_id = _compacted_file(store, table, segs, old)
             path = compacted_name(table, number, k)
-            loc.write_bytes_atomic(path, blob)
+            (n_rows, min_id, max_id), digest, size = loc.write_stream_atomic(
+                path, functools.partial(_compacted_file, store=store, table=table, segs=segs, old=old)
+            )
             files.append(
                 TableFile(
                     path=path,
-                    sha256=sha256(blob),
+                    sha256=digest,
                     rows=n_rows,
-                    bytes=len(blob),
+                    bytes=size,
                     first=min(segs),
                     last=max(segs),
                     min_id=min_id,
@@ -209,7 +211,7 @@ def compact_held(
                 )
             )
             written += 1
-            bytes_written += len(blob)
+            bytes_written += size
         tables[table] = tuple(files)
     segments = {s: (c.n_sources, c.n_tokens) for s, c in commits.items()}
     counted = old is not None and old.segment_bytes >= 0

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import io
 import os
 import posixpath
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 
 from actstore.core.errors import ActstoreError, CorruptStoreError, StorageError, StoreNotFoundError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,41 @@ class StoreLocation:
         else:
             with self.io():
                 self.fs.pipe_file(target, data)
+
+    def write_stream_atomic(self, rel: str, produce: Callable[[BinaryIO], T]) -> tuple[T, str, int]:
+        """Write the bytes ``produce(f)`` writes to the binary file ``f`` as object ``rel``, atomically
+        (as :meth:`write_bytes_atomic`: readers see the old object or the whole new one); returns what
+        ``produce`` returned, the SHA-256 and the size.  Locally ``f`` is a temporary file beside the
+        target (hashed from the page cache, then renamed): the bytes are never all in memory.  On an
+        object store they are gathered in memory and uploaded once."""
+        from actstore.core.tables import needs_hash_file
+
+        if needs_hash_file(rel):
+            raise ValueError(f"{rel}: a table with a .sha256 companion is written by write_bytes_atomic")
+        if not self.is_local:
+            buf = io.BytesIO()
+            out = produce(buf)
+            data = buf.getvalue()
+            self.write_bytes_atomic(rel, data)
+            return out, hashlib.sha256(data).hexdigest(), len(data)
+        target = self.path(rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = f"{target}.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                out = produce(f)
+                f.flush()
+                os.fsync(f.fileno())
+            digest, size = hashlib.sha256(), 0
+            with open(tmp, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    size += len(block)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return out, digest.hexdigest(), size
 
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under ``rel``; empty when it does not exist."""

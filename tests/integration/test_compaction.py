@@ -97,7 +97,16 @@ def count_writes(monkeypatch: pytest.MonkeyPatch, fail_at: int | None) -> list[s
         seen.append(rel)
         real(self, rel, data)
 
+    real_stream = StoreLocation.write_stream_atomic
+
+    def stream(self: StoreLocation, rel: str, produce: Any) -> Any:
+        if fail_at is not None and len(seen) == fail_at:
+            raise KeyboardInterrupt(f"killed before writing {rel}")
+        seen.append(rel)
+        return real_stream(self, rel, produce)
+
     monkeypatch.setattr(StoreLocation, "write_bytes_atomic", write)
+    monkeypatch.setattr(StoreLocation, "write_stream_atomic", stream)
     return seen
 
 
