@@ -18,7 +18,7 @@ every table byte once (linear in rows); an incremental one only the new segments
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,9 +114,7 @@ def _compacted_file(
         rest = whole.slice(n)
         pending, n_pending = ([rest] if rest.num_rows else []), rest.num_rows
 
-    for rel in _sources(table, segs, old):
-        part = pq.ParquetFile(pa.BufferReader(store._table_bytes(rel))).read().select(schema.names)
-        part = part.cast(schema)
+    for part in _row_groups(store, _sources(table, segs, old), schema):
         if part.num_rows:
             ids = part.column("example_id")
             a, b = int(pc.min(ids).as_py()), int(pc.max(ids).as_py())
@@ -130,6 +128,15 @@ def _compacted_file(
         flush(n_pending)
     writer.close()
     return rows, lo, hi
+
+
+def _row_groups(store: StoreReader, files: list[str], schema: pa.Schema) -> Iterator[pa.Table]:
+    """The rows of ``files`` a row group at a time (each file's bytes hash-checked first, then decoded
+    one row group at a time: a compacted source of 2^18 examples holds about 11 million token rows)."""
+    for rel in files:
+        pf = pq.ParquetFile(pa.BufferReader(store._table_bytes(rel)))
+        for i in range(pf.num_row_groups):
+            yield pf.read_row_group(i).select(schema.names).cast(schema)
 
 
 def _sources(table: str, segs: list[int], old: Snapshot | None) -> list[str]:
