@@ -259,6 +259,8 @@ def _page_route(view: str) -> Callable[[Request], Response]:
                 params["example_id"] = str(example_id(served.store, str(params["example_id"])))
             elif view == "relation":
                 params["relation"] = relation_id(served.store, str(params["relation"]))
+            elif view == "table":
+                params["table"] = table_name(served.store, str(params["table"]))
             elif view == "head":
                 layer, head = layer_head(served.store, str(params["layer"]), str(params["head"]))
                 params.update(layer=str(layer), head=str(head))
@@ -276,6 +278,10 @@ def index(request: Request) -> Response:
     return Response(
         pages.index(list(catalog)), media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS
     )
+
+
+def _no_icon(request: Request) -> Response:
+    return Response(status_code=204)
 
 
 PAGE_ROUTES = [
@@ -297,6 +303,7 @@ def create_app(catalog: Catalog, limits: console.ConsoleLimits | None = None) ->
     routes += [Route(p, _page_route(v), methods=["GET"]) for p, v in PAGE_ROUTES]
     routes += [
         Route("/", index, methods=["GET"]),
+        Route("/favicon.ico", _no_icon, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(

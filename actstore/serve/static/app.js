@@ -167,7 +167,7 @@ VIEWS.relation = async () => {
     cell: (c, r) => (c === "accuracy" ? ci(r.accuracy, r.accuracy_ci95) : c === "f1" ? ci(r.f1, r.f1_ci95) : c === "run_accuracy" ? ci(r.run_accuracy, r.run_ci95) : null),
   });
   const conf = el("div", { class: "row" },
-    el("div", {}, el("h3", { text: "predicted as" }), table(d.confusions.predicted_as, ["relation_id", "relation_name", "n"])),
+    el("div", {}, el("h3", { text: "its queries predicted as" }), table(d.confusions.predicted_as, ["relation_id", "relation_name", "n"])),
     el("div", {}, el("h3", { text: "other relations predicted as this one" }), table(d.confusions.mistaken_for_it, ["relation_id", "n"])));
   const pcols = d.predictors.length ? Object.keys(d.predictors[0]) : ["run_id", ...d.predictor_columns];
   const hs = el("div", { id: "hs-section" });
@@ -179,8 +179,10 @@ VIEWS.relation = async () => {
     hs,
     section(`Prompts (${d.prompts})`, prompts),
   );
-  promptList(prompts, rel);
-  headscoreSection(rel, Q.get("run"), hs).then((s) => hs.replaceChildren(s)).catch((e) => hs.replaceChildren(failed(e)));
+  await Promise.all([
+    promptList(prompts, rel),
+    headscoreSection(rel, Q.get("run"), hs).then((s) => hs.replaceChildren(s)).catch((e) => hs.replaceChildren(failed(e))),
+  ]);
 };
 
 async function promptList(target, rel) {
@@ -242,7 +244,7 @@ VIEWS.prompt = async () => {
   const ex = D.exampleId;
   const d = await api(`/prompts/${encodeURIComponent(ex)}`);
   const e = d.example;
-  const meta = table([e], Object.keys(e).filter((k) => k !== "text"), { cls: "kv" });
+  const meta = table([e], Object.keys(e).filter((k) => k !== "text"), { id: "prompt-meta" });
   const kids = [section("Prompt", el("p", { class: "tokens plain", id: "prompt-tokens" }, ...d.tokens.map((t) => el("span", { class: "tok", text: t.text, title: `${t.position}: ${JSON.stringify(t.token)}` }))), meta)];
   const contrib = el("div", { id: "contrib" });
   kids.push(contrib);
