@@ -223,7 +223,10 @@ def prompts_page(
 
 # ----------------------------------------------------------------------------------- HeadScore
 def headscore_grid(store: StoreReader, rel: str | None, run: str | None) -> dict[str, Any]:
-    """The stored mean HeadScore (layer x head) of a probe run, for a relation or over all of them."""
+    """The stored mean HeadScore (layer x head, weighted by predictions) of a probe run, for a relation
+    or over all of them: :func:`actstore.jobs.probe.headscore_grid`, as ``actstore headscore`` shows it."""
+    from actstore.jobs import probe as probe_job
+
     g = store.geometry
     chosen = latest_run(store, "head_scores", run)
     if chosen is None:
@@ -233,29 +236,23 @@ def headscore_grid(store: StoreReader, rel: str | None, run: str | None) -> dict
             "runs": [],
             "note": "the store holds no HeadScores (run `actstore probe`)",
         }
-    cond, params = "run_id = ?", [chosen]
-    if rel is not None:
-        cond += " AND relation_id = ?"
-        params.append(rel)
-    rows = (
-        sql(
-            store,
-            f"SELECT layer, head, avg(score) AS score, avg(abs_score) AS abs_score, sum(n) AS n "
-            f"FROM head_scores WHERE {cond} GROUP BY 1, 2",
-            params,
-        )
-        if "abs_score" in columns(store, "head_scores")
-        else sql(
-            store,
-            f"SELECT layer, head, avg(score) AS score FROM head_scores WHERE {cond} GROUP BY 1, 2",
-            params,
-        )
-    )
-    per_layer = bool(rows) and all(r["head"] == -1 for r in rows)
-    for r in rows:
-        if per_layer:
-            r["head"] = 0
+    if rel is not None and not sql(
+        store, "SELECT 1 FROM head_scores WHERE run_id = ? AND relation_id = ? LIMIT 1", [chosen, rel]
+    ):
+        return {
+            "run_id": chosen,
+            "grid": None,
+            "runs": runs_of(store, "head_scores"),
+            "note": f"run {chosen} has no HeadScores for {rel}",
+        }
+    hs = probe_job.headscore_grid(store, chosen, rel)
+    per_layer = hs.heads == [-1]
     n_cols = 1 if per_layer else g.n_heads
+    rows = [
+        {"layer": int(layer), "head": 0 if per_layer else int(head), "v": float(hs.scores[i, j])}
+        for i, layer in enumerate(hs.layers)
+        for j, head in enumerate(hs.heads)
+    ]
     kind = (
         sql(store, "SELECT kind FROM probe_runs WHERE run_id = ?", [chosen])
         if has_table(store, "probe_runs")
@@ -269,9 +266,10 @@ def headscore_grid(store: StoreReader, rel: str | None, run: str | None) -> dict
             "per_layer": per_layer,
             "layers": g.n_layers,
             "heads": n_cols,
-            "grid": grid(rows, "score", g.n_layers, n_cols),
+            "grid": grid(rows, "v", g.n_layers, n_cols),
             "runs": runs_of(store, "head_scores"),
-            "n": sum(int(r.get("n") or 0) for r in rows) if rows else 0,
+            "n": hs.n_predictions,
+            "contrast": hs.contrast,
         }
     )
 

@@ -1,5 +1,5 @@
 // actstore explorer: fills the server-rendered page from the JSON API under /api/.
-// Every string from the store is written with textContent (never innerHTML), so a prompt holding
+// Every string from the store is written with textContent (never as markup), so a prompt holding
 // <script> is shown as text.  Each view's state is in its URL (path and query string).
 "use strict";
 
