@@ -286,7 +286,9 @@ def head_view(
     out: dict[str, Any] = {"layer": layer, "head": head}
     if has_table(store, "maps_scores"):
         run = latest_run(store, "maps_scores")
-        cols = [c for c in ("relation", "score", "suppression", "k") if c in columns(store, "maps_scores")]
+        cols: list[str] = [
+            c for c in ("relation", "score", "suppression", "k") if c in columns(store, "maps_scores")
+        ]
         out["maps"] = sql(
             store,
             f"SELECT {', '.join(cols)} FROM maps_scores WHERE run_id = ? AND layer = ? AND head = ? ORDER BY score DESC",
@@ -296,10 +298,10 @@ def head_view(
     if has_table(store, "maps_salient"):
         run = latest_run(store, "maps_salient")
         cols = [c for c in ("token", "sigma", "mapped_tokens") if c in columns(store, "maps_salient")]
-        order = "ORDER BY sigma DESC" if "sigma" in cols else ""
+        by = "ORDER BY sigma DESC" if "sigma" in cols else ""
         out["salient"] = sql(
             store,
-            f"SELECT {', '.join(cols)} FROM maps_salient WHERE run_id = ? AND layer = ? AND head = ? {order} LIMIT 20",
+            f"SELECT {', '.join(cols)} FROM maps_salient WHERE run_id = ? AND layer = ? AND head = ? {by} LIMIT 20",
             [run, layer, head],
         )
     if has_table(store, "maps_dynamic"):

@@ -41,7 +41,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(Catalog.open([str(path)])), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(
+        uvicorn.Config(
+            create_app(Catalog.open([str(path)])), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -64,7 +68,9 @@ def page(server: tuple[Path, str]) -> Iterator[Any]:
     except ImportError:
         missing("playwright", "pip install -e '.[dev]'")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(
+            executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
         pg = browser.new_page(viewport={"width": 1280, "height": 900})
         pg.errors = []  # type: ignore[attr-defined]
         pg.on("pageerror", lambda e: pg.errors.append(str(e)))  # type: ignore[attr-defined]
@@ -100,12 +106,15 @@ def test_walk_from_store_to_relation_head_and_prompt(server: tuple[Path, str], p
     shot(pg, "relation")
     # the hottest head of its heatmap
     cells = pg.eval_on_selector_all(
-        "#headscore td", "els => els.map(e => [+e.dataset.layer, +e.dataset.head, e.dataset.value === '' ? null : +e.dataset.value])"
+        "#headscore td",
+        "els => els.map(e => [+e.dataset.layer, +e.dataset.head, e.dataset.value === '' ? null : +e.dataset.value])",
     )
     layer, head, _ = max((c for c in cells if c[2] is not None), key=lambda c: c[2])
-    stored = actstore.open(path).sql(
-        "SELECT layer, head FROM head_scores WHERE relation_id = 'P2' ORDER BY score DESC LIMIT 1"
-    ).to_pylist()[0]
+    stored = (
+        actstore.open(path)
+        .sql("SELECT layer, head FROM head_scores WHERE relation_id = 'P2' ORDER BY score DESC LIMIT 1")
+        .to_pylist()[0]
+    )
     assert (layer, head) == (stored["layer"], stored["head"])
     pg.locator(f'#headscore td[data-layer="{layer}"][data-head="{head}"]').click()
     ready(pg)
@@ -119,12 +128,20 @@ def test_walk_from_store_to_relation_head_and_prompt(server: tuple[Path, str], p
     ready(pg)
     pg.wait_for_selector("#contrib-table")
     assert f"/s/store/prompt/{ex}" in pg.url and f"layer={layer}" in pg.url and f"head={head}" in pg.url
-    shown = pg.eval_on_selector_all("#contrib-table span[data-value]", "els => els.map(e => +e.dataset.value)")
+    shown = pg.eval_on_selector_all(
+        "#contrib-table span[data-value]", "els => els.map(e => +e.dataset.value)"
+    )
     # the same values, independently: the stored factors' per-token contributions on the probe direction
-    with urllib.request.urlopen(f"{base}/api/s/store/prompts/{ex}/contributions?layer={layer}&head={head}") as r:
+    with urllib.request.urlopen(
+        f"{base}/api/s/store/prompts/{ex}/contributions?layer={layer}&head={head}"
+    ) as r:
         api = json.loads(r.read())
     assert api["mode"] == "probe"
-    x = actstore.open(path).select("example_id = ?", params=[ex]).features("attn_head_token", layers=[layer], heads=[head])
+    x = (
+        actstore.open(path)
+        .select("example_id = ?", params=[ex])
+        .features("attn_head_token", layers=[layer], heads=[head])
+    )
     want = x[0, 0, 0, : api["n_src"]].astype(np.float64) @ np.asarray(api["direction"], dtype=np.float64)
     assert len(shown) == api["n_src"] == pg.locator("#contrib-tokens .tok").count()
     np.testing.assert_allclose(shown, want, rtol=1e-4, atol=1e-6)
@@ -154,7 +171,9 @@ def test_views_heatmap_methods_features_table(server: tuple[Path, str], page: An
     pg.goto(base + "/s/store/features?kind=attn_head&layer=1&n=18")
     ready(pg)
     assert pg.locator("svg.scatter circle").count() == 18
-    assert HOSTILE_TEXT in pg.eval_on_selector_all("svg.scatter title", "els => els.map(e => e.textContent).join('|')")
+    assert HOSTILE_TEXT in pg.eval_on_selector_all(
+        "svg.scatter title", "els => els.map(e => e.textContent).join('|')"
+    )
     assert not pg.errors, pg.errors  # type: ignore[attr-defined]
 
 
@@ -166,7 +185,9 @@ def test_sql_console(server: tuple[Path, str], page: Any) -> None:
     pg.fill("#sql-input", "SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY 1")
     pg.click("#sql-run")
     pg.wait_for_selector("#sql-table")
-    rows = pg.eval_on_selector_all("#sql-table tbody tr", "els => els.map(e => [...e.cells].map(c => c.textContent))")
+    rows = pg.eval_on_selector_all(
+        "#sql-table tbody tr", "els => els.map(e => [...e.cells].map(c => c.textContent))"
+    )
     assert rows == [["P1", "6"], ["P2", "6"], ["P3", "6"]]
     assert "q=SELECT" in pg.url  # the statement is in the URL: the view can be shared
     assert pg.get_attribute("#dl-csv", "href").startswith("/api/s/store/sql?format=csv&q=")
