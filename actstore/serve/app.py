@@ -8,8 +8,10 @@ The routes are listed in :data:`API_ROUTES` and documented in docs/explorer.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +165,8 @@ def api_headscores(request: Request, s: Served) -> Any:
 @api
 def api_prompt(request: Request, s: Served) -> Any:
     """One prompt: tokens, stored TokenScores and predictions, tracing and patching."""
-    return prompt.prompt_view(s.store, example_id(s.store, str(request.path_params["example_id"])))
+    ex = int_param(str(request.path_params["example_id"]), "example_id", low=-(2**63), high=2**63 - 1)
+    return prompt.prompt_view(s.store, ex)
 
 
 @api
@@ -297,8 +300,26 @@ PAGE_ROUTES = [
 ]
 
 
-def create_app(catalog: Catalog, limits: console.ConsoleLimits | None = None) -> Starlette:
-    """The explorer over ``catalog``'s stores (read-only)."""
+def warm(catalog: Catalog) -> None:
+    """Read what every view needs first (the table files' hashes and footers, the relations, the
+    example ids, the summary), store by store, so that the first request does not pay for it."""
+    from actstore.serve.common import example_ids, relations_index
+
+    for s in catalog:
+        try:
+            with s.lock:
+                s.cached(("summary",), lambda: views.store_summary(s.store))
+                relations_index(s.store)
+                example_ids(s.store)
+        except Exception as e:  # a damaged table: the views that read it will say so
+            log.warning("serve: warming %s: %s: %s", s.name, type(e).__name__, e)
+
+
+def create_app(
+    catalog: Catalog, limits: console.ConsoleLimits | None = None, *, warm_up: bool = True
+) -> Starlette:
+    """The explorer over ``catalog``'s stores (read-only).  ``warm_up``: read what the views need
+    first in a background thread as the app starts (:func:`warm`)."""
     routes: list[Any] = [Route(p, e, methods=["GET"]) for p, e in API_ROUTES]
     routes += [Route(p, _page_route(v), methods=["GET"]) for p, v in PAGE_ROUTES]
     routes += [
@@ -306,8 +327,16 @@ def create_app(catalog: Catalog, limits: console.ConsoleLimits | None = None) ->
         Route("/favicon.ico", _no_icon, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if warm_up:
+            threading.Thread(target=warm, args=(catalog,), daemon=True, name="actstore-serve-warm").start()
+        yield
+
     app = Starlette(
         routes=routes,
+        lifespan=lifespan,
         exception_handlers={
             HTTPException: _on_http_error,
             ActstoreError: _on_actstore_error,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+import threading
+import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,15 +51,80 @@ def sql(
     ).to_pylist()  # type: ignore[arg-type]
 
 
+#: How long the explorer trusts its listing of a store's table files (a run recorded meanwhile shows
+#: up after this many seconds).
+LISTING_SECONDS = 2.0
+_META: weakref.WeakKeyDictionary[StoreReader, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_META_LOCK = threading.Lock()
+
+
+def _meta(store: StoreReader) -> dict[Any, Any]:
+    with _META_LOCK:
+        return _META.setdefault(store, {})
+
+
+def table_files(store: StoreReader) -> dict[str, list[str]]:
+    """``store.table_files()``, listed again at most every :data:`LISTING_SECONDS`."""
+    meta = _meta(store)
+    now = time.monotonic()
+    got = meta.get("files")
+    if got is None or now - got[0] > LISTING_SECONDS:
+        got = meta["files"] = (now, store.table_files())
+    return dict(got[1])
+
+
 def has_table(store: StoreReader, name: str) -> bool:
-    return bool(store.table_files().get(name))
+    return bool(table_files(store).get(name))
 
 
 def columns(store: StoreReader, name: str) -> list[str]:
-    """The columns of table ``name`` ([] when the store has no such table)."""
-    if not has_table(store, name):
+    """The columns of table ``name`` (the union over its files' Parquet schemas, in order; [] when the
+    store has no such table), kept while its files stay the same."""
+    files = tuple(table_files(store).get(name) or ())
+    if not files:
         return []
-    return list(store.sql(f'SELECT * FROM "{name}" LIMIT 0').column_names)
+    meta = _meta(store)
+    key = ("columns", name, files)
+    if key not in meta:
+        out: list[str] = []
+        for rel in files:
+            out += [n for n in store.file_schema(rel).names if n not in out]
+        meta[key] = out
+    return list(meta[key])
+
+
+def cached_rows(store: StoreReader, name: str, query: str | None = None) -> list[dict[str, Any]]:
+    """The rows of a small table (``probe_runs``, ``runs``), or of ``query`` over table ``name``,
+    kept while the table's files stay the same ([] when the store lacks the table)."""
+    files = tuple(table_files(store).get(name) or ())
+    if not files:
+        return []
+    meta = _meta(store)
+    key = ("rows", name, query, files)
+    if key not in meta:
+        meta[key] = sql(store, query or f'SELECT * FROM "{name}"')
+    return [dict(r) for r in meta[key]]
+
+
+def relations_index(store: StoreReader) -> dict[str, dict[str, Any]]:
+    """relation_id -> {relation_name, prompts} (kept while the examples table's files stay the same)."""
+    rows = cached_rows(
+        store,
+        "examples",
+        "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS prompts FROM examples GROUP BY 1",
+    )
+    return {str(r["relation_id"]): r for r in rows}
+
+
+def example_ids(store: StoreReader) -> np.ndarray:
+    """Every example id of the store, sorted (int64; kept while the examples' files stay the same)."""
+    files = tuple(table_files(store).get("examples") or ())
+    meta = _meta(store)
+    key = ("example_ids", files)
+    if key not in meta:
+        t = store.sql("SELECT example_id FROM examples ORDER BY 1", timeout=SQL_TIMEOUT)
+        meta[key] = np.asarray(t.column(0).to_numpy(), dtype=np.int64)
+    return meta[key]  # type: ignore[no-any-return]
 
 
 def int_param(value: str | None, what: str, *, low: int, high: int, default: int | None = None) -> int:
@@ -77,7 +145,9 @@ def int_param(value: str | None, what: str, *, low: int, high: int, default: int
 def example_id(store: StoreReader, value: str) -> int:
     """An example id of the store; 400 when not a number, 404 when the store has no such example."""
     ex = int_param(value, "example_id", low=-(2**63), high=2**63 - 1)
-    if not sql(store, "SELECT 1 FROM examples WHERE example_id = ? LIMIT 1", [ex]):
+    ids = example_ids(store)
+    i = int(np.searchsorted(ids, ex))
+    if i >= ids.size or int(ids[i]) != ex:
         raise NotFoundError(f"example {ex} is not in the store")
     return ex
 
@@ -93,7 +163,7 @@ def layer_head(store: StoreReader, layer: str | None, head: str | None) -> tuple
 def relation_id(store: StoreReader, value: str) -> str:
     if not isinstance(value, str) or not RELATION_ID.match(value):
         raise QueryError("relation must be 1 to 200 printable characters")
-    if not sql(store, "SELECT 1 FROM examples WHERE relation_id = ? LIMIT 1", [value]):
+    if value not in relations_index(store):
         raise NotFoundError(f"relation {value[:60]!r} is not in the store")
     return value
 
@@ -110,7 +180,7 @@ def run_param(value: str | None) -> str | None:
 def table_name(store: StoreReader, value: str) -> str:
     if not isinstance(value, str) or not TABLE.match(value):
         raise QueryError("a table name is letters, digits and _")
-    if value not in store.table_files():
+    if value not in table_files(store):
         raise NotFoundError(f"no table {value!r} in the store")
     return value
 
@@ -123,9 +193,12 @@ def latest_run(store: StoreReader, table: str, run: str | None = None, where: st
             raise NotFoundError(f"no run {run!r} in table {table}")
         return None
     if run is not None:
-        if not sql(store, f'SELECT 1 FROM "{table}" WHERE run_id = ? LIMIT 1', [run]):
+        if run not in runs_of(store, table):
             raise NotFoundError(f"no run {run!r} in table {table}")
         return run
+    if not where:
+        runs = runs_of(store, table)
+        return runs[0] if runs else None
     started = "r.started" if has_table(store, "runs") and "started" in columns(store, "runs") else "NULL"
     join = "LEFT JOIN runs r USING (run_id)" if started != "NULL" else ""
     rows = sql(
@@ -137,9 +210,18 @@ def latest_run(store: StoreReader, table: str, run: str | None = None, where: st
 
 
 def runs_of(store: StoreReader, table: str) -> list[str]:
-    """The run ids of ``table``, newest first."""
+    """The run ids of ``table``, newest first (kept while its files and the runs table's stay the same)."""
     if not has_table(store, table) or "run_id" not in columns(store, table):
         return []
+    listed = table_files(store)
+    key = ("runs", table, tuple(listed.get(table) or ()), tuple(listed.get("runs") or ()))
+    meta = _meta(store)
+    if key not in meta:
+        meta[key] = _runs_of(store, table)
+    return list(meta[key])
+
+
+def _runs_of(store: StoreReader, table: str) -> list[str]:
     started = "r.started" if has_table(store, "runs") and "started" in columns(store, "runs") else "NULL"
     join = "LEFT JOIN runs r USING (run_id)" if started != "NULL" else ""
     rows = sql(

@@ -24,7 +24,7 @@ from actstore.serve.catalog import Served
 from actstore.serve.common import columns, grid, has_table, jsonable, sql
 
 
-def token_texts(store: StoreReader, ex: int) -> list[dict[str, Any]]:
+def token_texts(store: StoreReader, ex: int, text: str) -> list[dict[str, Any]]:
     """The prompt's tokens: position, token string, and the text it covers (character spans when stored)."""
     cols = columns(store, "tokens")
     spans = {"char_start", "char_end"} <= set(cols)
@@ -35,7 +35,6 @@ def token_texts(store: StoreReader, ex: int) -> list[dict[str, Any]]:
         + " FROM tokens WHERE example_id = ? ORDER BY position",
         [ex],
     )
-    text = sql(store, "SELECT text FROM examples WHERE example_id = ?", [ex])[0].get("text") or ""
     out = []
     for r in rows:
         cs, ce = r.get("char_start"), r.get("char_end")
@@ -80,12 +79,15 @@ def prompt_view(store: StoreReader, ex: int) -> dict[str, Any]:
         )
         if c in columns(store, "examples")
     ]
-    example = sql(store, f"SELECT {', '.join(ecols)} FROM examples WHERE example_id = ?", [ex])[0]
+    found = sql(store, f"SELECT {', '.join(ecols)} FROM examples WHERE example_id = ?", [ex])
+    if not found:
+        raise NotFoundError(f"example {ex} is not in the store")
+    example = found[0]
     target = sql(store, "SELECT * FROM targets WHERE example_id = ? LIMIT 1", [ex])
     out: dict[str, Any] = {
         "example": example,
         "target": target[0] if target else None,
-        "tokens": token_texts(store, ex),
+        "tokens": token_texts(store, ex, str(example.get("text") or "")),
         "layers": g.n_layers,
         "heads": g.n_heads,
         "runs": query_runs(store, ex),
@@ -212,13 +214,13 @@ def contributions(
     from actstore.query.attribution import TokenGeometry
 
     store, g = served.store, served.store.geometry
-    runs = [r["run_id"] for r in query_runs(store, ex)]
+    runs = [r["run_id"] for r in served.cached(("query_runs", ex), lambda: query_runs(store, ex))]
     if run is not None and run not in runs:
         raise NotFoundError(
             f"prompt {ex} is not a query of a per-source probe run {run!r} (runs: {', '.join(runs) or 'none'})"
         )
     run = run or (runs[0] if runs else None)
-    A, V, (s0, s1) = _factors(store, ex)
+    A, V, (s0, s1) = served.cached(("factors", ex), lambda: _factors(store, ex))
     n_src = A.shape[0]
     out: dict[str, Any] = {"example_id": ex, "run_id": run, "runs": runs, "n_src": n_src}
     if run is None:

@@ -17,13 +17,16 @@ from actstore.query.report.summary import CORPUS_PLAIN, CORPUS_WITH_TARGETS, hum
 from actstore.query.stats import proportion_interval
 from actstore.serve.common import (
     MAX_PAGE_SIZE,
+    cached_rows,
     columns,
     grid,
     has_table,
     jsonable,
     latest_run,
+    relations_index,
     runs_of,
     sql,
+    table_files,
 )
 
 #: The run kinds the store page lists, and the result tables that mark each.
@@ -45,7 +48,7 @@ def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, An
     m, g = store.manifest, store.geometry
     has_rank = "object_rank" in columns(store, "targets")
     relations = sql(store, CORPUS_WITH_TARGETS if has_rank else CORPUS_PLAIN)
-    files = store.table_files()
+    files = table_files(store)
     tables = []
     for name, fs in sorted(files.items()):
         n = sql(store, f'SELECT count(*) AS n FROM "{name}"')[0]["n"] if fs else 0
@@ -106,14 +109,11 @@ def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, An
 def relation_view(store: StoreReader, rel: str, run: str | None = None) -> dict[str, Any]:
     """A relation: its name and prompts, probe accuracy and F1 with 95% intervals per run, its
     confusions (latest or chosen run), and its predictors."""
-    info = sql(
-        store,
-        "SELECT any_value(relation_name) AS relation_name, count(*) AS prompts FROM examples WHERE relation_id = ?",
-        [rel],
-    )[0]
+    index = relations_index(store)
+    info = index[rel]
     probes: list[dict[str, Any]] = []
     if has_table(store, "relation_metrics") and has_table(store, "probe_runs"):
-        runs = {r["run_id"]: r for r in sql(store, "SELECT * FROM probe_runs")}
+        runs = {r["run_id"]: r for r in cached_rows(store, "probe_runs")}
         for m in sql(store, "SELECT * FROM relation_metrics WHERE relation_id = ?", [rel]):
             pr = runs.get(m.get("run_id"), {})
             tp, n_gold, n_pred = (
@@ -145,19 +145,27 @@ def relation_view(store: StoreReader, rel: str, run: str | None = None) -> dict[
     chosen = latest_run(store, "probe_predictions", run)
     confusions: dict[str, list[dict[str, Any]]] = {"predicted_as": [], "mistaken_for_it": []}
     if chosen is not None:
-        confusions["predicted_as"] = sql(
+        pairs = sql(
             store,
-            "SELECT p.predicted AS relation_id, any_value(e.relation_name) AS relation_name, count(*) AS n "
-            "FROM probe_predictions p LEFT JOIN (SELECT DISTINCT relation_id, relation_name FROM examples) e "
-            "ON e.relation_id = p.predicted WHERE p.run_id = ? AND p.relation_id = ? GROUP BY 1 ORDER BY n DESC LIMIT 20",
-            [chosen, rel],
-        )
-        confusions["mistaken_for_it"] = sql(
-            store,
-            "SELECT p.relation_id, count(*) AS n FROM probe_predictions p "
-            "WHERE p.run_id = ? AND p.predicted = ? AND p.relation_id <> ? GROUP BY 1 ORDER BY n DESC LIMIT 20",
+            "SELECT relation_id, predicted, count(*) AS n FROM probe_predictions "
+            "WHERE run_id = ? AND (relation_id = ? OR predicted = ?) GROUP BY 1, 2",
             [chosen, rel, rel],
         )
+        pairs.sort(key=lambda r: (-int(r["n"]), str(r["predicted"]), str(r["relation_id"])))
+        confusions["predicted_as"] = [
+            {
+                "relation_id": r["predicted"],
+                "relation_name": index.get(str(r["predicted"]), {}).get("relation_name"),
+                "n": r["n"],
+            }
+            for r in pairs
+            if r["relation_id"] == rel
+        ][:20]
+        confusions["mistaken_for_it"] = [
+            {"relation_id": r["relation_id"], "n": r["n"]}
+            for r in pairs
+            if r["predicted"] == rel and r["relation_id"] != rel
+        ][:20]
     predictors: list[dict[str, Any]] = []
     if has_table(store, "relation_predictors"):
         cols = [c for c in ("run_id", "f1", *PREDICTOR_COLUMNS) if c in columns(store, "relation_predictors")]
