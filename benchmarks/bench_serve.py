@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/bench_serve.py` from anywhere
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # `python benchmarks/bench_serve.py` from anywhere
 from benchmarks.common import emit  # noqa: E402
 
 
@@ -45,7 +47,9 @@ def start(paths: list[str]) -> tuple[Any, str, list[str]]:
 
     catalog = Catalog.open(paths)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(catalog), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(catalog), host="127.0.0.1", port=port, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
@@ -97,7 +101,11 @@ def measure_api(host: str, name: str, rounds: int) -> dict[str, Any]:
     for label, url in listed:
         status, _, cold = _get(con, url)
         warm = [_get(con, url)[2] for _ in range(rounds)]
-        out[label] = {"status": status, "cold_ms": round(cold, 1), "median_ms": round(statistics.median(warm), 1)}
+        out[label] = {
+            "status": status,
+            "cold_ms": round(cold, 1),
+            "median_ms": round(statistics.median(warm), 1),
+        }
     con.close()
     return {"routes": out, "urls": dict(listed)}
 
@@ -125,7 +133,11 @@ def measure_page(host: str, name: str, url: str, rounds: int) -> dict[str, Any] 
             pg.wait_for_selector("body[data-ready]", timeout=120_000)
             times.append(1000 * (time.perf_counter() - t0))
         browser.close()
-    return {"url": page_url, "first_ms": round(times[0], 1), "median_ms": round(statistics.median(times[1:]), 1)}
+    return {
+        "url": page_url,
+        "first_ms": round(times[0], 1),
+        "median_ms": round(statistics.median(times[1:]), 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
