@@ -9,6 +9,7 @@ The routes are listed in :data:`API_ROUTES` and documented in docs/explorer.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -308,7 +309,7 @@ def warm(catalog: Catalog) -> None:
     for s in catalog:
         try:
             with s.lock:
-                s.cached(("summary",), lambda: views.store_summary(s.store))
+                s.cached(("summary",), functools.partial(views.store_summary, s.store))
                 relations_index(s.store)
                 example_ids(s.store)
         except Exception as e:  # a damaged table: the views that read it will say so
