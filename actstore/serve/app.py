@@ -26,7 +26,15 @@ from starlette.staticfiles import StaticFiles
 from actstore.core.errors import ActstoreError, NotFoundError, QueryError
 from actstore.serve import console, pages, prompt, views
 from actstore.serve.catalog import Catalog, Served
-from actstore.serve.common import example_id, int_param, layer_head, relation_id, run_param, table_name
+from actstore.serve.common import (
+    example_id,
+    int_param,
+    layer_head,
+    relation_id,
+    run_param,
+    signature,
+    table_name,
+)
 
 log = logging.getLogger("actstore.serve")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -136,14 +144,16 @@ def api_stores(request: Request) -> Response:
 @api
 def api_summary(request: Request, s: Served) -> Any:
     """Model, geometry, rows per relation, runs, tables and sizes."""
-    return s.cached(("summary",), lambda: views.store_summary(s.store))
+    return s.cached(("summary", signature(s.store)), lambda: views.store_summary(s.store))
 
 
 @api
 def api_relation(request: Request, s: Served) -> Any:
     """Probe accuracy and F1 with intervals per run, confusions, predictors."""
     rel = relation_id(s.store, str(request.path_params["relation"]))
-    return views.relation_view(s.store, rel, run_param(_q(request, "run")))
+    run = run_param(_q(request, "run"))
+    key = ("relation", rel, run, signature(s.store))
+    return s.cached(key, lambda: views.relation_view(s.store, rel, run))
 
 
 @api
@@ -160,14 +170,16 @@ def api_headscores(request: Request, s: Served) -> Any:
     """The stored mean HeadScore grid (layer x head) of a run, for a relation or all."""
     rel_text = _q(request, "relation")
     rel = relation_id(s.store, rel_text) if rel_text else None
-    return views.headscore_grid(s.store, rel, run_param(_q(request, "run")))
+    run = run_param(_q(request, "run"))
+    key = ("headscores", rel, run, signature(s.store, "head_scores", "probe_runs", "runs"))
+    return s.cached(key, lambda: views.headscore_grid(s.store, rel, run))
 
 
 @api
 def api_prompt(request: Request, s: Served) -> Any:
     """One prompt: tokens, stored TokenScores and predictions, tracing and patching."""
     ex = int_param(str(request.path_params["example_id"]), "example_id", low=-(2**63), high=2**63 - 1)
-    return prompt.prompt_view(s.store, ex)
+    return s.cached(("prompt", ex, signature(s.store)), lambda: prompt.prompt_view(s.store, ex))
 
 
 @api
@@ -185,14 +197,17 @@ def api_contributions(request: Request, s: Served) -> Any:
 def api_head(request: Request, s: Served) -> Any:
     """One head: MAPS scores, salient tokens, HeadScore per relation, top prompts, mean norm per relation."""
     layer, head = layer_head(s.store, str(request.path_params["layer"]), str(request.path_params["head"]))
-    return s.cached(("head", layer, head), lambda: views.head_view(s.store, layer, head))
+    key = ("head", layer, head, signature(s.store))
+    return s.cached(key, lambda: views.head_view(s.store, layer, head))
 
 
 @api
 def api_methods(request: Request, s: Served) -> Any:
     """Method agreement with intervals and one page of per-fact key layers."""
     page, size = _page(request)
-    return views.methods_view(s.store, run_param(_q(request, "run")), page, size)
+    run = run_param(_q(request, "run"))
+    key = ("methods", run, page, size, signature(s.store, "method_agreement", "method_readings", "runs"))
+    return s.cached(key, lambda: views.methods_view(s.store, run, page, size))
 
 
 @api
@@ -309,7 +324,10 @@ def warm(catalog: Catalog) -> None:
     for s in catalog:
         try:
             with s.lock:
-                s.cached(("summary",), functools.partial(views.store_summary, s.store))
+                s.cached(("summary", signature(s.store)), functools.partial(views.store_summary, s.store))
+                import actstore.query.explain  # noqa: F401  (torch, the probe)
+                import actstore.query.stats  # noqa: F401  (scipy)
+
                 relations_index(s.store)
                 example_ids(s.store)
         except Exception as e:  # a damaged table: the views that read it will say so

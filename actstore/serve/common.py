@@ -73,6 +73,14 @@ def table_files(store: StoreReader) -> dict[str, list[str]]:
     return dict(got[1])
 
 
+def signature(store: StoreReader, *tables: str) -> tuple[Any, ...]:
+    """The files of ``tables`` (all tables when none is named): a view computed from them can be kept
+    while this stays the same (a table file is written once and never changed)."""
+    listed = table_files(store)
+    names = tables or tuple(sorted(listed))
+    return tuple((n, tuple(listed.get(n) or ())) for n in names)
+
+
 def has_table(store: StoreReader, name: str) -> bool:
     return bool(table_files(store).get(name))
 
