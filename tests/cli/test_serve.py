@@ -137,6 +137,24 @@ def test_prompt_and_its_contributions_equal_features_on_the_probe_direction(
         np.testing.assert_allclose(k["values"], want, rtol=1e-4, atol=1e-6)
         a = store.select("example_id = ?", params=[ex]).features("attn_prob", layers=[layer], heads=[head])
         np.testing.assert_allclose(k["attention"], a[0, 0, 0, : k["n_src"]], rtol=1e-5)
+    # summed over every head, the values are the stored TokenScore of that prediction (probe run's table)
+    total = np.zeros(k["n_src"])
+    for layer in range(2):
+        for head in range(4):
+            total += get(
+                c,
+                "/api/s/{store}/prompts/{example_id}/contributions",
+                f"/api/s/store/prompts/{ex}/contributions?layer={layer}&head={head}",
+            )["values"]
+    stored = (
+        store.sql(
+            "SELECT scores FROM token_scores WHERE example_id = ? AND seed = ? AND episode = ?",
+            [ex, k["seed"], k["episode"]],
+        )
+        .column(0)[0]
+        .as_py()
+    )
+    np.testing.assert_allclose(total, stored, rtol=1e-4, atol=1e-6)
     # the default head is the one with the largest |HeadScore| of this prediction
     k = get(
         c, "/api/s/{store}/prompts/{example_id}/contributions", f"/api/s/store/prompts/{ex}/contributions"
