@@ -348,3 +348,12 @@ def test_serve_command_refuses_remote_hosts_without_the_flag(
     r = CliRunner().invoke(main, ["serve", str(path.parent)])
     assert r.exit_code == 0 and "serving store on" in r.stderr
     assert json.loads(json.dumps(seen))["port"] == 8765
+
+
+def test_several_stores_by_name(served: tuple[Path, TestClient]) -> None:
+    path, _ = served
+    with TestClient(create_app(Catalog.open([str(path), str(path)])), raise_server_exceptions=False) as c:
+        assert [s["name"] for s in c.get("/api/stores").json()] == ["store", "store-2"]
+        index = c.get("/")
+        assert index.status_code == 200 and 'href="/s/store-2"' in index.text
+        assert c.get("/api/s/store-2/summary").json()["rows"] == 18
