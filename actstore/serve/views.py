@@ -393,15 +393,10 @@ def methods_view(store: StoreReader, run: str | None, page: int, size: int) -> d
             "note": "no method comparison in the store (run `actstore agree`)",
         }
     have = columns(store, "method_agreement")
-    extra = [
-        c
-        for c in have
-        if c not in AGREEMENT_COLUMNS
-        and c != "run_id"
-        and (c.endswith(("_low", "_high", "_ci95")) or "interval" in c)
-    ]
+    extra = [c for c in have if c not in AGREEMENT_COLUMNS and c != "run_id"]  # intervals, p-values, ...
     cols = [c for c in AGREEMENT_COLUMNS if c in have] + extra
-    agreement = sql(store, f"SELECT {', '.join(cols)} FROM method_agreement WHERE run_id = ?", [chosen])
+    quoted = ", ".join(f'"{c}"' for c in cols)
+    agreement = sql(store, f"SELECT {quoted} FROM method_agreement WHERE run_id = ?", [chosen])
     facts: list[dict[str, Any]] = []
     methods: list[str] = []
     total = 0
