@@ -395,7 +395,7 @@ def methods_view(store: StoreReader, run: str | None, page: int, size: int) -> d
     have = columns(store, "method_agreement")
     extra = [c for c in have if c not in AGREEMENT_COLUMNS and c != "run_id"]  # intervals, p-values, ...
     cols = [c for c in AGREEMENT_COLUMNS if c in have] + extra
-    quoted = ", ".join(f'"{c}"' for c in cols)
+    quoted = ", ".join('"' + c.replace('"', '""') + '"' for c in cols)
     agreement = sql(store, f"SELECT {quoted} FROM method_agreement WHERE run_id = ?", [chosen])
     facts: list[dict[str, Any]] = []
     methods: list[str] = []
