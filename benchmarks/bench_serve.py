@@ -3,14 +3,14 @@ the prompt page's load in Chromium.
 
     python benchmarks/bench_serve.py STORE [STORE ...] --rounds 7 --json out.json
 
-Per store and route: the first call (``cold_ms``: the view's caches empty, the store's tables not yet
-registered with DuckDB for that statement) and the median of the next ``--rounds`` calls
-(``median_ms``; the summary and head views are cached by the app, so their warm figure is the cache).
-The parameters are taken from the store: its first relation, the HeadScore run's hottest head for it,
-a prompt that is a query of the newest per-source probe run (so the contributions route re-trains that
-episode on its first call), a paged SQL statement.  The prompt page: navigation to
-``body[data-ready]`` (every API call of the page answered and drawn), first load and the median of
-``--rounds`` reloads, in Debian's Chromium driven by Playwright (skipped without either).
+Per store and route, ``--rounds`` URLs with different parameters taken from the store (relations,
+pages, prompts that are queries of the newest per-source probe run, heads, layers): ``first_ms`` is
+the median of their first calls (nothing of that view cached; the contributions route re-trains the
+prompt's episode), ``again_ms`` the median of calling them again (the app's cache).  The app's
+warm-up (the tables' hashes, the relations, the example ids) runs before the clock starts.  The
+prompt page: navigation to ``body[data-ready]`` (every API call of the page answered and drawn) for
+``--rounds`` prompts not requested before, in Debian's Chromium driven by Playwright (skipped
+without either).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ sys.path.insert(
 from benchmarks.common import emit  # noqa: E402
 
 
+WORDS = ["the", "city", "of", "river", "king", "music", "war", "film", "team", "church"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,14 +45,14 @@ def _free_port() -> int:
 def start(paths: list[str]) -> tuple[Any, str, list[str]]:
     import uvicorn
 
-    from actstore.serve.app import create_app
+    from actstore.serve.app import create_app, warm
     from actstore.serve.catalog import Catalog
 
     catalog = Catalog.open(paths)
+    warm(catalog)  # what `actstore serve` does in the background as it starts
     port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(catalog), host="127.0.0.1", port=port, log_level="warning")
-    )
+    app = create_app(catalog, warm_up=False)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
@@ -64,53 +67,73 @@ def _get(con: http.client.HTTPConnection, url: str) -> tuple[int, bytes, float]:
     return r.status, body, 1000 * (time.perf_counter() - t0)
 
 
-def routes(con: http.client.HTTPConnection, name: str) -> list[tuple[str, str]]:
-    """(route, URL) for every API route, with parameters picked from the store."""
+def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list[str]]:
+    """Per route, ``k`` URLs with different parameters picked from the store (a first call of each is
+    uncached), or one URL for the routes without parameters."""
     base = f"/api/s/{name}"
     summary = json.loads(_get(con, base + "/summary")[1])
-    rel = summary["relations"][0]["relation_id"]
-    hs = json.loads(_get(con, f"{base}/headscores?relation={quote(rel)}")[1])
-    layer, head = summary["geometry"]["n_layers"] - 1, 0
-    if hs.get("grid"):
-        cells = [(v, i, j) for i, row in enumerate(hs["grid"]) for j, v in enumerate(row) if v is not None]
-        _, layer, head = max(cells)
-    q = "SELECT example_id FROM probe_episodes, unnest(query_ids) AS t(example_id) LIMIT 1"
-    sql = json.loads(_get(con, f"{base}/sql?q={quote(q)}")[1])
-    ex = sql["rows"][0][0] if sql.get("rows") else 0
+    g = summary["geometry"]
+    rels = [r["relation_id"] for r in summary["relations"]]
+    rel = rels[0]
+    q = "SELECT DISTINCT example_id FROM probe_episodes, unnest(query_ids) AS t(example_id) ORDER BY hash(example_id) LIMIT ?"
+    sql = json.loads(_get(con, f"{base}/sql?q={quote(q.replace('?', str(3 * k)))}")[1])
+    exs = [r[0] for r in sql.get("rows", [])] or [0]
+    heads = [(layer, h) for layer in range(g["n_layers"]) for h in range(g["n_heads"])]
+    heads = [heads[(i * 7919) % len(heads)] for i in range(k)]
     page_sql = quote("SELECT example_id, relation_id, text FROM examples ORDER BY example_id")
-    return [
-        ("/api/stores", "/api/stores"),
-        ("summary", f"{base}/summary"),
-        ("relation", f"{base}/relations/{quote(rel)}"),
-        ("prompts (page 3, searched)", f"{base}/prompts?relation={quote(rel)}&q=the&page=3&size=25"),
-        ("headscores", f"{base}/headscores?relation={quote(rel)}"),
-        ("prompt", f"{base}/prompts/{ex}"),
-        ("contributions", f"{base}/prompts/{ex}/contributions?layer={layer}&head={head}"),
-        ("head", f"{base}/heads/{layer}/{head}"),
-        ("methods", f"{base}/methods"),
-        ("table page", f"{base}/tables/examples?page=10&size=50"),
-        ("sql page", f"{base}/sql?q={page_sql}&page=5&size=100"),
-        ("features (PCA, 500 rows)", f"{base}/features?kind=attn_head&layer={layer}&n=500"),
-    ]
+    pick = lambda xs, i: xs[i % len(xs)]  # noqa: E731
+    return {
+        "/api/stores": ["/api/stores"],
+        "summary": [f"{base}/summary"],
+        "relation": [f"{base}/relations/{quote(pick(rels, i))}" for i in range(k)],
+        "prompts (a page of a relation)": [
+            f"{base}/prompts?relation={quote(rel)}&page={i}&size=25" for i in range(k)
+        ],
+        "prompts (searched by text)": [f"{base}/prompts?q={pick(WORDS, i)}&page=1&size=25" for i in range(k)],
+        "headscores": [f"{base}/headscores?relation={quote(pick(rels, i))}" for i in range(k)],
+        "prompt": [f"{base}/prompts/{pick(exs, i)}" for i in range(k)],
+        "contributions (re-trains the episode)": [
+            f"{base}/prompts/{pick(exs, k + i)}/contributions" for i in range(k)
+        ],
+        "head": [f"{base}/heads/{layer}/{h}" for layer, h in heads],
+        "methods": [f"{base}/methods"],
+        "table page": [f"{base}/tables/examples?page={10 + i}&size=50" for i in range(k)],
+        "sql page": [f"{base}/sql?q={page_sql}&page={5 + i}&size=100" for i in range(k)],
+        "features (PCA, 500 rows)": [
+            f"{base}/features?kind=attn_head&layer={i % g['n_layers']}&n=500&seed={i}" for i in range(k)
+        ],
+        "_page": [f"/s/{name}/prompt/{pick(exs, 2 * k + i)}" for i in range(k)],
+    }
 
 
 def measure_api(host: str, name: str, rounds: int) -> dict[str, Any]:
+    """Per route: the median of the first calls of different URLs (``first_ms``: nothing cached for
+    that view) and of the same URLs called again (``again_ms``: the app's cache)."""
     con = http.client.HTTPConnection(host, timeout=600)
     out: dict[str, Any] = {}
-    listed = routes(con, name)
-    for label, url in listed:
-        status, _, cold = _get(con, url)
-        warm = [_get(con, url)[2] for _ in range(rounds)]
+    listed = routes(con, name, rounds)
+    pages = listed.pop("_page")
+    for label, urls in listed.items():
+        first = []
+        for url in urls:
+            status, body, ms = _get(con, url)
+            if status != 200:
+                raise SystemExit(f"{url}: {status} {body[:200]!r}")
+            first.append(ms)
+        again = [_get(con, url)[2] for url in urls]
         out[label] = {
-            "status": status,
-            "cold_ms": round(cold, 1),
-            "median_ms": round(statistics.median(warm), 1),
+            "calls": len(urls),
+            "first_ms": round(statistics.median(first), 1),
+            "first_max_ms": round(max(first), 1),
+            "again_ms": round(statistics.median(again), 1),
         }
     con.close()
-    return {"routes": out, "urls": dict(listed)}
+    return {"routes": out, "urls": {k: v[0] for k, v in listed.items()}, "page_urls": pages}
 
 
-def measure_page(host: str, name: str, url: str, rounds: int) -> dict[str, Any] | None:
+def measure_page(host: str, name: str, page_urls: list[str]) -> dict[str, Any] | None:
+    """Load time of the prompt page (navigation until every API call of the page is drawn), one
+    first load per prompt."""
     import shutil
 
     chromium = shutil.which("chromium")
@@ -120,23 +143,22 @@ def measure_page(host: str, name: str, url: str, rounds: int) -> dict[str, Any] 
         return None
     if chromium is None:
         return None
-    ex = url.split("/prompts/")[1].split("/")[0]
-    query = url.split("?", 1)[1]
-    page_url = f"http://{host}/s/{name}/prompt/{ex}?{query}"
     times = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
         pg = browser.new_page()
-        for _ in range(rounds + 1):
+        pg.goto(f"http://{host}/s/{name}")  # the script and style in the browser's cache, as for a user
+        pg.wait_for_selector("body[data-ready]", timeout=120_000)
+        for url in page_urls:
             t0 = time.perf_counter()
-            pg.goto(page_url)
+            pg.goto(f"http://{host}{url}")
             pg.wait_for_selector("body[data-ready]", timeout=120_000)
             times.append(1000 * (time.perf_counter() - t0))
         browser.close()
     return {
-        "url": page_url,
-        "first_ms": round(times[0], 1),
-        "median_ms": round(statistics.median(times[1:]), 1),
+        "loads": len(times),
+        "median_ms": round(statistics.median(times), 1),
+        "max_ms": round(max(times), 1),
     }
 
 
@@ -154,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
 
             rows = open_reader(path).n_rows
             api = measure_api(host, name, a.rounds)
-            page = measure_page(host, name, api["urls"]["contributions"], a.rounds)
+            page = measure_page(host, name, api.pop("page_urls"))
             result["stores"][name] = {"path": path, "rows": rows, **api, "prompt_page": page}
             print(f"{name}: {rows} rows", file=sys.stderr)
     finally:

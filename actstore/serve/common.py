@@ -251,3 +251,30 @@ def grid(
             if v is not None and math.isfinite(float(v)):
                 out[i][j] = float(v)
     return out
+
+
+def block_sample(store: StoreReader, n: int, seed: int = 0, relations: list[str] | None = None) -> Any:
+    """At most ``n`` rows (of ``relations``) as a Selection: all of them when there are so few, else
+    ``n`` drawn at random from whole segments taken in a random order until they hold ``n`` rows, so
+    that a sample reads a few segments' chunks rather than one chunk per row."""
+    from actstore.query.selection import Selection
+
+    sel = Selection.from_sql(store)
+    if relations:
+        sel = sel.relations(relations)
+    if len(sel) <= n:
+        return sel
+    rows = sel.rows
+    seg = rows.column("segment").to_numpy()
+    ids = rows.column("example_id").to_numpy()
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(np.unique(seg))
+    counts = {int(k): int(v) for k, v in zip(*np.unique(seg, return_counts=True))}
+    taken, total = [], 0
+    for s_ in order.tolist():
+        taken.append(s_)
+        total += counts[s_]
+        if total >= 4 * n:  # enough segments to draw from, a few times the rows wanted
+            break
+    pool = ids[np.isin(seg, taken)]
+    return Selection.from_ids(store, sorted(rng.choice(pool, size=n, replace=False).tolist()))

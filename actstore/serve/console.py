@@ -19,7 +19,7 @@ import pyarrow as pa
 from actstore.core.errors import QueryError
 from actstore.core.sql import subquery
 from actstore.core.store import StoreReader
-from actstore.serve.common import MAX_PAGE_SIZE, jsonable, sql
+from actstore.serve.common import MAX_PAGE_SIZE, block_sample, jsonable, sql
 
 MAX_QUERY_CHARS = 20_000
 
@@ -114,7 +114,6 @@ def features_projection(
     """PCA (2-D) of one kind's features at one layer (one head, or all heads concatenated) over a
     sample of at most ``n`` rows of the chosen relations; each point with its prompt."""
     from actstore.query.features import HEAD_KINDS
-    from actstore.query.selection import Selection
 
     if kind not in PROJECTABLE:
         raise QueryError(f"kind must be one of {', '.join(PROJECTABLE)}, not {kind[:30]!r}")
@@ -123,10 +122,7 @@ def features_projection(
         raise QueryError(f"layer {layer} is out of range for {kind} (0..{top - 1})")
     if head is not None and kind not in HEAD_KINDS:
         raise QueryError(f"{kind} has no heads")
-    sel = Selection.from_sql(store)
-    if relations:
-        sel = sel.relations(relations)
-    sel = sel.sample(n, seed=seed)
+    sel = block_sample(store, n, seed, relations)
     if len(sel) < 3:
         raise QueryError("the selection has fewer than 3 rows")
     x = sel.features(kind, layers=[layer], heads=None if head is None else [head])

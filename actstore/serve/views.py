@@ -17,6 +17,7 @@ from actstore.query.report.summary import CORPUS_PLAIN, CORPUS_WITH_TARGETS, hum
 from actstore.query.stats import proportion_interval
 from actstore.serve.common import (
     MAX_PAGE_SIZE,
+    block_sample,
     cached_rows,
     columns,
     grid,
@@ -289,7 +290,6 @@ def head_view(
     """One head: MAPS static (and dynamic) scores over the relations, its salient tokens, its stored
     HeadScore per relation, the prompts where its contribution is largest and the mean contribution
     norm per relation (|z_h W_O,h| over a sample of at most ``sample`` rows)."""
-    from actstore.query.selection import Selection
 
     out: dict[str, Any] = {"layer": layer, "head": head}
     if has_table(store, "maps_scores"):
@@ -331,10 +331,8 @@ def head_view(
             "SELECT relation_id, score, n FROM head_scores WHERE run_id = ? AND layer = ? AND head = ? ORDER BY score DESC",
             [run, layer, head],
         )
-    sel = Selection.from_sql(store)
-    n_all = len(sel)
-    if n_all > sample:
-        sel = sel.sample(sample, seed=0)
+    n_all = store.n_rows
+    sel = block_sample(store, sample, seed=0)
     x = sel.features("attn_head", layers=[layer], heads=[head])[:, 0, 0]  # [n, d_model]
     norm = np.linalg.norm(x.astype(np.float64), axis=1)
     ids = sel.example_ids

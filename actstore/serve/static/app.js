@@ -242,6 +242,9 @@ function tokenRow(tokens, values, opts = {}) {
 
 VIEWS.prompt = async () => {
   const ex = D.exampleId;
+  // both requests at once: the contributions may re-train the prediction's episode on the server
+  const first = api(`/prompts/${encodeURIComponent(ex)}/contributions`, { run: Q.get("run"), layer: Q.get("layer"), head: Q.get("head") });
+  first.catch(() => null);
   const d = await api(`/prompts/${encodeURIComponent(ex)}`);
   const e = d.example;
   const meta = table([e], Object.keys(e).filter((k) => k !== "text"), { id: "prompt-meta" });
@@ -256,12 +259,12 @@ VIEWS.prompt = async () => {
   for (const t of d.tracing) kids.push(section(`Causal tracing: ${t.component} (${t.value}, run ${t.run_id})`, heatmap(t.grid, { rowName: "position", colName: "layer", corner: "token \\ layer", diverging: false, rowLabel: (p) => (d.tokens[p] ? d.tokens[p].text : p) })));
   for (const t of d.patching) kids.push(section(`Activation patching: ${t.component} recovery (run ${t.run_id})`, heatmap(t.grid, { diverging: true, colLabel: t.grid[0] && t.grid[0].length === 1 ? () => "all" : null })));
   content.replaceChildren(...kids);
-  await contributions(contrib, d, Q.get("run"), Q.get("layer"), Q.get("head"));
+  await contributions(contrib, d, Q.get("run"), Q.get("layer"), Q.get("head"), first);
 };
 
-async function contributions(target, d, run, layer, head) {
+async function contributions(target, d, run, layer, head, pending) {
   let c;
-  try { c = await api(`/prompts/${encodeURIComponent(D.exampleId)}/contributions`, { run, layer, head }); }
+  try { c = await (pending || api(`/prompts/${encodeURIComponent(D.exampleId)}/contributions`, { run, layer, head })); }
   catch (e) { target.replaceChildren(section("Per-source-token contributions", failed(e))); return; }
   setQuery({ run: c.run_id, layer: c.layer, head: c.head });
   const again = (r, l, h) => contributions(target, d, r, l, h);
