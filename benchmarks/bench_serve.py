@@ -32,7 +32,6 @@ sys.path.insert(
 )  # `python benchmarks/bench_serve.py` from anywhere
 from benchmarks.common import emit  # noqa: E402
 
-
 WORDS = ["the", "city", "of", "river", "king", "music", "war", "film", "team", "church"]
 
 
