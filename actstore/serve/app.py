@@ -330,6 +330,9 @@ def warm(catalog: Catalog) -> None:
 
                 relations_index(s.store)
                 example_ids(s.store)
+                from actstore.query.selection import Selection
+
+                len(Selection.from_sql(s.store))  # the targets table, which every sample reads
         except Exception as e:  # a damaged table: the views that read it will say so
             log.warning("serve: warming %s: %s: %s", s.name, type(e).__name__, e)
 

@@ -128,9 +128,15 @@ def features_projection(
     x = sel.features(kind, layers=[layer], heads=None if head is None else [head])
     x = x.reshape(x.shape[0], -1).astype(np.float64)
     x = x - x.mean(0)
-    _, s, vt = np.linalg.svd(x, full_matrices=False)
-    xy = x @ vt[:2].T
-    var = s**2 / max(float((s**2).sum()), 1e-30)
+    # PCA through the n x n Gram matrix (n <= 5000 rows, F up to tens of thousands of features):
+    # its eigenvectors scaled by sqrt(eigenvalue) are the coordinates on the principal axes.
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):  # a 5000 x 5000 eigh at most; BLAS threads only contend on a busy CPU
+        lam, vec = np.linalg.eigh(x @ x.T)
+    lam, vec = np.clip(lam[::-1], 0, None), vec[:, ::-1]
+    xy = vec[:, :2] * np.sqrt(lam[:2])
+    var = lam / max(float(lam.sum()), 1e-30)
     ids = sel.example_ids
     texts = {
         int(r["example_id"]): r
