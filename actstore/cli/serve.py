@@ -76,6 +76,12 @@ def serve(
             "(there is no authentication)",
             err=True,
         )
+    if port == 0:  # any free port: chosen here, so that the address printed is the one served
+        import socket
+
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"serving {', '.join(catalog.names)} on http://{shown}:{port}/ (Ctrl-C to stop)", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
