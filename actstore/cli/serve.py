@@ -10,7 +10,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @command(example="actstore serve /tmp/s --port 8765    # then open http://127.0.0.1:8765/")
-@click.argument("stores", metavar="STORE", nargs=-1)
+@click.argument("store", metavar="STORE", nargs=-1)
 @click.option("--store", "more", multiple=True, metavar="STORE", help="Another store to serve (repeatable).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -43,7 +43,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
     help="Rows a CSV/Parquet download may hold.",
 )
 def serve(
-    stores: tuple[str, ...],
+    store: tuple[str, ...],
     more: tuple[str, ...],
     host: str,
     port: int,
@@ -61,7 +61,7 @@ def serve(
     from actstore.serve.catalog import Catalog
     from actstore.serve.console import ConsoleLimits
 
-    paths = list(stores) + list(more)
+    paths = list(store) + list(more)
     if not paths:
         raise click.UsageError("give at least one STORE")
     if host not in LOCAL_HOSTS and not allow_remote:
