@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -267,6 +268,50 @@ API_ROUTES: list[tuple[str, Callable[[Request], Response]]] = [
     ("/api/s/{store}/features", api_features),
 ]
 
+#: The query parameters of each route (docs/explorer.md says what each means).
+QUERY_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "/api/s/{store}/relations/{relation}": ("run",),
+    "/api/s/{store}/prompts": ("relation", "q", "page", "size"),
+    "/api/s/{store}/headscores": ("relation", "run"),
+    "/api/s/{store}/prompts/{example_id}/contributions": ("run", "layer", "head"),
+    "/api/s/{store}/methods": ("run", "page", "size"),
+    "/api/s/{store}/tables/{table}": ("page", "size"),
+    "/api/s/{store}/sql": ("q", "page", "size", "format"),
+    "/api/s/{store}/features": ("kind", "layer", "head", "relations", "n", "seed"),
+}
+
+
+def api_openapi(request: Request) -> Response:
+    """An OpenAPI 3 description of the routes (made from :data:`API_ROUTES`; the answers' fields are
+    in docs/explorer.md)."""
+    from actstore.core._version import __version__
+
+    error = {"description": "one line: {error, status}"}
+    paths: dict[str, Any] = {}
+    for path, endpoint in API_ROUTES + [("/api/openapi.json", api_openapi)]:
+        params = [
+            {"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+            for n in re.findall(r"{(\w+)}", path)
+        ]
+        params += [
+            {"name": n, "in": "query", "required": False, "schema": {"type": "string"}}
+            for n in QUERY_PARAMETERS.get(path, ())
+        ]
+        paths[path] = {
+            "get": {
+                "summary": (endpoint.__doc__ or "").strip().split("\n")[0],
+                "parameters": params,
+                "responses": {
+                    "200": {"description": "JSON (CSV or Parquet for sql?format=)"},
+                    "400": error,
+                    "404": error,
+                },
+            }
+        }
+    return _json(
+        {"openapi": "3.0.3", "info": {"title": "actstore explorer", "version": __version__}, "paths": paths}
+    )
+
 
 # ----------------------------------------------------------------------------------- pages
 def _page_route(view: str) -> Callable[[Request], Response]:
@@ -343,6 +388,7 @@ def create_app(
     """The explorer over ``catalog``'s stores (read-only).  ``warm_up``: read what the views need
     first in a background thread as the app starts (:func:`warm`)."""
     routes: list[Any] = [Route(p, e, methods=["GET"]) for p, e in API_ROUTES]
+    routes.append(Route("/api/openapi.json", api_openapi, methods=["GET"]))
     routes += [Route(p, _page_route(v), methods=["GET"]) for p, v in PAGE_ROUTES]
     routes += [
         Route("/", index, methods=["GET"]),

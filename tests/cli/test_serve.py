@@ -211,6 +211,19 @@ def test_sql_console_pages_and_downloads(served: tuple[Path, TestClient]) -> Non
     assert t.num_rows == 18 and t.column("text")[0].as_py() == HOSTILE_TEXT
 
 
+def test_openapi_lists_every_route(served: tuple[Path, TestClient]) -> None:
+    _, c = served
+    doc = c.get("/api/openapi.json").json()
+    assert doc["openapi"].startswith("3.") and set(doc["paths"]) == {p for p, _ in API_ROUTES} | {
+        "/api/openapi.json"
+    }
+    params = {
+        p["name"]
+        for p in doc["paths"]["/api/s/{store}/prompts/{example_id}/contributions"]["get"]["parameters"]
+    }
+    assert params == {"store", "example_id", "run", "layer", "head"}
+
+
 def test_every_route_is_tested() -> None:
     """The tests above call every API route (this test runs after them in file order)."""
     assert {p for p, _ in API_ROUTES} <= CALLED | {"/api/stores"}, {p for p, _ in API_ROUTES} - CALLED
