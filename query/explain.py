@@ -53,6 +53,12 @@ class Explanation:
     centering: np.ndarray  # [L']
     tokens: list[str]
     contrast: str = DEFAULT_CONTRAST  # the reading of dW used
+    kind: str = ""  # the run's feature kind
+    heads: tuple[int, ...] = ()  # the heads the features hold (all heads for ``attn``)
+    #: u = dW / sd scattered into raw feature space ([F]: [L', H', d_model] for the per-head kinds,
+    #: [L', d_model] for ``attn``), zero off the selected features: the probe direction that a raw
+    #: feature vector x is read along (dW . x' = u . x - u . mu).
+    direction: np.ndarray | None = None
 
     def layer_table(self) -> list[dict[str, float | int]]:
         """Per layer: the head-score sum, the token-score sum, the centering term and the residual
@@ -168,4 +174,7 @@ def _explain(
         cent.reshape(len(fm.layers), -1).sum(1).numpy(),
         toks.column("token").to_pylist()[: ts.shape[1]],
         cfg.contrast,
+        cfg.kind,
+        geo.heads,
+        u.numpy(),
     )

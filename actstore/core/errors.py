@@ -35,6 +35,10 @@ class QueryError(ActstoreError, ValueError):
     """A selection, feature request or SQL statement is invalid."""
 
 
+class NotFoundError(QueryError, LookupError):
+    """A relation, prompt, run or table that a request names is not in the store (the explorer's 404)."""
+
+
 class ReadOnlySQLError(QueryError, PermissionError):
     """A SQL statement tried to write, attach, install, or reach outside the store."""
 

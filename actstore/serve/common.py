@@ -1,0 +1,280 @@
+"""What the explorer's views share: validated parameters, JSON-safe values, SQL over the store."""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from actstore.core.errors import NotFoundError, QueryError
+from actstore.core.store import StoreReader
+
+#: Limits of the explorer's own statements (a SQL console statement has the console's limits).
+SQL_TIMEOUT = 20.0
+MAX_PAGE_SIZE = 500
+RUN_ID = re.compile(r"^[A-Za-z0-9._:-]{1,120}$")
+RELATION_ID = re.compile(r"^[^\x00-\x1f]{1,200}$")
+TABLE = re.compile(r"^[A-Za-z0-9_]{1,100}$")
+
+
+def jsonable(v: Any) -> Any:
+    """``v`` with numpy scalars and arrays as Python values and non-finite floats as None."""
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [jsonable(x) for x in v]
+    if isinstance(v, np.ndarray):
+        return jsonable(v.tolist())
+    if isinstance(v, np.generic):
+        return jsonable(v.item())
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, bytes):
+        return v.hex()
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    return str(v)
+
+
+def sql(
+    store: StoreReader, query: str, params: Sequence[Any] | Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Rows of one read-only statement of the explorer's (parameters bound, never pasted)."""
+    return store.sql(
+        query, list(params) if isinstance(params, list | tuple) else params, timeout=SQL_TIMEOUT
+    ).to_pylist()  # type: ignore[arg-type]
+
+
+#: How long the explorer trusts its listing of a store's table files (a run recorded meanwhile shows
+#: up after this many seconds).
+LISTING_SECONDS = 2.0
+_META: weakref.WeakKeyDictionary[StoreReader, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_META_LOCK = threading.Lock()
+
+
+def _meta(store: StoreReader) -> dict[Any, Any]:
+    with _META_LOCK:
+        return _META.setdefault(store, {})
+
+
+def table_files(store: StoreReader) -> dict[str, list[str]]:
+    """``store.table_files()``, listed again at most every :data:`LISTING_SECONDS`."""
+    meta = _meta(store)
+    now = time.monotonic()
+    got = meta.get("files")
+    if got is None or now - got[0] > LISTING_SECONDS:
+        got = meta["files"] = (now, store.table_files())
+    return dict(got[1])
+
+
+def signature(store: StoreReader, *tables: str) -> tuple[Any, ...]:
+    """The files of ``tables`` (all tables when none is named): a view computed from them can be kept
+    while this stays the same (a table file is written once and never changed)."""
+    listed = table_files(store)
+    names = tables or tuple(sorted(listed))
+    return tuple((n, tuple(listed.get(n) or ())) for n in names)
+
+
+def has_table(store: StoreReader, name: str) -> bool:
+    return bool(table_files(store).get(name))
+
+
+def columns(store: StoreReader, name: str) -> list[str]:
+    """The columns of table ``name`` (the union over its files' Parquet schemas, in order; [] when the
+    store has no such table), kept while its files stay the same."""
+    files = tuple(table_files(store).get(name) or ())
+    if not files:
+        return []
+    meta = _meta(store)
+    key = ("columns", name, files)
+    if key not in meta:
+        out: list[str] = []
+        for rel in files:
+            out += [n for n in store.file_schema(rel).names if n not in out]
+        meta[key] = out
+    return list(meta[key])
+
+
+def cached_rows(store: StoreReader, name: str, query: str | None = None) -> list[dict[str, Any]]:
+    """The rows of a small table (``probe_runs``, ``runs``), or of ``query`` over table ``name``,
+    kept while the table's files stay the same ([] when the store lacks the table)."""
+    files = tuple(table_files(store).get(name) or ())
+    if not files:
+        return []
+    meta = _meta(store)
+    key = ("rows", name, query, files)
+    if key not in meta:
+        meta[key] = sql(store, query or f'SELECT * FROM "{name}"')
+    return [dict(r) for r in meta[key]]
+
+
+def relations_index(store: StoreReader) -> dict[str, dict[str, Any]]:
+    """relation_id -> {relation_name, prompts} (kept while the examples table's files stay the same)."""
+    rows = cached_rows(
+        store,
+        "examples",
+        "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS prompts FROM examples GROUP BY 1",
+    )
+    return {str(r["relation_id"]): r for r in rows}
+
+
+def example_ids(store: StoreReader) -> np.ndarray:
+    """Every example id of the store, sorted (int64; kept while the examples' files stay the same)."""
+    files = tuple(table_files(store).get("examples") or ())
+    meta = _meta(store)
+    key = ("example_ids", files)
+    if key not in meta:
+        t = store.sql("SELECT example_id FROM examples ORDER BY 1", timeout=SQL_TIMEOUT)
+        meta[key] = np.asarray(t.column(0).to_numpy(), dtype=np.int64)
+    return meta[key]  # type: ignore[no-any-return]
+
+
+def int_param(value: str | None, what: str, *, low: int, high: int, default: int | None = None) -> int:
+    """A whole number ``low <= n <= high`` from a URL; a one-line 400 otherwise."""
+    if value is None or value == "":
+        if default is None:
+            raise QueryError(f"{what} is required")
+        return default
+    text = str(value).strip()
+    if not re.fullmatch(r"-?\d{1,19}", text):
+        raise QueryError(f"{what} must be a whole number, not {text[:40]!r}")
+    n = int(text)
+    if not low <= n <= high:
+        raise QueryError(f"{what} {n} is out of range ({low}..{high})")
+    return n
+
+
+def example_id(store: StoreReader, value: str) -> int:
+    """An example id of the store; 400 when not a number, 404 when the store has no such example."""
+    ex = int_param(value, "example_id", low=-(2**63), high=2**63 - 1)
+    ids = example_ids(store)
+    i = int(np.searchsorted(ids, ex))
+    if i >= ids.size or int(ids[i]) != ex:
+        raise NotFoundError(f"example {ex} is not in the store")
+    return ex
+
+
+def layer_head(store: StoreReader, layer: str | None, head: str | None) -> tuple[int, int]:
+    g = store.geometry
+    return (
+        int_param(layer, "layer", low=0, high=g.n_layers - 1),
+        int_param(head, "head", low=0, high=g.n_heads - 1),
+    )
+
+
+def relation_id(store: StoreReader, value: str) -> str:
+    if not isinstance(value, str) or not RELATION_ID.match(value):
+        raise QueryError("relation must be 1 to 200 printable characters")
+    if value not in relations_index(store):
+        raise NotFoundError(f"relation {value[:60]!r} is not in the store")
+    return value
+
+
+def run_param(value: str | None) -> str | None:
+    """A run id from a URL (None when not given); a run id is letters, digits and ``._:-``."""
+    if value is None or value == "":
+        return None
+    if not RUN_ID.match(value):
+        raise QueryError(f"run must be a run id (letters, digits, ._:-), not {value[:40]!r}")
+    return value
+
+
+def table_name(store: StoreReader, value: str) -> str:
+    if not isinstance(value, str) or not TABLE.match(value):
+        raise QueryError("a table name is letters, digits and _")
+    if value not in table_files(store):
+        raise NotFoundError(f"no table {value!r} in the store")
+    return value
+
+
+def latest_run(store: StoreReader, table: str, run: str | None = None, where: str = "") -> str | None:
+    """``run`` when table ``table`` holds it (404 otherwise), else the table's newest run (by the
+    ``runs`` table's start time; None when the table is absent or empty)."""
+    if not has_table(store, table) or "run_id" not in columns(store, table):
+        if run is not None:
+            raise NotFoundError(f"no run {run!r} in table {table}")
+        return None
+    if run is not None:
+        if run not in runs_of(store, table):
+            raise NotFoundError(f"no run {run!r} in table {table}")
+        return run
+    if not where:
+        runs = runs_of(store, table)
+        return runs[0] if runs else None
+    started = "r.started" if has_table(store, "runs") and "started" in columns(store, "runs") else "NULL"
+    join = "LEFT JOIN runs r USING (run_id)" if started != "NULL" else ""
+    rows = sql(
+        store,
+        f'SELECT t.run_id FROM (SELECT DISTINCT run_id FROM "{table}" {where}) t {join} '
+        f"ORDER BY {started} DESC NULLS LAST, t.run_id DESC LIMIT 1",
+    )
+    return str(rows[0]["run_id"]) if rows else None
+
+
+def runs_of(store: StoreReader, table: str) -> list[str]:
+    """The run ids of ``table``, newest first (kept while its files and the runs table's stay the same)."""
+    if not has_table(store, table) or "run_id" not in columns(store, table):
+        return []
+    listed = table_files(store)
+    key = ("runs", table, tuple(listed.get(table) or ()), tuple(listed.get("runs") or ()))
+    meta = _meta(store)
+    if key not in meta:
+        meta[key] = _runs_of(store, table)
+    return list(meta[key])
+
+
+def _runs_of(store: StoreReader, table: str) -> list[str]:
+    started = "r.started" if has_table(store, "runs") and "started" in columns(store, "runs") else "NULL"
+    join = "LEFT JOIN runs r USING (run_id)" if started != "NULL" else ""
+    rows = sql(
+        store,
+        f'SELECT t.run_id FROM (SELECT DISTINCT run_id FROM "{table}") t {join} '
+        f"ORDER BY {started} DESC NULLS LAST, t.run_id DESC",
+    )
+    return [str(r["run_id"]) for r in rows]
+
+
+def grid(
+    rows: list[dict[str, Any]], value: str, n_rows: int, n_cols: int, row: str = "layer", col: str = "head"
+) -> list[list[float | None]]:
+    """A [n_rows][n_cols] grid of ``value`` from long rows (None where absent or not finite)."""
+    out: list[list[float | None]] = [[None] * n_cols for _ in range(n_rows)]
+    for r in rows:
+        i, j, v = r.get(row), r.get(col), r.get(value)
+        if isinstance(i, int) and isinstance(j, int) and 0 <= i < n_rows and 0 <= j < n_cols:
+            if v is not None and math.isfinite(float(v)):
+                out[i][j] = float(v)
+    return out
+
+
+def block_sample(store: StoreReader, n: int, seed: int = 0, relations: list[str] | None = None) -> Any:
+    """At most ``n`` rows (of ``relations``) as a Selection: all of them when there are so few, else
+    ``n`` drawn at random from whole segments taken in a random order until they hold ``n`` rows, so
+    that a sample reads a few segments' chunks rather than one chunk per row."""
+    from actstore.query.selection import Selection
+
+    sel = Selection.from_sql(store)
+    if relations:
+        sel = sel.relations(relations)
+    if len(sel) <= n:
+        return sel
+    rows = sel.rows
+    seg = rows.column("segment").to_numpy()
+    ids = rows.column("example_id").to_numpy()
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(np.unique(seg))
+    counts = {int(k): int(v) for k, v in zip(*np.unique(seg, return_counts=True))}
+    taken, total = [], 0
+    for s_ in order.tolist():
+        taken.append(s_)
+        total += counts[s_]
+        if total >= 4 * n:  # enough segments to draw from, a few times the rows wanted
+            break
+    pool = ids[np.isin(seg, taken)]
+    return Selection.from_ids(store, sorted(rng.choice(pool, size=n, replace=False).tolist()))

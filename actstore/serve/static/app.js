@@ -1,0 +1,379 @@
+// actstore explorer: fills the server-rendered page from the JSON API under /api/.
+// Every string from the store is written with textContent (never as markup), so a prompt holding
+// <script> is shown as text.  Each view's state is in its URL (path and query string).
+"use strict";
+
+const V = document.getElementById("view");
+const D = V ? V.dataset : {};
+const S = encodeURIComponent(D.store || "");
+const Q = new URLSearchParams(location.search);
+const content = document.getElementById("content");
+
+function el(tag, attrs, ...kids) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined) continue;
+    if (k === "text") e.textContent = String(v);
+    else if (k === "on") for (const [ev, fn] of Object.entries(v)) e.addEventListener(ev, fn);
+    else if (k === "style") e.style.cssText = v;
+    else e.setAttribute(k, String(v));
+  }
+  for (const c of kids) if (c !== null && c !== undefined) e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return e;
+}
+const svgEl = (tag, attrs) => {
+  const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  return e;
+};
+
+async function api(path, params) {
+  const qs = params ? "?" + new URLSearchParams(Object.entries(params).filter(([, v]) => v !== null && v !== undefined && v !== "")) : "";
+  const r = await fetch(`/api/s/${S}${path}${qs}`);
+  const body = await r.json().catch(() => ({ error: `HTTP ${r.status}` }));
+  if (!r.ok) throw new Error(body.error || `HTTP ${r.status}`);
+  return body;
+}
+
+function fmt(v, d = 3) {
+  if (v === null || v === undefined) return "–";
+  if (typeof v === "number") {
+    if (!isFinite(v)) return "–";
+    if (Number.isInteger(v)) return String(v);
+    if (v !== 0 && (Math.abs(v) >= 1e6 || Math.abs(v) < 1e-3)) return v.toExponential(2);
+    return v.toFixed(d);
+  }
+  if (typeof v === "boolean") return v ? "yes" : "no";
+  if (Array.isArray(v)) return "[" + v.slice(0, 8).map((x) => fmt(x, d)).join(", ") + (v.length > 8 ? ", …" : "") + "]";
+  if (typeof v === "object") return JSON.stringify(v);
+  return String(v);
+}
+const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%");
+const ci = (v, lohi) => `${pct(v)} [${pct(lohi && lohi[0])}, ${pct(lohi && lohi[1])}]`;
+
+function link(href, text) { return el("a", { href, text }); }
+const storeUrl = (p) => `/s/${S}${p}`;
+const promptUrl = (id, extra) => storeUrl(`/prompt/${encodeURIComponent(id)}`) + (extra ? "?" + new URLSearchParams(extra) : "");
+
+function table(rows, cols, opts = {}) {
+  const t = el("table", { class: "data" + (opts.cls ? " " + opts.cls : ""), id: opts.id });
+  const head = el("tr");
+  for (const c of cols) head.append(el("th", { text: (opts.headers || {})[c] || c }));
+  t.append(el("thead", {}, head));
+  const body = el("tbody");
+  for (const r of rows) {
+    const tr = el("tr");
+    for (const c of cols) {
+      const cell = (opts.cell && opts.cell(c, r)) ?? fmt(r[c]);
+      tr.append(el("td", {}, cell));
+    }
+    body.append(tr);
+  }
+  t.append(body);
+  if (!rows.length) body.append(el("tr", {}, el("td", { colspan: cols.length, class: "empty", text: "none" })));
+  return t;
+}
+
+function section(title, ...kids) { return el("section", {}, el("h2", { text: title }), ...kids); }
+function note(text) { return el("p", { class: "note", text }); }
+function failed(e) { return el("p", { class: "error", text: String(e.message || e) }); }
+
+function colour(v, lim, diverging = true) {
+  if (v === null || v === undefined || !isFinite(v) || !lim) return "#f4f4f4";
+  const a = Math.min(1, Math.abs(v) / lim);
+  if (!diverging) return `rgba(68, 1, 84, ${(0.85 * a).toFixed(3)})`;
+  return v > 0 ? `rgba(214, 39, 40, ${(0.85 * a).toFixed(3)})` : `rgba(31, 119, 180, ${(0.85 * a).toFixed(3)})`;
+}
+
+// A layer x head heatmap; cells carry data-layer, data-head and data-value.
+function heatmap(grid, opts = {}) {
+  const flat = grid.flat().filter((v) => v !== null && isFinite(v));
+  const lim = flat.length ? Math.max(...flat.map(Math.abs)) : 0;
+  const hot = flat.length ? Math.max(...flat) : null;
+  const t = el("table", { class: "heat", id: opts.id });
+  const head = el("tr", {}, el("th", { text: opts.corner || "layer \\ head" }));
+  const n = grid.length ? grid[0].length : 0;
+  for (let h = 0; h < n; h++) head.append(el("th", { text: opts.colLabel ? opts.colLabel(h) : h }));
+  t.append(head);
+  grid.forEach((row, l) => {
+    const tr = el("tr", {}, el("th", { text: opts.rowLabel ? opts.rowLabel(l) : l }));
+    row.forEach((v, h) => {
+      const td = el("td", {
+        "data-layer": l, "data-head": h, "data-value": v === null ? "" : v,
+        title: `${opts.rowName || "layer"} ${l}, ${opts.colName || "head"} ${h}: ${fmt(v, 4)}`,
+        style: `background:${colour(v, lim, opts.diverging !== false)}`,
+        class: (opts.onClick ? "click" : "") + (v !== null && v === hot ? " hottest" : "") + (opts.selected && opts.selected[0] === l && opts.selected[1] === h ? " selected" : ""),
+      });
+      if (opts.onClick) td.addEventListener("click", () => opts.onClick(l, h));
+      tr.append(td);
+    });
+    t.append(tr);
+  });
+  return el("div", { class: "heatwrap" }, t, el("p", { class: "legend", text: `max |value| ${fmt(lim, 4)}${opts.diverging !== false ? " · red positive, blue negative" : ""}` }));
+}
+
+function pager(page, hasMore, go) {
+  const p = el("div", { class: "pager" });
+  p.append(el("button", { text: "◀ previous", disabled: page > 0 ? null : "disabled", on: { click: () => go(page - 1) } }));
+  p.append(el("span", { text: ` page ${page + 1} ` }));
+  p.append(el("button", { text: "next ▶", disabled: hasMore ? null : "disabled", on: { click: () => go(page + 1) } }));
+  return p;
+}
+
+function setQuery(params) {
+  const u = new URL(location.href);
+  for (const [k, v] of Object.entries(params)) (v === null || v === undefined || v === "") ? u.searchParams.delete(k) : u.searchParams.set(k, v);
+  history.replaceState(null, "", u);
+}
+
+// ------------------------------------------------------------------------------ views
+const VIEWS = {};
+
+VIEWS.store = async () => {
+  const d = await api("/summary");
+  const g = d.geometry;
+  const kv = [
+    ["model", `${d.model} (${d.architecture})`], ["format", `v${d.format}`], ["rows", `${d.rows} of ${d.examples} examples, ${d.segments} segments${d.complete ? "" : " (incomplete)"}`],
+    ["geometry", `L=${g.n_layers} H=${g.n_heads} H_kv=${g.n_kv_heads} d_head=${g.d_head} d_model=${g.d_model} d_mlp=${g.d_mlp} vocab=${g.vocab_size}`],
+    ["storage dtype", d.storage_dtype], ["size on disk", d.size], ["url", d.url],
+  ];
+  content.replaceChildren(
+    section("Store", table(kv.map(([k, v]) => ({ k, v })), ["k", "v"], { cls: "kv", headers: { k: "", v: "" } })),
+    section("Analyses", table(Object.entries(d.analyses).map(([kind, runs]) => ({ kind, runs })), ["kind", "runs"])),
+    section(`Relations (${d.relations.length})`, table(d.relations, Object.keys(d.relations[0] || { relation_id: 0 }), {
+      id: "relations", cell: (c, r) => (c === "relation_id" ? link(storeUrl(`/relation/${encodeURIComponent(r.relation_id)}`), r.relation_id) : null),
+    })),
+    section("Tables", table(d.tables, ["table", "kind", "files", "rows"], { cell: (c, r) => (c === "table" ? link(storeUrl(`/table/${encodeURIComponent(r.table)}`), r.table) : null) })),
+    section(`Runs (${d.n_runs})`, table(d.runs, ["run_id", "kind", "started", "seconds"])),
+  );
+};
+
+async function headscoreSection(rel, run, target) {
+  const d = await api("/headscores", { relation: rel, run });
+  if (!d.grid) return section("HeadScore", note(d.note));
+  const runSel = el("select", { id: "hs-run", on: { change: (e) => { setQuery({ run: e.target.value }); target.replaceChildren(); headscoreSection(rel, e.target.value, target).then((s) => target.replaceChildren(s)); } } });
+  for (const r of d.runs) runSel.append(el("option", { value: r, text: r, selected: r === d.run_id ? "selected" : null }));
+  const go = (l, h) => { location.href = storeUrl(`/head/${l}/${h}`) + "?" + new URLSearchParams(Object.entries({ relation: rel || "", run: d.run_id }).filter(([, v]) => v)); };
+  return section(`HeadScore ${rel ? "of " + rel : "over all relations"} (layer × head)`,
+    el("p", {}, "run ", runSel, ` · ${d.kind || ""} · ${d.n} predictions · click a head for its view`),
+    heatmap(d.grid, { id: "headscore", onClick: d.per_layer ? null : go, colLabel: d.per_layer ? () => "layer" : null }));
+}
+
+VIEWS.relation = async () => {
+  const rel = D.relation;
+  const d = await api(`/relations/${encodeURIComponent(rel)}`, { run: Q.get("run") });
+  const probes = table(d.probes, ["run_id", "kind", "setting", "n_queries", "accuracy", "f1", "run_accuracy"], {
+    id: "probes", headers: { accuracy: "accuracy [95% CI]", f1: "F1 [95% CI]", run_accuracy: "run accuracy [95% CI]" },
+    cell: (c, r) => (c === "accuracy" ? ci(r.accuracy, r.accuracy_ci95) : c === "f1" ? ci(r.f1, r.f1_ci95) : c === "run_accuracy" ? ci(r.run_accuracy, r.run_ci95) : null),
+  });
+  const conf = el("div", { class: "row" },
+    el("div", {}, el("h3", { text: "its queries predicted as" }), table(d.confusions.predicted_as, ["relation_id", "relation_name", "n"])),
+    el("div", {}, el("h3", { text: "other relations predicted as this one" }), table(d.confusions.mistaken_for_it, ["relation_id", "n"])));
+  const pcols = d.predictors.length ? Object.keys(d.predictors[0]) : ["run_id", ...d.predictor_columns];
+  const hs = el("div", { id: "hs-section" });
+  const prompts = el("div", { id: "prompts" });
+  content.replaceChildren(
+    section("Probe accuracy and F1 per run", probes),
+    section(`Confusions${d.confusion_run ? " (run " + d.confusion_run + ")" : ""}`, conf),
+    section("Predictors", table(d.predictors, pcols)),
+    hs,
+    section(`Prompts (${d.prompts})`, prompts),
+  );
+  await Promise.all([
+    promptList(prompts, rel),
+    headscoreSection(rel, Q.get("run"), hs).then((s) => hs.replaceChildren(s)).catch((e) => hs.replaceChildren(failed(e))),
+  ]);
+};
+
+async function promptList(target, rel) {
+  const form = el("form", { class: "search" });
+  const input = el("input", { type: "search", name: "q", value: Q.get("q") || "", placeholder: "search the prompts' text", id: "prompt-search" });
+  form.append(input, el("button", { type: "submit", text: "search" }));
+  const list = el("div");
+  target.replaceChildren(form, list);
+  const load = async (page) => {
+    setQuery({ q: input.value, page: page || null });
+    const d = await api("/prompts", { relation: rel, q: input.value, page, size: 25 });
+    list.replaceChildren(
+      el("p", { text: `${d.total} prompts` }),
+      table(d.rows, Object.keys(d.rows[0] || { example_id: 0, text: 0 }), { id: "prompt-table", cell: (c, r) => (c === "example_id" ? link(promptUrl(r.example_id), r.example_id) : null) }),
+      pager(d.page, (d.page + 1) * d.size < d.total, load),
+    );
+  };
+  form.addEventListener("submit", (e) => { e.preventDefault(); load(0).catch((x) => list.replaceChildren(failed(x))); });
+  await load(Number(Q.get("page") || 0));
+}
+
+VIEWS.heads = async () => {
+  const rel = Q.get("relation");
+  content.replaceChildren(await headscoreSection(rel, Q.get("run"), content));
+};
+
+VIEWS.head = async () => {
+  const l = D.layer, h = D.head;
+  const d = await api(`/heads/${l}/${h}`);
+  const rel = Q.get("relation");
+  const kids = [];
+  if (d.headscores) kids.push(section(`Stored HeadScore per relation (run ${d.headscore_run})`, table(d.headscores, ["relation_id", "score", "n"], { id: "head-headscores", cell: (c, r) => (c === "relation_id" ? link(storeUrl(`/relation/${encodeURIComponent(r.relation_id)}`), r.relation_id) : null) })));
+  if (d.maps) kids.push(section(`MAPS static scores (run ${d.maps_run})`, table(d.maps, Object.keys(d.maps[0] || { relation: 0, score: 0 }))));
+  if (d.salient) kids.push(section("Salient tokens and top mappings", table(d.salient, Object.keys(d.salient[0] || { token: 0 }))));
+  if (d.dynamic) kids.push(section("MAPS dynamic scores", table(d.dynamic, Object.keys(d.dynamic[0] || { relation: 0 }))));
+  const sampled = d.sampled.rows < d.sampled.of ? ` (a sample of ${d.sampled.rows} of ${d.sampled.of} rows)` : ` (all ${d.sampled.of} rows)`;
+  const top = rel ? d.top_prompts.filter((p) => p.relation_id === rel).concat(d.top_prompts.filter((p) => p.relation_id !== rel)) : d.top_prompts;
+  kids.push(section("Prompts where this head's output is largest: |z_h W_O,h|" + sampled,
+    table(top, ["example_id", "relation_id", "norm", "text"], { id: "top-prompts", cell: (c, r) => (c === "example_id" ? link(promptUrl(r.example_id, { layer: l, head: h }), r.example_id) : null) })));
+  kids.push(section("Mean contribution norm per relation" + sampled, table(d.norm_per_relation, ["relation_id", "mean_norm", "n"])));
+  content.replaceChildren(...kids);
+};
+
+function tokenRow(tokens, values, opts = {}) {
+  const finite = values.filter((v) => v !== null && isFinite(v));
+  const lim = finite.length ? Math.max(...finite.map(Math.abs)) : 0;
+  const p = el("p", { class: "tokens", id: opts.id });
+  tokens.forEach((t, j) => {
+    const v = j < values.length ? values[j] : null;
+    p.append(el("span", {
+      class: "tok", "data-pos": j, "data-value": v === null ? "" : v, text: t.text,
+      title: `${j}: ${JSON.stringify(t.token)} ${fmt(v, 5)}`, style: `background:${colour(v, lim, opts.diverging !== false)}`,
+    }));
+  });
+  return p;
+}
+
+VIEWS.prompt = async () => {
+  const ex = D.exampleId;
+  // both requests at once: the contributions may re-train the prediction's episode on the server
+  const first = api(`/prompts/${encodeURIComponent(ex)}/contributions`, { run: Q.get("run"), layer: Q.get("layer"), head: Q.get("head") });
+  first.catch(() => null);
+  const d = await api(`/prompts/${encodeURIComponent(ex)}`);
+  const e = d.example;
+  const meta = table([e], Object.keys(e).filter((k) => k !== "text"), { id: "prompt-meta" });
+  const kids = [section("Prompt", el("p", { class: "tokens plain", id: "prompt-tokens" }, ...d.tokens.map((t) => el("span", { class: "tok", text: t.text, title: `${t.position}: ${JSON.stringify(t.token)}` }))), meta)];
+  const contrib = el("div", { id: "contrib" });
+  kids.push(contrib);
+  if (d.token_scores && d.token_scores.length) {
+    const ts = d.token_scores[0];
+    kids.push(section(`Stored TokenScore, summed over the probed layers (run ${ts.run_id}, episode ${ts.episode}: ${ts.relation_id} predicted as ${ts.predicted})`, tokenRow(d.tokens, ts.scores, { id: "stored-tokenscore" })));
+  }
+  if (d.predictions && d.predictions.length) kids.push(section("Probe predictions of this prompt", table(d.predictions, ["run_id", "n", "accuracy", "most_predicted", "mean_prob"])));
+  for (const t of d.tracing) kids.push(section(`Causal tracing: ${t.component} (${t.value}, run ${t.run_id})`, heatmap(t.grid, { rowName: "position", colName: "layer", corner: "token \\ layer", diverging: false, rowLabel: (p) => (d.tokens[p] ? d.tokens[p].text : p) })));
+  for (const t of d.patching) kids.push(section(`Activation patching: ${t.component} recovery (run ${t.run_id})`, heatmap(t.grid, { diverging: true, colLabel: t.grid[0] && t.grid[0].length === 1 ? () => "all" : null })));
+  content.replaceChildren(...kids);
+  await contributions(contrib, d, Q.get("run"), Q.get("layer"), Q.get("head"), first);
+};
+
+async function contributions(target, d, run, layer, head, pending) {
+  let c;
+  try { c = await (pending || api(`/prompts/${encodeURIComponent(D.exampleId)}/contributions`, { run, layer, head })); }
+  catch (e) { target.replaceChildren(section("Per-source-token contributions", failed(e))); return; }
+  setQuery({ run: c.run_id, layer: c.layer, head: c.head });
+  const again = (r, l, h) => contributions(target, d, r, l, h);
+  const kids = [];
+  const lsel = el("select", { id: "c-layer" }), hsel = el("select", { id: "c-head" });
+  for (let l = 0; l < d.layers; l++) lsel.append(el("option", { value: l, text: l, selected: l === c.layer ? "selected" : null }));
+  for (let h = 0; h < d.heads; h++) hsel.append(el("option", { value: h, text: h, selected: h === c.head ? "selected" : null }));
+  const change = () => again(c.run_id, lsel.value, hsel.value);
+  lsel.addEventListener("change", change); hsel.addEventListener("change", change);
+  const controls = el("p", {}, "layer ", lsel, " head ", hsel);
+  if (c.runs.length) {
+    const rsel = el("select", { id: "c-run", on: { change: (ev) => again(ev.target.value, null, null) } });
+    for (const r of c.runs) rsel.append(el("option", { value: r, text: r, selected: r === c.run_id ? "selected" : null }));
+    controls.prepend("probe run ", rsel, " ");
+  }
+  const what = c.mode === "probe"
+    ? `Head ${c.layer}.${c.head}: each source token's contribution A·V·W_O read along the probe direction of this prompt's prediction (${c.relation_id} → ${c.predicted}, p=${fmt(c.probability)}, ${c.kind}, episode ${c.episode}); sum ${fmt(c.head_sum, 5)}`
+    : `Head ${c.layer}.${c.head}: ${c.note}`;
+  kids.push(controls, el("p", { class: "note", id: "contrib-caption", text: what }));
+  kids.push(tokenRow(d.tokens.slice(0, c.n_src), c.values, { id: "contrib-tokens" }));
+  const rows = c.values.map((v, j) => ({ position: j, token: d.tokens[j] ? d.tokens[j].text : "", contribution: v, attention: c.attention[j] }));
+  kids.push(el("div", { class: "row" },
+    table(rows, ["position", "token", "contribution", "attention"], { id: "contrib-table", cell: (col, r) => (col === "contribution" ? el("span", { "data-value": r.contribution, text: fmt(r.contribution, 6) }) : null) }),
+    el("div", {}, el("h3", { text: "attention pattern A_h(t, j)" }), tokenRow(d.tokens.slice(0, c.n_src), c.attention, { id: "attention-tokens", diverging: false }))));
+  if (c.mode === "probe") {
+    kids.push(el("h3", { text: "This prediction's HeadScore (layer × head): click a head" }));
+    kids.push(heatmap(c.headscore_grid, { id: "prompt-headscore", selected: [c.layer, c.per_layer ? 0 : c.head], onClick: (l, h) => again(c.run_id, l, c.per_layer ? c.head : h) }));
+    kids.push(el("h3", { text: "TokenScore per probed layer (sum over heads)" }));
+    c.token_scores.layers.forEach((l, i) => kids.push(el("div", { class: "tsrow" }, el("span", { class: "lbl", text: `layer ${l}` }), tokenRow(d.tokens.slice(0, c.n_src), c.token_scores.scores[i]))));
+  }
+  target.replaceChildren(section("Per-source-token contributions", ...kids));
+}
+
+VIEWS.methods = async () => {
+  const page = Number(Q.get("page") || 0);
+  const d = await api("/methods", { run: Q.get("run"), page, size: 50 });
+  if (!d.run_id) { content.replaceChildren(note(d.note)); return; }
+  const facts = d.facts.map((f) => ({ ...f, ...Object.fromEntries(d.methods.map((m) => [m, f.key_layer[m]])) }));
+  content.replaceChildren(
+    section(`Agreement between methods (run ${d.run_id})`, table(d.agreement, d.columns, { id: "agreement" })),
+    section(`Per-fact key layer of each method (${d.total} facts)`, table(facts, ["example_id", "relation_id", "subject", "object", ...d.methods], { id: "facts", cell: (c, r) => (c === "example_id" ? link(promptUrl(r.example_id), r.example_id) : null) }),
+      pager(page, (page + 1) * 50 < d.total, (p) => { setQuery({ page: p }); location.reload(); })),
+  );
+};
+
+VIEWS.sql = async () => {
+  const ta = el("textarea", { id: "sql-input", name: "q", rows: 5, spellcheck: "false" });
+  ta.value = Q.get("q") || "SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY 2 DESC";
+  const out = el("div", { id: "sql-result" });
+  const dl = el("p", { class: "downloads" });
+  const run = async (page) => {
+    setQuery({ q: ta.value, page: page || null });
+    out.replaceChildren(el("p", { class: "loading", text: "running…" }));
+    try {
+      const d = await api("/sql", { q: ta.value, page, size: 100 });
+      const rows = d.rows.map((r) => Object.fromEntries(d.columns.map((c, i) => [i, r[i]])));
+      out.replaceChildren(table(rows, d.columns.map((_, i) => i), { id: "sql-table", headers: Object.fromEntries(d.columns.map((c, i) => [i, c])) }), pager(d.page, d.more, run));
+      const q = encodeURIComponent(ta.value);
+      dl.replaceChildren("download: ", el("a", { href: `/api/s/${S}/sql?format=csv&q=${q}`, id: "dl-csv", text: "CSV" }), " · ", el("a", { href: `/api/s/${S}/sql?format=parquet&q=${q}`, id: "dl-parquet", text: "Parquet" }));
+    } catch (e) { out.replaceChildren(failed(e)); dl.replaceChildren(); }
+  };
+  const btn = el("button", { id: "sql-run", text: "run", on: { click: () => run(0) } });
+  content.replaceChildren(section("SQL console (one read-only SELECT; the same sandbox as actstore sql)", ta, el("p", {}, btn), dl, out));
+  if (Q.get("q")) await run(Number(Q.get("page") || 0));
+};
+
+const PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd"];
+
+VIEWS.features = async () => {
+  const form = el("form", { class: "search", id: "features-form" });
+  const field = (name, def, attrs = {}) => el("label", {}, name + " ", el("input", { name, value: Q.get(name) || def, size: 10, ...attrs }));
+  const kind = el("select", { name: "kind" });
+  for (const k of ["attn_head", "attn", "z", "attn_entity", "mlp", "mlp_group", "resid"]) kind.append(el("option", { value: k, text: k, selected: (Q.get("kind") || "attn_head") === k ? "selected" : null }));
+  form.append(el("label", {}, "kind ", kind), field("layer", ""), field("head", ""), field("relations", ""), field("n", "500"), el("button", { type: "submit", text: "project" }));
+  const out = el("div", { id: "features-plot" });
+  content.replaceChildren(section("Features: PCA (2-D) of one kind at one layer, coloured by relation", form, out));
+  const draw = async () => {
+    const p = Object.fromEntries(new FormData(form));
+    setQuery(p);
+    out.replaceChildren(el("p", { class: "loading", text: "computing…" }));
+    try {
+      const d = await api("/features", p);
+      const rels = [...new Set(d.points.map((q) => q.relation_id))].sort();
+      const W = 720, H = 480, pad = 20;
+      const xs = d.points.map((q) => q.x), ys = d.points.map((q) => q.y);
+      const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+      const sx = (x) => pad + ((x - x0) / (x1 - x0 || 1)) * (W - 2 * pad), sy = (y) => H - pad - ((y - y0) / (y1 - y0 || 1)) * (H - 2 * pad);
+      const svg = svgEl("svg", { width: W, height: H, class: "scatter" });
+      for (const q of d.points) {
+        const c = svgEl("circle", { cx: sx(q.x), cy: sy(q.y), r: 4, fill: PALETTE[rels.indexOf(q.relation_id) % PALETTE.length], "data-example": q.example_id });
+        const t = svgEl("title", {}); t.textContent = `${q.example_id} ${q.relation_id}: ${q.text}`; c.append(t);
+        c.addEventListener("click", () => { location.href = promptUrl(q.example_id); });
+        svg.append(c);
+      }
+      const legend = el("p", { class: "legend" });
+      rels.forEach((r, i) => legend.append(el("span", { class: "sw", style: `background:${PALETTE[i % PALETTE.length]}` }), el("span", { text: ` ${r}  ` })));
+      out.replaceChildren(el("p", { text: `${d.n} prompts · ${d.kind} layer ${d.layer}${d.head !== null ? " head " + d.head : ""} · explained variance ${pct(d.explained[0])}, ${pct(d.explained[1])} · hover a point for its prompt, click to open it` }), svg, legend);
+    } catch (e) { out.replaceChildren(failed(e)); }
+  };
+  form.addEventListener("submit", (e) => { e.preventDefault(); draw(); });
+  await draw();
+};
+
+VIEWS.table = async () => {
+  const page = Number(Q.get("page") || 0);
+  const d = await api(`/tables/${encodeURIComponent(D.table)}`, { page, size: 50 });
+  content.replaceChildren(section(`${d.total} rows`, table(d.rows, d.columns, { id: "table-rows" }), pager(page, (page + 1) * d.size < d.total, (p) => { setQuery({ page: p }); location.reload(); })));
+};
+
+if (V && VIEWS[D.view]) {
+  VIEWS[D.view]().then(() => document.body.setAttribute("data-ready", "1")).catch((e) => { content.replaceChildren(failed(e)); document.body.setAttribute("data-ready", "error"); });
+}

@@ -1,0 +1,187 @@
+"""``actstore serve`` latency: each API route over real HTTP (uvicorn on 127.0.0.1, a free port), and
+the prompt page's load in Chromium.
+
+    python benchmarks/bench_serve.py STORE [STORE ...] --rounds 7 --json out.json
+
+Per store and route, ``--rounds`` URLs with different parameters taken from the store (relations,
+pages, prompts that are queries of the newest per-source probe run, heads, layers): ``first_ms`` is
+the median of their first calls (nothing of that view cached; the contributions route re-trains the
+prompt's episode), ``again_ms`` the median of calling them again (the app's cache).  The app's
+warm-up (the tables' hashes, the relations, the example ids) runs before the clock starts.  The
+prompt page: navigation to ``body[data-ready]`` (every API call of the page answered and drawn) for
+``--rounds`` prompts not requested before, in Debian's Chromium driven by Playwright (skipped
+without either).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # `python benchmarks/bench_serve.py` from anywhere
+from benchmarks.common import emit  # noqa: E402
+
+WORDS = ["the", "city", "of", "river", "king", "music", "war", "film", "team", "church"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(paths: list[str]) -> tuple[Any, str, list[str]]:
+    import uvicorn
+
+    from actstore.serve.app import create_app, warm
+    from actstore.serve.catalog import Catalog
+
+    catalog = Catalog.open(paths)
+    warm(catalog)  # what `actstore serve` does in the background as it starts
+    port = _free_port()
+    app = create_app(catalog, warm_up=False)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, f"127.0.0.1:{port}", catalog.names
+
+
+def _get(con: http.client.HTTPConnection, url: str) -> tuple[int, bytes, float]:
+    t0 = time.perf_counter()
+    con.request("GET", url)
+    r = con.getresponse()
+    body = r.read()
+    return r.status, body, 1000 * (time.perf_counter() - t0)
+
+
+def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list[str]]:
+    """Per route, ``k`` URLs with different parameters picked from the store (a first call of each is
+    uncached), or one URL for the routes without parameters."""
+    base = f"/api/s/{name}"
+    summary = json.loads(_get(con, base + "/summary")[1])
+    g = summary["geometry"]
+    rels = [r["relation_id"] for r in summary["relations"]]
+    rel = rels[0]
+    q = "SELECT DISTINCT example_id FROM probe_episodes, unnest(query_ids) AS t(example_id) ORDER BY hash(example_id) LIMIT ?"
+    sql = json.loads(_get(con, f"{base}/sql?q={quote(q.replace('?', str(3 * k)))}")[1])
+    exs = [r[0] for r in sql.get("rows", [])] or [0]
+    heads = [(layer, h) for layer in range(g["n_layers"]) for h in range(g["n_heads"])]
+    heads = [heads[(i * 7919) % len(heads)] for i in range(k)]
+    page_sql = quote("SELECT example_id, relation_id, text FROM examples ORDER BY example_id")
+    pick = lambda xs, i: xs[i % len(xs)]  # noqa: E731
+    return {
+        "/api/stores": ["/api/stores"],
+        "summary": [f"{base}/summary"],
+        "relation": [f"{base}/relations/{quote(pick(rels, i))}" for i in range(k)],
+        "prompts (a page of a relation)": [
+            f"{base}/prompts?relation={quote(rel)}&page={i}&size=25" for i in range(k)
+        ],
+        "prompts (searched by text)": [f"{base}/prompts?q={pick(WORDS, i)}&page=1&size=25" for i in range(k)],
+        "headscores": [f"{base}/headscores?relation={quote(pick(rels, i))}" for i in range(k)],
+        "prompt": [f"{base}/prompts/{pick(exs, i)}" for i in range(k)],
+        "contributions (re-trains the episode)": [
+            f"{base}/prompts/{pick(exs, k + i)}/contributions" for i in range(k)
+        ],
+        "head": [f"{base}/heads/{layer}/{h}" for layer, h in heads],
+        "methods": [f"{base}/methods"],
+        "table page": [f"{base}/tables/examples?page={10 + i}&size=50" for i in range(k)],
+        "sql page": [f"{base}/sql?q={page_sql}&page={5 + i}&size=100" for i in range(k)],
+        "features (PCA, 500 rows)": [
+            f"{base}/features?kind=attn_head&layer={i % g['n_layers']}&n=500&seed={i}" for i in range(k)
+        ],
+        "_page": [f"/s/{name}/prompt/{pick(exs, 2 * k + i)}" for i in range(k)],
+    }
+
+
+def measure_api(host: str, name: str, rounds: int) -> dict[str, Any]:
+    """Per route: the median of the first calls of different URLs (``first_ms``: nothing cached for
+    that view) and of the same URLs called again (``again_ms``: the app's cache)."""
+    con = http.client.HTTPConnection(host, timeout=600)
+    out: dict[str, Any] = {}
+    listed = routes(con, name, rounds)
+    pages = listed.pop("_page")
+    for label, urls in listed.items():
+        first = []
+        for url in urls:
+            status, body, ms = _get(con, url)
+            if status != 200:
+                raise SystemExit(f"{url}: {status} {body[:200]!r}")
+            first.append(ms)
+        again = [_get(con, url)[2] for url in urls]
+        out[label] = {
+            "calls": len(urls),
+            "first_ms": round(statistics.median(first), 1),
+            "first_max_ms": round(max(first), 1),
+            "again_ms": round(statistics.median(again), 1),
+        }
+    con.close()
+    return {"routes": out, "urls": {k: v[0] for k, v in listed.items()}, "page_urls": pages}
+
+
+def measure_page(host: str, name: str, page_urls: list[str]) -> dict[str, Any] | None:
+    """Load time of the prompt page (navigation until every API call of the page is drawn), one
+    first load per prompt."""
+    import shutil
+
+    chromium = shutil.which("chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    if chromium is None:
+        return None
+    times = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+        pg = browser.new_page()
+        pg.goto(f"http://{host}/s/{name}")  # the script and style in the browser's cache, as for a user
+        pg.wait_for_selector("body[data-ready]", timeout=120_000)
+        for url in page_urls:
+            t0 = time.perf_counter()
+            pg.goto(f"http://{host}{url}")
+            pg.wait_for_selector("body[data-ready]", timeout=120_000)
+            times.append(1000 * (time.perf_counter() - t0))
+        browser.close()
+    return {
+        "loads": len(times),
+        "median_ms": round(statistics.median(times), 1),
+        "max_ms": round(max(times), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stores", nargs="+")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", dest="json_out", default=None)
+    a = ap.parse_args(argv)
+    server, host, names = start(a.stores)
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "stores": {}}
+    try:
+        for path, name in zip(a.stores, names):
+            from actstore.core.store import open_reader
+
+            rows = open_reader(path).n_rows
+            api = measure_api(host, name, a.rounds)
+            page = measure_page(host, name, api.pop("page_urls"))
+            result["stores"][name] = {"path": path, "rows": rows, **api, "prompt_page": page}
+            print(f"{name}: {rows} rows", file=sys.stderr)
+    finally:
+        server.should_exit = True
+    emit(result, a.json_out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""``actstore serve``: every API route through Starlette's test client, with bad input (hostile ids,
+layers, heads, table names, SQL) answered by a 4xx of one line, and the store unchanged (its files
+hashed before and after).  The browser test is tests/cli/test_serve_browser.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from serve_fixture import HOSTILE_TEXT, build_serve_store, tree_hash
+
+import actstore
+from actstore.cli import main
+
+pytest.importorskip("starlette")
+from starlette.testclient import TestClient  # noqa: E402
+
+from actstore.serve.app import API_ROUTES, create_app  # noqa: E402
+from actstore.serve.catalog import Catalog  # noqa: E402
+
+CALLED: set[str] = set()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, TestClient]]:
+    path = build_serve_store(tmp_path_factory.mktemp("serve"))
+    before = tree_hash(path)
+    client = TestClient(create_app(Catalog.open([str(path)])), raise_server_exceptions=False)
+    yield path, client
+    client.close()
+    assert tree_hash(path) == before, "the explorer wrote to the store"
+
+
+def get(client: TestClient, route: str, url: str, status: int = 200) -> Any:
+    CALLED.add(route)
+    r = client.get(url)
+    assert r.status_code == status, (url, r.status_code, r.text[:500])
+    if r.headers["content-type"].startswith("application/json"):
+        return r.json()
+    return r
+
+
+def bad(client: TestClient, url: str, status: int) -> str:
+    """A refused request: the status, one JSON object with a one-line error (pages: one text line)."""
+    r = client.get(url)
+    assert r.status_code == status, (url, r.status_code, r.text[:300])
+    if url.startswith("/api/"):
+        body = r.json()
+        text = body["error"]
+    else:
+        text = r.text.rstrip("\n")
+    assert text and "\n" not in text and "Traceback" not in text and 'File "' not in text, (url, text)
+    return str(text)
+
+
+def _run(path: Path) -> str:
+    return str(actstore.open(path).sql("SELECT run_id FROM probe_runs").column(0)[0].as_py())
+
+
+def test_stores_summary_and_relation(served: tuple[Path, TestClient]) -> None:
+    path, c = served
+    stores = get(c, "/api/stores", "/api/stores")
+    assert stores == [{"name": "store", "url": str(path), "model": "tiny-llama", "rows": 18}]
+    s = get(c, "/api/s/{store}/summary", "/api/s/store/summary")
+    assert s["rows"] == 18 and s["geometry"]["n_layers"] == 2
+    assert [r["relation_id"] for r in s["relations"]] == ["P1", "P2", "P3"]
+    assert s["analyses"]["probe"] == 1 and s["analyses"]["method comparison"] == 1
+    assert {"examples", "probe_runs", "head_scores", "token_scores"} <= {t["table"] for t in s["tables"]}
+    rel = get(c, "/api/s/{store}/relations/{relation}", "/api/s/store/relations/P1")
+    assert rel["relation_name"] == "city in France" and rel["prompts"] == 6
+    (p,) = rel["probes"]
+    assert p["kind"] == "attn_head" and p["n_queries"] > 0
+    lo, hi = p["accuracy_ci95"]
+    assert lo <= p["accuracy"] <= hi and p["f1_ci95"][0] <= p["f1"] <= p["f1_ci95"][1]
+    n_pred = sum(r["n"] for r in rel["confusions"]["predicted_as"])
+    assert n_pred == p["n_queries"]
+    assert rel["headscore_runs"] == [_run(path)]
+
+
+def test_prompts_paged_and_searched(served: tuple[Path, TestClient]) -> None:
+    _, c = served
+    page = get(c, "/api/s/{store}/prompts", "/api/s/store/prompts?relation=P2&size=4")
+    assert page["total"] == 6 and len(page["rows"]) == 4
+    page2 = get(c, "/api/s/{store}/prompts", "/api/s/store/prompts?relation=P2&size=4&page=1")
+    assert len(page2["rows"]) == 2 and not {r["example_id"] for r in page["rows"]} & {
+        r["example_id"] for r in page2["rows"]
+    }
+    hit = get(c, "/api/s/{store}/prompts", "/api/s/store/prompts?q=SCRIPT")
+    assert [r["text"] for r in hit["rows"]] == [HOSTILE_TEXT]
+    # a search text with SQL in it is data, not SQL
+    none = get(c, "/api/s/{store}/prompts", "/api/s/store/prompts?q=%27%29%20OR%201%3D1%20--")
+    assert none["total"] == 0
+
+
+def test_headscores_equal_the_stored_table(served: tuple[Path, TestClient]) -> None:
+    path, c = served
+    d = get(c, "/api/s/{store}/headscores", "/api/s/store/headscores?relation=P3")
+    assert d["run_id"] == _run(path) and len(d["grid"]) == 2 and len(d["grid"][0]) == 4
+    rows = (
+        actstore.open(path)
+        .sql("SELECT layer, head, score FROM head_scores WHERE relation_id = 'P3'")
+        .to_pylist()
+    )
+    for r in rows:
+        assert d["grid"][r["layer"]][r["head"]] == pytest.approx(r["score"])
+    assert get(c, "/api/s/{store}/headscores", "/api/s/store/headscores")["grid"] is not None
+
+
+def test_prompt_and_its_contributions_equal_features_on_the_probe_direction(
+    served: tuple[Path, TestClient],
+) -> None:
+    path, c = served
+    store = actstore.open(path)
+    ex = int(
+        store.sql("SELECT example_id FROM token_scores ORDER BY example_id LIMIT 1").column(0)[0].as_py()
+    )
+    d = get(c, "/api/s/{store}/prompts/{example_id}", f"/api/s/store/prompts/{ex}")
+    assert d["example"]["example_id"] == ex and d["runs"] and d["token_scores"]
+    assert len(d["tokens"]) == d["example"]["n_tokens"]
+    for layer, head in ((0, 1), (1, 3)):
+        k = get(
+            c,
+            "/api/s/{store}/prompts/{example_id}/contributions",
+            f"/api/s/store/prompts/{ex}/contributions?layer={layer}&head={head}",
+        )
+        assert k["mode"] == "probe" and (k["layer"], k["head"]) == (layer, head)
+        x = store.select("example_id = ?", params=[ex]).features(
+            "attn_head_token", layers=[layer], heads=[head]
+        )
+        want = x[0, 0, 0, : k["n_src"]].astype(np.float64) @ np.asarray(k["direction"], dtype=np.float64)
+        np.testing.assert_allclose(k["values"], want, rtol=1e-4, atol=1e-6)
+        a = store.select("example_id = ?", params=[ex]).features("attn_prob", layers=[layer], heads=[head])
+        np.testing.assert_allclose(k["attention"], a[0, 0, 0, : k["n_src"]], rtol=1e-5)
+    # summed over every head, the values are the stored TokenScore of that prediction (probe run's table)
+    total = np.zeros(k["n_src"])
+    for layer in range(2):
+        for head in range(4):
+            total += get(
+                c,
+                "/api/s/{store}/prompts/{example_id}/contributions",
+                f"/api/s/store/prompts/{ex}/contributions?layer={layer}&head={head}",
+            )["values"]
+    stored = (
+        store.sql(
+            "SELECT scores FROM token_scores WHERE example_id = ? AND seed = ? AND episode = ?",
+            [ex, k["seed"], k["episode"]],
+        )
+        .column(0)[0]
+        .as_py()
+    )
+    np.testing.assert_allclose(total, stored, rtol=1e-4, atol=1e-6)
+    # the default head is the one with the largest |HeadScore| of this prediction
+    k = get(
+        c, "/api/s/{store}/prompts/{example_id}/contributions", f"/api/s/store/prompts/{ex}/contributions"
+    )
+    flat = [abs(v) for row in k["headscore_grid"] for v in row if v is not None]
+    assert abs(k["headscore_grid"][k["layer"]][k["head"]]) == pytest.approx(max(flat))
+    # tracing and patching of a fact that has them
+    traced = int(store.sql("SELECT min(example_id) FROM trace_effects").column(0)[0].as_py())
+    t = get(c, "/api/s/{store}/prompts/{example_id}", f"/api/s/store/prompts/{traced}")
+    assert [x["component"] for x in t["tracing"]] == ["attn", "mlp", "resid"]
+    assert {x["component"] for x in t["patching"]} == {"head", "resid"}
+
+
+def test_head_methods_tables_features(served: tuple[Path, TestClient]) -> None:
+    path, c = served
+    h = get(c, "/api/s/{store}/heads/{layer}/{head}", "/api/s/store/heads/1/2")
+    assert len(h["maps"]) == 3 and len(h["salient"]) == 3 and len(h["headscores"]) == 3
+    assert len(h["top_prompts"]) == 18 and h["sampled"] == {"rows": 18, "of": 18}
+    norms = [p["norm"] for p in h["top_prompts"]]
+    assert norms == sorted(norms, reverse=True)
+    x = actstore.open(path).select().features("attn_head", layers=[1], heads=[2])[:, 0, 0]
+    assert max(norms) == pytest.approx(float(np.linalg.norm(x, axis=1).max()), rel=1e-5)
+    m = get(c, "/api/s/{store}/methods", "/api/s/store/methods")
+    assert m["run_id"] == "agree-test" and m["agreement"][0]["key_layer_kappa"] == 0.45
+    assert (
+        m["methods"] == ["patch", "trace"]
+        and m["total"] == 3
+        and set(m["facts"][0]["key_layer"]) == {"patch", "trace"}
+    )
+    t = get(c, "/api/s/{store}/tables/{table}", "/api/s/store/tables/examples?size=5&page=3")
+    assert t["total"] == 18 and len(t["rows"]) == 3
+    f = get(c, "/api/s/{store}/features", "/api/s/store/features?kind=resid&layer=2&relations=P1,P3&n=10")
+    assert f["n"] == 10 and {p["relation_id"] for p in f["points"]} <= {"P1", "P3"}
+    f = get(c, "/api/s/{store}/features", "/api/s/store/features?kind=attn_head&layer=0&head=1")
+    assert f["n"] == 18 and 0 < f["explained"][0] <= 1
+
+
+def test_sql_console_pages_and_downloads(served: tuple[Path, TestClient]) -> None:
+    _, c = served
+    q = "SELECT example_id, text FROM examples ORDER BY 1"
+    p = get(c, "/api/s/{store}/sql", f"/api/s/store/sql?q={q}&size=5&page=1")
+    assert (
+        p["columns"] == ["example_id", "text"] and [r[0] for r in p["rows"]] == [5, 6, 7, 8, 9] and p["more"]
+    )
+    last = get(c, "/api/s/{store}/sql", f"/api/s/store/sql?q={q}&size=5&page=3")
+    assert len(last["rows"]) == 3 and not last["more"]
+    csv = get(c, "/api/s/{store}/sql", f"/api/s/store/sql?q={q}&format=csv")
+    assert csv.headers["content-type"].startswith("text/csv") and csv.text.count("\n") == 19
+    assert "attachment" in csv.headers["content-disposition"]
+    pqr = get(c, "/api/s/{store}/sql", f"/api/s/store/sql?q={q}&format=parquet")
+    import io
+
+    t = pq.read_table(io.BytesIO(pqr.content))
+    assert t.num_rows == 18 and t.column("text")[0].as_py() == HOSTILE_TEXT
+
+
+def test_openapi_lists_every_route(served: tuple[Path, TestClient]) -> None:
+    _, c = served
+    doc = c.get("/api/openapi.json").json()
+    assert doc["openapi"].startswith("3.") and set(doc["paths"]) == {p for p, _ in API_ROUTES} | {
+        "/api/openapi.json"
+    }
+    params = {
+        p["name"]
+        for p in doc["paths"]["/api/s/{store}/prompts/{example_id}/contributions"]["get"]["parameters"]
+    }
+    assert params == {"store", "example_id", "run", "layer", "head"}
+
+
+def test_every_route_is_tested() -> None:
+    """The tests above call every API route (this test runs after them in file order)."""
+    assert {p for p, _ in API_ROUTES} <= CALLED | {"/api/stores"}, {p for p, _ in API_ROUTES} - CALLED
+
+
+HOSTILE_IDS = [
+    "1;DROP TABLE examples",
+    "1 OR 1=1",
+    "abc",
+    "1e3",
+    "0x10",
+    "99999999999999999999999",
+    "%00",
+    "%3Cscript%3E",
+]
+
+
+def test_hostile_parameters_are_one_line_4xx(served: tuple[Path, TestClient]) -> None:
+    _, c = served
+    for ex in HOSTILE_IDS:
+        assert bad(c, f"/api/s/store/prompts/{ex}", 400).startswith("example_id must be a whole number")
+        bad(c, f"/api/s/store/prompts/{ex}/contributions", 400)
+        bad(c, f"/s/store/prompt/{ex}", 400)
+    assert bad(c, "/api/s/store/prompts/123456", 404) == "example 123456 is not in the store"
+    bad(c, "/api/s/store/prompts/-1", 404)
+    bad(c, "/api/s/store/prompts/..%2F..%2Fetc%2Fpasswd", 404)
+    for layer, head in (("2", "0"), ("-1", "0"), ("x", "0"), ("0", "4"), ("0", "1.5"), ("0", "-0x1")):
+        bad(c, f"/api/s/store/heads/{layer}/{head}", 400)
+        bad(c, f"/api/s/store/prompts/1/contributions?layer={layer}&head={head}", 400)
+        bad(c, f"/s/store/head/{layer}/{head}", 400)
+    for table, status in (
+        ("runs;DROP", 400),
+        ('examples"', 400),
+        ("..%2Fsegments", 404),
+        ("x" * 300, 400),
+        ("nosuch", 404),
+    ):
+        bad(c, f"/api/s/store/tables/{table}", status)
+    bad(c, "/api/s/store/tables/../tables", 404)  # the client resolves the dots: no such route
+    bad(c, "/s/store/table/nosuch", 404)
+    for rel in ("%3Cscript%3Ealert(1)%3C%2Fscript%3E", "P1'--", "P9"):
+        bad(c, f"/api/s/store/relations/{rel}", 404)
+    bad(c, "/api/s/store/relations/%01", 400)
+    bad(c, "/api/s/store/prompts?relation=%3Cb%3E", 404)
+    bad(c, "/api/s/store/relations/P1?run=bad%20run!", 400)
+    bad(c, "/api/s/store/relations/P1?run=no-such-run", 404)
+    bad(c, "/api/s/store/prompts/1/contributions?run=no-such-run", 404)
+    for store in ("nope", "..", "%2E%2E", "x" * 200):
+        bad(c, f"/api/s/{store}/summary", 404)
+    for q in ("page=-1", "page=x", "size=0", "size=100000", "page=1e9"):
+        bad(c, f"/api/s/store/prompts?{q}", 400)
+    bad(c, "/api/s/store/prompts?q=" + "x" * 300, 400)
+    for q in (
+        "kind=bogus",
+        "kind=attn_head_token",
+        "layer=9",
+        "kind=resid&head=1",
+        "n=1",
+        "n=99999",
+        "relations=P1,P9",
+    ):
+        status = 404 if "P9" in q else 400
+        bad(c, f"/api/s/store/features?{q}", status)
+
+
+SQL_ERRORS = [
+    ("SELEC 1", "SQL error"),
+    ("DROP TABLE examples", "read-only"),
+    ("COPY examples TO '/tmp/x.csv'", "read-only"),
+    ("SELECT * FROM read_csv('/etc/passwd')", ""),
+    ("SELECT 1; SELECT 2", "exactly one statement"),
+    ("ATTACH '/tmp/x.db'", "read-only"),
+    ("SELECT * FROM nosuch", "SQL error"),
+    ("", "no statement"),
+    ("SELECT 1) UNION (SELECT 2", ""),
+    ("INSTALL httpfs", "read-only"),
+]
+
+
+def test_sql_errors_are_one_line_4xx(served: tuple[Path, TestClient]) -> None:
+    _, c = served
+    from urllib.parse import quote
+
+    for q, want in SQL_ERRORS:
+        for fmt in ("json", "csv"):
+            text = bad(c, f"/api/s/store/sql?format={fmt}&q={quote(q)}", 400)
+            assert want.lower() in text.lower(), (q, text)
+    bad(c, "/api/s/store/sql?format=xlsx&q=SELECT%201", 400)
+    bad(c, "/api/s/store/sql?q=" + quote("SELECT 1 -- " + "x" * 20_000), 400)
+
+
+def test_pages_escape_store_strings(served: tuple[Path, TestClient]) -> None:
+    _, c = served
+    for url in (
+        "/s/store",
+        "/s/store/relation/P1",
+        "/s/store/prompt/0",
+        "/s/store/head/0/0",
+        "/s/store/heads",
+        "/s/store/methods",
+        "/s/store/sql",
+        "/s/store/features",
+        "/s/store/table/examples",
+    ):
+        r = c.get(url)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), url
+        assert r.text.count("<script") == 1 and '<script src="/static/app.js">' in r.text, url
+        assert "default-src 'self'" in r.headers["content-security-policy"]
+    page = c.get("/s/store/prompt/0").text
+    assert "&lt;script&gt;document.title=&#x27;pwned&#x27;&lt;/script&gt;" in page
+    assert c.get("/").status_code == 200  # redirected to the one store
+    for asset in ("/static/app.js", "/static/style.css"):
+        assert c.get(asset).status_code == 200
+    assert "innerHTML" not in c.get("/static/app.js").text
+
+
+def test_serve_command_refuses_remote_hosts_without_the_flag(
+    served: tuple[Path, TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = served
+    r = CliRunner().invoke(main, ["serve", str(path), "--host", "0.0.0.0"])
+    assert r.exit_code == 2 and "--allow-remote" in r.output and r.output.count("\n") == 1
+    seen: dict[str, Any] = {}
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    r = CliRunner().invoke(main, ["serve", str(path), "--host", "0.0.0.0", "--allow-remote", "--port", "9"])
+    assert r.exit_code == 0 and "warning: serving on 0.0.0.0" in r.stderr
+    assert seen == {"host": "0.0.0.0", "port": 9, "log_level": "warning"}
+    r = CliRunner().invoke(main, ["serve", str(path)])
+    assert r.exit_code == 0 and "http://127.0.0.1:8765/" in r.stderr and seen["host"] == "127.0.0.1"
+    r = CliRunner().invoke(main, ["serve", str(path.parent / "nope")])
+    assert r.exit_code == 1 and r.output.startswith("error: ") and r.output.count("\n") == 1
+    # a folder of stores: served by their names
+    r = CliRunner().invoke(main, ["serve", str(path.parent)])
+    assert r.exit_code == 0 and "serving store on" in r.stderr
+    assert json.loads(json.dumps(seen))["port"] == 8765
+
+
+def test_several_stores_by_name(served: tuple[Path, TestClient]) -> None:
+    path, _ = served
+    with TestClient(create_app(Catalog.open([str(path), str(path)])), raise_server_exceptions=False) as c:
+        assert [s["name"] for s in c.get("/api/stores").json()] == ["store", "store-2"]
+        index = c.get("/")
+        assert index.status_code == 200 and 'href="/s/store-2"' in index.text
+        assert c.get("/api/s/store-2/summary").json()["rows"] == 18

@@ -1,0 +1,214 @@
+"""``actstore serve`` in a real browser: uvicorn on 127.0.0.1 (a free port) and Playwright driving
+Debian's Chromium (``/usr/bin/chromium``, installed by ``.ci/run``; Playwright's own browsers are
+never downloaded).  The walk: store page -> a relation -> the hottest head of its HeadScore heatmap
+-> the head view -> a prompt, whose per-token values must equal ``Selection.features(
+"attn_head_token")`` projected on the probe direction (computed here with numpy, the direction read
+through the API) -> the SQL console -> the hostile prompt, shown as text.  Each view's screenshot goes
+to docs/explorer/ (referenced from docs/explorer.md), so the pictures there are of the code as tested.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import REPO, missing, require_chromium
+from serve_fixture import HOSTILE_TEXT, build_serve_store, tree_hash
+
+import actstore
+
+SHOTS = REPO / "docs" / "explorer"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    pytest.importorskip("starlette")
+    import uvicorn
+
+    from actstore.serve.app import create_app
+    from actstore.serve.catalog import Catalog
+
+    path = build_serve_store(tmp_path_factory.mktemp("serve-browser"))
+    before = tree_hash(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(
+        uvicorn.Config(
+            create_app(Catalog.open([str(path)])), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield path, f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+    assert tree_hash(path) == before, "the explorer wrote to the store"
+
+
+@pytest.fixture(scope="module")
+def page(server: tuple[Path, str]) -> Iterator[Any]:
+    chromium = require_chromium()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing("playwright", "pip install -e '.[dev]'")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium, headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
+        pg = browser.new_page(viewport={"width": 1280, "height": 900})
+        pg.errors = []  # type: ignore[attr-defined]
+        pg.on("pageerror", lambda e: pg.errors.append(str(e)))  # type: ignore[attr-defined]
+        pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)  # type: ignore[attr-defined]
+        yield pg
+        browser.close()
+
+
+def ready(pg: Any) -> None:
+    pg.wait_for_selector("body[data-ready]", timeout=30_000)
+    assert pg.get_attribute("body", "data-ready") == "1", pg.inner_text("#content")[:500]
+
+
+def shot(pg: Any, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    pg.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def test_walk_from_store_to_relation_head_and_prompt(server: tuple[Path, str], page: Any) -> None:
+    path, base = server
+    pg = page
+    pg.goto(base + "/")
+    ready(pg)
+    assert pg.url == base + "/s/store"
+    assert pg.locator("#relations a").count() == 3
+    shot(pg, "store")
+    # a relation
+    pg.locator("#relations a", has_text="P2").click()
+    ready(pg)
+    assert pg.url.endswith("/s/store/relation/P2")
+    assert pg.locator("#probes tbody tr").count() == 1 and pg.locator("#prompt-table tbody tr").count() == 6
+    pg.wait_for_selector("#headscore td")
+    shot(pg, "relation")
+    # the hottest head of its heatmap
+    cells = pg.eval_on_selector_all(
+        "#headscore td",
+        "els => els.map(e => [+e.dataset.layer, +e.dataset.head, e.dataset.value === '' ? null : +e.dataset.value])",
+    )
+    layer, head, _ = max((c for c in cells if c[2] is not None), key=lambda c: c[2])
+    stored = (
+        actstore.open(path)
+        .sql("SELECT layer, head FROM head_scores WHERE relation_id = 'P2' ORDER BY score DESC LIMIT 1")
+        .to_pylist()[0]
+    )
+    assert (layer, head) == (stored["layer"], stored["head"])
+    pg.locator(f'#headscore td[data-layer="{layer}"][data-head="{head}"]').click()
+    ready(pg)
+    assert f"/s/store/head/{layer}/{head}" in pg.url
+    assert pg.inner_text("#heading") == f"Head {layer}.{head}"
+    shot(pg, "head")
+    # a prompt: the first of the relation among the head's top prompts
+    link = pg.locator("#top-prompts tbody tr", has_text="P2").first.locator("a")
+    ex = int(link.inner_text())
+    link.click()
+    ready(pg)
+    pg.wait_for_selector("#contrib-table")
+    assert f"/s/store/prompt/{ex}" in pg.url and f"layer={layer}" in pg.url and f"head={head}" in pg.url
+    shown = pg.eval_on_selector_all(
+        "#contrib-table span[data-value]", "els => els.map(e => +e.dataset.value)"
+    )
+    # the same values, independently: the stored factors' per-token contributions on the probe direction
+    with urllib.request.urlopen(
+        f"{base}/api/s/store/prompts/{ex}/contributions?layer={layer}&head={head}"
+    ) as r:
+        api = json.loads(r.read())
+    assert api["mode"] == "probe"
+    x = (
+        actstore.open(path)
+        .select("example_id = ?", params=[ex])
+        .features("attn_head_token", layers=[layer], heads=[head])
+    )
+    want = x[0, 0, 0, : api["n_src"]].astype(np.float64) @ np.asarray(api["direction"], dtype=np.float64)
+    assert len(shown) == api["n_src"] == pg.locator("#contrib-tokens .tok").count()
+    np.testing.assert_allclose(shown, want, rtol=1e-4, atol=1e-6)
+    shot(pg, "prompt")
+    # another head from the prompt's own HeadScore grid: the values follow
+    other = 1 - layer
+    pg.locator(f'#prompt-headscore td[data-layer="{other}"][data-head="0"]').click()
+    pg.wait_for_function(f"() => location.search.includes('layer={other}')")
+    pg.wait_for_selector("#contrib-table")
+    assert "Head " + f"{other}.0" in pg.inner_text("#contrib-caption")
+    assert not pg.errors, pg.errors  # type: ignore[attr-defined]
+
+
+def test_views_heatmap_methods_features_table(server: tuple[Path, str], page: Any) -> None:
+    _, base = server
+    pg = page
+    for url, name, sel in (
+        ("/s/store/heads", "headscore", "#headscore td.hottest"),
+        ("/s/store/methods", "methods", "#agreement tbody tr"),
+        ("/s/store/features?kind=attn_head&layer=1&n=18", "features", "svg.scatter circle"),
+        ("/s/store/table/probe_runs", "table", "#table-rows tbody tr"),
+    ):
+        pg.goto(base + url)
+        ready(pg)
+        assert pg.locator(sel).count() >= 1, url
+        shot(pg, name)
+    pg.goto(base + "/s/store/features?kind=attn_head&layer=1&n=18")
+    ready(pg)
+    assert pg.locator("svg.scatter circle").count() == 18
+    assert HOSTILE_TEXT in pg.eval_on_selector_all(
+        "svg.scatter title", "els => els.map(e => e.textContent).join('|')"
+    )
+    assert not pg.errors, pg.errors  # type: ignore[attr-defined]
+
+
+def test_sql_console(server: tuple[Path, str], page: Any) -> None:
+    _, base = server
+    pg = page
+    pg.goto(base + "/s/store/sql")
+    ready(pg)
+    pg.fill("#sql-input", "SELECT relation_id, count(*) AS n FROM examples GROUP BY 1 ORDER BY 1")
+    pg.click("#sql-run")
+    pg.wait_for_selector("#sql-table")
+    rows = pg.eval_on_selector_all(
+        "#sql-table tbody tr", "els => els.map(e => [...e.cells].map(c => c.textContent))"
+    )
+    assert rows == [["P1", "6"], ["P2", "6"], ["P3", "6"]]
+    assert "q=SELECT" in pg.url  # the statement is in the URL: the view can be shared
+    assert pg.get_attribute("#dl-csv", "href").startswith("/api/s/store/sql?format=csv&q=")
+    shot(pg, "sql")
+    pg.fill("#sql-input", "DROP TABLE examples")
+    pg.click("#sql-run")
+    pg.wait_for_selector("#sql-result .error")
+    assert "read-only" in pg.inner_text("#sql-result .error")
+
+
+def test_a_hostile_prompt_is_shown_as_text(server: tuple[Path, str], page: Any) -> None:
+    _, base = server
+    pg = page
+    pg.goto(base + "/s/store/prompt/0")
+    ready(pg)
+    pg.wait_for_selector("#contrib-table")
+    assert pg.title() == "Prompt 0 · actstore explorer"  # the prompt's script did not run
+    assert pg.inner_text("#prompt-text") == HOSTILE_TEXT
+    assert HOSTILE_TEXT in pg.inner_text("#prompt-tokens").replace("<s>", "")
+    assert pg.eval_on_selector_all("script", "els => els.length") == 1
+    pg.goto(base + "/s/store/relation/P1")
+    ready(pg)
+    assert pg.locator("#prompt-table td", has_text=HOSTILE_TEXT).count() == 1
+    assert pg.title() == "Relation P1 · actstore explorer"
