@@ -1024,7 +1024,7 @@ VERIFY_CASES = [
     VerifyCase(
         "deleted-zero-weight-chunk",
         lambda c: delete("weights/b_O/c/0/0"),
-        ("weights/b_O: chunk 0 (rows 0:2) is missing",),
+        ("weights/b_O: chunk 0 (rows 0:1) is missing",),  # one layer per chunk
     ),
     VerifyCase(
         "deleted-chunk-listing",
