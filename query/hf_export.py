@@ -50,7 +50,9 @@ HF_DTYPES = ("float32", "float16")
 def hook_name(kind: str, layer: int, n_layers: int) -> str:
     """The TransformerLens hook name SAELens would cache ``kind`` at ``layer`` under."""
     if kind == "resid":
-        return f"blocks.{layer}.hook_resid_pre" if layer < n_layers else f"blocks.{n_layers - 1}.hook_resid_post"
+        return (
+            f"blocks.{layer}.hook_resid_pre" if layer < n_layers else f"blocks.{n_layers - 1}.hook_resid_post"
+        )
     names = {
         "mlp": "hook_mlp_out",
         "attn": "hook_attn_out",
@@ -78,9 +80,7 @@ def to_hf_dataset(
         import datasets
         from datasets.arrow_writer import ArrowWriter
     except ImportError:
-        raise QueryError(
-            "to_hf_dataset needs the datasets package: pip install 'actstore[hf]'"
-        ) from None
+        raise QueryError("to_hf_dataset needs the datasets package: pip install 'actstore[hf]'") from None
     store = selection.store
     if kind in SOURCE_KINDS:
         raise QueryError(f"to_hf_dataset: {kind} has a ragged source axis; export a fixed-size kind")
@@ -103,7 +103,9 @@ def to_hf_dataset(
     names = [hook_name(kind, layer, n_layers) for layer in spec.layers]
     if len(set(names)) != len(names):
         raise QueryError("to_hf_dataset: a layer is given twice")
-    probe = next(selection.iter_features(kind, layers=[spec.layers[0]], heads=heads, groups=groups, batch_rows=1))[1]
+    probe = next(
+        selection.iter_features(kind, layers=[spec.layers[0]], heads=heads, groups=groups, batch_rows=1)
+    )[1]
     d_in = int(np.prod(probe.shape[2:]))
     features = datasets.Features(
         {

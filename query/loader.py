@@ -8,10 +8,11 @@
 
 The order of an epoch, for ``N`` selected rows, is fixed before anything is read:
 
-1. **Units.** The selected rows are grouped by storage chunk: the rows of one segment whose
-   ``seg_row // chunk_rows`` agree (the row-chunks of ``z``, ``mlp`` and ``resid`` are one file each,
-   or one shard of layer chunks).  ``shuffle=True`` permutes the units with
-   ``numpy.random.default_rng([seed, epoch])``; ``shuffle=False`` keeps store order.
+1. **Units.** The selected rows are grouped by storage chunks: a unit is a run of ``unit_rows // chunk_rows``
+   whole chunks of one segment (``chunk_rows`` rows of ``z``, ``mlp`` and ``resid`` per chunk file or
+   shard of layer chunks; ``unit_rows`` defaults to 256 rows, a whole segment of the default
+   ingest, read in one call), holding the selected rows among them.  ``shuffle=True`` permutes the
+   units with ``numpy.random.default_rng([seed, epoch])``; ``shuffle=False`` keeps store order.
 2. **Ranks.** The rows, in that unit order, are cut into ``world_size`` contiguous shares: rank ``r``
    gets positions ``r*N//W .. (r+1)*N//W`` (counts differ by at most one; every rank sees whole
    chunks except at most one at each end of its share).  Every rank computes the same unit order,
@@ -31,7 +32,7 @@ Reads: the window's rows are read one unit at a time (:func:`actstore.query.feat
 on the unit's rows; a unit cut by a window or share boundary is read once per side) by ``workers``
 threads, ``prefetch`` units ahead, into a window that a background thread assembles while the
 consumer takes batches from the previous one.  Memory: at most two windows (``2 * buffer_rows``
-rows) plus ``prefetch`` units of at most ``chunk_rows`` rows, whatever the selection's size.
+rows) plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
 ``workers=0`` reads in the consuming thread (no threads at all).
 """
 
@@ -120,6 +121,7 @@ class ActivationLoader:
         with_ids: bool = False,
         drop_last: bool = False,
         flatten: bool = False,
+        unit_rows: int | None = None,
     ) -> None:
         self.batch_size = _int_arg("batch_size", batch_size, 1)
         self.buffer_rows = _int_arg("buffer_rows", buffer_rows, 1)
@@ -146,8 +148,12 @@ class ActivationLoader:
             name: rows.column(name).to_numpy().astype(np.int64, copy=False)
             for name in ("row", "segment", "seg_row", "src_start", "n_src", "subject_start", "subject_end")
         }
-        seg, chunk = self._cols["segment"], self._cols["seg_row"] // self.store.manifest.chunk_rows
-        change = np.flatnonzero((np.diff(seg) != 0) | (np.diff(chunk) != 0)) + 1
+        chunk_rows = self.store.manifest.chunk_rows
+        default_unit = max(chunk_rows, 256 // chunk_rows * chunk_rows)
+        self.unit_rows = _int_arg("unit_rows", unit_rows if unit_rows is not None else default_unit, 1)
+        per_unit = max(1, self.unit_rows // chunk_rows)  # whole chunks per unit
+        seg, unit = self._cols["segment"], self._cols["seg_row"] // (chunk_rows * per_unit)
+        change = np.flatnonzero((np.diff(seg) != 0) | (np.diff(unit) != 0)) + 1
         self._unit_start = np.concatenate([[0], change]).astype(np.int64)  # [U] first position of each unit
         self._unit_stop = np.concatenate([change, [seg.size]]).astype(np.int64)
         self.n_rows = int(seg.size)
@@ -159,7 +165,8 @@ class ActivationLoader:
 
     @property
     def n_units(self) -> int:
-        """The storage chunks the selection touches (the units the order permutes)."""
+        """The units the order permutes: runs of whole storage chunks of one segment (``unit_rows``
+        rows of the store, rounded down to whole chunks, at least one) that hold selected rows."""
         return int(self._unit_start.size)
 
     def _share(self) -> tuple[int, int]:
@@ -262,6 +269,7 @@ class ActivationLoader:
             "buffer_rows": self.buffer_rows,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
+            "unit_rows": self.unit_rows,
             "rank": self.rank,
             "world_size": self.world_size,
             "n_rows": self.n_rows,
@@ -300,7 +308,9 @@ class ActivationLoader:
     ) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
         """(features, row ids) of each window from the one holding ``start``, in the epoch's order."""
         pieces = self._pieces(epoch, start)
-        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="actstore-loader") if self.workers else None
+        pool = (
+            ThreadPoolExecutor(self.workers, thread_name_prefix="actstore-loader") if self.workers else None
+        )
         pending: deque[tuple[_Piece, Future[np.ndarray] | None]] = deque()
         it = iter(pieces)
 
@@ -435,7 +445,7 @@ class ActivationLoader:
     def __repr__(self) -> str:
         return (
             f"<ActivationLoader {self.spec.kind} layers={list(self.spec.layers)}: {self.n_rows} rows in "
-            f"{self.n_units} chunks, rank {self.rank}/{self.world_size}, batch {self.batch_size}, "
+            f"{self.n_units} units, rank {self.rank}/{self.world_size}, batch {self.batch_size}, "
             f"buffer {self.buffer_rows}, shuffle={self.shuffle} seed={self.seed}, epoch {self.epoch} "
             f"at row {self.position}>"
         )

@@ -425,6 +425,7 @@ class Selection:
         with_ids: bool = False,
         drop_last: bool = False,
         flatten: bool = False,
+        unit_rows: int | None = None,
     ) -> ActivationLoader:
         """A training feed: an iterable of torch tensors ``[batch_size, *row]`` (one row of
         :meth:`features`; ``flatten=True``: ``[batch_size, F]``), or ``(row_ids, x)`` with ``with_ids``.
@@ -432,7 +433,7 @@ class Selection:
         seeded permutation of the storage chunks and an in-memory shuffle of windows of
         ``buffer_rows`` rows; ``state_dict()`` / ``load_state_dict()`` resume mid-epoch; ``rank`` /
         ``world_size`` split the rows disjointly (contiguous shares of the permuted chunk sequence);
-        ``workers`` threads read ``prefetch`` chunks ahead.  See :mod:`actstore.query.loader`."""
+        ``workers`` threads read ``prefetch`` units (``unit_rows`` rows of whole chunks) ahead.  See :mod:`actstore.query.loader`."""
         from actstore.query.loader import ActivationLoader
 
         return ActivationLoader(
@@ -453,6 +454,7 @@ class Selection:
             with_ids=with_ids,
             drop_last=drop_last,
             flatten=flatten,
+            unit_rows=unit_rows,
         )
 
     def to_hf_dataset(

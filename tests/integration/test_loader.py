@@ -83,6 +83,7 @@ def expected(oracle: dict[str, np.ndarray], kind: str, ids: np.ndarray) -> np.nd
     workers=st.sampled_from([0, 1, 2]),
     shuffle=st.booleans(),
     kind=st.sampled_from(sorted(LAYERS)),
+    unit=st.sampled_from([None, 1, 4, 8, 16]),
 )
 def test_an_epoch_gives_every_row_once_with_its_features(
     store: Any,
@@ -94,6 +95,7 @@ def test_an_epoch_gives_every_row_once_with_its_features(
     workers: int,
     shuffle: bool,
     kind: str,
+    unit: int | None,
 ) -> None:
     sel = store.select().sample(n, seed=sample_seed)
     ld = sel.loader(
@@ -104,6 +106,7 @@ def test_an_epoch_gives_every_row_once_with_its_features(
         workers=workers,
         shuffle=shuffle,
         with_ids=True,
+        unit_rows=unit,
     )
     ids, x = drain(ld)
     want = sel.rows.column("row").to_numpy()
@@ -119,7 +122,9 @@ def test_the_order_is_fixed_by_the_seed_and_epoch(store: Any) -> None:
     sel = store.select()
 
     def order(seed: int, epoch: int, workers: int = 1) -> list[int]:
-        ld = sel.loader("mlp", layers=[1], batch_size=5, buffer_rows=9, seed=seed, workers=workers, with_ids=True)
+        ld = sel.loader(
+            "mlp", layers=[1], batch_size=5, buffer_rows=9, seed=seed, workers=workers, with_ids=True
+        )
         ld.set_epoch(epoch)
         return drain(ld)[0].tolist()
 
@@ -135,18 +140,21 @@ def test_the_order_is_fixed_by_the_seed_and_epoch(store: Any) -> None:
 
 def test_windows_mix_only_nearby_chunks(store: Any) -> None:
     """Memory is bounded by the buffer: each ``buffer_rows`` window of the output holds rows of at
-    most ``ceil(buffer / chunk) + 1`` storage chunks."""
+    most ``ceil(buffer / unit) + 1`` units of ``unit_rows // chunk_rows`` storage chunks."""
     sel = store.select()
     chunk = store.manifest.chunk_rows
-    for buffer in (1, 4, 6, 9, 13):
-        ld = sel.loader("resid", layers=[0], batch_size=3, buffer_rows=buffer, seed=2, with_ids=True)
+    for buffer, unit in ((1, 4), (4, 4), (6, 4), (9, 4), (13, 4), (6, 8), (13, 8), (20, 8)):
+        ld = sel.loader(
+            "resid", layers=[0], batch_size=3, buffer_rows=buffer, seed=2, with_ids=True, unit_rows=unit
+        )
+        assert ld.unit_rows == unit
         ids = drain(ld)[0]
         rows = sel.rows
         seg = dict(zip(rows.column("row").to_pylist(), rows.column("segment").to_pylist()))
         srow = dict(zip(rows.column("row").to_pylist(), rows.column("seg_row").to_pylist()))
         for w in range(0, ids.size, buffer):
             chunks = {(seg[int(r)], srow[int(r)] // chunk) for r in ids[w : w + buffer]}
-            assert len(chunks) <= -(-buffer // chunk) + 1, (buffer, w, chunks)
+            assert len(chunks) <= (-(-buffer // unit) + 1) * (unit // chunk), (buffer, w, chunks)
 
 
 @HYP
@@ -252,6 +260,7 @@ def test_dtype_flatten_and_breaking_out_stop_the_threads(store: Any, oracle: dic
         ({"shuffle": "yes"}, "shuffle must be True or False"),
         ({"layers": [9]}, "layer 9 out of range"),
         ({"kind": "nope"}, "unknown feature kind"),
+        ({"unit_rows": 0}, "unit_rows must be at least 1"),
     ],
 )
 def test_bad_arguments_are_one_line(store: Any, kw: dict[str, Any], match: str) -> None:
@@ -311,7 +320,11 @@ def test_a_loader_reads_a_store_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
         url = f"s3://{server.bucket}/stores/feed"
         cfg = IngestConfig(out=url, batch_size=4, segment_size=8, chunk_rows=4, chunk_flat=64, progress=False)
         ingest_prompts(
-            loaded.model, loaded.tokenizer, {"name": loaded.name, "weight_hash": loaded.weight_hash}, prompts, cfg
+            loaded.model,
+            loaded.tokenizer,
+            {"name": loaded.name, "weight_hash": loaded.weight_hash},
+            prompts,
+            cfg,
         )
         s3 = actstore.open(url)
         assert not s3.location.is_local
@@ -344,7 +357,10 @@ def test_to_hf_dataset_is_saelens_cached_activations_layout(store: Any, tmp_path
         np.testing.assert_array_equal(got[name][:, 0].numpy(), x[:, j])
     assert ds["row"] == sel.rows.column("row").to_pylist()
     z = sel.to_hf_dataset(tmp_path / "z", "z", layers=[1], dtype="float16")
-    assert z.column_names[0] == "blocks.1.attn.hook_z" and z.features["blocks.1.attn.hook_z"].shape == (1, 4 * 16)
+    assert z.column_names[0] == "blocks.1.attn.hook_z" and z.features["blocks.1.attn.hook_z"].shape == (
+        1,
+        4 * 16,
+    )
     with pytest.raises(QueryError, match="exists and is not empty"):
         sel.to_hf_dataset(tmp_path / "z", "z", layers=[1])
     with pytest.raises(QueryError, match="ragged source axis"):
