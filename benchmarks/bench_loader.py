@@ -13,7 +13,7 @@ Every method delivers the same rows (the whole store, one layer of one kind) as 
   batching (the floor any reader of the store pays).  ``raw_seq_chunk``: the same one chunk at a time.
 - ``loader_seq``: ``Selection.loader(shuffle=False)``; ``loader_shuffled``: ``shuffle=True`` (a
   permutation of the chunks and an in-memory shuffle of ``--buffer-rows``-row windows);
-  ``--workers`` reader threads.
+  ``--workers`` reader threads (each count measured; the ratios take the best).
 - ``hf_saelens``: ``Selection.to_hf_dataset`` (SAELens's column layout), then as SAELens's
   ``ActivationsStore`` reads a cache: ``Dataset.load_from_disk``, ``shuffle(seed)`` (an indices
   mapping), ``set_format("torch")``, contiguous slices of ``--buffer-rows`` rows, reshaped to
@@ -89,13 +89,15 @@ def raw_reader(store: Any, kind: str, layer: int, per: str) -> Callable[[], int]
     return run
 
 
-def loader_reader(sel: Any, kind: str, layer: int, args: argparse.Namespace, shuffle: bool) -> Callable[[], int]:
+def loader_reader(
+    sel: Any, kind: str, layer: int, args: argparse.Namespace, shuffle: bool, workers: int
+) -> Callable[[], int]:
     feed = sel.loader(
         kind,
         layers=[layer],
         batch_size=args.batch_size,
         buffer_rows=args.buffer_rows,
-        workers=args.workers,
+        workers=workers,
         shuffle=shuffle,
         flatten=True,
         unit_rows=args.unit_rows,
@@ -199,8 +201,14 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     methods: dict[str, tuple[Callable[[], int], list[Path]]] = {
         "raw_seq_segment": (raw_reader(store, args.kind, args.layer, "segment"), [seg_root]),
         "raw_seq_chunk": (raw_reader(store, args.kind, args.layer, "chunk"), [seg_root]),
-        "loader_seq": (loader_reader(sel, args.kind, args.layer, args, False), [seg_root]),
-        "loader_shuffled": (loader_reader(sel, args.kind, args.layer, args, True), [seg_root]),
+        **{
+            f"loader_{'shuffled' if sh else 'seq'}_w{w}": (
+                loader_reader(sel, args.kind, args.layer, args, sh, w),
+                [seg_root],
+            )
+            for w in (int(x) for x in args.workers.split(","))
+            for sh in (False, True)
+        },
         "hf_saelens": (hf_reader(work / "hf", column, args, True), [work / "hf"]),
         "hf_preshuffled": (hf_reader(work / "hf_flat", column, args, False), [work / "hf_flat"]),
         "activault": (activault_reader(work / "mb", args), [work / "mb"]),
@@ -246,10 +254,12 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             for mode, v in t.items()
         }
     meth = out["methods"]
-    if "loader_shuffled" in meth and "raw_seq_segment" in meth:
+    shuffled = [m for m in meth if m.startswith("loader_shuffled")]
+    raws = [m for m in meth if m.startswith("raw_seq")]
+    if shuffled and raws:
         for mode in ("warm", "cold"):
-            best_raw = max(meth[r][mode]["rows_per_s"] for r in ("raw_seq_segment", "raw_seq_chunk") if r in meth)
-            sh = meth["loader_shuffled"][mode]["rows_per_s"]
+            best_raw = max(meth[r][mode]["rows_per_s"] for r in raws)
+            sh = max(meth[m][mode]["rows_per_s"] for m in shuffled)  # the best worker count
             out[f"shuffled_over_raw_{mode}"] = round(sh / best_raw, 3)
             for other in ("hf_saelens", "hf_preshuffled", "activault"):
                 if other in meth:
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layer", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--buffer-rows", type=int, default=1 << 15)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", default="0,1", help="the loader's worker counts to measure")
     p.add_argument("--unit-rows", type=int, default=None, help="the loader's unit (default: its own)")
     p.add_argument("--file-rows", type=int, default=4096, help="rows per torch.save megabatch file")
     p.add_argument("--rounds", type=int, default=3)
