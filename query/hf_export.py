@@ -116,6 +116,8 @@ def to_hf_dataset(
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".hf-export-", dir=out.parent))
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a library call prints nothing (restored below)
     try:
         arrow = tmp / "data.arrow"
         rows = selection.rows.column("row").to_numpy()
@@ -135,6 +137,8 @@ def to_hf_dataset(
         ds = datasets.Dataset.from_file(str(arrow))
         ds.save_to_disk(str(out))
         del ds
+        return datasets.Dataset.load_from_disk(str(out))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return datasets.Dataset.load_from_disk(str(out))
+        if bars:
+            datasets.enable_progress_bars()
