@@ -14,17 +14,21 @@ Every method delivers the same rows (the whole store, one layer of one kind) as 
 - ``loader_seq``: ``Selection.loader(shuffle=False)``; ``loader_shuffled``: ``shuffle=True`` (a
   permutation of the chunks and an in-memory shuffle of ``--buffer-rows``-row windows);
   ``--workers`` reader threads (each count measured; the ratios take the best).
-- ``hf_saelens``: ``Selection.to_hf_dataset`` (SAELens's column layout), then as SAELens's
-  ``ActivationsStore`` reads a cache: ``Dataset.load_from_disk``, ``shuffle(seed)`` (an indices
-  mapping), ``set_format("torch")``, contiguous slices of ``--buffer-rows`` rows, reshaped to
-  ``[rows, d_in]`` and permuted in memory (``torch.randperm``), then cut into batches.
-  ``hf_preshuffled``: the same cache shuffled once at write time (``flatten_indices``), read in
-  contiguous slices (the fastest way to read such a cache; its shuffle cost is paid at export).
+- ``hf_saelens``: ``Selection.to_hf_dataset`` (SAELens's column layout, rows in store order as
+  SAELens's ``CacheActivationsRunner`` leaves its local cache: it saves the shards unshuffled and
+  shuffles only the copy it pushes to the hub), read as SAELens's ``ActivationsStore`` reads a
+  cache: ``Dataset.load_from_disk``, ``set_format("torch")``, contiguous slices of
+  ``--buffer-rows`` rows, reshaped to ``[rows, d_in]`` and permuted in memory (``torch.randperm``),
+  then cut into batches.  Its order mixes rows within one buffer only (no chunk permutation).
+  ``hf_shuffled_index``: the same cache with ``Dataset.shuffle(seed)`` at read time (an indices
+  mapping: a global shuffle, read row by row through the mapping).  The write-time global
+  shuffle (``shuffle(seed).flatten_indices()``, what a hub copy holds) is timed as an export.
 - ``activault``: ``torch.save`` files of ``--file-rows`` rows (float16, store order); an epoch loads
   the files in a shuffled order, holds enough of them for ``--buffer-rows`` rows, permutes those rows
   and cuts batches.
 
-rows/s is rows delivered per second of wall time; MB/s counts the rows' bytes as stored (float16, the
+rows/s is rows delivered per second of wall time (and, less sensitive to a loaded machine, per second
+of this process's CPU time, all threads); MB/s counts the rows' bytes as stored (float16, the
 store's dtype).  The export times (``to_hf_dataset``, the flattened copy, the megabatch files) are
 measured once per store.  Timings are medians over the rounds; methods run in a shuffled order each
 round.
@@ -190,11 +194,13 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     exports["to_hf_dataset_s"] = time.perf_counter() - t0
     import datasets
 
+    datasets.disable_progress_bars()
     t0 = time.perf_counter()
     datasets.Dataset.load_from_disk(str(work / "hf")).shuffle(seed=0).flatten_indices().save_to_disk(
         str(work / "hf_flat")
     )
     exports["hf_shuffle_flatten_s"] = time.perf_counter() - t0
+    shutil.rmtree(work / "hf_flat")
     exports["megabatch_write_s"] = write_megabatches(sel, args.kind, args.layer, work / "mb", args.file_rows)
     column = hook_name(args.kind, args.layer, store.geometry.n_layers)
     seg_root = path / "segments"
@@ -209,13 +215,14 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
             for w in (int(x) for x in args.workers.split(","))
             for sh in (False, True)
         },
-        "hf_saelens": (hf_reader(work / "hf", column, args, True), [work / "hf"]),
-        "hf_preshuffled": (hf_reader(work / "hf_flat", column, args, False), [work / "hf_flat"]),
+        "hf_saelens": (hf_reader(work / "hf", column, args, False), [work / "hf"]),
+        "hf_shuffled_index": (hf_reader(work / "hf", column, args, True), [work / "hf"]),
         "activault": (activault_reader(work / "mb", args), [work / "mb"]),
     }
     if args.only:
         methods = {k: v for k, v in methods.items() if k in args.only.split(",")}
     times: dict[str, dict[str, list[float]]] = {m: {"warm": [], "cold": []} for m in methods}
+    cpu: dict[str, dict[str, list[float]]] = {m: {"warm": [], "cold": []} for m in methods}
     for fn, _ in methods.values():  # one untimed pass each: imports, page cache, opened arrays
         assert fn() == n
     rng = random.Random(0)
@@ -228,9 +235,10 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
                 if mode == "cold":
                     for r in roots:
                         drop_cache(r)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 got = fn()
                 times[m][mode].append(time.perf_counter() - t0)
+                cpu[m][mode].append(time.process_time() - c0)
                 assert got == n, (m, got, n)
     out: dict[str, Any] = {
         "store": str(path),
@@ -250,6 +258,8 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
                 "rows_per_s": round(n / statistics.median(v)),
                 "mb_per_s": round(n * row_bytes / statistics.median(v) / 1e6, 2),
                 "all_s": [round(x, 4) for x in v],
+                "cpu_median_s": round(statistics.median(cpu[m][mode]), 4),
+                "rows_per_cpu_s": round(n / max(statistics.median(cpu[m][mode]), 1e-9)),
             }
             for mode, v in t.items()
         }
@@ -258,12 +268,14 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     raws = [m for m in meth if m.startswith("raw_seq")]
     if shuffled and raws:
         for mode in ("warm", "cold"):
-            best_raw = max(meth[r][mode]["rows_per_s"] for r in raws)
-            sh = max(meth[m][mode]["rows_per_s"] for m in shuffled)  # the best worker count
-            out[f"shuffled_over_raw_{mode}"] = round(sh / best_raw, 3)
-            for other in ("hf_saelens", "hf_preshuffled", "activault"):
-                if other in meth:
-                    out[f"shuffled_over_{other}_{mode}"] = round(sh / meth[other][mode]["rows_per_s"], 3)
+            for unit in ("rows_per_s", "rows_per_cpu_s"):
+                tag = "" if unit == "rows_per_s" else "_cpu"
+                best_raw = max(meth[r][mode][unit] for r in raws)
+                sh = max(meth[m][mode][unit] for m in shuffled)  # the best worker count
+                out[f"shuffled_over_raw_{mode}{tag}"] = round(sh / best_raw, 3)
+                for other in ("hf_saelens", "hf_shuffled_index", "activault"):
+                    if other in meth:
+                        out[f"shuffled_over_{other}_{mode}{tag}"] = round(sh / meth[other][mode][unit], 3)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return out

@@ -31,18 +31,33 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from actstore.core.errors import QueryError
 from actstore.query.features import FeatureSpec
 from actstore.query.labelled import SOURCE_KINDS
+from actstore.query.loader import Selected
 
-if TYPE_CHECKING:
-    from actstore.query.selection import Selection
+
+class Exported(Selected, Protocol):
+    """What the export reads of a selection (:class:`actstore.query.selection.Selection` is one)."""
+
+    def __len__(self) -> int: ...
+
+    def iter_features(
+        self,
+        kind: str,
+        *,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        groups: int | None = None,
+        batch_rows: int = 256,
+    ) -> Iterator[tuple[np.ndarray, Any]]: ...
+
 
 HF_DTYPES = ("float32", "float16")
 
@@ -63,7 +78,7 @@ def hook_name(kind: str, layer: int, n_layers: int) -> str:
 
 
 def to_hf_dataset(
-    selection: Selection,
+    selection: Exported,
     path: str | os.PathLike[str],
     kind: str,
     layers: Sequence[int] | None = None,

@@ -45,17 +45,29 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from actstore.core.errors import QueryError
+from actstore.core.store import StoreReader
 from actstore.query.features import FeatureSpec, RowBlock, row_shape
 from actstore.query.labelled import SOURCE_KINDS, block_features
 
-if TYPE_CHECKING:
-    from actstore.query.selection import Selection
+
+class Selected(Protocol):
+    """What the loader reads of a selection (:class:`actstore.query.selection.Selection` is one; named
+    by this protocol so that the selection module can import this one)."""
+
+    store: StoreReader
+
+    @property
+    def rows(self) -> pa.Table: ...
+
+    def n_sources(self) -> int: ...
+
 
 DTYPES = {
     "float32": torch.float32,
@@ -103,7 +115,7 @@ class ActivationLoader:
 
     def __init__(
         self,
-        selection: Selection,
+        selection: Selected,
         kind: str,
         *,
         layers: Sequence[int] | None = None,
