@@ -130,6 +130,8 @@ def test_the_order_is_fixed_by_the_seed_and_epoch(store: Any) -> None:
 
     a = order(0, 0)
     assert a == order(0, 0) == order(0, 0, workers=0) == order(0, 0, workers=3)
+    plan = sel.loader("mlp", layers=[1], batch_size=5, buffer_rows=9, seed=0)
+    assert plan.epoch_rows(0).tolist() == a and plan.epoch_rows(1).tolist() == order(0, 1)
     assert a != order(1, 0) and a != order(0, 1)
     assert a != sorted(a)  # shuffled
     # iterating again runs the next epoch
@@ -365,3 +367,19 @@ def test_to_hf_dataset_is_saelens_cached_activations_layout(store: Any, tmp_path
         sel.to_hf_dataset(tmp_path / "z", "z", layers=[1])
     with pytest.raises(QueryError, match="ragged source axis"):
         sel.to_hf_dataset(tmp_path / "p", "attn_prob")
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+def test_stored_kinds_in_every_storage_dtype(store_factory: Callable[..., Path], storage: str) -> None:
+    """resid and z are shuffled in the storage dtype and converted by torch: the values still equal
+    ``features`` (float32) exactly, and the requested dtype comes out."""
+    s = actstore.open(store_factory("llama", limit=2, storage_dtype=storage))
+    sel = s.select()
+    rows = sel.rows.column("row").to_numpy()
+    pos = {int(r): k for k, r in enumerate(rows)}
+    for kind, layers in (("resid", [0, 2]), ("z", [1])):
+        want = sel.features(kind, layers=layers)
+        ids, x = drain(sel.loader(kind, layers=layers, batch_size=5, buffer_rows=7, with_ids=True))
+        np.testing.assert_array_equal(x, want[[pos[int(r)] for r in ids]])
+        half = next(iter(sel.loader(kind, layers=layers, batch_size=4, dtype="float16")))
+        assert half.dtype == torch.float16
