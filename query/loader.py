@@ -28,8 +28,10 @@ world_size, buffer_rows)`` and the selection, and a position in it is one intege
 :meth:`ActivationLoader.state_dict` records ``(epoch, position)``; resuming re-reads the window
 that holds ``position`` and skips the rows already given.
 
-Reads: the window's rows are read one unit at a time (:func:`actstore.query.features.compute_block`
-on the unit's rows; a unit cut by a window or share boundary is read once per side) by ``workers``
+Reads: the window's rows are read one unit at a time (the stored kinds ``resid`` and ``z`` in the
+storage dtype, converted by torch once per window; the others by
+:func:`actstore.query.features.compute_block`; a unit cut by a window or share boundary is read once
+per side) by ``workers``
 threads, ``prefetch`` units ahead, into a window that a background thread assembles while the
 consumer takes batches from the previous one.  Memory: at most two windows (``2 * buffer_rows``
 rows) plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
