@@ -31,11 +31,11 @@ that holds ``position`` and skips the rows already given.
 Reads: the window's rows are read one unit at a time (the stored kinds ``resid`` and ``z`` in the
 storage dtype, converted by torch once per window; the others by
 :func:`actstore.query.features.compute_block`; a unit cut by a window or share boundary is read once
-per side) by ``workers``
-threads, ``prefetch`` units ahead, into a window that a background thread assembles while the
+per side), ``prefetch`` units ahead, into a window that a background thread assembles while the
 consumer takes batches from the previous one.  Memory: at most two windows (``2 * buffer_rows``
 rows) plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
-``workers=0`` reads in the consuming thread (no threads at all).
+``workers=0`` reads in the consuming thread (no threads at all); ``workers=1`` (the default) reads and
+assembles in one background thread; ``workers=k >= 2`` adds a pool of ``k`` reader threads.
 """
 
 from __future__ import annotations
@@ -332,12 +332,21 @@ class ActivationLoader:
         return block_features(self.store, self.spec, block, self._n_sources)
 
     def _windows(
-        self, epoch: int, start: int, stop: threading.Event
+        self, epoch: int, start: int, stop: threading.Event, threads: int | None = None
     ) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
         """(features, row ids) of each window from the one holding ``start``, in the epoch's order."""
         pieces = self._pieces(epoch, start)
+        # workers=1: the background thread that assembles the windows reads them too (no pool: one
+        # thread fewer to schedule); workers=k >= 2: k reader threads feed it.
         pool = (
-            ThreadPoolExecutor(self.workers, thread_name_prefix="actstore-loader") if self.workers else None
+            ThreadPoolExecutor(
+                self.workers,
+                thread_name_prefix="actstore-loader",
+                initializer=torch.set_num_threads,
+                initargs=(threads or torch.get_num_threads(),),
+            )
+            if self.workers >= 2
+            else None
         )
         pending: deque[tuple[_Piece, Future[np.ndarray] | None]] = deque()
         it = iter(pieces)
@@ -397,6 +406,7 @@ class ActivationLoader:
             return
         q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
         stop = threading.Event()
+        threads = torch.get_num_threads()  # torch's intra-op setting is per thread (OpenMP): pass it on
 
         def put(item: tuple[str, Any]) -> bool:
             while not stop.is_set():
@@ -408,8 +418,9 @@ class ActivationLoader:
             return False
 
         def run() -> None:
+            torch.set_num_threads(threads)
             try:
-                for window in self._windows(epoch, start, stop):
+                for window in self._windows(epoch, start, stop, threads):
                     if not put(("window", window)):
                         return
                 put(("end", None))

@@ -433,7 +433,9 @@ class Selection:
         seeded permutation of the storage chunks and an in-memory shuffle of windows of
         ``buffer_rows`` rows; ``state_dict()`` / ``load_state_dict()`` resume mid-epoch; ``rank`` /
         ``world_size`` split the rows disjointly (contiguous shares of the permuted chunk sequence);
-        ``workers`` threads read ``prefetch`` units (``unit_rows`` rows of whole chunks) ahead.  See :mod:`actstore.query.loader`."""
+        a background thread builds the next window (``workers=0``: none; ``workers >= 2``: that many
+        reader threads, ``prefetch`` units of ``unit_rows`` rows of whole chunks ahead).
+        See :mod:`actstore.query.loader`."""
         from actstore.query.loader import ActivationLoader
 
         return ActivationLoader(
