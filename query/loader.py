@@ -32,8 +32,9 @@ Reads: the window's rows are read one unit at a time (the stored kinds ``resid``
 storage dtype, converted by torch once per window; the others by
 :func:`actstore.query.features.compute_block`; a unit cut by a window or share boundary is read once
 per side), ``prefetch`` units ahead, into a window that a background thread assembles while the
-consumer takes batches from the previous one.  Memory: at most two windows (``2 * buffer_rows``
-rows) plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
+consumer takes batches from the previous one.  Memory: at most three windows of ``buffer_rows`` rows
+(the one being consumed, one ready, one being filled) plus ``prefetch`` units of at most
+``unit_rows`` rows, whatever the selection's size.
 ``workers=0`` reads in the consuming thread (no threads at all); ``workers=1`` (the default) reads and
 assembles in one background thread; ``workers=k >= 2`` adds a pool of ``k`` reader threads.
 """
@@ -360,31 +361,29 @@ class ActivationLoader:
 
         try:
             top_up()
+            sizes: dict[int, int] = {}  # rows of each window: its pieces cover 0 .. m
+            for p in pieces:
+                sizes[p.window] = max(sizes.get(p.window, 0), p.at + (p.hi - p.lo))
             while pending and not stop.is_set():
                 w = pending[0][0].window
-                m = 0  # the window's rows: its pieces cover 0 .. m
-                got: list[tuple[_Piece, np.ndarray]] = []
-                while pending and pending[0][0].window == w:
-                    p, fut = pending.popleft()
-                    x = fut.result() if fut is not None else self._read(p)
-                    got.append((p, x))
-                    m = max(m, p.at + (p.hi - p.lo))
-                    top_up()
+                m = sizes[w]
                 perm = self._window_perm(epoch, w, m)
                 out = np.empty((m, *self._row_shape), dtype=self._win_dtype)
                 ids = np.empty(m, dtype=np.int64)
-                if perm is None:
-                    for p, x in got:
-                        out[p.at : p.at + x.shape[0]] = x
-                        ids[p.at : p.at + x.shape[0]] = self._cols["row"][p.lo : p.hi]
-                else:
+                inv = None
+                if perm is not None:
                     inv = np.empty(m, dtype=np.int64)
                     inv[perm] = np.arange(m)  # window position -> output position
-                    for p, x in got:
-                        dest = inv[p.at : p.at + x.shape[0]]
-                        out[dest] = x
-                        ids[dest] = self._cols["row"][p.lo : p.hi]
-                del got
+                while pending and pending[0][0].window == w:  # each piece placed as it arrives
+                    p, fut = pending.popleft()
+                    x = fut.result() if fut is not None else self._read(p)
+                    top_up()
+                    dest: slice | np.ndarray = (
+                        slice(p.at, p.at + x.shape[0]) if inv is None else inv[p.at : p.at + x.shape[0]]
+                    )
+                    out[dest] = x
+                    ids[dest] = self._cols["row"][p.lo : p.hi]
+                    del x
                 t = (
                     torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
                     if self._bf16_bits
