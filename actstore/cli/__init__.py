@@ -36,6 +36,7 @@ from . import probe as _probe
 from . import report as _report
 from . import serve as _serve
 from . import store as _store
+from . import topk as _topk
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DAMAGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXPECTED = (ActstoreError, ValueError, OSError, KeyError)  # errors with a message meant for the user
@@ -151,7 +152,7 @@ def main(debug: bool) -> None:
     """actstore: ingest a corpus once with fused capture, then query per-head and per-token features."""
 
 
-for _module in (_store, _ingest, _probe, _maps, _interventions, _ablate, _methods, _report, _serve, _demo):
+for _module in (_store, _ingest, _probe, _maps, _interventions, _ablate, _methods, _report, _serve, _demo, _topk):
     for _cmd in _module.COMMANDS:
         main.add_command(_cmd)
 

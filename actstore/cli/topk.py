@@ -1,0 +1,138 @@
+"""``actstore topk``: max-activating contexts of one layer's MLP neurons, head output norms or given
+directions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from actstore.cli._options import (
+    command,
+    json_option,
+    no_save_option,
+    open_store_arg,
+    store_argument,
+    where_option,
+)
+
+
+@command(example="actstore topk /tmp/s --kind mlp --layer 3 --k 20 --show 5")
+@store_argument
+@click.option(
+    "--kind",
+    type=click.Choice(["mlp", "attn_head", "direction"]),
+    default="mlp",
+    show_default=True,
+    help="Units: every MLP neuron (its activation), every head's output norm, or each row of --direction.",
+)
+@click.option("--layer", type=int, required=True, help="The layer (for --on resid: the residual index).")
+@click.option("--k", type=int, default=20, show_default=True, help="Contexts kept per unit (1..10000).")
+@where_option
+@click.option(
+    "--on", default="resid", show_default=True, help="--kind direction: the feature kind projected."
+)
+@click.option(
+    "--direction",
+    "direction_file",
+    default=None,
+    metavar="FILE.npy",
+    help="--kind direction: an [m, F] (or [F]) float array of directions, e.g. a probe's weights.",
+)
+@click.option(
+    "--batch-rows", type=click.IntRange(min=1), default=1024, show_default=True, help="Rows per read."
+)
+@click.option("--show", type=click.IntRange(min=0), default=5, show_default=True, help="Units printed.")
+@no_save_option
+@json_option
+def topk(
+    store: str,
+    kind: str,
+    layer: int,
+    k: int,
+    where: str | None,
+    on: str,
+    direction_file: str | None,
+    batch_rows: int,
+    show: int,
+    no_save: bool,
+    as_json: bool,
+) -> None:
+    """Top-k contexts of every unit of a layer in one streaming pass, stored as the topk_contexts table."""
+    import numpy as np
+
+    from actstore.core.errors import QueryError
+    from actstore.jobs.topk import run_topk
+
+    directions = None
+    if kind == "direction":
+        if direction_file is None:
+            raise QueryError("topk: --kind direction needs --direction FILE.npy")
+        try:
+            directions = np.load(direction_file, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise QueryError(f"topk: cannot read {direction_file} as a .npy array ({e})") from None
+    elif direction_file is not None:
+        raise QueryError("topk: --direction goes with --kind direction")
+    s = open_store_arg(store)
+    out = run_topk(
+        s,
+        kind=kind,
+        layer=layer,
+        k=k,
+        where=where,
+        on=on,
+        directions=directions,
+        direction_file=direction_file,
+        batch_rows=batch_rows,
+        save=not no_save,
+    )
+    res = out.result
+    units = list(range(min(show, res.values.shape[0])))
+    contexts = _contexts(s, res.rows[units].reshape(-1).tolist()) if units else {}
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "run_id": out.run_id,
+                    "kind": kind,
+                    "layer": layer,
+                    "units": int(res.values.shape[0]),
+                    "k": int(res.values.shape[1]),
+                    "shown": [
+                        {
+                            "unit": u,
+                            "top": [
+                                {"row": int(r), "value": float(v), **contexts[int(r)]}
+                                for r, v in zip(res.rows[u], res.values[u])
+                            ],
+                        }
+                        for u in units
+                    ],
+                }
+            )
+        )
+        return
+    click.echo(f"{kind} layer {layer}: top {res.values.shape[1]} of {res.values.shape[0]} units")
+    for u in units:
+        click.echo(f"unit {u}:")
+        for r, v in list(zip(res.rows[u], res.values[u]))[:3]:
+            c = contexts[int(r)]
+            click.echo(f"  {v:10.4f}  row {int(r):>7}  [{c['token']}]  {c['text'][:70]}")
+    if out.run_id:
+        click.echo(f"run {out.run_id} (table: topk_contexts)")
+
+
+def _contexts(store: Any, rows: list[int]) -> dict[int, dict[str, Any]]:
+    """The prompt text and the target token of each row."""
+    got = store.sql(
+        "SELECT t.row, e.text, k.token FROM targets t JOIN examples e USING (example_id) "
+        "LEFT JOIN tokens k ON k.example_id = t.example_id AND k.position = t.position "
+        "WHERE t.row IN (SELECT unnest($r::BIGINT[]))",
+        {"r": sorted(set(rows))},
+    ).to_pylist()
+    return {int(g["row"]): {"text": str(g["text"]), "token": str(g["token"])} for g in got}
+
+
+COMMANDS = [topk]
