@@ -152,7 +152,19 @@ def main(debug: bool) -> None:
     """actstore: ingest a corpus once with fused capture, then query per-head and per-token features."""
 
 
-for _module in (_store, _ingest, _probe, _maps, _interventions, _ablate, _methods, _report, _serve, _demo, _topk):
+for _module in (
+    _store,
+    _ingest,
+    _probe,
+    _maps,
+    _interventions,
+    _ablate,
+    _methods,
+    _report,
+    _serve,
+    _demo,
+    _topk,
+):
     for _cmd in _module.COMMANDS:
         main.add_command(_cmd)
 
