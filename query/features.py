@@ -114,6 +114,8 @@ class WeightCache:
         self._store = weakref.ref(store)  # the cache must not keep its store alive (see _CACHES)
         self._w: dict[str, torch.Tensor] = {}
         self._by_layer: dict[tuple[str, int], torch.Tensor] = {}
+        self._picked: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._chunked: dict[str, bool] = {}
 
     def _of(self) -> StoreReader:
         store = self._store()
@@ -132,14 +134,17 @@ class WeightCache:
         these weights one layer per chunk), so a read of three layers of a freshly opened store reads
         three layers' weights, not all of them (SmolLM2's ``W_O``: 40 MB)."""
         store = self._of()
-        if name in self._w or len(layers) == store.geometry.n_layers or not store.layer_chunked(name):
+        if name not in self._chunked:  # (asked once: opening the array is a read of its metadata)
+            self._chunked[name] = store.layer_chunked(name)
+        if name in self._w or len(layers) == store.geometry.n_layers or not self._chunked[name]:
             return _pick(self[name], layers, 0)
-        for layer in layers:
-            if (name, layer) not in self._by_layer:
-                self._by_layer[name, layer] = torch.from_numpy(self._of().weight(name, layer))
-        if len(layers) == 1:
-            return self._by_layer[name, layers[0]][None]
-        return torch.stack([self._by_layer[name, layer] for layer in layers])
+        key = (name, tuple(layers))
+        if key not in self._picked:  # (kept: every row block of a query asks again)
+            for layer in layers:
+                if (name, layer) not in self._by_layer:
+                    self._by_layer[name, layer] = torch.from_numpy(store.weight(name, layer))
+            self._picked[key] = torch.stack([self._by_layer[name, layer] for layer in layers])
+        return self._picked[key]
 
 
 _CACHES: weakref.WeakKeyDictionary[StoreReader, WeightCache] = weakref.WeakKeyDictionary()

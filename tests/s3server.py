@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pytest
+
 BUCKET = "actstore-test"
 
 
@@ -104,3 +106,12 @@ def aws_env(server: S3Server, **overrides: str) -> dict[str, str]:
     env.update(server.env)
     env.update(overrides)
     return env
+
+
+def use_server_env(monkeypatch: pytest.MonkeyPatch, server: S3Server) -> None:
+    """Point this process's AWS settings at ``server`` through ``monkeypatch`` (a pytest MonkeyPatch):
+    its variables set, the ones that would redirect or override them removed."""
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)

@@ -34,7 +34,7 @@ import pytest
 import zarr
 from click.testing import CliRunner
 from helpers import uncompact
-from s3server import S3Server, free_port, moto_server
+from s3server import S3Server, free_port, moto_server, use_server_env
 
 from actstore.cli import main
 from actstore.core.manifest import FORMAT_VERSION, seal
@@ -922,10 +922,7 @@ def ctx(tmp_path_factory: pytest.TempPathFactory) -> Ctx:
 @pytest.fixture(scope="module")
 def s3_ctx(ctx: Ctx) -> Iterator[Ctx]:
     with moto_server() as server, pytest.MonkeyPatch.context() as mp:
-        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            mp.delenv(k, raising=False)
-        for k, v in server.env.items():
-            mp.setenv(k, v)
+        use_server_env(mp, server)
         r = CliRunner().invoke(main, [*INGEST, "--out", f"s3://{server.bucket}/store"])
         assert r.exit_code == 0, r.stderr
         ctx.s3 = server

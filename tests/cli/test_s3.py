@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from s3server import S3Server, aws_env, moto_server
+from s3server import S3Server, aws_env, moto_server, use_server_env
 
 import actstore
 from actstore.cli import main
@@ -49,10 +49,7 @@ QUERIES = [
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
     with moto_server() as server, pytest.MonkeyPatch.context() as mp:
-        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            mp.delenv(k, raising=False)
-        for k, v in server.env.items():
-            mp.setenv(k, v)
+        use_server_env(mp, server)
         yield server
 
 

@@ -574,13 +574,10 @@ def test_sizes_and_relations_are_checked(tmp_path: Path, args: list[str], needle
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, str]]:
-    from s3server import moto_server
+    from s3server import moto_server, use_server_env
 
     with moto_server() as server, pytest.MonkeyPatch.context() as mp:
-        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            mp.delenv(k, raising=False)
-        for k, v in server.env.items():
-            mp.setenv(k, v)
+        use_server_env(mp, server)
         yield {"bucket": server.bucket, "endpoint": server.endpoint}
 
 

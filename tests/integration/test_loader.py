@@ -305,7 +305,7 @@ def test_a_loader_reads_a_store_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
     as the in-memory features of the same store."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
-    from s3server import moto_server
+    from s3server import moto_server, use_server_env
 
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
@@ -313,10 +313,7 @@ def test_a_loader_reads_a_store_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
     from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     with moto_server() as server:
-        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            monkeypatch.delenv(k, raising=False)
-        for k, v in server.env.items():
-            monkeypatch.setenv(k, v)
+        use_server_env(monkeypatch, server)
         loaded = tiny_model("llama")
         prompts = tokenize_records(load_dataset("demo", limit_per_relation=2).records, loaded.tokenizer)
         url = f"s3://{server.bucket}/stores/feed"

@@ -157,17 +157,14 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
     """Written and read through the storage layer: the same files on an S3-compatible server (moto)."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto")
-    from s3server import moto_server
+    from s3server import moto_server, use_server_env
 
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
     from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 
     with moto_server() as server:
-        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            monkeypatch.delenv(k, raising=False)
-        for k, v in server.env.items():
-            monkeypatch.setenv(k, v)
+        use_server_env(monkeypatch, server)
         loaded = tiny_model("llama")
         prompts = tokenize_records(load_dataset("demo", limit_per_relation=1).records, loaded.tokenizer)
         url = f"s3://{server.bucket}/stores/tok"
