@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from actstore.core.errors import CorruptStoreError, FormatVersionError, StoreNotFoundError
+from actstore.core.tables import SEGMENT_TABLES
 
 if TYPE_CHECKING:
     from actstore.core.fs import StoreLocation
@@ -218,7 +219,6 @@ class SegmentCommit:
         d = parse_json_object(data, where, "commit marker")
         if not checksum_ok(d, {f.name for f in fields(cls)}):
             raise CorruptStoreError(f"{where}: commit marker fails its checksum (the file is corrupt)")
-        from actstore.core.tables import SEGMENT_TABLES
 
         where = f"{where}: commit marker"
         tables = _field_dict(d, "table_sha256", where)

@@ -5,6 +5,7 @@ process may grow while the statement runs) and time; defaults, per call, and per
 from __future__ import annotations
 
 import re
+import resource
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -118,7 +119,6 @@ class _GrowthCap:
         self.saved: tuple[int, int] | None = None
 
     def _apply(self) -> None:
-        import resource
 
         assert self.saved is not None
         soft, hard = self.saved
@@ -146,7 +146,6 @@ class _GrowthCap:
         return True
 
     def _exit(self, extra: int) -> None:
-        import resource
 
         with self.lock:
             self.active -= 1
