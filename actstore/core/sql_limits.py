@@ -78,7 +78,8 @@ def limits(memory_limit: str | None = None, timeout: float | None = None) -> Ite
     """Run every SQL statement inside the block with these limits (``timeout=0``: no time limit).
 
     >>> with actstore.core.sql.limits(memory_limit="1GB", timeout=30):
-    ...     store.select("relation_id = 'P17'")
+    ...     len(store.select("relation_id = 'city_country'"))
+    72
     """
     token = _LIMITS.set(current_limits(memory_limit, timeout))
     try:
