@@ -6,33 +6,27 @@ import json
 
 import click
 
-from actstore.cli._options import command, json_option, open_store_arg, quiet_option, store_argument
+from actstore.cli._options import (
+    bounded_option,
+    command,
+    json_option,
+    open_store_arg,
+    quiet_option,
+    store_argument,
+)
 
 
 @command(example="actstore report /tmp/s --out report.html --max-runs 2")
 @store_argument
 @click.option("--out", "out_path", default="report.html", show_default=True, help="HTML file to write.")
 @click.option("--title", default=None, help="Page title (default: 'actstore report: MODEL').")
-@click.option(
-    "--max-runs",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Most recent runs shown per analysis.",
-)
-@click.option(
-    "--max-relations",
-    type=click.IntRange(min=1),
-    default=24,
-    show_default=True,
-    help="Heatmaps per run, at most.",
-)
-@click.option(
+@bounded_option("--max-runs", 3, "Most recent runs shown per analysis.")
+@bounded_option("--max-relations", 24, "Heatmaps per run, at most.")
+@bounded_option(
     "--token-examples",
-    type=click.IntRange(min=0),
-    default=6,
-    show_default=True,
-    help="TokenScore examples shown: this many errors and about two thirds as many correct predictions.",
+    6,
+    "TokenScore examples shown: this many errors and about two thirds as many correct predictions.",
+    low=0,
 )
 @quiet_option
 @json_option
