@@ -364,7 +364,7 @@ PAGE_ROUTES = [
 def warm(catalog: Catalog) -> None:
     """Read what every view needs first (the table files' hashes and footers, the relations, the
     example ids, the summary), store by store, so that the first request does not pay for it."""
-    from actstore.serve.common import example_ids, relations_index
+    from actstore.serve.common import example_ids, relations_index, store_rows
 
     for s in catalog:
         try:
@@ -375,9 +375,7 @@ def warm(catalog: Catalog) -> None:
 
                 relations_index(s.store)
                 example_ids(s.store)
-                from actstore.query.selection import Selection
-
-                len(Selection.from_sql(s.store))  # the targets table, which every sample reads
+                store_rows(s.store)  # every target row, which each sample and prompt is cut from
         except Exception as e:  # a damaged table: the views that read it will say so
             log.warning("serve: warming %s: %s: %s", s.name, type(e).__name__, e)
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 from actstore.core.errors import QueryError
 from actstore.core.sql import subquery
 from actstore.core.store import StoreReader
-from actstore.serve.common import MAX_PAGE_SIZE, block_sample, jsonable, sql
+from actstore.serve.common import MAX_PAGE_SIZE, block_sample, example_texts, jsonable
 
 MAX_QUERY_CHARS = 20_000
 
@@ -138,14 +138,7 @@ def features_projection(
     xy = vec[:, :2] * np.sqrt(lam[:2])
     var = lam / max(float(lam.sum()), 1e-30)
     ids = sel.example_ids
-    texts = {
-        int(r["example_id"]): r
-        for r in sql(
-            store,
-            "SELECT example_id, relation_id, text FROM examples WHERE list_contains(?, example_id)",
-            [[int(i) for i in ids]],
-        )
-    }
+    texts = example_texts(store, ids)
     points = [
         {
             "example_id": int(i),

@@ -20,6 +20,7 @@ from actstore.serve.common import (
     block_sample,
     cached_rows,
     columns,
+    example_texts,
     grid,
     has_table,
     jsonable,
@@ -333,19 +334,11 @@ def head_view(
         )
     n_all = store.n_rows
     sel = block_sample(store, sample, seed=0)
-    x = sel.features("attn_head", layers=[layer], heads=[head])[:, 0, 0]  # [n, d_model]
-    norm = np.linalg.norm(x.astype(np.float64), axis=1)
+    norm = head_norms(store, sel, layer, head)
     ids = sel.example_ids
     rels = np.asarray(sel.rows.column("relation_id").to_pylist(), dtype=object)
     order = np.argsort(-norm, kind="stable")[:top]
-    texts = {
-        int(r["example_id"]): r
-        for r in sql(
-            store,
-            "SELECT example_id, relation_id, text FROM examples WHERE list_contains(?, example_id)",
-            [[int(ids[i]) for i in order]],
-        )
-    }
+    texts = example_texts(store, ids[order])
     out["top_prompts"] = [
         {**texts.get(int(ids[i]), {"example_id": int(ids[i])}), "norm": float(norm[i])} for i in order
     ]
@@ -358,6 +351,17 @@ def head_view(
     )
     out["sampled"] = {"rows": int(len(ids)), "of": n_all}
     return jsonable(out)
+
+
+def head_norms(store: StoreReader, sel: Any, layer: int, head: int) -> np.ndarray:
+    """|z_h W_O,h| of each row of ``sel`` at head (``layer``, ``head``), from the stored ``z`` alone:
+    sqrt(z_h G z_h) with G = W_O,h W_O,h^T (d_head x d_head), so that no d_model vector is formed."""
+    from actstore.query.features import weights
+
+    z = sel.features("z", layers=[layer], heads=[head])[:, 0, 0].astype(np.float64)  # [n, d_head]
+    w = weights(store).layers("W_O", [layer])[0, head].numpy().astype(np.float64)  # [d_head, d_model]
+    q = np.einsum("nd,de,ne->n", z, w @ w.T, z)
+    return np.sqrt(np.clip(q, 0, None))  # type: ignore[no-any-return]
 
 
 # ----------------------------------------------------------------------------------- methods

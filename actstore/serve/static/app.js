@@ -78,11 +78,14 @@ function section(title, ...kids) { return el("section", {}, el("h2", { text: tit
 function note(text) { return el("p", { class: "note", text }); }
 function failed(e) { return el("p", { class: "error", text: String(e.message || e) }); }
 
-function colour(v, lim, diverging = true) {
+// Diverging: red positive, blue negative; sequential (attention, tracing): green.  Behind text
+// (token rows) the strongest colour stays light (alpha <= 0.55), so that the dark text on it
+// keeps a contrast of at least 5:1.
+function colour(v, lim, diverging = true, strongest = 0.85) {
   if (v === null || v === undefined || !isFinite(v) || !lim) return "#f4f4f4";
-  const a = Math.min(1, Math.abs(v) / lim);
-  if (!diverging) return `rgba(68, 1, 84, ${(0.85 * a).toFixed(3)})`;
-  return v > 0 ? `rgba(214, 39, 40, ${(0.85 * a).toFixed(3)})` : `rgba(31, 119, 180, ${(0.85 * a).toFixed(3)})`;
+  const a = (strongest * Math.min(1, Math.abs(v) / lim)).toFixed(3);
+  if (!diverging) return `rgba(44, 160, 44, ${a})`;
+  return v > 0 ? `rgba(214, 39, 40, ${a})` : `rgba(31, 119, 180, ${a})`;
 }
 
 // A layer x head heatmap; cells carry data-layer, data-head and data-value.
@@ -234,7 +237,7 @@ function tokenRow(tokens, values, opts = {}) {
     const v = j < values.length ? values[j] : null;
     p.append(el("span", {
       class: "tok", "data-pos": j, "data-value": v === null ? "" : v, text: t.text,
-      title: `${j}: ${JSON.stringify(t.token)} ${fmt(v, 5)}`, style: `background:${colour(v, lim, opts.diverging !== false)}`,
+      title: `${j}: ${JSON.stringify(t.token)} ${fmt(v, 5)}`, style: `background:${colour(v, lim, opts.diverging !== false, 0.55)}`,
     }));
   });
   return p;
