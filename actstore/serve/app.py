@@ -25,7 +25,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from actstore.core.errors import ActstoreError, NotFoundError, QueryError
-from actstore.serve import console, pages, prompt, views
+from actstore.serve import console, pages, prompt, search, views
 from actstore.serve.catalog import Catalog, Served
 from actstore.serve.common import (
     example_id,
@@ -159,11 +159,13 @@ def api_relation(request: Request, s: Served) -> Any:
 
 @api
 def api_prompts(request: Request, s: Served) -> Any:
-    """Prompts, paged, searchable by text (``q``), of a relation (``relation``) or of all."""
+    """Prompts, paged, searchable by text (``q``, from example id ``after``), of a relation or of all."""
     rel_text = _q(request, "relation")
     rel = relation_id(s.store, rel_text) if rel_text else None
     page, size = _page(request)
-    return views.prompts_page(s.store, rel, _q(request, "q"), page, size)
+    at = _q(request, "after")
+    after = int_param(at, "after", low=-(2**63), high=2**63 - 1) if at else None
+    return search.prompts_page(s.store, rel, _q(request, "q"), page, size, after)
 
 
 @api
@@ -271,7 +273,7 @@ API_ROUTES: list[tuple[str, Callable[[Request], Response]]] = [
 #: The query parameters of each route (docs/explorer.md says what each means).
 QUERY_PARAMETERS: dict[str, tuple[str, ...]] = {
     "/api/s/{store}/relations/{relation}": ("run",),
-    "/api/s/{store}/prompts": ("relation", "q", "page", "size"),
+    "/api/s/{store}/prompts": ("relation", "q", "page", "size", "after"),
     "/api/s/{store}/headscores": ("relation", "run"),
     "/api/s/{store}/prompts/{example_id}/contributions": ("run", "layer", "head"),
     "/api/s/{store}/methods": ("run", "page", "size"),

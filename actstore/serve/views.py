@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.core.errors import NotFoundError, QueryError
+from actstore.core.errors import NotFoundError
 from actstore.core.store import StoreReader
 from actstore.core.tables import SEGMENT_TABLES
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
@@ -200,35 +200,6 @@ def f1_interval(tp: int, fp: int, fn: int, n: int = 2000, seed: int = 0) -> tupl
     draws = np.random.default_rng(seed).multinomial(total, np.array([tp, fp, fn]) / total, size=n)
     f1 = 2 * draws[:, 0] / np.maximum(1, 2 * draws[:, 0] + draws[:, 1] + draws[:, 2])
     return float(np.quantile(f1, 0.025)), float(np.quantile(f1, 0.975))
-
-
-def prompts_page(
-    store: StoreReader, rel: str | None, text: str | None, page: int, size: int
-) -> dict[str, Any]:
-    """One page of prompts (of a relation, containing ``text``), in example order."""
-    if len(text or "") > 200:
-        raise QueryError("search text is at most 200 characters")
-    size = min(size, MAX_PAGE_SIZE)
-    cond, params = ["TRUE"], []
-    if rel is not None:
-        cond.append("relation_id = ?")
-        params.append(rel)
-    if text:
-        cond.append("contains(lower(text), lower(?))")
-        params.append(text)
-    where = " AND ".join(cond)
-    total = sql(store, f"SELECT count(*) AS n FROM examples WHERE {where}", params)[0]["n"]
-    cols = [
-        c
-        for c in ("example_id", "relation_id", "text", "subject", "object")
-        if c in columns(store, "examples")
-    ]
-    rows = sql(
-        store,
-        f"SELECT {', '.join(cols)} FROM examples WHERE {where} ORDER BY example_id LIMIT ? OFFSET ?",
-        [*params, size, page * size],
-    )
-    return jsonable({"total": total, "page": page, "size": size, "rows": rows})
 
 
 # ----------------------------------------------------------------------------------- HeadScore

@@ -98,6 +98,36 @@ def test_prompts_paged_and_searched(served: tuple[Path, TestClient]) -> None:
     assert none["total"] == 0
 
 
+@pytest.mark.parametrize("rel", [None, "P2"])
+def test_text_search_pages_with_a_bounded_cost(
+    served: tuple[Path, TestClient], monkeypatch: pytest.MonkeyPatch, rel: str | None
+) -> None:
+    """Each request reads at most SEARCH_BUDGET ids and says where to go on; following ``next`` finds
+    every prompt containing the text (case-insensitive), each once, as Python's ``in`` does."""
+    from actstore.serve import search
+
+    path, c = served
+    monkeypatch.setattr(search, "SEARCH_BUDGET", 5)
+    monkeypatch.setattr(search, "SEARCH_BLOCK", 2)
+    texts = actstore.open(path).sql("SELECT example_id, relation_id, text FROM examples").to_pylist()
+    want = sorted(
+        r["example_id"] for r in texts if "i" in r["text"].lower() and rel in (None, r["relation_id"])
+    )
+    seen: list[int] = []
+    after: int | None = None
+    for _ in range(30):
+        url = "/api/s/store/prompts?q=I&size=3" + (f"&relation={rel}" if rel else "")
+        d = get(c, "/api/s/{store}/prompts", url + ("" if after is None else f"&after={after}"))
+        assert d["searched"] <= 5 and len(d["rows"]) <= 3 and d["total"] is None
+        seen += [r["example_id"] for r in d["rows"]]
+        after = d["next"]
+        if after is None:
+            break
+    assert seen == want and len(want) > 3
+    whole = get(c, "/api/s/{store}/prompts", "/api/s/store/prompts?q=xyz-nowhere")
+    assert whole["total"] is None and whole["next"] is not None  # 18 ids: more than one request's budget
+
+
 def test_headscores_equal_the_stored_table(served: tuple[Path, TestClient]) -> None:
     path, c = served
     d = get(c, "/api/s/{store}/headscores", "/api/s/store/headscores?relation=P3")
@@ -273,7 +303,7 @@ def test_hostile_parameters_are_one_line_4xx(served: tuple[Path, TestClient]) ->
     bad(c, "/api/s/store/prompts/1/contributions?run=no-such-run", 404)
     for store in ("nope", "..", "%2E%2E", "x" * 200):
         bad(c, f"/api/s/{store}/summary", 404)
-    for q in ("page=-1", "page=x", "size=0", "size=100000", "page=1e9"):
+    for q in ("page=-1", "page=x", "size=0", "size=100000", "page=1e9", "q=a&after=1;DROP", "q=a&after=0x10"):
         bad(c, f"/api/s/store/prompts?{q}", 400)
     bad(c, "/api/s/store/prompts?q=" + "x" * 300, 400)
     for q in (

@@ -194,17 +194,30 @@ async function promptList(target, rel) {
   form.append(input, el("button", { type: "submit", text: "search" }));
   const list = el("div");
   target.replaceChildren(form, list);
+  // Without search text: pages by number.  With it: each answer says where the next page starts
+  // (`next`, an example id); the ids of the pages seen are kept for "previous".
+  const starts = [];
   const load = async (page) => {
-    setQuery({ q: input.value, page: page || null });
-    const d = await api("/prompts", { relation: rel, q: input.value, page, size: 25 });
+    const q = input.value;
+    setQuery({ q, page: !q && page ? page : null });
+    const after = q ? (starts[page] ?? null) : null;
+    const d = await api("/prompts", { relation: rel, q, page: q ? null : page, after, size: 25 });
+    let count = `${d.total} prompts`;
+    let more = (page + 1) * d.size < d.total;
+    if (q) {
+      starts[page + 1] = d.next;
+      more = d.next !== null && d.next !== undefined;
+      count = d.total !== null ? `${d.total} prompts contain "${q}"`
+        : `${d.matched} matches among ${d.searched} of ${d.of} prompts searched by this page${more ? " (the next page searches on)" : ""}`;
+    }
     list.replaceChildren(
-      el("p", { text: `${d.total} prompts` }),
+      el("p", { text: count, id: "prompt-count" }),
       table(d.rows, Object.keys(d.rows[0] || { example_id: 0, text: 0 }), { id: "prompt-table", cell: (c, r) => (c === "example_id" ? link(promptUrl(r.example_id), r.example_id) : null) }),
-      pager(d.page, (d.page + 1) * d.size < d.total, load),
+      pager(page, more, load),
     );
   };
-  form.addEventListener("submit", (e) => { e.preventDefault(); load(0).catch((x) => list.replaceChildren(failed(x))); });
-  await load(Number(Q.get("page") || 0));
+  form.addEventListener("submit", (e) => { e.preventDefault(); starts.length = 0; load(0).catch((x) => list.replaceChildren(failed(x))); });
+  await load(Q.get("q") ? 0 : Number(Q.get("page") || 0));
 }
 
 VIEWS.heads = async () => {
