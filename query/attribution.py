@@ -39,8 +39,10 @@ which re-trains its episode's probe, is :mod:`actstore.query.explain`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,13 +121,23 @@ class TokenGeometry:
 
 
 def token_scores(
-    store: StoreReader, geo: TokenGeometry, example_ids: Sequence[int], p: torch.Tensor, *, group: int = 128
+    store: StoreReader,
+    geo: TokenGeometry,
+    example_ids: Sequence[int],
+    p: torch.Tensor,
+    *,
+    group: int = 128,
+    select: Callable[[list[int]], Any] | None = None,
 ) -> list[np.ndarray]:
     """TokenScore [L', n_src] for each (example, projected direction) pair, from stored A and V.
 
     ``example_ids`` may repeat (one entry per prediction); factors are read once per group of
-    distinct examples, segment by segment."""
+    distinct examples, segment by segment.  ``select``: makes the Selection of given ids (default
+    :meth:`Selection.from_ids`)."""
     from actstore.query.selection import Selection
+
+    if select is None:
+        select = functools.partial(Selection.from_ids, store)
 
     g = store.geometry
     ids = np.asarray(example_ids, dtype=np.int64)
@@ -137,7 +149,7 @@ def token_scores(
     L = list(geo.layers)
     kv = torch.tensor([h // g.kv_group for h in geo.heads])
     for i in range(0, uniq.size, group):
-        sel = Selection.from_ids(store, uniq[i : i + group].tolist())
+        sel = select(uniq[i : i + group].tolist())
         found = set(sel.example_ids.tolist())
         missing = sorted(set(uniq[i : i + group].tolist()) - found)
         if missing:

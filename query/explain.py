@@ -10,7 +10,9 @@ neither imports it back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -88,19 +90,30 @@ def explain_example(
     seed: int | None = None,
     episode: int | None = None,
     contrast: str | None = None,
+    select: Callable[[list[int]], Selection] | None = None,
 ) -> Explanation:
     """Re-train the episode of run ``run_id`` in which ``example_id`` is a query (the first one,
     or the given seed/episode; the stored episode lists make this exact) and attribute its
-    prediction.  ``contrast``: the reading of dW (default: the run's own)."""
+    prediction.  ``contrast``: the reading of dW (default: the run's own).  ``select``: makes the
+    Selection of given example ids (default :meth:`Selection.from_ids`; a caller holding the store's
+    rows already cuts them in memory)."""
     cfg = ProbeConfig.from_json(str(run_row(store, run_id)["config"]))
     if contrast is not None:
         cfg = replace(cfg, contrast=check_contrast(contrast))
     with torch_threads(cfg.threads):
-        return _explain(store, run_id, cfg, example_id, seed, episode)
+        return _explain(
+            store, run_id, cfg, example_id, seed, episode, select or partial(Selection.from_ids, store)
+        )
 
 
 def _explain(
-    store: StoreReader, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None, episode: int | None
+    store: StoreReader,
+    run_id: str,
+    cfg: ProbeConfig,
+    example_id: int,
+    seed: int | None,
+    episode: int | None,
+    select: Callable[[list[int]], Selection],
 ) -> Explanation:
     if cfg.kind not in TOKEN_KINDS:
         raise QueryError(
@@ -130,7 +143,7 @@ def _explain(
     fm = load_features(
         store,
         cfg.kind,
-        rows=Selection.from_ids(store, sup_ids + q_ids),
+        rows=select(sup_ids + q_ids),
         layers=cfg.layers,
         heads=cfg.heads,
         groups=cfg.groups,
@@ -155,7 +168,7 @@ def _explain(
     u_sel = dW / sel.std[0]
     cent = unit_scores((u_sel * (geo.offset[sel.index[0]] - sel.mean[0]))[None, None], units[None], U)[0, 0]
     u = torch.zeros(fm.n_features).scatter_add_(0, sel.index[0], u_sel)
-    ts = token_scores(store, geo, [int(example_id)], geo.project(u[None]))[0]
+    ts = token_scores(store, geo, [int(example_id)], geo.project(u[None]), select=select)[0]
     toks = store.sql("SELECT token FROM tokens WHERE example_id = ? ORDER BY position", [int(example_id)])
     layer, head = fm.unit_labels()
     return Explanation(

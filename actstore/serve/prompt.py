@@ -213,7 +213,11 @@ def _patching(store: StoreReader, ex: int) -> list[dict[str, Any]]:
 def _explanation(served: Served, run: str, ex: int) -> Any:
     from actstore.query.explain import explain_example
 
-    return served.cached(("explain", run, ex), lambda: explain_example(served.store, run, ex))
+    store = served.store
+    return served.cached(
+        ("explain", run, ex),
+        lambda: explain_example(store, run, ex, select=lambda ids: rows_selection(store, ids)),
+    )
 
 
 def _factors(store: StoreReader, ex: int) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
