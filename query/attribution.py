@@ -103,11 +103,15 @@ class TokenGeometry:
             raise QueryError(
                 f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}), not {kind!r}"
             )
+        from actstore.query.features import weights  # the store's weight cache: W_O is read once
+
         hs = tuple(range(store.geometry.n_heads)) if heads is None or kind == "attn" else tuple(heads)
         ls = list(layers)
-        WO = torch.from_numpy(store.weight("W_O"))[ls][:, list(hs)].contiguous()
+        WO = weights(store).layers("W_O", ls)
+        if hs != tuple(range(store.geometry.n_heads)):
+            WO = WO[:, list(hs)].contiguous()
         if kind == "attn":
-            offset = torch.from_numpy(store.weight("b_O")[ls].reshape(-1))
+            offset = weights(store).layers("b_O", ls).reshape(-1)
         else:
             offset = torch.zeros(len(ls) * len(hs) * store.geometry.d_model)
         return cls(kind, tuple(ls), hs, WO, offset)

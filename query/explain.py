@@ -91,13 +91,15 @@ def explain_example(
     episode: int | None = None,
     contrast: str | None = None,
     select: Callable[[list[int]], Selection] | None = None,
+    config: ProbeConfig | None = None,
 ) -> Explanation:
     """Re-train the episode of run ``run_id`` in which ``example_id`` is a query (the first one,
     or the given seed/episode; the stored episode lists make this exact) and attribute its
     prediction.  ``contrast``: the reading of dW (default: the run's own).  ``select``: makes the
     Selection of given example ids (default :meth:`Selection.from_ids`; a caller holding the store's
-    rows already cuts them in memory)."""
-    cfg = ProbeConfig.from_json(str(run_row(store, run_id)["config"]))
+    rows already cuts them in memory).  ``config``: the run's settings, when the caller has read them
+    (default: from its ``probe_runs`` row)."""
+    cfg = config or ProbeConfig.from_json(str(run_row(store, run_id)["config"]))
     if contrast is not None:
         cfg = replace(cfg, contrast=check_contrast(contrast))
     with torch_threads(cfg.threads):
