@@ -331,7 +331,7 @@ def head_norms(store: StoreReader, sel: Any, layer: int, head: int) -> np.ndarra
 
     z = sel.features("z", layers=[layer], heads=[head])[:, 0, 0].astype(np.float64)  # [n, d_head]
     w = weights(store).layers("W_O", [layer])[0, head].numpy().astype(np.float64)  # [d_head, d_model]
-    q = np.einsum("nd,de,ne->n", z, w @ w.T, z)
+    q = ((z @ (w @ w.T)) * z).sum(1)
     return np.sqrt(np.clip(q, 0, None))  # type: ignore[no-any-return]
 
 

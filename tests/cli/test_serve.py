@@ -220,6 +220,22 @@ def test_head_methods_tables_features(served: tuple[Path, TestClient]) -> None:
     assert f["n"] == 10 and {p["relation_id"] for p in f["points"]} <= {"P1", "P3"}
     f = get(c, "/api/s/{store}/features", "/api/s/store/features?kind=attn_head&layer=0&head=1")
     assert f["n"] == 18 and 0 < f["explained"][0] <= 1
+    # the PCA of attn_head (from z and W_O) equals numpy's SVD of the features themselves
+    store = actstore.open(path)
+    for url, heads in (("kind=attn_head&layer=1&n=12&seed=3", None), ("kind=attn_head&layer=0&head=1", [1])):
+        f = get(c, "/api/s/{store}/features", f"/api/s/store/features?{url}")
+        ids = [p["example_id"] for p in f["points"]]
+        layer = 1 if heads is None else 0
+        x = store.select(f"example_id IN ({', '.join(map(str, ids))})").features(
+            "attn_head", layers=[layer], heads=heads
+        )
+        assert store.select(f"example_id IN ({', '.join(map(str, ids))})").example_ids.tolist() == ids
+        x = x.reshape(len(ids), -1).astype(np.float64)
+        u, sv, _ = np.linalg.svd(x - x.mean(0), full_matrices=False)
+        want = u[:, :2] * sv[:2]
+        got = np.array([[p["x"], p["y"]] for p in f["points"]])
+        np.testing.assert_allclose(np.abs(got), np.abs(want), rtol=1e-4, atol=1e-5 * sv[0])
+        np.testing.assert_allclose(f["explained"], (sv**2 / (sv**2).sum())[:2], rtol=1e-4)
 
 
 def test_sql_console_pages_and_downloads(served: tuple[Path, TestClient]) -> None:
