@@ -10,7 +10,8 @@ prompt's episode), ``again_ms`` the median of calling them again (the app's cach
 warm-up (the tables' hashes, the relations, the example ids) runs before the clock starts.  The
 prompt page: navigation to ``body[data-ready]`` (every API call of the page answered and drawn) for
 ``--rounds`` prompts not requested before, in Debian's Chromium driven by Playwright (skipped
-without either).
+without either).  The text search answers its first page (it reads at most 100,000 example ids a
+request).  ``load_after``: the 1-minute load average when a store's figures were taken.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import socket
 import statistics
 import sys
@@ -88,7 +90,7 @@ def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list
         "prompts (a page of a relation)": [
             f"{base}/prompts?relation={quote(rel)}&page={i}&size=25" for i in range(k)
         ],
-        "prompts (searched by text)": [f"{base}/prompts?q={pick(WORDS, i)}&page=1&size=25" for i in range(k)],
+        "prompts (searched by text)": [f"{base}/prompts?q={pick(WORDS, i)}&size=25" for i in range(k)],
         "headscores": [f"{base}/headscores?relation={quote(pick(rels, i))}" for i in range(k)],
         "prompt": [f"{base}/prompts/{pick(exs, i)}" for i in range(k)],
         "contributions (re-trains the episode)": [
@@ -176,7 +178,14 @@ def main(argv: list[str] | None = None) -> None:
             rows = open_reader(path).n_rows
             api = measure_api(host, name, a.rounds)
             page = measure_page(host, name, api.pop("page_urls"))
-            result["stores"][name] = {"path": path, "rows": rows, **api, "prompt_page": page}
+            load = os.getloadavg()[0]
+            result["stores"][name] = {
+                "path": path,
+                "rows": rows,
+                **api,
+                "prompt_page": page,
+                "load_after": load,
+            }
             print(f"{name}: {rows} rows", file=sys.stderr)
     finally:
         server.should_exit = True
