@@ -10,6 +10,7 @@ to docs/explorer/ (referenced from docs/explorer.md), so the pictures there are 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -146,6 +147,12 @@ def test_walk_from_store_to_relation_head_and_prompt(server: tuple[Path, str], p
     assert len(shown) == api["n_src"] == pg.locator("#contrib-tokens .tok").count()
     np.testing.assert_allclose(shown, want, rtol=1e-4, atol=1e-6)
     shot(pg, "prompt")
+    # every coloured token keeps its text readable: WCAG contrast >= 4.5 against the page's white
+    styles = pg.eval_on_selector_all(
+        "#attention-tokens .tok, #contrib-tokens .tok",
+        "els => els.map(e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).color])",
+    )
+    assert styles and all(_contrast(bg, fg) >= 4.5 for bg, fg in styles), styles
     # another head from the prompt's own HeadScore grid: the values follow
     other = 1 - layer
     pg.locator(f'#prompt-headscore td[data-layer="{other}"][data-head="0"]').click()
@@ -212,3 +219,20 @@ def test_a_hostile_prompt_is_shown_as_text(server: tuple[Path, str], page: Any) 
     ready(pg)
     assert pg.locator("#prompt-table td", has_text=HOSTILE_TEXT).count() == 1
     assert pg.title() == "Relation P1 · actstore explorer"
+
+
+def _contrast(background: str, text: str) -> float:
+    """WCAG contrast ratio of CSS colour ``text`` on ``background`` (an rgba() over white)."""
+
+    def rgba(css: str) -> tuple[float, ...]:
+        v = [float(x) for x in re.findall(r"[\d.]+", css)]
+        return tuple(v + [1.0] * (4 - len(v)))
+
+    def luminance(rgb: tuple[float, ...]) -> float:
+        lin = [c / 255 / 12.92 if c / 255 <= 0.04045 else ((c / 255 + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    r, g, b, a = rgba(background)
+    over_white = tuple(a * c + (1 - a) * 255 for c in (r, g, b))
+    hi, lo = sorted((luminance(over_white), luminance(rgba(text)[:3])), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
