@@ -56,6 +56,7 @@ class Served:
     lock: threading.RLock = field(default_factory=threading.RLock)
     cache: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
     cache_size: int = 64
+    prefetching: bool = False  # a prompt page's contributions are being computed in the background
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key`` (the store does not change under the explorer), least recently used dropped."""
