@@ -212,11 +212,24 @@ def _patching(store: StoreReader, ex: int) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------- contributions
 def _explanation(served: Served, run: str, ex: int) -> Any:
     from actstore.query.explain import explain_example
+    from actstore.query.probe_config import ProbeConfig
 
     store = served.store
+    configs = cached_rows(store, "probe_runs", "SELECT run_id, config FROM probe_runs")
+    text = next((r["config"] for r in configs if r["run_id"] == run), None)
+    seed, episode = next(((s, e) for r, s, e in episodes_index(store).get(ex, ()) if r == run), (None, None))
     return served.cached(
         ("explain", run, ex),
-        lambda: explain_example(store, run, ex, select=lambda ids: rows_selection(store, ids)),
+        lambda: explain_example(
+            store,
+            run,
+            ex,
+            seed=seed,
+            episode=episode,
+            select=lambda ids: rows_selection(store, ids),
+            config=None if text is None else ProbeConfig.from_json(str(text)),
+            episodes=served.episodes,
+        ),
     )
 
 

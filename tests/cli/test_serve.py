@@ -98,6 +98,53 @@ def test_prompts_paged_and_searched(served: tuple[Path, TestClient]) -> None:
     assert none["total"] == 0
 
 
+def test_another_query_of_a_trained_episode_is_explained_without_training(
+    served: tuple[Path, TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The explorer keeps trained episodes: a second query of one is explained from it (the trainer is
+    not called), with the direction and HeadScores of a fresh ``explain_example``."""
+    from actstore.query import probe
+    from actstore.query.explain import explain_example
+
+    path, c = served
+    store = actstore.open(path)
+    run = _run(path)
+    (ep,) = store.sql(
+        "SELECT seed, episode, query_ids FROM probe_episodes WHERE run_id = ? ORDER BY seed DESC, episode DESC LIMIT 1",
+        [run],
+    ).to_pylist()
+    first = {
+        int(x)
+        for x in store.sql(
+            "SELECT unnest(query_ids) FROM probe_episodes WHERE run_id = ? AND (seed, episode) < (?, ?)",
+            [run, ep["seed"], ep["episode"]],
+        )
+        .column(0)
+        .to_pylist()
+    }
+    only = [int(x) for x in ep["query_ids"] if int(x) not in first]  # explained from this episode
+    assert len(only) >= 2
+    a, b = only[:2]
+    get(c, "/api/s/{store}/prompts/{example_id}/contributions", f"/api/s/store/prompts/{a}/contributions")
+    fresh = explain_example(store, run, b)
+
+    def no_training(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the episode was trained again")
+
+    monkeypatch.setattr(probe, "train_batched", no_training)
+    k = get(c, "/api/s/{store}/prompts/{example_id}/contributions", f"/api/s/store/prompts/{b}/contributions")
+    assert (k["seed"], k["episode"]) == (fresh.seed, fresh.episode) == (ep["seed"], ep["episode"])
+    assert k["predicted"] == fresh.predicted
+    layers, heads = list(fresh.layers), list(fresh.heads)
+    u = np.asarray(fresh.direction).reshape(len(layers), len(heads), -1)
+    np.testing.assert_allclose(k["direction"], u[layers.index(k["layer"]), heads.index(k["head"])], rtol=1e-6)
+    hs = {
+        (int(la), int(h)): float(v) for la, h, v in zip(fresh.unit_layer, fresh.unit_head, fresh.head_scores)
+    }
+    for (la, h), v in hs.items():
+        assert k["headscore_grid"][la][h] == pytest.approx(v, rel=1e-6, abs=1e-9)
+
+
 @pytest.mark.parametrize("rel", [None, "P2"])
 def test_text_search_pages_with_a_bounded_cost(
     served: tuple[Path, TestClient], monkeypatch: pytest.MonkeyPatch, rel: str | None
