@@ -6,7 +6,8 @@ the prompt page's load in Chromium.
 Per store and route, ``--rounds`` URLs with different parameters taken from the store (relations,
 pages, prompts that are queries of the newest per-source probe run, heads, layers): ``first_ms`` is
 the median of their first calls (nothing of that view cached; the contributions route re-trains the
-prompt's episode), ``again_ms`` the median of calling them again (the app's cache).  The app's
+prompt's episode), ``again_ms`` the median of calling them again (the app's cache); and the first call
+of another query of an episode that a call just before trained (the explorer keeps trained episodes).  The app's
 warm-up (the tables' hashes, the relations, the example ids) runs before the clock starts.  The
 prompt page: navigation to ``body[data-ready]`` (every API call of the page answered and drawn) for
 ``--rounds`` prompts not requested before, in Debian's Chromium driven by Playwright (skipped
@@ -79,6 +80,15 @@ def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list
     q = "SELECT DISTINCT example_id FROM probe_episodes, unnest(query_ids) AS t(example_id) ORDER BY hash(example_id) LIMIT ?"
     sql = json.loads(_get(con, f"{base}/sql?q={quote(q.replace('?', str(3 * k)))}")[1])
     exs = [r[0] for r in sql.get("rows", [])] or [0]
+    # pairs of queries whose first episode is the same (the one the explorer explains them from)
+    q2 = (
+        "WITH q AS (SELECT seed, episode, unnest(query_ids) AS ex FROM probe_episodes), "
+        "f AS (SELECT ex, min(seed * 1000000 + episode) AS k FROM q GROUP BY ex), "
+        "g AS (SELECT k, list(ex ORDER BY ex) AS xs FROM f GROUP BY k HAVING count(*) >= 2) "
+        "SELECT xs[1], xs[2] FROM g ORDER BY hash(k) LIMIT {n}"
+    )
+    got = json.loads(_get(con, f"{base}/sql?q={quote(q2.format(n=k))}")[1])
+    pairs = [(r[0], r[1]) for r in got.get("rows", [])]
     heads = [(layer, h) for layer in range(g["n_layers"]) for h in range(g["n_heads"])]
     heads = [heads[(i * 7919) % len(heads)] for i in range(k)]
     page_sql = quote("SELECT example_id, relation_id, text FROM examples ORDER BY example_id")
@@ -104,6 +114,7 @@ def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list
             f"{base}/features?kind=attn_head&layer={i % g['n_layers']}&n=500&seed={i}" for i in range(k)
         ],
         "_page": [f"/s/{name}/prompt/{pick(exs, 2 * k + i)}" for i in range(k)],
+        "_pairs": [f"{base}/prompts/{a}/contributions {base}/prompts/{b}/contributions" for a, b in pairs],
     }
 
 
@@ -114,6 +125,7 @@ def measure_api(host: str, name: str, rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     listed = routes(con, name, rounds)
     pages = listed.pop("_page")
+    pairs = [p.split(" ") for p in listed.pop("_pairs")]
     for label, urls in listed.items():
         first = []
         for url in urls:
@@ -127,6 +139,19 @@ def measure_api(host: str, name: str, rounds: int) -> dict[str, Any]:
             "first_ms": round(statistics.median(first), 1),
             "first_max_ms": round(max(first), 1),
             "again_ms": round(statistics.median(again), 1),
+        }
+    if pairs:  # another query of an episode trained for the first: explained from the kept episode
+        times = []
+        for a, b in pairs:
+            _get(con, a)
+            status, body, ms = _get(con, b)
+            if status != 200:
+                raise SystemExit(f"{b}: {status} {body[:200]!r}")
+            times.append(ms)
+        out["contributions (another query of an episode trained before)"] = {
+            "calls": len(times),
+            "first_ms": round(statistics.median(times), 1),
+            "first_max_ms": round(max(times), 1),
         }
     con.close()
     return {"routes": out, "urls": {k: v[0] for k, v in listed.items()}, "page_urls": pages}
