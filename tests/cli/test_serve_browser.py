@@ -236,3 +236,28 @@ def _contrast(background: str, text: str) -> float:
     over_white = tuple(a * c + (1 - a) * 255 for c in (r, g, b))
     hi, lo = sorted((luminance(over_white), luminance(rgba(text)[:3])), reverse=True)
     return (hi + 0.05) / (lo + 0.05)
+
+
+def test_report_links_to_the_running_explorer(server: tuple[Path, str], tmp_path: Path) -> None:
+    """``actstore report --explorer URL`` links to the explorer's views of the store it serves, and each
+    link answers; an address where no explorer serves it gives a report without them."""
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    path, base = server
+    out = tmp_path / "report.html"
+    r = CliRunner().invoke(main, ["report", str(path), "--out", str(out), "--quiet", "--explorer", base])
+    assert r.exit_code == 0, r.output
+    hrefs = re.findall(r'<a href="(http[^"]+)"', out.read_text())
+    want = [f"{base}/s/store{p}" for p in ("", "/heads", "/methods", "/sql", "/features")]
+    assert hrefs == want + [f"{base}/s/store/relation/{rel}" for rel in ("P1", "P2", "P3")]
+    for href in hrefs:
+        with urllib.request.urlopen(href) as page:
+            assert page.status == 200
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    r = CliRunner().invoke(main, ["report", str(path), "--out", str(out), "--explorer", closed])
+    assert r.exit_code == 0 and f"no explorer at {closed}" in r.output
+    assert closed not in out.read_text() and 'id="section-explorer"' not in out.read_text()
