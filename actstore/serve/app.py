@@ -331,39 +331,10 @@ def _page_route(view: str) -> Callable[[Request], Response]:
                 layer, head = layer_head(served.store, str(params["layer"]), str(params["head"]))
                 params.update(layer=str(layer), head=str(head))
             text = pages.render(served, view, params, request.app.state.catalog.names)
-        if view == "prompt":
-            _prefetch_contributions(served, request, int(params["example_id"]))
         return Response(text, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
     endpoint.__name__ = f"page_{view}"
     return endpoint
-
-
-def _prefetch_contributions(served: Served, request: Request, ex: int) -> None:
-    """Start the prompt page's contributions (the probe episode's re-training) in the background as the
-    page is sent, so that it overlaps the browser's loading of the page; its parts are cached, and the
-    page's own API call then finds them.  At most one at a time per store; a bad parameter is left
-    to that API call to report."""
-    try:
-        run = run_param(_q(request, "run"))
-        lt, ht = _q(request, "layer"), _q(request, "head")
-        layer, head = layer_head(served.store, lt, ht) if lt or ht else (None, None)
-    except (ActstoreError, ValueError):
-        return
-
-    def work() -> None:
-        try:
-            with served.lock:
-                prompt.contributions(served, ex, run, layer, head)
-        except Exception as e:  # the page's API call reports it
-            log.debug("serve: prefetching contributions of %s: %s", ex, e)
-        finally:
-            served.prefetching = False
-
-    if served.prefetching:
-        return
-    served.prefetching = True
-    threading.Thread(target=work, daemon=True, name="actstore-serve-prefetch").start()
 
 
 def index(request: Request) -> Response:

@@ -79,7 +79,6 @@ class Served:
     #: trained probe episodes (about 2 MB each for SmolLM2 on FewRel): another query of one is explained
     #: without training it again
     episodes: Kept = field(default_factory=lambda: Kept(32))
-    prefetching: bool = False  # a prompt page's contributions are being computed in the background
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key`` (the store does not change under the explorer), least recently used dropped."""
