@@ -9,7 +9,16 @@ import numpy as np
 
 from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
-from actstore.serve.common import MAX_PAGE_SIZE, columns, example_ids, jsonable, relations_index, sql
+from actstore.serve.common import (
+    MAX_PAGE_SIZE,
+    SQL_TIMEOUT,
+    columns,
+    example_ids,
+    id_ranges,
+    jsonable,
+    kept,
+    sql,
+)
 
 #: A text search reads the examples of at most this many example ids per request (in blocks of
 #: SEARCH_BLOCK, stopping once a page is full), and says where to go on: its cost is bounded by it,
@@ -28,17 +37,41 @@ def prompts_page(
     size = min(size, MAX_PAGE_SIZE)
     if text:
         return search_page(store, rel, text, after, size)
-    cols = _prompt_columns(store)
-    if rel is None:
-        total, cond, params = int(example_ids(store).size), "TRUE", []
-    else:
-        total, cond, params = int(relations_index(store)[rel]["prompts"]), "relation_id = ?", [rel]
-    rows = sql(
-        store,
-        f"SELECT {', '.join(cols)} FROM examples WHERE {cond} ORDER BY example_id LIMIT ? OFFSET ?",
-        [*params, size, page * size],
+    ids = example_ids(store) if rel is None else relation_ids(store).get(rel, np.zeros(0, np.int64))
+    return jsonable(
+        {
+            "total": int(ids.size),
+            "page": page,
+            "size": size,
+            "rows": examples_by_id(store, ids[page * size : (page + 1) * size]),
+        }
     )
-    return jsonable({"total": total, "page": page, "size": size, "rows": rows})
+
+
+def relation_ids(store: StoreReader) -> dict[str, np.ndarray]:
+    """relation_id -> its example ids, sorted (read once, kept while the examples' files stay the same):
+    a page of a relation's prompts is then a slice of ids, read by their id range."""
+
+    def build() -> dict[str, np.ndarray]:
+        t = store.sql("SELECT relation_id, example_id FROM examples ORDER BY 2", timeout=SQL_TIMEOUT)
+        rel = t.column(0).to_numpy(zero_copy_only=False).astype(str)
+        ids = np.asarray(t.column(1).to_numpy(), dtype=np.int64)
+        return {str(r): ids[rel == r] for r in np.unique(rel)}
+
+    return kept(store, "relation_ids", ("examples",), build)  # type: ignore[no-any-return]
+
+
+def examples_by_id(store: StoreReader, ids: np.ndarray) -> list[dict[str, Any]]:
+    """The prompt columns of examples ``ids`` (sorted), read from their id ranges only."""
+    if ids.size == 0:
+        return []
+    cols = _prompt_columns(store)
+    return sql(
+        store,
+        f"SELECT {', '.join(cols)} FROM examples WHERE {id_ranges(ids)} "
+        "AND list_contains(?, example_id) ORDER BY example_id",
+        [[int(i) for i in ids.tolist()]],
+    )
 
 
 def _prompt_columns(store: StoreReader) -> list[str]:

@@ -20,6 +20,7 @@ from actstore.serve.common import (
     block_sample,
     cached_rows,
     columns,
+    example_ids,
     example_texts,
     grid,
     has_table,
@@ -422,8 +423,21 @@ def methods_view(store: StoreReader, run: str | None, page: int, size: int) -> d
 # ----------------------------------------------------------------------------------- tables
 def table_preview(store: StoreReader, name: str, page: int, size: int) -> dict[str, Any]:
     size = min(size, MAX_PAGE_SIZE)
-    total = sql(store, f'SELECT count(*) AS n FROM "{name}"')[0]["n"]
-    rows = sql(store, f'SELECT * FROM "{name}" LIMIT ? OFFSET ?', [size, page * size])
+    if name == "examples":  # one row per example: a page is a slice of the kept ids, read by its id range
+        ids = example_ids(store)
+        total, part = int(ids.size), ids[page * size : (page + 1) * size]
+        rows = (
+            sql(
+                store,
+                "SELECT * FROM examples WHERE example_id BETWEEN ? AND ? ORDER BY example_id",
+                [int(part[0]), int(part[-1])],
+            )
+            if part.size
+            else []
+        )
+    else:
+        total = sql(store, f'SELECT count(*) AS n FROM "{name}"')[0]["n"]
+        rows = sql(store, f'SELECT * FROM "{name}" LIMIT ? OFFSET ?', [size, page * size])
     return jsonable(
         {
             "table": name,

@@ -263,6 +263,8 @@ def test_head_methods_tables_features(served: tuple[Path, TestClient]) -> None:
     )
     t = get(c, "/api/s/{store}/tables/{table}", "/api/s/store/tables/examples?size=5&page=3")
     assert t["total"] == 18 and len(t["rows"]) == 3
+    every = actstore.open(path).sql("SELECT * FROM examples ORDER BY example_id").to_pylist()
+    assert t["rows"] == json.loads(json.dumps(every[15:], default=str))
     f = get(c, "/api/s/{store}/features", "/api/s/store/features?kind=resid&layer=2&relations=P1,P3&n=10")
     assert f["n"] == 10 and {p["relation_id"] for p in f["points"]} <= {"P1", "P3"}
     f = get(c, "/api/s/{store}/features", "/api/s/store/features?kind=attn_head&layer=0&head=1")
