@@ -79,7 +79,10 @@ def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list
     rel = rels[0]
     q = "SELECT DISTINCT example_id FROM probe_episodes, unnest(query_ids) AS t(example_id) ORDER BY hash(example_id) LIMIT ?"
     sql = json.loads(_get(con, f"{base}/sql?q={quote(q.replace('?', str(3 * k)))}")[1])
-    exs = [r[0] for r in sql.get("rows", [])] or [0]
+    exs = [r[0] for r in sql.get("rows", [])]
+    if not exs:  # no probe run: prompts drawn from the examples (contributions then show norms)
+        q = f"SELECT example_id FROM examples ORDER BY hash(example_id) LIMIT {3 * k}"
+        exs = [r[0] for r in json.loads(_get(con, f"{base}/sql?q={quote(q)}")[1]).get("rows", [])] or [0]
     # pairs of queries whose first episode is the same (the one the explorer explains them from)
     q2 = (
         "WITH q AS (SELECT seed, episode, unnest(query_ids) AS ex FROM probe_episodes), "
