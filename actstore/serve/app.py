@@ -383,6 +383,7 @@ def warm(catalog: Catalog) -> None:
                 example_ids(s.store)
                 store_rows(s.store)  # every target row, which each sample and prompt is cut from
                 search.relation_ids(s.store)  # each relation's example ids, which its pages are cut from
+                prompt.episodes_index(s.store)  # the probe episodes by query prompt
         except Exception as e:  # a damaged table: the views that read it will say so
             log.warning("serve: warming %s: %s: %s", s.name, type(e).__name__, e)
 

@@ -105,6 +105,15 @@ def test_walk_from_store_to_relation_head_and_prompt(server: tuple[Path, str], p
     assert pg.locator("#probes tbody tr").count() == 1 and pg.locator("#prompt-table tbody tr").count() == 6
     pg.wait_for_selector("#headscore td")
     shot(pg, "relation")
+    # the text search of its prompts: the one containing "bari" (any case), then back to all of them
+    pg.fill("#prompt-search", "BARI")
+    pg.click("form.search button")
+    pg.wait_for_function("() => document.querySelector('#prompt-count').textContent.includes('contain')")
+    assert pg.inner_text("#prompt-count") == '1 prompts contain "BARI"'
+    assert pg.locator("#prompt-table tbody tr").count() == 1 and "Bari" in pg.inner_text("#prompt-table")
+    pg.fill("#prompt-search", "")
+    pg.click("form.search button")
+    pg.wait_for_function("() => document.querySelector('#prompt-count').textContent === '6 prompts'")
     # the hottest head of its heatmap
     cells = pg.eval_on_selector_all(
         "#headscore td",
