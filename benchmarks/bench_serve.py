@@ -6,11 +6,13 @@ the prompt page's load in Chromium.
 Per store and route, ``--rounds`` URLs with different parameters taken from the store (relations,
 pages, prompts that are queries of the newest per-source probe run, heads, layers): ``first_ms`` is
 the median of their first calls (nothing of that view cached; the contributions route re-trains the
-prompt's episode), ``again_ms`` the median of calling them again (the app's cache).  The app's
+prompt's episode), ``again_ms`` the median of calling them again (the app's cache); and the first call
+of another query of an episode that a call just before trained (the explorer keeps trained episodes).  The app's
 warm-up (the tables' hashes, the relations, the example ids) runs before the clock starts.  The
 prompt page: navigation to ``body[data-ready]`` (every API call of the page answered and drawn) for
 ``--rounds`` prompts not requested before, in Debian's Chromium driven by Playwright (skipped
-without either).
+without either).  The text search answers its first page (it reads at most 100,000 example ids a
+request).  ``load_after``: the 1-minute load average when a store's figures were taken.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import socket
 import statistics
 import sys
@@ -76,7 +79,19 @@ def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list
     rel = rels[0]
     q = "SELECT DISTINCT example_id FROM probe_episodes, unnest(query_ids) AS t(example_id) ORDER BY hash(example_id) LIMIT ?"
     sql = json.loads(_get(con, f"{base}/sql?q={quote(q.replace('?', str(3 * k)))}")[1])
-    exs = [r[0] for r in sql.get("rows", [])] or [0]
+    exs = [r[0] for r in sql.get("rows", [])]
+    if not exs:  # no probe run: prompts drawn from the examples (contributions then show norms)
+        q = f"SELECT example_id FROM examples ORDER BY hash(example_id) LIMIT {3 * k}"
+        exs = [r[0] for r in json.loads(_get(con, f"{base}/sql?q={quote(q)}")[1]).get("rows", [])] or [0]
+    # pairs of queries whose first episode is the same (the one the explorer explains them from)
+    q2 = (
+        "WITH q AS (SELECT seed, episode, unnest(query_ids) AS ex FROM probe_episodes), "
+        "f AS (SELECT ex, min(seed * 1000000 + episode) AS k FROM q GROUP BY ex), "
+        "g AS (SELECT k, list(ex ORDER BY ex) AS xs FROM f GROUP BY k HAVING count(*) >= 2) "
+        "SELECT xs[1], xs[2] FROM g ORDER BY hash(k) LIMIT {n}"
+    )
+    got = json.loads(_get(con, f"{base}/sql?q={quote(q2.format(n=k))}")[1])
+    pairs = [(r[0], r[1]) for r in got.get("rows", [])]
     heads = [(layer, h) for layer in range(g["n_layers"]) for h in range(g["n_heads"])]
     heads = [heads[(i * 7919) % len(heads)] for i in range(k)]
     page_sql = quote("SELECT example_id, relation_id, text FROM examples ORDER BY example_id")
@@ -88,7 +103,7 @@ def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list
         "prompts (a page of a relation)": [
             f"{base}/prompts?relation={quote(rel)}&page={i}&size=25" for i in range(k)
         ],
-        "prompts (searched by text)": [f"{base}/prompts?q={pick(WORDS, i)}&page=1&size=25" for i in range(k)],
+        "prompts (searched by text)": [f"{base}/prompts?q={pick(WORDS, i)}&size=25" for i in range(k)],
         "headscores": [f"{base}/headscores?relation={quote(pick(rels, i))}" for i in range(k)],
         "prompt": [f"{base}/prompts/{pick(exs, i)}" for i in range(k)],
         "contributions (re-trains the episode)": [
@@ -102,6 +117,7 @@ def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list
             f"{base}/features?kind=attn_head&layer={i % g['n_layers']}&n=500&seed={i}" for i in range(k)
         ],
         "_page": [f"/s/{name}/prompt/{pick(exs, 2 * k + i)}" for i in range(k)],
+        "_pairs": [f"{base}/prompts/{a}/contributions {base}/prompts/{b}/contributions" for a, b in pairs],
     }
 
 
@@ -112,6 +128,7 @@ def measure_api(host: str, name: str, rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     listed = routes(con, name, rounds)
     pages = listed.pop("_page")
+    pairs = [p.split(" ") for p in listed.pop("_pairs")]
     for label, urls in listed.items():
         first = []
         for url in urls:
@@ -125,6 +142,19 @@ def measure_api(host: str, name: str, rounds: int) -> dict[str, Any]:
             "first_ms": round(statistics.median(first), 1),
             "first_max_ms": round(max(first), 1),
             "again_ms": round(statistics.median(again), 1),
+        }
+    if pairs:  # another query of an episode trained for the first: explained from the kept episode
+        times = []
+        for a, b in pairs:
+            _get(con, a)
+            status, body, ms = _get(con, b)
+            if status != 200:
+                raise SystemExit(f"{b}: {status} {body[:200]!r}")
+            times.append(ms)
+        out["contributions (another query of an episode trained before)"] = {
+            "calls": len(times),
+            "first_ms": round(statistics.median(times), 1),
+            "first_max_ms": round(max(times), 1),
         }
     con.close()
     return {"routes": out, "urls": {k: v[0] for k, v in listed.items()}, "page_urls": pages}
@@ -176,7 +206,14 @@ def main(argv: list[str] | None = None) -> None:
             rows = open_reader(path).n_rows
             api = measure_api(host, name, a.rounds)
             page = measure_page(host, name, api.pop("page_urls"))
-            result["stores"][name] = {"path": path, "rows": rows, **api, "prompt_page": page}
+            load = os.getloadavg()[0]
+            result["stores"][name] = {
+                "path": path,
+                "rows": rows,
+                **api,
+                "prompt_page": page,
+                "load_after": load,
+            }
             print(f"{name}: {rows} rows", file=sys.stderr)
     finally:
         server.should_exit = True

@@ -39,8 +39,10 @@ which re-trains its episode's probe, is :mod:`actstore.query.explain`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,11 +104,15 @@ class TokenGeometry:
             raise QueryError(
                 f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}), not {kind!r}"
             )
+        from actstore.query.features import weights  # the store's weight cache: W_O is read once
+
         hs = tuple(range(store.geometry.n_heads)) if heads is None or kind == "attn" else tuple(heads)
         ls = list(layers)
-        WO = torch.from_numpy(store.weight("W_O"))[ls][:, list(hs)].contiguous()
+        WO = weights(store).layers("W_O", ls)
+        if hs != tuple(range(store.geometry.n_heads)):
+            WO = WO[:, list(hs)].contiguous()
         if kind == "attn":
-            offset = torch.from_numpy(store.weight("b_O")[ls].reshape(-1))
+            offset = weights(store).layers("b_O", ls).reshape(-1)
         else:
             offset = torch.zeros(len(ls) * len(hs) * store.geometry.d_model)
         return cls(kind, tuple(ls), hs, WO, offset)
@@ -120,12 +126,21 @@ class TokenGeometry:
 
 
 def token_scores(
-    store: StoreReader, geo: TokenGeometry, example_ids: Sequence[int], p: torch.Tensor, *, group: int = 128
+    store: StoreReader,
+    geo: TokenGeometry,
+    example_ids: Sequence[int],
+    p: torch.Tensor,
+    *,
+    group: int = 128,
+    select: Callable[[list[int]], Any] | None = None,
 ) -> list[np.ndarray]:
     """TokenScore [L', n_src] for each (example, projected direction) pair, from stored A and V.
 
     ``example_ids`` may repeat (one entry per prediction); factors are read once per group of
-    distinct examples, segment by segment."""
+    distinct examples, segment by segment.  ``select``: makes the Selection of given ids (default
+    :meth:`Selection.from_ids`)."""
+    if select is None:
+        select = functools.partial(Selection.from_ids, store)
 
     g = store.geometry
     ids = np.asarray(example_ids, dtype=np.int64)
@@ -137,7 +152,7 @@ def token_scores(
     L = list(geo.layers)
     kv = torch.tensor([h // g.kv_group for h in geo.heads])
     for i in range(0, uniq.size, group):
-        sel = Selection.from_ids(store, uniq[i : i + group].tolist())
+        sel = select(uniq[i : i + group].tolist())
         found = set(sel.example_ids.tolist())
         missing = sorted(set(uniq[i : i + group].tolist()) - found)
         if missing:

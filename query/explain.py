@@ -10,7 +10,10 @@ neither imports it back.
 
 from __future__ import annotations
 
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,25 +91,46 @@ def explain_example(
     seed: int | None = None,
     episode: int | None = None,
     contrast: str | None = None,
+    select: Callable[[list[int]], Selection] | None = None,
+    config: ProbeConfig | None = None,
+    episodes: MutableMapping[tuple[str, int, int], TrainedEpisode] | None = None,
 ) -> Explanation:
     """Re-train the episode of run ``run_id`` in which ``example_id`` is a query (the first one,
     or the given seed/episode; the stored episode lists make this exact) and attribute its
-    prediction.  ``contrast``: the reading of dW (default: the run's own)."""
-    cfg = ProbeConfig.from_json(str(run_row(store, run_id)["config"]))
+    prediction.  ``contrast``: the reading of dW (default: the run's own).  ``select``: makes the
+    Selection of given example ids (default :meth:`Selection.from_ids`; a caller holding the store's
+    rows already cuts them in memory).  ``config``: the run's settings, when the caller has read them
+    (default: from its ``probe_runs`` row).  ``episodes``: trained episodes kept by the caller, by
+    (run_id, seed, episode): an episode found there is not trained again (its other queries are then
+    explained from it), one trained here is put there."""
+    cfg = config or ProbeConfig.from_json(str(run_row(store, run_id)["config"]))
     if contrast is not None:
         cfg = replace(cfg, contrast=check_contrast(contrast))
     with torch_threads(cfg.threads):
-        return _explain(store, run_id, cfg, example_id, seed, episode)
+        pick = select or partial(Selection.from_ids, store)
+        return _explain(store, run_id, cfg, example_id, seed, episode, pick, episodes)
 
 
-def _explain(
-    store: StoreReader, run_id: str, cfg: ProbeConfig, example_id: int, seed: int | None, episode: int | None
-) -> Explanation:
-    if cfg.kind not in TOKEN_KINDS:
-        raise QueryError(
-            f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}); "
-            f"run {run_id} probed {cfg.kind!r}"
-        )
+@dataclass(frozen=True)
+class TrainedEpisode:
+    """One probe episode trained again: what explaining any of its queries needs."""
+
+    row: dict[str, Any]  # seed, episode, relations, support_ids, query_ids
+    layers: tuple[int, ...]
+    unit_layer: np.ndarray  # [U]
+    unit_head: np.ndarray  # [U]
+    unit_size: int
+    n_features: int
+    geo: TokenGeometry
+    sel: Any  # the support's feature selection (index, valid, mean, std)
+    xq: torch.Tensor  # [1, Q, Fm] the queries' standardized selected features
+    W: torch.Tensor  # [1, Fm, C]
+    b: torch.Tensor  # [1, C]
+
+
+def _episode_row(
+    store: StoreReader, run_id: str, example_id: int, seed: int | None, episode: int | None
+) -> dict[str, Any]:
     eps = store.sql(
         "SELECT seed, episode, relations, support_ids, query_ids FROM probe_episodes "
         "WHERE run_id = $run AND list_contains(query_ids, $ex) "
@@ -124,13 +148,18 @@ def _explain(
             f"example {example_id} is not a query of any episode of run {run_id}"
             + ("" if seed is None and episode is None else " with that seed/episode")
         )
-    e = eps[0]
+    return dict(eps[0])
+
+
+def _train_episode(
+    store: StoreReader, cfg: ProbeConfig, e: dict[str, Any], select: Callable[[list[int]], Selection]
+) -> TrainedEpisode:
     n, sup_ids, q_ids = len(e["relations"]), list(e["support_ids"]), list(e["query_ids"])
-    k, q = len(sup_ids) // n, len(q_ids) // n
+    k = len(sup_ids) // n
     fm = load_features(
         store,
         cfg.kind,
-        rows=Selection.from_ids(store, sup_ids + q_ids),
+        rows=select(sup_ids + q_ids),
         layers=cfg.layers,
         heads=cfg.heads,
         groups=cfg.groups,
@@ -145,19 +174,50 @@ def _explain(
     xq = gather_standardized(fm.data, qry, sel)
     # through the module, so that the trainer is the one run_probe calls (tests spy on it there)
     W, b = probe.train_batched(xs, torch.arange(n).repeat_interleave(k), n, epochs=cfg.epochs, lr=cfg.lr)
+    layer, head = fm.unit_labels()
+    return TrainedEpisode(e, fm.layers, layer, head, fm.unit_size, fm.n_features, geo, sel, xq, W, b)
+
+
+def _explain(
+    store: StoreReader,
+    run_id: str,
+    cfg: ProbeConfig,
+    example_id: int,
+    seed: int | None,
+    episode: int | None,
+    select: Callable[[list[int]], Selection],
+    episodes: MutableMapping[tuple[str, int, int], TrainedEpisode] | None,
+) -> Explanation:
+    if cfg.kind not in TOKEN_KINDS:
+        raise QueryError(
+            f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}); "
+            f"run {run_id} probed {cfg.kind!r}"
+        )
+    key = (run_id, -1 if seed is None else int(seed), -1 if episode is None else int(episode))
+    t = None if episodes is None else episodes.get(key)
+    if t is None or int(example_id) not in t.row["query_ids"]:
+        e = _episode_row(store, run_id, example_id, seed, episode)
+        key = (run_id, int(e["seed"]), int(e["episode"]))
+        t = None if episodes is None else episodes.get(key)
+        if t is None:
+            t = _train_episode(store, cfg, e, select)
+            if episodes is not None:
+                episodes[key] = t
+    e, xq, W, b, sel, geo = t.row, t.xq, t.W, t.b, t.sel, t.geo
+    n, q_ids = len(e["relations"]), list(e["query_ids"])
+    q = len(q_ids) // n
     qi = q_ids.index(int(example_id))
     probs = torch.softmax(xq[0, qi] @ W[0] + b[0], -1)
     pred = probs.argmax()
     dW = W[0] @ contrast_coefficients(probs, pred, cfg.contrast)  # [Fm]
-    U, usize = fm.n_units, fm.unit_size
+    U, usize = len(t.unit_layer), t.unit_size
     units = torch.where(sel.valid[0], sel.index[0] // usize, torch.full_like(sel.index[0], U))
     hs = unit_scores((dW * xq[0, qi])[None, None], units[None], U)[0, 0]
     u_sel = dW / sel.std[0]
     cent = unit_scores((u_sel * (geo.offset[sel.index[0]] - sel.mean[0]))[None, None], units[None], U)[0, 0]
-    u = torch.zeros(fm.n_features).scatter_add_(0, sel.index[0], u_sel)
-    ts = token_scores(store, geo, [int(example_id)], geo.project(u[None]))[0]
+    u = torch.zeros(t.n_features).scatter_add_(0, sel.index[0], u_sel)
+    ts = token_scores(store, geo, [int(example_id)], geo.project(u[None]), select=select)[0]
     toks = store.sql("SELECT token FROM tokens WHERE example_id = ? ORDER BY position", [int(example_id)])
-    layer, head = fm.unit_labels()
     return Explanation(
         run_id,
         int(e["seed"]),
@@ -166,12 +226,12 @@ def _explain(
         e["relations"][qi // q],
         e["relations"][int(pred)],
         float(probs[pred]),
-        fm.layers,
-        layer,
-        head,
+        t.layers,
+        t.unit_layer,
+        t.unit_head,
         hs.numpy(),
         ts,
-        cent.reshape(len(fm.layers), -1).sum(1).numpy(),
+        cent.reshape(len(t.layers), -1).sum(1).numpy(),
         toks.column("token").to_pylist()[: ts.shape[1]],
         cfg.contrast,
         cfg.kind,

@@ -81,10 +81,7 @@ def load_features(
     if len(sel) == 0:
         raise QueryError("the selection is empty")
     ids = sel.example_ids
-    rel = {
-        int(r["example_id"]): r["relation_id"]
-        for r in store.sql("SELECT example_id, relation_id FROM examples").to_pylist()
-    }
+    rels = sel.rows.column("relation_id").to_pylist()  # the selection's rows carry each relation
     shape = row_shape(store, spec)
     width = int(np.prod(shape))
     data = torch.empty((len(ids), width), dtype=getattr(torch, dtype))
@@ -103,4 +100,4 @@ def load_features(
         i += n
     if i != len(ids):
         raise QueryError(f"the selection's blocks hold {i} rows, not {len(ids)}")
-    return FeatureMatrix(kind, spec.layers, spec.heads, groups, ids, [rel[int(e)] for e in ids], data, shape)
+    return FeatureMatrix(kind, spec.layers, spec.heads, groups, ids, rels, data, shape)

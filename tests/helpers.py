@@ -151,3 +151,19 @@ def fewrel_store_at(store_factory: Callable[..., Path], path: Path, segment_size
         return store_factory("llama", dataset=f"fewrel:{path}", limit=10, segment_size=segment_size)
     finally:
         torch.set_num_threads(old)
+
+
+def agreement_row(run_id: str = "agree-test", **extra: Any) -> dict[str, Any]:
+    """One invented ``method_agreement`` row (trace vs patch over 3 facts), with ``extra`` columns."""
+    return {
+        "run_id": run_id,
+        "method_a": "trace",
+        "method_b": "patch",
+        "n_facts": 3,
+        "key_layer_agreement": 0.67,
+        "key_layer_exact": 0.33,
+        "n_verdict": 3,
+        "verdict_agreement": 1.0,
+        "profile_correlation": 0.5,
+        **extra,
+    }

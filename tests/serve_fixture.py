@@ -76,6 +76,8 @@ def build_serve_store(out: Path) -> Path:
 
 
 def synthetic_tables(store: Any) -> None:
+    from helpers import agreement_row
+
     from actstore.core.writer import write_result_table
 
     g = store.geometry
@@ -151,22 +153,7 @@ def synthetic_tables(store: Any) -> None:
         "method_agreement",
         "agree-test",
         pa.Table.from_pylist(
-            [
-                {
-                    "run_id": "agree-test",
-                    "method_a": "trace",
-                    "method_b": "patch",
-                    "n_facts": 3,
-                    "key_layer_agreement": 0.67,
-                    "key_layer_chance": 0.4,
-                    "key_layer_excess": 0.27,
-                    "key_layer_kappa": 0.45,
-                    "key_layer_exact": 0.33,
-                    "n_verdict": 3,
-                    "verdict_agreement": 1.0,
-                    "profile_correlation": 0.5,
-                }
-            ]
+            [agreement_row(key_layer_chance=0.4, key_layer_excess=0.27, key_layer_kappa=0.45)]
         ),
     )
     readings = [

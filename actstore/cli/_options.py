@@ -108,6 +108,13 @@ def no_save_option(fn: F) -> F:
     return click.option("--no-save", is_flag=True, help="Do not write result tables into the store.")(fn)
 
 
+def bounded_option(flag: str, default: float, help: str, *, low: float = 1) -> Callable[[F], F]:
+    """``flag``: a number at least ``low`` (an int option for an int default, a float one otherwise),
+    its default shown in the help."""
+    kind = click.IntRange(min=int(low)) if isinstance(default, int) else click.FloatRange(min=low)
+    return click.option(flag, type=kind, default=default, show_default=True, help=help)
+
+
 def figures_option(help: str = "Folder for the figures (PNG).") -> Callable[[F], F]:
     return click.option("--figures", default=None, metavar="DIR", help=help)
 

@@ -3,36 +3,38 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
-from actstore.cli._options import command, json_option, open_store_arg, quiet_option, store_argument
+from actstore.cli._options import (
+    bounded_option,
+    command,
+    json_option,
+    open_store_arg,
+    quiet_option,
+    store_argument,
+)
 
 
 @command(example="actstore report /tmp/s --out report.html --max-runs 2")
 @store_argument
 @click.option("--out", "out_path", default="report.html", show_default=True, help="HTML file to write.")
 @click.option("--title", default=None, help="Page title (default: 'actstore report: MODEL').")
-@click.option(
-    "--max-runs",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Most recent runs shown per analysis.",
-)
-@click.option(
-    "--max-relations",
-    type=click.IntRange(min=1),
-    default=24,
-    show_default=True,
-    help="Heatmaps per run, at most.",
-)
-@click.option(
+@bounded_option("--max-runs", 3, "Most recent runs shown per analysis.")
+@bounded_option("--max-relations", 24, "Heatmaps per run, at most.")
+@bounded_option(
     "--token-examples",
-    type=click.IntRange(min=0),
-    default=6,
-    show_default=True,
-    help="TokenScore examples shown: this many errors and about two thirds as many correct predictions.",
+    6,
+    "TokenScore examples shown: this many errors and about two thirds as many correct predictions.",
+    low=0,
+)
+@click.option(
+    "--explorer",
+    default=None,
+    metavar="URL",
+    help="A running `actstore serve`, e.g. http://127.0.0.1:8765: the report links to its views of this "
+    "store when it serves it.",
 )
 @quiet_option
 @json_option
@@ -43,6 +45,7 @@ def report(
     max_runs: int,
     max_relations: int,
     token_examples: int,
+    explorer: str | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -57,6 +60,9 @@ def report(
         token_correct=(2 * token_examples + 2) // 3,
     )
     sections = collect_sections(s, opts, log=None if quiet or as_json else lambda m: click.echo(m, err=True))
+    section = _explorer_section(s, explorer, quiet or as_json) if explorer else None
+    if section is not None:
+        sections.insert(1, section)
     text = render_html(s, sections, title=title)
     write_text_atomically(out_path, text)
     n_img = text.count("<img ")
@@ -72,6 +78,23 @@ def report(
         f"wrote {out_path}: {len(sections)} sections ({', '.join(sec.id for sec in sections)}), "
         f"{n_img} images, {size / 1e6:.1f} MB"
     )
+
+
+def _explorer_section(store: Any, base: str, quiet: bool) -> Any:
+    """The report's section of links to the explorer at ``base`` (None, with a note on stderr, when it
+    does not serve the store)."""
+    from actstore.query.report.context import Links, Note, Section
+    from actstore.serve.links import explorer_links, served_name
+
+    name = served_name(base, store.url)
+    if name is None:
+        if not quiet:
+            click.echo(
+                f"note: no explorer at {base} serves {store.url}: the report has no links to it", err=True
+            )
+        return None
+    note = Note(f"The views of this store in the explorer at {base} (while it runs):")
+    return Section("explorer", "Explorer", [note, Links(explorer_links(store, base, name))])
 
 
 COMMANDS = [report]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from actstore.cli._options import _sql_memory, command
+from actstore.cli._options import _sql_memory, bounded_option, command
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -28,20 +28,8 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
     callback=_sql_memory,
     help="Memory one console statement may use.",
 )
-@click.option(
-    "--sql-timeout",
-    type=click.FloatRange(min=0.1),
-    default=30.0,
-    show_default=True,
-    help="Seconds one console statement may run.",
-)
-@click.option(
-    "--max-download-rows",
-    type=click.IntRange(min=1),
-    default=1_000_000,
-    show_default=True,
-    help="Rows a CSV/Parquet download may hold.",
-)
+@bounded_option("--sql-timeout", 30.0, "Seconds one console statement may run.", low=0.1)
+@bounded_option("--max-download-rows", 1_000_000, "Rows a CSV/Parquet download may hold.")
 def serve(
     store: tuple[str, ...],
     more: tuple[str, ...],

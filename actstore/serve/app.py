@@ -25,7 +25,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from actstore.core.errors import ActstoreError, NotFoundError, QueryError
-from actstore.serve import console, pages, prompt, views
+from actstore.serve import console, pages, prompt, search, views
 from actstore.serve.catalog import Catalog, Served
 from actstore.serve.common import (
     example_id,
@@ -159,11 +159,13 @@ def api_relation(request: Request, s: Served) -> Any:
 
 @api
 def api_prompts(request: Request, s: Served) -> Any:
-    """Prompts, paged, searchable by text (``q``), of a relation (``relation``) or of all."""
+    """Prompts, paged, searchable by text (``q``, from example id ``after``), of a relation or of all."""
     rel_text = _q(request, "relation")
     rel = relation_id(s.store, rel_text) if rel_text else None
     page, size = _page(request)
-    return views.prompts_page(s.store, rel, _q(request, "q"), page, size)
+    at = _q(request, "after")
+    after = int_param(at, "after", low=-(2**63), high=2**63 - 1) if at else None
+    return search.prompts_page(s.store, rel, _q(request, "q"), page, size, after)
 
 
 @api
@@ -271,7 +273,7 @@ API_ROUTES: list[tuple[str, Callable[[Request], Response]]] = [
 #: The query parameters of each route (docs/explorer.md says what each means).
 QUERY_PARAMETERS: dict[str, tuple[str, ...]] = {
     "/api/s/{store}/relations/{relation}": ("run",),
-    "/api/s/{store}/prompts": ("relation", "q", "page", "size"),
+    "/api/s/{store}/prompts": ("relation", "q", "page", "size", "after"),
     "/api/s/{store}/headscores": ("relation", "run"),
     "/api/s/{store}/prompts/{example_id}/contributions": ("run", "layer", "head"),
     "/api/s/{store}/methods": ("run", "page", "size"),
@@ -364,20 +366,24 @@ PAGE_ROUTES = [
 def warm(catalog: Catalog) -> None:
     """Read what every view needs first (the table files' hashes and footers, the relations, the
     example ids, the summary), store by store, so that the first request does not pay for it."""
-    from actstore.serve.common import example_ids, relations_index
+    from actstore.serve.common import example_ids, relations_index, store_rows
 
     for s in catalog:
         try:
             with s.lock:
                 s.cached(("summary", signature(s.store)), functools.partial(views.store_summary, s.store))
                 import actstore.query.explain  # noqa: F401  (torch, the probe)
-                import actstore.query.stats  # noqa: F401  (scipy)
+                from actstore.query.stats import proportion_interval
+
+                proportion_interval(
+                    1, 2
+                )  # scipy.stats loads on first use: 0.6-4.6 s of a first relation view
 
                 relations_index(s.store)
                 example_ids(s.store)
-                from actstore.query.selection import Selection
-
-                len(Selection.from_sql(s.store))  # the targets table, which every sample reads
+                store_rows(s.store)  # every target row, which each sample and prompt is cut from
+                search.relation_ids(s.store)  # each relation's example ids, which its pages are cut from
+                prompt.episodes_index(s.store)  # the probe episodes by query prompt
         except Exception as e:  # a damaged table: the views that read it will say so
             log.warning("serve: warming %s: %s: %s", s.name, type(e).__name__, e)
 

@@ -47,6 +47,26 @@ def discover(paths: Iterable[str]) -> list[str]:
     return out
 
 
+class Kept(OrderedDict[Any, Any]):
+    """A mapping that keeps its ``size`` most recently used entries (the trained probe episodes)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
 @dataclass
 class Served:
     """One store, its lock (the store's readers are used by one request at a time) and its caches."""
@@ -56,6 +76,9 @@ class Served:
     lock: threading.RLock = field(default_factory=threading.RLock)
     cache: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
     cache_size: int = 64
+    #: trained probe episodes (about 2 MB each for SmolLM2 on FewRel): another query of one is explained
+    #: without training it again
+    episodes: Kept = field(default_factory=lambda: Kept(32))
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key`` (the store does not change under the explorer), least recently used dropped."""

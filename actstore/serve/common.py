@@ -7,7 +7,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,15 @@ def signature(store: StoreReader, *tables: str) -> tuple[Any, ...]:
     listed = table_files(store)
     names = tables or tuple(sorted(listed))
     return tuple((n, tuple(listed.get(n) or ())) for n in names)
+
+
+def kept(store: StoreReader, name: str, tables: tuple[str, ...], build: Callable[[], Any]) -> Any:
+    """``build()`` once per store and state of ``tables``' files (kept while they stay the same)."""
+    meta = _meta(store)
+    key = (name, signature(store, *tables))
+    if key not in meta:
+        meta[key] = build()
+    return meta[key]
 
 
 def has_table(store: StoreReader, name: str) -> bool:
@@ -253,28 +262,100 @@ def grid(
     return out
 
 
+def store_rows(store: StoreReader) -> Any:
+    """Every target row of the store as a selection's rows table (example_id, row, segment, seg_row,
+    src_start, n_src, subject span, relation_id; in store order), read once and kept while the
+    examples' and targets' files stay the same: a selection of given ids is then cut from it in
+    memory (:func:`rows_selection`) instead of by a statement each."""
+    from actstore.query.selection import Selection
+
+    listed = table_files(store)
+    key = ("store_rows", tuple(listed.get("examples") or ()), tuple(listed.get("targets") or ()))
+    meta = _meta(store)
+    if key not in meta:
+        meta[key] = Selection.from_sql(store).rows
+    return meta[key]
+
+
+def rows_selection(store: StoreReader, ids: Sequence[int] | np.ndarray) -> Any:
+    """The Selection of the target rows of examples ``ids`` (in store order), cut from :func:`store_rows`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from actstore.query.selection import Selection
+
+    rows = store_rows(store)
+    keep = pc.is_in(rows.column("example_id"), value_set=pa.array(np.asarray(ids, dtype=np.int64)))
+    return Selection(store, rows.filter(keep))
+
+
+def id_ranges(ids: Sequence[int] | np.ndarray, gap: int = 64) -> str:
+    """A condition on ``example_id`` covering ``ids`` by a few ranges (ids closer than ``gap`` share a
+    range), so that DuckDB reads only the row groups of those ranges; whole numbers only, never text
+    from a request."""
+    a = np.unique(np.asarray(ids, dtype=np.int64))
+    if a.size == 0:
+        return "FALSE"
+    cut = np.flatnonzero(np.diff(a) > gap) + 1
+    parts = [(int(p[0]), int(p[-1])) for p in np.split(a, cut)]
+    if len(parts) > 64:  # too many ranges to be worth it: one range over them all
+        parts = [(int(a[0]), int(a[-1]))]
+    return "(" + " OR ".join(f"example_id BETWEEN {lo} AND {hi}" for lo, hi in parts) + ")"
+
+
+def example_texts(store: StoreReader, ids: Sequence[int] | np.ndarray) -> dict[int, dict[str, Any]]:
+    """example_id -> {example_id, relation_id, text} for ``ids`` (read from their id ranges only)."""
+    want = [int(i) for i in np.asarray(ids, dtype=np.int64).tolist()]
+    rows = sql(
+        store,
+        f"SELECT example_id, relation_id, text FROM examples WHERE {id_ranges(want)} "
+        "AND list_contains(?, example_id)",
+        [want],
+    )
+    return {int(r["example_id"]): r for r in rows}
+
+
+def _segment_counts(store: StoreReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each target row's segment, the segments, their row counts), kept with :func:`store_rows`."""
+    rows = store_rows(store)
+
+    def build() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        seg = rows.column("segment").to_numpy()
+        segs, counts = np.unique(seg, return_counts=True)
+        return seg, segs, counts
+
+    return kept(store, "segment_counts", ("examples", "targets"), build)  # type: ignore[no-any-return]
+
+
 def block_sample(store: StoreReader, n: int, seed: int = 0, relations: list[str] | None = None) -> Any:
     """At most ``n`` rows (of ``relations``) as a Selection: all of them when there are so few, else
     ``n`` drawn at random from whole segments taken in a random order until they hold ``n`` rows, so
     that a sample reads a few segments' chunks rather than one chunk per row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     from actstore.query.selection import Selection
 
-    sel = Selection.from_sql(store)
+    rows = store_rows(store)
     if relations:
-        sel = sel.relations(relations)
-    if len(sel) <= n:
-        return sel
-    rows = sel.rows
-    seg = rows.column("segment").to_numpy()
-    ids = rows.column("example_id").to_numpy()
+        keep = pc.is_in(rows.column("relation_id"), value_set=pa.array(relations, pa.string()))
+        rows = rows.filter(pc.fill_null(keep, False))
+    if rows.num_rows <= n:
+        return Selection(store, rows)
+    if relations:
+        seg = rows.column("segment").to_numpy()
+        segs, n_rows = np.unique(seg, return_counts=True)
+    else:  # every row: the segments' counts are kept
+        seg, segs, n_rows = _segment_counts(store)
     rng = np.random.default_rng(seed)
-    order = rng.permutation(np.unique(seg))
-    counts = {int(k): int(v) for k, v in zip(*np.unique(seg, return_counts=True))}
+    order = rng.permutation(segs)
+    counts = {int(k): int(v) for k, v in zip(segs, n_rows)}
     taken, total = [], 0
     for s_ in order.tolist():
         taken.append(s_)
         total += counts[s_]
         if total >= 4 * n:  # enough segments to draw from, a few times the rows wanted
             break
-    pool = ids[np.isin(seg, taken)]
-    return Selection.from_ids(store, sorted(rng.choice(pool, size=n, replace=False).tolist()))
+    pool = np.flatnonzero(np.isin(seg, taken))
+    pick = np.sort(rng.choice(pool, size=n, replace=False))
+    return Selection(store, rows.take(pa.array(pick)))

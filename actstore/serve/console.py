@@ -19,7 +19,7 @@ import pyarrow as pa
 from actstore.core.errors import QueryError
 from actstore.core.sql import subquery
 from actstore.core.store import StoreReader
-from actstore.serve.common import MAX_PAGE_SIZE, block_sample, jsonable, sql
+from actstore.serve.common import MAX_PAGE_SIZE, block_sample, example_texts, jsonable
 
 MAX_QUERY_CHARS = 20_000
 
@@ -99,6 +99,26 @@ def run_download(store: StoreReader, query: str, fmt: str, limits: ConsoleLimits
 
 
 # ----------------------------------------------------------------------------------- features
+def _centred_gram(store: StoreReader, sel: Any, kind: str, layer: int, head: int | None) -> np.ndarray:
+    """The n x n Gram matrix X X^T of the rows' centred features (PCA through it: its eigenvectors
+    scaled by sqrt(eigenvalue) are the coordinates on the principal axes).  For ``attn_head``,
+    x = [z_h W_O,h]_h is linear in the stored z, so X X^T = Z (blockdiag W_O,h W_O,h^T) Z^T over
+    the centred z: n x H d_head numbers read and multiplied instead of n x H d_model."""
+    if kind != "attn_head":
+        x = sel.features(kind, layers=[layer], heads=None if head is None else [head])
+        x = x.reshape(x.shape[0], -1).astype(np.float64)
+        x = x - x.mean(0)
+        return x @ x.T  # type: ignore[no-any-return]
+    from actstore.query.features import weights
+
+    heads = list(range(store.geometry.n_heads)) if head is None else [head]
+    z = sel.features("z", layers=[layer], heads=heads)[:, 0].astype(np.float64)  # [n, h, d_head]
+    z = z - z.mean(0)
+    w = weights(store).layers("W_O", [layer])[0].numpy().astype(np.float64)  # [H, d_head, d_model]
+    zm = np.stack([z[:, i] @ (w[h] @ w[h].T) for i, h in enumerate(heads)], axis=1)  # [n, h, d_head]
+    return zm.reshape(len(z), -1) @ z.reshape(len(z), -1).T  # type: ignore[no-any-return]
+
+
 PROJECTABLE = ("z", "attn_head", "attn", "attn_entity", "mlp", "mlp_group", "resid")
 
 
@@ -125,27 +145,15 @@ def features_projection(
     sel = block_sample(store, n, seed, relations)
     if len(sel) < 3:
         raise QueryError("the selection has fewer than 3 rows")
-    x = sel.features(kind, layers=[layer], heads=None if head is None else [head])
-    x = x.reshape(x.shape[0], -1).astype(np.float64)
-    x = x - x.mean(0)
-    # PCA through the n x n Gram matrix (n <= 5000 rows, F up to tens of thousands of features):
-    # its eigenvectors scaled by sqrt(eigenvalue) are the coordinates on the principal axes.
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):  # a 5000 x 5000 eigh at most; BLAS threads only contend on a busy CPU
-        lam, vec = np.linalg.eigh(x @ x.T)
+        lam, vec = np.linalg.eigh(_centred_gram(store, sel, kind, layer, head))
     lam, vec = np.clip(lam[::-1], 0, None), vec[:, ::-1]
     xy = vec[:, :2] * np.sqrt(lam[:2])
     var = lam / max(float(lam.sum()), 1e-30)
     ids = sel.example_ids
-    texts = {
-        int(r["example_id"]): r
-        for r in sql(
-            store,
-            "SELECT example_id, relation_id, text FROM examples WHERE list_contains(?, example_id)",
-            [[int(i) for i in ids]],
-        )
-    }
+    texts = example_texts(store, ids)
     points = [
         {
             "example_id": int(i),

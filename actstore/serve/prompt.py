@@ -21,7 +21,7 @@ from actstore.core.errors import NotFoundError, QueryError
 from actstore.core.store import StoreReader
 from actstore.query.attribution import TOKEN_KINDS
 from actstore.serve.catalog import Served
-from actstore.serve.common import columns, grid, has_table, jsonable, sql
+from actstore.serve.common import cached_rows, columns, grid, has_table, jsonable, kept, rows_selection, sql
 
 
 def token_texts(store: StoreReader, ex: int, text: str) -> list[dict[str, Any]]:
@@ -46,18 +46,43 @@ def token_texts(store: StoreReader, ex: int, text: str) -> list[dict[str, Any]]:
     return out
 
 
+def episodes_index(store: StoreReader) -> dict[int, list[tuple[str, int, int]]]:
+    """example_id -> the (run_id, seed, episode) of every stored probe episode it is a query of, read
+    once and kept while the ``probe_episodes`` files stay the same (the prompt views look it up per
+    request without a statement)."""
+    rows = cached_rows(
+        store,
+        "probe_episodes",
+        "SELECT run_id, seed, episode, query_ids FROM probe_episodes ORDER BY run_id, seed, episode",
+    )
+
+    def build() -> dict[int, list[tuple[str, int, int]]]:
+        got: dict[int, list[tuple[str, int, int]]] = {}
+        for r in rows:
+            for x in r["query_ids"] or ():
+                got.setdefault(int(x), []).append((str(r["run_id"]), int(r["seed"]), int(r["episode"])))
+        return got
+
+    return kept(store, "episodes_index", ("probe_episodes",), build)  # type: ignore[no-any-return]
+
+
 def query_runs(store: StoreReader, ex: int) -> list[dict[str, Any]]:
     """The probe runs of a per-source kind in which the prompt is a query (newest first)."""
     if not (has_table(store, "probe_episodes") and has_table(store, "probe_runs")):
         return []
-    kinds = list(TOKEN_KINDS)
-    return sql(
-        store,
-        "SELECT r.run_id, any_value(r.kind) AS kind, any_value(r.started) AS started FROM probe_episodes e "
-        "JOIN probe_runs r USING (run_id) WHERE list_contains(e.query_ids, ?) AND list_contains(?, r.kind) "
-        "GROUP BY 1 ORDER BY 3 DESC NULLS LAST, 1 DESC",
-        [ex, kinds],
-    )
+    runs = {
+        str(r["run_id"]): r
+        for r in cached_rows(store, "probe_runs", "SELECT run_id, kind, started FROM probe_runs")
+    }
+    mine = {run for run, _, _ in episodes_index(store).get(ex, ())}
+    out = [
+        {"run_id": run, "kind": runs[run]["kind"], "started": runs[run]["started"]}
+        for run in mine
+        if run in runs and runs[run]["kind"] in TOKEN_KINDS
+    ]
+    out.sort(key=lambda r: r["run_id"], reverse=True)
+    out.sort(key=lambda r: (r["started"] is None, -(r["started"] or 0)))
+    return out
 
 
 def prompt_view(store: StoreReader, ex: int) -> dict[str, Any]:
@@ -187,16 +212,30 @@ def _patching(store: StoreReader, ex: int) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------- contributions
 def _explanation(served: Served, run: str, ex: int) -> Any:
     from actstore.query.explain import explain_example
+    from actstore.query.probe_config import ProbeConfig
 
-    return served.cached(("explain", run, ex), lambda: explain_example(served.store, run, ex))
+    store = served.store
+    configs = cached_rows(store, "probe_runs", "SELECT run_id, config FROM probe_runs")
+    text = next((r["config"] for r in configs if r["run_id"] == run), None)
+    seed, episode = next(((s, e) for r, s, e in episodes_index(store).get(ex, ()) if r == run), (None, None))
+    return served.cached(
+        ("explain", run, ex),
+        lambda: explain_example(
+            store,
+            run,
+            ex,
+            seed=seed,
+            episode=episode,
+            select=lambda ids: rows_selection(store, ids),
+            config=None if text is None else ProbeConfig.from_json(str(text)),
+            episodes=served.episodes,
+        ),
+    )
 
 
 def _factors(store: StoreReader, ex: int) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
     """The prompt's stored attention row A [n_src, L, H], values V [n_src, L, H_kv, d_head] and subject span."""
-    from actstore.query.selection import Selection
-
-    sel = Selection.from_ids(store, [ex])
-    ((_, block),) = list(sel.blocks())
+    ((_, block),) = list(rows_selection(store, [ex]).blocks())
     A = store.read_segment_ranges(block.segment, "attn", block.src_start, block.n_src)
     V = store.read_segment_ranges(block.segment, "v", block.src_start, block.n_src)
     return A, V, (int(block.subject_start[0]), int(block.subject_end[0]))
@@ -225,11 +264,7 @@ def contributions(
     out: dict[str, Any] = {"example_id": ex, "run_id": run, "runs": runs, "n_src": n_src}
     if run is None:
         lay, hd = (g.n_layers - 1 if layer is None else layer), (0 if head is None else head)
-        from actstore.query.selection import Selection
-
-        x = Selection.from_ids(store, [ex]).features("attn_head_token", layers=[lay], heads=[hd])[
-            0, 0, 0, :n_src
-        ]
+        x = rows_selection(store, [ex]).features("attn_head_token", layers=[lay], heads=[hd])[0, 0, 0, :n_src]
         out.update(
             mode="norm",
             layer=lay,

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.core.errors import NotFoundError, QueryError
+from actstore.core.errors import NotFoundError
 from actstore.core.store import StoreReader
 from actstore.core.tables import SEGMENT_TABLES
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
@@ -20,6 +20,8 @@ from actstore.serve.common import (
     block_sample,
     cached_rows,
     columns,
+    example_ids,
+    example_texts,
     grid,
     has_table,
     jsonable,
@@ -201,35 +203,6 @@ def f1_interval(tp: int, fp: int, fn: int, n: int = 2000, seed: int = 0) -> tupl
     return float(np.quantile(f1, 0.025)), float(np.quantile(f1, 0.975))
 
 
-def prompts_page(
-    store: StoreReader, rel: str | None, text: str | None, page: int, size: int
-) -> dict[str, Any]:
-    """One page of prompts (of a relation, containing ``text``), in example order."""
-    if len(text or "") > 200:
-        raise QueryError("search text is at most 200 characters")
-    size = min(size, MAX_PAGE_SIZE)
-    cond, params = ["TRUE"], []
-    if rel is not None:
-        cond.append("relation_id = ?")
-        params.append(rel)
-    if text:
-        cond.append("contains(lower(text), lower(?))")
-        params.append(text)
-    where = " AND ".join(cond)
-    total = sql(store, f"SELECT count(*) AS n FROM examples WHERE {where}", params)[0]["n"]
-    cols = [
-        c
-        for c in ("example_id", "relation_id", "text", "subject", "object")
-        if c in columns(store, "examples")
-    ]
-    rows = sql(
-        store,
-        f"SELECT {', '.join(cols)} FROM examples WHERE {where} ORDER BY example_id LIMIT ? OFFSET ?",
-        [*params, size, page * size],
-    )
-    return jsonable({"total": total, "page": page, "size": size, "rows": rows})
-
-
 # ----------------------------------------------------------------------------------- HeadScore
 def headscore_grid(store: StoreReader, rel: str | None, run: str | None) -> dict[str, Any]:
     """The stored mean HeadScore (layer x head, weighted by predictions) of a probe run, for a relation
@@ -333,19 +306,11 @@ def head_view(
         )
     n_all = store.n_rows
     sel = block_sample(store, sample, seed=0)
-    x = sel.features("attn_head", layers=[layer], heads=[head])[:, 0, 0]  # [n, d_model]
-    norm = np.linalg.norm(x.astype(np.float64), axis=1)
+    norm = head_norms(store, sel, layer, head)
     ids = sel.example_ids
     rels = np.asarray(sel.rows.column("relation_id").to_pylist(), dtype=object)
     order = np.argsort(-norm, kind="stable")[:top]
-    texts = {
-        int(r["example_id"]): r
-        for r in sql(
-            store,
-            "SELECT example_id, relation_id, text FROM examples WHERE list_contains(?, example_id)",
-            [[int(ids[i]) for i in order]],
-        )
-    }
+    texts = example_texts(store, ids[order])
     out["top_prompts"] = [
         {**texts.get(int(ids[i]), {"example_id": int(ids[i])}), "norm": float(norm[i])} for i in order
     ]
@@ -358,6 +323,17 @@ def head_view(
     )
     out["sampled"] = {"rows": int(len(ids)), "of": n_all}
     return jsonable(out)
+
+
+def head_norms(store: StoreReader, sel: Any, layer: int, head: int) -> np.ndarray:
+    """|z_h W_O,h| of each row of ``sel`` at head (``layer``, ``head``), from the stored ``z`` alone:
+    sqrt(z_h G z_h) with G = W_O,h W_O,h^T (d_head x d_head), so that no d_model vector is formed."""
+    from actstore.query.features import weights
+
+    z = sel.features("z", layers=[layer], heads=[head])[:, 0, 0].astype(np.float64)  # [n, d_head]
+    w = weights(store).layers("W_O", [layer])[0, head].numpy().astype(np.float64)  # [d_head, d_model]
+    q = ((z @ (w @ w.T)) * z).sum(1)
+    return np.sqrt(np.clip(q, 0, None))  # type: ignore[no-any-return]
 
 
 # ----------------------------------------------------------------------------------- methods
@@ -447,8 +423,21 @@ def methods_view(store: StoreReader, run: str | None, page: int, size: int) -> d
 # ----------------------------------------------------------------------------------- tables
 def table_preview(store: StoreReader, name: str, page: int, size: int) -> dict[str, Any]:
     size = min(size, MAX_PAGE_SIZE)
-    total = sql(store, f'SELECT count(*) AS n FROM "{name}"')[0]["n"]
-    rows = sql(store, f'SELECT * FROM "{name}" LIMIT ? OFFSET ?', [size, page * size])
+    if name == "examples":  # one row per example: a page is a slice of the kept ids, read by its id range
+        ids = example_ids(store)
+        total, part = int(ids.size), ids[page * size : (page + 1) * size]
+        rows = (
+            sql(
+                store,
+                "SELECT * FROM examples WHERE example_id BETWEEN ? AND ? ORDER BY example_id",
+                [int(part[0]), int(part[-1])],
+            )
+            if part.size
+            else []
+        )
+    else:
+        total = sql(store, f'SELECT count(*) AS n FROM "{name}"')[0]["n"]
+        rows = sql(store, f'SELECT * FROM "{name}" LIMIT ? OFFSET ?', [size, page * size])
     return jsonable(
         {
             "table": name,

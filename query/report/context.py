@@ -141,7 +141,15 @@ class TokenLegend:
     positive: str
 
 
-Block = Heading | Note | Omitted | Table | Figure | Grid | TokenExample | TokenLegend
+@dataclass(frozen=True)
+class Links:
+    """A line of links (text, href): the explorer's views of the store, when one serves it."""
+
+    kind: ClassVar[str] = "links"
+    items: list[tuple[str, str]]
+
+
+Block = Heading | Note | Omitted | Table | Figure | Grid | TokenExample | TokenLegend | Links
 
 
 @dataclass(frozen=True)

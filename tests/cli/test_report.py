@@ -26,7 +26,7 @@ import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import FIXTURES, require_chromium
+from helpers import FIXTURES, agreement_row, require_chromium
 
 import actstore
 from actstore.cli import main
@@ -200,21 +200,7 @@ def _synthetic_tables(store: actstore.Store) -> None:
         store,
         "method_agreement",
         "agree-test",
-        pa.Table.from_pylist(
-            [
-                {
-                    "run_id": "agree-test",
-                    "method_a": "trace",
-                    "method_b": "patch",
-                    "n_facts": 3,
-                    "key_layer_agreement": 0.67,
-                    "key_layer_exact": 0.33,
-                    "n_verdict": 3,
-                    "verdict_agreement": 1.0,
-                    "profile_correlation": 0.5,
-                }
-            ]
-        ),
+        pa.Table.from_pylist([agreement_row()]),
     )
     write_result_table(
         store, "my_custom_result", "custom-test", pa.table({"x": [1, 2, 3], "y": ["a", "b", "c"]})

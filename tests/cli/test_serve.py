@@ -98,6 +98,83 @@ def test_prompts_paged_and_searched(served: tuple[Path, TestClient]) -> None:
     assert none["total"] == 0
 
 
+def test_another_query_of_a_trained_episode_is_explained_without_training(
+    served: tuple[Path, TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The explorer keeps trained episodes: a second query of one is explained from it (the trainer is
+    not called), with the direction and HeadScores of a fresh ``explain_example``."""
+    from actstore.query import probe
+    from actstore.query.explain import explain_example
+
+    path, c = served
+    store = actstore.open(path)
+    run = _run(path)
+    (ep,) = store.sql(
+        "SELECT seed, episode, query_ids FROM probe_episodes WHERE run_id = ? ORDER BY seed DESC, episode DESC LIMIT 1",
+        [run],
+    ).to_pylist()
+    first = {
+        int(x)
+        for x in store.sql(
+            "SELECT unnest(query_ids) FROM probe_episodes WHERE run_id = ? AND (seed, episode) < (?, ?)",
+            [run, ep["seed"], ep["episode"]],
+        )
+        .column(0)
+        .to_pylist()
+    }
+    only = [int(x) for x in ep["query_ids"] if int(x) not in first]  # explained from this episode
+    assert len(only) >= 2
+    a, b = only[:2]
+    get(c, "/api/s/{store}/prompts/{example_id}/contributions", f"/api/s/store/prompts/{a}/contributions")
+    fresh = explain_example(store, run, b)
+
+    def no_training(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the episode was trained again")
+
+    monkeypatch.setattr(probe, "train_batched", no_training)
+    k = get(c, "/api/s/{store}/prompts/{example_id}/contributions", f"/api/s/store/prompts/{b}/contributions")
+    assert (k["seed"], k["episode"]) == (fresh.seed, fresh.episode) == (ep["seed"], ep["episode"])
+    assert k["predicted"] == fresh.predicted
+    layers, heads = list(fresh.layers), list(fresh.heads)
+    u = np.asarray(fresh.direction).reshape(len(layers), len(heads), -1)
+    np.testing.assert_allclose(k["direction"], u[layers.index(k["layer"]), heads.index(k["head"])], rtol=1e-6)
+    hs = {
+        (int(la), int(h)): float(v) for la, h, v in zip(fresh.unit_layer, fresh.unit_head, fresh.head_scores)
+    }
+    for (la, h), v in hs.items():
+        assert k["headscore_grid"][la][h] == pytest.approx(v, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("rel", [None, "P2"])
+def test_text_search_pages_with_a_bounded_cost(
+    served: tuple[Path, TestClient], monkeypatch: pytest.MonkeyPatch, rel: str | None
+) -> None:
+    """Each request reads at most SEARCH_BUDGET ids and says where to go on; following ``next`` finds
+    every prompt containing the text (case-insensitive), each once, as Python's ``in`` does."""
+    from actstore.serve import search
+
+    path, c = served
+    monkeypatch.setattr(search, "SEARCH_BUDGET", 5)
+    monkeypatch.setattr(search, "SEARCH_BLOCK", 2)
+    texts = actstore.open(path).sql("SELECT example_id, relation_id, text FROM examples").to_pylist()
+    want = sorted(
+        r["example_id"] for r in texts if "i" in r["text"].lower() and rel in (None, r["relation_id"])
+    )
+    seen: list[int] = []
+    after: int | None = None
+    for _ in range(30):
+        url = "/api/s/store/prompts?q=I&size=3" + (f"&relation={rel}" if rel else "")
+        d = get(c, "/api/s/{store}/prompts", url + ("" if after is None else f"&after={after}"))
+        assert d["searched"] <= 5 and len(d["rows"]) <= 3 and d["total"] is None
+        seen += [r["example_id"] for r in d["rows"]]
+        after = d["next"]
+        if after is None:
+            break
+    assert seen == want and len(want) > 3
+    whole = get(c, "/api/s/{store}/prompts", "/api/s/store/prompts?q=xyz-nowhere")
+    assert whole["total"] is None and whole["next"] is not None  # 18 ids: more than one request's budget
+
+
 def test_headscores_equal_the_stored_table(served: tuple[Path, TestClient]) -> None:
     path, c = served
     d = get(c, "/api/s/{store}/headscores", "/api/s/store/headscores?relation=P3")
@@ -186,10 +263,28 @@ def test_head_methods_tables_features(served: tuple[Path, TestClient]) -> None:
     )
     t = get(c, "/api/s/{store}/tables/{table}", "/api/s/store/tables/examples?size=5&page=3")
     assert t["total"] == 18 and len(t["rows"]) == 3
+    every = actstore.open(path).sql("SELECT * FROM examples ORDER BY example_id").to_pylist()
+    assert t["rows"] == json.loads(json.dumps(every[15:], default=str))
     f = get(c, "/api/s/{store}/features", "/api/s/store/features?kind=resid&layer=2&relations=P1,P3&n=10")
     assert f["n"] == 10 and {p["relation_id"] for p in f["points"]} <= {"P1", "P3"}
     f = get(c, "/api/s/{store}/features", "/api/s/store/features?kind=attn_head&layer=0&head=1")
     assert f["n"] == 18 and 0 < f["explained"][0] <= 1
+    # the PCA of attn_head (from z and W_O) equals numpy's SVD of the features themselves
+    store = actstore.open(path)
+    for url, heads in (("kind=attn_head&layer=1&n=12&seed=3", None), ("kind=attn_head&layer=0&head=1", [1])):
+        f = get(c, "/api/s/{store}/features", f"/api/s/store/features?{url}")
+        ids = [p["example_id"] for p in f["points"]]
+        layer = 1 if heads is None else 0
+        x = store.select(f"example_id IN ({', '.join(map(str, ids))})").features(
+            "attn_head", layers=[layer], heads=heads
+        )
+        assert store.select(f"example_id IN ({', '.join(map(str, ids))})").example_ids.tolist() == ids
+        x = x.reshape(len(ids), -1).astype(np.float64)
+        u, sv, _ = np.linalg.svd(x - x.mean(0), full_matrices=False)
+        want = u[:, :2] * sv[:2]
+        got = np.array([[p["x"], p["y"]] for p in f["points"]])
+        np.testing.assert_allclose(np.abs(got), np.abs(want), rtol=1e-4, atol=1e-5 * sv[0])
+        np.testing.assert_allclose(f["explained"], (sv**2 / (sv**2).sum())[:2], rtol=1e-4)
 
 
 def test_sql_console_pages_and_downloads(served: tuple[Path, TestClient]) -> None:
@@ -273,7 +368,7 @@ def test_hostile_parameters_are_one_line_4xx(served: tuple[Path, TestClient]) ->
     bad(c, "/api/s/store/prompts/1/contributions?run=no-such-run", 404)
     for store in ("nope", "..", "%2E%2E", "x" * 200):
         bad(c, f"/api/s/{store}/summary", 404)
-    for q in ("page=-1", "page=x", "size=0", "size=100000", "page=1e9"):
+    for q in ("page=-1", "page=x", "size=0", "size=100000", "page=1e9", "q=a&after=1;DROP", "q=a&after=0x10"):
         bad(c, f"/api/s/store/prompts?{q}", 400)
     bad(c, "/api/s/store/prompts?q=" + "x" * 300, 400)
     for q in (

@@ -10,6 +10,7 @@ to docs/explorer/ (referenced from docs/explorer.md), so the pictures there are 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -104,6 +105,15 @@ def test_walk_from_store_to_relation_head_and_prompt(server: tuple[Path, str], p
     assert pg.locator("#probes tbody tr").count() == 1 and pg.locator("#prompt-table tbody tr").count() == 6
     pg.wait_for_selector("#headscore td")
     shot(pg, "relation")
+    # the text search of its prompts: the one containing "bari" (any case), then back to all of them
+    pg.fill("#prompt-search", "BARI")
+    pg.click("form.search button")
+    pg.wait_for_function("() => document.querySelector('#prompt-count').textContent.includes('contain')")
+    assert pg.inner_text("#prompt-count") == '1 prompts contain "BARI"'
+    assert pg.locator("#prompt-table tbody tr").count() == 1 and "Bari" in pg.inner_text("#prompt-table")
+    pg.fill("#prompt-search", "")
+    pg.click("form.search button")
+    pg.wait_for_function("() => document.querySelector('#prompt-count').textContent === '6 prompts'")
     # the hottest head of its heatmap
     cells = pg.eval_on_selector_all(
         "#headscore td",
@@ -146,6 +156,12 @@ def test_walk_from_store_to_relation_head_and_prompt(server: tuple[Path, str], p
     assert len(shown) == api["n_src"] == pg.locator("#contrib-tokens .tok").count()
     np.testing.assert_allclose(shown, want, rtol=1e-4, atol=1e-6)
     shot(pg, "prompt")
+    # every coloured token keeps its text readable: WCAG contrast >= 4.5 against the page's white
+    styles = pg.eval_on_selector_all(
+        "#attention-tokens .tok, #contrib-tokens .tok",
+        "els => els.map(e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).color])",
+    )
+    assert styles and all(_contrast(bg, fg) >= 4.5 for bg, fg in styles), styles
     # another head from the prompt's own HeadScore grid: the values follow
     other = 1 - layer
     pg.locator(f'#prompt-headscore td[data-layer="{other}"][data-head="0"]').click()
@@ -212,3 +228,45 @@ def test_a_hostile_prompt_is_shown_as_text(server: tuple[Path, str], page: Any) 
     ready(pg)
     assert pg.locator("#prompt-table td", has_text=HOSTILE_TEXT).count() == 1
     assert pg.title() == "Relation P1 · actstore explorer"
+
+
+def _contrast(background: str, text: str) -> float:
+    """WCAG contrast ratio of CSS colour ``text`` on ``background`` (an rgba() over white)."""
+
+    def rgba(css: str) -> tuple[float, ...]:
+        v = [float(x) for x in re.findall(r"[\d.]+", css)]
+        return tuple(v + [1.0] * (4 - len(v)))
+
+    def luminance(rgb: tuple[float, ...]) -> float:
+        lin = [c / 255 / 12.92 if c / 255 <= 0.04045 else ((c / 255 + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    r, g, b, a = rgba(background)
+    over_white = tuple(a * c + (1 - a) * 255 for c in (r, g, b))
+    hi, lo = sorted((luminance(over_white), luminance(rgba(text)[:3])), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_report_links_to_the_running_explorer(server: tuple[Path, str], tmp_path: Path) -> None:
+    """``actstore report --explorer URL`` links to the explorer's views of the store it serves, and each
+    link answers; an address where no explorer serves it gives a report without them."""
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    path, base = server
+    out = tmp_path / "report.html"
+    r = CliRunner().invoke(main, ["report", str(path), "--out", str(out), "--quiet", "--explorer", base])
+    assert r.exit_code == 0, r.output
+    hrefs = re.findall(r'<a href="(http[^"]+)"', out.read_text())
+    want = [f"{base}/s/store{p}" for p in ("", "/heads", "/methods", "/sql", "/features")]
+    assert hrefs == want + [f"{base}/s/store/relation/{rel}" for rel in ("P1", "P2", "P3")]
+    for href in hrefs:
+        with urllib.request.urlopen(href) as page:
+            assert page.status == 200
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    r = CliRunner().invoke(main, ["report", str(path), "--out", str(out), "--explorer", closed])
+    assert r.exit_code == 0 and f"no explorer at {closed}" in r.output
+    assert closed not in out.read_text() and 'id="section-explorer"' not in out.read_text()

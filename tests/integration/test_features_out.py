@@ -192,3 +192,8 @@ def test_load_features_streams_blocks_into_one_matrix(tiny_store: Path, kind: st
         f16.data.numpy(), f32.data.numpy().astype(np.float16)
     )  # the same numbers, converted
     assert f32.example_ids.tolist() == store.select().example_ids.tolist()
+    rel = {
+        int(r["example_id"]): r["relation_id"]
+        for r in store.sql("SELECT example_id, relation_id FROM examples").to_pylist()
+    }
+    assert f32.labels == [rel[int(e)] for e in f32.example_ids]

@@ -78,11 +78,14 @@ function section(title, ...kids) { return el("section", {}, el("h2", { text: tit
 function note(text) { return el("p", { class: "note", text }); }
 function failed(e) { return el("p", { class: "error", text: String(e.message || e) }); }
 
-function colour(v, lim, diverging = true) {
+// Diverging: red positive, blue negative; sequential (attention, tracing): green.  Behind text
+// (token rows) the strongest colour stays light (alpha <= 0.55), so that the dark text on it
+// keeps a contrast of at least 5:1.
+function colour(v, lim, diverging = true, strongest = 0.85) {
   if (v === null || v === undefined || !isFinite(v) || !lim) return "#f4f4f4";
-  const a = Math.min(1, Math.abs(v) / lim);
-  if (!diverging) return `rgba(68, 1, 84, ${(0.85 * a).toFixed(3)})`;
-  return v > 0 ? `rgba(214, 39, 40, ${(0.85 * a).toFixed(3)})` : `rgba(31, 119, 180, ${(0.85 * a).toFixed(3)})`;
+  const a = (strongest * Math.min(1, Math.abs(v) / lim)).toFixed(3);
+  if (!diverging) return `rgba(44, 160, 44, ${a})`;
+  return v > 0 ? `rgba(214, 39, 40, ${a})` : `rgba(31, 119, 180, ${a})`;
 }
 
 // A layer x head heatmap; cells carry data-layer, data-head and data-value.
@@ -191,17 +194,30 @@ async function promptList(target, rel) {
   form.append(input, el("button", { type: "submit", text: "search" }));
   const list = el("div");
   target.replaceChildren(form, list);
+  // Without search text: pages by number.  With it: each answer says where the next page starts
+  // (`next`, an example id); the ids of the pages seen are kept for "previous".
+  const starts = [];
   const load = async (page) => {
-    setQuery({ q: input.value, page: page || null });
-    const d = await api("/prompts", { relation: rel, q: input.value, page, size: 25 });
+    const q = input.value;
+    setQuery({ q, page: !q && page ? page : null });
+    const after = q ? (starts[page] ?? null) : null;
+    const d = await api("/prompts", { relation: rel, q, page: q ? null : page, after, size: 25 });
+    let count = `${d.total} prompts`;
+    let more = (page + 1) * d.size < d.total;
+    if (q) {
+      starts[page + 1] = d.next;
+      more = d.next !== null && d.next !== undefined;
+      count = d.total !== null ? `${d.total} prompts contain "${q}"`
+        : `${d.matched} matches among ${d.searched} of ${d.of} prompts searched by this page${more ? " (the next page searches on)" : ""}`;
+    }
     list.replaceChildren(
-      el("p", { text: `${d.total} prompts` }),
+      el("p", { text: count, id: "prompt-count" }),
       table(d.rows, Object.keys(d.rows[0] || { example_id: 0, text: 0 }), { id: "prompt-table", cell: (c, r) => (c === "example_id" ? link(promptUrl(r.example_id), r.example_id) : null) }),
-      pager(d.page, (d.page + 1) * d.size < d.total, load),
+      pager(page, more, load),
     );
   };
-  form.addEventListener("submit", (e) => { e.preventDefault(); load(0).catch((x) => list.replaceChildren(failed(x))); });
-  await load(Number(Q.get("page") || 0));
+  form.addEventListener("submit", (e) => { e.preventDefault(); starts.length = 0; load(0).catch((x) => list.replaceChildren(failed(x))); });
+  await load(Q.get("q") ? 0 : Number(Q.get("page") || 0));
 }
 
 VIEWS.heads = async () => {
@@ -234,7 +250,7 @@ function tokenRow(tokens, values, opts = {}) {
     const v = j < values.length ? values[j] : null;
     p.append(el("span", {
       class: "tok", "data-pos": j, "data-value": v === null ? "" : v, text: t.text,
-      title: `${j}: ${JSON.stringify(t.token)} ${fmt(v, 5)}`, style: `background:${colour(v, lim, opts.diverging !== false)}`,
+      title: `${j}: ${JSON.stringify(t.token)} ${fmt(v, 5)}`, style: `background:${colour(v, lim, opts.diverging !== false, 0.55)}`,
     }));
   });
   return p;

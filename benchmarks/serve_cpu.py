@@ -1,0 +1,63 @@
+"""``actstore serve``'s computing views called in-process (no HTTP): the median CPU time (``process_time``,
+all threads) and wall time of the first calls of K different parameters per view, after the app's
+warm-up.  CPU time is steadier than wall time on a shared machine; run it from two checkouts to compare code.
+
+    python benchmarks/serve_cpu.py STORE [K]        # one JSON line
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from actstore.serve import console, prompt, views
+from actstore.serve.app import warm
+from actstore.serve.catalog import Catalog
+
+try:
+    from actstore.serve import search
+
+    page_fn = search.prompts_page
+except ImportError:
+    page_fn = views.prompts_page
+path = sys.argv[1]
+k = int(sys.argv[2]) if len(sys.argv) > 2 else 7
+cat = Catalog.open([path])
+warm(cat)
+s = next(iter(cat))
+st = s.store
+exs = [
+    r["example_id"]
+    for r in st.sql(
+        "SELECT DISTINCT example_id FROM probe_episodes, unnest(query_ids) AS t(example_id) ORDER BY hash(example_id) LIMIT ?",
+        [3 * k],
+    ).to_pylist()
+]
+g = st.geometry
+heads = [(la, h) for la in range(g.n_layers) for h in range(g.n_heads)]
+heads = [heads[(i * 7919) % len(heads)] for i in range(k)]
+W = ["the", "city", "of", "river", "king", "music", "war", "film", "team", "church"]
+fns = {
+    "prompt": lambda i: prompt.prompt_view(st, exs[2 * k + i]),
+    "contributions": lambda i: prompt.contributions(s, exs[i], None, None, None),
+    "head": lambda i: views.head_view(st, *heads[i]),
+    "features": lambda i: console.features_projection(st, "attn_head", i % g.n_layers, None, None, 500, i),
+    "search": lambda i: page_fn(st, None, W[i % len(W)], 0, 25),
+}
+out = {}
+for name, f in fns.items():
+    cs, ws = [], []
+    for i in range(k):
+        c0 = time.process_time()
+        w0 = time.perf_counter()
+        f(i)
+        cs.append(1000 * (time.process_time() - c0))
+        ws.append(1000 * (time.perf_counter() - w0))
+    out[name] = {"cpu_ms": round(statistics.median(cs), 1), "wall_ms": round(statistics.median(ws), 1)}
+out["load"] = os.getloadavg()[0]
+print(json.dumps(out))
