@@ -24,16 +24,20 @@ from starlette.responses import JSONResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from actstore.core._version import __version__
 from actstore.core.errors import ActstoreError, NotFoundError, QueryError
 from actstore.serve import console, pages, prompt, search, views
 from actstore.serve.catalog import Catalog, Served
 from actstore.serve.common import (
     example_id,
+    example_ids,
     int_param,
     layer_head,
     relation_id,
+    relations_index,
     run_param,
     signature,
+    store_rows,
     table_name,
 )
 
@@ -286,7 +290,6 @@ QUERY_PARAMETERS: dict[str, tuple[str, ...]] = {
 def api_openapi(request: Request) -> Response:
     """An OpenAPI 3 description of the routes (made from :data:`API_ROUTES`; the answers' fields are
     in docs/explorer.md)."""
-    from actstore.core._version import __version__
 
     error = {"description": "one line: {error, status}"}
     paths: dict[str, Any] = {}
@@ -366,7 +369,6 @@ PAGE_ROUTES = [
 def warm(catalog: Catalog) -> None:
     """Read what every view needs first (the table files' hashes and footers, the relations, the
     example ids, the summary), store by store, so that the first request does not pay for it."""
-    from actstore.serve.common import example_ids, relations_index, store_rows
 
     for s in catalog:
         try:

@@ -11,9 +11,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from actstore.core.errors import NotFoundError, QueryError
 from actstore.core.store import StoreReader
+from actstore.query.selection import Selection
 
 #: Limits of the explorer's own statements (a SQL console statement has the console's limits).
 SQL_TIMEOUT = 20.0
@@ -267,7 +270,6 @@ def store_rows(store: StoreReader) -> Any:
     src_start, n_src, subject span, relation_id; in store order), read once and kept while the
     examples' and targets' files stay the same: a selection of given ids is then cut from it in
     memory (:func:`rows_selection`) instead of by a statement each."""
-    from actstore.query.selection import Selection
 
     listed = table_files(store)
     key = ("store_rows", tuple(listed.get("examples") or ()), tuple(listed.get("targets") or ()))
@@ -279,10 +281,6 @@ def store_rows(store: StoreReader) -> Any:
 
 def rows_selection(store: StoreReader, ids: Sequence[int] | np.ndarray) -> Any:
     """The Selection of the target rows of examples ``ids`` (in store order), cut from :func:`store_rows`."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from actstore.query.selection import Selection
 
     rows = store_rows(store)
     keep = pc.is_in(rows.column("example_id"), value_set=pa.array(np.asarray(ids, dtype=np.int64)))
@@ -331,10 +329,6 @@ def block_sample(store: StoreReader, n: int, seed: int = 0, relations: list[str]
     """At most ``n`` rows (of ``relations``) as a Selection: all of them when there are so few, else
     ``n`` drawn at random from whole segments taken in a random order until they hold ``n`` rows, so
     that a sample reads a few segments' chunks rather than one chunk per row."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from actstore.query.selection import Selection
 
     rows = store_rows(store)
     if relations:

@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from threadpoolctl import threadpool_limits
 
 from actstore.core.errors import QueryError
 from actstore.core.sql import subquery
 from actstore.core.store import StoreReader
+from actstore.query.features import HEAD_KINDS, weights
 from actstore.serve.common import MAX_PAGE_SIZE, block_sample, example_texts, jsonable
 
 MAX_QUERY_CHARS = 20_000
@@ -109,7 +111,6 @@ def _centred_gram(store: StoreReader, sel: Any, kind: str, layer: int, head: int
         x = x.reshape(x.shape[0], -1).astype(np.float64)
         x = x - x.mean(0)
         return x @ x.T  # type: ignore[no-any-return]
-    from actstore.query.features import weights
 
     heads = list(range(store.geometry.n_heads)) if head is None else [head]
     z = sel.features("z", layers=[layer], heads=heads)[:, 0].astype(np.float64)  # [n, h, d_head]
@@ -133,7 +134,6 @@ def features_projection(
 ) -> dict[str, Any]:
     """PCA (2-D) of one kind's features at one layer (one head, or all heads concatenated) over a
     sample of at most ``n`` rows of the chosen relations; each point with its prompt."""
-    from actstore.query.features import HEAD_KINDS
 
     if kind not in PROJECTABLE:
         raise QueryError(f"kind must be one of {', '.join(PROJECTABLE)}, not {kind[:30]!r}")
@@ -145,7 +145,6 @@ def features_projection(
     sel = block_sample(store, n, seed, relations)
     if len(sel) < 3:
         raise QueryError("the selection has fewer than 3 rows")
-    from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):  # a 5000 x 5000 eigh at most; BLAS threads only contend on a busy CPU
         lam, vec = np.linalg.eigh(_centred_gram(store, sel, kind, layer, head))

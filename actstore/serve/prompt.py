@@ -16,10 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from actstore.core.errors import NotFoundError, QueryError
 from actstore.core.store import StoreReader
-from actstore.query.attribution import TOKEN_KINDS
+from actstore.query.attribution import TOKEN_KINDS, TokenGeometry
+from actstore.query.explain import explain_example
+from actstore.query.probe_config import ProbeConfig
 from actstore.serve.catalog import Served
 from actstore.serve.common import cached_rows, columns, grid, has_table, jsonable, kept, rows_selection, sql
 
@@ -211,8 +214,6 @@ def _patching(store: StoreReader, ex: int) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------------- contributions
 def _explanation(served: Served, run: str, ex: int) -> Any:
-    from actstore.query.explain import explain_example
-    from actstore.query.probe_config import ProbeConfig
 
     store = served.store
     configs = cached_rows(store, "probe_runs", "SELECT run_id, config FROM probe_runs")
@@ -248,9 +249,6 @@ def contributions(
     of the prompt's prediction in ``run`` (default: the newest per-source probe run in which it is a
     query), the attention pattern, the per-layer TokenScore and the prompt's HeadScore grid.  Without
     such a run: the norm of each source token's contribution instead."""
-    import torch
-
-    from actstore.query.attribution import TokenGeometry
 
     store, g = served.store, served.store.geometry
     runs = [r["run_id"] for r in served.cached(("query_runs", ex), lambda: query_runs(store, ex))]

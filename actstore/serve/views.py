@@ -12,6 +12,8 @@ import numpy as np
 from actstore.core.errors import NotFoundError
 from actstore.core.store import StoreReader
 from actstore.core.tables import SEGMENT_TABLES
+from actstore.jobs import probe as probe_job
+from actstore.query.features import weights
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
 from actstore.query.report.summary import CORPUS_PLAIN, CORPUS_WITH_TARGETS, human_size, store_bytes
 from actstore.query.stats import proportion_interval
@@ -207,7 +209,6 @@ def f1_interval(tp: int, fp: int, fn: int, n: int = 2000, seed: int = 0) -> tupl
 def headscore_grid(store: StoreReader, rel: str | None, run: str | None) -> dict[str, Any]:
     """The stored mean HeadScore (layer x head, weighted by predictions) of a probe run, for a relation
     or over all of them: :func:`actstore.jobs.probe.headscore_grid`, as ``actstore headscore`` shows it."""
-    from actstore.jobs import probe as probe_job
 
     g = store.geometry
     chosen = latest_run(store, "head_scores", run)
@@ -328,7 +329,6 @@ def head_view(
 def head_norms(store: StoreReader, sel: Any, layer: int, head: int) -> np.ndarray:
     """|z_h W_O,h| of each row of ``sel`` at head (``layer``, ``head``), from the stored ``z`` alone:
     sqrt(z_h G z_h) with G = W_O,h W_O,h^T (d_head x d_head), so that no d_model vector is formed."""
-    from actstore.query.features import weights
 
     z = sel.features("z", layers=[layer], heads=[head])[:, 0, 0].astype(np.float64)  # [n, d_head]
     w = weights(store).layers("W_O", [layer])[0, head].numpy().astype(np.float64)  # [d_head, d_model]
