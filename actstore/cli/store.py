@@ -21,7 +21,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-from actstore.core.tables import SEGMENT_TABLES
+from actstore.core.tables import ALL_SEGMENT_TABLES
 
 EXIT_DAMAGED = 3  # verify found a problem (the store is damaged or incomplete)
 
@@ -57,7 +57,7 @@ def info(store: str, as_json: bool) -> None:
     # Every table file info lists is checked (hash, footer) as a statement reading it would, except the
     # segment tables' (their files grow with the store: examples was read above, verify checks them all).
     listed = s.table_files()
-    s.check_table_shards([n for n in listed if n not in SEGMENT_TABLES], listed)
+    s.check_table_shards([n for n in listed if n not in ALL_SEGMENT_TABLES], listed)
     tables = {name: len(files) for name, files in listed.items()}
     d = {
         "store": s.url,
