@@ -29,6 +29,7 @@ from actstore.core.fs import StoreLocation
 from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.lock import holding
 from actstore.core.manifest import Geometry, Manifest
+from actstore.core.progress import progress_bar
 from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import architecture_for
 from actstore.ingest.capture import BatchIndex, FusedCapture
@@ -37,7 +38,6 @@ from actstore.ingest.datasets.text_corpus import Documents
 from actstore.ingest.pipeline import (
     IngestReport,
     _predictions,
-    _progress,
     _quiet,
     _with_tokenizer,
     _write,
@@ -97,7 +97,9 @@ def capture_positions(
 ) -> IngestReport:
     """Capture every kept position of ``plan`` into the store at ``loc`` (writer lock held)."""
     if not holding(loc.url):
-        raise RankError(f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)")
+        raise RankError(
+            f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)"
+        )
     arch = architecture_for(model)
     g = arch.geometry(model)
     tok_files = tokenizer_files(tokenizer)
@@ -145,7 +147,9 @@ def capture_positions(
             files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()} if tok_files else {}
             return StoreWriter.create(loc, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
 
-        writer = rank_zero_first(create, lambda: StoreWriter.resume(loc, manifest), cfg.rank, cfg.world_size, loc)
+        writer = rank_zero_first(
+            create, lambda: StoreWriter.resume(loc, manifest), cfg.rank, cfg.world_size, loc
+        )
     done = writer.committed()
     mine = [s for s in range(manifest.n_segments) if s % cfg.world_size == cfg.rank]
     todo = [s for s in mine if s not in done]
@@ -156,11 +160,13 @@ def capture_positions(
     pending: list[Future[Any]] = []
     S = cfg.segment_size
     n_todo = sum(min(S, plan.n_rows - s * S) for s in todo)
-    bar = _progress(n_todo, cfg.progress and cfg.rank == 0)
+    bar = progress_bar(total=n_todo, unit="position", desc="ingest", enabled=cfg.progress and cfg.rank == 0)
     with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
         for k, seg in enumerate(todo):
             lo, hi = seg * S, min((seg + 1) * S, plan.n_rows)
-            parts: dict[str, list[np.ndarray]] = {n: [] for n in (*SEGMENT_ARRAYS, "top", "lp", "rank", "next")}
+            parts: dict[str, list[np.ndarray]] = {
+                n: [] for n in (*SEGMENT_ARRAYS, "top", "lp", "rank", "next")
+            }
             meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
             wins = list(plan.windows_of(lo, hi))
             for b0 in range(0, len(wins), cfg.batch_size):
@@ -193,7 +199,9 @@ def capture_positions(
     _write_run(writer, cfg, manifest, started, len(todo))
     if cfg.world_size == 1:
         compact_held(loc, full=True, log=_quiet)
-    return IngestReport(cfg.out, plan.n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s)
+    return IngestReport(
+        cfg.out, plan.n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s
+    )
 
 
 def _batch(

@@ -85,7 +85,8 @@ def plan_corpus(
     per_window = context_length - len(prefix) - len(suffix)
     if per_window < 1:
         raise InvalidSetting(
-            "context_length", f"{context_length} leaves no room beside the {len(prefix) + len(suffix)} added tokens"
+            "context_length",
+            f"{context_length} leaves no room beside the {len(prefix) + len(suffix)} added tokens",
         )
     special = set(int(i) for i in tokenizer.all_special_ids)
     sep_ids: list[int] = []
@@ -93,9 +94,13 @@ def plan_corpus(
         text = separator if separator is not None else (tokenizer.eos_token or "")
         sep_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
         if not sep_ids:
-            raise InvalidSetting("pack_separator", "the separator is no token (the tokenizer has no EOS: give one)")
+            raise InvalidSetting(
+                "pack_separator", "the separator is no token (the tokenizer has no EOS: give one)"
+            )
     enc = tokenizer(list(docs.texts), add_special_tokens=False, return_offsets_mapping=True)
-    streams: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # ids, document, position, chars
+    streams: list[
+        tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    ] = []  # ids, document, position, chars
     for d, (ids, offs) in enumerate(zip(enc["input_ids"], enc["offset_mapping"])):
         if not ids:
             raise DatasetError(f"{docs.spec} {docs.where[d]}: the document has no tokens")
@@ -116,12 +121,15 @@ def plan_corpus(
                 sep = (np.asarray(sep_ids, np.int64), np.full(k, -1, np.int64), np.full(k, -1, np.int32))
                 joined.append((*sep, np.full((k, 2), -1, np.int32)))
             joined.append(s)
-        streams = [tuple(np.concatenate([p[j] for p in joined]) for j in range(4))]  # type: ignore[misc]
+        ids_, doc_, pos_, chars_ = (np.concatenate([p[j] for p in joined]) for j in range(4))
+        streams = [(ids_, doc_, pos_, chars_)]
     windows: list[Window] = []
     for ids, doc, pos, chars in streams:
         for w, a in enumerate(range(0, ids.size, per_window)):
             b = min(a + per_window, ids.size)
-            windows.append(_window(w, ids[a:b], doc[a:b], pos[a:b], chars[a:b], prefix, suffix, special, keep_special))
+            windows.append(
+                _window(w, ids[a:b], doc[a:b], pos[a:b], chars[a:b], prefix, suffix, special, keep_special)
+            )
     counts = np.array([int(w.kept.sum()) for w in windows], dtype=np.int64)
     row_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     if row_start[-1] == 0:

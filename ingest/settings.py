@@ -158,7 +158,8 @@ class IngestRequest(IngestConfig):
         False, "--positions all: keep BOS, EOS and other special tokens' positions (excluded by default)."
     )
     pack: bool = setting(
-        False, "--positions all: join the documents by --pack-separator into one stream before cutting windows."
+        False,
+        "--positions all: join the documents by --pack-separator into one stream before cutting windows.",
     )
     pack_separator: str | None = setting(None, "--pack: the separator text (default the tokenizer's EOS).")
 

@@ -21,8 +21,8 @@ from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
 from actstore.ingest.datasets import DatasetResult, load_dataset
-from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
+from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
@@ -171,7 +171,8 @@ def _ingest_corpus_locked(
         raise InvalidSetting("context_length", f"{context} is more than the model's {max_len} positions")
     if req.layers is not None and max(req.layers) > g.n_layers:
         raise InvalidSetting(
-            "layers", f"layer {max(req.layers)} is past the model's {g.n_layers} layers (residual indices 0..{g.n_layers})"
+            "layers",
+            f"layer {max(req.layers)} is past the model's {g.n_layers} layers (residual indices 0..{g.n_layers})",
         )
     plan = plan_corpus(
         docs,
@@ -184,7 +185,9 @@ def _ingest_corpus_locked(
     kinds = req.kinds or CORPUS_KINDS
     kept = kept_arrays(g, kinds, req.layers)
     if not any(kept.values()):
-        raise InvalidSetting("layers", f"keeps nothing of {', '.join(kinds)} (mlp, attn and z have layers 0..{g.n_layers - 1})")
+        raise InvalidSetting(
+            "layers", f"keeps nothing of {', '.join(kinds)} (mlp, attn and z have layers 0..{g.n_layers - 1})"
+        )
     log(
         f"corpus: {len(docs)} documents in {plan.policy['windows']} windows of at most {context} tokens, "
         f"{plan.n_rows} positions kept (special tokens {plan.policy['special']})"

@@ -78,7 +78,9 @@ def _decode(spec: str, data: bytes) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DatasetError(f"{spec}: not UTF-8 text (invalid byte at offset {e.start}); give UTF-8 text") from None
+        raise DatasetError(
+            f"{spec}: not UTF-8 text (invalid byte at offset {e.start}); give UTF-8 text"
+        ) from None
 
 
 def _json_documents(spec: str, text: str) -> tuple[list[str], list[str]]:

@@ -67,7 +67,9 @@ def test_positions_are_the_tokens_minus_the_special_ones(tmp_path: Path) -> None
         ids = [i for i in tok(text)["input_ids"] if i not in special]  # the tokenizer itself, BOS included
         want_ids += ids
         want_doc += [d] * len(ids)
-    assert any(i in special for i in tok(DOCS[0])["input_ids"])  # tiny Llama adds a BOS: something is excluded
+    assert any(
+        i in special for i in tok(DOCS[0])["input_ids"]
+    )  # tiny Llama adds a BOS: something is excluded
     pos = store.sql("SELECT * FROM positions ORDER BY row", format="pandas")
     assert pos["token_id"].tolist() == want_ids
     assert pos["document"].tolist() == want_doc
@@ -119,37 +121,25 @@ def test_every_position_equals_hooks_on_the_model(tmp_path: Path, arch: str) -> 
     L = model.config.num_hidden_layers
     H = model.config.num_attention_heads
     pos = store.sql("SELECT * FROM positions ORDER BY row", format="pandas")
-    layers = list(model.model.layers)
     want_resid, want_mlp, want_head = [], [], []
-    for d, text in enumerate(DOCS):
+    special = set(tok.all_special_ids)
+    for text in DOCS:
         content = tok(text, add_special_tokens=False)["input_ids"]
         full = tok(text)["input_ids"]
         prefix = full[: len(full) - len(content)] if full[-len(content) :] == content else []
         per_window = context - len(prefix)
         for a in range(0, len(content), per_window):
             ids = prefix + content[a : a + per_window]
-            o_in: list[torch.Tensor] = []
-            mlp_out: list[torch.Tensor] = []
-            hooks = [
-                lay.self_attn.o_proj.register_forward_hook(lambda m, i, o: o_in.append(i[0][0]))
-                for lay in layers
-            ] + [lay.mlp.register_forward_hook(lambda m, i, o: mlp_out.append(o[0])) for lay in layers]
-            try:
-                with torch.no_grad():
-                    out = model(torch.tensor([ids]), output_hidden_states=True)
-            finally:
-                for h in hooks:
-                    h.remove()
-            keep = [p for p, i in enumerate(ids) if i not in set(tok.all_special_ids)]
-            want_resid.append(torch.stack([h[0] for h in out.hidden_states], 1)[keep].numpy())
+            hidden, mlp_out, o_in = hooked_forward(model, ids)
+            keep = [p for p, i in enumerate(ids) if i not in special]
+            want_resid.append(torch.stack(hidden, 1)[keep].numpy())
             want_mlp.append(torch.stack(mlp_out, 1)[keep].numpy())
             heads = []
-            for lay, z in zip(layers, o_in):  # z [T, H*d_head]; head h's slice of W_O: columns h*dh..
+            for lay, z in zip(model.model.layers, o_in):  # z [T, H*d_head]; head h: columns h*dh..
                 W = lay.self_attn.o_proj.weight  # [d_model, H*d_head]
                 dh = W.shape[1] // H
-                heads.append(
-                    torch.stack([z[:, h * dh : (h + 1) * dh] @ W[:, h * dh : (h + 1) * dh].T for h in range(H)], 1)
-                )
+                per_head = [z[:, h * dh : (h + 1) * dh] @ W[:, h * dh : (h + 1) * dh].T for h in range(H)]
+                heads.append(torch.stack(per_head, 1))
             want_head.append(torch.stack(heads, 1)[keep].numpy())
     sel = store.select()
     assert len(sel) == len(pos) == sum(x.shape[0] for x in want_resid)
@@ -160,11 +150,34 @@ def test_every_position_equals_hooks_on_the_model(tmp_path: Path, arch: str) -> 
     assert rel_err(sel.features("attn_head"), np.concatenate(want_head)) < RTOL
 
 
+def hooked_forward(
+    model: torch.nn.Module, ids: list[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """One window alone through the model: its hidden states (embeddings first), each MLP's output and
+    each attention output projection's input, [T, ...] each, from ordinary forward hooks."""
+    o_in: list[torch.Tensor] = []
+    mlp_out: list[torch.Tensor] = []
+    layers = list(model.model.layers)  # type: ignore[union-attr, arg-type]
+    hooks = [
+        lay.self_attn.o_proj.register_forward_hook(lambda m, i, o: o_in.append(i[0][0])) for lay in layers
+    ]
+    hooks += [lay.mlp.register_forward_hook(lambda m, i, o: mlp_out.append(o[0])) for lay in layers]
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [h[0] for h in out.hidden_states], mlp_out, o_in
+
+
 def test_loader_visits_every_row_once(tmp_path: Path) -> None:
     store = ingest(tmp_path, "s", kinds=("resid",), layers=(1,))
     sel = store.select()
     n = len(sel)
-    feed = sel.loader("resid", layers=[1], batch_size=5, buffer_rows=7, unit_rows=4, seed=3, with_ids=True, workers=0)
+    feed = sel.loader(
+        "resid", layers=[1], batch_size=5, buffer_rows=7, unit_rows=4, seed=3, with_ids=True, workers=0
+    )
     ids, xs = zip(*feed)
     got = torch.cat(ids).numpy()
     assert sorted(got.tolist()) == list(range(n))
