@@ -117,7 +117,8 @@ class IngestRequest(IngestConfig):
     dataset: str = setting(
         "demo",
         "KIND:PATH (KIND in fewrel, lre, known1000, maps, jsonl), a public data set by name "
-        "(fewrel, lre, known1000, maps; docs/datasets.md), or demo.",
+        "(fewrel, lre, known1000, maps; docs/datasets.md), or demo; with --positions all a text corpus: "
+        "text:FILE (one document a line), jsonl:FILE (a text column) or hf:NAME[:SPLIT].",
     )
     relations: tuple[str, ...] | None = setting(None, "Comma-separated relation ids to keep.")
     limit_per_relation: int | None = setting(None, "At most this many prompts per relation.", low=1)
