@@ -226,3 +226,19 @@ def test_target_mode_is_unchanged(tmp_path: Path) -> None:
     s = actstore.ingest_corpus(tmp_path / "t", model="tiny-llama", dataset="demo", limit_per_relation=1)
     assert "positions" not in s.table_files()
     assert "positions" not in json.loads((tmp_path / "t" / "manifest.json").read_text())["ingest"]
+
+
+def test_resume_rewrites_a_lost_segment_identically(tmp_path: Path) -> None:
+    from helpers import uncompact
+
+    whole = ingest(tmp_path, "whole")
+    part = ingest(tmp_path, "part")
+    n_seg = part.manifest.n_segments
+    assert n_seg >= 3
+    uncompact(Path(part.url))
+    (Path(part.url) / "commits" / f"{n_seg - 2:06d}.json").unlink()  # as if killed before that commit
+    resumed = ingest(tmp_path, "part", resume=True)
+    sql = "SELECT * FROM positions ORDER BY row"
+    assert resumed.sql(sql).equals(whole.sql(sql))
+    for kind in ("resid", "mlp", "attn_head"):
+        np.testing.assert_array_equal(resumed.select().features(kind), whole.select().features(kind))
