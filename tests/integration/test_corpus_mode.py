@@ -242,3 +242,19 @@ def test_resume_rewrites_a_lost_segment_identically(tmp_path: Path) -> None:
     assert resumed.sql(sql).equals(whole.sql(sql))
     for kind in ("resid", "mlp", "attn_head"):
         np.testing.assert_array_equal(resumed.select().features(kind), whole.select().features(kind))
+
+
+def test_a_hugging_face_data_set_reads_its_text_column(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hf:NAME`` goes through ``datasets.load_dataset``; a local folder stands in for the hub here
+    (its text builder gives one ``text`` row a line), so nothing is downloaded."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    write_docs(folder / "train.txt")
+    from_hub = ingest(tmp_path, "hub-store", dataset=f"hf:{folder}")
+    from_file = ingest(tmp_path, "file-store")
+    sql = "SELECT document, position, token_id FROM positions ORDER BY row"
+    assert from_hub.sql(sql).equals(from_file.sql(sql))
