@@ -175,14 +175,13 @@ def capture_positions(
                 ids, mask, index, next_ids = _batch(plan, batch, lo, hi, pad_id, device, meta)
                 out = capture.run(ids, mask, index, position_ids(mask))
                 for name, host in to_host(out, SEGMENT_ARRAYS).items():
-                    parts[name].append(host)
+                    parts[name].append(host[:, kept[name]] if name in kept else host)  # kept layers only
                 top, lp, rank = _predictions(out["logits"], next_ids)
                 for name, value in (("top", top), ("lp", lp), ("rank", rank), ("next", next_ids)):
                     parts[name].append(value)
                 forward_s += time.perf_counter() - t0
                 bar.update(int(index.target_b.numel()))
             arrays = {n: np.concatenate(parts[n]) for n in SEGMENT_ARRAYS}
-            _zero_unkept(arrays, kept)
             rows = {n: np.concatenate(meta[n]) for n in ROW_FIELDS}
             preds = (np.concatenate(parts["top"]), np.concatenate(parts["lp"]), np.concatenate(parts["rank"]))
             tables = segment_corpus_tables(
@@ -190,7 +189,7 @@ def capture_positions(
             )
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
-            pending.append(pool.submit(_write, writer, seg, lo, arrays, tables, None))
+            pending.append(pool.submit(_write_expanded, writer, seg, lo, arrays, kept, g, tables))
             if cfg.world_size == 1 and cfg.compact_every and (k + 1) % cfg.compact_every == 0:
                 pending.append(pool.submit(compact_held, loc, full=False, log=_quiet))
         for f in pending:
@@ -260,10 +259,24 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(mask, 1) - 1).clamp(min=0)
 
 
-def _zero_unkept(arrays: dict[str, np.ndarray], kept: dict[str, list[int]]) -> None:
-    """Zero what ``--kinds`` / ``--layers`` do not keep, so it is never stored (zero chunks compress
-    to a few bytes and the reader refuses them)."""
+def _write_expanded(
+    writer: StoreWriter,
+    seg: int,
+    lo: int,
+    arrays: dict[str, np.ndarray],
+    kept: dict[str, list[int]],
+    g: Geometry,
+    tables: dict[str, Any],
+) -> None:
+    """Write a segment whose ``z``, ``mlp`` and ``resid`` hold the kept layers only: each becomes its
+    full layer axis here, zeros where nothing is kept (never stored activations; zero chunks compress
+    to a few bytes and the reader refuses them).  Only the segment being written has full arrays (the
+    zeros are calloc'ed pages that reading does not copy)."""
+    n_layers = {"z": g.n_layers, "mlp": g.n_layers, "resid": g.n_layers + 1}
+    full = dict(arrays)
     for name, layers in kept.items():
-        drop = [x for x in range(arrays[name].shape[1]) if x not in layers]
-        if drop:
-            arrays[name][:, drop] = 0
+        part = arrays[name]
+        out = np.zeros((part.shape[0], n_layers[name], *part.shape[2:]), dtype=part.dtype)
+        out[:, layers] = part
+        full[name] = out
+    _write(writer, seg, lo, full, tables, None)
