@@ -164,11 +164,11 @@ def _window(
     def added(k: int, fill_doc: int) -> tuple[np.ndarray, ...]:
         return (np.full(k, fill_doc, np.int64), np.full(k, -1, np.int32), np.full((k, 2), -1, np.int32))
 
-    d0, d1 = int(doc[0]), int(doc[-1])
-    pre, post = added(len(prefix), d0), added(len(suffix), d1)
+    real = doc[doc >= 0]  # (a packed separator's document is -1)
+    d0, d1 = (int(real[0]), int(real[-1])) if real.size else (-1, -1)
+    pre, post = added(len(prefix), d0), added(len(suffix), d1)  # added tokens: the nearest document's
     all_ids = np.concatenate([np.asarray(prefix, np.int64), ids, np.asarray(suffix, np.int64)])
     all_doc = np.concatenate([pre[0], doc, post[0]])
-    all_doc[all_doc < 0] = d0  # a packed separator belongs to the window's first document's side
     all_pos = np.concatenate([pre[1], pos, post[1]])
     all_chars = np.concatenate([pre[2], chars, post[2]])
     if keep_special:

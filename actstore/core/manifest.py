@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from actstore.core.errors import CorruptStoreError, FormatVersionError, StoreNotFoundError
+from actstore.core.tables import ALL_SEGMENT_TABLES, SEGMENT_TABLES, store_segment_tables
 
 if TYPE_CHECKING:
     from actstore.core.fs import StoreLocation
@@ -218,8 +219,6 @@ class SegmentCommit:
         d = parse_json_object(data, where, "commit marker")
         if not checksum_ok(d, {f.name for f in fields(cls)}):
             raise CorruptStoreError(f"{where}: commit marker fails its checksum (the file is corrupt)")
-        from actstore.core.tables import ALL_SEGMENT_TABLES, SEGMENT_TABLES
-
         where = f"{where}: commit marker"
         tables = _field_dict(d, "table_sha256", where)
         if set(tables) not in (set(SEGMENT_TABLES), set(ALL_SEGMENT_TABLES)) or not all(
@@ -306,8 +305,6 @@ class Manifest:
     @property
     def segment_tables(self) -> tuple[str, ...]:
         """The tables written per segment: examples, tokens, targets, and positions in a corpus store."""
-        from actstore.core.tables import store_segment_tables
-
         return store_segment_tables(self.ingest)
 
     def to_json(self) -> bytes:

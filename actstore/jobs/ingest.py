@@ -20,13 +20,16 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
+from actstore.ingest.architectures import architecture_for
+from actstore.ingest.corpus_capture import capture_positions, kept_arrays
+from actstore.ingest.corpus_windows import plan_corpus
 from actstore.ingest.datasets import DatasetResult, load_dataset
 from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
 from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
-from actstore.ingest.settings import IngestRequest
+from actstore.ingest.settings import CORPUS_KINDS, IngestRequest
 
 
 def _log_nothing(message: str) -> None:
@@ -153,11 +156,7 @@ def _ingest_corpus_locked(
     req: IngestRequest, loc: StoreLocation, docs: Documents, log: Callable[[str], None]
 ) -> IngestReport:
     """``--positions all``: windows and policy, what is kept, the size check, then the capture."""
-    from actstore.ingest.architectures import architecture_for
-    from actstore.ingest.corpus_capture import capture_positions, kept_arrays
-    from actstore.ingest.corpus_windows import plan_corpus
     from actstore.ingest.models import load_model
-    from actstore.ingest.settings import CORPUS_KINDS
 
     if not req.progress:
         transformers_logging.disable_progress_bar()

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from actstore.core.errors import DatasetError
 
 CORPUS_KINDS = ("text", "jsonl", "hf")
@@ -112,8 +114,6 @@ def _json_documents(spec: str, text: str) -> tuple[list[str], list[str]]:
 
 
 def _parquet_documents(spec: str, path: Path) -> Documents:
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except Exception as e:

@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import uncompact
 
 import actstore
+import actstore.ingest.corpus_capture as cc
 from actstore.core.errors import ActstoreError, QueryError, StorageError
 from actstore.core.verify import verify_store
 from actstore.ingest.models import tiny_model
@@ -211,8 +213,6 @@ def test_pack_joins_documents(tmp_path: Path) -> None:
 
 
 def test_too_little_free_space_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import actstore.ingest.corpus_capture as cc
-
     monkeypatch.setattr(cc, "free_bytes", lambda loc: 1000)
     with pytest.raises(StorageError) as e:
         ingest(tmp_path, "s")
@@ -229,8 +229,6 @@ def test_target_mode_is_unchanged(tmp_path: Path) -> None:
 
 
 def test_resume_rewrites_a_lost_segment_identically(tmp_path: Path) -> None:
-    from helpers import uncompact
-
     whole = ingest(tmp_path, "whole")
     part = ingest(tmp_path, "part")
     n_seg = part.manifest.n_segments
