@@ -256,3 +256,13 @@ def test_a_hugging_face_data_set_reads_its_text_column(
     from_file = ingest(tmp_path, "file-store")
     sql = "SELECT document, position, token_id FROM positions ORDER BY row"
     assert from_hub.sql(sql).equals(from_file.sql(sql))
+
+
+def test_verify_checks_the_positions_shards(tmp_path: Path) -> None:
+    store = ingest(tmp_path, "s")
+    shard = Path(store.url) / "tables" / "positions" / "000001.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    report = verify_store(actstore.open(store.url))
+    assert any("tables/positions/000001.parquet" in p for p in report.problems), report.problems
