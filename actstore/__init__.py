@@ -1,15 +1,21 @@
 """actstore: an activation store and query engine for interpretability research on language models.
 
->>> import actstore
->>> s = actstore.ingest_corpus("/tmp/s", model="tiny-llama", dataset="demo")   # or ``actstore ingest`` on the command line
->>> s = actstore.open("/tmp/s")
->>> s.sql("SELECT relation_name, count(*) FROM examples GROUP BY 1")
->>> s.sql("SELECT count(*) AS n FROM examples WHERE relation_id = ?", ["P17"])
->>> sel = s.select().relations(["P17", "P131"]).sample(200, seed=0)      # lazy: nothing read yet
+>>> import actstore, tempfile
+>>> path = tempfile.mkdtemp() + "/store"
+>>> s = actstore.ingest_corpus(path, model="tiny-llama", dataset="demo")  # or `actstore ingest`
+>>> s = actstore.open(path)
+>>> s.sql("SELECT count(*) AS n FROM examples WHERE relation_id = ?", ["city_country"]).to_pylist()
+[{'n': 72}]
+>>> sel = s.select().relations(["city_country", "country_capital"]).sample(100, seed=0)  # lazy
 >>> train, test = sel.split((0.8, 0.2), seed=1)
->>> train.features("attn_head", layers=[3, 4])                          # numpy [n, 2, H, d_model]
->>> test.to_xarray("attn_head_token", layers=[3])                        # labelled dims and coordinates
->>> actstore.FeatureDataset(train, "attn_head", layers=[3])              # torch.utils.data, streamed
+>>> train.features("attn_head", layers=[0, 1]).shape  # numpy [rows, layers, heads, d_model]
+(80, 2, 4, 64)
+>>> test.to_xarray("attn_head_token", layers=[1]).dims  # labelled dimensions and coordinates
+('row', 'layer', 'head', 'source', 'd_model')
+>>> len(actstore.FeatureDataset(train, "attn_head", layers=[1]))  # a torch Dataset, streamed
+80
+
+(``tests/integration/test_doctests.py`` runs these examples.)
 
 docs/api.md describes the Python API.  This module is the facade (docs/architecture.md): it sits on
 top of the store core, ``query`` and ``ingest`` and imports the heavy layers only when a function

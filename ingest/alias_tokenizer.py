@@ -19,12 +19,12 @@ from typing import Any
 
 from actstore.core.dependencies import transformers
 from actstore.core.errors import QueryError
+from actstore.ingest.models import GGUF_ALIASES, known_alias, model_cache_dir, tiny_model
 
 
 def alias_tokenizer(name: str, weight_hash: str = "") -> Any | None:
     """The tokenizer of alias ``name`` (preferring the converted copy with ``weight_hash``), or None
     when ``name`` is not one of actstore's aliases."""
-    from actstore.ingest.models import GGUF_ALIASES, known_alias, model_cache_dir, tiny_model
 
     low = known_alias(name)
     if low is None:

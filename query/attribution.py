@@ -48,6 +48,7 @@ import torch
 from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
 from actstore.query.probe_config import CONTRASTS, DEFAULT_CONTRAST
+from actstore.query.selection import Selection
 
 TOKEN_KINDS = ("attn_head", "attn_entity", "attn")
 
@@ -125,7 +126,6 @@ def token_scores(
 
     ``example_ids`` may repeat (one entry per prediction); factors are read once per group of
     distinct examples, segment by segment."""
-    from actstore.query.selection import Selection
 
     g = store.geometry
     ids = np.asarray(example_ids, dtype=np.int64)

@@ -33,6 +33,7 @@ from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader, open_reader
 from actstore.query.features import FeatureSpec, RowBlock, compute_block
+from actstore.query.relspec import POOLED_EPS
 from actstore.query.selection import Selection
 
 
@@ -248,7 +249,6 @@ def relation_scores(
     every selected row instead of an episode's support set.  Returns the groups and ``d``
     [n_groups, *feature shape].
     """
-    from actstore.query.relspec import POOLED_EPS
 
     by_group: dict[str, Moments] = feature_moments(
         store,

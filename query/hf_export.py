@@ -33,7 +33,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 
@@ -75,6 +75,18 @@ def hook_name(kind: str, layer: int, n_layers: int) -> str:
         "attn_head": "attn.hook_result",
     }
     return f"blocks.{layer}.{names.get(kind, f'actstore.{kind}')}"
+
+
+class ExportOptions(TypedDict, total=False):
+    """The keyword options of :func:`to_hf_dataset` (and :meth:`Selection.to_hf_dataset`), for type
+    checkers; their defaults are written once, in :func:`to_hf_dataset`."""
+
+    layers: Sequence[int] | None
+    heads: Sequence[int] | None
+    groups: int | None
+    dtype: str
+    batch_rows: int
+    overwrite: bool
 
 
 def to_hf_dataset(

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xarray as xr
 
 from actstore.core.dependencies import dask, dask_array, dask_base
 from actstore.core.errors import QueryError
@@ -81,7 +82,6 @@ def to_dataarray(
     """``x`` (numpy or dask, [n, ...] as ``Selection.features`` returns for ``spec``) labelled with the
     dimensions of :data:`DIMS`; ``example_ids`` and ``relation_ids`` [n] of the rows; ``mask`` [n, S]
     (True on the rows' real sources) for the source kinds."""
-    import xarray as xr
 
     dims = DIMS[spec.kind]
     if x.ndim != len(dims) or x.shape[0] != len(example_ids):

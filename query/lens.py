@@ -43,6 +43,7 @@ import pyarrow as pa
 from actstore.core.errors import LensError
 from actstore.core.invalid import InvalidSetting
 from actstore.query.readout import ALPHAS, TUNED_METHODS, FinalReadout, LensReading, TunedLens, read_objects
+from actstore.query.selection import Selection
 from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
 
 __all__ = [
@@ -166,7 +167,6 @@ def stored_residuals(
     store: Any, example_ids: Sequence[int] | np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(resid [n, L+1, d], object token ids [n], stored top token ids [n]) in ``example_ids`` order."""
-    from actstore.query.selection import Selection
 
     ids = np.asarray(example_ids, dtype=np.int64)
     if ids.size == 0:

@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -108,6 +108,28 @@ class _Piece:
     at: int
     lo: int
     hi: int
+
+
+class LoaderOptions(TypedDict, total=False):
+    """The keyword options of :class:`ActivationLoader` (and :meth:`Selection.loader`), for type
+    checkers; their defaults are written once, in ``ActivationLoader.__init__``."""
+
+    layers: Sequence[int] | None
+    heads: Sequence[int] | None
+    groups: int | None
+    batch_size: int
+    shuffle: bool
+    seed: int
+    buffer_rows: int
+    workers: int
+    prefetch: int | None
+    rank: int
+    world_size: int
+    dtype: torch.dtype | str
+    with_ids: bool
+    drop_last: bool
+    flatten: bool
+    unit_rows: int | None
 
 
 class ActivationLoader:

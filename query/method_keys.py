@@ -39,9 +39,12 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from actstore.core.errors import MethodsError
+from actstore.query.lens import FinalReadout, read_objects
 from actstore.query.method_defaults import PLATEAU
+from actstore.query.method_metrics import concat_readings
 from actstore.query.methods import PATCH_POSITIONS, MethodReading, StoredOutputs, patch_reading
 
 TOP_K = 10
@@ -125,7 +128,6 @@ def patch_position_readings(
     store: Any, runs: list[str] | tuple[str, ...], plateau: float = PLATEAU
 ) -> dict[str, MethodReading]:
     """``patch@subject_last`` and ``patch@last`` over the patch runs (joined as the study joins them)."""
-    from actstore.query.method_metrics import concat_readings
 
     out = {}
     named: list[str | None] = list(runs) or [None]  # none named: the newest run
@@ -174,9 +176,6 @@ def lens_variant_readings(
 ) -> dict[str, MethodReading]:
     """``LENS@top10`` and ``LENS@half`` of the facts in ``out`` (in ``base``'s order: ``base`` is
     the lens's reading of ``out``, :func:`actstore.query.methods.lens_reading`)."""
-    import torch
-
-    from actstore.query.lens import FinalReadout, read_objects
 
     if not np.array_equal(out.example_ids, base.example_ids):
         raise MethodsError("the lens reading and the stored outputs cover different facts")

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from actstore.core.errors import MethodsError
+from actstore.query.lens import stored_residuals
 from actstore.query.method_defaults import PLATEAU
 from actstore.query.methods import MethodReading, StoredOutputs, key_layers
 
@@ -43,7 +44,6 @@ def probe_reading(
     t = t[t["object"].isin(classes)]
     ids = t["example_id"].to_numpy(np.int64)
     y = np.searchsorted(np.asarray(classes), t["object"].to_numpy())
-    from actstore.query.lens import stored_residuals
 
     X, _, _ = stored_residuals(store, ids)  # [N, K, d]
     probs, weights, fold_of = _cv_probes(X, y, len(classes), cfg)

@@ -3,15 +3,28 @@ traced and patched, and the strata (relation, subject frequency, uniqueness, sou
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from actstore.core.errors import MethodsError
+from actstore.core.errors import LensError, MethodsError
+from actstore.query.method_defaults import PLATEAU
 from actstore.query.method_metrics import concat_readings
-from actstore.query.methods import MethodReading
+from actstore.query.method_probe import LayerProbeConfig, probe_reading
+from actstore.query.methods import (
+    MethodReading,
+    attention_reading,
+    fact_ids,
+    lens_reading,
+    patch_reading,
+    stored_outputs,
+    trace_reading,
+    tuned_lens_reading,
+)
+from actstore.query.readout import TUNED_METHODS
 from actstore.query.tuned_lens import TrainConfig
 
 GROUPINGS = ("relation", "freq_band", "uniqueness", "source_set", "stratum")
@@ -35,19 +48,6 @@ def study_readings(
     on the facts not compared, as ``agree`` fits it (:func:`actstore.query.methods.tuned_lens_reading`:
     ``tuned`` = adam, sgd or ridge, ``tuned_config`` default ``COMPARISON_TRAIN``); its reading's
     ``info`` records the fit."""
-    from actstore.core.errors import LensError
-    from actstore.query.method_defaults import PLATEAU
-    from actstore.query.method_probe import LayerProbeConfig, probe_reading
-    from actstore.query.methods import (
-        attention_reading,
-        fact_ids,
-        lens_reading,
-        patch_reading,
-        stored_outputs,
-        trace_reading,
-        tuned_lens_reading,
-    )
-    from actstore.query.readout import TUNED_METHODS
 
     if "tuned_lens" in methods and tuned not in TUNED_METHODS:  # before the other readings
         raise LensError(f"unknown tuned-lens method {tuned!r} (one of {', '.join(TUNED_METHODS)})")
@@ -90,7 +90,6 @@ def store_strata(store: Any, example_ids: Sequence[int] | np.ndarray) -> dict[st
         "SELECT example_id, relation_id, meta FROM examples WHERE example_id IN "
         f"({', '.join(str(i) for i in ids)})"
     ).to_pylist()
-    import json
 
     for r in t:
         e = int(r["example_id"])

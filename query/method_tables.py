@@ -27,6 +27,7 @@ from actstore.query.method_metrics import (
     summarise,
 )
 from actstore.query.methods import SEED_001, SEED_001_CONSENSUS, MethodReading
+from actstore.query.stats import proportion_interval
 
 # The seed's cross-size table (GPT-2 small / medium / large): key MLP layer position (share of
 # depth), MLP and attention shares of the causal effect (%), recall success rate (%).
@@ -258,7 +259,6 @@ def cross_size_rows(
     (tracing: peak windowed-MLP effect / (peak MLP + peak attention), positive parts; patching:
     positive recovery summed over layers, likewise), and the recall success rate (facts answered /
     facts, with a Wilson interval)."""
-    from actstore.query.stats import proportion_interval
 
     rows: list[dict[str, Any]] = []
 

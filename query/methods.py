@@ -55,8 +55,17 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import MethodsError
+from actstore.query.lens import (
+    TUNED_METHODS,
+    FinalReadout,
+    LensError,
+    fit_tuned_lens,
+    read_objects,
+    stored_residuals,
+)
 from actstore.query.method_defaults import COMPARISON_BATCH, COMPARISON_STEPS, PLATEAU
 from actstore.query.rows import Rows, rows_condition
+from actstore.query.selection import Selection
 from actstore.query.tuned_lens import TrainConfig
 
 SEED_001 = {  # the paper's agreement table (GPT-2): key layer %, MLP/attn %, effect correlation
@@ -241,8 +250,6 @@ class StoredOutputs:
 
 
 def stored_outputs(store: Any, example_ids: Sequence[int] | np.ndarray) -> StoredOutputs:
-    from actstore.query.lens import stored_residuals
-    from actstore.query.selection import Selection
 
     ids = np.asarray(example_ids, dtype=np.int64)
     resid, obj, _ = stored_residuals(store, ids)
@@ -255,7 +262,6 @@ def lens_reading(
     store: Any, out: StoredOutputs, tuned: Any = None, plateau: float = PLATEAU
 ) -> MethodReading:
     """Logit lens (``tuned`` None) or tuned lens reading of the facts in ``out``."""
-    from actstore.query.lens import FinalReadout, read_objects
 
     readout = FinalReadout.from_store(store)
     resid = torch.as_tensor(out.resid)
@@ -294,7 +300,6 @@ def tuned_lens_reading(
     closed-form fit) on every other fact of the store that has an object token.  ``reading.info``
     records the method, the configuration, the training facts and the seconds; ``progress(step,
     loss)`` as in :func:`actstore.query.tuned_lens.train_tuned_lens`."""
-    from actstore.query.lens import TUNED_METHODS, LensError, fit_tuned_lens
 
     if method not in TUNED_METHODS:
         raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
@@ -319,7 +324,6 @@ def tuned_lens_reading(
 
 def attention_reading(store: Any, out: StoredOutputs, plateau: float = PLATEAU) -> MethodReading:
     """Attention from the last token to the subject tokens per layer and head (``attn_prob``)."""
-    from actstore.query.selection import Selection
 
     sel = Selection.from_ids(store, out.example_ids.tolist())
     order = np.searchsorted(sel.example_ids, out.example_ids)

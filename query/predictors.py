@@ -46,7 +46,9 @@ import pyarrow as pa
 
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
+from actstore.core.sql import run_sql
 from actstore.core.store import StoreReader
+from actstore.query import plotting
 from actstore.query.attribution import run_row
 from actstore.query.dask_tasks import client_threads, run_tasks, store_of
 from actstore.query.predictor_measures import (
@@ -317,7 +319,6 @@ def _relations_or_graph_task(
     """One task: ``{relation: (TF-IDF similarity, HeadScore concentration)}`` for the relations
     ``what``, or for ``kind="kg"`` the graph file ``what[0]`` cut down to the ``wanted`` entities
     (properties, entities present, triples read)."""
-    from actstore.core.sql import run_sql
 
     if kind == "kg":
         g = KnowledgeGraph.load(what, direction)
@@ -381,7 +382,6 @@ def _merge_graphs(files: tuple[str, ...], parts: Sequence[Any]) -> KnowledgeGrap
 
 def scatter_plots(result: PredictorResult, out_dir: str | os.PathLike[str]) -> list[str]:
     """One PNG per predictor: predictor vs F1, one labelled point per relation."""
-    from actstore.query import plotting
 
     os.makedirs(out_dir, exist_ok=True)
     rel = result.relations.to_pylist()

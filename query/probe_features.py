@@ -11,7 +11,7 @@ import torch
 
 from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
-from actstore.query.features import FeatureSpec
+from actstore.query.features import FeatureSpec, compute_block, row_shape
 from actstore.query.probe_config import PROBE_KINDS
 from actstore.query.selection import Selection
 
@@ -71,7 +71,6 @@ def load_features(
     matrix (:func:`actstore.query.features.compute_block` with ``out``), with no intermediate array; float16:
     into one reused float32 block buffer, then converted into the matrix's rows.  Memory: the matrix
     plus one block (and that block's factors), whatever N."""
-    from actstore.query.features import compute_block, row_shape
 
     if kind not in PROBE_KINDS:
         raise QueryError(f"feature kind {kind!r} cannot be probed (one of {', '.join(PROBE_KINDS)})")

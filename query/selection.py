@@ -46,8 +46,10 @@ from actstore.query.selection_plan import (
 if TYPE_CHECKING:
     import dask.array
     import xarray
+    from typing_extensions import Unpack
 
-    from actstore.query.loader import ActivationLoader
+    from actstore.query.hf_export import ExportOptions
+    from actstore.query.loader import ActivationLoader, LoaderOptions
 
 
 Output = Literal["numpy", "torch", "xarray"]
@@ -406,27 +408,7 @@ class Selection:
         blocks = [(len(ids), b) for ids, b in self.blocks(batch_rows)]
         return dask_features(self.store, spec, blocks, self.n_sources())
 
-    def loader(
-        self,
-        kind: str,
-        *,
-        layers: Sequence[int] | None = None,
-        heads: Sequence[int] | None = None,
-        groups: int | None = None,
-        batch_size: int = 1024,
-        shuffle: bool = True,
-        seed: int = 0,
-        buffer_rows: int = 1 << 15,
-        workers: int = 1,
-        prefetch: int | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        dtype: Any = "float32",
-        with_ids: bool = False,
-        drop_last: bool = False,
-        flatten: bool = False,
-        unit_rows: int | None = None,
-    ) -> ActivationLoader:
+    def loader(self, kind: str, **options: Unpack[LoaderOptions]) -> ActivationLoader:
         """A training feed: an iterable of torch tensors ``[batch_size, *row]`` (one row of
         :meth:`features`; ``flatten=True``: ``[batch_size, F]``), or ``(row_ids, x)`` with ``with_ids``.
         Each epoch gives every selected row once (this rank's share of them), in an order made of a
@@ -435,59 +417,21 @@ class Selection:
         ``world_size`` split the rows disjointly (contiguous shares of the permuted chunk sequence);
         a background thread builds the next window (``workers=0``: none; ``workers >= 2``: that many
         reader threads, ``prefetch`` units of ``unit_rows`` rows of whole chunks ahead).
-        See :mod:`actstore.query.loader`."""
+        The options and their defaults are those of :class:`actstore.query.loader.ActivationLoader`."""
         from actstore.query.loader import ActivationLoader
 
-        return ActivationLoader(
-            self,
-            kind,
-            layers=layers,
-            heads=heads,
-            groups=groups,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            buffer_rows=buffer_rows,
-            workers=workers,
-            prefetch=prefetch,
-            rank=rank,
-            world_size=world_size,
-            dtype=dtype,
-            with_ids=with_ids,
-            drop_last=drop_last,
-            flatten=flatten,
-            unit_rows=unit_rows,
-        )
+        return ActivationLoader(self, kind, **options)
 
-    def to_hf_dataset(
-        self,
-        path: str | os.PathLike[str],
-        kind: str,
-        layers: Sequence[int] | None = None,
-        *,
-        heads: Sequence[int] | None = None,
-        groups: int | None = None,
-        dtype: str = "float32",
-        batch_rows: int = 4096,
-        overwrite: bool = False,
-    ) -> Any:
+    def to_hf_dataset(self, path: str | os.PathLike[str], kind: str, **options: Unpack[ExportOptions]) -> Any:
         """Export the features to ``path`` as a Hugging Face ``datasets`` dataset in SAELens's
         cached-activations layout (one ``Array2D(shape=(1, d_in))`` column per layer, named by its
         TransformerLens hook, e.g. ``blocks.3.hook_mlp_out``; plus ``row`` and ``example_id``) and
-        return it, memory-mapped.  Needs the ``hf`` extra.  See :mod:`actstore.query.hf_export`."""
+        return it, memory-mapped.  Needs the ``hf`` extra.  The options (``layers``, ``heads``,
+        ``groups``, ``dtype``, ``batch_rows``, ``overwrite``) and their defaults are those of
+        :func:`actstore.query.hf_export.to_hf_dataset`."""
         from actstore.query.hf_export import to_hf_dataset
 
-        return to_hf_dataset(
-            self,
-            path,
-            kind,
-            layers,
-            heads=heads,
-            groups=groups,
-            dtype=dtype,
-            batch_rows=batch_rows,
-            overwrite=overwrite,
-        )
+        return to_hf_dataset(self, path, kind, **options)
 
 
 def _convert(x: np.ndarray, output: str) -> Any:

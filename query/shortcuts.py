@@ -36,6 +36,7 @@ from actstore.core.dependencies import sklearn_text
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
+from actstore.query import plotting
 from actstore.query.attribution import run_row
 from actstore.query.rows import rows_condition
 from actstore.query.selection import Selection
@@ -164,7 +165,6 @@ def shortcut_analysis(store: StoreReader, run_id: str, *, n_cues: int = 20) -> S
 
 def shortcut_figure(result: ShortcutResult, path: str | os.PathLike[str]) -> str:
     """Three panels: per-error rho, Mass against its baseline, StrongAlign-x."""
-    from actstore.query import plotting
 
     e = result.errors.to_pylist()
     s = result.summary.to_pylist()[0]

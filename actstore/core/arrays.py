@@ -28,12 +28,17 @@ every other array (an object store, other codecs, a store that may lack chunks) 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import zarr
+from numcodecs import blosc
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
 from actstore.core.chunks import local_chunks, sharded_ok
 from actstore.core.errors import CorruptStoreError, MissingChunkError
@@ -100,10 +105,6 @@ def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence
     bytes).  Written through the group's store, so the store's wrappers see every object.  zarr's own
     writer takes about 6x longer for these many small inner chunks (benchmarks/bench_layer_chunks.py),
     which a GPU ingest's host side would pay."""
-    import google_crc32c
-    from numcodecs import blosc
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
 
     n0, n1 = int(data.shape[0]), int(data.shape[1])
     c0, k1 = int(inner[0]), int(inner[1])
@@ -292,9 +293,6 @@ def _settle_zarr_reads() -> None:
     """Wait for the other chunk reads of a failed zarr read (zarr runs them as tasks on its own
     event loop and leaves them running when one fails).  Left pending, they are destroyed at
     interpreter exit and print pages of asyncio tracebacks after the one error line."""
-    import asyncio
-
-    from zarr.core.sync import sync
 
     async def settle() -> None:
         me = asyncio.current_task()

@@ -8,11 +8,15 @@ import os
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import google_crc32c
 import numpy as np
 import zarr
+from numcodecs import blosc
 from zarr.abc.store import ByteRequest, Store
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ShardingCodecIndexLocation
 from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
+from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import WrapperStore
 
 from actstore.core.errors import MissingChunkError
@@ -59,8 +63,6 @@ class LocalChunks:
     def _decode(self, i: int, j: int, data: bytes, dest: np.ndarray) -> None:
         """The stored bytes of chunk ``i`` (inner chunk ``j``) checked (CRC32C) and decoded into ``dest``
         (uint8, the chunk's size)."""
-        import google_crc32c
-        from numcodecs import blosc
 
         size = dest.size
         where = self.key(i) + (f" (layers {j * self.inner1}:{(j + 1) * self.inner1})" if self.inner1 else "")
@@ -90,7 +92,6 @@ class LocalChunks:
     def _inner(self, i: int, blocks: Sequence[int]) -> list[bytes]:
         """The stored bytes of inner chunks ``blocks`` of shard ``i``: the whole file in one read when every
         inner chunk is wanted, else its index and then each run of adjacent inner chunks (``pread``)."""
-        import google_crc32c
 
         n_idx = 16 * self.n_inner + 4
         whole = len(blocks) == self.n_inner
@@ -193,9 +194,6 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     :func:`create_array` shards: rows x every layer, index at the end with CRC32C), whose codecs are
     exactly those :func:`create_array` writes (little-endian bytes, optional Blosc, CRC32C).
     A few attribute checks: cheap enough to make on every read."""
-    from zarr.codecs import ShardingCodec, ShardingCodecIndexLocation
-    from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
-    from zarr.core.metadata import ArrayV3Metadata
 
     guard = arr.store
     meta = arr.metadata

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actstore.core.errors import ActstoreError, QueryError
 
@@ -58,3 +58,11 @@ dask_distributed = LazyModule("dask.distributed", "pip install 'dask[distributed
 transformers = LazyModule("transformers")
 transformers_logging = LazyModule("transformers.utils.logging")
 wordfreq = LazyModule("wordfreq", "pip install 'actstore[methods]'")
+
+if TYPE_CHECKING:
+    import duckdb as duckdb
+    import pyarrow.dataset as pyarrow_dataset
+else:
+    # DuckDB and pyarrow.dataset (which imports pandas: about 0.4 s) load when a statement first runs.
+    duckdb = LazyModule("duckdb")
+    pyarrow_dataset = LazyModule("pyarrow.dataset")

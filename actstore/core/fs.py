@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
+from zarr.core.sync import sync
 
 from actstore.core.errors import ActstoreError, CorruptStoreError, StorageError, StoreNotFoundError
+from actstore.core.tables import HASH_SUFFIX, needs_hash_file, sha256
 
 T = TypeVar("T")
 
@@ -154,7 +156,6 @@ class StoreLocation:
         companion written first, so a reader that sees the table also sees its hash, whichever
         writer (ingest, an analysis, a notebook) adds the file.
         """
-        from actstore.core.tables import HASH_SUFFIX, needs_hash_file, sha256
 
         if needs_hash_file(rel):
             self.write_bytes_atomic(rel + HASH_SUFFIX, sha256(data).encode())
@@ -177,7 +178,6 @@ class StoreLocation:
         ``produce`` returned, the SHA-256 and the size.  Locally ``f`` is a temporary file beside the
         target (hashed from the page cache, then renamed): the bytes are never all in memory.  On an
         object store they are gathered in memory and uploaded once."""
-        from actstore.core.tables import needs_hash_file
 
         if needs_hash_file(rel):
             raise ValueError(f"{rel}: a table with a .sha256 companion is written by write_bytes_atomic")
@@ -385,7 +385,6 @@ def _close_async_filesystems() -> None:
     """Close the HTTP sessions of zarr's async filesystems (else aiohttp warns at exit)."""
     if not _ASYNC_FILESYSTEMS:
         return
-    from zarr.core.sync import sync
 
     for afs in _ASYNC_FILESYSTEMS:
         creator = getattr(afs, "_s3creator", None)

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+from fsspec.asyn import sync
+
 from actstore.core.errors import ActstoreError, StorageError, StoreLockedError
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.lock_holder import Holder
@@ -206,7 +208,6 @@ class WriterLock:
 
     def _read_record_s3(self) -> tuple[Holder | None, str | None]:
         """(record, ETag) of the lock object in one GET; (None, None) when there is none."""
-        from fsspec.asyn import sync
 
         bucket, key, _ = self.loc.fs.split_path(self.loc.path(LOCK_NAME))
         fs = self.loc.fs

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from tqdm.auto import tqdm
+
 
 def progress_bar(
     iterable: Iterable[Any] | None = None,
@@ -25,7 +27,6 @@ def progress_bar(
     enabled: bool = True,
 ) -> Any:
     """A ``tqdm.auto.tqdm`` bar on stderr (``disable`` when not ``enabled``); wraps ``iterable`` when given."""
-    from tqdm.auto import tqdm
 
     return tqdm(
         iterable, total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True

@@ -32,12 +32,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
+from actstore.core.dependencies import duckdb
+from actstore.core.dependencies import pyarrow_dataset as pads
 from actstore.core.errors import CorruptStoreError, QueryError, ReadOnlySQLError
 from actstore.core.sql_limits import (  # noqa: F401 - part of this module's interface
     DEFAULT_MEMORY_LIMIT,
@@ -53,10 +56,7 @@ from actstore.core.sql_limits import (  # noqa: F401 - part of this module's int
 )
 from actstore.core.sql_render import render  # noqa: F401 - part of this module's interface
 
-if TYPE_CHECKING:  # duckdb and pyarrow.dataset are imported when a statement runs: the CLI starts fast
-    import duckdb
-    import pyarrow.dataset as pads
-
+if TYPE_CHECKING:
     from actstore.core.fs import StoreLocation
 
 Params = Sequence[Any] | Mapping[str, Any]
@@ -96,7 +96,6 @@ def _quote(name: str) -> str:
 def _dataset(store: TableSource, files: list[str]) -> pads.Dataset:
     """A table's local files as one dataset; columns missing from a file read as NULL (``union_by_name``).
     Each file's schema comes from the store (read with its footer when its hash was checked)."""
-    import pyarrow.dataset as pads
 
     paths = [store.location.path(f) for f in files]
     schemas = [store.file_schema(rel) for rel in files]
@@ -114,7 +113,6 @@ def _dataset(store: TableSource, files: list[str]) -> pads.Dataset:
 
 def _new_connection(memory_limit: str) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection, locked down (see the module notes), with no table yet."""
-    import duckdb
 
     con = duckdb.connect(
         ":memory:",
@@ -190,7 +188,6 @@ def referenced_tables(query: str) -> set[str] | None:
 
 @functools.lru_cache(maxsize=512)
 def _referenced_tables(query: str) -> frozenset[str] | None:
-    import duckdb
 
     with _PARSER_LOCK:
         if not _PARSER:
@@ -225,7 +222,6 @@ _DATABASES_LOCK = threading.Lock()
 def _database(memory_limit: str) -> duckdb.DuckDBPyConnection:
     """The process's locked-down in-memory database for this memory limit, made once (a new DuckDB
     database costs 15-40 ms; a connection to an existing one, :meth:`cursor`, a few microseconds)."""
-    import os
 
     key = (os.getpid(), memory_limit)
     with _DATABASES_LOCK:
@@ -257,7 +253,6 @@ class SQLSession:
         self, store: TableSource, memory_limit: str, tables: set[str] | None
     ) -> duckdb.DuckDBPyConnection:
         """The connection, with current views of ``tables`` (all tables when None); hold ``lock``."""
-        import os
 
         key = (os.getpid(), memory_limit)
         if self._con is None or self._key != key:
@@ -284,7 +279,6 @@ class SQLSession:
         return con
 
     def close(self) -> None:
-        import os
 
         with self.lock:
             if self._con is not None and self._key is not None and self._key[0] == os.getpid():
@@ -294,7 +288,6 @@ class SQLSession:
 
 def _statement(query: str) -> duckdb.Statement:
     """The one statement ``query`` holds, parsed by DuckDB (nothing is bound or run)."""
-    import duckdb
 
     if not isinstance(query, str):
         raise QueryError(f"SQL must be a string (got {type(query).__name__})")
@@ -337,7 +330,6 @@ def predicate(where: str) -> str:
     """
     if not isinstance(where, str):
         raise QueryError(f"the WHERE predicate must be a string (got {type(where).__name__})")
-    import duckdb
 
     try:
         duckdb.SQLExpression(where)
@@ -405,7 +397,6 @@ def _execute(
     bound: list[Any] | dict[str, Any] | None,
     lim: SQLLimits,
 ) -> pa.Table:
-    import duckdb
 
     fired = threading.Event()
     timer = None

@@ -5,6 +5,7 @@ process may grow while the statement runs) and time; defaults, per call, and per
 from __future__ import annotations
 
 import re
+import resource
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -77,7 +78,8 @@ def limits(memory_limit: str | None = None, timeout: float | None = None) -> Ite
     """Run every SQL statement inside the block with these limits (``timeout=0``: no time limit).
 
     >>> with actstore.core.sql.limits(memory_limit="1GB", timeout=30):
-    ...     store.select("relation_id = 'P17'")
+    ...     len(store.select("relation_id = 'city_country'"))
+    72
     """
     token = _LIMITS.set(current_limits(memory_limit, timeout))
     try:
@@ -118,7 +120,6 @@ class _GrowthCap:
         self.saved: tuple[int, int] | None = None
 
     def _apply(self) -> None:
-        import resource
 
         assert self.saved is not None
         soft, hard = self.saved
@@ -146,7 +147,6 @@ class _GrowthCap:
         return True
 
     def _exit(self, extra: int) -> None:
-        import resource
 
         with self.lock:
             self.active -= 1

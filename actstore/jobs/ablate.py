@@ -9,10 +9,14 @@ from typing import Any
 
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
-from actstore.core.store import StoreReader
+from actstore.core.store import StoreReader, open_reader
 from actstore.ingest.intervention_settings import AblationConfig
+from actstore.ingest.interventions import InterventionRunner
+from actstore.ingest.interventions.ablation import relation_prompts, run_ablation
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
+from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
+from actstore.query.maps.projection import parse_heads
 from actstore.query.selection import Selection
 
 Log = Callable[[str], None]
@@ -44,10 +48,6 @@ class AblateOutcome:
 def run_ablate(store: StoreReader, req: AblateRequest, log: Log | None = None) -> AblateOutcome:
     """Accuracy on the relation's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations; the ``maps_ablation`` table and a ``runs`` row."""
-    from actstore.core.store import open_reader
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.ablation import relation_prompts, run_ablation
-    from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
 
     say = log or (lambda m: None)
     cfg = req.ablation
@@ -120,7 +120,6 @@ def parse_heads_text(text: str | None, store: StoreReader) -> tuple[tuple[int, i
     """``"12.3,7.*"`` -> the (layer, head) pairs of the store's model; None for None."""
     if not text:
         return None
-    from actstore.query.maps.projection import parse_heads
 
     g = store.geometry
     heads = parse_heads(text, g.n_layers, g.n_heads)

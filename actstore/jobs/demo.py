@@ -24,10 +24,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from actstore.core.progress import progress_bar
-from actstore.core.store import StoreReader
+from actstore.core.store import StoreReader, open_reader
+from actstore.jobs.correlate import CorrelateConfig, run_correlate
+from actstore.jobs.ingest import IngestRequest, run_ingest
+from actstore.jobs.probe import record_probe
 from actstore.jobs.record import record_run
+from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
+from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
+from actstore.query.maps.pairs import TokenPairs, store_pairs
+from actstore.query.maps.static import StaticScores, relation_summary, scores_table, static_scores
+from actstore.query.probe import ProbeConfig, run_probe
+from actstore.query.report import write_report
 
 Step = Callable[[str], None]
 
@@ -72,8 +82,6 @@ class DemoLog:
 def probe_step(
     store: StoreReader, kind: str, episodes: int, token_scores: str, log: Step = _quiet
 ) -> dict[str, Any]:
-    from actstore.jobs.probe import record_probe
-    from actstore.query.probe import ProbeConfig, run_probe
 
     cfg = ProbeConfig(
         kind=kind,
@@ -96,14 +104,12 @@ def probe_step(
 
 
 def predictors_step(store: StoreReader, run_id: str) -> dict[str, Any]:
-    from actstore.jobs.correlate import CorrelateConfig, run_correlate
 
     out = run_correlate(store, CorrelateConfig(probe_run=run_id))
     return {r["predictor"]: r["spearman_rho"] for r in out.result.correlations.to_pylist()}
 
 
 def shortcuts_step(store: StoreReader, run_id: str) -> dict[str, Any]:
-    from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
 
     out = run_shortcuts(store, ShortcutsConfig(probe_run=run_id))
     return dict(out.result.summary.to_pylist()[0])
@@ -112,7 +118,6 @@ def shortcuts_step(store: StoreReader, run_id: str) -> dict[str, Any]:
 def store_token_pairs(store: StoreReader, relations: list[str] | None = None) -> list[Any]:
     """Each relation's distinct (subject's first token, object's first token) pairs, from the
     store's own prompts (no tokenizer needed): the MAPS pairs of the demo corpus."""
-    from actstore.query.maps.pairs import TokenPairs, store_pairs
 
     t = store_pairs(store)
     rel = np.asarray(t.column("relation_id").to_pylist())
@@ -134,9 +139,6 @@ def store_token_pairs(store: StoreReader, relations: list[str] | None = None) ->
 def maps_step(
     store: StoreReader, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet
 ) -> dict[str, Any]:
-    import pyarrow as pa
-
-    from actstore.query.maps.static import StaticScores, relation_summary, scores_table, static_scores
 
     started = time.time()
     pairs = store_token_pairs(store)
@@ -170,9 +172,6 @@ def maps_step(
 def maps_dynamic_step(
     store: StoreReader, proj: Any, relations: list[str], k: int = 10, log: Step = _quiet
 ) -> dict[str, Any]:
-    import pyarrow as pa
-
-    from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 
     started = time.time()
     ranks = dynamic_ranks(store, relations=relations, proj=proj)
@@ -283,7 +282,6 @@ def run_demo_analyses(
 
 
 def _write_report(store: StoreReader, path: str) -> str:
-    from actstore.query.report import write_report
 
     return write_report(store, path)
 
@@ -300,8 +298,6 @@ def run_demo(
     """Ingest the demo corpus into ``out/store`` (resuming a store already there), run the analyses
     (:func:`actstore.jobs.demo.run_demo_analyses`) and write ``out/summary.json``; return the summary.
     ``step(title)`` is called as each step starts, ``log`` with the detail lines."""
-    from actstore.core.store import open_reader
-    from actstore.jobs.ingest import IngestRequest, run_ingest
 
     started = time.time()
     store_path = os.path.join(out, "store")

@@ -16,8 +16,10 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import LensRunConfig
+from actstore.query.lens import LensError, lens_study, split_facts
 from actstore.query.methods import fact_ids
 from actstore.query.selection import Selection
+from actstore.query.tuned_lens import TrainConfig
 
 
 @dataclass
@@ -37,8 +39,6 @@ def run_lens(
     """Evaluate the logit lens (and the tuned lens, trained on ``train_fraction`` of the facts) on
     the held-out facts; write the ``lens`` table and a ``runs`` row unless ``cfg.save`` is False.
     ``progress(step, loss)`` is called while the tuned lens trains."""
-    from actstore.query.lens import LensError, lens_study, split_facts
-    from actstore.query.tuned_lens import TrainConfig
 
     started = time.time()
     method = cfg.tuned

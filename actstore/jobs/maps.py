@@ -27,11 +27,23 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from actstore.core.errors import MapsError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import MapsRunConfig
+from actstore.query.maps.defaults import paper_first_mlp, relation_ks
+from actstore.query.maps.pairs import excluded_line, load_pair_files, split_by_min_pairs, tokenize_pairs
+from actstore.query.maps.projection import VocabProjection, parse_heads
+from actstore.query.maps.static import (
+    relation_summary,
+    salient_operations,
+    salient_table,
+    scores_table,
+    static_scores,
+    token_decoder,
+)
 
 Log = Callable[[str], None]
 
@@ -52,7 +64,6 @@ def load_first_mlp(loader: FirstMlp | None) -> Any:
 def first_mlp_wanted(store: StoreReader, first_mlp: bool | None, compare: bool = False) -> bool:
     """Whether a run needs the first-MLP transform: as asked, else the authors' default for the
     store's model (on, except for Llama-3.1-70B)."""
-    from actstore.query.maps.defaults import paper_first_mlp
 
     if compare:
         return True
@@ -81,18 +92,6 @@ def run_maps(
 ) -> MapsOutcome:
     """Static MAPS scores of every head for each relation in the pair files, from the store's
     weights (``first_mlp``: loads the first-MLP transform when the run needs it)."""
-    from actstore.core.errors import MapsError
-    from actstore.query.maps.defaults import relation_ks
-    from actstore.query.maps.pairs import excluded_line, load_pair_files, split_by_min_pairs, tokenize_pairs
-    from actstore.query.maps.projection import VocabProjection, parse_heads
-    from actstore.query.maps.static import (
-        relation_summary,
-        salient_operations,
-        salient_table,
-        scores_table,
-        static_scores,
-        token_decoder,
-    )
 
     started = time.time()
     g = store.geometry

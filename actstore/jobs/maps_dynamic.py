@@ -17,12 +17,18 @@ from typing import Any
 
 import pyarrow as pa
 
+from actstore.core.errors import MapsError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.maps import FirstMlp, Log, first_mlp_wanted, load_first_mlp
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import MapsDynamicConfig
+from actstore.query.maps.defaults import relation_ks
+from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
+from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
+from actstore.query.maps.projection import VocabProjection
+from actstore.query.maps.prompt_policy import usable_prompts
 from actstore.query.selection import Selection
 
 
@@ -53,12 +59,6 @@ def run_maps_dynamic(
     """Dynamic MAPS scores from the store's head outputs and their correlation with the static
     scores; ``tokenizer`` is loaded for single-token prompts and pair files; ``client``: a Dask
     client for the projections (None: in this process)."""
-    from actstore.core.errors import MapsError
-    from actstore.query.maps.defaults import relation_ks
-    from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
-    from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
-    from actstore.query.maps.projection import VocabProjection
-    from actstore.query.maps.prompt_policy import usable_prompts
 
     started = time.time()
     wanted = list(cfg.relations) if cfg.relations else None

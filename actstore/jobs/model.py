@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from actstore.core.dependencies import transformers_logging
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
+from actstore.ingest.first_mlp import first_mlp_transform
+from actstore.ingest.models import known_alias, load_model
 from actstore.ingest.settings import MODEL_DTYPES
 
 
 def model_for_store(store: StoreReader, model: str | None) -> str:
     """``model`` when given, else the store's own model when it is one of actstore's aliases."""
-    from actstore.ingest.models import known_alias
 
     if model:
         return model
@@ -44,9 +47,6 @@ def load_store_model(
 ) -> Any:
     """The store's model (see :func:`model_for_store`), loaded; refused when its weights differ from
     the store's unless ``allow_other_model``."""
-    import torch
-
-    from actstore.ingest.models import load_model
 
     if model_dtype not in MODEL_DTYPES:
         raise InvalidSetting("model_dtype", f"{model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
@@ -68,7 +68,6 @@ def load_store_model(
 def first_mlp_for_store(store: StoreReader, model: str | None) -> Any:
     """The first-MLP source transform of the store's model (loaded on the CPU, float32), for MAPS
     static scores through the first MLP."""
-    from actstore.ingest.first_mlp import first_mlp_transform
 
     loaded = load_store_model(store, model)
     return first_mlp_transform(loaded.model)

@@ -7,11 +7,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from actstore.core.errors import PatchError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.ingest.intervention_settings import PatchConfig
+from actstore.ingest.interventions import InterventionRunner
+from actstore.ingest.interventions.patching import (
+    ActivationPatcher,
+    PatchPair,
+    choose_counterfactuals,
+    effects_table,
+    pairs_table,
+)
+from actstore.ingest.interventions.tracing import stored_facts
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
 from actstore.query.selection import Selection
@@ -57,16 +67,6 @@ def parse_pair(text: str) -> tuple[int, int]:
 
 def run_patch(store: StoreReader, req: PatchRequest) -> PatchOutcome:
     """Activation patching: clean activations into a counterfactual prompt of the same relation."""
-    from actstore.core.errors import PatchError
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.patching import (
-        ActivationPatcher,
-        PatchPair,
-        choose_counterfactuals,
-        effects_table,
-        pairs_table,
-    )
-    from actstore.ingest.interventions.tracing import stored_facts
 
     started = time.time()
     cfg = req.patch if req.patch is not None else PatchConfig()

@@ -16,7 +16,8 @@ import numpy as np
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
-from actstore.query.probe import ProbeOutput
+from actstore.query.attribution import run_row
+from actstore.query.probe import ProbeConfig, ProbeOutput
 from actstore.query.probe_tables import probe_tables
 
 CONTRAST_TEXT = {
@@ -32,8 +33,6 @@ def contrast_text(reading: str | None) -> str:
 
 def run_contrast(store: StoreReader, run_id: str) -> str:
     """The contrast reading the probe run ``run_id`` was made with."""
-    from actstore.query.attribution import run_row
-    from actstore.query.probe import ProbeConfig
 
     return ProbeConfig.from_json(str(run_row(store, run_id)["config"])).contrast
 
@@ -52,7 +51,6 @@ class HeadScoreGrid:
 def headscore_grid(store: StoreReader, run_id: str, relation: str | None = None) -> HeadScoreGrid:
     """Mean HeadScore per layer x head over the run's query predictions (only those whose gold
     relation is ``relation`` when given)."""
-    from actstore.query.attribution import run_row
 
     run_row(store, run_id)  # an unknown run: one line naming the runs there are
     cond, params = "run_id = ?", [run_id]

@@ -15,6 +15,7 @@ import numpy as np
 
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
+from actstore.query.selection import Selection
 from actstore.query.topk import TopK, top_activations
 
 
@@ -40,7 +41,6 @@ def run_topk(
 ) -> TopkOutcome:
     """Select the rows (``where``: one predicate over ``examples``), find the top ``k`` of every unit,
     record the run (unless ``save`` is False)."""
-    from actstore.query.selection import Selection
 
     started = time.time()
     sel = Selection.from_sql(store, where)

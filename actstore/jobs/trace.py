@@ -17,6 +17,15 @@ from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.ingest.intervention_settings import TraceConfig
+from actstore.ingest.interventions import InterventionRunner
+from actstore.ingest.interventions.tracing import (
+    CausalTracer,
+    TraceError,
+    effects_table,
+    facts_table,
+    stored_facts,
+    subject_embedding_std,
+)
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
 from actstore.query.selection import Selection
@@ -55,15 +64,6 @@ class TraceOutcome:
 def run_trace(store: StoreReader, req: TraceRequest) -> TraceOutcome:
     """Causal tracing of the store's facts: noise on the subject, clean states restored per layer
     and position.  Settings are checked before the model loads."""
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.tracing import (
-        CausalTracer,
-        TraceError,
-        effects_table,
-        facts_table,
-        stored_facts,
-        subject_embedding_std,
-    )
 
     started = time.time()
     cfg = req.trace if req.trace is not None else TraceConfig()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,8 +53,6 @@ def _open_regular(path: Path) -> Any:
     """``path`` opened for binary reading if it is a regular file of at most :data:`MAX_JSONL_BYTES`; a
     named pipe, a device (``/dev/zero``) or a socket is refused before it is read (the type is checked
     on the descriptor, opened non-blocking so that a pipe cannot hang the open)."""
-    import os
-    import stat
 
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))

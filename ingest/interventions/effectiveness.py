@@ -38,8 +38,9 @@ import torch
 
 from actstore.core.errors import TraceError
 from actstore.ingest.intervention_settings import TraceConfig
-from actstore.ingest.interventions.facts import StoredFact
+from actstore.ingest.interventions.facts import StoredFact, subject_embedding_std
 from actstore.ingest.interventions.runner import Intervention, InterventionRunner, RunItem
+from actstore.ingest.interventions.tracing_incremental import Incremental
 
 if TYPE_CHECKING:
     from actstore.ingest.interventions.tracing import CausalTracer
@@ -224,7 +225,6 @@ def _restore_incremental(
 ) -> tuple[float, dict[tuple[str, int], float]]:
     """Restores of ``sites`` computed from the corrupted runs (see the module docstring): the mean
     corrupted P(o) over the noise samples and, per site, the mean restored P(o)."""
-    from actstore.ingest.interventions.tracing_incremental import Incremental
 
     inc = Incremental(tracer, [fact], tracer.clean([fact]), span=True)
     probs = inc.run(inc.site_rows(sites)).reshape(tracer.cfg.samples, len(sites)).mean(axis=0)
@@ -243,7 +243,6 @@ def sites_by_fact(site_lists: Iterable[Any]) -> dict[int, set[tuple[str, int]]]:
 
 def noise_std_for(model: Any, store: Any, runner: InterventionRunner, scale: float) -> float:
     """``scale`` x the standard deviation of the store's subject-token embeddings (as causal tracing)."""
-    from actstore.ingest.interventions.facts import subject_embedding_std
 
     with torch.inference_mode():
         return float(scale) * subject_embedding_std(model, store, runner.arch)

@@ -21,6 +21,14 @@ import re
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .base import LoadedModel, ModelError, prepare, short_reason, weight_hash
@@ -154,14 +162,6 @@ def _causes(exc: BaseException) -> list[BaseException]:
 
 def _hub_failure(key: str, exc: BaseException) -> str:
     """Why ``key`` could not be fetched from the hub, and what to do, from huggingface_hub's errors."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
     endpoint = constants.ENDPOINT
     for cause in _causes(exc):
@@ -202,8 +202,6 @@ def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedMod
         raise unknown(f"no folder {str(Path(key).expanduser())!r}")
     if not _REPO_ID.match(key) or "--" in key or ".." in key:
         raise unknown("not a valid hub repository name")
-
-    from huggingface_hub import constants
 
     def fetch(local_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         model = AutoModelForCausalLM.from_pretrained(

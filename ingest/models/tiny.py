@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from .base import LoadedModel, ModelError, prepare, weight_hash
@@ -114,7 +115,6 @@ _TINY_CORPUS: tuple[str, ...] = (
 @functools.cache
 def _tiny_tokenizer_json(add_bos: bool) -> str:
     """The trained tiny tokenizer, serialized (trained once per process and flavour)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -146,7 +146,6 @@ def tiny_tokenizer(*, add_bos: bool = False) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE tokenizer (vocabulary about 512, trained offline on a fixed
     list of English sentences; ``<pad>``=0, ``<s>``=1, ``</s>``=2).  A new wrapper every call, so
     changing e.g. ``padding_side`` on one does not affect others."""
-    from tokenizers import Tokenizer
 
     backend = Tokenizer.from_str(_tiny_tokenizer_json(add_bos))
     tokenizer = PreTrainedTokenizerFast(

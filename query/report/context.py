@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from matplotlib.figure import Figure as MplFigure
 
 from actstore.core.errors import CorruptStoreError, QueryError, StorageError
+from actstore.core.sql import run_sql
 from actstore.core.store import StoreReader
 from actstore.query import plotting
 
@@ -169,7 +170,6 @@ class ReportContext:
 
     def sql(self, query: str, params: Sequence[Any] | None = None) -> pa.Table:
         """One read-only SELECT over the store's tables; ``params`` bound by DuckDB (``?`` placeholders)."""
-        from actstore.core.sql import run_sql
 
         return run_sql(self.store, query, self.con, params=params)
 
