@@ -1,10 +1,12 @@
 """Corpus-mode capture (``--positions all``): ``z``, ``mlp`` and ``resid`` at every kept position.
 
 Rows are the kept positions of :class:`~actstore.ingest.corpus_windows.CorpusPlan`, in corpus order;
-segment ``s`` holds rows ``s * segment_size ..`` (``--segment-size`` counts positions here).  Each
-segment runs the windows holding its rows (a window cut by a segment boundary runs once for each of
-its segments: keep ``--segment-size`` well above the window length) through the model with the fused
-capture, its targets being those rows.  The per-source factors (``attn``, ``v``) are not captured:
+segment ``s`` holds rows ``s * segment_size ..`` (``--segment-size`` counts positions here).  The
+windows go through the model in fixed global batches (windows ``k * batch_size ..``), every kept
+position a target of the fused capture; a segment takes its rows from the batches holding them, and
+the last one, when it holds rows of the next segment too, is kept for that segment, so a window runs
+once in an uninterrupted ingest.  Since a batch is the same whichever segment asks for it, a resumed
+ingest, or a rank that recomputes a batch its neighbour also ran, writes the same bytes.  The per-source factors (``attn``, ``v``) are not captured:
 their flat axes are empty.  Kinds and layers that ``--kinds`` / ``--layers`` do not keep are written
 as zero chunks (a few bytes each after compression) and refused on read
 (:func:`actstore.query.features.check_corpus_kind`).
@@ -16,6 +18,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,7 @@ from actstore.ingest.ranks import rank_zero_first
 from actstore.ingest.settings import IngestConfig
 
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FLAT = ("attn", "v")  # empty in corpus mode: no sources are stored
 ROW_FIELDS = ("document", "window_index", "position", "window_position", "token_id", "char_start", "char_end")
 
 
@@ -161,31 +165,44 @@ def capture_positions(
     S = cfg.segment_size
     n_todo = sum(min(S, plan.n_rows - s * S) for s in todo)
     bar = progress_bar(total=n_todo, unit="position", desc="ingest", enabled=cfg.progress and cfg.rank == 0)
+    B = cfg.batch_size
+    carry: _Captured | None = None  # the last global batch, when it holds rows of the next segment
     with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
+
+        def run_batch(number: int) -> _Captured:
+            nonlocal forward_s
+            wins = range(number * B, min((number + 1) * B, len(plan.windows)))
+            t0 = time.perf_counter()
+            meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
+            ids, mask, index, next_ids = _batch(plan, wins, pad_id, device, meta)
+            out = capture.run(ids, mask, index, position_ids(mask))
+            host = to_host(out, SEGMENT_ARRAYS)
+            arrays = {n: (a[:, kept[n]] if n in kept else a) for n, a in host.items()}  # kept layers only
+            top, lp, rank = _predictions(out["logits"], next_ids)
+            cols = {n: np.concatenate(v) for n, v in meta.items()} | {
+                "top": top,
+                "lp": lp,
+                "rank": rank,
+                "next": next_ids,
+            }
+            forward_s += time.perf_counter() - t0
+            return _Captured(number, int(plan.row_start[wins.start]), arrays, cols)
+
         for k, seg in enumerate(todo):
             lo, hi = seg * S, min((seg + 1) * S, plan.n_rows)
-            parts: dict[str, list[np.ndarray]] = {
-                n: [] for n in (*SEGMENT_ARRAYS, "top", "lp", "rank", "next")
-            }
-            meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
-            wins = list(plan.windows_of(lo, hi))
-            for b0 in range(0, len(wins), cfg.batch_size):
-                batch = wins[b0 : b0 + cfg.batch_size]
-                t0 = time.perf_counter()
-                ids, mask, index, next_ids = _batch(plan, batch, lo, hi, pad_id, device, meta)
-                out = capture.run(ids, mask, index, position_ids(mask))
-                for name, host in to_host(out, SEGMENT_ARRAYS).items():
-                    parts[name].append(host[:, kept[name]] if name in kept else host)  # kept layers only
-                top, lp, rank = _predictions(out["logits"], next_ids)
-                for name, value in (("top", top), ("lp", lp), ("rank", rank), ("next", next_ids)):
-                    parts[name].append(value)
-                forward_s += time.perf_counter() - t0
-                bar.update(int(index.target_b.numel()))
-            arrays = {n: np.concatenate(parts[n]) for n in SEGMENT_ARRAYS}
-            rows = {n: np.concatenate(meta[n]) for n in ROW_FIELDS}
-            preds = (np.concatenate(parts["top"]), np.concatenate(parts["lp"]), np.concatenate(parts["rank"]))
+            wins = plan.windows_of(lo, hi)
+            pieces: list[_Captured] = []
+            for number in range(wins.start // B, (wins.stop - 1) // B + 1):
+                cap = carry if carry is not None and carry.number == number else run_batch(number)
+                pieces.append(cap.rows(lo, hi))
+                carry = cap if cap.end > hi else None
+            bar.update(hi - lo)
+            arrays = {n: np.concatenate([p.arrays[n] for p in pieces]) for n in SEGMENT_ARRAYS}
+            cols = {n: np.concatenate([p.cols[n] for p in pieces]) for n in pieces[0].cols}
+            rows = {n: cols[n] for n in ROW_FIELDS}
+            preds = (cols["top"], cols["lp"], cols["rank"])
             tables = segment_corpus_tables(
-                seg, lo, rows, docs.texts, tokenizer, preds, np.concatenate(parts["next"]), docs.spec
+                seg, lo, rows, docs.texts, tokenizer, preds, cols["next"], docs.spec
             )
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
@@ -203,17 +220,36 @@ def capture_positions(
     )
 
 
+@dataclass(frozen=True)
+class _Captured:
+    """Global batch ``number`` (windows ``number * batch_size ..``) captured: its kept positions are
+    rows ``start ..`` in order; ``arrays`` holds the kept layers, ``cols`` the per-row columns."""
+
+    number: int
+    start: int
+    arrays: dict[str, np.ndarray]
+    cols: dict[str, np.ndarray]
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.cols["token_id"].size)
+
+    def rows(self, lo: int, hi: int) -> _Captured:
+        """Its rows in ``lo .. hi-1`` (the flat ``attn`` and ``v`` are empty in corpus mode)."""
+        a, b = max(lo, self.start) - self.start, max(min(hi, self.end), lo) - self.start
+        arrays = {n: (v[a:b] if n not in FLAT else v) for n, v in self.arrays.items()}
+        return _Captured(self.number, self.start + a, arrays, {n: v[a:b] for n, v in self.cols.items()})
+
+
 def _batch(
     plan: CorpusPlan,
     wins: Sequence[int],
-    lo: int,
-    hi: int,
     pad_id: int,
     device: torch.device,
     meta: dict[str, list[np.ndarray]],
 ) -> tuple[torch.Tensor, torch.Tensor, BatchIndex, np.ndarray]:
-    """One right-padded batch of windows, its targets the kept positions with rows in ``lo..hi-1``
-    (in row order), and the next token id of each target (-1 at a window's end)."""
+    """One right-padded batch of windows, its targets their kept positions (in row order), and the next
+    token id of each target (-1 at a window's end)."""
     T = max(plan.windows[w].ids.size for w in wins)
     ids = torch.full((len(wins), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(wins), T), dtype=torch.long)
@@ -226,8 +262,6 @@ def _batch(
         ids[b, :n] = torch.from_numpy(win.ids)
         mask[b, :n] = 1
         pos = np.flatnonzero(win.kept)
-        row = plan.row_start[w] + np.arange(pos.size)
-        pos = pos[(row >= lo) & (row < hi)]
         tb.append(np.full(pos.size, b, np.int64))
         tp.append(pos)
         following = np.append(win.ids, -1)

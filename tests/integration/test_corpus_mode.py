@@ -23,6 +23,7 @@ import actstore
 import actstore.ingest.corpus_capture as cc
 from actstore.core.errors import ActstoreError, QueryError, StorageError
 from actstore.core.verify import verify_store
+from actstore.ingest.capture import FusedCapture
 from actstore.ingest.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -266,3 +267,20 @@ def test_verify_checks_the_positions_shards(tmp_path: Path) -> None:
     shard.write_bytes(bytes(data))
     report = verify_store(actstore.open(store.url))
     assert any("tables/positions/000001.parquet" in p for p in report.problems), report.problems
+
+
+def test_each_window_runs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows go through the model in fixed batches; a batch holding rows of two segments is run once
+    and shared (segments of 8 positions, batches of 2 windows of up to 9 tokens here)."""
+    calls: list[int] = []
+    run = FusedCapture.run
+
+    def counted(self: FusedCapture, input_ids: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        calls.append(int(input_ids.shape[0]))
+        return run(self, input_ids, *args, **kw)
+
+    monkeypatch.setattr(FusedCapture, "run", counted)
+    store = ingest(tmp_path, "s", context_length=9)
+    n_windows = store.manifest.ingest["windows"]
+    assert store.manifest.n_segments > 2
+    assert sum(calls) == n_windows and len(calls) == -(-n_windows // 2)
