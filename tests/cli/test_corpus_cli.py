@@ -92,3 +92,7 @@ def test_estimate_comes_before_the_first_batch(tmp_path: Path) -> None:
     # tiny Llama: (64 (d_model) x 2 residual indices + 128 (d_mlp) x 2 layers) x 2 bytes (float16)
     assert " x 768 bytes" in err
     assert (out / "manifest.json").exists()
+    info = CliRunner().invoke(main, ["info", str(out)])
+    assert info.exit_code == 0, info.stderr
+    assert "corpus    every kept token of 2 documents" in info.stdout
+    assert "kept mlp 0,1; resid 0,1" in info.stdout and "positions (1 files)" in info.stdout
