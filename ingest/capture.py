@@ -118,21 +118,22 @@ def _capture_attention(
     state = cap.state
     assert state is not None
     ix = state.index
-    scaling = kwargs.get("scaling")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    probs = target_probabilities(
-        query,
-        key,
-        attention_mask,
-        float(scaling),
-        ix,
-        softcap=kwargs.get("softcap"),
-        sliding_window=kwargs.get("sliding_window"),
-    )
     dt = state.z.dtype
     state.z[:, layer] = out[ix.target_b, ix.target_pos].to(dt)  # out: [B, T, H, d]
-    state.attn[:, layer] = probs[ix.src_t, :, ix.src_pos].to(dt)
+    if ix.src_t.numel():  # (corpus mode stores no sources: its targets' rows are never computed)
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        probs = target_probabilities(
+            query,
+            key,
+            attention_mask,
+            float(scaling),
+            ix,
+            softcap=kwargs.get("softcap"),
+            sliding_window=kwargs.get("sliding_window"),
+        )
+        state.attn[:, layer] = probs[ix.src_t, :, ix.src_pos].to(dt)
     state.v[:, layer] = value[ix.tok_b, :, ix.tok_pos, :].to(dt)
     return out, None
 

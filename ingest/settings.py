@@ -15,6 +15,8 @@ from actstore.core.manifest import STORAGE_DTYPES
 from actstore.core.settings import check_settings, setting
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
+CORPUS_KINDS = ("resid", "mlp", "attn", "z")  # what --positions all can keep at every position
+SOURCE_FACTOR_KINDS = ("attn_head_token", "attn_entity", "attn_prob", "v")  # target mode only
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class IngestRequest(IngestConfig):
     dataset: str = setting(
         "demo",
         "KIND:PATH (KIND in fewrel, lre, known1000, maps, jsonl), a public data set by name "
-        "(fewrel, lre, known1000, maps; docs/datasets.md), or demo.",
+        "(fewrel, lre, known1000, maps; docs/datasets.md), or demo; with --positions all a text corpus: "
+        "text:FILE (one document a line), jsonl:FILE (a text column) or hf:NAME[:SPLIT].",
     )
     relations: tuple[str, ...] | None = setting(None, "Comma-separated relation ids to keep.")
     limit_per_relation: int | None = setting(None, "At most this many prompts per relation.", low=1)
@@ -131,13 +134,80 @@ class IngestRequest(IngestConfig):
         low=0,
     )
 
+    positions: str = setting(
+        "target",
+        "Which positions are stored: target (one per prompt) or all (every kept token of a text corpus: "
+        "--dataset text:FILE, jsonl:FILE or hf:NAME; docs/datasets.md).",
+        choices=("target", "all"),
+    )
+    kinds: tuple[str, ...] | None = setting(
+        None,
+        "--positions all: what is kept at every position, of resid, mlp, attn, z (attn and z both keep "
+        "z, from which attn_head and attn are exact); default all four.",
+    )
+    layers: tuple[int, ...] | None = setting(
+        None,
+        "--positions all: the layers kept (resid: residual indices, L keeping the last one); default all.",
+    )
+    context_length: int = setting(
+        0,
+        "--positions all: tokens per window the model sees (0: the model's maximum); a longer "
+        "document is cut into windows, the cut recorded in the positions table.",
+        low=0,
+    )
+    keep_special: bool = setting(
+        False, "--positions all: keep BOS, EOS and other special tokens' positions (excluded by default)."
+    )
+    pack: bool = setting(
+        False,
+        "--positions all: join the documents by --pack-separator into one stream before cutting windows.",
+    )
+    pack_separator: str | None = setting(None, "--pack: the separator text (default the tokenizer's EOS).")
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_positions()
         check_settings(self)
         if self.relations is not None and not self.relations:
             raise InvalidSetting(
                 "relations", "no relation ids given (leave the setting out to keep every relation)"
             )
+
+    def _check_positions(self) -> None:
+        corpus_only = {
+            "kinds": self.kinds is not None,
+            "layers": self.layers is not None,
+            "context_length": self.context_length != 0,
+            "keep_special": self.keep_special,
+            "pack": self.pack,
+            "pack_separator": self.pack_separator is not None,
+        }
+        if self.positions != "all":
+            given = [k for k, v in corpus_only.items() if v]
+            if given:
+                raise InvalidSetting(given[0], "applies to --positions all only")
+            return
+        for kind in self.kinds or ():
+            if kind in SOURCE_FACTOR_KINDS:
+                raise InvalidSetting(
+                    "kinds",
+                    f"{kind} needs the per-source factors, which only --positions target stores (a corpus "
+                    f"store keeps {', '.join(CORPUS_KINDS)})",
+                )
+            if kind not in CORPUS_KINDS:
+                raise InvalidSetting("kinds", f"{kind!r} is not one of {', '.join(CORPUS_KINDS)}")
+        if self.kinds is not None and not self.kinds:
+            raise InvalidSetting("kinds", f"no kind given (one or more of {', '.join(CORPUS_KINDS)})")
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            raise InvalidSetting("layers", "give layer numbers 0 and above")
+        if self.pack_separator is not None and not self.pack:
+            raise InvalidSetting("pack_separator", "applies to --pack only")
+        if self.relations is not None or self.limit_per_relation is not None or self.template is not None:
+            raise InvalidSetting("positions", "a text corpus has no relations or templates (--positions all)")
+        if self.length_batching:
+            raise InvalidSetting("length_batching", "applies to --positions target only")
+        if self.padding_side != "right":
+            raise InvalidSetting("padding_side", "--positions all pads on the right")
 
     def capture_config(self, out: str, extra: dict[str, object]) -> IngestConfig:
         """The pipeline's settings: this request's IngestConfig fields, with ``out`` and ``extra`` replaced."""

@@ -77,6 +77,7 @@ class FeatureSpec:
             raise QueryError(
                 f"layer {bad[0] if bad else '(none)'} out of range for {kind}: valid 0..{n_layer_slots - 1}"
             )
+        check_corpus_kind(store, kind, ls)
         if heads is not None:
             if kind not in HEAD_KINDS:
                 raise InvalidSetting("heads", f"does not apply to feature kind {kind!r}")
@@ -91,6 +92,34 @@ class FeatureSpec:
             if not 1 <= G <= g.d_mlp:
                 raise InvalidSetting("groups", f"must be between 1 and d_mlp={g.d_mlp}, not {G}")
         return cls(kind, ls, None if heads is None else tuple(heads), groups)
+
+
+# The stored array each kind is computed from in a corpus store (``--positions all``); the kinds
+# that need the per-source factors (attention rows, values) are target-mode only.
+CORPUS_ARRAY = {"z": "z", "attn_head": "z", "attn": "z", "mlp": "mlp", "mlp_group": "mlp", "resid": "resid"}
+
+
+def check_corpus_kind(store: StoreReader, kind: str, layers: Sequence[int]) -> None:
+    """In a corpus store, refuse (one line) a kind or layer its ingest did not keep: what was not kept
+    is stored as zero chunks, which must never be read as activations."""
+    ingest = store.manifest.ingest
+    if ingest.get("positions") != "all":
+        return
+    kept = ingest.get("kept") or {}
+    array = CORPUS_ARRAY.get(kind)
+    if array is None:
+        raise QueryError(
+            f"{kind} needs the per-source factors, which a corpus store (--positions all) does not keep; "
+            "ingest with --positions target for it"
+        )
+    have = kept.get(array) or []
+    missing = [x for x in layers if x not in have]
+    if missing:
+        what = "residual index" if array == "resid" else "layer"
+        raise QueryError(
+            f"{kind}: {what} {missing[0]} was not kept by this corpus store's ingest (kept "
+            f"{array}: {', '.join(map(str, have)) or 'none'}; --kinds and --layers choose what is kept)"
+        )
 
 
 def group_bounds(d_mlp: int, groups: int) -> list[int]:

@@ -81,10 +81,11 @@ def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
         "segments_already_committed": report.segments_skipped,
         "seconds": round(report.seconds, 2),
     }
+    unit = "positions" if req.positions == "all" else "examples"  # a corpus store's rows are positions
     click.echo(
         json.dumps(summary)
         if as_json
-        else f"wrote {report.store}: {report.n_examples} examples, {report.segments_written} segments "
+        else f"wrote {report.store}: {report.n_examples} {unit}, {report.segments_written} segments "
         f"({report.segments_skipped} already committed) in {report.seconds:.1f}s"
     )
 

@@ -21,7 +21,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-from actstore.core.tables import SEGMENT_TABLES
+from actstore.core.tables import ALL_SEGMENT_TABLES
 
 EXIT_DAMAGED = 3  # verify found a problem (the store is damaged or incomplete)
 
@@ -44,20 +44,40 @@ def _bytes(s: Any) -> int:
     return int(snap.segment_bytes + sum(f.bytes for f in snap.files().values()))
 
 
+CORPUS_FIELDS = ("documents", "windows", "cut_documents", "context_length", "special", "pack", "kept")
+
+
+def _corpus_line(ingest: dict[str, Any]) -> str:
+    """What a corpus store (``--positions all``) holds, in one line of ``info``."""
+    kept = ingest.get("kept") or {}
+    layers = "; ".join(f"{k} {','.join(map(str, v))}" for k, v in kept.items() if v) or "nothing"
+    return (
+        f"corpus    every kept token of {ingest.get('documents')} documents in {ingest.get('windows')} "
+        f"windows of <= {ingest.get('context_length')} tokens{' (packed)' if ingest.get('pack') else ''}, "
+        f"special tokens {ingest.get('special')}; kept {layers}"
+    )
+
+
 @command(example="actstore info /tmp/s --json")
 @store_argument
 @json_option
 def info(store: str, as_json: bool) -> None:
     """Summarise a store: model, geometry, corpus, sizes."""
     s = open_store_arg(store)
-    rel = s.sql(
-        "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
-        "FROM examples GROUP BY 1 ORDER BY 1"
-    ).to_pylist()
+    ingest = s.manifest.ingest
+    corpus = ingest.get("positions") == "all"  # a corpus store's rows are token positions, no relations
+    rel = (
+        []
+        if corpus
+        else s.sql(
+            "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
+            "FROM examples GROUP BY 1 ORDER BY 1"
+        ).to_pylist()
+    )
     # Every table file info lists is checked (hash, footer) as a statement reading it would, except the
     # segment tables' (their files grow with the store: examples was read above, verify checks them all).
     listed = s.table_files()
-    s.check_table_shards([n for n in listed if n not in SEGMENT_TABLES], listed)
+    s.check_table_shards([n for n in listed if n not in ALL_SEGMENT_TABLES], listed)
     tables = {name: len(files) for name, files in listed.items()}
     d = {
         "store": s.url,
@@ -70,6 +90,7 @@ def info(store: str, as_json: bool) -> None:
         "segments": {"committed": len(s.commits), "total": s.manifest.n_segments},
         "complete": s.complete,
         "relations": rel,
+        **({"corpus": {k: ingest.get(k) for k in CORPUS_FIELDS}} if corpus else {}),
         "tables": tables,
         "bytes": _bytes(s),
         "chunks": {
@@ -95,6 +116,7 @@ def info(store: str, as_json: bool) -> None:
         f"chunks    {s.manifest.chunk_rows} rows / {s.manifest.chunk_flat} flat entries x "
         + (f"{s.manifest.chunk_layers} layer(s)" if s.manifest.chunk_layers else "all layers"),
         f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}",
+        *([_corpus_line(ingest)] if corpus else []),
         *(f"  {printable(r['relation_id']):<24} {r['n']:>6}  {r['relation_name']}" for r in rel),
     ]
     for line in out:

@@ -40,7 +40,7 @@ from actstore.core.snapshot import (
     snapshot_name,
 )
 from actstore.core.store import StoreReader
-from actstore.core.tables import SCHEMAS, SEGMENT_TABLES
+from actstore.core.tables import ALL_SEGMENT_TABLES, SCHEMAS, SEGMENT_TABLES
 
 FILE_EXAMPLES = 1 << 18  # examples per compacted file at most (a full compaction's file size)
 
@@ -191,14 +191,14 @@ def compact_held(
     rows = {s: c.n_rows for s, c in commits.items()}
     if full or old is None:
         groups = _groups(_units(sorted(commits), old), rows, FILE_EXAMPLES)
-        kept: dict[str, list[TableFile]] = {t: [] for t in SEGMENT_TABLES}
+        kept: dict[str, list[TableFile]] = {t: [] for t in store.manifest.segment_tables}
     else:
         groups = [new_segs]
-        kept = {t: list(old.tables[t]) for t in SEGMENT_TABLES}
+        kept = {t: list(old.tables[t]) for t in store.manifest.segment_tables}
     written = 0
     bytes_written = 0
     tables: dict[str, tuple[TableFile, ...]] = {}
-    for table in SEGMENT_TABLES:
+    for table in store.manifest.segment_tables:
         files = kept[table]
         for k, segs in enumerate(groups, start=len(files)):
             path = compacted_name(table, number, k)
@@ -252,7 +252,7 @@ def _remove_unreferenced(loc: StoreLocation, snap: Snapshot, previous: Snapshot 
     keep = set(snap.files()) | set(previous.files() if previous else ())
     keep_snaps = {snapshot_name(snap.number)} | ({snapshot_name(previous.number)} if previous else set())
     removed = 0
-    for table in SEGMENT_TABLES:
+    for table in ALL_SEGMENT_TABLES:
         for name in loc.listdir(f"tables/{table}"):
             rel = f"tables/{table}/{name}"
             if is_compacted_file(rel) and rel not in keep:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from actstore.core.errors import CorruptStoreError, FormatVersionError, StoreNotFoundError
-from actstore.core.tables import SEGMENT_TABLES
+from actstore.core.tables import ALL_SEGMENT_TABLES, SEGMENT_TABLES, store_segment_tables
 
 if TYPE_CHECKING:
     from actstore.core.fs import StoreLocation
@@ -219,10 +219,9 @@ class SegmentCommit:
         d = parse_json_object(data, where, "commit marker")
         if not checksum_ok(d, {f.name for f in fields(cls)}):
             raise CorruptStoreError(f"{where}: commit marker fails its checksum (the file is corrupt)")
-
         where = f"{where}: commit marker"
         tables = _field_dict(d, "table_sha256", where)
-        if set(tables) != set(SEGMENT_TABLES) or not all(
+        if set(tables) not in (set(SEGMENT_TABLES), set(ALL_SEGMENT_TABLES)) or not all(
             isinstance(v, str) and _HEX64.fullmatch(v) for v in tables.values()
         ):
             raise CorruptStoreError(
@@ -269,6 +268,11 @@ class SegmentCommit:
                 f"{where}: rows {self.row_start}..{self.row_start + self.n_rows} but segment {self.segment} holds "
                 f"rows {want_start}..{want_start + want_rows}"
             )
+        if set(self.table_sha256) != set(manifest.segment_tables):
+            raise CorruptStoreError(
+                f"{where}: the marker lists tables {', '.join(sorted(self.table_sha256))}, the store's "
+                f"segments have {', '.join(manifest.segment_tables)}"
+            )
         if max(self.n_sources, self.n_tokens) > max(1, self.n_rows) * MAX_CONTEXT:
             raise CorruptStoreError(
                 f"{where}: {max(self.n_sources, self.n_tokens)} sources or tokens for "
@@ -297,6 +301,11 @@ class Manifest:
     @property
     def n_segments(self) -> int:
         return (self.n_examples + self.segment_size - 1) // self.segment_size
+
+    @property
+    def segment_tables(self) -> tuple[str, ...]:
+        """The tables written per segment: examples, tokens, targets, and positions in a corpus store."""
+        return store_segment_tables(self.ingest)
 
     def to_json(self) -> bytes:
         d = asdict(self)

@@ -40,7 +40,7 @@ from actstore.core.manifest import (
     parse_json_object,
     seal,
 )
-from actstore.core.tables import SEGMENT_TABLES
+from actstore.core.tables import ALL_SEGMENT_TABLES
 
 SNAPSHOT_DIR = "snapshot"
 CURRENT = f"{SNAPSHOT_DIR}/CURRENT"
@@ -62,7 +62,7 @@ def compacted_name(table: str, number: int, k: int) -> str:
 def is_compacted_file(rel: str) -> bool:
     """True for the path of a compacted segment-table file (``tables/<table>/cNNNNNN-KKK.parquet``)."""
     parts = rel.split("/")
-    return len(parts) == 3 and parts[1] in SEGMENT_TABLES and bool(_FILE_NAME.fullmatch(parts[2]))
+    return len(parts) == 3 and parts[1] in ALL_SEGMENT_TABLES and bool(_FILE_NAME.fullmatch(parts[2]))
 
 
 @dataclass(frozen=True)
@@ -147,9 +147,9 @@ class Snapshot:
                 raise CorruptStoreError(f"{where}: segment {seg} has impossible sizes")
             segments[seg] = (n_sources, n_tokens)
         tables_raw = d.get("tables")
-        if not isinstance(tables_raw, dict) or set(tables_raw) != set(SEGMENT_TABLES):
+        if not isinstance(tables_raw, dict) or set(tables_raw) != set(manifest.segment_tables):
             raise CorruptStoreError(
-                f"{where} field 'tables' must list the files of {', '.join(SEGMENT_TABLES)}"
+                f"{where} field 'tables' must list the files of {', '.join(manifest.segment_tables)}"
             )
         tables: dict[str, tuple[TableFile, ...]] = {}
         seen: set[str] = set()

@@ -45,7 +45,7 @@ from actstore.core.segments import (
 )
 from actstore.core.snapshot import Snapshot, is_compacted_file, read_snapshot
 from actstore.core.store_html import store_html
-from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
+from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, sha256
 
 if TYPE_CHECKING:
     import duckdb
@@ -308,7 +308,7 @@ class StoreReader:
         """Visible Parquet files per table name (segment tables: committed shards only)."""
         out: dict[str, list[str]] = {}
         snap = self.snapshot
-        for name in SEGMENT_TABLES:
+        for name in self.manifest.segment_tables:
             compacted = [f.path for f in snap.tables[name]] if snap is not None else []
             out[name] = compacted + [
                 f"tables/{name}/{segment_name(s)}.parquet"
@@ -316,7 +316,7 @@ class StoreReader:
                 if snap is None or s not in snap.segments
             ]
         for name in self.location.listdir("tables"):
-            if name in SEGMENT_TABLES:
+            if name in ALL_SEGMENT_TABLES:
                 continue
             files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
             if files:  # a directory whose first file is still being written is no table yet
@@ -375,7 +375,7 @@ class StoreReader:
                     )
                     + " (run actstore verify)"
                 )
-        elif len(parts) == 3 and parts[1] in SEGMENT_TABLES:
+        elif len(parts) == 3 and parts[1] in ALL_SEGMENT_TABLES:
             seg = int(parts[2].split(".")[0])
             commit = self.commits.get(seg)
             if commit is not None and sha256(data) != commit.table_sha256.get(parts[1]):

@@ -16,6 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 SEGMENT_TABLES = ("examples", "tokens", "targets")
+# A corpus store (``ingest.positions == "all"`` in its manifest) has a fourth segment table,
+# ``positions``: one row per stored row (a token position of a document).  Every shard-level rule
+# of the three (written per segment, hashed in the marker, compacted into the snapshot) holds for it.
+POSITIONS_TABLE = "positions"
+ALL_SEGMENT_TABLES = (*SEGMENT_TABLES, POSITIONS_TABLE)
 HASH_SUFFIX = ".sha256"  # the companion of a non-segment table file: tables/<name>/<file>.parquet.sha256
 MAX_TABLE_BYTES = 8 << 30  # a table file larger than this is refused unread
 
@@ -69,9 +74,35 @@ TARGETS = pa.schema(
     ]
 )
 
+POSITIONS = pa.schema(
+    [
+        ("example_id", pa.int64()),  # in a corpus store every row is an example of its own
+        ("row", pa.int64()),  # global row of the per-row arrays (equal to example_id)
+        ("document", pa.int64()),  # document number in the corpus (0-based, in corpus order)
+        ("window_index", pa.int32()),  # which context window of the document (0-based; packed: of the stream)
+        ("position", pa.int32()),  # token position in the document (0-based, special tokens counted)
+        ("window_position", pa.int32()),  # position in the window the model saw
+        ("token_id", pa.int32()),
+        ("token", pa.string()),  # the token's text (its characters of the document, or its piece)
+        ("char_start", pa.int32()),  # character span in the document, -1 for added special tokens
+        ("char_end", pa.int32()),
+    ]
+)
+
 HEADS = pa.schema([("layer", pa.int32()), ("head", pa.int32()), ("kv_head", pa.int32())])
 
-SCHEMAS: dict[str, pa.Schema] = {"examples": EXAMPLES, "tokens": TOKENS, "targets": TARGETS, "heads": HEADS}
+SCHEMAS: dict[str, pa.Schema] = {
+    "examples": EXAMPLES,
+    "tokens": TOKENS,
+    "targets": TARGETS,
+    "positions": POSITIONS,
+    "heads": HEADS,
+}
+
+
+def store_segment_tables(ingest: dict[str, object] | None) -> tuple[str, ...]:
+    """The segment tables of a store whose manifest's ``ingest`` settings are ``ingest``."""
+    return ALL_SEGMENT_TABLES if (ingest or {}).get("positions") == "all" else SEGMENT_TABLES
 
 
 def to_parquet_bytes(table: pa.Table) -> bytes:
@@ -91,6 +122,6 @@ def needs_hash_file(rel: str) -> bool:
     return (
         len(parts) == 3
         and parts[0] == "tables"
-        and parts[1] not in SEGMENT_TABLES
+        and parts[1] not in ALL_SEGMENT_TABLES
         and parts[2].endswith(".parquet")
     )

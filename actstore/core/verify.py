@@ -37,7 +37,7 @@ from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGM
 from actstore.core.manifest import SegmentCommit
 from actstore.core.segments import read_commits, segment_name
 from actstore.core.store import StoreReader
-from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
+from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, sha256
 from actstore.core.verify_snapshot import check_snapshot
 
 
@@ -122,7 +122,7 @@ def _uncommitted(store: StoreReader, report: VerifyReport) -> None:
     for name in loc.listdir("segments"):
         if name.isdigit():
             present.add(int(name))
-    for table in SEGMENT_TABLES:
+    for table in ALL_SEGMENT_TABLES:
         for name in loc.listdir(f"tables/{table}"):
             stem = name[: -len(".parquet")] if name.endswith(".parquet") else ""
             if stem.isdigit():
@@ -202,7 +202,7 @@ def _check_objects(
 def _check_segment_tables(store: StoreReader, report: VerifyReport, commit: SegmentCommit) -> None:
     seg = commit.segment
     tables: dict[str, pa.Table] = {}
-    for name in SEGMENT_TABLES:
+    for name in store.manifest.segment_tables:
         rel = f"tables/{name}/{segment_name(seg)}.parquet"
         data = _read_hashed(
             store,
@@ -285,7 +285,7 @@ def _check_other_tables(store: StoreReader, report: VerifyReport) -> None:
     loc = store.location
     unhashed: list[str] = []
     for name in loc.listdir("tables"):
-        if name in SEGMENT_TABLES:
+        if name in ALL_SEGMENT_TABLES:
             continue
         files = loc.listdir(f"tables/{name}")
         for f in files:

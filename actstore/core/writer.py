@@ -23,7 +23,7 @@ from actstore.core.manifest import Manifest, SegmentCommit, read_manifest
 from actstore.core.ownership import CREATING, creating_marker, prepare_root, signed_creating
 from actstore.core.segments import read_commits, segment_name
 from actstore.core.store import StoreReader
-from actstore.core.tables import HEADS, SEGMENT_TABLES, sha256, to_parquet_bytes
+from actstore.core.tables import ALL_SEGMENT_TABLES, HEADS, sha256, to_parquet_bytes
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
 RESUME_KEYS = (
@@ -150,7 +150,7 @@ class StoreWriter:
         """Write one segment's arrays and tables, then commit it (the marker is the last write)."""
         m = self.manifest
         missing = set(SEGMENT_ARRAYS) - set(arrays)
-        if missing or set(SEGMENT_TABLES) - set(tables):
+        if missing or set(m.segment_tables) - set(tables):
             raise ValueError(f"segment {seg}: missing arrays/tables {sorted(missing)}")
         rel = f"segments/{segment_name(seg)}"
         self.location.remove_tree(rel)  # leftovers of a killed attempt
@@ -161,7 +161,7 @@ class StoreWriter:
                 chunk = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
                 create_array(group, name, data, chunk, logical_dtype=m.storage_dtype, chunk1=m.chunk_layers)
         digests: dict[str, str] = {}
-        for name in SEGMENT_TABLES:
+        for name in m.segment_tables:
             data_bytes = to_parquet_bytes(tables[name])
             digests[name] = sha256(data_bytes)
             self.location.write_bytes_atomic(f"tables/{name}/{segment_name(seg)}.parquet", data_bytes)
@@ -188,7 +188,7 @@ def _weight_chunk(name: str, value: np.ndarray, n_layers: int) -> int:
 
 def write_result_table(store: StoreReader, name: str, run_id: str, table: pa.Table) -> str:
     """Add an analysis result (one file per run, written atomically) and return its path."""
-    if name in SEGMENT_TABLES or name == "heads" or not name.replace("_", "").isalnum():
+    if name in ALL_SEGMENT_TABLES or name == "heads" or not name.replace("_", "").isalnum():
         raise ValueError(f"invalid result table name {name!r}")
     rel = f"tables/{name}/{run_id}.parquet"
     store.location.write_bytes_atomic(rel, to_parquet_bytes(table))

@@ -20,12 +20,16 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
+from actstore.ingest.architectures import architecture_for
+from actstore.ingest.corpus_capture import capture_positions, kept_arrays
+from actstore.ingest.corpus_windows import plan_corpus
 from actstore.ingest.datasets import DatasetResult, load_dataset
 from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
+from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
-from actstore.ingest.settings import IngestRequest
+from actstore.ingest.settings import CORPUS_KINDS, IngestRequest
 
 
 def _log_nothing(message: str) -> None:
@@ -57,7 +61,14 @@ def _check_out(loc: StoreLocation, req: IngestRequest, grouped: bool) -> IngestR
     return req
 
 
-def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
+def _load(req: IngestRequest, log: Callable[[str], None]) -> DatasetResult | Documents:
+    """The prompts of a target-mode ingest, or the documents of a corpus one (``--positions all``)."""
+    if req.positions == "all":
+        docs = load_documents(req.dataset)
+        log(f"dataset {req.dataset}: {len(docs)} documents")
+        return docs
+    if req.dataset.startswith(("text:", "hf:")) and is_corpus_spec(req.dataset):
+        raise InvalidSetting("dataset", f"{req.dataset} is a text corpus: ingest it with --positions all")
     options: dict[str, object] = {
         "relations": req.relations,
         "limit_per_relation": req.limit_per_relation,
@@ -75,6 +86,11 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
         log(
             f"dataset {req.dataset}: {len(data.records)} prompts in {len(data.kept)} relations ({skipped} skipped)"
         )
+    return data
+
+
+def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
+    data = _load(req, log)
     loc = locate(req.out)
     loc.probe()  # a wrong S3 endpoint, credentials or bucket fails here, before the model loads
     grouped = join_process_group(req.rank, req.world_size)
@@ -91,7 +107,10 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
         req = _check_out(loc, req, grouped)
         if grouped:
             barrier()  # every rank has looked before rank 0 can create (or overwrite) the store
-        report = _ingest_locked(req, loc, data, log)
+        if isinstance(data, Documents):
+            report = _ingest_corpus_locked(req, loc, data, log)
+        else:
+            report = _ingest_locked(req, loc, data, log)
         if req.world_size > 1:  # one snapshot of every rank's segments, written by rank 0 alone
             if grouped:
                 barrier()
@@ -131,3 +150,53 @@ def _ingest_locked(
         },
     )
     return capture_corpus(loc, loaded.model, loaded.tokenizer, model_info, prompts, cfg)
+
+
+def _ingest_corpus_locked(
+    req: IngestRequest, loc: StoreLocation, docs: Documents, log: Callable[[str], None]
+) -> IngestReport:
+    """``--positions all``: windows and policy, what is kept, the size check, then the capture."""
+    from actstore.ingest.models import load_model
+
+    if not req.progress:
+        transformers_logging.disable_progress_bar()
+    loaded = load_model(req.model, device=req.device, dtype=getattr(torch, req.model_dtype))
+    g = architecture_for(loaded.model).geometry(loaded.model)
+    max_len = getattr(loaded.model.config, "max_position_embeddings", None) or getattr(
+        loaded.model.config, "n_positions", None
+    )
+    context = req.context_length or int(max_len or 2048)
+    if max_len and context > max_len:
+        raise InvalidSetting("context_length", f"{context} is more than the model's {max_len} positions")
+    if req.layers is not None and max(req.layers) > g.n_layers:
+        raise InvalidSetting(
+            "layers",
+            f"layer {max(req.layers)} is past the model's {g.n_layers} layers (residual indices 0..{g.n_layers})",
+        )
+    plan = plan_corpus(
+        docs,
+        loaded.tokenizer,
+        context_length=context,
+        keep_special=req.keep_special,
+        pack=req.pack,
+        separator=req.pack_separator,
+    )
+    kinds = req.kinds or CORPUS_KINDS
+    kept = kept_arrays(g, kinds, req.layers)
+    if not any(kept.values()):
+        raise InvalidSetting(
+            "layers", f"keeps nothing of {', '.join(kinds)} (mlp, attn and z have layers 0..{g.n_layers - 1})"
+        )
+    log(
+        f"corpus: {len(docs)} documents in {plan.policy['windows']} windows of at most {context} tokens, "
+        f"{plan.n_rows} positions kept (special tokens {plan.policy['special']})"
+    )
+    model_info = {
+        "name": loaded.name,
+        "source": loaded.source,
+        "architecture": loaded.architecture,
+        "weight_hash": loaded.weight_hash,
+        "dtype": req.model_dtype,
+    }
+    cfg = req.capture_config(loc.url, {"dataset": req.dataset, "kinds": list(kinds)})
+    return capture_positions(loc, loaded.model, loaded.tokenizer, model_info, docs, plan, kept, cfg, log)
