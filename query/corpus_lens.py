@@ -100,7 +100,9 @@ def split_documents(
     def draw(pool: np.ndarray, n: int) -> np.ndarray:
         return np.sort(pool if pool.size <= n else rng.choice(pool, n, replace=False))
 
-    return CorpusSplit(train_docs, eval_docs, draw(ids[~held], max_train_rows), draw(ids[held], max_eval_rows))
+    return CorpusSplit(
+        train_docs, eval_docs, draw(ids[~held], max_train_rows), draw(ids[held], max_eval_rows)
+    )
 
 
 def corpus_residuals(store: StoreReader, rows: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-from actstore.jobs.settings import AgreeConfig, LensRunConfig
+from actstore.jobs.settings import AgreeConfig, CorpusLensConfig, LensRunConfig
 
 SEED_CONSENSUS_TEXT = "47.6%"  # the seed paper's share of facts on which every method agrees
 
@@ -103,6 +103,45 @@ def lens(
             f"{x['logit_kl']:8.3f}  {x.get('tuned_kl', nan):8.3f}"
         )
     for f in (*out.tables, *out.figures):
+        click.echo(f"wrote {f}")
+
+
+# ------------------------------------------------------------------------------------ corpus-lens
+@command(example="actstore corpus-lens /tmp/corpus --steps 100 --batch 256")
+@store_argument
+@options_from(CorpusLensConfig)
+@no_save_option
+@json_option
+def corpus_lens(store: str, no_save: bool, as_json: bool, **given: Any) -> None:
+    """The tuned lens as published: trained on a corpus store's positions (--positions all --kinds resid),
+    compared with the logit lens by KL to the model's output on documents it never saw."""
+    from actstore.jobs.corpus_lens import run_corpus_lens
+
+    started = time.time()
+    s = open_store_arg(store)
+    cfg = config_from(CorpusLensConfig, given, save=not no_save)
+
+    def progress(step: int, loss: float) -> None:
+        if step == 1 or step % 25 == 0 or step == cfg.steps:
+            click.echo(
+                f"tuned lens: step {step}/{cfg.steps}, sum of per-index KL {loss:.4f}, "
+                f"{time.time() - started:.0f} s",
+                err=True,
+            )
+
+    out = run_corpus_lens(s, cfg, progress=None if as_json else progress)
+    r = out.result
+    if as_json:
+        click.echo(json.dumps(r))
+        return
+    click.echo(
+        f"{s.url}: trained on {r['train_rows']} positions of {r['train_documents']} documents, read on "
+        f"{r['eval_rows']} positions of {r['eval_documents']} held-out documents"
+    )
+    click.echo("index  logit KL  tuned KL")
+    for x in out.summary:
+        click.echo(f"{x['index']:>5}  {x['kl_logit']:8.4f}  {x['kl_tuned']:8.4f}")
+    for f in out.tables:
         click.echo(f"wrote {f}")
 
 
@@ -218,5 +257,5 @@ def agree(
         click.echo(f"wrote {f}")
 
 
-COMMANDS = [lens, agree]
-__all__ = ["COMMANDS", "agree", "lens"]
+COMMANDS = [lens, corpus_lens, agree]
+__all__ = ["COMMANDS", "agree", "corpus_lens", "lens"]

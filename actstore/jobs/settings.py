@@ -216,6 +216,28 @@ class LensRunConfig:
 
 
 @dataclass(frozen=True)
+class CorpusLensConfig:
+    """One ``actstore corpus-lens`` run: the tuned lens trained on a corpus store's positions of some
+    documents and read, with the logit lens, on the positions of the others."""
+
+    held_out: float = setting(0.2, "Share of the documents held out (never trained on).", above=0, high=0.9)
+    max_train_rows: int = setting(
+        16384, "Training positions at most (drawn from the training documents).", low=1
+    )
+    max_eval_rows: int = setting(4096, "Held-out positions at most.", low=1)
+    optimizer: str = setting(
+        "adam", "Translator training: adam or sgd (as the tuned-lens package).", choices=("adam", "sgd")
+    )
+    steps: int = setting(250, "Training steps.", low=1)
+    batch: int = setting(256, "Positions per training step.", low=1)
+    seed: int = setting(0, "Seed of the document split, the row draws and the training.")
+    save: bool = setting(True, "Write the result table.", cli=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
 class AgreeConfig:
     """One ``actstore agree`` run.  ``runs``: trace and/or patch run ids to read, each found in its
     own table (``trace_run``/``patch_run`` name them explicitly); the newest run of a table when no

@@ -86,7 +86,9 @@ def test_the_corpus_lens_against_the_models_own_modules(tmp_path: Path) -> None:
     tuned = np.zeros(K)
     for row in held:
         with torch.no_grad():
-            logp_final = torch.log_softmax(model.lm_head(model.model.norm(torch.from_numpy(row[-1]))).double(), -1)
+            logp_final = torch.log_softmax(
+                model.lm_head(model.model.norm(torch.from_numpy(row[-1]))).double(), -1
+            )
             for k in range(K - 1):
                 hk = study.lens.translate_index(torch.from_numpy(row[k])[None], k)[0]
                 logq = torch.log_softmax(model.lm_head(model.model.norm(hk)).double(), -1)
@@ -115,3 +117,21 @@ def test_refusals(tmp_path: Path) -> None:
         corpus_lens_study(target)
     with pytest.raises(LensError, match="held_out"):
         split_documents(store, 1.0, 10, 10, 0)
+
+
+def test_the_command_records_its_run(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    store = ingest(tmp_path)
+    args = ["corpus-lens", str(store.url), "--steps", "5", "--batch", "32", "--max-train-rows", "64"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert "index  logit KL  tuned KL" in out.output
+    s = actstore.open(tmp_path / "s")
+    rows = s.sql("SELECT index, kl_logit, kl_tuned FROM corpus_lens ORDER BY index").to_pylist()
+    assert [r["index"] for r in rows] == list(range(s.geometry.n_layers + 1))
+    assert s.sql("SELECT count(*) FROM runs WHERE kind = 'corpus_lens'").column(0)[0].as_py() == 1
+    bad = CliRunner().invoke(main, ["corpus-lens", str(store.url), "--held-out", "1.5"])
+    assert bad.exit_code == 2 and "held-out" in bad.output
