@@ -218,6 +218,27 @@ def _referenced_tables(query: str) -> frozenset[str] | None:
     return frozenset(names)
 
 
+@functools.lru_cache(maxsize=512)
+def where_tree(where: str) -> str | None:
+    """DuckDB's parse tree (JSON text) of the WHERE clause of ``SELECT 1 FROM examples WHERE where``;
+    None when it does not parse.  Kept per text (a selection's predicate is the same text each time)."""
+    import duckdb
+
+    with _PARSER_LOCK:
+        if not _PARSER:
+            _PARSER.append(duckdb.connect(":memory:"))
+        try:
+            row = _PARSER[0].execute(
+                "SELECT json_serialize_sql($q)", {"q": f"SELECT 1 FROM examples WHERE {where}"}
+            ).fetchone()
+        except duckdb.Error:
+            return None
+    tree = json.loads(row[0]) if row else {"error": True}
+    if tree.get("error") or len(tree.get("statements", [])) != 1:
+        return None
+    return json.dumps(tree["statements"][0]["node"].get("where_clause"))
+
+
 _DATABASES: dict[tuple[int, str], duckdb.DuckDBPyConnection] = {}  # (pid, memory limit) -> locked database
 _DATABASES_LOCK = threading.Lock()
 

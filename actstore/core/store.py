@@ -43,7 +43,7 @@ from actstore.core.segments import (
     segment_name,
     tokenizer_file_name_ok,
 )
-from actstore.core.snapshot import Snapshot, is_compacted_file, read_snapshot
+from actstore.core.snapshot import Snapshot, is_compacted_file, is_index_file, read_snapshot
 from actstore.core.store_html import store_html
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, SEGMENT_TABLES, sha256
 
@@ -363,7 +363,7 @@ class StoreReader:
         if rel in self._verified:
             return data
         parts = rel.split("/")
-        if is_compacted_file(rel):
+        if is_compacted_file(rel) or is_index_file(rel):
             listed = self.snapshot.files().get(rel) if self.snapshot is not None else None
             if listed is None or sha256(data) != listed.sha256:
                 raise CorruptStoreError(

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 
 from actstore.core.fs import StoreLocation
 from actstore.core.manifest import SegmentCommit
+from actstore.core.relation_index import index_table
 from actstore.core.segments import segment_name
 from actstore.core.snapshot import Snapshot
 from actstore.core.tables import MAX_TABLE_BYTES
@@ -46,6 +47,7 @@ def check_snapshot(
         m = markers.get(seg)
         if m is not None and (m.n_sources, m.n_tokens) != (n_sources, n_tokens):
             problems.append(f"snapshot {snap.number}: segment {seg}'s sizes differ from its commit marker")
+    examples: dict[tuple[int, int], pa.Table] = {}  # the examples files' rows, for the index's check
     for table, files in snap.tables.items():
         for f in files:
             data = read_hashed(f.path, f.sha256, f"snapshot {snap.number} lists it")
@@ -56,6 +58,8 @@ def check_snapshot(
             except Exception as e:
                 problems.append(f"{f.path}: unreadable Parquet ({type(e).__name__}: {e})")
                 continue
+            if table == "examples":
+                examples[(f.first, f.last)] = got
             shards = []
             for seg in sorted(s for s in snap.segments if f.first <= s <= f.last):
                 rel = f"tables/{table}/{segment_name(seg)}.parquet"
@@ -70,3 +74,31 @@ def check_snapshot(
                 )
             elif got.num_rows != f.rows:
                 problems.append(f"{f.path}: {got.num_rows} rows, the snapshot says {f.rows}")
+    _check_index(problems, snap, examples, read_hashed)
+
+
+def _check_index(
+    problems: list[str],
+    snap: Snapshot,
+    examples: dict[tuple[int, int], pa.Table],
+    read_hashed: Callable[[str, str, str], bytes | None],
+) -> None:
+    """Each relation index file holds exactly its examples file's (relation_id, example_id) pairs,
+    sorted, as :func:`actstore.core.relation_index.index_table` makes them (an index that lost or
+    gained an example would make a selection miss rows or scan the wrong range)."""
+    for f in snap.relation_index:
+        data = read_hashed(f.path, f.sha256, f"snapshot {snap.number} lists it")
+        if data is None:
+            continue
+        try:
+            got = pq.read_table(pa.BufferReader(data))
+        except Exception as e:
+            problems.append(f"{f.path}: unreadable Parquet ({type(e).__name__}: {e})")
+            continue
+        source = examples.get((f.first, f.last))
+        if source is not None and not _same_rows(got, index_table([source])):
+            problems.append(
+                f"{f.path}: the relation index differs from the examples of segments {f.first}..{f.last}"
+            )
+        elif got.num_rows != f.rows:
+            problems.append(f"{f.path}: {got.num_rows} rows, the snapshot says {f.rows}")
