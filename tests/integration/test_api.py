@@ -383,6 +383,35 @@ def test_feature_dataset_shuffles_a_permutation_per_epoch(store: actstore.Store)
     assert [ds.classes[i] for i in ys] == [rel[i] for i in order1]
 
 
+@pytest.mark.parametrize(
+    ("kind", "batch_size", "shuffle"),
+    [("attn_head_token", 5, False), ("attn_head", 3, True), ("mlp", 4, True), ("z", 1000, False)],
+)
+def test_feature_dataset_batches_equal_the_collated_rows(
+    store: actstore.Store, kind: str, batch_size: int, shuffle: bool
+) -> None:
+    """``batch_size``: the batches a DataLoader collates from the row dataset, the same rows in the same
+    order (shuffled too), batches cut across blocks of ``batch_rows`` rows; and the plain features."""
+    sel = store.select().filter("subject_start >= 1")
+    args: dict[str, Any] = dict(layers=[1], batch_rows=4, shuffle=shuffle, seed=3, flatten=kind == "mlp")
+    rows = actstore.FeatureDataset(sel, kind, **args)
+    batched = actstore.FeatureDataset(sel, kind, batch_size=batch_size, **args)
+    for epoch in (0, 1):
+        rows.set_epoch(epoch)
+        batched.set_epoch(epoch)
+        want = list(torch.utils.data.DataLoader(rows, batch_size=batch_size))
+        got = list(torch.utils.data.DataLoader(batched, batch_size=None))
+        assert len(got) == len(want) == len(batched) == -(-len(sel) // batch_size)
+        for (gx, gy), (wx, wy) in zip(got, want):
+            np.testing.assert_array_equal(gx.numpy(), wx.numpy())
+            np.testing.assert_array_equal(gy.numpy(), wy.numpy())
+    if not shuffle:
+        x = sel.features(kind, layers=[1])
+        np.testing.assert_array_equal(torch.cat([b[0] for b in got]).numpy(), x.reshape(len(x), *got[0][0].shape[1:]))
+    with pytest.raises(QueryError, match="batch_size must be at least 1"):
+        actstore.FeatureDataset(sel, kind, batch_size=0)
+
+
 def test_feature_dataset_with_worker_processes(store: actstore.Store) -> None:
     sel = store.select()
     x = sel.features("z", layers=[0])
