@@ -198,7 +198,10 @@ def selective(stores: list[Path], checkouts: list[Path], rounds: int) -> dict[st
             for co in checkouts:
                 r = subprocess.run(
                     [str(co / ".venv" / "bin" / "python"), "-c", SELECTIVE, str(store)],
-                    capture_output=True, text=True, check=True, cwd=co,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=co,
                     env={**os.environ, "PYTHONPATH": str(co)},
                 )
                 got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -206,6 +209,27 @@ def selective(stores: list[Path], checkouts: list[Path], rounds: int) -> dict[st
                 for k, v in got.items():
                     runs.setdefault(key, {}).setdefault(k, []).append(v)
     return {key: {k: round(statistics.median(v), 2) for k, v in d.items()} for key, d in runs.items()}
+
+
+def commands(stores: list[Path], checkouts: list[Path], rounds: int) -> dict[str, Any]:
+    """``actstore verify``, ``verify --quick`` and ``info`` end to end with each checkout's code, beside
+    reading every file of the store once (threads), rounds interleaved; medians (seconds)."""
+    runs: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for store in stores:
+            runs.setdefault(f"{store} read_all_files", []).append(read_all(store))
+            for co in checkouts:
+                for cmd in (["verify"], ["verify", "--quick"], ["info"]):
+                    t0 = time.perf_counter()
+                    r = subprocess.run(
+                        [str(co / ".venv" / "bin" / "python"), "-m", "actstore.cli", *cmd, str(store)],
+                        capture_output=True,
+                        text=True,
+                        cwd=co,
+                    )
+                    dt = time.perf_counter() - t0 if r.returncode == 0 else float("nan")
+                    runs.setdefault(f"{store} @ {co} {' '.join(cmd)}", []).append(dt)
+    return {k: round(statistics.median(v), 3) for k, v in runs.items()}
 
 
 def measure(store: Path) -> dict[str, Any]:
@@ -273,6 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     sel.add_argument("--checkout", type=Path, action="append", required=True, help="repeat: one per code")
     sel.add_argument("--rounds", type=int, default=3)
     sel.add_argument("--json", default=None)
+    cm = sub.add_parser(
+        "commands", help="verify, verify --quick, info: several checkouts, and the read floor"
+    )
+    cm.add_argument("stores", type=Path, nargs="+")
+    cm.add_argument("--checkout", type=Path, action="append", required=True, help="repeat: one per code")
+    cm.add_argument("--rounds", type=int, default=3)
+    cm.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if a.cmd == "corpus":
@@ -286,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
             },
             a.json,
         )
+    elif a.cmd == "commands":
+        emit(commands(a.stores, a.checkout, a.rounds), a.json)
     elif a.cmd == "selective":
         emit(selective(a.stores, a.checkout, a.rounds), a.json)
     elif a.cmd == "compare":

@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     from dask.distributed import Client, LocalCluster
 
     if "dask" in parts:
-        with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True) as cluster, Client(cluster):
+        with (
+            LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True) as cluster,
+            Client(cluster),
+        ):
             arr = sel_all.to_dask(a.kind, layers=[a.layer])
             dk_s, dk_sum = _timed(lambda: float(arr.sum().compute()))
         out["dask_localcluster_s"] = round(dk_s, 2)

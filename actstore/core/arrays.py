@@ -35,6 +35,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 
+from actstore.core.array_meta import ArrayMeta
 from actstore.core.chunks import local_chunks, sharded_ok
 from actstore.core.errors import CorruptStoreError, MissingChunkError
 
@@ -309,7 +310,7 @@ def _settle_zarr_reads() -> None:
 
 
 def check_array(
-    arr: zarr.Array,
+    arr: zarr.Array | ArrayMeta,
     where: str,
     shape: tuple[int, ...] | None,
     dtype: np.dtype | None,

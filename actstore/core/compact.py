@@ -219,9 +219,7 @@ def compact_held(
             pairs: list[pa.Table] | None = [] if table == "examples" and index is not None else None
             (n_rows, min_id, max_id), digest, size = loc.write_stream_atomic(
                 path,
-                functools.partial(
-                    _compacted_file, store=store, table=table, segs=segs, old=old, keep=pairs
-                ),
+                functools.partial(_compacted_file, store=store, table=table, segs=segs, old=old, keep=pairs),
             )
             files.append(TableFile(path, digest, n_rows, size, min(segs), max(segs), min_id, max_id))
             written += 1

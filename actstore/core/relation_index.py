@@ -155,7 +155,9 @@ def _value(node: Any, params: Sequence[Any] | Mapping[str, Any] | None) -> str |
     return None
 
 
-def _restricts(node: dict[str, Any], params: Sequence[Any] | Mapping[str, Any] | None) -> frozenset[str] | None:
+def _restricts(
+    node: dict[str, Any], params: Sequence[Any] | Mapping[str, Any] | None
+) -> frozenset[str] | None:
     kind = node.get("type")
     if kind == "COMPARE_EQUAL":
         left, right = node.get("left"), node.get("right")

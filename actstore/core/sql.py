@@ -228,9 +228,11 @@ def where_tree(where: str) -> str | None:
         if not _PARSER:
             _PARSER.append(duckdb.connect(":memory:"))
         try:
-            row = _PARSER[0].execute(
-                "SELECT json_serialize_sql($q)", {"q": f"SELECT 1 FROM examples WHERE {where}"}
-            ).fetchone()
+            row = (
+                _PARSER[0]
+                .execute("SELECT json_serialize_sql($q)", {"q": f"SELECT 1 FROM examples WHERE {where}"})
+                .fetchone()
+            )
         except duckdb.Error:
             return None
     tree = json.loads(row[0]) if row else {"error": True}

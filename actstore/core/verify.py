@@ -31,11 +31,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from actstore.core.arrays import widen
-from actstore.core.errors import ActstoreError
+from actstore.core.array_meta import ArrayMeta, parse_array_meta
+from actstore.core.arrays import NUMPY_DTYPE, check_array, widen
+from actstore.core.errors import ActstoreError, CorruptStoreError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.manifest import SegmentCommit
-from actstore.core.segments import read_commits, segment_name
+from actstore.core.segments import expected_shape, read_commits, segment_name
 from actstore.core.store import StoreReader
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
 from actstore.core.verify_snapshot import check_snapshot
@@ -84,14 +85,32 @@ def _chunk_index(key: str) -> int | None:
     return None
 
 
-def _grid_keys(arr: zarr.Array) -> dict[str, int]:
+def _array_meta(store: StoreReader, seg: int, name: str) -> ArrayMeta:
+    """Segment array ``name``'s metadata, read from its ``zarr.json`` and checked as :meth:`StoreReader.array`
+    checks the array (shape against the marker, dtype, chunking, sizes)."""
+    rel = f"segments/{segment_name(seg)}/{name}"
+    where = f"{store.url}/{rel}"
+    try:
+        data = store.location.read_bytes(f"{rel}/zarr.json", 1 << 20)
+    except FileNotFoundError:
+        raise CorruptStoreError(f"{where}: cannot open array (zarr.json is missing)") from None
+    except OSError as e:
+        raise CorruptStoreError(f"{where}: cannot open array ({e})") from None
+    meta = parse_array_meta(data, where)
+    commit = store.commits[seg]
+    dtype = NUMPY_DTYPE[store.manifest.storage_dtype]
+    check_array(meta, where, expected_shape(store.geometry, name, commit), dtype, MAX_CHUNK_BYTES)
+    return meta
+
+
+def _grid_keys(arr: zarr.Array | ArrayMeta) -> dict[str, int]:
     """The chunk keys (relative to the array) of the full grid of an array chunked along axis 0."""
     n, chunk = int(arr.shape[0]), int(arr.chunks[0])
     tail = "/0" * (arr.ndim - 1)
     return {f"c/{i}{tail}": i for i in range(-(-n // chunk))}
 
 
-def _rows(arr: zarr.Array, i: int) -> str:
+def _rows(arr: zarr.Array | ArrayMeta, i: int) -> str:
     chunk, n = int(arr.chunks[0]), int(arr.shape[0])
     return f"rows {i * chunk}:{min((i + 1) * chunk, n)}"
 
@@ -160,10 +179,17 @@ def _check_objects(
     present = set(loc.walk_files(rel))
     for key in sorted(present - set(objects)):
         report.notes.append(f"{rel}/{key}: not listed in the commit marker (ignored by readers)")
-    arrays: dict[str, zarr.Array] = {}
-    for name in SEGMENT_ARRAYS:
+    arrays: dict[str, zarr.Array | ArrayMeta] = {}
+    for name in SEGMENT_ARRAYS:  # (values: decoded through zarr; else only the metadata is needed)
         try:
-            arrays[name] = store.array(seg, name)
+            if values:
+                arrays[name] = store.array(seg, name)
+            elif "zarr.json" not in present:  # (zarr opens no array of a group without its zarr.json)
+                raise CorruptStoreError(
+                    f"{store.url}/{rel}/{name}: cannot open array (the group's zarr.json is missing)"
+                )
+            else:
+                arrays[name] = _array_meta(store, seg, name)
         except ActstoreError as e:
             report.problems.append(str(e))
     for key in sorted(objects):
@@ -188,7 +214,7 @@ def _check_objects(
             continue
         if i is not None:
             report.chunks_checked += 1
-            if values and arr is not None:
+            if values and isinstance(arr, zarr.Array):
                 _scan_chunk(report, f"{rel}/{name}", arr, i, store.manifest.storage_dtype, True)
     for name, arr in arrays.items():
         listed = {_chunk_index(k.partition("/")[2]) for k in objects if k.startswith(name + "/")}
@@ -197,6 +223,12 @@ def _check_objects(
             report.problems.append(
                 f"{rel}/{name}: the commit marker does not list chunk(s) {_ranges(unlisted)}"
             )
+
+
+_SPAN_COLUMNS = {
+    "targets": ("row", "segment", "seg_row", "src_start", "n_src"),
+    "examples": ("tok_start", "n_tokens"),
+}
 
 
 def _check_segment_tables(store: StoreReader, report: VerifyReport, commit: SegmentCommit) -> None:
@@ -215,8 +247,10 @@ def _check_segment_tables(store: StoreReader, report: VerifyReport, commit: Segm
         )
         if data is None:
             continue
-        try:
-            tables[name] = pq.read_table(pa.BufferReader(data))
+        try:  # only the columns checked below are decoded (the shard's hash matched its marker)
+            pf = pq.ParquetFile(pa.BufferReader(data))
+            if name in _SPAN_COLUMNS:
+                tables[name] = pf.read(columns=list(_SPAN_COLUMNS[name]))
         except Exception as e:
             report.problems.append(f"{rel}: unreadable Parquet ({type(e).__name__}: {e})")
     seg_rel = segment_name(seg)
@@ -443,9 +477,16 @@ def verify_store(store: StoreReader, *, values: bool = False, threads: int | Non
             report.problems,
             store.snapshot,
             markers,
-            lambda rel, want, missing: _read_hashed(
-                store, report, rel, MAX_TABLE_BYTES, want, missing, "the snapshot"
+            lambda rel, want, missing, problems: _read_hashed(
+                store,
+                VerifyReport(store.url, problems=problems),
+                rel,
+                MAX_TABLE_BYTES,
+                want,
+                missing,
+                "the snapshot",
             ),
+            threads=threads or min(8, os.cpu_count() or 1),
         )
     _check_other_tables(store, report)
     _check_weights(store, report, values)

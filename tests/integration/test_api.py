@@ -407,7 +407,9 @@ def test_feature_dataset_batches_equal_the_collated_rows(
             np.testing.assert_array_equal(gy.numpy(), wy.numpy())
     if not shuffle:
         x = sel.features(kind, layers=[1])
-        np.testing.assert_array_equal(torch.cat([b[0] for b in got]).numpy(), x.reshape(len(x), *got[0][0].shape[1:]))
+        np.testing.assert_array_equal(
+            torch.cat([b[0] for b in got]).numpy(), x.reshape(len(x), *got[0][0].shape[1:])
+        )
     with pytest.raises(QueryError, match="batch_size must be at least 1"):
         actstore.FeatureDataset(sel, kind, batch_size=0)
 

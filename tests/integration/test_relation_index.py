@@ -49,7 +49,9 @@ def shard_tables(path: Path) -> dict[str, dict[str, np.ndarray]]:
     """examples and targets read with pyarrow from the per-segment shards (no DuckDB, no snapshot)."""
     out = {}
     for t in ("examples", "targets"):
-        table = pa.concat_tables([pq.read_table(f) for f in sorted((path / "tables" / t).glob("[0-9]*.parquet"))])
+        table = pa.concat_tables(
+            [pq.read_table(f) for f in sorted((path / "tables" / t).glob("[0-9]*.parquet"))]
+        )
         out[t] = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
     return out
 
@@ -66,7 +68,11 @@ def expected_rows(path: Path, keep_example: np.ndarray, limit: int | None) -> li
 def got_rows(sel: Any) -> list[tuple[int, int, int]]:
     r = sel.rows
     return list(
-        zip(r.column("example_id").to_pylist(), r.column("segment").to_pylist(), r.column("seg_row").to_pylist())
+        zip(
+            r.column("example_id").to_pylist(),
+            r.column("segment").to_pylist(),
+            r.column("seg_row").to_pylist(),
+        )
     )
 
 
@@ -107,7 +113,9 @@ def test_compaction_writes_an_index_equal_to_a_sort_of_the_examples(base: Path) 
         ("example_id < 5", None, None),
     ],
 )
-def test_relation_values_reads_only_top_level_conjuncts(where: str, params: Any, want: set[str] | None) -> None:
+def test_relation_values_reads_only_top_level_conjuncts(
+    where: str, params: Any, want: set[str] | None
+) -> None:
     got = relation_values(f"(\n{where}\n)", params)
     assert (None if got is None else set(got)) == want
 
@@ -116,7 +124,9 @@ def test_relation_values_reads_only_top_level_conjuncts(where: str, params: Any,
 @given(
     rels=st.lists(st.integers(0, 7), min_size=1, max_size=3),
     form=st.sampled_from(["eq", "in", "param", "named"]),
-    extra=st.sampled_from(["", " AND subject_start >= 1", " AND example_id % 3 <> 1", " AND example_id > 20"]),
+    extra=st.sampled_from(
+        ["", " AND subject_start >= 1", " AND example_id % 3 <> 1", " AND example_id > 20"]
+    ),
     limit=st.none() | st.integers(1, 12),
     window=st.sampled_from([2, 5, 1 << 15]),
 )
@@ -132,7 +142,9 @@ def test_a_relation_selection_resolves_to_the_rows_a_numpy_filter_finds(
     params: Any = None
     if form == "eq" or len(chosen) == 1:
         chosen = chosen[:1]
-        where, params = ("relation_id = ?", [chosen[0]]) if form == "param" else (f"relation_id = '{chosen[0]}'", None)
+        where, params = (
+            ("relation_id = ?", [chosen[0]]) if form == "param" else (f"relation_id = '{chosen[0]}'", None)
+        )
         if form == "named":
             where, params = "relation_id = $r", {"r": chosen[0]}
     elif form == "in":
@@ -154,7 +166,9 @@ def test_a_relation_selection_resolves_to_the_rows_a_numpy_filter_finds(
     assert got == expected_rows(base, keep, limit)
 
 
-def test_without_an_index_and_beyond_the_snapshot_the_answers_are_the_same(base: Path, tmp_path: Path) -> None:
+def test_without_an_index_and_beyond_the_snapshot_the_answers_are_the_same(
+    base: Path, tmp_path: Path
+) -> None:
     """An old snapshot (no relation index) reads by scanning and gives the same rows; ``compact`` adds
     the index.  Segments committed after the snapshot are not in the index: the query scans."""
     rels = ("country_capital", "element_symbol")
@@ -167,7 +181,9 @@ def test_without_an_index_and_beyond_the_snapshot_the_answers_are_the_same(base:
     d.pop("relation_index")
     f.write_text(json.dumps(seal(d)))
     s = actstore.open(old)
-    assert s.snapshot is not None and not s.snapshot.relation_index and candidates(s, ["city_country"]) is None
+    assert (
+        s.snapshot is not None and not s.snapshot.relation_index and candidates(s, ["city_country"]) is None
+    )
     assert {r: got_rows(s.select(f"relation_id = '{r}'").limit(5)) for r in want} == want
     assert verify_store(s).ok
     compact(str(old))
@@ -210,14 +226,22 @@ def test_verify_finds_an_index_that_differs_from_its_examples(base: Path, tmp_pa
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d["relation_index"][0].update(path=d["tables"]["examples"][0]["path"]), "is not a relation index file"),
-        (lambda d: d["relation_index"][0].update(path="tables/tokens/i000002-000.parquet"), "is not a relation index file"),
+        (
+            lambda d: d["relation_index"][0].update(path=d["tables"]["examples"][0]["path"]),
+            "is not a relation index file",
+        ),
+        (
+            lambda d: d["relation_index"][0].update(path="tables/tokens/i000002-000.parquet"),
+            "is not a relation index file",
+        ),
         (lambda d: d["relation_index"].append(dict(d["relation_index"][0])), "is listed twice"),
         (lambda d: d["relation_index"][0].update(last=3), "does not cover the examples files one for one"),
         (lambda d: d.update(relation_index={}), "field 'relation_index' must be a list"),
     ],
 )
-def test_a_hostile_index_entry_is_refused_with_one_line(base: Path, tmp_path: Path, edit: Any, message: str) -> None:
+def test_a_hostile_index_entry_is_refused_with_one_line(
+    base: Path, tmp_path: Path, edit: Any, message: str
+) -> None:
     s = copy(base, tmp_path / "s")
     f = s / "snapshot" / "000002.json"
     d = json.loads(f.read_text())
