@@ -67,3 +67,24 @@ def parse_array_meta(data: bytes, where: str) -> ArrayMeta:
         inner = _ints(inner_conf.get("chunk_shape"), len(shape), where, "sharding chunk_shape")
         return ArrayMeta(shape, np.dtype(dtype_name), inner, outer)
     return ArrayMeta(shape, np.dtype(dtype_name), outer, None)
+
+
+def open_array_from_metadata(store: Any, name: str, data: bytes, where: str) -> Any:
+    """The zarr array ``name`` of the zarr store ``store`` (a group's), made from its ``zarr.json``
+    bytes ``data`` without zarr's asynchronous open (about 10x faster: one read, no event loop); the
+    same ``zarr.Array`` zarr would open.  Malformed metadata is refused with one line."""
+    import zarr
+    from zarr.core.array import AsyncArray
+    from zarr.core.metadata.v3 import ArrayV3Metadata
+    from zarr.storage import StorePath
+
+    try:
+        d = json.loads(data)
+        if not isinstance(d, dict) or d.get("node_type") != "array":
+            raise ValueError("not an array")
+        meta = ArrayV3Metadata.from_dict(d)
+    except Exception as e:
+        raise CorruptStoreError(
+            f"{where}: cannot open array ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+        ) from None
+    return zarr.Array(AsyncArray(metadata=meta, store_path=StorePath(store, name)))

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
+from actstore.core.array_meta import open_array_from_metadata
 from actstore.core.arrays import NUMPY_DTYPE, check_array, read_ranges, read_rows
 from actstore.core.chunks import ChunkGuard
 from actstore.core.errors import CorruptStoreError, QueryError
@@ -143,8 +144,11 @@ class StoreReader:
             rel = f"segments/{segment_name(seg)}"
             commit = self.commits[seg]
             try:
-                group = zarr.open_group(store=self._guarded(rel, MAX_CHUNK_BYTES + (1 << 20)), mode="r")
-                arr = group[name]
+                guard = self._guarded(rel, MAX_CHUNK_BYTES + (1 << 20))
+                if self.location.is_local:  # the metadata read and parsed here: no zarr event loop
+                    arr = self._local_array(rel, name, guard)
+                else:
+                    arr = zarr.open_group(store=guard, mode="r")[name]
             except CorruptStoreError:
                 raise
             except Exception as e:
@@ -160,6 +164,16 @@ class StoreReader:
             )
             self._arrays[key] = arr
         return self._arrays[key]
+
+    def _local_array(self, rel: str, name: str, guard: ChunkGuard) -> zarr.Array:
+        """Array ``name`` of the segment group at ``rel`` of a local store (see :meth:`array`)."""
+        where = f"{self.url}/{rel}/{name}"
+        try:
+            self.location.read_bytes(f"{rel}/zarr.json", 1 << 20)  # the group must exist, as for zarr
+            data = self.location.read_bytes(f"{rel}/{name}/zarr.json", 1 << 20)
+        except FileNotFoundError:
+            raise CorruptStoreError(f"{where}: cannot open array (zarr.json missing)") from None
+        return open_array_from_metadata(guard, name, data, where)
 
     def _guarded(self, rel: str, max_bytes: int) -> ChunkGuard:
         """The zarr store at ``rel``, read through :class:`ChunkGuard` (missing chunks, special files and
