@@ -67,14 +67,17 @@ class QueryStep:
         if cond != "TRUE":
             values = relation_values(cond, self.params)
             ids = None if values is None else candidates(store, values)
+        n_examples = store.manifest.n_examples
         if ids is not None:
             if ids.size == 0:
                 return run(ROWS_SQL.format(cond="TRUE", examples_cond=f"({cond}) AND FALSE"))
-            cond = f"({cond}) AND example_id BETWEEN {int(ids[0])} AND {int(ids[-1])}"
         if limit is not None and self.cond == "TRUE":
-            first = _first_rows(run, cond, ids, limit, store.manifest.n_examples)
+            first = _first_rows(run, cond, ids, limit, n_examples)
             if first is not None:
                 return first
+        if ids is not None and int(ids[-1]) - int(ids[0]) < n_examples // 2:
+            # (a bound over most of the store prunes nothing and costs DuckDB a filter on every row)
+            cond = f"({cond}) AND example_id BETWEEN {int(ids[0])} AND {int(ids[-1])}"
         sql = ROWS_SQL.format(cond=self.cond, examples_cond=cond)
         return run(sql + ("" if limit is None else f"LIMIT {int(limit)}\n"))
 
@@ -83,38 +86,32 @@ def _first_rows(
     run: Callable[[str], pa.Table], cond: str, ids: np.ndarray | None, limit: int, n_examples: int
 ) -> pa.Table | None:
     """The first ``limit`` rows of the examples matching ``cond``, in two steps: the first ``limit``
-    matching examples, looked for in growing windows of example ids (the first ``limit``, then 4x as
-    many, ... candidates of the relation index; else the first row group's ids, then 4x as many, ...),
-    each a scan of the examples' row groups in that window alone; then the rows of examples up to the
+    matching examples, looked for in growing windows of example ids (from the first candidate of the
+    relation index, or 0: at least the first ``limit`` candidates and a row group's ids, then 4x as
+    many ids, ...), each a scan of the examples' row groups in that window alone; then the rows of examples up to the
     last of them, whose targets' row groups that bound prunes.  Rows follow examples in store order,
     one or more per example, so those examples hold the first ``limit`` rows unless some have no row:
     then None (the caller runs the plain plan)."""
-    if ids is not None:
-        ends = [int(ids[min(k, ids.size) - 1]) for k in _growing(limit, ids.size)]
-    else:
-        ends = [min(k, n_examples) - 1 for k in _growing(ROW_GROUP_ROWS, n_examples)]
+    lo, hi = (int(ids[0]), int(ids[-1])) if ids is not None else (0, n_examples - 1)
+    first_end = int(ids[min(limit, ids.size) - 1]) if ids is not None else lo
+    span = max(first_end - lo + 1, ROW_GROUP_ROWS)  # (a window costs the row groups it spans)
     n = last = 0
-    for end in ends:
-        first = run(FIRST_EXAMPLES_SQL.format(examples_cond=f"({cond}) AND example_id <= {end}", limit=limit))
+    while True:
+        end = min(lo + span - 1, hi)
+        window = f"({cond}) AND example_id BETWEEN {lo} AND {end}"
+        first = run(FIRST_EXAMPLES_SQL.format(examples_cond=window, limit=limit))
         n, last = first.column(0)[0].as_py() or 0, first.column(1)[0].as_py()
-        if n >= limit:
+        if n >= limit or end >= hi:
             break
+        span *= 4
     if n == 0 or last is None:
         return run(ROWS_SQL.format(cond="TRUE", examples_cond=f"({cond}) AND FALSE"))
     rows = run(
-        ROWS_SQL.format(cond="TRUE", examples_cond=f"({cond}) AND example_id <= {int(last)}")
+        ROWS_SQL.format(cond="TRUE", examples_cond=f"({cond}) AND example_id BETWEEN {lo} AND {int(last)}")
         + f"LIMIT {int(limit)}\n"
     )
     # (fewer than ``limit`` matching examples in the whole last window: these are all the rows)
     return rows if rows.num_rows == limit or n < limit else None
-
-
-def _growing(start: int, total: int) -> list[int]:
-    """``start``, 4x, 16x, ... up to the first at or past ``total`` (at least one)."""
-    out = [max(1, start)]
-    while out[-1] < total:
-        out.append(out[-1] * 4)
-    return out
 
 
 @dataclass(frozen=True)
