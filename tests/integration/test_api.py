@@ -297,6 +297,27 @@ def test_dask_chunks_by_segment_and_equals_features(
     np.testing.assert_allclose(d4.mean(axis=0).compute(), x.mean(axis=0), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 5, 9, 10_000])
+def test_dask_chunk_rows_joins_consecutive_segments(
+    store: actstore.Store, frame: pd.DataFrame, chunk_rows: int
+) -> None:
+    """``chunk_rows``: runs of consecutive segments of at most that many rows (a larger segment alone),
+    the values those of ``features``."""
+    sel = store.select().filter("example_id % 3 <> 0")
+    sizes = frame[frame.example_id % 3 != 0].groupby("segment").size().tolist()
+    want: list[int] = []
+    for n in sizes:  # an independent grouping of the per-segment sizes
+        if want and want[-1] + n <= chunk_rows:
+            want[-1] += n
+        else:
+            want.append(n)
+    d = sel.to_dask("resid", layers=[1], chunk_rows=chunk_rows)
+    assert d.chunks[0] == tuple(want)
+    np.testing.assert_array_equal(d.compute(scheduler="synchronous"), sel.features("resid", layers=[1]))
+    with pytest.raises(QueryError, match="chunk_rows must be at least 1"):
+        sel.to_dask("resid", chunk_rows=0)
+
+
 def test_dask_missing_names_the_extra(store: actstore.Store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "dask", None)
     monkeypatch.setitem(sys.modules, "dask.array", None)
