@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layer", type=int, default=1)
     ap.add_argument("--rows", type=int, default=10_000)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--chunk-rows", type=int, default=1 << 16, help="to_dask(chunk_rows=) of the coarse scan")
     ap.add_argument("--parts", default="dataset,dask,load", help="comma list of dataset, dask, load")
     ap.add_argument("--rounds", type=int, default=1, help="raw and dataset scans, interleaved rounds")
     ap.add_argument("--json", default=None)
@@ -95,17 +96,16 @@ def main(argv: list[str] | None = None) -> None:
     from dask.distributed import Client, LocalCluster
 
     if "dask" in parts:
-        with (
-            LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True) as cluster,
-            Client(cluster),
-        ):
-            arr = sel_all.to_dask(a.kind, layers=[a.layer])
-            dk_s, dk_sum = _timed(lambda: float(arr.sum().compute()))
-        out["dask_localcluster_s"] = round(dk_s, 2)
         out["dask_workers"] = a.workers
-        out["dask_tasks"] = len(arr.chunks[0])
-        out["dask_vs_raw"] = round(raw_s / dk_s, 2)
-        assert np.isclose(dk_sum, raw_sum, rtol=1e-4), (dk_sum, raw_sum)
+        cluster = LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True)
+        with cluster, Client(cluster):
+            for tag, chunk_rows in (("", None), ("_coarse", a.chunk_rows)):
+                arr = sel_all.to_dask(a.kind, layers=[a.layer], chunk_rows=chunk_rows)
+                dk_s, dk_sum = _timed(lambda: float(arr.sum().compute()))
+                out[f"dask{tag}_localcluster_s"] = round(dk_s, 2)
+                out[f"dask{tag}_tasks"] = len(arr.chunks[0])
+                out[f"dask{tag}_vs_raw"] = round(raw_s / dk_s, 2)
+                assert np.isclose(dk_sum, raw_sum, rtol=1e-4), (dk_sum, raw_sum)
     if "load" not in parts:
         emit(out, a.json)
         return
