@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         with cluster, Client(cluster):
             for tag, chunk_rows in (("", None), ("_coarse", a.chunk_rows)):
                 arr = sel_all.to_dask(a.kind, layers=[a.layer], chunk_rows=chunk_rows)
-                dk_s, dk_sum = _timed(lambda: float(arr.sum().compute()))
+                dk_s, dk_sum = _timed(lambda arr=arr: float(arr.sum().compute()))
                 out[f"dask{tag}_localcluster_s"] = round(dk_s, 2)
                 out[f"dask{tag}_tasks"] = len(arr.chunks[0])
                 out[f"dask{tag}_vs_raw"] = round(raw_s / dk_s, 2)
