@@ -142,8 +142,9 @@ def _value(node: Any, params: Sequence[Any] | Mapping[str, Any] | None) -> str |
         return None
     if node.get("class") == "CONSTANT":
         lit = node.get("literal")
-        ok = isinstance(lit, dict) and lit.get("kind") == "STRING" and isinstance(lit.get("text"), str)
-        return lit["text"] if ok else None
+        if isinstance(lit, dict) and lit.get("kind") == "STRING" and isinstance(lit.get("text"), str):
+            return str(lit["text"])
+        return None
     if node.get("class") == "PARAMETER":
         ident = str(node.get("identifier", ""))
         value: Any = None

@@ -242,10 +242,11 @@ def where_tree(where: str) -> str | None:
             )
         except duckdb.Error:
             return None
-    tree = json.loads(row[0]) if row else {"error": True}
-    if tree.get("error") or len(tree.get("statements", [])) != 1:
+    tree: dict[str, Any] = json.loads(row[0]) if row else {"error": True}
+    statements = tree.get("statements")
+    if tree.get("error") or not isinstance(statements, list) or len(statements) != 1:
         return None
-    return json.dumps(tree["statements"][0]["node"].get("where_clause"))
+    return json.dumps(statements[0]["node"].get("where_clause"))
 
 
 _DATABASES: dict[tuple[int, str], duckdb.DuckDBPyConnection] = {}  # (pid, memory limit) -> locked database

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from actstore.core.array_meta import open_array_from_metadata
+from actstore.core.array_meta import open_segment_array
 from actstore.core.arrays import NUMPY_DTYPE, check_array, read_ranges, read_rows
 from actstore.core.chunks import ChunkGuard
 from actstore.core.errors import CorruptStoreError, QueryError
@@ -145,10 +145,7 @@ class StoreReader:
             commit = self.commits[seg]
             try:
                 guard = self._guarded(rel, MAX_CHUNK_BYTES + (1 << 20))
-                if self.location.is_local:  # the metadata read and parsed here: no zarr event loop
-                    arr = self._local_array(rel, name, guard)
-                else:
-                    arr = zarr.open_group(store=guard, mode="r")[name]
+                arr = open_segment_array(self.location, rel, name, guard, f"{self.url}/{rel}/{name}")
             except CorruptStoreError:
                 raise
             except Exception as e:
@@ -164,16 +161,6 @@ class StoreReader:
             )
             self._arrays[key] = arr
         return self._arrays[key]
-
-    def _local_array(self, rel: str, name: str, guard: ChunkGuard) -> zarr.Array:
-        """Array ``name`` of the segment group at ``rel`` of a local store (see :meth:`array`)."""
-        where = f"{self.url}/{rel}/{name}"
-        try:
-            self.location.read_bytes(f"{rel}/zarr.json", 1 << 20)  # the group must exist, as for zarr
-            data = self.location.read_bytes(f"{rel}/{name}/zarr.json", 1 << 20)
-        except FileNotFoundError:
-            raise CorruptStoreError(f"{where}: cannot open array (zarr.json missing)") from None
-        return open_array_from_metadata(guard, name, data, where)
 
     def _guarded(self, rel: str, max_bytes: int) -> ChunkGuard:
         """The zarr store at ``rel``, read through :class:`ChunkGuard` (missing chunks, special files and

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -39,32 +38,9 @@ from actstore.core.manifest import SegmentCommit
 from actstore.core.segments import expected_shape, read_commits, segment_name
 from actstore.core.store import StoreReader
 from actstore.core.tables import HASH_SUFFIX, MAX_TABLE_BYTES, SEGMENT_TABLES, sha256
+from actstore.core.verify_report import VerifyReport, read_hashed
 from actstore.core.verify_snapshot import check_snapshot
-
-
-@dataclass
-class VerifyReport:
-    store: str
-    segments_checked: int = 0
-    chunks_checked: int = 0
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # limits of what could be checked (older stores)
-    uncommitted: list[int] = field(default_factory=list)  # segments the manifest promises, not committed
-    values_checked: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    @property
-    def status(self) -> str:
-        """``ok``, ``INCOMPLETE`` (only uncommitted segments are wrong) or ``CORRUPT``."""
-        if self.ok:
-            return "ok"
-        n_uncommitted = sum(
-            1 for p in self.problems if p.startswith(("segment ", "segments ")) and "not committed" in p
-        )
-        return "INCOMPLETE" if n_uncommitted == len(self.problems) else "CORRUPT"
+from actstore.core.verify_tables import check_segment_tables
 
 
 def _ranges(values: list[int]) -> str:
@@ -225,95 +201,6 @@ def _check_objects(
             )
 
 
-_SPAN_COLUMNS = {
-    "targets": ("row", "segment", "seg_row", "src_start", "n_src"),
-    "examples": ("tok_start", "n_tokens"),
-}
-
-
-def _check_segment_tables(store: StoreReader, report: VerifyReport, commit: SegmentCommit) -> None:
-    seg = commit.segment
-    tables: dict[str, pa.Table] = {}
-    for name in SEGMENT_TABLES:
-        rel = f"tables/{name}/{segment_name(seg)}.parquet"
-        data = _read_hashed(
-            store,
-            report,
-            rel,
-            MAX_TABLE_BYTES,
-            commit.table_sha256.get(name),
-            f"segment {seg} is committed",
-            "the commit marker (table corrupted)",
-        )
-        if data is None:
-            continue
-        try:  # only the columns checked below are decoded (the shard's hash matched its marker)
-            pf = pq.ParquetFile(pa.BufferReader(data))
-            if name in _SPAN_COLUMNS:
-                tables[name] = pf.read(columns=list(_SPAN_COLUMNS[name]))
-        except Exception as e:
-            report.problems.append(f"{rel}: unreadable Parquet ({type(e).__name__}: {e})")
-    seg_rel = segment_name(seg)
-    try:
-        if "targets" in tables:
-            t = tables["targets"]
-            _check_spans(
-                report,
-                f"tables/targets/{seg_rel}",
-                t,
-                commit.n_rows,
-                ("src_start", "n_src"),
-                commit.n_sources,
-                "source",
-                "attn",
-            )
-            rows = t.column("row").to_numpy()
-            if rows.size and not np.array_equal(
-                rows, np.arange(commit.row_start, commit.row_start + rows.size)
-            ):
-                report.problems.append(f"tables/targets/{seg_rel}: rows are not {commit.row_start}..")
-            seg_rows = t.column("seg_row").to_numpy()
-            if (
-                not np.array_equal(seg_rows, np.arange(seg_rows.size))
-                or (t.column("segment").to_numpy() != seg).any()
-            ):
-                report.problems.append(
-                    f"tables/targets/{seg_rel}: segment/seg_row columns do not match segment {seg}"
-                )
-        if "examples" in tables:
-            _check_spans(
-                report,
-                f"tables/examples/{seg_rel}",
-                tables["examples"],
-                commit.n_rows,
-                ("tok_start", "n_tokens"),
-                commit.n_tokens,
-                "token",
-                "v",
-            )
-    except (KeyError, pa.ArrowException) as e:
-        report.problems.append(f"tables/*/{seg_rel}: a column is missing or has the wrong type ({e})")
-
-
-def _check_spans(
-    report: VerifyReport,
-    rel: str,
-    table: pa.Table,
-    n_rows: int,
-    columns: tuple[str, str],
-    bound: int,
-    what: str,
-    array: str,
-) -> None:
-    """``table`` has the commit's ``n_rows`` rows, and its spans (``columns``: start, length) lie in
-    ``0..bound`` of the flat ``array``."""
-    start, length = (table.column(c).to_numpy() for c in columns)
-    if table.num_rows != n_rows:
-        report.problems.append(f"{rel}: {table.num_rows} rows, commit says {n_rows}")
-    if start.size and (start.min() < 0 or length.min() < 0 or (start + length).max() > bound):
-        report.problems.append(f"{rel}: {what} offsets run outside the {array} array (0..{bound})")
-
-
 def _check_other_tables(store: StoreReader, report: VerifyReport) -> None:
     """Non-segment tables: each file's ``.sha256`` companion and Parquet; ``heads`` against the geometry."""
     loc = store.location
@@ -403,7 +290,7 @@ def _check_tokenizer(store: StoreReader, report: VerifyReport) -> None:
         report.problems.append(str(e))
         return
     for name, want in sorted((record or {}).items()):
-        _read_hashed(
+        read_hashed(
             store,
             report,
             f"{TOKENIZER_DIR}/{name}",
@@ -412,31 +299,6 @@ def _check_tokenizer(store: StoreReader, report: VerifyReport) -> None:
             "the manifest's model.tokenizer records it",
             "the manifest's model.tokenizer",
         )
-
-
-def _read_hashed(
-    store: StoreReader,
-    report: VerifyReport,
-    rel: str,
-    max_bytes: int,
-    want: str | None,
-    missing: str,
-    recorded_in: str,
-) -> bytes | None:
-    """The bytes of ``rel`` when it exists, can be read and has the SHA-256 ``want``; else None, with the
-    problem reported (``missing``: why it should be there; ``recorded_in``: what records its hash)."""
-    try:
-        data = store.location.read_bytes(rel, max_bytes)
-    except FileNotFoundError:
-        report.problems.append(f"{rel}: missing ({missing})")
-        return None
-    except (ActstoreError, OSError) as e:
-        report.problems.append(f"{rel}: cannot be read: {e}")
-        return None
-    if sha256(data) != want:
-        report.problems.append(f"{rel}: SHA-256 does not match {recorded_in}")
-        return None
-    return data
 
 
 def verify_store(store: StoreReader, *, values: bool = False, threads: int | None = None) -> VerifyReport:
@@ -460,7 +322,7 @@ def verify_store(store: StoreReader, *, values: bool = False, threads: int | Non
         part = VerifyReport(store.url, values_checked=values)
         if commit.objects is not None:
             _check_objects(store, part, commit.segment, commit.objects, values)
-        _check_segment_tables(store, part, commit)
+        check_segment_tables(store, part, commit)
         return part
 
     # Segments are independent: checked on threads (file reads and SHA-256 release the GIL), their
@@ -477,7 +339,7 @@ def verify_store(store: StoreReader, *, values: bool = False, threads: int | Non
             report.problems,
             store.snapshot,
             markers,
-            lambda rel, want, missing, problems: _read_hashed(
+            lambda rel, want, missing, problems: read_hashed(
                 store,
                 VerifyReport(store.url, problems=problems),
                 rel,
