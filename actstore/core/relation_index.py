@@ -35,11 +35,14 @@ from actstore.core.sql import where_tree
 if TYPE_CHECKING:
     from actstore.core.store import StoreReader
 
-INDEX_SCHEMA = pa.schema([("relation_id", pa.string()), ("example_id", pa.int64())])
+INDEX_SCHEMA = pa.schema(
+    [("relation_id", pa.string()), ("relation_name", pa.string()), ("example_id", pa.int64())]
+)
 
 
 def index_table(parts: Iterable[pa.Table]) -> pa.Table:
-    """The index of the examples rows ``parts``: their ``(relation_id, example_id)``, sorted (nulls last)."""
+    """The index of the examples rows ``parts``: their ``(relation_id, relation_name, example_id)``,
+    sorted by relation, then example (nulls last)."""
     pieces = [p.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA) for p in parts]
     whole = pa.concat_tables(pieces) if pieces else INDEX_SCHEMA.empty_table()
     return whole.sort_by([("relation_id", "ascending"), ("example_id", "ascending")])
@@ -101,6 +104,29 @@ def candidates(store: StoreReader, values: Iterable[str]) -> np.ndarray | None:
     if not ids:
         return np.zeros(0, np.int64)
     return np.sort(np.concatenate(ids)).astype(np.int64)
+
+
+def relation_counts(store: StoreReader) -> list[dict[str, Any]] | None:
+    """Rows per relation, ``[{relation_id, relation_name, n}]`` ordered by ``relation_id`` (None last),
+    from the relation index alone (``actstore info``: no scan of ``examples``, no DuckDB); the name is
+    the smallest of the relation's names.  None when the index does not cover every committed segment."""
+    snap = store.snapshot
+    if snap is None or not snap.relation_index or len(snap.segments) != len(store.commits):
+        return None
+    files = [_index_file(store, f.path) for f in snap.relation_index]
+    if any(pf.schema_arrow.names != INDEX_SCHEMA.names for pf in files):
+        return None
+    parts = [pf.read(columns=["relation_id", "relation_name"]) for pf in files]
+    table = pa.concat_tables(parts)
+    counts = table.group_by("relation_id", use_threads=False).aggregate(
+        [("relation_name", "min"), ("relation_id", "count", pc.CountOptions(mode="all"))]
+    )
+    counts = counts.sort_by([("relation_id", "ascending")])
+    ids = counts.column("relation_id").to_pylist()
+    names = counts.column("relation_name_min").to_pylist()
+    ns = counts.column("relation_id_count").to_pylist()
+    rows = [{"relation_id": r, "relation_name": m, "n": n} for r, m, n in zip(ids, names, ns)]
+    return [r for r in rows if r["relation_id"] is not None] + [r for r in rows if r["relation_id"] is None]
 
 
 def relation_values(cond: str, params: Sequence[Any] | Mapping[str, Any] | None) -> frozenset[str] | None:

@@ -25,7 +25,7 @@ import actstore.query.selection_plan as selection_plan
 from actstore.cli import main
 from actstore.core.compact import compact
 from actstore.core.manifest import seal
-from actstore.core.relation_index import candidates, relation_values
+from actstore.core.relation_index import candidates, relation_counts, relation_values
 from actstore.core.verify import verify_store
 
 
@@ -83,8 +83,9 @@ def test_compaction_writes_an_index_equal_to_a_sort_of_the_examples(base: Path) 
     ex = shard_tables(base)["examples"]
     f = snap.relation_index[0]
     got = pq.read_table(base / f.path)
-    pairs = sorted(zip(ex["relation_id"].tolist(), ex["example_id"].tolist()))
-    assert list(zip(got.column("relation_id").to_pylist(), got.column("example_id").to_pylist())) == pairs
+    pairs = sorted(zip(ex["relation_id"].tolist(), ex["example_id"].tolist(), ex["relation_name"].tolist()))
+    cols = [got.column(c).to_pylist() for c in ("relation_id", "example_id", "relation_name")]
+    assert list(zip(*cols)) == pairs
     assert pq.ParquetFile(base / f.path).metadata.num_row_groups == -(-len(pairs) // 3)
     for rel in sorted(set(ex["relation_id"].tolist())) + ["no such relation"]:
         want = np.sort(ex["example_id"][ex["relation_id"] == rel])
@@ -252,3 +253,19 @@ def test_a_hostile_index_entry_is_refused_with_one_line(
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_info_counts_relations_from_the_index_as_a_plain_count_does(base: Path) -> None:
+    s = actstore.open(base)
+    ex = shard_tables(base)["examples"]
+    want = [
+        {
+            "relation_id": r,
+            "relation_name": min(ex["relation_name"][ex["relation_id"] == r].tolist()),
+            "n": int((ex["relation_id"] == r).sum()),
+        }
+        for r in sorted(set(ex["relation_id"].tolist()))
+    ]
+    assert relation_counts(s) == want
+    result = CliRunner().invoke(main, ["info", str(base), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["relations"] == want
