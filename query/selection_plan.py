@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actstore.core.errors import QueryError
-from actstore.core.relation_index import candidates, relation_values
+from actstore.core.relation_index import candidates, id_bounds, relation_values
 from actstore.core.snapshot import ROW_GROUP_ROWS
 from actstore.core.sql import predicate, run_sql
 from actstore.core.store import StoreReader
@@ -72,7 +72,8 @@ class QueryStep:
             if ids.size == 0:
                 return run(ROWS_SQL.format(cond="TRUE", examples_cond=f"({cond}) AND FALSE"))
         if limit is not None and self.cond == "TRUE":
-            first = _first_rows(run, cond, ids, limit, n_examples)
+            bounds = id_bounds(cond, self.params) if cond != "TRUE" else (None, None)
+            first = _first_rows(run, cond, ids, limit, n_examples, bounds)
             if first is not None:
                 return first
         if ids is not None and int(ids[-1]) - int(ids[0]) < n_examples // 2:
@@ -83,17 +84,33 @@ class QueryStep:
 
 
 def _first_rows(
-    run: Callable[[str], pa.Table], cond: str, ids: np.ndarray | None, limit: int, n_examples: int
+    run: Callable[[str], pa.Table],
+    cond: str,
+    ids: np.ndarray | None,
+    limit: int,
+    n_examples: int,
+    bounds: tuple[int | None, int | None] = (None, None),
 ) -> pa.Table | None:
     """The first ``limit`` rows of the examples matching ``cond``, in two steps: the first ``limit``
     matching examples, looked for in growing windows of example ids (from the first candidate of the
-    relation index, or 0: at least the first ``limit`` candidates and a row group's ids, then 4x as
-    many ids, ...), each a scan of the examples' row groups in that window alone; then the rows of examples up to the
-    last of them, whose targets' row groups that bound prunes.  Rows follow examples in store order,
+    relation index, or 0, or the condition's own lower bound on ``example_id``: at least the first
+    ``limit`` candidates and a row group's ids, then 4x as many ids, ...), each a scan of the examples'
+    row groups in that window alone; then the rows of examples up to the last of them, whose targets'
+    row groups that bound prunes.  Rows follow examples in store order,
     one or more per example, so those examples hold the first ``limit`` rows unless some have no row:
     then None (the caller runs the plain plan)."""
     lo, hi = (int(ids[0]), int(ids[-1])) if ids is not None else (0, n_examples - 1)
     first_end = int(ids[min(limit, ids.size) - 1]) if ids is not None else lo
+    low, high = bounds  # the condition's own bounds on example_id (kept within the store's ids)
+    low = None if low is None else min(low, n_examples)
+    high = None if high is None else max(high, -1)
+    if low is not None and low > lo:
+        lo = low
+        if ids is not None:
+            k = int(np.searchsorted(ids, low))
+            first_end = int(ids[min(k + limit, ids.size) - 1]) if k < ids.size else lo
+    hi = hi if high is None else min(hi, high)
+    first_end = max(first_end, lo)
     span = max(first_end - lo + 1, ROW_GROUP_ROWS)  # (a window costs the row groups it spans)
     n = last = 0
     while True:

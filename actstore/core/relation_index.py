@@ -152,14 +152,85 @@ def relation_values(cond: str, params: Sequence[Any] | Mapping[str, Any] | None)
     return found
 
 
-def _is_relation_column(node: Any) -> bool:
-    """``relation_id`` or ``examples.relation_id`` (identifiers are case-insensitive)."""
+def _is_relation_column(node: Any, column: str = "relation_id") -> bool:
+    """``column`` or ``examples.column`` (identifiers are case-insensitive)."""
     if not (isinstance(node, dict) and node.get("class") == "COLUMN_REF"):
         return False
     names = node.get("column_names")
     if not isinstance(names, list):
         return False
-    return [str(n).lower() for n in names] in (["relation_id"], ["examples", "relation_id"])
+    return [str(n).lower() for n in names] in ([column], ["examples", column])
+
+
+_FLIP = {
+    "COMPARE_GREATERTHAN": "COMPARE_LESSTHAN",
+    "COMPARE_GREATERTHANOREQUALTO": "COMPARE_LESSTHANOREQUALTO",
+    "COMPARE_LESSTHAN": "COMPARE_GREATERTHAN",
+    "COMPARE_LESSTHANOREQUALTO": "COMPARE_GREATERTHANOREQUALTO",
+    "COMPARE_EQUAL": "COMPARE_EQUAL",
+}
+
+
+def id_bounds(cond: str, params: Sequence[Any] | Mapping[str, Any] | None) -> tuple[int | None, int | None]:
+    """The smallest and largest ``example_id`` a condition allows, from its top-level conjuncts
+    ``example_id <op> c`` (``c <op> example_id``; op one of = < <= > >=) and ``example_id BETWEEN a AND
+    b`` with integer literals or bound integers; None where it says nothing (a limit's windows then
+    start at the store's, or the relation's, first example)."""
+    text = where_tree(cond)
+    lo: int | None = None
+    hi: int | None = None
+    stack = [json.loads(text)] if text is not None else []
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if kind == "CONJUNCTION_AND":
+            stack.extend(node.get("children", []))
+            continue
+        found: list[tuple[str, int | None]] = []
+        if kind == "COMPARE_BETWEEN" and _is_relation_column(node.get("input"), "example_id"):
+            found = [("COMPARE_GREATERTHANOREQUALTO", _int_value(node.get("lower"), params))]
+            found.append(("COMPARE_LESSTHANOREQUALTO", _int_value(node.get("upper"), params)))
+        elif kind in _FLIP:
+            left, right, op = node.get("left"), node.get("right"), str(kind)
+            if _is_relation_column(right, "example_id"):
+                left, right, op = right, left, _FLIP[op]
+            if _is_relation_column(left, "example_id"):
+                found = [(op, _int_value(right, params))]
+        for op, v in found:
+            if v is None:
+                continue
+            if op in ("COMPARE_GREATERTHAN", "COMPARE_GREATERTHANOREQUALTO", "COMPARE_EQUAL"):
+                b = v + (op == "COMPARE_GREATERTHAN")
+                lo = b if lo is None else max(lo, b)
+            if op in ("COMPARE_LESSTHAN", "COMPARE_LESSTHANOREQUALTO", "COMPARE_EQUAL"):
+                b = v - (op == "COMPARE_LESSTHAN")
+                hi = b if hi is None else min(hi, b)
+    return lo, hi
+
+
+def _int_value(node: Any, params: Sequence[Any] | Mapping[str, Any] | None) -> int | None:
+    """An integer literal's value, or the integer a parameter is bound to (None for anything else)."""
+    if not isinstance(node, dict):
+        return None
+    if node.get("class") == "CONSTANT":
+        lit = node.get("literal")
+        if isinstance(lit, dict) and lit.get("kind") == "INTEGER":
+            try:
+                return int(str(lit.get("text")))
+            except ValueError:
+                return None
+        return None
+    if node.get("class") == "PARAMETER":
+        ident = str(node.get("identifier", ""))
+        value: Any = None
+        if isinstance(params, Mapping):
+            value = params.get(ident)
+        elif params is not None and ident.isdigit() and 1 <= int(ident) <= len(params):
+            value = params[int(ident) - 1]
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return None
 
 
 def _value(node: Any, params: Sequence[Any] | Mapping[str, Any] | None) -> str | None:

@@ -25,7 +25,7 @@ import actstore.query.selection_plan as selection_plan
 from actstore.cli import main
 from actstore.core.compact import compact
 from actstore.core.manifest import seal
-from actstore.core.relation_index import candidates, relation_counts, relation_values
+from actstore.core.relation_index import candidates, id_bounds, relation_counts, relation_values
 from actstore.core.verify import verify_store
 
 
@@ -269,3 +269,49 @@ def test_info_counts_relations_from_the_index_as_a_plain_count_does(base: Path) 
     assert relation_counts(s) == want
     result = CliRunner().invoke(main, ["info", str(base), "--json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["relations"] == want
+
+
+@pytest.mark.parametrize(
+    ("where", "params", "want"),
+    [
+        ("example_id >= 5", None, (5, None)),
+        ("5 < example_id AND example_id <= 9", None, (6, 9)),
+        ("examples.EXAMPLE_ID BETWEEN 3 AND 7 AND example_id > 4", None, (5, 7)),
+        ("example_id = ? AND relation_id = 'a'", [4], (4, 4)),
+        ("example_id < $n", {"n": 10}, (None, 9)),
+        ("example_id > 2.5", None, (None, None)),
+        ("example_id > 2 OR example_id < 1", None, (None, None)),
+        ("NOT example_id > 2", None, (None, None)),
+        ("example_id + 1 > 2", None, (None, None)),
+        ("example_id >= ?", [True], (None, None)),
+        ("example_id >= -3", None, (-3, None)),
+    ],
+)
+def test_id_bounds_reads_only_top_level_conjuncts(where: str, params: Any, want: tuple[Any, Any]) -> None:
+    assert id_bounds(f"(\n{where}\n)", params) == want
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lo=st.integers(-5, 45),
+    width=st.integers(-3, 40),
+    op=st.sampled_from([">=", ">", "="]),
+    rel=st.integers(0, 7),
+    limit=st.integers(1, 12),
+    window=st.sampled_from([2, 5, 1 << 15]),
+)
+def test_a_limit_with_an_example_id_bound_finds_the_rows_a_numpy_filter_finds(
+    base: Path, lo: int, width: int, op: str, rel: int, limit: int, window: int
+) -> None:
+    s = actstore.open(base)
+    ex = shard_tables(base)["examples"]
+    names = sorted(set(ex["relation_id"].tolist())) + ["none such"]
+    name = names[rel % len(names)]
+    ids = ex["example_id"]
+    first = {">=": ids >= lo, ">": ids > lo, "=": ids == lo}[op]
+    keep = first & (ids <= lo + width) & (ex["relation_id"] == name)
+    where = f"example_id {op} {lo} AND relation_id = ? AND example_id <= {lo + width}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(selection_plan, "ROW_GROUP_ROWS", window)
+        got = got_rows(s.select(where, params=[name]).limit(limit))
+    assert got == expected_rows(base, keep, limit)
