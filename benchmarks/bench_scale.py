@@ -6,6 +6,8 @@ a prompt), ingested with the tiny random Llama, then the figures of issue 33 at 
     python benchmarks/bench_scale.py build /tmp/c1m.jsonl /tmp/s1m --stop-after 8   # first commit, streaming RSS
     python benchmarks/bench_scale.py measure /tmp/s10k --json out.json        # queries, info, verify
     python benchmarks/bench_scale.py compare /tmp/plain10k /tmp/s10k          # several stores, one run
+    python benchmarks/bench_scale.py selective /tmp/s10k /tmp/s100k --checkout /work/main --checkout .
+                                                                   # two versions of the code, interleaved
 
 ``measure`` times each query as a median of 5 on an open store (``actstore.open``, imports done), and
 "fresh open + first query" (imports done before the clock starts) and the commands in fresh processes
@@ -156,6 +158,80 @@ print((t2 - t1) * 1000, (t3 - t2) * 1000)
 """
 
 
+SELECTIVE = """
+import json, statistics, sys, time
+import actstore, duckdb, pyarrow.dataset, actstore.query.selection  # imports done
+store = sys.argv[1]
+t0 = time.perf_counter()
+s = actstore.open(store)
+s.select("relation_id = 'R07'").limit(64).features("resid", layers=[1])
+fresh = time.perf_counter() - t0
+
+def med(fn, n=7):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return round(1000 * statistics.median(ts), 2)
+
+n = s.sql("SELECT count(*) AS n FROM examples").column("n")[0].as_py()
+last = "R%02d" % ((n - 1) % 40)
+print(json.dumps({
+    "fresh_open_rel64_ms": round(1000 * fresh, 1),
+    "rel64_resid_ms": med(lambda: s.select("relation_id = 'R07'").limit(64).features("resid", layers=[1])),
+    "rel64_param_ms": med(lambda: s.select("relation_id = ?", params=["R07"]).limit(64).rows),
+    "rel_all_rows_ms": med(lambda: s.select("relation_id = 'R07'").rows, 3),
+    "rel64_late_ms": med(lambda: s.select(f"relation_id = '{last}' AND example_id >= {n - 4000}").limit(64).rows),
+    "point_resid_ms": med(lambda: s.select(f"example_id = {n // 2 + 7}").features("resid", layers=[1])),
+    "limit64_all_ms": med(lambda: s.select().limit(64).rows),
+}))
+"""
+
+
+def selective(stores: list[Path], checkouts: list[Path], rounds: int) -> dict[str, Any]:
+    """The selective figures of each store read by each checkout's code (``CHECKOUT/.venv/bin/python``
+    in ``CHECKOUT``), each in a fresh process, rounds interleaved; medians over the rounds."""
+    runs: dict[str, dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        for store in stores:
+            for co in checkouts:
+                r = subprocess.run(
+                    [str(co / ".venv" / "bin" / "python"), "-c", SELECTIVE, str(store)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=co,
+                    env={**os.environ, "PYTHONPATH": str(co)},
+                )
+                got = json.loads(r.stdout.strip().splitlines()[-1])
+                key = f"{store} @ {co}"
+                for k, v in got.items():
+                    runs.setdefault(key, {}).setdefault(k, []).append(v)
+    return {key: {k: round(statistics.median(v), 2) for k, v in d.items()} for key, d in runs.items()}
+
+
+def commands(stores: list[Path], checkouts: list[Path], rounds: int) -> dict[str, Any]:
+    """``actstore verify``, ``verify --quick`` and ``info`` end to end with each checkout's code, beside
+    reading every file of the store once (threads), rounds interleaved; medians (seconds)."""
+    runs: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for store in stores:
+            runs.setdefault(f"{store} read_all_files", []).append(read_all(store))
+            for co in checkouts:
+                for cmd in (["verify"], ["verify", "--quick"], ["info"]):
+                    t0 = time.perf_counter()
+                    r = subprocess.run(
+                        [str(co / ".venv" / "bin" / "python"), "-m", "actstore.cli", *cmd, str(store)],
+                        capture_output=True,
+                        text=True,
+                        cwd=co,
+                    )
+                    dt = time.perf_counter() - t0 if r.returncode == 0 else float("nan")
+                    runs.setdefault(f"{store} @ {co} {' '.join(cmd)}", []).append(dt)
+    return {k: round(statistics.median(v), 3) for k, v in runs.items()}
+
+
 def measure(store: Path) -> dict[str, Any]:
     import actstore
 
@@ -216,6 +292,18 @@ def main(argv: list[str] | None = None) -> None:
     cmp = sub.add_parser("compare", help="measure several stores one after the other, in one run")
     cmp.add_argument("stores", type=Path, nargs="+")
     cmp.add_argument("--json", default=None)
+    sel = sub.add_parser("selective", help="the selective figures, several checkouts' code side by side")
+    sel.add_argument("stores", type=Path, nargs="+")
+    sel.add_argument("--checkout", type=Path, action="append", required=True, help="repeat: one per code")
+    sel.add_argument("--rounds", type=int, default=3)
+    sel.add_argument("--json", default=None)
+    cm = sub.add_parser(
+        "commands", help="verify, verify --quick, info: several checkouts, and the read floor"
+    )
+    cm.add_argument("stores", type=Path, nargs="+")
+    cm.add_argument("--checkout", type=Path, action="append", required=True, help="repeat: one per code")
+    cm.add_argument("--rounds", type=int, default=3)
+    cm.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if a.cmd == "corpus":
@@ -229,6 +317,10 @@ def main(argv: list[str] | None = None) -> None:
             },
             a.json,
         )
+    elif a.cmd == "commands":
+        emit(commands(a.stores, a.checkout, a.rounds), a.json)
+    elif a.cmd == "selective":
+        emit(selective(a.stores, a.checkout, a.rounds), a.json)
     elif a.cmd == "compare":
         emit({str(p): measure(p) for p in a.stores}, a.json)
     else:

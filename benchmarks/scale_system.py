@@ -4,6 +4,7 @@ through ``FeatureDataset``, each against the raw read of the same chunks (every 
 read and decoded by the store's own reader, no arithmetic), in one run.
 
     python benchmarks/scale_system.py STORE [--kind resid] [--rows 10000] [--workers 2] [--json OUT]
+    python benchmarks/scale_system.py STORE --parts dataset --rounds 3   # FeatureDataset rows, batches, raw
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layer", type=int, default=1)
     ap.add_argument("--rows", type=int, default=10_000)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--chunk-rows", type=int, default=1 << 16, help="to_dask(chunk_rows=) of the coarse scan")
+    ap.add_argument("--parts", default="dataset,dask,load", help="comma list of dataset, dask, load")
+    ap.add_argument("--rounds", type=int, default=1, help="raw and dataset scans, interleaved rounds")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    parts = set(a.parts.split(","))
     import torch
 
     import actstore
@@ -51,34 +56,65 @@ def main(argv: list[str] | None = None) -> None:
     # raw: every segment's chunks of the kind, read and decoded (the floor of a full scan)
     sel_all = s.select()
     blocks = [b for _, b in sel_all.blocks()]
-    raw_s, raw_sum = _timed(
-        lambda: sum(
-            float(s.read_segment_rows(b.segment, a.kind, b.seg_rows, [a.layer]).sum()) for b in blocks
+    raw_read = lambda: sum(  # noqa: E731
+        float(s.read_segment_rows(b.segment, a.kind, b.seg_rows, [a.layer]).sum()) for b in blocks
+    )
+    rows_scan = lambda: sum(  # noqa: E731  (a row at a time, collated by the DataLoader)
+        float(x.sum())
+        for x, _ in torch.utils.data.DataLoader(
+            actstore.FeatureDataset(sel_all, a.kind, layers=[a.layer]), batch_size=256
         )
     )
+    batch_scan = lambda: sum(  # noqa: E731  (batches from the dataset itself)
+        float(x.sum())
+        for x, _ in torch.utils.data.DataLoader(
+            actstore.FeatureDataset(sel_all, a.kind, layers=[a.layer], batch_size=256), batch_size=None
+        )
+    )
+    times: dict[str, list[float]] = {"raw": [], "rows": [], "batches": []}
+    sums: dict[str, float] = {}
+    for _ in range(a.rounds):
+        for name, fn in (("raw", raw_read), ("rows", rows_scan), ("batches", batch_scan)):
+            if name != "raw" and "dataset" not in parts:
+                continue
+            t, sums[name] = _timed(fn)
+            times[name].append(t)
+    raw_s, raw_sum = float(np.median(times["raw"])), sums["raw"]
     out["raw_read_s"] = round(raw_s, 2)
-
-    ds_s, ds_sum = _timed(
-        lambda: sum(
-            float(x.sum())
-            for x, _ in torch.utils.data.DataLoader(
-                actstore.FeatureDataset(sel_all, a.kind, layers=[a.layer]), batch_size=256
-            )
-        )
-    )
-    out["feature_dataset_s"] = round(ds_s, 2)
-    out["feature_dataset_vs_raw"] = round(raw_s / ds_s, 2)
-    assert np.isclose(ds_sum, raw_sum, rtol=1e-4), (ds_sum, raw_sum)
+    if "dataset" in parts:
+        ds_s, bt_s = float(np.median(times["rows"])), float(np.median(times["batches"]))
+        out["feature_dataset_s"] = round(ds_s, 2)
+        out["feature_dataset_vs_raw"] = round(raw_s / ds_s, 2)
+        out["feature_dataset_batches_s"] = round(bt_s, 2)
+        out["feature_dataset_batches_vs_raw"] = round(raw_s / bt_s, 2)
+        assert np.isclose(sums["rows"], raw_sum, rtol=1e-4), (sums["rows"], raw_sum)
+        assert np.isclose(sums["batches"], raw_sum, rtol=1e-4), (sums["batches"], raw_sum)
+    if "dask" not in parts and "load" not in parts:
+        emit(out, a.json)
+        return
 
     from dask.distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True) as cluster, Client(cluster):
-        arr = sel_all.to_dask(a.kind, layers=[a.layer])
-        dk_s, dk_sum = _timed(lambda: float(arr.sum().compute()))
-    out["dask_localcluster_s"] = round(dk_s, 2)
-    out["dask_workers"] = a.workers
-    out["dask_vs_raw"] = round(raw_s / dk_s, 2)
-    assert np.isclose(dk_sum, raw_sum, rtol=1e-4), (dk_sum, raw_sum)
+    if "dask" in parts:
+        out["dask_workers"] = a.workers
+        cluster = LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True)
+        with cluster, Client(cluster):
+            # (the first scan also starts the workers and reopens the store in each: run again, last kept)
+            for tag, chunk_rows in (
+                ("", None),
+                ("_coarse", a.chunk_rows),
+                ("", None),
+                ("_coarse", a.chunk_rows),
+            ):
+                arr = sel_all.to_dask(a.kind, layers=[a.layer], chunk_rows=chunk_rows)
+                dk_s, dk_sum = _timed(lambda arr=arr: float(arr.sum().compute()))
+                out[f"dask{tag}_localcluster_s"] = round(dk_s, 2)
+                out[f"dask{tag}_tasks"] = len(arr.chunks[0])
+                out[f"dask{tag}_vs_raw"] = round(raw_s / dk_s, 2)
+                assert np.isclose(dk_sum, raw_sum, rtol=1e-4), (dk_sum, raw_sum)
+    if "load" not in parts:
+        emit(out, a.json)
+        return
 
     rng = np.random.default_rng(0)
     ids = np.sort(rng.choice(n, size=min(a.rows, n), replace=False))

@@ -120,22 +120,46 @@ def block_features(store: StoreReader, spec: FeatureSpec, block: RowBlock, n_sou
     return pad_sources(x, n_sources) if spec.kind in SOURCE_KINDS else x
 
 
+def blocks_features(
+    store: StoreReader, spec: FeatureSpec, blocks: list[RowBlock], n_sources: int
+) -> np.ndarray:
+    """:func:`block_features` of consecutive ``blocks``, concatenated (one coarser dask chunk)."""
+    parts = [block_features(store, spec, b, n_sources) for b in blocks]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+
 def dask_features(
-    store: StoreReader, spec: FeatureSpec, blocks: Sequence[tuple[int, RowBlock]], n_sources: int
+    store: StoreReader,
+    spec: FeatureSpec,
+    blocks: Sequence[tuple[int, RowBlock]],
+    n_sources: int,
+    chunk_rows: int | None = None,
 ) -> dask_arrays.Array:
     """A lazy dask array of ``spec``'s features [n, ...], one chunk per ``(rows, block)`` of ``blocks``
-    (in order), each computed by :func:`block_features` when dask asks for it; source kinds padded to
+    (in order), or with ``chunk_rows`` per run of consecutive blocks of at most that many rows (a block
+    larger than that is a chunk of its own: fewer, larger tasks, whose overhead a full scan amortises),
+    each computed by :func:`blocks_features` when dask asks for it; source kinds padded to
     ``n_sources``.  The store travels with the tasks (it pickles: a process or distributed scheduler
     reopens it by URL)."""
     da = dask_array.load()  # Selection.to_dask needs dask: one line naming the extra when it is missing
     if not blocks:
         raise QueryError("the selection is empty")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or chunk_rows < 1):
+        raise QueryError(f"chunk_rows must be at least 1 or None (got {chunk_rows!r})")
     rest = labelled_shape(store, spec, n_sources if spec.kind in SOURCE_KINDS else 0)
-    token = dask_base.tokenize(store.url, spec, n_sources, [(n, b.segment, b.seg_rows) for n, b in blocks])
+    token = dask_base.tokenize(
+        store.url, spec, n_sources, chunk_rows, [(n, b.segment, b.seg_rows) for n, b in blocks]
+    )
+    runs: list[tuple[int, list[RowBlock]]] = []
+    for n, block in blocks:
+        if runs and chunk_rows is not None and runs[-1][0] + n <= chunk_rows:
+            runs[-1] = (runs[-1][0] + n, [*runs[-1][1], block])
+        else:
+            runs.append((n, [block]))
     chunks = []
-    for i, (n, block) in enumerate(blocks):
-        task = dask.delayed(block_features, pure=True)(
-            store, spec, block, n_sources, dask_key_name=f"actstore-{token}-{i}"
+    for i, (n, run) in enumerate(runs):
+        task = dask.delayed(blocks_features, pure=True)(
+            store, spec, run, n_sources, dask_key_name=f"actstore-{token}-{i}"
         )
         chunks.append(da.from_delayed(task, shape=(n, *rest), dtype=np.float32))
     return da.concatenate(chunks, axis=0)

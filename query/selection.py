@@ -400,13 +400,13 @@ class Selection:
         heads: Sequence[int] | None = None,
         groups: int | None = None,
         batch_rows: int | None = None,
+        chunk_rows: int | None = None,
     ) -> dask.array.Array:
-        """The features as a lazy ``dask.array.Array`` of the shape :meth:`features` returns, one
-        chunk per segment (or per ``batch_rows`` rows of one), for arrays larger than memory:
-        ``sel.to_dask("attn_head").mean(axis=0).compute()``.  Needs the ``dask`` extra."""
+        """The features as a lazy dask array (:meth:`features`'s shape), one chunk per segment (or ``batch_rows``
+        rows of one; ``chunk_rows``: consecutive ones joined up to that many rows), larger than memory."""
         spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
         blocks = [(len(ids), b) for ids, b in self.blocks(batch_rows)]
-        return dask_features(self.store, spec, blocks, self.n_sources())
+        return dask_features(self.store, spec, blocks, self.n_sources(), chunk_rows)
 
     def loader(self, kind: str, **options: Unpack[LoaderOptions]) -> ActivationLoader:
         """A training feed: an iterable of torch tensors ``[batch_size, *row]`` (one row of

@@ -4,7 +4,7 @@ their parent's rows (its SQL runs once)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actstore.core.errors import QueryError
+from actstore.core.relation_index import candidates, id_bounds, relation_values
+from actstore.core.snapshot import ROW_GROUP_ROWS
 from actstore.core.sql import predicate, run_sql
 from actstore.core.store import StoreReader
 
@@ -29,9 +31,10 @@ WHERE {cond}
 ORDER BY t.row
 """
 
-# The last of the first ``limit`` examples matching a condition, in store order (a limit's first step).
-LAST_EXAMPLE_SQL = """
-SELECT max(example_id) FROM (
+# How many of the first ``limit`` examples matching a condition there are (at most ``limit``), and the
+# last of them, in store order (a limit's first step, over a window of example ids).
+FIRST_EXAMPLES_SQL = """
+SELECT count(*), max(example_id) FROM (
     SELECT example_id FROM examples WHERE {examples_cond} ORDER BY example_id LIMIT {limit}
 )
 """
@@ -49,26 +52,83 @@ class QueryStep:
     examples_cond: str = "TRUE"  # over the examples (their columns unqualified)
 
     def apply(self, store: StoreReader, rows: pa.Table | None, limit: int | None = None) -> pa.Table:
-        """The rows; ``limit``: only the first ``limit`` (DuckDB stops early: a limit on a large
-        selection costs the rows it returns, not the rows it selects)."""
+        """The rows; ``limit``: only the first ``limit`` (a limit on a large selection costs about the
+        rows it returns, not the rows it selects).
+
+        A condition that restricts ``relation_id`` to some relations (``relation_id = 'P17'``, ``IN``,
+        bound parameters) asks the relation index (:mod:`actstore.core.relation_index`) for those
+        relations' example ids; their smallest and largest bound ``example_id``, which prunes the
+        store-ordered files' row groups.  The condition itself still decides every row."""
         run = lambda text: run_sql(  # noqa: E731
             store, text, params=self.params, memory_limit=self.memory_limit, timeout=self.timeout
         )
+        cond = self.examples_cond
+        ids = None
+        if cond != "TRUE":
+            values = relation_values(cond, self.params)
+            ids = None if values is None else candidates(store, values)
+        n_examples = store.manifest.n_examples
+        if ids is not None:
+            if ids.size == 0:
+                return run(ROWS_SQL.format(cond="TRUE", examples_cond=f"({cond}) AND FALSE"))
         if limit is not None and self.cond == "TRUE":
-            # Two steps: the first ``limit`` matching examples (a scan of examples alone, stopped
-            # early), then the rows of examples up to the last of them, whose targets' row groups the
-            # bound prunes.  Rows follow examples in store order, one or more per example, so those
-            # examples hold the first ``limit`` rows unless some have no row: then the plain plan.
-            last = run(LAST_EXAMPLE_SQL.format(examples_cond=self.examples_cond, limit=int(limit)))
-            bound = last.column(0)[0].as_py() if last.num_rows else None
-            if bound is None:
-                return run(ROWS_SQL.format(cond="TRUE", examples_cond=f"({self.examples_cond}) AND FALSE"))
-            cond = f"({self.examples_cond}) AND example_id <= {int(bound)}"
-            rows = run(ROWS_SQL.format(cond="TRUE", examples_cond=cond) + f"LIMIT {int(limit)}\n")
-            if rows.num_rows == limit:
-                return rows
-        sql = ROWS_SQL.format(cond=self.cond, examples_cond=self.examples_cond)
+            bounds = id_bounds(cond, self.params) if cond != "TRUE" else (None, None)
+            first = _first_rows(run, cond, ids, limit, n_examples, bounds)
+            if first is not None:
+                return first
+        if ids is not None and int(ids[-1]) - int(ids[0]) < n_examples // 2:
+            # (a bound over most of the store prunes nothing and costs DuckDB a filter on every row)
+            cond = f"({cond}) AND example_id BETWEEN {int(ids[0])} AND {int(ids[-1])}"
+        sql = ROWS_SQL.format(cond=self.cond, examples_cond=cond)
         return run(sql + ("" if limit is None else f"LIMIT {int(limit)}\n"))
+
+
+def _first_rows(
+    run: Callable[[str], pa.Table],
+    cond: str,
+    ids: np.ndarray | None,
+    limit: int,
+    n_examples: int,
+    bounds: tuple[int | None, int | None] = (None, None),
+) -> pa.Table | None:
+    """The first ``limit`` rows of the examples matching ``cond``, in two steps: the first ``limit``
+    matching examples, looked for in growing windows of example ids (from the first candidate of the
+    relation index, or 0, or the condition's own lower bound on ``example_id``: at least the first
+    ``limit`` candidates and a row group's ids, then 4x as many ids, ...), each a scan of the examples'
+    row groups in that window alone; then the rows of examples up to the last of them, whose targets'
+    row groups that bound prunes.  Rows follow examples in store order,
+    one or more per example, so those examples hold the first ``limit`` rows unless some have no row:
+    then None (the caller runs the plain plan)."""
+    lo, hi = (int(ids[0]), int(ids[-1])) if ids is not None else (0, n_examples - 1)
+    first_end = int(ids[min(limit, ids.size) - 1]) if ids is not None else lo
+    low, high = bounds  # the condition's own bounds on example_id (kept within the store's ids)
+    low = None if low is None else min(low, n_examples)
+    high = None if high is None else max(high, -1)
+    if low is not None and low > lo:
+        lo = low
+        if ids is not None:
+            k = int(np.searchsorted(ids, low))
+            first_end = int(ids[min(k + limit, ids.size) - 1]) if k < ids.size else lo
+    hi = hi if high is None else min(hi, high)
+    first_end = max(first_end, lo)
+    span = max(first_end - lo + 1, ROW_GROUP_ROWS)  # (a window costs the row groups it spans)
+    n = last = 0
+    while True:
+        end = min(lo + span - 1, hi)
+        window = f"({cond}) AND example_id BETWEEN {lo} AND {end}"
+        first = run(FIRST_EXAMPLES_SQL.format(examples_cond=window, limit=limit))
+        n, last = first.column(0)[0].as_py() or 0, first.column(1)[0].as_py()
+        if n >= limit or end >= hi:
+            break
+        span *= 4
+    if n == 0 or last is None:
+        return run(ROWS_SQL.format(cond="TRUE", examples_cond=f"({cond}) AND FALSE"))
+    rows = run(
+        ROWS_SQL.format(cond="TRUE", examples_cond=f"({cond}) AND example_id BETWEEN {lo} AND {int(last)}")
+        + f"LIMIT {int(limit)}\n"
+    )
+    # (fewer than ``limit`` matching examples in the whole last window: these are all the rows)
+    return rows if rows.num_rows == limit or n < limit else None
 
 
 @dataclass(frozen=True)

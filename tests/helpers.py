@@ -119,7 +119,7 @@ def uncompact(store: Path) -> Path:
     import shutil
 
     shutil.rmtree(store / "snapshot", ignore_errors=True)
-    for f in (store / "tables").glob("*/c*-*.parquet"):
+    for f in (store / "tables").glob("*/[ci]*-*.parquet"):  # compacted files and relation index files
         f.unlink()
     return store
 

@@ -63,19 +63,22 @@ def _corpus_line(ingest: dict[str, Any]) -> str:
 @json_option
 def info(store: str, as_json: bool) -> None:
     """Summarise a store: model, geometry, corpus, sizes."""
+    from actstore.core.relation_index import relation_counts
+
     s = open_store_arg(store)
     ingest = s.manifest.ingest
     corpus = ingest.get("positions") == "all"  # a corpus store's rows are token positions, no relations
-    rel = (
-        []
-        if corpus
-        else s.sql(
-            "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
-            "FROM examples GROUP BY 1 ORDER BY 1"
-        ).to_pylist()
-    )
+    rel: list[dict[str, Any]] = []
+    if not corpus:
+        rel = relation_counts(s) or []  # from the relation index (no scan), else by SQL over examples
+        if not rel:
+            rel = s.sql(
+                "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS n "
+                "FROM examples GROUP BY 1 ORDER BY 1"
+            ).to_pylist()
     # Every table file info lists is checked (hash, footer) as a statement reading it would, except the
-    # segment tables' (their files grow with the store: examples was read above, verify checks them all).
+    # segment tables' (their files grow with the store; the index files read above are hash-checked, and
+    # verify checks them all).
     listed = s.table_files()
     s.check_table_shards([n for n in listed if n not in ALL_SEGMENT_TABLES], listed)
     tables = {name: len(files) for name, files in listed.items()}

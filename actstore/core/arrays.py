@@ -40,6 +40,7 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
+from actstore.core.array_meta import ArrayMeta
 from actstore.core.chunks import local_chunks, sharded_ok
 from actstore.core.errors import CorruptStoreError, MissingChunkError
 
@@ -307,7 +308,7 @@ def _settle_zarr_reads() -> None:
 
 
 def check_array(
-    arr: zarr.Array,
+    arr: zarr.Array | ArrayMeta,
     where: str,
     shape: tuple[int, ...] | None,
     dtype: np.dtype | None,

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from actstore.core.fs import StoreLocation, locate
 from actstore.core.lock import writer_lock
 from actstore.core.manifest import FORMAT_VERSION
+from actstore.core.relation_index import INDEX_SCHEMA, index_table, write_index
 from actstore.core.snapshot import (
     CURRENT,
     ROW_GROUP_ROWS,
@@ -36,7 +37,9 @@ from actstore.core.snapshot import (
     Snapshot,
     TableFile,
     compacted_name,
+    index_name,
     is_compacted_file,
+    is_index_file,
     snapshot_name,
 )
 from actstore.core.store import StoreReader
@@ -92,7 +95,13 @@ def _units(segments: list[int], old: Snapshot | None) -> list[list[int]]:
 
 
 def _compacted_file(
-    sink: Any, *, store: StoreReader, table: str, segs: list[int], old: Snapshot | None
+    sink: Any,
+    *,
+    store: StoreReader,
+    table: str,
+    segs: list[int],
+    old: Snapshot | None,
+    keep: list[pa.Table] | None = None,
 ) -> tuple[int, int, int]:
     """Write one compacted file of ``table`` for segments ``segs`` (consecutive in store order) to the
     binary file ``sink``; its rows and smallest and largest ``example_id`` (-1, -1 when empty).  The
@@ -120,6 +129,8 @@ def _compacted_file(
             a, b = int(pc.min(ids).as_py()), int(pc.max(ids).as_py())
             lo, hi = (a, b) if lo < 0 else (min(lo, a), max(hi, b))
         rows += part.num_rows
+        if keep is not None:
+            keep.append(part.select(INDEX_SCHEMA.names))
         pending.append(part)
         n_pending += part.num_rows
         while n_pending >= ROW_GROUP_ROWS:
@@ -192,9 +203,12 @@ def compact_held(
     if full or old is None:
         groups = _groups(_units(sorted(commits), old), rows, FILE_EXAMPLES)
         kept: dict[str, list[TableFile]] = {t: [] for t in store.manifest.segment_tables}
+        index: list[TableFile] | None = []
     else:
         groups = [new_segs]
         kept = {t: list(old.tables[t]) for t in store.manifest.segment_tables}
+        # an old snapshot without an index gets none until a full compaction (it would not cover all)
+        index = list(old.relation_index) if old.relation_index or not old.segments else None
     written = 0
     bytes_written = 0
     tables: dict[str, tuple[TableFile, ...]] = {}
@@ -202,30 +216,35 @@ def compact_held(
         files = kept[table]
         for k, segs in enumerate(groups, start=len(files)):
             path = compacted_name(table, number, k)
+            pairs: list[pa.Table] | None = [] if table == "examples" and index is not None else None
             (n_rows, min_id, max_id), digest, size = loc.write_stream_atomic(
-                path, functools.partial(_compacted_file, store=store, table=table, segs=segs, old=old)
+                path,
+                functools.partial(_compacted_file, store=store, table=table, segs=segs, old=old, keep=pairs),
             )
-            files.append(
-                TableFile(
-                    path=path,
-                    sha256=digest,
-                    rows=n_rows,
-                    bytes=size,
-                    first=min(segs),
-                    last=max(segs),
-                    min_id=min_id,
-                    max_id=max_id,
-                )
-            )
+            files.append(TableFile(path, digest, n_rows, size, min(segs), max(segs), min_id, max_id))
             written += 1
             bytes_written += size
+            if pairs is not None and index is not None:  # the relation index of this examples file
+                ipath = index_name(number, k)
+                n_index, idigest, isize = loc.write_stream_atomic(
+                    ipath, functools.partial(write_index, table=index_table(pairs))
+                )
+                index.append(TableFile(ipath, idigest, n_index, isize, min(segs), max(segs), min_id, max_id))
+                written += 1
+                bytes_written += isize
         tables[table] = tuple(files)
     segments = {s: (c.n_sources, c.n_tokens) for s, c in commits.items()}
     counted = old is not None and old.segment_bytes >= 0
     seg_bytes = (old.segment_bytes if counted and old else 0) + sum(
         _tree_bytes(loc, f"segments/{s:06d}") for s in segments if not (counted and old and s in old.segments)
     )
-    snap = Snapshot(number=number, segments=segments, tables=tables, segment_bytes=seg_bytes)
+    snap = Snapshot(
+        number=number,
+        segments=segments,
+        tables=tables,
+        segment_bytes=seg_bytes,
+        relation_index=tuple(index or ()),
+    )
     loc.write_bytes_atomic(snapshot_name(number), snap.to_json())
     loc.write_bytes_atomic(CURRENT, f"{number:06d}\n".encode())
     removed = _remove_unreferenced(loc, snap, old)
@@ -255,7 +274,7 @@ def _remove_unreferenced(loc: StoreLocation, snap: Snapshot, previous: Snapshot 
     for table in ALL_SEGMENT_TABLES:
         for name in loc.listdir(f"tables/{table}"):
             rel = f"tables/{table}/{name}"
-            if is_compacted_file(rel) and rel not in keep:
+            if (is_compacted_file(rel) or is_index_file(rel)) and rel not in keep:
                 loc.fs.rm(loc.path(rel))
                 removed += 1
     for name in loc.listdir(SNAPSHOT_DIR):

@@ -90,7 +90,10 @@ def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
             deepest = max(deepest, d)
             if d > limit:
                 return d
-            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+            # (only containers are queued: a snapshot's thousands of numbers cost nothing here)
+            todo.extend(
+                (x, d + 1) for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, dict | list)
+            )
     return deepest
 
 

@@ -12,6 +12,11 @@ Layout::
                                 compacted files: the shards of segments ``first..last`` concatenated in
                                 example order, row groups of :data:`ROW_GROUP_ROWS` rows (their min/max
                                 statistics let DuckDB skip row groups by ``example_id``)
+    tables/examples/i000003-000.parquet
+                                the relation index of the examples file ``c000003-000``: its
+                                ``(relation_id, example_id)`` pairs ordered by relation, then example, in
+                                row groups of :data:`INDEX_GROUP_ROWS` (their statistics skip the row
+                                groups of other relations; :mod:`actstore.core.relation_index`)
 
 Per-segment shards and commit markers stay where they are (the markers still hold every object's
 hash, and ``actstore verify`` checks the snapshot against them).  A snapshot is written by
@@ -46,8 +51,10 @@ SNAPSHOT_DIR = "snapshot"
 CURRENT = f"{SNAPSHOT_DIR}/CURRENT"
 SNAPSHOT_VERSION = 1
 ROW_GROUP_ROWS = 32_768  # rows per row group of a compacted file (statistics prune by these)
+INDEX_GROUP_ROWS = 8_192  # rows per row group of a relation index file
 MAX_SNAPSHOT_BYTES = 256 << 20  # about 10^7 segments; a larger snapshot file is refused unread
 _FILE_NAME = re.compile(r"c(\d{6,})-(\d{3,})\.parquet")
+_INDEX_NAME = re.compile(r"i(\d{6,})-(\d{3,})\.parquet")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -57,6 +64,16 @@ def snapshot_name(number: int) -> str:
 
 def compacted_name(table: str, number: int, k: int) -> str:
     return f"tables/{table}/c{number:06d}-{k:03d}.parquet"
+
+
+def index_name(number: int, k: int) -> str:
+    return f"tables/examples/i{number:06d}-{k:03d}.parquet"
+
+
+def is_index_file(rel: str) -> bool:
+    """True for the path of a relation index file (``tables/examples/iNNNNNN-KKK.parquet``)."""
+    parts = rel.split("/")
+    return len(parts) == 3 and parts[1] == "examples" and bool(_INDEX_NAME.fullmatch(parts[2]))
 
 
 def is_compacted_file(rel: str) -> bool:
@@ -91,9 +108,15 @@ class Snapshot:
     segments: dict[int, tuple[int, int]]  # segment -> (n_sources, n_tokens)
     tables: dict[str, tuple[TableFile, ...]]
     segment_bytes: int = -1  # bytes under segments/ of the covered segments (-1: not counted)
+    # the relation index, one file per examples file (same segments); empty: no index (a snapshot
+    # written before the index existed; ``actstore compact`` adds one)
+    relation_index: tuple[TableFile, ...] = ()
 
     def files(self) -> dict[str, TableFile]:
-        return {f.path: f for files in self.tables.values() for f in files}
+        """Every file the snapshot lists (the tables' and the index's), by path."""
+        out = {f.path: f for files in self.tables.values() for f in files}
+        out.update((f.path, f) for f in self.relation_index)
+        return out
 
     def commits(self, manifest: Manifest) -> dict[int, SegmentCommit]:
         """The covered segments as commit records (their shard hashes are not needed to read: the
@@ -119,6 +142,8 @@ class Snapshot:
             "tables": {t: [f.to_dict() for f in files] for t, files in sorted(self.tables.items())},
             "segment_bytes": self.segment_bytes,
         }
+        if self.relation_index:
+            d["relation_index"] = [f.to_dict() for f in self.relation_index]
         return json.dumps(seal(d), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -172,21 +197,48 @@ class Snapshot:
         if len({tuple(r) for r in ranges.values()}) > 1:
             raise CorruptStoreError(f"{where}: the tables' files cover different segment ranges")
         segment_bytes = field_int(d, "segment_bytes", where, -1, 1 << 62) if "segment_bytes" in d else -1
-        return cls(number=number, segments=segments, tables=tables, segment_bytes=segment_bytes)
+        index = _relation_index(d.get("relation_index", []), where, seen, ranges["examples"])
+        return cls(
+            number=number,
+            segments=segments,
+            tables=tables,
+            segment_bytes=segment_bytes,
+            relation_index=index,
+        )
 
 
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _table_file(raw: Any, table: str, where: str) -> TableFile:
+def _relation_index(
+    raw: Any, where: str, seen: set[str], examples: list[tuple[int, int]]
+) -> tuple[TableFile, ...]:
+    """The snapshot's relation index files, checked: index file names, each listed once, covering the
+    segments of the examples files one for one (an empty list: no index)."""
+    if not isinstance(raw, list):
+        raise CorruptStoreError(f"{where} field 'relation_index' must be a list")
+    files = tuple(_table_file(f, "examples", where, index=True) for f in raw)
+    for f in files:
+        if f.path in seen:
+            raise CorruptStoreError(f"{where}: file {f.path} is listed twice")
+        seen.add(f.path)
+    if files and [(f.first, f.last) for f in files] != examples:
+        raise CorruptStoreError(f"{where}: the relation index does not cover the examples files one for one")
+    return files
+
+
+def _table_file(raw: Any, table: str, where: str, *, index: bool = False) -> TableFile:
     if not isinstance(raw, dict):
         raise CorruptStoreError(f"{where}: a file entry of table {table!r} is not an object")
     path = raw.get("path")
-    if not isinstance(path, str) or not is_compacted_file(path) or path.split("/")[1] != table:
+    named = is_index_file if index else is_compacted_file
+    if not isinstance(path, str) or not named(path) or path.split("/")[1] != table:
         shown = repr(path)[:80]
+        kind = "relation index file" if index else f"compacted file of table {table!r}"
+        letter = "i" if index else "c"
         raise CorruptStoreError(
-            f"{where}: {shown} is not a compacted file of table {table!r} (tables/{table}/cNNNNNN-KKK.parquet)"
+            f"{where}: {shown} is not a {kind} (tables/{table}/{letter}NNNNNN-KKK.parquet)"
         )
     digest = raw.get("sha256")
     if not isinstance(digest, str) or not _HEX64.fullmatch(digest):

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
+from actstore.core.array_meta import open_segment_array
 from actstore.core.arrays import NUMPY_DTYPE, check_array, read_ranges, read_rows
 from actstore.core.chunks import ChunkGuard
 from actstore.core.errors import CorruptStoreError, QueryError
@@ -43,7 +44,7 @@ from actstore.core.segments import (
     segment_name,
     tokenizer_file_name_ok,
 )
-from actstore.core.snapshot import Snapshot, is_compacted_file, read_snapshot
+from actstore.core.snapshot import Snapshot, is_compacted_file, is_index_file, read_snapshot
 from actstore.core.store_html import store_html
 from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, sha256
 
@@ -143,8 +144,8 @@ class StoreReader:
             rel = f"segments/{segment_name(seg)}"
             commit = self.commits[seg]
             try:
-                group = zarr.open_group(store=self._guarded(rel, MAX_CHUNK_BYTES + (1 << 20)), mode="r")
-                arr = group[name]
+                guard = self._guarded(rel, MAX_CHUNK_BYTES + (1 << 20))
+                arr = open_segment_array(self.location, rel, name, guard, f"{self.url}/{rel}/{name}")
             except CorruptStoreError:
                 raise
             except Exception as e:
@@ -363,7 +364,7 @@ class StoreReader:
         if rel in self._verified:
             return data
         parts = rel.split("/")
-        if is_compacted_file(rel):
+        if is_compacted_file(rel) or is_index_file(rel):
             listed = self.snapshot.files().get(rel) if self.snapshot is not None else None
             if listed is None or sha256(data) != listed.sha256:
                 raise CorruptStoreError(

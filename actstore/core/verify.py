@@ -24,46 +24,23 @@ from __future__ import annotations
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from actstore.core.arrays import widen
-from actstore.core.errors import ActstoreError
+from actstore.core.array_meta import ArrayMeta, parse_array_meta
+from actstore.core.arrays import NUMPY_DTYPE, check_array, widen
+from actstore.core.errors import ActstoreError, CorruptStoreError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.manifest import SegmentCommit
-from actstore.core.segments import read_commits, segment_name
+from actstore.core.segments import expected_shape, read_commits, segment_name
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, sha256
+from actstore.core.verify_report import VerifyReport, read_hashed
 from actstore.core.verify_snapshot import check_snapshot
-
-
-@dataclass
-class VerifyReport:
-    store: str
-    segments_checked: int = 0
-    chunks_checked: int = 0
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # limits of what could be checked (older stores)
-    uncommitted: list[int] = field(default_factory=list)  # segments the manifest promises, not committed
-    values_checked: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    @property
-    def status(self) -> str:
-        """``ok``, ``INCOMPLETE`` (only uncommitted segments are wrong) or ``CORRUPT``."""
-        if self.ok:
-            return "ok"
-        n_uncommitted = sum(
-            1 for p in self.problems if p.startswith(("segment ", "segments ")) and "not committed" in p
-        )
-        return "INCOMPLETE" if n_uncommitted == len(self.problems) else "CORRUPT"
+from actstore.core.verify_tables import check_segment_tables
 
 
 def _ranges(values: list[int]) -> str:
@@ -84,14 +61,32 @@ def _chunk_index(key: str) -> int | None:
     return None
 
 
-def _grid_keys(arr: zarr.Array) -> dict[str, int]:
+def _array_meta(store: StoreReader, seg: int, name: str) -> ArrayMeta:
+    """Segment array ``name``'s metadata, read from its ``zarr.json`` and checked as :meth:`StoreReader.array`
+    checks the array (shape against the marker, dtype, chunking, sizes)."""
+    rel = f"segments/{segment_name(seg)}/{name}"
+    where = f"{store.url}/{rel}"
+    try:
+        data = store.location.read_bytes(f"{rel}/zarr.json", 1 << 20)
+    except FileNotFoundError:
+        raise CorruptStoreError(f"{where}: cannot open array (zarr.json is missing)") from None
+    except OSError as e:
+        raise CorruptStoreError(f"{where}: cannot open array ({e})") from None
+    meta = parse_array_meta(data, where)
+    commit = store.commits[seg]
+    dtype = NUMPY_DTYPE[store.manifest.storage_dtype]
+    check_array(meta, where, expected_shape(store.geometry, name, commit), dtype, MAX_CHUNK_BYTES)
+    return meta
+
+
+def _grid_keys(arr: zarr.Array | ArrayMeta) -> dict[str, int]:
     """The chunk keys (relative to the array) of the full grid of an array chunked along axis 0."""
     n, chunk = int(arr.shape[0]), int(arr.chunks[0])
     tail = "/0" * (arr.ndim - 1)
     return {f"c/{i}{tail}": i for i in range(-(-n // chunk))}
 
 
-def _rows(arr: zarr.Array, i: int) -> str:
+def _rows(arr: zarr.Array | ArrayMeta, i: int) -> str:
     chunk, n = int(arr.chunks[0]), int(arr.shape[0])
     return f"rows {i * chunk}:{min((i + 1) * chunk, n)}"
 
@@ -160,10 +155,17 @@ def _check_objects(
     present = set(loc.walk_files(rel))
     for key in sorted(present - set(objects)):
         report.notes.append(f"{rel}/{key}: not listed in the commit marker (ignored by readers)")
-    arrays: dict[str, zarr.Array] = {}
-    for name in SEGMENT_ARRAYS:
+    arrays: dict[str, zarr.Array | ArrayMeta] = {}
+    for name in SEGMENT_ARRAYS:  # (values: decoded through zarr; else only the metadata is needed)
         try:
-            arrays[name] = store.array(seg, name)
+            if values:
+                arrays[name] = store.array(seg, name)
+            elif "zarr.json" not in present:  # (zarr opens no array of a group without its zarr.json)
+                raise CorruptStoreError(
+                    f"{store.url}/{rel}/{name}: cannot open array (the group's zarr.json is missing)"
+                )
+            else:
+                arrays[name] = _array_meta(store, seg, name)
         except ActstoreError as e:
             report.problems.append(str(e))
     for key in sorted(objects):
@@ -188,7 +190,7 @@ def _check_objects(
             continue
         if i is not None:
             report.chunks_checked += 1
-            if values and arr is not None:
+            if values and isinstance(arr, zarr.Array):
                 _scan_chunk(report, f"{rel}/{name}", arr, i, store.manifest.storage_dtype, True)
     for name, arr in arrays.items():
         listed = {_chunk_index(k.partition("/")[2]) for k in objects if k.startswith(name + "/")}
@@ -197,87 +199,6 @@ def _check_objects(
             report.problems.append(
                 f"{rel}/{name}: the commit marker does not list chunk(s) {_ranges(unlisted)}"
             )
-
-
-def _check_segment_tables(store: StoreReader, report: VerifyReport, commit: SegmentCommit) -> None:
-    seg = commit.segment
-    tables: dict[str, pa.Table] = {}
-    for name in store.manifest.segment_tables:
-        rel = f"tables/{name}/{segment_name(seg)}.parquet"
-        data = _read_hashed(
-            store,
-            report,
-            rel,
-            MAX_TABLE_BYTES,
-            commit.table_sha256.get(name),
-            f"segment {seg} is committed",
-            "the commit marker (table corrupted)",
-        )
-        if data is None:
-            continue
-        try:
-            tables[name] = pq.read_table(pa.BufferReader(data))
-        except Exception as e:
-            report.problems.append(f"{rel}: unreadable Parquet ({type(e).__name__}: {e})")
-    seg_rel = segment_name(seg)
-    try:
-        if "targets" in tables:
-            t = tables["targets"]
-            _check_spans(
-                report,
-                f"tables/targets/{seg_rel}",
-                t,
-                commit.n_rows,
-                ("src_start", "n_src"),
-                commit.n_sources,
-                "source",
-                "attn",
-            )
-            rows = t.column("row").to_numpy()
-            if rows.size and not np.array_equal(
-                rows, np.arange(commit.row_start, commit.row_start + rows.size)
-            ):
-                report.problems.append(f"tables/targets/{seg_rel}: rows are not {commit.row_start}..")
-            seg_rows = t.column("seg_row").to_numpy()
-            if (
-                not np.array_equal(seg_rows, np.arange(seg_rows.size))
-                or (t.column("segment").to_numpy() != seg).any()
-            ):
-                report.problems.append(
-                    f"tables/targets/{seg_rel}: segment/seg_row columns do not match segment {seg}"
-                )
-        if "examples" in tables:
-            _check_spans(
-                report,
-                f"tables/examples/{seg_rel}",
-                tables["examples"],
-                commit.n_rows,
-                ("tok_start", "n_tokens"),
-                commit.n_tokens,
-                "token",
-                "v",
-            )
-    except (KeyError, pa.ArrowException) as e:
-        report.problems.append(f"tables/*/{seg_rel}: a column is missing or has the wrong type ({e})")
-
-
-def _check_spans(
-    report: VerifyReport,
-    rel: str,
-    table: pa.Table,
-    n_rows: int,
-    columns: tuple[str, str],
-    bound: int,
-    what: str,
-    array: str,
-) -> None:
-    """``table`` has the commit's ``n_rows`` rows, and its spans (``columns``: start, length) lie in
-    ``0..bound`` of the flat ``array``."""
-    start, length = (table.column(c).to_numpy() for c in columns)
-    if table.num_rows != n_rows:
-        report.problems.append(f"{rel}: {table.num_rows} rows, commit says {n_rows}")
-    if start.size and (start.min() < 0 or length.min() < 0 or (start + length).max() > bound):
-        report.problems.append(f"{rel}: {what} offsets run outside the {array} array (0..{bound})")
 
 
 def _check_other_tables(store: StoreReader, report: VerifyReport) -> None:
@@ -369,7 +290,7 @@ def _check_tokenizer(store: StoreReader, report: VerifyReport) -> None:
         report.problems.append(str(e))
         return
     for name, want in sorted((record or {}).items()):
-        _read_hashed(
+        read_hashed(
             store,
             report,
             f"{TOKENIZER_DIR}/{name}",
@@ -378,31 +299,6 @@ def _check_tokenizer(store: StoreReader, report: VerifyReport) -> None:
             "the manifest's model.tokenizer records it",
             "the manifest's model.tokenizer",
         )
-
-
-def _read_hashed(
-    store: StoreReader,
-    report: VerifyReport,
-    rel: str,
-    max_bytes: int,
-    want: str | None,
-    missing: str,
-    recorded_in: str,
-) -> bytes | None:
-    """The bytes of ``rel`` when it exists, can be read and has the SHA-256 ``want``; else None, with the
-    problem reported (``missing``: why it should be there; ``recorded_in``: what records its hash)."""
-    try:
-        data = store.location.read_bytes(rel, max_bytes)
-    except FileNotFoundError:
-        report.problems.append(f"{rel}: missing ({missing})")
-        return None
-    except (ActstoreError, OSError) as e:
-        report.problems.append(f"{rel}: cannot be read: {e}")
-        return None
-    if sha256(data) != want:
-        report.problems.append(f"{rel}: SHA-256 does not match {recorded_in}")
-        return None
-    return data
 
 
 def verify_store(store: StoreReader, *, values: bool = False, threads: int | None = None) -> VerifyReport:
@@ -426,7 +322,7 @@ def verify_store(store: StoreReader, *, values: bool = False, threads: int | Non
         part = VerifyReport(store.url, values_checked=values)
         if commit.objects is not None:
             _check_objects(store, part, commit.segment, commit.objects, values)
-        _check_segment_tables(store, part, commit)
+        check_segment_tables(store, part, commit)
         return part
 
     # Segments are independent: checked on threads (file reads and SHA-256 release the GIL), their
@@ -443,9 +339,16 @@ def verify_store(store: StoreReader, *, values: bool = False, threads: int | Non
             report.problems,
             store.snapshot,
             markers,
-            lambda rel, want, missing: _read_hashed(
-                store, report, rel, MAX_TABLE_BYTES, want, missing, "the snapshot"
+            lambda rel, want, missing, problems: read_hashed(
+                store,
+                VerifyReport(store.url, problems=problems),
+                rel,
+                MAX_TABLE_BYTES,
+                want,
+                missing,
+                "the snapshot",
             ),
+            threads=threads or min(8, os.cpu_count() or 1),
         )
     _check_other_tables(store, report)
     _check_weights(store, report, values)

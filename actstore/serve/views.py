@@ -11,7 +11,7 @@ import numpy as np
 
 from actstore.core.errors import NotFoundError
 from actstore.core.store import StoreReader
-from actstore.core.tables import SEGMENT_TABLES
+from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.jobs import probe as probe_job
 from actstore.query.features import weights
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
@@ -61,7 +61,7 @@ def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, An
             {
                 "table": name,
                 "kind": "corpus"
-                if name in SEGMENT_TABLES or name == "heads"
+                if name in ALL_SEGMENT_TABLES or name == "heads"
                 else "run log"
                 if name == "runs"
                 else "result",

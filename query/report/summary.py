@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from actstore.core.store import StoreReader
-from actstore.core.tables import SEGMENT_TABLES
+from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.query.report.context import (
     READ_ERRORS,
     Block,
@@ -131,7 +131,7 @@ def summary_section(ctx: ReportContext) -> Section:
             "files": len(files),
             "rows": _table_rows(ctx, name),
             "kind": "corpus"
-            if name in SEGMENT_TABLES or name == "heads"
+            if name in ALL_SEGMENT_TABLES or name == "heads"
             else "run log"
             if name == "runs"
             else "result",

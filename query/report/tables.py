@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actstore.core.tables import SEGMENT_TABLES
+from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.query.report.context import (
     READ_ERRORS,
     Block,
@@ -16,7 +16,7 @@ from actstore.query.report.context import (
 
 
 def other_tables_section(ctx: ReportContext) -> Section | None:
-    skip = set(SEGMENT_TABLES) | {"heads", "runs"} | ctx.used
+    skip = set(ALL_SEGMENT_TABLES) | {"heads", "runs"} | ctx.used
     rest = [n for n in sorted(ctx.files) if n not in skip and ctx.files[n]]
     if not rest:
         return None

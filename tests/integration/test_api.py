@@ -297,6 +297,27 @@ def test_dask_chunks_by_segment_and_equals_features(
     np.testing.assert_allclose(d4.mean(axis=0).compute(), x.mean(axis=0), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 5, 9, 10_000])
+def test_dask_chunk_rows_joins_consecutive_segments(
+    store: actstore.Store, frame: pd.DataFrame, chunk_rows: int
+) -> None:
+    """``chunk_rows``: runs of consecutive segments of at most that many rows (a larger segment alone),
+    the values those of ``features``."""
+    sel = store.select().filter("example_id % 3 <> 0")
+    sizes = frame[frame.example_id % 3 != 0].groupby("segment").size().tolist()
+    want: list[int] = []
+    for n in sizes:  # an independent grouping of the per-segment sizes
+        if want and want[-1] + n <= chunk_rows:
+            want[-1] += n
+        else:
+            want.append(n)
+    d = sel.to_dask("resid", layers=[1], chunk_rows=chunk_rows)
+    assert d.chunks[0] == tuple(want)
+    np.testing.assert_array_equal(d.compute(scheduler="synchronous"), sel.features("resid", layers=[1]))
+    with pytest.raises(QueryError, match="chunk_rows must be at least 1"):
+        sel.to_dask("resid", chunk_rows=0)
+
+
 def test_dask_missing_names_the_extra(store: actstore.Store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "dask", None)
     monkeypatch.setitem(sys.modules, "dask.array", None)
@@ -381,6 +402,37 @@ def test_feature_dataset_shuffles_a_permutation_per_epoch(store: actstore.Store)
     ys = _stack(list(ds))[1]
     rel = sel.table(["relation_id"]).column(0).to_pylist()
     assert [ds.classes[i] for i in ys] == [rel[i] for i in order1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "batch_size", "shuffle"),
+    [("attn_head_token", 5, False), ("attn_head", 3, True), ("mlp", 4, True), ("z", 1000, False)],
+)
+def test_feature_dataset_batches_equal_the_collated_rows(
+    store: actstore.Store, kind: str, batch_size: int, shuffle: bool
+) -> None:
+    """``batch_size``: the batches a DataLoader collates from the row dataset, the same rows in the same
+    order (shuffled too), batches cut across blocks of ``batch_rows`` rows; and the plain features."""
+    sel = store.select().filter("subject_start >= 1")
+    args: dict[str, Any] = dict(layers=[1], batch_rows=4, shuffle=shuffle, seed=3, flatten=kind == "mlp")
+    rows = actstore.FeatureDataset(sel, kind, **args)
+    batched = actstore.FeatureDataset(sel, kind, batch_size=batch_size, **args)
+    for epoch in (0, 1):
+        rows.set_epoch(epoch)
+        batched.set_epoch(epoch)
+        want = list(torch.utils.data.DataLoader(rows, batch_size=batch_size))
+        got = list(torch.utils.data.DataLoader(batched, batch_size=None))
+        assert len(got) == len(want) == len(batched) == -(-len(sel) // batch_size)
+        for (gx, gy), (wx, wy) in zip(got, want):
+            np.testing.assert_array_equal(gx.numpy(), wx.numpy())
+            np.testing.assert_array_equal(gy.numpy(), wy.numpy())
+    if not shuffle:
+        x = sel.features(kind, layers=[1])
+        np.testing.assert_array_equal(
+            torch.cat([b[0] for b in got]).numpy(), x.reshape(len(x), *got[0][0].shape[1:])
+        )
+    with pytest.raises(QueryError, match="batch_size must be at least 1"):
+        actstore.FeatureDataset(sel, kind, batch_size=0)
 
 
 def test_feature_dataset_with_worker_processes(store: actstore.Store) -> None:

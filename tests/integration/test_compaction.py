@@ -80,8 +80,9 @@ def test_incremental_compaction_during_ingest(tmp_path: Path) -> None:
     (tmp_path / "marker8").rename(part / "commits" / "000008.json")
     report = compact(str(part), full=False)
     snap = actstore.open(part).snapshot
-    assert report.files_written == 3 and snap is not None
+    assert report.files_written == 4 and snap is not None  # three tables and the relation index
     assert [(f.first, f.last) for f in snap.tables["examples"]] == [(0, 7), (8, 8)]
+    assert [(f.first, f.last) for f in snap.relation_index] == [(0, 7), (8, 8)]
     assert answers(part) == answers(plain)
     assert verify_store(actstore.open(part)).ok
 
@@ -117,7 +118,8 @@ def test_compaction_killed_at_every_step(base: Path, tmp_path: Path, full: bool)
     with pytest.MonkeyPatch.context() as mp:
         steps = count_writes(mp, None)
         compact(str(copy(plain, tmp_path / "probe")), full=full)
-    assert steps[-2:] == ["snapshot/000001.json", CURRENT] and len(steps) == 5
+    assert steps[-2:] == ["snapshot/000001.json", CURRENT] and len(steps) == 6
+    assert "tables/examples/i000001-000.parquet" in steps  # the relation index, before the snapshot
     for k in range(len(steps)):
         s = copy(plain, tmp_path / f"killed{k}")
         first_snapshot(s, tmp_path, all_segments=full)  # the one a killed compaction falls back on
@@ -131,11 +133,9 @@ def test_compaction_killed_at_every_step(base: Path, tmp_path: Path, full: bool)
         compact(str(s), full=full)
         assert actstore.open(s).snapshot.number == 2  # type: ignore[union-attr]
         assert answers(s) == want and verify_store(actstore.open(s)).ok
-        leftovers = sorted(p.name for p in (s / "tables" / "examples").glob("c*"))
-        second = (
-            "c000002-000.parquet" if full else "c000002-001.parquet"
-        )  # (incremental: file 1 of snapshot 2)
-        assert leftovers == ["c000001-000.parquet", second], leftovers
+        leftovers = sorted(p.name for p in (s / "tables" / "examples").glob("[ci]*"))
+        second = "000002-000.parquet" if full else "000002-001.parquet"  # (incremental: file 1 of snapshot 2)
+        assert leftovers == ["c000001-000.parquet", "c" + second, "i000001-000.parquet", "i" + second]
 
 
 def first_snapshot(s: Path, tmp_path: Path, *, all_segments: bool) -> None:
