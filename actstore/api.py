@@ -11,18 +11,13 @@ The query layer is imported when a method needs it, not when this module is: ``i
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
-from actstore.core.errors import ActstoreError, QueryError
+from actstore.core.errors import ActstoreError
 from actstore.core.fs import locate
-from actstore.core.sql import Params
 from actstore.core.store import StoreReader
 
 if TYPE_CHECKING:
-    import duckdb
-    import pandas as pd
-    import pyarrow as pa
-
     from actstore.query.selection import Selection
 
 
@@ -45,76 +40,6 @@ class Store(StoreReader):
         from actstore.query.selection import Selection
 
         return Selection.from_sql(self, where=where, query=query, params=params)
-
-    @overload
-    def sql(
-        self,
-        query: str,
-        params: Params | None = None,
-        *,
-        format: Literal["arrow"] = "arrow",
-        memory_limit: str | None = None,
-        timeout: float | None = None,
-    ) -> pa.Table: ...
-
-    @overload
-    def sql(
-        self,
-        query: str,
-        params: Params | None = None,
-        *,
-        format: Literal["pandas"],
-        memory_limit: str | None = None,
-        timeout: float | None = None,
-    ) -> pd.DataFrame: ...
-
-    @overload
-    def sql(
-        self,
-        query: str,
-        params: Params | None = None,
-        *,
-        format: Literal["relation"],
-        memory_limit: str | None = None,
-        timeout: float | None = None,
-    ) -> duckdb.DuckDBPyRelation: ...
-
-    def sql(
-        self,
-        query: str,
-        params: Params | None = None,
-        *,
-        format: str = "arrow",
-        memory_limit: str | None = None,
-        timeout: float | None = None,
-    ) -> pa.Table | pd.DataFrame | duckdb.DuckDBPyRelation:
-        """Run one read-only SELECT over the store's tables (:meth:`actstore.core.store.StoreReader.sql`):
-        ``format="arrow"`` (a ``pyarrow.Table``, the default) or ``"pandas"`` run it now, within the
-        limits; ``"relation"`` returns a lazy ``duckdb.DuckDBPyRelation`` over the same locked-down
-        connection, to refine before anything runs (``.filter()``, ``.aggregate()``, ``.limit()``)
-        and read with ``.arrow()``, ``.df()`` or ``.fetchall()``.  A relation runs when read, under
-        the connection's memory limit but without the time limit.  ``params`` are bound by DuckDB::
-
-            store.sql("SELECT * FROM examples WHERE relation_id = ?", ["P17"], format="relation").limit(5).df()
-        """
-        if format != "relation":
-            return super().sql(
-                query,
-                params,
-                format=format,  # type: ignore[call-overload]
-                memory_limit=memory_limit,
-                timeout=timeout,
-            )
-        import duckdb
-
-        from actstore.core.sql import check_params, check_read_only, connect, current_limits
-
-        stmt = check_read_only(query)
-        con = connect(self, memory_limit=current_limits(memory_limit, timeout).memory_limit)
-        try:
-            return con.sql(stmt, params=check_params(params))
-        except duckdb.Error as e:
-            raise QueryError(f"SQL error: {' '.join(str(e).split())}") from None
 
 
 def open_store(url: str | os.PathLike[str]) -> Store:

@@ -49,6 +49,7 @@ import torch
 
 from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
+from actstore.query.features import weights
 from actstore.query.probe_config import CONTRASTS, DEFAULT_CONTRAST
 from actstore.query.selection import Selection
 
@@ -104,7 +105,6 @@ class TokenGeometry:
             raise QueryError(
                 f"TokenScore needs per-source attention features ({', '.join(TOKEN_KINDS)}), not {kind!r}"
             )
-        from actstore.query.features import weights  # the store's weight cache: W_O is read once
 
         hs = tuple(range(store.geometry.n_heads)) if heads is None or kind == "attn" else tuple(heads)
         ls = list(layers)

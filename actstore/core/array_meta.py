@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import zarr
+from zarr.core.array import AsyncArray
+from zarr.core.metadata.v3 import ArrayV3Metadata
+from zarr.storage import StorePath
 
 from actstore.core.errors import CorruptStoreError
 
@@ -73,10 +77,6 @@ def open_array_from_metadata(store: Any, name: str, data: bytes, where: str) -> 
     """The zarr array ``name`` of the zarr store ``store`` (a group's), made from its ``zarr.json``
     bytes ``data`` without zarr's asynchronous open (about 10x faster: one read, no event loop); the
     same ``zarr.Array`` zarr would open.  Malformed metadata is refused with one line."""
-    import zarr
-    from zarr.core.array import AsyncArray
-    from zarr.core.metadata.v3 import ArrayV3Metadata
-    from zarr.storage import StorePath
 
     try:
         d = json.loads(data)

@@ -422,6 +422,23 @@ def run_sql(
         own.close()
 
 
+def relation(
+    store: TableSource,
+    query: str,
+    params: Params | None = None,
+    memory_limit: str | None = None,
+    timeout: float | None = None,
+) -> duckdb.DuckDBPyRelation:
+    """One read-only SELECT as a lazy DuckDB relation over a new locked-down connection (the memory
+    limit applies; the time limit does not, as nothing runs until the relation is read)."""
+    stmt = check_read_only(query)
+    con = connect(store, memory_limit=current_limits(memory_limit, timeout).memory_limit)
+    try:
+        return con.sql(stmt, params=check_params(params))
+    except duckdb.Error as e:
+        raise QueryError(f"SQL error: {' '.join(str(e).split())}") from None
+
+
 def _execute(
     con: duckdb.DuckDBPyConnection,
     stmt: duckdb.Statement,

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import zarr
 
 from actstore.core.array_meta import open_segment_array
@@ -44,9 +43,11 @@ from actstore.core.segments import (
     segment_name,
     tokenizer_file_name_ok,
 )
-from actstore.core.snapshot import Snapshot, is_compacted_file, is_index_file, read_snapshot
+from actstore.core.snapshot import Snapshot, read_snapshot
+from actstore.core.sql import connect, relation, run_sql
 from actstore.core.store_html import store_html
-from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, sha256
+from actstore.core.store_tables import TableFiles
+from actstore.core.tables import sha256
 
 if TYPE_CHECKING:
     import duckdb
@@ -74,7 +75,7 @@ def reopened(cls: type[StoreReader], location: StoreLocation, snapshot: int, n_c
         return reader
 
 
-class StoreReader:
+class StoreReader(TableFiles):
     """A read-only view of a store as of the moment it was opened (or last :meth:`refresh`).
 
     This is the store core: manifest, arrays, weights, tables and SQL.  It imports nothing from
@@ -96,10 +97,6 @@ class StoreReader:
         self.refresh()
 
     # ------------------------------------------------------------------ basics
-    @property
-    def url(self) -> str:
-        return self.location.url
-
     @property
     def geometry(self) -> Geometry:
         return self.manifest.geometry
@@ -304,136 +301,6 @@ class StoreReader:
             out[name] = data
         return out
 
-    # ------------------------------------------------------------------ tables
-    def table_files(self) -> dict[str, list[str]]:
-        """Visible Parquet files per table name (segment tables: committed shards only)."""
-        out: dict[str, list[str]] = {}
-        snap = self.snapshot
-        for name in self.manifest.segment_tables:
-            compacted = [f.path for f in snap.tables[name]] if snap is not None else []
-            out[name] = compacted + [
-                f"tables/{name}/{segment_name(s)}.parquet"
-                for s in self.commits
-                if snap is None or s not in snap.segments
-            ]
-        for name in self.location.listdir("tables"):
-            if name in ALL_SEGMENT_TABLES:
-                continue
-            files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
-            if files:  # a directory whose first file is still being written is no table yet
-                out[name] = [f"tables/{name}/{f}" for f in files]
-        return out
-
-    def table(
-        self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None
-    ) -> pa.Table:
-        """A whole table as Arrow (for small tables and tests; use :meth:`sql` for selections).
-        ``files``: the table's files when already listed by :meth:`table_files`."""
-        files = self.table_files().get(name) if files is None else files
-        if files is None:
-            raise QueryError(f"{self.url}: no table {name!r}")
-        parts = [self._read_table_file(f, columns) for f in files]
-        if not parts:
-            schema = SCHEMAS.get(name)
-            if schema is None:
-                raise QueryError(f"{self.url}: table {name!r} is empty")
-            empty = schema.empty_table()
-            return empty.select(columns) if columns else empty
-        return pa.concat_tables(parts, promote_options="permissive")
-
-    def _read_table_file(self, rel: str, columns: list[str] | None) -> pa.Table:
-        cached = self._tables.get(rel)  # files never change once visible: read each one once
-        if cached is None:
-            data = self._table_bytes(rel)
-            try:
-                cached = pq.ParquetFile(pa.BufferReader(data)).read()  # (pq.read_table: a dataset, slower)
-            except Exception as e:
-                raise CorruptStoreError(
-                    f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})"
-                ) from None
-            self._tables[rel] = cached
-        return cached.select(columns) if columns else cached
-
-    def _table_bytes(self, rel: str) -> bytes:
-        """A table file's bytes; a segment shard must match the SHA-256 in its commit marker, any other
-        table file the one in its ``.sha256`` companion (files written before companions have none)."""
-        try:
-            data = self.location.read_bytes(rel, MAX_TABLE_BYTES)
-        except FileNotFoundError:
-            raise CorruptStoreError(f"{self.url}/{rel}: missing") from None
-        if rel in self._verified:
-            return data
-        parts = rel.split("/")
-        if is_compacted_file(rel) or is_index_file(rel):
-            listed = self.snapshot.files().get(rel) if self.snapshot is not None else None
-            if listed is None or sha256(data) != listed.sha256:
-                raise CorruptStoreError(
-                    f"{self.url}/{rel}: "
-                    + (
-                        "not in the store's snapshot"
-                        if listed is None
-                        else "SHA-256 does not match the snapshot"
-                    )
-                    + " (run actstore verify)"
-                )
-        elif len(parts) == 3 and parts[1] in ALL_SEGMENT_TABLES:
-            seg = int(parts[2].split(".")[0])
-            commit = self.commits.get(seg)
-            if commit is not None and sha256(data) != commit.table_sha256.get(parts[1]):
-                raise CorruptStoreError(
-                    f"{self.url}/{rel}: SHA-256 does not match commit marker commits/{segment_name(seg)}.json "
-                    f"(the table shard or the marker is corrupt; run actstore verify)"
-                )
-        else:
-            want = self.table_hash(rel)
-            if want is not None and sha256(data) != want:
-                raise CorruptStoreError(
-                    f"{self.url}/{rel}: SHA-256 does not match {parts[-1]}{HASH_SUFFIX} "
-                    "(the table file or its hash is corrupt; run actstore verify)"
-                )
-        self._verified.add(rel)
-        return data
-
-    def table_hash(self, rel: str) -> str | None:
-        """The SHA-256 recorded in the ``.sha256`` companion of table file ``rel`` (None without one)."""
-        try:
-            text = self.location.read_bytes(rel + HASH_SUFFIX, 256).decode("ascii", "replace").strip()
-        except FileNotFoundError:
-            return None
-        if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
-            raise CorruptStoreError(f"{self.url}/{rel}{HASH_SUFFIX}: not a SHA-256 hex digest")
-        return text
-
-    def check_table_shards(
-        self, names: Iterable[str] | None = None, listed: dict[str, list[str]] | None = None
-    ) -> None:
-        """Check every visible table file (of the tables ``names``; all when None) not yet checked: its
-        hash and its Parquet footer (DuckDB reads local files directly, and a garbage file must be one
-        clear error, not a DuckDB one).  The footer's schema is kept for :meth:`file_schema`.
-        ``listed``: :meth:`table_files` when the caller has just listed them."""
-        listed = self.table_files() if listed is None else listed
-        for name in listed if names is None else [n for n in names if n in listed]:
-            for rel in listed[name]:
-                if rel not in self._schemas:
-                    self._check_table_file(rel)
-
-    def _check_table_file(self, rel: str) -> pa.Schema:
-        data = self._table_bytes(rel)
-        try:
-            schema = pq.read_metadata(pa.BufferReader(data)).schema.to_arrow_schema()
-        except Exception as e:
-            self._verified.discard(rel)
-            raise CorruptStoreError(
-                f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
-            ) from None
-        self._schemas[rel] = schema
-        return schema
-
-    def file_schema(self, rel: str) -> pa.Schema:
-        """The Arrow schema of table file ``rel`` (checked as by :meth:`check_table_shards`, once)."""
-        cached = self._schemas.get(rel)
-        return cached if cached is not None else self._check_table_file(rel)
-
     def sql_session(self) -> SQLSession:
         """The store's SQL connection, kept between statements (:class:`actstore.core.sql.SQLSession`)."""
         with _SESSION_LOCK:
@@ -480,6 +347,17 @@ class StoreReader:
         timeout: float | None = None,
     ) -> pd.DataFrame: ...
 
+    @overload
+    def sql(
+        self,
+        query: str,
+        params: Params | None = None,
+        *,
+        format: Literal["relation"],
+        memory_limit: str | None = None,
+        timeout: float | None = None,
+    ) -> duckdb.DuckDBPyRelation: ...
+
     def sql(
         self,
         query: str,
@@ -488,27 +366,33 @@ class StoreReader:
         format: str = "arrow",
         memory_limit: str | None = None,
         timeout: float | None = None,
-    ) -> pa.Table | pd.DataFrame:
-        """Run one read-only SELECT over the store's tables; ``format`` is ``arrow`` or ``pandas``.
+    ) -> pa.Table | pd.DataFrame | duckdb.DuckDBPyRelation:
+        """Run one read-only SELECT over the store's tables: ``format="arrow"`` (a ``pyarrow.Table``,
+        the default) or ``"pandas"`` run it now, within the limits; ``"relation"`` returns a lazy
+        ``duckdb.DuckDBPyRelation`` over the same locked-down connection, to refine before anything
+        runs (``.filter()``, ``.aggregate()``, ``.limit()``) and read with ``.arrow()``, ``.df()`` or
+        ``.fetchall()``; a relation runs when read, under the connection's memory limit but without
+        the time limit.
 
         ``params`` are bound by DuckDB, never pasted into the text: a list for ``?`` (or ``$1``)
         placeholders, a dict for ``$name`` ones::
 
             store.sql("SELECT * FROM probe_runs WHERE run_id = ?", [run_id])
             store.sql("SELECT count(*) FROM examples WHERE relation_id = $rel", {"rel": "P17"})
+            store.sql("SELECT * FROM examples WHERE relation_id = ?", ["P17"], format="relation").limit(5).df()
 
         ``memory_limit`` (e.g. ``"1GB"``) and ``timeout`` (seconds, 0 for none) override the limits in
         force (:func:`actstore.core.sql.limits`; defaults in :mod:`actstore.core.sql`)."""
-        from actstore.core.sql import run_sql
 
+        if format == "relation":
+            return relation(self, query, params, memory_limit, timeout)
         if format not in ("arrow", "pandas"):
-            raise QueryError(f"unknown result format {format!r} (arrow, pandas)")
+            raise QueryError(f"unknown result format {format!r} (arrow, pandas, relation)")
         table = run_sql(self, query, params=params, memory_limit=memory_limit, timeout=timeout)
         return table.to_pandas() if format == "pandas" else table
 
     def connect(self, *, memory_limit: str | None = None) -> duckdb.DuckDBPyConnection:
         """A locked-down DuckDB connection over the tables (no file access, see :mod:`actstore.core.sql`)."""
-        from actstore.core.sql import connect
 
         return connect(self, memory_limit=memory_limit)
 

@@ -39,7 +39,9 @@ def store_html(store: Any) -> str:
             for r in rel[:12]
         )
         rows.append(("relations", f"{len(rel)}: {shown}" + (", ..." if len(rel) > 12 else "")))
-    results = {k: len(v) for k, v in store.table_files().items() if k not in ALL_SEGMENT_TABLES and k != "heads"}
+    results = {
+        k: len(v) for k, v in store.table_files().items() if k not in ALL_SEGMENT_TABLES and k != "heads"
+    }
     if results:
         rows.append(
             (

@@ -27,6 +27,7 @@ from actstore.ingest.datasets import DatasetResult, load_dataset
 from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
 from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.lazy_prompts import LazyPrompts
+from actstore.ingest.models import load_model
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import CORPUS_KINDS, IngestRequest
@@ -122,7 +123,6 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
 def _ingest_locked(
     req: IngestRequest, loc: StoreLocation, data: DatasetResult, log: Callable[[str], None]
 ) -> IngestReport:
-    from actstore.ingest.models import load_model
 
     if not req.progress:  # --quiet: no "Loading weights" bar from transformers either
         transformers_logging.disable_progress_bar()
@@ -156,7 +156,6 @@ def _ingest_corpus_locked(
     req: IngestRequest, loc: StoreLocation, docs: Documents, log: Callable[[str], None]
 ) -> IngestReport:
     """``--positions all``: windows and policy, what is kept, the size check, then the capture."""
-    from actstore.ingest.models import load_model
 
     if not req.progress:
         transformers_logging.disable_progress_bar()

@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import platformdirs
+import pooch
+import requests
+
 from actstore.core.errors import DatasetError
 from actstore.ingest.datasets.pins import SHA256
 
@@ -142,7 +146,6 @@ def dataset_cache_dir() -> Path:
     env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env).expanduser()
-    import platformdirs
 
     return platformdirs.user_cache_path("actstore") / "datasets"
 
@@ -186,7 +189,6 @@ def fetch(
 @contextmanager
 def _quiet_pooch() -> Iterator[None]:
     """pooch logs each download at INFO on its own stderr handler; the library does not print."""
-    import pooch
 
     logger = pooch.get_logger()
     level = logger.level
@@ -199,8 +201,6 @@ def _quiet_pooch() -> Iterator[None]:
 
 def _retrieve(ds: NamedDataset, url: str, sha256: str, target: Path) -> None:
     """``target``, downloaded from ``url`` unless it is there with the pinned hash."""
-    import pooch
-    import requests
 
     downloader = pooch.HTTPDownloader(progressbar=False, timeout=TIMEOUT_S)
     try:
@@ -232,7 +232,6 @@ def _retrieve(ds: NamedDataset, url: str, sha256: str, target: Path) -> None:
 
 def _reason(error: Exception) -> str:
     """A short reason for a failed request (requests' own messages run to several hundred characters)."""
-    import requests
 
     if isinstance(error, requests.exceptions.HTTPError) and error.response is not None:
         return f"HTTP {error.response.status_code}"

@@ -1,0 +1,163 @@
+"""The table files of a store: which files each table has (committed shards, compacted files, result
+tables), reading them once each, and checking each file's SHA-256 and Parquet footer before anything
+reads it (:class:`actstore.core.store.StoreReader` is a :class:`TableFiles`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from actstore.core.errors import CorruptStoreError, QueryError
+from actstore.core.fs import StoreLocation
+from actstore.core.manifest import Manifest, SegmentCommit
+from actstore.core.segments import segment_name
+from actstore.core.snapshot import Snapshot, is_compacted_file, is_index_file
+from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, sha256
+
+
+class TableFiles:
+    """The table-file half of a store reader: set by the reader, ``location``, ``manifest``,
+    ``snapshot``, ``commits`` and the three caches below."""
+
+    location: StoreLocation
+    manifest: Manifest
+    snapshot: Snapshot | None
+    commits: dict[int, SegmentCommit]
+    _verified: set[str]  # table files whose SHA-256 matched
+    _tables: dict[str, pa.Table]  # table files read so far (immutable once visible)
+    _schemas: dict[str, pa.Schema]  # schema of each table file whose hash and footer were checked
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    def table_files(self) -> dict[str, list[str]]:
+        """Visible Parquet files per table name (segment tables: committed shards only)."""
+        out: dict[str, list[str]] = {}
+        snap = self.snapshot
+        for name in self.manifest.segment_tables:
+            compacted = [f.path for f in snap.tables[name]] if snap is not None else []
+            out[name] = compacted + [
+                f"tables/{name}/{segment_name(s)}.parquet"
+                for s in self.commits
+                if snap is None or s not in snap.segments
+            ]
+        for name in self.location.listdir("tables"):
+            if name in ALL_SEGMENT_TABLES:
+                continue
+            files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
+            if files:  # a directory whose first file is still being written is no table yet
+                out[name] = [f"tables/{name}/{f}" for f in files]
+        return out
+
+    def table(
+        self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None
+    ) -> pa.Table:
+        """A whole table as Arrow (for small tables and tests; use :meth:`sql` for selections).
+        ``files``: the table's files when already listed by :meth:`table_files`."""
+        files = self.table_files().get(name) if files is None else files
+        if files is None:
+            raise QueryError(f"{self.url}: no table {name!r}")
+        parts = [self._read_table_file(f, columns) for f in files]
+        if not parts:
+            schema = SCHEMAS.get(name)
+            if schema is None:
+                raise QueryError(f"{self.url}: table {name!r} is empty")
+            empty = schema.empty_table()
+            return empty.select(columns) if columns else empty
+        return pa.concat_tables(parts, promote_options="permissive")
+
+    def _read_table_file(self, rel: str, columns: list[str] | None) -> pa.Table:
+        cached = self._tables.get(rel)  # files never change once visible: read each one once
+        if cached is None:
+            data = self._table_bytes(rel)
+            try:
+                cached = pq.ParquetFile(pa.BufferReader(data)).read()  # (pq.read_table: a dataset, slower)
+            except Exception as e:
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {e})"
+                ) from None
+            self._tables[rel] = cached
+        return cached.select(columns) if columns else cached
+
+    def _table_bytes(self, rel: str) -> bytes:
+        """A table file's bytes; a segment shard must match the SHA-256 in its commit marker, any other
+        table file the one in its ``.sha256`` companion (files written before companions have none)."""
+        try:
+            data = self.location.read_bytes(rel, MAX_TABLE_BYTES)
+        except FileNotFoundError:
+            raise CorruptStoreError(f"{self.url}/{rel}: missing") from None
+        if rel in self._verified:
+            return data
+        parts = rel.split("/")
+        if is_compacted_file(rel) or is_index_file(rel):
+            listed = self.snapshot.files().get(rel) if self.snapshot is not None else None
+            if listed is None or sha256(data) != listed.sha256:
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: "
+                    + (
+                        "not in the store's snapshot"
+                        if listed is None
+                        else "SHA-256 does not match the snapshot"
+                    )
+                    + " (run actstore verify)"
+                )
+        elif len(parts) == 3 and parts[1] in ALL_SEGMENT_TABLES:
+            seg = int(parts[2].split(".")[0])
+            commit = self.commits.get(seg)
+            if commit is not None and sha256(data) != commit.table_sha256.get(parts[1]):
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: SHA-256 does not match commit marker commits/{segment_name(seg)}.json "
+                    f"(the table shard or the marker is corrupt; run actstore verify)"
+                )
+        else:
+            want = self.table_hash(rel)
+            if want is not None and sha256(data) != want:
+                raise CorruptStoreError(
+                    f"{self.url}/{rel}: SHA-256 does not match {parts[-1]}{HASH_SUFFIX} "
+                    "(the table file or its hash is corrupt; run actstore verify)"
+                )
+        self._verified.add(rel)
+        return data
+
+    def table_hash(self, rel: str) -> str | None:
+        """The SHA-256 recorded in the ``.sha256`` companion of table file ``rel`` (None without one)."""
+        try:
+            text = self.location.read_bytes(rel + HASH_SUFFIX, 256).decode("ascii", "replace").strip()
+        except FileNotFoundError:
+            return None
+        if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+            raise CorruptStoreError(f"{self.url}/{rel}{HASH_SUFFIX}: not a SHA-256 hex digest")
+        return text
+
+    def check_table_shards(
+        self, names: Iterable[str] | None = None, listed: dict[str, list[str]] | None = None
+    ) -> None:
+        """Check every visible table file (of the tables ``names``; all when None) not yet checked: its
+        hash and its Parquet footer (DuckDB reads local files directly, and a garbage file must be one
+        clear error, not a DuckDB one).  The footer's schema is kept for :meth:`file_schema`.
+        ``listed``: :meth:`table_files` when the caller has just listed them."""
+        listed = self.table_files() if listed is None else listed
+        for name in listed if names is None else [n for n in names if n in listed]:
+            for rel in listed[name]:
+                if rel not in self._schemas:
+                    self._check_table_file(rel)
+
+    def _check_table_file(self, rel: str) -> pa.Schema:
+        data = self._table_bytes(rel)
+        try:
+            schema = pq.read_metadata(pa.BufferReader(data)).schema.to_arrow_schema()
+        except Exception as e:
+            self._verified.discard(rel)
+            raise CorruptStoreError(
+                f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+            ) from None
+        self._schemas[rel] = schema
+        return schema
+
+    def file_schema(self, rel: str) -> pa.Schema:
+        """The Arrow schema of table file ``rel`` (checked as by :meth:`check_table_shards`, once)."""
+        cached = self._schemas.get(rel)
+        return cached if cached is not None else self._check_table_file(rel)
