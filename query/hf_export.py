@@ -40,7 +40,7 @@ import numpy as np
 from actstore.core.errors import QueryError
 from actstore.query.features import FeatureSpec
 from actstore.query.labelled import SOURCE_KINDS
-from actstore.query.loader import Selected
+from actstore.query.loader_args import Selected
 
 
 class Exported(Selected, Protocol):

@@ -48,55 +48,17 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict
+from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from actstore.core.errors import QueryError
-from actstore.core.store import StoreReader
 from actstore.query.features import FeatureSpec, RowBlock, row_shape
 from actstore.query.labelled import SOURCE_KINDS, block_features
+from actstore.query.loader_args import Selected, dtype_arg, int_arg
 
-
-class Selected(Protocol):
-    """What the loader reads of a selection (:class:`actstore.query.selection.Selection` is one; named
-    by this protocol so that the selection module can import this one)."""
-
-    store: StoreReader
-
-    @property
-    def rows(self) -> pa.Table: ...
-
-    def n_sources(self) -> int: ...
-
-
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
 STATE_VERSION = 1
-
-
-def _int_arg(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise QueryError(f"loader: {name} must be an integer, not {value!r}")
-    v = int(value)
-    if v < lo or (hi is not None and v > hi):
-        rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise QueryError(f"loader: {name} must be {rng} (got {v})")
-    return v
-
-
-def _dtype_arg(dtype: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise QueryError(f"loader: dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
 
 
 @dataclass(frozen=True)
@@ -108,28 +70,6 @@ class _Piece:
     at: int
     lo: int
     hi: int
-
-
-class LoaderOptions(TypedDict, total=False):
-    """The keyword options of :class:`ActivationLoader` (and :meth:`Selection.loader`), for type
-    checkers; their defaults are written once, in ``ActivationLoader.__init__``."""
-
-    layers: Sequence[int] | None
-    heads: Sequence[int] | None
-    groups: int | None
-    batch_size: int
-    shuffle: bool
-    seed: int
-    buffer_rows: int
-    workers: int
-    prefetch: int | None
-    rank: int
-    world_size: int
-    dtype: torch.dtype | str
-    with_ids: bool
-    drop_last: bool
-    flatten: bool
-    unit_rows: int | None
 
 
 class ActivationLoader:
@@ -160,19 +100,19 @@ class ActivationLoader:
         flatten: bool = False,
         unit_rows: int | None = None,
     ) -> None:
-        self.batch_size = _int_arg("batch_size", batch_size, 1)
-        self.buffer_rows = _int_arg("buffer_rows", buffer_rows, 1)
-        self.workers = _int_arg("workers", workers, 0, 256)
-        self.prefetch = _int_arg("prefetch", prefetch if prefetch is not None else 2 * max(1, workers), 1)
-        self.world_size = _int_arg("world_size", world_size, 1)
-        self.rank = _int_arg("rank", rank, 0, self.world_size - 1)
-        self.seed = _int_arg("seed", seed, 0)
+        self.batch_size = int_arg("batch_size", batch_size, 1)
+        self.buffer_rows = int_arg("buffer_rows", buffer_rows, 1)
+        self.workers = int_arg("workers", workers, 0, 256)
+        self.prefetch = int_arg("prefetch", prefetch if prefetch is not None else 2 * max(1, workers), 1)
+        self.world_size = int_arg("world_size", world_size, 1)
+        self.rank = int_arg("rank", rank, 0, self.world_size - 1)
+        self.seed = int_arg("seed", seed, 0)
         for name, flag in (("shuffle", shuffle), ("with_ids", with_ids), ("drop_last", drop_last)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise QueryError(f"loader: {name} must be True or False, not {flag!r}")
         self.shuffle, self.with_ids, self.drop_last = bool(shuffle), bool(with_ids), bool(drop_last)
         self.flatten = bool(flatten)
-        self.dtype = _dtype_arg(dtype)
+        self.dtype = dtype_arg(dtype)
         self.selection = selection
         self.store = selection.store
         self.spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
@@ -197,7 +137,7 @@ class ActivationLoader:
         }
         chunk_rows = self.store.manifest.chunk_rows
         default_unit = max(chunk_rows, 256 // chunk_rows * chunk_rows)
-        self.unit_rows = _int_arg("unit_rows", unit_rows if unit_rows is not None else default_unit, 1)
+        self.unit_rows = int_arg("unit_rows", unit_rows if unit_rows is not None else default_unit, 1)
         per_unit = max(1, self.unit_rows // chunk_rows)  # whole chunks per unit
         seg, unit = self._cols["segment"], self._cols["seg_row"] // (chunk_rows * per_unit)
         change = np.flatnonzero((np.diff(seg) != 0) | (np.diff(unit) != 0)) + 1
@@ -296,7 +236,7 @@ class ActivationLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning at the next iteration."""
-        self.epoch = _int_arg("epoch", epoch, 0)
+        self.epoch = int_arg("epoch", epoch, 0)
         self.position = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -331,8 +271,8 @@ class ActivationLoader:
         for key, want in self._settings().items():
             if state.get(key) != want:
                 raise QueryError(f"loader: the state has {key}={state.get(key)!r}, this loader {want!r}")
-        epoch = _int_arg("epoch", state.get("epoch"), 0)
-        position = _int_arg("position", state.get("position"), 0, self.rows_per_epoch)
+        epoch = int_arg("epoch", state.get("epoch"), 0)
+        position = int_arg("position", state.get("position"), 0, self.rows_per_epoch)
         self.epoch, self.position = epoch, position
 
     # -- reading -----------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from actstore.query.hf_export import ExportOptions
-    from actstore.query.loader import ActivationLoader, LoaderOptions
+    from actstore.query.loader import ActivationLoader
+    from actstore.query.loader_args import LoaderOptions
 
 
 Output = Literal["numpy", "torch", "xarray"]
