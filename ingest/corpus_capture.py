@@ -45,10 +45,10 @@ from actstore.ingest.pipeline import (
     _with_tokenizer,
     _write,
     _write_run,
+    open_writer,
     to_host,
     tokenizer_files,
 )
-from actstore.ingest.ranks import rank_zero_first
 from actstore.ingest.settings import IngestConfig
 
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -142,21 +142,8 @@ def capture_positions(
             f"{loc.url}: the store needs about {estimate / 1e9:.2f} GB and only {free / 1e9:.2f} GB are free; "
             "keep fewer --kinds or --layers, or a smaller corpus"
         )
-    if cfg.resume:
-        writer = StoreWriter.resume(loc, manifest)
-    else:
-
-        def create() -> StoreWriter:
-            weights, attrs = arch.weights(model)
-            files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()} if tok_files else {}
-            return StoreWriter.create(loc, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
-
-        writer = rank_zero_first(
-            create, lambda: StoreWriter.resume(loc, manifest), cfg.rank, cfg.world_size, loc
-        )
-    done = writer.committed()
-    mine = [s for s in range(manifest.n_segments) if s % cfg.world_size == cfg.rank]
-    todo = [s for s in mine if s not in done]
+    files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()} if tok_files else {}
+    writer, done, mine, todo = open_writer(loc, manifest, model, arch, files, cfg)
     device = torch.device(cfg.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.time()

@@ -218,6 +218,33 @@ def ingest_prompts(
         return capture_corpus(loc, model, tokenizer, model_info, prompts, cfg, on_segment=on_segment)
 
 
+def open_writer(
+    loc: StoreLocation,
+    manifest: Manifest,
+    model: torch.nn.Module,
+    arch: Architecture,
+    files: dict[str, bytes],
+    cfg: IngestConfig,
+) -> tuple[StoreWriter, set[int], list[int], list[int]]:
+    """The store's writer (resumed, or created by rank 0 with the weights and ``files`` while the other
+    ranks wait: :mod:`actstore.ingest.ranks`), the committed segments, this rank's segments and those
+    of them not yet committed."""
+    if cfg.resume:
+        writer = StoreWriter.resume(loc, manifest)
+    else:
+
+        def create() -> StoreWriter:
+            weights, attrs = arch.weights(model)
+            return StoreWriter.create(loc, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
+
+        writer = rank_zero_first(
+            create, lambda: StoreWriter.resume(loc, manifest), cfg.rank, cfg.world_size, loc
+        )
+    done = writer.committed()
+    mine = [s for s in range(manifest.n_segments) if s % cfg.world_size == cfg.rank]
+    return writer, done, mine, [s for s in mine if s not in done]
+
+
 def capture_corpus(
     loc: StoreLocation,
     model: torch.nn.Module,
@@ -242,25 +269,12 @@ def capture_corpus(
     manifest = build_manifest(model, arch, model_info, prompts, cfg)
     if not cfg.resume:  # the first segment is read and aligned before the store is touched
         _ = prompts[0 : cfg.segment_size]
-    if cfg.resume:
-        writer = StoreWriter.resume(loc, manifest)
-    else:  # rank 0 creates the store; other ranks wait for it (actstore.ingest.ranks)
-
-        def create() -> StoreWriter:
-            weights, attrs = arch.weights(model)
-            files = (
-                {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()}
-                if "tokenizer" in model_info
-                else {}
-            )
-            return StoreWriter.create(loc, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
-
-        writer = rank_zero_first(
-            create, lambda: StoreWriter.resume(loc, manifest), cfg.rank, cfg.world_size, loc
-        )
-    done = writer.committed()
-    mine = [s for s in range(manifest.n_segments) if s % cfg.world_size == cfg.rank]
-    todo = [s for s in mine if s not in done]
+    files = (
+        {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()}
+        if "tokenizer" in model_info
+        else {}
+    )
+    writer, done, mine, todo = open_writer(loc, manifest, model, arch, files, cfg)
     device = torch.device(cfg.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.time()

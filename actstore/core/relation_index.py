@@ -217,6 +217,16 @@ def id_bounds(cond: str, params: Sequence[Any] | Mapping[str, Any] | None) -> tu
     return lo, hi
 
 
+def _bound(node: dict[str, Any], params: Sequence[Any] | Mapping[str, Any] | None) -> Any:
+    """The value a parameter node (``$name``, ``$1``, ``?``) is bound to, None when unbound."""
+    ident = str(node.get("identifier", ""))
+    if isinstance(params, Mapping):
+        return params.get(ident)
+    if params is not None and ident.isdigit() and 1 <= int(ident) <= len(params):
+        return params[int(ident) - 1]
+    return None
+
+
 def _int_value(node: Any, params: Sequence[Any] | Mapping[str, Any] | None) -> int | None:
     """An integer literal's value, or the integer a parameter is bound to (None for anything else)."""
     if not isinstance(node, dict):
@@ -230,12 +240,7 @@ def _int_value(node: Any, params: Sequence[Any] | Mapping[str, Any] | None) -> i
                 return None
         return None
     if node.get("class") == "PARAMETER":
-        ident = str(node.get("identifier", ""))
-        value: Any = None
-        if isinstance(params, Mapping):
-            value = params.get(ident)
-        elif params is not None and ident.isdigit() and 1 <= int(ident) <= len(params):
-            value = params[int(ident) - 1]
+        value = _bound(node, params)
         return value if isinstance(value, int) and not isinstance(value, bool) else None
     return None
 
@@ -250,12 +255,7 @@ def _value(node: Any, params: Sequence[Any] | Mapping[str, Any] | None) -> str |
             return str(lit["text"])
         return None
     if node.get("class") == "PARAMETER":
-        ident = str(node.get("identifier", ""))
-        value: Any = None
-        if isinstance(params, Mapping):
-            value = params.get(ident)
-        elif params is not None and ident.isdigit() and 1 <= int(ident) <= len(params):
-            value = params[int(ident) - 1]
+        value = _bound(node, params)
         return value if isinstance(value, str) else None
     return None
 

@@ -27,10 +27,21 @@ from actstore.ingest.datasets import DatasetResult, load_dataset
 from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
 from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.lazy_prompts import LazyPrompts
-from actstore.ingest.models import load_model
+from actstore.ingest.models import LoadedModel, load_model
 from actstore.ingest.pipeline import IngestReport, capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import CORPUS_KINDS, IngestRequest
+
+
+def _model_record(loaded: LoadedModel, dtype: str) -> dict[str, str | None]:
+    """The manifest's ``model`` record of a loaded model (the tokenizer's hash is added by the capture)."""
+    return {
+        "name": loaded.name,
+        "source": loaded.source,
+        "architecture": loaded.architecture,
+        "weight_hash": loaded.weight_hash,
+        "dtype": dtype,
+    }
 
 
 def _log_nothing(message: str) -> None:
@@ -131,13 +142,7 @@ def _ingest_locked(
         loaded.model.config, "n_positions", None
     )
     prompts = LazyPrompts(data.records, loaded.tokenizer, max_length=max_len)  # a segment's tokens at a time
-    model_info = {
-        "name": loaded.name,
-        "source": loaded.source,
-        "architecture": loaded.architecture,
-        "weight_hash": loaded.weight_hash,
-        "dtype": req.model_dtype,
-    }
+    model_info = _model_record(loaded, req.model_dtype)
     cfg = req.capture_config(
         loc.url,
         {
@@ -190,12 +195,6 @@ def _ingest_corpus_locked(
         f"corpus: {len(docs)} documents in {plan.policy['windows']} windows of at most {context} tokens, "
         f"{plan.n_rows} positions kept (special tokens {plan.policy['special']})"
     )
-    model_info = {
-        "name": loaded.name,
-        "source": loaded.source,
-        "architecture": loaded.architecture,
-        "weight_hash": loaded.weight_hash,
-        "dtype": req.model_dtype,
-    }
+    model_info = _model_record(loaded, req.model_dtype)
     cfg = req.capture_config(loc.url, {"dataset": req.dataset, "kinds": list(kinds)})
     return capture_positions(loc, loaded.model, loaded.tokenizer, model_info, docs, plan, kept, cfg, log)
