@@ -1,4 +1,4 @@
-"""Agreement between methods against chance (issue 36): the permutation null, Cohen's kappa, the excess.
+"""Agreement between methods against chance: the permutation null, Cohen's kappa, the excess.
 
 A raw agreement share (two methods' key layers within ``tolerance`` on 43.7% of facts) says nothing
 until it is set against what two methods would share if their readings had nothing to do with the

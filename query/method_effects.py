@@ -1,4 +1,4 @@
-"""Intervention effects relative to the clean probability, and their correlation given it (issue 36).
+"""Intervention effects relative to the clean probability, and their correlation given it.
 
 The raw effect of a knock-out is a drop in P(object); a site that removes most of the recall drops
 P by about p_clean, whatever the site.  Two methods whose sites both remove most of it then

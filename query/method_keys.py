@@ -1,4 +1,4 @@
-"""Key-layer readings on one scale (issue 36): variants read from the stored trace, patch and lens runs.
+"""Key-layer readings on one scale: variants read from the stored trace, patch and lens runs.
 
 The readings of :mod:`actstore.query.methods` name key layers on different scales: the trace key is
 the *label* of a restoration window, patching's key the larger of two positions, the lens key the
