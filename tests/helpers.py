@@ -119,8 +119,12 @@ def uncompact(store: Path) -> Path:
     import shutil
 
     shutil.rmtree(store / "snapshot", ignore_errors=True)
-    for f in (store / "tables").glob("*/[ci]*-*.parquet"):  # compacted files and relation index files
-        f.unlink()
+    from actstore.core.snapshot import is_compacted_file, is_index_file
+
+    for f in (store / "tables").glob("*/*.parquet"):  # compacted files and relation index files only
+        rel = f.relative_to(store).as_posix()
+        if is_compacted_file(rel) or is_index_file(rel):
+            f.unlink()
     return store
 
 
