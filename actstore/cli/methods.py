@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -38,6 +39,19 @@ def _fmt(x: float | None, pct: bool = True) -> str:
     return f"{100 * x:5.1f}%" if pct else f"{x:+.2f}"
 
 
+def _training_progress(label: str, steps: int, started: float) -> Callable[[int, float], None]:
+    """A tuned-lens training callback printing its first, every 25th and last step to stderr."""
+
+    def progress(step: int, loss: float) -> None:
+        if step == 1 or step % 25 == 0 or step == steps:
+            click.echo(
+                f"{label}: step {step}/{steps}, sum of per-index KL {loss:.4f}, {time.time() - started:.0f} s",
+                err=True,
+            )
+
+    return progress
+
+
 # ------------------------------------------------------------------------------------ lens
 @command(example="actstore lens /tmp/s --correct-only --tuned adam --figures figs")
 @store_argument
@@ -65,16 +79,7 @@ def lens(
     if no_tuned:
         given["tuned"] = None
     cfg = config_from(LensRunConfig, given, where=where, save=not no_save, figures=figures)
-    tuned_method, tuned_steps = cfg.tuned, cfg.steps
-
-    def progress(step: int, loss: float) -> None:
-        if step == 1 or step % 25 == 0 or step == tuned_steps:
-            click.echo(
-                f"tuned lens ({tuned_method}): step {step}/{tuned_steps}, sum of per-index KL {loss:.4f}, "
-                f"{time.time() - started:.0f} s",
-                err=True,
-            )
-
+    progress = _training_progress(f"tuned lens ({cfg.tuned})", cfg.steps, started)
     out = run_lens(s, cfg, progress=None if as_json else progress)
     r = out.result
     if as_json:
@@ -120,15 +125,7 @@ def corpus_lens(store: str, no_save: bool, as_json: bool, **given: Any) -> None:
     started = time.time()
     s = open_store_arg(store)
     cfg = config_from(CorpusLensConfig, given, save=not no_save)
-
-    def progress(step: int, loss: float) -> None:
-        if step == 1 or step % 25 == 0 or step == cfg.steps:
-            click.echo(
-                f"tuned lens: step {step}/{cfg.steps}, sum of per-index KL {loss:.4f}, "
-                f"{time.time() - started:.0f} s",
-                err=True,
-            )
-
+    progress = _training_progress("tuned lens", cfg.steps, started)
     out = run_corpus_lens(s, cfg, progress=None if as_json else progress)
     r = out.result
     if as_json:
@@ -169,16 +166,7 @@ def agree(
     started = time.time()
     s = open_store_arg(store)
     cfg = config_from(AgreeConfig, given, save=not no_save, figures=figures)
-    tuned_method, tuned_steps = cfg.tuned, cfg.steps
-
-    def progress(step: int, loss: float) -> None:
-        if step == 1 or step % 25 == 0 or step == tuned_steps:
-            click.echo(
-                f"tuned lens ({tuned_method}): step {step}/{tuned_steps}, sum of per-index KL {loss:.4f}, "
-                f"{time.time() - started:.0f} s",
-                err=True,
-            )
-
+    progress = _training_progress(f"tuned lens ({cfg.tuned})", cfg.steps, started)
     out = run_agreement(
         s,
         cfg,
