@@ -25,13 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.core._version import __version__
 from actstore.core.compact import compact_held
 from actstore.core.errors import RankError, StorageError
 from actstore.core.fs import StoreLocation
 from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.lock import holding
-from actstore.core.manifest import Geometry, Manifest
+from actstore.core.manifest import Geometry
 from actstore.core.progress import progress_bar
 from actstore.core.writer import StoreWriter
 from actstore.ingest.architectures import architecture_for
@@ -46,6 +45,7 @@ from actstore.ingest.pipeline import (
     _write,
     _write_run,
     open_writer,
+    store_manifest,
     to_host,
     tokenizer_files,
 )
@@ -108,28 +108,8 @@ def capture_positions(
     g = arch.geometry(model)
     tok_files = tokenizer_files(tokenizer)
     model_info = _with_tokenizer(model_info, tok_files)
-    ingest = {
-        "batch_size": cfg.batch_size,
-        "padding_side": "right",
-        "corpus_sha256": docs.sha256,
-        "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        **plan.policy,
-        "kept": kept,
-        **cfg.extra,
-    }
-    manifest = Manifest(
-        geometry=g,
-        model=model_info,
-        storage_dtype=cfg.storage_dtype,
-        segment_size=cfg.segment_size,
-        n_examples=plan.n_rows,
-        chunk_rows=cfg.chunk_rows,
-        chunk_flat=cfg.chunk_flat,
-        chunk_layers=cfg.chunk_layers,
-        ingest=ingest,
-        architecture={"family": arch.name},
-        code_version=__version__,
-    )
+    ingest = {"padding_side": "right", "corpus_sha256": docs.sha256, **plan.policy, "kept": kept}
+    manifest = store_manifest(model, arch, model_info, plan.n_rows, ingest, cfg)
     per_row = bytes_per_row(g, kept, cfg.storage_dtype)
     estimate = per_row * plan.n_rows
     log(

@@ -119,11 +119,27 @@ def build_manifest(
     prompts: Sequence[TokenizedPrompt],
     cfg: IngestConfig,
 ) -> Manifest:
-    ingest_settings = {
-        "batch_size": cfg.batch_size,
+    settings = {
         "padding_side": cfg.padding_side,
         **({"length_batching": True} if cfg.length_batching else {}),
         "corpus_sha256": corpus_sha256(corpus_records(prompts)),
+    }
+    return store_manifest(model, arch, model_info, len(prompts), settings, cfg)
+
+
+def store_manifest(
+    model: torch.nn.Module,
+    arch: Architecture,
+    model_info: dict[str, Any],
+    n_examples: int,
+    ingest: dict[str, Any],
+    cfg: IngestConfig,
+) -> Manifest:
+    """A new store's manifest: the capture settings of ``cfg``, the model's dtype and ``cfg.extra``
+    recorded with the mode's own ``ingest`` settings (target prompts or a corpus plan)."""
+    settings = {
+        "batch_size": cfg.batch_size,
+        **ingest,
         "model_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         **cfg.extra,
     }
@@ -132,11 +148,11 @@ def build_manifest(
         model=model_info,
         storage_dtype=cfg.storage_dtype,
         segment_size=cfg.segment_size,
-        n_examples=len(prompts),
+        n_examples=n_examples,
         chunk_rows=cfg.chunk_rows,
         chunk_flat=cfg.chunk_flat,
         chunk_layers=cfg.chunk_layers,
-        ingest=ingest_settings,
+        ingest=settings,
         architecture={"family": arch.name},
         code_version=__version__,
     )
