@@ -9,6 +9,11 @@ once, by a seeded permutation of their numbers in the ``positions`` table: a sha
 (:func:`actstore.query.tuned_lens.train_tuned_lens`), and both lenses are read on the held-out
 positions: the mean KL per residual index, the logit lens's and the tuned lens's.
 
+The translators are stored with the run (the ``tuned_lens_translators`` table: one row per residual
+index ``i`` < L, ``D`` flattened row-major [d, d] and ``b`` [d], float32), so that another store of the
+same model reads facts through them (``actstore agree --tuned corpus:STORE``,
+:func:`load_corpus_lens`) without training again.
+
 Cost: reading the split reads two integer columns of ``positions`` (linear in the store's
 positions); the features read are the sampled rows only (``rows x (L + 1) x d_model`` values);
 training is ``steps x batch x L`` products with the unembedding (the vocabulary dominates).
@@ -16,15 +21,18 @@ training is ``steps x batch x L`` products with the unembedding (the vocabulary 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import torch
 
-from actstore.core.errors import LensError
-from actstore.core.store import StoreReader
-from actstore.query.readout import FinalReadout, TunedLens
+from actstore.core.errors import ActstoreError, LensError
+from actstore.core.store import StoreReader, open_reader
+from actstore.query.readout import CORPUS_PREFIX, FinalReadout, TunedLens
 from actstore.query.selection import Selection
 from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
 
@@ -131,11 +139,110 @@ def corpus_lens_study(
     return CorpusLensStudy(split, kl_per_index(readout, held), kl_per_index(readout, held, lens), lens)
 
 
+TRANSLATORS_TABLE = "tuned_lens_translators"
+
+
+def translators_table(lens: TunedLens) -> pa.Table:
+    """The translators of ``lens`` as a table: ``index`` (int32), ``D`` (d*d float32, row-major) and
+    ``b`` (d float32), one row per residual index 0..L-1."""
+    D = lens.D.detach().to(torch.float32).cpu().numpy()
+    b = lens.b.detach().to(torch.float32).cpu().numpy()
+    L, d, _ = D.shape
+    return pa.table(
+        {
+            "index": pa.array(np.arange(L), pa.int32()),
+            "D": pa.FixedSizeListArray.from_arrays(pa.array(D.reshape(-1)), d * d),
+            "b": pa.FixedSizeListArray.from_arrays(pa.array(b.reshape(-1)), d),
+        }
+    )
+
+
+def lens_from_table(table: pa.Table, n_layers: int, d_model: int, where: str) -> TunedLens:
+    """The :class:`TunedLens` a :func:`translators_table` holds; one error line (naming ``where``) when
+    its rows or sizes are not those of a model with ``n_layers`` layers of width ``d_model``."""
+    if table.num_rows != n_layers or set(table.column_names) < {"index", "D", "b"}:
+        raise LensError(
+            f"{where}: the translators table has {table.num_rows} rows and columns "
+            f"{', '.join(table.column_names)}; expected {n_layers} rows of index, D, b"
+        )
+    t = table.sort_by("index")
+    if t.column("index").to_pylist() != list(range(n_layers)):
+        raise LensError(f"{where}: the translators' indices are not 0..{n_layers - 1}")
+    try:
+        D = np.stack([np.asarray(x, np.float32) for x in t.column("D").to_pylist()])
+        b = np.stack([np.asarray(x, np.float32) for x in t.column("b").to_pylist()])
+    except (TypeError, ValueError) as e:
+        raise LensError(f"{where}: unreadable translators ({e})") from None
+    if D.shape != (n_layers, d_model * d_model) or b.shape != (n_layers, d_model):
+        raise LensError(f"{where}: translators of width {b.shape[-1]}, the model's is {d_model}")
+    return TunedLens(
+        torch.from_numpy(D.reshape(n_layers, d_model, d_model)), torch.from_numpy(b), method="adam"
+    )
+
+
+def same_model(a: StoreReader, b: StoreReader) -> str | None:
+    """Why the stores ``a`` and ``b`` hold different models (None when they hold the same one): the
+    geometry, then the weights' hash where both manifests record one, else the model's name."""
+    ga, gb = a.geometry, b.geometry
+    for name in ("n_layers", "d_model", "vocab_size"):
+        if getattr(ga, name) != getattr(gb, name):
+            return f"{name} {getattr(ga, name)} against {getattr(gb, name)}"
+    ma, mb = a.manifest.model, b.manifest.model
+    if ma.get("weight_hash") and mb.get("weight_hash"):
+        if ma["weight_hash"] != mb["weight_hash"]:
+            return "different weights (weight_hash)"
+    elif ma.get("name") != mb.get("name"):
+        return f"model {ma.get('name')!r} against {mb.get('name')!r}"
+    return None
+
+
+def load_corpus_lens(spec: str, target: StoreReader) -> TunedLens:
+    """The translators of a corpus-lens run for reading ``target``'s facts: ``spec`` is
+    ``corpus:STORE`` (the newest ``corpus-lens`` run of STORE) or ``corpus:STORE#RUN_ID``.  One error
+    line when STORE has no such run or holds another model than ``target``.  ``lens.info`` names the
+    source store and run, and the run's training settings."""
+    body = spec[len(CORPUS_PREFIX) :] if spec.startswith(CORPUS_PREFIX) else ""
+    url, _, run = body.partition("#")
+    if not url:
+        raise LensError(f"{spec!r}: name the corpus store as corpus:STORE or corpus:STORE#RUN_ID")
+    try:
+        source = open_reader(url)
+    except ActstoreError as e:
+        raise LensError(f"--tuned {spec}: {e}") from None
+    why = same_model(source, target)
+    if why is not None:
+        raise LensError(f"{source.url} and {target.url} hold different models ({why})")
+    if TRANSLATORS_TABLE not in source.table_files():
+        raise LensError(
+            f"{source.url}: no stored translators (run 'actstore corpus-lens {url}' first; runs before "
+            "this version did not store them)"
+        )
+    runs = source.sql(  # oldest first, by the runs table's start times (ids of one second do not sort)
+        f"SELECT DISTINCT t.run_id, r.started FROM {TRANSLATORS_TABLE} t LEFT JOIN runs r USING (run_id) "
+        "ORDER BY r.started NULLS FIRST, t.run_id"
+    ).column("run_id")
+    have = [str(r) for r in runs.to_pylist()]
+    if run and run not in have:
+        raise LensError(f"{source.url}: no corpus-lens run {run!r} with translators (have {', '.join(have)})")
+    run = run or have[-1]
+    table = source.sql(f'SELECT "index", D, b FROM {TRANSLATORS_TABLE} WHERE run_id = ?', [run])
+    g = source.geometry
+    lens = lens_from_table(table, g.n_layers, g.d_model, f"{source.url} run {run}")
+    config = source.sql("SELECT config FROM runs WHERE run_id = ?", [run]).column("config").to_pylist()
+    lens.info = {"source": source.url, "run_id": run, "config": json.loads(config[0]) if config else None}
+    return lens
+
+
 __all__ = [
+    "TRANSLATORS_TABLE",
     "CorpusLensStudy",
     "CorpusSplit",
     "check_corpus_residuals",
     "corpus_lens_study",
     "corpus_residuals",
+    "lens_from_table",
+    "load_corpus_lens",
+    "same_model",
     "split_documents",
+    "translators_table",
 ]

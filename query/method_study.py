@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.core.errors import LensError, MethodsError
+from actstore.core.errors import MethodsError
 from actstore.query.method_defaults import PLATEAU
 from actstore.query.method_metrics import concat_readings
 from actstore.query.method_probe import LayerProbeConfig, probe_reading
@@ -24,7 +24,7 @@ from actstore.query.methods import (
     trace_reading,
     tuned_lens_reading,
 )
-from actstore.query.readout import TUNED_METHODS
+from actstore.query.readout import check_tuned_method
 from actstore.query.tuned_lens import TrainConfig
 
 GROUPINGS = ("relation", "freq_band", "uniqueness", "source_set", "stratum")
@@ -49,8 +49,8 @@ def study_readings(
     ``tuned`` = adam, sgd or ridge, ``tuned_config`` default ``COMPARISON_TRAIN``); its reading's
     ``info`` records the fit."""
 
-    if "tuned_lens" in methods and tuned not in TUNED_METHODS:  # before the other readings
-        raise LensError(f"unknown tuned-lens method {tuned!r} (one of {', '.join(TUNED_METHODS)})")
+    if "tuned_lens" in methods:  # before the other readings
+        check_tuned_method(tuned)
     plat = PLATEAU if plateau is None else plateau
     out: dict[str, MethodReading] = {}
     if "trace" in methods:

@@ -46,6 +46,7 @@ those every method reads, whose key layers all lie within ``tolerance`` of each 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,15 +56,15 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import MethodsError
+from actstore.query.corpus_lens import load_corpus_lens
 from actstore.query.lens import (
-    TUNED_METHODS,
     FinalReadout,
-    LensError,
     fit_tuned_lens,
     read_objects,
     stored_residuals,
 )
 from actstore.query.method_defaults import COMPARISON_BATCH, COMPARISON_STEPS, PLATEAU
+from actstore.query.readout import CORPUS_PREFIX, check_tuned_method
 from actstore.query.rows import Rows, rows_condition
 from actstore.query.selection import Selection
 from actstore.query.tuned_lens import TrainConfig
@@ -301,8 +302,9 @@ def tuned_lens_reading(
     records the method, the configuration, the training facts and the seconds; ``progress(step,
     loss)`` as in :func:`actstore.query.tuned_lens.train_tuned_lens`."""
 
-    if method not in TUNED_METHODS:
-        raise LensError(f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)})")
+    check_tuned_method(method)
+    if method.startswith(CORPUS_PREFIX):
+        return corpus_tuned_reading(store, out, method, plateau)
     train = np.setdiff1d(fact_ids(store, None, correct_only=False), out.example_ids)
     if train.size < 5:
         raise MethodsError(
@@ -318,6 +320,29 @@ def tuned_lens_reading(
         "train_facts": int(train.size),
         "seconds": lens.info["seconds"],
         **{k: lens.info[k] for k in ("loss_first", "loss_last") if k in lens.info},
+    }
+    return reading
+
+
+def corpus_tuned_reading(
+    store: Any, out: StoredOutputs, spec: str, plateau: float = PLATEAU
+) -> MethodReading:
+    """The tuned lens's reading of ``out``'s facts through translators a corpus-lens run stored
+    (``spec``: ``corpus:STORE[#RUN]``, :func:`actstore.query.corpus_lens.load_corpus_lens`): trained
+    on every position of a text corpus, as Belrose et al. train it, not on this store's facts."""
+    started = time.time()
+    lens = load_corpus_lens(spec, store)
+    reading = lens_reading(store, out, lens, plateau)
+    config = lens.info.get("config") or {}
+    reading.info = {
+        "method": "corpus",
+        "label": TUNED_LABEL.format("corpus"),
+        "source": lens.info["source"],
+        "run_id": lens.info["run_id"],
+        "config": config.get("train"),
+        "train_facts": 0,
+        "train_positions": config.get("train_rows"),
+        "seconds": round(time.time() - started, 2),
     }
     return reading
 

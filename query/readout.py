@@ -112,6 +112,17 @@ def read_objects(
 
 
 TUNED_METHODS = ("adam", "sgd", "ridge")
+CORPUS_PREFIX = "corpus:"  # --tuned corpus:STORE[#RUN]: translators a corpus-lens run stored
+
+
+def check_tuned_method(method: str) -> None:
+    """One error line unless ``method`` is a fitting rule of :data:`TUNED_METHODS` or names stored
+    translators (``corpus:STORE`` or ``corpus:STORE#RUN_ID``)."""
+    if method in TUNED_METHODS or (method.startswith(CORPUS_PREFIX) and len(method) > len(CORPUS_PREFIX)):
+        return
+    raise LensError(
+        f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)}, or corpus:STORE)"
+    )
 
 
 @dataclass

@@ -193,7 +193,12 @@ def agree(
         return method_label(m, tl.get("method"))
 
     click.echo(f"{result['model']} (L={L}): key layers agree within {tol} layer(s)")
-    if tl:
+    if tl.get("method") == "corpus":
+        click.echo(
+            f"{label('tuned_lens')}: translators of {tl['run_id']} on {tl['source']} "
+            f"(trained on {tl['train_positions']} corpus positions)"
+        )
+    elif tl:
         how = (
             ""
             if tl["method"] == "ridge"

@@ -46,6 +46,7 @@ from actstore.query.methods import (
     trace_reading,
     tuned_lens_reading,
 )
+from actstore.query.readout import CORPUS_PREFIX
 
 Log = Callable[[str], None]
 
@@ -117,7 +118,11 @@ def run_agreement(
     if "logit_lens" in wanted:
         readings["logit_lens"] = lens_reading(store, out, plateau=cfg.plateau)
     if "tuned_lens" in wanted:
-        say(f"tuned lens ({cfg.tuned}): fitting on the facts not compared")
+        say(
+            f"tuned lens: the translators stored by {cfg.tuned}"
+            if cfg.tuned.startswith(CORPUS_PREFIX)
+            else f"tuned lens ({cfg.tuned}): fitting on the facts not compared"
+        )
         readings["tuned_lens"] = tuned_lens_reading(store, out, cfg.tuned, train, cfg.plateau, progress)
         extra["tuned_lens"] = readings["tuned_lens"].info
         extra["tuned_lens_train_facts"] = readings["tuned_lens"].info["train_facts"]

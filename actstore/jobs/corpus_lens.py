@@ -18,7 +18,8 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import CorpusLensConfig
-from actstore.query.corpus_lens import corpus_lens_study
+from actstore.query.corpus_lens import TRANSLATORS_TABLE, corpus_lens_study, translators_table
+from actstore.query.readout import TunedLens
 from actstore.query.tuned_lens import TrainConfig
 
 
@@ -28,13 +29,15 @@ class CorpusLensOutcome:
     summary: list[dict[str, Any]]  # per residual index
     result: dict[str, Any]  # JSON-ready
     tables: list[str] = field(default_factory=list)
+    lens: TunedLens | None = None  # the trained translators (stored as tuned_lens_translators)
 
 
 def run_corpus_lens(
     store: StoreReader, cfg: CorpusLensConfig, progress: Callable[[int, float], None] | None = None
 ) -> CorpusLensOutcome:
     """The study of :func:`actstore.query.corpus_lens.corpus_lens_study`; writes the ``corpus_lens``
-    table (one row per residual index) and a ``runs`` row unless ``cfg.save`` is False."""
+    table (one row per residual index), the translators (``tuned_lens_translators``, read back by
+    ``agree --tuned corpus:STORE``) and a ``runs`` row unless ``cfg.save`` is False."""
     started = time.time()
     train = TrainConfig(
         optimizer=cfg.optimizer, steps=cfg.steps, batch=cfg.batch, seed=cfg.seed, device="auto"
@@ -49,7 +52,7 @@ def run_corpus_lens(
     )
     summary = study.summary()
     run_id = new_run_id("corpus_lens")
-    out = CorpusLensOutcome(run_id, summary, {})
+    out = CorpusLensOutcome(run_id, summary, {}, lens=study.lens)
     split = study.split
     counts = {
         "train_documents": int(split.train_documents.size),
@@ -67,7 +70,12 @@ def run_corpus_lens(
         )
         run_config = {"held_out": cfg.held_out, "train": train.describe(), **counts}
         out.tables += record_run(
-            store, "corpus_lens", run_config, {"corpus_lens": table}, started=started, run_id=run_id
+            store,
+            "corpus_lens",
+            run_config,
+            {"corpus_lens": table, TRANSLATORS_TABLE: translators_table(study.lens)},
+            started=started,
+            run_id=run_id,
         ).tables
     info = study.lens.info
     out.result = {

@@ -12,6 +12,7 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.settings import check_settings, setting
 from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MULTI_TOKEN
 from actstore.query.method_defaults import COMPARISON_BATCH, COMPARISON_STEPS, METHODS, PLATEAU
+from actstore.query.readout import check_tuned_method
 
 K_HELP = (
     "Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
@@ -38,6 +39,10 @@ TUNED_METHODS = ("adam", "sgd", "ridge")
 TUNED_HELP = (
     "Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov SGD (Belrose "
     "et al., the tuned-lens package's settings), or the closed-form ridge fit (ours)."
+)
+AGREE_TUNED_HELP = (
+    TUNED_HELP[:-1] + "; or corpus:STORE[#RUN] to read the facts through the translators an 'actstore "
+    "corpus-lens' run on STORE (a corpus store of the same model) stored: the tuned lens as published."
 )
 
 
@@ -262,7 +267,7 @@ class AgreeConfig:
     )
     probe_min_count: int = setting(5, "Objects with fewer facts in the store are not probe classes.")
     probe_folds: int = setting(3, "Cross-validation folds of the probes.")
-    tuned: str = setting("adam", TUNED_HELP, choices=TUNED_METHODS)
+    tuned: str = setting("adam", AGREE_TUNED_HELP, metavar="adam|sgd|ridge|corpus:STORE")
     steps: int = setting(COMPARISON_STEPS, "Training steps (adam, sgd).", flag="--tuned-steps")
     batch: int = setting(
         COMPARISON_BATCH,
@@ -284,8 +289,10 @@ class AgreeConfig:
     figures: str | None = setting(None, "Folder for the profile curves.", cli=False)
 
     def __post_init__(self) -> None:
-        if self.tuned not in TUNED_METHODS:  # the one error of a wrong name, as the tuned lens's own
-            raise LensError(f"unknown tuned-lens method {self.tuned!r} (one of {', '.join(TUNED_METHODS)})")
+        try:  # the tuned lens's own error, under the setting's name (--tuned on the command line)
+            check_tuned_method(self.tuned)
+        except LensError as e:
+            raise InvalidSetting("tuned", str(e)) from None
         check_settings(self)
         if len(self.methods) < 2:
             raise MethodsError("compare at least two methods")

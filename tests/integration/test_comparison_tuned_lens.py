@@ -17,6 +17,7 @@ from helpers import KNOWN_STORE_KW
 
 import actstore
 from actstore.core.errors import ActstoreError
+from actstore.core.invalid import InvalidSetting
 from actstore.jobs.settings import AgreeConfig
 from actstore.query.lens import FinalReadout, LensError, TunedLens
 from actstore.query.method_study import study_readings
@@ -202,13 +203,101 @@ def test_a_wrong_method_name_is_one_clear_error(traced: tuple[str, str]) -> None
     out = _outputs(store, run)
     for call in (
         lambda: tuned_lens_reading(store, out, "adamw"),
-        lambda: AgreeConfig(tuned="adamw"),
         lambda: study_readings(store, ["trace", "tuned_lens"], [run], tuned="adamw"),
     ):
         with pytest.raises(LensError, match="unknown tuned-lens method 'adamw'") as e:
             call()
         assert isinstance(e.value, ActstoreError)
+    with pytest.raises(InvalidSetting, match="tuned: unknown tuned-lens method 'adamw'"):
+        AgreeConfig(tuned="adamw")
     res = CliRunner().invoke(main, ["agree", path, "--tuned", "adamw"])
-    assert res.exit_code == 2
+    assert res.exit_code == 1  # a value the library refuses (exit 2: what click itself refuses)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tuned" in lines[0] and "adamw" in lines[0]
+
+
+def test_agree_reads_the_translators_a_corpus_lens_run_stored(
+    traced: tuple[str, str], tmp_path: Path
+) -> None:
+    """``--tuned corpus:STORE``: the facts read through the translators trained on a corpus store of
+    the same model, as stored by ``actstore corpus-lens``; compared with a reading through the
+    trained lens object itself (not read back from the table)."""
+    from actstore.cli import main
+    from actstore.jobs.corpus_lens import run_corpus_lens
+    from actstore.jobs.settings import CorpusLensConfig
+
+    path, run = traced
+    store = actstore.open(path)
+    out = _outputs(store, run)
+    docs = tmp_path / "docs.txt"
+    rng = np.random.default_rng(1)
+    words = "the river runs past an old stone bridge in a quiet town at night".split()
+    docs.write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(10)) + "\n", encoding="utf-8")
+    corpus = actstore.ingest_corpus(
+        tmp_path / "corpus",
+        model="tiny-llama",
+        dataset=f"text:{docs}",
+        positions="all",
+        kinds=("resid",),
+        storage_dtype="float32",
+        batch_size=4,
+        segment_size=16,
+    )
+    first = run_corpus_lens(corpus, CorpusLensConfig(steps=4, batch=16, max_train_rows=48))
+    second = run_corpus_lens(corpus, CorpusLensConfig(steps=6, batch=16, max_train_rows=48, seed=5))
+    assert first.lens is not None and second.lens is not None
+    spec = f"corpus:{corpus.url}"
+    got = tuned_lens_reading(store, out, spec)
+    _same(got, lens_reading(store, out, second.lens))  # the newest run by default
+    pinned = tuned_lens_reading(store, out, f"{spec}#{first.run_id}")
+    _same(pinned, lens_reading(store, out, first.lens))
+    assert not np.allclose(got.profile, pinned.profile, atol=1e-6)
+    assert got.info["method"] == "corpus" and got.info["run_id"] == second.run_id
+    assert got.info["train_positions"] == 48 and got.info["label"] == "tuned lens (corpus)"
+    # the command line: recorded with the run, the table names the lens
+    res = CliRunner().invoke(
+        main,
+        ["agree", path, "--run", run, "--methods", "trace,tuned_lens", "--quiet", "--json", "--tuned", spec],
+    )
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["tuned_lens"]["run_id"] == second.run_id
+    t = store.sql(
+        "SELECT key_layer FROM method_readings WHERE run_id = ? AND method = 'tuned_lens' ORDER BY example_id",
+        [r["run_id"]],
+    ).column("key_layer")
+    assert t.to_pylist() == lens_reading(store, out, second.lens).key_layer.tolist()
+    text = CliRunner().invoke(
+        main,
+        [
+            "agree",
+            path,
+            "--run",
+            run,
+            "--methods",
+            "trace,tuned_lens",
+            "--quiet",
+            "--no-save",
+            "--tuned",
+            spec,
+        ],
+    )
+    assert text.exit_code == 0 and "trace vs tuned lens (corpus)" in text.stdout, text.output
+    # refusals, one line each: no such run, a store without translators, another model, no store named
+    for bad, why in (
+        (f"{spec}#corpus_lens-nope", "no corpus-lens run"),
+        (f"corpus:{path}", "no stored translators"),
+        ("corpus:", "unknown tuned-lens method"),
+        (f"corpus:{tmp_path / 'absent'}", "--tuned corpus:"),
+    ):
+        res = CliRunner().invoke(
+            main, ["agree", path, "--run", run, "--methods", "trace,tuned_lens", "--quiet", "--tuned", bad]
+        )
+        assert res.exit_code != 0 and why in res.stderr, (bad, res.output)
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    other = actstore.ingest_corpus(
+        tmp_path / "gpt2", model="tiny-gpt2", dataset=f"text:{docs}", positions="all", kinds=("resid",)
+    )
+    run_corpus_lens(other, CorpusLensConfig(steps=2, batch=8, max_train_rows=16))
+    with pytest.raises(LensError, match="hold different models"):
+        tuned_lens_reading(store, out, f"corpus:{other.url}")
