@@ -190,7 +190,7 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True)
     exports: dict[str, float] = {}
     t0 = time.perf_counter()
-    sel.to_hf_dataset(work / "hf", args.kind, [args.layer], dtype="float16")
+    sel.to_hf_dataset(work / "hf", args.kind, layers=[args.layer], dtype="float16")
     exports["to_hf_dataset_s"] = time.perf_counter() - t0
     import datasets
 

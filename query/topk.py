@@ -14,6 +14,10 @@ Memory holds the running top ``k`` of every unit (``k`` x units values and rows)
 rows; each block is merged with ``numpy.argpartition`` (``O((k + b) * units)`` per block of ``b``
 rows).  Rows with equal values are ordered by store row.  The result is one row per (unit, rank):
 ``unit, rank, row, example_id, position, value`` (``rank`` 0 the largest), in unit then rank order.
+
+A corpus store's row is one token of a document: :func:`position_contexts` gives the text around it
+(the tokens of the same window before and after it, from the ``positions`` table), what a reader needs
+to see why a unit fires.
 """
 
 from __future__ import annotations
@@ -150,6 +154,63 @@ def top_activations(
     values = np.take_along_axis(best_v, order, 0).T  # [U, k']
     rows_out = np.take_along_axis(best_r, order, 0).T
     return TopK(kind, layer, values, rows_out, _table(selection, kind, layer, values, rows_out))
+
+
+@dataclass(frozen=True)
+class Context:
+    """The text of a corpus row's token and of the tokens of its window around it."""
+
+    before: str
+    token: str
+    after: str
+
+
+def position_contexts(
+    store: object, rows: Sequence[int], before: int = 12, after: int = 4
+) -> dict[int, Context]:
+    """For each row of a corpus store (``--positions all``), the ``before`` tokens of its window that
+    precede it and the ``after`` that follow, as text: the tokens' characters in the document, a space
+    where the document has characters between two tokens.  Rows are consecutive tokens of a window in
+    corpus order, so one query over ``positions`` by row ranges reads them all (``O(len(rows) *
+    (before + after))`` rows, pruned by the compacted files' row statistics)."""
+    want = sorted({int(r) for r in rows})
+    if not want:
+        return {}
+    ranges = np.unique(np.concatenate([np.arange(max(r - before, 0), r + after + 1) for r in want]))
+    got = store.sql(  # type: ignore[attr-defined]
+        "SELECT row, document, window_index, token, char_start, char_end FROM positions "
+        "WHERE row IN (SELECT unnest($r::BIGINT[])) ORDER BY row",
+        {"r": ranges.tolist()},
+    ).to_pydict()
+    at = {int(r): i for i, r in enumerate(got["row"])}
+
+    def text(i: int, j: int) -> str:  # tokens i..j-1 (indices into got), joined as in the document
+        out = ""
+        for x in range(i, j):
+            gap = x > i and got["char_start"][x] > got["char_end"][x - 1] >= 0
+            out += (" " if gap else "") + str(got["token"][x])
+        return out
+
+    contexts: dict[int, Context] = {}
+    for r in want:
+        if r not in at:
+            continue
+        i = at[r]
+        key = (got["document"][i], got["window_index"][i])
+        lo = i
+        while lo > 0 and i - lo < before and (got["document"][lo - 1], got["window_index"][lo - 1]) == key:
+            lo -= 1
+        hi = i + 1
+        while (
+            hi < len(got["row"]) and hi - i <= after and (got["document"][hi], got["window_index"][hi]) == key
+        ):
+            hi += 1
+        left = text(lo, i) + (" " if lo < i and got["char_start"][i] > got["char_end"][i - 1] >= 0 else "")
+        right = (" " if hi > i + 1 and got["char_start"][i + 1] > got["char_end"][i] >= 0 else "") + text(
+            i + 1, hi
+        )
+        contexts[r] = Context(left, str(got["token"][i]), right)
+    return contexts
 
 
 def _top_rows(v: np.ndarray, r: np.ndarray, k: int) -> np.ndarray:

@@ -119,13 +119,30 @@ def topk(
         click.echo(f"unit {u}:")
         for r, v in list(zip(res.rows[u], res.values[u]))[:3]:
             c = contexts[int(r)]
-            click.echo(f"  {v:10.4f}  row {int(r):>7}  [{c['token']}]  {c['text'][:70]}")
+            if "before" in c:  # a corpus row: the token in its window's text
+                shown = f"{c['before'][-50:]}[{c['token']}]{c['after'][:25]}"
+                click.echo(f"  {v:10.4f}  row {int(r):>7}  {shown!r}")
+            else:
+                click.echo(f"  {v:10.4f}  row {int(r):>7}  [{c['token']}]  {c['text'][:70]}")
     if out.run_id:
         click.echo(f"run {out.run_id} (table: topk_contexts)")
 
 
 def _contexts(store: Any, rows: list[int]) -> dict[int, dict[str, Any]]:
-    """The prompt text and the target token of each row."""
+    """The prompt text and the target token of each row; a corpus store's row: its token and the text
+    of its window around it (``text`` with the token in brackets, ``before`` and ``after`` apart)."""
+    if store.manifest.ingest.get("positions") == "all":
+        from actstore.query.topk import position_contexts
+
+        return {
+            r: {
+                "text": f"{c.before}[{c.token}]{c.after}",
+                "token": c.token,
+                "before": c.before,
+                "after": c.after,
+            }
+            for r, c in position_contexts(store, rows).items()
+        }
     got = store.sql(
         "SELECT t.row, e.text, k.token FROM targets t JOIN examples e USING (example_id) "
         "LEFT JOIN tokens k ON k.example_id = t.example_id AND k.position = t.position "

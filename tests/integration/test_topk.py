@@ -138,3 +138,50 @@ def test_bad_arguments_are_one_line(store_path: Path, tmp_path: Path) -> None:
         with pytest.raises(QueryError, match=match) as e:
             top_activations(sel, **kw)
         assert "\n" not in str(e.value)
+
+
+def test_a_corpus_stores_contexts_are_its_documents_text(tmp_path: Path) -> None:
+    """On a corpus store each context is the text of the row's window around its token: checked
+    against the document's own characters, cut at the token offsets the tokenizer gives directly."""
+    from actstore.ingest.models import tiny_model
+    from actstore.query.topk import position_contexts
+
+    docs = [
+        "the quiet river runs past an old stone bridge",
+        "a red house stands on the hill near the lake",
+        "kings and queens of the north built great halls",
+    ]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n".join(docs) + "\n", encoding="utf-8")
+    store = actstore.ingest_corpus(
+        tmp_path / "c",
+        model="tiny-llama",
+        dataset=f"text:{path}",
+        positions="all",
+        kinds=("mlp",),
+        batch_size=2,
+        segment_size=8,
+    )
+    tok = tiny_model("llama").tokenizer
+    expected: list[tuple[str, str, str]] = []  # per row, in corpus order: (before, token, after)
+    for text in docs:
+        offs = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        for i, (a, b) in enumerate(offs):
+            lo, hi = max(i - 3, 0), min(i + 2, len(offs) - 1)
+            expected.append((text[offs[lo][0] : a], text[a:b], text[b : offs[hi][1]]))
+    rows = list(range(len(expected)))
+    got = position_contexts(store, rows, before=3, after=2)
+    assert len(got) == len(expected)
+    for r in rows:
+        c = got[r]
+        assert (c.before, c.token, c.after) == expected[r], r
+    # the command shows them for the top rows of a neuron
+    res = CliRunner().invoke(
+        main, ["topk", str(store.url), "--kind", "mlp", "--layer", "1", "--k", "3", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    import json
+
+    top = json.loads(res.stdout)["shown"][0]["top"][0]
+    c = position_contexts(store, [top["row"]])[top["row"]]
+    assert top["text"] == f"{c.before}[{c.token}]{c.after}" and top["token"] == c.token
