@@ -24,11 +24,20 @@ What it does (nothing is downloaded):
    and for Nesterov SGD with the package's optimiser settings (``--warmup_steps 0``, which 0.2.0
    uses for Adam anyway), twice each: as shipped (the lens forward under bfloat16 autocast) and
    with ``torch.autocast`` replaced by a no-op (float32), and dumps the chunk it trained on;
-3. runs the same model on that chunk here, takes the residual stream at every position (the
-   embeddings, each block's output, and the input of the final LayerNorm), and trains
-   actstore's translators with the same settings (full batch, 250 steps);
-4. reports per translator the relative Frobenius difference of the weights and biases and the
-   KL divergence to the model's output reached by each lens on the chunk.
+3. runs the same model on that chunk here with Hugging Face's ``output_hidden_states`` and takes the
+   residual stream at every position (the embeddings, each block's output, and the input of the
+   final LayerNorm): the reference states;
+4. writes the chunk as a one-document text corpus (the literal ``</s>`` then the words) and ingests it
+   with actstore's own corpus path, ``actstore ingest --positions all --kinds resid --keep-special
+   --dtype float32 --model WORKDIR/model --dataset text:WORKDIR/chunk.txt``; checks that the
+   ``positions`` table's token ids are the chunk's ``T`` tokens, that the residuals read back from
+   the store (``corpus_residuals``, i.e. ``Selection.features("resid")`` over the table's rows) equal
+   the reference states, and that the store's final readout reproduces the model's logits;
+5. trains actstore's translators with the package's settings (full batch, 250 steps) twice: on the
+   store's residuals through the store's readout (the path ``actstore corpus-lens`` takes) and, as
+   before, on the Hugging Face states;
+6. reports per translator the relative Frobenius difference of the weights and biases and the KL
+   divergence to the model's output reached by each lens on the chunk (the store's states).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -152,17 +162,59 @@ def run_package(work: Path, tokens: int, steps: int, optimizer: str, precision: 
 # ------------------------------------------------------------------------------------ comparison (actstore env)
 
 
+def ingest_chunk(work: Path, chunk: list[int]) -> Path:
+    """The chunk as a one-document text corpus, ingested by actstore's CLI at every position; the store."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(work / "model")
+    words = " ".join(tok.convert_ids_to_tokens(chunk[1:]))
+    doc = f"{tok.eos_token} {words}"  # the literal end-of-text token, kept by --keep-special
+    if chunk[0] != tok.eos_token_id or tok(doc, add_special_tokens=False)["input_ids"] != chunk:
+        raise SystemExit("the chunk is not the end-of-text token followed by the document's words")
+    (work / "chunk.txt").write_text(doc + "\n")
+    store = work / "store"
+    shutil.rmtree(store, ignore_errors=True)
+    cmd = [
+        str(Path(sys.executable).with_name("actstore")),
+        "ingest",
+        "--positions",
+        "all",
+        "--kinds",
+        "resid",
+        "--keep-special",
+        "--dtype",
+        "float32",
+        "--threads",
+        "1",
+        "--model",
+        str(work / "model"),
+        "--dataset",
+        f"text:{work / 'chunk.txt'}",
+        "--out",
+        str(store),
+        "--quiet",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"actstore ingest failed:\n{res.stderr[-3000:]}")
+    return store
+
+
 def compare(work: Path, steps: int) -> dict[str, Any]:
+    import numpy as np
     import torch
     from transformers import GPT2LMHeadModel
 
     sys.path.insert(0, str(REPO))
+    from actstore import open_store
+    from actstore.query.corpus_lens import check_corpus_residuals, corpus_residuals
     from actstore.query.lens import FinalReadout, TunedLens
     from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
 
     torch.set_num_threads(1)
     model = GPT2LMHeadModel.from_pretrained(work / "model").eval()
-    ids = torch.tensor([json.loads((work / "chunk.json").read_text())])
+    chunk = json.loads((work / "chunk.json").read_text())
+    ids = torch.tensor([chunk])
     captured: dict[str, torch.Tensor] = {}
     ln_f = model.transformer.ln_f
     hook = ln_f.register_forward_pre_hook(lambda m, args: captured.__setitem__("last", args[0].detach()))
@@ -183,6 +235,23 @@ def compare(work: Path, steps: int) -> dict[str, Any]:
     )
     err = float((readout.logits(resid[:, L]) - out.logits[0]).abs().max())
     assert err < 1e-3, f"the readout does not reproduce the model's logits ({err})"
+
+    # actstore's corpus path: the chunk ingested at every position, read back from the store
+    store = open_store(ingest_chunk(work, chunk))
+    assert check_corpus_residuals(store) == L + 1
+    pos = store.sql("SELECT example_id, document, position, token_id FROM positions ORDER BY example_id")
+    rows = pos.column("example_id").to_numpy()
+    assert pos.column("token_id").to_pylist() == chunk, "the positions table does not hold the chunk's tokens"
+    assert pos.column("position").to_pylist() == list(range(len(chunk)))
+    assert set(pos.column("document").to_pylist()) == {0}
+    stored = torch.from_numpy(np.ascontiguousarray(corpus_residuals(store, rows)))  # [T, L+1, d]
+    assert stored.dtype == torch.float32 and stored.shape == resid.shape, (stored.dtype, stored.shape)
+    store_err = float((stored - resid).abs().max())
+    assert store_err <= 1e-5 * float(resid.abs().max()), f"stored residuals differ from HF's ({store_err})"
+    store_readout = FinalReadout.from_store(store)
+    store_logit_err = float((store_readout.logits(stored[:, L]) - out.logits[0]).abs().max())
+    assert store_logit_err < 1e-3, f"the store's readout does not reproduce the logits ({store_logit_err})"
+
     result: dict[str, Any] = {
         "tokens": int(resid.shape[0]),
         "layers": L,
@@ -190,22 +259,35 @@ def compare(work: Path, steps: int) -> dict[str, Any]:
         "vocab": int(readout.unembed.shape[0]),
         "steps": steps,
         "readout_max_abs_err": err,
-        "kl_logit_lens": kl_per_index(readout, resid).tolist()[:L],
+        "store_rows": len(rows),
+        "store_resid_max_abs_diff": store_err,
+        "store_resid_identical": bool(torch.equal(stored, resid)),
+        "store_readout_max_abs_err": store_logit_err,
+        "kl_logit_lens": kl_per_index(store_readout, stored).tolist()[:L],
+        "kl_logit_lens_hf": kl_per_index(readout, resid).tolist()[:L],
         "runs": {},
     }
     for opt in OPTIMIZERS:
-        ours = train_tuned_lens(readout, resid, TrainConfig(optimizer=opt, steps=steps))
-        kl_ours = kl_per_index(readout, resid, ours)[:L]
-        row: dict[str, Any] = {"kl_actstore": kl_ours.tolist()}
+        ours = train_tuned_lens(store_readout, stored, TrainConfig(optimizer=opt, steps=steps))
+        ours_hf = train_tuned_lens(readout, resid, TrainConfig(optimizer=opt, steps=steps))
+        row: dict[str, Any] = {
+            "kl_actstore": kl_per_index(store_readout, stored, ours)[:L].tolist(),
+            "kl_actstore_hf": kl_per_index(readout, resid, ours_hf)[:L].tolist(),
+            "rel_diff_weight_store_vs_hf": [
+                float((ours.D[i] - ours_hf.D[i]).norm() / ours_hf.D[i].norm()) for i in range(L)
+            ],
+        }
         for prec in PRECISIONS:
             state = torch.load(work / f"package-{opt}-{prec}" / "params.pt", map_location="cpu")
             D = torch.stack([state[f"{i}.weight"].float().T for i in range(L)])
             b = torch.stack([state[f"{i}.bias"].float() for i in range(L)])
             pkg = TunedLens(D, b, method=f"package-{opt}")
             row[prec] = {
-                "kl_package": kl_per_index(readout, resid, pkg)[:L].tolist(),
+                "kl_package": kl_per_index(store_readout, stored, pkg)[:L].tolist(),
                 "rel_diff_weight": [float((ours.D[i] - D[i]).norm() / D[i].norm()) for i in range(L)],
                 "rel_diff_bias": [float((ours.b[i] - b[i]).norm() / b[i].norm()) for i in range(L)],
+                "rel_diff_weight_hf": [float((ours_hf.D[i] - D[i]).norm() / D[i].norm()) for i in range(L)],
+                "rel_diff_bias_hf": [float((ours_hf.b[i] - b[i]).norm() / b[i].norm()) for i in range(L)],
                 "weight_norm_package": [float(D[i].norm()) for i in range(L)],
             }
         result["runs"][opt] = row
@@ -216,16 +298,22 @@ def report(r: dict[str, Any]) -> str:
     lines = [
         f"random GPT-2: {r['layers']} layers, d_model {r['d_model']}, vocabulary {r['vocab']}, "
         f"{r['tokens']} positions, {r['steps']} steps (readout max |error| {r['readout_max_abs_err']:.1e})",
-        "optimizer  index  KL logit  KL actstore  KL pkg fp32  KL pkg bf16  |dW|/|W| fp32  |db|/|b| fp32  "
-        "|dW|/|W| bf16  |db|/|b| bf16",
+        f"store: {r['store_rows']} rows, token ids = the chunk's; stored resid vs HF hidden states: max |diff| "
+        f"{r['store_resid_max_abs_diff']:.1e} (identical: {r['store_resid_identical']}); store readout max "
+        f"|error| {r['store_readout_max_abs_err']:.1e}",
+        "ours: trained on the store's residuals; KL read on them. Differences to the package (weights, biases).",
+        "optimizer  index  KL logit  KL ours(store)  KL ours(HF)  KL pkg fp32  KL pkg bf16  |dW|/|W| fp32  "
+        "|db|/|b| fp32  |dW|/|W| bf16  |db|/|b| bf16  |dW| store vs HF",
     ]
     for opt, row in r["runs"].items():
         for i in range(r["layers"]):
             f, h = row["fp32"], row["bf16"]
             lines.append(
-                f"{opt:<9}  {i:>5}  {r['kl_logit_lens'][i]:8.4f}  {row['kl_actstore'][i]:11.5f}  "
+                f"{opt:<9}  {i:>5}  {r['kl_logit_lens'][i]:8.4f}  {row['kl_actstore'][i]:14.5f}  "
+                f"{row['kl_actstore_hf'][i]:11.5f}  "
                 f"{f['kl_package'][i]:11.5f}  {h['kl_package'][i]:11.5f}  {f['rel_diff_weight'][i]:13.1e}  "
-                f"{f['rel_diff_bias'][i]:13.1e}  {h['rel_diff_weight'][i]:13.1e}  {h['rel_diff_bias'][i]:13.1e}"
+                f"{f['rel_diff_bias'][i]:13.1e}  {h['rel_diff_weight'][i]:13.1e}  {h['rel_diff_bias'][i]:13.1e}  "
+                f"{row['rel_diff_weight_store_vs_hf'][i]:17.1e}"
             )
     return "\n".join(lines)
 
