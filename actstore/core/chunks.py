@@ -53,7 +53,7 @@ class LocalChunks:
 
     def path(self, i: int) -> str:
         """The file of chunk (or shard) ``i``."""
-        return os.path.join(self.folder, *self.key(i).split("/"))
+        return os.path.join(self.folder, "c", str(i), *("0" * (len(self.shape) - 1)))
 
     @property
     def n_inner(self) -> int:
@@ -96,21 +96,21 @@ class LocalChunks:
         n_idx = 16 * self.n_inner + 4
         whole = len(blocks) == self.n_inner
         try:
-            fd, st = open_regular_file(self.path(i), self.max_bytes)
+            fd, st = open_regular_file(path := self.path(i), self.max_bytes)
         except FileNotFoundError:
             raise self._missing(i) from None
         size = int(st.st_size)
         # The index of this very file (same inode, size and mtime), as checked by an earlier read of the
         # same open store: a read of a few layers is then one pread.  Committed shards are never rewritten.
-        file_id = (self.path(i), st.st_dev, st.st_ino, size, st.st_mtime_ns)
+        file_id = (path, st.st_dev, st.st_ino, size, st.st_mtime_ns)
         cache = self.index_cache if self.index_cache is not None else {}
         try:
             if size < n_idx:
                 raise ValueError(f"{self.key(i)}: {size} bytes, fewer than its shard index's {n_idx}")
-            data = pread_exact(fd, size, 0, self.path(i)) if whole else b""
+            data = pread_exact(fd, size, 0, path) if whole else b""
             table = cache.get(file_id)
             if table is None or table.shape[0] != self.n_inner:
-                index = data[size - n_idx :] if whole else pread_exact(fd, n_idx, size - n_idx, self.path(i))
+                index = data[size - n_idx :] if whole else pread_exact(fd, n_idx, size - n_idx, path)
                 if int(google_crc32c.value(index[:-4])).to_bytes(4, "little") != index[-4:]:
                     raise ValueError(f"{self.key(i)}: the shard index fails its CRC32C checksum")
                 table = np.frombuffer(index[:-4], dtype="<u8").reshape(self.n_inner, 2)
@@ -139,7 +139,7 @@ class LocalChunks:
                 while m < len(spans) and spans[m][0] == spans[m - 1][0] + spans[m - 1][1]:
                     m += 1
                 lo = spans[k][0]
-                buf = pread_exact(fd, spans[m - 1][0] + spans[m - 1][1] - lo, lo, self.path(i))
+                buf = pread_exact(fd, spans[m - 1][0] + spans[m - 1][1] - lo, lo, path)
                 out += [buf[off - lo : off - lo + n] for off, n in spans[k:m]]
                 k = m
             return out
