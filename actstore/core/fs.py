@@ -36,6 +36,8 @@ class StoreLocation:
     fs: Any
     root: str
     options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # fsspec options
+    # files written under tables/ through this location (a count readers compare with their listing's)
+    _table_writes: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @property
     def is_local(self) -> bool:
@@ -76,6 +78,11 @@ class StoreLocation:
             raise  # the bucket does not exist
         except FileNotFoundError:
             pass  # no store there yet
+
+    def tables_written(self) -> int:
+        """How many files were written under ``tables/`` through this location (a store's listing of
+        its result tables is stale when this grew since it was made)."""
+        return self._table_writes[0]
 
     def path(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if rel else self.root
@@ -159,6 +166,8 @@ class StoreLocation:
 
         if needs_hash_file(rel):
             self.write_bytes_atomic(rel + HASH_SUFFIX, sha256(data).encode())
+        if rel.startswith("tables/"):
+            self._table_writes[0] += 1
         target = self.path(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -416,6 +425,9 @@ def locate(url: str | os.PathLike[str]) -> StoreLocation:
         # Other writers (ranks, a running ingest) add objects: never answer from a stale listing.
         options["use_listings_cache"] = False
         options["skip_instance_cache"] = True
+        # One GET per object read: with s3fs's default (10), every whole-object read first asks the
+        # object's size (a HEAD) to decide whether to fetch its parts concurrently.
+        options["max_concurrency"] = 1
     try:
         fs, root = fsspec.core.url_to_fs(text, **options)
     except ImportError as e:

@@ -370,7 +370,9 @@ class Manifest:
 
 def read_manifest(location: StoreLocation) -> Manifest:
     """The manifest of the store at ``location`` (no segment, table or weight is read)."""
-    if not location.exists("manifest.json"):
+    try:  # one GET (no HEAD first)
+        data = location.read_bytes("manifest.json", MAX_JSON_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
         location.probe()  # a wrong endpoint, credentials or bucket says so, not "no store"
-        raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)")
-    return Manifest.from_json(location.read_bytes("manifest.json", MAX_JSON_BYTES), location.url)
+        raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)") from None
+    return Manifest.from_json(data, location.url)

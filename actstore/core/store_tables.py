@@ -28,13 +28,30 @@ class TableFiles:
     _verified: set[str]  # table files whose SHA-256 matched
     _tables: dict[str, pa.Table]  # table files read so far (immutable once visible)
     _schemas: dict[str, pa.Schema]  # schema of each table file whose hash and footer were checked
+    _listing: tuple[int, dict[str, list[str]]] | None  # (location's table writes, result tables' files)
 
     @property
     def url(self) -> str:
         return self.location.url
 
     def table_files(self) -> dict[str, list[str]]:
-        """Visible Parquet files per table name (segment tables: committed shards only)."""
+        """Visible Parquet files per table name (segment tables: committed shards only), the result
+        tables listed now (``tables/`` and each result table's folder: on an object store a LIST each).
+        The listing is kept for the statements that follow (:meth:`statement_files`)."""
+        out = self._segment_table_files()
+        listed: dict[str, list[str]] = {}
+        for name in self.location.listdir("tables"):
+            if name in ALL_SEGMENT_TABLES:
+                continue
+            files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
+            if files:  # a directory whose first file is still being written is no table yet
+                listed[name] = [f"tables/{name}/{f}" for f in files]
+        self._listing = (self.location.tables_written(), listed)
+        return {**out, **listed}
+
+    def _segment_table_files(self) -> dict[str, list[str]]:
+        """The files of the segment tables: the snapshot's compacted files and the shards of the
+        committed segments it does not cover (nothing is listed)."""
         out: dict[str, list[str]] = {}
         snap = self.snapshot
         for name in self.manifest.segment_tables:
@@ -44,20 +61,31 @@ class TableFiles:
                 for s in self.commits
                 if snap is None or s not in snap.segments
             ]
-        for name in self.location.listdir("tables"):
-            if name in ALL_SEGMENT_TABLES:
-                continue
-            files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
-            if files:  # a directory whose first file is still being written is no table yet
-                out[name] = [f"tables/{name}/{f}" for f in files]
         return out
+
+    def statement_files(self, tables: set[str] | None) -> tuple[dict[str, list[str]], bool]:
+        """The files of the tables a statement reads (``tables``; None: it cannot be told), and whether
+        that is every table of the store.  A statement that reads only segment tables and ``heads``
+        lists nothing (those files are known from the snapshot and the commit markers); any other
+        table is looked up in the listing kept since the store was opened, refreshed
+        (:meth:`~actstore.core.store.StoreReader.refresh`) or wrote a table through its location, made
+        once when missing: on an object store no statement lists a directory after the first that
+        reads a result table.  A result table written by another process meanwhile is seen after
+        ``refresh()`` (as segments committed meanwhile are)."""
+        fixed = self._segment_table_files()
+        if tables is not None and tables <= {*fixed, "heads"}:
+            return {**fixed, "heads": ["tables/heads/heads.parquet"]}, False
+        cached = self._listing
+        if cached is None or cached[0] != self.location.tables_written():
+            return self.table_files(), True
+        return {**fixed, **cached[1]}, True
 
     def table(
         self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None
     ) -> pa.Table:
         """A whole table as Arrow (for small tables and tests; use :meth:`sql` for selections).
         ``files``: the table's files when already listed by :meth:`table_files`."""
-        files = self.table_files().get(name) if files is None else files
+        files = self.statement_files({name})[0].get(name) if files is None else files
         if files is None:
             raise QueryError(f"{self.url}: no table {name!r}")
         parts = [self._read_table_file(f, columns) for f in files]
@@ -139,7 +167,7 @@ class TableFiles:
         hash and its Parquet footer (DuckDB reads local files directly, and a garbage file must be one
         clear error, not a DuckDB one).  The footer's schema is kept for :meth:`file_schema`.
         ``listed``: :meth:`table_files` when the caller has just listed them."""
-        listed = self.table_files() if listed is None else listed
+        listed = self.statement_files(None)[0] if listed is None else listed
         for name in listed if names is None else [n for n in names if n in listed]:
             for rel in listed[name]:
                 if rel not in self._schemas:

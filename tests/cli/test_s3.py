@@ -95,6 +95,34 @@ def test_sql_and_features_match_local(stores: tuple[str, Path]) -> None:
     assert np.array_equal(s.weight("W_O"), ref.weight("W_O"))
 
 
+def test_queries_on_s3_list_nothing(stores: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a complete store and querying its segment tables and arrays sends no LIST and no HEAD:
+    the snapshot names every file (on S3 a LIST per query is the cost that grows with the store)."""
+    url, local = stores
+    s, ref = actstore.open(url), actstore.open(local)
+    calls: list[str] = []
+    fss = [s.location.fs, s.location._async_fs()]
+    for fs in fss:
+        for name in ("ls", "find", "walk", "glob", "exists", "info", "isdir", "isfile", "_ls", "_find"):
+            for attr in (name, f"_{name}") if not name.startswith("_") else (name,):
+                real = getattr(fs, attr, None)
+                if real is not None:
+                    monkeypatch.setattr(
+                        fs, attr, lambda *a, _r=real, _n=attr, **k: calls.append(_n) or _r(*a, **k)
+                    )
+    assert s.sql(QUERIES[0]).equals(ref.sql(QUERIES[0]))
+    eid = ref.n_rows // 2
+    a = s.select(f"example_id = {eid}").features("resid", layers=[1])
+    assert np.array_equal(a, ref.select(f"example_id = {eid}").features("resid", layers=[1]))
+    rel = ref.sql("SELECT min(relation_id) AS r FROM examples").column("r")[0].as_py()
+    b = s.select("relation_id = ?", params=[rel]).limit(3).features("attn_head", layers=[0])
+    assert np.array_equal(
+        b, ref.select("relation_id = ?", params=[rel]).limit(3).features("attn_head", layers=[0])
+    )
+    assert s.sql("SELECT count(*) AS n FROM heads").equals(ref.sql("SELECT count(*) AS n FROM heads"))
+    assert calls == []
+
+
 def test_verify_info_sql_features_commands_on_s3(stores: tuple[str, Path], tmp_path: Path) -> None:
     url, local = stores
     report = verify_store(actstore.open(url))
