@@ -162,10 +162,10 @@ SELECTIVE = """
 import json, statistics, sys, time
 import actstore, duckdb, pyarrow.dataset, actstore.query.selection  # imports done
 store = sys.argv[1]
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 s = actstore.open(store)
 s.select("relation_id = 'R07'").limit(64).features("resid", layers=[1])
-fresh = time.perf_counter() - t0
+fresh, fresh_cpu = time.perf_counter() - t0, time.process_time() - c0
 
 def med(fn, n=7):
     ts = []
@@ -179,6 +179,7 @@ n = s.sql("SELECT count(*) AS n FROM examples").column("n")[0].as_py()
 last = "R%02d" % ((n - 1) % 40)
 print(json.dumps({
     "fresh_open_rel64_ms": round(1000 * fresh, 1),
+    "fresh_open_rel64_cpu_ms": round(1000 * fresh_cpu, 1),  # (this process's CPU, its threads too)
     "rel64_resid_ms": med(lambda: s.select("relation_id = 'R07'").limit(64).features("resid", layers=[1])),
     "rel64_param_ms": med(lambda: s.select("relation_id = ?", params=["R07"]).limit(64).rows),
     "rel_all_rows_ms": med(lambda: s.select("relation_id = 'R07'").rows, 3),
