@@ -166,25 +166,37 @@ def _codes(indices: pa.Array) -> np.ndarray:
 
 def relation_values(cond: str, params: Sequence[Any] | Mapping[str, Any] | None) -> frozenset[str] | None:
     """The relation ids a condition over ``examples`` restricts ``relation_id`` to, read from its parse
-    tree: the top-level conjuncts ``relation_id = v``, ``v = relation_id`` and ``relation_id IN (v, ...)``
-    with ``v`` a string literal or a bound parameter holding a string (several: their intersection).
-    None when it has no such conjunct (every row may match, as far as the index can tell)."""
+    tree: ``relation_id = v``, ``v = relation_id`` and ``relation_id IN (v, ...)`` with ``v`` a string
+    literal or a bound parameter holding a string; of an ``AND``, the intersection of what its terms
+    restrict (terms that restrict nothing ignored); of an ``OR``, the union when every branch restricts
+    (a row that matches matches a branch, so its relation is in that branch's set), else nothing.  None
+    when the condition restricts nothing (every row may match, as far as the index can tell)."""
     text = where_tree(cond)
-    if text is None:
+    return None if text is None else _node_values(json.loads(text), params, 0)
+
+
+_MAX_DEPTH = 64  # deeper AND/OR nesting restricts nothing here (the condition still decides every row)
+
+
+def _node_values(
+    node: Any, params: Sequence[Any] | Mapping[str, Any] | None, depth: int
+) -> frozenset[str] | None:
+    if not isinstance(node, dict) or depth > _MAX_DEPTH:
         return None
-    found: frozenset[str] | None = None
-    stack = [json.loads(text)]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        if node.get("type") == "CONJUNCTION_AND":
-            stack.extend(node.get("children", []))
-            continue
-        vals = _restricts(node, params)
-        if vals is not None:
-            found = vals if found is None else found & vals
-    return found
+    kind = node.get("type")
+    children = node.get("children")
+    if kind in ("CONJUNCTION_AND", "CONJUNCTION_OR") and isinstance(children, list) and children:
+        found: frozenset[str] | None = None
+        for child in children:
+            vals = _node_values(child, params, depth + 1)
+            if vals is None and kind == "CONJUNCTION_OR":
+                return None
+            if vals is not None:
+                found = (
+                    vals if found is None else (found & vals if kind == "CONJUNCTION_AND" else found | vals)
+                )
+        return found
+    return _restricts(node, params)
 
 
 def _is_relation_column(node: Any, column: str = "relation_id") -> bool:
