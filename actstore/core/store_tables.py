@@ -68,17 +68,18 @@ class TableFiles:
     def statement_files(self, tables: set[str] | None) -> tuple[dict[str, list[str]], bool]:
         """The files of the tables a statement reads (``tables``; None: it cannot be told), and whether
         that is every table of the store.  A statement that reads only segment tables and ``heads``
-        lists nothing (those files are known from the snapshot and the commit markers); any other
-        table is looked up in the listing kept since the store was opened, refreshed
-        (:meth:`~actstore.core.store.StoreReader.refresh`) or wrote a table through its location, made
-        once when missing: on an object store no statement lists a directory after the first that
-        reads a result table.  A result table written by another process meanwhile is seen after
-        ``refresh()`` (as segments committed meanwhile are)."""
+        lists nothing (those files are known from the snapshot and the commit markers).  Any other
+        table: locally, the result tables are listed for the statement (a few directory reads: a run
+        another process records is seen at once); on an object store, where each listing is a LIST
+        request, the listing made by the first such statement is kept until
+        :meth:`~actstore.core.store.StoreReader.refresh` or a table written through this store's
+        location, so a result recorded by another process is seen after ``refresh()`` (as segments
+        committed meanwhile are)."""
         fixed = self._segment_table_files()
         if tables is not None and tables <= {*fixed, "heads"}:
             return {**fixed, "heads": ["tables/heads/heads.parquet"]}, False
         cached = self._listing
-        if cached is None or cached[0] != self.location.tables_written():
+        if self.location.is_local or cached is None or cached[0] != self.location.tables_written():
             return self.table_files(), True
         return {**fixed, **cached[1]}, True
 

@@ -123,6 +123,35 @@ def test_queries_on_s3_list_nothing(stores: tuple[str, Path], monkeypatch: pytes
     assert calls == []
 
 
+def test_result_tables_on_s3_are_listed_once_per_open_store(
+    s3: S3Server, stores: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result table's statements list the result tables once; a result written through the store is
+    seen at once, one written by another reader (another process) after ``refresh()``."""
+    import fsspec
+    import pyarrow as pa
+
+    from actstore.core.writer import write_result_table
+
+    url, _ = stores
+    copy = f"s3://{s3.bucket}/stores/results"
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3.endpoint}, skip_instance_cache=True)
+    fs.copy(url.removeprefix("s3://") + "/", copy.removeprefix("s3://") + "/", recursive=True)
+    s = actstore.open(copy)
+    lists: list[str] = []
+    real = s.location.fs.ls
+    monkeypatch.setattr(s.location.fs, "ls", lambda *a, **k: lists.append(a[0]) or real(*a, **k))
+    q = "SELECT sum(x) AS s FROM my_result"
+    write_result_table(s, "my_result", "run1", pa.table({"x": [1, 2]}))
+    assert s.sql(q).column(0)[0].as_py() == 3
+    n = len(lists)
+    assert n >= 1 and s.sql(q).column(0)[0].as_py() == 3 and len(lists) == n
+    write_result_table(actstore.open(copy), "my_result", "run2", pa.table({"x": [10]}))
+    assert s.sql(q).column(0)[0].as_py() == 3 and len(lists) == n
+    s.refresh()
+    assert s.sql(q).column(0)[0].as_py() == 13
+
+
 def test_verify_info_sql_features_commands_on_s3(stores: tuple[str, Path], tmp_path: Path) -> None:
     url, local = stores
     report = verify_store(actstore.open(url))
