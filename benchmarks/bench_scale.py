@@ -8,6 +8,8 @@ a prompt), ingested with the tiny random Llama, then the figures of issue 33 at 
     python benchmarks/bench_scale.py compare /tmp/plain10k /tmp/s10k          # several stores, one run
     python benchmarks/bench_scale.py selective /tmp/s10k /tmp/s100k --checkout /work/main --checkout .
                                                                    # two versions of the code, interleaved
+    python benchmarks/bench_scale.py commands /tmp/s1m --checkout OLD --checkout . --only quick,info
+    python -m benchmarks.bench_scale_s3 /tmp/s100k --checkout OLD --checkout .   # on a moto server: requests
 
 ``measure`` times each query as a median of 5 on an open store (``actstore.open``, imports done), and
 "fresh open + first query" (imports done before the clock starts) and the commands in fresh processes
@@ -162,10 +164,10 @@ SELECTIVE = """
 import json, statistics, sys, time
 import actstore, duckdb, pyarrow.dataset, actstore.query.selection  # imports done
 store = sys.argv[1]
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 s = actstore.open(store)
 s.select("relation_id = 'R07'").limit(64).features("resid", layers=[1])
-fresh = time.perf_counter() - t0
+fresh, fresh_cpu = time.perf_counter() - t0, time.process_time() - c0
 
 def med(fn, n=7):
     ts = []
@@ -179,6 +181,7 @@ n = s.sql("SELECT count(*) AS n FROM examples").column("n")[0].as_py()
 last = "R%02d" % ((n - 1) % 40)
 print(json.dumps({
     "fresh_open_rel64_ms": round(1000 * fresh, 1),
+    "fresh_open_rel64_cpu_ms": round(1000 * fresh_cpu, 1),  # (this process's CPU, its threads too)
     "rel64_resid_ms": med(lambda: s.select("relation_id = 'R07'").limit(64).features("resid", layers=[1])),
     "rel64_param_ms": med(lambda: s.select("relation_id = ?", params=["R07"]).limit(64).rows),
     "rel_all_rows_ms": med(lambda: s.select("relation_id = 'R07'").rows, 3),
@@ -211,15 +214,23 @@ def selective(stores: list[Path], checkouts: list[Path], rounds: int) -> dict[st
     return {key: {k: round(statistics.median(v), 2) for k, v in d.items()} for key, d in runs.items()}
 
 
-def commands(stores: list[Path], checkouts: list[Path], rounds: int) -> dict[str, Any]:
-    """``actstore verify``, ``verify --quick`` and ``info`` end to end with each checkout's code, beside
-    reading every file of the store once (threads), rounds interleaved; medians (seconds)."""
+COMMANDS = {"verify": ["verify"], "quick": ["verify", "--quick"], "info": ["info"]}
+
+
+def commands(
+    stores: list[Path], checkouts: list[Path], rounds: int, only: tuple[str, ...] = tuple(COMMANDS)
+) -> dict[str, Any]:
+    """``actstore verify``, ``verify --quick`` and ``info`` (``only``: some of them) end to end with each
+    checkout's code, beside reading every file of the store once (threads; with ``verify`` only), rounds
+    interleaved; medians (seconds), and the commands' CPU time (user + system, ``cpu`` keys)."""
     runs: dict[str, list[float]] = {}
     for _ in range(rounds):
         for store in stores:
-            runs.setdefault(f"{store} read_all_files", []).append(read_all(store))
+            if "verify" in only:
+                runs.setdefault(f"{store} read_all_files", []).append(read_all(store))
             for co in checkouts:
-                for cmd in (["verify"], ["verify", "--quick"], ["info"]):
+                for cmd in (COMMANDS[k] for k in only):
+                    before = resource.getrusage(resource.RUSAGE_CHILDREN)
                     t0 = time.perf_counter()
                     r = subprocess.run(
                         [str(co / ".venv" / "bin" / "python"), "-m", "actstore.cli", *cmd, str(store)],
@@ -228,7 +239,10 @@ def commands(stores: list[Path], checkouts: list[Path], rounds: int) -> dict[str
                         cwd=co,
                     )
                     dt = time.perf_counter() - t0 if r.returncode == 0 else float("nan")
+                    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
                     runs.setdefault(f"{store} @ {co} {' '.join(cmd)}", []).append(dt)
+                    runs.setdefault(f"{store} @ {co} {' '.join(cmd)} cpu", []).append(cpu)
     return {k: round(statistics.median(v), 3) for k, v in runs.items()}
 
 
@@ -303,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     cm.add_argument("stores", type=Path, nargs="+")
     cm.add_argument("--checkout", type=Path, action="append", required=True, help="repeat: one per code")
     cm.add_argument("--rounds", type=int, default=3)
+    cm.add_argument("--only", default="verify,quick,info", help="some of verify, quick, info")
     cm.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -318,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
             a.json,
         )
     elif a.cmd == "commands":
-        emit(commands(a.stores, a.checkout, a.rounds), a.json)
+        emit(commands(a.stores, a.checkout, a.rounds, tuple(a.only.split(","))), a.json)
     elif a.cmd == "selective":
         emit(selective(a.stores, a.checkout, a.rounds), a.json)
     elif a.cmd == "compare":

@@ -57,6 +57,27 @@ MAX_HEADS_TOTAL = 1 << 20  # n_layers * n_heads
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _OBJECT_KEY = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
+# the same checks over a marker's whole object list at once, its entries joined by newlines
+_HEX64_LINES = re.compile(r"(?:[0-9a-f]{64}\n)*")
+_OBJECT_KEY_LINES = re.compile(r"(?:[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*\n)*")
+_DOTDOT = re.compile(r"(?:^|[/\n])\.\.(?:[/\n]|$)")
+
+
+def _objects_ok(objects: dict[str, Any]) -> bool:
+    """True when every key of a marker's ``objects`` is an object key (path components of
+    ``[A-Za-z0-9_.-]``, none ``..``, at most 512 characters) and every value a SHA-256 hex digest: the
+    per-entry checks in two regular-expression matches (a marker lists about 70 objects)."""
+    keys, values = list(objects), list(objects.values())
+    if not all(type(v) is str for v in values) or (keys and max(map(len, keys)) > 512):
+        return False
+    joined = "\n".join(keys) + "\n" if keys else ""
+    digests = "\n".join(values) + "\n" if values else ""
+    return (  # (one line per entry: a newline inside a key or a value fails the counts)
+        joined.count("\n") == len(keys) == digests.count("\n")
+        and _OBJECT_KEY_LINES.fullmatch(joined) is not None
+        and _DOTDOT.search(joined) is None
+        and _HEX64_LINES.fullmatch(digests) is not None
+    )
 
 
 def _digest(d: dict[str, Any]) -> str:
@@ -233,7 +254,7 @@ class SegmentCommit:
         objects: dict[str, str] | None = None
         if "objects" in d:
             raw = _field_dict(d, "objects", where)
-            for k, v in raw.items():
+            for k, v in [] if _objects_ok(raw) else raw.items():  # (the loop finds the bad entry)
                 if (
                     not _OBJECT_KEY.fullmatch(k)
                     or ".." in k.split("/")
@@ -370,7 +391,9 @@ class Manifest:
 
 def read_manifest(location: StoreLocation) -> Manifest:
     """The manifest of the store at ``location`` (no segment, table or weight is read)."""
-    if not location.exists("manifest.json"):
+    try:  # one GET (no HEAD first)
+        data = location.read_bytes("manifest.json", MAX_JSON_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
         location.probe()  # a wrong endpoint, credentials or bucket says so, not "no store"
-        raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)")
-    return Manifest.from_json(location.read_bytes("manifest.json", MAX_JSON_BYTES), location.url)
+        raise StoreNotFoundError(f"no actstore store at {location.url} (manifest.json missing)") from None
+    return Manifest.from_json(data, location.url)

@@ -3,6 +3,8 @@ geometry imply, and the commit markers read from a location."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import zarr
 
@@ -12,6 +14,7 @@ from actstore.core.fs import StoreLocation
 from actstore.core.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit
 
 _HEX = frozenset("0123456789abcdef")
+MARKER_READERS = 8  # commit markers read at once
 
 
 def tokenizer_file_name_ok(name: str) -> bool:
@@ -95,17 +98,23 @@ def read_commits(
     ``segment`` field matches its file name and the manifest's row layout; ``skip``: segments whose
     markers are not read (those a snapshot covers).  Readers and a resuming
     writer both use this one list, so they cannot disagree about what is committed."""
-    commits: dict[int, SegmentCommit] = {}
+    names: list[str] = []
     for name in location.listdir("commits"):
         if not name.endswith(".json"):
             continue  # temporary files of atomic writes
         if skip and commit_name_ok(name) and int(name[:-5]) in skip:
             continue  # covered by the snapshot
-        rel = f"commits/{name}"
-        where = f"{location.url}/{rel}"
         if not commit_name_ok(name):
-            raise CorruptStoreError(f"{where}: not a commit marker name (NNNNNN.json)")
-        c = SegmentCommit.from_json(location.read_bytes(rel, MAX_JSON_BYTES), where)
-        c.check_against(manifest, name, where)
-        commits[c.segment] = c
+            raise CorruptStoreError(f"{location.url}/commits/{name}: not a commit marker name (NNNNNN.json)")
+        names.append(name)
+    commits: dict[int, SegmentCommit] = {}
+    # The files are read on threads (on an object store, GETs at once; locally, reads that wait on the
+    # disk), and checked here in name order, so the first bad marker is the one a loop would report.
+    with ThreadPoolExecutor(max_workers=MARKER_READERS) as pool:
+        datas = pool.map(lambda n: location.read_bytes(f"commits/{n}", MAX_JSON_BYTES), names)
+        for name, data in zip(names, datas, strict=True):
+            where = f"{location.url}/commits/{name}"
+            c = SegmentCommit.from_json(data, where)
+            c.check_against(manifest, name, where)
+            commits[c.segment] = c
     return dict(sorted(commits.items()))

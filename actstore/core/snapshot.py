@@ -34,6 +34,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from actstore.core.errors import CorruptStoreError
 from actstore.core.fs import StoreLocation
 from actstore.core.manifest import (
@@ -159,18 +161,7 @@ class Snapshot:
         raw = d.get("segments")
         if not isinstance(raw, list):
             raise CorruptStoreError(f"{where} field 'segments' must be a list")
-        segments: dict[int, tuple[int, int]] = {}
-        for entry in raw:
-            if not (isinstance(entry, list) and len(entry) == 3 and all(_int(v) for v in entry)):
-                raise CorruptStoreError(f"{where}: a segment entry is not [segment, n_sources, n_tokens]")
-            seg, n_sources, n_tokens = entry
-            if not 0 <= seg < manifest.n_segments:
-                raise CorruptStoreError(f"{where}: segment {seg} is past the store's {manifest.n_segments}")
-            if seg in segments:
-                raise CorruptStoreError(f"{where}: segment {seg} is listed twice")
-            if not (0 <= n_sources <= MAX_COUNT and 0 <= n_tokens <= MAX_COUNT):
-                raise CorruptStoreError(f"{where}: segment {seg} has impossible sizes")
-            segments[seg] = (n_sources, n_tokens)
+        segments = _segments(raw, where, manifest.n_segments)
         tables_raw = d.get("tables")
         if not isinstance(tables_raw, dict) or set(tables_raw) != set(manifest.segment_tables):
             raise CorruptStoreError(
@@ -178,17 +169,16 @@ class Snapshot:
             )
         tables: dict[str, tuple[TableFile, ...]] = {}
         seen: set[str] = set()
+        segs = np.fromiter(segments, dtype=np.int64, count=len(segments))  # sorted: _segments checked it
         for table, files_raw in tables_raw.items():
             if not isinstance(files_raw, list):
                 raise CorruptStoreError(f"{where}: the files of table {table!r} are not a list")
             files = tuple(_table_file(f, table, where) for f in files_raw)
-            covered: list[int] = []
             for f in files:
                 if f.path in seen:
                     raise CorruptStoreError(f"{where}: file {f.path} is listed twice")
                 seen.add(f.path)
-                covered += [s for s in segments if f.first <= s <= f.last]
-            if sorted(covered) != sorted(segments):
+            if not _cover_once(files, segs):
                 raise CorruptStoreError(
                     f"{where}: the files of table {table!r} do not cover its segments exactly once"
                 )
@@ -207,8 +197,47 @@ class Snapshot:
         )
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _segments(raw: list[Any], where: str, n_segments: int) -> dict[int, tuple[int, int]]:
+    """The snapshot's ``[segment, n_sources, n_tokens]`` entries, checked: three integers each (JSON
+    integers: not floats, not booleans), segments below ``n_segments``, none twice, sizes in range;
+    returned in segment order.  Types by one pass over the flattened values, ranges by numpy (3,907 entries
+    at 10^6 rows: a per-entry loop cost about 25 ms of every open)."""
+    if not all(type(e) is list and len(e) == 3 for e in raw):
+        raise CorruptStoreError(f"{where}: a segment entry is not [segment, n_sources, n_tokens]")
+    flat = [v for e in raw for v in e]
+    if any(type(v) is not int for v in flat) or any(abs(v) > (1 << 62) for v in flat):
+        raise CorruptStoreError(f"{where}: a segment entry is not [segment, n_sources, n_tokens]")
+    a = np.array(flat, dtype=np.int64).reshape(-1, 3)
+    seg, sizes = a[:, 0], a[:, 1:]
+    if len(seg) and (seg.min() < 0 or seg.max() >= n_segments):
+        bad = int(seg[(seg < 0) | (seg >= n_segments)][0])
+        raise CorruptStoreError(f"{where}: segment {bad} is past the store's {n_segments}")
+    if len(seg) > 1 and not bool((np.diff(seg) > 0).all()):  # (written in order; read in any)
+        values, counts = np.unique(seg, return_counts=True)
+        if (counts > 1).any():
+            raise CorruptStoreError(f"{where}: segment {int(values[counts > 1][0])} is listed twice")
+        a = a[np.argsort(seg, kind="stable")]
+        seg, sizes = a[:, 0], a[:, 1:]
+    if len(seg) and (sizes.min() < 0 or sizes.max() > MAX_COUNT):
+        bad = int(seg[((sizes < 0) | (sizes > MAX_COUNT)).any(axis=1)][0])
+        raise CorruptStoreError(f"{where}: segment {bad} has impossible sizes")
+    return dict(zip(seg.tolist(), zip(a[:, 1].tolist(), a[:, 2].tolist(), strict=True), strict=True))
+
+
+def _cover_once(files: tuple[TableFile, ...], segs: np.ndarray) -> bool:
+    """True when the files' segment ranges ``first..last`` hold every segment of ``segs`` (sorted)
+    exactly once: together they hold as many as there are, and each segment lies in one."""
+    lo = np.array([f.first for f in files], dtype=np.int64)
+    hi = np.array([f.last for f in files], dtype=np.int64)
+    held = np.searchsorted(segs, hi, side="right") - np.searchsorted(segs, lo, side="left")
+    if int(held.sum()) != len(segs):
+        return False
+    if not len(segs):
+        return True
+    hits = np.zeros(len(segs), dtype=np.int64)
+    for a, b in zip(np.searchsorted(segs, lo, side="left"), np.searchsorted(segs, hi, side="right")):
+        hits[a:b] += 1
+    return bool((hits == 1).all())
 
 
 def _relation_index(

@@ -74,6 +74,8 @@ class TableSource(Protocol):
 
     def table_files(self) -> dict[str, list[str]]: ...
 
+    def statement_files(self, tables: set[str] | None) -> tuple[dict[str, list[str]], bool]: ...
+
     def table(
         self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None
     ) -> pa.Table: ...
@@ -165,7 +167,7 @@ def connect(store: TableSource, *, memory_limit: str | None = None) -> duckdb.Du
     try:
         if store.location.is_local:
             store.check_table_shards()  # a corrupt shard is an error, never silently wrong rows
-        for name, files in store.table_files().items():
+        for name, files in store.statement_files(None)[0].items():
             _register(con, store, name, files)
     except BaseException:
         con.close()
@@ -268,7 +270,8 @@ class SQLSession:
     It is a connection to the process's locked-down in-memory database (one per memory limit), with
     the store's tables as views of its own (``TEMP``: other stores' sessions on the same database do
     not see them).  A table's view is made when a statement first reads that table, and made again
-    when its files changed (a new result file, new segments after ``refresh``); tables a statement
+    when its files changed (new segments or result files after ``refresh``, a result written through
+    the store; :meth:`~actstore.core.store_tables.TableFiles.statement_files`); tables a statement
     does not read are neither opened nor checked (a table's files are checked once, when a statement
     first reads it).  Statements of one session run one at a time
     (``lock``).  Another memory limit, or a forked process, gets another connection.
@@ -292,8 +295,8 @@ class SQLSession:
             self._con = _database(memory_limit).cursor()
             self._key, self._views = key, {}
         con = self._con
-        listed = store.table_files()
-        for gone in [n for n in self._views if n not in listed]:
+        listed, every = store.statement_files(tables)  # (no listing for segment tables and heads)
+        for gone in [n for n in self._views if every and n not in listed]:
             con.execute(f"DROP VIEW IF EXISTS {_quote(gone)}")
             del self._views[gone]
         wanted = [n for n in listed if tables is None or n in tables]

@@ -94,6 +94,7 @@ class StoreReader(TableFiles):
         ] = {}  # schema of each table file whose hash and footer were checked
         self.commits: dict[int, SegmentCommit] = {}
         self.snapshot: Snapshot | None = None
+        self._listing: tuple[int, dict[str, list[str]]] | None = None
         self.refresh()
 
     # ------------------------------------------------------------------ basics
@@ -104,13 +105,14 @@ class StoreReader(TableFiles):
     def refresh(self) -> None:
         """Pick up segments committed (and snapshots written) since the store was opened.  A store
         whose snapshot covers every segment is read from the snapshot alone (no directory is listed);
-        otherwise the markers of the segments it does not cover are read from ``commits/``."""
+        otherwise the markers of the segments it does not cover are read from ``commits/``.  Result
+        tables written since are listed again by the next statement that reads one."""
         snap = read_snapshot(self.location, self.manifest)
         covered = snap.commits(self.manifest) if snap is not None else {}
         if len(covered) < self.manifest.n_segments:
             rest = read_commits(self.location, self.manifest, skip=set(covered))
             covered = dict(sorted({**covered, **rest}.items()))
-        self.snapshot, self.commits = snap, covered
+        self.snapshot, self.commits, self._listing = snap, covered, None
 
     @property
     def n_rows(self) -> int:

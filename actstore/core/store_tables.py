@@ -4,13 +4,15 @@ reads it (:class:`actstore.core.store.StoreReader` is a :class:`TableFiles`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from actstore.core.errors import CorruptStoreError, QueryError
-from actstore.core.fs import StoreLocation
+from actstore.core.fs import StoreLocation, checked_local_file, file_sha256
 from actstore.core.manifest import Manifest, SegmentCommit
 from actstore.core.segments import segment_name
 from actstore.core.snapshot import Snapshot, is_compacted_file, is_index_file
@@ -28,13 +30,30 @@ class TableFiles:
     _verified: set[str]  # table files whose SHA-256 matched
     _tables: dict[str, pa.Table]  # table files read so far (immutable once visible)
     _schemas: dict[str, pa.Schema]  # schema of each table file whose hash and footer were checked
+    _listing: tuple[int, dict[str, list[str]]] | None  # (location's table writes, result tables' files)
 
     @property
     def url(self) -> str:
         return self.location.url
 
     def table_files(self) -> dict[str, list[str]]:
-        """Visible Parquet files per table name (segment tables: committed shards only)."""
+        """Visible Parquet files per table name (segment tables: committed shards only), the result
+        tables listed now (``tables/`` and each result table's folder: on an object store a LIST each).
+        The listing is kept for the statements that follow (:meth:`statement_files`)."""
+        out = self._segment_table_files()
+        listed: dict[str, list[str]] = {}
+        for name in self.location.listdir("tables"):
+            if name in ALL_SEGMENT_TABLES:
+                continue
+            files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
+            if files:  # a directory whose first file is still being written is no table yet
+                listed[name] = [f"tables/{name}/{f}" for f in files]
+        self._listing = (self.location.tables_written(), listed)
+        return {**out, **listed}
+
+    def _segment_table_files(self) -> dict[str, list[str]]:
+        """The files of the segment tables: the snapshot's compacted files and the shards of the
+        committed segments it does not cover (nothing is listed)."""
         out: dict[str, list[str]] = {}
         snap = self.snapshot
         for name in self.manifest.segment_tables:
@@ -44,20 +63,32 @@ class TableFiles:
                 for s in self.commits
                 if snap is None or s not in snap.segments
             ]
-        for name in self.location.listdir("tables"):
-            if name in ALL_SEGMENT_TABLES:
-                continue
-            files = [f for f in self.location.listdir(f"tables/{name}") if f.endswith(".parquet")]
-            if files:  # a directory whose first file is still being written is no table yet
-                out[name] = [f"tables/{name}/{f}" for f in files]
         return out
+
+    def statement_files(self, tables: set[str] | None) -> tuple[dict[str, list[str]], bool]:
+        """The files of the tables a statement reads (``tables``; None: it cannot be told), and whether
+        that is every table of the store.  A statement that reads only segment tables and ``heads``
+        lists nothing (those files are known from the snapshot and the commit markers).  Any other
+        table: locally, the result tables are listed for the statement (a few directory reads: a run
+        another process records is seen at once); on an object store, where each listing is a LIST
+        request, the listing made by the first such statement is kept until
+        :meth:`~actstore.core.store.StoreReader.refresh` or a table written through this store's
+        location, so a result recorded by another process is seen after ``refresh()`` (as segments
+        committed meanwhile are)."""
+        fixed = self._segment_table_files()
+        if tables is not None and tables <= {*fixed, "heads"}:
+            return {**fixed, "heads": ["tables/heads/heads.parquet"]}, False
+        cached = self._listing
+        if self.location.is_local or cached is None or cached[0] != self.location.tables_written():
+            return self.table_files(), True
+        return {**fixed, **cached[1]}, True
 
     def table(
         self, name: str, columns: list[str] | None = None, *, files: list[str] | None = None
     ) -> pa.Table:
         """A whole table as Arrow (for small tables and tests; use :meth:`sql` for selections).
         ``files``: the table's files when already listed by :meth:`table_files`."""
-        files = self.table_files().get(name) if files is None else files
+        files = self.statement_files({name})[0].get(name) if files is None else files
         if files is None:
             raise QueryError(f"{self.url}: no table {name!r}")
         parts = [self._read_table_file(f, columns) for f in files]
@@ -89,12 +120,19 @@ class TableFiles:
             data = self.location.read_bytes(rel, MAX_TABLE_BYTES)
         except FileNotFoundError:
             raise CorruptStoreError(f"{self.url}/{rel}: missing") from None
-        if rel in self._verified:
-            return data
+        if rel not in self._verified:
+            self._check_hash(rel, data)
+        return data
+
+    def _check_hash(self, rel: str, data: bytes | None = None, *, digest: str | None = None) -> None:
+        """Refuse table file ``rel`` unless the SHA-256 of its bytes ``data`` (or ``digest``, computed
+        by the caller) is the one recorded for it (:meth:`_table_bytes`); once matched, ``rel`` is not
+        hashed again by this reader."""
+        got = digest if digest is not None else sha256(data or b"")
         parts = rel.split("/")
         if is_compacted_file(rel) or is_index_file(rel):
             listed = self.snapshot.files().get(rel) if self.snapshot is not None else None
-            if listed is None or sha256(data) != listed.sha256:
+            if listed is None or got != listed.sha256:
                 raise CorruptStoreError(
                     f"{self.url}/{rel}: "
                     + (
@@ -107,20 +145,19 @@ class TableFiles:
         elif len(parts) == 3 and parts[1] in ALL_SEGMENT_TABLES:
             seg = int(parts[2].split(".")[0])
             commit = self.commits.get(seg)
-            if commit is not None and sha256(data) != commit.table_sha256.get(parts[1]):
+            if commit is not None and got != commit.table_sha256.get(parts[1]):
                 raise CorruptStoreError(
                     f"{self.url}/{rel}: SHA-256 does not match commit marker commits/{segment_name(seg)}.json "
                     f"(the table shard or the marker is corrupt; run actstore verify)"
                 )
         else:
             want = self.table_hash(rel)
-            if want is not None and sha256(data) != want:
+            if want is not None and got != want:
                 raise CorruptStoreError(
                     f"{self.url}/{rel}: SHA-256 does not match {parts[-1]}{HASH_SUFFIX} "
                     "(the table file or its hash is corrupt; run actstore verify)"
                 )
         self._verified.add(rel)
-        return data
 
     def table_hash(self, rel: str) -> str | None:
         """The SHA-256 recorded in the ``.sha256`` companion of table file ``rel`` (None without one)."""
@@ -139,23 +176,40 @@ class TableFiles:
         hash and its Parquet footer (DuckDB reads local files directly, and a garbage file must be one
         clear error, not a DuckDB one).  The footer's schema is kept for :meth:`file_schema`.
         ``listed``: :meth:`table_files` when the caller has just listed them."""
-        listed = self.table_files() if listed is None else listed
-        for name in listed if names is None else [n for n in names if n in listed]:
-            for rel in listed[name]:
-                if rel not in self._schemas:
-                    self._check_table_file(rel)
+        listed = self.statement_files(None)[0] if listed is None else listed
+        todo = [
+            rel
+            for name in (listed if names is None else [n for n in names if n in listed])
+            for rel in listed[name]
+            if rel not in self._schemas
+        ]
+        if len(todo) > 1 and self.location.is_local:  # hashed on threads (SHA-256 releases the GIL)
+            with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 8)) as pool:
+                list(pool.map(self._check_table_file, todo))
+        else:
+            for rel in todo:
+                self._check_table_file(rel)
 
     def _check_table_file(self, rel: str) -> pa.Schema:
-        data = self._table_bytes(rel)
+        if self.location.is_local:  # hashed in blocks, its footer read from the same descriptor
+            with checked_local_file(self.location.path(rel), MAX_TABLE_BYTES, f"{self.url}/{rel}") as f:
+                if rel not in self._verified:
+                    self._check_hash(rel, digest=file_sha256(f))
+                f.seek(0)
+                schema = self._footer_schema(rel, pa.PythonFile(f, mode="r"))
+        else:
+            schema = self._footer_schema(rel, pa.BufferReader(self._table_bytes(rel)))
+        self._schemas[rel] = schema
+        return schema
+
+    def _footer_schema(self, rel: str, source: pa.NativeFile) -> pa.Schema:
         try:
-            schema = pq.read_metadata(pa.BufferReader(data)).schema.to_arrow_schema()
+            return pq.read_metadata(source).schema.to_arrow_schema()
         except Exception as e:
             self._verified.discard(rel)
             raise CorruptStoreError(
                 f"{self.url}/{rel}: unreadable Parquet ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
             ) from None
-        self._schemas[rel] = schema
-        return schema
 
     def file_schema(self, rel: str) -> pa.Schema:
         """The Arrow schema of table file ``rel`` (checked as by :meth:`check_table_shards`, once)."""

@@ -38,7 +38,7 @@ def check_segment_tables(store: StoreReader, report: VerifyReport, commit: Segme
         try:  # only the columns checked below are decoded (the shard's hash matched its marker)
             pf = pq.ParquetFile(pa.BufferReader(data))
             if name in _SPAN_COLUMNS:
-                tables[name] = pf.read(columns=list(_SPAN_COLUMNS[name]))
+                tables[name] = pf.read(columns=list(_SPAN_COLUMNS[name]), use_threads=False)  # (small)
         except Exception as e:
             report.problems.append(f"{rel}: unreadable Parquet ({type(e).__name__}: {e})")
     seg_rel = segment_name(seg)

@@ -95,6 +95,63 @@ def test_sql_and_features_match_local(stores: tuple[str, Path]) -> None:
     assert np.array_equal(s.weight("W_O"), ref.weight("W_O"))
 
 
+def test_queries_on_s3_list_nothing(stores: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a complete store and querying its segment tables and arrays sends no LIST and no HEAD:
+    the snapshot names every file (on S3 a LIST per query is the cost that grows with the store)."""
+    url, local = stores
+    s, ref = actstore.open(url), actstore.open(local)
+    calls: list[str] = []
+    fss = [s.location.fs, s.location._async_fs()]
+    for fs in fss:
+        for name in ("ls", "find", "walk", "glob", "exists", "info", "isdir", "isfile", "_ls", "_find"):
+            for attr in (name, f"_{name}") if not name.startswith("_") else (name,):
+                real = getattr(fs, attr, None)
+                if real is not None:
+                    monkeypatch.setattr(
+                        fs, attr, lambda *a, _r=real, _n=attr, **k: calls.append(_n) or _r(*a, **k)
+                    )
+    assert s.sql(QUERIES[0]).equals(ref.sql(QUERIES[0]))
+    eid = ref.n_rows // 2
+    a = s.select(f"example_id = {eid}").features("resid", layers=[1])
+    assert np.array_equal(a, ref.select(f"example_id = {eid}").features("resid", layers=[1]))
+    rel = ref.sql("SELECT min(relation_id) AS r FROM examples").column("r")[0].as_py()
+    b = s.select("relation_id = ?", params=[rel]).limit(3).features("attn_head", layers=[0])
+    assert np.array_equal(
+        b, ref.select("relation_id = ?", params=[rel]).limit(3).features("attn_head", layers=[0])
+    )
+    assert s.sql("SELECT count(*) AS n FROM heads").equals(ref.sql("SELECT count(*) AS n FROM heads"))
+    assert calls == []
+
+
+def test_result_tables_on_s3_are_listed_once_per_open_store(
+    s3: S3Server, stores: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result table's statements list the result tables once; a result written through the store is
+    seen at once, one written by another reader (another process) after ``refresh()``."""
+    import fsspec
+    import pyarrow as pa
+
+    from actstore.core.writer import write_result_table
+
+    url, _ = stores
+    copy = f"s3://{s3.bucket}/stores/results"
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3.endpoint}, skip_instance_cache=True)
+    fs.copy(url.removeprefix("s3://") + "/", copy.removeprefix("s3://") + "/", recursive=True)
+    s = actstore.open(copy)
+    lists: list[str] = []
+    real = s.location.fs.ls
+    monkeypatch.setattr(s.location.fs, "ls", lambda *a, **k: lists.append(a[0]) or real(*a, **k))
+    q = "SELECT sum(x) AS s FROM my_result"
+    write_result_table(s, "my_result", "run1", pa.table({"x": [1, 2]}))
+    assert s.sql(q).column(0)[0].as_py() == 3
+    n = len(lists)
+    assert n >= 1 and s.sql(q).column(0)[0].as_py() == 3 and len(lists) == n
+    write_result_table(actstore.open(copy), "my_result", "run2", pa.table({"x": [10]}))
+    assert s.sql(q).column(0)[0].as_py() == 3 and len(lists) == n
+    s.refresh()
+    assert s.sql(q).column(0)[0].as_py() == 13
+
+
 def test_verify_info_sql_features_commands_on_s3(stores: tuple[str, Path], tmp_path: Path) -> None:
     url, local = stores
     report = verify_store(actstore.open(url))

@@ -103,7 +103,13 @@ def test_compaction_writes_an_index_equal_to_a_sort_of_the_examples(base: Path) 
         ("relation_id = ?", ["a"], {"a"}),
         ("relation_id = $r", {"r": "a"}, {"a"}),
         ("relation_id IN (?, $2)", ["a", "b"], {"a", "b"}),
-        ("relation_id = 'a' OR relation_id = 'b'", None, None),
+        ("relation_id = 'a' OR relation_id = 'b'", None, {"a", "b"}),
+        ("relation_id = 'a' OR x > 1", None, None),
+        ("(relation_id = 'a' AND x > 1) OR relation_id IN ('b', ?)", ["c"], {"a", "b", "c"}),
+        ("relation_id IN ('a', 'b') AND (relation_id = 'a' OR relation_id = 'c')", None, {"a"}),
+        ("x > 1 AND (relation_id = 'a' OR (relation_id = 'b' AND x < 5))", None, {"a", "b"}),
+        ("NOT (relation_id = 'a' OR relation_id = 'b')", None, None),
+        ("relation_id = 'a' OR relation_id <> 'b'", None, None),
         ("NOT relation_id = 'a'", None, None),
         ("relation_id <> 'a'", None, None),
         ("relation_id = 7", None, None),
@@ -114,7 +120,7 @@ def test_compaction_writes_an_index_equal_to_a_sort_of_the_examples(base: Path) 
         ("example_id < 5", None, None),
     ],
 )
-def test_relation_values_reads_only_top_level_conjuncts(
+def test_relation_values_reads_conjuncts_and_or_of_restrictions(
     where: str, params: Any, want: set[str] | None
 ) -> None:
     got = relation_values(f"(\n{where}\n)", params)
@@ -124,7 +130,7 @@ def test_relation_values_reads_only_top_level_conjuncts(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rels=st.lists(st.integers(0, 7), min_size=1, max_size=3),
-    form=st.sampled_from(["eq", "in", "param", "named"]),
+    form=st.sampled_from(["eq", "in", "param", "named", "or"]),
     extra=st.sampled_from(
         ["", " AND subject_start >= 1", " AND example_id % 3 <> 1", " AND example_id > 20"]
     ),
@@ -150,6 +156,9 @@ def test_a_relation_selection_resolves_to_the_rows_a_numpy_filter_finds(
             where, params = "relation_id = $r", {"r": chosen[0]}
     elif form == "in":
         where = "relation_id IN (" + ", ".join(f"'{r}'" for r in chosen) + ")"
+    elif form == "or":  # (an OR of one relation each, one branch bound as a parameter)
+        where = "(" + " OR ".join(["relation_id = ?", *(f"relation_id = '{r}'" for r in chosen[1:])]) + ")"
+        params = chosen[:1]
     else:
         where = "relation_id IN (" + ", ".join("?" for _ in chosen) + ")"
         params = chosen

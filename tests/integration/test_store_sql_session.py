@@ -86,6 +86,36 @@ def test_a_result_table_written_after_the_first_statement_is_seen(
     write_result_table(store, "my_result", "run2", pa.table({"x": [10]}))  # a second file of the same table
     assert store.sql("SELECT sum(x) AS s FROM my_result").column(0)[0].as_py() == 16
 
+    other = actstore.open(path)  # another reader (as another process would be): a local store sees it at once
+    write_result_table(other, "my_result", "run3", pa.table({"x": [100]}))
+    assert store.sql("SELECT sum(x) AS s FROM my_result").column(0)[0].as_py() == 116
+
+
+def test_statements_list_a_directory_only_for_a_result_table(
+    two_stores: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No statement over the segment tables and heads lists a directory (on S3 each listing is a LIST
+    request); locally a statement that reads a result table lists the result tables (so that another
+    process's runs are seen at once)."""
+    from actstore.core.fs import StoreLocation
+
+    listed: list[str] = []
+    real = StoreLocation.listdir
+    monkeypatch.setattr(StoreLocation, "listdir", lambda self, rel: listed.append(rel) or real(self, rel))
+    store = actstore.open(two_stores[0])
+    assert listed == []
+    for q in QUERIES:
+        store.sql(q)
+    sel = store.select("relation_id = ?", params=[store.sql(QUERIES[0]).column(0)[0].as_py()]).limit(3)
+    sel.features("resid", layers=[0])
+    store.select(f"example_id = {store.n_rows // 2}").features("attn_head", layers=[0])
+    assert listed == []
+    runs = store.sql("SELECT count(*) FROM runs").column(0)[0].as_py()
+    assert runs >= 1 and "tables" in listed
+    n = len(listed)
+    store.sql(QUERIES[3])
+    assert len(listed) == n
+
 
 def test_threads_sharing_a_store_get_their_own_answers(two_stores: tuple[Path, Path]) -> None:
     a, _ = two_stores
