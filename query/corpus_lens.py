@@ -32,7 +32,8 @@ import torch
 
 from actstore.core.errors import ActstoreError, LensError
 from actstore.core.store import StoreReader, open_reader
-from actstore.query.readout import CORPUS_PREFIX, FinalReadout, TunedLens
+from actstore.query.method_defaults import CORPUS_PREFIX
+from actstore.query.readout import FinalReadout, TunedLens
 from actstore.query.selection import Selection
 from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from actstore.core.errors import MethodsError
-from actstore.query.method_defaults import PLATEAU
+from actstore.query.method_defaults import PLATEAU, check_tuned_method
 from actstore.query.method_metrics import concat_readings
 from actstore.query.method_probe import LayerProbeConfig, probe_reading
 from actstore.query.methods import (
@@ -24,7 +24,6 @@ from actstore.query.methods import (
     trace_reading,
     tuned_lens_reading,
 )
-from actstore.query.readout import check_tuned_method
 from actstore.query.tuned_lens import TrainConfig
 
 GROUPINGS = ("relation", "freq_band", "uniqueness", "source_set", "stratum")

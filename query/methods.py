@@ -63,8 +63,13 @@ from actstore.query.lens import (
     read_objects,
     stored_residuals,
 )
-from actstore.query.method_defaults import COMPARISON_BATCH, COMPARISON_STEPS, PLATEAU
-from actstore.query.readout import CORPUS_PREFIX, check_tuned_method
+from actstore.query.method_defaults import (
+    COMPARISON_BATCH,
+    COMPARISON_STEPS,
+    CORPUS_PREFIX,
+    PLATEAU,
+    check_tuned_method,
+)
 from actstore.query.rows import Rows, rows_condition
 from actstore.query.selection import Selection
 from actstore.query.tuned_lens import TrainConfig

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from actstore.core.errors import LensError
+from actstore.query.method_defaults import TUNED_METHODS as TUNED_METHODS  # named once, without torch
 
 ALPHAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
@@ -109,20 +110,6 @@ def read_objects(
 
 
 # ------------------------------------------------------------------------------------ tuned lens
-
-
-TUNED_METHODS = ("adam", "sgd", "ridge")
-CORPUS_PREFIX = "corpus:"  # --tuned corpus:STORE[#RUN]: translators a corpus-lens run stored
-
-
-def check_tuned_method(method: str) -> None:
-    """One error line unless ``method`` is a fitting rule of :data:`TUNED_METHODS` or names stored
-    translators (``corpus:STORE`` or ``corpus:STORE#RUN_ID``)."""
-    if method in TUNED_METHODS or (method.startswith(CORPUS_PREFIX) and len(method) > len(CORPUS_PREFIX)):
-        return
-    raise LensError(
-        f"unknown tuned-lens method {method!r} (one of {', '.join(TUNED_METHODS)}, or corpus:STORE)"
-    )
 
 
 @dataclass

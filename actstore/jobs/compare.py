@@ -30,6 +30,7 @@ from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import AgreeConfig
 from actstore.query.method_agreement import agreement, agreement_table, default_tolerance
+from actstore.query.method_defaults import CORPUS_PREFIX
 from actstore.query.method_probe import LayerProbeConfig, probe_reading
 from actstore.query.method_study import store_strata
 from actstore.query.methods import (
@@ -46,7 +47,6 @@ from actstore.query.methods import (
     trace_reading,
     tuned_lens_reading,
 )
-from actstore.query.readout import CORPUS_PREFIX
 
 Log = Callable[[str], None]
 

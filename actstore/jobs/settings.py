@@ -11,8 +11,13 @@ from actstore.core.errors import LensError, MethodsError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.settings import check_settings, setting
 from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MULTI_TOKEN
-from actstore.query.method_defaults import COMPARISON_BATCH, COMPARISON_STEPS, METHODS, PLATEAU
-from actstore.query.readout import check_tuned_method
+from actstore.query.method_defaults import (
+    COMPARISON_BATCH,
+    COMPARISON_STEPS,
+    METHODS,
+    PLATEAU,
+    check_tuned_method,
+)
 
 K_HELP = (
     "Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
