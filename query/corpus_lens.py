@@ -213,20 +213,23 @@ def load_corpus_lens(spec: str, target: StoreReader) -> TunedLens:
     why = same_model(source, target)
     if why is not None:
         raise LensError(f"{source.url} and {target.url} hold different models ({why})")
-    if TRANSLATORS_TABLE not in source.table_files():
+    files = source.table_files().get(TRANSLATORS_TABLE)
+    if not files:
         raise LensError(
             f"{source.url}: no stored translators (run 'actstore corpus-lens {url}' first; runs before "
             "this version did not store them)"
         )
-    runs = source.sql(  # oldest first, by the runs table's start times (ids of one second do not sort)
-        f"SELECT DISTINCT t.run_id, r.started FROM {TRANSLATORS_TABLE} t LEFT JOIN runs r USING (run_id) "
-        "ORDER BY r.started NULLS FIRST, t.run_id"
-    ).column("run_id")
-    have = [str(r) for r in runs.to_pylist()]
+    by_run = {f.rsplit("/", 1)[-1].removesuffix(".parquet"): f for f in files}  # a result file per run
+    runs = source.sql("SELECT run_id, started FROM runs WHERE kind = 'corpus_lens'").to_pydict()
+    started = dict(zip(runs["run_id"], runs["started"], strict=True))
+    # oldest first, by the runs table's start times (ids made in one second do not sort)
+    have = sorted(by_run, key=lambda r: (started.get(r, float("-inf")), r))
     if run and run not in have:
         raise LensError(f"{source.url}: no corpus-lens run {run!r} with translators (have {', '.join(have)})")
     run = run or have[-1]
-    table = source.sql(f'SELECT "index", D, b FROM {TRANSLATORS_TABLE} WHERE run_id = ?', [run])
+    # read as Arrow, not through DuckDB: a run's translators are one file of L rows of d*d floats
+    # (SmolLM2: 40 MB), which DuckDB would widen into lists beyond its memory limit
+    table = source.table(TRANSLATORS_TABLE, ["index", "D", "b"], files=[by_run[run]])
     g = source.geometry
     lens = lens_from_table(table, g.n_layers, g.d_model, f"{source.url} run {run}")
     config = source.sql("SELECT config FROM runs WHERE run_id = ?", [run]).column("config").to_pylist()
