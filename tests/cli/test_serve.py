@@ -197,6 +197,41 @@ def test_a_first_explanation_reads_the_stored_probe_and_older_stores_train_it(
     np.testing.assert_allclose(trained["direction"], read["direction"], rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("relations", [None, ["P1", "P3"]])
+def test_samples_draw_whole_chunks(served: tuple[Path, TestClient], relations: list[str] | None) -> None:
+    """A sample of n rows draws from the fewest chunks (of 4 rows here) that hold n rows, taken in a
+    random order: its rows are distinct, in store order, of the chosen relations, and over seeds every
+    such row is drawn."""
+    from actstore.serve.common import block_sample
+
+    path, _ = served
+    store = actstore.open(path)
+    rows = store.sql("SELECT example_id, relation_id FROM examples ORDER BY example_id").to_pylist()
+    mine = [r["example_id"] for r in rows if relations is None or r["relation_id"] in relations]
+    every = store.sql(
+        "SELECT t.segment, t.seg_row, e.relation_id FROM targets t JOIN examples e USING (example_id)"
+    ).to_pylist()
+    size: dict[tuple[int, int], int] = {}
+    for r in every:
+        if relations is None or r["relation_id"] in relations:
+            key = (r["segment"], r["seg_row"] // 4)
+            size[key] = size.get(key, 0) + 1
+    seen: set[int] = set()
+    for seed in range(40):
+        sel = block_sample(store, 5, seed, relations, chunk_rows=4)
+        ids = [int(x) for x in sel.example_ids]
+        assert len(ids) == len(set(ids)) == 5 and set(ids) <= set(mine)
+        segs = sel.rows.column("segment").to_pylist()
+        at = sel.rows.column("seg_row").to_pylist()
+        assert sorted(zip(segs, at)) == list(zip(segs, at))  # store order
+        # the chunks drawn from: a random prefix whose last chunk tops n, so they hold < n + 4 rows
+        touched = {(s_, a // 4) for s_, a in zip(segs, at)}
+        assert sum(size[c] for c in touched) < 5 + 4
+        seen |= set(ids)
+    assert seen == set(mine)
+    assert len(block_sample(store, 100, 0, relations).example_ids) == len(mine)  # fewer rows than n: all
+
+
 @pytest.mark.parametrize("rel", [None, "P2"])
 def test_text_search_pages_with_a_bounded_cost(
     served: tuple[Path, TestClient], monkeypatch: pytest.MonkeyPatch, rel: str | None
