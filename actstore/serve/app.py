@@ -233,7 +233,7 @@ def api_sql(request: Request, s: Served) -> Any:
     limits: console.ConsoleLimits = request.app.state.limits
     if fmt == "json":
         page, size = _page(request, 100)
-        return console.run_page(s.store, query, page, size, limits)
+        return console.run_page(s.store, query, page, size, limits, s.cached)
     body, media = console.run_download(s.store, query, fmt, limits)
     name = "result.csv" if fmt == "csv" else "result.parquet"
     return Response(

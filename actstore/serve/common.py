@@ -306,28 +306,29 @@ def example_texts(store: StoreReader, ids: Sequence[int] | np.ndarray) -> dict[i
     want = sorted({int(i) for i in np.asarray(ids, dtype=np.int64).tolist()})
     if not want:
         return {}
-    # an IN list of whole numbers (never text from a request): DuckDB pushes it into the scan, which
-    # then decodes the texts of the pages holding those ids only (a bound list is applied after the scan)
+    # whole numbers only (never text from a request): the id ranges let the scan skip the row groups
+    # without those ids, and the IN list keeps exactly them (a bound list is applied after the scan)
     rows = sql(
         store,
-        f"SELECT example_id, relation_id, text FROM examples WHERE example_id IN ({', '.join(map(str, want))})",
+        f"SELECT example_id, relation_id, text FROM examples WHERE {id_ranges(want)} "
+        f"AND example_id IN ({', '.join(map(str, want))})",
     )
     return {int(r["example_id"]): r for r in rows}
 
 
 def _chunk_groups(
     store: StoreReader, rows: pa.Table, chunk_rows: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """(the chunk of each of ``rows``, the rows of each chunk): a chunk is ``chunk_rows`` (default: the
-    store's) consecutive rows of a segment, which its arrays store together (one read each)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the segment of each of ``rows``, its chunk, the rows of each chunk): a chunk is ``chunk_rows``
+    (default: the store's) consecutive rows of a segment, which its arrays store together (one read each)."""
     seg = rows.column("segment").to_numpy().astype(np.int64)
     at = rows.column("seg_row").to_numpy().astype(np.int64) // max(1, chunk_rows or store.manifest.chunk_rows)
     key = seg * (int(at.max(initial=0)) + 1) + at
     _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
-    return inverse.reshape(-1), counts
+    return seg, inverse.reshape(-1), counts
 
 
-def store_chunks(store: StoreReader) -> tuple[np.ndarray, np.ndarray]:
+def store_chunks(store: StoreReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_chunk_groups` of every target row (:func:`store_rows`), kept with them."""
     rows = store_rows(store)
     return kept(store, "chunk_groups", ("examples", "targets"), lambda: _chunk_groups(store, rows))  # type: ignore[no-any-return]
@@ -342,10 +343,11 @@ def block_sample(
 ) -> Any:
     """At most ``n`` rows (of ``relations``) as a Selection: all of them when there are so few, else
     ``n`` drawn at random from whole chunks (``chunk_rows`` rows of a segment) taken in a random
-    order until they hold ``n`` rows, so that a sample reads about ``n / chunk_rows`` chunks rather
-    than one chunk per row (a cluster sample: each row is as likely to be drawn as any other, but
-    rows of one chunk, neighbours in store order, are drawn together).  The work is O(rows) numpy
-    (O(n) with every row's chunks kept) plus the reads of those chunks."""
+    order, from segments taken in a random order until they hold ``4 n`` rows, until the chunks hold
+    ``n`` rows: a sample reads about ``n / chunk_rows`` chunks rather than one chunk per row, and its
+    texts lie in a few row groups (a cluster sample: each row is as likely to be drawn as any other,
+    but rows of one chunk, neighbours in store order, are drawn together).  The work is O(rows) numpy
+    (the segment test; every row's chunk is kept) plus the reads of those chunks."""
 
     rows = store_rows(store)
     if relations:
@@ -354,14 +356,21 @@ def block_sample(
     if rows.num_rows <= n:
         return Selection(store, rows)
     if relations or chunk_rows:
-        inverse, counts = _chunk_groups(store, rows, chunk_rows)
+        seg, chunk, counts = _chunk_groups(store, rows, chunk_rows)
     else:  # every row: the chunks are kept
-        inverse, counts = store_chunks(store)
+        seg, chunk, counts = store_chunks(store)
     rng = np.random.default_rng(seed)
-    order = rng.permutation(counts.size)
-    m = int(np.searchsorted(np.cumsum(counts[order]), n)) + 1  # the first m chunks hold >= n rows
+    # segments in a random order until they hold 4n rows (the texts of a sample then lie in a few row
+    # groups of the examples table), then their chunks in a random order until they hold n rows
+    segs, seg_rows = np.unique(seg, return_counts=True)
+    order = rng.permutation(segs.size)
+    m = int(np.searchsorted(np.cumsum(seg_rows[order]), 4 * n)) + 1
+    pool = np.flatnonzero(np.isin(seg, segs[order[:m]]))
+    chunks = np.unique(chunk[pool])
+    corder = rng.permutation(chunks)
+    k = int(np.searchsorted(np.cumsum(counts[corder]), n)) + 1
     taken = np.zeros(counts.size, dtype=bool)
-    taken[order[:m]] = True
-    pool = np.flatnonzero(taken[inverse])
-    pick = np.sort(rng.choice(pool, size=n, replace=False))
+    taken[corder[:k]] = True
+    cand = pool[taken[chunk[pool]]]
+    pick = np.sort(rng.choice(cand, size=n, replace=False))
     return Selection(store, rows.take(pa.array(pick)))
