@@ -5,9 +5,10 @@ the prompt page's load in Chromium.
 
 Per store and route, ``--rounds`` URLs with different parameters taken from the store (relations,
 pages, prompts that are queries of the newest per-source probe run, heads, layers): ``first_ms`` is
-the median of their first calls (nothing of that view cached; the contributions route re-trains the
-prompt's episode), ``again_ms`` the median of calling them again (the app's cache); and the first call
-of another query of an episode that a call just before trained (the explorer keeps trained episodes).  The app's
+the median of their first calls (nothing of that view cached; the contributions route reads the
+prompt's episode probe from ``probe_weights``, or re-trains the episode for a run stored without
+it), ``again_ms`` the median of calling them again (the app's cache); and the first call of another
+query of an episode that a call just before explained (the explorer keeps episode probes).  The app's
 warm-up (the tables' hashes, the relations, the example ids) runs before the clock starts.  The
 prompt page: navigation to ``body[data-ready]`` (every API call of the page answered and drawn) for
 ``--rounds`` prompts not requested before, in Debian's Chromium driven by Playwright (skipped
@@ -106,13 +107,18 @@ def routes(con: http.client.HTTPConnection, name: str, k: int) -> dict[str, list
         "prompts (searched by text)": [f"{base}/prompts?q={pick(WORDS, i)}&size=25" for i in range(k)],
         "headscores": [f"{base}/headscores?relation={quote(pick(rels, i))}" for i in range(k)],
         "prompt": [f"{base}/prompts/{pick(exs, i)}" for i in range(k)],
-        "contributions (re-trains the episode)": [
+        "contributions (an episode not explained before)": [
             f"{base}/prompts/{pick(exs, k + i)}/contributions" for i in range(k)
         ],
         "head": [f"{base}/heads/{layer}/{h}" for layer, h in heads],
         "methods": [f"{base}/methods"],
         "table page": [f"{base}/tables/examples?page={10 + i}&size=50" for i in range(k)],
         "sql page": [f"{base}/sql?q={page_sql}&page={5 + i}&size=100" for i in range(k)],
+        # each URL another statement: nothing of it read before (the pages above share windows of 10)
+        "sql page (a new statement)": [
+            f"{base}/sql?q={quote(f'SELECT example_id, relation_id, text FROM examples WHERE example_id % 97 <> {i} ORDER BY example_id')}&page=5&size=100"
+            for i in range(k)
+        ],
         "features (PCA, 500 rows)": [
             f"{base}/features?kind=attn_head&layer={i % g['n_layers']}&n=500&seed={i}" for i in range(k)
         ],

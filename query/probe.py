@@ -52,6 +52,19 @@ from actstore.query.stats import mean_interval
 
 
 # ----------------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class EpisodeWeights:
+    """One episode's trained probe, as the run trained it: the selected features (indices into the
+    run's feature vector, ascending), their support mean and std, the weights [Fm, C] and bias [C].
+    A query x is predicted as ``softmax(((x[features] - mean) / std) @ weight + bias)``."""
+
+    features: np.ndarray  # [Fm] int32
+    mean: np.ndarray  # [Fm] float32
+    std: np.ndarray  # [Fm] float32
+    weight: np.ndarray  # [Fm, C] float32
+    bias: np.ndarray  # [C] float32
+
+
 @dataclass
 class ProbeOutput:
     run_id: str
@@ -74,6 +87,8 @@ class ProbeOutput:
     hsp_abs: np.ndarray | None = None  # [R, U] sum of |head score| per predicted relation
     hsp_n: np.ndarray | None = None  # [R] predictions of each relation
     token_rows: list[dict[str, Any]] = field(default_factory=list)
+    #: per episode (when ``config.store_weights``): its trained probe (:class:`EpisodeWeights`)
+    weights: list[EpisodeWeights] = field(default_factory=list)
     seconds: float = 0.0
     started: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
@@ -194,6 +209,7 @@ def _run_probe(
         tuple[int, int, torch.Tensor, torch.Tensor]
     ] = []  # (episode, query, p, centering per layer)
     token_rows: list[dict[str, Any]] = []
+    weights: list[EpisodeWeights] = []
     pending_limit = max(1, cfg.memory_mb * 2**20 // 2)
     B = _chunk_size(n, k, q, fm.n_features, cfg.top_k if cfg.relspec else fm.n_features, cfg.memory_mb)
     bar = progress_bar(total=E, desc=f"probe {fm.kind} {n}-way {k}-shot", unit="ep", enabled=progress)
@@ -214,6 +230,8 @@ def _run_probe(
         ]
         W, b = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         del xs, parts
+        if cfg.store_weights:
+            weights += [_episode_weights(sel, W, b, j) for j in range(hi - lo)]
         clock.lap("train")
         logits = torch.baddbmm(b[:, None, :], xq, W)  # [B, Q, C]
         probs = torch.softmax(logits, -1)
@@ -289,9 +307,22 @@ def _run_probe(
         hsp_abs=hsp_abs.numpy(),
         hsp_n=hsp_n.numpy(),
         token_rows=token_rows,
+        weights=weights,
         seconds=time.time() - started,
         started=started,
         timings=clock.laps,
+    )
+
+
+def _episode_weights(sel: Selected, W: torch.Tensor, b: torch.Tensor, j: int) -> EpisodeWeights:
+    """Episode ``j`` of a chunk: its selected features (padding dropped) and trained probe."""
+    m = sel.valid[j]
+    return EpisodeWeights(
+        sel.index[j][m].to(torch.int32).numpy(),
+        sel.mean[j][m].numpy(),
+        sel.std[j][m].numpy(),
+        W[j][m].numpy(),
+        b[j].clone().numpy(),
     )
 
 

@@ -56,6 +56,12 @@ class ProbeConfig:
     relspec: bool = setting(
         True, "Baseline without RelSpec: every feature, the same standardisation and training."
     )
+    store_weights: bool = setting(
+        True,
+        "Keep the episodes' trained probes out of the store (by default each is stored in the probe_weights "
+        "table: selected features, support mean and std, weights, bias, 32 bytes per selected feature, about "
+        "0.5 MB per 5-way SmolLM2 attn_head episode; an explanation reads it instead of training again).",
+    )
     contrast: str = setting(
         DEFAULT_CONTRAST,
         "dW for HeadScore/TokenScore: competitors weighted by the softmax renormalised over them (ours) "

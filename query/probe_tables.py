@@ -113,10 +113,36 @@ def probe_tables(out: ProbeOutput) -> dict[str, pa.Table]:
         "relation_metrics": metrics,
         "head_scores": heads,
     }
+    if out.weights:
+        tables["probe_weights"] = weights_table(out)
     if out.token_rows:
         t = pa.Table.from_pylist(out.token_rows)
         tables["token_scores"] = t.add_column(0, "run_id", pa.array([rid] * t.num_rows))
     return tables
+
+
+#: Episodes per row group of ``probe_weights``: a reader of one episode decodes only its own group.
+WEIGHTS_GROUP_ROWS = 1
+
+
+def weights_table(out: ProbeOutput) -> pa.Table:
+    """One row per episode: its trained probe (:class:`actstore.query.probe.EpisodeWeights`), the
+    weights flattened row-major from [n_features, n_way] (``n_way`` columns per selected feature)."""
+    ep, w = out.episodes, out.weights
+    f32 = pa.list_(pa.float32())
+    return pa.table(
+        {
+            "run_id": pa.array([out.run_id] * len(w), pa.string()),
+            "seed": pa.array(ep.seed, pa.int64()),
+            "episode": pa.array(ep.index, pa.int64()),
+            "n_way": pa.array([x.weight.shape[1] for x in w], pa.int32()),
+            "features": pa.array([x.features for x in w], pa.list_(pa.int32())),
+            "mean": pa.array([x.mean for x in w], f32),
+            "std": pa.array([x.std for x in w], f32),
+            "weight": pa.array([x.weight.reshape(-1) for x in w], f32),
+            "bias": pa.array([x.bias for x in w], f32),
+        }
+    )
 
 
 def relation_metrics(gold: np.ndarray, pred: np.ndarray, relations: Sequence[str]) -> pa.Table:

@@ -105,9 +105,10 @@ def store_segment_tables(ingest: dict[str, object] | None) -> tuple[str, ...]:
     return ALL_SEGMENT_TABLES if (ingest or {}).get("positions") == "all" else SEGMENT_TABLES
 
 
-def to_parquet_bytes(table: pa.Table) -> bytes:
+def to_parquet_bytes(table: pa.Table, row_group_size: int | None = None) -> bytes:
+    """``table`` as zstd Parquet (``row_group_size`` rows a row group; pyarrow's default when None)."""
     buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
+    pq.write_table(table, buf, compression="zstd", row_group_size=row_group_size)
     return buf.getvalue()
 
 

@@ -186,10 +186,13 @@ def _weight_chunk(name: str, value: np.ndarray, n_layers: int) -> int:
     return max(1, value.shape[0])
 
 
-def write_result_table(store: StoreReader, name: str, run_id: str, table: pa.Table) -> str:
-    """Add an analysis result (one file per run, written atomically) and return its path."""
+def write_result_table(
+    store: StoreReader, name: str, run_id: str, table: pa.Table, row_group_size: int | None = None
+) -> str:
+    """Add an analysis result (one file per run, written atomically) and return its path
+    (``row_group_size``: rows a Parquet row group, for a table whose readers want one row's lists)."""
     if name in ALL_SEGMENT_TABLES or name == "heads" or not name.replace("_", "").isalnum():
         raise ValueError(f"invalid result table name {name!r}")
     rel = f"tables/{name}/{run_id}.parquet"
-    store.location.write_bytes_atomic(rel, to_parquet_bytes(table))
+    store.location.write_bytes_atomic(rel, to_parquet_bytes(table, row_group_size))
     return rel

@@ -18,7 +18,7 @@ from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.query.attribution import run_row
 from actstore.query.probe import ProbeConfig, ProbeOutput
-from actstore.query.probe_tables import probe_tables
+from actstore.query.probe_tables import WEIGHTS_GROUP_ROWS, probe_tables
 
 CONTRAST_TEXT = {
     "renormalised": "renormalised (dW = W_c_hat - sum pi'_c W_c, pi' renormalised over the competitors; ours)",
@@ -101,5 +101,6 @@ def record_probe(store: StoreReader, out: ProbeOutput) -> list[str]:
         started=out.started,
         finished=out.started + out.seconds,
         run_id=out.run_id,
+        row_groups={"probe_weights": WEIGHTS_GROUP_ROWS},
     )
     return recorded.tables

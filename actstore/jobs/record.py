@@ -31,12 +31,17 @@ def record_run(
     started: float,
     finished: float | None = None,
     run_id: str | None = None,
+    row_groups: Mapping[str, int] | None = None,
 ) -> RecordedRun:
     """Write ``tables`` (result table name -> Arrow table) under ``run_id`` (a new ``kind`` id when
     None), then the run's ``runs`` row with ``config`` (``finished``: now when None); return the id
     and the tables' paths."""
     run_id = run_id or new_run_id(kind)
-    paths = [write_result_table(store, name, run_id, with_run_id(t, run_id)) for name, t in tables.items()]
+    groups = row_groups or {}
+    paths = [
+        write_result_table(store, name, run_id, with_run_id(t, run_id), groups.get(name))
+        for name, t in tables.items()
+    ]
     write_run(store, run_id, kind, started, config, finished=finished)
     return RecordedRun(run_id, paths)
 

@@ -37,6 +37,7 @@ from actstore.serve.common import (
     relations_index,
     run_param,
     signature,
+    store_chunks,
     store_rows,
     table_name,
 )
@@ -232,7 +233,7 @@ def api_sql(request: Request, s: Served) -> Any:
     limits: console.ConsoleLimits = request.app.state.limits
     if fmt == "json":
         page, size = _page(request, 100)
-        return console.run_page(s.store, query, page, size, limits)
+        return console.run_page(s.store, query, page, size, limits, s.cached)
     body, media = console.run_download(s.store, query, fmt, limits)
     name = "result.csv" if fmt == "csv" else "result.parquet"
     return Response(
@@ -384,6 +385,7 @@ def warm(catalog: Catalog) -> None:
                 relations_index(s.store)
                 example_ids(s.store)
                 store_rows(s.store)  # every target row, which each sample and prompt is cut from
+                store_chunks(s.store)  # the rows of each chunk, which samples draw whole chunks of
                 search.relation_ids(s.store)  # each relation's example ids, which its pages are cut from
                 prompt.episodes_index(s.store)  # the probe episodes by query prompt
         except Exception as e:  # a damaged table: the views that read it will say so

@@ -313,22 +313,38 @@ def example_texts(store: StoreReader, ids: Sequence[int] | np.ndarray) -> dict[i
     return {int(r["example_id"]): r for r in rows}
 
 
-def _segment_counts(store: StoreReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(each target row's segment, the segments, their row counts), kept with :func:`store_rows`."""
+def _chunk_groups(
+    store: StoreReader, rows: pa.Table, chunk_rows: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the segment of each of ``rows``, its chunk, the rows of each chunk): a chunk is ``chunk_rows``
+    (default: the store's) consecutive rows of a segment, which its arrays store together (one read each)."""
+    seg = rows.column("segment").to_numpy().astype(np.int64)
+    at = rows.column("seg_row").to_numpy().astype(np.int64) // max(1, chunk_rows or store.manifest.chunk_rows)
+    key = seg * (int(at.max(initial=0)) + 1) + at
+    _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+    return seg, inverse.reshape(-1), counts
+
+
+def store_chunks(store: StoreReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_chunk_groups` of every target row (:func:`store_rows`), kept with them."""
     rows = store_rows(store)
-
-    def build() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        seg = rows.column("segment").to_numpy()
-        segs, counts = np.unique(seg, return_counts=True)
-        return seg, segs, counts
-
-    return kept(store, "segment_counts", ("examples", "targets"), build)  # type: ignore[no-any-return]
+    return kept(store, "chunk_groups", ("examples", "targets"), lambda: _chunk_groups(store, rows))  # type: ignore[no-any-return]
 
 
-def block_sample(store: StoreReader, n: int, seed: int = 0, relations: list[str] | None = None) -> Any:
+def block_sample(
+    store: StoreReader,
+    n: int,
+    seed: int = 0,
+    relations: list[str] | None = None,
+    chunk_rows: int | None = None,
+) -> Any:
     """At most ``n`` rows (of ``relations``) as a Selection: all of them when there are so few, else
-    ``n`` drawn at random from whole segments taken in a random order until they hold ``n`` rows, so
-    that a sample reads a few segments' chunks rather than one chunk per row."""
+    ``n`` drawn at random from whole chunks (``chunk_rows`` rows of a segment) taken in a random
+    order, from segments taken in a random order until they hold ``4 n`` rows, until the chunks hold
+    ``n`` rows: a sample reads about ``n / chunk_rows`` chunks rather than one chunk per row, and its
+    texts lie in a few row groups (a cluster sample: each row is as likely to be drawn as any other,
+    but rows of one chunk, neighbours in store order, are drawn together).  The work is O(rows) numpy
+    (the segment test; every row's chunk is kept) plus the reads of those chunks."""
 
     rows = store_rows(store)
     if relations:
@@ -336,20 +352,22 @@ def block_sample(store: StoreReader, n: int, seed: int = 0, relations: list[str]
         rows = rows.filter(pc.fill_null(keep, False))
     if rows.num_rows <= n:
         return Selection(store, rows)
-    if relations:
-        seg = rows.column("segment").to_numpy()
-        segs, n_rows = np.unique(seg, return_counts=True)
-    else:  # every row: the segments' counts are kept
-        seg, segs, n_rows = _segment_counts(store)
+    if relations or chunk_rows:
+        seg, chunk, counts = _chunk_groups(store, rows, chunk_rows)
+    else:  # every row: the chunks are kept
+        seg, chunk, counts = store_chunks(store)
     rng = np.random.default_rng(seed)
-    order = rng.permutation(segs)
-    counts = {int(k): int(v) for k, v in zip(segs, n_rows)}
-    taken, total = [], 0
-    for s_ in order.tolist():
-        taken.append(s_)
-        total += counts[s_]
-        if total >= 4 * n:  # enough segments to draw from, a few times the rows wanted
-            break
-    pool = np.flatnonzero(np.isin(seg, taken))
-    pick = np.sort(rng.choice(pool, size=n, replace=False))
+    # segments in a random order until they hold 4n rows (the texts of a sample then lie in a few row
+    # groups of the examples table), then their chunks in a random order until they hold n rows
+    segs, seg_rows = np.unique(seg, return_counts=True)
+    order = rng.permutation(segs.size)
+    m = int(np.searchsorted(np.cumsum(seg_rows[order]), 4 * n)) + 1
+    pool = np.flatnonzero(np.isin(seg, segs[order[:m]]))
+    chunks = np.unique(chunk[pool])
+    corder = rng.permutation(chunks)
+    k = int(np.searchsorted(np.cumsum(counts[corder]), n)) + 1
+    taken = np.zeros(counts.size, dtype=bool)
+    taken[corder[:k]] = True
+    cand = pool[taken[chunk[pool]]]
+    pick = np.sort(rng.choice(cand, size=n, replace=False))
     return Selection(store, rows.take(pa.array(pick)))

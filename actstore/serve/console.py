@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from actstore.core.errors import QueryError
 from actstore.core.sql import subquery
 from actstore.core.store import StoreReader
 from actstore.query.features import HEAD_KINDS, weights
-from actstore.serve.common import MAX_PAGE_SIZE, block_sample, example_texts, jsonable
+from actstore.serve.common import MAX_PAGE_SIZE, block_sample, example_texts, jsonable, signature
 
 MAX_QUERY_CHARS = 20_000
 
@@ -43,16 +44,51 @@ def _checked(query: str) -> str:
     return subquery(query)
 
 
-def run_page(store: StoreReader, query: str, page: int, size: int, limits: ConsoleLimits) -> dict[str, Any]:
-    """One page of a statement's result: its columns, rows and whether more follow."""
+#: Pages of a console statement read at once when its columns are all scalars (a window): the other
+#: pages of that window are then cut from it, without running the statement again.
+PAGES_AHEAD = 10
+Cache = Callable[[Any, Callable[[], Any]], Any]
+
+
+def _scalar_columns(store: StoreReader, inner: str, limits: ConsoleLimits) -> bool:
+    """Whether every column of the statement's result is a scalar (no list, struct, map or binary
+    column, whose rows can be large): LIMIT 0 gives the schema without reading rows."""
+    t = store.sql(
+        f"SELECT * FROM {inner} AS q LIMIT 0", memory_limit=limits.memory_limit, timeout=limits.timeout
+    )
+    nested = (pa.types.is_nested, pa.types.is_binary, pa.types.is_large_binary, pa.types.is_fixed_size_binary)
+    return not any(f(field.type) for field in t.schema for f in nested)
+
+
+def run_page(
+    store: StoreReader, query: str, page: int, size: int, limits: ConsoleLimits, cache: Cache | None = None
+) -> dict[str, Any]:
+    """One page of a statement's result: its columns, rows and whether more follow.  With ``cache``
+    (``cache(key, build)``), a statement of scalar columns is read :data:`PAGES_AHEAD` pages at a time
+    and the window kept, so that paging on through it does not run the statement again (a statement
+    that sorts every row costs that sort once a window)."""
     inner = _checked(query)
     size = min(size, MAX_PAGE_SIZE)
-    t = store.sql(
-        f"SELECT * FROM {inner} AS q LIMIT ? OFFSET ?",
-        [size + 1, page * size],
-        memory_limit=limits.memory_limit,
-        timeout=limits.timeout,
-    )
+
+    def rows(first: int, n: int) -> pa.Table:
+        return store.sql(
+            f"SELECT * FROM {inner} AS q LIMIT ? OFFSET ?",
+            [n, first * size],
+            memory_limit=limits.memory_limit,
+            timeout=limits.timeout,
+        )
+
+    if cache is not None and cache(
+        ("sql-scalar", inner, signature(store)), lambda: _scalar_columns(store, inner, limits)
+    ):
+        first = page - page % PAGES_AHEAD
+        window = cache(
+            ("sql-window", inner, size, first, limits, signature(store)),
+            lambda: rows(first, PAGES_AHEAD * size + 1),
+        )
+        t = window.slice((page - first) * size, size + 1)
+    else:
+        t = rows(page, size + 1)
     more = t.num_rows > size
     t = t.slice(0, size)
     return jsonable(

@@ -158,3 +158,96 @@ def test_cli_tokenscore_json(runs: tuple[Path, dict[str, str]]) -> None:
         main, ["tokenscore", str(path), "--run", ids["attn_head"], "--example", "999999"]
     )
     assert bad.exit_code != 0 and "is not a query" in bad.output
+
+
+@pytest.mark.parametrize("kind", ["attn_head", "attn_entity", "attn"])
+def test_stored_probes_reproduce_the_runs_predictions(runs: tuple[Path, dict[str, str]], kind: str) -> None:
+    """Each episode's stored probe (``probe_weights``), applied with numpy to the queries' features read
+    through ``Selection.features``, gives the run's stored predictions and their probabilities."""
+    path, ids = runs
+    store = actstore.open(path)
+    rid = ids[kind]
+    w = store.sql(f"SELECT * FROM probe_weights WHERE run_id = '{rid}' ORDER BY seed, episode").to_pylist()
+    eps = store.sql(f"SELECT * FROM probe_episodes WHERE run_id = '{rid}' ORDER BY seed, episode").to_pylist()
+    assert [(r["seed"], r["episode"]) for r in w] == [(r["seed"], r["episode"]) for r in eps] and len(w) == 2
+    pred = {
+        (r["seed"], r["episode"], r["example_id"]): r
+        for r in store.sql(f"SELECT * FROM probe_predictions WHERE run_id = '{rid}'").to_pylist()
+    }
+    for row, ep in zip(w, eps):
+        q = [int(x) for x in ep["query_ids"]]
+        x = Selection.from_ids(store, q).features(kind)  # rows in store order
+        order = store.sql("SELECT example_id FROM examples ORDER BY example_id").column(0).to_pylist()
+        rows = sorted(q, key=order.index)
+        X = x.reshape(len(q), -1).astype(np.float64)[[rows.index(e) for e in q]]
+        f = np.asarray(row["features"])
+        assert np.all(np.diff(f) > 0) and row["n_way"] == len(ep["relations"])
+        W = np.asarray(row["weight"], dtype=np.float64).reshape(len(f), row["n_way"])
+        z = (X[:, f] - np.asarray(row["mean"])) / np.asarray(row["std"])
+        logits = z @ W + np.asarray(row["bias"])
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        for i, e in enumerate(q):
+            stored = pred[(ep["seed"], ep["episode"], e)]
+            assert ep["relations"][int(p[i].argmax())] == stored["predicted"]
+            assert p[i].max() == pytest.approx(stored["prob"], rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["attn_head", "attn"])
+def test_an_explanation_from_the_stored_probe_equals_a_retrained_one(
+    runs: tuple[Path, dict[str, str]], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """explain_example reads a stored probe without training (and loads only the query's row) and
+    answers what training the episode again answers."""
+    from actstore.query import probe
+
+    path, ids = runs
+    store = actstore.open(path)
+    rid = ids[kind]
+    queries = (
+        store.sql(
+            f"SELECT example_id FROM probe_predictions WHERE run_id = '{rid}' ORDER BY seed, episode, example_id LIMIT 4"
+        )
+        .column(0)
+        .to_pylist()
+    )
+    fresh = [explain_example(store, rid, int(ex), stored=False) for ex in queries]
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the episode was trained again")
+
+    monkeypatch.setattr(probe, "train_batched", no_training)
+    kept: dict = {}
+    for ex, f in zip(queries, fresh):
+        e = explain_example(store, rid, int(ex), episodes=kept)
+        assert (e.seed, e.episode, e.predicted) == (f.seed, f.episode, f.predicted)
+        assert e.probability == pytest.approx(f.probability, rel=1e-4)
+        np.testing.assert_allclose(e.direction, f.direction, rtol=1e-3, atol=1e-5 * np.abs(f.direction).max())
+        np.testing.assert_allclose(e.head_scores, f.head_scores, rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(e.token_scores, f.token_scores, rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(e.centering, f.centering, rtol=1e-3, atol=1e-5)
+
+
+def test_a_run_without_stored_probes_is_explained_by_training(fewrel_store: Path, tmp_path: Path) -> None:
+    """``store_weights=False``: no probe_weights rows for the run, and an explanation trains the episode."""
+    from actstore.query import probe
+
+    dst = tmp_path / "store"
+    shutil.copytree(fewrel_store, dst)
+    store = actstore.open(dst)
+    cfg = ProbeConfig(kind="attn_head", top_k=40, epochs=20, episodes=1, seeds=(0,), store_weights=False)
+    out = run_probe(store, cfg)
+    record_probe(store, out)
+    assert out.weights == [] and not store.table_files().get("probe_weights")
+    ex = int(store.sql("SELECT example_id FROM probe_predictions LIMIT 1").column(0)[0].as_py())
+    calls = []
+    real = probe.train_batched
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(probe, "train_batched", spy)
+        e = explain_example(store, out.run_id, ex)
+    assert calls and e.direction is not None

@@ -28,7 +28,7 @@ import actstore
 import actstore.query.probe as probe_mod
 from actstore.jobs.probe import record_probe
 from actstore.query.attribution import contrast_coefficients
-from actstore.query.explain import explain_example
+from actstore.query.explain import explain_example, stored_weights
 from actstore.query.probe import ProbeConfig, ProbeOutput, run_probe
 from actstore.query.relspec import gather_standardized, select_features
 
@@ -501,16 +501,26 @@ def test_explain_example_equals_reference(name: str, open_copy: Any, spy: Spy) -
     refs, layout, _ = reference_episodes(store, cfg, out, spy)
     labels = unit_labels(store, cfg, layout)
     ep = out.episodes
-    for e in (0, len(ep) - 1):
+    # both ways of explaining: training the episode again, and reading the probe the run stored
+    for e, stored in ((0, False), (len(ep) - 1, False), (0, True), (len(ep) - 1, True)):
         r = refs[e]
         wrong = np.flatnonzero(r.pred != ep.query_labels)
         qi = int(wrong[0]) if wrong.size else 0  # an error if there is one (what TokenScore is for)
         ex = int(r.query_ids[qi])
         spy.trained.clear()
-        x = explain_example(store, out.run_id, ex, seed=int(ep.seed[e]), episode=int(ep.index[e]))
+        x = explain_example(
+            store, out.run_id, ex, seed=int(ep.seed[e]), episode=int(ep.index[e]), stored=stored
+        )
         m = r.sel.index.size
         again = spy.trained
-        assert len(again) == 1 and close(again[0].W[:m], r.W) and not again[0].W[m:].any()  # the same probe
+        if stored:  # nothing trained; the stored probe is the reference's
+            w = stored_weights(store, out.run_id, int(ep.seed[e]), int(ep.index[e]))
+            assert not again and w is not None and np.array_equal(w["features"], r.sel.index)
+            assert close(w["weight"], r.W)
+        else:
+            assert (
+                len(again) == 1 and close(again[0].W[:m], r.W) and not again[0].W[m:].any()
+            )  # the same probe
         assert x.predicted == ep.relations[ep.classes[e, r.pred[qi]]]
         assert abs(x.probability - r.probs[qi, r.pred[qi]]) <= 1e-4
         assert [(int(a), int(b)) for a, b in zip(x.unit_layer, x.unit_head)] == labels

@@ -65,7 +65,8 @@ function table(rows, cols, opts = {}) {
     const tr = el("tr");
     for (const c of cols) {
       const cell = (opts.cell && opts.cell(c, r)) ?? fmt(r[c]);
-      tr.append(el("td", {}, cell));
+      // a long text (a prompt, a JSON value) gets a wide column instead of one word a line
+      tr.append(el("td", { class: typeof r[c] === "string" && r[c].length > 40 ? "long" : null }, cell));
     }
     body.append(tr);
   }
@@ -297,7 +298,7 @@ async function contributions(target, d, run, layer, head, pending) {
     controls.prepend("probe run ", rsel, " ");
   }
   const what = c.mode === "probe"
-    ? `Head ${c.layer}.${c.head}: each source token's contribution A·V·W_O read along the probe direction of this prompt's prediction (${c.relation_id} → ${c.predicted}, p=${fmt(c.probability)}, ${c.kind}, episode ${c.episode}); sum ${fmt(c.head_sum, 5)}`
+    ? `Head ${c.layer}.${c.head}: each source token's contribution A·V·W_O read along the probe direction of this prompt's prediction (${c.relation_id} → ${c.predicted}, p=${typeof c.probability === "number" ? c.probability.toFixed(3) : "–"}, ${c.kind}, episode ${c.episode}); sum ${fmt(c.head_sum, 5)}`
     : `Head ${c.layer}.${c.head}: ${c.note}`;
   kids.push(controls, el("p", { class: "note", id: "contrib-caption", text: what }));
   kids.push(tokenRow(d.tokens.slice(0, c.n_src), c.values, { id: "contrib-tokens" }));
@@ -364,11 +365,15 @@ VIEWS.features = async () => {
     try {
       const d = await api("/features", p);
       const rels = [...new Set(d.points.map((q) => q.relation_id))].sort();
-      const W = 720, H = 480, pad = 20;
+      const W = 720, H = 480, pad = 20, axis = 22;
       const xs = d.points.map((q) => q.x), ys = d.points.map((q) => q.y);
       const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-      const sx = (x) => pad + ((x - x0) / (x1 - x0 || 1)) * (W - 2 * pad), sy = (y) => H - pad - ((y - y0) / (y1 - y0 || 1)) * (H - 2 * pad);
+      const sx = (x) => axis + pad + ((x - x0) / (x1 - x0 || 1)) * (W - axis - 2 * pad), sy = (y) => H - axis - pad - ((y - y0) / (y1 - y0 || 1)) * (H - axis - 2 * pad);
       const svg = svgEl("svg", { width: W, height: H, class: "scatter" });
+      // the axes: which principal component, and the share of the variance it explains
+      const label = (text, attrs) => { const t = svgEl("text", { class: "axis", ...attrs }); t.textContent = text; svg.append(t); };
+      label(`PC1 (${pct(d.explained[0])} of the variance)`, { x: W / 2, y: H - 6, "text-anchor": "middle" });
+      label(`PC2 (${pct(d.explained[1])})`, { x: 14, y: H / 2, "text-anchor": "middle", transform: `rotate(-90 14 ${H / 2})` });
       for (const q of d.points) {
         const c = svgEl("circle", { cx: sx(q.x), cy: sy(q.y), r: 4, fill: PALETTE[rels.indexOf(q.relation_id) % PALETTE.length], "data-example": q.example_id });
         const t = svgEl("title", {}); t.textContent = `${q.example_id} ${q.relation_id}: ${q.text}`; c.append(t);
