@@ -87,6 +87,13 @@ def _same(a: MethodReading, b: MethodReading) -> None:
     assert np.array_equal(a.key_layer, b.key_layer) and list(a.verdict) == list(b.verdict)
 
 
+def _agree(path: str, run: str, *args: str) -> Any:
+    """``actstore agree`` on ``run``'s facts with the trace and the tuned lens."""
+    from actstore.cli import main
+
+    return CliRunner().invoke(main, ["agree", path, "--run", run, "--methods", "trace,tuned_lens", *args])
+
+
 def _outputs(store: Any, run: str) -> StoredOutputs:
     ids = store.sql("SELECT DISTINCT example_id FROM trace_effects WHERE run_id = ? ORDER BY 1", [run])
     return stored_outputs(store, ids.column("example_id").to_numpy())
@@ -128,7 +135,6 @@ def test_ridge_is_reachable_and_differs(traced: tuple[str, str]) -> None:
 
 
 def test_study_readings_and_agree_read_the_same_trained_lens(traced: tuple[str, str]) -> None:
-    from actstore.cli import main
 
     path, run = traced
     store = actstore.open(path)
@@ -139,26 +145,19 @@ def test_study_readings_and_agree_read_the_same_trained_lens(traced: tuple[str, 
     _same(got["tuned_lens"], want)
     assert got["tuned_lens"].info["train_facts"] == n_train
     # the command line: --tuned adam with --tuned-steps / --tuned-batch / --seed, recorded with the run
-    res = CliRunner().invoke(
-        main,
-        [
-            "agree",
-            path,
-            "--run",
-            run,
-            "--methods",
-            "trace,tuned_lens",
-            "--quiet",
-            "--json",
-            "--tuned",
-            "adam",
-            "--tuned-steps",
-            "12",
-            "--tuned-batch",
-            "4",
-            "--seed",
-            "3",
-        ],
+    res = _agree(
+        path,
+        run,
+        "--quiet",
+        "--json",
+        "--tuned",
+        "adam",
+        "--tuned-steps",
+        "12",
+        "--tuned-batch",
+        "4",
+        "--seed",
+        "3",
     )
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
@@ -176,21 +175,7 @@ def test_study_readings_and_agree_read_the_same_trained_lens(traced: tuple[str, 
     )
     assert cfg["tuned_lens"]["method"] == "adam" and cfg["tuned_lens"]["config"]["batch"] == 4
     # the table names the lens with its rule
-    text = CliRunner().invoke(
-        main,
-        [
-            "agree",
-            path,
-            "--run",
-            run,
-            "--methods",
-            "trace,tuned_lens",
-            "--quiet",
-            "--no-save",
-            "--tuned",
-            "ridge",
-        ],
-    )
+    text = _agree(path, run, "--quiet", "--no-save", "--tuned", "ridge")
     assert text.exit_code == 0, text.output
     assert "trace vs tuned lens (ridge)" in text.stdout and "tuned lens (adam)" not in text.stdout
 
@@ -222,7 +207,6 @@ def test_agree_reads_the_translators_a_corpus_lens_run_stored(
     """``--tuned corpus:STORE``: the facts read through the translators trained on a corpus store of
     the same model, as stored by ``actstore corpus-lens``; compared with a reading through the
     trained lens object itself (not read back from the table)."""
-    from actstore.cli import main
     from actstore.jobs.corpus_lens import run_corpus_lens
     from actstore.jobs.settings import CorpusLensConfig
 
@@ -255,10 +239,7 @@ def test_agree_reads_the_translators_a_corpus_lens_run_stored(
     assert got.info["method"] == "corpus" and got.info["run_id"] == second.run_id
     assert got.info["train_positions"] == 48 and got.info["label"] == "tuned lens (corpus)"
     # the command line: recorded with the run, the table names the lens
-    res = CliRunner().invoke(
-        main,
-        ["agree", path, "--run", run, "--methods", "trace,tuned_lens", "--quiet", "--json", "--tuned", spec],
-    )
+    res = _agree(path, run, "--quiet", "--json", "--tuned", spec)
     assert res.exit_code == 0, res.output
     r = json.loads(res.stdout)
     assert r["tuned_lens"]["run_id"] == second.run_id
@@ -267,21 +248,7 @@ def test_agree_reads_the_translators_a_corpus_lens_run_stored(
         [r["run_id"]],
     ).column("key_layer")
     assert t.to_pylist() == lens_reading(store, out, second.lens).key_layer.tolist()
-    text = CliRunner().invoke(
-        main,
-        [
-            "agree",
-            path,
-            "--run",
-            run,
-            "--methods",
-            "trace,tuned_lens",
-            "--quiet",
-            "--no-save",
-            "--tuned",
-            spec,
-        ],
-    )
+    text = _agree(path, run, "--quiet", "--no-save", "--tuned", spec)
     assert text.exit_code == 0 and "trace vs tuned lens (corpus)" in text.stdout, text.output
     # refusals, one line each: no such run, a store without translators, another model, no store named
     for bad, why in (
@@ -290,9 +257,7 @@ def test_agree_reads_the_translators_a_corpus_lens_run_stored(
         ("corpus:", "unknown tuned-lens method"),
         (f"corpus:{tmp_path / 'absent'}", "--tuned corpus:"),
     ):
-        res = CliRunner().invoke(
-            main, ["agree", path, "--run", run, "--methods", "trace,tuned_lens", "--quiet", "--tuned", bad]
-        )
+        res = _agree(path, run, "--quiet", "--tuned", bad)
         assert res.exit_code != 0 and why in res.stderr, (bad, res.output)
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     other = actstore.ingest_corpus(
