@@ -26,6 +26,8 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.tables import EXAMPLES, POSITIONS, TARGETS, TOKENS
 from actstore.ingest.datasets.text_corpus import Documents
 
+TOKENIZE_DOCS = 1024  # documents tokenized at once by plan_corpus
+
 
 @dataclass(frozen=True)
 class Window:
@@ -97,22 +99,26 @@ def plan_corpus(
             raise InvalidSetting(
                 "pack_separator", "the separator is no token (the tokenizer has no EOS: give one)"
             )
-    enc = tokenizer(list(docs.texts), add_special_tokens=False, return_offsets_mapping=True)
     streams: list[
         tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     ] = []  # ids, document, position, chars
-    for d, (ids, offs) in enumerate(zip(enc["input_ids"], enc["offset_mapping"])):
-        if not ids:
-            raise DatasetError(f"{docs.spec} {docs.where[d]}: the document has no tokens")
-        n = len(ids)
-        streams.append(
-            (
-                np.asarray(ids, np.int64),
-                np.full(n, d, np.int64),
-                np.arange(n, dtype=np.int32),
-                np.asarray(offs, np.int32).reshape(n, 2),
+    # tokenized TOKENIZE_DOCS documents at a time, each turned into arrays at once: the tokenizer's
+    # Python lists (ids and offset pairs, about 300 bytes a token) never exist for the whole corpus
+    for first in range(0, len(docs.texts), TOKENIZE_DOCS):
+        part = list(docs.texts[first : first + TOKENIZE_DOCS])
+        enc = tokenizer(part, add_special_tokens=False, return_offsets_mapping=True)
+        for d, (ids, offs) in enumerate(zip(enc["input_ids"], enc["offset_mapping"]), start=first):
+            if not ids:
+                raise DatasetError(f"{docs.spec} {docs.where[d]}: the document has no tokens")
+            n = len(ids)
+            streams.append(
+                (
+                    np.asarray(ids, np.int64),
+                    np.full(n, d, np.int64),
+                    np.arange(n, dtype=np.int32),
+                    np.asarray(offs, np.int32).reshape(n, 2),
+                )
             )
-        )
     if pack:
         joined: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for i, s in enumerate(streams):

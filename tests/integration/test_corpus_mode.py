@@ -284,3 +284,31 @@ def test_each_window_runs_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     n_windows = store.manifest.ingest["windows"]
     assert store.manifest.n_segments > 2
     assert sum(calls) == n_windows and len(calls) == -(-n_windows // 2)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_plan_is_the_same_tokenized_a_few_documents_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, pack: bool
+) -> None:
+    """plan_corpus tokenizes TOKENIZE_DOCS documents at a time: the windows, their rows and the policy
+    equal those of one call over the whole corpus, also when a part boundary falls inside a window
+    (packed) and with parts of one document."""
+    import actstore.ingest.corpus_windows as cw
+    from actstore.ingest.datasets.text_corpus import Documents
+
+    texts = [
+        f"{w} " * (3 + i % 5) + "end" for i, w in enumerate(["the", "river", "stone", "old", "north"] * 3)
+    ]
+    docs = Documents("text:x", texts, [f"line {i + 1}" for i in range(len(texts))], "0" * 64)
+    tok = tiny_model("llama").tokenizer
+    kw: dict[str, Any] = {"context_length": 6, "keep_special": False, "pack": pack, "separator": None}
+    whole = cw.plan_corpus(docs, tok, **kw)
+    for size in (1, 2, 7):
+        monkeypatch.setattr(cw, "TOKENIZE_DOCS", size)
+        parts = cw.plan_corpus(docs, tok, **kw)
+        assert parts.policy == whole.policy and np.array_equal(parts.row_start, whole.row_start)
+        assert len(parts.windows) == len(whole.windows)
+        for a, b in zip(parts.windows, whole.windows, strict=True):
+            assert a.number == b.number
+            for name in ("ids", "document", "position", "char_start", "char_end", "kept"):
+                assert np.array_equal(getattr(a, name), getattr(b, name)), name
