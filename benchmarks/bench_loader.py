@@ -189,19 +189,24 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     exports: dict[str, float] = {}
-    t0 = time.perf_counter()
-    sel.to_hf_dataset(work / "hf", args.kind, layers=[args.layer], dtype="float16")
-    exports["to_hf_dataset_s"] = time.perf_counter() - t0
-    import datasets
+    only = set(args.only.split(",")) if args.only else None  # --only: the other layouts are not written
+    if only is None or only & {"hf_saelens", "hf_shuffled_index"}:
+        t0 = time.perf_counter()
+        sel.to_hf_dataset(work / "hf", args.kind, layers=[args.layer], dtype="float16")
+        exports["to_hf_dataset_s"] = time.perf_counter() - t0
+        import datasets
 
-    datasets.disable_progress_bars()
-    t0 = time.perf_counter()
-    datasets.Dataset.load_from_disk(str(work / "hf")).shuffle(seed=0).flatten_indices().save_to_disk(
-        str(work / "hf_flat")
-    )
-    exports["hf_shuffle_flatten_s"] = time.perf_counter() - t0
-    shutil.rmtree(work / "hf_flat")
-    exports["megabatch_write_s"] = write_megabatches(sel, args.kind, args.layer, work / "mb", args.file_rows)
+        datasets.disable_progress_bars()
+        t0 = time.perf_counter()
+        datasets.Dataset.load_from_disk(str(work / "hf")).shuffle(seed=0).flatten_indices().save_to_disk(
+            str(work / "hf_flat")
+        )
+        exports["hf_shuffle_flatten_s"] = time.perf_counter() - t0
+        shutil.rmtree(work / "hf_flat")
+    if only is None or "activault" in only:
+        exports["megabatch_write_s"] = write_megabatches(
+            sel, args.kind, args.layer, work / "mb", args.file_rows
+        )
     column = hook_name(args.kind, args.layer, store.geometry.n_layers)
     seg_root = path / "segments"
     methods: dict[str, tuple[Callable[[], int], list[Path]]] = {
