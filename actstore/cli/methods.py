@@ -142,6 +142,45 @@ def corpus_lens(store: str, no_save: bool, as_json: bool, **given: Any) -> None:
         click.echo(f"wrote {f}")
 
 
+def _pct(x: float | None, sign: bool = False) -> str:
+    return "n/a" if x is None else (f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}%")
+
+
+def _chance_table(result: dict[str, Any], label: Callable[[str], str]) -> None:
+    """Each pair's key-layer and verdict agreement beside its chance level under the permutation null,
+    the excess over chance (points, 95% interval) and Cohen's kappa; the consensus likewise."""
+    grouping = result.get("null_grouping") or "none"
+    click.echo(f"against chance (facts shuffled within: {grouping}; excess in points, 95% interval)")
+    click.echo(
+        f"{'methods':<34} {'key layer':>9} {'chance':>7} {'excess':>22} {'kappa':>6}   {'verdict':>7} {'chance':>7} {'kappa':>6}"
+    )
+
+    def row(d: dict[str, Any], name: str, k: str, v: str | None) -> None:
+        def g(field: str) -> float | None:
+            x = d.get(field)
+            return None if x is None else float(x)
+
+        exc = g(f"{k}_excess")
+        lo, hi = g(f"{k}_excess_low"), g(f"{k}_excess_high")
+        interval = "" if lo is None or hi is None else f" [{_pct(lo, True)}, {_pct(hi, True)}]"
+        kappa = g(f"{k}_kappa")
+        text = (
+            f"{name:<34} {_pct(g(k if k == 'consensus' else f'{k}_agreement')):>9} {_pct(g(f'{k}_chance')):>7} "
+            f"{_pct(exc, True) + interval:>22} {'n/a' if kappa is None else f'{kappa:+.2f}':>6}"
+        )
+        if v is not None:
+            vk = g(f"{v}_kappa")
+            text += (
+                f"   {_pct(g(f'{v}_agreement')):>7} {_pct(g(f'{v}_chance')):>7} "
+                f"{'n/a' if vk is None else f'{vk:+.2f}':>6}"
+            )
+        click.echo(text)
+
+    for p in result["pairs"]:
+        row(p, f"{label(p['method_a'])} vs {label(p['method_b'])}", "key_layer", "verdict")
+    row(result, "all methods agree", "consensus", None)
+
+
 # ------------------------------------------------------------------------------------ agree
 @command(
     example="actstore agree /tmp/s --run trace-20261201T080351-97216b7b --methods trace,patch,logit_lens"
@@ -226,6 +265,7 @@ def agree(
         f"{'all methods agree':<34} {result['consensus_facts']:>5} {_fmt(result['consensus']):>9}"
         f"{'':>27}   {SEED_CONSENSUS_TEXT}"
     )
+    _chance_table(result, label)
     cs = result.get("causal_shares")
     if cs:
         click.echo(

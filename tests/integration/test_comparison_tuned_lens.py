@@ -250,6 +250,14 @@ def test_agree_reads_the_translators_a_corpus_lens_run_stored(
     assert t.to_pylist() == lens_reading(store, out, second.lens).key_layer.tolist()
     text = _agree(path, run, "--quiet", "--no-save", "--tuned", spec)
     assert text.exit_code == 0 and "trace vs tuned lens (corpus)" in text.stdout, text.output
+    # the printed table has each pair's agreement beside its chance level, as the JSON gives them
+    pair = r["pairs"][0]
+    lines = text.stdout.splitlines()
+    below = lines[next(i for i, x in enumerate(lines) if x.startswith("against chance")) :]
+    row = next(x for x in below if x.startswith("trace vs tuned lens (corpus)")).split()
+    assert row[5] == f"{100 * pair['key_layer_agreement']:.1f}%"
+    assert row[6] == f"{100 * pair['key_layer_chance']:.1f}%"
+    assert row[7] == f"{100 * pair['key_layer_excess']:+.1f}"
     # refusals, one line each: no such run, a store without translators, another model, no store named
     for bad, why in (
         (f"{spec}#corpus_lens-nope", "no corpus-lens run"),
