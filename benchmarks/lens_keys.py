@@ -52,11 +52,12 @@ def describe(keys: Any) -> dict[str, Any]:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from actstore.api import open_store
+    from actstore.query.corpus_lens import load_corpus_lens
     from actstore.query.method_agreement import default_tolerance
     from actstore.query.method_chance import pair_chance
     from actstore.query.method_keys import lens_variant_readings
     from actstore.query.method_study import store_strata
-    from actstore.query.methods import PLATEAU, corpus_tuned_reading, fact_ids, lens_reading, stored_outputs
+    from actstore.query.methods import PLATEAU, fact_ids, lens_reading, stored_outputs
 
     t0 = time.time()
     store = open_store(a.store)
@@ -65,10 +66,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         ids = ids[: a.limit]
     out = stored_outputs(store, ids)
     logit = lens_reading(store, out, plateau=PLATEAU)
-    tuned = corpus_tuned_reading(store, out, a.tuned, PLATEAU)
-    from actstore.query.corpus_lens import load_corpus_lens
-
-    lens = load_corpus_lens(a.tuned, store)
+    lens = load_corpus_lens(a.tuned, store)  # read once: the reading and the variants use it
+    tuned = lens_reading(store, out, lens, PLATEAU)
+    tuned.info = {"source": lens.info["source"], "run_id": lens.info["run_id"]}
     readings = {"logit_lens": logit, "tuned_lens": tuned}
     readings.update(lens_variant_readings(store, out, logit))
     readings.update(lens_variant_readings(store, out, tuned, tuned=lens))

@@ -16,6 +16,7 @@ from actstore.query.method_defaults import (
     COMPARISON_STEPS,
     METHODS,
     PLATEAU,
+    TUNED_METHODS,
     check_tuned_method,
 )
 
@@ -40,7 +41,6 @@ def threshold_setting() -> float:
 DIRECTIONS = ("out", "both")
 CONCENTRATIONS = ("predicted-abs", "gold-signed")
 OUTPUT_RANGES = ("dataset", "sample")
-TUNED_METHODS = ("adam", "sgd", "ridge")
 TUNED_HELP = (
     "Tuned-lens translators: trained on the KL to the model's output with Adam or Nesterov SGD (Belrose "
     "et al., the tuned-lens package's settings), or the closed-form ridge fit (ours)."
