@@ -217,19 +217,21 @@ def compact_held(
         for k, segs in enumerate(groups, start=len(files)):
             path = compacted_name(table, number, k)
             pairs: list[pa.Table] | None = [] if table == "examples" and index is not None else None
-            (n_rows, min_id, max_id), digest, size = loc.write_stream_atomic(
+            (n_rows, min_id, max_id), digest, size, fast = loc.write_stream_atomic(
                 path,
                 functools.partial(_compacted_file, store=store, table=table, segs=segs, old=old, keep=pairs),
             )
-            files.append(TableFile(path, digest, n_rows, size, min(segs), max(segs), min_id, max_id))
+            files.append(TableFile(path, digest, n_rows, size, min(segs), max(segs), min_id, max_id, fast))
             written += 1
             bytes_written += size
             if pairs is not None and index is not None:  # the relation index of this examples file
                 ipath = index_name(number, k)
-                n_index, idigest, isize = loc.write_stream_atomic(
+                n_index, idigest, isize, ifast = loc.write_stream_atomic(
                     ipath, functools.partial(write_index, table=index_table(pairs))
                 )
-                index.append(TableFile(ipath, idigest, n_index, isize, min(segs), max(segs), min_id, max_id))
+                index.append(
+                    TableFile(ipath, idigest, n_index, isize, min(segs), max(segs), min_id, max_id, ifast)
+                )
                 written += 1
                 bytes_written += isize
         tables[table] = tuple(files)

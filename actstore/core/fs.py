@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar
 
 import fsspec
+import xxhash
 from zarr.core.sync import sync
 
 from actstore.core.errors import ActstoreError, CorruptStoreError, StorageError, StoreNotFoundError
-from actstore.core.tables import HASH_SUFFIX, needs_hash_file, sha256
+from actstore.core.tables import HASH_SUFFIX, needs_hash_file, sha256, xxh3
 
 T = TypeVar("T")
 
@@ -192,10 +193,10 @@ class StoreLocation:
             with self.io():
                 self.fs.pipe_file(target, data)
 
-    def write_stream_atomic(self, rel: str, produce: Callable[[BinaryIO], T]) -> tuple[T, str, int]:
+    def write_stream_atomic(self, rel: str, produce: Callable[[BinaryIO], T]) -> tuple[T, str, int, str]:
         """Write the bytes ``produce(f)`` writes to the binary file ``f`` as object ``rel``, atomically
         (as :meth:`write_bytes_atomic`: readers see the old object or the whole new one); returns what
-        ``produce`` returned, the SHA-256 and the size.  Locally ``f`` is a temporary file beside the
+        ``produce`` returned, the SHA-256, the size and the XXH3-128 (:func:`actstore.core.tables.xxh3`).  Locally ``f`` is a temporary file beside the
         target (hashed from the page cache, then renamed): the bytes are never all in memory.  On an
         object store they are gathered in memory and uploaded once."""
 
@@ -206,7 +207,7 @@ class StoreLocation:
             out = produce(buf)
             data = buf.getvalue()
             self.write_bytes_atomic(rel, data)
-            return out, hashlib.sha256(data).hexdigest(), len(data)
+            return out, hashlib.sha256(data).hexdigest(), len(data), xxh3(data)
         target = self.path(rel)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = f"{target}.tmp-{uuid.uuid4().hex}"
@@ -215,16 +216,17 @@ class StoreLocation:
                 out = produce(f)
                 f.flush()
                 os.fsync(f.fileno())
-            digest, size = hashlib.sha256(), 0
+            digest, fast, size = hashlib.sha256(), xxhash.xxh3_128(), 0
             with open(tmp, "rb") as f:
                 while block := f.read(1 << 20):
                     digest.update(block)
+                    fast.update(block)
                     size += len(block)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        return out, digest.hexdigest(), size
+        return out, digest.hexdigest(), size, fast.hexdigest()
 
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under ``rel``; empty when it does not exist."""
@@ -346,7 +348,15 @@ def checked_local_file(path: str, max_bytes: int | None, where: str) -> Iterator
 def file_sha256(f: BinaryIO, block: int = 1 << 20) -> str:
     """The SHA-256 of what remains of ``f``, read in blocks into one reused buffer (a whole-file read
     of a large table allocated and faulted in all of it: about 30% more CPU)."""
-    digest, buf = hashlib.sha256(), bytearray(block)
+    return file_hash(f, "sha256", block)
+
+
+def file_hash(f: BinaryIO, algorithm: str, block: int = 1 << 20) -> str:
+    """:func:`file_sha256` with ``algorithm`` ``"sha256"`` or ``"xxh3"`` (XXH3-128, hex)."""
+    if algorithm not in ("sha256", "xxh3"):
+        raise ValueError(f"unknown hash {algorithm!r}")
+    digest: Any = hashlib.sha256() if algorithm == "sha256" else xxhash.xxh3_128()
+    buf = bytearray(block)
     view = memoryview(buf)
     while n := f.readinto(buf):  # type: ignore[attr-defined]
         digest.update(view[:n])

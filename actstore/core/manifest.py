@@ -19,6 +19,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from actstore.core.errors import CorruptStoreError, FormatVersionError, StoreNotFoundError
 from actstore.core.tables import ALL_SEGMENT_TABLES, SEGMENT_TABLES, store_segment_tables
 
@@ -132,9 +134,21 @@ def parse_json_object(data: bytes, where: str, what: str) -> dict[str, Any]:
         raise CorruptStoreError(f"{where}: {what} is not valid JSON ({e})") from None
     if not isinstance(d, dict):
         raise CorruptStoreError(f"{where}: {what} is not a JSON object")
-    if json_depth(d) > MAX_JSON_DEPTH:
+    if text_depth(data) > MAX_JSON_DEPTH:
         raise CorruptStoreError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
     return d
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def text_depth(data: bytes) -> int:
+    """Nesting depth of the valid JSON text ``data`` (what :func:`json_depth` gives for its parsed
+    value), from its brackets once its strings are blanked: a snapshot's 4,000 segment entries cost
+    about 4 ms as parsed objects, well under 1 ms so."""
+    a = np.frombuffer(_JSON_STRING.sub(b'""', data), dtype=np.uint8)
+    step = (a == ord("[")).astype(np.int32) + (a == ord("{")) - (a == ord("]")) - (a == ord("}"))
+    return int(np.cumsum(step).max()) if len(step) else 0
 
 
 def _show(value: Any) -> str:

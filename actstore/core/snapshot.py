@@ -7,7 +7,7 @@ Layout::
     snapshot/CURRENT            the number of the current snapshot (``000003``), replaced atomically
     snapshot/000003.json        segments [[segment, n_sources, n_tokens], ...], their bytes on disk, and,
                                 per segment table, its files [{path, sha256, rows, bytes, first, last,
-                                min_id, max_id}]
+                                min_id, max_id, xxh3}] (xxh3: the hash checked on open)
     tables/<table>/c000003-000.parquet
                                 compacted files: the shards of segments ``first..last`` concatenated in
                                 example order, row groups of :data:`ROW_GROUP_ROWS` rows (their min/max
@@ -29,6 +29,7 @@ exactly the snapshot's segments, each once.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ MAX_SNAPSHOT_BYTES = 256 << 20  # about 10^7 segments; a larger snapshot file is
 _FILE_NAME = re.compile(r"c(\d{6,})-(\d{3,})\.parquet")
 _INDEX_NAME = re.compile(r"i(\d{6,})-(\d{3,})\.parquet")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 def snapshot_name(number: int) -> str:
@@ -96,9 +98,15 @@ class TableFile:
     last: int
     min_id: int  # smallest and largest example_id in the file (-1, -1 when it has no rows)
     max_id: int
+    # its XXH3-128 (hex): what a reader checks on open, when present (snapshots written before it
+    # have only the SHA-256, which is then checked instead; ``verify`` checks both)
+    xxh3: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if not self.xxh3:
+            del d["xxh3"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,12 @@ class Snapshot:
     relation_index: tuple[TableFile, ...] = ()
 
     def files(self) -> dict[str, TableFile]:
-        """Every file the snapshot lists (the tables' and the index's), by path."""
+        """Every file the snapshot lists (the tables' and the index's), by path (built once: a reader
+        asks for each file it checks)."""
+        return self._files
+
+    @functools.cached_property
+    def _files(self) -> dict[str, TableFile]:
         out = {f.path: f for files in self.tables.values() for f in files}
         out.update((f.path, f) for f in self.relation_index)
         return out
@@ -272,6 +285,9 @@ def _table_file(raw: Any, table: str, where: str, *, index: bool = False) -> Tab
     digest = raw.get("sha256")
     if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
         raise CorruptStoreError(f"{where}: the hash of {path} is not a SHA-256 hex digest")
+    fast = raw.get("xxh3", "")
+    if not isinstance(fast, str) or (fast and not _HEX32.fullmatch(fast)):
+        raise CorruptStoreError(f"{where}: the xxh3 of {path} is not an XXH3-128 hex digest")
     w = f"{where} file {path}"
     f = TableFile(
         path=path,
@@ -282,6 +298,7 @@ def _table_file(raw: Any, table: str, where: str, *, index: bool = False) -> Tab
         last=field_int(raw, "last", w, 0, MAX_COUNT),
         min_id=field_int(raw, "min_id", w, -1, 1 << 62),
         max_id=field_int(raw, "max_id", w, -1, 1 << 62),
+        xxh3=fast,
     )
     if f.last < f.first:
         raise CorruptStoreError(f"{w}: segments {f.first}..{f.last} is an empty range")

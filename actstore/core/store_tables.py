@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from actstore.core.errors import CorruptStoreError, QueryError
-from actstore.core.fs import StoreLocation, checked_local_file, file_sha256
+from actstore.core.fs import StoreLocation, checked_local_file, file_hash
 from actstore.core.manifest import Manifest, SegmentCommit
 from actstore.core.segments import segment_name
 from actstore.core.snapshot import Snapshot, is_compacted_file, is_index_file
-from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, sha256
+from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, sha256, xxh3
 
 
 class TableFiles:
@@ -124,21 +124,33 @@ class TableFiles:
             self._check_hash(rel, data)
         return data
 
+    def _hash_algorithm(self, rel: str) -> str:
+        """The hash table file ``rel`` is checked with on open: ``"xxh3"`` for a snapshot file whose
+        entry records one, else ``"sha256"``."""
+        if self.snapshot is not None and (is_compacted_file(rel) or is_index_file(rel)):
+            listed = self.snapshot.files().get(rel)
+            if listed is not None and listed.xxh3:
+                return "xxh3"
+        return "sha256"
+
     def _check_hash(self, rel: str, data: bytes | None = None, *, digest: str | None = None) -> None:
-        """Refuse table file ``rel`` unless the SHA-256 of its bytes ``data`` (or ``digest``, computed
-        by the caller) is the one recorded for it (:meth:`_table_bytes`); once matched, ``rel`` is not
-        hashed again by this reader."""
-        got = digest if digest is not None else sha256(data or b"")
+        """Refuse table file ``rel`` unless the hash (:meth:`_hash_algorithm`) of its bytes ``data``
+        (or ``digest``, computed by the caller with that algorithm) is the one recorded for it
+        (:meth:`_table_bytes`); once matched, ``rel`` is not hashed again by this reader."""
+        algorithm = self._hash_algorithm(rel)
+        if digest is None:
+            digest = xxh3(data or b"") if algorithm == "xxh3" else sha256(data or b"")
+        got = digest
         parts = rel.split("/")
         if is_compacted_file(rel) or is_index_file(rel):
             listed = self.snapshot.files().get(rel) if self.snapshot is not None else None
-            if listed is None or got != listed.sha256:
+            if listed is None or got != (listed.xxh3 if algorithm == "xxh3" else listed.sha256):
                 raise CorruptStoreError(
                     f"{self.url}/{rel}: "
                     + (
                         "not in the store's snapshot"
                         if listed is None
-                        else "SHA-256 does not match the snapshot"
+                        else f"{'XXH3' if algorithm == 'xxh3' else 'SHA-256'} does not match the snapshot"
                     )
                     + " (run actstore verify)"
                 )
@@ -183,7 +195,7 @@ class TableFiles:
             for rel in listed[name]
             if rel not in self._schemas
         ]
-        if len(todo) > 1 and self.location.is_local:  # hashed on threads (SHA-256 releases the GIL)
+        if len(todo) > 1 and self.location.is_local:  # hashed on threads (both hashes release the GIL)
             with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 8)) as pool:
                 list(pool.map(self._check_table_file, todo))
         else:
@@ -194,7 +206,7 @@ class TableFiles:
         if self.location.is_local:  # hashed in blocks, its footer read from the same descriptor
             with checked_local_file(self.location.path(rel), MAX_TABLE_BYTES, f"{self.url}/{rel}") as f:
                 if rel not in self._verified:
-                    self._check_hash(rel, digest=file_sha256(f))
+                    self._check_hash(rel, digest=file_hash(f, self._hash_algorithm(rel)))
                 f.seek(0)
                 schema = self._footer_schema(rel, pa.PythonFile(f, mode="r"))
         else:

@@ -15,7 +15,7 @@ from actstore.core.manifest import SegmentCommit
 from actstore.core.relation_index import index_table
 from actstore.core.segments import segment_name
 from actstore.core.snapshot import Snapshot, TableFile
-from actstore.core.tables import MAX_TABLE_BYTES
+from actstore.core.tables import MAX_TABLE_BYTES, xxh3
 
 
 def _same_rows(a: pa.Table, b: pa.Table) -> bool:
@@ -58,6 +58,8 @@ def check_snapshot(
         data = read_hashed(f.path, f.sha256, f"snapshot {snap.number} lists it", found)
         if data is None:
             return found
+        if f.xxh3 and xxh3(data) != f.xxh3:  # (what a reader checks on open must hold too)
+            return [f"{f.path}: its XXH3 does not match snapshot {snap.number} (its SHA-256 does)"]
         try:
             got = pq.ParquetFile(pa.BufferReader(data)).read()
         except Exception as e:
@@ -101,6 +103,9 @@ def _check_index(
     for f in snap.relation_index:
         data = read_hashed(f.path, f.sha256, f"snapshot {snap.number} lists it", problems)
         if data is None:
+            continue
+        if f.xxh3 and xxh3(data) != f.xxh3:
+            problems.append(f"{f.path}: its XXH3 does not match snapshot {snap.number} (its SHA-256 does)")
             continue
         try:
             got = pq.ParquetFile(pa.BufferReader(data)).read()

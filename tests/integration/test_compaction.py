@@ -183,7 +183,7 @@ def test_verify_finds_damage_in_compacted_files(base: Path, tmp_path: Path) -> N
     s = damaged(base, tmp_path, "flip", flip_compacted)
     report = verify_store(actstore.open(s))
     assert not report.ok and any("SHA-256 does not match the snapshot" in p for p in report.problems)
-    with pytest.raises(CorruptStoreError, match="SHA-256 does not match the snapshot"):
+    with pytest.raises(CorruptStoreError, match="XXH3 does not match the snapshot"):
         actstore.open(s).sql("SELECT count(*) FROM tokens")
     s = damaged(
         base, tmp_path, "gone", lambda s: next((s / "tables" / "targets").glob("c*.parquet")).unlink()
@@ -222,6 +222,10 @@ def _segment_twice(d: dict[str, Any]) -> None:
     d["segments"].append(d["segments"][0])
 
 
+def _bad_xxh3(d: dict[str, Any]) -> None:
+    d["tables"]["examples"][0]["xxh3"] = "not-hex"
+
+
 def _outside(d: dict[str, Any]) -> None:
     d["tables"]["examples"][0]["path"] = "../../etc/c000001-000.parquet"
 
@@ -240,6 +244,7 @@ HOSTILE = {
     "foreign-table": (edit_snapshot(_foreign), "is not a compacted file of table 'examples'"),
     "outside": (edit_snapshot(_outside), "is not a compacted file of table 'examples'"),
     "file-twice": (edit_snapshot(_duplicated), "is listed twice"),
+    "xxh3-not-hex": (edit_snapshot(_bad_xxh3), "is not an XXH3-128 hex digest"),
     "segment-twice": (edit_snapshot(_segment_twice), "segment 0 is listed twice"),
     "missing-file": (
         lambda s: next((s / "tables" / "examples").glob("c*.parquet")).unlink(),
@@ -424,3 +429,54 @@ def test_a_limit_with_bound_parameters_and_one_matching_nothing(base: Path, n: i
         assert s.select(where, params=params).limit(n).rows.equals(whole.rows.slice(0, n))
     nothing = s.select("relation_id = 'no such relation'")
     assert nothing.limit(n).rows.equals(nothing.rows) and len(nothing) == 0
+
+
+def test_snapshot_files_carry_their_xxh3_which_opening_checks(base: Path, tmp_path: Path) -> None:
+    """Every compacted and index file's snapshot entry holds the XXH3-128 and the SHA-256 of its bytes
+    (computed here by xxhash and hashlib on the files); a reader checks the XXH3, verify both."""
+    import hashlib
+
+    import xxhash
+
+    snap = actstore.open(base).snapshot
+    assert snap is not None
+    files = snap.files()
+    assert len(files) == len(TABLES) + 1  # one file per table, plus the relation index
+    for rel, f in files.items():
+        data = (base / rel).read_bytes()
+        assert f.xxh3 == xxhash.xxh3_128(data).hexdigest() and f.sha256 == hashlib.sha256(data).hexdigest()
+
+    # an entry whose XXH3 is wrong (its SHA-256 right): refused on open, reported by verify
+    def wrong_xxh3(d: dict[str, Any]) -> None:
+        entry = d["tables"]["targets"][0]
+        entry["xxh3"] = ("0" if entry["xxh3"][0] != "0" else "1") + entry["xxh3"][1:]
+
+    s = damaged(base, tmp_path, "wrong-xxh3", edit_snapshot(wrong_xxh3))
+    with pytest.raises(CorruptStoreError, match="XXH3 does not match the snapshot"):
+        actstore.open(s).sql("SELECT count(*) FROM targets")
+    report = verify_store(actstore.open(s))
+    assert any("its XXH3 does not match snapshot 1 (its SHA-256 does)" in p for p in report.problems), (
+        report.problems
+    )
+
+
+def test_a_snapshot_without_xxh3_is_checked_by_sha256_and_compact_adds_it(base: Path, tmp_path: Path) -> None:
+    """A snapshot written before the XXH3 (entries with the SHA-256 only) reads, its files checked by
+    SHA-256 (a flipped byte is still refused); ``actstore compact`` writes entries with both."""
+
+    def strip(d: dict[str, Any]) -> None:
+        for entries in [*d["tables"].values(), d.get("relation_index", [])]:
+            for e in entries:
+                e.pop("xxh3")
+
+    s = damaged(base, tmp_path, "old", edit_snapshot(strip))
+    snap = actstore.open(s).snapshot
+    assert snap is not None and all(not f.xxh3 for f in snap.files().values())
+    assert answers(s) == answers(base)
+    flipped = damaged(s, tmp_path, "old-flipped", flip_compacted)
+    with pytest.raises(CorruptStoreError, match="SHA-256 does not match the snapshot"):
+        actstore.open(flipped).sql("SELECT count(*) FROM tokens")
+    assert CliRunner().invoke(main, ["compact", str(s)]).exit_code == 0
+    snap = actstore.open(s).snapshot
+    assert snap is not None and snap.number == 2 and all(f.xxh3 for f in snap.files().values())
+    assert answers(s) == answers(base) and verify_store(actstore.open(s)).ok

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import xxhash
 from click.testing import CliRunner
 from helpers import build_store
 from hypothesis import HealthCheck, given, settings
@@ -226,7 +227,12 @@ def test_verify_finds_an_index_that_differs_from_its_examples(base: Path, tmp_pa
     table = pq.read_table(s / entry["path"])
     pq.write_table(table.slice(1), s / entry["path"])
     data = (s / entry["path"]).read_bytes()
-    entry.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), rows=table.num_rows - 1)
+    entry.update(
+        sha256=hashlib.sha256(data).hexdigest(),
+        xxh3=xxhash.xxh3_128(data).hexdigest(),
+        bytes=len(data),
+        rows=table.num_rows - 1,
+    )
     d.pop("checksum")
     f.write_text(json.dumps(seal(d)))
     report = verify_store(actstore.open(s))
