@@ -9,6 +9,7 @@ disjoint and cover the selection.  Hypothesis draws the sizes, buffer sizes, bat
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.core.errors import QueryError
+from actstore.core.errors import CorruptStoreError, QueryError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -380,3 +381,49 @@ def test_stored_kinds_in_every_storage_dtype(store_factory: Callable[..., Path],
         np.testing.assert_array_equal(x, want[[pos[int(r)] for r in ids]])
         half = next(iter(sel.loader(kind, layers=layers, batch_size=4, dtype="float16")))
         assert half.dtype == torch.float16
+
+
+@pytest.mark.parametrize("kind, layers", [("resid", [1]), ("resid", [0, 2]), ("z", [1]), ("mlp", [1])])
+def test_batches_outlive_the_reused_window_buffers(store: Any, kind: str, layers: list[int]) -> None:
+    """The window buffers are reused across windows and epochs (resid of one layer is decoded straight
+    into them): the batches handed out are tensors of their own, so two whole epochs kept until the
+    end still equal ``features`` row by row, in float16 and float32, shuffled and not."""
+    sel = store.select()
+    want = sel.features(kind, layers=layers)
+    pos = {int(r): k for k, r in enumerate(sel.rows.column("row").to_numpy())}
+    for shuffle in (True, False):
+        for dtype in ("float32", "float16"):
+            ld = sel.loader(
+                kind, layers=layers, batch_size=3, buffer_rows=5, shuffle=shuffle, dtype=dtype, with_ids=True
+            )
+            kept = [(i, x) for _ in range(2) for i, x in ld]  # epochs 0 and 1, every batch held
+            assert len(kept) == 2 * len(ld)
+            for i, x in kept:
+                assert x.dtype == getattr(torch, dtype)
+                np.testing.assert_allclose(
+                    x.float().numpy(),
+                    want[[pos[int(r)] for r in i]].astype(dtype).astype(np.float32),
+                    rtol=1e-5 if kind == "mlp" else 0,
+                    atol=1e-6 if kind == "mlp" else 0,
+                )
+
+
+@pytest.mark.parametrize("layers", [[0], [0, 2]])
+def test_a_corrupt_chunk_is_one_line(
+    store_factory: Callable[..., Path], tmp_path: Path, layers: list[int]
+) -> None:
+    """A flipped byte in a stored chunk fails its CRC32C: the loader (decoding into its window, or reading
+    several layers) raises one CorruptStoreError line naming the array, as the store's own reads do."""
+    src = store_factory("llama", limit=2, storage_dtype="float16")
+    dst = tmp_path / "s"
+    shutil.copytree(src, dst)
+    shard = dst / "segments" / "000000" / "resid" / "c" / "0" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    for k in range(20, len(data) - 400, 97):  # every inner chunk's data (the index at the end kept)
+        data[k] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    s = actstore.open(dst)
+    for workers in (0, 2):
+        with pytest.raises(CorruptStoreError) as e:
+            drain(s.select().loader("resid", layers=layers, batch_size=4, workers=workers, with_ids=True))
+        assert "\n" not in str(e.value) and "resid" in str(e.value) and "chunk read failed" in str(e.value)
