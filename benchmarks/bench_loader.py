@@ -5,8 +5,9 @@ activations, and a ``torch.save`` megabatch layout like Activault's; warm (page 
 
     python benchmarks/bench_loader.py STORE [STORE ...] --kind resid --layer 1 --rounds 3 --json out.json
 
-Every method delivers the same rows (the whole store, one layer of one kind) as float32 torch tensors
-``[batch, F]`` and is timed over one full epoch:
+Every method delivers the same rows (the whole store, one layer of one kind) as torch tensors
+``[batch, F]`` of ``--dtype`` (float32 by default; float16 is the storage dtype, no conversion) and
+is timed over one full epoch:
 
 - ``raw_seq_segment``: the store's chunks of that layer decoded with the store's own direct reader
   (``actstore.core.chunks.LocalChunks``), one read per segment in store order; no conversion, no
@@ -50,6 +51,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import emit
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def drop_cache(root: Path) -> None:
@@ -105,6 +108,7 @@ def loader_reader(
         shuffle=shuffle,
         flatten=True,
         unit_rows=args.unit_rows,
+        dtype=args.dtype,
     )
 
     def run() -> int:
@@ -129,7 +133,7 @@ def hf_reader(path: Path, column: str, args: argparse.Namespace, shuffle: bool) 
             acts = ds[i : i + B][column]  # [rows, 1, d_in]
             acts = acts.reshape(-1, acts.shape[-1])
             acts = acts[torch.randperm(acts.shape[0])]
-            n += sum(b.shape[0] for b in batches(acts.float(), args.batch_size))
+            n += sum(b.shape[0] for b in batches(acts.to(DTYPES[args.dtype]), args.batch_size))
         return n
 
     return run
@@ -168,7 +172,7 @@ def activault_reader(folder: Path, args: argparse.Namespace) -> Callable[[], int
             held += x.shape[0]
             if held >= args.buffer_rows or i == len(order) - 1:
                 acts = torch.cat(buf)
-                acts = acts[torch.randperm(acts.shape[0])].float()
+                acts = acts[torch.randperm(acts.shape[0])].to(DTYPES[args.dtype])
                 n += sum(b.shape[0] for b in batches(acts, args.batch_size))
                 buf, held = [], 0
         return n
@@ -297,6 +301,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--unit-rows", type=int, default=None, help="the loader's unit (default: its own)")
     p.add_argument("--file-rows", type=int, default=4096, help="rows per torch.save megabatch file")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="what every method delivers (float16: as stored)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--work", default="/tmp/bench-loader-work", help="where the other layouts are written")
     p.add_argument("--only", default="", help="comma-separated methods")
