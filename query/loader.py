@@ -28,13 +28,15 @@ world_size, buffer_rows)`` and the selection, and a position in it is one intege
 :meth:`ActivationLoader.state_dict` records ``(epoch, position)``; resuming re-reads the window
 that holds ``position`` and skips the rows already given.
 
-Reads: the window's rows are read one unit at a time (the stored kinds ``resid`` and ``z`` in the
-storage dtype, converted by torch once per window; the others by
+Reads: the window's rows are read one unit at a time, in store order, into a window buffer (the
+stored kinds ``resid`` and ``z`` in the storage dtype, decoded by the store's chunk reader straight
+into the buffer when their chunks hold exactly the chosen layers; the others by
 :func:`actstore.query.features.compute_block`; a unit cut by a window or share boundary is read once
-per side), ``prefetch`` units ahead, into a window that a background thread assembles while the
-consumer takes batches from the previous one.  Memory: at most three windows of ``buffer_rows`` rows
-(the one being consumed, one ready, one being filled) plus ``prefetch`` units of at most
-``unit_rows`` rows, whatever the selection's size.
+per side), ``prefetch`` units ahead, by a background thread while the consumer cuts batches from the
+previous window: each batch is gathered by the window's permutation (``index_select``) and converted
+to ``dtype`` by torch, a tensor of its own.  Memory: at most three window buffers of ``buffer_rows``
+rows (the one being gathered from, one ready, one being filled; reused across windows and epochs)
+plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
 ``workers=0`` reads in the consuming thread (no threads at all); ``workers=1`` (the default) reads and
 assembles in one background thread; ``workers=k >= 2`` adds a pool of ``k`` reader threads.
 """
