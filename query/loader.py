@@ -457,51 +457,71 @@ class ActivationLoader:
             if self.workers >= 2
             else None
         )
-        pending: deque[tuple[_Piece, Future[np.ndarray] | None]] = deque()
-        it = iter(pieces)
-
-        def top_up() -> None:
-            while len(pending) < self.prefetch:
-                p = next(it, None)
-                if p is None:
-                    return
-                pending.append((p, pool.submit(self._read, p) if pool is not None else None))
-
         sizes: dict[int, int] = {}  # rows of each window: its pieces cover 0 .. m
         for p in pieces:
             sizes[p.window] = max(sizes.get(p.window, 0), p.at + (p.hi - p.lo))
         # At most three window buffers in use (the one the consumer gathers from, one ready, one being
-        # filled), taken from the loader's idle ones (reused across windows and epochs).
+        # filled), taken from the loader's idle ones (reused across windows and epochs).  The reader
+        # threads decode into the buffer of the piece's window: a piece of the next window is handed to
+        # them only when a buffer is free for it (never waited for: the window being filled comes first).
         held = threading.Semaphore(3)
         shape = (min(self.buffer_rows, self.rows_per_epoch), *self._row_shape)
+        bufs: dict[int, np.ndarray] = {}  # window -> its buffer, from its first read until it is handed on
 
-        def buffer() -> np.ndarray | None:
-            while not held.acquire(timeout=0.1):
-                if stop.is_set():
+        def claim(w: int, wait: bool) -> np.ndarray | None:
+            if w not in bufs:
+                if wait:
+                    while not held.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return None
+                elif not held.acquire(blocking=False):
                     return None
-            return self._buffers.take(shape, self._win_dtype)
+                bufs[w] = self._buffers.take(shape, self._win_dtype)
+            return bufs[w]
+
+        def dest(p: _Piece) -> np.ndarray:
+            return bufs[p.window][p.at : p.at + (p.hi - p.lo)]
+
+        pending: deque[tuple[_Piece, Future[None] | None]] = deque()
+        nxt = 0  # the next piece to hand on
+
+        def top_up() -> None:
+            nonlocal nxt
+            while len(pending) < self.prefetch and nxt < len(pieces):
+                p = pieces[nxt]
+                if pool is not None and claim(p.window, wait=False) is None:
+                    return  # no buffer free for the next window yet
+                pending.append((p, pool.submit(self._fill, p, dest(p)) if pool is not None else None))
+                nxt += 1
 
         try:
-            top_up()
-            while pending and not stop.is_set():
-                w = pending[0][0].window
-                m = sizes[w]
-                buf = buffer()
-                if buf is None:
+            while nxt < len(pieces) or pending:
+                w = pending[0][0].window if pending else pieces[nxt].window
+                if claim(w, wait=True) is None:
                     return
-                out = buf[:m]
+                top_up()
+                m = sizes[w]
                 ids = np.empty(m, dtype=np.int64)
                 while pending and pending[0][0].window == w:  # each piece placed as it arrives
                     p, fut = pending.popleft()
-                    dest = out[p.at : p.at + (p.hi - p.lo)]
-                    if fut is not None or not self._read_into(p, dest):
-                        dest[...] = fut.result() if fut is not None else self._read(p)
+                    if fut is not None:
+                        fut.result()
+                    else:
+                        self._fill(p, dest(p))
                     top_up()
                     ids[p.at : p.at + (p.hi - p.lo)] = self._cols["row"][p.lo : p.hi]
-                yield _Window(out, ids, self._window_perm(epoch, w, m), buf, held, self._buffers)
+                buf = bufs.pop(w)
+                yield _Window(buf[:m], ids, self._window_perm(epoch, w, m), buf, held, self._buffers)
+                if stop.is_set():
+                    return
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fill(self, p: _Piece, dest: np.ndarray) -> None:
+        """Piece ``p``'s rows into ``dest``: decoded there, or read and copied."""
+        if not self._read_into(p, dest):
+            dest[...] = self._read(p)
 
     def _background(self, epoch: int, start: int) -> Iterator[_Window]:
         """:meth:`_windows` assembled by a background thread, one window ahead of the consumer."""

@@ -9,6 +9,7 @@ disjoint and cover the selection.  Hypothesis draws the sizes, buffer sizes, bat
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import threading
 from collections.abc import Callable
@@ -386,26 +387,34 @@ def test_stored_kinds_in_every_storage_dtype(store_factory: Callable[..., Path],
 @pytest.mark.parametrize("kind, layers", [("resid", [1]), ("resid", [0, 2]), ("z", [1]), ("mlp", [1])])
 def test_batches_outlive_the_reused_window_buffers(store: Any, kind: str, layers: list[int]) -> None:
     """The window buffers are reused across windows and epochs (resid of one layer is decoded straight
-    into them): the batches handed out are tensors of their own, so two whole epochs kept until the
-    end still equal ``features`` row by row, in float16 and float32, shuffled and not."""
+    into them, by the reader threads too): the batches handed out are tensors of their own, so two
+    whole epochs kept until the end still equal ``features`` row by row, in float16 and float32,
+    shuffled and not, with 0, 1 and 3 workers."""
     sel = store.select()
     want = sel.features(kind, layers=layers)
     pos = {int(r): k for k, r in enumerate(sel.rows.column("row").to_numpy())}
-    for shuffle in (True, False):
-        for dtype in ("float32", "float16"):
-            ld = sel.loader(
-                kind, layers=layers, batch_size=3, buffer_rows=5, shuffle=shuffle, dtype=dtype, with_ids=True
+    for shuffle, dtype, workers in itertools.product((True, False), ("float32", "float16"), (0, 1, 3)):
+        ld = sel.loader(
+            kind,
+            layers=layers,
+            batch_size=3,
+            buffer_rows=5,
+            shuffle=shuffle,
+            dtype=dtype,
+            with_ids=True,
+            workers=workers,
+            prefetch=16,  # the reader threads run windows ahead, into buffers that are free
+        )
+        kept = [(i, x) for _ in range(2) for i, x in ld]  # epochs 0 and 1, every batch held
+        assert len(kept) == 2 * len(ld)
+        for i, x in kept:
+            assert x.dtype == getattr(torch, dtype)
+            np.testing.assert_allclose(
+                x.float().numpy(),
+                want[[pos[int(r)] for r in i]].astype(dtype).astype(np.float32),
+                rtol=1e-5 if kind == "mlp" else 0,
+                atol=1e-6 if kind == "mlp" else 0,
             )
-            kept = [(i, x) for _ in range(2) for i, x in ld]  # epochs 0 and 1, every batch held
-            assert len(kept) == 2 * len(ld)
-            for i, x in kept:
-                assert x.dtype == getattr(torch, dtype)
-                np.testing.assert_allclose(
-                    x.float().numpy(),
-                    want[[pos[int(r)] for r in i]].astype(dtype).astype(np.float32),
-                    rtol=1e-5 if kind == "mlp" else 0,
-                    atol=1e-6 if kind == "mlp" else 0,
-                )
 
 
 @pytest.mark.parametrize("layers", [[0], [0, 2]])
