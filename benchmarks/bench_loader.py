@@ -290,6 +290,79 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def breakdown(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Where one shuffled epoch's CPU goes (``--breakdown``): the raw read, the loader's reads into its
+    windows alone (no batches), a window's gather (and conversion) alone on rows already in memory,
+    and whole epochs float32 / float16, shuffled / sequential, 0 workers; medians of ``--rounds``."""
+    import threading
+
+    import actstore
+
+    store = actstore.open(path)
+    sel = store.select()
+    n = len(sel)
+
+    def loader(**kw: Any) -> Any:
+        return sel.loader(
+            args.kind,
+            layers=[args.layer],
+            batch_size=args.batch_size,
+            buffer_rows=args.buffer_rows,
+            workers=0,
+            flatten=True,
+            unit_rows=args.unit_rows,
+            **kw,
+        )
+
+    feed = loader()
+
+    def windows() -> int:
+        got = 0
+        for w in feed._windows(0, 0, threading.Event()):
+            got += w.rows.shape[0]
+            w.release()
+        return got
+
+    F = int(np.prod(feed._row_shape))
+    win = torch.zeros(min(args.buffer_rows, n), F, dtype=torch.float16)
+    perm = torch.randperm(win.shape[0])
+
+    def gather(dtype: torch.dtype) -> int:
+        got = 0
+        while got < n:
+            for q in range(0, win.shape[0], args.batch_size):
+                x = win.index_select(0, perm[q : q + args.batch_size]).to(dtype)
+                got += x.shape[0]
+        return n
+
+    def epoch(**kw: Any) -> Callable[[], int]:
+        f = loader(**kw)
+        return lambda: sum(x.shape[0] for x in f)
+
+    parts: dict[str, Callable[[], int]] = {
+        "raw_seq_segment": raw_reader(store, args.kind, args.layer, "segment"),
+        "loader_reads_into_windows": windows,
+        "gather_float16_in_memory": lambda: gather(torch.float16),
+        "gather_and_convert_float32_in_memory": lambda: gather(torch.float32),
+        "loader_shuffled_float32": epoch(),
+        "loader_shuffled_float16": epoch(dtype="float16"),
+        "loader_seq_float32": epoch(shuffle=False),
+        "loader_seq_float16": epoch(shuffle=False, dtype="float16"),
+    }
+    out: dict[str, Any] = {"store": str(path), "rows": n, "load_before": os.getloadavg()}
+    for name, fn in parts.items():
+        fn()  # untimed: imports, page cache, buffers
+        wall, cpu = [], []
+        for _ in range(args.rounds):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out[name] = {"wall_s": round(statistics.median(wall), 4), "cpu_s": round(statistics.median(cpu), 4)}
+    out["load_after"] = os.getloadavg()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stores", type=Path, nargs="+")
@@ -312,8 +385,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", default="", help="comma-separated methods")
     p.add_argument("--keep", action="store_true", help="keep the exported layouts")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--breakdown", action="store_true", help="where a shuffled epoch's CPU goes, warm, instead"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.breakdown:
+        emit(
+            {
+                "settings": vars(args) | {"stores": [str(s) for s in args.stores]},
+                "breakdown": [breakdown(s, args) for s in args.stores],
+            },
+            args.json,
+        )
+        return
     results = [bench_store(s, args) for s in args.stores]
     emit(
         {
