@@ -324,7 +324,9 @@ def breakdown(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         return got
 
     F = int(np.prod(feed._row_shape))
-    win = torch.zeros(min(args.buffer_rows, n), F, dtype=torch.float16)
+    rows = np.empty((min(args.buffer_rows, n), F), dtype=np.float16)  # allocated as the loader's windows are
+    rows.fill(1.0)
+    win = torch.from_numpy(rows)
     perm = torch.randperm(win.shape[0])
 
     def gather(dtype: torch.dtype) -> int:
