@@ -5,8 +5,9 @@ activations, and a ``torch.save`` megabatch layout like Activault's; warm (page 
 
     python benchmarks/bench_loader.py STORE [STORE ...] --kind resid --layer 1 --rounds 3 --json out.json
 
-Every method delivers the same rows (the whole store, one layer of one kind) as float32 torch tensors
-``[batch, F]`` and is timed over one full epoch:
+Every method delivers the same rows (the whole store, one layer of one kind) as torch tensors
+``[batch, F]`` of ``--dtype`` (float32 by default; float16 is the storage dtype, no conversion) and
+is timed over one full epoch:
 
 - ``raw_seq_segment``: the store's chunks of that layer decoded with the store's own direct reader
   (``actstore.core.chunks.LocalChunks``), one read per segment in store order; no conversion, no
@@ -50,6 +51,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import emit
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def drop_cache(root: Path) -> None:
@@ -105,6 +108,7 @@ def loader_reader(
         shuffle=shuffle,
         flatten=True,
         unit_rows=args.unit_rows,
+        dtype=args.dtype,
     )
 
     def run() -> int:
@@ -129,7 +133,7 @@ def hf_reader(path: Path, column: str, args: argparse.Namespace, shuffle: bool) 
             acts = ds[i : i + B][column]  # [rows, 1, d_in]
             acts = acts.reshape(-1, acts.shape[-1])
             acts = acts[torch.randperm(acts.shape[0])]
-            n += sum(b.shape[0] for b in batches(acts.float(), args.batch_size))
+            n += sum(b.shape[0] for b in batches(acts.to(DTYPES[args.dtype]), args.batch_size))
         return n
 
     return run
@@ -168,7 +172,7 @@ def activault_reader(folder: Path, args: argparse.Namespace) -> Callable[[], int
             held += x.shape[0]
             if held >= args.buffer_rows or i == len(order) - 1:
                 acts = torch.cat(buf)
-                acts = acts[torch.randperm(acts.shape[0])].float()
+                acts = acts[torch.randperm(acts.shape[0])].to(DTYPES[args.dtype])
                 n += sum(b.shape[0] for b in batches(acts, args.batch_size))
                 buf, held = [], 0
         return n
@@ -286,6 +290,81 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def breakdown(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Where one shuffled epoch's CPU goes (``--breakdown``): the raw read, the loader's reads into its
+    windows alone (no batches), a window's gather (and conversion) alone on rows already in memory,
+    and whole epochs float32 / float16, shuffled / sequential, 0 workers; medians of ``--rounds``."""
+    import threading
+
+    import actstore
+
+    store = actstore.open(path)
+    sel = store.select()
+    n = len(sel)
+
+    def loader(**kw: Any) -> Any:
+        return sel.loader(
+            args.kind,
+            layers=[args.layer],
+            batch_size=args.batch_size,
+            buffer_rows=args.buffer_rows,
+            workers=0,
+            flatten=True,
+            unit_rows=args.unit_rows,
+            **kw,
+        )
+
+    feed = loader()
+
+    def windows() -> int:
+        got = 0
+        for w in feed._windows(0, 0, threading.Event()):
+            got += w.rows.shape[0]
+            w.release()
+        return got
+
+    F = int(np.prod(feed._row_shape))
+    rows = np.empty((min(args.buffer_rows, n), F), dtype=np.float16)  # allocated as the loader's windows are
+    rows.fill(1.0)
+    win = torch.from_numpy(rows)
+    perm = torch.randperm(win.shape[0])
+
+    def gather(dtype: torch.dtype) -> int:
+        got = 0
+        while got < n:
+            for q in range(0, win.shape[0], args.batch_size):
+                x = win.index_select(0, perm[q : q + args.batch_size]).to(dtype)
+                got += x.shape[0]
+        return n
+
+    def epoch(**kw: Any) -> Callable[[], int]:
+        f = loader(**kw)
+        return lambda: sum(x.shape[0] for x in f)
+
+    parts: dict[str, Callable[[], int]] = {
+        "raw_seq_segment": raw_reader(store, args.kind, args.layer, "segment"),
+        "loader_reads_into_windows": windows,
+        "gather_float16_in_memory": lambda: gather(torch.float16),
+        "gather_and_convert_float32_in_memory": lambda: gather(torch.float32),
+        "loader_shuffled_float32": epoch(),
+        "loader_shuffled_float16": epoch(dtype="float16"),
+        "loader_seq_float32": epoch(shuffle=False),
+        "loader_seq_float16": epoch(shuffle=False, dtype="float16"),
+    }
+    out: dict[str, Any] = {"store": str(path), "rows": n, "load_before": os.getloadavg()}
+    for name, fn in parts.items():
+        fn()  # untimed: imports, page cache, buffers
+        wall, cpu = [], []
+        for _ in range(args.rounds):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out[name] = {"wall_s": round(statistics.median(wall), 4), "cpu_s": round(statistics.median(cpu), 4)}
+    out["load_after"] = os.getloadavg()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stores", type=Path, nargs="+")
@@ -297,13 +376,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--unit-rows", type=int, default=None, help="the loader's unit (default: its own)")
     p.add_argument("--file-rows", type=int, default=4096, help="rows per torch.save megabatch file")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="what every method delivers (float16: as stored)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--work", default="/tmp/bench-loader-work", help="where the other layouts are written")
     p.add_argument("--only", default="", help="comma-separated methods")
     p.add_argument("--keep", action="store_true", help="keep the exported layouts")
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--breakdown", action="store_true", help="where a shuffled epoch's CPU goes, warm, instead"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.breakdown:
+        emit(
+            {
+                "settings": vars(args) | {"stores": [str(s) for s in args.stores]},
+                "breakdown": [breakdown(s, args) for s in args.stores],
+            },
+            args.json,
+        )
+        return
     results = [bench_store(s, args) for s in args.stores]
     emit(
         {

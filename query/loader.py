@@ -28,13 +28,15 @@ world_size, buffer_rows)`` and the selection, and a position in it is one intege
 :meth:`ActivationLoader.state_dict` records ``(epoch, position)``; resuming re-reads the window
 that holds ``position`` and skips the rows already given.
 
-Reads: the window's rows are read one unit at a time (the stored kinds ``resid`` and ``z`` in the
-storage dtype, converted by torch once per window; the others by
+Reads: the window's rows are read one unit at a time, in store order, into a window buffer (the
+stored kinds ``resid`` and ``z`` in the storage dtype, decoded by the store's chunk reader straight
+into the buffer when their chunks hold exactly the chosen layers; the others by
 :func:`actstore.query.features.compute_block`; a unit cut by a window or share boundary is read once
-per side), ``prefetch`` units ahead, into a window that a background thread assembles while the
-consumer takes batches from the previous one.  Memory: at most three windows of ``buffer_rows`` rows
-(the one being consumed, one ready, one being filled) plus ``prefetch`` units of at most
-``unit_rows`` rows, whatever the selection's size.
+per side), ``prefetch`` units ahead, by a background thread while the consumer cuts batches from the
+previous window: each batch is gathered by the window's permutation (``index_select``) and converted
+to ``dtype`` by torch, a tensor of its own.  Memory: at most three window buffers of ``buffer_rows``
+rows (the one being gathered from, one ready, one being filled; reused across windows and epochs)
+plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
 ``workers=0`` reads in the consuming thread (no threads at all); ``workers=1`` (the default) reads and
 assembles in one background thread; ``workers=k >= 2`` adds a pool of ``k`` reader threads.
 """
@@ -53,7 +55,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.core.errors import QueryError
+from actstore.core.arrays import axis1_plan, take1
+from actstore.core.chunks import LocalChunks, local_chunks
+from actstore.core.errors import CorruptStoreError, MissingChunkError, QueryError
+from actstore.core.segments import segment_name
 from actstore.query.features import FeatureSpec, RowBlock, row_shape
 from actstore.query.labelled import SOURCE_KINDS, block_features
 from actstore.query.loader_args import Selected, dtype_arg, int_arg
@@ -70,6 +75,48 @@ class _Piece:
     at: int
     lo: int
     hi: int
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A window's rows in store order (a view of a recycled buffer), their store row ids, and the
+    permutation that gives the output order (output position ``q`` holds ``rows[perm[q]]``)."""
+
+    rows: np.ndarray
+    ids: np.ndarray
+    perm: np.ndarray | None
+    buffer: np.ndarray
+    held: threading.Semaphore  # the iteration's count of buffers in use
+    pool: _Buffers
+
+    def release(self) -> None:
+        """Hand the buffer back for the next window (every row of this one is given)."""
+        self.pool.give(self.buffer)
+        self.held.release()
+
+
+class _Buffers:
+    """Window buffers kept for reuse, across windows and epochs: a fresh window of tens of MB is
+    mapped afresh by the allocator, and its page faults cost about as much as the reads into it.
+    At most ``keep`` idle buffers are kept (an iteration uses at most three at a time)."""
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
+        self._idle: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            while self._idle:
+                buf = self._idle.pop()
+                if buf.shape == shape and buf.dtype == dtype:
+                    return buf
+        return np.empty(shape, dtype=dtype)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(buf)
 
 
 class ActivationLoader:
@@ -145,6 +192,8 @@ class ActivationLoader:
         self._unit_stop = np.concatenate([change, [seg.size]]).astype(np.int64)
         self.n_rows = int(seg.size)
         self._fingerprint = hashlib.sha256(self._cols["row"].tobytes()).hexdigest()[:16]
+        self._buffers = _Buffers()
+        self._direct_plans: dict[int, tuple[LocalChunks, list[int] | None, list[int] | None] | None] = {}
         self.epoch = 0
         self.position = 0  # rows of this rank's share already given in the current epoch
 
@@ -277,27 +326,124 @@ class ActivationLoader:
 
     # -- reading -----------------------------------------------------------------------------------
 
+    def _direct(self, seg: int) -> tuple[LocalChunks, list[int] | None, list[int] | None] | None:
+        """How to read segment ``seg``'s stored chunks of the kind without zarr (a local store with the
+        default codecs: :func:`actstore.core.chunks.local_chunks`), with the layer plan; None: not so."""
+        if seg not in self._direct_plans:
+            arr = self.store.array(seg, self.spec.kind)
+            lc = local_chunks(arr)
+            self._direct_plans[seg] = (
+                None if lc is None else (lc, *axis1_plan(arr.shape, arr.chunks, list(self.spec.layers)))
+            )
+        return self._direct_plans[seg]
+
     def _read(self, p: _Piece) -> np.ndarray:
         c = self._cols
         sl = slice(p.lo, p.hi)
+        seg = int(c["segment"][p.lo])
+        seg_rows = c["seg_row"][sl]
+        if self._stored:
+            s0, s1 = int(seg_rows[0]), int(seg_rows[-1]) + 1
+            direct = self._direct(seg) if s1 - s0 == seg_rows.size else None
+            if direct is not None:  # a run of consecutive rows of a local store: its chunks decoded directly
+                return self._read_direct(seg, s0, s1, *direct)
+            return self.store.read_segment_rows(
+                seg, self.spec.kind, seg_rows, list(self.spec.layers), stored=True
+            )
         block = RowBlock(
-            segment=int(c["segment"][p.lo]),
-            seg_rows=c["seg_row"][sl],
+            segment=seg,
+            seg_rows=seg_rows,
             src_start=c["src_start"][sl],
             n_src=c["n_src"][sl],
             subject_start=c["subject_start"][sl],
             subject_end=c["subject_end"][sl],
         )
-        if self._stored:
-            return self.store.read_segment_rows(
-                block.segment, self.spec.kind, block.seg_rows, list(self.spec.layers), stored=True
-            )
         return block_features(self.store, self.spec, block, self._n_sources)
+
+    def _read_into(self, p: _Piece, dest: np.ndarray) -> bool:
+        """Decode piece ``p`` straight into ``dest`` (its rows of the window) when its rows are a run of
+        a local store whose chunks hold exactly the selected layers (one layer of a sharded array,
+        or every layer of an unsharded one): no intermediate array, no copy.  False: not so (nothing
+        written; the caller reads the piece with :meth:`_read`)."""
+        if not self._stored:
+            return False
+        c = self._cols
+        seg = int(c["segment"][p.lo])
+        s0, s1 = int(c["seg_row"][p.lo]), int(c["seg_row"][p.hi - 1]) + 1
+        direct = self._direct(seg) if s1 - s0 == p.hi - p.lo else None
+        if direct is None:
+            return False
+        lc, blocks, positions = direct
+        k = lc.inner1 or int(lc.shape[1])  # positions of axis 1 in one (inner) chunk
+        if blocks is None:
+            blocks = list(range(lc.n_inner))
+        if (
+            len(blocks) != 1
+            or (positions is not None and positions != list(range(k)))
+            or not dest.flags.c_contiguous
+        ):
+            return False
+        if s0 < 0 or s1 > lc.shape[0]:
+            self._read_direct(seg, s0, s1, *direct)  # raises its one-line error
+        n, b = int(lc.chunks[0]), blocks[0]
+        where = f"{self.store.url}/segments/{segment_name(seg)}/{self.spec.kind}"
+        tmp: np.ndarray | None = None
+        try:
+            # LocalChunks's own per-chunk steps (read and check a chunk's bytes, decode them into a
+            # given array), as its read() runs them for one block, with the window as destination.
+            for ci in range(s0 // n, -(-s1 // n)):
+                a, z = max(s0, ci * n), min(s1, (ci + 1) * n)
+                data = lc._inner(ci, [b])[0] if lc.inner1 else lc._file(ci)
+                if a == ci * n and z == (ci + 1) * n:  # a whole chunk: decoded in place
+                    lc._decode(ci, b, data, dest[a - s0 : z - s0].reshape(-1).view(np.uint8))
+                    continue
+                if tmp is None:
+                    tmp = np.empty((n, *dest.shape[1:]), dtype=dest.dtype)
+                lc._decode(ci, b, data, tmp.reshape(-1).view(np.uint8))
+                dest[a - s0 : z - s0] = tmp[a - ci * n : z - ci * n]
+        except MissingChunkError as e:
+            raise CorruptStoreError(f"{where}: chunk read failed for rows {s0}:{s1} ({e})") from None
+        except Exception as e:  # a checksum or Blosc frame that does not match
+            raise CorruptStoreError(
+                f"{where}: chunk read failed for rows {s0}:{s1} ({type(e).__name__}: {e})"
+            ) from None
+        return True
+
+    def _read_direct(
+        self,
+        seg: int,
+        s0: int,
+        s1: int,
+        lc: LocalChunks,
+        blocks: list[int] | None,
+        positions: list[int] | None,
+    ) -> np.ndarray:
+        """Rows ``s0 .. s1`` of segment ``seg`` (storage dtype, the selected layers), as
+        :meth:`StoreReader.read_segment_rows` reads them (the same checks and errors) less its
+        per-call planning: the whole chunks that hold them decoded by ``lc``."""
+        where = f"{self.store.url}/segments/{segment_name(seg)}/{self.spec.kind}"
+        if s0 < 0 or s1 > lc.shape[0]:
+            raise CorruptStoreError(
+                f"{where}: rows {s0}..{s1 - 1} asked for, the array has {lc.shape[0]} (the targets table "
+                "disagrees with the arrays; run actstore verify)"
+            )
+        n = int(lc.chunks[0])
+        c0 = s0 // n
+        try:
+            block = lc.read(c0, -(-s1 // n), blocks)
+        except MissingChunkError as e:
+            raise CorruptStoreError(f"{where}: chunk read failed for rows {c0 * n}:{s1} ({e})") from None
+        except Exception as e:  # a checksum or Blosc frame that does not match
+            raise CorruptStoreError(
+                f"{where}: chunk read failed for rows {c0 * n}:{s1} ({type(e).__name__}: {e})"
+            ) from None
+        return take1(block[s0 - c0 * n : s1 - c0 * n], positions)
 
     def _windows(
         self, epoch: int, start: int, stop: threading.Event, threads: int | None = None
-    ) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
-        """(features, row ids) of each window from the one holding ``start``, in the epoch's order."""
+    ) -> Iterator[_Window]:
+        """Each window from the one holding ``start``, in the epoch's order: its rows in store order
+        (storage dtype, in a recycled buffer), their ids and the window's permutation."""
         pieces = self._pieces(epoch, start)
         # workers=1: the background thread that assembles the windows reads them too (no pool: one
         # thread fewer to schedule); workers=k >= 2: k reader threads feed it.
@@ -311,56 +457,73 @@ class ActivationLoader:
             if self.workers >= 2
             else None
         )
-        pending: deque[tuple[_Piece, Future[np.ndarray] | None]] = deque()
-        it = iter(pieces)
+        sizes: dict[int, int] = {}  # rows of each window: its pieces cover 0 .. m
+        for p in pieces:
+            sizes[p.window] = max(sizes.get(p.window, 0), p.at + (p.hi - p.lo))
+        # At most three window buffers in use (the one the consumer gathers from, one ready, one being
+        # filled), taken from the loader's idle ones (reused across windows and epochs).  The reader
+        # threads decode into the buffer of the piece's window: a piece of the next window is handed to
+        # them only when a buffer is free for it (never waited for: the window being filled comes first).
+        held = threading.Semaphore(3)
+        shape = (min(self.buffer_rows, self.rows_per_epoch), *self._row_shape)
+        bufs: dict[int, np.ndarray] = {}  # window -> its buffer, from its first read until it is handed on
+
+        def claim(w: int, wait: bool) -> np.ndarray | None:
+            if w not in bufs:
+                if wait:
+                    while not held.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return None
+                elif not held.acquire(blocking=False):
+                    return None
+                bufs[w] = self._buffers.take(shape, self._win_dtype)
+            return bufs[w]
+
+        def dest(p: _Piece) -> np.ndarray:
+            return bufs[p.window][p.at : p.at + (p.hi - p.lo)]
+
+        pending: deque[tuple[_Piece, Future[None] | None]] = deque()
+        nxt = 0  # the next piece to hand on
 
         def top_up() -> None:
-            while len(pending) < self.prefetch:
-                p = next(it, None)
-                if p is None:
-                    return
-                pending.append((p, pool.submit(self._read, p) if pool is not None else None))
+            nonlocal nxt
+            while len(pending) < self.prefetch and nxt < len(pieces):
+                p = pieces[nxt]
+                if pool is not None and claim(p.window, wait=False) is None:
+                    return  # no buffer free for the next window yet
+                pending.append((p, pool.submit(self._fill, p, dest(p)) if pool is not None else None))
+                nxt += 1
 
         try:
-            top_up()
-            sizes: dict[int, int] = {}  # rows of each window: its pieces cover 0 .. m
-            for p in pieces:
-                sizes[p.window] = max(sizes.get(p.window, 0), p.at + (p.hi - p.lo))
-            while pending and not stop.is_set():
-                w = pending[0][0].window
+            while nxt < len(pieces) or pending:
+                w = pending[0][0].window if pending else pieces[nxt].window
+                if claim(w, wait=True) is None:
+                    return
+                top_up()
                 m = sizes[w]
-                perm = self._window_perm(epoch, w, m)
-                out = np.empty((m, *self._row_shape), dtype=self._win_dtype)
                 ids = np.empty(m, dtype=np.int64)
-                inv = None
-                if perm is not None:
-                    inv = np.empty(m, dtype=np.int64)
-                    inv[perm] = np.arange(m)  # window position -> output position
                 while pending and pending[0][0].window == w:  # each piece placed as it arrives
                     p, fut = pending.popleft()
-                    x = fut.result() if fut is not None else self._read(p)
+                    if fut is not None:
+                        fut.result()
+                    else:
+                        self._fill(p, dest(p))
                     top_up()
-                    dest: slice | np.ndarray = (
-                        slice(p.at, p.at + x.shape[0]) if inv is None else inv[p.at : p.at + x.shape[0]]
-                    )
-                    out[dest] = x
-                    ids[dest] = self._cols["row"][p.lo : p.hi]
-                    del x
-                t = (
-                    torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
-                    if self._bf16_bits
-                    else torch.from_numpy(out)
-                )
-                if self.flatten:
-                    t = t.reshape(m, -1)
-                if t.dtype != self.dtype:
-                    t = t.to(self.dtype)
-                yield t, ids
+                    ids[p.at : p.at + (p.hi - p.lo)] = self._cols["row"][p.lo : p.hi]
+                buf = bufs.pop(w)
+                yield _Window(buf[:m], ids, self._window_perm(epoch, w, m), buf, held, self._buffers)
+                if stop.is_set():
+                    return
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
 
-    def _background(self, epoch: int, start: int) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
+    def _fill(self, p: _Piece, dest: np.ndarray) -> None:
+        """Piece ``p``'s rows into ``dest``: decoded there, or read and copied."""
+        if not self._read_into(p, dest):
+            dest[...] = self._read(p)
+
+    def _background(self, epoch: int, start: int) -> Iterator[_Window]:
         """:meth:`_windows` assembled by a background thread, one window ahead of the consumer."""
         if self.workers == 0:
             yield from self._windows(epoch, start, threading.Event())
@@ -403,8 +566,21 @@ class ActivationLoader:
             stop.set()
             th.join()
 
+    def _tensor(self, rows: np.ndarray) -> torch.Tensor:
+        """Window rows (storage dtype) as a torch tensor sharing their memory, flattened if asked."""
+        t = (
+            torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+            if self._bf16_bits
+            else torch.from_numpy(rows)
+        )
+        return t.reshape(t.shape[0], -1) if self.flatten else t
+
     def __iter__(self) -> Iterator[Any]:
-        """The rest of the current epoch (all of it unless resumed); at its end the epoch advances."""
+        """The rest of the current epoch (all of it unless resumed); at its end the epoch advances.
+
+        Each batch is gathered from its window (``index_select`` by the window's permutation) and
+        converted to ``dtype`` by torch in one pass over the batch: a new tensor, never a view of
+        the window (whose buffer is reused once all its rows are given)."""
         epoch, start = self.epoch, self.position
         lo, hi = self._share()
         total = hi - lo
@@ -421,26 +597,36 @@ class ActivationLoader:
             self.epoch, self.position = epoch, given
             return (torch.from_numpy(i), x) if self.with_ids else x
 
-        for x, ids in self._background(epoch, start):
-            if skip:
-                x, ids, skip = x[skip:], ids[skip:], 0
-            at = 0
-            n = x.shape[0]
-            if n_carry:
-                need = bs - n_carry
-                carry_x.append(x[:need])
-                carry_i.append(ids[:need])
-                n_carry += min(need, n)
-                at = min(need, n)
-                if n_carry < bs:
-                    continue
-                yield emit(torch.cat(carry_x), np.concatenate(carry_i))
-                carry_x, carry_i, n_carry = [], [], 0
-            while n - at >= bs:
-                yield emit(x[at : at + bs], ids[at : at + bs])
-                at += bs
-            if at < n:
-                carry_x, carry_i, n_carry = [x[at:]], [ids[at:]], n - at
+        for win in self._background(epoch, start):
+            try:
+                src = self._tensor(win.rows)
+                wp = win.perm
+                perm = None if wp is None else torch.from_numpy(wp)
+                m = win.rows.shape[0]
+                at, skip = skip, 0
+                while at < m:
+                    take = min(bs - n_carry, m - at)
+                    if perm is None or wp is None:
+                        x = src[at : at + take]
+                        i = win.ids[at : at + take]
+                        x = x.to(self.dtype) if x.dtype != self.dtype else x.clone()
+                    else:
+                        x = src.index_select(0, perm[at : at + take])
+                        i = win.ids[wp[at : at + take]]
+                        if x.dtype != self.dtype:
+                            x = x.to(self.dtype)
+                    at += take
+                    if n_carry == 0 and take == bs:
+                        yield emit(x, i)
+                        continue
+                    carry_x.append(x)
+                    carry_i.append(i)
+                    n_carry += take
+                    if n_carry == bs:
+                        yield emit(torch.cat(carry_x), np.concatenate(carry_i))
+                        carry_x, carry_i, n_carry = [], [], 0
+            finally:
+                win.release()
         if n_carry:
             yield emit(
                 carry_x[0] if len(carry_x) == 1 else torch.cat(carry_x),
