@@ -389,17 +389,16 @@ class ActivationLoader:
         where = f"{self.store.url}/segments/{segment_name(seg)}/{self.spec.kind}"
         tmp: np.ndarray | None = None
         try:
-            # LocalChunks's own per-chunk steps (read and check a chunk's bytes, decode them into a
-            # given array), as its read() runs them for one block, with the window as destination.
+            # LocalChunks's per-chunk read (its bytes read, checked and decoded into a given array),
+            # as its read() runs it for one block, with the window as destination.
             for ci in range(s0 // n, -(-s1 // n)):
                 a, z = max(s0, ci * n), min(s1, (ci + 1) * n)
-                data = lc._inner(ci, [b])[0] if lc.inner1 else lc._file(ci)
                 if a == ci * n and z == (ci + 1) * n:  # a whole chunk: decoded in place
-                    lc._decode(ci, b, data, dest[a - s0 : z - s0].reshape(-1).view(np.uint8))
+                    lc.read_chunk_into(ci, b, dest[a - s0 : z - s0].reshape(-1).view(np.uint8))
                     continue
                 if tmp is None:
                     tmp = np.empty((n, *dest.shape[1:]), dtype=dest.dtype)
-                lc._decode(ci, b, data, tmp.reshape(-1).view(np.uint8))
+                lc.read_chunk_into(ci, b, tmp.reshape(-1).view(np.uint8))
                 dest[a - s0 : z - s0] = tmp[a - ci * n : z - ci * n]
         except MissingChunkError as e:
             raise CorruptStoreError(f"{where}: chunk read failed for rows {s0}:{s1} ({e})") from None

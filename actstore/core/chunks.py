@@ -146,6 +146,13 @@ class LocalChunks:
         finally:
             os.close(fd)
 
+    def read_chunk_into(self, i: int, block: int, dest: np.ndarray) -> None:
+        """Chunk ``i`` (of a sharded array: its inner chunk ``block``; else ``block`` is 0) read, checked
+        and decoded into ``dest`` (uint8, the chunk's size): for a reader that keeps its own buffers
+        (the training loader's windows)."""
+        data = self._inner(i, [block])[0] if self.inner1 else self._file(i)
+        self._decode(i, block, data, dest)
+
     def read(self, c0: int, c1: int, blocks: Sequence[int] | None = None) -> np.ndarray:
         """Rows ``c0 * chunk .. min(c1 * chunk, shape[0])``: chunks c0..c1-1 decoded into one array;
         ``blocks``: of a sharded array, only these inner chunks of axis 1, concatenated along it (None: all)."""
