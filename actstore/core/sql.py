@@ -8,11 +8,16 @@ Three layers, each enough on its own to stop a statement from writing:
    ``EXPLAIN ANALYZE`` executes the statement it explains.  A SELECT cannot contain another kind of
    statement (the grammar has no COPY or EXPLAIN subquery, and ``query()`` takes one SELECT).
    ``--where`` predicates are parsed as exactly one expression (:func:`predicate`).
-2. **The connection.**  Every table is an Arrow dataset over the store's own Parquet files, read by
-   pyarrow and registered with DuckDB; DuckDB itself then gets no file access at all
-   (``enable_external_access = false`` with no allowed directories or paths), no temporary
-   directory (nothing spills, nothing is written), no extension loading, no Python replacement
-   scans (a query cannot read the caller's variables), and a locked configuration.
+2. **The connection.**  DuckDB gets no file access of its own (``enable_external_access = false``),
+   no temporary directory (nothing spills, nothing is written), no extension loading, no Python
+   replacement scans (a query cannot read the caller's variables), and a locked configuration.
+   On a connection handed out (:func:`connect`, ``format="relation"``) and for a store on an object
+   store, every table is an Arrow dataset over the store's own Parquet files, read by pyarrow and
+   registered with DuckDB, with no allowed directory or path at all.  A local store's own statements
+   (:class:`SQLSession`, :func:`run_sql`) run on a database whose one allowed "directory" is a
+   read-only Python file system serving exactly the store's table files whose hash and footer were
+   checked (:mod:`actstore.core.sql_files`): DuckDB reads those Parquet files itself (row groups
+   pruned, a Top-N bound pushed into the scan), and can neither write them nor open anything else.
 3. **Limits.**  A memory limit (DuckDB's ``memory_limit``; with no temporary directory a query
    that needs more fails; and, as DuckDB does not count what scalar functions build, the process
    may grow by at most about twice the limit while the statement runs, see :data:`GROWTH_FACTOR`)
@@ -34,7 +39,7 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
@@ -58,6 +63,7 @@ from actstore.core.sql_render import render  # noqa: F401 - part of this module'
 
 if TYPE_CHECKING:
     from actstore.core.fs import StoreLocation
+    from actstore.core.sql_files import CheckedFiles
 
 Params = Sequence[Any] | Mapping[str, Any]
 """SQL parameter values: a sequence for ``?`` / ``$1`` placeholders, a mapping for ``$name`` ones."""
@@ -113,8 +119,10 @@ def _dataset(store: TableSource, files: list[str]) -> pads.Dataset:
     return data
 
 
-def _new_connection(memory_limit: str) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection, locked down (see the module notes), with no table yet."""
+def _new_connection(memory_limit: str, files: CheckedFiles | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection, locked down (see the module notes), with no table yet.
+    ``files``: a read-only file system of checked table files (:mod:`actstore.core.sql_files`), the
+    only "directory" DuckDB may then read from."""
 
     con = duckdb.connect(
         ":memory:",
@@ -130,7 +138,13 @@ def _new_connection(memory_limit: str) -> duckdb.DuckDBPyConnection:
         },
     )
     try:
-        con.execute("SET enable_external_access = false")  # no allowed directories or paths: none at all
+        if files is not None:
+            from actstore.core.sql_files import PREFIX
+
+            con.register_filesystem(files)
+            con.execute("SET parquet_metadata_cache = true")  # footers read once per file, not per statement
+            con.execute(f"SET allowed_directories = ['{PREFIX}']")  # the read-only checked files alone
+        con.execute("SET enable_external_access = false")  # else no allowed directories or paths: none at all
         con.execute("SET lock_configuration = true")
     except BaseException:
         con.close()
@@ -264,17 +278,106 @@ def _database(memory_limit: str) -> duckdb.DuckDBPyConnection:
         return db
 
 
+class FileDatabase:
+    """A local store's own locked-down in-memory database (one per memory limit), whose views read
+    the store's checked table files through a read-only file system (:mod:`actstore.core.sql_files`):
+    DuckDB's Parquet reader then prunes row groups and pushes a Top-N bound into the scan.
+
+    Statements run in parallel, each on a cursor of its own (a connection to this database, taken
+    from a pool and put back); the views belong to the database, so every cursor sees them.  Views
+    are made and remade under ``lock`` (the files of a table are checked before its view is made or
+    its files put on the file system's list)."""
+
+    def __init__(self, memory_limit: str) -> None:
+        from actstore.core.sql_files import CheckedFiles
+
+        self.files = CheckedFiles()
+        self.db = _new_connection(memory_limit, self.files)
+        self.lock = threading.Lock()
+        self.views: dict[str, tuple[str, ...]] = {}
+        self._free: list[duckdb.DuckDBPyConnection] = []
+        self._cursors: list[duckdb.DuckDBPyConnection] = []
+
+    def prepare(self, store: TableSource, tables: set[str] | None) -> None:
+        """Current views of ``tables`` (all tables when None), their files checked (see
+        :meth:`SQLSession.connection`)."""
+        from actstore.core.sql_files import readable, view_source
+
+        with self.lock:
+            listed, every = store.statement_files(tables)
+            for gone in [n for n in self.views if every and n not in listed]:
+                self._drop(gone)
+                del self.views[gone]
+            wanted = [n for n in listed if tables is None or n in tables]
+            store.check_table_shards(None if tables is None else wanted, listed)
+            loc = store.location
+            checked = listed if tables is None else {n: listed[n] for n in wanted}
+            self.files.allow([loc.path(f) for files in checked.values() for f in files])
+            for name in [n for n in wanted if self.views.get(n) != tuple(listed[n])]:
+                self.views.pop(name, None)
+                self._drop(name)
+                files = listed[name]
+                paths = [loc.path(f) for f in files]
+                if files and readable(paths):
+                    schemas = [store.file_schema(f) for f in files]
+                    self.db.execute(
+                        f"CREATE VIEW {_quote(name)} AS SELECT * FROM {view_source(paths, schemas)}"
+                    )
+                else:  # no file yet (an empty table), or a path DuckDB would take for a pattern: in memory
+                    source = f"__arrow_{name}"
+                    with contextlib.suppress(Exception):
+                        self.db.unregister(source)
+                    self.db.register(source, store.table(name, files=files))
+                    self.db.execute(f"CREATE TABLE {_quote(name)} AS SELECT * FROM {_quote(source)}")
+                    self.db.unregister(source)
+                self.views[name] = tuple(files)
+
+    def _drop(self, name: str) -> None:
+        for kind in ("VIEW", "TABLE"):  # (one of them: dropping the other kind is an error)
+            with contextlib.suppress(duckdb.Error):
+                self.db.execute(f"DROP {kind} IF EXISTS {_quote(name)}")
+
+    @contextlib.contextmanager
+    def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor of this database for one statement (from the pool, put back after)."""
+        with self.lock:
+            if self._free:
+                con = self._free.pop()
+            else:
+                con = self.db.cursor()
+                self._cursors.append(con)
+        try:
+            yield con
+        finally:
+            with self.lock:
+                self._free.append(con)
+
+    def close(self) -> None:
+        with self.lock:
+            for con in self._cursors:
+                con.close()
+            self.db.close()
+            self._free, self._cursors = [], []
+
+
 class SQLSession:
     """The SQL connection a store keeps (:meth:`actstore.core.store.StoreReader.sql`) between statements.
 
-    It is a connection to the process's locked-down in-memory database (one per memory limit), with
-    the store's tables as views of its own (``TEMP``: other stores' sessions on the same database do
-    not see them).  A table's view is made when a statement first reads that table, and made again
+    A local store's statements run on a database of the store's own (:class:`FileDatabase`, one per
+    memory limit), each on a cursor of its own, so that statements of several threads run in
+    parallel; DuckDB reads the store's checked table files itself, through a read-only file system
+    that serves those files alone (:mod:`actstore.core.sql_files`).
+
+    A store on an object store runs its statements on a connection to the process's locked-down
+    in-memory database (one per memory limit), with the store's tables read into memory as views of
+    its own (``TEMP``: other stores' sessions on the same database do not see them), one statement
+    at a time (``lock``).
+
+    Either way, a table's view is made when a statement first reads that table, and made again
     when its files changed (new segments or result files after ``refresh``, a result written through
     the store; :meth:`~actstore.core.store_tables.TableFiles.statement_files`); tables a statement
     does not read are neither opened nor checked (a table's files are checked once, when a statement
-    first reads it).  Statements of one session run one at a time
-    (``lock``).  Another memory limit, or a forked process, gets another connection.
+    first reads it).  Another memory limit, or a forked process, gets another connection.
     """
 
     def __init__(self) -> None:
@@ -282,6 +385,27 @@ class SQLSession:
         self._con: duckdb.DuckDBPyConnection | None = None
         self._key: tuple[int, str] | None = None
         self._views: dict[str, tuple[str, ...]] = {}
+        self._databases: dict[tuple[int, str], FileDatabase] = {}
+
+    def database(self, memory_limit: str) -> FileDatabase:
+        """The store's own database for this memory limit (made on first use; see :class:`FileDatabase`)."""
+        key = (os.getpid(), memory_limit)
+        with self.lock:
+            db = self._databases.get(key)
+            if db is None:
+                self._databases = {k: v for k, v in self._databases.items() if k[0] == key[0]}
+                db = self._databases[key] = FileDatabase(memory_limit)
+            return db
+
+    @contextlib.contextmanager
+    def cursor(
+        self, store: TableSource, memory_limit: str, tables: set[str] | None
+    ) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A cursor for one statement of a local store, with current views of ``tables``."""
+        db = self.database(memory_limit)
+        db.prepare(store, tables)
+        with db.cursor() as con:
+            yield con
 
     def connection(
         self, store: TableSource, memory_limit: str, tables: set[str] | None
@@ -317,7 +441,10 @@ class SQLSession:
         with self.lock:
             if self._con is not None and self._key is not None and self._key[0] == os.getpid():
                 self._con.close()
-            self._con, self._key, self._views = None, None, {}
+            for key, db in self._databases.items():
+                if key[0] == os.getpid():
+                    db.close()
+            self._con, self._key, self._views, self._databases = None, None, {}, {}
 
 
 def _statement(query: str) -> duckdb.Statement:
@@ -413,6 +540,9 @@ def run_sql(
         return _execute(con, stmt, bound, lim)
     session_of = getattr(store, "sql_session", None)
     session = session_of() if callable(session_of) else None
+    if isinstance(session, SQLSession) and store.location.is_local:
+        with session.cursor(store, lim.memory_limit, referenced_tables(stmt.query)) as con:
+            return _execute(con, stmt, bound, lim)
     if isinstance(session, SQLSession):
         with session.lock:
             return _execute(
