@@ -1,8 +1,8 @@
 """The SQL connection a Store keeps between statements (actstore.core.sql.SQLSession).
 
-Each Store runs its statements on one connection to the process's locked-down database, with its
-tables as views of its own, made when a statement first reads them and remade when their files
-change.  Checked: the answers equal those of a connection opened for the statement
+Each local Store runs its statements on a locked-down database of its own (cursors of it, one per
+statement running), with its tables as views, made when a statement first reads them and remade when
+their files change.  Checked: the answers equal those of a connection opened for the statement
 (``Store.connect``), the connection is reused, two stores in one process never see each other's
 tables, a result table written after the first statement is seen by the next, threads sharing a
 Store get their own answers, a pickled Store queries on its own, and the parse-tree table names.
@@ -20,7 +20,7 @@ import pytest
 from helpers import FIXTURES
 
 import actstore
-from actstore.core.sql import SQLSession, referenced_tables
+from actstore.core.sql import DEFAULT_MEMORY_LIMIT, SQLSession, referenced_tables
 from actstore.core.writer import write_result_table
 
 QUERIES = [
@@ -53,11 +53,13 @@ def test_statements_reuse_one_connection_and_answer_as_a_fresh_one(two_stores: t
     store = actstore.open(a)
     session = store.sql_session()
     assert isinstance(session, SQLSession) and store.sql_session() is session
-    cons = []
+    dbs = []
     for q in QUERIES * 2:
         assert store.sql(q).equals(fresh_answer(a, q)), q
-        cons.append(session._con)
-    assert cons[0] is not None and all(c is cons[0] for c in cons)
+        dbs.append(list(session._databases.values()))
+    # a local store: one database of its own, and statements one after another reuse one cursor of it
+    db = session.database(DEFAULT_MEMORY_LIMIT)
+    assert all(d == [db] for d in dbs) and len(db._cursors) == 1
 
 
 def test_two_stores_in_one_process_see_their_own_tables(two_stores: tuple[Path, Path]) -> None:
