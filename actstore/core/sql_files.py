@@ -19,6 +19,7 @@ own database, ``read_parquet`` over these paths.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import threading
 from collections.abc import Sequence
@@ -30,6 +31,56 @@ import pyarrow as pa
 PROTOCOL = "actstore-table"
 PREFIX = PROTOCOL + "://"
 GLOB_CHARACTERS = set("*?[]{}")
+
+
+class _ReadOnlyFile(io.RawIOBase):
+    """A local file opened for reading, its position kept per thread and read with ``pread``: DuckDB
+    reads one open file from several threads (a seek, then a read, each a call into Python), which
+    on one shared position would interleave and read the wrong bytes."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.name = path
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._size = os.fstat(self._fd).st_size
+        self._at = threading.local()
+
+    def _pos(self) -> int:
+        return int(getattr(self._at, "pos", 0))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos(), io.SEEK_END: self._size}[whence]
+        self._at.pos = max(0, base + offset)
+        return int(self._at.pos)
+
+    def tell(self) -> int:
+        return self._pos()
+
+    def read(self, size: int | None = -1) -> bytes:
+        pos = self._pos()
+        n = self._size - pos if size is None or size < 0 else size
+        data = os.pread(self._fd, max(0, n), pos)
+        self._at.pos = pos + len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer)))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
 
 
 def _refuse(*args: Any, **kwargs: Any) -> Any:
@@ -75,7 +126,7 @@ class CheckedFiles(fsspec.AbstractFileSystem):
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if mode != "rb":
             raise PermissionError(f"the store's table files are read-only (mode {mode!r})")
-        return open(self._file(path), "rb")  # noqa: SIM115 - fsspec's caller closes it
+        return _ReadOnlyFile(self._file(path))
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         p = self._file(path)
