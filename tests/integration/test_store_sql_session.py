@@ -93,6 +93,48 @@ def test_a_result_table_written_after_the_first_statement_is_seen(
     assert store.sql("SELECT sum(x) AS s FROM my_result").column(0)[0].as_py() == 116
 
 
+def test_tables_of_many_files_read_through_arrow_answer_alike(
+    two_stores: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table of more files than ``MAX_FILE_VIEW_FILES`` is an Arrow dataset registered on each cursor
+    (DuckDB would open each file through Python for every statement; a store's segment tables before
+    compaction have a file a segment): with the bound at 1, a result table moves from a file view to
+    Arrow when its second file is written; its answers, in one thread and in several, equal a fresh connection's."""
+    import shutil
+
+    from actstore.core import sql as sql_module
+
+    monkeypatch.setattr(sql_module, "MAX_FILE_VIEW_FILES", 1)
+    path = tmp_path / "copy"
+    shutil.copytree(two_stores[0], path)
+    store = actstore.open(path)
+    db = store.sql_session().database(DEFAULT_MEMORY_LIMIT)
+    write_result_table(store, "my_result", "run1", pa.table({"x": [1, 2, 3]}))
+    assert store.sql("SELECT sum(x) AS s FROM my_result").column(0)[0].as_py() == 6
+    assert "my_result" in db.views and "my_result" not in db.arrow  # one file: a file view
+    write_result_table(store, "my_result", "run2", pa.table({"x": [10]}))
+    assert store.sql("SELECT sum(x) AS s FROM my_result").column(0)[0].as_py() == 16
+    assert "my_result" in db.arrow  # two files: Arrow
+    write_result_table(store, "my_result", "run3", pa.table({"x": [100]}))
+    queries = [*QUERIES, "SELECT sum(x) AS s, count(*) AS n FROM my_result"]
+    want = {q: fresh_answer(path, q) for q in queries}
+    assert want[queries[-1]].to_pylist() == [{"s": 116, "n": 5}]
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        for k in range(6):
+            q = queries[(i + k) % len(queries)]
+            if not store.sql(q).equals(want[q]):
+                errors.append(q)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
 def test_statements_list_a_directory_only_for_a_result_table(
     two_stores: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
