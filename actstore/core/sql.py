@@ -39,6 +39,7 @@ import functools
 import json
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -304,6 +305,7 @@ class FileDatabase:
 
         self.files = CheckedFiles()
         self.db = _new_connection(memory_limit, self.files)
+        _LIVE_DATABASES.add(self)
         self.lock = threading.Lock()
         self.views: dict[str, tuple[str, ...]] = {}
         #: the tables read through Arrow: name -> (files, dataset or table)
@@ -392,6 +394,22 @@ class FileDatabase:
             self._free, self._cursors = [], []
 
 
+#: Every FileDatabase made in this process (weakly held), and those a forked child inherited (held for
+#: good): a DuckDB database made before a fork must never be closed in the child, where its threads do
+#: not exist (closing it there hung, or crashed the child).
+_LIVE_DATABASES: weakref.WeakSet[FileDatabase] = weakref.WeakSet()
+_INHERITED_DATABASES: list[FileDatabase] = []
+
+
+def _keep_inherited_databases() -> None:
+    _INHERITED_DATABASES.extend(_LIVE_DATABASES)
+    _LIVE_DATABASES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_keep_inherited_databases)
+
+
 class SQLSession:
     """The SQL connection a store keeps (:meth:`actstore.core.store.StoreReader.sql`) between statements.
 
@@ -425,7 +443,6 @@ class SQLSession:
         with self.lock:
             db = self._databases.get(key)
             if db is None:
-                self._databases = {k: v for k, v in self._databases.items() if k[0] == key[0]}
                 db = self._databases[key] = FileDatabase(memory_limit)
             return db
 

@@ -10,6 +10,7 @@ Store get their own answers, a pickled Store queries on its own, and the parse-t
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 from collections.abc import Callable
@@ -188,6 +189,49 @@ def test_a_pickled_store_queries_on_its_own_connection(two_stores: tuple[Path, P
     copy = pickle.loads(pickle.dumps(store))
     assert copy.sql(QUERIES[0]).equals(first)
     assert copy.sql_session() is not store.sql_session()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_queries_on_a_database_of_its_own(two_stores: tuple[Path, Path]) -> None:
+    """A child forked after the store ran statements (its database and cursors made, DuckDB's threads
+    running) answers on a database of its own and ends cleanly, three times; the parent goes on.  The
+    database the child inherited must never be closed there: its threads do not exist in the child
+    (dropping it crashed the child with SIGSEGV, closing it at the store's end hung)."""
+    import gc
+    import json
+    import signal
+    import time
+
+    a, _ = two_stores
+    store = actstore.open(a)
+    want = [store.sql(q).to_pylist() for q in QUERIES]
+    for _ in range(3):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: answer, drop the store (and so its sessions), report, leave at once
+            code = 1
+            try:
+                got = [store.sql(q).to_pylist() for q in QUERIES]
+                del store
+                gc.collect()
+                os.write(write, json.dumps(got, default=str).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        status = done[1]
+        with os.fdopen(read, "rb") as f:
+            got = json.loads(f.read() or b"null")
+        assert status == 0, status
+        assert got == json.loads(json.dumps(want, default=str))
+    assert [store.sql(q).to_pylist() for q in QUERIES] == want
 
 
 def test_referenced_tables_from_the_parse_tree() -> None:
