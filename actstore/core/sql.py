@@ -143,9 +143,8 @@ def _new_connection(memory_limit: str, files: CheckedFiles | None = None) -> duc
             from actstore.core.sql_files import PREFIX
 
             con.register_filesystem(files)
-            con.execute(
-                "SET GLOBAL parquet_metadata_cache = true"
-            )  # footers read once a file (GLOBAL: cursors too)
+            # footers read once a file (GLOBAL: a session setting would not reach the cursors)
+            con.execute("SET GLOBAL parquet_metadata_cache = true")
             con.execute(f"SET allowed_directories = ['{PREFIX}']")  # the read-only checked files alone
         con.execute("SET enable_external_access = false")  # else no allowed directories or paths: none at all
         con.execute("SET lock_configuration = true")
