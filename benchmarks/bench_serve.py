@@ -13,7 +13,9 @@ warm-up (the tables' hashes, the relations, the example ids) runs before the clo
 prompt page: navigation to ``body[data-ready]`` (every API call of the page answered and drawn) for
 ``--rounds`` prompts not requested before, in Debian's Chromium driven by Playwright (skipped
 without either).  The text search answers its first page (it reads at most 100,000 example ids a
-request).  ``load_after``: the 1-minute load average when a store's figures were taken.
+request).  ``parallel``: ``2 x rounds`` prompt (and head) views requested one after another, and as
+many others by ``--threads`` threads at once (:func:`measure_parallel`).  ``load_after``: the 1-minute load average
+when a store's figures were taken.
 """
 
 from __future__ import annotations
@@ -166,6 +168,49 @@ def measure_api(host: str, name: str, rounds: int) -> dict[str, Any]:
     return {"routes": out, "urls": {k: v[0] for k, v in listed.items()}, "page_urls": pages}
 
 
+def measure_parallel(host: str, name: str, k: int, threads: int) -> dict[str, Any]:
+    """Requests at once to one store, per computing route (prompt views of prompts, and head views of
+    heads, not requested before; heads only where the store has ``4 k`` of them): ``k`` URLs one after
+    another, then ``k`` others by ``threads`` threads at once (a connection each); the wall time of each
+    batch and their ratio (the speed-up of parallel requests; with a lock per store it is at most 1)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    con = http.client.HTTPConnection(host, timeout=600)
+    base = f"/api/s/{name}"
+    g = json.loads(_get(con, f"{base}/summary")[1])["geometry"]
+    q = f"SELECT example_id FROM examples ORDER BY hash(example_id + 7919) LIMIT {2 * k}"
+    exs = [r[0] for r in json.loads(_get(con, f"{base}/sql?q={quote(q)}&size=500")[1])["rows"]]
+    routes = {"prompt": [f"{base}/prompts/{ex}" for ex in exs]}
+    heads = [(layer, h) for layer in range(g["n_layers"]) for h in range(g["n_heads"])]
+    if len(heads) >= 4 * k:  # other heads than measure_api's (i * 7919 % n for i < rounds)
+        picked = [heads[(i * 7919 + 4099) % len(heads)] for i in range(len(heads))]
+        routes["head"] = [f"{base}/heads/{layer}/{h}" for layer, h in dict.fromkeys(picked)][: 2 * k]
+    local = threading.local()
+
+    def one(url: str) -> int:
+        if not hasattr(local, "con"):
+            local.con = http.client.HTTPConnection(host, timeout=600)
+        return _get(local.con, url)[0]
+
+    out: dict[str, Any] = {"threads": threads, "requests": k}
+    for route, urls in routes.items():
+        t0 = time.perf_counter()
+        codes = [_get(con, url)[0] for url in urls[:k]]
+        serial_ms = 1000 * (time.perf_counter() - t0)
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            codes += list(pool.map(one, urls[k : 2 * k]))
+            parallel_ms = 1000 * (time.perf_counter() - t0)
+        assert codes == [200] * len(codes), (route, codes)
+        out[route] = {
+            "serial_ms": round(serial_ms, 1),
+            "parallel_ms": round(parallel_ms, 1),
+            "speedup": round(serial_ms / parallel_ms, 2),
+        }
+    con.close()
+    return out
+
+
 def measure_page(host: str, name: str, page_urls: list[str]) -> dict[str, Any] | None:
     """Load time of the prompt page (navigation until every API call of the page is drawn), one
     first load per prompt."""
@@ -202,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("stores", nargs="+")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument(
+        "--threads", type=int, default=4, help="requests at once in the parallel measurement (1: skip it)"
+    )
     a = ap.parse_args(argv)
     server, host, names = start(a.stores)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "stores": {}}
@@ -212,12 +260,14 @@ def main(argv: list[str] | None = None) -> None:
             rows = open_reader(path).n_rows
             api = measure_api(host, name, a.rounds)
             page = measure_page(host, name, api.pop("page_urls"))
+            parallel = measure_parallel(host, name, 2 * a.rounds, a.threads) if a.threads > 1 else None
             load = os.getloadavg()[0]
             result["stores"][name] = {
                 "path": path,
                 "rows": rows,
                 **api,
                 "prompt_page": page,
+                "parallel": parallel,
                 "load_after": load,
             }
             print(f"{name}: {rows} rows", file=sys.stderr)

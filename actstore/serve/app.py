@@ -117,12 +117,10 @@ def _json(data: Any) -> Response:
 
 
 def api(fn: Callable[[Request, Served], Any]) -> Callable[[Request], Response]:
-    """A sync endpoint (Starlette runs it in a worker thread) on one store, under the store's lock."""
+    """A sync endpoint (Starlette runs it in a worker thread) on one store; requests run in parallel."""
 
     def endpoint(request: Request) -> Response:
-        served = _served(request)
-        with served.lock:
-            out = fn(request, served)
+        out = fn(request, _served(request))
         return out if isinstance(out, Response) else _json(out)
 
     endpoint.__name__ = fn.__name__
@@ -323,18 +321,17 @@ def api_openapi(request: Request) -> Response:
 def _page_route(view: str) -> Callable[[Request], Response]:
     def endpoint(request: Request) -> Response:
         served = _served(request)
-        with served.lock:
-            params = dict(request.path_params)
-            if view == "prompt":
-                params["example_id"] = str(example_id(served.store, str(params["example_id"])))
-            elif view == "relation":
-                params["relation"] = relation_id(served.store, str(params["relation"]))
-            elif view == "table":
-                params["table"] = table_name(served.store, str(params["table"]))
-            elif view == "head":
-                layer, head = layer_head(served.store, str(params["layer"]), str(params["head"]))
-                params.update(layer=str(layer), head=str(head))
-            text = pages.render(served, view, params, request.app.state.catalog.names)
+        params = dict(request.path_params)
+        if view == "prompt":
+            params["example_id"] = str(example_id(served.store, str(params["example_id"])))
+        elif view == "relation":
+            params["relation"] = relation_id(served.store, str(params["relation"]))
+        elif view == "table":
+            params["table"] = table_name(served.store, str(params["table"]))
+        elif view == "head":
+            layer, head = layer_head(served.store, str(params["layer"]), str(params["head"]))
+            params.update(layer=str(layer), head=str(head))
+        text = pages.render(served, view, params, request.app.state.catalog.names)
         return Response(text, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
 
     endpoint.__name__ = f"page_{view}"
@@ -373,21 +370,20 @@ def warm(catalog: Catalog) -> None:
 
     for s in catalog:
         try:
-            with s.lock:
-                s.cached(("summary", signature(s.store)), functools.partial(views.store_summary, s.store))
-                import actstore.query.explain  # noqa: F401  (torch, the probe)
-                from actstore.query.stats import proportion_interval
+            # (requests that come meanwhile run beside it, and may read what it has not read yet)
+            s.cached(("summary", signature(s.store)), functools.partial(views.store_summary, s.store))
+            import actstore.query.explain  # noqa: F401  (torch, the probe)
+            from actstore.query.stats import proportion_interval
 
-                proportion_interval(
-                    1, 2
-                )  # scipy.stats loads on first use: 0.6-4.6 s of a first relation view
+            proportion_interval(1, 2)  # scipy.stats loads on first use: 0.6-4.6 s of a first relation view
 
-                relations_index(s.store)
-                example_ids(s.store)
-                store_rows(s.store)  # every target row, which each sample and prompt is cut from
-                store_chunks(s.store)  # the rows of each chunk, which samples draw whole chunks of
-                search.relation_ids(s.store)  # each relation's example ids, which its pages are cut from
-                prompt.episodes_index(s.store)  # the probe episodes by query prompt
+            relations_index(s.store)
+            example_ids(s.store)
+            store_rows(s.store)  # every target row, which each sample and prompt is cut from
+            store_chunks(s.store)  # the rows of each chunk, which samples draw whole chunks of
+            search.relation_ids(s.store)  # each relation's example ids, which its pages are cut from
+            views.head_sample(s.store)  # the rows head views rank, with their texts
+            prompt.episodes_index(s.store)  # the probe episodes by query prompt
         except Exception as e:  # a damaged table: the views that read it will say so
             log.warning("serve: warming %s: %s: %s", s.name, type(e).__name__, e)
 

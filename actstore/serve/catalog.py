@@ -48,32 +48,39 @@ def discover(paths: Iterable[str]) -> list[str]:
 
 
 class Kept(OrderedDict[Any, Any]):
-    """A mapping that keeps its ``size`` most recently used entries (the trained probe episodes)."""
+    """A mapping that keeps its ``size`` most recently used entries (the trained probe episodes); safe
+    to use from several threads at once (requests run in parallel)."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
         self.size = size
+        self._lock = threading.RLock()
 
     def get(self, key: Any, default: Any = None) -> Any:
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        return default
+        with self._lock:
+            if key in self:
+                self.move_to_end(key)
+                return self[key]
+            return default
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.size:
-            self.popitem(last=False)
+        with self._lock:
+            super().__setitem__(key, value)
+            self.move_to_end(key)
+            while len(self) > self.size:
+                self.popitem(last=False)
 
 
 @dataclass
 class Served:
-    """One store, its lock (the store's readers are used by one request at a time) and its caches."""
+    """One store and its caches.  Requests to it run in parallel, each on threads of its own: the
+    store's SQL statements each on a DuckDB cursor of their own (:class:`actstore.core.sql.SQLSession`),
+    its arrays read by offset; the caches here are guarded by a lock held only to look up and store
+    (a value is built outside it, so two requests for the same new view may both build it)."""
 
     name: str
     store: StoreReader
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    lock: threading.RLock = field(default_factory=threading.RLock)  # the caches' lock
     cache: OrderedDict[Any, Any] = field(default_factory=OrderedDict)
     cache_size: int = 64
     #: trained probe episodes (about 2 MB each for SmolLM2 on FewRel): another query of one is explained
@@ -82,13 +89,16 @@ class Served:
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key`` (the store does not change under the explorer), least recently used dropped."""
-        if key in self.cache:
-            self.cache.move_to_end(key)
-            return self.cache[key]
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
         value = build()
-        self.cache[key] = value
-        while len(self.cache) > self.cache_size:
-            self.cache.popitem(last=False)
+        with self.lock:
+            self.cache[key] = value
+            self.cache.move_to_end(key)
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
         return value
 
 

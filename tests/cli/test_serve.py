@@ -596,3 +596,82 @@ def test_several_stores_by_name(served: tuple[Path, TestClient]) -> None:
         index = c.get("/")
         assert index.status_code == 200 and 'href="/s/store-2"' in index.text
         assert c.get("/api/s/store-2/summary").json()["rows"] == 18
+
+
+def test_concurrent_requests_run_in_parallel_and_answer_as_serial_ones(
+    served: tuple[Path, TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests to one store run at the same time (none waits for another: the first ``N`` meet at a
+    barrier, which a per-store lock would never let them reach together) and each answers exactly as
+    the same request does alone, one after another, on an explorer of its own (both cold: nothing
+    built before, so the concurrent ones also build the views, caches and SQL cursors together)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import quote
+
+    from actstore.core.store import StoreReader
+
+    path, _ = served
+    store = actstore.open(path)
+    exs = [int(r["example_id"]) for r in store.sql("SELECT example_id FROM examples ORDER BY 1").to_pylist()]
+    g = store.geometry
+    sorts = [
+        "SELECT example_id, relation_id, text FROM examples ORDER BY relation_id DESC, example_id",
+        "SELECT t.example_id, e.text FROM targets t JOIN examples e USING (example_id) ORDER BY e.text",
+        "SELECT relation_id, count(*) AS n, min(text) AS t FROM examples GROUP BY 1 ORDER BY 1",
+    ]
+    urls = (
+        ["/api/s/store/summary", "/api/s/store/methods", "/api/s/store/headscores"]
+        + [f"/api/s/store/relations/{r}" for r in ("P1", "P2", "P3")]
+        + [f"/api/s/store/prompts?relation=P{i}&size=4&page=1" for i in (1, 2, 3)]
+        + [f"/api/s/store/prompts?q={w}&size=5" for w in ("is", "in", "Paris")]
+        + [f"/api/s/store/prompts/{ex}" for ex in exs[::3]]
+        + [f"/api/s/store/prompts/{ex}/contributions?layer=1&head=2" for ex in exs[::4]]
+        + [f"/api/s/store/heads/{la}/{h}" for la in range(g.n_layers) for h in range(g.n_heads)]
+        + [f"/api/s/store/tables/{t}?size=4&page=1" for t in ("examples", "tokens", "probe_runs")]
+        + [f"/api/s/store/sql?q={quote(q)}&size=4&page={p}" for q in sorts for p in (0, 2)]
+        + [
+            "/api/s/store/features?kind=attn_head&layer=1&n=12&seed=3",
+            "/api/s/store/features?kind=resid&layer=2",
+        ]
+    )
+
+    def client() -> TestClient:
+        return TestClient(create_app(Catalog.open([str(path)]), warm_up=False), raise_server_exceptions=False)
+
+    alone = client()
+    serial = {u: (r.status_code, r.content) for u in urls for r in [alone.get(u)]}
+    assert all(s == 200 for s, _ in serial.values()), [u for u, (s, _) in serial.items() if s != 200]
+
+    # the first n threads to touch the store wait there until all n have: with requests run one at a
+    # time the first would wait holding the store, the barrier would break, its request answer 500
+    n = 6
+    barrier = threading.Barrier(n, timeout=20)
+    seen: set[int] = set()
+    lock = threading.Lock()
+
+    def meet() -> None:
+        me = threading.get_ident()
+        with lock:
+            if me in seen or len(seen) >= n:
+                return
+            seen.add(me)
+        barrier.wait()
+
+    class Meeting(StoreReader):
+        def __getattribute__(self, name: str) -> Any:
+            meet()
+            return super().__getattribute__(name)
+
+    together = client()
+    for s in together.app.state.catalog:
+        s.store.__class__ = Meeting
+    with ThreadPoolExecutor(n) as pool:
+        got = dict(
+            zip(urls, pool.map(lambda u: (lambda r: (r.status_code, r.content))(together.get(u)), urls))
+        )
+    assert len(seen) == n and not barrier.broken
+    differ = [u for u in urls if got[u] != serial[u]]
+    assert differ == [], differ
+    alone.close()
+    together.close()

@@ -172,7 +172,7 @@ def test_walk_from_store_to_relation_head_and_prompt(server: tuple[Path, str], p
 
 
 def test_views_heatmap_methods_features_table(server: tuple[Path, str], page: Any) -> None:
-    _, base = server
+    path, base = server
     pg = page
     for url, name, sel in (
         ("/s/store/heads", "headscore", "#headscore td.hottest"),
@@ -184,6 +184,20 @@ def test_views_heatmap_methods_features_table(server: tuple[Path, str], page: An
         ready(pg)
         assert pg.locator(sel).count() >= 1, url
         shot(pg, name)
+    # a table row is one line: the probe run's long config cut with an ellipsis, whole in its title and text
+    pg.goto(base + "/s/store/table/probe_runs")
+    ready(pg)
+    config = str(actstore.open(path).sql("SELECT config FROM probe_runs").column(0)[0].as_py())
+    assert len(config) > 200
+    cells = pg.eval_on_selector_all(
+        "#table-rows tbody td.long",
+        "els => els.map(e => [e.title, e.textContent, e.scrollWidth > e.clientWidth])",
+    )
+    assert [config, config, True] in cells, cells
+    heights = pg.eval_on_selector_all(
+        "#table-rows tr", "els => els.map(e => e.getBoundingClientRect().height)"
+    )
+    assert len(heights) == 2 and max(heights) < 2 * min(heights) + 4, heights  # the row as tall as the header
     pg.goto(base + "/s/store/features?kind=attn_head&layer=1&n=18")
     ready(pg)
     assert pg.locator("svg.scatter circle").count() == 18

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -276,16 +277,16 @@ def test_connection_has_no_file_access_even_for_a_statement_that_skips_the_check
 
 
 def test_connection_settings(work: Work) -> None:
-    """No allowed directory or path, no temporary directory, no replacement scans, locked configuration."""
+    """No temporary directory, no replacement scans, locked configuration; no allowed directory or
+    path on a connection handed out, and on the database of a store's own statements only the
+    read-only file system of its checked table files (see the next test)."""
     store = actstore.open(work.store)
-    rows = store.sql(
+    query = (
         "SELECT name, value FROM duckdb_settings() WHERE name IN ('allowed_directories', "
         "'allowed_paths', 'temp_directory', 'enable_external_access', 'lock_configuration', "
-        "'python_enable_replacements', 'autoload_known_extensions', 'autoinstall_known_extensions')",
-        memory_limit="256MB",
-    ).to_pylist()
-    got = {r["name"]: r["value"] for r in rows}
-    assert got == {
+        "'python_enable_replacements', 'autoload_known_extensions', 'autoinstall_known_extensions')"
+    )
+    want = {
         "allowed_directories": "[]",
         "allowed_paths": "[]",
         "temp_directory": "",
@@ -295,8 +296,53 @@ def test_connection_settings(work: Work) -> None:
         "autoload_known_extensions": "false",
         "autoinstall_known_extensions": "false",
     }
+    con = store.connect(memory_limit="256MB")
+    try:
+        assert dict(con.execute(query).fetchall()) == want
+    finally:
+        con.close()
+    got = {r["name"]: r["value"] for r in store.sql(query, memory_limit="256MB").to_pylist()}
+    assert got == {**want, "allowed_directories": "['actstore-table://']"}
     limit = store.sql("SELECT current_setting('memory_limit') AS m", memory_limit="256MB").to_pylist()[0]["m"]
     assert limit == "244.1 MiB"  # 256 * 10^6 bytes, as DuckDB prints it
+
+
+def test_the_statements_file_system_serves_checked_table_files_alone_and_only_for_reading(work: Work) -> None:
+    """The database a local store's statements run on reads the store's table files through a read-only
+    file system of the files it checked: statements run on it directly (no statement check) can neither
+    write a table file nor read any other file through it (the user's, the store's manifest, a path with
+    ``..``), and list nothing."""
+    import duckdb
+
+    from actstore.core.sql import DEFAULT_MEMORY_LIMIT
+    from actstore.core.sql_files import PREFIX
+
+    before = snapshot(work.root)
+    store = actstore.open(work.store)
+    assert store.sql("SELECT count(*) AS n FROM examples").to_pylist() == [{"n": store.manifest.n_examples}]
+    db = store.sql_session().database(DEFAULT_MEMORY_LIMIT).db
+    table_file = store.location.path(store.statement_files({"examples"})[0]["examples"][0])
+    assert db.execute(f"SELECT count(*) FROM read_parquet('{PREFIX}{table_file}')").fetchone() == (
+        pq.ParquetFile(table_file).metadata.num_rows,
+    )
+    for stmt in (
+        f"COPY (SELECT 'x' AS a) TO '{PREFIX}{table_file}' (FORMAT csv, USE_TMP_FILE false)",
+        f"COPY (SELECT 'x' AS a) TO '{PREFIX}{table_file}' (FORMAT parquet)",
+        f"COPY (SELECT 'x' AS a) TO '{work.store}/manifest.json' (FORMAT csv)",
+        f"SELECT * FROM read_blob('{PREFIX}{table_file}/../../../manifest.json')",
+        f"SELECT * FROM read_text('{work.root}/notes.txt')",
+        f"ATTACH '{PREFIX}{work.root}/.tmp/db.duckdb' AS x",
+    ):
+        with pytest.raises(duckdb.Error):
+            db.execute(stmt).fetchall()
+    for stmt in (  # a file not on the list does not exist there: no rows
+        f"SELECT * FROM glob('{PREFIX}{work.store}/*')",
+        f"SELECT * FROM read_text('{PREFIX}{work.root}/.tmp/secret.txt')",
+        f"SELECT * FROM read_text('{PREFIX}{work.store}/manifest.json')",
+        f"SELECT * FROM read_blob(['{PREFIX}{work.root}/notes.txt', '{PREFIX}{table_file}.sha256'])",
+    ):
+        assert db.execute(stmt).fetchall() == [], stmt
+    assert snapshot(work.root) == before
 
 
 # ---------------------------------------------------------------------------------- limits in the library

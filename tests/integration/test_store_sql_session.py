@@ -1,8 +1,8 @@
 """The SQL connection a Store keeps between statements (actstore.core.sql.SQLSession).
 
-Each Store runs its statements on one connection to the process's locked-down database, with its
-tables as views of its own, made when a statement first reads them and remade when their files
-change.  Checked: the answers equal those of a connection opened for the statement
+Each local Store runs its statements on a locked-down database of its own (cursors of it, one per
+statement running), with its tables as views, made when a statement first reads them and remade when
+their files change.  Checked: the answers equal those of a connection opened for the statement
 (``Store.connect``), the connection is reused, two stores in one process never see each other's
 tables, a result table written after the first statement is seen by the next, threads sharing a
 Store get their own answers, a pickled Store queries on its own, and the parse-tree table names.
@@ -10,6 +10,7 @@ Store get their own answers, a pickled Store queries on its own, and the parse-t
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import pytest
 from helpers import FIXTURES
 
 import actstore
-from actstore.core.sql import SQLSession, referenced_tables
+from actstore.core.sql import DEFAULT_MEMORY_LIMIT, SQLSession, referenced_tables
 from actstore.core.writer import write_result_table
 
 QUERIES = [
@@ -53,11 +54,13 @@ def test_statements_reuse_one_connection_and_answer_as_a_fresh_one(two_stores: t
     store = actstore.open(a)
     session = store.sql_session()
     assert isinstance(session, SQLSession) and store.sql_session() is session
-    cons = []
+    dbs = []
     for q in QUERIES * 2:
         assert store.sql(q).equals(fresh_answer(a, q)), q
-        cons.append(session._con)
-    assert cons[0] is not None and all(c is cons[0] for c in cons)
+        dbs.append(list(session._databases.values()))
+    # a local store: one database of its own, and statements one after another reuse one cursor of it
+    db = session.database(DEFAULT_MEMORY_LIMIT)
+    assert all(d == [db] for d in dbs) and len(db._cursors) == 1
 
 
 def test_two_stores_in_one_process_see_their_own_tables(two_stores: tuple[Path, Path]) -> None:
@@ -89,6 +92,48 @@ def test_a_result_table_written_after_the_first_statement_is_seen(
     other = actstore.open(path)  # another reader (as another process would be): a local store sees it at once
     write_result_table(other, "my_result", "run3", pa.table({"x": [100]}))
     assert store.sql("SELECT sum(x) AS s FROM my_result").column(0)[0].as_py() == 116
+
+
+def test_tables_of_many_files_read_through_arrow_answer_alike(
+    two_stores: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table of more files than ``MAX_FILE_VIEW_FILES`` is an Arrow dataset registered on each cursor
+    (DuckDB would open each file through Python for every statement; a store's segment tables before
+    compaction have a file a segment): with the bound at 1, a result table moves from a file view to
+    Arrow when its second file is written; its answers, in one thread and in several, equal a fresh connection's."""
+    import shutil
+
+    from actstore.core import sql as sql_module
+
+    monkeypatch.setattr(sql_module, "MAX_FILE_VIEW_FILES", 1)
+    path = tmp_path / "copy"
+    shutil.copytree(two_stores[0], path)
+    store = actstore.open(path)
+    db = store.sql_session().database(DEFAULT_MEMORY_LIMIT)
+    write_result_table(store, "my_result", "run1", pa.table({"x": [1, 2, 3]}))
+    assert store.sql("SELECT sum(x) AS s FROM my_result").column(0)[0].as_py() == 6
+    assert "my_result" in db.views and "my_result" not in db.arrow  # one file: a file view
+    write_result_table(store, "my_result", "run2", pa.table({"x": [10]}))
+    assert store.sql("SELECT sum(x) AS s FROM my_result").column(0)[0].as_py() == 16
+    assert "my_result" in db.arrow  # two files: Arrow
+    write_result_table(store, "my_result", "run3", pa.table({"x": [100]}))
+    queries = [*QUERIES, "SELECT sum(x) AS s, count(*) AS n FROM my_result"]
+    want = {q: fresh_answer(path, q) for q in queries}
+    assert want[queries[-1]].to_pylist() == [{"s": 116, "n": 5}]
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        for k in range(6):
+            q = queries[(i + k) % len(queries)]
+            if not store.sql(q).equals(want[q]):
+                errors.append(q)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
 
 
 def test_statements_list_a_directory_only_for_a_result_table(
@@ -144,6 +189,49 @@ def test_a_pickled_store_queries_on_its_own_connection(two_stores: tuple[Path, P
     copy = pickle.loads(pickle.dumps(store))
     assert copy.sql(QUERIES[0]).equals(first)
     assert copy.sql_session() is not store.sql_session()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_queries_on_a_database_of_its_own(two_stores: tuple[Path, Path]) -> None:
+    """A child forked after the store ran statements (its database and cursors made, DuckDB's threads
+    running) answers on a database of its own and ends cleanly, three times; the parent goes on.  The
+    database the child inherited must never be closed there: its threads do not exist in the child
+    (dropping it crashed the child with SIGSEGV, closing it at the store's end hung)."""
+    import gc
+    import json
+    import signal
+    import time
+
+    a, _ = two_stores
+    store = actstore.open(a)
+    want = [store.sql(q).to_pylist() for q in QUERIES]
+    for _ in range(3):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: answer, drop the store (and so its sessions), report, leave at once
+            code = 1
+            try:
+                got = [store.sql(q).to_pylist() for q in QUERIES]
+                del store
+                gc.collect()
+                os.write(write, json.dumps(got, default=str).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        status = done[1]
+        with os.fdopen(read, "rb") as f:
+            got = json.loads(f.read() or b"null")
+        assert status == 0, status
+        assert got == json.loads(json.dumps(want, default=str))
+    assert [store.sql(q).to_pylist() for q in QUERIES] == want
 
 
 def test_referenced_tables_from_the_parse_tree() -> None:

@@ -65,8 +65,11 @@ function table(rows, cols, opts = {}) {
     const tr = el("tr");
     for (const c of cols) {
       const cell = (opts.cell && opts.cell(c, r)) ?? fmt(r[c]);
-      // a long text (a prompt, a JSON value) gets a wide column instead of one word a line
-      tr.append(el("td", { class: typeof r[c] === "string" && r[c].length > 40 ? "long" : null }, cell));
+      // a long text (a prompt, a JSON value) is cut to one line of a wide column, the whole of it in
+      // the cell's title (shown on hover) and its text (copied, searched): one row stays one line
+      const text = cell instanceof Node ? cell.textContent : String(cell);
+      const long = text.length > 40;
+      tr.append(el("td", { class: long ? "long" : null, title: long ? text : null }, cell));
     }
     body.append(tr);
   }
