@@ -10,7 +10,7 @@ projected columns first).
 DuckDB itself still has no file access: ``enable_external_access`` is off and the one allowed
 "directory" is :data:`PROTOCOL` ``://``, a Python file system (:class:`CheckedFiles`, registered with
 the database) that serves exactly the files the session has put on its list, each a table file whose
-SHA-256 and Parquet footer were checked before (the store's ``check_table_shards``), for reading only:
+hash (XXH3 or SHA-256) and Parquet footer were checked before (the store's ``check_table_shards``), for reading only:
 opening for writing, listing, making or removing anything is refused, and any other path (``..``,
 another file of the store, the user's files) is "not found".  A store's tables become views of its
 own database, ``read_parquet`` over these paths.
