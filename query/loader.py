@@ -66,6 +66,13 @@ from actstore.query.loader_args import Selected, dtype_arg, int_arg
 STATE_VERSION = 1
 
 
+def _chunk_error(where: str, lo: int, hi: int, e: Exception) -> CorruptStoreError:
+    """The one-line error of a failed chunk read of rows ``lo:hi`` (a missing chunk says so; a checksum
+    or Blosc frame that does not match names its exception)."""
+    why = str(e) if isinstance(e, MissingChunkError) else f"{type(e).__name__}: {e}"
+    return CorruptStoreError(f"{where}: chunk read failed for rows {lo}:{hi} ({why})")
+
+
 @dataclass(frozen=True)
 class _Piece:
     """Rows ``lo .. hi`` (selection positions, consecutive in store order, one storage chunk) that
@@ -400,12 +407,8 @@ class ActivationLoader:
                     tmp = np.empty((n, *dest.shape[1:]), dtype=dest.dtype)
                 lc.read_chunk_into(ci, b, tmp.reshape(-1).view(np.uint8))
                 dest[a - s0 : z - s0] = tmp[a - ci * n : z - ci * n]
-        except MissingChunkError as e:
-            raise CorruptStoreError(f"{where}: chunk read failed for rows {s0}:{s1} ({e})") from None
-        except Exception as e:  # a checksum or Blosc frame that does not match
-            raise CorruptStoreError(
-                f"{where}: chunk read failed for rows {s0}:{s1} ({type(e).__name__}: {e})"
-            ) from None
+        except Exception as e:
+            raise _chunk_error(where, s0, s1, e) from None
         return True
 
     def _read_direct(
@@ -430,12 +433,8 @@ class ActivationLoader:
         c0 = s0 // n
         try:
             block = lc.read(c0, -(-s1 // n), blocks)
-        except MissingChunkError as e:
-            raise CorruptStoreError(f"{where}: chunk read failed for rows {c0 * n}:{s1} ({e})") from None
-        except Exception as e:  # a checksum or Blosc frame that does not match
-            raise CorruptStoreError(
-                f"{where}: chunk read failed for rows {c0 * n}:{s1} ({type(e).__name__}: {e})"
-            ) from None
+        except Exception as e:
+            raise _chunk_error(where, c0 * n, s1, e) from None
         return take1(block[s0 - c0 * n : s1 - c0 * n], positions)
 
     def _windows(

@@ -15,6 +15,7 @@ import pickle
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -47,6 +48,25 @@ def fresh_answer(path: Path, query: str) -> pa.Table:
         return con.sql(query).to_arrow_table()
     finally:
         con.close()
+
+
+def wrong_answers_in_threads(store: Any, queries: list[str], want: dict[str, Any], rounds: int) -> list[str]:
+    """The statements whose answer differed from ``want`` when 4 threads ran ``queries`` on ``store``
+    at once, ``rounds`` each, each thread starting at another statement."""
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        for k in range(rounds):
+            q = queries[(i + k) % len(queries)]
+            if not store.sql(q).equals(want[q]):
+                errors.append(q)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 def test_statements_reuse_one_connection_and_answer_as_a_fresh_one(two_stores: tuple[Path, Path]) -> None:
@@ -120,20 +140,7 @@ def test_tables_of_many_files_read_through_arrow_answer_alike(
     queries = [*QUERIES, "SELECT sum(x) AS s, count(*) AS n FROM my_result"]
     want = {q: fresh_answer(path, q) for q in queries}
     assert want[queries[-1]].to_pylist() == [{"s": 116, "n": 5}]
-    errors: list[str] = []
-
-    def work(i: int) -> None:
-        for k in range(6):
-            q = queries[(i + k) % len(queries)]
-            if not store.sql(q).equals(want[q]):
-                errors.append(q)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert wrong_answers_in_threads(store, queries, want, rounds=6) == []
 
 
 def test_statements_list_a_directory_only_for_a_result_table(
@@ -166,20 +173,7 @@ def test_threads_sharing_a_store_get_their_own_answers(two_stores: tuple[Path, P
     a, _ = two_stores
     store = actstore.open(a)
     want = {q: fresh_answer(a, q) for q in QUERIES}
-    errors: list[str] = []
-
-    def work(i: int) -> None:
-        for k in range(8):
-            q = QUERIES[(i + k) % len(QUERIES)]
-            if not store.sql(q).equals(want[q]):
-                errors.append(q)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert wrong_answers_in_threads(store, QUERIES, want, rounds=8) == []
 
 
 def test_a_pickled_store_queries_on_its_own_connection(two_stores: tuple[Path, Path]) -> None:
