@@ -445,6 +445,7 @@ def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, 
     again, to the same bytes), the runs' records and the facts' fingerprints; return the rows
     written per table."""
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     ids: set[int] = set()
@@ -455,7 +456,7 @@ def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, 
         "SELECT * FROM runs WHERE list_contains($ids, run_id)", {"ids": [r for _, r in _study_runs(state)]}
     )
     for kind, rid in _study_runs(state):
-        run = runs.filter(pa.compute.equal(runs.column("run_id"), rid))
+        run = runs.filter(pc.equal(runs.column("run_id"), rid))
         if run.num_rows != 1:
             raise CheckpointError(f"{store.url}: run {rid} of the state is not in the store")
         for name, t in [
