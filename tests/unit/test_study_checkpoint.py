@@ -82,6 +82,30 @@ def studied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     return root, a, state
 
 
+def test_checkpoint_in_a_fresh_process_writes_the_same_files(studied: tuple[Path, Path, Path]) -> None:
+    """The ``checkpoint`` command run as a user runs it, in a process of its own (its imports are its
+    own: it once used ``pyarrow.compute`` that only another module had imported), writes the files
+    the in-process call wrote, byte for byte."""
+    import subprocess
+    import sys
+
+    root, a, state = studied
+    out = root / "ck-fresh"
+    script = Path(methods_study.__file__)
+    r = subprocess.run(
+        [sys.executable, str(script), "checkpoint", str(a), "--state", str(state), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    def tree(d: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+    assert tree(out) == tree(root / "ck") and len(tree(out)) > 3
+
+
 def test_checkpoint_holds_no_text_of_the_data_set(studied: tuple[Path, Path, Path]) -> None:
     import actstore
 
