@@ -345,14 +345,10 @@ def checked_local_file(path: str, max_bytes: int | None, where: str) -> Iterator
         yield f  # type: ignore[misc]
 
 
-def file_sha256(f: BinaryIO, block: int = 1 << 20) -> str:
-    """The SHA-256 of what remains of ``f``, read in blocks into one reused buffer (a whole-file read
-    of a large table allocated and faulted in all of it: about 30% more CPU)."""
-    return file_hash(f, "sha256", block)
-
-
 def file_hash(f: BinaryIO, algorithm: str, block: int = 1 << 20) -> str:
-    """:func:`file_sha256` with ``algorithm`` ``"sha256"`` or ``"xxh3"`` (XXH3-128, hex)."""
+    """The ``algorithm`` (``"sha256"`` or ``"xxh3"``: XXH3-128) hex digest of what remains of ``f``, read
+    in blocks into one reused buffer (a whole-file read of a large table allocated and faulted in all
+    of it: about 30% more CPU)."""
     if algorithm not in ("sha256", "xxh3"):
         raise ValueError(f"unknown hash {algorithm!r}")
     digest: Any = hashlib.sha256() if algorithm == "sha256" else xxhash.xxh3_128()
