@@ -12,7 +12,7 @@ import google_crc32c
 import numpy as np
 import zarr
 from numcodecs import blosc
-from zarr.abc.store import ByteRequest, Store
+from zarr.abc.store import ByteRequest, Store, SuffixByteRequest
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ShardingCodecIndexLocation
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
@@ -281,21 +281,41 @@ class ChunkGuard(WrapperStore[Store]):
         self._local_root = local_root
         self._max_bytes = max_bytes
         self._shard_index: dict[tuple[object, ...], np.ndarray] = {}  # for LocalChunks: checked shard indexes
+        # A remote store's shard indexes (the suffix read zarr's sharding codec makes before each inner
+        # chunk), by (key, length): a committed shard is never rewritten, so a second read of the same
+        # shard in this open store costs one request, not two.  zarr checks the index's CRC32C each time.
+        self._remote_index: dict[tuple[str, int], bytes] = {}
 
     def _with_store(self, store: Store) -> ChunkGuard:
-        return ChunkGuard(
+        guard = ChunkGuard(
             store,
             where=self._where,
             strict=self._strict,
             local_root=self._local_root,
             max_bytes=self._max_bytes,
         )
+        guard._shard_index, guard._remote_index = self._shard_index, self._remote_index
+        return guard
 
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
         if self._local_root is not None:
             check_regular_file(os.path.join(self._local_root, key), self._max_bytes)
+        elif isinstance(byte_range, SuffixByteRequest) and self._strict and is_chunk_key(key):
+            cached = self._remote_index.get((key, byte_range.suffix))
+            if cached is not None:
+                return prototype.buffer.from_bytes(cached)
+            buf = await self._store.get(key, prototype, byte_range)
+            if buf is not None:
+                if len(self._remote_index) >= _SHARD_INDEX_MAX:
+                    self._remote_index.clear()
+                self._remote_index[(key, byte_range.suffix)] = buf.to_bytes()
+            else:
+                raise MissingChunkError(
+                    f"{self._where}/{key}: chunk is missing (lost or deleted; run actstore verify)"
+                )
+            return buf
         buf = await self._store.get(key, prototype, byte_range)
         if buf is None and self._strict and is_chunk_key(key):
             raise MissingChunkError(

@@ -232,3 +232,33 @@ def test_bad_credentials_or_endpoint_is_one_line(
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], out.stderr
+
+
+def test_shard_indexes_are_read_once_per_open_store(
+    stores: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer-chunked (sharded) array on S3: the first read of a row GETs the shard's index and then its
+    inner chunk; a later read from the same shard in the same open store GETs only the inner chunk (the
+    index is kept, a committed shard never changes).  Values equal the local store's each time."""
+    url, local = stores
+    s, ref = actstore.open(url), actstore.open(local)
+    seg = min(ref.commits)
+    gets: list[tuple[str, object]] = []
+    afs = s.location._async_fs()
+    real = afs._cat_file
+
+    async def counting(path: str, start: object = None, end: object = None, **kw: object) -> bytes:
+        gets.append((path, start))
+        return await real(path, start=start, end=end, **kw)
+
+    monkeypatch.setattr(afs, "_cat_file", counting)
+    arr = s.array(seg, "resid")
+    assert arr.shards is not None and arr.shards[0] >= 2
+    counts: list[tuple[int, int]] = []
+    for row, layer in ((0, 1), (0, 1), (1, 0)):  # (rows 0 and 1 of the segment share a shard)
+        gets.clear()
+        got = s.read_segment_rows(seg, "resid", np.array([row]), [layer])
+        want = ref.read_segment_rows(seg, "resid", np.array([row]), [layer])
+        assert np.array_equal(got, want)
+        counts.append((len(gets), sum(isinstance(b, int) and b < 0 for _, b in gets)))
+    assert counts == [(2, 1), (1, 0), (1, 0)]  # (GETs, of which shard-index suffix reads)
