@@ -40,6 +40,8 @@ SUBSTITUTES = {  # variant -> the base method it stands in for
     "patch@last": "patch",
     "logit_lens@top10": "logit_lens",
     "logit_lens@half": "logit_lens",
+    "tuned_lens@top10": "tuned_lens",  # (with --tuned corpus:STORE: the lens is a stored object)
+    "tuned_lens@half": "tuned_lens",
 }
 
 
@@ -51,6 +53,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from actstore.api import open_store
+    from actstore.query.corpus_lens import load_corpus_lens
     from actstore.query.method_agreement import default_tolerance
     from actstore.query.method_chance import (
         coded_chance,
@@ -58,6 +61,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         group_codes,
         pair_chance,
     )
+    from actstore.query.method_defaults import CORPUS_PREFIX, check_tuned_method
     from actstore.query.method_keys import (
         lens_variant_readings,
         patch_position_readings,
@@ -85,7 +89,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if "trace" not in methods or any(m not in BASE for m in methods):
         raise SystemExit(f"--methods: trace and any of {', '.join(BASE[1:-1])}")
     tcfg = COMPARISON_TRAIN
-    if a.tuned and state.get("tuned_lens", {}).get("config"):
+    corpus = bool(a.tuned) and a.tuned.startswith(CORPUS_PREFIX)
+    if a.tuned:
+        check_tuned_method(a.tuned)
+    if a.tuned and not corpus and state.get("tuned_lens", {}).get("config"):
         from dataclasses import replace
 
         c = state["tuned_lens"]["config"]
@@ -105,6 +112,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if "logit_lens" in readings:
         out = stored_outputs(store, readings["logit_lens"].example_ids)
         variants.update(lens_variant_readings(store, out, readings["logit_lens"]))
+    if corpus and "tuned_lens" in readings:  # the stored translators: the same two keys through them
+        out = stored_outputs(store, readings["tuned_lens"].example_ids)
+        lens = load_corpus_lens(a.tuned, store)
+        variants.update(lens_variant_readings(store, out, readings["tuned_lens"], tuned=lens))
     log(f"variants ({time.time() - t0:.0f}s)")
     ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
     strata = store_strata(store, ids)
@@ -133,6 +144,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "key_layer_distinct": {
             m: int(np.unique(r.key_layer[r.key_layer >= 0]).size) for m, r in {**readings, **variants}.items()
         },
+        "tuned_lens": readings["tuned_lens"].info if "tuned_lens" in readings else None,
         "rome_filter": {
             "threshold": rome.threshold,
             "facts": int(len(te)),
@@ -321,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         "--methods", default="trace,patch,probe,attention,logit_lens", help="trace and any of these"
     )
     p.add_argument(
-        "--tuned", choices=("adam", "ridge"), default=None, help="also the tuned lens (the study's fit)"
+        "--tuned",
+        default=None,
+        help="also the tuned lens: adam or ridge (the study's fit on facts), or corpus:STORE[#RUN] (the "
+        "translators an 'actstore corpus-lens' run stored; its @top10 and @half keys too)",
     )
     p.add_argument("--threshold", type=float, default=0.0, help="ROME's filter: keep total effect above this")
     p.add_argument("--permutations", type=int, default=1000)

@@ -747,3 +747,41 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     assert d["rome_filter"]["removed"] == low.column("n")[0].as_py()
     assert d["rome"]["n_facts"] == 8 - d["rome_filter"]["removed"]
     assert methods_chance.main(["--tables", str(out)]) == 0
+    # --tuned corpus:STORE: the tuned lens read through the translators an `actstore corpus-lens` run
+    # stored (issue 36's lens keys "for the corpus-trained tuned lens"), with its @top10 and @half keys
+    from actstore.jobs.corpus_lens import run_corpus_lens
+    from actstore.jobs.settings import CorpusLensConfig
+    from actstore.query.method_keys import lens_variant_readings
+    from actstore.query.methods import lens_reading, stored_outputs
+
+    docs = tmp_path / "docs.txt"
+    rng = np.random.default_rng(3)
+    words = "a man from the old city speaks the language of his mother at home".split()
+    docs.write_text("\n".join(" ".join(rng.choice(words, 9)) for _ in range(10)) + "\n", encoding="utf-8")
+    corpus = actstore.ingest_corpus(
+        tmp_path / "corpus",
+        model="tiny-llama",
+        dataset=f"text:{docs}",
+        positions="all",
+        kinds=("resid",),
+        storage_dtype="float32",
+        batch_size=4,
+        segment_size=16,
+    )
+    trained = run_corpus_lens(corpus, CorpusLensConfig(steps=4, batch=16, max_train_rows=48))
+    assert trained.lens is not None
+    tuned_json = tmp_path / "tuned.json"
+    tuned_args = [*args[:4], str(tuned_json), *args[5:], "--tuned", f"corpus:{corpus.url}"]
+    assert methods_chance.main(tuned_args) == 0
+    t = json.loads(tuned_json.read_text())
+    assert t["tuned_lens"]["run_id"] == trained.run_id and t["tuned_lens"]["method"] == "corpus"
+    so = stored_outputs(s, ids)
+    direct = lens_reading(s, so, trained.lens)  # the trained lens object, not read back from the store
+    keyed = {"tuned_lens": direct, **lens_variant_readings(s, so, direct, tuned=trained.lens)}
+    assert set(keyed) == {"tuned_lens", "tuned_lens@top10", "tuned_lens@half"}
+    for name, r in keyed.items():
+        k = r.key_layer[r.key_layer >= 0]
+        assert t["key_layer_median"][name] == pytest.approx(float(np.median(k))), name
+        assert t["key_layer_distinct"][name] == np.unique(k).size, name
+    pairs = {(r["method_a"], r["method_b"]) for r in t["all"]["variants"]}
+    assert ("trace", "tuned_lens@half") in pairs or ("tuned_lens@half", "trace") in pairs
