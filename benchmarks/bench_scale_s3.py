@@ -9,8 +9,9 @@ Figures (the Python ones with imports done before the clock starts; the commands
 - ``open``: ``actstore.open(url)``; ``first_query``: then ``SELECT count(*) FROM examples``;
 - ``point_sql``: ``SELECT * FROM examples WHERE example_id = ?`` on the open store, then
   ``point_resid``: that row's ``resid`` layer 1 (``select("example_id = n").features``);
-- ``rel64``: 64 rows of one relation, ``resid`` layer 1; each of the three again with other values
-  (``*_again``: what a query costs once the store's tables are read);
+- ``rel64``: 64 rows of one relation, ``resid`` layer 1; ``rel64_layer2``: the same rows, layer 2 (the
+  same shards: their indexes are kept per open array, so one GET a row); each of the three again with
+  other values (``*_again``: what a query costs once the store's tables are read);
 - ``info``, ``verify_quick``: ``actstore info`` and ``actstore verify --quick`` in fresh processes.
 
 The requests are counted from the server's own log (one line per request, written after its
@@ -137,6 +138,7 @@ step("first_query", lambda: s.sql("SELECT count(*) AS n FROM examples"))
 step("point_sql", lambda: s.sql("SELECT * FROM examples WHERE example_id = ?", [eid]))
 step("point_resid", lambda: s.select(f"example_id = {eid}").features("resid", layers=[1]))
 step("rel64", lambda: s.select("relation_id = 'R07'").limit(64).features("resid", layers=[1]))
+step("rel64_layer2", lambda: s.select("relation_id = 'R07'").limit(64).features("resid", layers=[2]))
 step("point_sql_again", lambda: s.sql("SELECT * FROM examples WHERE example_id = ?", [eid2]))
 step("point_resid_again", lambda: s.select(f"example_id = {eid2}").features("resid", layers=[1]))
 step("rel64_again", lambda: s.select("relation_id = 'R21'").limit(64).features("resid", layers=[1]))
