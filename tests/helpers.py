@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -171,3 +172,27 @@ def agreement_row(run_id: str = "agree-test", **extra: Any) -> dict[str, Any]:
         "profile_correlation": 0.5,
         **extra,
     }
+
+
+def tiny_text_corpus(
+    out: Path, seed: int = 1, docs: int = 10, words_per_doc: int = 8, model: str = "tiny-llama"
+) -> Any:
+    """A tiny model's corpus store (every position, ``resid`` only, float32) of ``docs`` random sentences,
+    as ``actstore corpus-lens`` reads one; returns the open store."""
+    import actstore
+
+    text = out.parent / f"{out.name}.txt"
+    rng = np.random.default_rng(seed)
+    words = "the river runs past an old stone bridge in a quiet town at night".split()
+    lines = (" ".join(rng.choice(words, words_per_doc)) for _ in range(docs))
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return actstore.ingest_corpus(
+        out,
+        model=model,
+        dataset=f"text:{text}",
+        positions="all",
+        kinds=("resid",),
+        storage_dtype="float32",
+        batch_size=4,
+        segment_size=16,
+    )

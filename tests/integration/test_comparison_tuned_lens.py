@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import KNOWN_STORE_KW
+from helpers import KNOWN_STORE_KW, tiny_text_corpus
 
 import actstore
 from actstore.core.errors import ActstoreError
@@ -213,20 +213,7 @@ def test_agree_reads_the_translators_a_corpus_lens_run_stored(
     path, run = traced
     store = actstore.open(path)
     out = _outputs(store, run)
-    docs = tmp_path / "docs.txt"
-    rng = np.random.default_rng(1)
-    words = "the river runs past an old stone bridge in a quiet town at night".split()
-    docs.write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(10)) + "\n", encoding="utf-8")
-    corpus = actstore.ingest_corpus(
-        tmp_path / "corpus",
-        model="tiny-llama",
-        dataset=f"text:{docs}",
-        positions="all",
-        kinds=("resid",),
-        storage_dtype="float32",
-        batch_size=4,
-        segment_size=16,
-    )
+    corpus = tiny_text_corpus(tmp_path / "corpus")
     first = run_corpus_lens(corpus, CorpusLensConfig(steps=4, batch=16, max_train_rows=48))
     second = run_corpus_lens(corpus, CorpusLensConfig(steps=6, batch=16, max_train_rows=48, seed=5))
     assert first.lens is not None and second.lens is not None
@@ -268,9 +255,7 @@ def test_agree_reads_the_translators_a_corpus_lens_run_stored(
         res = _agree(path, run, "--quiet", "--tuned", bad)
         assert res.exit_code != 0 and why in res.stderr, (bad, res.output)
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
-    other = actstore.ingest_corpus(
-        tmp_path / "gpt2", model="tiny-gpt2", dataset=f"text:{docs}", positions="all", kinds=("resid",)
-    )
+    other = tiny_text_corpus(tmp_path / "gpt2", model="tiny-gpt2")
     run_corpus_lens(other, CorpusLensConfig(steps=2, batch=8, max_train_rows=16))
     with pytest.raises(LensError, match="hold different models"):
         tuned_lens_reading(store, out, f"corpus:{other.url}")

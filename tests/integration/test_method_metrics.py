@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from helpers import FIXTURES, build_store
+from helpers import FIXTURES, build_store, tiny_text_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -754,20 +754,7 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     from actstore.query.method_keys import lens_variant_readings
     from actstore.query.methods import lens_reading, stored_outputs
 
-    docs = tmp_path / "docs.txt"
-    rng = np.random.default_rng(3)
-    words = "a man from the old city speaks the language of his mother at home".split()
-    docs.write_text("\n".join(" ".join(rng.choice(words, 9)) for _ in range(10)) + "\n", encoding="utf-8")
-    corpus = actstore.ingest_corpus(
-        tmp_path / "corpus",
-        model="tiny-llama",
-        dataset=f"text:{docs}",
-        positions="all",
-        kinds=("resid",),
-        storage_dtype="float32",
-        batch_size=4,
-        segment_size=16,
-    )
+    corpus = tiny_text_corpus(tmp_path / "corpus", seed=3)
     trained = run_corpus_lens(corpus, CorpusLensConfig(steps=4, batch=16, max_train_rows=48))
     assert trained.lens is not None
     tuned_json = tmp_path / "tuned.json"
