@@ -223,12 +223,32 @@ class StoreReader(TableFiles):
         except Exception as e:
             raise CorruptStoreError(f"{self.url}/weights: cannot open ({e})") from None
 
+    @cached_property
+    def _weight_present(self) -> dict[str, bool]:
+        return {}
+
+    def _has(self, name: str) -> bool:
+        """Whether the weights group holds ``name`` (asked once a name per open store: weights are
+        written with the store, never after; a listing of the whole group costs more)."""
+        got = self._weight_present.get(name)
+        if got is None:
+            got = self._weight_present[name] = name in self._weights_group
+        return got
+
+    @cached_property
+    def _weight_arrays(self) -> dict[str, zarr.Array]:
+        return {}
+
     def weight_array(self, name: str) -> zarr.Array:
-        """The zarr array of a stored weight, its metadata checked against the geometry."""
-        arr = self._weights_group[name]
-        if not isinstance(arr, zarr.Array):
-            raise CorruptStoreError(f"{self.url}/weights/{name}: not an array")
-        check_weight(self.geometry, name, arr, f"{self.url}/weights/{name}")
+        """The zarr array of a stored weight, its metadata checked against the geometry (opened and
+        checked once per open store)."""
+        arr = self._weight_arrays.get(name)
+        if arr is None:
+            got = self._weights_group[name]
+            if not isinstance(got, zarr.Array):
+                raise CorruptStoreError(f"{self.url}/weights/{name}: not an array")
+            check_weight(self.geometry, name, got, f"{self.url}/weights/{name}")
+            arr = self._weight_arrays[name] = got
         return arr
 
     def weight(self, name: str, layer: int | None = None) -> np.ndarray:
@@ -238,7 +258,7 @@ class StoreReader(TableFiles):
         group = self._weights_group
         if name == "unembed" and group.attrs.get("tied_unembed"):
             name = "embed"
-        if name not in group:
+        if not self._has(name):
             raise QueryError(f"{self.url}: no stored weight {name!r} (have {sorted(group.array_keys())})")
         arr = self.weight_array(name)
         try:
@@ -252,10 +272,10 @@ class StoreReader(TableFiles):
         """Whether weight ``name`` is stored one layer (first-axis index) per chunk."""
         if name == "unembed" and self._weights_group.attrs.get("tied_unembed"):
             name = "embed"
-        return name in self._weights_group and int(self.weight_array(name).chunks[0]) == 1
+        return self._has(name) and int(self.weight_array(name).chunks[0]) == 1
 
     def has_weight(self, name: str) -> bool:
-        return name in self._weights_group
+        return self._has(name)
 
     @property
     def weight_attrs(self) -> dict[str, Any]:
