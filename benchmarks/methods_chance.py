@@ -116,6 +116,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         out = stored_outputs(store, readings["tuned_lens"].example_ids)
         lens = load_corpus_lens(a.tuned, store)
         variants.update(lens_variant_readings(store, out, readings["tuned_lens"], tuned=lens))
+    if a.also_trace:  # another study's trace runs on the same store (another window), on this one's facts
+        from dataclasses import replace as _replace
+
+        other = json.loads(Path(a.also_trace).read_text())["trace_runs"]
+        w = trace_window(store, other)
+        if w == window:
+            raise SystemExit(f"--also-trace: its trace runs have this study's window ({w})")
+        r = subset_reading(
+            study_readings(store, ["trace"], other, [])["trace"], readings["trace"].example_ids
+        )
+        variants[f"trace@w{w}"] = _replace(r, method=f"trace@w{w}")
     log(f"variants ({time.time() - t0:.0f}s)")
     ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
     strata = store_strata(store, ids)
@@ -337,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also the tuned lens: adam or ridge (the study's fit on facts), or corpus:STORE[#RUN] (the "
         "translators an 'actstore corpus-lens' run stored; its @top10 and @half keys too)",
+    )
+    p.add_argument(
+        "--also-trace",
+        help="another study state on the same store whose trace runs have another window: read as "
+        "the variant trace@wN, on this study's traced facts (window 1 against 10, say)",
     )
     p.add_argument("--threshold", type=float, default=0.0, help="ROME's filter: keep total effect above this")
     p.add_argument("--permutations", type=int, default=1000)

@@ -772,3 +772,29 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
         assert t["key_layer_distinct"][name] == np.unique(k).size, name
     pairs = {(r["method_a"], r["method_b"]) for r in t["all"]["variants"]}
     assert ("trace", "tuned_lens@half") in pairs or ("tuned_lens@half", "trace") in pairs
+    # --also-trace: a second study on the same store with another window, read as trace@w1 on the first
+    # study's facts and paired with every method; its trace-vs-trace figure is pair_chance's on the two runs
+    state1 = tmp_path / "state-w1.json"
+    assert (
+        methods_study.main(
+            ["study", str(store), "--state", str(state1), "--all-facts", "--max-facts", "8", "--chunk", "8"]
+            + ["--samples", "1", "--window", "1", "--no-patch", "--random-draws", "1", "--resamples", "50"]
+            + ["--methods", "trace,logit_lens"]
+        )
+        == 0
+    )
+    w1_json = tmp_path / "w1.json"
+    w1_args = [*args[:4], str(w1_json), *args[5:], "--also-trace", str(state1)]
+    assert methods_chance.main(w1_args) == 0
+    w = json.loads(w1_json.read_text())
+    runs1 = json.loads(state1.read_text())["trace_runs"]
+    r1 = study_readings(s, ["trace"], runs1, [])["trace"]
+    assert w["readings"]["trace@w1"] == len(np.intersect1d(r1.example_ids, readings["trace"].example_ids)) > 0
+    want1 = pair_chance(readings["trace"], r1, w["tolerance"], store_strata(s, ids)["stratum"], 200, 50)
+    row = next(
+        r
+        for r in w["all"]["variants"]
+        if {r["method_a"], r["method_b"]} == {"trace", "trace@w1"} and r["metric"] == "key_layer_exact"
+    )
+    assert row["value"] == pytest.approx(want1["key_layer_exact"].value)
+    assert row["chance"] == pytest.approx(want1["key_layer_exact"].chance)
