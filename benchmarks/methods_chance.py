@@ -50,6 +50,8 @@ def log(msg: str) -> None:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    from dataclasses import replace
+
     import numpy as np
 
     from actstore.api import open_store
@@ -93,8 +95,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.tuned:
         check_tuned_method(a.tuned)
     if a.tuned and not corpus and state.get("tuned_lens", {}).get("config"):
-        from dataclasses import replace
-
         c = state["tuned_lens"]["config"]
         tcfg = replace(COMPARISON_TRAIN, steps=c["steps"], batch=c["batch"], lr=c["lr"], seed=c["seed"])
     readings = study_readings(
@@ -109,16 +109,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     variants = {"trace@centre": trace_centre_reading(readings["trace"], window, L)}
     if "patch" in readings:
         variants.update(patch_position_readings(store, state["patch_runs"]))
-    if "logit_lens" in readings:
-        out = stored_outputs(store, readings["logit_lens"].example_ids)
+    lenses = [m for m in ("logit_lens", "tuned_lens") if m in readings]
+    # both lenses read the same facts (study_readings reads them from one StoredOutputs): read them once
+    out = stored_outputs(store, readings[lenses[0]].example_ids) if lenses else None
+    if out is not None and "logit_lens" in readings:
         variants.update(lens_variant_readings(store, out, readings["logit_lens"]))
-    if corpus and "tuned_lens" in readings:  # the stored translators: the same two keys through them
-        out = stored_outputs(store, readings["tuned_lens"].example_ids)
+    if out is not None and corpus and "tuned_lens" in readings:  # the same two keys through the translators
         lens = load_corpus_lens(a.tuned, store)
         variants.update(lens_variant_readings(store, out, readings["tuned_lens"], tuned=lens))
     if a.also_trace:  # another study's trace runs on the same store (another window), on this one's facts
-        from dataclasses import replace as _replace
-
         other = json.loads(Path(a.also_trace).read_text())["trace_runs"]
         w = trace_window(store, other)
         if w == window:
@@ -126,7 +125,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         r = subset_reading(
             study_readings(store, ["trace"], other, [])["trace"], readings["trace"].example_ids
         )
-        variants[f"trace@w{w}"] = _replace(r, method=f"trace@w{w}")
+        variants[f"trace@w{w}"] = replace(r, method=f"trace@w{w}")
     log(f"variants ({time.time() - t0:.0f}s)")
     ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
     strata = store_strata(store, ids)

@@ -87,6 +87,8 @@ class StoreReader(TableFiles):
         self.location = location
         self.manifest = read_manifest(location)
         self._arrays: dict[tuple[int, str], zarr.Array] = {}
+        self._weight_arrays: dict[str, zarr.Array] = {}  # opened and checked (weights never change)
+        self._weight_present: dict[str, bool] = {}
         self._verified: set[str] = set()  # table shards whose SHA-256 matched their commit marker
         self._tables: dict[str, pa.Table] = {}  # table files read so far (immutable once visible)
         self._schemas: dict[
@@ -223,10 +225,6 @@ class StoreReader(TableFiles):
         except Exception as e:
             raise CorruptStoreError(f"{self.url}/weights: cannot open ({e})") from None
 
-    @cached_property
-    def _weight_present(self) -> dict[str, bool]:
-        return {}
-
     def _has(self, name: str) -> bool:
         """Whether the weights group holds ``name`` (asked once a name per open store: weights are
         written with the store, never after; a listing of the whole group costs more)."""
@@ -234,10 +232,6 @@ class StoreReader(TableFiles):
         if got is None:
             got = self._weight_present[name] = name in self._weights_group
         return got
-
-    @cached_property
-    def _weight_arrays(self) -> dict[str, zarr.Array]:
-        return {}
 
     def weight_array(self, name: str) -> zarr.Array:
         """The zarr array of a stored weight, its metadata checked against the geometry (opened and
