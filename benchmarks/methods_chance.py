@@ -333,12 +333,118 @@ def tables(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# The summary's rows: (section, method a, method b, metric); a pair is looked up in either order among
+# the pairs of knock-out, then the variants; the effect rows read (mode, pair) from the effect metrics.
+SUMMARY_AGREEMENT = (
+    ("key layers, the seed's pairs", "trace", "patch", "key_layer"),
+    ("key layers, the seed's pairs", "trace", "probe", "key_layer"),
+    ("key layers, the seed's pairs", "patch", "logit_lens", "key_layer"),
+    ("key layers, the seed's pairs", "probe", "attention", "key_layer"),
+    ("key layers, the seed's pairs", "all", "all", "consensus"),
+    ("verdicts (MLP vs attention)", "trace", "patch", "verdict"),
+    ("verdicts (MLP vs attention)", "probe", "attention", "verdict"),
+    ("key-layer variants", "trace@centre", "patch", "key_layer"),
+    ("key-layer variants", "trace", "patch@last", "key_layer"),
+    ("key-layer variants", "trace", "patch@subject_last", "key_layer"),
+    ("key-layer variants", "patch", "logit_lens@top10", "key_layer"),
+    ("key-layer variants", "patch", "logit_lens@half", "key_layer"),
+    ("key-layer variants", "patch@last", "logit_lens@half", "key_layer"),
+    ("key-layer variants", "trace", "trace@w10", "key_layer"),
+    ("key-layer variants", "trace", "trace@w1", "key_layer"),
+    ("key-layer variants", "logit_lens", "tuned_lens", "key_layer"),
+    ("key-layer variants", "logit_lens@top10", "tuned_lens@top10", "key_layer"),
+)
+SUMMARY_EFFECTS = (
+    ("knockout", "trace", "patch"),
+    ("knockout", "patch", "logit_lens"),
+    ("knockout", "patch", "attention"),
+    ("restore", "trace", "patch"),
+    ("restore", "trace", "probe"),
+    ("restore", "patch", "attention"),
+)
+
+
+def _find(rows: list[dict[str, Any]], a: str, b: str, metric: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["metric"] == metric and {r["method_a"], r["method_b"]} == {a, b}), None)
+
+
+def summary(outputs: list[tuple[str, dict[str, Any]]], subset: str = "all") -> str:
+    """One Markdown table across several ``--json`` outputs (a column each, named by its label): the
+    seed's pairs, the verdicts and the key-layer variants as ``observed / chance / excess [95%] / kappa
+    (facts)``, then the effect correlations as ``raw / relative to p_clean / partial given p_clean``.
+    A figure an output does not have (another model's variant, a method it did not read) is ``-``."""
+    labels = [label for label, _ in outputs]
+    lines = [
+        "| figure | " + " | ".join(labels) + " | seed |",
+        "|---|" + "---|" * (len(labels) + 1),
+    ]
+    section = ""
+    for sec, a, b, metric in SUMMARY_AGREEMENT:
+        cells, seed = [], ""
+        for _, d in outputs:
+            blk = d[subset]
+            r = _find(blk["knockout"]["pairs"], a, b, metric) or _find(blk["variants"], a, b, metric)
+            if r is None or r.get("chance") is None or not r["n"]:
+                cells.append("-")
+                continue
+            if r.get("paper") is not None:
+                seed = _pct(r["paper"])
+            cells.append(
+                f"{_pct(r['value'])} / {_pct(r['chance'])} / {_pp(r['excess'])} [{_pp(r['excess_low'])}, "
+                f"{_pp(r['excess_high'])}] / {_r(r['kappa'])} ({r['n']})"
+            )
+        if all(c == "-" for c in cells):
+            continue
+        if sec != section:
+            lines.append(
+                f"| **{sec}**: observed / chance / excess [95%] / kappa (facts) |" + " |" * (len(labels) + 1)
+            )
+            section = sec
+        name = "consensus of all methods" if metric == "consensus" else f"{a} vs {b}"
+        lines.append(
+            f"| {name}{', verdict' if metric == 'verdict' else ''} | " + " | ".join(cells) + f" | {seed} |"
+        )
+    lines.append(
+        "| **effect correlations**: raw r / relative to p_clean / partial given p_clean (facts) |"
+        + " |" * (len(labels) + 1)
+    )
+    for mode, a, b in SUMMARY_EFFECTS:
+        cells = []
+        for _, d in outputs:
+            rows = d[subset].get(mode, {}).get("pairs", [])
+            got = [
+                _find(rows, a, b, k)
+                for k in ("effect_correlation", "effect_correlation_relative", "effect_partial_correlation")
+            ]
+            if got[0] is None or not got[0]["n"]:
+                cells.append("-")
+                continue
+            cells.append(
+                " / ".join("n/a" if g is None else _r(g["value"]) for g in got) + f" ({got[0]['n']})"
+            )
+        if any(c != "-" for c in cells):
+            lines.append(f"| {a} vs {b}, {mode} | " + " | ".join(cells) + " | |")
+    return "\n".join(lines)
+
+
+def _load(path: str) -> dict[str, Any]:
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)  # type: ignore[no-any-return]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", nargs="?")
     p.add_argument("--state", help="the study's state file (methods_study.py restore writes one)")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--tables", help="print the Markdown tables of a --json output and stop")
+    p.add_argument(
+        "--summary",
+        nargs="+",
+        metavar="LABEL=JSON",
+        help="print one table across several --json outputs (a column each) and stop",
+    )
+    p.add_argument("--subset", choices=("all", "rome"), default="all", help="--summary: all facts or ROME's")
     p.add_argument(
         "--methods", default="trace,patch,probe,attention,logit_lens", help="trace and any of these"
     )
@@ -358,8 +464,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resamples", type=int, default=2000)
     a = p.parse_args(argv)
     if a.tables:
-        raw = Path(a.tables).read_bytes()
-        print(tables(json.loads(gzip.decompress(raw) if a.tables.endswith(".gz") else raw)))
+        print(tables(_load(a.tables)))
+        return 0
+    if a.summary:
+        outputs = []
+        for item in a.summary:
+            label, sep, path = item.partition("=")
+            if not sep or not label or not path:
+                p.error(f"--summary takes LABEL=JSON, not {item!r}")
+            outputs.append((label, _load(path)))
+        print(summary(outputs, a.subset))
         return 0
     if not a.store or not a.state:
         p.error("a store and --state are needed (or --tables)")

@@ -798,3 +798,34 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     )
     assert row["value"] == pytest.approx(want1["key_layer_exact"].value)
     assert row["chance"] == pytest.approx(want1["key_layer_exact"].chance)
+    # --summary: one table with a column per output; each cell is that output's own row (found in
+    # either order), a figure only one output has is "-" in the other's column
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert methods_chance.main(["--summary", f"w2={out}", f"w1={w1_json}"]) == 0
+    lines = {ln.split(" | ")[0].lstrip("| "): ln.split(" | ")[1:] for ln in buf.getvalue().splitlines()}
+    tp = got[("trace", "patch", "key_layer")]
+    kappa = "n/a" if tp["kappa"] != tp["kappa"] else f"{tp['kappa']:+.2f}"
+    assert lines["trace vs patch"][0] == (
+        f"{100 * tp['value']:.1f}% / {100 * tp['chance']:.1f}% / {100 * tp['excess']:+.1f} "
+        f"[{100 * tp['excess_low']:+.1f}, {100 * tp['excess_high']:+.1f}] / {kappa} ({tp['n']})"
+    )
+    tv = got[("trace", "patch", "verdict")]
+    assert lines["trace vs patch, verdict"][0].startswith(
+        f"{100 * tv['value']:.1f}% / {100 * tv['chance']:.1f}% / "
+    )
+    assert lines["trace vs trace@w1"][0] == "-"
+    w1_key = next(
+        r
+        for r in w["all"]["variants"]
+        if {r["method_a"], r["method_b"]} == {"trace", "trace@w1"} and r["metric"] == "key_layer"
+    )
+    assert w1_key["value"] == pytest.approx(want1["key_layer"].value)
+    assert lines["trace vs trace@w1"][1].startswith(
+        f"{100 * w1_key['value']:.1f}% / {100 * w1_key['chance']:.1f}% / "
+    )
+    with pytest.raises(SystemExit):
+        methods_chance.main(["--summary", str(out)])  # no LABEL=
