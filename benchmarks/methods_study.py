@@ -24,6 +24,14 @@ quote the run ids):
    the pair table with bootstrap intervals, and the cross-size row; written to the store
    (``method_metrics``, ``method_pair_metrics``, ``method_cross_size``) and to ``--json``.
 
+Tracing is the bound (one process per core), so a second process can trace a later range of the same
+order on the same store, and ``merge`` folds its runs into the first state before the other steps::
+
+    python benchmarks/methods_study.py study S --state S.study.json --max-facts 440 --trace-only ...
+    python benchmarks/methods_study.py study S --state S.tail.json --start 440 --trace-only ...   # beside it
+    python benchmarks/methods_study.py merge S --state S.study.json --add S.tail.json
+    python benchmarks/methods_study.py study S --state S.study.json ...   # patch, intervene, measure all
+
 A study longer than a machine's life goes on elsewhere from a checkpoint folder (numbers and run
 records only: the data set's text is left out and read back from the store it is restored into)::
 
@@ -153,7 +161,8 @@ def cmd_study(a: argparse.Namespace) -> None:
     t_start = time.time()
     spent = float(state.get("trace_seconds", 0.0))
     traced = list(state["traced"])
-    todo = [i for i in order if i not in set(traced)][: max(0, a.max_facts - len(traced))]
+    done_ids = set(traced)
+    todo = [i for i in order[a.start :] if i not in done_ids][: max(0, a.max_facts - len(traced))]
     while todo and spent < a.trace_minutes * 60:
         chunk, todo = todo[: a.chunk], todo[a.chunk :]
         t0 = time.time()
@@ -176,6 +185,8 @@ def cmd_study(a: argparse.Namespace) -> None:
             f"run {out.run_id}"
         )
     log(f"tracing: {len(traced)} facts in {spent:.0f}s (this call {time.time() - t_start:.0f}s)")
+    if a.trace_only:
+        return
     # ---- patching: the traced facts not patched yet, one run per call (the runs cover disjoint facts)
     if a.patch:
         migrate_patch_state(store, state)
@@ -205,6 +216,68 @@ def cmd_study(a: argparse.Namespace) -> None:
                 f"a counterfactual) in {dt:.0f}s; run {pout.run_id}"
             )
     effects_and_metrics(store, state, state_path, a)
+
+
+TRACE_KEYS = (
+    "components",
+    "incremental",
+    "model",
+    "noise_scale",
+    "samples",
+    "seed",
+    "skip_before_subject",
+    "window",
+)
+
+
+def cmd_merge(a: argparse.Namespace) -> None:
+    """Fold the tracing of other states (``study --start N --trace-only`` on the same store, in another
+    process) into ``--state``: their trace runs and facts are appended, their trace seconds added.
+    Refused, with nothing written, when a state traced a fact twice, or a run is missing from the
+    store, is not a trace run, or traced with another configuration than the state's first run."""
+    from actstore.api import open_store
+
+    store = open_store(a.store)
+    state_path = Path(a.state)
+    if not state_path.exists():
+        raise CheckpointError(f"{a.state}: no such state file")
+    state = load_state(state_path)
+    others = []
+    for path in a.add:
+        if not Path(path).exists():
+            raise CheckpointError(f"{path}: no such state file")
+        others.append((path, load_state(Path(path))))
+    runs = list(state["trace_runs"]) + [r for _, o in others for r in o["trace_runs"]]
+    rows = {
+        r["run_id"]: r
+        for r in store.sql(
+            "SELECT run_id, kind, config FROM runs WHERE list_contains($r, run_id)", {"r": runs}
+        ).to_pylist()
+    }
+    ref: dict[str, Any] | None = None
+    for run in runs:
+        row = rows.get(run)
+        if row is None or row["kind"] != "trace":
+            raise CheckpointError(f"{run}: not a trace run of {a.store}")
+        cfg = json.loads(row["config"])
+        got = {k: cfg.get(k) for k in TRACE_KEYS}
+        if ref is None:
+            ref = got
+        elif got != ref:
+            diff = ", ".join(f"{k} {ref[k]!r} vs {got[k]!r}" for k in TRACE_KEYS if got[k] != ref[k])
+            raise CheckpointError(f"{run}: traced with another configuration than {runs[0]} ({diff})")
+    seen = set(state["traced"])
+    for path, o in others:
+        twice = seen & set(o["traced"])
+        if twice:
+            raise CheckpointError(f"{path}: {len(twice)} facts already traced (example_id {min(twice)}, ...)")
+        seen |= set(o["traced"])
+    for _, o in others:
+        state["traced"] = list(state["traced"]) + list(o["traced"])
+        state["trace_runs"] = list(state["trace_runs"]) + list(o["trace_runs"])
+        state["trace_seconds"] = float(state.get("trace_seconds", 0.0)) + float(o.get("trace_seconds", 0.0))
+    save_state(state_path, state)
+    log(f"{a.state}: {len(state['traced'])} traced facts in {len(state['trace_runs'])} trace runs")
 
 
 def migrate_patch_state(store: Any, state: dict[str, Any]) -> None:
@@ -739,6 +812,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--trace-minutes", type=float, default=30.0)
     s.add_argument("--max-facts", type=int, default=10**9)
     s.add_argument("--chunk", type=int, default=8)
+    s.add_argument(
+        "--start",
+        type=int,
+        default=0,
+        help="trace the stratified order from its N-th fact (another process traces the facts before; see merge)",
+    )
+    s.add_argument(
+        "--trace-only", action="store_true", help="stop after tracing (no patching, interventions or metrics)"
+    )
     s.add_argument("--samples", type=int, default=2)
     s.add_argument("--window", type=int, default=10)
     s.add_argument("--seed", type=int, default=0)
@@ -775,6 +857,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--from", dest="checkpoint", required=True)
     r.add_argument("--state", required=True, help="the state file to write (must not exist)")
     r.set_defaults(func=cmd_restore)
+    m = sub.add_parser(
+        "merge", help="fold the trace runs of other states (study --start N --trace-only) into a state"
+    )
+    m.add_argument("store")
+    m.add_argument("--state", required=True, help="the state to extend")
+    m.add_argument("--add", nargs="+", required=True, help="the states whose tracing is added")
+    m.set_defaults(func=cmd_merge)
     t = sub.add_parser("tables", help="Markdown tables of a study's --json output")
     t.add_argument("json", help="a study's --json output (.json or .json.gz)")
     t.add_argument("--groupings", default="freq_band,uniqueness,source_set")

@@ -646,6 +646,69 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
     assert np.array_equal(joined.key_layer, one.key_layer) and np.array_equal(joined.verdict, one.verdict)
 
 
+def test_study_traced_by_two_processes_and_merged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``study --start N --trace-only`` in a second process on the same store, then ``merge``: the
+    merged state traces the facts the one-process study traces, and its runs read the same keys and
+    profiles (the oracle: one process, the same chunks); a fact traced twice, or a run traced with
+    another window, is refused and the state left as it was."""
+    import os
+    import subprocess
+    import sys
+
+    import actstore
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    import methods_study
+
+    from actstore.query.method_study import study_readings
+
+    data = tmp_path / "m2k"
+    build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())
+    store = build_store(tmp_path / "s", "llama", dataset=f"methods2k:{data}", limit=100)
+    common = ["--all-facts", "--chunk", "3", "--samples", "1", "--window", "2", "--trace-only"]
+    head, tail, one = tmp_path / "head.json", tmp_path / "tail.json", tmp_path / "one.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(bench.parent), os.environ.get("PYTHONPATH", "")])}
+    second = subprocess.Popen(
+        [sys.executable, str(bench / "methods_study.py"), "study", str(store), "--state", str(tail)]
+        + ["--start", "3", "--max-facts", "3", *common],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert methods_study.main(["study", str(store), "--state", str(head), "--max-facts", "3", *common]) == 0
+    assert second.wait(timeout=600) == 0, second.stderr.read() if second.stderr else ""
+    assert not {"patch_runs", "effects_knockout_run"} & set(json.loads(head.read_text()))  # --trace-only
+    assert methods_study.main(["merge", str(store), "--state", str(head), "--add", str(tail)]) == 0
+    merged = json.loads(head.read_text())
+    assert methods_study.main(["study", str(store), "--state", str(one), "--max-facts", "6", *common]) == 0
+    single = json.loads(one.read_text())
+    assert merged["traced"] == single["traced"] and len(set(merged["traced"])) == 6
+    s = actstore.open(str(store))
+    got = study_readings(s, ["trace"], merged["trace_runs"], [])["trace"]
+    want = study_readings(s, ["trace"], single["trace_runs"], [])["trace"]
+    assert np.array_equal(got.example_ids, want.example_ids) and got.example_ids.size == 6
+    assert np.array_equal(got.key_layer, want.key_layer) and np.array_equal(got.verdict, want.verdict)
+    np.testing.assert_allclose(got.profile, want.profile, rtol=1e-6, atol=1e-7)
+    before = head.read_bytes()
+    capsys.readouterr()
+    assert methods_study.main(["merge", str(store), "--state", str(head), "--add", str(tail)]) == 2
+    assert "3 facts already traced" in capsys.readouterr().err
+    w1 = tmp_path / "w1.json"
+    w1_args = [*common[:6], "1", "--trace-only"]  # the same options but window 1
+    assert (
+        methods_study.main(
+            ["study", str(store), "--state", str(w1), "--start", "6", "--max-facts", "1", *w1_args]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert methods_study.main(["merge", str(store), "--state", str(head), "--add", str(w1)]) == 2
+    err = capsys.readouterr().err
+    assert "another configuration" in err and "window 2 vs 1" in err, err
+    assert head.read_bytes() == before
+
+
 def _chromium_shows(html: str, tmp: Path) -> None:
     import os
     import subprocess
