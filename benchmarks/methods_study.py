@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import random
 import re
 import sys
@@ -105,7 +106,11 @@ def load_state(path: Path) -> dict[str, Any]:
 
 
 def save_state(path: Path, state: dict[str, Any]) -> None:
-    path.write_text(json.dumps(state, indent=1) + "\n")
+    """Write the state atomically (a reader in another process never sees half a file, and a study
+    killed while saving keeps the state it had)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def cmd_build(a: argparse.Namespace) -> None:
