@@ -521,11 +521,14 @@ def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, 
     """Write the study's runs (see :data:`CHECKPOINT_TABLES`) to the folder ``out``, one file per
     table and run (``TABLE/RUN_ID.parquet``, text columns left out; a run already there is written
     again, to the same bytes), the runs' records and the facts' fingerprints; return the rows
-    written per table."""
+    written per table.  Files an earlier checkpoint in ``out`` listed and this one does not (effect
+    runs redone on more facts) are removed; no other file is touched."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    doc_path = out / "checkpoint.json"
+    earlier = json.loads(doc_path.read_text()).get("files", []) if doc_path.exists() else []
     ids: set[int] = set()
     counts: dict[str, int] = defaultdict(int)
     columns: dict[str, list[str]] = {}
@@ -568,7 +571,11 @@ def write_checkpoint(store: Any, state: dict[str, Any], out: Path) -> dict[str, 
         "files": files,
         "state": state,
     }
-    (out / "checkpoint.json").write_text(json.dumps(doc, indent=1) + "\n")
+    doc_path.write_text(json.dumps(doc, indent=1) + "\n")
+    for rel in sorted(set(earlier) - set(files)):
+        stale = out / rel
+        if stale.resolve().is_relative_to(out.resolve()) and stale.is_file():
+            stale.unlink()
     return dict(counts)
 
 

@@ -6,6 +6,7 @@ from them as the original would; a wrong store is refused with one line and left
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,17 @@ def test_restore_gives_back_equal_tables_and_a_study_that_resumes(
     before, after = run_files(root / "ck"), run_files(ck2)
     assert [k for k in before if before[k] != after.get(k)] == []
     assert len(before) == 2 * 3 + 3 and before.items() <= after.items() and len(after) == len(before) + 6
+    # checkpointing the grown study over the earlier checkpoint removes the effect runs it no longer
+    # lists (the effects were redone on six facts) and leaves exactly the files it lists
+    ck3 = tmp_path / "ck3"
+    shutil.copytree(root / "ck", ck3)
+    old_files = set(json.loads((ck3 / "checkpoint.json").read_text())["files"])
+    assert methods_study.main(["checkpoint", str(a), "--state", str(state_a), "--out", str(ck3)]) == 0
+    new_files = set(json.loads((ck3 / "checkpoint.json").read_text())["files"])
+    gone = old_files - new_files
+    assert gone and all(f.startswith(("site_effects/effects-", "runs/effects-")) for f in gone)
+    on_disk = {str(f.relative_to(ck3)) for f in ck3.rglob("*.parquet")}
+    assert on_disk == new_files | {"facts.parquet"}
 
 
 def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(
@@ -239,7 +251,6 @@ def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(
     assert "not a study checkpoint" in capsys.readouterr().err
     # a checkpoint whose file list points outside its tables
     bad = tmp_path / "bad"
-    import shutil
 
     shutil.copytree(ck, bad)
     doc = json.loads((bad / "checkpoint.json").read_text())
