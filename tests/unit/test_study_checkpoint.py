@@ -305,3 +305,29 @@ def test_committed_summary_prints_the_tables_the_results_page_cites(
     assert "| all methods (consensus) | 400 | 3.2% [1.8%, 5.0%] | 47.6% |" in printed[0]
     docs = (ROOT / "docs" / "results-methods.md").read_text()
     assert "43.7% [39.2, 47.9]" in docs and "3.2% [1.8, 5.0]" in docs
+
+
+# The results page's "Issue 36 in one table": the committed re-reads, each a column
+SUMMARY_COLUMNS = [
+    ("Gemma-3-270M, window 10 (530)", "methods-gemma3-270m-s10/chance-corpus.json.gz"),
+    ("Gemma-3-270M, window 1 (first 96)", "methods-gemma3-270m-s10-w1/chance-w1.json.gz"),
+    ("SmolLM2-135M, window 10 (535)", "methods-smollm2-135m-s10/chance.json.gz"),
+    ("SmolLM2-135M, window 1 (first 96)", "methods-smollm2-135m-s10-w1/chance-w1.json.gz"),
+]
+
+
+def test_the_results_page_cites_the_summary_of_the_committed_rereads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every row of ``methods_chance.py --summary`` over the committed re-reads stands in
+    docs/results-methods.md as printed, so the page's one-table summary is the committed data's."""
+    import methods_chance
+
+    results = ROOT / "benchmarks" / "results"
+    args = [f"{label}={results / rel}" for label, rel in SUMMARY_COLUMNS]
+    assert methods_chance.main(["--summary", *args]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    docs = (ROOT / "docs" / "results-methods.md").read_text()
+    assert len(rows) > 20 and rows[0].startswith("| figure | Gemma-3-270M, window 10 (530) |")
+    missing = [r for r in rows if r not in docs]
+    assert missing == [], missing[:3]
