@@ -20,7 +20,6 @@ both intervention modes, on all traced facts and on the facts ROME's filter keep
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import sys
@@ -31,6 +30,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from methods_study import read_summary, write_summary  # noqa: E402  (the study's --json format)
 
 BASE = ("trace", "patch", "probe", "attention", "logit_lens", "tuned_lens")
 SEED_PAIRS = (("trace", "patch"), ("trace", "probe"), ("patch", "logit_lens"), ("probe", "attention"))
@@ -427,11 +428,6 @@ def summary(outputs: list[tuple[str, dict[str, Any]]], subset: str = "all") -> s
     return "\n".join(lines)
 
 
-def _load(path: str) -> dict[str, Any]:
-    raw = Path(path).read_bytes()
-    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)  # type: ignore[no-any-return]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", nargs="?")
@@ -464,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resamples", type=int, default=2000)
     a = p.parse_args(argv)
     if a.tables:
-        print(tables(_load(a.tables)))
+        print(tables(read_summary(Path(a.tables))))
         return 0
     if a.summary:
         outputs = []
@@ -472,15 +468,14 @@ def main(argv: list[str] | None = None) -> int:
             label, sep, path = item.partition("=")
             if not sep or not label or not path:
                 p.error(f"--summary takes LABEL=JSON, not {item!r}")
-            outputs.append((label, _load(path)))
+            outputs.append((label, read_summary(Path(path))))
         print(summary(outputs, a.subset))
         return 0
     if not a.store or not a.state:
         p.error("a store and --state are needed (or --tables)")
     d = run(a)
     if a.json:
-        text = (json.dumps(d, indent=1, default=float) + "\n").encode()
-        Path(a.json).write_bytes(gzip.compress(text, mtime=0) if a.json.endswith(".gz") else text)
+        write_summary(Path(a.json), d)
         log(f"wrote {a.json}")
     print(tables(d))
     return 0
