@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DEMO_OUT ?= demo-out
 
-.PHONY: install demo test test-fast lint view bench mutants clean
+.PHONY: install demo test test-fast test-kernels lint view bench mutants clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,15 @@ test: lint
 # The fast loop: the unit and integration tiers without the real model and the full data sets.
 test-fast: install
 	$(BIN)/pytest -x -m "not slow and not real_data" tests/unit tests/integration
+
+# The numeric tests again under the CPU kernels torch would pick on other machines (docs/testing.md,
+# "Tolerances"; the modules are marked in tests/conftest.py): the plain ones always, AVX2 where this CPU
+# has it.  .ci/run runs it after `make test`.
+KERNELS := default $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo avx2)
+
+test-kernels: install
+	set -e; for k in $(KERNELS); do echo "== ATEN_CPU_CAPABILITY=$$k"; \
+	  ATEN_CPU_CAPABILITY=$$k $(BIN)/pytest -q -p no:cacheprovider -m "kernels and not slow" tests; done
 
 bench: install
 	$(BIN)/pip install -q -e '.[bench]'

@@ -58,3 +58,26 @@ def tiny_store(store_factory: Callable[..., Path]) -> Path:
     """A float32 store of the demo corpus (3 facts per relation) written by tiny Llama (shared; built
     once per session even while mutmut records coverage: use ``store_factory`` for per-test builds)."""
     return store_factory("llama")
+
+
+# The numeric tests (docs/testing.md, "Tolerances"): `make test-kernels` runs them again under the plain
+# and AVX2 CPU kernels, so that no tolerance depends on the machine's vector kernels.
+KERNEL_MODULES = {
+    "test_loader",
+    "test_features_out",
+    "test_features_subsets",
+    "test_oracles_capture",
+    "test_oracles_probe",
+    "test_oracles_readout",
+    "test_exactness",
+    "test_length_batching",
+    "test_corpus_mode",
+    "test_attribution",
+    "test_tolerances",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in KERNEL_MODULES:
+            item.add_marker(pytest.mark.kernels)

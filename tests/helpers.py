@@ -196,3 +196,38 @@ def tiny_text_corpus(
         batch_size=4,
         segment_size=16,
     )
+
+
+# Tolerance policy for comparisons of values (docs/testing.md, "Tolerances"):
+# - stored bytes that are only copied (a chunk read, a shuffle, a storage-dtype widening) compare exactly;
+# - a value computed (a matmul, a sum, a conversion) and then rounded to a narrow dtype compares within
+#   one unit in the last place (ulp) of that dtype at the value's magnitude: two float32 computations that
+#   differ in their last bits (the CPU's vector kernels decide which: AVX-512, AVX2 or plain) may round
+#   to neighbouring float16 or bfloat16 numbers;
+# - a value computed in float32 and compared in float32 uses a relative tolerance stated at the test.
+_MANTISSA = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -126)}
+
+
+def ulp(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The spacing of ``dtype``'s numbers at the magnitude of each ``x`` (subnormals included)."""
+    bits, min_exp = _MANTISSA[dtype]
+    mag = np.abs(np.asarray(x, dtype=np.float64))
+    exp = np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
+    exp = np.maximum(np.where(mag > 0, exp, min_exp), min_exp)
+    return np.ldexp(1.0, (exp - bits).astype(np.int64))
+
+
+def assert_within_ulps(actual: Any, desired: Any, dtype: str, ulps: int = 1) -> None:
+    """``actual`` and ``desired`` (both computed, then rounded to ``dtype``) differ by at most ``ulps``
+    units in the last place of ``dtype`` at the larger magnitude of the two, element by element."""
+    a = np.asarray(actual.float() if isinstance(actual, torch.Tensor) else actual, dtype=np.float64)
+    d = np.asarray(desired.float() if isinstance(desired, torch.Tensor) else desired, dtype=np.float64)
+    assert a.shape == d.shape, (a.shape, d.shape)
+    tol = ulps * ulp(np.maximum(np.abs(a), np.abs(d)), dtype)
+    bad = np.abs(a - d) > tol
+    if bad.any():
+        i = tuple(int(k) for k in np.argwhere(bad)[0])
+        raise AssertionError(
+            f"{int(bad.sum())} of {a.size} values differ by more than {ulps} ulp of {dtype}; first at {i}: "
+            f"{a[i]!r} vs {d[i]!r} (ulp {tol[i] / ulps!r})"
+        )

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import assert_within_ulps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -431,12 +432,13 @@ def test_batches_outlive_the_reused_window_buffers(store: Any, kind: str, layers
         assert len(kept) == 2 * len(ld)
         for i, x in kept:
             assert x.dtype == getattr(torch, dtype)
-            np.testing.assert_allclose(
-                x.float().numpy(),
-                want[[pos[int(r)] for r in i]].astype(dtype).astype(np.float32),
-                rtol=1e-5 if kind == "mlp" else 0,
-                atol=1e-6 if kind == "mlp" else 0,
-            )
+            expect = want[[pos[int(r)] for r in i]].astype(dtype)
+            if kind == "mlp" and dtype == "float16":  # computed (the down projection), then rounded
+                assert_within_ulps(x.numpy(), expect, dtype)  # one float16 ulp (docs/testing.md)
+            elif kind == "mlp":  # computed in float32 by two code paths: their last bits may differ
+                np.testing.assert_allclose(x.numpy(), expect, rtol=1e-5, atol=1e-6)
+            else:  # stored bytes, only copied and converted: exact
+                np.testing.assert_array_equal(x.numpy(), expect)
 
 
 @pytest.mark.parametrize("layers", [[0], [0, 2]])
