@@ -59,14 +59,14 @@ bench: install
 # mutmut names modules by their file paths, so it runs in build/mutate, a copy of the installed
 # layout (ingest/ and query/ inside actstore/).  Names are mutmut's: module.x_function or
 # module.xǁClassǁmethod; globs allowed.
-MUTANTS ?= 'actstore.ingest.batches.x_pad_batch*' 'actstore.ingest.capture.x__capture_attention*' \
-	'actstore.query.features.x_group_bounds*' 'actstore.query.features.x_compute_block*' \
-	'actstore.query.attribution.x_contrast_coefficients*' 'actstore.query.attribution.x_unit_scores*' \
-	'actstore.query.attribution.xǁTokenGeometryǁproject*' 'actstore.query.relspec.*' \
-	'actstore.query.episodes.x_sample_episodes*' 'actstore.query.probe.xǁFeatureMatrixǁunit_labels*' \
-	'actstore.query.maps.static.x_static_scores*' 'actstore.query.readout.xǁFinalReadoutǁ*' \
-	'actstore.ingest.interventions.tracing.xǁCausalTracerǁrestore*' \
-	'actstore.ingest.interventions.patching.x_effects_table*'
+MUTANTS ?= 'actstore.ingest.capture.batches.x_pad_batch*' 'actstore.ingest.capture.fused.x__capture_attention*' \
+	'actstore.query.select.features.x_group_bounds*' 'actstore.query.select.features.x_compute_block*' \
+	'actstore.query.analyses.attribution.x_contrast_coefficients*' 'actstore.query.analyses.attribution.x_unit_scores*' \
+	'actstore.query.analyses.attribution.xǁTokenGeometryǁproject*' 'actstore.query.analyses.relspec.*' \
+	'actstore.query.analyses.episodes.x_sample_episodes*' 'actstore.query.analyses.probe.xǁFeatureMatrixǁunit_labels*' \
+	'actstore.query.maps.static.x_static_scores*' 'actstore.query.analyses.readout.xǁFinalReadoutǁ*' \
+	'actstore.interventions.tracing.xǁCausalTracerǁrestore*' \
+	'actstore.interventions.patching.x_effects_table*'
 MUTATE := build/mutate
 
 mutants: install

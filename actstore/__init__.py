@@ -44,19 +44,19 @@ from actstore.core.manifest import FORMAT_VERSION, Geometry, Manifest
 open = open_store  # noqa: A001  (``actstore.open(path)`` is the documented entry point)
 
 if TYPE_CHECKING:
-    from actstore.query.feature_dataset import FeatureDataset
-    from actstore.query.selection import Selection
+    from actstore.query.select.feature_dataset import FeatureDataset
+    from actstore.query.select.selection import Selection
 
 
 def __getattr__(name: str) -> Any:
     """``actstore.Selection`` and ``actstore.FeatureDataset``, imported on first use (they load torch;
     ``import actstore`` does not)."""
     if name == "Selection":
-        from actstore.query.selection import Selection
+        from actstore.query.select.selection import Selection
 
         return Selection
     if name == "FeatureDataset":
-        from actstore.query.feature_dataset import FeatureDataset
+        from actstore.query.select.feature_dataset import FeatureDataset
 
         return FeatureDataset
     raise AttributeError(f"module 'actstore' has no attribute {name!r}")

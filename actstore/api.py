@@ -18,7 +18,7 @@ from actstore.core.fs import locate
 from actstore.core.store import StoreReader
 
 if TYPE_CHECKING:
-    from actstore.query.selection import Selection
+    from actstore.query.select.selection import Selection
 
 
 class Store(StoreReader):
@@ -37,7 +37,7 @@ class Store(StoreReader):
 
             store.select("relation_id = $rel AND split = 'val'", params={"rel": "P17"})
         """
-        from actstore.query.selection import Selection
+        from actstore.query.select.selection import Selection
 
         return Selection.from_sql(self, where=where, query=query, params=params)
 
@@ -79,12 +79,12 @@ def tokenizer_for_store(store: StoreReader, name: str | None = None) -> Any:
     """The tokenizer of ``store``'s model, or ``name``'s (a folder, a hub name, or one of actstore's
     model aliases such as ``tiny-llama`` or ``smollm2-135m``).
 
-    A store holds its model's tokenizer (:func:`actstore.query.store_tokenizer.stored_tokenizer`
+    A store holds its model's tokenizer (:func:`actstore.query.select.store_tokenizer.stored_tokenizer`
     reads it).  An alias given as ``name`` is resolved through the model registry of ``ingest``, which
     is why this lives in the facade and not in ``query``.
     """
     from actstore.ingest.alias_tokenizer import alias_tokenizer
-    from actstore.query.store_tokenizer import check_vocabulary, stored_tokenizer
+    from actstore.query.select.store_tokenizer import check_vocabulary, stored_tokenizer
 
     weight_hash = str(store.manifest.model.get("weight_hash") or "")
     key = name.strip() if name is not None and name.strip() else None

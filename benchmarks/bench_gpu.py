@@ -69,7 +69,7 @@ def sync(device: str) -> None:
 def bench(name: str, device: str, n: int, batch: int, rounds: int) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actstore.ingest.batches import pad_batch
+    from actstore.ingest.capture.batches import pad_batch
     from actstore.ingest.models import tiny_tokenizer
     from actstore.ingest.pipeline import IngestConfig, ingest_prompts
 

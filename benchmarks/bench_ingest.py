@@ -59,8 +59,8 @@ def load(n_prompts: int) -> tuple[Any, list[Any]]:
 def time_plain(loaded: Any, prompts: list[Any], batch: int, backbone_only: bool) -> float:
     import torch
 
-    from actstore.ingest.architectures import architecture_for
-    from actstore.ingest.batches import pad_batch
+    from actstore.ingest.capture.architectures import architecture_for
+    from actstore.ingest.capture.batches import pad_batch
 
     arch = architecture_for(loaded.model)
     fn = arch.backbone(loaded.model) if backbone_only else loaded.model

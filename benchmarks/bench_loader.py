@@ -182,7 +182,7 @@ def activault_reader(folder: Path, args: argparse.Namespace) -> Callable[[], int
 
 def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     import actstore
-    from actstore.query.hf_export import hook_name
+    from actstore.query.select.hf_export import hook_name
 
     store = actstore.open(path)
     sel = store.select()

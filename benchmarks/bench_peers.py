@@ -105,8 +105,8 @@ class Bench:
     """Loaded model copies, padded batches and one ``capture`` function per method."""
 
     def __init__(self, loaded: Any, prompts: list[Any], batch: int) -> None:
-        from actstore.ingest.architectures import architecture_for
-        from actstore.ingest.batches import pad_batch
+        from actstore.ingest.capture.architectures import architecture_for
+        from actstore.ingest.capture.batches import pad_batch
 
         self.loaded = loaded
         self.prompts = prompts
@@ -163,7 +163,7 @@ class Bench:
         return rep.seconds
 
     def actstore_capture(self, b: Any) -> dict[str, torch.Tensor]:
-        from actstore.ingest.capture import FusedCapture
+        from actstore.ingest.capture.fused import FusedCapture
 
         with FusedCapture(self.model, self.arch, "float32") as cap:
             out = cap.run(b.input_ids, b.attention_mask, b.index, b.position_ids)
@@ -289,7 +289,7 @@ class Bench:
 
     # --- the materialised way -------------------------------------------------------------
     def materialised_batch(self, b: Any) -> dict[str, np.ndarray]:
-        from actstore.ingest.capture import FusedCapture
+        from actstore.ingest.capture.fused import FusedCapture
 
         if self._W_O is None:
             self._W_O = torch.from_numpy(self.arch.weights(self.model)[0]["W_O"])  # [L, H, dh, d]

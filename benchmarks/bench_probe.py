@@ -2,10 +2,10 @@
 
 One run, on one store and one feature matrix (loaded once, outside every timing):
 
-* ``batched``    :func:`actstore.query.probe.run_probe` over all ``seeds x episodes`` episodes
+* ``batched``    :func:`actstore.query.analyses.probe.run_probe` over all ``seeds x episodes`` episodes
                  (RelSpec selection, standardisation, training, evaluation, HeadScores);
 * ``subset``     the same, on the first ``--reference-episodes`` of those episodes;
-* ``reference``  :func:`actstore.query.probe.run_reference` (``nn.Linear`` + ``torch.optim.Adam``, one
+* ``reference``  :func:`actstore.query.analyses.probe.run_reference` (``nn.Linear`` + ``torch.optim.Adam``, one
                  episode at a time, same selection) on that subset.
 
 The ratio is reference / subset on the same episodes, measured back to back; the predictions
@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 import actstore
-from actstore.query.episodes import EpisodeSet, sample_seeds
-from actstore.query.probe import ProbeConfig, run_probe, run_reference
-from actstore.query.probe_features import load_features
-from actstore.query.selection import Selection
+from actstore.query.analyses.episodes import EpisodeSet, sample_seeds
+from actstore.query.analyses.probe import ProbeConfig, run_probe, run_reference
+from actstore.query.analyses.probe_features import load_features
+from actstore.query.select.selection import Selection
 
 
 def subset(ep: EpisodeSet, n: int) -> EpisodeSet:

@@ -22,7 +22,7 @@ only in the page cache, not in the allocator's or the thread pool's state left b
 
 * **sql**: a fresh ``actstore.open`` + its first query on ``--sql-store`` (read only), in this
   process (imports done) and ``actstore sql`` end to end (a subprocess per call);
-* **probe**: ``actstore.query.probe.load_features`` against ``sel.features`` (rows/s) for the probe kinds,
+* **probe**: ``actstore.query.analyses.probe.load_features`` against ``sel.features`` (rows/s) for the probe kinds,
   with the peak RSS of each call above the RSS before it (``VmHWM``, one call per fresh process).
 
     python benchmarks/bench_query.py [--quick] [--store PATH] [--threads 1,2] [--json OUT]
@@ -157,7 +157,7 @@ def factor_math(store: Any, kind: str, factors: list[dict[str, np.ndarray]]) -> 
     """The arithmetic of ``kind`` alone (written here, not the library's), on factors in memory."""
     import torch
 
-    from actstore.query.features import group_bounds
+    from actstore.query.select.features import group_bounds
 
     g = store.geometry
     W = {n: torch.from_numpy(store.weight(n)) for n in ("W_O", "b_O", "W_down", "b_down")}
@@ -236,7 +236,7 @@ def check_equal(name: str, x: np.ndarray, ref: np.ndarray, tol: float) -> float:
 def sql_latency(path: str, n: int) -> dict[str, Any]:
     """Fresh ``actstore.open`` + first query in this process, and ``actstore sql`` end to end."""
     import actstore
-    from actstore.query.selection_plan import ROWS_SQL
+    from actstore.query.select.plan import ROWS_SQL
 
     actstore.open(path).sql(FIRST_QUERY)  # imports and the process's database, outside the timing
     sel_sql = ROWS_SQL.format(cond="t.example_id IN (SELECT example_id FROM examples WHERE relation_id = $r)")
@@ -289,7 +289,7 @@ _PEAK_CODE = """
 import sys, numpy as np
 sys.path.insert(0, {repo!r})
 import actstore
-from actstore.query.probe import load_features
+from actstore.query.analyses.probe import load_features
 def status(field):
     for line in open('/proc/self/status'):
         if line.startswith(field + ':'):
@@ -319,7 +319,7 @@ def peak_rss(path: str, case: str, kind: str) -> tuple[int, int]:
 def probe_loading(path: str, kinds: list[str], rounds: int) -> dict[str, Any]:
     """``load_features`` (float32, float16) against ``sel.features`` for the same rows, rows/s and peak RSS."""
     import actstore
-    from actstore.query.probe_features import load_features
+    from actstore.query.analyses.probe_features import load_features
 
     store = actstore.open(path)
     sel = store.select()

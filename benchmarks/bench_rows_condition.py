@@ -1,5 +1,5 @@
 """How a selection's bound example ids filter a table, at 10^4 / 10^5 / 10^6 rows (half selected):
-``list_contains($rows, id)`` vs ``id IN (SELECT unnest($rows))`` (what actstore.query.rows uses) vs a
+``list_contains($rows, id)`` vs ``id IN (SELECT unnest($rows))`` (what actstore.query.select.rows uses) vs a
 predicate evaluated in SQL.  Medians of 5, one process, DuckDB over an Arrow table.
 
     python benchmarks/bench_rows_condition.py

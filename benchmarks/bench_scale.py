@@ -148,7 +148,7 @@ def read_all(root: Path) -> float:
 
 FRESH = """
 import sys, time
-import actstore, duckdb, pyarrow.dataset, actstore.query.selection  # imports done (the issue's measure)
+import actstore, duckdb, pyarrow.dataset, actstore.query.select.selection  # imports done (the issue's measure)
 t1 = time.perf_counter()
 s = actstore.open(sys.argv[1])
 n = s.sql("SELECT count(*) AS n FROM examples").column("n")[0].as_py()
@@ -162,7 +162,7 @@ print((t2 - t1) * 1000, (t3 - t2) * 1000)
 
 SELECTIVE = """
 import json, statistics, sys, time
-import actstore, duckdb, pyarrow.dataset, actstore.query.selection  # imports done
+import actstore, duckdb, pyarrow.dataset, actstore.query.select.selection  # imports done
 store = sys.argv[1]
 t0, c0 = time.perf_counter(), time.process_time()
 s = actstore.open(store)

@@ -121,7 +121,7 @@ def upload(moto: Moto, store: Path, url: str) -> dict[str, Any]:
 
 QUERIES = r"""
 import json, sys, time
-import actstore, duckdb, pyarrow.dataset, actstore.query.selection, s3fs  # imports done
+import actstore, duckdb, pyarrow.dataset, actstore.query.select.selection, s3fs  # imports done
 url, log, eid, eid2 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 def mark():
     time.sleep(0.3)

@@ -5,13 +5,13 @@ facts per minute, the positions x layers each computed (counted by hooks on ever
 output projection and MLP down projection) and the FLOPs they make (those counts times the
 attention's and the MLP's matmul FLOPs per position, plus the LM head of every restoration):
 
-* ``incremental``  :class:`actstore.ingest.interventions.tracing.CausalTracer` default: each restoration reuses the corrupted
+* ``incremental``  :class:`actstore.interventions.tracing.CausalTracer` default: each restoration reuses the corrupted
                    run (keys/values of the positions before it, the layer inputs below its window)
                    and runs only layers start..L-1 at positions p..T-1
 * ``batched``      ``TraceConfig(incremental=False)`` with the shared
-                   :class:`actstore.ingest.interventions.InterventionRunner` (what ``actstore trace`` ran before
+                   :class:`actstore.interventions.InterventionRunner` (what ``actstore trace`` ran before
                    the incremental runner): ``--batch-size`` full corrupted copies per forward pass
-* ``vectorised``   the same with :class:`actstore.ingest.interventions.tracing.GroupedEditRunner` (edits as one indexed write)
+* ``vectorised``   the same with :class:`actstore.interventions.tracing.GroupedEditRunner` (edits as one indexed write)
 * ``loop``         the shared runner with ``batch_size=1``, one restoration per forward pass (first fact only)
 
 Rounds are interleaved (the mode order alternates each round, so a load change on this shared machine
@@ -150,15 +150,15 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     import actstore
-    from actstore.ingest.intervention_settings import TraceConfig
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.tracing import (
+    from actstore.ingest.models import load_model
+    from actstore.interventions import InterventionRunner
+    from actstore.interventions.settings import TraceConfig
+    from actstore.interventions.tracing import (
         CausalTracer,
         GroupedEditRunner,
         stored_facts,
         subject_embedding_std,
     )
-    from actstore.ingest.models import load_model
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp:

@@ -18,8 +18,8 @@ import torch
 
 import actstore
 from actstore.core.store import StoreReader
-from actstore.query.corpus_lens import corpus_residuals, load_corpus_lens, split_documents
-from actstore.query.readout import FinalReadout, TunedLens
+from actstore.query.analyses.corpus_lens import corpus_residuals, load_corpus_lens, split_documents
+from actstore.query.analyses.readout import FinalReadout, TunedLens
 from benchmarks.common import emit
 
 

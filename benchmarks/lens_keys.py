@@ -2,14 +2,14 @@
 on a text corpus (``actstore corpus-lens``), each with the three key definitions of issue 36:
 
 - ``plateau``: the comparison's key (the middle of the run of layers within ``--plateau`` of the peak
-  of the per-layer jump in P(object); ``actstore.query.methods.key_layers``);
+  of the per-layer jump in P(object); ``actstore.query.methods.readings.key_layers``);
 - ``top10``: the first block after which the object is among the ten most probable tokens;
 - ``half``: the first block after which P(object) reaches half its value at the output.
 
 For each lens and key: how many facts have a key, how many distinct keys, the median and the share of
 the most common key (a key that never moves says nothing per fact), then the agreement of the two
 lenses' keys per definition against the within-relation permutation null
-(``actstore.query.method_chance.pair_chance``: observed share within the tolerance, chance, excess,
+(``actstore.query.methods.chance.pair_chance``: observed share within the tolerance, chance, excess,
 kappa).  Reads the store only; no model::
 
     python benchmarks/lens_keys.py FACTS_STORE --tuned corpus:CORPUS_STORE --json OUT.json
@@ -52,12 +52,12 @@ def describe(keys: Any) -> dict[str, Any]:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     from actstore.api import open_store
-    from actstore.query.corpus_lens import load_corpus_lens
-    from actstore.query.method_agreement import default_tolerance
-    from actstore.query.method_chance import pair_chance
-    from actstore.query.method_keys import lens_variant_readings
-    from actstore.query.method_study import store_strata
-    from actstore.query.methods import PLATEAU, fact_ids, lens_reading, stored_outputs
+    from actstore.query.analyses.corpus_lens import load_corpus_lens
+    from actstore.query.methods.agreement import default_tolerance
+    from actstore.query.methods.chance import pair_chance
+    from actstore.query.methods.keys import lens_variant_readings
+    from actstore.query.methods.readings import PLATEAU, fact_ids, lens_reading, stored_outputs
+    from actstore.query.methods.study import store_strata
 
     t0 = time.time()
     store = open_store(a.store)

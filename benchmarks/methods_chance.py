@@ -9,12 +9,12 @@ patching or intervention is run again):
 (``OUT.json.gz``: gzip-compressed.)  The Gemma-3-270M output of issue 36 is
 ``benchmarks/results/methods-gemma3-270m-s10/chance.json.gz`` (``--tuned adam``: the study's fit).
 
-Readings as the study reads them (``query/method_study.py::study_readings``; the tuned lens only
+Readings as the study reads them (``query/methods/study.py::study_readings``; the tuned lens only
 with ``--tuned``: the study's Adam fit takes ~11 minutes on 2 cores), the variants of
-``query/method_keys.py``, the metrics of ``query/method_tables.py::compute_metrics`` (pairs with
+``query/methods/keys.py``, the metrics of ``query/methods/tables.py::compute_metrics`` (pairs with
 their chance level, kappa and excess; effect correlations raw, relative, log-odds and partial) for
 both intervention modes, on all traced facts and on the facts ROME's filter keeps
-(``query/method_study.py::rome_filter``).
+(``query/methods/study.py::rome_filter``).
 """
 
 from __future__ import annotations
@@ -56,32 +56,32 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from actstore.api import open_store
-    from actstore.query.corpus_lens import load_corpus_lens
-    from actstore.query.method_agreement import default_tolerance
-    from actstore.query.method_chance import (
+    from actstore.query.analyses.corpus_lens import load_corpus_lens
+    from actstore.query.analyses.lens_methods import CORPUS_PREFIX, check_tuned_method
+    from actstore.query.methods.agreement import default_tolerance
+    from actstore.query.methods.chance import (
         coded_chance,
         consensus_chance,
         group_codes,
         pair_chance,
     )
-    from actstore.query.method_defaults import CORPUS_PREFIX, check_tuned_method
-    from actstore.query.method_keys import (
+    from actstore.query.methods.keys import (
         lens_variant_readings,
         patch_position_readings,
         trace_centre_reading,
         trace_window,
         window_kernel,
     )
-    from actstore.query.method_metrics import subset_reading
-    from actstore.query.method_study import (
+    from actstore.query.methods.metrics import subset_reading
+    from actstore.query.methods.readings import COMPARISON_TRAIN, stored_outputs
+    from actstore.query.methods.study import (
         rome_filter,
         store_strata,
         study_readings,
         trace_clean_probabilities,
         trace_total_effects,
     )
-    from actstore.query.method_tables import compute_metrics
-    from actstore.query.methods import COMPARISON_TRAIN, stored_outputs
+    from actstore.query.methods.tables import compute_metrics
 
     t0 = time.time()
     store = open_store(a.store)

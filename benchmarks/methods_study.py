@@ -15,12 +15,12 @@ quote the run ids):
 3. activation patching of the traced facts not patched yet (MLP and attention outputs per layer, no
    heads): each call adds one patch run (``patch_runs``, ``patched`` in the state), so a resumed
    study patches only what it traced since;
-4. every method's reading (:func:`actstore.query.method_metrics.study_readings`; the tuned lens trained with
+4. every method's reading (:func:`actstore.query.methods.metrics.study_readings`; the tuned lens trained with
    ``--tuned`` adam, sgd or ridge on the facts not traced, ``--tuned-steps`` of ``--tuned-batch``
    facts, recorded in the state as ``tuned_lens``), the located sites, and the interventions on
    them and on random layers (``site_effects``, knock-out and restore; a run is reused only while
    it covers the same facts, ``effects_<mode>_facts``);
-5. the metrics (:func:`actstore.query.method_metrics.compute_metrics`) per method, overall and per stratum,
+5. the metrics (:func:`actstore.query.methods.metrics.compute_metrics`) per method, overall and per stratum,
    the pair table with bootstrap intervals, and the cross-size row; written to the store
    (``method_metrics``, ``method_pair_metrics``, ``method_cross_size``) and to ``--json``.
 
@@ -127,7 +127,7 @@ def _where_ids(ids: list[int]) -> str:
 
 def cmd_study(a: argparse.Namespace) -> None:
     from actstore.api import open_store
-    from actstore.ingest.intervention_settings import PatchConfig, TraceConfig
+    from actstore.interventions.settings import PatchConfig, TraceConfig
     from actstore.jobs.patch import PatchRequest, run_patch
     from actstore.jobs.trace import TraceRequest, run_trace
 
@@ -303,22 +303,22 @@ def effects_and_metrics(store: Any, state: dict[str, Any], state_path: Path, a: 
 
     from actstore.core.runs import new_run_id, with_run_id, write_run
     from actstore.core.writer import write_result_table
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.effectiveness import (
+    from actstore.interventions import InterventionRunner
+    from actstore.interventions.effectiveness import (
         EffectConfig,
         noise_std_for,
         site_effects,
         sites_by_fact,
     )
-    from actstore.ingest.interventions.facts import stored_facts
+    from actstore.interventions.facts import stored_facts
     from actstore.jobs.methods import record_method_metrics
     from actstore.jobs.model import load_store_model, model_for_store
-    from actstore.query.method_agreement import default_tolerance
-    from actstore.query.method_metrics import located_sites
-    from actstore.query.method_study import store_strata, study_readings, trace_clean_probabilities
-    from actstore.query.method_tables import compute_metrics, cross_size_rows
-    from actstore.query.methods import COMPARISON_TRAIN, key_mlp_at_subject
-    from actstore.query.selection import Selection
+    from actstore.query.methods.agreement import default_tolerance
+    from actstore.query.methods.metrics import located_sites
+    from actstore.query.methods.readings import COMPARISON_TRAIN, key_mlp_at_subject
+    from actstore.query.methods.study import store_strata, study_readings, trace_clean_probabilities
+    from actstore.query.methods.tables import compute_metrics, cross_size_rows
+    from actstore.query.select.selection import Selection
 
     started = time.time()
     methods = [m for m in a.methods.split(",") if m]

@@ -22,8 +22,8 @@ import torch
 
 import actstore
 from actstore.jobs.probe import record_probe
-from actstore.query.probe import ProbeConfig, run_probe
-from actstore.query.probe_features import load_features
+from actstore.query.analyses.probe import ProbeConfig, run_probe
+from actstore.query.analyses.probe_features import load_features
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import actstore
-    from actstore.query.probe_features import load_features
+    from actstore.query.analyses.probe_features import load_features
 
     torch.set_num_threads(1)
     s = actstore.open(a.store)

@@ -1,4 +1,4 @@
-"""Check actstore's tuned lens (query/tuned_lens.py) against the ``tuned-lens`` package.
+"""Check actstore's tuned lens (query/analyses/tuned_lens.py) against the ``tuned-lens`` package.
 
 The package is not a dependency of actstore: install it into a separate virtual environment,
 
@@ -207,9 +207,9 @@ def compare(work: Path, steps: int) -> dict[str, Any]:
 
     sys.path.insert(0, str(REPO))
     from actstore import open_store
-    from actstore.query.corpus_lens import check_corpus_residuals, corpus_residuals
-    from actstore.query.lens import FinalReadout, TunedLens
-    from actstore.query.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
+    from actstore.query.analyses.corpus_lens import check_corpus_residuals, corpus_residuals
+    from actstore.query.analyses.lens import FinalReadout, TunedLens
+    from actstore.query.analyses.tuned_lens import TrainConfig, kl_per_index, train_tuned_lens
 
     torch.set_num_threads(1)
     model = GPT2LMHeadModel.from_pretrained(work / "model").eval()

@@ -36,9 +36,9 @@ from actstore.core.runs import new_run_id, write_run
 from actstore.core.segments import tokenizer_file_name_ok
 from actstore.core.tables import EXAMPLES, TARGETS, TOKENS, sha256
 from actstore.core.writer import StoreWriter
-from actstore.ingest.architectures import Architecture, architecture_for
-from actstore.ingest.batches import pad_batch
-from actstore.ingest.capture import FusedCapture
+from actstore.ingest.capture.architectures import Architecture, architecture_for
+from actstore.ingest.capture.batches import pad_batch
+from actstore.ingest.capture.fused import FusedCapture
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.ranks import rank_zero_first
 from actstore.ingest.records import PromptRecord, TokenizedPrompt
@@ -162,7 +162,7 @@ def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
     """The files ``tokenizer.save_pretrained`` writes, by name ({} for an object that cannot save itself).
 
     The store keeps them under ``tokenizer/`` so that analyses that need only the tokenizer (MAPS)
-    read it from the store (:mod:`actstore.query.store_tokenizer`) instead of loading the model package."""
+    read it from the store (:mod:`actstore.query.select.store_tokenizer`) instead of loading the model package."""
     save = getattr(tokenizer, "save_pretrained", None)
     if save is None:
         return {}

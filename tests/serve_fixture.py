@@ -48,7 +48,7 @@ def build_serve_store(out: Path) -> Path:
 
     import actstore
     from actstore.jobs.probe import record_probe
-    from actstore.query.probe import ProbeConfig, run_probe
+    from actstore.query.analyses.probe import ProbeConfig, run_probe
 
     out.mkdir(parents=True, exist_ok=True)
     data = write_prompts(out / "prompts.jsonl")

@@ -20,7 +20,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-from actstore.ingest.intervention_settings import AblationConfig
+from actstore.interventions.settings import AblationConfig
 
 
 def _pct(x: float | None) -> str:

@@ -22,7 +22,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-from actstore.ingest.intervention_settings import PatchConfig, TraceConfig
+from actstore.interventions.settings import PatchConfig, TraceConfig
 
 
 # ----------------------------------------------------------------------------------- trace

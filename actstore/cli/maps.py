@@ -173,7 +173,7 @@ def maps_dynamic(
 ) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
     from actstore.jobs.maps_dynamic import run_maps_dynamic
-    from actstore.query.dask_tasks import dask_client
+    from actstore.query.analyses.dask_tasks import dask_client
 
     s = open_store_arg(store)
     check_where(s, where)

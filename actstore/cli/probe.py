@@ -23,7 +23,7 @@ from actstore.cli._options import (
     where_option,
 )
 from actstore.jobs.settings import CorrelateConfig, ShortcutsConfig
-from actstore.query.probe_config import ProbeConfig
+from actstore.query.analyses.probe_config import ProbeConfig
 
 PROBE_DEFAULTS = defaults(ProbeConfig)
 
@@ -80,7 +80,7 @@ def probe(
 ) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
     from actstore.jobs.probe import contrast_text, record_probe
-    from actstore.query.probe import run_probe
+    from actstore.query.analyses.probe import run_probe
 
     cfg = config_from(ProbeConfig, given, where=where, seeds=tuple(range(seed_start, seed_start + n_seeds)))
     s = open_store_arg(store)
@@ -121,7 +121,7 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
     title = f"HeadScore {run_id}" + (f" {relation}" if relation else "")
     pngs: list[str] = []
     if figures:
-        from actstore.query.plotting import headscore_heatmap
+        from actstore.query.analyses.plotting import headscore_heatmap
 
         name = f"headscore_{run_id}" + (f"_{relation}" if relation else "") + ".png"
         pngs.append(str(headscore_heatmap(g.scores, g.layers, g.heads, os.path.join(figures, name), title)))
@@ -180,7 +180,7 @@ def tokenscore(
 ) -> None:
     """TokenScore per layer over a query prompt's tokens (its episode is re-trained)."""
     from actstore.jobs.probe import contrast_text
-    from actstore.query.explain import explain_example
+    from actstore.query.analyses.explain import explain_example
 
     ex = explain_example(
         open_store_arg(store), run_id, example_id, seed=seed, episode=episode, contrast=contrast

@@ -132,7 +132,7 @@ def _contexts(store: Any, rows: list[int]) -> dict[int, dict[str, Any]]:
     """The prompt text and the target token of each row; a corpus store's row: its token and the text
     of its window around it (``text`` with the token in brackets, ``before`` and ``after`` apart)."""
     if store.manifest.ingest.get("positions") == "all":
-        from actstore.query.topk import position_contexts
+        from actstore.query.analyses.topk import position_contexts
 
         return {
             r: {

@@ -299,7 +299,7 @@ class StoreReader(TableFiles):
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The bytes of each tokenizer file, checked against the manifest's SHA-256 (a folder for
-        ``AutoTokenizer.from_pretrained`` once written out; see :mod:`actstore.query.store_tokenizer`)."""
+        ``AutoTokenizer.from_pretrained`` once written out; see :mod:`actstore.query.select.store_tokenizer`)."""
         record = self.tokenizer_record()
         if record is None:
             raise QueryError(f"{self.url} holds no tokenizer")

@@ -10,14 +10,14 @@ from typing import Any
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader, open_reader
-from actstore.ingest.intervention_settings import AblationConfig
-from actstore.ingest.interventions import InterventionRunner
-from actstore.ingest.interventions.ablation import relation_prompts, run_ablation
+from actstore.interventions import InterventionRunner
+from actstore.interventions.ablation import relation_prompts, run_ablation
+from actstore.interventions.settings import AblationConfig
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
 from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
 from actstore.query.maps.projection import parse_heads
-from actstore.query.selection import Selection
+from actstore.query.select.selection import Selection
 
 Log = Callable[[str], None]
 

@@ -11,7 +11,7 @@ the store's facts that are not compared, ``cfg.steps`` steps of ``cfg.batch`` fa
 ``result["tuned_lens"]`` and the run's config record how.
 
 The settings, ``AgreeConfig``, are in :mod:`actstore.jobs.settings`; the definitions of each reading
-in :mod:`actstore.query.methods`.
+in :mod:`actstore.query.methods.readings`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import AgreeConfig
-from actstore.query.method_agreement import agreement, agreement_table, default_tolerance
-from actstore.query.method_defaults import CORPUS_PREFIX
-from actstore.query.method_probe import LayerProbeConfig, probe_reading
-from actstore.query.method_study import store_strata
-from actstore.query.methods import (
+from actstore.query.analyses.lens_methods import CORPUS_PREFIX
+from actstore.query.methods.agreement import agreement, agreement_table, default_tolerance
+from actstore.query.methods.probe import LayerProbeConfig, probe_reading
+from actstore.query.methods.readings import (
     COMPARISON_TRAIN,
     MethodReading,
     attention_reading,
@@ -47,6 +46,7 @@ from actstore.query.methods import (
     trace_reading,
     tuned_lens_reading,
 )
+from actstore.query.methods.study import store_strata
 
 Log = Callable[[str], None]
 
@@ -184,7 +184,7 @@ def run_agreement(
         }
         outcome.tables += record_run(store, "agree", config, tables, started=started, run_id=run_id).tables
     if cfg.figures:
-        from actstore.query.plotting import profile_curves
+        from actstore.query.analyses.plotting import profile_curves
 
         Path(cfg.figures).mkdir(parents=True, exist_ok=True)
         outcome.figures.append(

@@ -18,9 +18,9 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import CorpusLensConfig
-from actstore.query.corpus_lens import TRANSLATORS_TABLE, corpus_lens_study, translators_table
-from actstore.query.readout import TunedLens
-from actstore.query.tuned_lens import TrainConfig
+from actstore.query.analyses.corpus_lens import TRANSLATORS_TABLE, corpus_lens_study, translators_table
+from actstore.query.analyses.readout import TunedLens
+from actstore.query.analyses.tuned_lens import TrainConfig
 
 
 @dataclass
@@ -35,7 +35,7 @@ class CorpusLensOutcome:
 def run_corpus_lens(
     store: StoreReader, cfg: CorpusLensConfig, progress: Callable[[int, float], None] | None = None
 ) -> CorpusLensOutcome:
-    """The study of :func:`actstore.query.corpus_lens.corpus_lens_study`; writes the ``corpus_lens``
+    """The study of :func:`actstore.query.analyses.corpus_lens.corpus_lens_study`; writes the ``corpus_lens``
     table (one row per residual index), the translators (``tuned_lens_translators``, read back by
     ``agree --tuned corpus:STORE``) and a ``runs`` row unless ``cfg.save`` is False."""
     started = time.time()

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from actstore.core.store import StoreReader
 from actstore.jobs.record import read_run_column, record_run
 from actstore.jobs.settings import CorrelateConfig
-from actstore.query.dask_tasks import dask_client
-from actstore.query.predictors import PredictorResult, relation_predictors, scatter_plots
+from actstore.query.analyses.dask_tasks import dask_client
+from actstore.query.analyses.predictors import PredictorResult, relation_predictors, scatter_plots
 
 
 @dataclass

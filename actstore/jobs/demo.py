@@ -33,10 +33,10 @@ from actstore.jobs.ingest import IngestRequest, run_ingest
 from actstore.jobs.probe import record_probe
 from actstore.jobs.record import record_run
 from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
+from actstore.query.analyses.probe import ProbeConfig, run_probe
 from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 from actstore.query.maps.pairs import TokenPairs, store_pairs
 from actstore.query.maps.static import StaticScores, relation_summary, scores_table, static_scores
-from actstore.query.probe import ProbeConfig, run_probe
 from actstore.query.report import write_report
 
 Step = Callable[[str], None]

@@ -20,8 +20,8 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
-from actstore.ingest.architectures import architecture_for
-from actstore.ingest.corpus_capture import capture_positions, kept_arrays
+from actstore.ingest.capture.architectures import architecture_for
+from actstore.ingest.corpus import capture_positions, kept_arrays
 from actstore.ingest.corpus_windows import plan_corpus
 from actstore.ingest.datasets import DatasetResult, load_dataset
 from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset

@@ -16,10 +16,10 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import LensRunConfig
-from actstore.query.lens import LensError, lens_study, split_facts
-from actstore.query.methods import fact_ids
-from actstore.query.selection import Selection
-from actstore.query.tuned_lens import TrainConfig
+from actstore.query.analyses.lens import LensError, lens_study, split_facts
+from actstore.query.analyses.tuned_lens import TrainConfig
+from actstore.query.methods.readings import fact_ids
+from actstore.query.select.selection import Selection
 
 
 @dataclass
@@ -84,7 +84,7 @@ def run_lens(
         tables = {"lens": study.table()}
         out.tables += record_run(store, "lens", run_config, tables, started=started, run_id=run_id).tables
     if cfg.figures:
-        from actstore.query.plotting import lens_curves
+        from actstore.query.analyses.plotting import lens_curves
 
         Path(cfg.figures).mkdir(parents=True, exist_ok=True)
         out.figures.append(

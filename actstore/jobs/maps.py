@@ -159,7 +159,7 @@ def run_maps(
         }
         out.tables += record_run(store, "maps", config, tables, started=started, run_id=run_id).tables
     if cfg.figures:
-        from actstore.query.maps_figures import head_heatmap, safe_name
+        from actstore.query.maps.figures import head_heatmap, safe_name
 
         for name, sc in scores.items():
             kr = ks[name]

@@ -29,7 +29,7 @@ from actstore.query.maps.dynamic import correlation_summary, correlation_table, 
 from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
 from actstore.query.maps.projection import VocabProjection
 from actstore.query.maps.prompt_policy import usable_prompts
-from actstore.query.selection import Selection
+from actstore.query.select.selection import Selection
 
 
 @dataclass
@@ -144,7 +144,7 @@ def run_maps_dynamic(
         }
         out.tables += record_run(store, "maps-dynamic", config, tables, started=started, run_id=run_id).tables
     if cfg.figures:
-        from actstore.query.maps_figures import head_heatmap, safe_name
+        from actstore.query.maps.figures import head_heatmap, safe_name
 
         for name, d in ranks.items():
             kr = ks[name]

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
-from actstore.query.method_tables import MetricsResult
+from actstore.query.methods.tables import MetricsResult
 
 
 def record_method_metrics(

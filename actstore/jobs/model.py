@@ -12,7 +12,7 @@ import torch
 from actstore.core.dependencies import transformers_logging
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
-from actstore.ingest.first_mlp import first_mlp_transform
+from actstore.ingest.capture.first_mlp import first_mlp_transform
 from actstore.ingest.models import known_alias, load_model
 from actstore.ingest.settings import MODEL_DTYPES
 

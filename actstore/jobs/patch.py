@@ -12,19 +12,19 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
-from actstore.ingest.intervention_settings import PatchConfig
-from actstore.ingest.interventions import InterventionRunner
-from actstore.ingest.interventions.patching import (
+from actstore.interventions import InterventionRunner
+from actstore.interventions.patching import (
     ActivationPatcher,
     PatchPair,
     choose_counterfactuals,
     effects_table,
     pairs_table,
 )
-from actstore.ingest.interventions.tracing import stored_facts
+from actstore.interventions.settings import PatchConfig
+from actstore.interventions.tracing import stored_facts
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
-from actstore.query.selection import Selection
+from actstore.query.select.selection import Selection
 
 Log = Callable[[str], None]
 

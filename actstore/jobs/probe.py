@@ -16,9 +16,9 @@ import numpy as np
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
-from actstore.query.attribution import run_row
-from actstore.query.probe import ProbeConfig, ProbeOutput
-from actstore.query.probe_tables import WEIGHTS_GROUP_ROWS, probe_tables
+from actstore.query.analyses.attribution import run_row
+from actstore.query.analyses.probe import ProbeConfig, ProbeOutput
+from actstore.query.analyses.probe_tables import WEIGHTS_GROUP_ROWS, probe_tables
 
 CONTRAST_TEXT = {
     "renormalised": "renormalised (dW = W_c_hat - sum pi'_c W_c, pi' renormalised over the competitors; ours)",

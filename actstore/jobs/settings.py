@@ -10,15 +10,9 @@ from dataclasses import dataclass
 from actstore.core.errors import LensError, MethodsError
 from actstore.core.invalid import InvalidSetting
 from actstore.core.settings import check_settings, setting
+from actstore.query.analyses.lens_methods import TUNED_METHODS, check_tuned_method
 from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MULTI_TOKEN
-from actstore.query.method_defaults import (
-    COMPARISON_BATCH,
-    COMPARISON_STEPS,
-    METHODS,
-    PLATEAU,
-    TUNED_METHODS,
-    check_tuned_method,
-)
+from actstore.query.methods.defaults import COMPARISON_BATCH, COMPARISON_STEPS, METHODS, PLATEAU
 
 K_HELP = (
     "Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
@@ -252,7 +246,7 @@ class AgreeConfig:
     """One ``actstore agree`` run.  ``runs``: trace and/or patch run ids to read, each found in its
     own table (``trace_run``/``patch_run`` name them explicitly); the newest run of a table when no
     run of it is named.  ``steps``, ``batch``, ``seed``: the tuned lens's training (adam, sgd), the
-    rest as ``actstore.query.methods.COMPARISON_TRAIN``."""
+    rest as ``actstore.query.methods.readings.COMPARISON_TRAIN``."""
 
     methods: tuple[str, ...] = setting(METHODS, "Methods to compare (comma-separated).", choices=METHODS)
     runs: tuple[str, ...] = setting(

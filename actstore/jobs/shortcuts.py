@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from actstore.core.store import StoreReader
 from actstore.jobs.record import read_run_column, record_run
 from actstore.jobs.settings import ShortcutsConfig
-from actstore.query.shortcuts import ShortcutResult, shortcut_analysis, shortcut_figure
+from actstore.query.analyses.shortcuts import ShortcutResult, shortcut_analysis, shortcut_figure
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Max-activating contexts (``actstore topk``): the top ``k`` rows of every unit of one layer, from one
-streaming pass (:func:`actstore.query.topk.top_activations`), recorded as the ``topk_contexts`` result
+streaming pass (:func:`actstore.query.analyses.topk.top_activations`), recorded as the ``topk_contexts`` result
 table of a ``topk`` run.
 
     out = run_topk(store, kind="mlp", layer=3, k=20)
@@ -15,8 +15,8 @@ import numpy as np
 
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
-from actstore.query.selection import Selection
-from actstore.query.topk import TopK, top_activations
+from actstore.query.analyses.topk import TopK, top_activations
+from actstore.query.select.selection import Selection
 
 
 @dataclass

@@ -16,9 +16,9 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
-from actstore.ingest.intervention_settings import TraceConfig
-from actstore.ingest.interventions import InterventionRunner
-from actstore.ingest.interventions.tracing import (
+from actstore.interventions import InterventionRunner
+from actstore.interventions.settings import TraceConfig
+from actstore.interventions.tracing import (
     CausalTracer,
     TraceError,
     effects_table,
@@ -28,7 +28,7 @@ from actstore.ingest.interventions.tracing import (
 )
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run
-from actstore.query.selection import Selection
+from actstore.query.select.selection import Selection
 
 Log = Callable[[str], None]
 
@@ -120,7 +120,7 @@ def run_trace(store: StoreReader, req: TraceRequest) -> TraceOutcome:
             run_id=out.run_id,
         ).tables
     if req.figures:
-        from actstore.query.plotting import trace_average_heatmap, trace_heatmap
+        from actstore.query.analyses.plotting import trace_average_heatmap, trace_heatmap
 
         folder = Path(req.figures)
         folder.mkdir(parents=True, exist_ok=True)

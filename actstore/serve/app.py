@@ -372,8 +372,8 @@ def warm(catalog: Catalog) -> None:
         try:
             # (requests that come meanwhile run beside it, and may read what it has not read yet)
             s.cached(("summary", signature(s.store)), functools.partial(views.store_summary, s.store))
-            import actstore.query.explain  # noqa: F401  (torch, the probe)
-            from actstore.query.stats import proportion_interval
+            import actstore.query.analyses.explain  # noqa: F401  (torch, the probe)
+            from actstore.query.analyses.stats import proportion_interval
 
             proportion_interval(1, 2)  # scipy.stats loads on first use: 0.6-4.6 s of a first relation view
 

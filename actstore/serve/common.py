@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from actstore.core.errors import NotFoundError, QueryError
 from actstore.core.store import StoreReader
-from actstore.query.selection import Selection
+from actstore.query.select.selection import Selection
 
 #: Limits of the explorer's own statements (a SQL console statement has the console's limits).
 SQL_TIMEOUT = 20.0

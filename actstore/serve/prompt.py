@@ -2,7 +2,7 @@
 the exact per-source-token contributions ``Delta_att,h(t, j) = A_h(t,j) V_kv(h)(j) W_O,h`` read
 along the probe direction of the prompt's prediction in a probe run, with the attention pattern.
 
-The probe direction is the one :func:`actstore.query.explain.explain_example` re-derives from the
+The probe direction is the one :func:`actstore.query.analyses.explain.explain_example` re-derives from the
 stored episode (the probe's weights are not stored; its episode lists make the re-training exact):
 ``u = dW / sd`` in raw feature space, so that ``u_{l,h} . Delta_att,h(t, j)`` is source token j's
 share of head (l, h)'s term ``u_{l,h} . attn_head_{l,h}`` of the prediction's logit contrast (the
@@ -20,9 +20,9 @@ import torch
 
 from actstore.core.errors import NotFoundError, QueryError
 from actstore.core.store import StoreReader
-from actstore.query.attribution import TOKEN_KINDS, TokenGeometry
-from actstore.query.explain import explain_example
-from actstore.query.probe_config import ProbeConfig
+from actstore.query.analyses.attribution import TOKEN_KINDS, TokenGeometry
+from actstore.query.analyses.explain import explain_example
+from actstore.query.analyses.probe_config import ProbeConfig
 from actstore.serve.catalog import Served
 from actstore.serve.common import cached_rows, columns, grid, has_table, jsonable, kept, rows_selection, sql
 

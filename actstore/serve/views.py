@@ -13,10 +13,10 @@ from actstore.core.errors import NotFoundError
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.jobs import probe as probe_job
-from actstore.query.features import weights
+from actstore.query.analyses.stats import proportion_interval
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
 from actstore.query.report.summary import CORPUS_PLAIN, CORPUS_WITH_TARGETS, human_size, store_bytes
-from actstore.query.stats import proportion_interval
+from actstore.query.select.features import weights
 from actstore.serve.common import (
     MAX_PAGE_SIZE,
     block_sample,

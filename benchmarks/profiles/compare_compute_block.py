@@ -38,7 +38,7 @@ def main() -> None:
     import torch
 
     import actstore
-    from actstore.query.features import FeatureSpec, compute_block, row_shape
+    from actstore.query.select.features import FeatureSpec, compute_block, row_shape
 
     torch.set_num_threads(a.threads)
     spec_ = importlib.util.spec_from_file_location("old_features", Path(a.old) / "query" / "features.py")

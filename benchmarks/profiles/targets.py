@@ -51,7 +51,7 @@ def main() -> None:
             sel.features(kind)
             print(f"{kind}: {time.perf_counter() - t:.3f} s")
         return
-    from actstore.query.probe_features import load_features
+    from actstore.query.analyses.probe_features import load_features
 
     torch.set_num_threads(1)
     n = int(sys.argv[4]) if len(sys.argv) > 4 else 3

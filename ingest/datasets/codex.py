@@ -1,6 +1,6 @@
 """CoDEx knowledge graphs (``train.txt``, ``valid.txt``, ``test.txt``: ``head<TAB>property<TAB>tail``
 Wikidata ids per line).  They hold triples, not prompts: the predictors read them as a knowledge
-graph (``actstore.query.predictors.KnowledgeGraph``), so this module only finds the files."""
+graph (``actstore.query.analyses.predictors.KnowledgeGraph``), so this module only finds the files."""
 
 from __future__ import annotations
 

@@ -47,14 +47,14 @@ import torch
 
 from actstore.core.errors import MapsError
 from actstore.core.store import StoreReader
-from actstore.query.dask_tasks import client_threads, run_tasks, store_of
+from actstore.query.analyses.dask_tasks import client_threads, run_tasks, store_of
+from actstore.query.analyses.stats import pearson
 from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, check_k
 from actstore.query.maps.pairs import store_pairs
 from actstore.query.maps.projection import VocabProjection, projected_ranks
 from actstore.query.maps.static import pair_ranks
-from actstore.query.rows import Rows
-from actstore.query.selection import Selection
-from actstore.query.stats import pearson
+from actstore.query.select.rows import Rows
+from actstore.query.select.selection import Selection
 
 
 @dataclass(frozen=True)
@@ -373,7 +373,7 @@ def correlation_summary(
     d: DynamicRanks, k: int = DEFAULT_K, threshold: float = IMPLEMENTS_THRESHOLD
 ) -> dict[str, Any]:
     """Static vs dynamic Pearson correlations of one relation, over (head, template) points
-    (:func:`actstore.query.stats.pearson`: NaN for a constant side)."""
+    (:func:`actstore.query.analyses.stats.pearson`: NaN for a constant side)."""
     s, sd = d.per_template(d.static_up, k), d.per_template(d.static_down, k)
     w, wd = d.per_template(d.w_up, k), d.per_template(d.w_down, k)
     o, od = d.per_template(d.wo_up, k), d.per_template(d.wo_down, k)

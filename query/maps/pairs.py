@@ -25,7 +25,7 @@ import pyarrow as pa
 from actstore.core.errors import MapsError
 from actstore.core.store import StoreReader
 from actstore.query.maps.defaults import MIN_PAIRS
-from actstore.query.rows import Rows, rows_condition
+from actstore.query.select.rows import Rows, rows_condition
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from actstore.core.errors import MapsError
 from actstore.core.store import StoreReader
 from actstore.query.maps.defaults import MIN_PAIRS
 from actstore.query.maps.pairs import single_token_pairs
-from actstore.query.rows import Rows, rows_condition
+from actstore.query.select.rows import Rows, rows_condition
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ Choices where the paper leaves room (documented, and parameters where it matters
 * First MLP: the paper's code (``apply_first_mlp``, on for every model but Llama-3.1-70B:
   :func:`~actstore.query.maps.defaults.paper_first_mlp`) replaces the source embeddings by the first MLP's output on them,
   MLP0(norm(e_s)), for layers >= 1.  The store does not hold that MLP's input weights, so this
-  needs the model: pass ``first_mlp`` (:func:`actstore.ingest.first_mlp.first_mlp_transform`).  The
+  needs the model: pass ``first_mlp`` (:func:`actstore.ingest.capture.first_mlp.first_mlp_transform`).  The
   command line turns it on by default as the authors do (``--no-first-mlp``: from the store's
   weights alone).  On SmolLM2 it matters a great deal: it lifts the static-dynamic correlation
   from 0.0-0.6 to 0.7-1.0.

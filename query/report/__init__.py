@@ -7,7 +7,7 @@ The report discovers result tables by name (``tables/<name>/<run_id>.parquet``) 
 section only when its tables exist; a table that lacks a column a figure needs gets a note
 instead of the figure, so results written by older or newer code never break the report, and a
 table whose files cannot be read (missing, damaged) costs only its own section, which says so.
-Figures are matplotlib PNGs (:mod:`actstore.query.plotting`) embedded as base64 ``data:`` URIs; the page
+Figures are matplotlib PNGs (:mod:`actstore.query.analyses.plotting`) embedded as base64 ``data:`` URIs; the page
 is rendered from the Jinja2 templates in ``templates/`` with autoescaping.  Every section has a
 stable element id (:data:`SECTION_IDS`) so tests and links can find it.
 

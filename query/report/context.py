@@ -23,7 +23,7 @@ from matplotlib.figure import Figure as MplFigure
 from actstore.core.errors import CorruptStoreError, QueryError, StorageError
 from actstore.core.sql import run_sql
 from actstore.core.store import StoreReader
-from actstore.query import plotting
+from actstore.query.analyses import plotting
 
 log = logging.getLogger("actstore.query.report")
 

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from matplotlib.ticker import MaxNLocator
 
-from actstore.query import plotting
+from actstore.query.analyses import plotting
 from actstore.query.report.context import (
     Block,
     Heading,

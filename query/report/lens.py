@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 from matplotlib.ticker import MaxNLocator
 
-from actstore.query import plotting
+from actstore.query.analyses import plotting
 from actstore.query.report.context import (
     Heading,
     Note,

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.query import plotting
+from actstore.query.analyses import plotting
 from actstore.query.report.context import (
     Block,
     Grid,

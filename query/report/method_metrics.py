@@ -1,7 +1,7 @@
 """Section ``section-method-metrics``: the seed-001 metrics of each interpretability method
 (``method_metrics``), the pair table with bootstrap intervals next to the seed's figures
 (``method_pair_metrics``) and the cross-size row of each model (``method_cross_size``), as
-:mod:`actstore.query.method_metrics` writes them.  The intervention runs behind them (``site_effects``) are
+:mod:`actstore.query.methods.metrics` writes them.  The intervention runs behind them (``site_effects``) are
 summarised by their sizes."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.query import plotting
+from actstore.query.analyses import plotting
 from actstore.query.report.context import (
     Block,
     Grid,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actstore.query import plotting
+from actstore.query.analyses import plotting
 from actstore.query.report.context import (
     Block,
     Grid,

@@ -34,12 +34,12 @@ def invoke(*args: str) -> click.testing.Result:
 
 # The torch-free modules of settings the command line builds its options from.
 SETTINGS_MODULES = {
-    "actstore.query.probe_config",
+    "actstore.query.analyses.probe_config",
     "actstore.query.maps",
     "actstore.query.maps.defaults",
     "actstore.ingest.settings",
-    "actstore.ingest.intervention_settings",
-    "actstore.query.method_defaults",
+    "actstore.interventions.settings",
+    "actstore.query.methods.defaults",
     "actstore.jobs.settings",
 }
 
@@ -348,7 +348,7 @@ def test_library_log_messages_reach_stderr_at_the_chosen_level() -> None:
 
 
 def test_patch_help_names_only_positions_the_patcher_accepts() -> None:
-    from actstore.ingest.intervention_settings import POSITIONS
+    from actstore.interventions.settings import POSITIONS
 
     cmd = main.get_command(click.Context(main), "patch")
     assert cmd is not None

@@ -48,8 +48,8 @@ def _one_thread() -> Iterator[None]:
 
 def _synthetic_tables(store: actstore.Store) -> None:
     """Tracing, patching, lens, ablation and agreement results in the schema their writers use
-    (ingest/interventions/tracing.py, ingest/interventions/patching.py, query/lens.py,
-    ingest/interventions/ablation.py, query/methods.py)."""
+    (actstore/interventions/tracing.py, actstore/interventions/patching.py, query/analyses/lens.py,
+    actstore/interventions/ablation.py, query/methods/readings.py)."""
     g = store.geometry
     L, H = g.n_layers, g.n_heads
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ import actstore
 from actstore.cli import main
 from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.verify import verify_store
-from actstore.query.features import KINDS
+from actstore.query.select.features import KINDS
 
 INGEST = [
     "ingest",

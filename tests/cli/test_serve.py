@@ -103,8 +103,8 @@ def test_another_query_of_a_trained_episode_is_explained_without_training(
 ) -> None:
     """The explorer keeps trained episodes: a second query of one is explained from it (the trainer is
     not called), with the direction and HeadScores of a fresh ``explain_example``."""
-    from actstore.query import probe
-    from actstore.query.explain import explain_example
+    from actstore.query.analyses import probe
+    from actstore.query.analyses.explain import explain_example
 
     path, c = served
     store = actstore.open(path)
@@ -155,7 +155,7 @@ def test_a_first_explanation_reads_the_stored_probe_and_older_stores_train_it(
     answers the same values."""
     import shutil
 
-    from actstore.query import probe
+    from actstore.query.analyses import probe
 
     path, c = served
     store = actstore.open(path)

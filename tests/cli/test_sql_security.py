@@ -539,7 +539,7 @@ def test_select_refuses_more_than_one_expression(work: Work, where: str) -> None
 
 
 def test_selection_query_is_one_select(work: Work) -> None:
-    from actstore.query.selection import Selection
+    from actstore.query.select.selection import Selection
 
     store = actstore.open(work.store)
     n = Selection.from_sql(

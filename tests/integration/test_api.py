@@ -117,9 +117,9 @@ def test_composition_equals_numpy_masks(
 
 
 def test_nothing_is_read_until_asked(store: actstore.Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    import actstore.query.features
-    import actstore.query.selection as qs
-    import actstore.query.selection_plan as plan
+    import actstore.query.select.features
+    import actstore.query.select.plan as plan
+    import actstore.query.select.selection as qs
 
     calls: list[str] = []
     real_sql, real_block = plan.run_sql, qs.compute_block
@@ -134,7 +134,7 @@ def test_nothing_is_read_until_asked(store: actstore.Store, monkeypatch: pytest.
 
     monkeypatch.setattr(plan, "run_sql", sql)  # the plan's steps run the selection's SQL
     monkeypatch.setattr(qs, "compute_block", block)
-    monkeypatch.setattr(actstore.query.features, "compute_block", block)
+    monkeypatch.setattr(actstore.query.select.features, "compute_block", block)
     sel = (
         store.select("subject_start > $k", params={"k": 1})
         .filter("n_tokens > ?", [5])
@@ -328,7 +328,7 @@ def test_dask_missing_names_the_extra(store: actstore.Store, monkeypatch: pytest
 def test_one_segment_is_returned_without_a_copy(
     store: actstore.Store, frame: pd.DataFrame, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import actstore.query.selection as qs
+    import actstore.query.select.selection as qs
 
     made: list[np.ndarray] = []
     real = qs.compute_block
@@ -468,8 +468,8 @@ def test_sql_formats_agree_and_bind_parameters(store: actstore.Store, frame: pd.
 
 
 def test_facade_names_and_ingest(tmp_path: Path) -> None:
-    from actstore.query.feature_dataset import FeatureDataset
-    from actstore.query.selection import Selection
+    from actstore.query.select.feature_dataset import FeatureDataset
+    from actstore.query.select.selection import Selection
 
     assert actstore.Selection is Selection and actstore.FeatureDataset is FeatureDataset
     assert callable(actstore.open) and callable(actstore.ingest_corpus)

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 import actstore
 from actstore.cli import main
 from actstore.jobs.probe import record_probe
-from actstore.query.attribution import TokenGeometry, contrast_coefficients, token_scores
-from actstore.query.explain import explain_example
-from actstore.query.probe import ProbeConfig, run_probe
-from actstore.query.selection import Selection
+from actstore.query.analyses.attribution import TokenGeometry, contrast_coefficients, token_scores
+from actstore.query.analyses.explain import explain_example
+from actstore.query.analyses.probe import ProbeConfig, run_probe
+from actstore.query.select.selection import Selection
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -199,7 +199,7 @@ def test_an_explanation_from_the_stored_probe_equals_a_retrained_one(
 ) -> None:
     """explain_example reads a stored probe without training (and loads only the query's row) and
     answers what training the episode again answers."""
-    from actstore.query import probe
+    from actstore.query.analyses import probe
 
     path, ids = runs
     store = actstore.open(path)
@@ -230,7 +230,7 @@ def test_an_explanation_from_the_stored_probe_equals_a_retrained_one(
 
 def test_a_run_without_stored_probes_is_explained_by_training(fewrel_store: Path, tmp_path: Path) -> None:
     """``store_weights=False``: no probe_weights rows for the run, and an explanation trains the episode."""
-    from actstore.query import probe
+    from actstore.query.analyses import probe
 
     dst = tmp_path / "store"
     shutil.copytree(fewrel_store, dst)

@@ -19,16 +19,16 @@ import actstore
 from actstore.core.errors import ActstoreError
 from actstore.core.invalid import InvalidSetting
 from actstore.jobs.settings import AgreeConfig
-from actstore.query.lens import FinalReadout, LensError, TunedLens
-from actstore.query.method_study import study_readings
-from actstore.query.methods import (
+from actstore.query.analyses.lens import FinalReadout, LensError, TunedLens
+from actstore.query.analyses.tuned_lens import TrainConfig, train_tuned_lens
+from actstore.query.methods.readings import (
     MethodReading,
     StoredOutputs,
     lens_reading,
     stored_outputs,
     tuned_lens_reading,
 )
-from actstore.query.tuned_lens import TrainConfig, train_tuned_lens
+from actstore.query.methods.study import study_readings
 
 STORE_KW = {**KNOWN_STORE_KW, "limit": 6}  # a store of this module's own (it adds a trace run)
 CFG = TrainConfig(steps=12, batch=4, seed=3)

@@ -17,8 +17,8 @@ import torch
 import actstore
 from actstore.core.errors import LensError
 from actstore.ingest.models import tiny_model
-from actstore.query.corpus_lens import corpus_lens_study, corpus_residuals, split_documents
-from actstore.query.tuned_lens import TrainConfig
+from actstore.query.analyses.corpus_lens import corpus_lens_study, corpus_residuals, split_documents
+from actstore.query.analyses.tuned_lens import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

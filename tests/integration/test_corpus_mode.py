@@ -20,10 +20,10 @@ import torch
 from helpers import uncompact
 
 import actstore
-import actstore.ingest.corpus_capture as cc
+import actstore.ingest.corpus as cc
 from actstore.core.errors import ActstoreError, QueryError, StorageError
 from actstore.core.verify import verify_store
-from actstore.ingest.capture import FusedCapture
+from actstore.ingest.capture.fused import FusedCapture
 from actstore.ingest.models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import actstore
-from actstore.query.dask_tasks import Moments, feature_moments, relation_scores
+from actstore.query.analyses.dask_tasks import Moments, feature_moments, relation_scores
 
 
 def numpy_moments(
@@ -63,7 +63,7 @@ def test_grouped_moments_and_relation_scores(tiny_store: Path, client: Any) -> N
     names_here, d_here = relation_scores(str(tiny_store), "attn_head", rows=sel, layers=[0])
     assert names == names_here and np.array_equal(d, d_here)
     # Cohen's d with the pooled within-group variance, computed directly.
-    from actstore.query.relspec import POOLED_EPS
+    from actstore.query.analyses.relspec import POOLED_EPS
 
     for i, g in enumerate(names):
         a, b = x[labels == g], x[labels != g]

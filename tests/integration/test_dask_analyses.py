@@ -26,7 +26,7 @@ from helpers import FIXTURES
 
 import actstore
 from actstore.cli import main
-from actstore.query.predictor_measures import (
+from actstore.query.analyses.predictor_measures import (
     KnowledgeGraph,
     connectivity,
     document_frequencies,
@@ -35,7 +35,7 @@ from actstore.query.predictor_measures import (
     output_ranges,
     tfidf_similarity,
 )
-from actstore.query.predictors import relation_predictors
+from actstore.query.analyses.predictors import relation_predictors
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))
@@ -109,7 +109,7 @@ def test_maps_dynamic_on_dask_equals_single_pass(maps_store: Path, client: Any) 
 
 def test_maps_dynamic_first_mlp_sources_reach_the_workers(maps_store: Path, client: Any) -> None:
     """With the first MLP (a model module, only in this process), the tasks get its source vectors."""
-    from actstore.ingest.first_mlp import first_mlp_transform
+    from actstore.ingest.capture.first_mlp import first_mlp_transform
     from actstore.ingest.models import tiny_model
     from actstore.query.maps.dynamic import dynamic_ranks
     from actstore.query.maps.projection import VocabProjection
@@ -184,7 +184,7 @@ def probe_run(
     """An 8-way probe run over a store of the FewRel fixture in 5 segments (80 prompts; tiny model,
     one short episode)."""
     from actstore.jobs.probe import record_probe
-    from actstore.query.probe import ProbeConfig, run_probe
+    from actstore.query.analyses.probe import ProbeConfig, run_probe
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ import torch
 from helpers import FIXTURES, real_data, require_module
 
 import actstore
-from actstore.ingest.architectures import architecture_for
+from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.models import TINY_ARCHS, tiny_model
 
 RTOL = 1e-4

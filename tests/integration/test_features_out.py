@@ -1,4 +1,4 @@
-"""Reads and feature blocks written in place (actstore.core.arrays.read_rows/read_ranges, actstore.query.features.compute_block).
+"""Reads and feature blocks written in place (actstore.core.arrays.read_rows/read_ranges, actstore.query.select.features.compute_block).
 
 * ``read_rows`` / ``read_ranges`` with widening equal numpy indexing of the whole array followed by
   :func:`actstore.core.arrays.widen`, for rows in one chunk, across chunk runs, with gaps and repeats,
@@ -21,7 +21,7 @@ import zarr
 
 import actstore
 from actstore.core.arrays import create_array, read_ranges, read_rows, widen
-from actstore.query.features import KINDS, FeatureSpec, compute_block, group_bounds
+from actstore.query.select.features import KINDS, FeatureSpec, compute_block, group_bounds
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_compute_block_writes_into_the_rows_it_is_given(
 
 @pytest.mark.parametrize("kind", ["attn_head", "mlp_group", "attn_entity", "resid"])
 def test_load_features_streams_blocks_into_one_matrix(tiny_store: Path, kind: str) -> None:
-    from actstore.query.probe_features import load_features
+    from actstore.query.analyses.probe_features import load_features
 
     store = actstore.open(tiny_store)
     want = store.select().features(kind)

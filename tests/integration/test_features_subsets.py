@@ -1,6 +1,6 @@
 """Layer and head subsets of every feature kind equal the same slice of the full features.
 
-``actstore.query.features`` reads contiguous layer/head ranges as views and other selections by
+``actstore.query.select.features`` reads contiguous layer/head ranges as views and other selections by
 indexing; both paths must give the numbers of the full computation, in the order asked for.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import actstore
-from actstore.query.features import HEAD_KINDS, KINDS
+from actstore.query.select.features import HEAD_KINDS, KINDS
 
 LAYER_SETS = [[0], [1], [0, 1], [1, 0]]
 HEAD_SETS = [None, [1, 2], [2, 0], [3]]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import actstore
-from actstore.ingest.interventions import (
+from actstore.ingest.models import tiny_model
+from actstore.interventions import (
     Intervention,
     InterventionError,
     InterventionRunner,
@@ -19,7 +20,6 @@ from actstore.ingest.interventions import (
     head_ablation,
     stored_head_means,
 )
-from actstore.ingest.models import tiny_model
 
 PROMPTS = ["The capital of France is", "Tokyo is the capital of", "The Nile is a river in Africa that"]
 

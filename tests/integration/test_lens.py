@@ -14,7 +14,7 @@ from helpers import KNOWN_STORE_KW
 
 import actstore
 from actstore.ingest.models import tiny_model
-from actstore.query.lens import (
+from actstore.query.analyses.lens import (
     FinalReadout,
     LensError,
     TunedLens,

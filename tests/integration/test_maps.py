@@ -25,7 +25,7 @@ from actstore.query.maps.dynamic import correlation_summary, dynamic_ranks
 from actstore.query.maps.pairs import load_pair_files, store_pairs, tokenize_pairs
 from actstore.query.maps.projection import VocabProjection
 from actstore.query.maps.static import salient_operations, static_scores
-from actstore.query.store_tokenizer import stored_tokenizer
+from actstore.query.select.store_tokenizer import stored_tokenizer
 
 MAPS_DATA = FIXTURES / "maps" / "datasets"
 RELS = ("country_to_capital_wikidata", "adj_antonym")
@@ -92,7 +92,7 @@ def test_static_scores_equal_brute_force(
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_first_mlp_static_scores_equal_brute_force(arch: str, store_factory: Callable[..., Path]) -> None:
     """Layers >= 1 read MLP0(norm(e)) (Gemma: post-norm too); layer 0 the embeddings."""
-    from actstore.ingest.first_mlp import first_mlp_transform
+    from actstore.ingest.capture.first_mlp import first_mlp_transform
 
     store = actstore.open(store_factory(arch, limit=1))
     model = tiny_model(arch).model
@@ -232,7 +232,7 @@ def test_dynamic_groups_templates(tmp_path: Path) -> None:
 
 def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> None:
     """--compare-first-mlp: one dynamic pass with a second static side == two separate runs."""
-    from actstore.ingest.first_mlp import first_mlp_transform
+    from actstore.ingest.capture.first_mlp import first_mlp_transform
 
     store = actstore.open(maps_store)
     mlp = VocabProjection(store, first_mlp=first_mlp_transform(tiny_model("llama").model))
@@ -256,9 +256,9 @@ def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> Non
 
 
 def test_ablation_experiment(maps_store: Path) -> None:
-    from actstore.ingest.intervention_settings import AblationConfig
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.ablation import run_ablation
+    from actstore.interventions import InterventionRunner
+    from actstore.interventions.ablation import run_ablation
+    from actstore.interventions.settings import AblationConfig
 
     store = actstore.open(maps_store)
     runner = InterventionRunner(tiny_model("llama").model)
@@ -281,7 +281,7 @@ def test_ablation_experiment(maps_store: Path) -> None:
 
 
 def test_store_pairs_of_chosen_relations_are_bound_not_pasted(maps_store: Path) -> None:
-    from actstore.ingest.interventions.ablation import pairs_from_store
+    from actstore.interventions.ablation import pairs_from_store
 
     store = actstore.open(maps_store)
     every = store_pairs(store)
@@ -309,9 +309,9 @@ CONTROL_RELS = (
 def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[..., Path]) -> None:
     """The control choice reads a matching stored `maps` run or recomputes the scores; both give the same
     choice, and the overlaps and base accuracies reported equal a brute-force computation from the model."""
-    from actstore.ingest.intervention_settings import AblationConfig
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.ablation import run_ablation
+    from actstore.interventions import InterventionRunner
+    from actstore.interventions.ablation import run_ablation
+    from actstore.interventions.settings import AblationConfig
 
     path = store_factory(
         "llama",

@@ -1,4 +1,4 @@
-"""The seed-001 method-comparison data set (methods2k), its metrics (query/method_metrics.py) against
+"""The seed-001 method-comparison data set (methods2k), its metrics (query/methods/metrics.py) against
 hand computations on small arrays, the interventions on located sites against hooks written here,
 and the study driver end to end on a tiny random model over the fixture data set."""
 
@@ -29,7 +29,7 @@ from actstore.ingest.datasets.methods2k import (
     stratified_sample,
     tag_facts,
 )
-from actstore.query.method_metrics import (
+from actstore.query.methods.metrics import (
     Sites,
     consensus,
     consistency,
@@ -39,8 +39,8 @@ from actstore.query.method_metrics import (
     pair_agreement,
     paired_correlation,
 )
-from actstore.query.method_tables import compute_metrics
-from actstore.query.methods import MethodReading
+from actstore.query.methods.readings import MethodReading
+from actstore.query.methods.tables import compute_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"
@@ -329,7 +329,7 @@ def test_compute_metrics_groups_and_pairs() -> None:
 
 
 def _fact(loaded: Any, text: str, subject: str, obj: str, example_id: int = 0) -> Any:
-    from actstore.ingest.interventions.facts import StoredFact
+    from actstore.interventions.facts import StoredFact
 
     tok = loaded.tokenizer
     start = text.index(subject)
@@ -362,10 +362,10 @@ def _p_object(loaded: Any, fact: Any, hooks: list[tuple[torch.nn.Module, Callabl
 
 
 def test_knockout_effects_match_hooks_written_here() -> None:
-    from actstore.ingest.architectures import architecture_for
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.effectiveness import EffectConfig, random_layers, site_effects
+    from actstore.ingest.capture.architectures import architecture_for
     from actstore.ingest.models import tiny_model
+    from actstore.interventions import InterventionRunner
+    from actstore.interventions.effectiveness import EffectConfig, random_layers, site_effects
 
     loaded = tiny_model("llama")
     blocks = architecture_for(loaded.model).blocks(loaded.model)
@@ -398,10 +398,10 @@ def test_knockout_effects_match_hooks_written_here() -> None:
 
 
 def test_restore_effects_match_hooks_written_here() -> None:
-    from actstore.ingest.architectures import architecture_for
-    from actstore.ingest.interventions import InterventionRunner
-    from actstore.ingest.interventions.effectiveness import EffectConfig, site_effects
+    from actstore.ingest.capture.architectures import architecture_for
     from actstore.ingest.models import tiny_model
+    from actstore.interventions import InterventionRunner
+    from actstore.interventions.effectiveness import EffectConfig, site_effects
 
     loaded = tiny_model("llama")
     arch = architecture_for(loaded.model)
@@ -569,10 +569,10 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import methods_study
 
-    from actstore.ingest.intervention_settings import PatchConfig
+    from actstore.interventions.settings import PatchConfig
     from actstore.jobs.patch import PatchRequest, run_patch
-    from actstore.query.method_study import study_readings
-    from actstore.query.methods import patch_reading
+    from actstore.query.methods.readings import patch_reading
+    from actstore.query.methods.study import study_readings
 
     data = tmp_path / "m2k"
     build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())
@@ -661,7 +661,7 @@ def test_study_traced_by_two_processes_and_merged(tmp_path: Path, capsys: pytest
     sys.path.insert(0, str(bench))
     import methods_study
 
-    from actstore.query.method_study import study_readings
+    from actstore.query.methods.study import study_readings
 
     data = tmp_path / "m2k"
     build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())
@@ -751,8 +751,8 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     import methods_chance
     import methods_study
 
-    from actstore.query.method_chance import pair_chance
-    from actstore.query.method_study import store_strata, study_readings
+    from actstore.query.methods.chance import pair_chance
+    from actstore.query.methods.study import store_strata, study_readings
 
     data = tmp_path / "m2k"
     build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())
@@ -814,8 +814,8 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     # stored (issue 36's lens keys "for the corpus-trained tuned lens"), with its @top10 and @half keys
     from actstore.jobs.corpus_lens import run_corpus_lens
     from actstore.jobs.settings import CorpusLensConfig
-    from actstore.query.method_keys import lens_variant_readings
-    from actstore.query.methods import lens_reading, stored_outputs
+    from actstore.query.methods.keys import lens_variant_readings
+    from actstore.query.methods.readings import lens_reading, stored_outputs
 
     corpus = tiny_text_corpus(tmp_path / "corpus", seed=3)
     trained = run_corpus_lens(corpus, CorpusLensConfig(steps=4, batch=16, max_train_rows=48))

@@ -1,7 +1,7 @@
 """An independent oracle for causal tracing and activation patching (issue 36): the effects computed
 here with plain torch forward hooks on the Hugging Face modules of a tiny random Llama (built from a
 config, no download), from the definitions in the module docstrings of
-ingest/interventions/tracing.py and patching.py, none of actstore's intervention code (runner,
+actstore/interventions/tracing.py and patching.py, none of actstore's intervention code (runner,
 edits, architecture table, window helper) used.  The runner's effects must match to 1e-6."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from actstore.ingest.interventions.facts import StoredFact
-from actstore.ingest.interventions.patching import ActivationPatcher, PatchConfig, PatchPair
-from actstore.ingest.interventions.runner import InterventionRunner
-from actstore.ingest.interventions.tracing import CausalTracer, GroupedEditRunner, TraceConfig
 from actstore.ingest.models import tiny_model
+from actstore.interventions.facts import StoredFact
+from actstore.interventions.patching import ActivationPatcher, PatchConfig, PatchPair
+from actstore.interventions.runner import InterventionRunner
+from actstore.interventions.tracing import CausalTracer, GroupedEditRunner, TraceConfig
 
 TOL = 1e-6
 Hook = tuple[torch.nn.Module, Callable[..., Any]]

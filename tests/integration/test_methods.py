@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from helpers import KNOWN_STORE_KW
 
 import actstore
-from actstore.query.method_agreement import agreement
-from actstore.query.method_probe import LayerProbeConfig, probe_reading
-from actstore.query.methods import MethodReading, attention_reading, lens_reading, stored_outputs
+from actstore.query.methods.agreement import agreement
+from actstore.query.methods.probe import LayerProbeConfig, probe_reading
+from actstore.query.methods.readings import MethodReading, attention_reading, lens_reading, stored_outputs
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 
@@ -178,7 +178,7 @@ def test_cli_agree_end_to_end(store_factory: Callable[..., Path], tmp_path: Path
 
 
 def test_key_layer_is_the_middle_of_the_peak_plateau() -> None:
-    from actstore.query.methods import key_layer
+    from actstore.query.methods.readings import key_layer
 
     p = np.array([0.0, 0.1, 0.95, 1.0, 0.97, 0.96, 0.2, 0.0])
     assert key_layer(p, 1.0) == 3  # plain argmax

@@ -28,7 +28,7 @@ from helpers import BuildCache
 
 import actstore
 from actstore.ingest.models import TINY_ARCHS, LoadedModel, tiny_model
-from actstore.query.features import group_bounds
+from actstore.query.select.features import group_bounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -297,7 +297,7 @@ def test_pad_batch_puts_the_padding_on_the_requested_side(side: str) -> None:
     stored values do not depend on the padding side (the oracles above hold for both), nor, with
     transformers' packed-sequence detection from the explicit positions, on the attention mask; so
     only this test sees a padding side that is ignored or swapped, or a mask that is dropped."""
-    from actstore.ingest.batches import pad_batch
+    from actstore.ingest.capture.batches import pad_batch
 
     prompts = [tokenized([11, 12, 13, 14], 2), tokenized([21, 22, 23, 24, 25], 4), tokenized([31, 32], 0)]
     b = pad_batch(prompts, 7, side, torch.device("cpu"))
@@ -469,8 +469,8 @@ def test_capture_attention_outside_a_batch_returns_the_models_own_output() -> No
     """The registered attention function records only inside :meth:`FusedCapture.run`.  Called while
     the capture is installed but no batch is running, or by a second model that uses the registered
     attention without being installed, it returns SDPA's output: the logits are the model's own."""
-    from actstore.ingest.architectures import architecture_for
-    from actstore.ingest.capture import CAPTURE_ATTENTION, FusedCapture
+    from actstore.ingest.capture.architectures import architecture_for
+    from actstore.ingest.capture.fused import CAPTURE_ATTENTION, FusedCapture
 
     model = tiny_model("llama").model
     other = tiny_model("llama", seed=1).model
@@ -489,7 +489,7 @@ def test_capture_attention_outside_a_batch_returns_the_models_own_output() -> No
 # ---------------------------------------------------------------------------------------- MLP groups
 def leftover_first_blocks(d_mlp: int, groups: int) -> list[tuple[int, int]]:
     """Contiguous blocks, sizes differing by at most one, the larger ones first (SPEC section 1 and
-    query/features.py: 'the first d_mlp % groups blocks hold one neuron more')."""
+    query/select/features.py: 'the first d_mlp % groups blocks hold one neuron more')."""
     sizes = [d_mlp // groups + 1] * (d_mlp % groups) + [d_mlp // groups] * (groups - d_mlp % groups)
     edges = [0]
     for s in sizes:

@@ -3,8 +3,8 @@ HeadScore (per prediction and the stored per-(layer, head) table) and TokenScore
 
 The reference here is written in the test with numpy (selection, standardisation, the grouping
 of dW * x' by the feature layout) and plain torch (autograd of the contrast logit, an
-``nn.Linear`` trained by ``torch.optim.Adam``); it calls none of actstore.query.relspec,
-actstore.query.attribution or the unit bookkeeping of actstore.query.probe.  The trained probe itself (W, b) is
+``nn.Linear`` trained by ``torch.optim.Adam``); it calls none of actstore.query.analyses.relspec,
+actstore.query.analyses.attribution or the unit bookkeeping of actstore.query.analyses.probe.  The trained probe itself (W, b) is
 recorded from the library's trainer by a spy, so that the attribution is checked exactly for
 the probe that made the predictions; the trainer is checked separately against the plain loop.
 
@@ -25,12 +25,12 @@ import pytest
 import torch
 
 import actstore
-import actstore.query.probe as probe_mod
+import actstore.query.analyses.probe as probe_mod
 from actstore.jobs.probe import record_probe
-from actstore.query.attribution import contrast_coefficients
-from actstore.query.explain import explain_example, stored_weights
-from actstore.query.probe import ProbeConfig, ProbeOutput, run_probe
-from actstore.query.relspec import gather_standardized, select_features
+from actstore.query.analyses.attribution import contrast_coefficients
+from actstore.query.analyses.explain import explain_example, stored_weights
+from actstore.query.analyses.probe import ProbeConfig, ProbeOutput, run_probe
+from actstore.query.analyses.relspec import gather_standardized, select_features
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,7 +61,7 @@ class NpSelection:
 def np_relspec(
     xs: np.ndarray, n_way: int, k_shot: int, top_k: int, library: np.ndarray | None = None
 ) -> NpSelection:
-    """RelSpec as SPEC section 5 and query/relspec.py define it, one relation at a time: Cohen's d of
+    """RelSpec as SPEC section 5 and query/analyses/relspec.py define it, one relation at a time: Cohen's d of
     relation c against the rest of the support set (pooled within-group variance, floored at
     POOLED_EPS times the feature's variance), top ``top_k`` |d| per relation, union.
 
@@ -170,7 +170,7 @@ class Spy:
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spy]:
-    """Records, episode by episode, what actstore.query.probe's trainer was given and returned, and which
+    """Records, episode by episode, what actstore.query.analyses.probe's trainer was given and returned, and which
     features its RelSpec call chose (only to settle exact float ties at a cut, see np_relspec)."""
     seen = Spy()
     real_train, real_select = probe_mod.train_batched, probe_mod.select_features

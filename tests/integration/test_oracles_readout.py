@@ -18,7 +18,7 @@ import torch
 
 import actstore
 from actstore.ingest.models import TINY_ARCHS, tiny_model
-from actstore.query.lens import FinalReadout
+from actstore.query.analyses.lens import FinalReadout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -31,7 +31,7 @@ import actstore
 from actstore.cli import main
 from actstore.ingest.models import tiny_model
 from actstore.jobs.probe import record_probe
-from actstore.query.probe import ProbeConfig, run_probe
+from actstore.query.analyses.probe import ProbeConfig, run_probe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -329,7 +329,7 @@ def np_seed_contrast(probs: np.ndarray, pred: int) -> np.ndarray:
 
 
 def test_both_contrast_readings_equal_numpy() -> None:
-    from actstore.query.attribution import contrast_coefficients
+    from actstore.query.analyses.attribution import contrast_coefficients
 
     g = torch.Generator().manual_seed(11)
     for C in (2, 5, 16):
@@ -386,8 +386,8 @@ def test_concentration_groups_by_predicted_class(open_copy: Any, spy: Any) -> No
     """head_scores.pred_abs_score is, per relation, the mean |HeadScore| over the predictions the probe
     assigned to it (numpy over the reference's per-prediction scores); an error row (gold A, predicted B)
     is in B's aggregate and never in A's; the default predictor reads exactly that."""
-    from actstore.query.predictor_measures import head_concentration
-    from actstore.query.predictors import relation_predictors
+    from actstore.query.analyses.predictor_measures import head_concentration
+    from actstore.query.analyses.predictors import relation_predictors
 
     cfg = oracle.small(ProbeConfig(kind="attn_head"))
     store = open_copy("llama")
@@ -446,8 +446,8 @@ def test_concentration_groups_by_predicted_class(open_copy: Any, spy: Any) -> No
 
 
 def test_old_store_without_predicted_scores_is_one_clear_error(open_copy: Any) -> None:
-    from actstore.query.predictors import relation_predictors
-    from actstore.query.probe_tables import probe_tables
+    from actstore.query.analyses.predictors import relation_predictors
+    from actstore.query.analyses.probe_tables import probe_tables
 
     store = open_copy("llama")
     out = run_probe(store, oracle.small(ProbeConfig(kind="attn_head")))

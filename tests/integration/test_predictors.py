@@ -19,7 +19,7 @@ from scipy import stats
 import actstore
 from actstore.cli import main
 from actstore.jobs.probe import record_probe
-from actstore.query.predictor_measures import (
+from actstore.query.analyses.predictor_measures import (
     KnowledgeGraph,
     connectivity,
     correlate,
@@ -27,9 +27,9 @@ from actstore.query.predictor_measures import (
     output_ranges,
     tfidf_similarity,
 )
-from actstore.query.predictors import relation_predictors, scatter_plots
-from actstore.query.probe import ProbeConfig, run_probe
-from actstore.query.shortcuts import normalize, shortcut_analysis, shortcut_figure
+from actstore.query.analyses.predictors import relation_predictors, scatter_plots
+from actstore.query.analyses.probe import ProbeConfig, run_probe
+from actstore.query.analyses.shortcuts import normalize, shortcut_analysis, shortcut_figure
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))  # test, train, valid

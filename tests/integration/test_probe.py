@@ -18,11 +18,11 @@ from actstore.cli import main
 from actstore.core.errors import QueryError
 from actstore.core.invalid import InvalidSetting
 from actstore.jobs.probe import record_probe
-from actstore.query.episodes import sample_episodes, sample_seeds
-from actstore.query.probe import ProbeConfig, run_probe, run_reference
-from actstore.query.probe_features import load_features
-from actstore.query.probe_training import _Adam, train_batched, train_reference
-from actstore.query.relspec import gather_standardized, select_features, smd_scores
+from actstore.query.analyses.episodes import sample_episodes, sample_seeds
+from actstore.query.analyses.probe import ProbeConfig, run_probe, run_reference
+from actstore.query.analyses.probe_features import load_features
+from actstore.query.analyses.probe_training import _Adam, train_batched, train_reference
+from actstore.query.analyses.relspec import gather_standardized, select_features, smd_scores
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 N_RELATIONS = len(json.loads(FEWREL_FIXTURE.read_text(encoding="utf-8")))  # 8 invented relations
@@ -296,7 +296,7 @@ def test_cli_unknown_run_and_relation(store_copy: Path) -> None:
 def test_sample_episodes_refuses_too_few_episodes_naming_the_setting(episodes: int) -> None:
     """The library's own check (the command line's option refuses these values before it is reached)."""
     from actstore.core.invalid import InvalidSetting
-    from actstore.query.episodes import sample_episodes
+    from actstore.query.analyses.episodes import sample_episodes
 
     labels = [r for r in "abcdef" for _ in range(10)]
     with pytest.raises(InvalidSetting) as e:

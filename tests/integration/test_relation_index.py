@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import actstore
 import actstore.core.relation_index as relation_index
-import actstore.query.selection_plan as selection_plan
+import actstore.query.select.plan as selection_plan
 from actstore.cli import main
 from actstore.core.compact import compact
 from actstore.core.manifest import seal

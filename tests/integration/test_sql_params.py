@@ -14,7 +14,7 @@ import pytest
 
 import actstore
 from actstore.core.errors import QueryError, ReadOnlySQLError
-from actstore.query.selection import Selection
+from actstore.query.select.selection import Selection
 
 HOSTILE = [
     "x' OR '1'='1",

@@ -23,7 +23,7 @@ from actstore.core.manifest import seal
 from actstore.core.tables import sha256
 from actstore.core.verify import verify_store
 from actstore.ingest.models import tiny_model
-from actstore.query.store_tokenizer import stored_tokenizer
+from actstore.query.select.store_tokenizer import stored_tokenizer
 
 TEXTS = ["The capital of France is", "Zebras weren't seen; — naïve café 123", "", "  two  spaces\tand a tab"]
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import actstore
 from actstore.cli import main
 from actstore.core.errors import QueryError
-from actstore.query.topk import _top_rows, top_activations
+from actstore.query.analyses.topk import _top_rows, top_activations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,7 +144,7 @@ def test_a_corpus_stores_contexts_are_its_documents_text(tmp_path: Path) -> None
     """On a corpus store each context is the text of the row's window around its token: checked
     against the document's own characters, cut at the token offsets the tokenizer gives directly."""
     from actstore.ingest.models import tiny_model
-    from actstore.query.topk import position_contexts
+    from actstore.query.analyses.topk import position_contexts
 
     docs = [
         "the quiet river runs past an old stone bridge",

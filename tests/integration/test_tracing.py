@@ -15,11 +15,12 @@ from helpers import KNOWN_STORE_KW
 
 import actstore
 from actstore.core.errors import PatchError
-from actstore.ingest.architectures import architecture_for as architecture_for_model
-from actstore.ingest.intervention_settings import PatchConfig, TraceConfig
-from actstore.ingest.interventions import Intervention, InterventionRunner, RunItem
-from actstore.ingest.interventions.patching import ActivationPatcher, PatchPair
-from actstore.ingest.interventions.tracing import (
+from actstore.ingest.capture.architectures import architecture_for as architecture_for_model
+from actstore.ingest.models import tiny_model
+from actstore.interventions import Intervention, InterventionRunner, RunItem
+from actstore.interventions.patching import ActivationPatcher, PatchPair
+from actstore.interventions.settings import PatchConfig, TraceConfig
+from actstore.interventions.tracing import (
     CausalTracer,
     GroupedEditRunner,
     StoredFact,
@@ -28,8 +29,7 @@ from actstore.ingest.interventions.tracing import (
     subject_embedding_std,
     window_layers,
 )
-from actstore.ingest.models import tiny_model
-from actstore.query.selection import Selection
+from actstore.query.select.selection import Selection
 
 STORE_KW = KNOWN_STORE_KW  # invented facts
 
@@ -375,7 +375,7 @@ def test_incremental_restores_equal_full_restores(
     as a located site (the last layer's MLP included, which the incremental pass runs at the last position
     only), random sites as well, facts of different lengths, two noise samples, batches of one row and of
     many.  In float64 only the float32 log-softmax is left between the two."""
-    from actstore.ingest.interventions.effectiveness import EffectConfig, site_effects
+    from actstore.interventions.effectiveness import EffectConfig, site_effects
 
     store = actstore.open(store_factory(arch, **STORE_KW))
     facts = stored_facts(store, correct_only=False, limit=3)
@@ -425,7 +425,7 @@ def test_incremental_tracing_all_positions_and_one_component(store_factory: Call
 def _count_positions(model: Any) -> tuple[dict[str, int], list[Any]]:
     """Positions x layers computed, per block: every call of a layer's attention output projection ("attn")
     or MLP down projection ("mlp") adds its rows x positions."""
-    from actstore.ingest.architectures import architecture_for
+    from actstore.ingest.capture.architectures import architecture_for
 
     count = {"attn": 0, "mlp": 0}
 

@@ -1,4 +1,4 @@
-"""The tuned lens trained on the KL divergence (query/tuned_lens.py), against an independent loop.
+"""The tuned lens trained on the KL divergence (query/analyses/tuned_lens.py), against an independent loop.
 
 The reference loop below is written from the method's description only: one ``nn.Linear`` per
 residual index, zero-initialised and added to the state, the store's final norm and unembedding
@@ -23,8 +23,21 @@ from click.testing import CliRunner
 from helpers import FIXTURES
 
 import actstore
-from actstore.query.lens import FinalReadout, LensError, TunedLens, lens_study, read_objects, stored_residuals
-from actstore.query.tuned_lens import TrainConfig, kl_per_index, lr_factor, rows_from_padded, train_tuned_lens
+from actstore.query.analyses.lens import (
+    FinalReadout,
+    LensError,
+    TunedLens,
+    lens_study,
+    read_objects,
+    stored_residuals,
+)
+from actstore.query.analyses.tuned_lens import (
+    TrainConfig,
+    kl_per_index,
+    lr_factor,
+    rows_from_padded,
+    train_tuned_lens,
+)
 
 KNOWN = f"known1000:{FIXTURES / 'known_1000' / 'known_1000.json'}"  # invented facts
 STORE_KW: dict[str, Any] = {"dataset": KNOWN, "limit": 20}

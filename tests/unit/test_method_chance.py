@@ -1,4 +1,4 @@
-"""Agreement against chance (query/method_chance.py): a planted signal checked against a hand
+"""Agreement against chance (query/methods/chance.py): a planted signal checked against a hand
 computation, the exact chance against brute-force enumeration of the within-stratum shuffles and
 against the Monte Carlo permutations, and the pair table's columns."""
 
@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from actstore.query.method_chance import (
+from actstore.query.methods.chance import (
     coded_chance,
     coded_consensus_chance,
     consensus_chance,
@@ -19,7 +19,7 @@ from actstore.query.method_chance import (
     stratum_chance,
     tolerance_kernel,
 )
-from actstore.query.methods import MethodReading
+from actstore.query.methods.readings import MethodReading
 
 
 def _reading(method: str, ids: list[int], keys: list[int], verdicts: list[str]) -> MethodReading:
@@ -177,7 +177,7 @@ def test_a_strong_signal_beats_every_shuffle() -> None:
 
 
 def test_compute_metrics_writes_the_chance_columns() -> None:
-    from actstore.query.method_tables import CHANCE_COLUMNS, PAIRS, compute_metrics
+    from actstore.query.methods.tables import CHANCE_COLUMNS, PAIRS, compute_metrics
 
     ra = _reading("trace", list(range(12)), A, ["mlp"] * 6 + ["attn"] * 6)
     rb = _reading("patch", list(range(12)), B, ["mlp"] * 12)

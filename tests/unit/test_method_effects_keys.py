@@ -1,5 +1,5 @@
-"""Effects relative to p_clean (query/method_effects.py), key-layer variants (query/method_keys.py)
-and ROME's filter (query/method_study.py), each against a computation written here."""
+"""Effects relative to p_clean (query/methods/effects.py), key-layer variants (query/methods/keys.py)
+and ROME's filter (query/methods/study.py), each against a computation written here."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from actstore.ingest.interventions.trace_results import window_layers
-from actstore.query.method_effects import effect_forms, logit, partial_correlation
-from actstore.query.method_keys import (
+from actstore.interventions.trace_results import window_layers
+from actstore.query.methods.effects import effect_forms, logit, partial_correlation
+from actstore.query.methods.keys import (
     centre_keys,
     lens_keys,
     patch_position_readings,
@@ -22,9 +22,9 @@ from actstore.query.method_keys import (
     window_kernel,
     window_range,
 )
-from actstore.query.method_metrics import subset_reading
-from actstore.query.method_study import rome_filter, trace_clean_probabilities, trace_total_effects
-from actstore.query.methods import MethodReading, patch_reading
+from actstore.query.methods.metrics import subset_reading
+from actstore.query.methods.readings import MethodReading, patch_reading
+from actstore.query.methods.study import rome_filter, trace_clean_probabilities, trace_total_effects
 
 
 class FakeStore:

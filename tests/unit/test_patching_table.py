@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.ingest.interventions.patching import (
+from actstore.interventions.patching import (
     PATCH_EFFECTS,
     PATCH_PAIRS,
     PatchPair,

@@ -1,4 +1,4 @@
-"""actstore.query.plotting: the heatmap puts the value of cell (layer i, head j) where a reader expects it.
+"""actstore.query.analyses.plotting: the heatmap puts the value of cell (layer i, head j) where a reader expects it.
 
 The checks read the PNG's pixels back and compare each cell's centre with the colour map's colour
 for that cell's value; the centre is computed from the axes' box in figure fractions and the grid
@@ -19,8 +19,8 @@ from matplotlib.image import imread
 from matplotlib.patches import Rectangle
 
 from actstore.core.errors import QueryError
-from actstore.query import plotting
-from actstore.query.maps_figures import head_heatmap
+from actstore.query.analyses import plotting
+from actstore.query.maps.figures import head_heatmap
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOL = 2.5 / 255  # PNG stores 8-bit channels

@@ -1,4 +1,4 @@
-"""actstore.query.method_metrics.reading_agreement: two readings of one method (e.g. tracing with 2 and 10
+"""actstore.query.methods.metrics.reading_agreement: two readings of one method (e.g. tracing with 2 and 10
 noise samples) compared fact by fact, checked against sums written out here."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from actstore.query.method_metrics import reading_agreement
-from actstore.query.methods import MethodReading
+from actstore.query.methods.metrics import reading_agreement
+from actstore.query.methods.readings import MethodReading
 
 
 def _reading(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from actstore.query.relspec import POOLED_EPS, smd_scores
+from actstore.query.analyses.relspec import POOLED_EPS, smd_scores
 
 
 def cohens_d_loop(x: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

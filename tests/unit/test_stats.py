@@ -1,4 +1,4 @@
-"""actstore.query.stats against independent computations: numpy formulae, and scipy called directly."""
+"""actstore.query.analyses.stats against independent computations: numpy formulae, and scipy called directly."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import pytest
 from scipy import special, stats
 
 from actstore.core.errors import StatsError
-from actstore.query.stats import bootstrap_interval, mean_interval, pearson, proportion_interval, spearman
+from actstore.query.analyses.stats import (
+    bootstrap_interval,
+    mean_interval,
+    pearson,
+    proportion_interval,
+    spearman,
+)
 
 
 def _rng() -> np.random.Generator:

@@ -1,0 +1,283 @@
+"""Corpus-mode capture (``--positions all``): ``z``, ``mlp`` and ``resid`` at every kept position.
+
+Rows are the kept positions of :class:`~actstore.ingest.corpus_windows.CorpusPlan`, in corpus order;
+segment ``s`` holds rows ``s * segment_size ..`` (``--segment-size`` counts positions here).  The
+windows go through the model in fixed global batches (windows ``k * batch_size ..``), every kept
+position a target of the fused capture; a segment takes its rows from the batches holding them, and
+the last one, when it holds rows of the next segment too, is kept for that segment, so a window runs
+once in an uninterrupted ingest.  Since a batch is the same whichever segment asks for it, a resumed
+ingest, or a rank that recomputes a batch its neighbour also ran, writes the same bytes.  The per-source factors (``attn``, ``v``) are not captured:
+their flat axes are empty.  Kinds and layers that ``--kinds`` / ``--layers`` do not keep are written
+as zero chunks (a few bytes each after compression) and refused on read
+(:func:`actstore.query.select.features.check_corpus_kind`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from actstore.core.compact import compact_held
+from actstore.core.errors import RankError, StorageError
+from actstore.core.fs import StoreLocation
+from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
+from actstore.core.lock import holding
+from actstore.core.manifest import Geometry
+from actstore.core.progress import progress_bar
+from actstore.core.writer import StoreWriter
+from actstore.ingest.capture.architectures import architecture_for
+from actstore.ingest.capture.fused import BatchIndex, FusedCapture
+from actstore.ingest.corpus_windows import CorpusPlan, segment_corpus_tables
+from actstore.ingest.datasets.text_corpus import Documents
+from actstore.ingest.pipeline import (
+    IngestReport,
+    _predictions,
+    _quiet,
+    _with_tokenizer,
+    _write,
+    _write_run,
+    open_writer,
+    store_manifest,
+    to_host,
+    tokenizer_files,
+)
+from actstore.ingest.settings import IngestConfig
+
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FLAT = ("attn", "v")  # empty in corpus mode: no sources are stored
+ROW_FIELDS = ("document", "window_index", "position", "window_position", "token_id", "char_start", "char_end")
+
+
+def kept_arrays(g: Geometry, kinds: Sequence[str], layers: Sequence[int] | None) -> dict[str, list[int]]:
+    """The layers kept of each stored array: ``z`` for ``attn`` and ``z``, ``mlp``, ``resid``
+    (residual indices 0..L: a layer number ``L`` keeps the last residual only)."""
+    every = list(range(g.n_layers + 1))
+    chosen = every if layers is None else sorted(set(layers))
+    out = {"z": [], "mlp": [], "resid": []}  # type: dict[str, list[int]]
+    if "attn" in kinds or "z" in kinds:
+        out["z"] = [x for x in chosen if x < g.n_layers]
+    if "mlp" in kinds:
+        out["mlp"] = [x for x in chosen if x < g.n_layers]
+    if "resid" in kinds:
+        out["resid"] = list(chosen)
+    return out
+
+
+def bytes_per_row(g: Geometry, kept: dict[str, list[int]], storage_dtype: str) -> int:
+    """Uncompressed bytes one position costs: per kept layer, ``H * d_head`` values of ``z``, ``d_mlp``
+    of ``mlp``, ``d_model`` of ``resid``."""
+    per_layer = {"z": g.n_heads * g.d_head, "mlp": g.d_mlp, "resid": g.d_model}
+    return BYTES[storage_dtype] * sum(per_layer[k] * len(v) for k, v in kept.items())
+
+
+def free_bytes(loc: StoreLocation) -> int | None:
+    """Free bytes where a local store would be written (None for object storage)."""
+    if not loc.is_local:
+        return None
+    p = Path(loc.path(""))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def capture_positions(
+    loc: StoreLocation,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    model_info: dict[str, Any],
+    docs: Documents,
+    plan: CorpusPlan,
+    kept: dict[str, list[int]],
+    cfg: IngestConfig,
+    log: Any = _quiet,
+) -> IngestReport:
+    """Capture every kept position of ``plan`` into the store at ``loc`` (writer lock held)."""
+    if not holding(loc.url):
+        raise RankError(
+            f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)"
+        )
+    arch = architecture_for(model)
+    g = arch.geometry(model)
+    tok_files = tokenizer_files(tokenizer)
+    model_info = _with_tokenizer(model_info, tok_files)
+    ingest = {"padding_side": "right", "corpus_sha256": docs.sha256, **plan.policy, "kept": kept}
+    manifest = store_manifest(model, arch, model_info, plan.n_rows, ingest, cfg)
+    per_row = bytes_per_row(g, kept, cfg.storage_dtype)
+    estimate = per_row * plan.n_rows
+    log(
+        f"size estimate: {plan.n_rows} positions x {per_row} bytes ({', '.join(f'{k} {len(v)} layers' for k, v in kept.items() if v)}, "
+        f"{cfg.storage_dtype}) = {estimate / 1e9:.3f} GB before compression"
+    )
+    free = free_bytes(loc)
+    if not cfg.resume and free is not None and estimate > free:
+        raise StorageError(
+            f"{loc.url}: the store needs about {estimate / 1e9:.2f} GB and only {free / 1e9:.2f} GB are free; "
+            "keep fewer --kinds or --layers, or a smaller corpus"
+        )
+    files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()} if tok_files else {}
+    writer, done, mine, todo = open_writer(loc, manifest, model, arch, files, cfg)
+    device = torch.device(cfg.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    started = time.time()
+    forward_s = 0.0
+    pending: list[Future[Any]] = []
+    S = cfg.segment_size
+    n_todo = sum(min(S, plan.n_rows - s * S) for s in todo)
+    bar = progress_bar(total=n_todo, unit="position", desc="ingest", enabled=cfg.progress and cfg.rank == 0)
+    B = cfg.batch_size
+    carry: _Captured | None = None  # the last global batch, when it holds rows of the next segment
+    with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
+
+        def run_batch(number: int) -> _Captured:
+            nonlocal forward_s
+            wins = range(number * B, min((number + 1) * B, len(plan.windows)))
+            t0 = time.perf_counter()
+            meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
+            ids, mask, index, next_ids = _batch(plan, wins, pad_id, device, meta)
+            out = capture.run(ids, mask, index, position_ids(mask))
+            host = to_host(out, SEGMENT_ARRAYS)
+            arrays = {n: (a[:, kept[n]] if n in kept else a) for n, a in host.items()}  # kept layers only
+            top, lp, rank = _predictions(out["logits"], next_ids)
+            cols = {n: np.concatenate(v) for n, v in meta.items()} | {
+                "top": top,
+                "lp": lp,
+                "rank": rank,
+                "next": next_ids,
+            }
+            forward_s += time.perf_counter() - t0
+            return _Captured(number, int(plan.row_start[wins.start]), arrays, cols)
+
+        for k, seg in enumerate(todo):
+            lo, hi = seg * S, min((seg + 1) * S, plan.n_rows)
+            wins = plan.windows_of(lo, hi)
+            pieces: list[_Captured] = []
+            for number in range(wins.start // B, (wins.stop - 1) // B + 1):
+                cap = carry if carry is not None and carry.number == number else run_batch(number)
+                pieces.append(cap.rows(lo, hi))
+                carry = cap if cap.end > hi else None
+            bar.update(hi - lo)
+            arrays = {n: np.concatenate([p.arrays[n] for p in pieces]) for n in SEGMENT_ARRAYS}
+            cols = {n: np.concatenate([p.cols[n] for p in pieces]) for n in pieces[0].cols}
+            rows = {n: cols[n] for n in ROW_FIELDS}
+            preds = (cols["top"], cols["lp"], cols["rank"])
+            tables = segment_corpus_tables(
+                seg, lo, rows, docs.texts, tokenizer, preds, cols["next"], docs.spec
+            )
+            while len(pending) >= 2:  # backpressure: bounded host memory
+                pending.pop(0).result()
+            pending.append(pool.submit(_write_expanded, writer, seg, lo, arrays, kept, g, tables))
+            if cfg.world_size == 1 and cfg.compact_every and (k + 1) % cfg.compact_every == 0:
+                pending.append(pool.submit(compact_held, loc, full=False, log=_quiet))
+        for f in pending:
+            f.result()
+    bar.close()
+    _write_run(writer, cfg, manifest, started, len(todo))
+    if cfg.world_size == 1:
+        compact_held(loc, full=True, log=_quiet)
+    return IngestReport(
+        cfg.out, plan.n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s
+    )
+
+
+@dataclass(frozen=True)
+class _Captured:
+    """Global batch ``number`` (windows ``number * batch_size ..``) captured: its kept positions are
+    rows ``start ..`` in order; ``arrays`` holds the kept layers, ``cols`` the per-row columns."""
+
+    number: int
+    start: int
+    arrays: dict[str, np.ndarray]
+    cols: dict[str, np.ndarray]
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.cols["token_id"].size)
+
+    def rows(self, lo: int, hi: int) -> _Captured:
+        """Its rows in ``lo .. hi-1`` (the flat ``attn`` and ``v`` are empty in corpus mode)."""
+        a, b = max(lo, self.start) - self.start, max(min(hi, self.end), lo) - self.start
+        arrays = {n: (v[a:b] if n not in FLAT else v) for n, v in self.arrays.items()}
+        return _Captured(self.number, self.start + a, arrays, {n: v[a:b] for n, v in self.cols.items()})
+
+
+def _batch(
+    plan: CorpusPlan,
+    wins: Sequence[int],
+    pad_id: int,
+    device: torch.device,
+    meta: dict[str, list[np.ndarray]],
+) -> tuple[torch.Tensor, torch.Tensor, BatchIndex, np.ndarray]:
+    """One right-padded batch of windows, its targets their kept positions (in row order), and the next
+    token id of each target (-1 at a window's end)."""
+    T = max(plan.windows[w].ids.size for w in wins)
+    ids = torch.full((len(wins), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(wins), T), dtype=torch.long)
+    tb: list[np.ndarray] = []
+    tp: list[np.ndarray] = []
+    nxt: list[np.ndarray] = []
+    for b, w in enumerate(wins):
+        win = plan.windows[w]
+        n = win.ids.size
+        ids[b, :n] = torch.from_numpy(win.ids)
+        mask[b, :n] = 1
+        pos = np.flatnonzero(win.kept)
+        tb.append(np.full(pos.size, b, np.int64))
+        tp.append(pos)
+        following = np.append(win.ids, -1)
+        nxt.append(following[pos + 1])
+        for name, values in (
+            ("document", win.document[pos]),
+            ("window_index", np.full(pos.size, win.number, np.int32)),
+            ("position", win.position[pos]),
+            ("window_position", pos.astype(np.int32)),
+            ("token_id", win.ids[pos]),
+            ("char_start", win.char_start[pos]),
+            ("char_end", win.char_end[pos]),
+        ):
+            meta[name].append(values)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    index = BatchIndex(
+        target_b=torch.from_numpy(np.concatenate(tb)).to(device),
+        target_pos=torch.from_numpy(np.concatenate(tp)).to(device),
+        src_t=empty,
+        src_pos=empty,
+        tok_b=empty,
+        tok_pos=empty,
+    )
+    return ids.to(device), mask.to(device), index, np.concatenate(nxt).astype(np.int64)
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Each window's own positions 0.. (right padding: padded slots get the last one)."""
+    return (torch.cumsum(mask, 1) - 1).clamp(min=0)
+
+
+def _write_expanded(
+    writer: StoreWriter,
+    seg: int,
+    lo: int,
+    arrays: dict[str, np.ndarray],
+    kept: dict[str, list[int]],
+    g: Geometry,
+    tables: dict[str, Any],
+) -> None:
+    """Write a segment whose ``z``, ``mlp`` and ``resid`` hold the kept layers only: each becomes its
+    full layer axis here, zeros where nothing is kept (never stored activations; zero chunks compress
+    to a few bytes and the reader refuses them).  Only the segment being written has full arrays (the
+    zeros are calloc'ed pages that reading does not copy)."""
+    n_layers = {"z": g.n_layers, "mlp": g.n_layers, "resid": g.n_layers + 1}
+    full = dict(arrays)
+    for name, layers in kept.items():
+        part = arrays[name]
+        out = np.zeros((part.shape[0], n_layers[name], *part.shape[2:]), dtype=part.dtype)
+        out[:, layers] = part
+        full[name] = out
+    _write(writer, seg, lo, full, tables, None)

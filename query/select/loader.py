@@ -1,0 +1,642 @@
+"""A shuffled, resumable, rank-split training feed of a selection's features (``Selection.loader``).
+
+    feed = store.select().loader("resid", layers=[6], batch_size=4096, buffer_rows=1 << 16)
+    for epoch in range(3):                      # the epoch advances by itself (or feed.set_epoch(e))
+        for x in feed:                          # x: torch [4096, 1, d_model] float32
+            ...
+        ckpt = feed.state_dict()                # mid-epoch too: resume with feed.load_state_dict(ckpt)
+
+The order of an epoch, for ``N`` selected rows, is fixed before anything is read:
+
+1. **Units.** The selected rows are grouped by storage chunks: a unit is a run of ``unit_rows // chunk_rows``
+   whole chunks of one segment (``chunk_rows`` rows of ``z``, ``mlp`` and ``resid`` per chunk file or
+   shard of layer chunks; ``unit_rows`` defaults to 256 rows, a whole segment of the default
+   ingest, read in one call), holding the selected rows among them.  ``shuffle=True`` permutes the
+   units with ``numpy.random.default_rng([seed, epoch])``; ``shuffle=False`` keeps store order.
+2. **Ranks.** The rows, in that unit order, are cut into ``world_size`` contiguous shares: rank ``r``
+   gets positions ``r*N//W .. (r+1)*N//W`` (counts differ by at most one; every rank sees whole
+   chunks except at most one at each end of its share).  Every rank computes the same unit order,
+   so the shares are disjoint and cover every row.  ``drop_last=True`` gives every rank
+   ``(N//W)//batch_size`` full batches (the same count on every rank, as DDP needs); the rows beyond
+   are skipped that epoch (different ones every epoch, since the order changes).
+3. **Windows.** A rank's share is cut into windows of ``buffer_rows`` rows; with ``shuffle`` the rows
+   of each window are permuted in memory (``default_rng([seed, epoch, rank, window])``).  Batches
+   are consecutive ``batch_size`` rows of that stream (a batch may span two windows).
+
+So an epoch visits each row exactly once, the order is a function of ``(seed, epoch, rank,
+world_size, buffer_rows)`` and the selection, and a position in it is one integer:
+:meth:`ActivationLoader.state_dict` records ``(epoch, position)``; resuming re-reads the window
+that holds ``position`` and skips the rows already given.
+
+Reads: the window's rows are read one unit at a time, in store order, into a window buffer (the
+stored kinds ``resid`` and ``z`` in the storage dtype, decoded by the store's chunk reader straight
+into the buffer when their chunks hold exactly the chosen layers; the others by
+:func:`actstore.query.select.features.compute_block`; a unit cut by a window or share boundary is read once
+per side), ``prefetch`` units ahead, by a background thread while the consumer cuts batches from the
+previous window: each batch is gathered by the window's permutation (``index_select``) and converted
+to ``dtype`` by torch, a tensor of its own.  Memory: at most three window buffers of ``buffer_rows``
+rows (the one being gathered from, one ready, one being filled; reused across windows and epochs)
+plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
+``workers=0`` reads in the consuming thread (no threads at all); ``workers=1`` (the default) reads and
+assembles in one background thread; ``workers=k >= 2`` adds a pool of ``k`` reader threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from actstore.core.arrays import axis1_plan, take1
+from actstore.core.chunks import LocalChunks, local_chunks
+from actstore.core.errors import CorruptStoreError, MissingChunkError, QueryError
+from actstore.core.segments import segment_name
+from actstore.query.select.features import FeatureSpec, RowBlock, row_shape
+from actstore.query.select.labelled import SOURCE_KINDS, block_features
+from actstore.query.select.loader_args import Selected, dtype_arg, int_arg
+
+STATE_VERSION = 1
+
+
+def _chunk_error(where: str, lo: int, hi: int, e: Exception) -> CorruptStoreError:
+    """The one-line error of a failed chunk read of rows ``lo:hi`` (a missing chunk says so; a checksum
+    or Blosc frame that does not match names its exception)."""
+    why = str(e) if isinstance(e, MissingChunkError) else f"{type(e).__name__}: {e}"
+    return CorruptStoreError(f"{where}: chunk read failed for rows {lo}:{hi} ({why})")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Rows ``lo .. hi`` (selection positions, consecutive in store order, one storage chunk) that
+    land at window positions ``at .. at + (hi - lo)`` before the window's permutation."""
+
+    window: int
+    at: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class _Window:
+    """A window's rows in store order (a view of a recycled buffer), their store row ids, and the
+    permutation that gives the output order (output position ``q`` holds ``rows[perm[q]]``)."""
+
+    rows: np.ndarray
+    ids: np.ndarray
+    perm: np.ndarray | None
+    buffer: np.ndarray
+    held: threading.Semaphore  # the iteration's count of buffers in use
+    pool: _Buffers
+
+    def release(self) -> None:
+        """Hand the buffer back for the next window (every row of this one is given)."""
+        self.pool.give(self.buffer)
+        self.held.release()
+
+
+class _Buffers:
+    """Window buffers kept for reuse, across windows and epochs: a fresh window of tens of MB is
+    mapped afresh by the allocator, and its page faults cost about as much as the reads into it.
+    At most ``keep`` idle buffers are kept (an iteration uses at most three at a time)."""
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
+        self._idle: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            while self._idle:
+                buf = self._idle.pop()
+                if buf.shape == shape and buf.dtype == dtype:
+                    return buf
+        return np.empty(shape, dtype=dtype)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(buf)
+
+
+class ActivationLoader:
+    """An iterable of torch tensors ``[batch, *row]`` (``row`` as one row of
+    :meth:`Selection.features`; ``flatten=True``: ``[batch, F]``), or of ``(row_ids, x)`` with
+    ``with_ids=True`` (``row_ids`` int64: the store ``row`` of each target, the ``row`` column of
+    ``selection.rows``).  See the module docstring for the order, the rank split and the memory."""
+
+    def __init__(
+        self,
+        selection: Selected,
+        kind: str,
+        *,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | None = None,
+        groups: int | None = None,
+        batch_size: int = 1024,
+        shuffle: bool = True,
+        seed: int = 0,
+        buffer_rows: int = 1 << 15,
+        workers: int = 1,
+        prefetch: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        dtype: torch.dtype | str = torch.float32,
+        with_ids: bool = False,
+        drop_last: bool = False,
+        flatten: bool = False,
+        unit_rows: int | None = None,
+    ) -> None:
+        self.batch_size = int_arg("batch_size", batch_size, 1)
+        self.buffer_rows = int_arg("buffer_rows", buffer_rows, 1)
+        self.workers = int_arg("workers", workers, 0, 256)
+        self.prefetch = int_arg("prefetch", prefetch if prefetch is not None else 2 * max(1, workers), 1)
+        self.world_size = int_arg("world_size", world_size, 1)
+        self.rank = int_arg("rank", rank, 0, self.world_size - 1)
+        self.seed = int_arg("seed", seed, 0)
+        for name, flag in (("shuffle", shuffle), ("with_ids", with_ids), ("drop_last", drop_last)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise QueryError(f"loader: {name} must be True or False, not {flag!r}")
+        self.shuffle, self.with_ids, self.drop_last = bool(shuffle), bool(with_ids), bool(drop_last)
+        self.flatten = bool(flatten)
+        self.dtype = dtype_arg(dtype)
+        self.selection = selection
+        self.store = selection.store
+        self.spec = FeatureSpec.parse(self.store, kind, layers, heads, groups)
+        rows = selection.rows
+        if rows.num_rows == 0:
+            raise QueryError("loader: the selection is empty")
+        self._n_sources = selection.n_sources() if kind in SOURCE_KINDS else 0
+        # Stored kinds are read and shuffled in the storage dtype and converted by torch once per
+        # window (numpy's float16 widening is several times slower, and the window is half the size).
+        self._stored = self.spec.kind == "resid" or (self.spec.kind == "z" and self.spec.heads is None)
+        storage = self.store.manifest.storage_dtype
+        self._bf16_bits = self._stored and storage == "bfloat16"
+        self._win_dtype = (
+            np.dtype({"float16": np.float16, "float32": np.float32, "bfloat16": np.uint16}[storage])
+            if self._stored
+            else np.dtype(np.float32)
+        )
+        self._row_shape = row_shape(self.store, self.spec, self._n_sources)
+        self._cols = {
+            name: rows.column(name).to_numpy().astype(np.int64, copy=False)
+            for name in ("row", "segment", "seg_row", "src_start", "n_src", "subject_start", "subject_end")
+        }
+        chunk_rows = self.store.manifest.chunk_rows
+        default_unit = max(chunk_rows, 256 // chunk_rows * chunk_rows)
+        self.unit_rows = int_arg("unit_rows", unit_rows if unit_rows is not None else default_unit, 1)
+        per_unit = max(1, self.unit_rows // chunk_rows)  # whole chunks per unit
+        seg, unit = self._cols["segment"], self._cols["seg_row"] // (chunk_rows * per_unit)
+        change = np.flatnonzero((np.diff(seg) != 0) | (np.diff(unit) != 0)) + 1
+        self._unit_start = np.concatenate([[0], change]).astype(np.int64)  # [U] first position of each unit
+        self._unit_stop = np.concatenate([change, [seg.size]]).astype(np.int64)
+        self.n_rows = int(seg.size)
+        self._fingerprint = hashlib.sha256(self._cols["row"].tobytes()).hexdigest()[:16]
+        self._buffers = _Buffers()
+        self._direct_plans: dict[int, tuple[LocalChunks, list[int] | None, list[int] | None] | None] = {}
+        self.epoch = 0
+        self.position = 0  # rows of this rank's share already given in the current epoch
+
+    # -- the order ---------------------------------------------------------------------------------
+
+    @property
+    def n_units(self) -> int:
+        """The units the order permutes: runs of whole storage chunks of one segment (``unit_rows``
+        rows of the store, rounded down to whole chunks, at least one) that hold selected rows."""
+        return int(self._unit_start.size)
+
+    def _share(self) -> tuple[int, int]:
+        """This rank's positions ``lo .. hi`` in the epoch's unit-ordered sequence of rows."""
+        N, W, r = self.n_rows, self.world_size, self.rank
+        if self.drop_last:
+            each = (N // W) // self.batch_size * self.batch_size
+            return r * (N // W), r * (N // W) + each
+        return r * N // W, (r + 1) * N // W
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        lo, hi = self._share()
+        return -(-(hi - lo) // self.batch_size)
+
+    @property
+    def rows_per_epoch(self) -> int:
+        lo, hi = self._share()
+        return hi - lo
+
+    def _unit_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n_units)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_units)
+
+    def _window_perm(self, epoch: int, window: int, m: int) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        return np.random.default_rng([self.seed, epoch, self.rank, window]).permutation(m)
+
+    def _pieces(self, epoch: int, start: int) -> list[_Piece]:
+        """The pieces of this rank's windows from the one holding share position ``start`` on."""
+        lo, hi = self._share()
+        B = self.buffer_rows
+        order = self._unit_order(epoch)
+        sizes = (self._unit_stop - self._unit_start)[order]
+        ends = np.cumsum(sizes)  # sequence position after each ordered unit
+        first_window = start // B
+        a = lo + first_window * B  # sequence position where reading begins
+        if a >= hi:
+            return []
+        k = int(np.searchsorted(ends, a, side="right"))
+        out: list[_Piece] = []
+        pos = a
+        while pos < hi:
+            u = int(order[k])
+            u_begin = int(ends[k] - sizes[k])  # sequence position of the unit's first row
+            take_to = min(int(ends[k]), hi, lo + ((pos - lo) // B + 1) * B)  # unit, share or window end
+            w = (pos - lo) // B
+            s0 = int(self._unit_start[u]) + (pos - u_begin)
+            out.append(_Piece(w, pos - lo - w * B, s0, s0 + (take_to - pos)))
+            pos = take_to
+            if pos >= ends[k]:
+                k += 1
+        return out
+
+    def epoch_rows(self, epoch: int | None = None) -> np.ndarray:
+        """The store ``row`` of every row this rank gives in ``epoch`` (default: the current one), in
+        order, computed without reading any activations (for checks and tests)."""
+        e = self.epoch if epoch is None else int(epoch)
+        ids: list[np.ndarray] = []
+        for w, pieces in self._by_window(self._pieces(e, 0)):
+            win = np.concatenate([self._cols["row"][p.lo : p.hi] for p in pieces])
+            perm = self._window_perm(e, w, win.size)
+            ids.append(win if perm is None else win[perm])
+        return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+
+    @staticmethod
+    def _by_window(pieces: list[_Piece]) -> Iterator[tuple[int, list[_Piece]]]:
+        cur: list[_Piece] = []
+        for p in pieces:
+            if cur and p.window != cur[0].window:
+                yield cur[0].window, cur
+                cur = []
+            cur.append(p)
+        if cur:
+            yield cur[0].window, cur
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning at the next iteration."""
+        self.epoch = int_arg("epoch", epoch, 0)
+        self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the feed is: the epoch and the rows of this rank already given (updated before each
+        batch is handed out), with the settings the order depends on."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "position": self.position,
+            **self._settings(),
+        }
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "buffer_rows": self.buffer_rows,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "unit_rows": self.unit_rows,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "n_rows": self.n_rows,
+            "rows_fingerprint": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (:meth:`state_dict`): the next iteration gives the rest of that
+        epoch.  Refused with one line when the state is of another selection or other settings."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise QueryError("loader: not a loader state (state_dict() of this version)")
+        for key, want in self._settings().items():
+            if state.get(key) != want:
+                raise QueryError(f"loader: the state has {key}={state.get(key)!r}, this loader {want!r}")
+        epoch = int_arg("epoch", state.get("epoch"), 0)
+        position = int_arg("position", state.get("position"), 0, self.rows_per_epoch)
+        self.epoch, self.position = epoch, position
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def _direct(self, seg: int) -> tuple[LocalChunks, list[int] | None, list[int] | None] | None:
+        """How to read segment ``seg``'s stored chunks of the kind without zarr (a local store with the
+        default codecs: :func:`actstore.core.chunks.local_chunks`), with the layer plan; None: not so."""
+        if seg not in self._direct_plans:
+            arr = self.store.array(seg, self.spec.kind)
+            lc = local_chunks(arr)
+            self._direct_plans[seg] = (
+                None if lc is None else (lc, *axis1_plan(arr.shape, arr.chunks, list(self.spec.layers)))
+            )
+        return self._direct_plans[seg]
+
+    def _read(self, p: _Piece) -> np.ndarray:
+        c = self._cols
+        sl = slice(p.lo, p.hi)
+        seg = int(c["segment"][p.lo])
+        seg_rows = c["seg_row"][sl]
+        if self._stored:
+            s0, s1 = int(seg_rows[0]), int(seg_rows[-1]) + 1
+            direct = self._direct(seg) if s1 - s0 == seg_rows.size else None
+            if direct is not None:  # a run of consecutive rows of a local store: its chunks decoded directly
+                return self._read_direct(seg, s0, s1, *direct)
+            return self.store.read_segment_rows(
+                seg, self.spec.kind, seg_rows, list(self.spec.layers), stored=True
+            )
+        block = RowBlock(
+            segment=seg,
+            seg_rows=seg_rows,
+            src_start=c["src_start"][sl],
+            n_src=c["n_src"][sl],
+            subject_start=c["subject_start"][sl],
+            subject_end=c["subject_end"][sl],
+        )
+        return block_features(self.store, self.spec, block, self._n_sources)
+
+    def _read_into(self, p: _Piece, dest: np.ndarray) -> bool:
+        """Decode piece ``p`` straight into ``dest`` (its rows of the window) when its rows are a run of
+        a local store whose chunks hold exactly the selected layers (one layer of a sharded array,
+        or every layer of an unsharded one): no intermediate array, no copy.  False: not so (nothing
+        written; the caller reads the piece with :meth:`_read`)."""
+        if not self._stored:
+            return False
+        c = self._cols
+        seg = int(c["segment"][p.lo])
+        s0, s1 = int(c["seg_row"][p.lo]), int(c["seg_row"][p.hi - 1]) + 1
+        direct = self._direct(seg) if s1 - s0 == p.hi - p.lo else None
+        if direct is None:
+            return False
+        lc, blocks, positions = direct
+        k = lc.inner1 or int(lc.shape[1])  # positions of axis 1 in one (inner) chunk
+        if blocks is None:
+            blocks = list(range(lc.n_inner))
+        if (
+            len(blocks) != 1
+            or (positions is not None and positions != list(range(k)))
+            or not dest.flags.c_contiguous
+        ):
+            return False
+        if s0 < 0 or s1 > lc.shape[0]:
+            self._read_direct(seg, s0, s1, *direct)  # raises its one-line error
+        n, b = int(lc.chunks[0]), blocks[0]
+        where = f"{self.store.url}/segments/{segment_name(seg)}/{self.spec.kind}"
+        tmp: np.ndarray | None = None
+        try:
+            # LocalChunks's per-chunk read (its bytes read, checked and decoded into a given array),
+            # as its read() runs it for one block, with the window as destination.
+            for ci in range(s0 // n, -(-s1 // n)):
+                a, z = max(s0, ci * n), min(s1, (ci + 1) * n)
+                if a == ci * n and z == (ci + 1) * n:  # a whole chunk: decoded in place
+                    lc.read_chunk_into(ci, b, dest[a - s0 : z - s0].reshape(-1).view(np.uint8))
+                    continue
+                if tmp is None:
+                    tmp = np.empty((n, *dest.shape[1:]), dtype=dest.dtype)
+                lc.read_chunk_into(ci, b, tmp.reshape(-1).view(np.uint8))
+                dest[a - s0 : z - s0] = tmp[a - ci * n : z - ci * n]
+        except Exception as e:
+            raise _chunk_error(where, s0, s1, e) from None
+        return True
+
+    def _read_direct(
+        self,
+        seg: int,
+        s0: int,
+        s1: int,
+        lc: LocalChunks,
+        blocks: list[int] | None,
+        positions: list[int] | None,
+    ) -> np.ndarray:
+        """Rows ``s0 .. s1`` of segment ``seg`` (storage dtype, the selected layers), as
+        :meth:`StoreReader.read_segment_rows` reads them (the same checks and errors) less its
+        per-call planning: the whole chunks that hold them decoded by ``lc``."""
+        where = f"{self.store.url}/segments/{segment_name(seg)}/{self.spec.kind}"
+        if s0 < 0 or s1 > lc.shape[0]:
+            raise CorruptStoreError(
+                f"{where}: rows {s0}..{s1 - 1} asked for, the array has {lc.shape[0]} (the targets table "
+                "disagrees with the arrays; run actstore verify)"
+            )
+        n = int(lc.chunks[0])
+        c0 = s0 // n
+        try:
+            block = lc.read(c0, -(-s1 // n), blocks)
+        except Exception as e:
+            raise _chunk_error(where, c0 * n, s1, e) from None
+        return take1(block[s0 - c0 * n : s1 - c0 * n], positions)
+
+    def _windows(
+        self, epoch: int, start: int, stop: threading.Event, threads: int | None = None
+    ) -> Iterator[_Window]:
+        """Each window from the one holding ``start``, in the epoch's order: its rows in store order
+        (storage dtype, in a recycled buffer), their ids and the window's permutation."""
+        pieces = self._pieces(epoch, start)
+        # workers=1: the background thread that assembles the windows reads them too (no pool: one
+        # thread fewer to schedule); workers=k >= 2: k reader threads feed it.
+        pool = (
+            ThreadPoolExecutor(
+                self.workers,
+                thread_name_prefix="actstore-loader",
+                initializer=torch.set_num_threads,
+                initargs=(threads or torch.get_num_threads(),),
+            )
+            if self.workers >= 2
+            else None
+        )
+        sizes: dict[int, int] = {}  # rows of each window: its pieces cover 0 .. m
+        for p in pieces:
+            sizes[p.window] = max(sizes.get(p.window, 0), p.at + (p.hi - p.lo))
+        # At most three window buffers in use (the one the consumer gathers from, one ready, one being
+        # filled), taken from the loader's idle ones (reused across windows and epochs).  The reader
+        # threads decode into the buffer of the piece's window: a piece of the next window is handed to
+        # them only when a buffer is free for it (never waited for: the window being filled comes first).
+        held = threading.Semaphore(3)
+        shape = (min(self.buffer_rows, self.rows_per_epoch), *self._row_shape)
+        bufs: dict[int, np.ndarray] = {}  # window -> its buffer, from its first read until it is handed on
+
+        def claim(w: int, wait: bool) -> np.ndarray | None:
+            if w not in bufs:
+                if wait:
+                    while not held.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return None
+                elif not held.acquire(blocking=False):
+                    return None
+                bufs[w] = self._buffers.take(shape, self._win_dtype)
+            return bufs[w]
+
+        def dest(p: _Piece) -> np.ndarray:
+            return bufs[p.window][p.at : p.at + (p.hi - p.lo)]
+
+        pending: deque[tuple[_Piece, Future[None] | None]] = deque()
+        nxt = 0  # the next piece to hand on
+
+        def top_up() -> None:
+            nonlocal nxt
+            while len(pending) < self.prefetch and nxt < len(pieces):
+                p = pieces[nxt]
+                if pool is not None and claim(p.window, wait=False) is None:
+                    return  # no buffer free for the next window yet
+                pending.append((p, pool.submit(self._fill, p, dest(p)) if pool is not None else None))
+                nxt += 1
+
+        try:
+            while nxt < len(pieces) or pending:
+                w = pending[0][0].window if pending else pieces[nxt].window
+                if claim(w, wait=True) is None:
+                    return
+                top_up()
+                m = sizes[w]
+                ids = np.empty(m, dtype=np.int64)
+                while pending and pending[0][0].window == w:  # each piece placed as it arrives
+                    p, fut = pending.popleft()
+                    if fut is not None:
+                        fut.result()
+                    else:
+                        self._fill(p, dest(p))
+                    top_up()
+                    ids[p.at : p.at + (p.hi - p.lo)] = self._cols["row"][p.lo : p.hi]
+                buf = bufs.pop(w)
+                yield _Window(buf[:m], ids, self._window_perm(epoch, w, m), buf, held, self._buffers)
+                if stop.is_set():
+                    return
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _fill(self, p: _Piece, dest: np.ndarray) -> None:
+        """Piece ``p``'s rows into ``dest``: decoded there, or read and copied."""
+        if not self._read_into(p, dest):
+            dest[...] = self._read(p)
+
+    def _background(self, epoch: int, start: int) -> Iterator[_Window]:
+        """:meth:`_windows` assembled by a background thread, one window ahead of the consumer."""
+        if self.workers == 0:
+            yield from self._windows(epoch, start, threading.Event())
+            return
+        q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        stop = threading.Event()
+        threads = torch.get_num_threads()  # torch's intra-op setting is per thread (OpenMP): pass it on
+
+        def put(item: tuple[str, Any]) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def run() -> None:
+            torch.set_num_threads(threads)
+            try:
+                for window in self._windows(epoch, start, stop, threads):
+                    if not put(("window", window)):
+                        return
+                put(("end", None))
+            except BaseException as e:  # handed to the consumer, raised there
+                put(("error", e))
+
+        th = threading.Thread(target=run, name="actstore-loader-windows", daemon=True)
+        th.start()
+        try:
+            while True:
+                what, item = q.get()
+                if what == "window":
+                    yield item
+                elif what == "error":
+                    raise item
+                else:
+                    return
+        finally:
+            stop.set()
+            th.join()
+
+    def _tensor(self, rows: np.ndarray) -> torch.Tensor:
+        """Window rows (storage dtype) as a torch tensor sharing their memory, flattened if asked."""
+        t = (
+            torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+            if self._bf16_bits
+            else torch.from_numpy(rows)
+        )
+        return t.reshape(t.shape[0], -1) if self.flatten else t
+
+    def __iter__(self) -> Iterator[Any]:
+        """The rest of the current epoch (all of it unless resumed); at its end the epoch advances.
+
+        Each batch is gathered from its window (``index_select`` by the window's permutation) and
+        converted to ``dtype`` by torch in one pass over the batch: a new tensor, never a view of
+        the window (whose buffer is reused once all its rows are given)."""
+        epoch, start = self.epoch, self.position
+        lo, hi = self._share()
+        total = hi - lo
+        B, bs = self.buffer_rows, self.batch_size
+        skip = start - (start // B) * B
+        carry_x: list[torch.Tensor] = []
+        carry_i: list[np.ndarray] = []
+        n_carry = 0
+        given = start
+
+        def emit(x: torch.Tensor, i: np.ndarray) -> Any:
+            nonlocal given
+            given += x.shape[0]
+            self.epoch, self.position = epoch, given
+            return (torch.from_numpy(i), x) if self.with_ids else x
+
+        for win in self._background(epoch, start):
+            try:
+                src = self._tensor(win.rows)
+                wp = win.perm
+                perm = None if wp is None else torch.from_numpy(wp)
+                m = win.rows.shape[0]
+                at, skip = skip, 0
+                while at < m:
+                    take = min(bs - n_carry, m - at)
+                    if perm is None or wp is None:
+                        x = src[at : at + take]
+                        i = win.ids[at : at + take]
+                        x = x.to(self.dtype) if x.dtype != self.dtype else x.clone()
+                    else:
+                        x = src.index_select(0, perm[at : at + take])
+                        i = win.ids[wp[at : at + take]]
+                        if x.dtype != self.dtype:
+                            x = x.to(self.dtype)
+                    at += take
+                    if n_carry == 0 and take == bs:
+                        yield emit(x, i)
+                        continue
+                    carry_x.append(x)
+                    carry_i.append(i)
+                    n_carry += take
+                    if n_carry == bs:
+                        yield emit(torch.cat(carry_x), np.concatenate(carry_i))
+                        carry_x, carry_i, n_carry = [], [], 0
+            finally:
+                win.release()
+        if n_carry:
+            yield emit(
+                carry_x[0] if len(carry_x) == 1 else torch.cat(carry_x),
+                carry_i[0] if len(carry_i) == 1 else np.concatenate(carry_i),
+            )
+        if given >= total:
+            self.epoch, self.position = epoch + 1, 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<ActivationLoader {self.spec.kind} layers={list(self.spec.layers)}: {self.n_rows} rows in "
+            f"{self.n_units} units, rank {self.rank}/{self.world_size}, batch {self.batch_size}, "
+            f"buffer {self.buffer_rows}, shuffle={self.shuffle} seed={self.seed}, epoch {self.epoch} "
+            f"at row {self.position}>"
+        )
