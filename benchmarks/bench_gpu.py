@@ -71,7 +71,8 @@ def bench(name: str, device: str, n: int, batch: int, rounds: int) -> dict[str, 
 
     from actstore.ingest.capture.batches import pad_batch
     from actstore.ingest.models import tiny_tokenizer
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+    from actstore.ingest.pipeline import ingest_prompts
+    from actstore.ingest.settings import IngestConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**GEOMETRIES[name], tie_word_embeddings=True, attn_implementation="sdpa")

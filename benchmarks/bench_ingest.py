@@ -87,7 +87,8 @@ def time_ingest(
     length_batching: bool = False,
     chunk_layers: int = 1,
 ) -> float:
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+    from actstore.ingest.pipeline import ingest_prompts
+    from actstore.ingest.settings import IngestConfig
 
     shutil.rmtree(out, ignore_errors=True)
     cfg = IngestConfig(

@@ -150,7 +150,8 @@ class Bench:
     # --- actstore -------------------------------------------------------------------------
     def actstore(self, out: str) -> float:
         """Runs ``ingest_prompts``; returns the seconds after store creation (weights written once per store)."""
-        from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+        from actstore.ingest.pipeline import ingest_prompts
+        from actstore.ingest.settings import IngestConfig
 
         cfg = IngestConfig(out=out, batch_size=self.batch, storage_dtype="float16", progress=False)
         rep = ingest_prompts(

@@ -35,20 +35,19 @@ from actstore.core.progress import progress_bar
 from actstore.core.writer import StoreWriter
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture.fused import BatchIndex, FusedCapture
+from actstore.ingest.capture.host import predictions, to_host
+from actstore.ingest.capture_store import (
+    IngestReport,
+    open_writer,
+    quiet,
+    record_ingest_run,
+    store_manifest,
+    tokenizer_files,
+    with_tokenizer,
+    write_segment,
+)
 from actstore.ingest.corpus_windows import CorpusPlan, segment_corpus_tables
 from actstore.ingest.datasets.text_corpus import Documents
-from actstore.ingest.pipeline import (
-    IngestReport,
-    _predictions,
-    _quiet,
-    _with_tokenizer,
-    _write,
-    _write_run,
-    open_writer,
-    store_manifest,
-    to_host,
-    tokenizer_files,
-)
 from actstore.ingest.settings import IngestConfig
 
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -97,7 +96,7 @@ def capture_positions(
     plan: CorpusPlan,
     kept: dict[str, list[int]],
     cfg: IngestConfig,
-    log: Any = _quiet,
+    log: Any = quiet,
 ) -> IngestReport:
     """Capture every kept position of ``plan`` into the store at ``loc`` (writer lock held)."""
     if not holding(loc.url):
@@ -107,7 +106,7 @@ def capture_positions(
     arch = architecture_for(model)
     g = arch.geometry(model)
     tok_files = tokenizer_files(tokenizer)
-    model_info = _with_tokenizer(model_info, tok_files)
+    model_info = with_tokenizer(model_info, tok_files)
     ingest = {"padding_side": "right", "corpus_sha256": docs.sha256, **plan.policy, "kept": kept}
     manifest = store_manifest(model, arch, model_info, plan.n_rows, ingest, cfg)
     per_row = bytes_per_row(g, kept, cfg.storage_dtype)
@@ -145,7 +144,7 @@ def capture_positions(
             out = capture.run(ids, mask, index, position_ids(mask))
             host = to_host(out, SEGMENT_ARRAYS)
             arrays = {n: (a[:, kept[n]] if n in kept else a) for n, a in host.items()}  # kept layers only
-            top, lp, rank = _predictions(out["logits"], next_ids)
+            top, lp, rank = predictions(out["logits"], next_ids)
             cols = {n: np.concatenate(v) for n, v in meta.items()} | {
                 "top": top,
                 "lp": lp,
@@ -175,13 +174,13 @@ def capture_positions(
                 pending.pop(0).result()
             pending.append(pool.submit(_write_expanded, writer, seg, lo, arrays, kept, g, tables))
             if cfg.world_size == 1 and cfg.compact_every and (k + 1) % cfg.compact_every == 0:
-                pending.append(pool.submit(compact_held, loc, full=False, log=_quiet))
+                pending.append(pool.submit(compact_held, loc, full=False, log=quiet))
         for f in pending:
             f.result()
     bar.close()
-    _write_run(writer, cfg, manifest, started, len(todo))
+    record_ingest_run(writer, cfg, manifest, started, len(todo))
     if cfg.world_size == 1:
-        compact_held(loc, full=True, log=_quiet)
+        compact_held(loc, full=True, log=quiet)
     return IngestReport(
         cfg.out, plan.n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s
     )
@@ -280,4 +279,4 @@ def _write_expanded(
         out = np.zeros((part.shape[0], n_layers[name], *part.shape[2:]), dtype=part.dtype)
         out[:, layers] = part
         full[name] = out
-    _write(writer, seg, lo, full, tables, None)
+    write_segment(writer, seg, lo, full, tables, None)

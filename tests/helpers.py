@@ -92,7 +92,8 @@ def build_store(
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
     from actstore.ingest.models import tiny_model
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+    from actstore.ingest.pipeline import ingest_prompts
+    from actstore.ingest.settings import IngestConfig
 
     loaded = tiny_model(arch)
     records = load_dataset(dataset, limit_per_relation=limit, **options).records

@@ -21,6 +21,7 @@ from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.writer import creation_interrupted
 from actstore.ingest.capture.architectures import architecture_for
+from actstore.ingest.capture_store import IngestReport
 from actstore.ingest.corpus import capture_positions, kept_arrays
 from actstore.ingest.corpus_windows import plan_corpus
 from actstore.ingest.datasets import DatasetResult, load_dataset
@@ -28,7 +29,7 @@ from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
 from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.models import LoadedModel, load_model
-from actstore.ingest.pipeline import IngestReport, capture_corpus
+from actstore.ingest.pipeline import capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import CORPUS_KINDS, IngestRequest
 

@@ -39,6 +39,10 @@ rows (the one being gathered from, one ready, one being filled; reused across wi
 plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
 ``workers=0`` reads in the consuming thread (no threads at all); ``workers=1`` (the default) reads and
 assembles in one background thread; ``workers=k >= 2`` adds a pool of ``k`` reader threads.
+
+The order is computed in :mod:`actstore.query.select.loader_order`, the pieces are read by
+:mod:`actstore.query.select.loader_reads`; this module holds the feed: its settings and state, the
+threads that assemble the windows, and the batches.
 """
 
 from __future__ import annotations
@@ -55,33 +59,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.core.arrays import axis1_plan, take1
-from actstore.core.chunks import LocalChunks, local_chunks
-from actstore.core.errors import CorruptStoreError, MissingChunkError, QueryError
-from actstore.core.segments import segment_name
-from actstore.query.select.features import FeatureSpec, RowBlock, row_shape
-from actstore.query.select.labelled import SOURCE_KINDS, block_features
+from actstore.core.errors import QueryError
+from actstore.query.select.features import FeatureSpec, row_shape
+from actstore.query.select.labelled import SOURCE_KINDS
 from actstore.query.select.loader_args import Selected, dtype_arg, int_arg
+from actstore.query.select.loader_order import EpochOrder, Piece
+from actstore.query.select.loader_reads import Buffers, PieceReader
 
 STATE_VERSION = 1
-
-
-def _chunk_error(where: str, lo: int, hi: int, e: Exception) -> CorruptStoreError:
-    """The one-line error of a failed chunk read of rows ``lo:hi`` (a missing chunk says so; a checksum
-    or Blosc frame that does not match names its exception)."""
-    why = str(e) if isinstance(e, MissingChunkError) else f"{type(e).__name__}: {e}"
-    return CorruptStoreError(f"{where}: chunk read failed for rows {lo}:{hi} ({why})")
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Rows ``lo .. hi`` (selection positions, consecutive in store order, one storage chunk) that
-    land at window positions ``at .. at + (hi - lo)`` before the window's permutation."""
-
-    window: int
-    at: int
-    lo: int
-    hi: int
 
 
 @dataclass(frozen=True)
@@ -94,36 +79,12 @@ class _Window:
     perm: np.ndarray | None
     buffer: np.ndarray
     held: threading.Semaphore  # the iteration's count of buffers in use
-    pool: _Buffers
+    pool: Buffers
 
     def release(self) -> None:
         """Hand the buffer back for the next window (every row of this one is given)."""
         self.pool.give(self.buffer)
         self.held.release()
-
-
-class _Buffers:
-    """Window buffers kept for reuse, across windows and epochs: a fresh window of tens of MB is
-    mapped afresh by the allocator, and its page faults cost about as much as the reads into it.
-    At most ``keep`` idle buffers are kept (an iteration uses at most three at a time)."""
-
-    def __init__(self, keep: int = 3) -> None:
-        self.keep = keep
-        self._idle: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        with self._lock:
-            while self._idle:
-                buf = self._idle.pop()
-                if buf.shape == shape and buf.dtype == dtype:
-                    return buf
-        return np.empty(shape, dtype=dtype)
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if len(self._idle) < self.keep:
-                self._idle.append(buf)
 
 
 class ActivationLoader:
@@ -193,14 +154,24 @@ class ActivationLoader:
         default_unit = max(chunk_rows, 256 // chunk_rows * chunk_rows)
         self.unit_rows = int_arg("unit_rows", unit_rows if unit_rows is not None else default_unit, 1)
         per_unit = max(1, self.unit_rows // chunk_rows)  # whole chunks per unit
-        seg, unit = self._cols["segment"], self._cols["seg_row"] // (chunk_rows * per_unit)
-        change = np.flatnonzero((np.diff(seg) != 0) | (np.diff(unit) != 0)) + 1
-        self._unit_start = np.concatenate([[0], change]).astype(np.int64)  # [U] first position of each unit
-        self._unit_stop = np.concatenate([change, [seg.size]]).astype(np.int64)
-        self.n_rows = int(seg.size)
+        unit_start, unit_stop = EpochOrder.units(
+            self._cols["segment"], self._cols["seg_row"], chunk_rows * per_unit
+        )
+        self._order = EpochOrder(
+            unit_start,
+            unit_stop,
+            batch_size=self.batch_size,
+            buffer_rows=self.buffer_rows,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+        )
+        self.n_rows = int(self._cols["segment"].size)
         self._fingerprint = hashlib.sha256(self._cols["row"].tobytes()).hexdigest()[:16]
-        self._buffers = _Buffers()
-        self._direct_plans: dict[int, tuple[LocalChunks, list[int] | None, list[int] | None] | None] = {}
+        self._buffers = Buffers()
+        self._reader = PieceReader(self.store, self.spec, self._cols, self._n_sources, self._stored)
         self.epoch = 0
         self.position = 0  # rows of this rank's share already given in the current epoch
 
@@ -210,83 +181,22 @@ class ActivationLoader:
     def n_units(self) -> int:
         """The units the order permutes: runs of whole storage chunks of one segment (``unit_rows``
         rows of the store, rounded down to whole chunks, at least one) that hold selected rows."""
-        return int(self._unit_start.size)
-
-    def _share(self) -> tuple[int, int]:
-        """This rank's positions ``lo .. hi`` in the epoch's unit-ordered sequence of rows."""
-        N, W, r = self.n_rows, self.world_size, self.rank
-        if self.drop_last:
-            each = (N // W) // self.batch_size * self.batch_size
-            return r * (N // W), r * (N // W) + each
-        return r * N // W, (r + 1) * N // W
+        return self._order.n_units
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
-        lo, hi = self._share()
+        lo, hi = self._order.share()
         return -(-(hi - lo) // self.batch_size)
 
     @property
     def rows_per_epoch(self) -> int:
-        lo, hi = self._share()
+        lo, hi = self._order.share()
         return hi - lo
-
-    def _unit_order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.n_units)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_units)
-
-    def _window_perm(self, epoch: int, window: int, m: int) -> np.ndarray | None:
-        if not self.shuffle:
-            return None
-        return np.random.default_rng([self.seed, epoch, self.rank, window]).permutation(m)
-
-    def _pieces(self, epoch: int, start: int) -> list[_Piece]:
-        """The pieces of this rank's windows from the one holding share position ``start`` on."""
-        lo, hi = self._share()
-        B = self.buffer_rows
-        order = self._unit_order(epoch)
-        sizes = (self._unit_stop - self._unit_start)[order]
-        ends = np.cumsum(sizes)  # sequence position after each ordered unit
-        first_window = start // B
-        a = lo + first_window * B  # sequence position where reading begins
-        if a >= hi:
-            return []
-        k = int(np.searchsorted(ends, a, side="right"))
-        out: list[_Piece] = []
-        pos = a
-        while pos < hi:
-            u = int(order[k])
-            u_begin = int(ends[k] - sizes[k])  # sequence position of the unit's first row
-            take_to = min(int(ends[k]), hi, lo + ((pos - lo) // B + 1) * B)  # unit, share or window end
-            w = (pos - lo) // B
-            s0 = int(self._unit_start[u]) + (pos - u_begin)
-            out.append(_Piece(w, pos - lo - w * B, s0, s0 + (take_to - pos)))
-            pos = take_to
-            if pos >= ends[k]:
-                k += 1
-        return out
 
     def epoch_rows(self, epoch: int | None = None) -> np.ndarray:
         """The store ``row`` of every row this rank gives in ``epoch`` (default: the current one), in
         order, computed without reading any activations (for checks and tests)."""
-        e = self.epoch if epoch is None else int(epoch)
-        ids: list[np.ndarray] = []
-        for w, pieces in self._by_window(self._pieces(e, 0)):
-            win = np.concatenate([self._cols["row"][p.lo : p.hi] for p in pieces])
-            perm = self._window_perm(e, w, win.size)
-            ids.append(win if perm is None else win[perm])
-        return np.concatenate(ids) if ids else np.zeros(0, np.int64)
-
-    @staticmethod
-    def _by_window(pieces: list[_Piece]) -> Iterator[tuple[int, list[_Piece]]]:
-        cur: list[_Piece] = []
-        for p in pieces:
-            if cur and p.window != cur[0].window:
-                yield cur[0].window, cur
-                cur = []
-            cur.append(p)
-        if cur:
-            yield cur[0].window, cur
+        return self._order.epoch_rows(self._cols["row"], self.epoch if epoch is None else int(epoch))
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -333,116 +243,12 @@ class ActivationLoader:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def _direct(self, seg: int) -> tuple[LocalChunks, list[int] | None, list[int] | None] | None:
-        """How to read segment ``seg``'s stored chunks of the kind without zarr (a local store with the
-        default codecs: :func:`actstore.core.chunks.local_chunks`), with the layer plan; None: not so."""
-        if seg not in self._direct_plans:
-            arr = self.store.array(seg, self.spec.kind)
-            lc = local_chunks(arr)
-            self._direct_plans[seg] = (
-                None if lc is None else (lc, *axis1_plan(arr.shape, arr.chunks, list(self.spec.layers)))
-            )
-        return self._direct_plans[seg]
-
-    def _read(self, p: _Piece) -> np.ndarray:
-        c = self._cols
-        sl = slice(p.lo, p.hi)
-        seg = int(c["segment"][p.lo])
-        seg_rows = c["seg_row"][sl]
-        if self._stored:
-            s0, s1 = int(seg_rows[0]), int(seg_rows[-1]) + 1
-            direct = self._direct(seg) if s1 - s0 == seg_rows.size else None
-            if direct is not None:  # a run of consecutive rows of a local store: its chunks decoded directly
-                return self._read_direct(seg, s0, s1, *direct)
-            return self.store.read_segment_rows(
-                seg, self.spec.kind, seg_rows, list(self.spec.layers), stored=True
-            )
-        block = RowBlock(
-            segment=seg,
-            seg_rows=seg_rows,
-            src_start=c["src_start"][sl],
-            n_src=c["n_src"][sl],
-            subject_start=c["subject_start"][sl],
-            subject_end=c["subject_end"][sl],
-        )
-        return block_features(self.store, self.spec, block, self._n_sources)
-
-    def _read_into(self, p: _Piece, dest: np.ndarray) -> bool:
-        """Decode piece ``p`` straight into ``dest`` (its rows of the window) when its rows are a run of
-        a local store whose chunks hold exactly the selected layers (one layer of a sharded array,
-        or every layer of an unsharded one): no intermediate array, no copy.  False: not so (nothing
-        written; the caller reads the piece with :meth:`_read`)."""
-        if not self._stored:
-            return False
-        c = self._cols
-        seg = int(c["segment"][p.lo])
-        s0, s1 = int(c["seg_row"][p.lo]), int(c["seg_row"][p.hi - 1]) + 1
-        direct = self._direct(seg) if s1 - s0 == p.hi - p.lo else None
-        if direct is None:
-            return False
-        lc, blocks, positions = direct
-        k = lc.inner1 or int(lc.shape[1])  # positions of axis 1 in one (inner) chunk
-        if blocks is None:
-            blocks = list(range(lc.n_inner))
-        if (
-            len(blocks) != 1
-            or (positions is not None and positions != list(range(k)))
-            or not dest.flags.c_contiguous
-        ):
-            return False
-        if s0 < 0 or s1 > lc.shape[0]:
-            self._read_direct(seg, s0, s1, *direct)  # raises its one-line error
-        n, b = int(lc.chunks[0]), blocks[0]
-        where = f"{self.store.url}/segments/{segment_name(seg)}/{self.spec.kind}"
-        tmp: np.ndarray | None = None
-        try:
-            # LocalChunks's per-chunk read (its bytes read, checked and decoded into a given array),
-            # as its read() runs it for one block, with the window as destination.
-            for ci in range(s0 // n, -(-s1 // n)):
-                a, z = max(s0, ci * n), min(s1, (ci + 1) * n)
-                if a == ci * n and z == (ci + 1) * n:  # a whole chunk: decoded in place
-                    lc.read_chunk_into(ci, b, dest[a - s0 : z - s0].reshape(-1).view(np.uint8))
-                    continue
-                if tmp is None:
-                    tmp = np.empty((n, *dest.shape[1:]), dtype=dest.dtype)
-                lc.read_chunk_into(ci, b, tmp.reshape(-1).view(np.uint8))
-                dest[a - s0 : z - s0] = tmp[a - ci * n : z - ci * n]
-        except Exception as e:
-            raise _chunk_error(where, s0, s1, e) from None
-        return True
-
-    def _read_direct(
-        self,
-        seg: int,
-        s0: int,
-        s1: int,
-        lc: LocalChunks,
-        blocks: list[int] | None,
-        positions: list[int] | None,
-    ) -> np.ndarray:
-        """Rows ``s0 .. s1`` of segment ``seg`` (storage dtype, the selected layers), as
-        :meth:`StoreReader.read_segment_rows` reads them (the same checks and errors) less its
-        per-call planning: the whole chunks that hold them decoded by ``lc``."""
-        where = f"{self.store.url}/segments/{segment_name(seg)}/{self.spec.kind}"
-        if s0 < 0 or s1 > lc.shape[0]:
-            raise CorruptStoreError(
-                f"{where}: rows {s0}..{s1 - 1} asked for, the array has {lc.shape[0]} (the targets table "
-                "disagrees with the arrays; run actstore verify)"
-            )
-        n = int(lc.chunks[0])
-        c0 = s0 // n
-        try:
-            block = lc.read(c0, -(-s1 // n), blocks)
-        except Exception as e:
-            raise _chunk_error(where, c0 * n, s1, e) from None
-        return take1(block[s0 - c0 * n : s1 - c0 * n], positions)
-
     def _windows(
         self, epoch: int, start: int, stop: threading.Event, threads: int | None = None
     ) -> Iterator[_Window]:
         """Each window from the one holding ``start``, in the epoch's order: its rows in store order
         (storage dtype, in a recycled buffer), their ids and the window's permutation."""
-        pieces = self._pieces(epoch, start)
+        pieces = self._order.pieces(epoch, start)
         # workers=1: the background thread that assembles the windows reads them too (no pool: one
         # thread fewer to schedule); workers=k >= 2: k reader threads feed it.
         pool = (
@@ -477,10 +283,10 @@ class ActivationLoader:
                 bufs[w] = self._buffers.take(shape, self._win_dtype)
             return bufs[w]
 
-        def dest(p: _Piece) -> np.ndarray:
+        def dest(p: Piece) -> np.ndarray:
             return bufs[p.window][p.at : p.at + (p.hi - p.lo)]
 
-        pending: deque[tuple[_Piece, Future[None] | None]] = deque()
+        pending: deque[tuple[Piece, Future[None] | None]] = deque()
         nxt = 0  # the next piece to hand on
 
         def top_up() -> None:
@@ -489,7 +295,7 @@ class ActivationLoader:
                 p = pieces[nxt]
                 if pool is not None and claim(p.window, wait=False) is None:
                     return  # no buffer free for the next window yet
-                pending.append((p, pool.submit(self._fill, p, dest(p)) if pool is not None else None))
+                pending.append((p, pool.submit(self._reader.fill, p, dest(p)) if pool is not None else None))
                 nxt += 1
 
         try:
@@ -505,21 +311,16 @@ class ActivationLoader:
                     if fut is not None:
                         fut.result()
                     else:
-                        self._fill(p, dest(p))
+                        self._reader.fill(p, dest(p))
                     top_up()
                     ids[p.at : p.at + (p.hi - p.lo)] = self._cols["row"][p.lo : p.hi]
                 buf = bufs.pop(w)
-                yield _Window(buf[:m], ids, self._window_perm(epoch, w, m), buf, held, self._buffers)
+                yield _Window(buf[:m], ids, self._order.window_perm(epoch, w, m), buf, held, self._buffers)
                 if stop.is_set():
                     return
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-
-    def _fill(self, p: _Piece, dest: np.ndarray) -> None:
-        """Piece ``p``'s rows into ``dest``: decoded there, or read and copied."""
-        if not self._read_into(p, dest):
-            dest[...] = self._read(p)
 
     def _background(self, epoch: int, start: int) -> Iterator[_Window]:
         """:meth:`_windows` assembled by a background thread, one window ahead of the consumer."""
@@ -580,7 +381,7 @@ class ActivationLoader:
         converted to ``dtype`` by torch in one pass over the batch: a new tensor, never a view of
         the window (whose buffer is reused once all its rows are given)."""
         epoch, start = self.epoch, self.position
-        lo, hi = self._share()
+        lo, hi = self._order.share()
         total = hi - lo
         B, bs = self.buffer_rows, self.batch_size
         skip = start - (start // B) * B

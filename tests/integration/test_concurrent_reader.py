@@ -16,7 +16,8 @@ def test_readers_during_ingest_see_only_committed_rows(tmp_path: Path) -> None:
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
     from actstore.ingest.models import tiny_model
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+    from actstore.ingest.pipeline import ingest_prompts
+    from actstore.ingest.settings import IngestConfig
 
     out = tmp_path / "store"
     loaded = tiny_model("llama")

@@ -94,7 +94,8 @@ def test_smollm2_store_reconstructs_module_outputs(data: str, smollm2: Any, tmp_
     invented fixture (tests/data/fewrel) and, with the real data, the FewRel validation split."""
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+    from actstore.ingest.pipeline import ingest_prompts
+    from actstore.ingest.settings import IngestConfig
 
     fewrel = FIXTURES / "fewrel" / "val_wiki.json" if data == "fixture" else real_data("fewrel/val_wiki.json")
     loaded = smollm2

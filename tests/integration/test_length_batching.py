@@ -31,7 +31,8 @@ from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.ingest.align import tokenize_records
 from actstore.ingest.datasets import load_dataset
 from actstore.ingest.models import tiny_model
-from actstore.ingest.pipeline import IngestConfig, corpus_order, forward_order, ingest_prompts
+from actstore.ingest.pipeline import corpus_order, forward_order, ingest_prompts
+from actstore.ingest.settings import IngestConfig
 
 SEG, BATCH = 16, 4
 

@@ -211,7 +211,8 @@ def write_store(
 ) -> actstore.Store:
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+    from actstore.ingest.pipeline import ingest_prompts
+    from actstore.ingest.settings import IngestConfig
 
     records = load_dataset(dataset, **options).records
     prompts = tokenize_records(records, loaded.tokenizer)

@@ -48,7 +48,8 @@ def final_norm_module(arch: str, model: Any) -> torch.nn.Module:
 def write_store(out: Path, loaded: Any) -> actstore.Store:
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+    from actstore.ingest.pipeline import ingest_prompts
+    from actstore.ingest.settings import IngestConfig
 
     prompts = tokenize_records(load_dataset("demo", limit_per_relation=1).records, loaded.tokenizer)
     cfg = IngestConfig(

@@ -161,7 +161,8 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
 
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.pipeline import IngestConfig, ingest_prompts
+    from actstore.ingest.pipeline import ingest_prompts
+    from actstore.ingest.settings import IngestConfig
 
     with moto_server() as server:
         use_server_env(monkeypatch, server)
