@@ -36,6 +36,7 @@ from . import probe as _probe
 from . import report as _report
 from . import serve as _serve
 from . import store as _store
+from . import study as _study
 from . import topk as _topk
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DAMAGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -160,6 +161,7 @@ for _module in (
     _interventions,
     _ablate,
     _methods,
+    _study,
     _report,
     _serve,
     _demo,

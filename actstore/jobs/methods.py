@@ -1,4 +1,4 @@
-"""The method-comparison metrics of a study (benchmarks/methods_study.py): recorded as a ``methods``
+"""The method-comparison metrics of a study (``actstore study run``): recorded as a ``methods``
 run (``method_metrics``, ``method_pair_metrics`` and, across model sizes, ``method_cross_size``)."""
 
 from __future__ import annotations

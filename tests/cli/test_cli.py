@@ -22,7 +22,8 @@ from actstore.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NO_STORE = {"ingest", "demo"}  # the commands that make a store rather than read one
+# the commands that make a store rather than read one, or read files and no store
+NO_STORE = {"ingest", "demo", "study data", "study tables", "study summary"}
 
 
 def invoke(*args: str) -> click.testing.Result:
@@ -41,6 +42,7 @@ SETTINGS_MODULES = {
     "actstore.interventions.settings",
     "actstore.query.methods.defaults",
     "actstore.jobs.settings",
+    "actstore.jobs.study_settings",
 }
 
 
@@ -82,11 +84,17 @@ def test_every_command_reads_its_store_first_and_documents_every_option() -> Non
         "report",
         "demo",
     }
+    commands: list[tuple[str, click.Command | None]] = []
     for name in main.list_commands(ctx):
         cmd = main.get_command(ctx, name)
+        commands.append((name, cmd))
+        if isinstance(cmd, click.Group):  # a group's commands are commands too (`study run`)
+            sub = click.Context(cmd, info_name=name, parent=ctx)
+            commands += [(f"{name} {n}", cmd.get_command(sub, n)) for n in cmd.list_commands(sub)]
+    for name, cmd in commands:
         assert cmd is not None
         visible = [p for p in cmd.params if not getattr(p, "hidden", False)]
-        if name not in NO_STORE:
+        if name not in NO_STORE and not isinstance(cmd, click.Group):
             first = visible[0]
             assert isinstance(first, click.Argument) and first.name == "store", name  # STORE comes first
         for p in visible:

@@ -14,10 +14,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from click.testing import CliRunner, Result
 from helpers import FIXTURES, build_store, tiny_text_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actstore.cli import main
 from actstore.core.errors import DatasetError
 from actstore.ingest.datasets import load_dataset
 from actstore.ingest.datasets.methods2k import (
@@ -44,6 +46,17 @@ from actstore.query.methods.tables import compute_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"
+
+
+def invoke_study(*args: object) -> Result:
+    """``actstore study ARGS`` in this process."""
+    return CliRunner().invoke(main, ["study", *map(str, args)])
+
+
+def ok(*args: object) -> Result:
+    r = invoke_study(*args)
+    assert r.exit_code == 0, r.output
+    return r
 
 
 def _zipf() -> dict[str, float]:
@@ -454,12 +467,7 @@ def test_restore_effects_match_hooks_written_here() -> None:
 
 
 def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
-    import sys
-
     import actstore
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import methods_study
 
     data = tmp_path / "m2k"
     build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())
@@ -471,9 +479,9 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     )
     assert high == sum(1 for f in read_methods2k(data) if f.freq_band == "high")
     state, out = tmp_path / "state.json", tmp_path / "out.json"
-    methods_study.main(
-        [
-            "study",
+    ok(
+        *[
+            "run",
             str(store),
             "--state",
             str(state),
@@ -493,7 +501,7 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
             "trace,logit_lens,tuned_lens,attention",
             "--resamples",
             "100",
-            "--json",
+            "--out",
             str(out),
         ]
     )
@@ -547,14 +555,9 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     assert "<td>tuned_lens</td>" not in part
     assert "site_effects" not in html.split('id="section-tables"', 1)[-1] or 'id="section-tables"' not in html
     # the Markdown tables name the tuned lens with its fitting rule
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        methods_study.main(["tables", str(out)])
-    assert "| tuned lens (adam) | 6 |" in buf.getvalue() and "trace vs tuned lens (adam)" in buf.getvalue()
-    assert "tuned_lens" not in buf.getvalue()
+    printed = ok("tables", out).stdout
+    assert "| tuned lens (adam) | 6 |" in printed and "trace vs tuned lens (adam)" in printed
+    assert "tuned_lens" not in printed
     _chromium_shows(html, tmp_path)
 
 
@@ -562,15 +565,10 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
     """A resumed study patches only the facts traced since the last call; its runs, joined, read as
     one patch run over all the facts would (the oracle), and a state holding one ``patch_run`` (as
     written before) is carried over, not re-patched."""
-    import sys
-
     import actstore
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import methods_study
-
     from actstore.interventions.settings import PatchConfig
     from actstore.jobs.patch import PatchRequest, run_patch
+    from actstore.jobs.study_state import where_ids
     from actstore.query.methods.readings import patch_reading
     from actstore.query.methods.study import study_readings
 
@@ -596,14 +594,14 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
         "--resamples",
         "50",
     ]
-    methods_study.main(["study", str(store), "--state", str(state), "--max-facts", "3", *common])
+    ok("run", store, "--state", state, "--max-facts", "3", *common)
     first = json.loads(state.read_text())
     assert len(first["patch_runs"]) == 1 and sorted(first["patched"]) == sorted(first["traced"])
     # a state as written before incremental patching: one patch_run, no patched list
     old = {k: v for k, v in first.items() if k not in ("patch_runs", "patched")}
     old["patch_run"] = first["patch_runs"][0]
     state.write_text(json.dumps(old))
-    methods_study.main(["study", str(store), "--state", str(state), "--max-facts", "6", *common])
+    ok("run", store, "--state", state, "--max-facts", "6", *common)
     st = json.loads(state.read_text())
     assert (
         "patch_run" not in st and st["patch_runs"][0] == first["patch_runs"][0] and len(st["patch_runs"]) == 2
@@ -633,7 +631,7 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
     whole = run_patch(
         s,
         PatchRequest(
-            where=methods_study._where_ids(st["traced"]),
+            where=where_ids(st["traced"]),
             quiet=True,
             all_facts=True,
             patch=PatchConfig(components=("attn", "mlp"), heads=False),
@@ -646,21 +644,15 @@ def test_study_patches_incrementally(tmp_path: Path) -> None:
     assert np.array_equal(joined.key_layer, one.key_layer) and np.array_equal(joined.verdict, one.verdict)
 
 
-def test_study_traced_by_two_processes_and_merged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``study --start N --trace-only`` in a second process on the same store, then ``merge``: the
+def test_study_traced_by_two_processes_and_merged(tmp_path: Path) -> None:
+    """``study run --start N --trace-only`` in a second process on the same store, then ``merge``: the
     merged state traces the facts the one-process study traces, and its runs read the same keys and
     profiles (the oracle: one process, the same chunks); a fact traced twice, or a run traced with
     another window, is refused and the state left as it was."""
-    import os
     import subprocess
     import sys
 
     import actstore
-
-    bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    import methods_study
-
     from actstore.query.methods.study import study_readings
 
     data = tmp_path / "m2k"
@@ -668,20 +660,18 @@ def test_study_traced_by_two_processes_and_merged(tmp_path: Path, capsys: pytest
     store = build_store(tmp_path / "s", "llama", dataset=f"methods2k:{data}", limit=100)
     common = ["--all-facts", "--chunk", "3", "--samples", "1", "--window", "2", "--trace-only"]
     head, tail, one = tmp_path / "head.json", tmp_path / "tail.json", tmp_path / "one.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(bench.parent), os.environ.get("PYTHONPATH", "")])}
     second = subprocess.Popen(
-        [sys.executable, str(bench / "methods_study.py"), "study", str(store), "--state", str(tail)]
+        [sys.executable, "-m", "actstore.cli", "study", "run", str(store), "--state", str(tail)]
         + ["--start", "3", "--max-facts", "3", *common],
-        env=env,
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert methods_study.main(["study", str(store), "--state", str(head), "--max-facts", "3", *common]) == 0
+    ok("run", store, "--state", head, "--max-facts", "3", *common)
     assert second.wait(timeout=600) == 0, second.stderr.read() if second.stderr else ""
     assert not {"patch_runs", "effects_knockout_run"} & set(json.loads(head.read_text()))  # --trace-only
-    assert methods_study.main(["merge", str(store), "--state", str(head), "--add", str(tail)]) == 0
+    ok("merge", store, "--state", head, "--add", tail)
     merged = json.loads(head.read_text())
-    assert methods_study.main(["study", str(store), "--state", str(one), "--max-facts", "6", *common]) == 0
+    ok("run", store, "--state", one, "--max-facts", "6", *common)
     single = json.loads(one.read_text())
     assert merged["traced"] == single["traced"] and len(set(merged["traced"])) == 6
     s = actstore.open(str(store))
@@ -691,21 +681,14 @@ def test_study_traced_by_two_processes_and_merged(tmp_path: Path, capsys: pytest
     assert np.array_equal(got.key_layer, want.key_layer) and np.array_equal(got.verdict, want.verdict)
     np.testing.assert_allclose(got.profile, want.profile, rtol=1e-6, atol=1e-7)
     before = head.read_bytes()
-    capsys.readouterr()
-    assert methods_study.main(["merge", str(store), "--state", str(head), "--add", str(tail)]) == 2
-    assert "3 facts already traced" in capsys.readouterr().err
+    r = invoke_study("merge", store, "--state", head, "--add", tail)
+    assert r.exit_code == 1 and "3 facts already traced" in r.stderr, r.output
     w1 = tmp_path / "w1.json"
     w1_args = [*common[:6], "1", "--trace-only"]  # the same options but window 1
-    assert (
-        methods_study.main(
-            ["study", str(store), "--state", str(w1), "--start", "6", "--max-facts", "1", *w1_args]
-        )
-        == 0
-    )
-    capsys.readouterr()
-    assert methods_study.main(["merge", str(store), "--state", str(head), "--add", str(w1)]) == 2
-    err = capsys.readouterr().err
-    assert "another configuration" in err and "window 2 vs 1" in err, err
+    ok("run", store, "--state", w1, "--start", "6", "--max-facts", "1", *w1_args)
+    r = invoke_study("merge", store, "--state", head, "--add", w1)
+    err = r.stderr
+    assert r.exit_code == 1 and "another configuration" in err and "window 2 vs 1" in err, err
     assert head.read_bytes() == before
 
 
@@ -741,16 +724,9 @@ def _chromium_shows(html: str, tmp: Path) -> None:
 
 
 def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
-    """benchmarks/methods_chance.py on a tiny study: its raw figures are the study's, its chance
+    """``actstore study chance`` on a tiny study: its raw figures are the study's, its chance
     columns the library's on the same readings, and ROME's filter removes the facts SQL says it must."""
-    import sys
-
     import actstore
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import methods_chance
-    import methods_study
-
     from actstore.query.methods.chance import pair_chance
     from actstore.query.methods.study import store_strata, study_readings
 
@@ -758,19 +734,17 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     build_methods2k(M2K / "lre" / "factual", M2K / "known_1000.json", data, size=18, frequency=_zipf())
     store = build_store(tmp_path / "s", "llama", dataset=f"methods2k:{data}", limit=100)
     state, out = tmp_path / "state.json", tmp_path / "chance.json.gz"
-    assert (
-        methods_study.main(
-            ["study", str(store), "--state", str(state), "--all-facts", "--max-facts", "8", "--chunk", "4"]
-            + ["--samples", "1", "--window", "2", "--random-draws", "1", "--resamples", "50"]
-            + ["--methods", "trace,patch,attention,logit_lens"]
-        )
-        == 0
+    ok(
+        *["run", str(store), "--state", str(state), "--all-facts", "--max-facts", "8", "--chunk", "4"]
+        + ["--samples", "1", "--window", "2", "--random-draws", "1", "--resamples", "50"]
+        + ["--methods", "trace,patch,attention,logit_lens"]
     )
     args = [
+        "chance",
         str(store),
         "--state",
         str(state),
-        "--json",
+        "--out",
         str(out),
         "--resamples",
         "50",
@@ -779,7 +753,7 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
         "--methods",
         "trace,patch,attention,logit_lens",
     ]
-    assert methods_chance.main(args) == 0
+    ok(*args)
     d = json.loads(gzip.decompress(out.read_bytes()))
     s = actstore.open(str(store))
     recorded = json.loads(state.read_text())
@@ -809,7 +783,7 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     )
     assert d["rome_filter"]["removed"] == low.column("n")[0].as_py()
     assert d["rome"]["n_facts"] == 8 - d["rome_filter"]["removed"]
-    assert methods_chance.main(["--tables", str(out)]) == 0
+    ok("tables", out)
     # --tuned corpus:STORE: the tuned lens read through the translators an `actstore corpus-lens` run
     # stored (issue 36's lens keys "for the corpus-trained tuned lens"), with its @top10 and @half keys
     from actstore.jobs.corpus_lens import run_corpus_lens
@@ -821,8 +795,8 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     trained = run_corpus_lens(corpus, CorpusLensConfig(steps=4, batch=16, max_train_rows=48))
     assert trained.lens is not None
     tuned_json = tmp_path / "tuned.json"
-    tuned_args = [*args[:4], str(tuned_json), *args[5:], "--tuned", f"corpus:{corpus.url}"]
-    assert methods_chance.main(tuned_args) == 0
+    tuned_args = [*args[:5], str(tuned_json), *args[6:], "--tuned", f"corpus:{corpus.url}"]
+    ok(*tuned_args)
     t = json.loads(tuned_json.read_text())
     assert t["tuned_lens"]["run_id"] == trained.run_id and t["tuned_lens"]["method"] == "corpus"
     so = stored_outputs(s, ids)
@@ -838,17 +812,14 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     # --also-trace: a second study on the same store with another window, read as trace@w1 on the first
     # study's facts and paired with every method; its trace-vs-trace figure is pair_chance's on the two runs
     state1 = tmp_path / "state-w1.json"
-    assert (
-        methods_study.main(
-            ["study", str(store), "--state", str(state1), "--all-facts", "--max-facts", "8", "--chunk", "8"]
-            + ["--samples", "1", "--window", "1", "--no-patch", "--random-draws", "1", "--resamples", "50"]
-            + ["--methods", "trace,logit_lens"]
-        )
-        == 0
+    ok(
+        *["run", str(store), "--state", str(state1), "--all-facts", "--max-facts", "8", "--chunk", "8"]
+        + ["--samples", "1", "--window", "1", "--no-patch", "--random-draws", "1", "--resamples", "50"]
+        + ["--methods", "trace,logit_lens"]
     )
     w1_json = tmp_path / "w1.json"
-    w1_args = [*args[:4], str(w1_json), *args[5:], "--also-trace", str(state1)]
-    assert methods_chance.main(w1_args) == 0
+    w1_args = [*args[:5], str(w1_json), *args[6:], "--also-trace", str(state1)]
+    ok(*w1_args)
     w = json.loads(w1_json.read_text())
     runs1 = json.loads(state1.read_text())["trace_runs"]
     r1 = study_readings(s, ["trace"], runs1, [])["trace"]
@@ -863,13 +834,8 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     assert row["chance"] == pytest.approx(want1["key_layer_exact"].chance)
     # --summary: one table with a column per output; each cell is that output's own row (found in
     # either order), a figure only one output has is "-" in the other's column
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert methods_chance.main(["--summary", f"w2={out}", f"w1={w1_json}"]) == 0
-    lines = {ln.split(" | ")[0].lstrip("| "): ln.split(" | ")[1:] for ln in buf.getvalue().splitlines()}
+    printed = ok("summary", f"w2={out}", f"w1={w1_json}").stdout
+    lines = {ln.split(" | ")[0].lstrip("| "): ln.split(" | ")[1:] for ln in printed.splitlines()}
     tp = got[("trace", "patch", "key_layer")]
     kappa = "n/a" if tp["kappa"] != tp["kappa"] else f"{tp['kappa']:+.2f}"
     assert lines["trace vs patch"][0] == (
@@ -890,5 +856,5 @@ def test_rereading_a_study_against_chance(tmp_path: Path) -> None:
     assert lines["trace vs trace@w1"][1].startswith(
         f"{100 * w1_key['value']:.1f}% / {100 * w1_key['chance']:.1f}% / "
     )
-    with pytest.raises(SystemExit):
-        methods_chance.main(["--summary", str(out)])  # no LABEL=
+    bad = invoke_study("summary", out)  # no LABEL=: a usage error, one line
+    assert bad.exit_code == 2 and "LABEL=FILE" in bad.stderr and "\n" not in bad.stderr.strip(), bad.output

@@ -1,4 +1,4 @@
-"""The method study's checkpoints (benchmarks/methods_study.py ``checkpoint`` and ``restore``): a
+"""The method study's checkpoints (``actstore study checkpoint`` and ``restore``): a
 study's runs leave a store as numbers and run records only, and come back into a store ingested
 from the same data byte for byte equal as tables, text columns included; a resumed study goes on
 from them as the original would; a wrong store is refused with one line and left as it was."""
@@ -7,22 +7,35 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner, Result
 from helpers import FIXTURES, build_store
 
+from actstore.cli import main
 from actstore.ingest.datasets.methods2k import build_methods2k
+from actstore.jobs.study_checkpoint import CHECKPOINT_TABLES
+from actstore.jobs.study_state import read_summary, study_runs, write_summary
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import methods_study  # noqa: E402
+
+
+def study(*args: object) -> Result:
+    """``actstore study ARGS`` in this process."""
+    return CliRunner().invoke(main, ["study", *map(str, args)])
+
+
+def ok(*args: object) -> Result:
+    r = study(*args)
+    assert r.exit_code == 0, r.output
+    return r
+
 
 COMMON = [
     "--all-facts",
@@ -66,8 +79,8 @@ def _files(store: Path) -> dict[str, bytes]:
 
 def _run_tables(s: Any, state: dict[str, Any]) -> dict[tuple[str, str], Any]:
     out = {}
-    for kind, rid in methods_study._study_runs(state):
-        for name in (*methods_study.CHECKPOINT_TABLES[kind], "runs"):
+    for kind, rid in study_runs(state):
+        for name in (*CHECKPOINT_TABLES[kind], "runs"):
             out[(name, rid)] = s.table(name, files=[f"tables/{name}/{rid}.parquet"])
     return out
 
@@ -78,8 +91,8 @@ def studied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     root = tmp_path_factory.mktemp("ck")
     a = _store(root, "a")
     state = root / "a.json"
-    assert methods_study.main(["study", str(a), "--state", str(state), "--max-facts", "4", *COMMON]) == 0
-    assert methods_study.main(["checkpoint", str(a), "--state", str(state), "--out", str(root / "ck")]) == 0
+    ok("run", a, "--state", state, "--max-facts", "4", *COMMON)
+    ok("checkpoint", a, "--state", state, "--out", root / "ck")
     return root, a, state
 
 
@@ -92,9 +105,9 @@ def test_checkpoint_in_a_fresh_process_writes_the_same_files(studied: tuple[Path
 
     root, a, state = studied
     out = root / "ck-fresh"
-    script = Path(methods_study.__file__)
     r = subprocess.run(
-        [sys.executable, str(script), "checkpoint", str(a), "--state", str(state), "--out", str(out)],
+        [sys.executable, "-m", "actstore.cli", "study", "checkpoint", str(a), "--state", str(state)]
+        + ["--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -159,7 +172,7 @@ def test_restore_gives_back_equal_tables_and_a_study_that_resumes(
     root, a, state_a = studied
     b = _store(tmp_path, "b")
     state_b = tmp_path / "b.json"
-    assert methods_study.main(["restore", str(b), "--from", str(root / "ck"), "--state", str(state_b)]) == 0
+    ok("restore", b, "--from", root / "ck", "--state", state_b)
     st_a, st_b = json.loads(state_a.read_text()), json.loads(state_b.read_text())
     assert st_b == {k: v for k, v in st_a.items() if not k.startswith("metrics_")}
     assert len(st_b["trace_runs"]) == 2 and len(st_b["patch_runs"]) == 1 and st_b["effects_knockout_run"]
@@ -174,9 +187,7 @@ def test_restore_gives_back_equal_tables_and_a_study_that_resumes(
     assert sb.sql(q).equals(sa.sql(q))
     # a resumed study goes on from the restored state as it goes on from the original one
     for store, state in ((a, state_a), (b, state_b)):
-        assert (
-            methods_study.main(["study", str(store), "--state", str(state), "--max-facts", "6", *COMMON]) == 0
-        )
+        ok("run", store, "--state", state, "--max-facts", "6", *COMMON)
     st_a, st_b = json.loads(state_a.read_text()), json.loads(state_b.read_text())
     assert st_a["traced"] == st_b["traced"] and len(st_b["traced"]) == 6 and len(st_b["trace_runs"]) == 3
     new_a, new_b = st_a["trace_runs"][-1], st_b["trace_runs"][-1]
@@ -187,7 +198,7 @@ def test_restore_gives_back_equal_tables_and_a_study_that_resumes(
         assert ea.equals(eb), name
     # a checkpoint of the grown study keeps the earlier runs' files byte for byte (a commit adds only new files)
     ck2 = tmp_path / "ck2"
-    assert methods_study.main(["checkpoint", str(a), "--state", str(state_a), "--out", str(ck2)]) == 0
+    ok("checkpoint", a, "--state", state_a, "--out", ck2)
 
     def run_files(ck: Path) -> dict[Path, bytes]:
         return {
@@ -204,7 +215,7 @@ def test_restore_gives_back_equal_tables_and_a_study_that_resumes(
     ck3 = tmp_path / "ck3"
     shutil.copytree(root / "ck", ck3)
     old_files = set(json.loads((ck3 / "checkpoint.json").read_text())["files"])
-    assert methods_study.main(["checkpoint", str(a), "--state", str(state_a), "--out", str(ck3)]) == 0
+    ok("checkpoint", a, "--state", state_a, "--out", ck3)
     new_files = set(json.loads((ck3 / "checkpoint.json").read_text())["files"])
     gone = old_files - new_files
     assert gone and all(f.startswith(("site_effects/effects-", "runs/effects-")) for f in gone)
@@ -213,17 +224,20 @@ def test_restore_gives_back_equal_tables_and_a_study_that_resumes(
 
 
 def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(
-    studied: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    studied: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
+    """Each refusal is one ``error:`` line and exit status 1 (the command could not do what was
+    asked), the store left as it was."""
     root, _, _ = studied
     ck = str(root / "ck")
 
+    def one_line(r: Result, words: str) -> None:
+        err = r.stderr.strip()
+        assert r.exit_code == 1 and err.startswith("error: ") and "\n" not in err and words in err, r.output
+
     def refused(store: Path, state: Path, words: str) -> None:
         before = _files(store)
-        capsys.readouterr()
-        assert methods_study.main(["restore", str(store), "--from", ck, "--state", str(state)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.startswith("error: ") and "\n" not in err and words in err, err
+        one_line(study("restore", store, "--from", ck, "--state", state), words)
         assert _files(store) == before
 
     other_facts = _store(
@@ -233,7 +247,7 @@ def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(
     other_model = _store(tmp_path, "gpt2", arch="gpt2")
     refused(other_model, tmp_path / "g.json", "other weights")
     b = _store(tmp_path, "b")
-    assert methods_study.main(["restore", str(b), "--from", ck, "--state", str(tmp_path / "b.json")]) == 0
+    ok("restore", b, "--from", ck, "--state", tmp_path / "b.json")
     refused(b, tmp_path / "b2.json", "already holds run")  # twice into one store
     existing = tmp_path / "exists.json"
     existing.write_text("{}")
@@ -241,14 +255,10 @@ def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(
     assert existing.read_text() == "{}"
     refused(b, tmp_path / "b3.json", "already holds run")
     (tmp_path / "notck").mkdir()
-    capsys.readouterr()
-    assert (
-        methods_study.main(
-            ["restore", str(b), "--from", str(tmp_path / "notck"), "--state", str(tmp_path / "b4.json")]
-        )
-        == 2
+    one_line(
+        study("restore", b, "--from", tmp_path / "notck", "--state", tmp_path / "b4.json"),
+        "not a study checkpoint",
     )
-    assert "not a study checkpoint" in capsys.readouterr().err
     # a checkpoint whose file list points outside its tables
     bad = tmp_path / "bad"
 
@@ -258,48 +268,36 @@ def test_restore_refuses_a_wrong_store_and_leaves_it_as_it_was(
     (bad / "checkpoint.json").write_text(json.dumps(doc))
     fresh = _store(tmp_path, "d")
     before = _files(fresh)
-    assert (
-        methods_study.main(["restore", str(fresh), "--from", str(bad), "--state", str(tmp_path / "d.json")])
-        == 2
+    one_line(
+        study("restore", fresh, "--from", bad, "--state", tmp_path / "d.json"), "is not TABLE/RUN_ID.parquet"
     )
-    assert "is not TABLE/RUN_ID.parquet" in capsys.readouterr().err and _files(fresh) == before
+    assert _files(fresh) == before
     # a store that is not there, a state with nothing to keep: one line each
-    assert (
-        methods_study.main(
-            ["restore", str(tmp_path / "nowhere"), "--from", ck, "--state", str(tmp_path / "b5.json")]
-        )
-        == 2
-    )
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: no actstore store at") and "\n" not in err
-    assert (
-        methods_study.main(
-            ["checkpoint", str(b), "--state", str(tmp_path / "none.json"), "--out", str(tmp_path / "ck3")]
-        )
-        == 2
-    )
-    assert "no runs to checkpoint" in capsys.readouterr().err and not (tmp_path / "ck3").exists()
+    r = study("restore", tmp_path / "nowhere", "--from", ck, "--state", tmp_path / "b5.json")
+    one_line(r, "")
+    assert r.stderr.startswith("error: no actstore store at")
+    r = study("checkpoint", b, "--state", tmp_path / "none.json", "--out", tmp_path / "ck3")
+    one_line(r, "no runs to checkpoint")
+    assert not (tmp_path / "ck3").exists()
+    # usage errors: a missing option, exit status 2
+    r = study("restore", b, "--state", tmp_path / "b6.json")
+    assert r.exit_code == 2 and "--from" in r.stderr and "\n" not in r.stderr.strip(), r.output
 
 
 GEMMA_SUMMARY = ROOT / "benchmarks" / "results" / "methods-gemma3-270m-s10" / "study.out.json.gz"
 
 
-def test_committed_summary_prints_the_tables_the_results_page_cites(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_committed_summary_prints_the_tables_the_results_page_cites(tmp_path: Path) -> None:
     """The Gemma-3-270M study's summary is kept gzip-compressed; ``tables`` reads it as it reads the
     plain JSON the study writes, and prints the figures docs/results-methods.md quotes."""
-    summary = methods_study.read_summary(GEMMA_SUMMARY)
+    summary = read_summary(GEMMA_SUMMARY)
     plain = tmp_path / "out.json"
-    methods_study.write_summary(plain, summary)
-    assert methods_study.read_summary(plain) == summary
+    write_summary(plain, summary)
+    assert read_summary(plain) == summary
     again = tmp_path / "out.json.gz"
-    methods_study.write_summary(again, summary)
-    assert methods_study.read_summary(again) == summary
-    printed = []
-    for path in (GEMMA_SUMMARY, plain):
-        assert methods_study.main(["tables", str(path)]) == 0
-        printed.append(capsys.readouterr().out)
+    write_summary(again, summary)
+    assert read_summary(again) == summary
+    printed = [ok("tables", path).stdout for path in (GEMMA_SUMMARY, plain)]
     assert printed[0] == printed[1]
     assert "| trace vs patch | 520 | 43.7% [39.2%, 47.9%] | 82.5% |" in printed[0]
     assert "| all methods (consensus) | 400 | 3.2% [1.8%, 5.0%] | 47.6% |" in printed[0]
@@ -316,17 +314,12 @@ SUMMARY_COLUMNS = [
 ]
 
 
-def test_the_results_page_cites_the_summary_of_the_committed_rereads(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """Every row of ``methods_chance.py --summary`` over the committed re-reads stands in
+def test_the_results_page_cites_the_summary_of_the_committed_rereads() -> None:
+    """Every row of ``actstore study summary`` over the committed re-reads stands in
     docs/results-methods.md as printed, so the page's one-table summary is the committed data's."""
-    import methods_chance
-
     results = ROOT / "benchmarks" / "results"
     args = [f"{label}={results / rel}" for label, rel in SUMMARY_COLUMNS]
-    assert methods_chance.main(["--summary", *args]) == 0
-    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    rows = [ln for ln in ok("summary", *args).stdout.splitlines() if ln.startswith("| ")]
     docs = (ROOT / "docs" / "results-methods.md").read_text()
     assert len(rows) > 20 and rows[0].startswith("| figure | Gemma-3-270M, window 10 (530) |")
     missing = [r for r in rows if r not in docs]
