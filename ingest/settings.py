@@ -12,9 +12,15 @@ from typing import Any
 
 from actstore.core.invalid import InvalidSetting
 from actstore.core.manifest import STORAGE_DTYPES
-from actstore.core.settings import check_settings, setting
+from actstore.core.settings import (
+    check_settings,
+    device_setting,
+    model_dtype_setting,
+    setting,
+    threads_setting,
+)
 
-MODEL_DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_MODEL = "smollm2-135m"  # the model an ingest (and the demo) runs by default
 CORPUS_KINDS = ("resid", "mlp", "attn", "z")  # what --positions all can keep at every position
 SOURCE_FACTOR_KINDS = ("attn_head_token", "attn_entity", "attn_prob", "v")  # target mode only
 
@@ -61,7 +67,7 @@ class IngestConfig:
         "(0: only at the end). The end of an ingest always compacts the whole store.",
         low=0,
     )
-    device: str = setting("cpu", "torch device of the model (cpu, cuda, ...).")
+    device: str = device_setting()
     resume: bool = setting(False, "Continue an interrupted ingest from its last commit.")
     overwrite: bool = setting(False, "Replace an existing store at --out.")
     rank: int = setting(0, "This process's rank (set from torchrun's environment).", cli=False)
@@ -112,7 +118,7 @@ class IngestRequest(IngestConfig):
     what the job adds: the model, the data set and its filters."""
 
     model: str = setting(
-        "smollm2-135m", "Alias (smollm2-135m, gemma3-270m, tiny-llama, ...), local folder or hub name."
+        DEFAULT_MODEL, "Alias (smollm2-135m, gemma3-270m, tiny-llama, ...), local folder or hub name."
     )
     dataset: str = setting(
         "demo",
@@ -126,12 +132,9 @@ class IngestRequest(IngestConfig):
     keep_object_first: bool = setting(
         False, "fewrel: keep instances whose object comes before the subject (skipped by default)."
     )
-    model_dtype: str = setting("float32", "dtype the model runs in.", choices=MODEL_DTYPES)
-    threads: int = setting(
-        0,
-        "torch CPU threads per process (0: torch's default, one per core). Use 1 when other jobs share "
-        "the cores: oversubscribed threads slow the forward pass several-fold.",
-        low=0,
+    model_dtype: str = model_dtype_setting()
+    threads: int = threads_setting(
+        0, "Use 1 when other jobs share the cores: oversubscribed threads slow the forward pass several-fold."
     )
 
     positions: str = setting(

@@ -9,6 +9,8 @@ A field ``n_way: int`` becomes ``--n-way`` (an integer, its default shown); a bo
 False becomes the flag ``--name``, one defaulting to True the flag ``--no-name`` (or the field's
 ``flag``), one that may be None (the default behaviour) the pair ``--name/--no-name``;
 ``tuple[int, ...]`` takes a list like ``0,3,5-7`` and ``tuple[str, ...]`` a comma-separated list.
+A field made with :func:`actstore.core.settings.nested` (a lower floor's settings inside a job's)
+gives its own settings' options in its place, and :func:`config_from` makes it from them.
 """
 
 from __future__ import annotations
@@ -51,6 +53,29 @@ def cli_fields(cls: type, skip: tuple[str, ...] = ()) -> list[dataclasses.Field[
     ]
 
 
+def _nested_fields(cls: type) -> list[tuple[str, type]]:
+    """(name, settings class) of each field of ``cls`` made with :func:`actstore.core.settings.nested`."""
+    return [(f.name, f.metadata["nested"]) for f in dataclasses.fields(cls) if "nested" in f.metadata]
+
+
+def _option_fields(cls: type, skip: tuple[str, ...]) -> list[tuple[dataclasses.Field[Any], Any]]:
+    """(field, annotation) of every option of ``cls``, a nested settings field's own options in its
+    place; two settings of one name are a mistake in the dataclasses."""
+    hints, own = typing.get_type_hints(cls), cli_fields(cls, skip)
+    out: list[tuple[dataclasses.Field[Any], Any]] = []
+    for f in dataclasses.fields(cls):
+        inner = f.metadata.get("nested")
+        if inner is not None:
+            out += _option_fields(inner, skip)
+        elif f in own:
+            out.append((f, hints[f.name]))
+    names = [f.name for f, _ in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise TypeError(f"{cls.__name__}: more than one setting named {', '.join(twice)}")
+    return out
+
+
 def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     base, optional = _kind(hint)
     meta, default = f.metadata, f.default if f.default is not dataclasses.MISSING else None
@@ -90,10 +115,9 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
 def options_from(cls: type, *, skip: tuple[str, ...] = (), first: tuple[str, ...] = ()) -> Callable[[F], F]:
     """The options of every command-line field of ``cls`` (see the module docstring), in field order
     after those named in ``first``."""
-    hints = typing.get_type_hints(cls)
     order = {name: i for i, name in enumerate(first)}
-    chosen = sorted(cli_fields(cls, skip), key=lambda f: order.get(f.name, len(order)))
-    options = [_option(f, hints[f.name]) for f in chosen]
+    chosen = sorted(_option_fields(cls, skip), key=lambda fh: order.get(fh[0].name, len(order)))
+    options = [_option(f, hint) for f, hint in chosen]
 
     def deco(fn: F) -> F:
         for opt in reversed(options):
@@ -105,7 +129,11 @@ def options_from(cls: type, *, skip: tuple[str, ...] = (), first: tuple[str, ...
 
 def config_from(cls: type[C], given: dict[str, Any], /, **values: Any) -> C:
     """``cls`` from the parsed options of :func:`options_from` (taken out of ``given``) and
-    ``values`` (settings the command sets itself)."""
+    ``values`` (settings the command sets itself; a nested settings field not among them is made
+    from ``given`` likewise)."""
+    for name, inner in _nested_fields(cls):
+        if name not in values:
+            values[name] = config_from(inner, given)
     hints = typing.get_type_hints(cls)
     for f in cli_fields(cls, tuple(values)):
         base, _ = _kind(hints[f.name])

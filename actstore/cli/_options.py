@@ -127,32 +127,15 @@ def heads_option(help: str = "Head subset, e.g. 0-3 (default: all).") -> Callabl
     return click.option("--heads", default=None, metavar="LIST", help=help)
 
 
-def model_option(
-    help: str = "Model: alias, local folder or hub name (default: the store's model when it is one "
-    "of actstore's aliases).",
-) -> Callable[[F], F]:
+def model_option(help: str) -> Callable[[F], F]:
+    """``--model`` of a command whose config has no model (the jobs that run the store's model take
+    theirs from :class:`actstore.jobs.settings.StoreModelRun`)."""
     return click.option("--model", "model", default=None, help=help)
-
-
-def device_options(fn: F) -> F:
-    fn = click.option(
-        "--model-dtype",
-        type=click.Choice(["float32", "float16", "bfloat16"]),
-        default="float32",
-        show_default=True,
-        help="dtype the model runs in.",
-    )(fn)
-    fn = click.option(
-        "--device", default="cpu", show_default=True, help="torch device of the model (cpu, cuda, ...)."
-    )(fn)
-    return click.option(
-        "--allow-other-model", is_flag=True, help="Run even if the model's weights differ from the store's."
-    )(fn)  # type: ignore[return-value]
 
 
 def _sql_memory(ctx: click.Context, param: click.Parameter, value: str) -> str:
     from actstore.core.errors import QueryError
-    from actstore.core.sql import check_memory_limit
+    from actstore.core.sql_limits import check_memory_limit
 
     try:
         return check_memory_limit(value)
@@ -176,11 +159,11 @@ def _where(ctx: click.Context, param: click.Parameter, value: str | None) -> str
 
 def sql_limit_options(fn: F) -> F:
     """``--sql-memory`` and ``--sql-timeout``: the limits of every SQL statement the command runs."""
-    from actstore.core.sql import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
+    from actstore.core.sql_limits import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT
 
     @functools.wraps(fn)
     def wrapper(*args: Any, sql_memory: str, sql_timeout: float, **kwargs: Any) -> Any:
-        from actstore.core.sql import limits
+        from actstore.core.sql_limits import limits
 
         with limits(memory_limit=sql_memory, timeout=sql_timeout):
             return fn(*args, **kwargs)

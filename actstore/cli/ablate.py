@@ -11,16 +11,15 @@ from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
     check_where,
     command,
-    device_options,
     json_option,
-    model_option,
     no_save_option,
     open_store_arg,
     quiet_option,
     store_argument,
     where_option,
 )
-from actstore.interventions.settings import AblationConfig
+from actstore.jobs.settings import AblateRequest  # torch-free: the help imports it
+from actstore.query.maps.settings import AblationConfig
 
 
 def _pct(x: float | None) -> str:
@@ -33,39 +32,18 @@ def _stderr(quiet: bool) -> Any:
 
 @command(example="actstore ablate /tmp/s --relation country_capital --pairs maps/ --random-draws 5")
 @store_argument
-@model_option()
-@options_from(AblationConfig)
+@options_from(AblateRequest, first=("relation",))
 @click.option("--no-controls", is_flag=True, help="Skip control relations.")
-@click.option(
-    "--pairs",
-    "pair_paths",
-    multiple=True,
-    help="MAPS pair files or directories for the static scores of RELATION and of the candidate controls "
-    "(default, and for relations without a file: the store's own prompts).",
-)
-@click.option(
-    "--scores-store",
-    default=None,
-    help="Read stored static scores (an `actstore maps` run with the same settings) from this store of "
-    "the same model instead of STORE's.",
-)
 @click.option("--heads", "heads_text", default=None, help="Remove these heads instead (LAYER.HEAD list).")
 @where_option
-@device_options
 @no_save_option
 @quiet_option
 @json_option
 def ablate(
     store: str,
-    model: str | None,
     no_controls: bool,
-    pair_paths: tuple[str, ...],
-    scores_store: str | None,
     heads_text: str | None,
     where: str | None,
-    device: str,
-    model_dtype: str,
-    allow_other_model: bool,
     no_save: bool,
     quiet: bool,
     as_json: bool,
@@ -73,26 +51,14 @@ def ablate(
 ) -> None:
     """Accuracy on RELATION's prompts with no ablation, with its MAPS heads removed, with as many
     random heads removed, and on control relations."""
-    from actstore.jobs.ablate import AblateRequest, parse_heads_text, run_ablate
+    from actstore.jobs.ablate import parse_heads_text, run_ablate
 
     s = open_store_arg(store)
     check_where(s, where)
     no_control: dict[str, Any] = {"controls": ()} if no_controls else {}  # () skips them; None chooses
     cfg = config_from(AblationConfig, given, heads=parse_heads_text(heads_text, s), where=where, **no_control)
-    out = run_ablate(
-        s,
-        AblateRequest(
-            ablation=cfg,
-            model=model,
-            pairs=pair_paths,
-            scores_store=scores_store,
-            device=device,
-            model_dtype=model_dtype,
-            allow_other_model=allow_other_model,
-            save=not no_save,
-        ),
-        log=_stderr(quiet),
-    )
+    req = config_from(AblateRequest, given, ablation=cfg, save=not no_save, quiet=quiet)
+    out = run_ablate(s, req, log=_stderr(quiet))
     if as_json:
         click.echo(
             json.dumps(

@@ -12,52 +12,30 @@ from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
     check_where,
     command,
-    device_options,
     figures_option,
     json_option,
-    model_option,
     no_save_option,
     open_store_arg,
     quiet_option,
     store_argument,
     where_option,
 )
-from actstore.interventions.settings import PatchConfig, TraceConfig
+from actstore.jobs.settings import PatchRequest, TraceRequest  # torch-free: the help imports it
 
 
 # ----------------------------------------------------------------------------------- trace
 @command(example="actstore trace /tmp/s --limit 20 --samples 3 --figures figs")
 @store_argument
-@model_option()
 @where_option
-@click.option(
-    "--limit", type=click.IntRange(min=1), default=None, help="At most this many facts (in example order)."
-)
-@click.option(
-    "--all-facts", is_flag=True, help="Also facts the model gets wrong (default: object_rank = 0 only)."
-)
-@options_from(TraceConfig)
-@click.option("--noise-std", type=float, default=None, help="Absolute noise std (overrides --noise).")
-@device_options
+@options_from(TraceRequest)
 @figures_option(help="Folder for ROME-style heatmaps (PNG).")
-@click.option(
-    "--max-figures", type=int, default=8, show_default=True, help="Per-fact heatmaps drawn at most."
-)
 @no_save_option
 @quiet_option
 @json_option
 def trace(
     store: str,
-    model: str | None,
     where: str | None,
-    limit: int | None,
-    all_facts: bool,
-    noise_std: float | None,
-    device: str,
-    model_dtype: str,
-    allow_other_model: bool,
     figures: str | None,
-    max_figures: int,
     no_save: bool,
     quiet: bool,
     as_json: bool,
@@ -66,29 +44,13 @@ def trace(
     """Causal tracing: noise on the subject, restore clean states per layer and position, measure P(object)."""
     import numpy as np
 
-    from actstore.jobs.trace import TraceRequest, run_trace
+    from actstore.jobs.trace import run_trace
 
     s = open_store_arg(store)
     check_where(s, where)
-    cfg = config_from(TraceConfig, given)
-    out = run_trace(
-        s,
-        TraceRequest(
-            model=model,
-            where=where,
-            limit=limit,
-            all_facts=all_facts,
-            noise_std=noise_std,
-            trace=cfg,
-            device=device,
-            model_dtype=model_dtype,
-            allow_other_model=allow_other_model,
-            save=not no_save,
-            figures=figures,
-            max_figures=max_figures,
-            quiet=quiet,
-        ),
-    )
+    req = config_from(TraceRequest, given, where=where, figures=figures, save=not no_save, quiet=quiet)
+    cfg = req.trace
+    out = run_trace(s, req)
     rate = 60 * len(out.results) / out.seconds if out.seconds > 0 else None
     if as_json:
         click.echo(
@@ -139,14 +101,7 @@ def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
 
 @command(example="actstore patch /tmp/s --pair 0:1 --pair 5:8 --json")
 @store_argument
-@model_option()
 @where_option
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many clean facts.")
-@click.option(
-    "--all-facts",
-    is_flag=True,
-    help="Also facts the model gets wrong, as clean facts and as counterfactuals.",
-)
 @click.option(
     "--pair",
     "pairs",
@@ -154,21 +109,14 @@ def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
     callback=_pairs,
     help="CLEAN_ID:COUNTERFACTUAL_ID (repeatable) instead of choosing counterfactuals.",
 )
-@options_from(PatchConfig)
-@device_options
+@options_from(PatchRequest)
 @no_save_option
 @quiet_option
 @json_option
 def patch(
     store: str,
-    model: str | None,
     where: str | None,
-    limit: int | None,
-    all_facts: bool,
     pairs: tuple[tuple[int, int], ...],
-    device: str,
-    model_dtype: str,
-    allow_other_model: bool,
     no_save: bool,
     quiet: bool,
     as_json: bool,
@@ -178,27 +126,12 @@ def patch(
     logit-difference recovery per layer (attention, MLP, residual) and per head."""
     import numpy as np
 
-    from actstore.jobs.patch import PatchRequest, run_patch
+    from actstore.jobs.patch import run_patch
 
     s = open_store_arg(store)
     check_where(s, where)
-    cfg = config_from(PatchConfig, given)
-    out = run_patch(
-        s,
-        PatchRequest(
-            model=model,
-            where=where,
-            limit=limit,
-            all_facts=all_facts,
-            pairs=pairs,
-            patch=cfg,
-            device=device,
-            model_dtype=model_dtype,
-            allow_other_model=allow_other_model,
-            save=not no_save,
-            quiet=quiet,
-        ),
-    )
+    req = config_from(PatchRequest, given, where=where, pairs=pairs, save=not no_save, quiet=quiet)
+    out = run_patch(s, req)
     if as_json:
         click.echo(
             json.dumps(

@@ -22,7 +22,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-from actstore.jobs.settings import CorrelateConfig, ShortcutsConfig
+from actstore.jobs.settings import CorrelateConfig, ProbeRequest, ShortcutsConfig
 from actstore.query.analyses.probe_config import ProbeConfig
 
 PROBE_DEFAULTS = defaults(ProbeConfig)
@@ -53,7 +53,7 @@ def run_option(fn: Any) -> Any:
 @command(example="actstore probe /tmp/s --kind attn_head --where \"split = 'val'\" --episodes 100 --seeds 1")
 @store_argument
 @where_option
-@options_from(ProbeConfig)
+@options_from(ProbeRequest)
 @click.option(
     "--seeds",
     "n_seeds",
@@ -79,15 +79,18 @@ def probe(
     **given: Any,
 ) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
-    from actstore.jobs.probe import contrast_text, record_probe
-    from actstore.query.analyses.probe import run_probe
+    from actstore.jobs.probe import contrast_text, run_probe
 
     cfg = config_from(ProbeConfig, given, where=where, seeds=tuple(range(seed_start, seed_start + n_seeds)))
+    req = config_from(
+        ProbeRequest, given, probe=cfg, save=not no_save, progress=not quiet and sys.stderr.isatty()
+    )
     s = open_store_arg(store)
-    out = run_probe(s, cfg, progress=not quiet and sys.stderr.isatty())
+    job = run_probe(s, req)
+    out = job.output
     summary = out.summary()
     if not no_save:
-        summary["tables"] = sorted({p.split("/")[1] for p in record_probe(s, out)})
+        summary["tables"] = sorted({p.split("/")[1] for p in job.tables})
     if as_json:
         _echo_json(summary)
         return
@@ -329,7 +332,8 @@ def _kb_files(patterns: tuple[str, ...]) -> list[str]:
     files: list[str] = []
     for p in patterns:
         if p == "codex-m":
-            from actstore.ingest.datasets import fetch, triple_files
+            from actstore.ingest.datasets.codex import triple_files
+            from actstore.ingest.datasets.registry import fetch
 
             files += [str(f) for f in triple_files(fetch("codex-m"))]
         else:

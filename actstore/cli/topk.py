@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
     command,
     json_option,
@@ -16,78 +17,24 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
+from actstore.jobs.settings import TopkConfig
 
 
 @command(example="actstore topk /tmp/s --kind mlp --layer 3 --k 20 --show 5")
 @store_argument
-@click.option(
-    "--kind",
-    type=click.Choice(["mlp", "attn_head", "direction"]),
-    default="mlp",
-    show_default=True,
-    help="Units: every MLP neuron (its activation), every head's output norm, or each row of --direction.",
-)
-@click.option("--layer", type=int, required=True, help="The layer (for --on resid: the residual index).")
-@click.option("--k", type=int, default=20, show_default=True, help="Contexts kept per unit (1..10000).")
+@options_from(TopkConfig)
 @where_option
-@click.option(
-    "--on", default="resid", show_default=True, help="--kind direction: the feature kind projected."
-)
-@click.option(
-    "--direction",
-    "direction_file",
-    default=None,
-    metavar="FILE.npy",
-    help="--kind direction: an [m, F] (or [F]) float array of directions, e.g. a probe's weights.",
-)
-@click.option(
-    "--batch-rows", type=click.IntRange(min=1), default=1024, show_default=True, help="Rows per read."
-)
 @click.option("--show", type=click.IntRange(min=0), default=5, show_default=True, help="Units printed.")
 @no_save_option
 @json_option
-def topk(
-    store: str,
-    kind: str,
-    layer: int,
-    k: int,
-    where: str | None,
-    on: str,
-    direction_file: str | None,
-    batch_rows: int,
-    show: int,
-    no_save: bool,
-    as_json: bool,
-) -> None:
+def topk(store: str, where: str | None, show: int, no_save: bool, as_json: bool, **given: Any) -> None:
     """Top-k contexts of every unit of a layer in one streaming pass, stored as the topk_contexts table."""
-    import numpy as np
-
-    from actstore.core.errors import QueryError
     from actstore.jobs.topk import run_topk
 
-    directions = None
-    if kind == "direction":
-        if direction_file is None:
-            raise QueryError("topk: --kind direction needs --direction FILE.npy")
-        try:
-            directions = np.load(direction_file, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise QueryError(f"topk: cannot read {direction_file} as a .npy array ({e})") from None
-    elif direction_file is not None:
-        raise QueryError("topk: --direction goes with --kind direction")
+    cfg = config_from(TopkConfig, given, where=where, save=not no_save)
+    kind, layer = cfg.kind, cfg.layer
     s = open_store_arg(store)
-    out = run_topk(
-        s,
-        kind=kind,
-        layer=layer,
-        k=k,
-        where=where,
-        on=on,
-        directions=directions,
-        direction_file=direction_file,
-        batch_rows=batch_rows,
-        save=not no_save,
-    )
+    out = run_topk(s, cfg)
     res = out.result
     units = list(range(min(show, res.values.shape[0])))
     contexts = _contexts(s, res.rows[units].reshape(-1).tolist()) if units else {}

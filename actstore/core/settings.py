@@ -1,7 +1,11 @@
 """Settings of a job or an analysis, declared once: a dataclass field per setting whose metadata
 carries its help text and its allowed values, validated by :func:`check_settings` (one error type,
 :class:`~actstore.core.invalid.InvalidSetting`) and turned into command-line options by
-``actstore.cli._config``.
+``actstore.cli._config``.  A field holding a lower floor's settings is made with :func:`nested`.
+
+The settings several floors share are written here once: the model's device and dtype
+(:func:`device_setting`, :func:`model_dtype_setting`, the choices :data:`MODEL_DTYPES`), torch's CPU
+threads (:func:`threads_setting`) and a job's ``save`` (:func:`save_setting`).
 
     @dataclass(frozen=True)
     class ProbeConfig:
@@ -16,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from actstore.core.invalid import InvalidSetting
+
+C = TypeVar("C")
 
 
 def setting(
@@ -70,3 +76,46 @@ def check_settings(config: Any) -> None:
                 raise InvalidSetting(f.name, f"must be above {meta['above']:g}, not {v}")
             if meta["high"] is not None and v > meta["high"]:
                 raise InvalidSetting(f.name, f"must be at most {meta['high']:g}, not {v}")
+
+
+def nested(cls: type[C]) -> C:
+    """A field holding the settings dataclass ``cls`` of a floor below (an intervention's, the
+    probe's), made with that class's defaults when not given.  On the command line its settings are
+    the command's own options (``actstore.cli._config`` flattens them)."""
+    return dataclasses.field(default_factory=cls, metadata={"nested": cls})
+
+
+def save_setting() -> bool:
+    """``save`` of a job: whether it writes its result tables and its ``runs`` row (the command
+    line's ``--no-save``, one option for every command)."""
+    return setting(True, "Write the result tables.", cli=False)
+
+
+# ------------------------------------------------------------------ settings several floors share
+MODEL_DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a model runs in
+DEFAULT_DEVICE = "cpu"
+DEFAULT_MODEL_DTYPE = "float32"
+
+
+def device_setting() -> str:
+    """``device``: the torch device a model runs on (ingest, trace, patch, ablate)."""
+    return setting(DEFAULT_DEVICE, "torch device of the model (cpu, cuda, ...).")
+
+
+def model_dtype_setting() -> str:
+    """``model_dtype``: the dtype a model runs in, one of :data:`MODEL_DTYPES`."""
+    return setting(DEFAULT_MODEL_DTYPE, "dtype the model runs in.", choices=MODEL_DTYPES)
+
+
+def threads_setting(default: int, advice: str) -> int:
+    """``threads``: torch's CPU threads per process, 0 for torch's default; ``advice`` says when to
+    change the command's ``default``."""
+    return setting(
+        default, f"torch CPU threads per process (0: torch's default, one per core). {advice}", low=0
+    )
+
+
+def check_model_dtype(model_dtype: str) -> None:
+    """One error line unless ``model_dtype`` is one of :data:`MODEL_DTYPES`."""
+    if model_dtype not in MODEL_DTYPES:
+        raise InvalidSetting("model_dtype", f"{model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")

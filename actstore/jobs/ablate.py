@@ -1,4 +1,5 @@
-"""MAPS head ablation (``actstore ablate``): one settings object to its result tables and ``runs`` row."""
+"""MAPS head ablation (``actstore ablate``): one settings object (:class:`AblateRequest`, in
+:mod:`actstore.jobs.settings`) to its result tables and ``runs`` row."""
 
 from __future__ import annotations
 
@@ -12,29 +13,15 @@ from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader, open_reader
 from actstore.interventions import InterventionRunner
 from actstore.interventions.ablation import relation_prompts, run_ablation
-from actstore.interventions.settings import AblationConfig
-from actstore.jobs.model import load_store_model, model_for_store
+from actstore.jobs.model import load_request_model
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import AblateRequest
 from actstore.query.maps.pairs import load_pair_files, tokenize_pairs
 from actstore.query.maps.projection import parse_heads
 from actstore.query.select.selection import Selection
 
 Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class AblateRequest:
-    """One ablation run: ``ablation`` says what is removed and measured; the rest where the model,
-    the pairs and the stored scores come from."""
-
-    ablation: AblationConfig
-    model: str | None = None
-    pairs: tuple[str, ...] = ()  # MAPS pair files or folders for the static scores
-    scores_store: str | None = None  # read stored static scores from this store of the same model
-    device: str = "cpu"
-    model_dtype: str = "float32"
-    allow_other_model: bool = False
-    save: bool = True
+__all__ = ["AblateOutcome", "AblateRequest", "parse_heads_text", "run_ablate"]
 
 
 @dataclass
@@ -78,10 +65,7 @@ def run_ablate(store: StoreReader, req: AblateRequest, log: Log | None = None) -
                 for rp in load_pair_files(list(req.pairs))
                 if rp.relation in have and rp.relation != cfg.relation
             ]
-    model = model_for_store(store, req.model)
-    loaded = load_store_model(
-        store, model, device=req.device, model_dtype=req.model_dtype, allow_other_model=req.allow_other_model
-    )
+    model, loaded = load_request_model(store, req)
     # single-token pairs (the authors' filter); a relation below min_pairs is excluded by run_ablation
     pairs = {
         rp.relation: tokenize_pairs(

@@ -2,7 +2,7 @@
 (ingest/data/demo.json) with SmolLM2-135M, run each analysis over the store, and write the HTML
 report.
 
-    summary = run_demo("demo-out")      # demo-out/store, demo-out/report.html, demo-out/summary.json
+    summary = run_demo(DemoConfig(out="demo-out"))   # demo-out/store, report.html, summary.json
 
 A step that fails is skipped with a note in the summary, so the demo always ends with a report;
 a missing module is not a failure of a step but of the installation, and raises.  The
@@ -30,14 +30,15 @@ from actstore.core.progress import progress_bar
 from actstore.core.store import StoreReader, open_reader
 from actstore.jobs.correlate import CorrelateConfig, run_correlate
 from actstore.jobs.ingest import IngestRequest, run_ingest
-from actstore.jobs.probe import record_probe
+from actstore.jobs.probe import run_probe
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import DEMO_EPISODES, DemoConfig, ProbeRequest
 from actstore.jobs.shortcuts import ShortcutsConfig, run_shortcuts
-from actstore.query.analyses.probe import ProbeConfig, run_probe
+from actstore.query.analyses.probe_config import ProbeConfig
 from actstore.query.maps.dynamic import correlation_summary, correlation_table, dynamic_ranks, head_table
 from actstore.query.maps.pairs import TokenPairs, store_pairs
 from actstore.query.maps.static import StaticScores, relation_summary, scores_table, static_scores
-from actstore.query.report import write_report
+from actstore.query.report.builder import write_report
 
 Step = Callable[[str], None]
 
@@ -93,8 +94,7 @@ def probe_step(
         token_scores=token_scores,
         threads=1,
     )
-    out = run_probe(store, cfg, progress=True)
-    record_probe(store, out)
+    out = run_probe(store, ProbeRequest(probe=cfg, progress=True)).output
     lo, hi = out.ci95
     log(
         f"    {kind} 5-way 5-shot: accuracy {100 * out.accuracy:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}) "
@@ -205,7 +205,7 @@ def run_demo_analyses(
     store: StoreReader,
     *,
     out: str,
-    episodes: int = 100,
+    episodes: int = DEMO_EPISODES,
     step: Step = _quiet,
     probe_kinds: tuple[str, ...] = ("attn_head", "attn"),
     dynamic_relations: int = 1,
@@ -286,27 +286,24 @@ def _write_report(store: StoreReader, path: str) -> str:
     return write_report(store, path)
 
 
-def run_demo(
-    out: str,
-    *,
-    model: str = "smollm2-135m",
-    limit_per_relation: int | None = None,
-    episodes: int = 100,
-    step: Step = _quiet,
-    log: Step = _quiet,
-) -> dict[str, Any]:
-    """Ingest the demo corpus into ``out/store`` (resuming a store already there), run the analyses
-    (:func:`actstore.jobs.demo.run_demo_analyses`) and write ``out/summary.json``; return the summary.
+def run_demo(cfg: DemoConfig, *, step: Step = _quiet, log: Step = _quiet) -> dict[str, Any]:
+    """Ingest the demo corpus into ``cfg.out/store`` (resuming a store already there), run the analyses
+    (:func:`actstore.jobs.demo.run_demo_analyses`) and write ``cfg.out/summary.json``; return the summary.
     ``step(title)`` is called as each step starts, ``log`` with the detail lines."""
 
     started = time.time()
+    out, model = cfg.out, cfg.model
     store_path = os.path.join(out, "store")
     os.makedirs(out, exist_ok=True)
     resume = os.path.exists(os.path.join(store_path, "manifest.json"))
     step(f"ingest the demo corpus with {model} -> {store_path}" + (" (resuming)" if resume else ""))
     run_ingest(
         IngestRequest(
-            model=model, dataset="demo", out=store_path, resume=resume, limit_per_relation=limit_per_relation
+            model=model,
+            dataset="demo",
+            out=store_path,
+            resume=resume,
+            limit_per_relation=cfg.limit_per_relation,
         ),
         log=lambda m: log(f"    {m}"),
     )
@@ -319,7 +316,7 @@ def run_demo(
     for r in acc:
         log(f"    {r['relation_id']:<20} {r['n']:>4} prompts, model's top-1 = object for {r['top1']:.0%}")
     summary: dict[str, Any] = {"store": store_path}
-    summary.update(run_demo_analyses(store, out=out, episodes=episodes, step=step, log=log))
+    summary.update(run_demo_analyses(store, out=out, episodes=cfg.episodes, step=step, log=log))
     summary["seconds"] = round(time.time() - started, 1)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)

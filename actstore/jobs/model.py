@@ -11,10 +11,11 @@ import torch
 
 from actstore.core.dependencies import transformers_logging
 from actstore.core.invalid import InvalidSetting
+from actstore.core.settings import DEFAULT_DEVICE, DEFAULT_MODEL_DTYPE, check_model_dtype
 from actstore.core.store import StoreReader
 from actstore.ingest.capture.first_mlp import first_mlp_transform
 from actstore.ingest.models import known_alias, load_model
-from actstore.ingest.settings import MODEL_DTYPES
+from actstore.jobs.settings import StoreModelRun
 
 
 def model_for_store(store: StoreReader, model: str | None) -> str:
@@ -40,16 +41,15 @@ def load_store_model(
     store: StoreReader,
     model: str | None,
     *,
-    device: str = "cpu",
-    model_dtype: str = "float32",
+    device: str = DEFAULT_DEVICE,
+    model_dtype: str = DEFAULT_MODEL_DTYPE,
     allow_other_model: bool = False,
     quiet: bool = False,
 ) -> Any:
     """The store's model (see :func:`model_for_store`), loaded; refused when its weights differ from
     the store's unless ``allow_other_model``."""
 
-    if model_dtype not in MODEL_DTYPES:
-        raise InvalidSetting("model_dtype", f"{model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    check_model_dtype(model_dtype)
     name = model_for_store(store, model)
     if quiet:
         transformers_logging.disable_progress_bar()
@@ -63,6 +63,21 @@ def load_store_model(
             "another model explicitly",
         )
     return loaded
+
+
+def load_request_model(store: StoreReader, req: StoreModelRun) -> tuple[str, Any]:
+    """(the model's name, the model loaded) for a job that runs the store's model, as ``req`` says
+    (:func:`load_store_model`)."""
+    name = model_for_store(store, req.model)
+    loaded = load_store_model(
+        store,
+        name,
+        device=req.device,
+        model_dtype=req.model_dtype,
+        allow_other_model=req.allow_other_model,
+        quiet=req.quiet,
+    )
+    return name, loaded
 
 
 def first_mlp_for_store(store: StoreReader, model: str | None) -> Any:

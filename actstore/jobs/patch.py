@@ -1,9 +1,9 @@
-"""Activation patching (``actstore patch``): one settings object to its result tables and ``runs`` row."""
+"""Activation patching (``actstore patch``): one settings object (:class:`PatchRequest`, in
+:mod:`actstore.jobs.settings`) to its result tables and ``runs`` row."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,28 +20,13 @@ from actstore.interventions.patching import (
     effects_table,
     pairs_table,
 )
-from actstore.interventions.settings import PatchConfig
 from actstore.interventions.tracing import stored_facts
-from actstore.jobs.model import load_store_model, model_for_store
+from actstore.jobs.model import load_request_model
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import PatchRequest
 from actstore.query.select.selection import Selection
 
-Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class PatchRequest:
-    model: str | None = None
-    where: str | None = None  # SQL predicate over the examples table choosing the clean facts
-    limit: int | None = None
-    all_facts: bool = False
-    pairs: tuple[tuple[int, int], ...] = ()  # (clean, counterfactual) example ids instead of choosing them
-    patch: PatchConfig | None = None  # None: its defaults
-    device: str = "cpu"
-    model_dtype: str = "float32"
-    allow_other_model: bool = False
-    save: bool = True
-    quiet: bool = False
+__all__ = ["PatchOutcome", "PatchRequest", "parse_pair", "run_patch"]
 
 
 @dataclass
@@ -69,7 +54,7 @@ def run_patch(store: StoreReader, req: PatchRequest) -> PatchOutcome:
     """Activation patching: clean activations into a counterfactual prompt of the same relation."""
 
     started = time.time()
-    cfg = req.patch if req.patch is not None else PatchConfig()
+    cfg = req.patch
     skipped: list[dict[str, Any]] = []
     if req.pairs:
         ids = sorted({i for p in req.pairs for i in p})
@@ -82,8 +67,6 @@ def run_patch(store: StoreReader, req: PatchRequest) -> PatchOutcome:
             raise PatchError(f"{store.url}: no fact {missing[0]} with an object token")
         pairs = [PatchPair(got[c], got[x]) for c, x in req.pairs]
     else:
-        if req.limit is not None and req.limit < 1:
-            raise InvalidSetting("limit", f"must be positive, not {req.limit}")
         facts = stored_facts(
             store, Selection.from_sql(store, req.where), correct_only=not req.all_facts, limit=req.limit
         )
@@ -101,15 +84,7 @@ def run_patch(store: StoreReader, req: PatchRequest) -> PatchOutcome:
             f"{store.url}: no fact with a counterfactual to patch"
             + (f" ({skipped[0]['reason']})" if skipped else "")
         )
-    model = model_for_store(store, req.model)
-    loaded = load_store_model(
-        store,
-        model,
-        device=req.device,
-        model_dtype=req.model_dtype,
-        allow_other_model=req.allow_other_model,
-        quiet=req.quiet,
-    )
+    model, loaded = load_request_model(store, req)
     patcher = ActivationPatcher(InterventionRunner(loaded.model), cfg)
     t0 = time.time()
     with progress_bar(total=len(pairs), unit="fact", desc="patch", enabled=not req.quiet) as bar:

@@ -1,7 +1,11 @@
-"""Views of a stored probe run for the command line: the layer x head HeadScore grid, the run's
-contrast reading, and the knowledge-base files a correlation reads.
+"""Relation probes (``actstore probe``): one settings object (:class:`ProbeRequest`, in
+:mod:`actstore.jobs.settings`) to the probe run's result tables and ``runs`` row; and views of a stored
+probe run for the command line: the layer x head HeadScore grid, the run's contrast reading, and the
+knowledge-base files a correlation reads.
 
-    grid = headscore_grid(store, "probe-2026...", relation="P17")
+    out = run_probe(store, ProbeRequest(probe=ProbeConfig(kind="attn_head", episodes=100)))
+    out.output.accuracy, out.run_id, out.tables
+    grid = headscore_grid(store, out.run_id, relation="P17")
     grid.scores                              # [len(grid.layers), len(grid.heads)], NaN where no head
 """
 
@@ -9,15 +13,17 @@ from __future__ import annotations
 
 import glob
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from actstore.core.invalid import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import ProbeRequest
 from actstore.query.analyses.attribution import run_row
 from actstore.query.analyses.probe import ProbeConfig, ProbeOutput
+from actstore.query.analyses.probe import run_probe as probe_episodes
 from actstore.query.analyses.probe_tables import WEIGHTS_GROUP_ROWS, probe_tables
 
 CONTRAST_TEXT = {
@@ -104,3 +110,17 @@ def record_probe(store: StoreReader, out: ProbeOutput) -> list[str]:
         row_groups={"probe_weights": WEIGHTS_GROUP_ROWS},
     )
     return recorded.tables
+
+
+@dataclass
+class ProbeOutcome:
+    run_id: str
+    output: ProbeOutput  # the episodes, their accuracy and the probe's settings
+    tables: list[str] = field(default_factory=list)  # empty when not saved
+
+
+def run_probe(store: StoreReader, req: ProbeRequest) -> ProbeOutcome:
+    """Train and evaluate the probe's episodes (:func:`actstore.query.analyses.probe.run_probe`), then
+    record the run (:func:`record_probe`) unless ``req.save`` is False."""
+    out = probe_episodes(store, req.probe, progress=req.progress)
+    return ProbeOutcome(out.run_id, out, record_probe(store, out) if req.save else [])

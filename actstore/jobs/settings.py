@@ -1,36 +1,47 @@
-"""The settings of the jobs whose command-line options are made from them (:mod:`actstore.cli._config`),
-torch-free so that ``actstore --help`` loads no analysis: MAPS static and dynamic scores, the
-predictors of probe accuracy, lexical shortcuts, the lens and the method comparison.  Each is
-validated when it is made."""
+"""The settings of every job, one config per command, torch-free so that ``actstore --help`` loads no
+analysis: the command line makes the command's options from its config (:mod:`actstore.cli._config`)
+and calls the job with it, ``run_x(store, config)``.  Each is validated when it is made.
+
+A job that runs a lower floor's computation holds that floor's settings in a :func:`nested` field
+and adds its own: ``TraceRequest`` (:class:`~actstore.core.intervention_settings.TraceConfig`),
+``PatchRequest`` (:class:`~actstore.core.intervention_settings.PatchConfig`), ``AblateRequest``
+(:class:`~actstore.query.maps.settings.AblationConfig`) and ``ProbeRequest``
+(:class:`~actstore.query.analyses.probe_config.ProbeConfig`); the ingest's is
+:class:`actstore.ingest.settings.IngestRequest`.  What several jobs share is written once, in a base
+class here (:class:`StoreModelRun`: the store's model, its device and dtype; :class:`FactsRun`: the
+facts traced or patched; :class:`ProbeRunReader`: the probe run read) or in
+:mod:`actstore.core.settings` (device, model dtype, threads, ``save``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from actstore.core.errors import LensError, MethodsError
+from actstore.core.intervention_settings import PatchConfig, TraceConfig
 from actstore.core.invalid import InvalidSetting
-from actstore.core.settings import check_settings, setting
+from actstore.core.settings import (
+    check_settings,
+    device_setting,
+    model_dtype_setting,
+    nested,
+    save_setting,
+    setting,
+)
+from actstore.ingest.settings import DEFAULT_MODEL
 from actstore.query.analyses.lens_methods import TUNED_METHODS, check_tuned_method
-from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MULTI_TOKEN
+from actstore.query.analyses.probe_config import ProbeConfig
+from actstore.query.maps.settings import (
+    AblationConfig,
+    k_setting,
+    min_pairs_setting,
+    multi_token_setting,
+    threshold_setting,
+)
 from actstore.query.methods.defaults import COMPARISON_BATCH, COMPARISON_STEPS, METHODS, PLATEAU
 
-K_HELP = (
-    "Top-k of a source's row that counts as a hit, for every relation.  Default: the authors' k per relation "
-    "(1 for copying relations, 10 otherwise; Llama-3: 3 and 25)."
-)
-
-
-def k_setting() -> int | None:
-    """``k`` of a MAPS run (a dataclass field)."""
-    return setting(None, K_HELP, low=1)
-
-
-def threshold_setting() -> float:
-    """``threshold`` of a MAPS run (a dataclass field)."""
-    return setting(
-        IMPLEMENTS_THRESHOLD, "A head implements R when its score is at least this.", low=0, high=1
-    )
-
+STORE_MODEL_HELP = "Model: alias, local folder or hub name (default: the store's model when it is one of actstore's aliases)."
+TOPK_KINDS = ("mlp", "attn_head", "direction")
+DEMO_EPISODES = 100  # probe episodes per seed of the demo (a few minutes on two CPU cores)
 
 DIRECTIONS = ("out", "both")
 CONCENTRATIONS = ("predicted-abs", "gold-signed")
@@ -58,17 +69,13 @@ class MapsRunConfig:
     relations: tuple[str, ...] | None = setting(None, "Comma-separated relation names (file stems) to keep.")
     k: int | None = k_setting()
     threshold: float = threshold_setting()
-    multi_token: str = setting(
-        "skip",
+    multi_token: str = multi_token_setting(
         "skip: score single-token pairs only (the authors' filter); first: a multi-token word stands "
-        "as its first token (ours).",
-        choices=MULTI_TOKEN,
+        "as its first token (ours)."
     )
-    min_pairs: int = setting(
-        MIN_PAIRS,
+    min_pairs: int = min_pairs_setting(
         "Relations with fewer usable pairs are reported as excluded and scored nowhere (the authors' "
-        "min_filtered_dataset_size).",
-        low=0,
+        "min_filtered_dataset_size)."
     )
     final_norm: bool = setting(
         True,
@@ -83,7 +90,7 @@ class MapsRunConfig:
     )
     salient_tokens: int = setting(10, "Salient tokens per head (by sigma).", low=1)
     mappings: int = setting(5, "Top mapped tokens per salient token.", low=1)
-    save: bool = setting(True, "Write the result tables.", cli=False)
+    save: bool = save_setting()
     figures: str | None = setting(None, "Folder for one layer x head heatmap per relation.", cli=False)
 
     def __post_init__(self) -> None:
@@ -100,14 +107,12 @@ class MapsDynamicConfig:
     relations: tuple[str, ...] | None = setting(None, "Comma-separated relation ids.")
     k: int | None = k_setting()
     threshold: float = threshold_setting()
-    multi_token: str = setting(
-        "skip",
+    multi_token: str = multi_token_setting(
         "skip: only prompts whose subject and object are one token each (the authors' filter); "
-        "first: every prompt, a multi-token word standing as its first token (ours).",
-        choices=MULTI_TOKEN,
+        "first: every prompt, a multi-token word standing as its first token (ours)."
     )
-    min_pairs: int = setting(
-        MIN_PAIRS, "Relations with fewer usable pairs are reported as excluded and left out.", low=0
+    min_pairs: int = min_pairs_setting(
+        "Relations with fewer usable pairs are reported as excluded and left out."
     )
     pairs: tuple[str, ...] = setting(
         (),
@@ -128,7 +133,7 @@ class MapsDynamicConfig:
         "Static scores both from the embeddings and through the first MLP (loads the model), sharing "
         "one dynamic pass: a correlation row per relation and variant.",
     )
-    save: bool = setting(True, "Write the result tables.", cli=False)
+    save: bool = save_setting()
     figures: str | None = setting(None, "Folder for the static and dynamic heatmaps.", cli=False)
     prompts_per_task: int | None = setting(
         None, "Prompts per Dask task (whole chunks of 256; default: one task per worker).", low=1
@@ -139,10 +144,22 @@ class MapsDynamicConfig:
 
 
 @dataclass(frozen=True)
-class CorrelateConfig:
-    """One ``correlate`` run over the probe run ``probe_run`` (``kb``: triple files of the knowledge graph)."""
+class ProbeRunReader:
+    """A run of its own over the stored probe run ``probe_run`` (correlate, shortcuts)."""
 
     probe_run: str = setting("", "Probe run id (see the runs table).", cli=False)
+    save: bool = save_setting()
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.probe_run:
+            raise InvalidSetting("probe_run", "name the probe run to read")
+
+
+@dataclass(frozen=True)
+class CorrelateConfig(ProbeRunReader):
+    """One ``correlate`` run over the probe run ``probe_run`` (``kb``: triple files of the knowledge graph)."""
+
     kb: tuple[str, ...] = setting((), "Knowledge-graph triple files.", cli=False)
     direction: str = setting(
         "out", "An entity's properties: those it has as head, or in either position.", choices=DIRECTIONS
@@ -167,27 +184,14 @@ class CorrelateConfig:
     dask_address: str | None = setting(None, "Dask scheduler address.", cli=False)
     workers: int | None = setting(None, "Local Dask worker processes.", cli=False)
     figures: str | None = setting(None, "Folder for one scatter PNG per predictor.", cli=False)
-    save: bool = setting(True, "Write the result tables.", cli=False)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        if not self.probe_run:
-            raise InvalidSetting("probe_run", "name the probe run to read")
 
 
 @dataclass(frozen=True)
-class ShortcutsConfig:
+class ShortcutsConfig(ProbeRunReader):
     """One ``shortcuts`` run over the probe run ``probe_run``."""
 
-    probe_run: str = setting("", "Probe run id (see the runs table).", cli=False)
     n_cues: int = setting(20, "Lexical cues per relation.", low=1, flag="--cues")
     figures: str | None = setting(None, "Folder for shortcuts_RUN.png.", cli=False)
-    save: bool = setting(True, "Write the result tables.", cli=False)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        if not self.probe_run:
-            raise InvalidSetting("probe_run", "name the probe run to read")
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ class LensRunConfig:
         flag="--tuned-batch",
     )
     seed: int = setting(0, "Seed of the train/held-out split and training.")
-    save: bool = setting(True, "Write the result tables.", cli=False)
+    save: bool = save_setting()
     figures: str | None = setting(None, "Folder for the lens curves.", cli=False)
 
     def __post_init__(self) -> None:
@@ -235,7 +239,7 @@ class CorpusLensConfig:
     steps: int = setting(250, "Training steps.", low=1)
     batch: int = setting(256, "Positions per training step.", low=1)
     seed: int = setting(0, "Seed of the document split, the row draws and the training.")
-    save: bool = setting(True, "Write the result table.", cli=False)
+    save: bool = save_setting()
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -284,7 +288,7 @@ class AgreeConfig:
         "together (none).",
         choices=("stratum", "relation", "none"),
     )
-    save: bool = setting(True, "Write the result tables.", cli=False)
+    save: bool = save_setting()
     figures: str | None = setting(None, "Folder for the profile curves.", cli=False)
 
     def __post_init__(self) -> None:
@@ -295,3 +299,131 @@ class AgreeConfig:
         check_settings(self)
         if len(self.methods) < 2:
             raise MethodsError("compare at least two methods")
+
+
+# ----------------------------------------------------------------- the jobs that run the store's model
+@dataclass(frozen=True)
+class StoreModelRun:
+    """What a job that runs the store's model adds (trace, patch, ablate): which model, on which device
+    and in which dtype (:func:`actstore.jobs.model.load_request_model`), whether its tables are
+    written, and whether it shows progress."""
+
+    model: str | None = setting(None, STORE_MODEL_HELP)  # None: the store's own (an actstore alias)
+    device: str = device_setting()
+    model_dtype: str = model_dtype_setting()
+    allow_other_model: bool = setting(False, "Run even if the model's weights differ from the store's.")
+    save: bool = save_setting()
+    quiet: bool = setting(False, "No progress bars.", cli=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
+class FactsRun(StoreModelRun):
+    """The store's facts a trace or patch run reads: those ``where`` selects, in example order, the
+    model's correct answers only unless ``all_facts``."""
+
+    where: str | None = setting(None, "SQL predicate over the examples table choosing the facts.", cli=False)
+    limit: int | None = setting(None, "At most this many facts (in example order).", low=1)
+    all_facts: bool = setting(
+        False,
+        "Also facts the model gets wrong (default: object_rank = 0 only); patch takes them as "
+        "counterfactuals too.",
+    )
+
+
+@dataclass(frozen=True)
+class TraceRequest(FactsRun):
+    """One ``actstore trace`` run: causal tracing (``trace``) of the selected facts."""
+
+    trace: TraceConfig = nested(TraceConfig)
+    noise_std: float | None = setting(None, "Absolute noise std (overrides --noise).")
+    figures: str | None = setting(None, "Folder for ROME-style heatmaps (PNG).", cli=False)
+    max_figures: int = setting(8, "Per-fact heatmaps drawn at most.")
+
+
+@dataclass(frozen=True)
+class PatchRequest(FactsRun):
+    """One ``actstore patch`` run: activation patching (``patch``) from each selected fact into a
+    counterfactual, or of the given ``pairs``."""
+
+    patch: PatchConfig = nested(PatchConfig)
+    pairs: tuple[tuple[int, int], ...] = setting(
+        (), "(clean, counterfactual) example ids, instead of choosing counterfactuals.", cli=False
+    )
+
+
+@dataclass(frozen=True)
+class AblateRequest(StoreModelRun):
+    """One ``actstore ablate`` run: ``ablation`` says what is removed and measured; the rest where the
+    model, the pairs and the stored static scores come from."""
+
+    ablation: AblationConfig = nested(AblationConfig)
+    pairs: tuple[str, ...] = setting(
+        (),
+        "MAPS pair files or directories for the static scores of RELATION and of the candidate controls "
+        "(default, and for relations without a file: the store's own prompts).",
+        multiple=True,
+    )
+    scores_store: str | None = setting(
+        None,
+        "Read stored static scores (an `actstore maps` run with the same settings) from this store of "
+        "the same model instead of STORE's.",
+    )
+
+
+# ----------------------------------------------------------------- probes, top-k contexts, the demo
+@dataclass(frozen=True)
+class ProbeRequest:
+    """One ``actstore probe`` run: the probe (``probe``, recorded with the run) and the job's own."""
+
+    probe: ProbeConfig = nested(ProbeConfig)
+    save: bool = save_setting()
+    progress: bool = setting(False, "Progress bars on stderr.", cli=False)
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """One ``actstore topk`` run: the top ``k`` rows of every unit of one layer, from one streaming
+    pass over the rows ``where`` selects."""
+
+    kind: str = setting(
+        "mlp",
+        "Units: every MLP neuron (its activation), every head's output norm, or each row of --direction.",
+        choices=TOPK_KINDS,
+    )
+    layer: int | None = setting(None, "The layer (for --on resid: the residual index).", required=True)
+    k: int = setting(20, "Contexts kept per unit (1..10000).")
+    where: str | None = setting(None, "SQL predicate over the examples table choosing the rows.", cli=False)
+    on: str = setting("resid", "--kind direction: the feature kind projected.")
+    direction_file: str | None = setting(
+        None,
+        "--kind direction: an [m, F] (or [F]) float array of directions, e.g. a probe's weights.",
+        metavar="FILE.npy",
+        flag="--direction",
+    )
+    batch_rows: int = setting(1024, "Rows per read.", low=1)
+    save: bool = save_setting()
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.layer is None:
+            raise InvalidSetting("layer", "name the layer")
+        if self.kind == "direction" and self.direction_file is None:
+            raise InvalidSetting("kind", "direction needs --direction FILE.npy")
+        if self.kind != "direction" and self.direction_file is not None:
+            raise InvalidSetting("direction_file", "goes with --kind direction")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """One ``actstore demo``: the demo corpus ingested into ``out/store``, the analyses, the report."""
+
+    out: str = setting("demo-out", "Folder for the store and the report.")
+    model: str = setting(DEFAULT_MODEL, "Model to ingest with: alias, local folder or hub name.")
+    limit_per_relation: int | None = setting(None, "Fewer prompts for a quicker demo.")
+    episodes: int = setting(DEMO_EPISODES, "Probe episodes per seed.")
+
+    def __post_init__(self) -> None:
+        check_settings(self)

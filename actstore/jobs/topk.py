@@ -1,8 +1,8 @@
 """Max-activating contexts (``actstore topk``): the top ``k`` rows of every unit of one layer, from one
-streaming pass (:func:`actstore.query.analyses.topk.top_activations`), recorded as the ``topk_contexts`` result
-table of a ``topk`` run.
+streaming pass (:func:`actstore.query.analyses.topk.top_activations`), recorded as the ``topk_contexts``
+result table of a ``topk`` run; its settings are :class:`~actstore.jobs.settings.TopkConfig`.
 
-    out = run_topk(store, kind="mlp", layer=3, k=20)
+    out = run_topk(store, TopkConfig(kind="mlp", layer=3, k=20))
     out.result.values, out.run_id, out.tables
 """
 
@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import TopkConfig
 from actstore.query.analyses.topk import TopK, top_activations
 from actstore.query.select.selection import Selection
 
@@ -26,30 +29,31 @@ class TopkOutcome:
     tables: list[str] = field(default_factory=list)
 
 
-def run_topk(
-    store: StoreReader,
-    *,
-    kind: str,
-    layer: int,
-    k: int = 20,
-    where: str | None = None,
-    on: str = "resid",
-    directions: np.ndarray | None = None,
-    direction_file: str | None = None,
-    batch_rows: int = 1024,
-    save: bool = True,
-) -> TopkOutcome:
-    """Select the rows (``where``: one predicate over ``examples``), find the top ``k`` of every unit,
-    record the run (unless ``save`` is False)."""
+def load_directions(path: str) -> np.ndarray:
+    """The directions of ``--kind direction``: an [m, F] (or [F]) array in a .npy file."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise QueryError(f"topk: cannot read {path} as a .npy array ({e})") from None
+
+
+def run_topk(store: StoreReader, cfg: TopkConfig) -> TopkOutcome:
+    """Select the rows (``cfg.where``: one predicate over ``examples``), find the top ``k`` of every
+    unit, record the run (unless ``cfg.save`` is False)."""
 
     started = time.time()
-    sel = Selection.from_sql(store, where)
-    res = top_activations(sel, kind, layer, k, on=on, directions=directions, batch_rows=batch_rows)
+    directions = None if cfg.direction_file is None else load_directions(cfg.direction_file)
+    assert cfg.layer is not None  # TopkConfig refuses None
+    sel = Selection.from_sql(store, cfg.where)
+    res = top_activations(
+        sel, cfg.kind, cfg.layer, cfg.k, on=cfg.on, directions=directions, batch_rows=cfg.batch_rows
+    )
     out = TopkOutcome(None, res)
-    if save:
-        config = {"kind": kind, "layer": layer, "k": k, "where": where, "rows": len(sel)}
-        if kind == "direction":
-            config.update(on=on, direction_file=direction_file, units=int(res.values.shape[0]))
+    if cfg.save:
+        config: dict[str, Any] = {"kind": cfg.kind, "layer": cfg.layer, "k": cfg.k, "where": cfg.where}
+        config["rows"] = len(sel)
+        if cfg.kind == "direction":
+            config.update(on=cfg.on, direction_file=cfg.direction_file, units=int(res.values.shape[0]))
         recorded = record_run(store, "topk", config, {"topk_contexts": res.table}, started=started)
         out.run_id, out.tables = recorded.run_id, recorded.tables
     return out

@@ -1,4 +1,5 @@
-"""Causal tracing (``actstore trace``): one settings object to its result tables and ``runs`` row.
+"""Causal tracing (``actstore trace``): one settings object (:class:`TraceRequest`, in
+:mod:`actstore.jobs.settings`) to its result tables and ``runs`` row.
 
 out = run_trace(store, TraceRequest(model=None, limit=3))     # model None: the store's own
 out.results, out.run_id, out.tables
@@ -7,17 +8,14 @@ out.results, out.run_id, out.tables
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.core.invalid import InvalidSetting
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.interventions import InterventionRunner
-from actstore.interventions.settings import TraceConfig
 from actstore.interventions.tracing import (
     CausalTracer,
     TraceError,
@@ -26,28 +24,12 @@ from actstore.interventions.tracing import (
     stored_facts,
     subject_embedding_std,
 )
-from actstore.jobs.model import load_store_model, model_for_store
+from actstore.jobs.model import load_request_model
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import TraceRequest
 from actstore.query.select.selection import Selection
 
-Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    model: str | None = None  # None: the store's own (an actstore alias)
-    where: str | None = None  # SQL predicate over the examples table choosing the facts
-    limit: int | None = None
-    all_facts: bool = False  # also facts the model gets wrong
-    noise_std: float | None = None  # absolute noise std (overrides trace.noise_scale)
-    trace: TraceConfig | None = None  # None: its defaults
-    device: str = "cpu"
-    model_dtype: str = "float32"
-    allow_other_model: bool = False
-    save: bool = True
-    figures: str | None = None  # folder for ROME-style heatmaps
-    max_figures: int = 8
-    quiet: bool = False
+__all__ = ["TraceOutcome", "TraceRequest", "run_trace"]
 
 
 @dataclass
@@ -66,10 +48,8 @@ def run_trace(store: StoreReader, req: TraceRequest) -> TraceOutcome:
     and position.  Settings are checked before the model loads."""
 
     started = time.time()
-    cfg = req.trace if req.trace is not None else TraceConfig()
+    cfg = req.trace
     cfg.validate(store.geometry.n_layers)
-    if req.limit is not None and req.limit < 1:
-        raise InvalidSetting("limit", f"must be positive, not {req.limit}")
     facts = stored_facts(
         store, Selection.from_sql(store, req.where), correct_only=not req.all_facts, limit=req.limit
     )
@@ -83,15 +63,7 @@ def run_trace(store: StoreReader, req: TraceRequest) -> TraceOutcome:
                 else " that the model answers correctly (wrong answers are left out unless all facts are asked for)"
             )
         )
-    model = model_for_store(store, req.model)
-    loaded = load_store_model(
-        store,
-        model,
-        device=req.device,
-        model_dtype=req.model_dtype,
-        allow_other_model=req.allow_other_model,
-        quiet=req.quiet,
-    )
+    model, loaded = load_request_model(store, req)
     runner = InterventionRunner(loaded.model)
     std = (
         req.noise_std

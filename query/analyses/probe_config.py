@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from actstore.core.invalid import InvalidSetting
-from actstore.core.settings import check_settings, setting
+from actstore.core.settings import check_settings, setting, threads_setting
 
 PROBE_KINDS = ("attn_head", "attn", "attn_entity", "mlp", "mlp_group", "resid", "z")
 # dW for HeadScore/TokenScore (actstore.query.analyses.attribution): "renormalised" (ours) or "seed"
@@ -49,9 +49,7 @@ class ProbeConfig:
         choices=("errors", "all", "none"),
     )
     memory_mb: int = setting(1024, "Working-memory budget per chunk (MB).", low=1)
-    threads: int = setting(
-        1, "torch CPU threads (1 is fastest on a shared machine; 0 = torch's default).", low=0
-    )
+    threads: int = threads_setting(1, "1 is fastest on a shared machine.")
     train_batch: int = setting(2, "Episodes per training tensor problem (1-2 is fastest on a CPU).", low=1)
     relspec: bool = setting(
         True, "Baseline without RelSpec: every feature, the same standardisation and training."

@@ -35,11 +35,14 @@ def invoke(*args: str) -> click.testing.Result:
 
 # The torch-free modules of settings the command line builds its options from.
 SETTINGS_MODULES = {
+    "actstore.query.analyses",
+    "actstore.query.analyses.lens_methods",
     "actstore.query.analyses.probe_config",
     "actstore.query.maps",
     "actstore.query.maps.defaults",
+    "actstore.query.maps.settings",
     "actstore.ingest.settings",
-    "actstore.interventions.settings",
+    "actstore.query.methods",
     "actstore.query.methods.defaults",
     "actstore.jobs.settings",
     "actstore.jobs.study_settings",
