@@ -70,7 +70,7 @@ def bench(name: str, device: str, n: int, batch: int, rounds: int) -> dict[str, 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actstore.ingest.capture.batches import pad_batch
-    from actstore.ingest.models import tiny_tokenizer
+    from actstore.ingest.models.tiny import tiny_tokenizer
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 

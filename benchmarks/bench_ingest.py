@@ -47,8 +47,8 @@ FEWREL = DATA / "fewrel" / "val_wiki.json"
 
 def load(n_prompts: int) -> tuple[Any, list[Any]]:
     from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.models import load_model
+    from actstore.ingest.datasets.dispatch import load_dataset
+    from actstore.ingest.models.registry import load_model
 
     loaded = load_model("smollm2-135m")
     per_rel = max(1, n_prompts // 16 + 1)

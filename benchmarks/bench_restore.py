@@ -50,9 +50,9 @@ def main() -> None:
     import torch
 
     import actstore
-    from actstore.interventions import InterventionRunner
     from actstore.interventions.effectiveness import EffectConfig, noise_std_for, site_effects
     from actstore.interventions.facts import stored_facts
+    from actstore.interventions.runner import InterventionRunner
     from actstore.jobs.model import load_store_model, model_for_store
 
     torch.set_num_threads(args.threads)

@@ -9,7 +9,7 @@ attention's and the MLP's matmul FLOPs per position, plus the LM head of every r
                    run (keys/values of the positions before it, the layer inputs below its window)
                    and runs only layers start..L-1 at positions p..T-1
 * ``batched``      ``TraceConfig(incremental=False)`` with the shared
-                   :class:`actstore.interventions.InterventionRunner` (what ``actstore trace`` ran before
+                   :class:`actstore.interventions.runner.InterventionRunner` (what ``actstore trace`` ran before
                    the incremental runner): ``--batch-size`` full corrupted copies per forward pass
 * ``vectorised``   the same with :class:`actstore.interventions.tracing.GroupedEditRunner` (edits as one indexed write)
 * ``loop``         the shared runner with ``batch_size=1``, one restoration per forward pass (first fact only)
@@ -150,8 +150,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     import actstore
-    from actstore.ingest.models import load_model
-    from actstore.interventions import InterventionRunner
+    from actstore.ingest.models.registry import load_model
+    from actstore.interventions.runner import InterventionRunner
     from actstore.interventions.settings import TraceConfig
     from actstore.interventions.tracing import (
         CausalTracer,

@@ -21,7 +21,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from actstore.ingest.models import load_model
+from actstore.ingest.models.registry import load_model
 from actstore.query.maps.defaults import MIN_PAIRS
 from actstore.query.maps.pairs import load_pair_files, single_token_pairs
 from benchmarks.maps_prompts import (

@@ -79,7 +79,7 @@ def run(model: str, limit: int, folder: str) -> dict[str, object]:
     )
 
     # 5. A self-contained HTML report of the store (and of every analysis result it holds).
-    from actstore.query.report import write_report
+    from actstore.query.report.builder import write_report
 
     report = write_report(s, os.path.join(folder, "report.html"))
     print(f"report: {report}")

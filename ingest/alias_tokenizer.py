@@ -19,7 +19,10 @@ from typing import Any
 
 from actstore.core.dependencies import transformers
 from actstore.core.errors import QueryError
-from actstore.ingest.models import GGUF_ALIASES, known_alias, model_cache_dir, tiny_model
+from actstore.ingest.models.cache import model_cache_dir
+from actstore.ingest.models.gguf import GGUF_ALIASES
+from actstore.ingest.models.registry import known_alias
+from actstore.ingest.models.tiny import tiny_model
 
 
 def alias_tokenizer(name: str, weight_hash: str = "") -> Any | None:

@@ -90,8 +90,8 @@ def build_store(
     """Ingest a few prompts with a tiny random model into ``out`` and return the path (``chunk_layers``:
     layers per chunk, 1 as ``actstore ingest`` writes by default; 0 the whole layer axis per chunk)."""
     from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.models import tiny_model
+    from actstore.ingest.datasets.dispatch import load_dataset
+    from actstore.ingest.models.tiny import tiny_model
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 

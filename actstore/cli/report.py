@@ -50,7 +50,8 @@ def report(
     as_json: bool,
 ) -> None:
     """Write one self-contained HTML file: the store's summary and every analysis result it holds."""
-    from actstore.query.report import ReportOptions, collect_sections, render_html, write_text_atomically
+    from actstore.query.report.builder import collect_sections, render_html, write_text_atomically
+    from actstore.query.report.context import ReportOptions
 
     s = open_store_arg(store)
     opts = ReportOptions(

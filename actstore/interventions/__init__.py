@@ -9,33 +9,4 @@
                                                    :mod:`~actstore.interventions.tracing_incremental`;
 * :mod:`actstore.interventions.patching`             activation patching between facts of one relation;
 * :mod:`actstore.interventions.ablation`             the MAPS causal check (ablate a relation's heads).
-
-The runner's names are re-exported here, so ``from actstore.interventions import InterventionRunner``
-keeps working; the experiments are imported from their modules.
 """
-
-from __future__ import annotations
-
-from actstore.core.errors import InterventionError
-from actstore.interventions.runner import (
-    COMPONENTS,
-    OPS,
-    Intervention,
-    InterventionRunner,
-    RunItem,
-    RunResult,
-    head_ablation,
-    stored_head_means,
-)
-
-__all__ = [
-    "COMPONENTS",
-    "OPS",
-    "Intervention",
-    "InterventionError",
-    "InterventionRunner",
-    "RunItem",
-    "RunResult",
-    "head_ablation",
-    "stored_head_means",
-]

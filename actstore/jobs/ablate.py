@@ -11,8 +11,8 @@ from typing import Any
 from actstore.core.invalid import InvalidSetting
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader, open_reader
-from actstore.interventions import InterventionRunner
 from actstore.interventions.ablation import relation_prompts, run_ablation
+from actstore.interventions.runner import InterventionRunner
 from actstore.jobs.model import load_request_model
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import AblateRequest

@@ -24,11 +24,13 @@ from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture_store import IngestReport
 from actstore.ingest.corpus import capture_positions, kept_arrays
 from actstore.ingest.corpus_windows import plan_corpus
-from actstore.ingest.datasets import DatasetResult, load_dataset
+from actstore.ingest.datasets.common import DatasetResult
+from actstore.ingest.datasets.dispatch import load_dataset
 from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
 from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.lazy_prompts import LazyPrompts
-from actstore.ingest.models import LoadedModel, load_model
+from actstore.ingest.models.base import LoadedModel
+from actstore.ingest.models.registry import load_model
 from actstore.ingest.pipeline import capture_corpus
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import CORPUS_KINDS, IngestRequest

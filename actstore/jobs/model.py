@@ -14,7 +14,7 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.settings import DEFAULT_DEVICE, DEFAULT_MODEL_DTYPE, check_model_dtype
 from actstore.core.store import StoreReader
 from actstore.ingest.capture.first_mlp import first_mlp_transform
-from actstore.ingest.models import known_alias, load_model
+from actstore.ingest.models.registry import known_alias, load_model
 from actstore.jobs.settings import StoreModelRun
 
 

@@ -12,7 +12,6 @@ from actstore.core.invalid import InvalidSetting
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
-from actstore.interventions import InterventionRunner
 from actstore.interventions.patching import (
     ActivationPatcher,
     PatchPair,
@@ -20,6 +19,7 @@ from actstore.interventions.patching import (
     effects_table,
     pairs_table,
 )
+from actstore.interventions.runner import InterventionRunner
 from actstore.interventions.tracing import stored_facts
 from actstore.jobs.model import load_request_model
 from actstore.jobs.record import record_run

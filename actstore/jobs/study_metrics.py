@@ -20,9 +20,9 @@ import pyarrow as pa
 
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
-from actstore.interventions import InterventionRunner
 from actstore.interventions.effectiveness import EffectConfig, noise_std_for, site_effects, sites_by_fact
 from actstore.interventions.facts import stored_facts
+from actstore.interventions.runner import InterventionRunner
 from actstore.jobs.methods import record_method_metrics
 from actstore.jobs.model import load_store_model, model_for_store
 from actstore.jobs.record import record_run

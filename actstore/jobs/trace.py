@@ -15,7 +15,7 @@ from typing import Any
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
-from actstore.interventions import InterventionRunner
+from actstore.interventions.runner import InterventionRunner
 from actstore.interventions.tracing import (
     CausalTracer,
     TraceError,

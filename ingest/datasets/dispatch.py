@@ -69,7 +69,7 @@ def load_dataset(spec: str, **options: Any) -> DatasetResult:
         if named is not None and named.kind is None:
             raise DatasetError(
                 f"{named.name} is a knowledge graph of Wikidata triples, not a prompt data set; fetch it "
-                f"with actstore.ingest.datasets.fetch({named.name!r}) and read its triple files as a knowledge graph"
+                f"with actstore.ingest.datasets.registry.fetch({named.name!r}) and read its triple files as a knowledge graph"
             )
         raise DatasetError(
             f"unknown dataset kind {kind!r} in {spec!r}; expected one of {', '.join(KINDS)} "

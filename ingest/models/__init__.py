@@ -10,22 +10,3 @@
 
 Library code here reports through ``logging`` (logger names ``actstore.ingest.models.*``) and never prints.
 """
-
-from .base import LoadedModel, ModelError, weight_hash
-from .cache import model_cache_dir
-from .gguf import GGUF_ALIASES
-from .registry import known_alias, load_model
-from .tiny import TINY_ARCHS, tiny_model, tiny_tokenizer
-
-__all__ = [
-    "GGUF_ALIASES",
-    "TINY_ARCHS",
-    "LoadedModel",
-    "ModelError",
-    "model_cache_dir",
-    "known_alias",
-    "load_model",
-    "tiny_model",
-    "tiny_tokenizer",
-    "weight_hash",
-]

@@ -1,5 +1,6 @@
 """A self-contained HTML report of a store and every analysis result it holds.
 
+    from actstore.query.report.builder import build_report, write_report
     html = build_report(actstore.open("/tmp/s"))          # one string, no external assets
     write_report(store, "report.html")                   # written atomically
 
@@ -9,7 +10,7 @@ instead of the figure, so results written by older or newer code never break the
 table whose files cannot be read (missing, damaged) costs only its own section, which says so.
 Figures are matplotlib PNGs (:mod:`actstore.query.analyses.plotting`) embedded as base64 ``data:`` URIs; the page
 is rendered from the Jinja2 templates in ``templates/`` with autoescaping.  Every section has a
-stable element id (:data:`SECTION_IDS`) so tests and links can find it.
+stable element id (:data:`~actstore.query.report.context.SECTION_IDS`) so tests and links can find it.
 
 Modules: :mod:`~actstore.query.report.builder` (section order, page, atomic write),
 :mod:`~actstore.query.report.context` (blocks, options, table access), :mod:`~actstore.query.report.render`
@@ -30,43 +31,5 @@ Modules: :mod:`~actstore.query.report.builder` (section order, page, atomic writ
 * ``section-agreement``   method agreement table                                                 lens
 * ``section-tables``      any other result table: name, rows, columns and a preview              tables
 
-The tables each section reads are :data:`SECTION_TABLES`.
+The tables each section reads are :data:`~actstore.query.report.builder.SECTION_TABLES`.
 """
-
-from actstore.query.report.builder import (
-    SECTION_TABLES,
-    SECTIONS,
-    SectionSpec,
-    build_report,
-    collect_sections,
-    expected_sections,
-    render_html,
-    write_report,
-    write_text_atomically,
-)
-from actstore.query.report.context import READ_ERRORS, SECTION_IDS, ReportContext, ReportOptions, Section, fmt
-from actstore.query.report.interventions import TRACE_CLASSES, trace_classes
-from actstore.query.report.summary import store_bytes
-from actstore.query.report.tokens import token_colour
-
-__all__ = [
-    "READ_ERRORS",
-    "SECTIONS",
-    "SECTION_IDS",
-    "SECTION_TABLES",
-    "TRACE_CLASSES",
-    "ReportContext",
-    "ReportOptions",
-    "Section",
-    "SectionSpec",
-    "build_report",
-    "collect_sections",
-    "expected_sections",
-    "fmt",
-    "render_html",
-    "store_bytes",
-    "token_colour",
-    "trace_classes",
-    "write_report",
-    "write_text_atomically",
-]

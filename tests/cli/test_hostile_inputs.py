@@ -894,7 +894,7 @@ def unblock_fifos(fifos: list[Path], after_s: float = 60.0) -> Iterator[list[Pat
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory: pytest.TempPathFactory) -> Ctx:
-    from actstore.ingest.models import tiny_model
+    from actstore.ingest.models.tiny import tiny_model
 
     root = tmp_path_factory.mktemp("hostile")
     store = root / "store"

@@ -32,7 +32,8 @@ import actstore
 from actstore.cli import main
 from actstore.core.errors import CorruptStoreError
 from actstore.core.writer import write_result_table
-from actstore.query.report import SECTION_IDS, build_report, collect_sections, expected_sections, write_report
+from actstore.query.report.builder import build_report, collect_sections, expected_sections, write_report
+from actstore.query.report.context import SECTION_IDS
 
 FEWREL_FIXTURE = FIXTURES / "fewrel" / "val_wiki.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

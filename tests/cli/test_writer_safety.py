@@ -380,7 +380,7 @@ def test_overwrite_while_another_ingest_writes(tmp_path: Path) -> None:
 def test_two_fresh_ingests_of_different_data(tmp_path: Path) -> None:
     """Before: both wrote; the manifest named one data set and the rows came from the other."""
     import actstore
-    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.datasets.dispatch import load_dataset
 
     out = tmp_path / "store"
     other = tmp_path / "other.jsonl"

@@ -14,8 +14,8 @@ from actstore.core.verify import verify_store
 
 def test_readers_during_ingest_see_only_committed_rows(tmp_path: Path) -> None:
     from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.models import tiny_model
+    from actstore.ingest.datasets.dispatch import load_dataset
+    from actstore.ingest.models.tiny import tiny_model
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 

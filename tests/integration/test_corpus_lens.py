@@ -16,7 +16,7 @@ import torch
 
 import actstore
 from actstore.core.errors import LensError
-from actstore.ingest.models import tiny_model
+from actstore.ingest.models.tiny import tiny_model
 from actstore.query.analyses.corpus_lens import corpus_lens_study, corpus_residuals, split_documents
 from actstore.query.analyses.tuned_lens import TrainConfig
 

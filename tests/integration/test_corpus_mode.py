@@ -24,7 +24,7 @@ import actstore.ingest.corpus as cc
 from actstore.core.errors import ActstoreError, QueryError, StorageError
 from actstore.core.verify import verify_store
 from actstore.ingest.capture.fused import FusedCapture
-from actstore.ingest.models import tiny_model
+from actstore.ingest.models.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

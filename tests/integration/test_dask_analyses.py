@@ -110,7 +110,7 @@ def test_maps_dynamic_on_dask_equals_single_pass(maps_store: Path, client: Any) 
 def test_maps_dynamic_first_mlp_sources_reach_the_workers(maps_store: Path, client: Any) -> None:
     """With the first MLP (a model module, only in this process), the tasks get its source vectors."""
     from actstore.ingest.capture.first_mlp import first_mlp_transform
-    from actstore.ingest.models import tiny_model
+    from actstore.ingest.models.tiny import tiny_model
     from actstore.query.maps.dynamic import dynamic_ranks
     from actstore.query.maps.projection import VocabProjection
 

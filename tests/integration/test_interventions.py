@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import actstore
-from actstore.ingest.models import tiny_model
-from actstore.interventions import (
+from actstore.core.errors import InterventionError
+from actstore.ingest.models.tiny import tiny_model
+from actstore.interventions.runner import (
     Intervention,
-    InterventionError,
     InterventionRunner,
     RunItem,
     head_ablation,

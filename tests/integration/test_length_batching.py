@@ -29,8 +29,8 @@ from helpers import FIXTURES
 import actstore
 from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.ingest.align import tokenize_records
-from actstore.ingest.datasets import load_dataset
-from actstore.ingest.models import tiny_model
+from actstore.ingest.datasets.dispatch import load_dataset
+from actstore.ingest.models.tiny import tiny_model
 from actstore.ingest.pipeline import corpus_order, forward_order, ingest_prompts
 from actstore.ingest.settings import IngestConfig
 

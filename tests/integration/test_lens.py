@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from helpers import KNOWN_STORE_KW
 
 import actstore
-from actstore.ingest.models import tiny_model
+from actstore.ingest.models.tiny import tiny_model
 from actstore.query.analyses.lens import (
     FinalReadout,
     LensError,

@@ -333,8 +333,8 @@ def test_a_loader_reads_a_store_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
     from s3server import moto_server, use_server_env
 
     from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
-    from actstore.ingest.models import tiny_model
+    from actstore.ingest.datasets.dispatch import load_dataset
+    from actstore.ingest.models.tiny import tiny_model
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 

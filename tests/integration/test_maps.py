@@ -20,7 +20,7 @@ from helpers import FIXTURES, real_data
 
 import actstore
 from actstore.cli import main
-from actstore.ingest.models import tiny_model
+from actstore.ingest.models.tiny import tiny_model
 from actstore.query.maps.dynamic import correlation_summary, dynamic_ranks
 from actstore.query.maps.pairs import load_pair_files, store_pairs, tokenize_pairs
 from actstore.query.maps.projection import VocabProjection
@@ -256,8 +256,8 @@ def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> Non
 
 
 def test_ablation_experiment(maps_store: Path) -> None:
-    from actstore.interventions import InterventionRunner
     from actstore.interventions.ablation import run_ablation
+    from actstore.interventions.runner import InterventionRunner
     from actstore.interventions.settings import AblationConfig
 
     store = actstore.open(maps_store)
@@ -309,8 +309,8 @@ CONTROL_RELS = (
 def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[..., Path]) -> None:
     """The control choice reads a matching stored `maps` run or recomputes the scores; both give the same
     choice, and the overlaps and base accuracies reported equal a brute-force computation from the model."""
-    from actstore.interventions import InterventionRunner
     from actstore.interventions.ablation import run_ablation
+    from actstore.interventions.runner import InterventionRunner
     from actstore.interventions.settings import AblationConfig
 
     path = store_factory(

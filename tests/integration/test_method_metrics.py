@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from actstore.cli import main
 from actstore.core.errors import DatasetError
-from actstore.ingest.datasets import load_dataset
+from actstore.ingest.datasets.dispatch import load_dataset
 from actstore.ingest.datasets.methods2k import (
     allocate,
     build_methods2k,
@@ -376,9 +376,9 @@ def _p_object(loaded: Any, fact: Any, hooks: list[tuple[torch.nn.Module, Callabl
 
 def test_knockout_effects_match_hooks_written_here() -> None:
     from actstore.ingest.capture.architectures import architecture_for
-    from actstore.ingest.models import tiny_model
-    from actstore.interventions import InterventionRunner
+    from actstore.ingest.models.tiny import tiny_model
     from actstore.interventions.effectiveness import EffectConfig, random_layers, site_effects
+    from actstore.interventions.runner import InterventionRunner
 
     loaded = tiny_model("llama")
     blocks = architecture_for(loaded.model).blocks(loaded.model)
@@ -412,9 +412,9 @@ def test_knockout_effects_match_hooks_written_here() -> None:
 
 def test_restore_effects_match_hooks_written_here() -> None:
     from actstore.ingest.capture.architectures import architecture_for
-    from actstore.ingest.models import tiny_model
-    from actstore.interventions import InterventionRunner
+    from actstore.ingest.models.tiny import tiny_model
     from actstore.interventions.effectiveness import EffectConfig, site_effects
+    from actstore.interventions.runner import InterventionRunner
 
     loaded = tiny_model("llama")
     arch = architecture_for(loaded.model)
@@ -543,7 +543,7 @@ def test_study_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
     assert cross["recall_success"]["value"] == pytest.approx(answered / 18)
     assert 0 <= cross["trace_mlp_share"]["value"] <= 1
     # the report's section reads these tables; Chromium lays it out
-    from actstore.query.report import build_report
+    from actstore.query.report.builder import build_report
 
     html = build_report(s)
     assert 'id="section-method-metrics"' in html

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from actstore.ingest.models import tiny_model
+from actstore.ingest.models.tiny import tiny_model
 from actstore.interventions.facts import StoredFact
 from actstore.interventions.patching import ActivationPatcher, PatchConfig, PatchPair
 from actstore.interventions.runner import InterventionRunner

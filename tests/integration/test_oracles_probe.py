@@ -302,7 +302,7 @@ def reference_episodes(
 
 def output_bias(arch: str) -> np.ndarray:
     """b_O [L, d_model] read from the tiny model's own output projections (zeros where it has none)."""
-    from actstore.ingest.models import tiny_model
+    from actstore.ingest.models.tiny import tiny_model
 
     model = tiny_model(arch).model
     if arch == "gpt2":

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import actstore
-from actstore.ingest.models import TINY_ARCHS, tiny_model
+from actstore.ingest.models.tiny import TINY_ARCHS, tiny_model
 from actstore.query.analyses.lens import FinalReadout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,7 +47,7 @@ def final_norm_module(arch: str, model: Any) -> torch.nn.Module:
 
 def write_store(out: Path, loaded: Any) -> actstore.Store:
     from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.datasets.dispatch import load_dataset
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 

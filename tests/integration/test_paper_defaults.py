@@ -29,7 +29,7 @@ from helpers import FIXTURES, build_store
 
 import actstore
 from actstore.cli import main
-from actstore.ingest.models import tiny_model
+from actstore.ingest.models.tiny import tiny_model
 from actstore.jobs.probe import record_probe
 from actstore.query.analyses.probe import ProbeConfig, run_probe
 

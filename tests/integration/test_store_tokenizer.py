@@ -22,7 +22,7 @@ from actstore.core.errors import CorruptStoreError, QueryError
 from actstore.core.manifest import seal
 from actstore.core.tables import sha256
 from actstore.core.verify import verify_store
-from actstore.ingest.models import tiny_model
+from actstore.ingest.models.tiny import tiny_model
 from actstore.query.select.store_tokenizer import stored_tokenizer
 
 TEXTS = ["The capital of France is", "Zebras weren't seen; — naïve café 123", "", "  two  spaces\tand a tab"]
@@ -160,7 +160,7 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
     from s3server import moto_server, use_server_env
 
     from actstore.ingest.align import tokenize_records
-    from actstore.ingest.datasets import load_dataset
+    from actstore.ingest.datasets.dispatch import load_dataset
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 

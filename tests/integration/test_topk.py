@@ -143,7 +143,7 @@ def test_bad_arguments_are_one_line(store_path: Path, tmp_path: Path) -> None:
 def test_a_corpus_stores_contexts_are_its_documents_text(tmp_path: Path) -> None:
     """On a corpus store each context is the text of the row's window around its token: checked
     against the document's own characters, cut at the token offsets the tokenizer gives directly."""
-    from actstore.ingest.models import tiny_model
+    from actstore.ingest.models.tiny import tiny_model
     from actstore.query.analyses.topk import position_contexts
 
     docs = [

@@ -16,9 +16,9 @@ from helpers import KNOWN_STORE_KW
 import actstore
 from actstore.core.errors import PatchError
 from actstore.ingest.capture.architectures import architecture_for as architecture_for_model
-from actstore.ingest.models import tiny_model
-from actstore.interventions import Intervention, InterventionRunner, RunItem
+from actstore.ingest.models.tiny import tiny_model
 from actstore.interventions.patching import ActivationPatcher, PatchPair
+from actstore.interventions.runner import Intervention, InterventionRunner, RunItem
 from actstore.interventions.settings import PatchConfig, TraceConfig
 from actstore.interventions.tracing import (
     CausalTracer,

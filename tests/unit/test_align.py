@@ -17,7 +17,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from actstore.core.errors import AlignmentError
 from actstore.ingest.align import tokenize_record, tokenize_records
-from actstore.ingest.datasets import load_demo, load_fewrel
+from actstore.ingest.datasets.demo import load_demo
+from actstore.ingest.datasets.fewrel import load_fewrel
 from actstore.ingest.records import PromptRecord, TokenizedPrompt
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

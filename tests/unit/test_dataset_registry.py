@@ -19,17 +19,15 @@ from typing import Any
 import pytest
 from helpers import FIXTURES, real_data
 
-from actstore.ingest.datasets import (
-    DatasetError,
-    DatasetResult,
-    load_dataset,
-    load_fewrel,
-    load_known1000,
-    load_lre,
-    load_maps,
-    registry,
-    triple_files,
-)
+from actstore.core.errors import DatasetError
+from actstore.ingest.datasets import registry
+from actstore.ingest.datasets.codex import triple_files
+from actstore.ingest.datasets.common import DatasetResult
+from actstore.ingest.datasets.dispatch import load_dataset
+from actstore.ingest.datasets.fewrel import load_fewrel
+from actstore.ingest.datasets.known1000 import load_known1000
+from actstore.ingest.datasets.lre import load_lre
+from actstore.ingest.datasets.maps import load_maps
 from actstore.ingest.datasets.pins import SHA256
 
 # The files each named data set needs, as globs in the fixtures' (= $ACTSTORE_DATA's) layout.

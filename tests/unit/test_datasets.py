@@ -15,18 +15,15 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import FIXTURES, real_data
 
-from actstore.ingest.datasets import (
-    DatasetError,
-    DatasetResult,
-    fill_template,
-    load_dataset,
-    load_demo,
-    load_fewrel,
-    load_jsonl,
-    load_known1000,
-    load_lre,
-    load_maps,
-)
+from actstore.core.errors import DatasetError
+from actstore.ingest.datasets.common import DatasetResult, fill_template
+from actstore.ingest.datasets.demo import load_demo
+from actstore.ingest.datasets.dispatch import load_dataset
+from actstore.ingest.datasets.fewrel import load_fewrel
+from actstore.ingest.datasets.jsonl import load_jsonl
+from actstore.ingest.datasets.known1000 import load_known1000
+from actstore.ingest.datasets.lre import load_lre
+from actstore.ingest.datasets.maps import load_maps
 from actstore.ingest.records import PromptRecord
 
 FEWREL = FIXTURES / "fewrel" / "val_wiki.json"
