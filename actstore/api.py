@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from actstore.core.errors import ActstoreError
-from actstore.core.fs import locate
+from actstore.core.storage import locate
 from actstore.core.store import StoreReader
 
 if TYPE_CHECKING:

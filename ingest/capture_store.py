@@ -15,10 +15,10 @@ import pyarrow as pa
 import torch
 
 from actstore.core._version import __version__
-from actstore.core.fs import StoreLocation
 from actstore.core.manifest import Manifest
 from actstore.core.runs import new_run_id, write_run
 from actstore.core.segments import tokenizer_file_name_ok
+from actstore.core.storage.base import StoreLocation
 from actstore.core.tables import sha256
 from actstore.core.writer import StoreWriter
 from actstore.ingest.capture.architectures import Architecture

@@ -14,12 +14,10 @@ as zero chunks (a few bytes each after compression) and refused on read
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,11 +25,11 @@ import torch
 
 from actstore.core.compact import compact_held
 from actstore.core.errors import RankError, StorageError
-from actstore.core.fs import StoreLocation
 from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.lock import holding
 from actstore.core.manifest import Geometry
 from actstore.core.progress import progress_bar
+from actstore.core.storage.base import StoreLocation
 from actstore.core.writer import StoreWriter
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture.fused import BatchIndex, FusedCapture
@@ -79,12 +77,7 @@ def bytes_per_row(g: Geometry, kept: dict[str, list[int]], storage_dtype: str) -
 
 def free_bytes(loc: StoreLocation) -> int | None:
     """Free bytes where a local store would be written (None for object storage)."""
-    if not loc.is_local:
-        return None
-    p = Path(loc.path(""))
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return shutil.disk_usage(p).free
+    return loc.free_bytes()
 
 
 def capture_positions(

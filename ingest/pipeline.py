@@ -21,12 +21,13 @@ import torch
 
 from actstore.core.compact import compact_held
 from actstore.core.errors import AlignmentError, DatasetError, RankError
-from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
 from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.lock import holding, writer_lock
 from actstore.core.manifest import Manifest
 from actstore.core.progress import progress_bar
+from actstore.core.storage import locate
+from actstore.core.storage.base import StoreLocation
 from actstore.ingest.capture.architectures import Architecture, architecture_for
 from actstore.ingest.capture.batches import pad_batch
 from actstore.ingest.capture.fused import FusedCapture

@@ -37,8 +37,8 @@ from typing import TextIO, TypeVar
 import torch.distributed as dist
 
 from actstore.core.errors import RankError
-from actstore.core.fs import StoreLocation
 from actstore.core.lock import LOCK_ENV, held_by_peer, under_launcher, writer_lock
+from actstore.core.storage.base import StoreLocation
 
 T = TypeVar("T")
 

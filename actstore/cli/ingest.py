@@ -44,8 +44,8 @@ def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
 
         # The launcher holds the store's writer lock until torchrun exits; the ranks run under it.
         def refuse_existing() -> None:  # under the lock, before any rank starts (the ranks check again)
-            from actstore.core.fs import locate
             from actstore.core.ownership import check_root
+            from actstore.core.storage import locate
 
             if not resume:
                 check_root(locate(out), overwrite=overwrite)

@@ -27,12 +27,7 @@ EXIT_DAMAGED = 3  # verify found a problem (the store is damaged or incomplete)
 
 
 def _du(s: Any) -> int:
-    if s.location.is_local:
-        total = 0
-        for root, _, files in os.walk(s.location.root):
-            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-        return total
-    return int(s.location.fs.du(s.location.root))
+    return s.location.tree_bytes("")
 
 
 def _bytes(s: Any) -> int:
@@ -141,7 +136,7 @@ def info(store: str, as_json: bool) -> None:
 @sql_limit_options
 def sql(store: str, query: str, fmt: str, as_json: bool) -> None:
     """Run one read-only SELECT over the store's tables."""
-    from actstore.core.sql import render
+    from actstore.core.sql_render import render
 
     click.echo(render(open_store_arg(store).sql(query), "json" if as_json else fmt))
 

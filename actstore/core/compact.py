@@ -26,7 +26,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from actstore.core.fs import StoreLocation, locate
 from actstore.core.lock import writer_lock
 from actstore.core.manifest import FORMAT_VERSION
 from actstore.core.relation_index import INDEX_SCHEMA, index_table, write_index
@@ -42,6 +41,8 @@ from actstore.core.snapshot import (
     is_index_file,
     snapshot_name,
 )
+from actstore.core.storage import locate
+from actstore.core.storage.base import StoreLocation
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES, SCHEMAS, SEGMENT_TABLES
 
@@ -238,7 +239,7 @@ def compact_held(
     segments = {s: (c.n_sources, c.n_tokens) for s, c in commits.items()}
     counted = old is not None and old.segment_bytes >= 0
     seg_bytes = (old.segment_bytes if counted and old else 0) + sum(
-        _tree_bytes(loc, f"segments/{s:06d}") for s in segments if not (counted and old and s in old.segments)
+        loc.tree_bytes(f"segments/{s:06d}") for s in segments if not (counted and old and s in old.segments)
     )
     snap = Snapshot(
         number=number,
@@ -255,17 +256,6 @@ def compact_held(
         f"{bytes_written / 1e6:.1f} MB written, {removed} old files removed)"
     )
     return CompactReport(loc.url, number, len(segments), written, removed, bytes_written, upgraded)
-
-
-def _tree_bytes(loc: StoreLocation, rel: str) -> int:
-    """Bytes of the files under ``rel`` (one segment's folder)."""
-    if loc.is_local:
-        import os
-
-        return sum(
-            os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(loc.path(rel)) for f in files
-        )
-    return int(loc.fs.du(loc.path(rel)))
 
 
 def _remove_unreferenced(loc: StoreLocation, snap: Snapshot, previous: Snapshot | None) -> int:

@@ -25,7 +25,7 @@ from actstore.core.errors import CorruptStoreError, FormatVersionError, StoreNot
 from actstore.core.tables import ALL_SEGMENT_TABLES, SEGMENT_TABLES, store_segment_tables
 
 if TYPE_CHECKING:
-    from actstore.core.fs import StoreLocation
+    from actstore.core.storage.base import StoreLocation
 
 FORMAT_NAME = "actstore"
 FORMAT_VERSION = 3  # 2: segment arrays may be chunked along the layer axis too (chunk_layers);

@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
-import stat
 import time
 
 from actstore.core.errors import ActstoreError, NotOursError, StoreExistsError
-from actstore.core.fs import StoreLocation
 from actstore.core.lock import LOCK_NAME
 from actstore.core.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
+from actstore.core.storage.base import StoreLocation
 
 CREATING = ".creating"  # present while a store is being created, before its manifest exists
 CREATING_SIGNATURE = "actstore store being created"
@@ -102,25 +100,7 @@ def _foreign_entry(loc: StoreLocation, names: list[str]) -> str | None:
     for name in names:
         if name not in STORE_ENTRIES and not _TEMP.match(name):
             return name
-    if not loc.is_local:
-        return None
-    root = loc.root
-    st = os.lstat(root)
-    if not stat.S_ISDIR(st.st_mode):
-        return "."
-    for top in names:
-        path = os.path.join(root, top)
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode):
-            continue
-        if not stat.S_ISDIR(st.st_mode):
-            return top
-        for here, dirs, files in os.walk(path, followlinks=False):
-            for n in dirs + files:
-                st = os.lstat(os.path.join(here, n))
-                if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                    return os.path.relpath(os.path.join(here, n), root)
-    return None
+    return loc.first_special_entry(names)
 
 
 def check_root(loc: StoreLocation, *, overwrite: bool) -> str | None:
@@ -128,13 +108,12 @@ def check_root(loc: StoreLocation, *, overwrite: bool) -> str | None:
     is missing or empty, the reason a wipe is allowed when it holds a store to overwrite or the
     signed remains of a killed creation; anything else raises :class:`StoreExistsError` (one line).
     Run before the lock so bad requests fail at once, and again under it by :func:`prepare_root`."""
-    if loc.is_local and os.path.lexists(loc.root):
-        if not os.path.isdir(loc.root):
-            raise StoreExistsError(f"{loc.url} exists and is not a directory; refusing to write there")
-        if os.path.islink(loc.root) and entries(loc):
-            raise NotOursError(
-                f"{loc.url} is a symbolic link; actstore does not delete through links (give the real path)"
-            )
+    if loc.root_is_non_directory():
+        raise StoreExistsError(f"{loc.url} exists and is not a directory; refusing to write there")
+    if loc.root_is_link() and entries(loc):
+        raise NotOursError(
+            f"{loc.url} is a symbolic link; actstore does not delete through links (give the real path)"
+        )
     names = entries(loc)
     if not names:
         return None
@@ -180,11 +159,4 @@ def prepare_root(loc: StoreLocation, *, overwrite: bool) -> None:
     for name in ["manifest.json"] + sorted(n for n in names if n not in ("manifest.json", CREATING)):
         if name not in names:
             continue
-        if loc.is_local:
-            path = loc.path(name)
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                shutil.rmtree(path)  # does not follow symbolic links (and none were found)
-            else:
-                os.unlink(path)
-        else:
-            loc.remove_tree(name)
+        loc.remove_tree(name)  # does not follow symbolic links (and none were found)

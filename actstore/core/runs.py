@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from actstore.core.fs import StoreLocation
+from actstore.core.storage.base import StoreLocation
 from actstore.core.tables import to_parquet_bytes
 
 RUNS_TABLE = "runs"

@@ -10,8 +10,8 @@ import zarr
 
 from actstore.core.arrays import check_array
 from actstore.core.errors import CorruptStoreError
-from actstore.core.fs import StoreLocation
 from actstore.core.manifest import MAX_JSON_BYTES, Geometry, Manifest, SegmentCommit
+from actstore.core.storage.base import StoreLocation
 
 _HEX = frozenset("0123456789abcdef")
 MARKER_READERS = 8  # commit markers read at once

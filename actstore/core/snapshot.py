@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from actstore.core.errors import CorruptStoreError
-from actstore.core.fs import StoreLocation
 from actstore.core.manifest import (
     MAX_COUNT,
     Manifest,
@@ -48,6 +47,7 @@ from actstore.core.manifest import (
     parse_json_object,
     seal,
 )
+from actstore.core.storage.base import StoreLocation
 from actstore.core.tables import ALL_SEGMENT_TABLES
 
 SNAPSHOT_DIR = "snapshot"

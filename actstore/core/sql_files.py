@@ -1,6 +1,6 @@
 """The store's checked table files as a read-only file system that DuckDB reads Parquet through.
 
-A store's :class:`~actstore.core.sql.SQLSession` (local stores) lets DuckDB read the table files
+A store's :class:`~actstore.core.sql_session.SQLSession` (local stores) lets DuckDB read the table files
 itself, so that its Parquet reader prunes row groups by their statistics, reads only the columns a
 statement needs, and pushes a ``ORDER BY ... LIMIT`` (Top-N) bound into the scan as it runs: a page
 of a statement that sorts 10^6 rows then decodes the texts of a few row groups instead of all of

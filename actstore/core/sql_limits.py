@@ -77,7 +77,7 @@ def current_limits(memory_limit: str | None = None, timeout: float | None = None
 def limits(memory_limit: str | None = None, timeout: float | None = None) -> Iterator[SQLLimits]:
     """Run every SQL statement inside the block with these limits (``timeout=0``: no time limit).
 
-    >>> with actstore.core.sql.limits(memory_limit="1GB", timeout=30):
+    >>> with actstore.core.sql_limits.limits(memory_limit="1GB", timeout=30):
     ...     len(store.select("relation_id = 'city_country'"))
     72
     """

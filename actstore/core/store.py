@@ -32,7 +32,6 @@ from actstore.core.array_meta import open_segment_array
 from actstore.core.arrays import NUMPY_DTYPE, check_array, read_ranges, read_rows
 from actstore.core.chunks import ChunkGuard
 from actstore.core.errors import CorruptStoreError, QueryError
-from actstore.core.fs import StoreLocation, locate
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, TOKENIZER_DIR
 from actstore.core.manifest import Geometry, SegmentCommit, read_manifest
 from actstore.core.segments import (
@@ -44,7 +43,10 @@ from actstore.core.segments import (
     tokenizer_file_name_ok,
 )
 from actstore.core.snapshot import Snapshot, read_snapshot
-from actstore.core.sql import connect, relation, run_sql
+from actstore.core.sql import relation, run_sql
+from actstore.core.sql_connect import connect
+from actstore.core.storage import locate
+from actstore.core.storage.base import StoreLocation
 from actstore.core.store_html import store_html
 from actstore.core.store_tables import TableFiles
 from actstore.core.tables import sha256
@@ -53,7 +55,8 @@ if TYPE_CHECKING:
     import duckdb
     import pandas as pd
 
-    from actstore.core.sql import Params, SQLSession
+    from actstore.core.sql import Params
+    from actstore.core.sql_session import SQLSession
 
 
 _SESSION_LOCK = threading.Lock()
@@ -170,7 +173,7 @@ class StoreReader(TableFiles):
         return ChunkGuard(
             loc.zarr_store(rel, read_only=True),
             where=f"{self.url}/{rel}",
-            local_root=loc.path(rel) if loc.is_local else None,
+            local_root=loc.os_path(rel),
             max_bytes=max_bytes,
         )
 
@@ -318,11 +321,11 @@ class StoreReader(TableFiles):
         return out
 
     def sql_session(self) -> SQLSession:
-        """The store's SQL connection, kept between statements (:class:`actstore.core.sql.SQLSession`)."""
+        """The store's SQL connection, kept between statements (:class:`actstore.core.sql_session.SQLSession`)."""
         with _SESSION_LOCK:
             session = self.__dict__.get("_sql_session")
             if session is None:
-                from actstore.core.sql import SQLSession
+                from actstore.core.sql_session import SQLSession
 
                 session = self.__dict__["_sql_session"] = SQLSession()
             return session
@@ -398,7 +401,7 @@ class StoreReader(TableFiles):
             store.sql("SELECT * FROM examples WHERE relation_id = ?", ["P17"], format="relation").limit(5).df()
 
         ``memory_limit`` (e.g. ``"1GB"``) and ``timeout`` (seconds, 0 for none) override the limits in
-        force (:func:`actstore.core.sql.limits`; defaults in :mod:`actstore.core.sql`)."""
+        force (:func:`actstore.core.sql_limits.limits`; defaults in :mod:`actstore.core.sql_limits`)."""
 
         if format == "relation":
             return relation(self, query, params, memory_limit, timeout)

@@ -12,10 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from actstore.core.errors import CorruptStoreError, QueryError
-from actstore.core.fs import StoreLocation, checked_local_file, file_hash
+from actstore.core.fs import checked_local_file, file_hash
 from actstore.core.manifest import Manifest, SegmentCommit
 from actstore.core.segments import segment_name
 from actstore.core.snapshot import Snapshot, is_compacted_file, is_index_file
+from actstore.core.storage.base import StoreLocation
 from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, SCHEMAS, sha256, xxh3
 
 
@@ -79,7 +80,7 @@ class TableFiles:
         if tables is not None and tables <= {*fixed, "heads"}:
             return {**fixed, "heads": ["tables/heads/heads.parquet"]}, False
         cached = self._listing
-        if self.location.is_local or cached is None or cached[0] != self.location.tables_written():
+        if self.location.lists_cheaply() or cached is None or cached[0] != self.location.tables_written():
             return self.table_files(), True
         return {**fixed, **cached[1]}, True
 
@@ -195,7 +196,8 @@ class TableFiles:
             for rel in listed[name]
             if rel not in self._schemas
         ]
-        if len(todo) > 1 and self.location.is_local:  # hashed on threads (both hashes release the GIL)
+        # hashed on threads (both hashes release the GIL) where the files are opened here
+        if len(todo) > 1 and self.location.paths_open_directly():
             with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 8)) as pool:
                 list(pool.map(self._check_table_file, todo))
         else:
@@ -203,8 +205,9 @@ class TableFiles:
                 self._check_table_file(rel)
 
     def _check_table_file(self, rel: str) -> pa.Schema:
-        if self.location.is_local:  # hashed in blocks, its footer read from the same descriptor
-            with checked_local_file(self.location.path(rel), MAX_TABLE_BYTES, f"{self.url}/{rel}") as f:
+        path = self.location.os_path(rel)
+        if path is not None:  # hashed in blocks, its footer read from the same descriptor
+            with checked_local_file(path, MAX_TABLE_BYTES, f"{self.url}/{rel}") as f:
                 if rel not in self._verified:
                     self._check_hash(rel, digest=file_hash(f, self._hash_algorithm(rel)))
                 f.seek(0)

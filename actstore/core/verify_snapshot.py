@@ -10,11 +10,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actstore.core.fs import StoreLocation
 from actstore.core.manifest import SegmentCommit
 from actstore.core.relation_index import index_table
 from actstore.core.segments import segment_name
 from actstore.core.snapshot import Snapshot, TableFile
+from actstore.core.storage.base import StoreLocation
 from actstore.core.tables import MAX_TABLE_BYTES, xxh3
 
 

@@ -17,11 +17,11 @@ import pyarrow as pa
 
 from actstore.core.arrays import create_array
 from actstore.core.errors import StoreMismatchError
-from actstore.core.fs import StoreLocation
 from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.manifest import Manifest, SegmentCommit, read_manifest
 from actstore.core.ownership import CREATING, creating_marker, prepare_root, signed_creating
 from actstore.core.segments import read_commits, segment_name
+from actstore.core.storage.base import StoreLocation
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES, HEADS, sha256, to_parquet_bytes
 

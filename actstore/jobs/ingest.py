@@ -15,10 +15,11 @@ import torch
 from actstore.core.compact import compact_held
 from actstore.core.dependencies import transformers_logging
 from actstore.core.errors import StoreExistsError, StoreLockedError
-from actstore.core.fs import StoreLocation, locate
 from actstore.core.invalid import InvalidSetting
 from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
+from actstore.core.storage import locate
+from actstore.core.storage.base import StoreLocation
 from actstore.core.writer import creation_interrupted
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture_store import IngestReport

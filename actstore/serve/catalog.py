@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actstore.core.errors import NotFoundError, StoreNotFoundError
-from actstore.core.fs import locate
+from actstore.core.storage import locate
 from actstore.core.store import StoreReader
 
 MANIFEST = "manifest.json"
@@ -74,7 +74,7 @@ class Kept(OrderedDict[Any, Any]):
 @dataclass
 class Served:
     """One store and its caches.  Requests to it run in parallel, each on threads of its own: the
-    store's SQL statements each on a DuckDB cursor of their own (:class:`actstore.core.sql.SQLSession`),
+    store's SQL statements each on a DuckDB cursor of their own (:class:`actstore.core.sql_session.SQLSession`),
     its arrays read by offset; the caches here are guarded by a lock held only to look up and store
     (a value is built outside it, so two requests for the same new view may both build it)."""
 

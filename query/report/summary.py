@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -34,14 +33,8 @@ CORPUS_PLAIN = (
 
 def store_bytes(store: StoreReader) -> int | None:
     """The store's size on disk in bytes (None when an object store does not say)."""
-    loc = store.location
-    if loc.is_local:
-        total = 0
-        for root, _, files in os.walk(loc.root):
-            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-        return total
     try:
-        return int(loc.fs.du(loc.root))
+        return store.location.tree_bytes("")
     except (OSError, NotImplementedError) as e:  # a backend without sizes, or refusing to list
         log.warning("report: the size of %s is unknown (%s: %s)", store.url, type(e).__name__, e)
         return None

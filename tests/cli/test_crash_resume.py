@@ -45,7 +45,7 @@ N_SEGMENTS = 23  # 6 relations x 30 prompts (a few relations have fewer template
 # Run by ``python -c``: the CLI, with a pause (after half a torn write) at one object of the store.
 PAUSING_CLI = """
 import os, sys, time, uuid
-from actstore.core.fs import StoreLocation
+from actstore.core.storage.base import StoreLocation
 
 trigger, flag = os.environ["ORACLE_PAUSE_AT"], os.environ["ORACLE_PAUSE_FLAG"]
 real = StoreLocation.write_bytes_atomic

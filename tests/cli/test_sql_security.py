@@ -314,8 +314,8 @@ def test_the_statements_file_system_serves_checked_table_files_alone_and_only_fo
     ``..``), and list nothing."""
     import duckdb
 
-    from actstore.core.sql import DEFAULT_MEMORY_LIMIT
     from actstore.core.sql_files import PREFIX
+    from actstore.core.sql_limits import DEFAULT_MEMORY_LIMIT
 
     before = snapshot(work.root)
     store = actstore.open(work.store)
@@ -357,10 +357,10 @@ def test_library_limits_per_call_and_per_block(work: Work) -> None:
         store.sql(SLOW, timeout=0.2)
     with pytest.raises(QueryError, match="memory than the limit of 64MB"):
         store.sql(f"SELECT count(*) FROM examples WHERE {HUGE_IN}", memory_limit="64MB")
-    with actstore.core.sql.limits(timeout=0.2):
+    with actstore.core.sql_limits.limits(timeout=0.2):
         with pytest.raises(QueryError, match="time limit of 0.2 s"):
             len(store.select(f"example_id IN (SELECT s FROM ({SLOW}))"))  # a selection runs when read
-    with actstore.core.sql.limits(memory_limit="64MB"):
+    with actstore.core.sql_limits.limits(memory_limit="64MB"):
         with pytest.raises(QueryError, match="limit of 64MB"):
             len(store.select(HUGE_IN))
     with pytest.raises(QueryError, match="not a size"):

@@ -28,10 +28,10 @@ from click.testing import CliRunner
 
 from actstore.cli import main
 from actstore.core.errors import StoreLockedError
-from actstore.core.fs import locate
 from actstore.core.lock import LOCK_NAME, Holder, WriterLock
 from actstore.core.manifest import FORMAT_VERSION, seal
 from actstore.core.ownership import CREATING, creating_marker
+from actstore.core.storage import locate
 
 ACTSTORE = str(
     Path(sys.executable).parent / "actstore"

@@ -24,9 +24,9 @@ import actstore
 from actstore.cli import main
 from actstore.core.compact import compact
 from actstore.core.errors import CorruptStoreError
-from actstore.core.fs import StoreLocation
 from actstore.core.manifest import seal
 from actstore.core.snapshot import CURRENT
+from actstore.core.storage.base import StoreLocation
 from actstore.core.verify import verify_store
 
 TABLES = ("examples", "tokens", "targets")

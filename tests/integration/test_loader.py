@@ -352,7 +352,7 @@ def test_a_loader_reads_a_store_on_s3(monkeypatch: pytest.MonkeyPatch) -> None:
             cfg,
         )
         s3 = actstore.open(url)
-        assert not s3.location.is_local
+        assert not s3.location.paths_open_directly()
         sel = s3.select()
         ld = sel.loader("resid", layers=[1], batch_size=5, buffer_rows=7, workers=2, with_ids=True)
         ids, x = drain(ld)

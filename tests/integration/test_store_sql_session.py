@@ -1,4 +1,4 @@
-"""The SQL connection a Store keeps between statements (actstore.core.sql.SQLSession).
+"""The SQL connection a Store keeps between statements (actstore.core.sql_session.SQLSession).
 
 Each local Store runs its statements on a locked-down database of its own (cursors of it, one per
 statement running), with its tables as views, made when a statement first reads them and remade when
@@ -22,7 +22,9 @@ import pytest
 from helpers import FIXTURES
 
 import actstore
-from actstore.core.sql import DEFAULT_MEMORY_LIMIT, SQLSession, referenced_tables
+from actstore.core.sql import referenced_tables
+from actstore.core.sql_limits import DEFAULT_MEMORY_LIMIT
+from actstore.core.sql_session import SQLSession
 from actstore.core.writer import write_result_table
 
 QUERIES = [
@@ -123,7 +125,7 @@ def test_tables_of_many_files_read_through_arrow_answer_alike(
     Arrow when its second file is written; its answers, in one thread and in several, equal a fresh connection's."""
     import shutil
 
-    from actstore.core import sql as sql_module
+    from actstore.core import sql_session as sql_module
 
     monkeypatch.setattr(sql_module, "MAX_FILE_VIEW_FILES", 1)
     path = tmp_path / "copy"
@@ -149,7 +151,7 @@ def test_statements_list_a_directory_only_for_a_result_table(
     """No statement over the segment tables and heads lists a directory (on S3 each listing is a LIST
     request); locally a statement that reads a result table lists the result tables (so that another
     process's runs are seen at once)."""
-    from actstore.core.fs import StoreLocation
+    from actstore.core.storage.base import StoreLocation
 
     listed: list[str] = []
     real = StoreLocation.listdir

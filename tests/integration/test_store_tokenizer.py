@@ -178,5 +178,5 @@ def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.Monkey
             cfg,
         )
         store = actstore.open(url)
-        assert store.has_tokenizer() and not store.location.is_local
+        assert store.has_tokenizer() and not store.location.paths_open_directly()
         same_tokenizer(stored_tokenizer(store), loaded.tokenizer, TEXTS)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actstore.core.fs import locate
 from actstore.core.lock import LOCK_NAME, read_holder
+from actstore.core.storage import locate
 
 
 def test_only_a_small_regular_file_is_read(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actstore.core.fs import locate
+from actstore.core.storage import locate
 
 
 def reference(base: Path) -> list[str]:
