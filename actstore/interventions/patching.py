@@ -299,13 +299,3 @@ class ActivationPatcher:
             lg = res.logits.to(torch.float64)
             out.append((lg[:, o] - lg[:, o_cf]).numpy())
         return np.concatenate(out)
-
-
-def patch_pairs(
-    runner: InterventionRunner,
-    pairs: Sequence[PatchPair],
-    cfg: PatchConfig,
-    progress: Callable[[int], None] | None = None,
-) -> list[PatchResult]:
-    """Convenience: :class:`ActivationPatcher` (cfg) over ``pairs``."""
-    return ActivationPatcher(runner, cfg).patch(pairs, progress)

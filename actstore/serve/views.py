@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from actstore.core.errors import NotFoundError
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.jobs import probe as probe_job
@@ -465,9 +464,3 @@ def table_preview(store: StoreReader, name: str, page: int, size: int) -> dict[s
             "rows": rows,
         }
     )
-
-
-def require(value: Any, what: str) -> Any:
-    if value is None:
-        raise NotFoundError(what)
-    return value
