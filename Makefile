@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DEMO_OUT ?= demo-out
 
-.PHONY: install demo test test-fast test-kernels lint view bench mutants clean
+.PHONY: install demo test test-fast test-kernels lint view bench gpu-wheels mutants clean
 
 install: $(VENV)/.installed
 
@@ -54,6 +54,11 @@ test-kernels: install
 bench: install
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/run.py --quick
+
+# The wheels the device machine's image lacks, into .whl/ (carried by benchmarks/gpu.sh's call; docs/gpu.md):
+# actstore's requirements and theirs, minus benchmarks/gpu_image_packages.txt; fails if over the carry limit.
+gpu-wheels: install
+	$(BIN)/python benchmarks/gpu_wheels.py --dest .whl --list benchmarks/gpu_wheels.txt
 
 # Mutation testing of the formula functions (about an hour on 2 cores; not part of `make test`).
 # mutmut names modules by their file paths, so it runs in build/mutate, a copy of the installed

@@ -31,6 +31,17 @@ KNOWN_STORE_KW: dict[str, Any] = {
     "limit": 5,
     "relations": ("P30", "P103"),
 }
+# The device and model dtype of the capture exactness tests (test_exactness, test_oracles_capture):
+# CPU and float32 unless set; benchmarks/gpu.sh runs them again with ACTSTORE_TEST_DEVICE=cuda, in float32
+# and in bfloat16 (ACTSTORE_TEST_DTYPE).  Their tolerance (docs/testing.md, "Tolerances"): relative to the
+# largest entry of the compared array, 1e-4 for a float32 model (rounding only), 2^-3 for a bfloat16 model
+# (the batched, padded capture and the one-prompt oracle each round every layer's output to 8 significant
+# bits, and the differences grow through the layers and sharp softmaxes: measured on the CPU, 0.064 for the
+# unscaled GPT-2 (near one-hot attention), 0.041 for Gemma 3's attn_prob, most below 0.02).  An indexing
+# error (a wrong head, source, position or neuron group) is of the order of the values themselves.
+TEST_DEVICE = os.environ.get("ACTSTORE_TEST_DEVICE", "cpu")
+TEST_DTYPE = os.environ.get("ACTSTORE_TEST_DTYPE", "float32")
+CAPTURE_RTOL = {"float32": 1e-4, "bfloat16": 2.0**-3}[TEST_DTYPE]
 GET_DATA = (
     "set ACTSTORE_DATA to a folder holding the public data sets "
     "(fewrel/, lre_relations/, maps/, known_1000/, codex_m/; see tests/data/README.md for their sources)"
@@ -73,6 +84,20 @@ def require_module(name: str, install: str) -> None:
         missing(f"package {name}", install)
 
 
+def on_test_device(loaded: Any) -> Any:
+    """``loaded`` (a :class:`~actstore.ingest.models.LoadedModel`) with its model moved, in place, to
+    :data:`TEST_DEVICE` and :data:`TEST_DTYPE` (its ``weight_hash``, of the float32 weights, kept)."""
+    from actstore.ingest.models.base import prepare
+
+    prepare(loaded.model, TEST_DEVICE, getattr(torch, TEST_DTYPE))
+    return loaded
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor of any device and dtype as a float32 numpy array."""
+    return t.detach().float().cpu().numpy()
+
+
 def build_store(
     out: Path,
     arch: str = "llama",
@@ -95,7 +120,7 @@ def build_store(
     from actstore.ingest.pipeline import ingest_prompts
     from actstore.ingest.settings import IngestConfig
 
-    loaded = tiny_model(arch)
+    loaded = on_test_device(tiny_model(arch))
     records = load_dataset(dataset, limit_per_relation=limit, **options).records
     prompts = tokenize_records(records, loaded.tokenizer)
     cfg = IngestConfig(
@@ -108,6 +133,7 @@ def build_store(
         chunk_layers=chunk_layers,
         padding_side=padding_side,
         compact_every=compact_every,
+        device=TEST_DEVICE,
         progress=False,
     )
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}

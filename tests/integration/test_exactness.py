@@ -2,7 +2,8 @@
 
 For every tiny architecture, both padding sides, float32 storage: each prompt is run alone
 (no padding) through the model with ordinary forward hooks, and the store's derived
-features are compared with what the hooks saw (SPEC section 1 identities).
+features are compared with what the hooks saw (SPEC section 1 identities).  The models run on
+``$ACTSTORE_TEST_DEVICE`` in ``$ACTSTORE_TEST_DTYPE`` (CPU and float32 unless set; tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import FIXTURES, real_data, require_module
+from helpers import CAPTURE_RTOL, FIXTURES, TEST_DEVICE, on_test_device, real_data, require_module, to_numpy
 
 import actstore
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.models.tiny import TINY_ARCHS, tiny_model
 
-RTOL = 1e-4
+RTOL = CAPTURE_RTOL  # 1e-4 for a float32 model (tests/helpers.py)
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -32,7 +33,7 @@ def reference(arch: str | Any, store: actstore.Store) -> dict[str, np.ndarray]:
 
     ``arch`` is a tiny architecture name or an already loaded :class:`LoadedModel`.
     """
-    loaded = tiny_model(arch) if isinstance(arch, str) else arch
+    loaded = on_test_device(tiny_model(arch)) if isinstance(arch, str) else arch
     model, a = loaded.model, architecture_for(loaded.model)
     blocks = a.blocks(model)
     rows = store.sql(
@@ -59,10 +60,11 @@ def reference(arch: str | Any, store: actstore.Store) -> dict[str, np.ndarray]:
             for v in seen.values():
                 v.clear()
             with torch.no_grad():
-                res = model(input_ids=torch.tensor([token_ids[eid]]), output_hidden_states=True)
+                input_ids = torch.tensor([token_ids[eid]], device=TEST_DEVICE)
+                res = model(input_ids=input_ids, output_hidden_states=True)
             for k in ("o_in", "o_out", "mlp_out"):
-                out[k].append(np.stack([t[0, pos].numpy() for t in seen[k]]))
-            out["hidden"].append(np.stack([h[0, pos].numpy() for h in res.hidden_states]))
+                out[k].append(np.stack([to_numpy(t[0, pos]) for t in seen[k]]))
+            out["hidden"].append(np.stack([to_numpy(h[0, pos]) for h in res.hidden_states]))
     finally:
         for h in hooks:
             h.remove()

@@ -12,6 +12,8 @@ The identities of tests/integration/test_exactness.py (sum over heads = block ou
 head) hold under any reordering of sources or regrouping of neurons; these checks pin each
 entry to its (layer, head, source token, neuron group).  The models use d_mlp = 130, which the
 default 4 groups (and 3, 7) do not divide, so the rule for the leftover neurons is exercised.
+The models run on ``$ACTSTORE_TEST_DEVICE`` in ``$ACTSTORE_TEST_DTYPE`` (CPU and float32 unless set;
+tests/helpers.py), the oracle on the same device and dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import BuildCache
+from helpers import CAPTURE_RTOL, TEST_DEVICE, BuildCache, on_test_device, to_numpy
 
 import actstore
 from actstore.ingest.models.base import LoadedModel
@@ -34,7 +36,7 @@ from actstore.query.select.features import group_bounds
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 D_MLP = 130  # not divisible by 3, 4 (the default: one group per head) or 7 groups
-RTOL = 1e-4  # float32 storage: rounding only; relative to the largest entry of the compared array
+RTOL = CAPTURE_RTOL  # float32 model: 1e-4, rounding only; relative to the largest entry of the compared array
 
 
 def overrides(arch: str) -> dict[str, Any]:
@@ -85,26 +87,26 @@ def modules_of(model: Any) -> Modules:
 
 def values_from_hook(out: torch.Tensor, family: str, H: int, H_kv: int, dh: int) -> np.ndarray:
     """[T, H_kv, d_head] value vectors from the hooked module's output [1, T, *]."""
-    x = out[0].detach().float()
+    x = to_numpy(out[0])
     T = x.shape[0]
     if family == "gpt2":  # c_attn: [q | k | v], each H * d_head wide
-        return x[:, 2 * H * dh :].reshape(T, H, dh).numpy()
+        return x[:, 2 * H * dh :].reshape(T, H, dh)
     if family == "gpt_neox":  # query_key_value: per head [q | k | v] of d_head each
-        return x.reshape(T, H, 3 * dh)[:, :, 2 * dh :].numpy()
-    return x.reshape(T, H_kv, dh).numpy()  # v_proj output, value bias included
+        return x.reshape(T, H, 3 * dh)[:, :, 2 * dh :]
+    return x.reshape(T, H_kv, dh)  # v_proj output, value bias included
 
 
 def out_proj_per_head(mod: torch.nn.Module, family: str, H: int, dh: int) -> np.ndarray:
     """W_O as [H, d_head, d_model]: the model computes out = z_flat @ W (+ bias)."""
-    w = torch.as_tensor(mod.weight).detach().float()
+    w = to_numpy(torch.as_tensor(mod.weight))
     w = w if family == "gpt2" else w.T  # Conv1D keeps [in, out]; Linear keeps [out, in]
-    return w.reshape(H, dh, -1).numpy()
+    return w.reshape(H, dh, -1)
 
 
 def down_proj_matrix(mod: torch.nn.Module, family: str) -> np.ndarray:
     """W_down as [d_mlp, d_model]."""
-    w = torch.as_tensor(mod.weight).detach().float()
-    return (w if family == "gpt2" else w.T).numpy()
+    w = to_numpy(torch.as_tensor(mod.weight))
+    return w if family == "gpt2" else w.T
 
 
 # ---------------------------------------------------------------------------------------- the oracle
@@ -183,16 +185,17 @@ def run_oracle(model: Any, store: actstore.Store) -> Oracle:
             assert n == pos + 1
             tokens = ids[r["example_id"]]
             with torch.no_grad():
-                res = model(input_ids=torch.tensor([tokens]), output_attentions=True, use_cache=False)
+                input_ids = torch.tensor([tokens], device=TEST_DEVICE)
+                res = model(input_ids=input_ids, output_attentions=True, use_cache=False)
             o.example_ids.append(int(r["example_id"]))
             o.n_src.append(n)
             o.subject.append((int(r["subject_start"]), int(r["subject_end"])))
-            o.probs.append(np.stack([a[0, :, pos, :n].float().numpy() for a in res.attentions]))
+            o.probs.append(np.stack([to_numpy(a[0, :, pos, :n]) for a in res.attentions]))
             o.values.append(
                 np.stack([values_from_hook(t, mods.family, H, H_kv, dh)[:n] for t in seen["v"]], 1)
             )
-            o.o_in.append(np.stack([t[0, pos].float().numpy() for t in seen["o_in"]]))
-            o.mlp_in.append(np.stack([t[0, pos].float().numpy() for t in seen["mlp_in"]]))
+            o.o_in.append(np.stack([to_numpy(t[0, pos]) for t in seen["o_in"]]))
+            o.mlp_in.append(np.stack([to_numpy(t[0, pos]) for t in seen["mlp_in"]]))
     finally:
         for hk in hooks:
             hk.remove()
@@ -225,6 +228,7 @@ def write_store(
         chunk_rows=4,
         chunk_flat=64,
         padding_side=padding_side,
+        device=TEST_DEVICE,
         progress=False,
     )
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
@@ -238,11 +242,12 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], tup
     cache = BuildCache()
 
     def build(arch: str, side: str) -> tuple[actstore.Store, Oracle]:
-        loaded = tiny_model(arch, **overrides(arch))
+        loaded = on_test_device(tiny_model(arch, **overrides(arch)))
         store = write_store(
             tmp_path_factory.mktemp("oracle") / f"{arch}-{side}", loaded, side, limit_per_relation=2
         )
-        twin = tiny_model(arch, **overrides(arch))  # a second instance: the oracle never touches the ingest's
+        # a second instance: the oracle never touches the ingest's
+        twin = on_test_device(tiny_model(arch, **overrides(arch)))
         assert twin.weight_hash == store.manifest.model["weight_hash"]
         return store, run_oracle(eager(twin), store)
 
@@ -432,9 +437,9 @@ def test_capture_uses_the_models_attention_scale(
     scale is not 1/sqrt(d_head) (Gemma 3's query_pre_attn_scalar; GPT-2 unscaled, or scaled by the
     inverse layer index).  A capture that recomputes the probabilities with the default scale
     stores different numbers; the premise checks below show by how much."""
-    loaded = tiny_model(arch, **overrides(arch), **config)
+    loaded = on_test_device(tiny_model(arch, **overrides(arch), **config))
     store = write_store(tmp_path / "s", loaded, "left", limit_per_relation=2)
-    twin = eager(tiny_model(arch, **overrides(arch), **config))
+    twin = eager(on_test_device(tiny_model(arch, **overrides(arch), **config)))
     g = store.geometry
     mods = attention_modules(twin)
     assert [float(m.scaling) for m in mods] == pytest.approx([scale(i, g.d_head) for i in range(g.n_layers)])
@@ -447,7 +452,8 @@ def test_capture_uses_the_models_attention_scale(
     finally:
         for i, m in enumerate(mods):
             m.scaling = scale(i, g.d_head)
-    assert max(rel_err(d, p) for d, p in zip(default.probs, o.probs)) > 100 * RTOL
+    premise = min(100 * RTOL, 0.25)  # float32: 100 x RTOL; bfloat16: twice RTOL
+    assert max(rel_err(d, p) for d, p in zip(default.probs, o.probs)) > premise
     sel = store.select()
     assert sel.example_ids.tolist() == o.example_ids
     prob = sel.features("attn_prob")
@@ -474,9 +480,9 @@ def test_capture_attention_outside_a_batch_returns_the_models_own_output() -> No
     from actstore.ingest.capture.architectures import architecture_for
     from actstore.ingest.capture.fused import CAPTURE_ATTENTION, FusedCapture
 
-    model = tiny_model("llama").model
-    other = tiny_model("llama", seed=1).model
-    ids = torch.tensor([[1, 5, 9, 12, 7, 3, 11]])
+    model = on_test_device(tiny_model("llama")).model
+    other = on_test_device(tiny_model("llama", seed=1)).model
+    ids = torch.tensor([[1, 5, 9, 12, 7, 3, 11]], device=TEST_DEVICE)
     with torch.no_grad():
         want, want_other = model(input_ids=ids).logits, other(input_ids=ids).logits
     with FusedCapture(model, architecture_for(model)) as capture:
