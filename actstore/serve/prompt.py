@@ -28,19 +28,16 @@ from actstore.serve.common import cached_rows, columns, grid, has_table, jsonabl
 
 
 def token_texts(store: StoreReader, ex: int, text: str) -> list[dict[str, Any]]:
-    """The prompt's tokens: position, token string, and the text it covers (character spans when stored)."""
-    cols = columns(store, "tokens")
-    spans = {"char_start", "char_end"} <= set(cols)
+    """The prompt's tokens: position, token string, and the text it covers (by its character span; a
+    token that covers no text, a special token, as its token string)."""
     rows = sql(
         store,
-        "SELECT position, token"
-        + (", char_start, char_end" if spans else "")
-        + " FROM tokens WHERE example_id = ? ORDER BY position",
+        "SELECT position, token, char_start, char_end FROM tokens WHERE example_id = ? ORDER BY position",
         [ex],
     )
     out = []
     for r in rows:
-        cs, ce = r.get("char_start"), r.get("char_end")
+        cs, ce = r["char_start"], r["char_end"]
         if cs is not None and ce is not None and 0 <= cs < ce <= len(text):
             shown = text[cs:ce]
         else:

@@ -14,7 +14,7 @@ from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.jobs import probe as probe_job
 from actstore.query.analyses.stats import proportion_interval
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
-from actstore.query.report.summary import CORPUS_PLAIN, CORPUS_WITH_TARGETS, human_size, store_bytes
+from actstore.query.report.summary import CORPUS_WITH_TARGETS, human_size, store_bytes
 from actstore.query.select.features import weights
 from actstore.serve.common import (
     MAX_PAGE_SIZE,
@@ -51,8 +51,7 @@ RUN_TABLES = {
 def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, Any]:
     """Model, geometry, rows per relation, runs per analysis, tables and sizes."""
     m, g = store.manifest, store.geometry
-    has_rank = "object_rank" in columns(store, "targets")
-    relations = sql(store, CORPUS_WITH_TARGETS if has_rank else CORPUS_PLAIN)
+    relations = sql(store, CORPUS_WITH_TARGETS)
     files = table_files(store)
     tables = []
     for name, fs in sorted(files.items()):

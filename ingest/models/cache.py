@@ -107,11 +107,10 @@ def remove_temps(cache: Path, name: str) -> None:
     """Remove the temporary entries left for cache folder ``name`` by killed writers.
 
     Call it holding ``conversion_lock(cache, name)``: then no live process owns any of them.
-    Names of earlier versions (``.tmp-<name>-<pid>-...``) are removed too.
     """
     if not cache.is_dir():
         return
-    pattern = re.compile(rf"^\.tmp-{re.escape(name)}-(convert|gguf|broken|\d+)-")
+    pattern = re.compile(rf"^\.tmp-{re.escape(name)}-(convert|gguf|broken)-")
     for entry in cache.iterdir():
         if not pattern.match(entry.name):
             continue

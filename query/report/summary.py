@@ -25,10 +25,6 @@ CORPUS_WITH_TARGETS = (
     "avg(e.n_tokens) AS mean_tokens "
     "FROM examples e LEFT JOIN targets t USING (example_id) GROUP BY 1 ORDER BY 1"
 )
-CORPUS_PLAIN = (
-    "SELECT relation_id, any_value(relation_name) AS relation_name, count(*) AS prompts "
-    "FROM examples GROUP BY 1 ORDER BY 1"
-)
 
 
 def store_bytes(store: StoreReader) -> int | None:
@@ -108,12 +104,8 @@ def _runs(ctx: ReportContext) -> list[dict[str, Any]]:
 
 def summary_section(ctx: ReportContext) -> Section:
     blocks: list[Block] = [Heading("Store"), table_block(_store_info(ctx.store), ["", "value"], cls="kv")]
-    # Stores written before targets carried object_rank get the corpus table without the model's accuracy.
-    has_rank = "object_rank" in ctx.columns("targets")
-    rel = ctx.sql(CORPUS_WITH_TARGETS if has_rank else CORPUS_PLAIN).to_pylist()
-    cols = ["relation_id", "relation_name", "source", "prompts", "mean_tokens"] + (
-        ["model_top1"] if has_rank else []
-    )
+    rel = ctx.sql(CORPUS_WITH_TARGETS).to_pylist()
+    cols = ["relation_id", "relation_name", "source", "prompts", "mean_tokens", "model_top1"]
     blocks += [
         Heading(f"Corpus: {len(rel)} relations, {sum(int(r['prompts']) for r in rel)} prompts"),
         table_block(rel, cols, headers={"model_top1": "model top-1 = object"}),

@@ -54,31 +54,23 @@ def spread(items: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
 
 
 def prompt_tokens(ctx: ReportContext, ids: list[int]) -> dict[int, list[str]]:
-    """Each prompt's tokens as they appear in its text (character spans when the store has them)."""
+    """Each prompt's tokens as they appear in its text (by their character spans; a token that covers no
+    text, a special token, as its token string)."""
     if not ids:
         return {}
     wanted = [int(i) for i in ids]
-    spans = {"char_start", "char_end"} <= set(ctx.columns("tokens")) and "text" in ctx.columns("examples")
-    if spans:
-        rows = ctx.sql(
-            "SELECT t.example_id, list(t.token ORDER BY t.position) AS toks, "
-            "list(t.char_start ORDER BY t.position) AS cs, list(t.char_end ORDER BY t.position) AS ce, "
-            "any_value(e.text) AS text FROM tokens t JOIN examples e USING (example_id) "
-            "WHERE list_contains(?, t.example_id) GROUP BY 1",
-            [wanted],
-        ).to_pylist()
-    else:  # stores written before tokens carried character spans
-        rows = ctx.sql(
-            "SELECT example_id, list(token ORDER BY position) AS toks FROM tokens "
-            "WHERE list_contains(?, example_id) GROUP BY 1",
-            [wanted],
-        ).to_pylist()
+    rows = ctx.sql(
+        "SELECT t.example_id, list(t.token ORDER BY t.position) AS toks, "
+        "list(t.char_start ORDER BY t.position) AS cs, list(t.char_end ORDER BY t.position) AS ce, "
+        "any_value(e.text) AS text FROM tokens t JOIN examples e USING (example_id) "
+        "WHERE list_contains(?, t.example_id) GROUP BY 1",
+        [wanted],
+    ).to_pylist()
     out: dict[int, list[str]] = {}
     for r in rows:
-        text = r.get("text")
+        text = r["text"]
         words = []
-        for j, tok in enumerate(r["toks"]):
-            cs, ce = (r.get("cs") or [None] * (j + 1))[j], (r.get("ce") or [None] * (j + 1))[j]
+        for tok, cs, ce in zip(r["toks"], r["cs"], r["ce"]):
             if text is not None and cs is not None and ce is not None and 0 <= cs < ce <= len(text):
                 words.append(text[cs:ce])
             else:

@@ -487,8 +487,8 @@ def test_failed_conversion_cleans_up(
 
 def test_leftovers_of_dead_writers_are_removed(tiny_gguf: tuple[Path, LoadedModel], tmp_path: Path) -> None:
     """With the folder's lock free, no process is writing it: a broken folder (no completion
-    marker) is replaced, and every temporary entry of that folder (this version's and the older
-    ``.tmp-<folder>-<pid>-`` names) is removed; another folder's temporary entries are left alone."""
+    marker) is replaced, and every temporary entry of that folder is removed; another folder's
+    temporary entries are left alone."""
     path, original = tiny_gguf
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -496,10 +496,9 @@ def test_leftovers_of_dead_writers_are_removed(tiny_gguf: tuple[Path, LoadedMode
     broken = cache / f"tiny-{sha[:16]}"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # no completion marker
-    dead = [cache / f".tmp-tiny-{sha[:16]}-convert-abc", cache / f".tmp-tiny-{sha[:16]}-{os.getpid()}-old"]
-    for folder in dead:
-        folder.mkdir()
-        (folder / "model.safetensors").write_bytes(b"half")
+    dead = cache / f".tmp-tiny-{sha[:16]}-convert-abc"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"half")
     (cache / f".tmp-tiny-{sha[:16]}-gguf-xyz").write_bytes(b"half a GGUF file")
     other = cache / ".tmp-other-0123456789abcdef-convert-abc"
     other.mkdir()
