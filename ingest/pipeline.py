@@ -131,17 +131,17 @@ def ingest_prompts(
 ) -> IngestReport:
     """Capture ``prompts`` into the store ``cfg.out`` (create, or resume an interrupted ingest),
     holding its writer lock (:mod:`actstore.core.lock`) throughout: the library's way in.  The
-    ``actstore ingest`` job takes the lock itself and calls :func:`capture_corpus`."""
+    ``actstore ingest`` job takes the lock itself and calls :func:`capture_prompts`."""
     loc = locate(cfg.out)
     if cfg.world_size > 1:
         raise RankError(
             "ranks run through the ingest job under one writer lock (actstore.jobs.ingest, ranks_writer_lock)"
         )
     with writer_lock(loc):
-        return capture_corpus(loc, model, tokenizer, model_info, prompts, cfg, on_segment=on_segment)
+        return capture_prompts(loc, model, tokenizer, model_info, prompts, cfg, on_segment=on_segment)
 
 
-def capture_corpus(
+def capture_prompts(
     loc: StoreLocation,
     model: torch.nn.Module,
     tokenizer: Any,
@@ -151,8 +151,10 @@ def capture_corpus(
     *,
     on_segment: Callable[[int], None] | None = None,
 ) -> IngestReport:
-    """Capture ``prompts`` into the store at ``loc``, whose writer lock the caller holds (this
-    process, or the launcher of its ranks: :func:`actstore.ingest.ranks.ranks_writer_lock`)."""
+    """Capture ``prompts`` (target mode: each prompt's last token is its target) into the store at
+    ``loc``, whose writer lock the caller holds (this process, or the launcher of its ranks:
+    :func:`actstore.ingest.ranks.ranks_writer_lock`).  Corpus mode is
+    :func:`actstore.ingest.corpus.capture_positions`."""
     if not holding(loc.url):
         raise RankError(
             f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)"

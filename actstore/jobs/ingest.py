@@ -32,7 +32,7 @@ from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.models.base import LoadedModel
 from actstore.ingest.models.registry import load_model
-from actstore.ingest.pipeline import capture_corpus
+from actstore.ingest.pipeline import capture_prompts
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import CORPUS_KINDS, IngestRequest
 
@@ -158,7 +158,7 @@ def _ingest_locked(
             "skipped": data.skipped,
         },
     )
-    return capture_corpus(loc, loaded.model, loaded.tokenizer, model_info, prompts, cfg)
+    return capture_prompts(loc, loaded.model, loaded.tokenizer, model_info, prompts, cfg)
 
 
 def _ingest_corpus_locked(
