@@ -1,11 +1,19 @@
-"""The store a capture writes, in either mode (target prompts, :mod:`actstore.ingest.pipeline`; corpus
-positions, :mod:`actstore.ingest.corpus`): its manifest, the tokenizer files it keeps and its writer
-(created, or resumed), a segment's write and commit, the ingest's ``runs`` row, and the report."""
+"""The capture both modes run (target prompts, :mod:`actstore.ingest.pipeline`; corpus positions,
+:mod:`actstore.ingest.corpus`) and the store it writes: its manifest, the tokenizer files it keeps,
+its writer (created, or resumed), the loop over the segments, the ingest's ``runs`` row and the report.
+
+Every row and segment is fixed before the model runs (the prompts are tokenized, the corpus planned).
+Each segment is captured (by the mode, batch by batch); its host arrays go to a writer thread that
+compresses, writes and commits them while the next segment runs.  At most two segments wait for the
+writer, so memory is bounded by the segment size, not the corpus size.
+"""
 
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,13 +23,19 @@ import pyarrow as pa
 import torch
 
 from actstore.core._version import __version__
+from actstore.core.compact import compact_held
+from actstore.core.errors import RankError
+from actstore.core.layout import TOKENIZER_DIR
+from actstore.core.lock import holding
 from actstore.core.manifest import Manifest
+from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id, write_run
 from actstore.core.segments import tokenizer_file_name_ok
 from actstore.core.storage.base import StoreLocation
 from actstore.core.tables import sha256
 from actstore.core.writer import StoreWriter
-from actstore.ingest.capture.architectures import Architecture
+from actstore.ingest.capture.architectures import Architecture, architecture_for
+from actstore.ingest.capture.fused import FusedCapture
 from actstore.ingest.ranks import rank_zero_first
 from actstore.ingest.settings import IngestConfig
 
@@ -123,16 +137,97 @@ def quiet(message: str) -> None:
     """A log that says nothing (for the compactions the capture runs)."""
 
 
-def write_segment(
+@dataclass(frozen=True)
+class CapturedSegment:
+    """A segment as its mode captured it: the arrays and tables the writer thread writes, and the
+    seconds its forward passes took."""
+
+    arrays: dict[str, np.ndarray]
+    tables: dict[str, pa.Table]
+    forward_seconds: float
+
+
+@dataclass(frozen=True)
+class CaptureMode:
+    """What a mode brings to :func:`capture_segments`: the store's rows, its own ``ingest`` settings for the
+    manifest, the unit the progress bar counts, and ``capture_segment(capture, seg, n_before, bar)``:
+    segment ``seg`` captured (``n_before``: the segments committed before it, by earlier ingests and this
+    one); ``check``: run once the manifest is made, before the store is touched; ``expand``: what the
+    writer thread does to a segment's arrays before writing them."""
+
+    n_rows: int
+    ingest: dict[str, Any]
+    unit: str
+    capture_segment: Callable[[FusedCapture, int, int, Any], CapturedSegment]
+    check: Callable[[], None] | None = None
+    expand: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+
+
+def require_lock(loc: StoreLocation) -> None:
+    """Refuse a store whose writer lock this process does not hold."""
+    if not holding(loc.url):
+        raise RankError(
+            f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)"
+        )
+
+
+def capture_segments(
+    loc: StoreLocation,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    model_info: dict[str, Any],
+    cfg: IngestConfig,
+    mode: CaptureMode,
+    *,
+    on_segment: Callable[[int], None] | None = None,
+) -> IngestReport:
+    """Capture the ``mode.n_rows`` rows of the store at ``loc`` (writer lock held: :func:`require_lock`):
+    this rank's segments not yet committed, each by ``mode.capture_segment``, written and committed by a
+    writer thread (``on_segment`` is told each one committed)."""
+    arch = architecture_for(model)
+    tok_files = tokenizer_files(tokenizer)
+    model_info = with_tokenizer(model_info, tok_files)
+    n_rows = mode.n_rows
+    manifest = store_manifest(model, arch, model_info, n_rows, mode.ingest, cfg)
+    if mode.check is not None:
+        mode.check()
+    files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()}
+    writer, done, mine, todo = open_writer(loc, manifest, model, arch, files, cfg)
+    started = time.time()
+    forward_s = 0.0
+    pending: list[Future[Any]] = []
+    S = cfg.segment_size
+    n_todo = sum(min(S, n_rows - s * S) for s in todo)
+    bar = progress_bar(total=n_todo, unit=mode.unit, desc="ingest", enabled=cfg.progress and cfg.rank == 0)
+    with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
+        for k, seg in enumerate(todo):
+            part = mode.capture_segment(capture, seg, len(done) + k, bar)
+            forward_s += part.forward_seconds
+            while len(pending) >= 2:  # backpressure: bounded host memory
+                pending.pop(0).result()
+            pending.append(pool.submit(_write, writer, seg, seg * S, part, mode.expand, on_segment))
+            if cfg.world_size == 1 and cfg.compact_every and (k + 1) % cfg.compact_every == 0:
+                # (the pool's one thread runs it after the writes before it: a snapshot of committed segments)
+                pending.append(pool.submit(compact_held, loc, full=False, log=quiet))
+        for f in pending:
+            f.result()
+    bar.close()
+    record_ingest_run(writer, cfg, manifest, started, len(todo))
+    if cfg.world_size == 1:  # ranks: rank 0 compacts once every rank is done (actstore.jobs.ingest)
+        compact_held(loc, full=True, log=quiet)
+    return IngestReport(cfg.out, n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s)
+
+
+def _write(
     writer: StoreWriter,
     seg: int,
     lo: int,
-    arrays: dict[str, np.ndarray],
-    tables: dict[str, pa.Table],
+    part: CapturedSegment,
+    expand: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
     on_segment: Callable[[int], None] | None,
 ) -> None:
     """Write and commit segment ``seg`` (its first row ``lo``), then tell ``on_segment``."""
-    writer.write_segment(seg, lo, arrays, tables)
+    writer.write_segment(seg, lo, part.arrays if expand is None else expand(part.arrays), part.tables)
     if on_segment is not None:
         on_segment(seg)
 

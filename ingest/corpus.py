@@ -16,33 +16,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from actstore.core.compact import compact_held
-from actstore.core.errors import RankError, StorageError
-from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
-from actstore.core.lock import holding
+from actstore.core.errors import StorageError
+from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.manifest import Geometry
-from actstore.core.progress import progress_bar
 from actstore.core.storage.base import StoreLocation
-from actstore.core.writer import StoreWriter
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture.fused import BatchIndex, FusedCapture
 from actstore.ingest.capture.host import predictions, to_host
 from actstore.ingest.capture_store import (
+    CapturedSegment,
+    CaptureMode,
     IngestReport,
-    open_writer,
+    capture_segments,
     quiet,
-    record_ingest_run,
-    store_manifest,
-    tokenizer_files,
-    with_tokenizer,
-    write_segment,
+    require_lock,
 )
 from actstore.ingest.corpus_windows import CorpusPlan, segment_corpus_tables
 from actstore.ingest.datasets.text_corpus import Documents
@@ -92,91 +85,77 @@ def capture_positions(
     log: Any = quiet,
 ) -> IngestReport:
     """Capture every kept position of ``plan`` into the store at ``loc`` (writer lock held)."""
-    if not holding(loc.url):
-        raise RankError(
-            f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)"
-        )
-    arch = architecture_for(model)
-    g = arch.geometry(model)
-    tok_files = tokenizer_files(tokenizer)
-    model_info = with_tokenizer(model_info, tok_files)
-    ingest = {"padding_side": "right", "corpus_sha256": docs.sha256, **plan.policy, "kept": kept}
-    manifest = store_manifest(model, arch, model_info, plan.n_rows, ingest, cfg)
-    per_row = bytes_per_row(g, kept, cfg.storage_dtype)
-    estimate = per_row * plan.n_rows
-    log(
-        f"size estimate: {plan.n_rows} positions x {per_row} bytes ({', '.join(f'{k} {len(v)} layers' for k, v in kept.items() if v)}, "
-        f"{cfg.storage_dtype}) = {estimate / 1e9:.3f} GB before compression"
-    )
-    free = free_bytes(loc)
-    if not cfg.resume and free is not None and estimate > free:
-        raise StorageError(
-            f"{loc.url}: the store needs about {estimate / 1e9:.2f} GB and only {free / 1e9:.2f} GB are free; "
-            "keep fewer --kinds or --layers, or a smaller corpus"
-        )
-    files = {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()} if tok_files else {}
-    writer, done, mine, todo = open_writer(loc, manifest, model, arch, files, cfg)
+    require_lock(loc)
+    g = architecture_for(model).geometry(model)
     device = torch.device(cfg.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    started = time.time()
-    forward_s = 0.0
-    pending: list[Future[Any]] = []
-    S = cfg.segment_size
-    n_todo = sum(min(S, plan.n_rows - s * S) for s in todo)
-    bar = progress_bar(total=n_todo, unit="position", desc="ingest", enabled=cfg.progress and cfg.rank == 0)
-    B = cfg.batch_size
-    carry: _Captured | None = None  # the last global batch, when it holds rows of the next segment
-    with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
+    S, B = cfg.segment_size, cfg.batch_size
 
-        def run_batch(number: int) -> _Captured:
-            nonlocal forward_s
-            wins = range(number * B, min((number + 1) * B, len(plan.windows)))
-            t0 = time.perf_counter()
-            meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
-            ids, mask, index, next_ids = _batch(plan, wins, pad_id, device, meta)
-            out = capture.run(ids, mask, index, position_ids(mask))
-            host = to_host(out, SEGMENT_ARRAYS)
-            arrays = {n: (a[:, kept[n]] if n in kept else a) for n, a in host.items()}  # kept layers only
-            top, lp, rank = predictions(out["logits"], next_ids)
-            cols = {n: np.concatenate(v) for n, v in meta.items()} | {
-                "top": top,
-                "lp": lp,
-                "rank": rank,
-                "next": next_ids,
-            }
-            forward_s += time.perf_counter() - t0
-            return _Captured(number, int(plan.row_start[wins.start]), arrays, cols)
-
-        for k, seg in enumerate(todo):
-            lo, hi = seg * S, min((seg + 1) * S, plan.n_rows)
-            wins = plan.windows_of(lo, hi)
-            pieces: list[_Captured] = []
-            for number in range(wins.start // B, (wins.stop - 1) // B + 1):
-                cap = carry if carry is not None and carry.number == number else run_batch(number)
-                pieces.append(cap.rows(lo, hi))
-                carry = cap if cap.end > hi else None
-            bar.update(hi - lo)
-            arrays = {n: np.concatenate([p.arrays[n] for p in pieces]) for n in SEGMENT_ARRAYS}
-            cols = {n: np.concatenate([p.cols[n] for p in pieces]) for n in pieces[0].cols}
-            rows = {n: cols[n] for n in ROW_FIELDS}
-            preds = (cols["top"], cols["lp"], cols["rank"])
-            tables = segment_corpus_tables(
-                seg, lo, rows, docs.texts, tokenizer, preds, cols["next"], docs.spec
+    def check_space() -> None:
+        per_row = bytes_per_row(g, kept, cfg.storage_dtype)
+        estimate = per_row * plan.n_rows
+        log(
+            f"size estimate: {plan.n_rows} positions x {per_row} bytes ({', '.join(f'{k} {len(v)} layers' for k, v in kept.items() if v)}, "
+            f"{cfg.storage_dtype}) = {estimate / 1e9:.3f} GB before compression"
+        )
+        free = free_bytes(loc)
+        if not cfg.resume and free is not None and estimate > free:
+            raise StorageError(
+                f"{loc.url}: the store needs about {estimate / 1e9:.2f} GB and only {free / 1e9:.2f} GB are free; "
+                "keep fewer --kinds or --layers, or a smaller corpus"
             )
-            while len(pending) >= 2:  # backpressure: bounded host memory
-                pending.pop(0).result()
-            pending.append(pool.submit(_write_expanded, writer, seg, lo, arrays, kept, g, tables))
-            if cfg.world_size == 1 and cfg.compact_every and (k + 1) % cfg.compact_every == 0:
-                pending.append(pool.submit(compact_held, loc, full=False, log=quiet))
-        for f in pending:
-            f.result()
-    bar.close()
-    record_ingest_run(writer, cfg, manifest, started, len(todo))
-    if cfg.world_size == 1:
-        compact_held(loc, full=True, log=quiet)
-    return IngestReport(
-        cfg.out, plan.n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s
+
+    carry: _Captured | None = None  # the last global batch, when it holds rows of the next segment
+
+    def run_batch(capture: FusedCapture, number: int) -> _Captured:
+        wins = range(number * B, min((number + 1) * B, len(plan.windows)))
+        t0 = time.perf_counter()
+        meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
+        ids, mask, index, next_ids = _batch(plan, wins, pad_id, device, meta)
+        out = capture.run(ids, mask, index, position_ids(mask))
+        host = to_host(out, SEGMENT_ARRAYS)
+        arrays = {n: (a[:, kept[n]] if n in kept else a) for n, a in host.items()}  # kept layers only
+        top, lp, rank = predictions(out["logits"], next_ids)
+        cols = {n: np.concatenate(v) for n, v in meta.items()} | {
+            "top": top,
+            "lp": lp,
+            "rank": rank,
+            "next": next_ids,
+        }
+        return _Captured(number, int(plan.row_start[wins.start]), arrays, cols, time.perf_counter() - t0)
+
+    def capture_segment(capture: FusedCapture, seg: int, n_before: int, bar: Any) -> CapturedSegment:
+        nonlocal carry
+        lo, hi = seg * S, min((seg + 1) * S, plan.n_rows)
+        wins = plan.windows_of(lo, hi)
+        pieces: list[_Captured] = []
+        forward_s = 0.0
+        for number in range(wins.start // B, (wins.stop - 1) // B + 1):
+            if carry is not None and carry.number == number:
+                cap = carry
+            else:
+                cap = run_batch(capture, number)
+                forward_s += cap.seconds
+            pieces.append(cap.rows(lo, hi))
+            carry = cap if cap.end > hi else None
+        bar.update(hi - lo)
+        arrays = {n: np.concatenate([p.arrays[n] for p in pieces]) for n in SEGMENT_ARRAYS}
+        cols = {n: np.concatenate([p.cols[n] for p in pieces]) for n in pieces[0].cols}
+        rows = {n: cols[n] for n in ROW_FIELDS}
+        preds = (cols["top"], cols["lp"], cols["rank"])
+        tables = segment_corpus_tables(seg, lo, rows, docs.texts, tokenizer, preds, cols["next"], docs.spec)
+        return CapturedSegment(arrays, tables, forward_s)
+
+    settings = {"padding_side": "right", "corpus_sha256": docs.sha256, **plan.policy, "kept": kept}
+    mode = CaptureMode(
+        plan.n_rows,
+        settings,
+        "position",
+        capture_segment,
+        check=check_space,
+        expand=lambda arrays: full_layers(arrays, kept, g),
     )
+    return capture_segments(loc, model, tokenizer, model_info, cfg, mode)
 
 
 @dataclass(frozen=True)
@@ -188,6 +167,7 @@ class _Captured:
     start: int
     arrays: dict[str, np.ndarray]
     cols: dict[str, np.ndarray]
+    seconds: float  # its forward pass (capture, host copy and predictions)
 
     @property
     def end(self) -> int:
@@ -197,7 +177,8 @@ class _Captured:
         """Its rows in ``lo .. hi-1`` (the flat ``attn`` and ``v`` are empty in corpus mode)."""
         a, b = max(lo, self.start) - self.start, max(min(hi, self.end), lo) - self.start
         arrays = {n: (v[a:b] if n not in FLAT else v) for n, v in self.arrays.items()}
-        return _Captured(self.number, self.start + a, arrays, {n: v[a:b] for n, v in self.cols.items()})
+        cols = {n: v[a:b] for n, v in self.cols.items()}
+        return _Captured(self.number, self.start + a, arrays, cols, self.seconds)
 
 
 def _batch(
@@ -252,19 +233,13 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(mask, 1) - 1).clamp(min=0)
 
 
-def _write_expanded(
-    writer: StoreWriter,
-    seg: int,
-    lo: int,
-    arrays: dict[str, np.ndarray],
-    kept: dict[str, list[int]],
-    g: Geometry,
-    tables: dict[str, Any],
-) -> None:
-    """Write a segment whose ``z``, ``mlp`` and ``resid`` hold the kept layers only: each becomes its
-    full layer axis here, zeros where nothing is kept (never stored activations; zero chunks compress
-    to a few bytes and the reader refuses them).  Only the segment being written has full arrays (the
-    zeros are calloc'ed pages that reading does not copy)."""
+def full_layers(
+    arrays: dict[str, np.ndarray], kept: dict[str, list[int]], g: Geometry
+) -> dict[str, np.ndarray]:
+    """A segment's arrays whose ``z``, ``mlp`` and ``resid`` hold the kept layers only, each given its
+    full layer axis, zeros where nothing is kept (never stored activations; zero chunks compress to a
+    few bytes and the reader refuses them).  Run by the writer thread, so that only the segment being
+    written has full arrays (the zeros are calloc'ed pages that reading does not copy)."""
     n_layers = {"z": g.n_layers, "mlp": g.n_layers, "resid": g.n_layers + 1}
     full = dict(arrays)
     for name, layers in kept.items():
@@ -272,4 +247,4 @@ def _write_expanded(
         out = np.zeros((part.shape[0], n_layers[name], *part.shape[2:]), dtype=part.dtype)
         out[:, layers] = part
         full[name] = out
-    write_segment(writer, seg, lo, full, tables, None)
+    return full

@@ -1,10 +1,9 @@
-"""Ingest: run the model once over a corpus with fused capture and write a store.
+"""Target mode's ingest: each prompt's last token is its target, every token before it a source.
 
-The corpus is tokenized up front, which fixes every example's row and segment before
-the model runs.  Each segment is captured batch by batch; its host arrays go to a writer
-thread that compresses, writes and commits them while the next segment runs.  At most
-``max_pending`` segments wait for the writer, so memory is bounded by the segment size,
-not the corpus size.
+The prompts are tokenized up front (or lazily, :class:`~actstore.ingest.lazy_prompts.LazyPrompts`),
+which fixes every example's row and segment before the model runs.  A segment's prompts go through the
+model batch by batch (``length_batching``: sorted by length, put back in corpus order after); the
+segment loop and the writer thread are :func:`actstore.ingest.capture_store.capture_segments`.
 """
 
 from __future__ import annotations
@@ -13,34 +12,26 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from actstore.core.compact import compact_held
 from actstore.core.errors import AlignmentError, DatasetError, RankError
 from actstore.core.invalid import InvalidSetting
-from actstore.core.layout import SEGMENT_ARRAYS, TOKENIZER_DIR
-from actstore.core.lock import holding, writer_lock
-from actstore.core.manifest import Manifest
-from actstore.core.progress import progress_bar
+from actstore.core.layout import SEGMENT_ARRAYS
+from actstore.core.lock import writer_lock
 from actstore.core.storage import locate
 from actstore.core.storage.base import StoreLocation
-from actstore.ingest.capture.architectures import Architecture, architecture_for
 from actstore.ingest.capture.batches import pad_batch
 from actstore.ingest.capture.fused import FusedCapture
 from actstore.ingest.capture.host import predictions, to_host
 from actstore.ingest.capture_store import (
+    CapturedSegment,
+    CaptureMode,
     IngestReport,
-    open_writer,
-    quiet,
-    record_ingest_run,
-    store_manifest,
-    tokenizer_files,
-    with_tokenizer,
-    write_segment,
+    capture_segments,
+    require_lock,
 )
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.prompt_tables import object_token_ids, segment_tables
@@ -105,19 +96,13 @@ def corpus_sha256(records: Sequence[PromptRecord]) -> str:
     return h.hexdigest()
 
 
-def build_manifest(
-    model: torch.nn.Module,
-    arch: Architecture,
-    model_info: dict[str, Any],
-    prompts: Sequence[TokenizedPrompt],
-    cfg: IngestConfig,
-) -> Manifest:
-    settings = {
+def prompt_settings(prompts: Sequence[TokenizedPrompt], cfg: IngestConfig) -> dict[str, Any]:
+    """Target mode's own ``ingest`` settings in the manifest (with the corpus fingerprint)."""
+    return {
         "padding_side": cfg.padding_side,
         **({"length_batching": True} if cfg.length_batching else {}),
         "corpus_sha256": corpus_sha256(corpus_records(prompts)),
     }
-    return store_manifest(model, arch, model_info, len(prompts), settings, cfg)
 
 
 def ingest_prompts(
@@ -155,82 +140,54 @@ def capture_prompts(
     ``loc``, whose writer lock the caller holds (this process, or the launcher of its ranks:
     :func:`actstore.ingest.ranks.ranks_writer_lock`).  Corpus mode is
     :func:`actstore.ingest.corpus.capture_positions`."""
-    if not holding(loc.url):
-        raise RankError(
-            f"the writer lock of {loc.url} is not held (take it with actstore.core.lock.writer_lock)"
-        )
+    require_lock(loc)
     if not prompts:
         raise InvalidSetting("dataset", "the corpus is empty: no prompts to ingest")
-    arch = architecture_for(model)
-    tok_files = tokenizer_files(tokenizer)
-    model_info = with_tokenizer(model_info, tok_files)
-    manifest = build_manifest(model, arch, model_info, prompts, cfg)
-    if not cfg.resume:  # the first segment is read and aligned before the store is touched
-        _ = prompts[0 : cfg.segment_size]
-    files = (
-        {f"{TOKENIZER_DIR}/{name}": data for name, data in tok_files.items()}
-        if "tokenizer" in model_info
-        else {}
-    )
-    writer, done, mine, todo = open_writer(loc, manifest, model, arch, files, cfg)
     device = torch.device(cfg.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    started = time.time()
-    forward_s = 0.0
-    pending: list[Future[Any]] = []
-    written = 0
-    n_todo = sum(min(cfg.segment_size, len(prompts) - s * cfg.segment_size) for s in todo)
-    bar = _progress(n_todo, cfg.progress and cfg.rank == 0)
-    with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
-        for seg in todo:
-            lo = seg * cfg.segment_size
-            seg_prompts = _segment_prompts(prompts, seg, lo, cfg.segment_size, len(done) + written)
-            object_ids = object_token_ids(tokenizer, seg_prompts)
-            parts: dict[str, list[np.ndarray]] = {
-                k: [] for k in (*SEGMENT_ARRAYS, "top", "obj_lp", "obj_rank")
-            }
-            order = forward_order(seg_prompts, cfg.length_batching)
-            for b0 in range(0, len(seg_prompts), cfg.batch_size):
-                members = order[b0 : b0 + cfg.batch_size]
-                chunk = [seg_prompts[i] for i in members]
-                batch = pad_batch(chunk, pad_id, cfg.padding_side, device)
-                t0 = time.perf_counter()
-                out = capture.run(batch.input_ids, batch.attention_mask, batch.index, batch.position_ids)
-                for name, host in to_host(out, SEGMENT_ARRAYS).items():
-                    parts[name].append(host)
-                top, lp, rank = predictions(out["logits"], object_ids[members])
-                parts["top"].append(top)
-                parts["obj_lp"].append(lp)
-                parts["obj_rank"].append(rank)
-                forward_s += time.perf_counter() - t0
-                bar.update(len(chunk))
-            n_tok = np.array([p.target_position + 1 for p in seg_prompts], dtype=np.int64)
-            arrays = {
-                k: corpus_order(np.concatenate(parts[k]), order, n_tok if k in FLAT_ARRAYS else None)
-                for k in SEGMENT_ARRAYS
-            }
-            preds = (
-                corpus_order(np.concatenate(parts["top"]), order),
-                corpus_order(np.concatenate(parts["obj_lp"]), order),
-                corpus_order(np.concatenate(parts["obj_rank"]), order),
-            )
-            tables = segment_tables(seg, lo, seg_prompts, tokenizer, preds, object_ids)
-            while len(pending) >= 2:  # backpressure: bounded host memory
-                pending.pop(0).result()
-            pending.append(pool.submit(write_segment, writer, seg, lo, arrays, tables, on_segment))
-            written += 1
-            if cfg.world_size == 1 and cfg.compact_every and written % cfg.compact_every == 0:
-                # (the pool's one thread runs it after the writes before it: a snapshot of committed segments)
-                pending.append(pool.submit(compact_held, loc, full=False, log=quiet))
-        for f in pending:
-            f.result()
-    bar.close()
-    record_ingest_run(writer, cfg, manifest, started, len(todo))
-    if cfg.world_size == 1:  # ranks: rank 0 compacts once every rank is done (actstore.jobs.ingest)
-        compact_held(loc, full=True, log=quiet)
-    return IngestReport(
-        cfg.out, len(prompts), len(todo), len(mine) - len(todo), time.time() - started, forward_s
-    )
+    S = cfg.segment_size
+
+    def first_segment() -> None:
+        if not cfg.resume:  # the first segment is read and aligned before the store is touched
+            _ = prompts[0:S]
+
+    def capture_segment(capture: FusedCapture, seg: int, n_before: int, bar: Any) -> CapturedSegment:
+        lo = seg * S
+        seg_prompts = _segment_prompts(prompts, seg, lo, S, n_before)
+        object_ids = object_token_ids(tokenizer, seg_prompts)
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in (*SEGMENT_ARRAYS, "top", "obj_lp", "obj_rank")}
+        order = forward_order(seg_prompts, cfg.length_batching)
+        forward_s = 0.0
+        for b0 in range(0, len(seg_prompts), cfg.batch_size):
+            members = order[b0 : b0 + cfg.batch_size]
+            chunk = [seg_prompts[i] for i in members]
+            batch = pad_batch(chunk, pad_id, cfg.padding_side, device)
+            t0 = time.perf_counter()
+            out = capture.run(batch.input_ids, batch.attention_mask, batch.index, batch.position_ids)
+            for name, host in to_host(out, SEGMENT_ARRAYS).items():
+                parts[name].append(host)
+            top, lp, rank = predictions(out["logits"], object_ids[members])
+            parts["top"].append(top)
+            parts["obj_lp"].append(lp)
+            parts["obj_rank"].append(rank)
+            forward_s += time.perf_counter() - t0
+            bar.update(len(chunk))
+        n_tok = np.array([p.target_position + 1 for p in seg_prompts], dtype=np.int64)
+        arrays = {
+            k: corpus_order(np.concatenate(parts[k]), order, n_tok if k in FLAT_ARRAYS else None)
+            for k in SEGMENT_ARRAYS
+        }
+        preds = (
+            corpus_order(np.concatenate(parts["top"]), order),
+            corpus_order(np.concatenate(parts["obj_lp"]), order),
+            corpus_order(np.concatenate(parts["obj_rank"]), order),
+        )
+        tables = segment_tables(seg, lo, seg_prompts, tokenizer, preds, object_ids)
+        return CapturedSegment(arrays, tables, forward_s)
+
+    settings = prompt_settings(prompts, cfg)
+    mode = CaptureMode(len(prompts), settings, "prompt", capture_segment, check=first_segment)
+    return capture_segments(loc, model, tokenizer, model_info, cfg, mode, on_segment=on_segment)
 
 
 def _segment_prompts(
@@ -247,17 +204,3 @@ def _segment_prompts(
             f"{e} (in segment {seg}; the ingest stopped there: the {n_committed} segment(s) written "
             "before it are committed and valid, the store is incomplete)"
         ) from None
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    return progress_bar(total=total, unit="prompt", desc="ingest")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from actstore.core.errors import DatasetError
 from actstore.ingest.datasets.common import (
@@ -31,15 +32,7 @@ def load_known1000(
     limit); instances whose subject is not in the prompt are skipped.
     """
     check_limit(limit, "limit")
-    p = existing(path, "known1000")
-    data = read_json(p)
-    keys = ("subject", "attribute", "prompt", "relation_id")
-    if not isinstance(data, list) or not all(
-        isinstance(x, dict) and all(isinstance(x.get(k), str) for k in keys) for x in data
-    ):
-        raise DatasetError(
-            f"{p}: expected a list of objects with string {', '.join(keys)} (known_1000 format)"
-        )
+    p, data = read_known1000(path)
     available = list(dict.fromkeys(x["relation_id"] for x in data))
     wanted = set(select_relations(available, relations, p))
     out = Collector(limit_per_relation)
@@ -68,3 +61,18 @@ def load_known1000(
             )
         )
     return out.result()
+
+
+def read_known1000(path: str | Path) -> tuple[Path, list[dict[str, Any]]]:
+    """The file ``path`` and its records, each with string ``subject``, ``attribute``, ``prompt`` and
+    ``relation_id`` (refused with one line otherwise)."""
+    p = existing(path, "known1000")
+    data = read_json(p)
+    keys = ("subject", "attribute", "prompt", "relation_id")
+    if not isinstance(data, list) or not all(
+        isinstance(x, dict) and all(isinstance(x.get(k), str) for k in keys) for x in data
+    ):
+        raise DatasetError(
+            f"{p}: expected a list of objects with string {', '.join(keys)} (known_1000 format)"
+        )
+    return p, data

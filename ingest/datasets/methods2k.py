@@ -54,6 +54,7 @@ from actstore.ingest.datasets.common import (
     select_relations,
     string_list,
 )
+from actstore.ingest.datasets.known1000 import read_known1000
 from actstore.ingest.records import PromptRecord
 
 FILE_NAME = "methods2k.json"
@@ -134,15 +135,7 @@ def lre_facts(path: str | Path, *, exclude: Sequence[str] = DEFAULT_EXCLUDE) -> 
 
 def known1000_facts(path: str | Path) -> list[Fact]:
     """Facts of ROME's known_1000 (its given prompts; records whose subject is not in the prompt are left out)."""
-    p = existing(path, "known1000")
-    data = read_json(p)
-    keys = ("subject", "attribute", "prompt", "relation_id")
-    if not isinstance(data, list) or not all(
-        isinstance(x, dict) and all(isinstance(x.get(k), str) for k in keys) for x in data
-    ):
-        raise DatasetError(
-            f"{p}: expected a list of objects with string {', '.join(keys)} (known_1000 format)"
-        )
+    _, data = read_known1000(path)
     out = []
     for x in data:
         span = find_span(x["prompt"], x["subject"])

@@ -22,7 +22,7 @@ import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -31,6 +31,9 @@ from matplotlib.image import AxesImage
 from matplotlib.patches import Rectangle
 
 from actstore.core.errors import QueryError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 Origin = Literal["lower", "upper"]
 
@@ -128,9 +131,7 @@ def draw_heatmap(
     ``diverging``: limits symmetric around 0 (unless ``vmin``/``vmax`` are given) and the diverging colour
     map (unless ``cmap`` is given).  ``rows``/``cols``: tick labels (default the indices).
     ``outline_at_least``: cells whose value is at least this are outlined in red.  NaN cells stay blank."""
-    g = np.asarray(grid, dtype=np.float64)
-    if g.ndim != 2:
-        raise QueryError(f"a heatmap needs a 2-D grid (got shape {g.shape})")
+    g = _grid(grid)
     if diverging:
         lo, hi = symmetric_limits(g)
         vmin = lo if vmin is None else vmin
@@ -144,20 +145,13 @@ def draw_heatmap(
     if outline_at_least is not None:
         with np.errstate(invalid="ignore"):
             outline_cells(ax, g >= outline_at_least)
-    label_ticks(
-        ax,
-        "x",
-        list(range(g.shape[1])) if cols is None else list(cols),
-        fontsize=tick_fontsize,
-        max_ticks=max_ticks,
+    along: tuple[tuple[Literal["x", "y"], int, Sequence[object] | None], ...] = (
+        ("x", g.shape[1], cols),
+        ("y", g.shape[0], rows),
     )
-    label_ticks(
-        ax,
-        "y",
-        list(range(g.shape[0])) if rows is None else list(rows),
-        fontsize=tick_fontsize,
-        max_ticks=max_ticks,
-    )
+    for axis, n, labels in along:
+        ticks = list(range(n)) if labels is None else list(labels)
+        label_ticks(ax, axis, ticks, fontsize=tick_fontsize, max_ticks=max_ticks)
     if xlabel:
         ax.set_xlabel(xlabel, fontsize=fontsize)
     if ylabel:
@@ -176,48 +170,46 @@ def heatmap_size(n_rows: int, n_cols: int) -> tuple[float, float]:
     return min(9.0, 1.8 + 0.32 * n_cols), min(7.0, 1.4 + 0.16 * n_rows)
 
 
+class HeatmapOptions(TypedDict, total=False):
+    """The keyword options of :func:`draw_heatmap` (and :func:`heatmap`), for type checkers; their
+    defaults are written once, in :func:`draw_heatmap`."""
+
+    rows: Sequence[object] | None
+    cols: Sequence[object] | None
+    title: str | None
+    xlabel: str | None
+    ylabel: str | None
+    cmap: str | None
+    diverging: bool
+    vmin: float | None
+    vmax: float | None
+    origin: Origin
+    colorbar: bool
+    colorbar_label: str | None
+    outline_at_least: float | None
+    fontsize: float
+    tick_fontsize: float
+    max_ticks: int
+
+
 def heatmap(
-    grid: np.ndarray,
-    *,
-    rows: Sequence[object] | None = None,
-    cols: Sequence[object] | None = None,
-    title: str | None = None,
-    xlabel: str | None = "head",
-    ylabel: str | None = "layer",
-    cmap: str | None = None,
-    diverging: bool = False,
-    vmin: float | None = None,
-    vmax: float | None = None,
-    origin: Origin = "lower",
-    colorbar: bool = True,
-    colorbar_label: str | None = None,
-    outline_at_least: float | None = None,
-    figsize: tuple[float, float] | None = None,
+    grid: np.ndarray, *, figsize: tuple[float, float] | None = None, **options: Unpack[HeatmapOptions]
 ) -> Figure:
-    """One heatmap figure of ``grid`` ([rows, cols], e.g. [n_layers, n_heads]); options as :func:`draw_heatmap`."""
+    """One heatmap figure of ``grid`` ([rows, cols], e.g. [n_layers, n_heads]), sized by
+    :func:`heatmap_size` unless ``figsize`` is given; options as :func:`draw_heatmap`."""
+    g = _grid(grid)
+    fig, axes = new_figure(figsize=figsize or heatmap_size(g.shape[0], g.shape[1]))
+    draw_heatmap(axes[0, 0], g, **options)
+    fig.tight_layout()
+    return fig
+
+
+def _grid(grid: np.ndarray) -> np.ndarray:
+    """``grid`` as a float64 array, refused unless 2-D."""
     g = np.asarray(grid, dtype=np.float64)
     if g.ndim != 2:
         raise QueryError(f"a heatmap needs a 2-D grid (got shape {g.shape})")
-    fig, axes = new_figure(figsize=figsize or heatmap_size(g.shape[0], g.shape[1]))
-    draw_heatmap(
-        axes[0, 0],
-        g,
-        rows=rows,
-        cols=cols,
-        title=title,
-        xlabel=xlabel,
-        ylabel=ylabel,
-        cmap=cmap,
-        diverging=diverging,
-        vmin=vmin,
-        vmax=vmax,
-        origin=origin,
-        colorbar=colorbar,
-        colorbar_label=colorbar_label,
-        outline_at_least=outline_at_least,
-    )
-    fig.tight_layout()
-    return fig
+    return g
 
 
 # ------------------------------------------------------------------ the analysis commands' figures

@@ -50,7 +50,7 @@ from actstore.core.store import StoreReader
 from actstore.query.analyses.dask_tasks import client_threads, run_tasks, store_of
 from actstore.query.analyses.stats import pearson
 from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, check_k
-from actstore.query.maps.pairs import store_pairs
+from actstore.query.maps.pairs import store_pairs, stored_relations
 from actstore.query.maps.projection import VocabProjection, projected_ranks
 from actstore.query.maps.static import pair_ranks
 from actstore.query.select.rows import Rows
@@ -120,14 +120,7 @@ def dynamic_ranks(
             f"{store.url}: no prompts with a subject and an object token"
             + (" among the selected ones" if rows is not None else "")
         )
-    names = sorted(set(pairs.column("relation_id").to_pylist()))
-    if relations is not None:
-        missing = sorted(set(relations) - set(names))
-        if missing:
-            raise MapsError(
-                f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}"
-            )
-        names = [n for n in names if n in set(relations)]
+    names = stored_relations(sorted(set(pairs.column("relation_id").to_pylist())), relations, store.url)
     if rows_per_chunk < 1:
         raise MapsError(f"rows_per_chunk must be at least 1, not {rows_per_chunk}")
     if prompts_per_task is not None and prompts_per_task < 1:

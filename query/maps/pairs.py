@@ -69,6 +69,19 @@ def load_pair_files(
     return [RelationPairs(n, _read_pairs(files[n]), str(files[n])) for n in names]
 
 
+def stored_relations(names: list[str], relations: Sequence[str] | None, url: str) -> list[str]:
+    """``names`` (the relations the store at ``url`` has prompts of) or, when ``relations`` is given,
+    those of them it names (one the store has no prompts of is refused with one line)."""
+    if relations is None:
+        return names
+    missing = sorted(set(relations) - set(names))
+    if missing:
+        raise MapsError(
+            f"relation(s) {', '.join(missing)} have no prompts in {url}; it holds {', '.join(names)}"
+        )
+    return [n for n in names if n in set(relations)]
+
+
 def _read_pairs(path: Path) -> tuple[tuple[str, str], ...]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -12,7 +12,7 @@ import numpy as np
 from actstore.core.errors import MapsError
 from actstore.core.store import StoreReader
 from actstore.query.maps.defaults import MIN_PAIRS
-from actstore.query.maps.pairs import single_token_pairs
+from actstore.query.maps.pairs import single_token_pairs, stored_relations
 from actstore.query.select.rows import Rows, rows_condition
 
 
@@ -60,14 +60,7 @@ def usable_prompts(
     rel = np.asarray(t.column("relation_id").to_pylist(), dtype=object)
     subj = [str(x or "") for x in t.column("subject").to_pylist()]
     obj = [str(x or "") for x in t.column("object").to_pylist()]
-    names = sorted(set(rel.tolist()))
-    if relations is not None:
-        missing = sorted(set(relations) - set(names))
-        if missing:
-            raise MapsError(
-                f"relation(s) {', '.join(missing)} have no prompts in {store.url}; it holds {', '.join(names)}"
-            )
-        names = [n for n in names if n in set(relations)]
+    names = stored_relations(sorted(set(rel.tolist())), relations, store.url)
     uniq = sorted(set(zip(subj, obj)))
     ok = dict(
         zip(uniq, single_token_pairs(uniq, tokenizer, vocab_size=store.geometry.vocab_size).tolist())

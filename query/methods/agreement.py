@@ -98,28 +98,23 @@ def agreement(
 
 
 TABLE_CHANCE = tuple(f"{m}_{k}" for m in ("key_layer", "verdict") for k in CHANCE_FIELDS)
+#: The columns of ``method_agreement`` that every row has (the chance columns follow: :data:`TABLE_CHANCE`).
+PAIR_COLUMNS = (
+    "method_a",
+    "method_b",
+    "n_facts",
+    "key_layer_agreement",
+    "key_layer_exact",
+    "n_verdict",
+    "verdict_agreement",
+    "profile_correlation",
+)
 
 
 def agreement_table(result: dict[str, Any]) -> pa.Table:
     """One row per pair and one for the consensus (method_a = method_b = "all", its chance columns
     in the key_layer_* ones)."""
-    rows = [
-        {
-            k: p[k]
-            for k in (
-                "method_a",
-                "method_b",
-                "n_facts",
-                "key_layer_agreement",
-                "key_layer_exact",
-                "n_verdict",
-                "verdict_agreement",
-                "profile_correlation",
-                *TABLE_CHANCE,
-            )
-        }
-        for p in result["pairs"]
-    ]
+    rows = [{k: p[k] for k in (*PAIR_COLUMNS, *TABLE_CHANCE)} for p in result["pairs"]]
     rows.append(
         {
             "method_a": "all",

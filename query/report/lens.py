@@ -9,6 +9,7 @@ import numpy as np
 from matplotlib.ticker import MaxNLocator
 
 from actstore.query.analyses import plotting
+from actstore.query.methods.agreement import PAIR_COLUMNS
 from actstore.query.report.context import (
     Heading,
     Note,
@@ -96,14 +97,7 @@ def agreement_section(ctx: ReportContext) -> Section | None:
                 pick(
                     sub,
                     [
-                        "method_a",
-                        "method_b",
-                        "n_facts",
-                        "key_layer_agreement",
-                        "key_layer_exact",
-                        "n_verdict",
-                        "verdict_agreement",
-                        "profile_correlation",
+                        *PAIR_COLUMNS,
                         "key_layer_chance",
                         "key_layer_excess",
                         "key_layer_kappa",

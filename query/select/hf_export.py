@@ -38,25 +38,18 @@ from typing import Any, Protocol, TypedDict
 import numpy as np
 
 from actstore.core.errors import QueryError
-from actstore.query.select.features import FeatureSpec
+from actstore.query.select.features import FeatureSpec, RowBlock, compute_block
 from actstore.query.select.labelled import SOURCE_KINDS
 from actstore.query.select.loader_args import Selected
 
 
 class Exported(Selected, Protocol):
-    """What the export reads of a selection (:class:`actstore.query.select.selection.Selection` is one)."""
+    """What the export reads of a selection (:class:`actstore.query.select.selection.Selection` is one):
+    its rows, and their blocks (example ids and :class:`RowBlock`, of at most ``batch_rows`` rows)."""
 
     def __len__(self) -> int: ...
 
-    def iter_features(
-        self,
-        kind: str,
-        *,
-        layers: Sequence[int] | None = None,
-        heads: Sequence[int] | None = None,
-        groups: int | None = None,
-        batch_rows: int = 256,
-    ) -> Iterator[tuple[np.ndarray, Any]]: ...
+    def blocks(self, batch_rows: int | None = None) -> Iterator[tuple[np.ndarray, RowBlock]]: ...
 
 
 HF_DTYPES = ("float32", "float16")
@@ -130,9 +123,8 @@ def to_hf_dataset(
     names = [hook_name(kind, layer, n_layers) for layer in spec.layers]
     if len(set(names)) != len(names):
         raise QueryError("to_hf_dataset: a layer is given twice")
-    probe = next(
-        selection.iter_features(kind, layers=[spec.layers[0]], heads=heads, groups=groups, batch_rows=1)
-    )[1]
+    first = FeatureSpec.parse(store, kind, [spec.layers[0]], heads, groups)
+    probe = compute_block(store, first, next(selection.blocks(1))[1])
     d_in = int(np.prod(probe.shape[2:]))
     features = datasets.Features(
         {
@@ -150,9 +142,8 @@ def to_hf_dataset(
         rows = selection.rows.column("row").to_numpy()
         at = 0
         with ArrowWriter(features=features, path=str(arrow)) as writer:
-            for ids, x in selection.iter_features(
-                kind, layers=spec.layers, heads=heads, groups=groups, batch_rows=batch_rows
-            ):
+            for ids, block in selection.blocks(batch_rows):
+                x = compute_block(store, spec, block)
                 b = x.shape[0]
                 x = x.reshape(b, len(names), 1, d_in).astype(dtype, copy=False)
                 batch: dict[str, Any] = {name: x[:, j] for j, name in enumerate(names)}
