@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.core.errors import DatasetError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import DatasetError, InvalidSetting
 from actstore.core.tables import EXAMPLES, POSITIONS, TARGETS, TOKENS
 from actstore.ingest.datasets.text_corpus import Documents
 

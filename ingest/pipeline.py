@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.core.errors import AlignmentError, DatasetError, RankError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import AlignmentError, DatasetError, InvalidSetting, RankError
 from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.lock import writer_lock
 from actstore.core.storage import locate

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting
 from actstore.core.manifest import STORAGE_DTYPES
 from actstore.core.settings import (
     check_settings,

@@ -226,9 +226,9 @@ def option_names(params: Sequence[click.Parameter]) -> dict[str, str]:
 
 
 def name_settings(command: click.Command, error: Exception) -> None:
-    """Rewrite an :class:`actstore.core.invalid.InvalidSetting` to name the command's option for the
+    """Rewrite an :class:`actstore.core.errors.InvalidSetting` to name the command's option for the
     setting (``--model: ...``) instead of the library's parameter (``model: ...``)."""
-    from actstore.core.invalid import InvalidSetting
+    from actstore.core.errors import InvalidSetting
 
     if isinstance(error, InvalidSetting):
         flag = option_names(command.params).get(error.setting) or "--" + error.setting.replace("_", "-")

@@ -90,7 +90,7 @@ def trace(
 
 # ----------------------------------------------------------------------------------- patch
 def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    from actstore.core.invalid import InvalidSetting
+    from actstore.core.errors import InvalidSetting
     from actstore.jobs.patch import parse_pair
 
     try:

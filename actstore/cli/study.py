@@ -23,7 +23,7 @@ from actstore.cli._options import (
     split_list,
     store_argument,
 )
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting
 from actstore.jobs.study_settings import (
     StudyChanceConfig,
     StudyCheckpointConfig,

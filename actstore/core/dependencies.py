@@ -13,11 +13,7 @@ import importlib
 import types
 from typing import TYPE_CHECKING, Any
 
-from actstore.core.errors import ActstoreError, QueryError
-
-
-class MissingDependency(QueryError, ImportError):
-    """An optional package a function needs is not installed (the message says what to install)."""
+from actstore.core.errors import ActstoreError, MissingDependency
 
 
 class LazyModule(types.ModuleType):

@@ -108,3 +108,18 @@ class MethodsError(QueryError):
 
 class MapsError(QueryError):
     """Bad MAPS input (pair files, relations, heads); one line for the command line."""
+
+
+class InvalidSetting(ActstoreError, ValueError):
+    """A setting's value is invalid or missing; ``setting`` names the parameter.  Library code never
+    names command-line flags: it raises this with the name of the parameter at fault
+    (``setting="model"``), and the command line shows it under the name of its own option (``--model``)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting
+        self.detail = message
+
+
+class MissingDependency(QueryError, ImportError):
+    """An optional package a function needs is not installed (the message says what to install)."""

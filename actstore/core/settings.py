@@ -1,6 +1,6 @@
 """Settings of a job or an analysis, declared once: a dataclass field per setting whose metadata
 carries its help text and its allowed values, validated by :func:`check_settings` (one error type,
-:class:`~actstore.core.invalid.InvalidSetting`) and turned into command-line options by
+:class:`~actstore.core.errors.InvalidSetting`) and turned into command-line options by
 ``actstore.cli._config``.  A field holding a lower floor's settings is made with :func:`nested`.
 
 The settings several floors share are written here once: the model's device and dtype
@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting
 
 C = TypeVar("C")
 

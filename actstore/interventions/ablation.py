@@ -43,10 +43,10 @@ from actstore.core.errors import AblationError, MapsError
 from actstore.core.store import StoreReader
 from actstore.ingest.capture.first_mlp import first_mlp_transform
 from actstore.interventions.runner import InterventionRunner, RunItem, head_ablation, stored_head_means
-from actstore.interventions.settings import AblationConfig
 from actstore.query.maps.defaults import paper_first_mlp, paper_k
 from actstore.query.maps.pairs import TokenPairs, store_pairs
 from actstore.query.maps.projection import VocabProjection, check_head
+from actstore.query.maps.settings import AblationConfig
 from actstore.query.maps.static import implementing_heads, static_scores, stored_static_scores, top_heads
 from actstore.query.select.rows import Rows, rows_condition
 from actstore.query.select.selection import Selection

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader, open_reader
 from actstore.interventions.ablation import relation_prompts, run_ablation

@@ -14,8 +14,7 @@ import torch
 
 from actstore.core.compact import compact_held
 from actstore.core.dependencies import transformers_logging
-from actstore.core.errors import StoreExistsError, StoreLockedError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, StoreExistsError, StoreLockedError
 from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
 from actstore.core.storage import locate

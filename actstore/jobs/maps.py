@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.core.errors import MapsError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, MapsError
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run

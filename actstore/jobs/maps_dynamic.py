@@ -17,8 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from actstore.core.errors import MapsError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, MapsError
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.maps import FirstMlp, Log, first_mlp_wanted, load_first_mlp

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from actstore.core.dependencies import transformers_logging
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting
 from actstore.core.settings import DEFAULT_DEVICE, DEFAULT_MODEL_DTYPE, check_model_dtype
 from actstore.core.store import StoreReader
 from actstore.ingest.capture.first_mlp import first_mlp_transform

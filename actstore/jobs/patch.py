@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actstore.core.errors import PatchError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, PatchError
 from actstore.core.progress import progress_bar
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import ProbeRequest

@@ -3,8 +3,8 @@ analysis: the command line makes the command's options from its config (:mod:`ac
 and calls the job with it, ``run_x(store, config)``.  Each is validated when it is made.
 
 A job that runs a lower floor's computation holds that floor's settings in a :func:`nested` field
-and adds its own: ``TraceRequest`` (:class:`~actstore.core.intervention_settings.TraceConfig`),
-``PatchRequest`` (:class:`~actstore.core.intervention_settings.PatchConfig`), ``AblateRequest``
+and adds its own: ``TraceRequest`` (:class:`~actstore.interventions.settings.TraceConfig`),
+``PatchRequest`` (:class:`~actstore.interventions.settings.PatchConfig`), ``AblateRequest``
 (:class:`~actstore.query.maps.settings.AblationConfig`) and ``ProbeRequest``
 (:class:`~actstore.query.analyses.probe_config.ProbeConfig`); the ingest's is
 :class:`actstore.ingest.settings.IngestRequest`.  What several jobs share is written once, in a base
@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actstore.core.errors import LensError, MethodsError
-from actstore.core.intervention_settings import PatchConfig, TraceConfig
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, LensError, MethodsError
 from actstore.core.settings import (
     check_settings,
     device_setting,
@@ -28,6 +26,7 @@ from actstore.core.settings import (
     setting,
 )
 from actstore.ingest.settings import DEFAULT_MODEL
+from actstore.interventions.settings import PatchConfig, TraceConfig
 from actstore.query.analyses.lens_methods import TUNED_METHODS, check_tuned_method
 from actstore.query.analyses.probe_config import ProbeConfig
 from actstore.query.maps.settings import (

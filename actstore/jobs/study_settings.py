@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actstore.core.errors import LensError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, LensError
 from actstore.core.settings import check_settings, setting
 from actstore.query.analyses.lens_methods import TUNED_METHODS, check_tuned_method
 from actstore.query.methods.defaults import METHODS

@@ -40,8 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from actstore.core.dependencies import MissingDependency, wordfreq
-from actstore.core.errors import DatasetError
+from actstore.core.dependencies import wordfreq
+from actstore.core.errors import DatasetError, MissingDependency
 from actstore.ingest.datasets.common import (
     Collector,
     DatasetResult,

@@ -29,8 +29,7 @@ from typing import Any
 import numpy as np
 
 from actstore.core.dependencies import dask_distributed
-from actstore.core.errors import QueryError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, QueryError
 from actstore.core.store import StoreReader, open_reader
 from actstore.query.analyses.relspec import POOLED_EPS
 from actstore.query.select.features import FeatureSpec, RowBlock, compute_block

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actstore.core.errors import QueryError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, QueryError
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.core.errors import LensError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, LensError
 from actstore.query.analyses.readout import (
     ALPHAS,
     TUNED_METHODS,

@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 
 from actstore.core.dependencies import sklearn_text
-from actstore.core.errors import QueryError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, QueryError
 from actstore.query.analyses.stats import pearson, spearman
 
 MAX_DATASET_BYTES = 1 << 30

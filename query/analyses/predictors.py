@@ -44,8 +44,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.core.errors import QueryError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, QueryError
 from actstore.core.sql import run_sql
 from actstore.core.store import StoreReader
 from actstore.query.analyses import plotting

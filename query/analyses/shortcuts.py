@@ -33,8 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.core.dependencies import sklearn_text
-from actstore.core.errors import QueryError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, QueryError
 from actstore.core.store import StoreReader
 from actstore.query.analyses import plotting
 from actstore.query.analyses.attribution import run_row

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting
 from actstore.core.settings import check_settings, setting
 from actstore.query.maps.defaults import IMPLEMENTS_THRESHOLD, MIN_PAIRS, MULTI_TOKEN
 

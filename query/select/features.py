@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from actstore.core.errors import QueryError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, QueryError
 
 if TYPE_CHECKING:
     from actstore.core.store import StoreReader

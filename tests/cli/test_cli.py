@@ -46,6 +46,8 @@ SETTINGS_MODULES = {
     "actstore.query.methods.defaults",
     "actstore.jobs.settings",
     "actstore.jobs.study_settings",
+    "actstore.interventions",
+    "actstore.interventions.settings",
 }
 
 
@@ -55,7 +57,7 @@ def test_help_does_not_import_torch_or_the_analysis_packages() -> None:
         "for args in (['--help'], *([c, '--help'] for c in ('trace', 'patch', 'ablate', 'agree', 'maps', 'probe'))):\n"
         "    try:\n        main(args)\n    except SystemExit as e:\n        assert e.code == 0, (args, e.code)\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'matplotlib')"
-        " or m.startswith(('actstore.ingest.', 'actstore.query.', 'actstore.jobs.')) and m not in SETTINGS)\n"
+        " or m.startswith(('actstore.ingest.', 'actstore.query.', 'actstore.jobs.', 'actstore.interventions.')) and m not in SETTINGS)\n"
         "print('HEAVY', heavy, file=sys.stderr)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -259,7 +261,7 @@ def test_model_defaults_to_the_stores_alias(tiny_store: Path, tmp_path: Path) ->
 def test_a_store_model_that_is_no_alias_is_not_loaded_on_its_own(
     monkeypatch: pytest.MonkeyPatch, tiny_store: Path
 ) -> None:
-    from actstore.core.invalid import InvalidSetting
+    from actstore.core.errors import InvalidSetting
     from actstore.jobs.model import model_for_store
 
     fake = SimpleNamespace(url="mem://x", manifest=SimpleNamespace(model={"name": "/somewhere/else"}))

@@ -16,8 +16,7 @@ from click.testing import CliRunner
 from helpers import KNOWN_STORE_KW, tiny_text_corpus
 
 import actstore
-from actstore.core.errors import ActstoreError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import ActstoreError, InvalidSetting
 from actstore.jobs.settings import AgreeConfig
 from actstore.query.analyses.lens import FinalReadout, LensError, TunedLens
 from actstore.query.analyses.tuned_lens import TrainConfig, train_tuned_lens

@@ -258,7 +258,7 @@ def test_dynamic_alt_static_variant_equals_separate_run(maps_store: Path) -> Non
 def test_ablation_experiment(maps_store: Path) -> None:
     from actstore.interventions.ablation import run_ablation
     from actstore.interventions.runner import InterventionRunner
-    from actstore.interventions.settings import AblationConfig
+    from actstore.query.maps.settings import AblationConfig
 
     store = actstore.open(maps_store)
     runner = InterventionRunner(tiny_model("llama").model)
@@ -311,7 +311,7 @@ def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[...,
     choice, and the overlaps and base accuracies reported equal a brute-force computation from the model."""
     from actstore.interventions.ablation import run_ablation
     from actstore.interventions.runner import InterventionRunner
-    from actstore.interventions.settings import AblationConfig
+    from actstore.query.maps.settings import AblationConfig
 
     path = store_factory(
         "llama",

@@ -15,8 +15,7 @@ from helpers import FIXTURES, fewrel_store_at, real_data
 
 import actstore
 from actstore.cli import main
-from actstore.core.errors import QueryError
-from actstore.core.invalid import InvalidSetting
+from actstore.core.errors import InvalidSetting, QueryError
 from actstore.jobs.probe import record_probe
 from actstore.query.analyses.episodes import sample_episodes, sample_seeds
 from actstore.query.analyses.probe import ProbeConfig, run_probe, run_reference
@@ -295,7 +294,7 @@ def test_cli_unknown_run_and_relation(store_copy: Path) -> None:
 @pytest.mark.parametrize("episodes", [0, -3])
 def test_sample_episodes_refuses_too_few_episodes_naming_the_setting(episodes: int) -> None:
     """The library's own check (the command line's option refuses these values before it is reached)."""
-    from actstore.core.invalid import InvalidSetting
+    from actstore.core.errors import InvalidSetting
     from actstore.query.analyses.episodes import sample_episodes
 
     labels = [r for r in "abcdef" for _ in range(10)]

@@ -58,3 +58,61 @@ def test_the_installed_package_is_actstore_alone() -> None:
         if imports.search(p.read_text())
     ]
     assert not offenders, f"import actstore.ingest / actstore.query, not the folders: {offenders}"
+
+
+# docs/architecture.md's counts and rules, held against the code so that the page cannot drift.
+DOC = ROOT / "docs" / "architecture.md"
+COUNTED = {  # the page's row label -> the key of tests/house_counts.py
+    "modules": "modules",
+    "rooms": "rooms",
+    "lines": "lines",
+    "internal import edges": "internal edges",
+    "function-level imports": "function-level imports",
+    "`is_local` branches outside the storage package": "backend branches",
+}
+
+
+def _doc_counts() -> dict[str, str]:
+    """The "now" column of the page's table of counts (its last cell), by row label."""
+    rows: dict[str, str] = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0] in {*COUNTED, "modules over 500 lines"}:
+            rows[cells[0]] = cells[-1]
+    return rows
+
+
+def test_the_architecture_pages_counts_are_the_codes() -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from house_counts import counts
+
+    now = counts(ROOT)
+    page = _doc_counts()
+    assert set(page) == {*COUNTED, "modules over 500 lines"}, "the page lost a row of its table of counts"
+    for label, key in COUNTED.items():
+        assert page[label].replace(",", "") == str(now[key]), (
+            f"docs/architecture.md says {label} = {page[label]}; the code has {now[key]}: update the page"
+        )
+    assert now["over 500 lines"] == [] and page["modules over 500 lines"] == "0", now["over 500 lines"]
+
+
+def test_the_architecture_page_quotes_the_layer_contracts() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    text = DOC.read_text()
+    for contract in config["contracts"]:
+        if contract["type"] == "layers":
+            quoted = "layers = [" + ", ".join(f'"{x}"' for x in contract["layers"]) + "]"
+            assert quoted in text, f"docs/architecture.md must quote the contract {contract['id']}: {quoted}"
+            assert f'containers = ["{contract["containers"][0]}"]' in text
+
+
+def test_every_public_error_class_is_in_errors_py() -> None:
+    defined = re.compile(r"^class ([A-Z]\w*)\((?:[^)]*(?:Error|Exception)[^)]*)\):", re.M)
+    outside = [
+        f"{p.relative_to(ROOT)}:{m.group(1)}"
+        for folder in ("actstore", "ingest", "query")
+        for p in (ROOT / folder).rglob("*.py")
+        if p != ROOT / "actstore" / "core" / "errors.py"
+        for m in defined.finditer(p.read_text())
+    ]
+    assert not outside, f"define public error classes in actstore/core/errors.py: {outside}"

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from actstore.core.dependencies import LazyModule, MissingDependency
-from actstore.core.errors import QueryError
+from actstore.core.dependencies import LazyModule
+from actstore.core.errors import MissingDependency, QueryError
 
 
 def test_a_lazy_module_imports_on_first_attribute() -> None:

@@ -1,12 +1,14 @@
-"""The counts of docs/architecture.md's before/after table, for a checkout's three folders.
+"""The counts of docs/architecture.md's before/after table, for a checkout's three folders
+(``tests/unit/test_architecture.py`` holds the page's "now" column against them).
 
-    python benchmarks/house_counts.py            # this checkout
-    python benchmarks/house_counts.py /tmp/old   # another one, e.g. `git worktree add /tmp/old 5598f78`
+    python tests/house_counts.py            # this checkout
+    python tests/house_counts.py /tmp/old   # another one, e.g. `git worktree add /tmp/old f91e203`
 
 modules and lines: the .py files of actstore/, ingest/ and query/; internal edges: distinct
 (importer, imported) pairs of those modules, every import statement counted (``ingest.x`` and
 ``query.x`` of an old checkout read as ``actstore.ingest.x``); function-level imports: import
-statements inside a function body; and the modules over 500 lines.
+statements inside a function body; rooms: the folders that hold a module besides their package marker;
+backend branches: ``is_local`` read outside the storage modules; and the modules over 500 lines.
 """
 
 from __future__ import annotations
@@ -65,11 +67,19 @@ def counts(root: Path) -> dict[str, object]:
                         edges.add((name, target))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 in_functions += sum(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(node))
+    rooms = {p.parent for p in files if p.name != "__init__.py"}
+    branches = sum(
+        p.read_text().count("is_local")
+        for p in files
+        if p.parent.name != "storage" and p.name != "fs.py"  # the storage modules themselves
+    )
     return {
         "modules": len(modules),
+        "rooms": len(rooms),
         "lines": lines,
         "internal edges": len(edges),
         "function-level imports": in_functions,
+        "backend branches": branches,
         "over 500 lines": large,
     }
 
