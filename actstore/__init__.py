@@ -15,7 +15,7 @@
 >>> len(actstore.FeatureDataset(train, "attn_head", layers=[1]))  # a torch Dataset, streamed
 80
 
-(``tests/integration/test_doctests.py`` runs these examples.)
+(``tests/integration/core/test_doctests.py`` runs these examples.)
 
 docs/api.md describes the Python API.  This module is the facade (docs/architecture.md): it sits on
 top of the store core, ``query`` and ``ingest`` and imports the heavy layers only when a function

@@ -35,7 +35,7 @@ class IngestConfig:
     less; the captured rows are put back in corpus order before they are written, so rows, tables
     and token layout are as without it.  The float values may differ in their last bits: on the
     CPU, torch's matmul and attention kernels give a row results that depend on the padded length
-    of its batch (measured: 1-2 float32 ulps, tests/integration/test_length_batching.py), as they already
+    of its batch (measured: 1-2 float32 ulps, tests/integration/ingest/test_length_batching.py), as they already
     depend on ``batch_size``.  It is therefore recorded in the manifest (when on) like the batch size.
     """
 

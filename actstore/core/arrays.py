@@ -102,7 +102,7 @@ def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence
     """Array ``name`` of ``group`` (created by :func:`create_array` with layer chunks ``inner``) written
     shard by shard: each inner chunk (padded with zeros at the edges) Blosc/LZ4-compressed with byte
     shuffle and followed by its CRC32C, in C order, then the index of (offset, length) uint64 pairs and
-    its CRC32C, exactly as zarr's sharding codec lays them out (tests/integration/test_local_chunks.py compares the
+    its CRC32C, exactly as zarr's sharding codec lays them out (tests/integration/core/test_local_chunks.py compares the
     bytes).  Written through the group's store, so the store's wrappers see every object.  zarr's own
     writer takes about 6x longer for these many small inner chunks (benchmarks/bench_layer_chunks.py),
     which a GPU ingest's host side would pay."""

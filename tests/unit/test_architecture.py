@@ -116,3 +116,26 @@ def test_every_public_error_class_is_in_errors_py() -> None:
         for m in defined.finditer(p.read_text())
     ]
     assert not outside, f"define public error classes in actstore/core/errors.py: {outside}"
+
+
+def test_the_tests_folders_mirror_the_packages_rooms() -> None:
+    """tests/<tier>/<room>/test_*.py, where room is a room of the package (a folder that holds modules,
+    by its name) or benchmarks/; only the tests of the house itself and of the suite's tolerances stand
+    at a tier's root."""
+    rooms = {"benchmarks", "cli"}  # the command line's folder; benchmarks/ has tests of its scripts
+    for folder in ("actstore", "ingest", "query"):
+        for p in (ROOT / folder).rglob("*.py"):
+            if p.name != "__init__.py" and p.parent.name not in ("actstore",):
+                rooms.add(p.parent.name)
+    misplaced = []
+    for p in (ROOT / "tests").glob("*/**/test_*.py"):
+        rel = p.relative_to(ROOT / "tests").parts
+        if rel[0] not in ("unit", "integration", "cli"):
+            misplaced.append(str(p.relative_to(ROOT)))
+        elif len(rel) == 2 and rel[1] not in ("test_architecture.py", "test_tolerances.py"):
+            misplaced.append(str(p.relative_to(ROOT)))
+        elif len(rel) == 3 and rel[1] not in rooms:
+            misplaced.append(str(p.relative_to(ROOT)))
+    assert not misplaced, (
+        f"put each test in tests/<unit|integration|cli>/<room>/ (rooms: {sorted(rooms)}): {misplaced}"
+    )

@@ -5,7 +5,7 @@ which kind of storage it has.  What differs between backends is a method of this
 implemented per backend; where a caller must choose between two strategies, it asks a capability
 named for what it means (:meth:`StoreLocation.paths_open_directly`, :meth:`StoreLocation.lists_cheaply`).
 
-The contract every backend keeps (``tests/integration/test_storage_conformance.py`` checks it):
+The contract every backend keeps (``tests/integration/storage/test_storage_conformance.py`` checks it):
 
 - **Atomic commit.**  :meth:`~StoreLocation.write_bytes_atomic` and
   :meth:`~StoreLocation.write_stream_atomic` make an object appear whole or not at all: a reader

@@ -8,7 +8,7 @@ projection, the output projection and the MLP down projection, then rebuilds eac
 numpy from those hooks and the model's own parameters.  Nothing of the library (architectures,
 capture, features) computes an expected value here.
 
-The identities of tests/integration/test_exactness.py (sum over heads = block output, sum over sources =
+The identities of tests/integration/capture/test_exactness.py (sum over heads = block output, sum over sources =
 head) hold under any reordering of sources or regrouping of neurons; these checks pin each
 entry to its (layer, head, source token, neuron group).  The models use d_mlp = 130, which the
 default 4 groups (and 3, 7) do not divide, so the rule for the leftover neurons is exercised.

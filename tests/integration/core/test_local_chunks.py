@@ -7,7 +7,7 @@ architectures is read row by row selection and layer subset through :func:`read_
 the layer subset are each exercised (a read that swapped two chunks, dropped the tail or applied the
 layers to the wrong axis would differ).  The fast path must be the one taken for these local stores and
 never for arrays it cannot vouch for (no guard, a lenient guard, other codecs); damaged chunks
-are covered by tests/cli/test_corruption.py (every byte of a chunk flipped) and tests/cli/test_hostile_inputs.py
+are covered by tests/cli/core/test_corruption.py (every byte of a chunk flipped) and tests/cli/cli/test_hostile_inputs.py
 (missing, named pipe), which go through the same reads.
 """
 

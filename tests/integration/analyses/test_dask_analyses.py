@@ -42,7 +42,7 @@ CODEX_FIXTURE = sorted((FIXTURES / "codex_m").glob("*.txt"))
 N_RELATIONS = len(json.loads(FEWREL_FIXTURE.read_text(encoding="utf-8")))  # 8 invented relations
 MAPS_DATA = (
     FIXTURES / "maps" / "datasets"
-)  # invented pairs in the MAPS layout (the same store as tests/integration/test_maps.py)
+)  # invented pairs in the MAPS layout (the same store as tests/integration/maps/test_maps.py)
 RELS = ("country_to_capital_wikidata", "adj_antonym")
 RANKS = ("static_up", "static_down", "w_up", "w_down", "wo_up", "wo_down")
 

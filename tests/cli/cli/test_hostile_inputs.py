@@ -901,7 +901,7 @@ def ctx(tmp_path_factory: pytest.TempPathFactory) -> Ctx:
     r = CliRunner().invoke(main, [*INGEST, "--out", str(store)])
     assert r.exit_code == 0, r.stderr
     # The cases damage markers and shards: the read path of a store without a snapshot (an ingest still
-    # running).  A compacted store's own damage cases are in tests/integration/test_compaction.py.
+    # running).  A compacted store's own damage cases are in tests/integration/core/test_compaction.py.
     uncompact(store)
     newer = root / "newer"
     r = CliRunner().invoke(main, [*INGEST, "--out", str(newer)])

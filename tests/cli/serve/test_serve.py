@@ -1,6 +1,6 @@
 """``actstore serve``: every API route through Starlette's test client, with bad input (hostile ids,
 layers, heads, table names, SQL) answered by a 4xx of one line, and the store unchanged (its files
-hashed before and after).  The browser test is tests/cli/test_serve_browser.py."""
+hashed before and after).  The browser test is tests/cli/serve/test_serve_browser.py."""
 
 from __future__ import annotations
 

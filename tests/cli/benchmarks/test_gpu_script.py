@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b")
 CORPUS_RUNS = ("corpus_all", "corpus_resid", "corpus_mlp", "corpus_z", "corpus_attn")
 

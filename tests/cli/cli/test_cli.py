@@ -218,7 +218,7 @@ def test_exit_codes(tiny_store: Path, tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_exit_codes_are_documented() -> None:
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "commands.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "commands.md").read_text()
     for code, meaning in ((0, "success"), (1, "error"), (2, "usage"), (3, "verify"), (130, "interrupted")):
         assert re.search(rf"\|\s*{code}\s*\|[^\n]*{meaning}", doc, re.I), (code, meaning)
 

@@ -24,7 +24,7 @@ from actstore.core.verify import verify_store
 @pytest.fixture
 def store(tiny_store: Path, tmp_path: Path) -> Path:
     """A copy read from its markers and shards (the damage cases of a compacted store are in
-    tests/integration/test_compaction.py)."""
+    tests/integration/core/test_compaction.py)."""
     out = tmp_path / "store"
     shutil.copytree(tiny_store, out)
     return uncompact(out)

