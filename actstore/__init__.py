@@ -31,6 +31,7 @@ from actstore.core._version import __version__
 from actstore.core.errors import (
     ActstoreError,
     CorruptStoreError,
+    EmptySelectionWarning,
     FormatVersionError,
     QueryError,
     ReadOnlySQLError,
@@ -66,6 +67,7 @@ __all__ = [
     "FORMAT_VERSION",
     "ActstoreError",
     "CorruptStoreError",
+    "EmptySelectionWarning",
     "FeatureDataset",
     "FormatVersionError",
     "Geometry",

@@ -35,7 +35,7 @@ class Store(StoreReader):
         whose ``example_id`` the SELECT ``query`` returns; all rows when both are None.
         ``params``: values for the placeholders of ``where`` / ``query`` (bound by DuckDB)::
 
-            store.select("relation_id = $rel AND split = 'val'", params={"rel": "P17"})
+            store.select("relation_id = $rel AND split = 'val'", params={"rel": "P177"})
         """
         from actstore.query.select.selection import Selection
 

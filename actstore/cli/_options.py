@@ -185,7 +185,7 @@ def sql_limit_options(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-WHERE_HELP = "SQL predicate over the examples table choosing the rows, e.g. \"relation_id = 'P17'\"."
+WHERE_HELP = "SQL predicate over the examples table choosing the rows, e.g. \"relation_id = 'P177'\"."
 
 
 def where_option(fn: F) -> F:

@@ -108,7 +108,7 @@ def probe(
 
 # --------------------------------------------------------------------------------------- headscore
 @command(
-    example="actstore headscore /tmp/s --run probe-20261201T080351-97216b7b --relation P17 --figures figs"
+    example="actstore headscore /tmp/s --run probe-20261201T080351-97216b7b --relation P177 --figures figs"
 )
 @store_argument
 @run_option

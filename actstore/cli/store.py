@@ -145,7 +145,7 @@ FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, ml
 
 
 @command(
-    example="actstore features /tmp/s --kind attn_head --layers 0-3 --where \"relation_id = 'P17'\" "
+    example="actstore features /tmp/s --kind attn_head --layers 0-3 --where \"relation_id = 'P177'\" "
     "--out x.npy"
 )
 @store_argument

@@ -121,5 +121,11 @@ class InvalidSetting(ActstoreError, ValueError):
         self.detail = message
 
 
+class EmptySelectionWarning(UserWarning):
+    """A selection names relations or example ids that have no rows (a typo, or another data set's
+    names).  A warning by default; ``warnings.simplefilter("error", EmptySelectionWarning)`` (or
+    ``-W error::actstore.EmptySelectionWarning``) makes it an error."""
+
+
 class MissingDependency(QueryError, ImportError):
     """An optional package a function needs is not installed (the message says what to install)."""

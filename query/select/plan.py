@@ -4,6 +4,7 @@ their parent's rows (its SQL runs once)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from actstore.core.errors import QueryError
+from actstore.core.errors import EmptySelectionWarning, QueryError
 from actstore.core.relation_index import candidates, id_bounds, relation_values
 from actstore.core.snapshot import ROW_GROUP_ROWS
 from actstore.core.sql import predicate, run_sql
@@ -161,7 +162,41 @@ class RelationsStep:
     def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
         assert rows is not None
         keep = pc.is_in(rows.column("relation_id"), value_set=pa.array(self.names, pa.string()))
-        return rows.filter(pc.fill_null(keep, False))
+        out = rows.filter(pc.fill_null(keep, False))
+        present = set(pc.unique(out.column("relation_id")).to_pylist())
+        missing = [r for r in self.names if r not in present]
+        if missing:
+            there = sorted(str(r) for r in pc.unique(rows.column("relation_id")).to_pylist() if r is not None)
+            shown = ", ".join(there[:20]) + (f", ... ({len(there)} in all)" if len(there) > 20 else "")
+            warnings.warn(
+                f"relations(): no rows for {', '.join(missing)} in this selection "
+                f"(its relations: {shown or 'none'})",
+                EmptySelectionWarning,
+                stacklevel=2,
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class IdsStep:
+    """Keeps its parent's rows (a ``from_ids`` query); warns about the ids that have none."""
+
+    ids: tuple[int, ...]
+
+    @property
+    def text(self) -> str:
+        return f"{len(self.ids)} ids"
+
+    def apply(self, store: StoreReader, rows: pa.Table | None) -> pa.Table:
+        assert rows is not None
+        present = set(pc.unique(rows.column("example_id")).to_pylist())
+        missing = [i for i in self.ids if i not in present]
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (
+                f", ... ({len(missing)} in all)" if len(missing) > 10 else ""
+            )
+            warnings.warn(f"from_ids(): no rows for example ids {shown}", EmptySelectionWarning, stacklevel=2)
+        return rows
 
 
 @dataclass(frozen=True)

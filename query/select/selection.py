@@ -4,7 +4,7 @@ A :class:`Selection` records what to pick (a SQL predicate or query over the tab
 ``filter``, ``relations``, ``limit``, ``sample`` and ``split``) and reads nothing until something asks
 for its rows (``len``, ``example_ids``, ``rows``, ``table()``, ``features()``, ...)::
 
-    sel = store.select("split = 'val'").relations(["P17", "P131"]).sample(500, seed=0)
+    sel = store.select("split = 'val'").relations(["P177", "P361"]).sample(500, seed=0)
     train, test = sel.split((0.8, 0.2), seed=1)            # still nothing read
     x = train.features("attn_head", layers=[3, 4])          # numpy [n, 2, H, d_model]
     da = test.to_xarray("attn_head_token", layers=[3])      # labelled: row, layer, head, source, d_model
@@ -34,6 +34,7 @@ from actstore.query.select.features import FeatureSpec, RowBlock, compute_block,
 from actstore.query.select.labelled import SOURCE_KINDS, dask_features, to_dataarray
 from actstore.query.select.plan import (
     FilterStep,
+    IdsStep,
     LimitStep,
     PartStep,
     QueryStep,
@@ -60,7 +61,7 @@ Output = Literal["numpy", "torch", "xarray"]
 # store order) to a subset of them, in the same order.
 
 
-Step = QueryStep | FilterStep | RelationsStep | LimitStep | SampleStep | PartStep
+Step = QueryStep | FilterStep | IdsStep | RelationsStep | LimitStep | SampleStep | PartStep
 
 
 class Selection:
@@ -124,9 +125,11 @@ class Selection:
 
     @classmethod
     def from_ids(cls, store: StoreReader, example_ids: Sequence[int]) -> Selection:
-        """The target rows of these examples (in store order; unknown ids select nothing)."""
+        """The target rows of these examples (in store order; unknown ids select nothing, with an
+        :class:`~actstore.core.errors.EmptySelectionWarning` when the rows are read)."""
         ids = [int(i) for i in example_ids]
-        return cls.from_sql(store, query="SELECT unnest($ids::BIGINT[]) AS example_id", params={"ids": ids})
+        sel = cls.from_sql(store, query="SELECT unnest($ids::BIGINT[]) AS example_id", params={"ids": ids})
+        return sel._then(IdsStep(tuple(ids)))
 
     def _then(self, step: Step) -> Selection:
         return Selection(self.store, parent=self, step=step)
@@ -139,7 +142,9 @@ class Selection:
         return self._then(FilterStep(where, check_params(params)))
 
     def relations(self, relation_ids: Sequence[str]) -> Selection:
-        """The rows whose example's ``relation_id`` is one of ``relation_ids``."""
+        """The rows whose example's ``relation_id`` is one of ``relation_ids``.  A relation with no
+        rows in this selection gives an :class:`~actstore.core.errors.EmptySelectionWarning` when the
+        rows are read (an error under ``warnings.simplefilter("error", EmptySelectionWarning)``)."""
         if isinstance(relation_ids, str):
             relation_ids = [relation_ids]
         names = tuple(str(r) for r in relation_ids)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+
+import pytest
+from helpers import real_data
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -26,3 +32,96 @@ def test_quickstart_runs() -> None:
     assert "attn_head (" in out and "streamed z for" in out and "report: " in out
     err = float(out.split("max |difference| = ")[1].split()[0])
     assert err < 1e-4
+
+
+# ----------------------------------------------------------------------------------- README, docs, --help
+
+
+def _all_helps() -> dict[str, str]:
+    """Every command's --help text, by command path ("ingest", "study run", ...)."""
+    import click
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    out: dict[str, str] = {}
+
+    def walk(cmd: click.Command, path: list[str]) -> None:
+        r = CliRunner().invoke(main, [*path, "--help"])
+        assert r.exit_code == 0, (path, r.output)
+        out[" ".join(path) or "actstore"] = r.output
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                walk(sub, [*path, name])
+
+    walk(main, [])
+    return out
+
+
+# What README, docs/commands.md, docs/api.md, docs/getting-started.md and every --help show run on FewRel's
+# validation split (the data the README's examples name): each relation id they name must be one of it.
+RELATION_ID = re.compile(r"\bP\d+\b")
+
+
+@pytest.mark.real_data
+def test_examples_name_relations_that_exist() -> None:
+    fewrel = set(json.loads(real_data("fewrel/val_wiki.json").read_text()))
+    texts = {name: (REPO / name).read_text() for name in ("README.md", "docs/api.md", "docs/commands.md")}
+    texts.update({f"--help {k}": v for k, v in _all_helps().items()})
+    texts["query/select/selection.py"] = (REPO / "query" / "select" / "selection.py").read_text()
+    bad = {
+        (where, pid)
+        for where, text in texts.items()
+        for pid in RELATION_ID.findall(text)
+        if pid not in fewrel
+    }
+    assert not bad, f"relation ids that FewRel's validation split lacks: {sorted(bad)}"
+
+
+def _readme_python() -> str:
+    text = (REPO / "README.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.real_data
+def test_readme_python_block_runs_on_fewrel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's Python block, run as written on a FewRel store (validation split) with these
+    substitutions only: the tiny model for SmolLM2 (2 layers: layers 10, 11 -> 0, 1; 6 -> 0), 3 prompts
+    a relation instead of 50, and paths under a temporary folder.  Warnings are errors here, so a
+    selection naming a relation the store lacks fails it."""
+    pytest.importorskip("datasets")
+    real_data("fewrel/val_wiki.json")
+    monkeypatch.setenv("ACTSTORE_DATA", str(real_data(".")))
+    code = _readme_python()
+    for old, new in (
+        ('model="smollm2-135m"', 'model="tiny-llama"'),
+        ("limit_per_relation=50", "limit_per_relation=3"),
+        ('"/tmp/s"', repr(str(tmp_path / "s"))),
+        ('"/tmp/hf"', repr(str(tmp_path / "hf"))),
+        ("layers=[10, 11]", "layers=[0, 1]"),
+        ("layers=[10]", "layers=[1]"),
+        ("layers=[6]", "layers=[0]"),
+    ):
+        assert old in code, old
+        code = code.replace(old, new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(compile(code, "README.md", "exec"), {})
+
+
+@pytest.mark.real_data
+def test_a_selection_naming_missing_relations_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import actstore
+    from actstore.query.select.selection import Selection
+
+    monkeypatch.setenv("ACTSTORE_DATA", str(real_data(".")))
+    s = actstore.ingest_corpus(tmp_path / "s", model="tiny-llama", dataset="fewrel", limit_per_relation=2)
+    with pytest.warns(actstore.EmptySelectionWarning, match="no rows for P17 "):
+        assert set(s.select().relations(["P177", "P17"]).rows.column("relation_id").to_pylist()) == {"P177"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", actstore.EmptySelectionWarning)
+        with pytest.raises(actstore.EmptySelectionWarning):
+            len(s.select().relations(["P17"]))
+        with pytest.raises(actstore.EmptySelectionWarning, match="example ids 999999"):
+            len(Selection.from_ids(s, [0, 999999]))
+        assert len(s.select().relations(["P177"])) == 2
