@@ -30,6 +30,14 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 )
 @bounded_option("--sql-timeout", 30.0, "Seconds one console statement may run.", low=0.1)
 @bounded_option("--max-download-rows", 1_000_000, "Rows a CSV/Parquet download may hold.")
+@click.option(
+    "--direction",
+    "direction_files",
+    multiple=True,
+    metavar="FILE.npy",
+    help="A [d_model] or [m, d_model] array of residual directions (e.g. a probe's weights) whose unit "
+    "pages a corpus store shows, named by the file's stem (repeatable).",
+)
 def serve(
     store: tuple[str, ...],
     more: tuple[str, ...],
@@ -39,15 +47,18 @@ def serve(
     sql_memory: str,
     sql_timeout: float,
     max_download_rows: int,
+    direction_files: tuple[str, ...],
 ) -> None:
     """Serve a read-only web explorer of STORE (or several, or a folder of stores): store, relations,
     HeadScore heatmaps, prompts with per-source-token head contributions, heads, method comparison,
-    a SQL console and a features projection.  Nothing is written to the stores; no model is loaded."""
+    a SQL console and a features projection; on a corpus store (--positions all) its documents, a
+    search over its tokens, and unit pages (MLP neuron, head, direction) with their top contexts.  Nothing is written to the stores; no model is loaded."""
     import uvicorn
 
     from actstore.serve.app import create_app
     from actstore.serve.catalog import Catalog
     from actstore.serve.console import ConsoleLimits
+    from actstore.serve.corpus import load_direction_files
 
     paths = list(store) + list(more)
     if not paths:
@@ -57,7 +68,10 @@ def serve(
             f"--host {host} would expose the stores beyond this machine: add --allow-remote to do so"
         )
     catalog = Catalog.open(paths)
-    app = create_app(catalog, ConsoleLimits(sql_memory, sql_timeout, max_download_rows))
+    directions = load_direction_files(list(direction_files))
+    app = create_app(
+        catalog, ConsoleLimits(sql_memory, sql_timeout, max_download_rows), directions=directions
+    )
     if host not in LOCAL_HOSTS:
         click.echo(
             f"warning: serving on {host}: anyone who can reach this address can read the stores "

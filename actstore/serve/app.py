@@ -26,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from actstore.core._version import __version__
 from actstore.core.errors import ActstoreError, NotFoundError, QueryError
-from actstore.serve import console, pages, prompt, search, views
+from actstore.serve import console, corpus, pages, prompt, search, views
 from actstore.serve.catalog import Catalog, Served
 from actstore.serve.common import (
     example_id,
@@ -61,6 +61,13 @@ def _error(request: Request, status: int, message: str) -> Response:
     if request.url.path.startswith("/api/"):
         return JSONResponse(
             {"error": _one_line(message), "status": status}, status_code=status, headers=SECURITY_HEADERS
+        )
+    if "text/html" in request.headers.get("accept", ""):  # a browser: one line and a way back
+        return Response(
+            pages.error_page(status, _one_line(message)),
+            status_code=status,
+            media_type="text/html; charset=utf-8",
+            headers=SECURITY_HEADERS,
         )
     return PlainTextResponse(_one_line(message) + "\n", status_code=status, headers=SECURITY_HEADERS)
 
@@ -257,6 +264,74 @@ def api_features(request: Request, s: Served) -> Any:
     return s.cached(key, lambda: console.features_projection(s.store, kind, layer, head, rels, n, seed))
 
 
+# ----------------------------------------------------------------------------------- corpus routes
+def _directions(request: Request) -> dict[str, Any]:
+    return request.app.state.directions  # type: ignore[no-any-return]
+
+
+def _corpus(s: Served) -> None:
+    if not corpus.is_corpus(s.store):
+        raise NotFoundError(f"store {s.name} is no corpus store (ingested with --positions target)")
+
+
+def _unit(
+    request: Request, s: Served, kind: str, lt: str | None, it: str | None
+) -> tuple[str, int, int, str | None]:
+    if kind not in corpus.UNIT_KINDS:
+        raise NotFoundError(f"unit kind must be one of {', '.join(corpus.UNIT_KINDS)}, not {kind[:20]!r}")
+    g = s.store.geometry
+    high = g.n_layers if kind == "direction" else g.n_layers - 1
+    layer = int_param(lt, "layer", low=0, high=high)
+    index = int_param(it, "index", low=0, high=2**31)
+    name = _q(request, "direction")
+    return kind, layer, index, name
+
+
+@api
+def api_corpus(request: Request, s: Served) -> Any:
+    """A corpus store's home: documents, tokens, kinds and layers kept, precomputed top-k runs."""
+    _corpus(s)
+    return s.cached(("corpus", signature(s.store)), lambda: corpus.corpus_home(s.store, _directions(request)))
+
+
+@api
+def api_tokens(request: Request, s: Served) -> Any:
+    """Positions whose token text holds ``q`` (case-insensitive), with their contexts."""
+    _corpus(s)
+    q = _q(request, "q") or ""
+    if len(q) > 200:
+        raise QueryError("q is at most 200 characters")
+    size = int_param(_q(request, "size"), "size", low=1, high=500, default=50)
+    return corpus.token_search(s.store, q, size)
+
+
+@api
+def api_unit(request: Request, s: Served) -> Any:
+    """A unit (mlp neuron, head output norm, direction): top-k contexts, histogram, logit effects."""
+    _corpus(s)
+    kind, layer, index, name = _unit(
+        request,
+        s,
+        str(request.path_params["kind"]),
+        str(request.path_params["layer"]),
+        str(request.path_params["index"]),
+    )
+    k = int_param(_q(request, "k"), "k", low=1, high=200, default=20)
+    key = ("unit", kind, layer, index, name, k, signature(s.store))
+    return s.cached(key, lambda: corpus.unit_view(s.store, kind, layer, index, _directions(request), name, k))
+
+
+@api
+def api_document(request: Request, s: Served) -> Any:
+    """A document's tokens, with a unit's value on each (``kind``, ``layer``, ``index``, ``direction``)."""
+    _corpus(s)
+    doc = int_param(str(request.path_params["document"]), "document", low=0, high=2**62)
+    kt = _q(request, "kind")
+    unit = _unit(request, s, kt, _q(request, "layer"), _q(request, "index")) if kt else None
+    key = ("document", doc, unit, signature(s.store))
+    return s.cached(key, lambda: corpus.document_view(s.store, doc, unit, _directions(request)))
+
+
 #: (path, endpoint) of every API route; docs/explorer.md lists them, the tests call each.
 API_ROUTES: list[tuple[str, Callable[[Request], Response]]] = [
     ("/api/stores", api_stores),
@@ -271,6 +346,10 @@ API_ROUTES: list[tuple[str, Callable[[Request], Response]]] = [
     ("/api/s/{store}/tables/{table}", api_table),
     ("/api/s/{store}/sql", api_sql),
     ("/api/s/{store}/features", api_features),
+    ("/api/s/{store}/corpus", api_corpus),
+    ("/api/s/{store}/tokens", api_tokens),
+    ("/api/s/{store}/units/{kind}/{layer}/{index}", api_unit),
+    ("/api/s/{store}/documents/{document}", api_document),
 ]
 
 #: The query parameters of each route (docs/explorer.md says what each means).
@@ -283,6 +362,9 @@ QUERY_PARAMETERS: dict[str, tuple[str, ...]] = {
     "/api/s/{store}/tables/{table}": ("page", "size"),
     "/api/s/{store}/sql": ("q", "page", "size", "format"),
     "/api/s/{store}/features": ("kind", "layer", "head", "relations", "n", "seed"),
+    "/api/s/{store}/tokens": ("q", "size"),
+    "/api/s/{store}/units/{kind}/{layer}/{index}": ("direction", "k"),
+    "/api/s/{store}/documents/{document}": ("kind", "layer", "index", "direction"),
 }
 
 
@@ -322,6 +404,18 @@ def _page_route(view: str) -> Callable[[Request], Response]:
     def endpoint(request: Request) -> Response:
         served = _served(request)
         params = dict(request.path_params)
+        if corpus.is_corpus(served.store) and view in ("head", "prompt", "heads", "relation"):
+            return _corpus_redirect(request, served, view, params)
+        if view == "unit":
+            _corpus(served)
+            kind, layer, index, name = _unit(
+                request, served, str(params["kind"]), str(params["layer"]), str(params["index"])
+            )
+            corpus.check_unit(served.store, kind, layer, index, request.app.state.directions, name)
+            params.update(layer=str(layer), index=str(index))
+        elif view == "document":
+            _corpus(served)
+            params["document"] = str(int_param(str(params["document"]), "document", low=0, high=2**62))
         if view == "prompt":
             params["example_id"] = str(example_id(served.store, str(params["example_id"])))
         elif view == "relation":
@@ -336,6 +430,24 @@ def _page_route(view: str) -> Callable[[Request], Response]:
 
     endpoint.__name__ = f"page_{view}"
     return endpoint
+
+
+def _corpus_redirect(request: Request, served: Served, view: str, params: dict[str, Any]) -> Response:
+    """On a corpus store (a row is one token): a head's page is its unit page, a prompt (a position)
+    is its document, the relation views have no relations to show (the corpus home)."""
+    root = f"/s/{served.name}"
+    if view == "head":
+        layer, head = layer_head(served.store, str(params["layer"]), str(params["head"]))
+        return RedirectResponse(f"{root}/unit/head/{layer}/{head}", status_code=302)
+    if view == "prompt":
+        row = int_param(str(params["example_id"]), "example_id", low=0, high=2**62)
+        from actstore.serve.common import sql
+
+        got = sql(served.store, "SELECT document FROM positions WHERE example_id = ?", [row])
+        if not got:
+            raise NotFoundError(f"no position {row} in the store")
+        return RedirectResponse(f"{root}/document/{got[0]['document']}?row={row}", status_code=302)
+    return RedirectResponse(root, status_code=302)
 
 
 def index(request: Request) -> Response:
@@ -361,6 +473,8 @@ PAGE_ROUTES = [
     ("/s/{store}/sql", "sql"),
     ("/s/{store}/features", "features"),
     ("/s/{store}/table/{table}", "table"),
+    ("/s/{store}/unit/{kind}/{layer}/{index}", "unit"),
+    ("/s/{store}/document/{document}", "document"),
 ]
 
 
@@ -389,7 +503,11 @@ def warm(catalog: Catalog) -> None:
 
 
 def create_app(
-    catalog: Catalog, limits: console.ConsoleLimits | None = None, *, warm_up: bool = True
+    catalog: Catalog,
+    limits: console.ConsoleLimits | None = None,
+    *,
+    warm_up: bool = True,
+    directions: dict[str, Any] | None = None,
 ) -> Starlette:
     """The explorer over ``catalog``'s stores (read-only).  ``warm_up``: read what the views need
     first in a background thread as the app starts (:func:`warm`)."""
@@ -421,4 +539,5 @@ def create_app(
     )
     app.state.catalog = catalog
     app.state.limits = limits or console.ConsoleLimits()
+    app.state.directions = directions or {}  # name -> [m, d_model] (serve --direction FILE.npy)
     return app

@@ -20,6 +20,8 @@ TITLES = {
     "sql": "SQL console",
     "features": "Features",
     "table": "Table",
+    "unit": "Unit",
+    "document": "Document",
 }
 
 
@@ -55,6 +57,8 @@ def _shell(title: str, body: str, store: str | None, stores: list[str]) -> str:
 def render(served: Served, view: str, params: dict[str, Any], stores: list[str]) -> str:
     """The page of ``view`` (its parameters already validated by the app)."""
     data = {"view": view, "store": served.name, **{k: str(v) for k, v in params.items() if k != "store"}}
+    if served.store.manifest.ingest.get("positions") == "all":
+        data["corpus"] = "1"  # a corpus store: the store page is the corpus home
     heading = f"{TITLES[view]}"
     sub = ""
     if view == "relation":
@@ -76,6 +80,11 @@ def render(served: Served, view: str, params: dict[str, Any], stores: list[str])
         heading = f"Head {params['layer']}.{params['head']}"
     elif view == "table":
         heading = f"Table {params['table']}"
+    elif view == "unit":
+        what = {"mlp": "MLP neuron", "head": "Head", "direction": "Direction"}[str(params["kind"])]
+        heading = f"{what} {params['layer']}.{params['index']}"
+    elif view == "document":
+        heading = f"Document {params['document']}"
     elif view == "store":
         heading = f"Store {served.name}"
     body = (
@@ -83,6 +92,15 @@ def render(served: Served, view: str, params: dict[str, Any], stores: list[str])
         '<div id="content"><p class="loading">loading…</p></div></main>'
     )
     return _shell(f"{heading} · actstore explorer", body, served.name, stores)
+
+
+def error_page(status: int, message: str) -> str:
+    """A browser's error page: the one line, and a way back (the home page)."""
+    body = (
+        f'<main id="view" data-view="error"><h1>{status}</h1><p class="error" id="error-line">{escape(message)}</p>'
+        '<p><a id="home" href="/">back to the explorer\'s home</a></p></main>'
+    )
+    return _shell(f"{status} · actstore explorer", body, None, [])
 
 
 def index(served: list[Served]) -> str:

@@ -92,6 +92,22 @@ function colour(v, lim, diverging = true, strongest = 0.85) {
   return v > 0 ? `rgba(214, 39, 40, ${a})` : `rgba(31, 119, 180, ${a})`;
 }
 
+// A colour bar: the scale of colour() from -lim (or 0) to lim, with its ends labelled.
+function colourBar(lim, diverging = true, strongest = 0.85, label = "") {
+  const bar = el("span", { class: "cbar" });
+  const n = 11;
+  for (let i = 0; i < n; i++) {
+    const v = diverging ? -lim + (2 * lim * i) / (n - 1) : (lim * i) / (n - 1);
+    bar.append(el("span", { class: "cstep", style: `background:${colour(v, lim, diverging, strongest)}`, title: fmt(v, 4) }));
+  }
+  return el("span", { class: "colourbar" }, el("span", { text: fmt(diverging ? -lim : 0, 3) + " " }), bar, el("span", { text: " " + fmt(lim, 3) + (label ? " " + label : "") }));
+}
+
+// Whitespace made visible: a space is ␣, a newline ↵, a tab ⇥ (the token's own text is in its title).
+function visible(text) {
+  return String(text ?? "").replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/\r/g, "␍");
+}
+
 // A layer x head heatmap; cells carry data-layer, data-head and data-value.
 function heatmap(grid, opts = {}) {
   const flat = grid.flat().filter((v) => v !== null && isFinite(v));
@@ -116,7 +132,9 @@ function heatmap(grid, opts = {}) {
     });
     t.append(tr);
   });
-  return el("div", { class: "heatwrap" }, t, el("p", { class: "legend", text: `max |value| ${fmt(lim, 4)}${opts.diverging !== false ? " · red positive, blue negative" : ""}` }));
+  const legend = el("p", { class: "legend", text: `max |value| ${fmt(lim, 4)}${opts.diverging !== false ? " · red positive, blue negative" : ""} ` });
+  legend.append(colourBar(lim, opts.diverging !== false));
+  return el("div", { class: "heatwrap" }, t, legend);
 }
 
 function pager(page, hasMore, go) {
@@ -138,6 +156,7 @@ const VIEWS = {};
 
 VIEWS.store = async () => {
   const d = await api("/summary");
+  if (D.corpus) return corpusHome(d);
   const g = d.geometry;
   const kv = [
     ["model", `${d.model} (${d.architecture})`], ["format", `v${d.format}`], ["rows", `${d.rows} of ${d.examples} examples, ${d.segments} segments${d.complete ? "" : " (incomplete)"}`],
@@ -253,10 +272,11 @@ function tokenRow(tokens, values, opts = {}) {
   tokens.forEach((t, j) => {
     const v = j < values.length ? values[j] : null;
     p.append(el("span", {
-      class: "tok", "data-pos": j, "data-value": v === null ? "" : v, text: t.text,
+      class: "tok", "data-pos": j, "data-value": v === null ? "" : v, text: visible(t.text),
       title: `${j}: ${JSON.stringify(t.token)} ${fmt(v, 5)}`, style: `background:${colour(v, lim, opts.diverging !== false, 0.55)}`,
     }));
   });
+  if (lim) p.append(el("span", { class: "legend" }, " ", colourBar(lim, opts.diverging !== false, 0.55)));
   return p;
 }
 
@@ -351,7 +371,20 @@ VIEWS.sql = async () => {
   if (Q.get("q")) await run(Number(Q.get("page") || 0));
 };
 
-const PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd"];
+// 20 colours (Tableau 20); past 20 categories the colours repeat with another marker shape (circle,
+// square, triangle, diamond), so that no two categories share colour and shape (80 in all; more than
+// that is said under the plot).
+const PALETTE = ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728", "#ff9896", "#9467bd", "#c5b0d5",
+  "#8c564b", "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5"];
+const SHAPES = ["circle", "square", "triangle", "diamond"];
+function marker(i, x, y, r) {
+  const shape = SHAPES[Math.floor(i / PALETTE.length) % SHAPES.length], fill = PALETTE[i % PALETTE.length];
+  if (shape === "circle") return svgEl("circle", { cx: x, cy: y, r, fill });
+  if (shape === "square") return svgEl("rect", { x: x - r, y: y - r, width: 2 * r, height: 2 * r, fill });
+  const pts = shape === "triangle" ? [[x, y - r * 1.2], [x + r * 1.1, y + r * 0.8], [x - r * 1.1, y + r * 0.8]] : [[x, y - r * 1.3], [x + r * 1.1, y], [x, y + r * 1.3], [x - r * 1.1, y]];
+  return svgEl("polygon", { points: pts.map((p) => p.join(",")).join(" "), fill });
+}
+function markerSwatch(i) { const s = svgEl("svg", { width: 12, height: 12, class: "sw" }); s.append(marker(i, 6, 6, 5)); return s; }
 
 VIEWS.features = async () => {
   const form = el("form", { class: "search", id: "features-form" });
@@ -378,13 +411,15 @@ VIEWS.features = async () => {
       label(`PC1 (${pct(d.explained[0])} of the variance)`, { x: W / 2, y: H - 6, "text-anchor": "middle" });
       label(`PC2 (${pct(d.explained[1])})`, { x: 14, y: H / 2, "text-anchor": "middle", transform: `rotate(-90 14 ${H / 2})` });
       for (const q of d.points) {
-        const c = svgEl("circle", { cx: sx(q.x), cy: sy(q.y), r: 4, fill: PALETTE[rels.indexOf(q.relation_id) % PALETTE.length], "data-example": q.example_id });
+        const c = marker(rels.indexOf(q.relation_id), sx(q.x), sy(q.y), 4);
+        c.setAttribute("data-example", q.example_id);
         const t = svgEl("title", {}); t.textContent = `${q.example_id} ${q.relation_id}: ${q.text}`; c.append(t);
         c.addEventListener("click", () => { location.href = promptUrl(q.example_id); });
         svg.append(c);
       }
       const legend = el("p", { class: "legend" });
-      rels.forEach((r, i) => legend.append(el("span", { class: "sw", style: `background:${PALETTE[i % PALETTE.length]}` }), el("span", { text: ` ${r}  ` })));
+      rels.forEach((r, i) => legend.append(markerSwatch(i), el("span", { text: ` ${r}  ` })));
+      if (rels.length > PALETTE.length) legend.append(el("span", { class: "note", text: ` · ${rels.length} relations, ${PALETTE.length} colours: past ${PALETTE.length} a colour repeats with another marker shape${rels.length > PALETTE.length * SHAPES.length ? ` (past ${PALETTE.length * SHAPES.length}, colour and shape repeat too)` : ""}` }));
       out.replaceChildren(el("p", { text: `${d.n} prompts · ${d.kind} layer ${d.layer}${d.head !== null ? " head " + d.head : ""} · explained variance ${pct(d.explained[0])}, ${pct(d.explained[1])} · hover a point for its prompt, click to open it` }), svg, legend);
     } catch (e) { out.replaceChildren(failed(e)); }
   };
@@ -396,6 +431,127 @@ VIEWS.table = async () => {
   const page = Number(Q.get("page") || 0);
   const d = await api(`/tables/${encodeURIComponent(D.table)}`, { page, size: 50 });
   content.replaceChildren(section(`${d.total} rows`, table(d.rows, d.columns, { id: "table-rows" }), pager(page, (page + 1) * d.size < d.total, (p) => { setQuery({ page: p }); location.reload(); })));
+};
+
+// ------------------------------------------------------------------------------ corpus stores
+// A corpus store (--positions all): a row is one token of a document.  Its home lists the documents,
+// tokens, kinds and layers kept and the precomputed top-k runs, with a search over token text; its
+// unit pages (MLP neuron, head, direction) show the top contexts, a histogram and the logit effects.
+const unitUrl = (kind, layer, index, dir) => storeUrl(`/unit/${kind}/${layer}/${index}`) + (dir ? "?" + new URLSearchParams({ direction: dir }) : "");
+const docUrl = (doc, extra) => storeUrl(`/document/${encodeURIComponent(doc)}`) + (extra ? "?" + new URLSearchParams(Object.entries(extra).filter(([, v]) => v !== null && v !== undefined && v !== "")) : "");
+
+// A context: tokens coloured by the unit's value (the top token outlined), each a link to its document.
+function contextRow(toks, lim, doc, unit) {
+  const p = el("span", { class: "tokens ctx" });
+  for (const t of toks) {
+    p.append(el("span", {
+      class: "tok" + (t.at ? " at" : ""), "data-value": t.value ?? "", text: visible(t.token),
+      title: `${JSON.stringify(t.token)} ${fmt(t.value, 4)}`, style: `background:${colour(t.value, lim, true, 0.55)}`,
+    }));
+  }
+  return p;
+}
+
+async function corpusHome(d0) {
+  const d = await api("/corpus");
+  const g = d.geometry;
+  const kept = Object.entries(d.kept).map(([kind, layers]) => ({ kind, layers: layers.join(", ") }));
+  const kv = [["model", `${d0.model} (${d0.architecture})`], ["documents", d.documents], ["tokens", d.tokens], ["dataset", d.dataset], ["context length", d.context_length],
+    ["geometry", `L=${g.n_layers} H=${g.n_heads} d_head=${g.d_head} d_model=${g.d_model} d_mlp=${g.d_mlp} vocab=${g.vocab_size}`], ["storage dtype", d0.storage_dtype], ["size on disk", d0.size], ["url", d0.url]];
+  // units to open: the first neurons and heads of each layer kept, and each direction served
+  const units = el("div", { id: "units" });
+  for (const l of d.kept.mlp || []) units.append(el("p", {}, `MLP layer ${l}: `, ...Array.from({ length: Math.min(8, g.d_mlp) }, (_, i) => [link(unitUrl("mlp", l, i), `neuron ${i}`), " "]).flat(), "…"));
+  for (const l of d.kept.z || []) units.append(el("p", {}, `heads of layer ${l}: `, ...Array.from({ length: g.n_heads }, (_, h) => [link(unitUrl("head", l, h), `${l}.${h}`), " "]).flat()));
+  for (const [name, info] of Object.entries(d.directions)) for (const l of d.kept.resid || []) units.append(el("p", {}, `direction ${name} (${info.units}) at residual ${l}: `, ...Array.from({ length: Math.min(8, info.units) }, (_, i) => [link(unitUrl("direction", l, i, name), `${name}[${i}]`), " "]).flat()));
+  const form = el("form", { class: "search", id: "unit-form" });
+  const kind = el("select", { name: "kind" }); for (const k of ["mlp", "head", "direction"]) kind.append(el("option", { value: k, text: k }));
+  const inp = (name, size = 5) => el("input", { name, size });
+  form.append(el("label", {}, "unit ", kind), el("label", {}, "layer ", inp("layer")), el("label", {}, "index ", inp("index")), el("label", {}, "direction ", inp("direction", 12)), el("button", { type: "submit", text: "open" }));
+  form.addEventListener("submit", (e) => { e.preventDefault(); const f = Object.fromEntries(new FormData(form)); location.href = unitUrl(f.kind, f.layer, f.index, f.kind === "direction" ? f.direction : null); });
+  const sform = el("form", { class: "search", id: "token-search" }, el("label", {}, "token text ", el("input", { type: "search", name: "q", value: Q.get("q") || "" })), el("button", { type: "submit", text: "search" }));
+  const hits = el("div", { id: "token-hits" });
+  const search = async (q) => {
+    if (!q) return;
+    const r = await api("/tokens", { q, size: 50 });
+    hits.replaceChildren(table(r.hits, ["row", "document", "position", "context"], {
+      cell: (c, h) => c === "document" ? link(docUrl(h.document, { row: h.row }), h.document) : c === "context" ? el("span", { class: "tokens" }, visible(h.before), el("b", { text: visible(h.token) }), visible(h.after)) : null,
+    }), note(`${r.hits.length} positions (the first 50 at most)`));
+  };
+  sform.addEventListener("submit", (e) => { e.preventDefault(); const q = new FormData(sform).get("q"); setQuery({ q }); search(q); });
+  content.replaceChildren(
+    section("Corpus", table(kv.map(([k, v]) => ({ k, v })), ["k", "v"], { cls: "kv", headers: { k: "", v: "" } })),
+    section("Kept at every position", table(kept, ["kind", "layers"], { id: "kept" })),
+    section(`Precomputed top-k runs (${d.topk.length})`, d.topk.length ? table(d.topk, ["run_id", "kind", "layer", "units", "k"], { id: "topk-runs",
+      cell: (c, r) => c === "layer" ? link(unitUrl(r.kind === "attn_head" ? "head" : r.kind, r.layer, 0), r.layer) : null }) : note("none: unit pages compute their top contexts on demand (actstore topk STORE --kind mlp --layer L precomputes them)")),
+    section("Units", units, form),
+    section("Search the tokens", sform, hits),
+    section("Documents", table(d.first_documents, ["document", "tokens"], { id: "documents", cell: (c, r) => c === "document" ? link(docUrl(r.document), r.document) : null }), note(d.documents > 50 ? `the first 50 of ${d.documents}` : "")),
+    section("Tables", table(d0.tables, ["table", "kind", "files", "rows"], { cell: (c, r) => (c === "table" ? link(storeUrl(`/table/${encodeURIComponent(r.table)}`), r.table) : null) })),
+    section(`Runs (${d0.n_runs})`, table(d0.runs, ["run_id", "kind", "started", "seconds"])),
+  );
+  if (Q.get("q")) await search(Q.get("q"));
+}
+
+function histogram(h, id) {
+  const W = 520, H = 140, pad = 24;
+  const svg = svgEl("svg", { width: W, height: H + pad, class: "hist", id });
+  const max = Math.max(1, ...h.counts);
+  const bw = (W - pad) / Math.max(1, h.counts.length);
+  h.counts.forEach((c, i) => {
+    const r = svgEl("rect", { x: pad + i * bw, y: H - (H - 10) * (c / max), width: Math.max(1, bw - 1), height: (H - 10) * (c / max), fill: h.edges[i + 1] > 0 ? "#d62728" : "#1f77b4" });
+    const t = svgEl("title", {}); t.textContent = `${fmt(h.edges[i], 4)} .. ${fmt(h.edges[i + 1], 4)}: ${c}`; r.append(t); svg.append(r);
+  });
+  const lab = (text, x, anchor) => { const t = svgEl("text", { x, y: H + 16, "text-anchor": anchor, class: "axis" }); t.textContent = text; svg.append(t); };
+  if (h.edges.length) { lab(fmt(h.edges[0], 3), pad, "start"); lab(fmt(h.edges[h.edges.length - 1], 3), W, "end"); }
+  return svg;
+}
+
+VIEWS.unit = async () => {
+  const dir = Q.get("direction");
+  const d = await api(`/units/${D.kind}/${D.layer}/${D.index}`, { direction: dir });
+  const lim = Math.max(1e-12, ...d.top.flatMap((t) => (t.tokens || []).map((x) => Math.abs(x.value ?? 0))));
+  const rows = d.top.map((t, i) => ({ rank: i, value: t.value, document: t.document, position: t.position, context: t }));
+  const kids = [
+    el("p", { class: "sub", id: "unit-label", text: `${d.label} · top contexts ${d.source}` }),
+    section(`Top ${d.top.length} activating contexts`, table(rows, ["rank", "value", "document", "context"], { id: "top-contexts",
+      cell: (c, r) => c === "document" ? link(docUrl(r.document, { row: r.context.row, kind: d.kind, layer: d.layer, index: d.index, direction: dir }), r.document) : c === "context" ? contextRow(r.context.tokens || [], lim) : null }),
+    el("p", { class: "legend" }, "the unit's value on each token of the context (the top token outlined): ", colourBar(lim, true, 0.55))),
+  ];
+  const h = d.histogram;
+  kids.push(section("Activation histogram", histogram(h, "histogram"), note(`${h.n} positions (a block sample of the store's ${h.of}) · active (${h.active_rule}): ${pct(h.active)}`)));
+  if (d.logits) {
+    kids.push(section(`Logit effects (through the ${d.logits.through})`, el("div", { class: "row" },
+      el("div", {}, el("h3", { text: "promoted" }), table(d.logits.promoted.map((r) => ({ ...r, token: visible(r.token) })), ["token", "token_id", "logit"], { id: "promoted" })),
+      el("div", {}, el("h3", { text: "suppressed" }), table(d.logits.suppressed.map((r) => ({ ...r, token: visible(r.token) })), ["token", "token_id", "logit"], { id: "suppressed" })))));
+  } else kids.push(section("Logit effects", note(d.logits_note || "the store holds no unembedding")));
+  content.replaceChildren(...kids);
+};
+
+VIEWS.document = async () => {
+  const p = { kind: Q.get("kind"), layer: Q.get("layer"), index: Q.get("index"), direction: Q.get("direction") };
+  const d = await api(`/documents/${D.document}`, p);
+  const at = Number(Q.get("row"));
+  const vals = d.values || [];
+  const finite = vals.filter((v) => v !== null && isFinite(v));
+  const lim = finite.length ? Math.max(...finite.map(Math.abs)) : 0;
+  const tp = el("p", { class: "tokens", id: "doc-tokens" });
+  d.tokens.forEach((t, j) => {
+    if (t.space_before) tp.append(" ");
+    const v = d.values ? vals[j] : null;
+    tp.append(el("span", { class: "tok" + (t.row === at ? " at" : ""), "data-row": t.row, "data-value": v ?? "", text: visible(t.token),
+      title: `row ${t.row} ${JSON.stringify(t.token)}${d.values ? " " + fmt(v, 4) : ""}`, style: `background:${colour(v, lim, true, 0.55)}` }));
+  });
+  const form = el("form", { class: "search", id: "doc-unit" });
+  const kind = el("select", { name: "kind" }); for (const k of ["", "mlp", "head", "direction"]) kind.append(el("option", { value: k, text: k || "(none)", selected: (p.kind || "") === k ? "selected" : null }));
+  const inp = (name, size = 5) => el("input", { name, size, value: p[name] || "" });
+  form.append(el("label", {}, "unit ", kind), el("label", {}, "layer ", inp("layer")), el("label", {}, "index ", inp("index")), el("label", {}, "direction ", inp("direction", 12)), el("button", { type: "submit", text: "colour" }));
+  form.addEventListener("submit", (e) => { e.preventDefault(); const f = Object.fromEntries(new FormData(form)); location.href = docUrl(D.document, { ...f, row: Q.get("row") }); });
+  const kids = [section(d.unit ? `Tokens coloured by ${d.unit}` : "Tokens (choose a unit to colour them)", form, tp,
+    lim ? el("p", { class: "legend" }, colourBar(lim, true, 0.55, "· red positive, blue negative")) : null,
+    d.more ? note("the document's first tokens only") : null,
+    d.unit ? el("p", {}, link(unitUrl(p.kind, p.layer, p.index, p.direction), `the ${d.unit} unit page`)) : null)];
+  kids.push(section("Attention pattern", d.attention ? note("stored") : note(d.attention_note)));
+  content.replaceChildren(...kids);
 };
 
 if (V && VIEWS[D.view]) {

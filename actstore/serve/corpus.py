@@ -1,0 +1,436 @@
+"""The explorer's corpus views (a store ingested with ``--positions all``: one row per token of a
+document): the corpus home, a search over token text, unit pages (an MLP neuron, a head's output
+norm, a residual direction) and the document view.  Read-only, like every view; no model is loaded.
+
+A unit page's top-k contexts are read from a precomputed ``topk_contexts`` table (``actstore topk``)
+where one covers the unit (a few row groups, flat in the store's size), else computed on demand in
+one streaming pass over the store (blocks of rows; memory holds ``k`` values and one block).  Its
+histogram is over a block sample of at most :data:`HIST_SAMPLE` positions (the same sample for every
+unit, kept), so it too is flat in the store's size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.core.errors import NotFoundError, QueryError
+from actstore.core.store import StoreReader
+from actstore.query.analyses.topk import position_contexts
+from actstore.query.select.features import FeatureSpec, check_corpus_kind, compute_block
+from actstore.serve.common import block_sample, has_table, jsonable, kept, runs_of, sql
+
+#: The unit kinds of a unit page: an MLP neuron, a head (its output norm), a direction file's row.
+UNIT_KINDS = ("mlp", "head", "direction")
+#: Positions the histogram of a unit is made of (a block sample, the same for every unit).
+HIST_SAMPLE = 20_000
+HIST_BINS = 40
+#: Tokens a document view shows at most (the document's first tokens).
+DOC_TOKENS = 2000
+
+
+def is_corpus(store: StoreReader) -> bool:
+    return store.manifest.ingest.get("positions") == "all"
+
+
+def load_direction_files(paths: list[str]) -> dict[str, np.ndarray]:
+    """name (the file's stem) -> an [m, d] float32 array, for each ``--direction FILE.npy`` of serve."""
+    out: dict[str, np.ndarray] = {}
+    for p in paths:
+        try:
+            a = np.load(p, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise QueryError(f"serve: cannot read {p} as a .npy array ({e})") from None
+        a = np.asarray(a, dtype=np.float32)
+        a = a[None] if a.ndim == 1 else a
+        if a.ndim != 2 or not np.isfinite(a).all():
+            raise QueryError(f"serve: {p} must be a finite [d] or [m, d] array (got shape {list(a.shape)})")
+        name, n = Path(p).stem, 2
+        while name in out:
+            name, n = f"{Path(p).stem}-{n}", n + 1
+        out[name] = a
+    return out
+
+
+# ----------------------------------------------------------------------------------- home
+def corpus_home(store: StoreReader, directions: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Documents, tokens, the kinds and layers kept, the precomputed top-k runs, the directions served."""
+    ing = store.manifest.ingest
+    docs = sql(store, "SELECT count(DISTINCT document) AS d, count(*) AS n FROM positions")[0]
+    topk: list[dict[str, Any]] = []
+    if has_table(store, "topk_contexts"):
+        topk = sql(
+            store,
+            "SELECT run_id, kind, layer, count(DISTINCT unit) AS units, max(rank) + 1 AS k "
+            "FROM topk_contexts GROUP BY 1, 2, 3 ORDER BY 2, 3, 1",
+        )
+    first = sql(
+        store,
+        "SELECT document, count(*) AS tokens FROM positions GROUP BY 1 ORDER BY 1 LIMIT 50",
+    )
+    return jsonable(
+        {
+            "documents": docs["d"],
+            "tokens": docs["n"],
+            "dataset": ing.get("dataset"),
+            "context_length": ing.get("context_length"),
+            "kept": ing.get("kept") or {},
+            "geometry": store.geometry.to_dict(),
+            "topk": topk,
+            "directions": {
+                k: {"units": int(v.shape[0]), "d": int(v.shape[1])} for k, v in directions.items()
+            },
+            "first_documents": first,
+        }
+    )
+
+
+def token_search(store: StoreReader, q: str, limit: int = 50) -> dict[str, Any]:
+    """Positions whose token holds ``q`` (case-insensitive), first ``limit``, with their contexts."""
+    if not q:
+        return {"q": q, "hits": []}
+    rows = sql(
+        store,
+        "SELECT row, document, position, token FROM positions WHERE contains(lower(token), lower(?)) "
+        "ORDER BY row LIMIT ?",
+        [q, limit],
+    )
+    ctx = position_contexts(store, [r["row"] for r in rows], before=8, after=4)
+    for r in rows:
+        c = ctx.get(int(r["row"]))
+        r.update(before=c.before if c else "", after=c.after if c else "")
+    return jsonable({"q": q, "hits": rows})
+
+
+# ----------------------------------------------------------------------------------- units
+def check_unit(
+    store: StoreReader, kind: str, layer: int, index: int, directions: dict[str, np.ndarray], name: str | None
+) -> np.ndarray | None:
+    """Validate a unit (one-line 400/404); the direction vector for ``direction``."""
+    g = store.geometry
+    if kind not in UNIT_KINDS:
+        raise NotFoundError(f"unit kind must be one of {', '.join(UNIT_KINDS)}, not {kind[:20]!r}")
+    if kind == "mlp":
+        check_corpus_kind(store, "mlp", [layer])
+        if not 0 <= index < g.d_mlp:
+            raise NotFoundError(f"neuron {index} is not in 0..{g.d_mlp - 1}")
+        return None
+    if kind == "head":
+        check_corpus_kind(store, "attn_head", [layer])
+        if not 0 <= index < g.n_heads:
+            raise NotFoundError(f"head {index} is not in 0..{g.n_heads - 1}")
+        return None
+    if not name or name not in directions:
+        known = ", ".join(directions) or "none: give serve --direction FILE.npy"
+        raise NotFoundError(f"no direction {str(name)[:40]!r} is served (known: {known})")
+    d = directions[name]
+    if not 0 <= index < d.shape[0]:
+        raise NotFoundError(f"direction {name} has rows 0..{d.shape[0] - 1}, not {index}")
+    if d.shape[1] != g.d_model:
+        raise QueryError(f"direction {name} has {d.shape[1]} numbers, the residual stream {g.d_model}")
+    check_corpus_kind(store, "resid", [layer])
+    return d[index]
+
+
+def unit_values(
+    store: StoreReader, sel: Any, kind: str, layer: int, index: int, vec: np.ndarray | None
+) -> Any:
+    """(store rows, values) of the unit per block of ``sel``, in selection order (a generator)."""
+    row_col = sel.rows.column("row").to_numpy()
+    at = 0
+    spec = None
+    if kind == "head":
+        spec = FeatureSpec.parse(store, "attn_head", [layer], [index])
+    elif kind == "direction":
+        spec = FeatureSpec.parse(store, "resid", [layer], None)
+    for _ids, block in sel.blocks(1024):
+        if kind == "mlp":
+            v = store.read_segment_rows(block.segment, "mlp", block.seg_rows, [layer])[:, 0, index]
+        elif kind == "head":
+            v = np.linalg.norm(compute_block(store, spec, block)[:, 0, 0], axis=-1)
+        else:
+            assert vec is not None
+            v = compute_block(store, spec, block).reshape(len(block.seg_rows), -1) @ vec
+        v = np.asarray(v, dtype=np.float32)
+        yield row_col[at : at + v.shape[0]], v
+        at += v.shape[0]
+
+
+def _stream_topk(
+    store: StoreReader, kind: str, layer: int, index: int, vec: np.ndarray | None, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The top ``k`` (values, rows) of the unit over every row, in one streaming pass."""
+    from actstore.query.select.selection import Selection
+
+    best_v = np.empty(0, np.float32)
+    best_r = np.empty(0, np.int64)
+    for rows, v in unit_values(store, Selection.from_sql(store), kind, layer, index, vec):
+        best_v = np.concatenate([best_v, v])
+        best_r = np.concatenate([best_r, rows.astype(np.int64)])
+        if best_v.size > k:
+            keep = np.lexsort((best_r, -best_v))[:k]
+            best_v, best_r = best_v[keep], best_r[keep]
+    order = np.lexsort((best_r, -best_v))
+    return best_v[order], best_r[order]
+
+
+def _precomputed(
+    store: StoreReader, kind: str, layer: int, index: int, name: str | None
+) -> tuple[str, list[dict[str, Any]]] | None:
+    if not has_table(store, "topk_contexts"):
+        return None
+    tk = {"mlp": "mlp", "head": "attn_head", "direction": "direction"}[kind]
+    for run in runs_of(store, "topk_contexts"):
+        if kind == "direction":  # a direction run counts only when its file is the one served
+            cfg = (
+                sql(store, "SELECT config FROM runs WHERE run_id = ?", [run])
+                if has_table(store, "runs")
+                else []
+            )
+            if (
+                not cfg
+                or name is None
+                or f'"{name}.npy"' not in str(cfg[0].get("config"))
+                and f"/{name}.npy" not in str(cfg[0].get("config"))
+            ):
+                continue
+        rows = sql(
+            store,
+            "SELECT rank, row, example_id, position, value FROM topk_contexts "
+            "WHERE run_id = ? AND kind = ? AND layer = ? AND unit = ? ORDER BY rank",
+            [run, tk, layer, index],
+        )
+        if rows:
+            return run, rows
+    return None
+
+
+def hist_sample(store: StoreReader) -> Any:
+    """The positions every unit's histogram is made of (a block sample, kept with the tables)."""
+    return kept(
+        store,
+        f"hist_sample:{HIST_SAMPLE}",
+        ("examples", "targets"),
+        lambda: block_sample(store, HIST_SAMPLE, seed=0),
+    )
+
+
+def logit_effects(store: StoreReader, vec: np.ndarray | None, n: int = 12) -> dict[str, Any] | None:
+    """The tokens whose logits ``vec`` (a d_model write direction) raises and lowers most, through the
+    final norm's weight and the unembedding (None when the store holds no unembedding)."""
+    if vec is None or not store.has_weight("unembed") and not store.has_weight("embed"):
+        return None
+    U = store.weight("unembed")
+    w = vec.astype(np.float32)
+    if store.has_weight("final_norm_weight"):
+        w = w * store.weight("final_norm_weight")
+    logits = U @ w
+    top = np.argsort(-logits)[:n]
+    bottom = np.argsort(logits)[:n]
+    names = _token_names(store, np.concatenate([top, bottom]))
+    return {
+        "promoted": [
+            {"token_id": int(i), "token": names.get(int(i), str(i)), "logit": float(logits[i])} for i in top
+        ],
+        "suppressed": [
+            {"token_id": int(i), "token": names.get(int(i), str(i)), "logit": float(logits[i])}
+            for i in bottom
+        ],
+        "through": "final norm weight x unembedding"
+        if store.has_weight("final_norm_weight")
+        else "unembedding",
+    }
+
+
+def _token_names(store: StoreReader, ids: np.ndarray) -> dict[int, str]:
+    try:
+        from actstore.query.select.store_tokenizer import stored_tokenizer
+
+        tok = stored_tokenizer(store)
+        return {int(i): str(tok.convert_ids_to_tokens(int(i))) for i in ids}
+    except Exception:  # noqa: BLE001  (no tokenizer stored: ids are shown)
+        return {}
+
+
+def write_vector(
+    store: StoreReader, kind: str, layer: int, index: int, vec: np.ndarray | None
+) -> np.ndarray | None:
+    """The d_model direction the unit writes (a neuron's row of W_down; a direction itself; None for a
+    head, whose output is not one direction)."""
+    if kind == "mlp" and store.has_weight("W_down"):
+        w = store.weight("W_down", layer)  # [d_mlp, d_model]
+        return np.asarray(w[index], dtype=np.float32)
+    if kind == "direction":
+        return vec
+    return None
+
+
+def unit_view(
+    store: StoreReader,
+    kind: str,
+    layer: int,
+    index: int,
+    directions: dict[str, np.ndarray],
+    name: str | None = None,
+    k: int = 20,
+) -> dict[str, Any]:
+    """A unit's page: top-k contexts (precomputed or streamed), histogram, logit effects."""
+    vec = check_unit(store, kind, layer, index, directions, name)
+    pre = _precomputed(store, kind, layer, index, name)
+    if pre is not None:
+        source = f"precomputed: topk run {pre[0]}"
+        top: list[dict[str, Any]] = [{"row": int(r["row"]), "value": float(r["value"])} for r in pre[1][:k]]
+    else:
+        source = (
+            "computed on demand (one streaming pass over every position; run actstore topk to precompute)"
+        )
+        v, r = _stream_topk(store, kind, layer, index, vec, k)
+        top = [{"row": int(rr), "value": float(vv)} for vv, rr in zip(v.tolist(), r.tolist(), strict=True)]
+    rows = [t["row"] for t in top]
+    if rows:
+        where = sql(
+            store,
+            "SELECT row, document, position FROM positions WHERE row IN (SELECT unnest(?::BIGINT[]))",
+            [rows],
+        )
+        doc = {int(w["row"]): (w["document"], w["position"]) for w in where}
+        ctx = position_contexts(store, rows, before=12, after=4)
+        around = _context_values(store, kind, layer, index, vec, rows)
+        for t in top:
+            t["document"], t["position"] = doc.get(t["row"], (None, None))
+            c = ctx.get(t["row"])
+            t["before"], t["token"], t["after"] = (c.before, c.token, c.after) if c else ("", "", "")
+            t["tokens"] = around.get(t["row"], [])
+    sel = hist_sample(store)
+    vals = (
+        np.concatenate([v for _r, v in unit_values(store, sel, kind, layer, index, vec)])
+        if len(sel)
+        else np.empty(0)
+    )
+    counts, edges = np.histogram(vals, bins=HIST_BINS) if vals.size else (np.zeros(0), np.zeros(0))
+    active = float((vals > 0).mean()) if vals.size else None
+    label = {
+        "mlp": f"MLP neuron {layer}.{index}",
+        "head": f"head {layer}.{index} output norm",
+        "direction": f"direction {name}[{index}] at residual {layer}",
+    }[kind]
+    return jsonable(
+        {
+            "kind": kind,
+            "layer": layer,
+            "index": index,
+            "direction": name,
+            "label": label,
+            "source": source,
+            "top": top,
+            "histogram": {
+                "counts": counts.tolist(),
+                "edges": edges.tolist(),
+                "n": int(vals.size),
+                "of": store.n_rows,
+                "active": active,
+                "active_rule": "value > 0" if kind != "head" else "norm > 0",
+            },
+            "logits": logit_effects(store, write_vector(store, kind, layer, index, vec)),
+            "logits_note": None
+            if kind != "head"
+            else "a head writes no single direction (its output depends on its values): no logit effects here",
+        }
+    )
+
+
+def _context_values(
+    store: StoreReader, kind: str, layer: int, index: int, vec: np.ndarray | None, rows: list[int]
+) -> dict[int, list[dict[str, Any]]]:
+    """Per top row: the tokens of its window around it (12 before, 4 after) with the unit's value."""
+    want = sorted({x for r in rows for x in range(max(0, r - 12), r + 5)})
+    pos = sql(
+        store,
+        "SELECT row, example_id, document, window_index, token FROM positions "
+        "WHERE row IN (SELECT unnest(?::BIGINT[])) ORDER BY row",
+        [want],
+    )
+    values = _values_of_rows(store, kind, layer, index, vec, [int(p["row"]) for p in pos])
+    by_row = {int(p["row"]): p for p in pos}
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        me = by_row.get(r)
+        if me is None:
+            continue
+        key = (me["document"], me["window_index"])
+        toks = []
+        for x in range(max(0, r - 12), r + 5):
+            p = by_row.get(x)
+            if p is not None and (p["document"], p["window_index"]) == key:
+                toks.append({"row": x, "token": p["token"], "value": values.get(x), "at": x == r})
+        out[r] = toks
+    return out
+
+
+def _values_of_rows(
+    store: StoreReader, kind: str, layer: int, index: int, vec: np.ndarray | None, rows: list[int]
+) -> dict[int, float]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from actstore.query.select.selection import Selection
+    from actstore.serve.common import store_rows
+
+    if not rows:
+        return {}
+    all_rows = store_rows(store)
+    keep = pc.is_in(all_rows.column("row"), value_set=pa.array(np.asarray(rows, dtype=np.int64)))
+    sel = Selection(store, all_rows.filter(keep))
+    out: dict[int, float] = {}
+    for r, v in unit_values(store, sel, kind, layer, index, vec):
+        out.update(zip(r.tolist(), v.tolist(), strict=True))
+    return out
+
+
+# ----------------------------------------------------------------------------------- documents
+def document_view(
+    store: StoreReader,
+    doc: int,
+    unit: tuple[str, int, int, str | None] | None,
+    directions: dict[str, np.ndarray],
+) -> dict[str, Any]:
+    """Every token of document ``doc`` (its first :data:`DOC_TOKENS`), with a unit's value on each."""
+    pos = sql(
+        store,
+        "SELECT row, window_index, position, token, char_start, char_end FROM positions "
+        "WHERE document = ? ORDER BY row LIMIT ?",
+        [doc, DOC_TOKENS + 1],
+    )
+    if not pos:
+        raise NotFoundError(f"no document {doc} in the store")
+    more = len(pos) > DOC_TOKENS
+    pos = pos[:DOC_TOKENS]
+    values = None
+    label = None
+    if unit is not None:
+        kind, layer, index, name = unit
+        vec = check_unit(store, kind, layer, index, directions, name)
+        got = _values_of_rows(store, kind, layer, index, vec, [int(p["row"]) for p in pos])
+        values = [got.get(int(p["row"])) for p in pos]
+        label = f"{kind} {layer}.{index}" + (f" ({name})" if name else "")
+    tokens = []
+    for i, p in enumerate(pos):
+        gap = i > 0 and p["char_start"] > pos[i - 1]["char_end"] >= 0
+        tokens.append(
+            {"row": p["row"], "token": p["token"], "space_before": bool(gap), "window": p["window_index"]}
+        )
+    return jsonable(
+        {
+            "document": doc,
+            "tokens": tokens,
+            "more": more,
+            "values": values,
+            "unit": label,
+            "attention": None,
+            "attention_note": (
+                "this corpus store keeps z at every position, not the attention rows: a head's attention "
+                "pattern is not stored (a prompt store keeps the target's row only: see its prompt view)"
+            ),
+        }
+    )
