@@ -149,11 +149,10 @@ def prompt_view(store: StoreReader, ex: int) -> dict[str, Any]:
 
 def _tracing(store: StoreReader, ex: int) -> list[dict[str, Any]]:
     """Per component, the restored probability (position x layer) of the fact's newest tracing run."""
-    if not has_table(store, "trace_effects") or not {"component", "layer", "position"} <= set(
-        columns(store, "trace_effects")
-    ):
+    cols = set(columns(store, "trace_effects"))  # none when the table is absent
+    if not {"component", "layer", "position"} <= cols:
         return []
-    value = "prob" if "prob" in columns(store, "trace_effects") else "indirect_effect"
+    value = "prob" if "prob" in cols else "indirect_effect"
     rows = sql(
         store,
         f"SELECT run_id, component, layer, position, {value} AS v FROM trace_effects WHERE example_id = ? ORDER BY run_id DESC",
@@ -178,11 +177,10 @@ def _tracing(store: StoreReader, ex: int) -> list[dict[str, Any]]:
 
 def _patching(store: StoreReader, ex: int) -> list[dict[str, Any]]:
     """Per component, the recovery per layer (and per head for ``head``) of the newest patching run."""
-    if not has_table(store, "patch_effects") or not {"component", "layer", "recovery"} <= set(
-        columns(store, "patch_effects")
-    ):
+    cols = set(columns(store, "patch_effects"))
+    if not {"component", "layer", "recovery"} <= cols:
         return []
-    hcol = "head" if "head" in columns(store, "patch_effects") else "-1 AS head"
+    hcol = "head" if "head" in cols else "-1 AS head"
     rows = sql(
         store,
         f"SELECT run_id, component, layer, {hcol}, avg(recovery) AS v FROM patch_effects WHERE example_id = ? "
