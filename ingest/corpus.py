@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.core.errors import StorageError
+from actstore.core.errors import InvalidSetting, StorageError
 from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.manifest import Geometry
 from actstore.core.storage.base import StoreLocation
@@ -61,6 +61,24 @@ def kept_arrays(g: Geometry, kinds: Sequence[str], layers: Sequence[int] | None)
     return out
 
 
+EXACT_OFFSETS = {"float32": 1 << 24, "float16": 2048, "bfloat16": 256}  # integers a dtype holds exactly
+
+
+def check_sources(sources: int, context: int, storage_dtype: str) -> None:
+    """``--sources K``: K at most the window (``context`` tokens), and every row offset (< context)
+    exact in the storage dtype, or one line before anything is written."""
+    if sources > context:
+        raise InvalidSetting(
+            "sources", f"{sources} sources is more than the window's {context} tokens (--context-length)"
+        )
+    if sources and context > EXACT_OFFSETS[storage_dtype]:
+        raise InvalidSetting(
+            "sources",
+            f"source offsets up to {context - 1} are not exact in {storage_dtype} (at most "
+            f"{EXACT_OFFSETS[storage_dtype]} tokens a window; use a shorter --context-length or --storage-dtype float32)",
+        )
+
+
 def bytes_per_row(g: Geometry, kept: dict[str, list[int]], storage_dtype: str) -> int:
     """Uncompressed bytes one position costs: per kept layer, ``H * d_head`` values of ``z``, ``d_mlp``
     of ``mlp``, ``d_model`` of ``resid``."""
@@ -83,8 +101,13 @@ def capture_positions(
     kept: dict[str, list[int]],
     cfg: IngestConfig,
     log: Any = quiet,
+    sources: int = 0,
 ) -> IngestReport:
-    """Capture every kept position of ``plan`` into the store at ``loc`` (writer lock held)."""
+    """Capture every kept position of ``plan`` into the store at ``loc`` (writer lock held).
+
+    ``sources`` > 0 (``--sources K``): at the layers of ``kept["z"]``, each position's top-K sources
+    per head (weights and row offsets in ``attn``, ``2K`` entries a row) and its value vectors (``v``,
+    one entry a row); see docs/format.md, Corpus stores with sources."""
     require_lock(loc)
     g = architecture_for(model).geometry(model)
     device = torch.device(cfg.device)
@@ -111,7 +134,7 @@ def capture_positions(
         wins = range(number * B, min((number + 1) * B, len(plan.windows)))
         t0 = time.perf_counter()
         meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
-        ids, mask, index, next_ids = _batch(plan, wins, pad_id, device, meta)
+        ids, mask, index, next_ids = _batch(plan, wins, pad_id, device, meta, sources, kept.get("z", []))
         out = capture.run(ids, mask, index, position_ids(mask))
         host = to_host(out, SEGMENT_ARRAYS)
         arrays = {n: (a[:, kept[n]] if n in kept else a) for n, a in host.items()}  # kept layers only
@@ -122,7 +145,9 @@ def capture_positions(
             "rank": rank,
             "next": next_ids,
         }
-        return _Captured(number, int(plan.row_start[wins.start]), arrays, cols, time.perf_counter() - t0)
+        return _Captured(
+            number, int(plan.row_start[wins.start]), arrays, cols, time.perf_counter() - t0, sources
+        )
 
     def capture_segment(capture: FusedCapture, seg: int, n_before: int, bar: Any) -> CapturedSegment:
         nonlocal carry
@@ -147,6 +172,8 @@ def capture_positions(
         return CapturedSegment(arrays, tables, forward_s)
 
     settings = {"padding_side": "right", "corpus_sha256": docs.sha256, **plan.policy, "kept": kept}
+    if sources:
+        settings["sources"] = sources
     mode = CaptureMode(
         plan.n_rows,
         settings,
@@ -168,17 +195,22 @@ class _Captured:
     arrays: dict[str, np.ndarray]
     cols: dict[str, np.ndarray]
     seconds: float  # its forward pass (capture, host copy and predictions)
+    sources: int = 0  # K of --sources: ``attn`` holds 2K entries a row, ``v`` one
 
     @property
     def end(self) -> int:
         return self.start + int(self.cols["token_id"].size)
 
     def rows(self, lo: int, hi: int) -> _Captured:
-        """Its rows in ``lo .. hi-1`` (the flat ``attn`` and ``v`` are empty in corpus mode)."""
+        """Its rows in ``lo .. hi-1`` (the flat ``attn`` and ``v`` are empty in corpus mode without
+        sources; with them, ``2K`` and one entries a row)."""
         a, b = max(lo, self.start) - self.start, max(min(hi, self.end), lo) - self.start
-        arrays = {n: (v[a:b] if n not in FLAT else v) for n, v in self.arrays.items()}
+        per = {"attn": 2 * self.sources, "v": 1 if self.sources else 0}
+        arrays = {
+            n: (v[a:b] if n not in FLAT else v[a * per[n] : b * per[n]]) for n, v in self.arrays.items()
+        }
         cols = {n: v[a:b] for n, v in self.cols.items()}
-        return _Captured(self.number, self.start + a, arrays, cols, self.seconds)
+        return _Captured(self.number, self.start + a, arrays, cols, self.seconds, self.sources)
 
 
 def _batch(
@@ -187,12 +219,16 @@ def _batch(
     pad_id: int,
     device: torch.device,
     meta: dict[str, list[np.ndarray]],
+    sources: int = 0,
+    source_layers: Sequence[int] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, BatchIndex, np.ndarray]:
     """One right-padded batch of windows, its targets their kept positions (in row order), and the next
-    token id of each target (-1 at a window's end)."""
+    token id of each target (-1 at a window's end); with ``sources``, each kept position's rank in its
+    window (-1 elsewhere) and the value vectors of every target row."""
     T = max(plan.windows[w].ids.size for w in wins)
     ids = torch.full((len(wins), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(wins), T), dtype=torch.long)
+    rank = torch.full((len(wins), T), -1, dtype=torch.long)
     tb: list[np.ndarray] = []
     tp: list[np.ndarray] = []
     nxt: list[np.ndarray] = []
@@ -202,6 +238,7 @@ def _batch(
         ids[b, :n] = torch.from_numpy(win.ids)
         mask[b, :n] = 1
         pos = np.flatnonzero(win.kept)
+        rank[b, torch.from_numpy(pos)] = torch.arange(pos.size)
         tb.append(np.full(pos.size, b, np.int64))
         tp.append(pos)
         following = np.append(win.ids, -1)
@@ -217,13 +254,18 @@ def _batch(
         ):
             meta[name].append(values)
     empty = torch.zeros(0, dtype=torch.long, device=device)
+    target_b = torch.from_numpy(np.concatenate(tb)).to(device)
+    target_pos = torch.from_numpy(np.concatenate(tp)).to(device)
     index = BatchIndex(
-        target_b=torch.from_numpy(np.concatenate(tb)).to(device),
-        target_pos=torch.from_numpy(np.concatenate(tp)).to(device),
+        target_b=target_b,
+        target_pos=target_pos,
         src_t=empty,
         src_pos=empty,
-        tok_b=empty,
-        tok_pos=empty,
+        tok_b=target_b if sources else empty,
+        tok_pos=target_pos if sources else empty,
+        sources=sources,
+        src_rank=rank.to(device) if sources else None,
+        source_layers=tuple(source_layers) if sources else (),
     )
     return ids.to(device), mask.to(device), index, np.concatenate(nxt).astype(np.int64)
 

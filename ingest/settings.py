@@ -166,6 +166,12 @@ class IngestRequest(IngestConfig):
         "--positions all: join the documents by --pack-separator into one stream before cutting windows.",
     )
     pack_separator: str | None = setting(None, "--pack: the separator text (default the tokenizer's EOS).")
+    sources: str | None = setting(
+        None,
+        "--positions all: keep at every position, per kept attention layer and head, the top K source "
+        "positions' attention weights and positions, and V at every token (K, or all: every source of "
+        "the window); attn_head_token and dfa then read them (docs/format.md).",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -184,6 +190,7 @@ class IngestRequest(IngestConfig):
             "keep_special": self.keep_special,
             "pack": self.pack,
             "pack_separator": self.pack_separator is not None,
+            "sources": self.sources is not None,
         }
         if self.positions != "all":
             given = [k for k, v in corpus_only.items() if v]
@@ -203,6 +210,14 @@ class IngestRequest(IngestConfig):
             raise InvalidSetting("kinds", f"no kind given (one or more of {', '.join(CORPUS_KINDS)})")
         if self.layers is not None and (not self.layers or min(self.layers) < 0):
             raise InvalidSetting("layers", "give layer numbers 0 and above")
+        if (
+            self.sources is not None
+            and self.sources != "all"
+            and not (self.sources.isdigit() and int(self.sources) >= 1)
+        ):
+            raise InvalidSetting(
+                "sources", f"give a number of sources (1 or more) or all, not {self.sources!r}"
+            )
         if self.pack_separator is not None and not self.pack:
             raise InvalidSetting("pack_separator", "applies to --pack only")
         if self.relations is not None or self.limit_per_relation is not None or self.template is not None:

@@ -22,7 +22,7 @@ from actstore.core.storage.base import StoreLocation
 from actstore.core.writer import creation_interrupted
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture_store import IngestReport
-from actstore.ingest.corpus import capture_positions, kept_arrays
+from actstore.ingest.corpus import capture_positions, check_sources, kept_arrays
 from actstore.ingest.corpus_windows import plan_corpus
 from actstore.ingest.datasets.common import DatasetResult
 from actstore.ingest.datasets.dispatch import load_dataset
@@ -188,8 +188,14 @@ def _ingest_corpus_locked(
         pack=req.pack,
         separator=req.pack_separator,
     )
+    sources = 0 if req.sources is None else context if req.sources == "all" else int(req.sources)
+    check_sources(sources, context, req.storage_dtype)
     kinds = req.kinds or CORPUS_KINDS
     kept = kept_arrays(g, kinds, req.layers)
+    if sources and not kept["z"]:
+        raise InvalidSetting(
+            "sources", "needs attn or z among --kinds (the remainder is z minus the kept sources)"
+        )
     if not any(kept.values()):
         raise InvalidSetting(
             "layers", f"keeps nothing of {', '.join(kinds)} (mlp, attn and z have layers 0..{g.n_layers - 1})"
@@ -200,4 +206,6 @@ def _ingest_corpus_locked(
     )
     model_info = _model_record(loaded, req.model_dtype)
     cfg = req.capture_config(loc.url, {"dataset": req.dataset, "kinds": list(kinds)})
-    return capture_positions(loc, loaded.model, loaded.tokenizer, model_info, docs, plan, kept, cfg, log)
+    return capture_positions(
+        loc, loaded.model, loaded.tokenizer, model_info, docs, plan, kept, cfg, log, sources=sources
+    )

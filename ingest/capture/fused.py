@@ -42,6 +42,13 @@ class BatchIndex:
     src_pos: torch.Tensor  # [N_src] padded position of each source token
     tok_b: torch.Tensor  # [N_tok] batch row of each stored token
     tok_pos: torch.Tensor  # [N_tok] padded position of each stored token
+    # Corpus mode with sources (``--sources K``): every target keeps its top ``sources`` source
+    # positions per (layer, head) among those ``src_rank >= 0`` marks (the kept positions, numbered
+    # 0.. within each window), at the layers ``source_layers``; ``attn`` is then [nT * 2K, L, H]:
+    # per target, K weights then K row offsets (its row minus the source's), see _top_sources.
+    sources: int = 0
+    src_rank: torch.Tensor | None = None  # [B, T] int64, -1 where a position is not a source
+    source_layers: tuple[int, ...] = ()
 
 
 class _Capture:
@@ -52,8 +59,12 @@ class _Capture:
         L, H = g.n_layers, g.n_heads
         self.index = index
         self.z = torch.empty((nT, L, H, g.d_head), dtype=dtype, device=device)
-        self.attn = torch.empty((nS, L, H), dtype=dtype, device=device)
-        self.v = torch.empty((nK, L, g.n_kv_heads, g.d_head), dtype=dtype, device=device)
+        if index.sources:
+            nS = 2 * index.sources * nT
+        self.attn = torch.zeros((nS, L, H), dtype=dtype, device=device)
+        self.v = (torch.zeros if index.sources else torch.empty)(
+            (nK, L, g.n_kv_heads, g.d_head), dtype=dtype, device=device
+        )
         self.mlp = torch.empty((nT, L, g.d_mlp), dtype=dtype, device=device)
         self.resid = torch.empty((nT, L + 1, g.d_model), dtype=dtype, device=device)
         self.final: torch.Tensor | None = None  # [nT, d_model] last layer output, model dtype
@@ -120,7 +131,10 @@ def _capture_attention(
     ix = state.index
     dt = state.z.dtype
     state.z[:, layer] = out[ix.target_b, ix.target_pos].to(dt)  # out: [B, T, H, d]
-    if ix.src_t.numel():  # (corpus mode stores no sources: its targets' rows are never computed)
+    if ix.sources:
+        if layer in ix.source_layers:
+            _top_sources(state, layer, query, key, attention_mask, kwargs)
+    elif ix.src_t.numel():  # (corpus mode without --sources: its targets' rows are never computed)
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
@@ -134,8 +148,57 @@ def _capture_attention(
             sliding_window=kwargs.get("sliding_window"),
         )
         state.attn[:, layer] = probs[ix.src_t, :, ix.src_pos].to(dt)
-    state.v[:, layer] = value[ix.tok_b, :, ix.tok_pos, :].to(dt)
+    if not ix.sources or layer in ix.source_layers:
+        state.v[:, layer] = value[ix.tok_b, :, ix.tok_pos, :].to(dt)
     return out, None
+
+
+SOURCE_CHUNK_BYTES = 1 << 27  # float32 probabilities computed at once by _top_sources
+
+
+def _top_sources(
+    state: _Capture,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> None:
+    """Corpus mode with sources: for every target row, per head, the ``K`` largest attention
+    probabilities over the kept positions (``src_rank >= 0``) and their row offsets (target's rank
+    minus source's: the source's store row is the target's row minus it), written to
+    ``state.attn`` viewed as [nT, 2, K, L, H] (0: weights, 1: offsets; a slot past the target's
+    kept sources has weight 0 and offset 0).  Rows go in chunks of bounded size."""
+    ix = state.index
+    K = ix.sources
+    assert ix.src_rank is not None
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    nT, H, T = ix.target_b.numel(), query.shape[1], key.shape[2]
+    step = max(1, SOURCE_CHUNK_BYTES // (4 * H * T))
+    dst = state.attn.view(nT, 2, K, *state.attn.shape[1:])
+    dt = state.attn.dtype
+    for lo in range(0, nT, step):
+        hi = min(nT, lo + step)
+        sub = BatchIndex(ix.target_b[lo:hi], ix.target_pos[lo:hi], ix.src_t, ix.src_pos, ix.tok_b, ix.tok_pos)
+        probs = target_probabilities(
+            query,
+            key,
+            attention_mask,
+            float(scaling),
+            sub,
+            softcap=kwargs.get("softcap"),
+            sliding_window=kwargs.get("sliding_window"),
+        )  # [n, H, T]
+        rank = ix.src_rank[sub.target_b]  # [n, T]
+        own = ix.src_rank[sub.target_b, sub.target_pos]  # [n]
+        probs = probs.masked_fill(((rank < 0) | (rank > own[:, None]))[:, None, :], -1.0)
+        w, j = torch.topk(probs, K, dim=-1)  # [n, H, K]
+        valid = w > 0  # (a source of weight 0, e.g. outside a sliding window, is no source)
+        offset = own[:, None, None] - torch.gather(rank[:, None, :].expand(-1, H, -1), 2, j)
+        dst[lo:hi, 0, :, layer] = torch.where(valid, w, 0.0).permute(0, 2, 1).to(dt)
+        dst[lo:hi, 1, :, layer] = torch.where(valid, offset, 0).permute(0, 2, 1).to(dt)
 
 
 def register_capture_attention() -> None:

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from actstore.core.errors import InvalidSetting, QueryError
+from actstore.core.errors import InvalidQuerySetting, InvalidSetting, QueryError
+from actstore.query.select.corpus_sources import contributions, corpus_sources, source_factors
 
 if TYPE_CHECKING:
     from actstore.core.store import StoreReader
@@ -68,13 +69,15 @@ class FeatureSpec:
     ) -> FeatureSpec:
         g = store.geometry
         if kind not in KINDS:
-            raise QueryError(f"unknown feature kind {kind!r} (one of {', '.join(KINDS)})")
+            raise InvalidQuerySetting("kind", f"unknown feature kind {kind!r} (one of {', '.join(KINDS)})")
         n_layer_slots = g.n_layers + 1 if kind == "resid" else g.n_layers
         ls = tuple(range(n_layer_slots)) if layers is None else tuple(int(x) for x in layers)
         bad = [x for x in ls if not 0 <= x < n_layer_slots]
-        if bad or not ls:
-            raise QueryError(
-                f"layer {bad[0] if bad else '(none)'} out of range for {kind}: valid 0..{n_layer_slots - 1}"
+        if not ls:
+            raise InvalidQuerySetting("layers", f"no layers given (valid 0..{n_layer_slots - 1} for {kind})")
+        if bad:
+            raise InvalidQuerySetting(
+                "layers", f"layer {bad[0]} out of range for {kind}: valid 0..{n_layer_slots - 1}"
             )
         check_corpus_kind(store, kind, ls)
         if heads is not None:
@@ -106,10 +109,16 @@ def check_corpus_kind(store: StoreReader, kind: str, layers: Sequence[int]) -> N
         return
     kept = ingest.get("kept") or {}
     array = CORPUS_ARRAY.get(kind)
+    if kind in SOURCE_KINDS and ingest.get("sources"):  # --sources K: top-K sources at the z layers
+        array = "z"
     if array is None:
         raise QueryError(
-            f"{kind} needs the per-source factors, which a corpus store (--positions all) does not keep; "
-            "ingest with --positions target for it"
+            f"{kind} needs the per-source factors, which this corpus store (--positions all) does not keep; "
+            + (
+                "ingest with --positions target for it"
+                if kind == "attn_entity"
+                else "ingest it with --sources K (or all) for them"
+            )
         )
     have = kept.get(array) or []
     missing = [x for x in layers if x not in have]
@@ -244,8 +253,9 @@ def compute_block(
     seg, rows = block.segment, block.seg_rows
     kind = spec.kind
     n = len(rows)
+    K = corpus_sources(store) if kind in SOURCE_KINDS else 0
     if kind in ("attn_head_token", "attn_prob"):
-        S = int(block.n_src.max()) if n else 0
+        S = K or (int(block.n_src.max()) if n else 0)
         S = out.shape[3] if out is not None else S
         shape = (n, *row_shape(store, spec, S))
     else:
@@ -289,6 +299,16 @@ def compute_block(
             torch.baddbmm(W.layers("b_O", L)[:, None], zf.transpose(0, 1), WOf, out=dst.transpose(0, 1))
             return out
         _heads_matmul(_pick(z, Hs, 2), _pick(WO, Hs, 1), dst)
+        return out
+    if K:  # a corpus store with sources: its top-K sources, zero-padded (corpus_sources.py)
+        f = source_factors(store, store.manifest.segment_size * seg + rows, L, Hs)
+        Sx = out.shape[3]
+        if kind == "attn_prob":
+            out[:, :, :, :K] = f.weight
+        else:
+            out[:, :, :, :K] = contributions(store, f)[0]
+        if not zeroed:
+            out[:, :, :, K:] = 0
         return out
     # Kinds that need the per-source factors A and V.
     if kind == "attn_entity":

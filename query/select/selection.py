@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 from actstore.core.errors import QueryError
 from actstore.core.sql import Params, check_params, predicate, run_sql, subquery
 from actstore.core.store import StoreReader
+from actstore.query.select.corpus_sources import corpus_sources
 from actstore.query.select.features import FeatureSpec, RowBlock, compute_block, row_shape
 from actstore.query.select.labelled import SOURCE_KINDS, dask_features, to_dataarray
 from actstore.query.select.plan import (
@@ -302,11 +303,16 @@ class Selection:
         """S, the longest source axis of the selected rows (the padded size of ``attn_head_token`` and
         ``attn_prob``); 0 for an empty selection."""
         n = self.rows.column("n_src")
+        K = corpus_sources(self.store)  # a corpus store with sources: K a row
+        if K:
+            return K if len(n) else 0
         return int(pc.max(n).as_py() or 0) if len(n) else 0
 
     def source_mask(self) -> np.ndarray:
         """[n, S] bool: True where source ``j`` exists for the row (False on the zero padding)."""
         n_src = self.rows.column("n_src").to_numpy().astype(np.int64)
+        if corpus_sources(self.store):
+            n_src = np.full(n_src.size, self.n_sources(), np.int64)
         return np.arange(self.n_sources())[None, :] < n_src[:, None]
 
     def iter_features(
