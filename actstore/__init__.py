@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from actstore.api import Store, ingest_corpus, open_store
+from actstore.api import Store, ingest_corpus, open_store, write_corpus
 from actstore.core._version import __version__
 from actstore.core.errors import (
     ActstoreError,
@@ -83,4 +83,5 @@ __all__ = [
     "__version__",
     "ingest_corpus",
     "open",
+    "write_corpus",
 ]

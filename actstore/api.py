@@ -93,3 +93,21 @@ def tokenizer_for_store(store: StoreReader, name: str | None = None) -> Any:
         if tok is not None:
             return check_vocabulary(store, tok, key)
     return stored_tokenizer(store, key)
+
+
+def write_corpus(out: str | os.PathLike[str], source: Any, **settings: Any) -> Store:
+    """Write activations captured elsewhere into a corpus store at ``out``; returns it, open (docs/interop.md).
+
+    ``source``: a TransformerLens ``run_with_cache`` cache or nnsight saves (a mapping of ``[batch, pos,
+    d_model]`` residual-stream tensors; with ``tokens=``, the ids they were run on), a list of them (with a
+    list of ``tokens``), or a folder / list of the safetensors files vLLM's ``extract_hidden_states`` writes
+    (with ``layer_ids=``, its ``eagle_aux_hidden_state_layer_ids``).  ``settings``: ``model`` (the model they
+    came from, as ``ingest_corpus`` names it), ``storage_dtype``, ``segment_size``, ``overwrite``, ``resume``::
+
+        logits, cache = model.run_with_cache(tokens)
+        store = actstore.write_corpus("/tmp/s", cache, tokens=tokens, model="tiny-llama")
+    """
+    from actstore.jobs.import_acts import write_corpus as write
+
+    write(out, source, **settings)
+    return open_store(out)

@@ -1,0 +1,102 @@
+"""``actstore.write_corpus`` / ``actstore import``: activations captured elsewhere (a TransformerLens cache,
+nnsight saves, vLLM ``extract_hidden_states`` files) written into a corpus store
+(:mod:`actstore.ingest.external`; docs/interop.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actstore.core.errors import InvalidSetting
+from actstore.core.lock import writer_lock
+from actstore.core.ownership import check_root
+from actstore.core.storage import locate
+from actstore.ingest.capture_store import IngestReport
+from actstore.ingest.external import ExternalWindow, windows_from_mapping, windows_from_vllm, write_windows
+from actstore.ingest.models.registry import load_model
+from actstore.ingest.settings import IngestConfig
+
+
+def source_windows(
+    source: Any, tokens: Any = None, layer_ids: Sequence[int] | None = None
+) -> tuple[list[ExternalWindow], str]:
+    """The windows of ``source`` and its kind: a folder or list of vLLM safetensors files (with
+    ``layer_ids``), or a mapping (TransformerLens cache, nnsight saves) with the ``tokens`` it ran on."""
+    if isinstance(source, (str, os.PathLike)) or (
+        isinstance(source, (list, tuple)) and source and isinstance(source[0], (str, os.PathLike))
+    ):
+        paths = [Path(source)] if isinstance(source, (str, os.PathLike)) else [Path(p) for p in source]
+        files = [f for p in paths for f in (sorted(p.glob("*.safetensors")) if p.is_dir() else [p])]
+        if not files:
+            raise InvalidSetting("source", f"no .safetensors file in {', '.join(map(str, paths))}")
+        if not layer_ids:
+            raise InvalidSetting(
+                "layer_ids", "vLLM files need the eagle_aux_hidden_state_layer_ids they were written with"
+            )
+        return windows_from_vllm(files, layer_ids), "import:vllm"
+    if isinstance(source, (list, tuple)) and source and all(isinstance(w, ExternalWindow) for w in source):
+        return list(source), "import:windows"
+    if isinstance(source, (list, tuple)) and source and hasattr(source[0], "keys"):  # one cache a run
+        if not isinstance(tokens, (list, tuple)) or len(tokens) != len(source):
+            raise InvalidSetting("tokens", f"{len(source)} caches need a list of as many token-id tensors")
+        parts = [source_windows(c, t) for c, t in zip(source, tokens)]
+        return [w for ws, _ in parts for w in ws], parts[0][1]
+    if isinstance(source, Mapping) or hasattr(source, "keys"):
+        if tokens is None:
+            raise InvalidSetting(
+                "tokens", "a cache or saves need the token ids [batch, pos] they were run on"
+            )
+        kind = "tlens" if type(source).__module__.startswith("transformer_lens") else "mapping"
+        return windows_from_mapping(source, tokens), f"import:{kind}"
+    raise InvalidSetting("source", f"cannot read a {type(source).__name__} (a cache, saves, or vLLM files)")
+
+
+def write_corpus(
+    out: str | os.PathLike[str],
+    source: Any,
+    *,
+    model: str = "tiny-llama",
+    tokens: Any = None,
+    layer_ids: Sequence[int] | None = None,
+    storage_dtype: str = "float32",
+    segment_size: int = 256,
+    overwrite: bool = False,
+    resume: bool = False,
+) -> IngestReport:
+    """Write ``source`` (see :func:`source_windows`) into a corpus store at ``out``; ``model``: the model
+    it was captured from (an alias, hub name or folder: its weights, tokenizer and geometry go in the
+    store and every shape is checked against it before anything is written)."""
+    windows, spec = source_windows(source, tokens, layer_ids)
+    loc = locate(os.fspath(out))
+    if not resume:
+        check_root(loc, overwrite=overwrite)
+    loaded = load_model(model, dtype=torch.float32)
+    from actstore.ingest.capture.architectures import architecture_for
+    from actstore.ingest.external import check_windows
+
+    check_windows(
+        windows, architecture_for(loaded.model).geometry(loaded.model)
+    )  # before the store is touched
+    model_info = {
+        "name": loaded.name,
+        "source": loaded.source,
+        "architecture": loaded.architecture,
+        "weight_hash": loaded.weight_hash,
+        "dtype": "float32",
+    }
+    cfg = IngestConfig(
+        out=loc.url,
+        batch_size=1,
+        storage_dtype=storage_dtype,
+        segment_size=segment_size,
+        resume=resume,
+        overwrite=overwrite,
+        progress=False,
+        extra={"dataset": spec, "kinds": ["resid"]},
+    )
+    with writer_lock(loc, command="actstore import"):
+        return write_windows(loc, loaded.model, loaded.tokenizer, model_info, windows, spec, cfg)

@@ -1,0 +1,291 @@
+"""Activations captured elsewhere, written into a corpus store (``actstore.write_corpus``, ``actstore import``).
+
+Three sources, each read into windows of token ids with the residual stream at some of the store's
+residual indices (``resid`` index ``i`` is the input of block ``i``; ``L`` the output of the last block,
+before the final norm):
+
+- a mapping of ``[batch, pos, d_model]`` tensors with the token ids ``[batch, pos]`` it was run on:
+  a TransformerLens ``run_with_cache`` cache (``blocks.{l}.hook_resid_pre`` is index ``l``,
+  ``blocks.{l}.hook_resid_post`` index ``l + 1``), nnsight saves keyed by the transformers module
+  path (``model.layers.{l}``: the output of block ``l``, index ``l + 1``; ``model.embed_tokens``:
+  index 0) or by residual index;
+- the safetensors files vLLM's ``extract_hidden_states`` method writes (ExampleHiddenStatesConnector,
+  vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py, vllm-project/vllm
+  at 015a95c8): one file a request, ``token_ids`` int64 ``[seq]`` and ``hidden_states``
+  ``[seq, n_layer_ids, d]``, the layers being ``eagle_aux_hidden_state_layer_ids`` (vLLM collects
+  layer id ``i`` as ``hidden_states + residual`` entering layer ``i``: residual index ``i``).
+
+Every window is checked against the model before the store is touched (a wrong width, a layer past
+the model, ids and activations of different lengths: one line, nothing written).  The rows are written
+by the corpus writer path (:func:`actstore.ingest.capture_store.capture_segments`): the same commit
+protocol, resume, ``verify``, tables and weights as ``actstore ingest --positions all``; every position
+of a window is a row.  ``z`` and ``mlp`` are not captured (zero chunks, refused on read), only
+``resid``.  ``positions.top``/``lp``/``rank`` come from the model's final norm and head over residual
+``L`` where it was given, -1/NaN otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from actstore.core.errors import InvalidSetting
+from actstore.core.layout import SEGMENT_ARRAYS
+from actstore.core.manifest import Geometry
+from actstore.core.storage.base import StoreLocation
+from actstore.ingest.capture.architectures import architecture_for
+from actstore.ingest.capture.host import predictions, to_host
+from actstore.ingest.capture_store import (
+    CapturedSegment,
+    CaptureMode,
+    IngestReport,
+    capture_segments,
+    require_lock,
+)
+from actstore.ingest.corpus import ROW_FIELDS, full_layers
+from actstore.ingest.corpus_windows import CorpusPlan, Window, segment_corpus_tables
+from actstore.ingest.settings import IngestConfig
+
+_TL = re.compile(r"^blocks\.(\d+)\.hook_resid_(pre|post)$")
+_HF = re.compile(r"^(?:model\.)?layers\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class ExternalWindow:
+    """One sequence captured elsewhere: its token ids (int64 ``[T]``) and, by residual index, ``[T, d]``."""
+
+    ids: np.ndarray
+    resid: dict[int, np.ndarray]
+
+
+def resid_index(key: str | int) -> int:
+    """The store's residual index of a TransformerLens hook name, a transformers module path or an int."""
+    if isinstance(key, (int, np.integer)):
+        return int(key)
+    m = _TL.match(key)
+    if m:
+        return int(m.group(1)) + (m.group(2) == "post")
+    m = _HF.match(key)
+    if m:
+        return int(m.group(1)) + 1
+    if key in ("hook_embed", "model.embed_tokens", "embed_tokens"):
+        return 0
+    raise InvalidSetting(
+        "source", f"{key!r} is not a residual-stream name (blocks.L.hook_resid_pre/post, model.layers.L)"
+    )
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float32).numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+def windows_from_mapping(acts: Mapping[Any, Any], tokens: Any) -> list[ExternalWindow]:
+    """Windows of a TransformerLens cache or nnsight saves (``[batch, pos, d]`` each) run on ``tokens``
+    (``[batch, pos]``); keys that are not residual-stream names are ignored (a full cache has many)."""
+    ids = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens, dtype=np.int64)
+    if ids.ndim == 1:
+        ids = ids[None]
+    by_index: dict[int, np.ndarray] = {}
+    for key in acts.keys():
+        try:
+            idx = resid_index(key)
+        except InvalidSetting:
+            continue
+        a = _numpy(acts[key])
+        if a.ndim == 2:
+            a = a[None]
+        if a.shape[:2] != ids.shape:
+            raise InvalidSetting(
+                "source",
+                f"{key}: shape {tuple(a.shape)} does not match the tokens' {tuple(ids.shape)} [batch, pos]",
+            )
+        by_index.setdefault(idx, a)  # resid_post of block l and resid_pre of l + 1 are the same index
+    if not by_index:
+        raise InvalidSetting(
+            "source", "no residual-stream activation in it (blocks.L.hook_resid_pre/post, model.layers.L)"
+        )
+    return [
+        ExternalWindow(ids[b], {i: a[b] for i, a in sorted(by_index.items())}) for b in range(ids.shape[0])
+    ]
+
+
+def windows_from_vllm(paths: Iterable[str | Path], layer_ids: Sequence[int]) -> list[ExternalWindow]:
+    """Windows of vLLM ``extract_hidden_states`` files (``token_ids [seq]``, ``hidden_states [seq, n, d]``;
+    ``layer_ids``: the ``eagle_aux_hidden_state_layer_ids`` they were written with, in that order)."""
+    from safetensors.numpy import load_file
+
+    out = []
+    for path in paths:
+        data = load_file(str(path))
+        if set(data) != {"hidden_states", "token_ids"}:
+            raise InvalidSetting("source", f"{path}: not a vLLM hidden-states file (keys {sorted(data)})")
+        hs, ids = data["hidden_states"], data["token_ids"].astype(np.int64)
+        if hs.ndim != 3 or hs.shape[0] != ids.size or hs.shape[1] != len(layer_ids):
+            raise InvalidSetting(
+                "source",
+                f"{path}: hidden_states {tuple(hs.shape)} is not [seq={ids.size}, layers={len(layer_ids)}, d]",
+            )
+        hs = hs.astype(np.float32, copy=False)
+        out.append(ExternalWindow(ids, {int(i): hs[:, k] for k, i in enumerate(layer_ids)}))
+    return out
+
+
+def check_windows(windows: Sequence[ExternalWindow], g: Geometry) -> list[int]:
+    """The residual indices every window holds (the same in each), after checking them against ``g``."""
+    if not windows:
+        raise InvalidSetting("source", "no windows to write")
+    layers = sorted(windows[0].resid)
+    for k, w in enumerate(windows):
+        if sorted(w.resid) != layers:
+            raise InvalidSetting("source", f"window {k} holds layers {sorted(w.resid)}, window 0 {layers}")
+        if w.ids.ndim != 1 or w.ids.size == 0:
+            raise InvalidSetting("source", f"window {k}: no tokens")
+        for i, a in w.resid.items():
+            if not 0 <= i <= g.n_layers:
+                raise InvalidSetting("source", f"residual index {i} is past the model's 0..{g.n_layers}")
+            if a.shape != (w.ids.size, g.d_model):
+                raise InvalidSetting(
+                    "source",
+                    f"window {k}, residual {i}: shape {tuple(a.shape)}, the model's is [{w.ids.size}, {g.d_model}]",
+                )
+            if not np.isfinite(a).all():
+                raise InvalidSetting("source", f"window {k}, residual {i}: not finite")
+    return layers
+
+
+def plan_windows(
+    windows: Sequence[ExternalWindow], tokenizer: Any, spec: str
+) -> tuple[CorpusPlan, list[str], str]:
+    """The corpus plan (one document a window, every position kept), the windows' decoded texts and
+    the SHA-256 of their token ids (the store's ``corpus_sha256``)."""
+    plan_w, texts = [], []
+    digest = hashlib.sha256()
+    for k, w in enumerate(windows):
+        n = w.ids.size
+        digest.update(n.to_bytes(8, "little") + w.ids.astype("<i8").tobytes())
+        minus = np.full(n, -1, np.int32)
+        plan_w.append(
+            Window(
+                0,
+                w.ids,
+                np.full(n, k, np.int64),
+                np.arange(n, dtype=np.int32),
+                minus,
+                minus,
+                np.ones(n, bool),
+            )
+        )
+        texts.append(str(tokenizer.decode(w.ids.tolist())))
+    counts = np.array([w.ids.size for w in windows], np.int64)
+    row_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    policy = {
+        "positions": "all",
+        "context_length": int(counts.max()),
+        "special": "kept",
+        "pack": False,
+        "documents": len(windows),
+        "windows": len(windows),
+        "cut_documents": 0,
+        "imported": spec,
+    }
+    return CorpusPlan(plan_w, row_start, policy), texts, digest.hexdigest()
+
+
+class _NoTop:
+    """``tokenizer`` whose ``convert_ids_to_tokens`` gives "" for -1 (no prediction: ``top`` is -1)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        known = [i for i in ids if i >= 0]
+        names = iter(self.tokenizer.convert_ids_to_tokens(known)) if known else iter(())
+        return [str(next(names)) if i >= 0 else "" for i in ids]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def write_windows(
+    loc: StoreLocation,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    model_info: dict[str, Any],
+    windows: Sequence[ExternalWindow],
+    spec: str,
+    cfg: IngestConfig,
+) -> IngestReport:
+    """Write ``windows`` (checked: :func:`check_windows`) as a corpus store at ``loc`` (writer lock held)."""
+    require_lock(loc)
+    arch = architecture_for(model)
+    g = arch.geometry(model)
+    layers = check_windows(windows, g)
+    plan, texts, sha = plan_windows(windows, tokenizer, spec)
+    kept = {"z": [], "mlp": [], "resid": layers}  # type: dict[str, list[int]]
+    dtype = getattr(torch, cfg.storage_dtype)
+    S = cfg.segment_size
+
+    def capture_segment(capture: Any, seg: int, n_before: int, bar: Any) -> CapturedSegment:
+        lo, hi = seg * S, min((seg + 1) * S, plan.n_rows)
+        meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
+        resid: list[np.ndarray] = []
+        nxt: list[np.ndarray] = []
+        for w in plan.windows_of(lo, hi):
+            a = max(lo, int(plan.row_start[w])) - int(plan.row_start[w])
+            b = min(hi, int(plan.row_start[w + 1])) - int(plan.row_start[w])
+            win, ext = plan.windows[w], windows[w]
+            for name, values in (
+                ("document", win.document),
+                ("window_index", np.full(win.ids.size, win.number, np.int32)),
+                ("position", win.position),
+                ("window_position", np.arange(win.ids.size, dtype=np.int32)),
+                ("token_id", win.ids),
+                ("char_start", win.char_start),
+                ("char_end", win.char_end),
+            ):
+                meta[name].append(values[a:b])
+            resid.append(np.stack([ext.resid[i][a:b] for i in layers], axis=1))
+            nxt.append(np.append(win.ids, -1)[a + 1 : b + 1])
+        rows = {n: np.concatenate(v) for n, v in meta.items()}
+        n = rows["token_id"].size
+        r = torch.from_numpy(np.concatenate(resid))
+        next_ids = np.concatenate(nxt).astype(np.int64)
+        if g.n_layers in layers:
+            with torch.inference_mode():
+                p = next(model.parameters())
+                final = r[:, layers.index(g.n_layers)].to(p.device, p.dtype)
+                logits = model.get_output_embeddings()(arch.final_norm(model)(final)).float()  # type: ignore[operator]
+                softcap = getattr(model.config, "final_logit_softcapping", None)
+                if softcap:
+                    logits = torch.tanh(logits / softcap) * softcap
+            preds = predictions(logits, next_ids)
+        else:
+            preds = (np.full(n, -1, np.int32), np.full(n, np.nan, np.float32), np.full(n, -1, np.int32))
+        host = to_host(
+            {
+                "z": torch.zeros((n, 0, g.n_heads, g.d_head), dtype=dtype),
+                "mlp": torch.zeros((n, 0, g.d_mlp), dtype=dtype),
+                "resid": r.to(dtype),
+                "attn": torch.zeros((0, g.n_layers, g.n_heads), dtype=dtype),
+                "v": torch.zeros((0, g.n_layers, g.n_kv_heads, g.d_head), dtype=dtype),
+            },
+            SEGMENT_ARRAYS,
+        )
+        tables = segment_corpus_tables(seg, lo, rows, texts, _NoTop(tokenizer), preds, next_ids, spec)
+        bar.update(hi - lo)
+        return CapturedSegment(host, tables, 0.0)
+
+    settings = {"padding_side": "right", "corpus_sha256": sha, **plan.policy, "kept": kept}
+    mode = CaptureMode(
+        plan.n_rows, settings, "position", capture_segment, expand=lambda a: full_layers(a, kept, g)
+    )
+    return capture_segments(loc, model, tokenizer, model_info, cfg, mode)

@@ -1,0 +1,166 @@
+"""actstore.write_corpus: a TransformerLens cache, nnsight saves and vLLM extract_hidden_states files
+written into a corpus store equal actstore's own corpus ingest of the same windows (docs/interop.md)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_text_corpus
+
+import actstore
+from actstore.core.errors import InvalidSetting
+from actstore.ingest.corpus_windows import plan_corpus
+from actstore.ingest.datasets.text_corpus import load_documents
+from actstore.ingest.models.registry import load_model
+from actstore.jobs.import_acts import write_corpus
+
+RTOL = 1e-5  # float32 computed by two code paths (docs/testing.md, Tolerances), relative to each layer's largest entry
+
+
+def vllm_file(path: Path, token_ids: np.ndarray, hidden: np.ndarray) -> Path:
+    """A file as vLLM's ExampleHiddenStatesConnector writes one request (vllm-project/vllm 015a95c8):
+    ``hidden_states`` [seq, n_layer_ids, d] in the model dtype and ``token_ids`` int64 [seq]."""
+    from safetensors.torch import save_file
+
+    save_file(
+        {"hidden_states": torch.from_numpy(hidden).contiguous(), "token_ids": torch.from_numpy(token_ids)},
+        str(path),
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[actstore.Store, list[np.ndarray], object]:
+    """actstore's corpus ingest of a tiny text corpus, its windows' token ids and the loaded model."""
+    out = tmp_path_factory.mktemp("ref") / "corpus"
+    store = tiny_text_corpus(out, docs=6)
+    loaded = load_model("tiny-llama")
+    docs = load_documents(f"text:{out.parent / 'corpus.txt'}")
+    plan = plan_corpus(
+        docs, loaded.tokenizer, context_length=2048, keep_special=False, pack=False, separator=None
+    )
+    return store, [w.ids for w in plan.windows], loaded
+
+
+def by_position(store: actstore.Store, layers: list[int]) -> dict[tuple[int, int], np.ndarray]:
+    """Each row's residual at ``layers`` keyed by (document, window position)."""
+    rows = store.sql("SELECT row, document, window_position FROM positions ORDER BY row").to_pylist()
+    x = store.select().features("resid", layers=layers)
+    return {(r["document"], r["window_position"]): x[i] for i, r in enumerate(rows)}
+
+
+def assert_same_resid(ours: actstore.Store, ref: actstore.Store, layers: list[int]) -> None:
+    a, b = by_position(ours, layers), by_position(ref, layers)
+    assert set(b) <= set(a)  # the ingest drops BOS; the import keeps every position
+    got = np.stack([a[k] for k in sorted(b)])
+    want = np.stack([b[k] for k in sorted(b)])
+    for j in range(len(layers)):
+        scale = np.abs(want[:, j]).max()
+        np.testing.assert_allclose(got[:, j], want[:, j], rtol=0, atol=RTOL * scale)
+
+
+def tl_model(loaded: object) -> object:
+    """A HookedTransformer holding tiny-llama's weights (TransformerLens 3.9's own Llama conversion)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_llama_weights
+
+    hf = loaded.model.config  # type: ignore[attr-defined]
+    d_head = hf.hidden_size // hf.num_attention_heads
+    cfg = HookedTransformerConfig(
+        d_model=hf.hidden_size, d_head=d_head, n_heads=hf.num_attention_heads, d_mlp=hf.intermediate_size,
+        n_layers=hf.num_hidden_layers, n_ctx=hf.max_position_embeddings, eps=hf.rms_norm_eps,
+        d_vocab=hf.vocab_size, act_fn=hf.hidden_act, normalization_type="RMS",
+        n_key_value_heads=hf.num_key_value_heads if hf.num_key_value_heads != hf.num_attention_heads else None,
+        positional_embedding_type="rotary", rotary_adjacent_pairs=False, rotary_dim=d_head,
+        rotary_base=(hf.rope_parameters or {}).get("rope_theta", 10000.0), final_rms=True, gated_mlp=True,
+        default_prepend_bos=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # HookedTransformer: deprecated for 4.0's bridge
+        tl = HookedTransformer(cfg)
+    tl.load_and_process_state_dict(
+        convert_llama_weights(loaded.model, cfg),  # type: ignore[attr-defined]
+        fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False,
+    )  # fmt: skip
+    return tl
+
+
+def test_transformer_lens_cache(reference: tuple, tmp_path: Path) -> None:
+    ref, windows, loaded = reference
+    tl = tl_model(loaded)
+    L = loaded.model.config.num_hidden_layers
+    tokens = [torch.from_numpy(ids)[None] for ids in windows]
+    runs = [tl.run_with_cache(t) for t in tokens]  # one run_with_cache a window (they differ in length)
+    report = write_corpus(tmp_path / "tl", [c for _, c in runs], tokens=tokens, model="tiny-llama")
+    assert report.n_examples == sum(w.size for w in windows)
+    ours = actstore.open(tmp_path / "tl")
+    assert_same_resid(ours, ref, list(range(L + 1)))
+    # the predictions: the model's head over the last residual, as TransformerLens's own logits say
+    top = ours.sql("SELECT top_token_id FROM targets ORDER BY example_id").column(0).to_numpy()
+    np.testing.assert_array_equal(top, torch.cat([lg[0].argmax(-1) for lg, _ in runs]).numpy())
+
+
+def test_nnsight_saves(reference: tuple, tmp_path: Path) -> None:
+    from nnsight import TransformersModel
+
+    ref, windows, loaded = reference
+    nm = TransformersModel(loaded.model, tokenizer=loaded.tokenizer)
+    L = loaded.model.config.num_hidden_layers
+    for k, ids in enumerate(windows[:2]):
+        saves: dict[str, torch.Tensor] = {}  # created outside the trace, filled inside (nnsight 0.8)
+        with torch.inference_mode(), nm.trace(input_ids=torch.from_numpy(ids)[None]):
+            saves["model.embed_tokens"] = nm.model.embed_tokens.output.save()
+            for i in range(L):  # block outputs: residual i + 1 (the last one before the final norm)
+                saves[f"model.layers.{i}"] = nm.model.layers[i].output.save()
+        write_corpus(tmp_path / f"nn{k}", dict(saves), tokens=torch.from_numpy(ids)[None], model="tiny-llama")
+        ours = actstore.open(tmp_path / f"nn{k}")
+        rows = (
+            ref.sql("SELECT row FROM positions WHERE document = ? ORDER BY row", [k]).column("row").to_numpy()
+        )
+        want = ref.select().features("resid", layers=list(range(L + 1)))[rows]
+        got = ours.select().features("resid", layers=list(range(L + 1)))[1:]  # the ingest drops BOS
+        np.testing.assert_allclose(got, want, rtol=0, atol=RTOL * np.abs(want).max())
+
+
+def test_vllm_files(reference: tuple, tmp_path: Path) -> None:
+    ref, windows, loaded = reference
+    L = loaded.model.config.num_hidden_layers
+    layer_ids = [1, 0, L]  # vLLM keeps the order of eagle_aux_hidden_state_layer_ids
+    folder = tmp_path / "hs"
+    folder.mkdir()
+    for k, ids in enumerate(windows):
+        with torch.no_grad():
+            hs = loaded.model(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states
+        pre_norm = list(hs[:L]) + [None]
+        final = ref.select()  # residual L (before the final norm) is not in hidden_states: take the ingest's
+        rows = (
+            ref.sql("SELECT row FROM positions WHERE document = ? ORDER BY row", [k]).column("row").to_numpy()
+        )
+        last = np.concatenate(
+            [np.zeros((1, hs[0].shape[-1]), np.float32), final.features("resid", layers=[L])[rows, 0]]
+        )
+        layers = [pre_norm[i][0].numpy() if i < L else last for i in layer_ids]
+        vllm_file(folder / f"req-{k:03d}.safetensors", ids, np.stack(layers, 1))
+    write_corpus(tmp_path / "v", folder, layer_ids=layer_ids, model="tiny-llama")
+    assert_same_resid(actstore.open(tmp_path / "v"), ref, [0, 1])
+
+
+def test_bad_shapes_write_nothing(reference: tuple, tmp_path: Path) -> None:
+    _, windows, loaded = reference
+    ids = torch.from_numpy(windows[0])[None]
+    d = loaded.model.config.hidden_size
+    with pytest.raises(InvalidSetting, match=r"the model's is \[\d+, 64\]"):
+        write_corpus(
+            tmp_path / "bad", {"blocks.0.hook_resid_pre": torch.zeros(1, ids.shape[1], d + 1)}, tokens=ids
+        )
+    with pytest.raises(InvalidSetting, match="past the model"):
+        write_corpus(
+            tmp_path / "bad", {"blocks.7.hook_resid_post": torch.zeros(1, ids.shape[1], d)}, tokens=ids
+        )
+    with pytest.raises(InvalidSetting, match=r"does not match the tokens"):
+        write_corpus(tmp_path / "bad", {"blocks.0.hook_resid_pre": torch.zeros(1, 3, d)}, tokens=ids)
+    assert not (tmp_path / "bad").exists()
