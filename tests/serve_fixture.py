@@ -182,3 +182,43 @@ def tree_hash(root: Path) -> str:
             h.update(f"{p.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+CORPUS_WORDS = "the river runs past an old stone bridge in a quiet town at night".split()
+
+
+def build_corpus_serve_store(out: Path, docs: int = 12, words: int = 12, topk: bool = True) -> Path:
+    """A tiny Llama corpus store (``--positions all``, every kind, float32) of ``docs`` random sentences
+    of ``words`` words (one with a tab and a double space, so that whitespace tokens exist), with a
+    precomputed ``topk`` run of MLP layer 1 (k 20) unless ``topk`` is False; and ``probe.npy``, three
+    residual directions, beside it.  Returns the store's path."""
+    import torch
+
+    import actstore
+    from actstore.jobs.settings import TopkConfig
+    from actstore.jobs.topk import run_topk
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(CORPUS_WORDS, words)) for _ in range(docs)]
+    lines[1] = lines[1].replace(" ", "  ", 1).replace(" ", "\t", 1)
+    (out / "corpus.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        store = actstore.ingest_corpus(
+            out / "corpus",
+            model="tiny-llama",
+            dataset=f"text:{out / 'corpus.txt'}",
+            positions="all",
+            storage_dtype="float32",
+            batch_size=4,
+            segment_size=64,
+        )
+    finally:
+        torch.set_num_threads(old)
+    if topk:
+        run_topk(store, TopkConfig(kind="mlp", layer=1, k=20))
+    d = np.random.default_rng(1).standard_normal((3, store.geometry.d_model)).astype(np.float32)
+    np.save(out / "probe.npy", d)
+    return out / "corpus"

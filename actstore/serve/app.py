@@ -415,7 +415,9 @@ def _page_route(view: str) -> Callable[[Request], Response]:
             params.update(layer=str(layer), index=str(index))
         elif view == "document":
             _corpus(served)
-            params["document"] = str(int_param(str(params["document"]), "document", low=0, high=2**62))
+            doc = int_param(str(params["document"]), "document", low=0, high=2**62)
+            corpus.check_document(served.store, doc)
+            params["document"] = str(doc)
         if view == "prompt":
             params["example_id"] = str(example_id(served.store, str(params["example_id"])))
         elif view == "relation":

@@ -389,6 +389,11 @@ def _values_of_rows(
 
 
 # ----------------------------------------------------------------------------------- documents
+def check_document(store: StoreReader, doc: int) -> None:
+    if not sql(store, "SELECT 1 FROM positions WHERE document = ? LIMIT 1", [doc]):
+        raise NotFoundError(f"no document {doc} in the store")
+
+
 def document_view(
     store: StoreReader,
     doc: int,

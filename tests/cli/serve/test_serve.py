@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from serve_fixture import HOSTILE_TEXT, build_serve_store, tree_hash
+from serve_fixture import HOSTILE_TEXT, build_corpus_serve_store, build_serve_store, tree_hash
 
 import actstore
 from actstore.cli import main
@@ -435,6 +435,152 @@ def test_console_pages_equal_the_statement_paged_by_sql(
     pages = page + 1
     statements = [x for x in ran if "LIMIT ? OFFSET ?" in x]
     assert len(statements) == ((pages + 1) // 2 if "query_ids" not in q else pages)
+
+
+@pytest.fixture(scope="module")
+def corpus_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, TestClient]]:
+    from actstore.serve.corpus import load_direction_files
+
+    path = build_corpus_serve_store(tmp_path_factory.mktemp("serve-corpus"))
+    before = tree_hash(path)
+    app = create_app(
+        Catalog.open([str(path)]),
+        warm_up=False,
+        directions=load_direction_files([str(path.parent / "probe.npy")]),
+    )
+    client = TestClient(app, raise_server_exceptions=False)
+    yield path, client
+    client.close()
+    assert tree_hash(path) == before, "the explorer wrote to the store"
+
+
+def test_corpus_home_search_and_no_relation_table(corpus_served: tuple[Path, TestClient]) -> None:
+    path, c = corpus_served
+    s = actstore.open(path)
+    d = get(c, "/api/s/{store}/corpus", "/api/s/corpus/corpus")
+    assert d["documents"] == 12 and d["tokens"] == s.n_rows
+    assert set(d["kept"]) == {"mlp", "resid", "z"} and d["directions"] == {"probe": {"units": 3, "d": 64}}
+    assert [(r["kind"], r["layer"], r["units"], r["k"]) for r in d["topk"]] == [("mlp", 1, 128, 20)]
+    hits = get(c, "/api/s/{store}/tokens", "/api/s/corpus/tokens?q=OW")["hits"]
+    want = s.sql("SELECT row FROM positions WHERE contains(lower(token), 'ow') ORDER BY row").column(0)
+    assert [h["row"] for h in hits] == want.to_pylist()[:50] and hits
+    assert all("ow" in h["token"].lower() for h in hits)
+    page = c.get("/s/corpus").text
+    assert 'data-corpus="1"' in page
+    # the relation, head and prompt pages of a corpus store lead to its own views
+    r = c.get("/s/corpus/head/0/1", follow_redirects=False)
+    assert r.status_code == 302 and r.headers["location"] == "/s/corpus/unit/head/0/1"
+    r = c.get("/s/corpus/prompt/5", follow_redirects=False)
+    assert r.status_code == 302 and r.headers["location"].startswith("/s/corpus/document/0?row=5")
+    assert c.get("/s/corpus/relation/P1", follow_redirects=False).headers["location"] == "/s/corpus"
+
+
+def _mlp(s: Any, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(store rows, the stored MLP activations [n, d_mlp] of ``layer``), read whole through zarr."""
+    sel = s.select()
+    segs, srow = sel.rows.column("segment").to_numpy(), sel.rows.column("seg_row").to_numpy()
+    a = np.concatenate(
+        [np.asarray(s.array(int(g), "mlp")[:])[srow[segs == g], layer] for g in np.unique(segs)]
+    )
+    return sel.rows.column("row").to_numpy(), a.astype(np.float32)
+
+
+def test_unit_pages_equal_numpy(corpus_served: tuple[Path, TestClient]) -> None:
+    path, c = corpus_served
+    s = actstore.open(path)
+    for layer in (0, 1):  # layer 1 read from the topk table, layer 0 computed on demand
+        rows, a = _mlp(s, layer)
+        d = get(c, "/api/s/{store}/units/{kind}/{layer}/{index}", f"/api/s/corpus/units/mlp/{layer}/7")
+        assert d["source"].startswith("precomputed" if layer == 1 else "computed on demand")
+        order = np.lexsort((rows, -a[:, 7]))[:20]
+        assert [t["row"] for t in d["top"]] == rows[order].tolist()
+        np.testing.assert_allclose([t["value"] for t in d["top"]], a[order, 7], rtol=1e-6)
+        t0 = d["top"][0]
+        at = [x for x in t0["tokens"] if x["at"]]
+        assert len(at) == 1 and at[0]["row"] == t0["row"] and abs(at[0]["value"] - t0["value"]) < 1e-6
+        h = d["histogram"]
+        assert (
+            sum(h["counts"]) == h["n"] == s.n_rows and abs(h["active"] - float((a[:, 7] > 0).mean())) < 1e-9
+        )
+        # the logit effects: the neuron's row of W_down through the final norm weight and the unembedding
+        w = s.weight("W_down", layer)[7] * s.weight("final_norm_weight")
+        logits = s.weight("unembed") @ w
+        assert [t["token_id"] for t in d["logits"]["promoted"]] == np.argsort(-logits)[:12].tolist()
+        assert [t["token_id"] for t in d["logits"]["suppressed"]] == np.argsort(logits)[:12].tolist()
+    # a head: its output norm, from the stored z
+    sel = s.select()
+    rows = sel.rows.column("row").to_numpy()
+    norm = np.linalg.norm(sel.features("attn_head", layers=[1])[:, 0, 2], axis=-1)
+    d = get(c, "/api/s/{store}/units/{kind}/{layer}/{index}", "/api/s/corpus/units/head/1/2?k=5")
+    order = np.lexsort((rows, -norm))[:5]
+    assert [t["row"] for t in d["top"]] == rows[order].tolist() and d["logits"] is None and d["logits_note"]
+    # a direction of the served file, at a residual index
+    w = np.load(path.parent / "probe.npy")[2]
+    proj = sel.features("resid", layers=[2])[:, 0] @ w
+    d = get(
+        c, "/api/s/{store}/units/{kind}/{layer}/{index}", "/api/s/corpus/units/direction/2/2?direction=probe"
+    )
+    order = np.lexsort((rows, -proj))[:20]
+    assert [t["row"] for t in d["top"]] == rows[order].tolist()
+    np.testing.assert_allclose([t["value"] for t in d["top"]], proj[order], rtol=1e-4, atol=1e-6)
+    assert d["logits"]["promoted"][0]["token_id"] == int(
+        np.argmax(s.weight("unembed") @ (w * s.weight("final_norm_weight")))
+    )
+    for u in (
+        "/s/corpus/unit/mlp/1/7",
+        "/s/corpus/unit/head/1/2",
+        "/s/corpus/unit/direction/2/2?direction=probe",
+    ):
+        assert c.get(u).status_code == 200
+
+
+def test_document_view_colours_every_token(corpus_served: tuple[Path, TestClient]) -> None:
+    path, c = corpus_served
+    s = actstore.open(path)
+    rows, a = _mlp(s, 1)
+    d = get(c, "/api/s/{store}/documents/{document}", "/api/s/corpus/documents/1?kind=mlp&layer=1&index=7")
+    want = s.sql("SELECT row, token FROM positions WHERE document = 1 ORDER BY row").to_pydict()
+    assert [t["row"] for t in d["tokens"]] == want["row"] and [t["token"] for t in d["tokens"]] == want[
+        "token"
+    ]
+    by_row = dict(zip(rows.tolist(), a[:, 7].tolist()))
+    np.testing.assert_allclose(d["values"], [by_row[r] for r in want["row"]], rtol=1e-6)
+    assert d["attention"] is None and "not stored" in d["attention_note"].replace(
+        "is not stored", "not stored"
+    )
+    plain = get(c, "/api/s/{store}/documents/{document}", "/api/s/corpus/documents/1")
+    assert plain["values"] is None
+    assert c.get("/s/corpus/document/1?kind=mlp&layer=1&index=7").status_code == 200
+
+
+def test_bad_units_layers_directions_are_one_line_4xx(corpus_served: tuple[Path, TestClient]) -> None:
+    _, c = corpus_served
+    for url, status in [
+        ("/api/s/corpus/units/mlp/9/1", 400),
+        ("/api/s/corpus/units/mlp/1/128", 404),
+        ("/api/s/corpus/units/mlp/x/1", 400),
+        ("/api/s/corpus/units/head/0/4", 404),
+        ("/api/s/corpus/units/bogus/0/0", 404),
+        ("/api/s/corpus/units/direction/2/0?direction=nope", 404),
+        ("/api/s/corpus/units/direction/2/3?direction=probe", 404),
+        ("/api/s/corpus/units/direction/3/0?direction=probe", 400),
+        ("/api/s/corpus/documents/99", 404),
+        ("/api/s/corpus/documents/1;DROP", 400),
+        ("/api/s/corpus/documents/1?kind=mlp&layer=1&index=999", 404),
+        ("/s/corpus/unit/mlp/1/128", 404),
+        ("/s/corpus/unit/direction/2/0", 404),
+        ("/s/corpus/document/99", 404),
+    ]:
+        bad(c, url, status)
+    # a browser's 404 page: the line and a way back home
+    r = c.get("/s/corpus/unit/mlp/1/128", headers={"accept": "text/html"})
+    assert r.status_code == 404 and 'href="/"' in r.text and "neuron 128" in r.text
+
+
+def test_corpus_routes_refuse_a_prompt_store(served: tuple[Path, TestClient]) -> None:
+    _, c = served
+    assert "no corpus store" in bad(c, "/api/s/store/corpus", 404)
+    bad(c, "/api/s/store/units/mlp/0/0", 404)
 
 
 def test_openapi_lists_every_route(served: tuple[Path, TestClient]) -> None:
