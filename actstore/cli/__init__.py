@@ -28,6 +28,7 @@ from actstore.core.errors import ActstoreError
 
 from . import ablate as _ablate
 from . import demo as _demo
+from . import dfa as _dfa
 from . import ingest as _ingest
 from . import interventions as _interventions
 from . import maps as _maps
@@ -166,6 +167,7 @@ for _module in (
     _serve,
     _demo,
     _topk,
+    _dfa,
 ):
     for _cmd in _module.COMMANDS:
         main.add_command(_cmd)

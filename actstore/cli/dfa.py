@@ -1,0 +1,50 @@
+"""``actstore dfa``: any direction decomposed into (position, layer, head, source) terms on a corpus
+store ingested with --sources."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from actstore.cli._config import config_from, options_from
+from actstore.cli._options import (
+    command,
+    json_option,
+    no_save_option,
+    open_store_arg,
+    store_argument,
+    where_option,
+)
+from actstore.jobs.dfa import DfaConfig
+
+
+@command(example="actstore dfa /tmp/s --direction token:42 --k 20")
+@store_argument
+@options_from(DfaConfig)
+@where_option
+@no_save_option
+@json_option
+def dfa(store: str, where: str | None, no_save: bool, as_json: bool, **given: Any) -> None:
+    """Top-k source terms of a direction's direct attribution and per-head totals, stored as the
+    dfa_terms and dfa_totals tables."""
+    from actstore.jobs.dfa import run_dfa
+
+    cfg = config_from(DfaConfig, given, where=where, save=not no_save)
+    s = open_store_arg(store)
+    out = run_dfa(s, cfg)
+    terms = out.result.terms.to_pylist()
+    if as_json:
+        click.echo(json.dumps({"run_id": out.run_id, "rows": out.rows, "terms": terms}))
+        return
+    click.echo(f"{cfg.direction}: top {len(terms)} terms over {out.rows} positions")
+    for t in terms[:10]:
+        click.echo(
+            f"  {t['score']:+10.4f}  row {t['row']:>7}  layer {t['layer']:>2} head {t['head']:>2}  source row {t['source_row']}"
+        )
+    if out.run_id:
+        click.echo(f"run {out.run_id} (tables: dfa_terms, dfa_totals)")
+
+
+COMMANDS = [dfa]
