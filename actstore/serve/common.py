@@ -208,30 +208,21 @@ def table_name(store: StoreReader, value: str) -> str:
 def latest_run(store: StoreReader, table: str, run: str | None = None, where: str = "") -> str | None:
     """``run`` when table ``table`` holds it (404 otherwise), else the table's newest run (by the
     ``runs`` table's start time; None when the table is absent or empty)."""
-    if not has_table(store, table) or "run_id" not in columns(store, table):
-        if run is not None:
-            raise NotFoundError(f"no run {run!r} in table {table}")
-        return None
     if run is not None:
-        if run not in runs_of(store, table):
+        if run not in runs_of(store, table):  # (none when the table is absent or has no run_id)
             raise NotFoundError(f"no run {run!r} in table {table}")
         return run
-    if not where:
-        runs = runs_of(store, table)
-        return runs[0] if runs else None
-    started = "r.started" if has_table(store, "runs") and "started" in columns(store, "runs") else "NULL"
-    join = "LEFT JOIN runs r USING (run_id)" if started != "NULL" else ""
-    rows = sql(
-        store,
-        f'SELECT t.run_id FROM (SELECT DISTINCT run_id FROM "{table}" {where}) t {join} '
-        f"ORDER BY {started} DESC NULLS LAST, t.run_id DESC LIMIT 1",
+    runs = (
+        _runs_of(store, table, where)
+        if where and "run_id" in columns(store, table)
+        else runs_of(store, table)
     )
-    return str(rows[0]["run_id"]) if rows else None
+    return runs[0] if runs else None
 
 
 def runs_of(store: StoreReader, table: str) -> list[str]:
     """The run ids of ``table``, newest first (kept while its files and the runs table's stay the same)."""
-    if not has_table(store, table) or "run_id" not in columns(store, table):
+    if "run_id" not in columns(store, table):  # (none when the table is absent)
         return []
     listed = table_files(store)
     key = ("runs", table, tuple(listed.get(table) or ()), tuple(listed.get("runs") or ()))
@@ -241,12 +232,13 @@ def runs_of(store: StoreReader, table: str) -> list[str]:
     return list(meta[key])
 
 
-def _runs_of(store: StoreReader, table: str) -> list[str]:
-    started = "r.started" if has_table(store, "runs") and "started" in columns(store, "runs") else "NULL"
+def _runs_of(store: StoreReader, table: str, where: str = "") -> list[str]:
+    """The run ids of ``table``'s rows that ``where`` keeps, newest first (by the runs table's start)."""
+    started = "r.started" if "started" in columns(store, "runs") else "NULL"
     join = "LEFT JOIN runs r USING (run_id)" if started != "NULL" else ""
     rows = sql(
         store,
-        f'SELECT t.run_id FROM (SELECT DISTINCT run_id FROM "{table}") t {join} '
+        f'SELECT t.run_id FROM (SELECT DISTINCT run_id FROM "{table}" {where}) t {join} '
         f"ORDER BY {started} DESC NULLS LAST, t.run_id DESC",
     )
     return [str(r["run_id"]) for r in rows]
