@@ -248,7 +248,7 @@ def _token_names(store: StoreReader, ids: np.ndarray) -> dict[int, str]:
         from actstore.query.select.store_tokenizer import stored_tokenizer
 
         tok = stored_tokenizer(store)
-        return {int(i): str(tok.convert_ids_to_tokens(int(i))) for i in ids}
+        return {int(i): str(tok.decode([int(i)])) for i in ids}  # the token's text (a space as a space)
     except Exception:  # noqa: BLE001  (no tokenizer stored: ids are shown)
         return {}
 

@@ -284,3 +284,120 @@ def test_report_links_to_the_running_explorer(server: tuple[Path, str], tmp_path
     r = CliRunner().invoke(main, ["report", str(path), "--out", str(out), "--explorer", closed])
     assert r.exit_code == 0 and f"no explorer at {closed}" in r.output
     assert closed not in out.read_text() and 'id="section-explorer"' not in out.read_text()
+
+
+@pytest.fixture(scope="module")
+def corpus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """A corpus store (tests/serve_fixture.py: build_corpus_serve_store) served with its probe.npy."""
+    pytest.importorskip("starlette")
+    import uvicorn
+    from serve_fixture import build_corpus_serve_store
+
+    from actstore.serve.app import create_app
+    from actstore.serve.catalog import Catalog
+    from actstore.serve.corpus import load_direction_files
+
+    path = build_corpus_serve_store(tmp_path_factory.mktemp("serve-corpus-browser"))
+    before = tree_hash(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(
+        Catalog.open([str(path)]), directions=load_direction_files([str(path.parent / "probe.npy")])
+    )
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield path, f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+    assert tree_hash(path) == before, "the explorer wrote to the store"
+
+
+def _links_resolve(pg: Any, base: str) -> int:
+    """Every link of the page answers 200 (fetched without a browser); returns how many were checked."""
+    hrefs = set(pg.eval_on_selector_all("a[href]", "els => els.map(e => e.getAttribute('href'))"))
+    for href in hrefs:
+        url = href if href.startswith("http") else base + href
+        with urllib.request.urlopen(url) as r:
+            assert r.status == 200, href
+    return len(hrefs)
+
+
+def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: Any) -> None:
+    _, base = corpus_server
+    pg = page
+    pg.goto(base + "/")
+    ready(pg)
+    assert pg.url == base + "/s/corpus"
+    assert pg.locator("#relations").count() == 0  # no empty relation table
+    assert pg.locator("#topk-runs tbody tr").count() == 1 and pg.locator("#documents tbody tr").count() == 12
+    pg.fill("#token-search input", "ow")
+    pg.click("#token-search button")
+    pg.wait_for_selector("#token-hits tbody tr")
+    shot(pg, "corpus-home")
+    assert _links_resolve(pg, base) > 20
+    # a neuron with a precomputed top-k: contexts coloured, a histogram, logit effects; the first
+    # visit (the page and its data) within 300 ms once warm
+    t0 = time.perf_counter()
+    pg.goto(base + "/s/corpus/unit/mlp/1/7")
+    ready(pg)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pg.goto(base + "/s/corpus/unit/mlp/1/8")
+    ready(pg)
+    warm = time.perf_counter() - t0
+    assert warm < 0.3 or first < 0.3, (first, warm)
+    assert "precomputed" in pg.inner_text("#unit-label")
+    assert pg.locator("#top-contexts tbody tr").count() == 20
+    assert pg.locator("#top-contexts .tok.at").count() == 20 and pg.locator("#histogram rect").count() >= 1
+    assert pg.locator("#promoted tbody tr").count() == 12 and pg.locator(".colourbar").count() >= 1
+    shot(pg, "unit-mlp")
+    _links_resolve(pg, base)
+    # its first context's document, coloured by the neuron, the top token outlined
+    pg.locator("#top-contexts tbody tr a").first.click()
+    ready(pg)
+    assert "/document/" in pg.url and pg.locator("#doc-tokens .tok.at").count() == 1
+    values = pg.eval_on_selector_all("#doc-tokens .tok", "els => els.map(e => e.dataset.value)")
+    assert values and all(v != "" for v in values)
+    assert "not stored" in pg.inner_text("#content") or "not the attention rows" in pg.inner_text("#content")
+    _links_resolve(pg, base)
+    # whitespace tokens are visible: document 1 holds a tab and a double space
+    pg.goto(base + "/s/corpus/document/1?kind=head&layer=0&index=1")
+    ready(pg)
+    text = pg.inner_text("#doc-tokens")
+    assert "⇥" in text or "␣" in text
+    shot(pg, "document")
+    # a head (streamed top-k, no logit effects) and a direction of the served file
+    pg.goto(base + "/s/corpus/head/1/2")  # the head page of a corpus store is its unit page
+    ready(pg)
+    assert pg.url.endswith("/s/corpus/unit/head/1/2") and "computed on demand" in pg.inner_text("#unit-label")
+    shot(pg, "unit-head")
+    _links_resolve(pg, base)
+    pg.goto(base + "/s/corpus/unit/direction/2/0?direction=probe")
+    ready(pg)
+    assert (
+        pg.locator("#top-contexts tbody tr").count() == 20 and pg.locator("#promoted tbody tr").count() == 12
+    )
+    shot(pg, "unit-direction")
+    _links_resolve(pg, base)
+    assert not pg.errors, pg.errors  # type: ignore[attr-defined]
+    # a bad unit, layer or direction: a 4xx page of one line with a way home
+    for url in (
+        "/s/corpus/unit/mlp/1/999",
+        "/s/corpus/unit/mlp/7/0",
+        "/s/corpus/unit/direction/2/0?direction=x",
+    ):
+        r = pg.goto(base + url)
+        assert r is not None and 400 <= r.status < 500, url
+        assert pg.locator("#error-line").count() == 1 and "\n" not in pg.inner_text("#error-line")
+    shot(pg, "not-found")
+    pg.click("#home")
+    ready(pg)
+    assert pg.url == base + "/s/corpus"
