@@ -41,6 +41,14 @@ class Store(StoreReader):
 
         return Selection.from_sql(self, where=where, query=query, params=params)
 
+    def hook_names(self) -> dict[str, list[dict[str, str | None]]]:
+        """Each kind's TransformerLens hook name and transformers module path, per layer
+        (``{"resid": [{"hook": "blocks.0.hook_resid_pre", "module": "model.embed_tokens", "side": "output"}, ...]}``;
+        :func:`actstore.query.select.tl_cache.kind_names` for one kind and layer)."""
+        from actstore.query.select.tl_cache import hook_names
+
+        return hook_names(self)
+
 
 def open_store(url: str | os.PathLike[str]) -> Store:
     """Open an existing store (local path or URL) for reading."""

@@ -445,6 +445,18 @@ class Selection:
 
         return to_hf_dataset(self, path, kind, **options)
 
+    def to_activation_cache(
+        self, kinds: Sequence[str] = ("resid", "attn_head", "attn", "mlp", "z"), layers: Sequence[int] | None = None
+    ) -> Any:
+        """The rows as the cache TransformerLens's ``run_with_cache`` returns: hook name -> ``[rows, 1, ...]``
+        (``blocks.3.hook_resid_pre``, ``blocks.3.attn.hook_result``, ...), a ``transformer_lens.ActivationCache``
+        whose ``stack_head_results``, ``accumulated_resid``, ``decompose_resid`` and ``logit_attrs`` run on the
+        stored weights without the model (``tlens`` extra); a dict without transformer-lens.
+        See :mod:`actstore.query.select.tl_cache`."""
+        from actstore.query.select.tl_cache import activation_cache
+
+        return activation_cache(self, kinds, layers)
+
 
 def _convert(x: np.ndarray, output: str) -> Any:
     if output == "torch":
