@@ -29,6 +29,7 @@ from actstore.core.errors import ActstoreError
 from . import ablate as _ablate
 from . import demo as _demo
 from . import dfa as _dfa
+from . import importing as _importing
 from . import ingest as _ingest
 from . import interventions as _interventions
 from . import maps as _maps
@@ -168,6 +169,7 @@ for _module in (
     _demo,
     _topk,
     _dfa,
+    _importing,
 ):
     for _cmd in _module.COMMANDS:
         main.add_command(_cmd)

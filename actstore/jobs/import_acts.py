@@ -55,6 +55,36 @@ def source_windows(
     raise InvalidSetting("source", f"cannot read a {type(source).__name__} (a cache, saves, or vLLM files)")
 
 
+def read_source(paths: Sequence[str]) -> tuple[Any, Any]:
+    """The command line's SOURCE: vLLM files (a folder, or files holding ``hidden_states`` and
+    ``token_ids``), returned as paths; or one saved cache (``.safetensors`` or ``torch.save``'d ``.pt``
+    of name -> tensor with the token ids under ``tokens``), returned as (mapping, tokens)."""
+    first = Path(paths[0])
+    if first.is_dir() or len(paths) > 1:
+        return list(paths), None
+    if not first.is_file():
+        raise InvalidSetting("source", f"{first}: no such file or folder")
+    if first.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(first), "pt") as f:
+            keys = set(f.keys())
+            if keys == {"hidden_states", "token_ids"}:
+                return list(paths), None
+            data = {k: f.get_tensor(k) for k in keys}
+    else:
+        try:
+            data = torch.load(first, map_location="cpu", weights_only=True)
+        except Exception as e:  # a pickle that is not plain tensors, or not a torch file
+            raise InvalidSetting("source", f"{first}: not a saved cache ({type(e).__name__})") from None
+        if not isinstance(data, Mapping):
+            raise InvalidSetting("source", f"{first}: holds a {type(data).__name__}, not name -> tensor")
+    if "tokens" not in data:
+        raise InvalidSetting("source", f"{first}: a saved cache needs its token ids under 'tokens'")
+    data = dict(data)
+    return data, data.pop("tokens")
+
+
 def write_corpus(
     out: str | os.PathLike[str],
     source: Any,

@@ -1,0 +1,84 @@
+"""``actstore import``: vLLM extract_hidden_states files (the layout a test helper writes, as vLLM's
+ExampleHiddenStatesConnector does) and a saved cache; bad input is one line, a non-zero exit and no store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+import actstore
+from actstore.cli import main
+
+D, L = 64, 2  # tiny-llama
+
+
+def vllm_files(folder: Path, n: int = 3, width: int = D, seed: int = 0) -> list[np.ndarray]:
+    folder.mkdir()
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        ids = rng.integers(3, 200, size=5 + k).astype(np.int64)
+        hs = rng.standard_normal((ids.size, 2, width)).astype(np.float32)
+        save_file(
+            {"hidden_states": torch.from_numpy(hs), "token_ids": torch.from_numpy(ids)},
+            str(folder / f"r{k}.safetensors"),
+        )
+        out.append(hs)
+    return out
+
+
+def test_vllm_folder(tmp_path: Path) -> None:
+    hs = vllm_files(tmp_path / "hs")
+    args = [
+        "import",
+        str(tmp_path / "hs"),
+        "--layer-ids",
+        "2,0",
+        "--model",
+        "tiny-llama",
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    s = actstore.open(tmp_path / "s")
+    assert s.manifest.n_examples == sum(h.shape[0] for h in hs)
+    np.testing.assert_array_equal(s.select().features("resid", layers=[0, 2]), np.concatenate(hs)[:, ::-1])
+    # the last residual was given: the predictions are the model's
+    assert s.sql("SELECT min(top_token_id) AS m FROM targets").to_pylist()[0]["m"] >= 0
+    assert CliRunner().invoke(main, ["verify", str(tmp_path / "s")]).exit_code == 0
+
+
+def test_saved_cache(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    tokens = torch.from_numpy(rng.integers(3, 200, size=(2, 4)))
+    cache = {f"blocks.{i}.hook_resid_pre": torch.randn(2, 4, D) for i in range(L)} | {"tokens": tokens}
+    cache["blocks.0.attn.hook_z"] = torch.randn(2, 4, 4, 16)  # not a residual: ignored
+    torch.save(cache, tmp_path / "cache.pt")
+    r = CliRunner().invoke(
+        main, ["import", str(tmp_path / "cache.pt"), "--model", "tiny-llama", "--out", str(tmp_path / "s")]
+    )
+    assert r.exit_code == 0, r.output
+    got = actstore.open(tmp_path / "s").select().features("resid", layers=[0, 1])
+    np.testing.assert_array_equal(got[:, 1], cache["blocks.1.hook_resid_pre"].reshape(8, D).numpy())
+
+
+def test_bad_input_one_line_no_store(tmp_path: Path) -> None:
+    vllm_files(tmp_path / "hs", width=D + 1)
+    out = tmp_path / "s"
+    r = CliRunner().invoke(
+        main,
+        ["import", str(tmp_path / "hs"), "--layer-ids", "0,1", "--model", "tiny-llama", "--out", str(out)],
+    )
+    assert r.exit_code != 0
+    assert len(r.output.strip().splitlines()) == 1 and "[5, 64]" in r.output, r.output
+    assert not out.exists()
+    r = CliRunner().invoke(
+        main, ["import", str(tmp_path / "hs"), "--layer-ids", "0", "--model", "tiny-llama", "--out", str(out)]
+    )
+    assert r.exit_code != 0 and len(r.output.strip().splitlines()) == 1 and "layers=1" in r.output, r.output
+    assert not out.exists()
