@@ -116,6 +116,12 @@ def capture_positions(
 
     def check_space() -> None:
         per_row = bytes_per_row(g, kept, cfg.storage_dtype)
+        if sources:  # per kept attention layer: 2K values a head (weights, offsets) and V
+            per_row += (
+                BYTES[cfg.storage_dtype]
+                * len(kept["z"])
+                * (2 * sources * g.n_heads + g.n_kv_heads * g.d_head)
+            )
         estimate = per_row * plan.n_rows
         log(
             f"size estimate: {plan.n_rows} positions x {per_row} bytes ({', '.join(f'{k} {len(v)} layers' for k, v in kept.items() if v)}, "

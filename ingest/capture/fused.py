@@ -176,29 +176,43 @@ def _top_sources(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     nT, H, T = ix.target_b.numel(), query.shape[1], key.shape[2]
-    step = max(1, SOURCE_CHUNK_BYTES // (4 * H * T))
+    B, Hkv, G = query.shape[0], key.shape[1], query.shape[1] // key.shape[1]
+    step = max(1, SOURCE_CHUNK_BYTES // (4 * H * T * T))  # batch rows whose [H, T, T] scores fit
     dst = state.attn.view(nT, 2, K, *state.attn.shape[1:])
     dt = state.attn.dtype
-    for lo in range(0, nT, step):
-        hi = min(nT, lo + step)
-        sub = BatchIndex(ix.target_b[lo:hi], ix.target_pos[lo:hi], ix.src_t, ix.src_pos, ix.tok_b, ix.tok_pos)
-        probs = target_probabilities(
-            query,
-            key,
-            attention_mask,
-            float(scaling),
-            sub,
-            softcap=kwargs.get("softcap"),
-            sliding_window=kwargs.get("sliding_window"),
-        )  # [n, H, T]
-        rank = ix.src_rank[sub.target_b]  # [n, T]
-        own = ix.src_rank[sub.target_b, sub.target_pos]  # [n]
+    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
+    cols = torch.arange(T, device=query.device)
+    for b0 in range(0, B, step):
+        b1 = min(B, b0 + step)
+        sel = torch.nonzero((ix.target_b >= b0) & (ix.target_b < b1)).flatten()
+        if not sel.numel():
+            continue
+        # every query row of these windows at once (one matmul per kv head), then the targets' rows
+        q = query[b0:b1].float().reshape(b1 - b0, Hkv, G * query.shape[2], -1)
+        scores = (q @ key[b0:b1].float().transpose(-1, -2)).view(b1 - b0, H, query.shape[2], T) * float(
+            scaling
+        )
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        tb, tp = ix.target_b[sel] - b0, ix.target_pos[sel]
+        rows = scores[tb, :, tp]  # [n, H, T]
+        if attention_mask is None:
+            keep = cols[None, :] <= tp[:, None]
+            if window is not None:
+                keep &= cols[None, :] > tp[:, None] - window
+            rows = rows.masked_fill(~keep[:, None, :], float("-inf"))
+        else:
+            m = attention_mask[tb + b0, :, tp, :T]
+            rows = rows.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else rows + m.float()
+        probs = torch.softmax(rows, dim=-1)
+        rank = ix.src_rank[tb + b0]  # [n, T]
+        own = ix.src_rank[tb + b0, tp]  # [n]
         probs = probs.masked_fill(((rank < 0) | (rank > own[:, None]))[:, None, :], -1.0)
         w, j = torch.topk(probs, K, dim=-1)  # [n, H, K]
         valid = w > 0  # (a source of weight 0, e.g. outside a sliding window, is no source)
         offset = own[:, None, None] - torch.gather(rank[:, None, :].expand(-1, H, -1), 2, j)
-        dst[lo:hi, 0, :, layer] = torch.where(valid, w, 0.0).permute(0, 2, 1).to(dt)
-        dst[lo:hi, 1, :, layer] = torch.where(valid, offset, 0).permute(0, 2, 1).to(dt)
+        dst[sel, 0, :, layer] = torch.where(valid, w, 0.0).permute(0, 2, 1).to(dt)
+        dst[sel, 1, :, layer] = torch.where(valid, offset, 0).permute(0, 2, 1).to(dt)
 
 
 def register_capture_attention() -> None:
