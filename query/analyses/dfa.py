@@ -175,28 +175,28 @@ def dfa_rows(
     src = np.where(
         weight > 0, rows[:, None, None, None] - a[:, K:].transpose(0, 2, 3, 1).astype(np.int64), -1
     )
-    z = read_rows(store, "z", rows, L)[:, 0]  # [n, l, H, dh]
-    zp = np.einsum("nlhd,lhd->nlh", z, p)
+    z = torch.from_numpy(read_rows(store, "z", rows, L)[:, 0])  # [n, l, H, dh]
+    pt = torch.from_numpy(p)
+    zp = (z * pt).sum(-1).numpy()  # [n, l, H]
     score = np.zeros(weight.shape, dtype=np.float32)
     used = np.unique(src[src >= 0])
     if used.size:
-        V = read_rows(store, "v", used, L)[:, 0]  # [u, l, Hkv, dh]
-        kv = np.arange(g.n_heads) // g.kv_group
-        vp = np.einsum("ulhd,lhd->ulh", V[:, :, kv], p)  # [u, l, H]
+        V = torch.from_numpy(read_rows(store, "v", used, L)[:, 0])  # [u, l, Hkv, dh]
+        # V . p per (source row, layer, head), each kv head against its group of query heads
+        pg = pt.view(len(L), g.n_kv_heads, g.kv_group, g.d_head)
+        vp = torch.einsum("ulkd,lkgd->ulkg", V, pg).reshape(used.size, len(L), g.n_heads).numpy()
         at = np.searchsorted(used, np.maximum(src, 0))
-        score = (
-            weight * vp[at, np.arange(len(L))[None, :, None, None], np.arange(g.n_heads)[None, None, :, None]]
-        )
-        score = np.where(src >= 0, score, 0.0).astype(np.float32)
+        got = vp[at, np.arange(len(L))[None, :, None, None], np.arange(g.n_heads)[None, None, :, None]]
+        score = np.where(src >= 0, weight * got, 0.0).astype(np.float32)
     rem = zp - score.sum(-1)
     mlp = np.full((rows.size, len(L)), np.nan, dtype=np.float32)
     have = [i for i, x in enumerate(L) if x in (kept.get("mlp") or [])]
     if have:
         ml = [L[i] for i in have]
-        act = read_rows(store, "mlp", rows, ml)[:, 0]  # [n, m, d_mlp]
-        q = torch.einsum("lme,e->lm", W.layers("W_down", ml), uu).numpy()
-        b = (W.layers("b_down", ml) @ uu).numpy()
-        mlp[:, have] = np.einsum("nlm,lm->nl", act, q) + b
+        act = torch.from_numpy(read_rows(store, "mlp", rows, ml)[:, 0])  # [n, m, d_mlp]
+        q = torch.einsum("lme,e->lm", W.layers("W_down", ml), uu)
+        b = W.layers("b_down", ml) @ uu
+        mlp[:, have] = ((act * q).sum(-1) + b).numpy()
     return RowScores(rows, tuple(L), score, src, rem.astype(np.float32), mlp)
 
 
