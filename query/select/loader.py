@@ -114,6 +114,7 @@ class ActivationLoader:
         drop_last: bool = False,
         flatten: bool = False,
         unit_rows: int | None = None,
+        epochs: int | None = 1,
     ) -> None:
         self.batch_size = int_arg("batch_size", batch_size, 1)
         self.buffer_rows = int_arg("buffer_rows", buffer_rows, 1)
@@ -127,6 +128,7 @@ class ActivationLoader:
                 raise QueryError(f"loader: {name} must be True or False, not {flag!r}")
         self.shuffle, self.with_ids, self.drop_last = bool(shuffle), bool(with_ids), bool(drop_last)
         self.flatten = bool(flatten)
+        self.epochs = None if epochs is None else int_arg("epochs", epochs, 1)
         self.dtype = dtype_arg(dtype)
         self.selection = selection
         self.store = selection.store
@@ -174,6 +176,7 @@ class ActivationLoader:
         self._reader = PieceReader(self.store, self.spec, self._cols, self._n_sources, self._stored)
         self.epoch = 0
         self.position = 0  # rows of this rank's share already given in the current epoch
+        self._next: Iterator[Any] | None = None  # the iteration ``next(feed)`` pulls from
 
     # -- the order ---------------------------------------------------------------------------------
 
@@ -204,6 +207,7 @@ class ActivationLoader:
         """Start epoch ``epoch`` from its beginning at the next iteration."""
         self.epoch = int_arg("epoch", epoch, 0)
         self.position = 0
+        self._next = None
 
     def state_dict(self) -> dict[str, Any]:
         """Where the feed is: the epoch and the rows of this rank already given (updated before each
@@ -240,6 +244,7 @@ class ActivationLoader:
         epoch = int_arg("epoch", state.get("epoch"), 0)
         position = int_arg("position", state.get("position"), 0, self.rows_per_epoch)
         self.epoch, self.position = epoch, position
+        self._next = None
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -375,6 +380,33 @@ class ActivationLoader:
         return t.reshape(t.shape[0], -1) if self.flatten else t
 
     def __iter__(self) -> Iterator[Any]:
+        """``epochs`` epochs, one after the other: the rest of the current epoch (all of it unless
+        resumed), then ``epochs - 1`` whole ones (``epochs=None``: without end, as a training loop that
+        counts its own steps takes it); at the end of each the epoch advances, and the next is
+        reshuffled by its number.  ``state_dict()`` holds the epoch and the position in it, so a
+        resumed feed continues in whichever epoch it stopped."""
+        if self.epochs is None and self.rows_per_epoch == 0:
+            raise QueryError(
+                "loader: epochs=None with no rows per epoch on this rank (drop_last, batch_size)"
+            )
+        done = 0
+        while self.epochs is None or done < self.epochs:
+            yield from self._epoch()
+            done += 1
+
+    def __next__(self) -> Any:
+        """The next batch of one running iteration, for loops that call ``next`` on their data (SAELens's
+        ``SAETrainer(data_provider=feed)``); ``StopIteration`` where the iteration's epochs end (never
+        with ``epochs=None``), and the next call starts a new one."""
+        if self._next is None:
+            self._next = iter(self)
+        try:
+            return next(self._next)
+        except StopIteration:
+            self._next = None
+            raise
+
+    def _epoch(self) -> Iterator[Any]:
         """The rest of the current epoch (all of it unless resumed); at its end the epoch advances.
 
         Each batch is gathered from its window (``index_select`` by the window's permutation) and
@@ -438,6 +470,6 @@ class ActivationLoader:
         return (
             f"<ActivationLoader {self.spec.kind} layers={list(self.spec.layers)}: {self.n_rows} rows in "
             f"{self.n_units} units, rank {self.rank}/{self.world_size}, batch {self.batch_size}, "
-            f"buffer {self.buffer_rows}, shuffle={self.shuffle} seed={self.seed}, epoch {self.epoch} "
+            f"buffer {self.buffer_rows}, shuffle={self.shuffle} seed={self.seed}, epochs={self.epochs}, epoch {self.epoch} "
             f"at row {self.position}>"
         )

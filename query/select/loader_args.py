@@ -72,6 +72,7 @@ class LoaderOptions(TypedDict, total=False):
     drop_last: bool
     flatten: bool
     unit_rows: int | None
+    epochs: int | None
 
 
 __all__ = ["DTYPES", "LoaderOptions", "Selected"]
