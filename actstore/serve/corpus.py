@@ -19,12 +19,13 @@ from actstore.core.errors import NotFoundError, QueryError
 from actstore.core.store import StoreReader
 from actstore.query.analyses.topk import position_contexts
 from actstore.query.select.features import FeatureSpec, check_corpus_kind, compute_block
-from actstore.serve.common import block_sample, has_table, jsonable, kept, runs_of, sql
+from actstore.serve.catalog import Kept
+from actstore.serve.common import block_sample, has_table, jsonable, kept, runs_of, signature, sql
 
 #: The unit kinds of a unit page: an MLP neuron, a head (its output norm), a direction file's row.
 UNIT_KINDS = ("mlp", "head", "direction")
 #: Positions the histogram of a unit is made of (a block sample, the same for every unit).
-HIST_SAMPLE = 20_000
+HIST_SAMPLE = 4_000
 HIST_BINS = 40
 #: Tokens a document view shows at most (the document's first tokens).
 DOC_TOKENS = 2000
@@ -216,15 +217,52 @@ def hist_sample(store: StoreReader) -> Any:
     )
 
 
+_SAMPLES: Kept = Kept(4)  # the sample's values of the last few (store, kind, layer): [n, units]
+
+
+def _sample_values(
+    store: StoreReader, kind: str, layer: int, index: int, vec: np.ndarray | None
+) -> np.ndarray:
+    """The unit's values on the histogram's sample: the sample's whole layer (every neuron, every
+    head's norm, the residual) is read once and kept (the 4 most recent layers), so that another unit
+    of the layer reads nothing."""
+    sel = hist_sample(store)
+    if len(sel) == 0:
+        return np.empty(0, np.float32)
+    key = (id(store), store.url, signature(store, "examples", "targets"), kind == "direction" or kind, layer)
+    got = _SAMPLES.get(key)
+    if got is None:
+        spec = (
+            None
+            if kind == "mlp"
+            else FeatureSpec.parse(store, "attn_head" if kind == "head" else "resid", [layer], None)
+        )
+        parts = []
+        for _ids, block in sel.blocks(1024):
+            if kind == "mlp":
+                x = store.read_segment_rows(block.segment, "mlp", block.seg_rows, [layer])[:, 0]
+            elif kind == "head":
+                x = np.linalg.norm(compute_block(store, spec, block)[:, 0], axis=-1)  # [b, H]
+            else:
+                x = compute_block(store, spec, block).reshape(len(block.seg_rows), -1)
+            parts.append(np.asarray(x, dtype=np.float32))
+        got = np.concatenate(parts)
+        _SAMPLES[key] = got
+    if kind == "direction":
+        assert vec is not None
+        return got @ vec  # type: ignore[no-any-return]
+    return got[:, index]  # type: ignore[no-any-return]
+
+
 def logit_effects(store: StoreReader, vec: np.ndarray | None, n: int = 12) -> dict[str, Any] | None:
     """The tokens whose logits ``vec`` (a d_model write direction) raises and lowers most, through the
     final norm's weight and the unembedding (None when the store holds no unembedding)."""
     if vec is None or not store.has_weight("unembed") and not store.has_weight("embed"):
         return None
-    U = store.weight("unembed")
+    U = kept(store, "unembed", (), lambda: store.weight("unembed"))  # read once (weights never change)
     w = vec.astype(np.float32)
     if store.has_weight("final_norm_weight"):
-        w = w * store.weight("final_norm_weight")
+        w = w * kept(store, "final_norm_weight", (), lambda: store.weight("final_norm_weight"))
     logits = U @ w
     top = np.argsort(-logits)[:n]
     bottom = np.argsort(logits)[:n]
@@ -247,7 +285,7 @@ def _token_names(store: StoreReader, ids: np.ndarray) -> dict[int, str]:
     try:
         from actstore.query.select.store_tokenizer import stored_tokenizer
 
-        tok = stored_tokenizer(store)
+        tok = kept(store, "tokenizer", (), lambda: stored_tokenizer(store))
         return {int(i): str(tok.decode([int(i)])) for i in ids}  # the token's text (a space as a space)
     except Exception:  # noqa: BLE001  (no tokenizer stored: ids are shown)
         return {}
@@ -259,7 +297,7 @@ def write_vector(
     """The d_model direction the unit writes (a neuron's row of W_down; a direction itself; None for a
     head, whose output is not one direction)."""
     if kind == "mlp" and store.has_weight("W_down"):
-        w = store.weight("W_down", layer)  # [d_mlp, d_model]
+        w = kept(store, f"W_down:{layer}", (), lambda: store.weight("W_down", layer))  # [d_mlp, d_model]
         return np.asarray(w[index], dtype=np.float32)
     if kind == "direction":
         return vec
@@ -288,26 +326,17 @@ def unit_view(
         v, r = _stream_topk(store, kind, layer, index, vec, k)
         top = [{"row": int(rr), "value": float(vv)} for vv, rr in zip(v.tolist(), r.tolist(), strict=True)]
     rows = [t["row"] for t in top]
-    if rows:
-        where = sql(
-            store,
-            "SELECT row, document, position FROM positions WHERE row IN (SELECT unnest(?::BIGINT[]))",
-            [rows],
-        )
-        doc = {int(w["row"]): (w["document"], w["position"]) for w in where}
-        ctx = position_contexts(store, rows, before=12, after=4)
-        around = _context_values(store, kind, layer, index, vec, rows)
-        for t in top:
-            t["document"], t["position"] = doc.get(t["row"], (None, None))
-            c = ctx.get(t["row"])
-            t["before"], t["token"], t["after"] = (c.before, c.token, c.after) if c else ("", "", "")
-            t["tokens"] = around.get(t["row"], [])
-    sel = hist_sample(store)
-    vals = (
-        np.concatenate([v for _r, v in unit_values(store, sel, kind, layer, index, vec)])
-        if len(sel)
-        else np.empty(0)
-    )
+    around = _context_values(store, kind, layer, index, vec, rows)
+    for t in top:
+        toks = around.get(t["row"], [])
+        at = next((i for i, x in enumerate(toks) if x["at"]), None)
+        me = toks[at] if at is not None else {}
+        t["document"], t["position"] = me.get("document"), me.get("position")
+        t["token"] = me.get("token", "")
+        t["before"] = "".join(str(x["token"]) for x in toks[:at]) if at is not None else ""
+        t["after"] = "".join(str(x["token"]) for x in toks[at + 1 :]) if at is not None else ""
+        t["tokens"] = [{k: x[k] for k in ("row", "token", "value", "at")} for x in toks]
+    vals = _sample_values(store, kind, layer, index, vec)
     counts, edges = np.histogram(vals, bins=HIST_BINS) if vals.size else (np.zeros(0), np.zeros(0))
     active = float((vals > 0).mean()) if vals.size else None
     label = {
@@ -347,7 +376,7 @@ def _context_values(
     want = sorted({x for r in rows for x in range(max(0, r - 12), r + 5)})
     pos = sql(
         store,
-        "SELECT row, example_id, document, window_index, token FROM positions "
+        "SELECT row, document, window_index, position, token FROM positions "
         "WHERE row IN (SELECT unnest(?::BIGINT[])) ORDER BY row",
         [want],
     )
@@ -363,7 +392,16 @@ def _context_values(
         for x in range(max(0, r - 12), r + 5):
             p = by_row.get(x)
             if p is not None and (p["document"], p["window_index"]) == key:
-                toks.append({"row": x, "token": p["token"], "value": values.get(x), "at": x == r})
+                toks.append(
+                    {
+                        "row": x,
+                        "token": p["token"],
+                        "value": values.get(x),
+                        "at": x == r,
+                        "document": p["document"],
+                        "position": p["position"],
+                    }
+                )
         out[r] = toks
     return out
 
