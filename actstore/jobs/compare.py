@@ -186,7 +186,6 @@ def run_agreement(
     if cfg.figures:
         from actstore.query.analyses.plotting import profile_curves
 
-        Path(cfg.figures).mkdir(parents=True, exist_ok=True)
         outcome.figures.append(
             str(
                 profile_curves(

@@ -86,7 +86,6 @@ def run_lens(
     if cfg.figures:
         from actstore.query.analyses.plotting import lens_curves
 
-        Path(cfg.figures).mkdir(parents=True, exist_ok=True)
         out.figures.append(
             str(
                 lens_curves(

@@ -62,6 +62,11 @@ SUBSTITUTES = {  # variant -> the base method it stands in for
 }
 
 
+def _row(a: str, b: str, metric: str, figure: Any) -> dict[str, Any]:
+    """A row of the re-read's tables: the two methods, the metric and the figure's fields."""
+    return {"method_a": a, "method_b": b, "metric": metric, **figure.__dict__}
+
+
 @dataclass(frozen=True)
 class StudyRuns:
     """The runs of a study that a re-read reads: trace and patch runs, and the site-effect run of each
@@ -124,7 +129,7 @@ def _variant_rows(
             continue
         ch = pair_chance(every[x], every[y], tol, null, permutations, resamples)
         for metric in ("key_layer", "key_layer_exact", "verdict"):
-            rows.append({"method_a": x, "method_b": y, "metric": metric, **ch[metric].__dict__})
+            rows.append(_row(x, y, metric, ch[metric]))
     tr = rs["trace"]
     kernel = window_kernel(window, n_layers)
     for other in [m for m in every if SUBSTITUTES.get(m, m) != "trace"]:
@@ -139,15 +144,13 @@ def _variant_rows(
             else np.zeros(int(ok.sum()), np.int64)
         )
         f = coded_chance(kt[ok], ko[ok], groups, kernel, permutations, resamples)
-        rows.append({"method_a": "trace", "method_b": other, "metric": "in_trace_window", **f.__dict__})
+        rows.append(_row("trace", other, "in_trace_window", f))
     for v, base in SUBSTITUTES.items():
         if base not in rs:
             continue
         group = [vs[v] if m == base else r for m, r in rs.items()]
         f = consensus_chance(group, tol, null, permutations, resamples)
-        rows.append(
-            {"method_a": "all", "method_b": f"all, {v} for {base}", "metric": "consensus", **f.__dict__}
-        )
+        rows.append(_row("all", f"all, {v} for {base}", "consensus", f))
     return rows
 
 
@@ -239,18 +242,12 @@ def reread_study(
         # the same pairs against two other nulls: shuffles within relations, and over all facts
         # (the latter is kappa's p_e, in every row as chance_pooled)
         rel = strata.get("relation")
+        pooled = consensus_chance(list(rs.values()), tol, rel, permutations, resamples)
         block["relation_null"] = [
-            {"method_a": x, "method_b": y, "metric": m, **f.__dict__}
+            _row(x, y, m, f)
             for x, y in itertools.combinations(list(rs), 2)
             for m, f in pair_chance(rs[x], rs[y], tol, rel, permutations, resamples).items()
-        ] + [
-            {
-                "method_a": "all",
-                "method_b": "all",
-                "metric": "consensus",
-                **consensus_chance(list(rs.values()), tol, rel, permutations, resamples).__dict__,
-            }
-        ]
+        ] + [_row("all", "all", "consensus", pooled)]
         sizes = (
             np.bincount(group_codes([null.get(int(i), "") for i in keep])) if null else np.array([len(keep)])
         )
