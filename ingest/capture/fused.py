@@ -208,11 +208,11 @@ def _top_sources(
         rank = ix.src_rank[tb + b0]  # [n, T]
         own = ix.src_rank[tb + b0, tp]  # [n]
         probs = probs.masked_fill(((rank < 0) | (rank > own[:, None]))[:, None, :], -1.0)
-        w, j = torch.topk(probs, K, dim=-1)  # [n, H, K]
+        w, j = torch.topk(probs, min(K, T), dim=-1)  # [n, H, K] (a batch of short windows: fewer)
         valid = w > 0  # (a source of weight 0, e.g. outside a sliding window, is no source)
         offset = own[:, None, None] - torch.gather(rank[:, None, :].expand(-1, H, -1), 2, j)
-        dst[sel, 0, :, layer] = torch.where(valid, w, 0.0).permute(0, 2, 1).to(dt)
-        dst[sel, 1, :, layer] = torch.where(valid, offset, 0).permute(0, 2, 1).to(dt)
+        dst[sel, 0, : w.shape[-1], layer] = torch.where(valid, w, 0.0).permute(0, 2, 1).to(dt)
+        dst[sel, 1, : w.shape[-1], layer] = torch.where(valid, offset, 0).permute(0, 2, 1).to(dt)
 
 
 def register_capture_attention() -> None:

@@ -9,6 +9,7 @@ numpy.  Nothing of the capture code computes an expected value.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,48 @@ def test_a_store_without_sources_names_the_option(tmp_path: Path) -> None:
         store.select().features("attn_head_token")
     with pytest.raises(QueryError, match="--sources"):
         source_factors(store, [0])
+
+
+def test_all_equals_the_target_mode_store_of_the_same_prompts(tmp_path: Path) -> None:
+    """``--sources all`` at each document's last token against a target-mode store of the same texts
+    (tiny Qwen2 adds no BOS, so every source of a target-mode prompt is a kept corpus position)."""
+    docs = [d for d in DOCS if len(tiny_model("qwen2").tokenizer(d)["input_ids"]) <= CONTEXT]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
+    target = actstore.ingest_corpus(
+        tmp_path / "t", model="tiny-qwen2", dataset=f"jsonl:{prompts}", storage_dtype="float32"
+    )
+    corpus = actstore.ingest_corpus(
+        tmp_path / "c",
+        model="tiny-qwen2",
+        dataset=f"text:{tmp_path / 'docs.txt'}",
+        positions="all",
+        storage_dtype="float32",
+        context_length=CONTEXT,
+        sources="all",
+    )
+    last = corpus.sql(
+        "SELECT max(row) AS r FROM positions GROUP BY document ORDER BY document", format="pandas"
+    )["r"].to_numpy()
+    t_sel = target.select()
+    want_tok = t_sel.features("attn_head_token")  # [n, L, H, S, d], sources in position order
+    want_prob = t_sel.features("attn_prob")
+    n_src = t_sel.rows.column("n_src").to_numpy()
+    assert len(last) == len(n_src) == len(docs)
+    f = source_factors(corpus, last)
+    contrib, rem = contributions(corpus, f)
+    for i, r in enumerate(last):
+        for lay in range(f.weight.shape[1]):
+            for h in range(f.weight.shape[2]):
+                src = f.source_row[i, lay, h]
+                order = np.argsort(src[src >= 0])
+                got_pos = (src[src >= 0] - (r - n_src[i] + 1))[order]
+                np.testing.assert_array_equal(got_pos, np.arange(n_src[i]))
+                np.testing.assert_allclose(
+                    f.weight[i, lay, h][src >= 0][order], want_prob[i, lay, h, : n_src[i]], rtol=1e-5
+                )
+                np.testing.assert_allclose(
+                    contrib[i, lay, h][src >= 0][order], want_tok[i, lay, h, : n_src[i]], rtol=1e-4, atol=1e-6
+                )
+                np.testing.assert_allclose(rem[i, lay, h], 0, atol=1e-5)  # every source kept
