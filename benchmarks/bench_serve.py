@@ -16,6 +16,16 @@ without either).  The text search answers its first page (it reads at most 100,0
 request).  ``parallel``: ``2 x rounds`` prompt (and head) views requested one after another, and as
 many others by ``--threads`` threads at once (:func:`measure_parallel`).  ``load_after``: the 1-minute load average
 when a store's figures were taken.
+
+Corpus stores (``--corpus-tokens 10000,100000``): for each size a tiny-llama corpus store (``ingest
+--positions all --kinds mlp,z``, documents of random words, built once under ``--corpus-dir``) with a
+precomputed ``topk`` run of MLP layer 1 (k 20); then a unit page with a precomputed top-k
+(``/s/NAME/unit/mlp/1/I`` for ``--rounds`` neurons not requested before) is loaded in Chromium until
+``body[data-ready]``, and its API route called first for other neurons (``unit_api``); beside it, the
+load of a page that calls no API (``no_api_page``: the SQL console), the browser's own share on a
+loaded machine.
+
+    python benchmarks/bench_serve.py --corpus-tokens 10000,100000 --rounds 7
 """
 
 from __future__ import annotations
@@ -242,15 +252,89 @@ def measure_page(host: str, name: str, page_urls: list[str]) -> dict[str, Any] |
     }
 
 
+def corpus_store(root: Path, tokens: int) -> str:
+    """A tiny-llama corpus store of about ``tokens`` positions (built once) with a topk run of MLP layer 1."""
+    import random
+
+    import actstore
+
+    path = root / f"corpus-{tokens}"
+    if (path / "manifest.json").exists():
+        return str(path)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(max(1, tokens // 95))]
+    text = root / f"corpus-{tokens}.txt"
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    store = actstore.ingest_corpus(
+        path,
+        model="tiny-llama",
+        dataset=f"text:{text}",
+        positions="all",
+        kinds=("mlp", "z"),
+        storage_dtype="float16",
+        batch_size=16,
+        segment_size=4096,
+    )
+    from actstore.jobs.settings import TopkConfig
+    from actstore.jobs.topk import run_topk
+
+    run_topk(store, TopkConfig(kind="mlp", layer=1, k=20))
+    return str(path)
+
+
+def measure_corpus(host: str, name: str, rounds: int) -> dict[str, Any]:
+    """A precomputed unit page: first API calls and first page loads in Chromium (distinct neurons)."""
+    con = http.client.HTTPConnection(host, timeout=600)
+    api_ms = []
+    for i in range(rounds):
+        status, _, ms = _get(con, f"/api/s/{name}/units/mlp/1/{100 + i}")
+        assert status == 200, status
+        api_ms.append(ms)
+    page = measure_page(host, name, [f"/s/{name}/unit/mlp/1/{i}" for i in range(rounds)])
+    # the browser's own share at the same moment: a page that calls no API (the SQL console, empty)
+    baseline = measure_page(host, name, [f"/s/{name}/sql?r={i}" for i in range(rounds)])
+    return {
+        "unit_api_first_ms": round(statistics.median(api_ms), 1),
+        "unit_api_max_ms": round(max(api_ms), 1),
+        "unit_page": page,
+        "no_api_page": baseline,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stores", nargs="+")
+    ap.add_argument("stores", nargs="*")
+    ap.add_argument(
+        "--corpus-tokens", default="", help="comma-separated corpus store sizes (tokens) to build and time"
+    )
+    ap.add_argument("--corpus-dir", default="/tmp/serve-corpus-bench")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument(
         "--threads", type=int, default=4, help="requests at once in the parallel measurement (1: skip it)"
     )
     a = ap.parse_args(argv)
+    if a.corpus_tokens:
+        sizes = [int(x) for x in a.corpus_tokens.split(",")]
+        paths = [corpus_store(Path(a.corpus_dir), n) for n in sizes]
+        server, host, names = start(paths)
+        out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "corpus": {}}
+        try:
+            from actstore.core.store import open_reader
+
+            for path, name in zip(paths, names):
+                out["corpus"][name] = {
+                    "tokens": open_reader(path).n_rows,
+                    **measure_corpus(host, name, a.rounds),
+                }
+                print(f"{name}: {out['corpus'][name]}", file=sys.stderr)
+        finally:
+            server.should_exit = True
+        emit(out, a.json_out)
+        return
+    if not a.stores:
+        ap.error("give a STORE or --corpus-tokens")
     server, host, names = start(a.stores)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "stores": {}}
     try:
