@@ -24,7 +24,7 @@ from typing import Any
 import click
 
 from actstore.cli._options import parse_int_list, printable, sql_limit_options, where_option
-from actstore.core.errors import ActstoreError
+from actstore.core.errors import ActstoreError, InvalidSetting
 
 from . import ablate as _ablate
 from . import demo as _demo
@@ -103,6 +103,8 @@ class ActstoreGroup(click.Group):
         except KeyError as e:
             fail(f"missing {e}", EXIT_ERROR, type(e).__name__)
         except EXPECTED as e:
+        except InvalidSetting as e:  # a value the command refuses before any work: a usage error
+            fail(str(e), EXIT_USAGE, type(e).__name__)
             fail(str(e), EXIT_ERROR, type(e).__name__)
         except Exception as e:  # a bug: say so, and how to see where
             fail(

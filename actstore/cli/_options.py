@@ -39,8 +39,10 @@ def parse_int_list(text: str | None, what: str = "layers") -> list[int] | None:
         part = part.strip()
         try:
             if "-" in part:
-                lo, hi = part.split("-", 1)
-                out.extend(range(int(lo), int(hi) + 1))
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise click.BadParameter(f"{part!r} is an empty range (write {hi}-{lo})", param_hint=f"--{what}")
+                out.extend(range(lo, hi + 1))
             else:
                 out.append(int(part))
         except ValueError:
@@ -231,5 +233,6 @@ def name_settings(command: click.Command, error: Exception) -> None:
     from actstore.core.errors import InvalidSetting
 
     if isinstance(error, InvalidSetting):
-        flag = option_names(command.params).get(error.setting) or "--" + error.setting.replace("_", "-")
+        names = option_names(command.params)  # a setting ``layers`` is the option ``--layer`` where there is one
+        flag = names.get(error.setting) or names.get(error.setting.rstrip("s")) or "--" + error.setting.replace("_", "-")
         error.args = (f"{flag}: {error.detail}",)

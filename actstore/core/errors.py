@@ -121,6 +121,20 @@ class InvalidSetting(ActstoreError, ValueError):
         self.detail = message
 
 
+class InvalidQuerySetting(InvalidSetting, QueryError):
+    """A query's setting is invalid (a feature kind, a layer out of range): both an
+    :class:`InvalidSetting` (the command line exits 2, a usage error) and a :class:`QueryError`."""
+
+
+class UnknownModelName(ModelError, InvalidSetting):
+    """A model name that is no alias, no local folder or file, and no hub name (``owner/name``):
+    refused at once, before any network access (the command line exits 2, a usage error)."""
+
+    def __init__(self, message: str) -> None:
+        InvalidSetting.__init__(self, "model", " ".join(str(message).split()))
+        self.args = (self.detail,)
+
+
 class EmptySelectionWarning(UserWarning):
     """A selection names relations or example ids that have no rows (a typo, or another data set's
     names).  A warning by default; ``warnings.simplefilter("error", EmptySelectionWarning)`` (or

@@ -86,9 +86,22 @@ def _grid_keys(arr: zarr.Array | ArrayMeta) -> dict[str, int]:
     return {f"c/{i}{tail}": i for i in range(-(-n // chunk))}
 
 
-def _rows(arr: zarr.Array | ArrayMeta, i: int) -> str:
+# Stored weights whose first axis is the layer (one layer per chunk); segment arrays hold every layer
+# of their rows in each chunk (axis 1; resid has one slot more, the embedding).
+_LAYER_WEIGHTS = frozenset({"W_O", "b_O", "W_V", "b_V", "W_down", "b_down"})
+_LAYER_ARRAYS = frozenset({"z", "attn", "v", "mlp", "resid"})
+
+
+def _rows(arr: zarr.Array | ArrayMeta, i: int, where: str = "") -> str:
+    """The rows of chunk ``i`` and the layers they hold (``where``: the array's path in the store)."""
     chunk, n = int(arr.chunks[0]), int(arr.shape[0])
-    return f"rows {i * chunk}:{min((i + 1) * chunk, n)}"
+    lo, hi = i * chunk, min((i + 1) * chunk, n)
+    name = where.rsplit("/", 1)[-1]
+    if where.startswith("weights/") and name in _LAYER_WEIGHTS:
+        return f"rows {lo}:{hi}, " + (f"layer {lo}" if hi - lo == 1 else f"layers {lo}..{hi - 1}")
+    if where.startswith("segments/") and name in _LAYER_ARRAYS and len(arr.shape) > 1:
+        return f"rows {lo}:{hi}, every layer 0..{int(arr.shape[1]) - 1}"
+    return f"rows {lo}:{hi}"
 
 
 def _scan_chunk(
@@ -99,14 +112,16 @@ def _scan_chunk(
     try:
         data = np.asarray(arr[i * chunk : (i + 1) * chunk])
     except Exception as e:
-        report.problems.append(f"{where}: chunk {i} ({_rows(arr, i)}) is corrupt: {type(e).__name__}: {e}")
+        report.problems.append(
+            f"{where}: chunk {i} ({_rows(arr, i, where)}) is corrupt: {type(e).__name__}: {e}"
+        )
         return
     if values:
         x = widen(data, logical_dtype) if logical_dtype else data.astype(np.float32, copy=False)
         n_nan, n_inf = int(np.isnan(x).sum()), int(np.isinf(x).sum())
         if n_nan or n_inf:
             report.problems.append(
-                f"{where}: chunk {i} ({_rows(arr, i)}) holds {n_nan} NaN and {n_inf} infinite values"
+                f"{where}: chunk {i} ({_rows(arr, i, where)}) holds {n_nan} NaN and {n_inf} infinite values"
             )
 
 
@@ -173,7 +188,7 @@ def _check_objects(
         i = _chunk_index(sub)
         arr = arrays.get(name)
         what = (
-            f"{rel}/{name}: chunk {i} ({_rows(arr, i)})"
+            f"{rel}/{name}: chunk {i} ({_rows(arr, i, f'{rel}/{name}')})"
             if i is not None and arr is not None
             else f"{rel}/{key}"
         )
@@ -276,7 +291,9 @@ def _check_weights(store: StoreReader, report: VerifyReport, values: bool) -> No
             continue
         for key, i in _grid_keys(arr).items():
             if posixpath.join(name, key) not in present:
-                report.problems.append(f"{where}: chunk {i} ({_rows(arr, i)}) is missing (lost or deleted)")
+                report.problems.append(
+                    f"{where}: chunk {i} ({_rows(arr, i, where)}) is missing (lost or deleted)"
+                )
                 continue
             report.chunks_checked += 1
             _scan_chunk(report, where, arr, i, None, values)

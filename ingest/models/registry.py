@@ -31,6 +31,8 @@ from huggingface_hub.errors import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from actstore.core.errors import UnknownModelName
+
 from .base import LoadedModel, ModelError, prepare, short_reason, weight_hash
 from .cache import model_cache_dir
 from .gguf import GGUF_ALIASES, converted_alias, converted_gguf
@@ -189,19 +191,25 @@ def _hub_failure(key: str, exc: BaseException) -> str:
 
 
 def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedModel:
-    def unknown(reason: str) -> ModelError:
-        return ModelError(
+    def unknown(reason: str, cls: type[ModelError] = ModelError) -> ModelError:
+        return cls(
             f"unknown model {name!r}: not an alias ({', '.join(GGUF_ALIASES)}, "
             f"{', '.join('tiny-' + a for a in TINY_ARCHS)}), not a local folder, "
             f"and not loadable from the hub: {reason}"
         )
 
     if key.lower().endswith(".gguf"):
-        raise unknown(f"no GGUF file {str(Path(key).expanduser())!r}")
+        raise unknown(f"no GGUF file {str(Path(key).expanduser())!r}", UnknownModelName)
     if key.startswith(("/", "./", "../", "~", ".\\")) or key.count("/") > 1 or "\\" in key:
-        raise unknown(f"no folder {str(Path(key).expanduser())!r}")
+        raise unknown(f"no folder {str(Path(key).expanduser())!r}", UnknownModelName)
     if not _REPO_ID.match(key) or "--" in key or ".." in key:
-        raise unknown("not a valid hub repository name")
+        raise unknown("not a valid hub repository name", UnknownModelName)
+    if "/" not in key:  # not owner/name: refused at once, before any network access
+        raise unknown(
+            "a hub name is owner/name (e.g. HuggingFaceTB/SmolLM2-135M-Instruct); for a local "
+            "transformers folder pass its path (e.g. ./my-model)",
+            UnknownModelName,
+        )
 
     def fetch(local_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         model = AutoModelForCausalLM.from_pretrained(

@@ -1016,12 +1016,12 @@ VERIFY_CASES = [
     VerifyCase(
         "deleted-chunk",
         lambda c: delete("segments/000001/z/c/0/0/0/0"),
-        ("segments/000001/z: chunk 0 (rows 0:4) is missing",),
+        ("segments/000001/z: chunk 0 (rows 0:4, every layer 0..1) is missing",),
     ),
     VerifyCase(
         "deleted-zero-weight-chunk",
         lambda c: delete("weights/b_O/c/0/0"),
-        ("weights/b_O: chunk 0 (rows 0:1) is missing",),  # one layer per chunk
+        ("weights/b_O: chunk 0 (rows 0:1, layer 0) is missing",),  # one layer per chunk
     ),
     VerifyCase(
         "deleted-chunk-listing",
@@ -1038,12 +1038,12 @@ VERIFY_CASES = [
     VerifyCase(
         "swapped-chunk",
         lambda c: swap_chunk,
-        ("segments/000001/attn: chunk 0 (rows 0:79) is corrupt: SHA-256 does not match the commit marker",),
+        ("segments/000001/attn: chunk 0 (rows 0:79, every layer 0..1) is corrupt: SHA-256 does not match the commit marker",),
     ),
     VerifyCase(
         "nan-and-inf",
         lambda c: nan_and_inf,
-        ("segments/000001/z: chunk 0 (rows 0:4) holds 3 NaN and 2 infinite values",),
+        ("segments/000001/z: chunk 0 (rows 0:4, every layer 0..1) holds 3 NaN and 2 infinite values",),
         values=True,
     ),
     VerifyCase(
@@ -1112,7 +1112,7 @@ VERIFY_CASES = [
     VerifyCase(
         "chunk-named-pipe",
         lambda c: make_fifo(c, "segments/000001/z/c/0/0/0/0"),
-        ("segments/000001/z: chunk 0 (rows 0:4) cannot be read",),
+        ("segments/000001/z: chunk 0 (rows 0:4, every layer 0..1) cannot be read",),
     ),
 ]
 

@@ -140,7 +140,7 @@ def test_flipped_weights_chunk_is_reported(store: Path) -> None:
     flip(chunk, 17)
     report = verify_store(actstore.open(store))
     assert [p.split(" is corrupt")[0] for p in report.problems] == [
-        "weights/W_O: chunk 0 (rows 0:1)"
+        "weights/W_O: chunk 0 (rows 0:1, layer 0)"
     ]  # one layer per chunk
     s = actstore.open(store)
     with pytest.raises(CorruptStoreError, match="weights/W_O"):
