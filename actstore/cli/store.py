@@ -21,6 +21,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
+from actstore.core.model_names import describe_model
 from actstore.core.tables import ALL_SEGMENT_TABLES
 
 EXIT_DAMAGED = 3  # verify found a problem (the store is damaged or incomplete)
@@ -81,6 +82,7 @@ def info(store: str, as_json: bool) -> None:
         "store": s.url,
         "format_version": s.manifest.format_version,
         "model": s.manifest.model,
+        "model_description": describe_model(s.manifest.model),
         "geometry": s.geometry.to_dict(),
         "storage_dtype": s.manifest.storage_dtype,
         "examples": s.manifest.n_examples,
@@ -103,7 +105,7 @@ def info(store: str, as_json: bool) -> None:
     g = s.geometry
     out = [  # store-provided strings (model, relation names) are printed with control characters escaped
         f"store     {s.url}  (format v{s.manifest.format_version})",
-        f"model     {s.manifest.model.get('name')}  [{s.manifest.model.get('architecture')}]  "
+        f"model     {describe_model(s.manifest.model)}  [{s.manifest.model.get('architecture')}]  "
         f"weights sha256 {str(s.manifest.model.get('weight_hash', ''))[:16]}",
         f"geometry  L={g.n_layers} H={g.n_heads} H_kv={g.n_kv_heads} d_head={g.d_head} "
         f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}",

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.core.model_names import describe_model
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.jobs import probe as probe_job
@@ -89,7 +90,7 @@ def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, An
     return jsonable(
         {
             "url": store.url,
-            "model": m.model.get("name"),
+            "model": describe_model(m.model),
             "architecture": m.model.get("architecture"),
             "format": m.format_version,
             "geometry": g.to_dict(),

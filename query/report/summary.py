@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from actstore.core.model_names import describe_model
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.query.report.context import (
@@ -53,7 +54,7 @@ def _store_info(store: StoreReader) -> list[dict[str, Any]]:
     return [
         {"": "store", "value": store.url},
         {"": "format", "value": f"actstore v{m.format_version}"},
-        {"": "model", "value": f"{model.get('name')} ({model.get('architecture', '?')})"},
+        {"": "model", "value": f"{describe_model(model)} [{model.get('architecture', '?')}]"},
         {"": "weights sha256", "value": str(model.get("weight_hash", ""))[:16]},
         {
             "": "geometry",

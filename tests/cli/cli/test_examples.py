@@ -125,3 +125,25 @@ def test_a_selection_naming_missing_relations_warns(tmp_path: Path, monkeypatch:
         with pytest.raises(actstore.EmptySelectionWarning, match="example ids 999999"):
             len(Selection.from_ids(s, [0, 999999]))
         assert len(s.select().relations(["P177"])) == 2
+
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to float32"
+
+
+def test_the_default_model_is_named(tiny_store: Path) -> None:
+    """README, the docs' model table, ``info`` (text and --json), the report and the explorer name it."""
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+    from actstore.core.model_names import describe_model
+
+    assert DEFAULT_MODEL in (REPO / "README.md").read_text()
+    assert "exact with respect to the dequantised weights" in (REPO / "README.md").read_text()
+    assert DEFAULT_MODEL in (REPO / "docs" / "factorised-store.md").read_text()
+    assert describe_model({"name": "smollm2-135m"}) == f"smollm2-135m ({DEFAULT_MODEL})"
+    r = CliRunner().invoke(main, ["info", str(tiny_store)])
+    assert "model     tiny-llama (random weights, for tests)  [llama]" in r.stdout, r.output
+    r = CliRunner().invoke(main, ["info", str(tiny_store), "--json"])
+    assert json.loads(r.stdout)["model_description"] == "tiny-llama (random weights, for tests)"
+    for module in ("query/report/summary.py", "actstore/serve/views.py"):  # both show describe_model(...)
+        assert "describe_model(m" in (REPO / module).read_text(), module
