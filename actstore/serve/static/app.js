@@ -161,7 +161,7 @@ VIEWS.store = async () => {
   const kv = [
     ["model", `${d.model} (${d.architecture})`], ["format", `v${d.format}`], ["rows", `${d.rows} of ${d.examples} examples, ${d.segments} segments${d.complete ? "" : " (incomplete)"}`],
     ["geometry", `L=${g.n_layers} H=${g.n_heads} H_kv=${g.n_kv_heads} d_head=${g.d_head} d_model=${g.d_model} d_mlp=${g.d_mlp} vocab=${g.vocab_size}`],
-    ["storage dtype", d.storage_dtype], ["size on disk", d.size], ["url", d.url],
+    ["storage dtype", d.storage_dtype], ["size on disk", d.size], ["of which weights", d.weights_size], ["url", d.url],
   ];
   content.replaceChildren(
     section("Store", table(kv.map(([k, v]) => ({ k, v })), ["k", "v"], { cls: "kv", headers: { k: "", v: "" } })),
@@ -374,8 +374,9 @@ VIEWS.sql = async () => {
 // 20 colours (Tableau 20); past 20 categories the colours repeat with another marker shape (circle,
 // square, triangle, diamond), so that no two categories share colour and shape (80 in all; more than
 // that is said under the plot).
-const PALETTE = ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728", "#ff9896", "#9467bd", "#c5b0d5",
-  "#8c564b", "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7", "#bcbd22", "#dbdb8d", "#17becf", "#9edae5"];
+// (its 10 strong colours first, then their 10 light ones, so that a few categories are far apart)
+const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+  "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5"];
 const SHAPES = ["circle", "square", "triangle", "diamond"];
 function marker(i, x, y, r) {
   const shape = SHAPES[Math.floor(i / PALETTE.length) % SHAPES.length], fill = PALETTE[i % PALETTE.length];
@@ -457,7 +458,7 @@ async function corpusHome(d0) {
   const g = d.geometry;
   const kept = Object.entries(d.kept).map(([kind, layers]) => ({ kind, layers: layers.join(", ") }));
   const kv = [["model", `${d0.model} (${d0.architecture})`], ["documents", d.documents], ["tokens", d.tokens], ["dataset", d.dataset], ["context length", d.context_length],
-    ["geometry", `L=${g.n_layers} H=${g.n_heads} d_head=${g.d_head} d_model=${g.d_model} d_mlp=${g.d_mlp} vocab=${g.vocab_size}`], ["storage dtype", d0.storage_dtype], ["size on disk", d0.size], ["url", d0.url]];
+    ["geometry", `L=${g.n_layers} H=${g.n_heads} d_head=${g.d_head} d_model=${g.d_model} d_mlp=${g.d_mlp} vocab=${g.vocab_size}`], ["storage dtype", d0.storage_dtype], ["size on disk", d0.size], ["of which weights", d0.weights_size], ["url", d0.url]];
   // units to open: the first neurons and heads of each layer kept, and each direction served
   const units = el("div", { id: "units" });
   for (const l of d.kept.mlp || []) units.append(el("p", {}, `MLP layer ${l}: `, ...Array.from({ length: Math.min(8, g.d_mlp) }, (_, i) => [link(unitUrl("mlp", l, i), `neuron ${i}`), " "]).flat(), "…"));

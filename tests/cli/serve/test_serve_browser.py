@@ -333,6 +333,7 @@ def _links_resolve(pg: Any, base: str) -> int:
 def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: Any) -> None:
     _, base = corpus_server
     pg = page
+    pg.errors.clear()  # type: ignore[attr-defined]  (the page is shared: the SQL test's refusal is a 400)
     pg.goto(base + "/")
     ready(pg)
     assert pg.url == base + "/s/corpus"
@@ -398,6 +399,13 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
         assert r is not None and 400 <= r.status < 500, url
         assert pg.locator("#error-line").count() == 1 and "\n" not in pg.inner_text("#error-line")
     shot(pg, "not-found")
+    # the features palette: 20 colours, then marker shapes; 16 relations (or up to 80) never share one
+    distinct = pg.evaluate(
+        "n => new Set(Array.from({length: n}, (_, i) => { const m = marker(i, 0, 0, 4); "
+        "return m.tagName + m.getAttribute('fill') + (m.getAttribute('points') || '').split(' ').length; })).size",
+        80,
+    )
+    assert distinct == 80
     pg.click("#home")
     ready(pg)
     assert pg.url == base + "/s/corpus"
