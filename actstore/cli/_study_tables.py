@@ -256,7 +256,7 @@ def reread_tables(d: dict[str, Any]) -> str:
 # the pairs of knock-out, then the variants; the effect rows read (mode, pair) from the effect metrics.
 # The four pairs whose agreement the ACL 2025 study reports (its figures in the last column, "seed": the
 # labels are those of the tables docs/results-methods.md quotes).
-PAPER_PAIRS = "key layers, the seed's pairs"
+PAPER_PAIRS = "key layers, the ACL 2025 study's pairs"
 SUMMARY_AGREEMENT = (
     (PAPER_PAIRS, "trace", "patch", "key_layer"),
     (PAPER_PAIRS, "trace", "probe", "key_layer"),

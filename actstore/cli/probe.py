@@ -164,7 +164,7 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
 @click.option(
     "--seed", type=int, default=None, help="Episode seed (default: the first episode with this query)."
 )
-@click.option("--episode", type=int, default=None, help="Episode index within the seed.")
+@click.option("--episode", type=int, default=None, help="Episode index within its random seed.")
 @click.option(
     "--contrast",
     type=click.Choice(["renormalised", "seed"]),

@@ -28,7 +28,7 @@ from actstore.query.analyses.probe_tables import WEIGHTS_GROUP_ROWS, probe_table
 
 CONTRAST_TEXT = {
     "renormalised": "renormalised (dW = W_c_hat - sum pi'_c W_c, pi' renormalised over the competitors; ours)",
-    "seed": "seed (dW = W_c_hat - sum pi_c W_c, the full softmax; the seed's formula)",
+    "seed": "seed (dW = W_c_hat - sum pi_c W_c, the full softmax; the formula of arXiv 2604.19934)",
 }
 
 

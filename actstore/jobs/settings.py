@@ -166,7 +166,8 @@ class CorrelateConfig(ProbeRunReader):
     concentration: str = setting(
         "predicted-abs",
         "HeadScore concentration over the predictions assigned to each relation, summing |score| (no labels "
-        "needed, the seed's reading), or the earlier gold-label signed version.",
+        "needed, as Tracing Relational Knowledge Recall in Large Language Models, arXiv 2604.19934, presents "
+        "it), or the earlier gold-label signed version (ours).",
         choices=CONCENTRATIONS,
     )
     dataset_file: str | None = setting(

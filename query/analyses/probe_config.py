@@ -63,7 +63,8 @@ class ProbeConfig:
     contrast: str = setting(
         DEFAULT_CONTRAST,
         "dW for HeadScore/TokenScore: competitors weighted by the softmax renormalised over them (ours) "
-        "or by the full softmax (the seed's formula as written).",
+        "or by the full softmax (as written in Tracing Relational Knowledge Recall in Large Language Models, "
+        "arXiv 2604.19934).",
         choices=CONTRASTS,
     )
 

@@ -1,5 +1,5 @@
-"""Section ``section-method-metrics``: the seed-001 metrics of each interpretability method
-(``method_metrics``), the pair table with bootstrap intervals next to the seed's figures
+"""Section ``section-method-metrics``: the metrics of An Empirical Study of Mechanistic Interpretability
+Approaches for Factual Recall (ACL 2025) for each interpretability method (``method_metrics``), the pair table with bootstrap intervals next to that study's figures
 (``method_pair_metrics``) and the cross-size row of each model (``method_cross_size``), as
 :mod:`actstore.query.methods.metrics` writes them.  The intervention runs behind them (``site_effects``) are
 summarised by their sizes."""
@@ -146,7 +146,10 @@ def method_metrics_section(ctx: ReportContext) -> Section | None:
             ]
             present = [k for k in keys if any(k in row for row in table.values())]
             blocks.append(
-                Note("agreement between methods (95% bootstrap intervals), with the seed's figures")
+                Note(
+                    "agreement between methods (95% bootstrap intervals), with the figures of An Empirical Study "
+                    "of Mechanistic Interpretability Approaches for Factual Recall (ACL 2025)"
+                )
             )
             blocks.append(table_block(list(table.values()), ["methods", "facts", *present]))
     cross = ctx.table("method_cross_size")
