@@ -26,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from actstore.core._version import __version__
 from actstore.core.errors import ActstoreError, NotFoundError, QueryError
-from actstore.serve import console, corpus, pages, prompt, search, views
+from actstore.serve import console, corpus, corpus_api, pages, prompt, search, views
 from actstore.serve.catalog import Catalog, Served
 from actstore.serve.common import (
     example_id,
@@ -265,71 +265,10 @@ def api_features(request: Request, s: Served) -> Any:
 
 
 # ----------------------------------------------------------------------------------- corpus routes
-def _directions(request: Request) -> dict[str, Any]:
-    return request.app.state.directions  # type: ignore[no-any-return]
-
-
-def _corpus(s: Served) -> None:
-    if not corpus.is_corpus(s.store):
-        raise NotFoundError(f"store {s.name} is no corpus store (ingested with --positions target)")
-
-
-def _unit(
-    request: Request, s: Served, kind: str, lt: str | None, it: str | None
-) -> tuple[str, int, int, str | None]:
-    if kind not in corpus.UNIT_KINDS:
-        raise NotFoundError(f"unit kind must be one of {', '.join(corpus.UNIT_KINDS)}, not {kind[:20]!r}")
-    g = s.store.geometry
-    high = g.n_layers if kind == "direction" else g.n_layers - 1
-    layer = int_param(lt, "layer", low=0, high=high)
-    index = int_param(it, "index", low=0, high=2**31)
-    name = _q(request, "direction")
-    return kind, layer, index, name
-
-
-@api
-def api_corpus(request: Request, s: Served) -> Any:
-    """A corpus store's home: documents, tokens, kinds and layers kept, precomputed top-k runs."""
-    _corpus(s)
-    return s.cached(("corpus", signature(s.store)), lambda: corpus.corpus_home(s.store, _directions(request)))
-
-
-@api
-def api_tokens(request: Request, s: Served) -> Any:
-    """Positions whose token text holds ``q`` (case-insensitive), with their contexts."""
-    _corpus(s)
-    q = _q(request, "q") or ""
-    if len(q) > 200:
-        raise QueryError("q is at most 200 characters")
-    size = int_param(_q(request, "size"), "size", low=1, high=500, default=50)
-    return corpus.token_search(s.store, q, size)
-
-
-@api
-def api_unit(request: Request, s: Served) -> Any:
-    """A unit (mlp neuron, head output norm, direction): top-k contexts, histogram, logit effects."""
-    _corpus(s)
-    kind, layer, index, name = _unit(
-        request,
-        s,
-        str(request.path_params["kind"]),
-        str(request.path_params["layer"]),
-        str(request.path_params["index"]),
-    )
-    k = int_param(_q(request, "k"), "k", low=1, high=200, default=20)
-    key = ("unit", kind, layer, index, name, k, signature(s.store))
-    return s.cached(key, lambda: corpus.unit_view(s.store, kind, layer, index, _directions(request), name, k))
-
-
-@api
-def api_document(request: Request, s: Served) -> Any:
-    """A document's tokens, with a unit's value on each (``kind``, ``layer``, ``index``, ``direction``)."""
-    _corpus(s)
-    doc = int_param(str(request.path_params["document"]), "document", low=0, high=2**62)
-    kt = _q(request, "kind")
-    unit = _unit(request, s, kt, _q(request, "layer"), _q(request, "index")) if kt else None
-    key = ("document", doc, unit, signature(s.store))
-    return s.cached(key, lambda: corpus.document_view(s.store, doc, unit, _directions(request)))
+api_corpus = api(corpus_api.api_corpus)
+api_tokens = api(corpus_api.api_tokens)
+api_unit = api(corpus_api.api_unit)
+api_document = api(corpus_api.api_document)
 
 
 #: (path, endpoint) of every API route; docs/explorer.md lists them, the tests call each.
@@ -405,19 +344,9 @@ def _page_route(view: str) -> Callable[[Request], Response]:
         served = _served(request)
         params = dict(request.path_params)
         if corpus.is_corpus(served.store) and view in ("head", "prompt", "heads", "relation"):
-            return _corpus_redirect(request, served, view, params)
-        if view == "unit":
-            _corpus(served)
-            kind, layer, index, name = _unit(
-                request, served, str(params["kind"]), str(params["layer"]), str(params["index"])
-            )
-            corpus.check_unit(served.store, kind, layer, index, request.app.state.directions, name)
-            params.update(layer=str(layer), index=str(index))
-        elif view == "document":
-            _corpus(served)
-            doc = int_param(str(params["document"]), "document", low=0, high=2**62)
-            corpus.check_document(served.store, doc)
-            params["document"] = str(doc)
+            return corpus_api.redirect(request, served, view, params)
+        if view in ("unit", "document"):
+            corpus_api.page_params(request, served, view, params)
         if view == "prompt":
             params["example_id"] = str(example_id(served.store, str(params["example_id"])))
         elif view == "relation":
@@ -432,24 +361,6 @@ def _page_route(view: str) -> Callable[[Request], Response]:
 
     endpoint.__name__ = f"page_{view}"
     return endpoint
-
-
-def _corpus_redirect(request: Request, served: Served, view: str, params: dict[str, Any]) -> Response:
-    """On a corpus store (a row is one token): a head's page is its unit page, a prompt (a position)
-    is its document, the relation views have no relations to show (the corpus home)."""
-    root = f"/s/{served.name}"
-    if view == "head":
-        layer, head = layer_head(served.store, str(params["layer"]), str(params["head"]))
-        return RedirectResponse(f"{root}/unit/head/{layer}/{head}", status_code=302)
-    if view == "prompt":
-        row = int_param(str(params["example_id"]), "example_id", low=0, high=2**62)
-        from actstore.serve.common import sql
-
-        got = sql(served.store, "SELECT document FROM positions WHERE example_id = ?", [row])
-        if not got:
-            raise NotFoundError(f"no position {row} in the store")
-        return RedirectResponse(f"{root}/document/{got[0]['document']}?row={row}", status_code=302)
-    return RedirectResponse(root, status_code=302)
 
 
 def index(request: Request) -> Response:
