@@ -223,8 +223,10 @@ def write_windows(
     windows: Sequence[ExternalWindow],
     spec: str,
     cfg: IngestConfig,
+    predict: bool = True,
 ) -> IngestReport:
-    """Write ``windows`` (checked: :func:`check_windows`) as a corpus store at ``loc`` (writer lock held)."""
+    """Write ``windows`` (checked: :func:`check_windows`) as a corpus store at ``loc`` (writer lock held);
+    ``predict=False``: no predictions from the last residual (-1/NaN, as without it)."""
     require_lock(loc)
     arch = architecture_for(model)
     g = arch.geometry(model)
@@ -259,7 +261,7 @@ def write_windows(
         n = rows["token_id"].size
         r = torch.from_numpy(np.concatenate(resid))
         next_ids = np.concatenate(nxt).astype(np.int64)
-        if g.n_layers in layers:
+        if predict and g.n_layers in layers:
             with torch.inference_mode():
                 p = next(model.parameters())
                 final = r[:, layers.index(g.n_layers)].to(p.device, p.dtype)
@@ -284,7 +286,13 @@ def write_windows(
         bar.update(hi - lo)
         return CapturedSegment(host, tables, 0.0)
 
-    settings = {"padding_side": "right", "corpus_sha256": sha, **plan.policy, "kept": kept}
+    settings = {
+        "padding_side": "right",
+        "corpus_sha256": sha,
+        **plan.policy,
+        "kept": kept,
+        "predict": predict,
+    }
     mode = CaptureMode(
         plan.n_rows, settings, "position", capture_segment, expand=lambda a: full_layers(a, kept, g)
     )

@@ -96,10 +96,12 @@ def write_corpus(
     segment_size: int = 256,
     overwrite: bool = False,
     resume: bool = False,
+    predict: bool = True,
 ) -> IngestReport:
     """Write ``source`` (see :func:`source_windows`) into a corpus store at ``out``; ``model``: the model
     it was captured from (an alias, hub name or folder: its weights, tokenizer and geometry go in the
-    store and every shape is checked against it before anything is written)."""
+    store and every shape is checked against it before anything is written); ``predict=False``: no
+    predictions from the last residual (its logits over the vocabulary cost more than the import)."""
     windows, spec = source_windows(source, tokens, layer_ids)
     loc = locate(os.fspath(out))
     if not resume:
@@ -129,4 +131,4 @@ def write_corpus(
         extra={"dataset": spec, "kinds": ["resid"]},
     )
     with writer_lock(loc, command="actstore import"):
-        return write_windows(loc, loaded.model, loaded.tokenizer, model_info, windows, spec, cfg)
+        return write_windows(loc, loaded.model, loaded.tokenizer, model_info, windows, spec, cfg, predict)
