@@ -55,13 +55,14 @@ def open_store(url: str | os.PathLike[str]) -> Store:
     return Store(locate(url))
 
 
-def ingest_corpus(out: str | os.PathLike[str], *, progress: bool = False, **settings: Any) -> Store:
+def ingest_corpus(out: str | os.PathLike[str], *, progress: bool | None = None, **settings: Any) -> Store:
     """Run a model once over a data set and write a store at ``out`` (a path or URL); returns it, open.
 
     ``settings``: any field of :class:`actstore.ingest.settings.IngestRequest`, with its defaults
     (``model``: an alias such as ``tiny-llama`` or ``smollm2-135m``, a hub name or a folder;
     ``dataset``: a name such as ``demo`` or ``fewrel``, or ``kind:PATH``; ``limit_per_relation``,
-    ``storage_dtype``, ``batch_size``, ...).  The same as ``actstore ingest`` on the command line::
+    ``storage_dtype``, ``batch_size``, ...).  ``progress``: a bar on stderr (default: when stderr is a
+    terminal, as on the command line).  The same as ``actstore ingest`` on the command line::
 
         store = actstore.ingest_corpus("/tmp/s", model="tiny-llama", dataset="demo", limit_per_relation=4)
     """
@@ -78,7 +79,10 @@ def ingest_corpus(out: str | os.PathLike[str], *, progress: bool = False, **sett
         )
     if settings.get("relations") is not None:
         settings["relations"] = tuple(settings["relations"])
-    req = IngestRequest(out=os.fspath(out), progress=progress, **settings)
+    from actstore.core.progress import progress_wanted
+
+    wanted = progress_wanted() if progress is None else progress
+    req = IngestRequest(out=os.fspath(out), progress=wanted, **settings)
     run_ingest(req)
     return open_store(out)
 

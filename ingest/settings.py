@@ -134,7 +134,7 @@ class IngestRequest(IngestConfig):
     )
     model_dtype: str = model_dtype_setting()
     threads: int = threads_setting(
-        0, "Use 1 when other jobs share the cores: oversubscribed threads slow the forward pass several-fold."
+        "Use 1 when other jobs share the cores: oversubscribed threads slow the forward pass several-fold."
     )
 
     positions: str = setting(

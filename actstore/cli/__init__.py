@@ -76,7 +76,8 @@ class ActstoreGroup(click.Group):
             "ACTSTORE_DEBUG", ""
         ) not in ("", "0")
         as_json = _json_requested(argv)
-        setup_logging(logging.DEBUG if debug else logging.WARNING if "--quiet" in argv else logging.INFO)
+        silent = "--quiet" in argv or (as_json and not sys.stderr.isatty())  # a piped --json: no progress
+        setup_logging(logging.DEBUG if debug else logging.WARNING if silent else logging.INFO)
 
         def fail(message: str, code: int, kind: str) -> None:
             if debug and sys.exc_info()[0] is not None:

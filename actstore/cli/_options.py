@@ -106,6 +106,16 @@ def quiet_option(fn: F) -> F:
     return click.option("--quiet", is_flag=True, help="No progress bars or progress lines on stderr.")(fn)
 
 
+def progress_lines(quiet: bool, as_json: bool = False) -> Callable[[str], None] | None:
+    """The callback that prints a command's progress lines on stderr, or None: none with ``--quiet``,
+    none with ``--json`` unless stderr is a terminal (a piped ``--json`` keeps stderr silent)."""
+    from actstore.core.progress import progress_wanted
+
+    if quiet or (as_json and not progress_wanted()):
+        return None
+    return lambda m: click.echo(printable(m), err=True)
+
+
 def no_save_option(fn: F) -> F:
     return click.option("--no-save", is_flag=True, help="Do not write result tables into the store.")(fn)
 

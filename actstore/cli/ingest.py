@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from actstore.cli._config import config_from, options_from
-from actstore.cli._options import command, json_option, printable, quiet_option
+from actstore.cli._options import command, json_option, printable, progress_lines, quiet_option
 from actstore.ingest.settings import IngestRequest
 
 
@@ -28,6 +28,7 @@ from actstore.ingest.settings import IngestRequest
 )
 def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
+    from actstore.core.progress import progress_wanted
     from actstore.ingest.ranks import launch_ranks, leave_process_group, ranks_from_env
     from actstore.jobs.ingest import run_ingest
 
@@ -67,11 +68,12 @@ def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
         import torch  # one GPU per rank on each node (ranks share GPUs when there are fewer)
 
         device = f"cuda:{int(os.environ['LOCAL_RANK']) % max(1, torch.cuda.device_count())}"
-    req = config_from(IngestRequest, given, device=device, progress=not quiet, rank=rank, world_size=world)
+    req = config_from(
+        IngestRequest, given, device=device, progress=progress_wanted(quiet), rank=rank, world_size=world
+    )
+    lines = progress_lines(quiet, as_json)
     try:
-        report = run_ingest(
-            req, log=lambda m: click.echo(printable(m), err=True) if not quiet and rank == 0 else None
-        )
+        report = run_ingest(req, log=lambda m: lines(m) if lines is not None and rank == 0 else None)
     finally:
         leave_process_group()
     summary = {

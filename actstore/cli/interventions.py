@@ -44,11 +44,14 @@ def trace(
     """Causal tracing: noise on the subject, restore clean states per layer and position, measure P(object)."""
     import numpy as np
 
+    from actstore.core.progress import progress_wanted
     from actstore.jobs.trace import run_trace
 
     s = open_store_arg(store)
     check_where(s, where)
-    req = config_from(TraceRequest, given, where=where, figures=figures, save=not no_save, quiet=quiet)
+    req = config_from(
+        TraceRequest, given, where=where, figures=figures, save=not no_save, quiet=not progress_wanted(quiet)
+    )
     cfg = req.trace
     out = run_trace(s, req)
     rate = 60 * len(out.results) / out.seconds if out.seconds > 0 else None
@@ -126,11 +129,14 @@ def patch(
     logit-difference recovery per layer (attention, MLP, residual) and per head."""
     import numpy as np
 
+    from actstore.core.progress import progress_wanted
     from actstore.jobs.patch import run_patch
 
     s = open_store_arg(store)
     check_where(s, where)
-    req = config_from(PatchRequest, given, where=where, pairs=pairs, save=not no_save, quiet=quiet)
+    req = config_from(
+        PatchRequest, given, where=where, pairs=pairs, save=not no_save, quiet=not progress_wanted(quiet)
+    )
     out = run_patch(s, req)
     if as_json:
         click.echo(

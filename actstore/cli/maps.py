@@ -19,6 +19,7 @@ from actstore.cli._options import (
     model_option,
     no_save_option,
     open_store_arg,
+    progress_lines,
     quiet_option,
     store_argument,
     where_option,
@@ -64,6 +65,7 @@ def _tokenizer(s: Any, name: str | None) -> Callable[[], Any]:
 @model_option(FIRST_MLP_MODEL_HELP)
 @figures_option(help="Folder for a layer x head PNG per relation.")
 @no_save_option
+@quiet_option
 @json_option
 def maps(
     store: str,
@@ -71,10 +73,12 @@ def maps(
     model: str | None,
     figures: str | None,
     no_save: bool,
+    quiet: bool,
     as_json: bool,
     **given: Any,
 ) -> None:
     """Static MAPS scores of every head for each relation in --pairs, from STORE's weights."""
+    from actstore.core.progress import progress_wanted
     from actstore.jobs.maps import k_groups, run_maps, top_heads_text
     from actstore.query.maps.pairs import excluded_line
 
@@ -87,7 +91,9 @@ def maps(
         cfg.tokenizer,
         cfg.min_pairs,
     )
-    out = run_maps(s, cfg, _tokenizer(s, tokenizer), first_mlp=_first_mlp(s, model))
+    out = run_maps(
+        s, cfg, _tokenizer(s, tokenizer), first_mlp=_first_mlp(s, model), progress=progress_wanted(quiet)
+    )
     if as_json:
         click.echo(json.dumps(out.result))
         return
@@ -190,7 +196,7 @@ def maps_dynamic(
             _tokenizer(s, tokenizer),
             mlp,
             client=client,
-            log=None if quiet else lambda m: click.echo(m, err=True),
+            log=progress_lines(quiet, as_json),
         )
     if as_json:
         click.echo(json.dumps(out.result))

@@ -19,6 +19,7 @@ from actstore.cli._options import (
     json_option,
     no_save_option,
     open_store_arg,
+    progress_lines,
     quiet_option,
     store_argument,
     where_option,
@@ -60,6 +61,7 @@ def _training_progress(label: str, steps: int, started: float) -> Callable[[int,
 @click.option("--no-tuned", is_flag=True, help="Logit lens only, on every selected fact.")
 @figures_option(help="Folder for the lens curves (PNG).")
 @no_save_option
+@quiet_option
 @json_option
 def lens(
     store: str,
@@ -67,6 +69,7 @@ def lens(
     no_tuned: bool,
     figures: str | None,
     no_save: bool,
+    quiet: bool,
     as_json: bool,
     **given: Any,
 ) -> None:
@@ -80,7 +83,7 @@ def lens(
         given["tuned"] = None
     cfg = config_from(LensRunConfig, given, where=where, save=not no_save, figures=figures)
     progress = _training_progress(f"tuned lens ({cfg.tuned})", cfg.steps, started)
-    out = run_lens(s, cfg, progress=None if as_json else progress)
+    out = run_lens(s, cfg, progress=None if progress_lines(quiet, as_json) is None else progress)
     r = out.result
     if as_json:
         click.echo(json.dumps(r))
@@ -116,8 +119,9 @@ def lens(
 @store_argument
 @options_from(CorpusLensConfig)
 @no_save_option
+@quiet_option
 @json_option
-def corpus_lens(store: str, no_save: bool, as_json: bool, **given: Any) -> None:
+def corpus_lens(store: str, no_save: bool, quiet: bool, as_json: bool, **given: Any) -> None:
     """The tuned lens as published: trained on a corpus store's positions (--positions all --kinds resid),
     compared with the logit lens by KL to the model's output on documents it never saw."""
     from actstore.jobs.corpus_lens import run_corpus_lens
@@ -126,7 +130,7 @@ def corpus_lens(store: str, no_save: bool, as_json: bool, **given: Any) -> None:
     s = open_store_arg(store)
     cfg = config_from(CorpusLensConfig, given, save=not no_save)
     progress = _training_progress("tuned lens", cfg.steps, started)
-    out = run_corpus_lens(s, cfg, progress=None if as_json else progress)
+    out = run_corpus_lens(s, cfg, progress=None if progress_lines(quiet, as_json) is None else progress)
     r = out.result
     if as_json:
         click.echo(json.dumps(r))
@@ -209,8 +213,8 @@ def agree(
     out = run_agreement(
         s,
         cfg,
-        log=None if quiet else lambda m: click.echo(m, err=True),
-        progress=None if quiet or as_json else progress,
+        log=progress_lines(quiet, as_json),
+        progress=None if progress_lines(quiet, as_json) is None else progress,
     )
     result = dict(out.result)
     result.update(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from typing import Any
 
 import click
@@ -79,12 +78,11 @@ def probe(
     **given: Any,
 ) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
+    from actstore.core.progress import progress_wanted
     from actstore.jobs.probe import contrast_text, run_probe
 
     cfg = config_from(ProbeConfig, given, where=where, seeds=tuple(range(seed_start, seed_start + n_seeds)))
-    req = config_from(
-        ProbeRequest, given, probe=cfg, save=not no_save, progress=not quiet and sys.stderr.isatty()
-    )
+    req = config_from(ProbeRequest, given, probe=cfg, save=not no_save, progress=progress_wanted(quiet))
     s = open_store_arg(store)
     job = run_probe(s, req)
     out = job.output

@@ -12,6 +12,7 @@ from actstore.cli._options import (
     command,
     json_option,
     open_store_arg,
+    progress_lines,
     quiet_option,
     store_argument,
 )
@@ -60,7 +61,9 @@ def report(
         token_errors=token_examples,
         token_correct=(2 * token_examples + 2) // 3,
     )
-    sections = collect_sections(s, opts, log=None if quiet or as_json else lambda m: click.echo(m, err=True))
+    log = progress_lines(quiet, as_json)
+    # no log: the section lines would go to the library's log, which the command line shows too
+    sections = collect_sections(s, opts, log=log or (lambda m: None))
     section = _explorer_section(s, explorer, quiet or as_json) if explorer else None
     if section is not None:
         sections.insert(1, section)

@@ -27,19 +27,6 @@ from actstore.core.tables import ALL_SEGMENT_TABLES
 EXIT_DAMAGED = 3  # verify found a problem (the store is damaged or incomplete)
 
 
-def _du(s: Any) -> int:
-    return s.location.tree_bytes("")
-
-
-def _bytes(s: Any) -> int:
-    """The store's bytes: from the snapshot when it covers every segment (arrays as counted at the
-    last compaction, compacted tables), else by walking the store (linear in files)."""
-    snap = s.snapshot
-    if snap is None or snap.segment_bytes < 0 or len(snap.segments) < len(s.commits):
-        return _du(s)
-    return int(snap.segment_bytes + sum(f.bytes for f in snap.files().values()))
-
-
 CORPUS_FIELDS = ("documents", "windows", "cut_documents", "context_length", "special", "pack", "kept")
 
 
@@ -60,6 +47,7 @@ def _corpus_line(ingest: dict[str, Any]) -> str:
 def info(store: str, as_json: bool) -> None:
     """Summarise a store: model, geometry, corpus, sizes."""
     from actstore.core.relation_index import relation_counts
+    from actstore.core.sizes import human_size, store_size
 
     s = open_store_arg(store)
     ingest = s.manifest.ingest
@@ -92,7 +80,7 @@ def info(store: str, as_json: bool) -> None:
         "relations": rel,
         **({"corpus": {k: ingest.get(k) for k in CORPUS_FIELDS}} if corpus else {}),
         "tables": tables,
-        "bytes": _bytes(s),
+        **store_size(s).to_dict(),  # the one size: the report and the explorer show the same
         "chunks": {
             "rows": s.manifest.chunk_rows,
             "flat": s.manifest.chunk_flat,
@@ -111,8 +99,8 @@ def info(store: str, as_json: bool) -> None:
         f"d_model={g.d_model} d_mlp={g.d_mlp} vocab={g.vocab_size}",
         f"rows      {s.n_rows}/{s.manifest.n_examples} in {len(s.commits)}/{s.manifest.n_segments} "
         f"segments, {s.manifest.storage_dtype}{'' if s.complete else '  (INCOMPLETE: resume the ingest)'}",
-        f"size      {d['bytes'] / 1e6:.1f} MB"
-        + (f"  (segments and compacted tables at snapshot {s.snapshot.number})" if s.snapshot else ""),
+        f"size      {human_size(d['bytes'])} on disk",
+        f"weights   {human_size(d['weights_bytes'])} of it",
         f"chunks    {s.manifest.chunk_rows} rows / {s.manifest.chunk_flat} flat entries x "
         + (f"{s.manifest.chunk_layers} layer(s)" if s.manifest.chunk_layers else "all layers"),
         f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}",

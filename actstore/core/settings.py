@@ -107,11 +107,15 @@ def model_dtype_setting() -> str:
     return setting(DEFAULT_MODEL_DTYPE, "dtype the model runs in.", choices=MODEL_DTYPES)
 
 
-def threads_setting(default: int, advice: str) -> int:
-    """``threads``: torch's CPU threads per process, 0 for torch's default; ``advice`` says when to
-    change the command's ``default``."""
+#: ``--threads`` of every command that computes: 0, torch's default (one thread per core).
+DEFAULT_THREADS = 0
+
+
+def threads_setting(advice: str) -> int:
+    """``threads``: torch's CPU threads per process, the same meaning and default
+    (:data:`DEFAULT_THREADS`) in every command; ``advice`` says when to change it."""
     return setting(
-        default, f"torch CPU threads per process (0: torch's default, one per core). {advice}", low=0
+        DEFAULT_THREADS, f"torch CPU threads per process (0: torch's default, one per core). {advice}", low=0
     )
 
 

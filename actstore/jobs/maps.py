@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.core.errors import InvalidSetting, MapsError
+from actstore.core.progress import progress_bar, progress_callback
 from actstore.core.runs import new_run_id
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
@@ -87,10 +88,15 @@ class MapsOutcome:
 
 
 def run_maps(
-    store: StoreReader, cfg: MapsRunConfig, tokenizer: Callable[[], Any], first_mlp: FirstMlp | None = None
+    store: StoreReader,
+    cfg: MapsRunConfig,
+    tokenizer: Callable[[], Any],
+    first_mlp: FirstMlp | None = None,
+    progress: bool = False,
 ) -> MapsOutcome:
     """Static MAPS scores of every head for each relation in the pair files, from the store's
-    weights (``first_mlp``: loads the first-MLP transform when the run needs it)."""
+    weights (``first_mlp``: loads the first-MLP transform when the run needs it; ``progress``: a bar
+    of heads on stderr)."""
 
     started = time.time()
     g = store.geometry
@@ -120,16 +126,24 @@ def run_maps(
         )
     ks = relation_ks([p.relation for p in kept], cfg.k, stored_name)
     proj = VocabProjection(store, final_norm=cfg.final_norm, first_mlp=mlp)
-    scores = static_scores(proj, kept, k_max=max(ks.values()))
+    with progress_bar(
+        total=g.n_layers * g.n_heads, desc="maps: scores", unit="head", enabled=progress
+    ) as bar:
+        scores = static_scores(proj, kept, k_max=max(ks.values()), progress=progress_callback(bar))
     summaries = [relation_summary(name, sc, ks[name], cfg.threshold) for name, sc in scores.items()]
     run_id = new_run_id("maps")
-    ops = (
-        salient_operations(
-            proj, sal_heads, n_tokens=cfg.salient_tokens, n_mappings=cfg.mappings, vocab_limit=len(tok)
-        )
-        if want_salient
-        else []
-    )
+    ops: list[Any] = []
+    if want_salient:
+        n_sal = g.n_layers * g.n_heads if sal_heads is None else len(sal_heads)
+        with progress_bar(total=n_sal, desc="maps: salient operations", unit="head", enabled=progress) as bar:
+            ops = salient_operations(
+                proj,
+                sal_heads,
+                n_tokens=cfg.salient_tokens,
+                n_mappings=cfg.mappings,
+                vocab_limit=len(tok),
+                progress=progress_callback(bar),
+            )
     decode = token_decoder(tok)
     k_policy = "given" if cfg.k is not None else "paper"
     out = MapsOutcome(run_id, scores, summaries, excluded, ks, use_mlp, {}, ops)

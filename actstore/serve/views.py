@@ -10,12 +10,13 @@ from typing import Any
 import numpy as np
 
 from actstore.core.model_names import describe_model
+from actstore.core.sizes import StoreSize, human_size, store_size
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.jobs import probe as probe_job
 from actstore.query.analyses.stats import proportion_interval
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
-from actstore.query.report.summary import CORPUS_WITH_TARGETS, human_size, store_bytes
+from actstore.query.report.summary import CORPUS_WITH_TARGETS
 from actstore.query.select.features import weights
 from actstore.serve.common import (
     MAX_PAGE_SIZE,
@@ -86,7 +87,7 @@ def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, An
             r.pop("finished", None)
             runs.append(r)
     analyses = {kind: len(runs_of(store, t)) for kind, t in RUN_TABLES.items() if has_table(store, t)}
-    size = store_bytes(store) if with_size else None
+    size = store_size(store) if with_size else StoreSize(None, None)
     return jsonable(
         {
             "url": store.url,
@@ -99,8 +100,10 @@ def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, An
             "segments": f"{len(store.commits)}/{m.n_segments}",
             "complete": store.complete,
             "storage_dtype": m.storage_dtype,
-            "size": human_size(size),
-            "size_bytes": size,
+            "size": human_size(size.total),
+            "size_bytes": size.total,
+            "weights_size": human_size(size.weights),
+            "weights_bytes": size.weights,
             "relations": relations,
             "tables": tables,
             "analyses": analyses,

@@ -49,7 +49,9 @@ class ProbeConfig:
         choices=("errors", "all", "none"),
     )
     memory_mb: int = setting(1024, "Working-memory budget per chunk (MB).", low=1)
-    threads: int = threads_setting(1, "1 is fastest on a shared machine.")
+    threads: int = threads_setting(
+        "Use 1 when other jobs share the cores (1 is fastest on a shared machine)."
+    )
     train_batch: int = setting(2, "Episodes per training tensor problem (1-2 is fastest on a CPU).", low=1)
     relspec: bool = setting(
         True, "Baseline without RelSpec: every feature, the same standardisation and training."

@@ -56,7 +56,7 @@ per head), the top tokens by sigma and, for each, its top mapped tokens in m_t.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,13 +101,14 @@ def pair_ranks(
     k_max: int = DEFAULT_K,
     heads: Iterable[tuple[int, int]] | None = None,
     rows_per_chunk: int = ROW_CHUNK,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ranks (censored at ``k_max``) of ``dst[i]`` in row ``src[i]`` of every head's M:
     ([n, L, H], [n, L, H]) int32.
 
     Each distinct source token's row is computed once per head, in chunks of distinct sources;
     only its ``k_max`` extreme values and the pairs' target entries are kept.  Heads not in
-    ``heads`` get rank -1.
+    ``heads`` get rank -1.  ``progress(1)`` is called after each head.
     """
     g = proj.geometry
     n = int(src.size)
@@ -142,6 +143,8 @@ def pair_ranks(
                     r_up, r_down = target_ranks(rows, dst_sorted[lo:hi], k_max, local)
                     up[order[lo:hi], layer, head] = r_up.numpy()
                     down[order[lo:hi], layer, head] = r_down.numpy()
+                if progress is not None:
+                    progress(1)
     return up, down
 
 
@@ -151,8 +154,10 @@ def static_scores(
     *,
     k_max: int = DEFAULT_K,
     heads: Iterable[tuple[int, int]] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, StaticScores]:
-    """Ranks for every relation's pairs, all relations in one pass (shared source rows computed once)."""
+    """Ranks for every relation's pairs, all relations in one pass (shared source rows computed once;
+    ``progress(1)`` after each head)."""
     if not relations:
         return {}
     if k_max < 1:
@@ -161,7 +166,7 @@ def static_scores(
     dst = np.concatenate([r.dst for r in relations])
     if int(max(src.max(), dst.max())) >= proj.vocab_size or int(src.max()) >= proj.embed.shape[0]:
         raise MapsError(f"token ids exceed the store's vocabulary of {proj.vocab_size}: wrong tokenizer?")
-    up, down = pair_ranks(proj, src, dst, k_max=k_max, heads=heads)
+    up, down = pair_ranks(proj, src, dst, k_max=k_max, heads=heads, progress=progress)
     out: dict[str, StaticScores] = {}
     start = 0
     for r in relations:
@@ -204,11 +209,12 @@ def salient_operations(
     n_tokens: int = 10,
     n_mappings: int = 5,
     vocab_limit: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[SalientOps]:
     """Per head: the ``n_tokens`` tokens with the largest sigma_t and each one's top ``n_mappings`` targets.
 
     ``vocab_limit`` restricts the candidate source tokens to ids below it (the tokenizer's size,
-    so padding rows of the embedding never count).
+    so padding rows of the embedding never count); ``progress(1)`` is called after each head.
     """
     if n_tokens < 1 or n_mappings < 1:
         raise MapsError("the numbers of salient tokens and of mappings per token must be positive")
@@ -236,6 +242,8 @@ def salient_operations(
             rows = (x[top] @ WO) @ proj.U_T
             mapped = torch.topk(rows, min(n_mappings, rows.shape[1]), dim=1).indices
             out.append(SalientOps(layer, head, top.numpy(), sigma[top].numpy(), mapped.numpy()))
+            if progress is not None:
+                progress(1)
     return out
 
 

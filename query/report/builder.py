@@ -152,9 +152,11 @@ def collect_sections(
 
 
 def _progress(line: str, callback: Callable[[str], None] | None) -> None:
-    logger.info(line)
+    """``line`` once: to ``callback`` when given, else to the log."""
     if callback is not None:
         callback(line)
+    else:
+        logger.info(line)
 
 
 def render_html(store: StoreReader, sections: Sequence[Section], *, title: str | None = None) -> str:

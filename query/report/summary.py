@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from actstore.core.model_names import describe_model
+from actstore.core.sizes import human_size, store_size
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES
 from actstore.query.report.context import (
@@ -28,28 +29,8 @@ CORPUS_WITH_TARGETS = (
 )
 
 
-def store_bytes(store: StoreReader) -> int | None:
-    """The store's size on disk in bytes (None when an object store does not say)."""
-    try:
-        return store.location.tree_bytes("")
-    except (OSError, NotImplementedError) as e:  # a backend without sizes, or refusing to list
-        log.warning("report: the size of %s is unknown (%s: %s)", store.url, type(e).__name__, e)
-        return None
-
-
-def human_size(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
-        size /= 1024
-    return f"{n} B"
-
-
 def _store_info(store: StoreReader) -> list[dict[str, Any]]:
-    m, g = store.manifest, store.geometry
+    m, g, size = store.manifest, store.geometry, store_size(store)
     model = m.model
     return [
         {"": "store", "value": store.url},
@@ -67,7 +48,8 @@ def _store_info(store: StoreReader) -> list[dict[str, Any]]:
             "segments" + ("" if store.complete else " (INCOMPLETE)"),
         },
         {"": "storage dtype", "value": m.storage_dtype},
-        {"": "size on disk", "value": human_size(store_bytes(store))},
+        {"": "size on disk", "value": human_size(size.total)},
+        {"": "of which weights", "value": human_size(size.weights)},
     ]
 
 
