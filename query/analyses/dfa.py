@@ -223,7 +223,8 @@ def dfa_top(
         raise QueryError("dfa: k must be 1 or more")
     best_s = np.zeros(0, np.float32)
     best = np.zeros((0, 5), np.int64)  # row, layer, head, slot, source row
-    head_src = head_rem = mlp_tot = None
+    head_src: np.ndarray | None = None
+    head_rem = mlp_tot = np.zeros(0)
     Ls: tuple[int, ...] = ()
     for i in range(0, len(rows), batch_rows):
         r = dfa_rows(store, rows[i : i + batch_rows], u, layers)
@@ -255,18 +256,21 @@ def dfa_top(
             "score": pa.array(best_s.astype(np.float32)),
         }
     )
-    parts, lay, head, val = [], [], [], []
+    parts: list[str] = []
+    lay: list[int] = []
+    head: list[int] = []
+    val: list[float] = []
     if head_src is not None:
-        for li, layer in enumerate(Ls):
+        for at, layer in enumerate(Ls):
             for h in range(head_src.shape[1]):
                 parts += ["sources", "remainder"]
                 lay += [layer, layer]
                 head += [h, h]
-                val += [head_src[li, h], head_rem[li, h]]
+                val += [float(head_src[at, h]), float(head_rem[at, h])]
             parts.append("mlp")
             lay.append(layer)
             head.append(-1)
-            val.append(mlp_tot[li])
+            val.append(float(mlp_tot[at]))
     totals = pa.table(
         {
             "part": pa.array(parts, pa.string()),
