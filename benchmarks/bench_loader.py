@@ -182,7 +182,7 @@ def activault_reader(folder: Path, args: argparse.Namespace) -> Callable[[], int
 
 def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     import actstore
-    from actstore.query.select.hf_export import hook_name
+    from actstore.query.select.hf_export import hook_name_of
 
     store = actstore.open(path)
     sel = store.select()
@@ -211,7 +211,7 @@ def bench_store(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         exports["megabatch_write_s"] = write_megabatches(
             sel, args.kind, args.layer, work / "mb", args.file_rows
         )
-    column = hook_name(args.kind, args.layer, store.geometry.n_layers)
+    column = hook_name_of(args.kind, args.layer, store.geometry.n_layers)
     seg_root = path / "segments"
     methods: dict[str, tuple[Callable[[], int], list[Path]]] = {
         "raw_seq_segment": (raw_reader(store, args.kind, args.layer, "segment"), [seg_root]),

@@ -23,7 +23,17 @@ kind                    column (layer ``l``)              ``d_in``
 
 plus ``row`` and ``example_id`` (int64: the store row and its example).  The kinds with a source
 axis (``attn_head_token``, ``attn_prob``) are ragged and refused.  Rows are in selection (store)
-order; SAELens shuffles a cache with ``Dataset.shuffle`` when asked.
+order.
+
+``context_size=N`` writes instead what SAELens's ``CacheActivationsRunner`` writes for the same
+model, hook and context: one row per whole window of N positions of a corpus store ingested with
+``--positions all --pack --keep-special --context-length N``, columns ``{hook}``
+(``Array2D((N, d_in), dtype)``) and ``token_ids`` (``Sequence(int32, length=N)``), nothing else; the
+column named as SAELens hooks the model (:func:`module_path`: the transformers module path for
+``model_class_name="AutoModelForCausalLM"``, residual index i = the output of ``model.layers.{i-1}``;
+the TransformerLens hook name when TransformerLens knows the model's name; or ``hook_name=``).
+Rows in window (generation) order, as the runner writes them (it does not shuffle what it saves);
+``shuffle=True`` writes them in the order of ``Dataset.shuffle(seed=seed)``.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ class Exported(Selected, Protocol):
 HF_DTYPES = ("float32", "float16")
 
 
-def hook_name(kind: str, layer: int, n_layers: int) -> str:
+def hook_name_of(kind: str, layer: int, n_layers: int) -> str:
     """The TransformerLens hook name SAELens would cache ``kind`` at ``layer`` under."""
     if kind == "resid":
         return (
@@ -70,6 +80,49 @@ def hook_name(kind: str, layer: int, n_layers: int) -> str:
     return f"blocks.{layer}.{names.get(kind, f'actstore.{kind}')}"
 
 
+# The transformers module holding the decoder blocks, and each block's attention and MLP modules.
+_MODULES = {
+    "llama": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
+    "qwen2": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
+    "gemma3": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
+    "gemma3_text": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
+    "mistral": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
+    "gpt2": ("transformer.h", "attn", "mlp", None),
+    "gpt_neox": ("gpt_neox.layers", "attention", "mlp", "gpt_neox.embed_in"),
+}
+
+
+def module_path(kind: str, layer: int, architecture: str) -> str:
+    """The transformers module whose output SAELens caches for ``kind`` at ``layer`` (its hook name
+    with ``model_class_name="AutoModelForCausalLM"``): residual index i is the output of block i-1
+    (index 0 the token embeddings), ``mlp`` and ``attn`` the outputs of a block's MLP and attention."""
+    mods = _MODULES.get(architecture)
+    fix = "name the column with hook_name="
+    if mods is None:
+        raise QueryError(f"to_hf_dataset: no SAELens naming known for architecture {architecture!r}; {fix}")
+    blocks, attn, mlp, embed = mods
+    if kind == "resid":
+        if layer == 0:
+            if embed is None:
+                raise QueryError(
+                    f"to_hf_dataset: residual index 0 of {architecture} is no module's output; {fix}"
+                )
+            return embed
+        return f"{blocks}.{layer - 1}"
+    if kind in ("mlp", "attn"):
+        return f"{blocks}.{layer}.{mlp if kind == 'mlp' else attn}"
+    raise QueryError(f"to_hf_dataset: no module of the model outputs {kind} as stored; {fix}")
+
+
+def _tlens_knows(name: str) -> bool:
+    """Whether TransformerLens knows the model ``name`` (SAELens then hooks it by TL hook names)."""
+    try:
+        from transformer_lens.loading_from_pretrained import OFFICIAL_MODEL_NAMES
+    except Exception:  # TransformerLens absent or broken: SAELens could not load it by TL either
+        return False
+    return name in OFFICIAL_MODEL_NAMES
+
+
 class ExportOptions(TypedDict, total=False):
     """The keyword options of :func:`to_hf_dataset` (and :meth:`Selection.to_hf_dataset`), for type
     checkers; their defaults are written once, in :func:`to_hf_dataset`."""
@@ -80,6 +133,10 @@ class ExportOptions(TypedDict, total=False):
     dtype: str
     batch_rows: int
     overwrite: bool
+    context_size: int | None
+    hook_name: str | None
+    shuffle: bool
+    seed: int
 
 
 def to_hf_dataset(
@@ -93,9 +150,14 @@ def to_hf_dataset(
     dtype: str = "float32",
     batch_rows: int = 4096,
     overwrite: bool = False,
+    context_size: int | None = None,
+    hook_name: str | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
 ) -> Any:
     """Write the features of ``selection`` to ``path`` (a local folder, made by ``save_to_disk``) and
-    return the ``datasets.Dataset`` read back from it (memory-mapped).  Needs the ``hf`` extra."""
+    return the ``datasets.Dataset`` read back from it (memory-mapped).  Needs the ``hf`` extra.
+    ``context_size=N``: SAELens's ``CacheActivationsRunner`` layout (module docstring)."""
     try:
         import datasets
         from datasets.arrow_writer import ArrowWriter
@@ -111,6 +173,19 @@ def to_hf_dataset(
     spec = FeatureSpec.parse(store, kind, layers, heads, groups)
     if len(selection) == 0:
         raise QueryError("to_hf_dataset: the selection is empty")
+    windows = None
+    if context_size is not None:
+        windows = _windows(selection, spec, int(context_size))
+        arch = str(store.manifest.model.get("architecture", ""))
+        name = str(store.manifest.model.get("name", ""))
+        if hook_name is not None:
+            names = [str(hook_name)]
+        elif _tlens_knows(name):
+            names = [hook_name_of(kind, spec.layers[0], store.geometry.n_layers)]
+        else:
+            names = [module_path(kind, spec.layers[0], arch)]
+    elif hook_name is not None or shuffle:
+        raise QueryError("to_hf_dataset: hook_name and shuffle go with context_size (SAELens's cache layout)")
     out = Path(path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
@@ -120,12 +195,14 @@ def to_hf_dataset(
         else:
             out.unlink()
     n_layers = store.geometry.n_layers
-    names = [hook_name(kind, layer, n_layers) for layer in spec.layers]
-    if len(set(names)) != len(names):
-        raise QueryError("to_hf_dataset: a layer is given twice")
     first = FeatureSpec.parse(store, kind, [spec.layers[0]], heads, groups)
     probe = compute_block(store, first, next(selection.blocks(1))[1])
     d_in = int(np.prod(probe.shape[2:]))
+    if windows is not None:
+        return _write_windows(selection, spec, out, names[0], d_in, dtype, batch_rows, windows, shuffle, seed)
+    names = [hook_name_of(kind, layer, n_layers) for layer in spec.layers]
+    if len(set(names)) != len(names):
+        raise QueryError("to_hf_dataset: a layer is given twice")
     features = datasets.Features(
         {
             **{name: datasets.Array2D(shape=(1, d_in), dtype=dtype) for name in names},
@@ -155,6 +232,117 @@ def to_hf_dataset(
         ds = datasets.Dataset.from_file(str(arrow))
         ds.save_to_disk(str(out))
         del ds
+        return datasets.Dataset.load_from_disk(str(out))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+PACK_HINT = "actstore ingest --positions all --pack --keep-special --context-length {n}"
+
+
+def _windows(selection: Exported, spec: FeatureSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each selected row (in selection order) whether it belongs to a whole window of ``n`` kept
+    positions, and each row's token id; refused with one line where the store's windows are not
+    ``n`` kept positions."""
+    store = selection.store
+    if isinstance(n, bool) or n < 1:
+        raise QueryError(f"to_hf_dataset: context_size must be a positive integer (got {n!r})")
+    if len(spec.layers) != 1:
+        raise QueryError("to_hf_dataset: context_size writes SAELens's cache of one hook: give one layer")
+    ing = store.manifest.ingest
+    hint = PACK_HINT.format(n=n)
+    if ing.get("positions") != "all":
+        raise QueryError(f"to_hf_dataset: context_size needs a corpus store of whole windows: {hint}")
+    got = (ing.get("context_length"), bool(ing.get("pack")), ing.get("special"))
+    if got != (n, True, "kept"):
+        raise QueryError(
+            f"to_hf_dataset: the store's windows are not {n} kept positions (context_length={got[0]}, "
+            f"pack={got[1]}, special={got[2]}): ingest with {hint}"
+        )
+    pos = store.sql("SELECT row, window_index, window_position, token_id FROM positions ORDER BY row")
+    prow = pos.column("row").to_numpy()
+    rows = selection.rows.column("row").to_numpy()
+    at = np.searchsorted(prow, rows)
+    win = pos.column("window_index").to_numpy()[at].astype(np.int64)
+    wpos = pos.column("window_position").to_numpy()[at].astype(np.int64)
+    tok = pos.column("token_id").to_numpy()[at].astype(np.int64)
+    # a whole window: n selected rows of one window, at positions 0 .. n-1, consecutive in store order
+    starts = np.flatnonzero(np.r_[True, win[1:] != win[:-1]])
+    sizes = np.diff(np.r_[starts, win.size])
+    whole = np.zeros(win.size, dtype=bool)
+    for a, m in zip(starts, sizes):
+        if m == n and np.array_equal(wpos[a : a + m], np.arange(n)):
+            whole[a : a + m] = True
+    if not whole.any():
+        raise QueryError(f"to_hf_dataset: the selection holds no whole window of {n} positions ({hint})")
+    return whole, tok
+
+
+def _write_windows(
+    selection: Exported,
+    spec: FeatureSpec,
+    out: Path,
+    column: str,
+    d_in: int,
+    dtype: str,
+    batch_rows: int,
+    windows: tuple[np.ndarray, np.ndarray],
+    shuffle: bool,
+    seed: int,
+) -> Any:
+    """Write SAELens's cache layout: a row of ``[n, d_in]`` and ``n`` token ids per whole window."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    store = selection.store
+    whole, tok = windows
+    n = int(store.manifest.ingest["context_length"])
+    features = datasets.Features(
+        {
+            column: datasets.Array2D(shape=(n, d_in), dtype=dtype),
+            "token_ids": datasets.Sequence(datasets.Value("int32"), length=n),
+        }
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".hf-export-", dir=out.parent))
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        arrow = tmp / "data.arrow"
+        at = 0
+        carry: list[np.ndarray] = []
+        carry_t: list[np.ndarray] = []
+        held = 0
+        step = max(n, batch_rows // n * n)
+        with ArrowWriter(features=features, path=str(arrow)) as writer:
+            for _ids, block in selection.blocks(step):
+                b = len(_ids)
+                keep = whole[at : at + b]
+                if keep.any():
+                    x = compute_block(store, spec, block).reshape(b, d_in)[keep].astype(dtype, copy=False)
+                    carry.append(x)
+                    carry_t.append(tok[at : at + b][keep])
+                    held += x.shape[0]
+                at += b
+                if held >= n:
+                    xs, ts = np.concatenate(carry), np.concatenate(carry_t)
+                    k = held // n * n
+                    writer.write_batch(
+                        {
+                            column: xs[:k].reshape(-1, n, d_in),
+                            "token_ids": ts[:k].reshape(-1, n).astype(np.int32),
+                        }
+                    )
+                    carry, carry_t, held = [xs[k:]], [ts[k:]], held - k
+            writer.finalize()
+        ds = datasets.Dataset.from_file(str(arrow))
+        if shuffle:
+            ds = ds.shuffle(seed=seed).flatten_indices()
+        ds.save_to_disk(str(tmp / "out"))
+        del ds
+        os.replace(tmp / "out", out)
         return datasets.Dataset.load_from_disk(str(out))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
