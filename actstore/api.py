@@ -41,7 +41,7 @@ class Store(StoreReader):
 
         return Selection.from_sql(self, where=where, query=query, params=params)
 
-    def hook_names(self) -> dict[str, list[dict[str, str | None]]]:
+    def hook_names(self) -> dict[str, list[dict[str, str]]]:
         """Each kind's TransformerLens hook name and transformers module path, per layer
         (``{"resid": [{"hook": "blocks.0.hook_resid_pre", "module": "model.embed_tokens", "side": "output"}, ...]}``;
         :func:`actstore.query.select.tl_cache.kind_names` for one kind and layer)."""

@@ -65,7 +65,7 @@ MODULES = {
 TL_KINDS = ("resid", "z", "attn_head", "attn", "attn_prob", "mlp", "mlp_post")
 
 
-def kind_names(kind: str, layer: int, n_layers: int, family: str = "llama") -> dict[str, str | None]:
+def kind_names(kind: str, layer: int, n_layers: int, family: str = "llama") -> dict[str, str]:
     """``{"hook": TransformerLens hook name, "module": transformers module path, "side": "output" |
     "input"}`` of ``kind`` at ``layer`` (``mlp_post``: the stored ``mlp`` array, ``d_mlp`` wide)."""
     if kind not in TL_KINDS:
@@ -97,7 +97,7 @@ def kind_names(kind: str, layer: int, n_layers: int, family: str = "llama") -> d
     }[kind]
 
 
-def hook_names(store: Any) -> dict[str, list[dict[str, str | None]]]:
+def hook_names(store: Any) -> dict[str, list[dict[str, str]]]:
     """Every kind of ``store`` with TransformerLens names, per layer (:func:`kind_names`)."""
     L = store.geometry.n_layers
     family = str((store.manifest.architecture or {}).get("family", "llama"))
