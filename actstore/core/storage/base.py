@@ -76,8 +76,10 @@ class LockSlot(ABC):
     """The writer lock object of one store, as one backend takes it.  Made by
     :meth:`StoreLocation.lock_slot`; the record's meaning is the :class:`LockPolicy`'s."""
 
-    #: how messages name the lock object (a path, or a URL)
-    where: str
+    def __init__(self, loc: StoreLocation, name: str, policy: LockPolicy, max_record: int) -> None:
+        self.loc, self.name, self.policy, self.max_record = loc, name, policy, max_record
+        self.key = loc.path(name)  # the lock object's path in ``loc.fs``
+        self.where = f"{loc.url}/{name}"  # how messages name the lock object (a path, or a URL)
 
     @abstractmethod
     def acquire(self, record: bytes) -> None:
@@ -96,9 +98,9 @@ class LockSlot(ABC):
         """File descriptors a child process may inherit so that the lock outlives this process."""
         return ()
 
-    @abstractmethod
     def read(self) -> bytes | None:
         """The record in the slot (None when there is none or it cannot be read); takes nothing."""
+        return self.loc.read_if_regular(self.name, self.max_record)
 
     @abstractmethod
     def state(self) -> tuple[LockState, bytes | None]:

@@ -213,8 +213,8 @@ class LocalLockSlot(LockSlot):
     released it (unlinked it) sees so from the inode and opens it again."""
 
     def __init__(self, loc: LocalLocation, name: str, policy: LockPolicy, max_record: int) -> None:
-        self.loc, self.name, self.policy, self.max_record = loc, name, policy, max_record
-        self.where = loc.path(name)
+        super().__init__(loc, name, policy, max_record)
+        self.where = self.key
         self._fd: int | None = None  # the open, flock-ed lock file
         self._created_dirs: list[str] = []
 
@@ -308,9 +308,6 @@ class LocalLockSlot(LockSlot):
                 os.rmdir(d)
             except OSError:
                 break
-
-    def read(self) -> bytes | None:
-        return self.loc.read_if_regular(self.name, self.max_record)
 
     def state(self) -> tuple[LockState, bytes | None]:
         """``held`` when another descriptor has the lock (a shared ``flock`` is refused), else ``free``."""

@@ -28,9 +28,7 @@ class MemoryLockSlot(LockSlot):
     a record in the object whose lock is not held is a dead writer's."""
 
     def __init__(self, loc: MemoryLocation, name: str, policy: LockPolicy, max_record: int) -> None:
-        self.loc, self.name, self.policy, self.max_record = loc, name, policy, max_record
-        self.key = loc.path(name)
-        self.where = f"{loc.url}/{name}"
+        super().__init__(loc, name, policy, max_record)
         self._held = False
 
     def held(self) -> bool:
@@ -55,9 +53,6 @@ class MemoryLockSlot(LockSlot):
             del _HELD[self.key]
             if self.loc.fs.exists(self.key):
                 self.loc.fs.rm(self.key)
-
-    def read(self) -> bytes | None:
-        return self.loc.read_if_regular(self.name, self.max_record)
 
     def state(self) -> tuple[LockState, bytes | None]:
         with _GUARD:

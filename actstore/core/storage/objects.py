@@ -197,7 +197,7 @@ class ObjectLocation(StoreLocation):
             self.fs.pipe(payload)
 
     def lock_slot(self, name: str, policy: LockPolicy, max_record: int) -> LockSlot:
-        return NoLockSlot(self, name, max_record)
+        return NoLockSlot(self, name, policy, max_record)
 
     def _async_fs(self) -> Any:
         """An ``asynchronous=True`` twin of ``fs`` for zarr, which runs it on zarr's own event loop
@@ -219,10 +219,6 @@ class ObjectLocation(StoreLocation):
 class NoLockSlot(LockSlot):
     """An object store actstore cannot lock: its lock record can be read, never taken."""
 
-    def __init__(self, loc: ObjectLocation, name: str, max_record: int) -> None:
-        self.loc, self.name, self.max_record = loc, name, max_record
-        self.where = f"{loc.url}/{name}"
-
     def acquire(self, record: bytes) -> None:
         raise StorageError(f"{self.loc.url}: actstore can lock stores only in local directories and on S3")
 
@@ -231,9 +227,6 @@ class NoLockSlot(LockSlot):
 
     def held(self) -> bool:
         return False
-
-    def read(self) -> bytes | None:
-        return self.loc.read_if_regular(self.name, self.max_record)
 
     def state(self) -> tuple[LockState, bytes | None]:
         return "unknown", self.read()

@@ -52,9 +52,7 @@ class S3LockSlot(LockSlot):
     """The lock object, taken and let go of with conditional requests."""
 
     def __init__(self, loc: S3Location, name: str, policy: LockPolicy, max_record: int) -> None:
-        self.loc, self.policy, self.max_record = loc, policy, max_record
-        self.key = loc.path(name)
-        self.where = f"{loc.url}/{name}"
+        super().__init__(loc, name, policy, max_record)
         self._etag: str | None = None  # the ETag of the record this writer put
 
     def held(self) -> bool:
