@@ -275,8 +275,8 @@ def test_a_store_model_that_is_no_alias_is_not_loaded_on_its_own(
 
     monkeypatch.setattr(runs, "model_for_store", refuse)
     r = invoke("trace", str(tiny_store), "--all-facts", "--limit", "1", "--window", "1")
-    assert (
-        r.exit_code == 1
+    assert (  # a refused setting is a usage error (2; tests/cli/cli/test_exit_codes.py)
+        r.exit_code == 2
         and r.stderr == "error: --model: the store's model is not one of actstore's aliases\n"
     )
 
