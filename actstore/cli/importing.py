@@ -30,6 +30,7 @@ from actstore.cli._options import command, parse_int_list, printable
     default="float32",
     show_default=True,
     type=click.Choice(["float32", "float16", "bfloat16"]),
+    help="Storage dtype of the written residuals.",
 )
 @click.option(
     "--segment-size", default=256, show_default=True, type=click.IntRange(min=1), help="Positions per commit."

@@ -23,7 +23,7 @@ from actstore.cli import main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # the commands that make a store rather than read one, or read files and no store
-NO_STORE = {"ingest", "demo", "study data", "study tables", "study summary"}
+NO_STORE = {"ingest", "import", "demo", "study data", "study tables", "study summary"}
 
 
 def invoke(*args: str) -> click.testing.Result:
