@@ -119,7 +119,7 @@ def test_the_command_records_a_result_table(store_path: Path, tmp_path: Path) ->
     )
     assert joined.num_rows == 1
     bad = CliRunner().invoke(main, ["topk", str(store), "--kind", "direction", "--layer", "1"])
-    assert bad.exit_code == 1 and "needs --direction" in bad.stderr and bad.stderr.count("\n") == 1
+    assert bad.exit_code == 2 and "needs --direction" in bad.stderr and bad.stderr.count("\n") == 1
 
 
 def test_bad_arguments_are_one_line(store_path: Path, tmp_path: Path) -> None:

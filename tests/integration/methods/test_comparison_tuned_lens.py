@@ -195,7 +195,7 @@ def test_a_wrong_method_name_is_one_clear_error(traced: tuple[str, str]) -> None
     with pytest.raises(InvalidSetting, match="tuned: unknown tuned-lens method 'adamw'"):
         AgreeConfig(tuned="adamw")
     res = CliRunner().invoke(main, ["agree", path, "--tuned", "adamw"])
-    assert res.exit_code == 1  # a value the library refuses (exit 2: what click itself refuses)
+    assert res.exit_code == 2  # a refused setting is a usage error (tests/cli/cli/test_exit_codes.py)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tuned" in lines[0] and "adamw" in lines[0]
 
