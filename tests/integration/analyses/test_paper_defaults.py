@@ -599,4 +599,4 @@ def test_output_range_counts_every_instance_of_the_file(
     r = CliRunner().invoke(
         main, ["correlate", str(store_path), "--run", out.run_id, "--output-range", "dataset"]
     )
-    assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "--dataset-file" in r.stderr
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "--dataset-file" in r.stderr
