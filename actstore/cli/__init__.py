@@ -103,9 +103,9 @@ class ActstoreGroup(click.Group):
             fail("interrupted", EXIT_INTERRUPTED, "KeyboardInterrupt")
         except KeyError as e:
             fail(f"missing {e}", EXIT_ERROR, type(e).__name__)
-        except EXPECTED as e:
         except InvalidSetting as e:  # a value the command refuses before any work: a usage error
             fail(str(e), EXIT_USAGE, type(e).__name__)
+        except EXPECTED as e:
             fail(str(e), EXIT_ERROR, type(e).__name__)
         except Exception as e:  # a bug: say so, and how to see where
             fail(
