@@ -73,6 +73,7 @@ KERNEL_MODULES = {
     "test_length_batching",
     "test_corpus_mode",
     "test_attribution",
+    "test_tuned_lens",
     "test_tolerances",
 }
 

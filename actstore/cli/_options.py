@@ -41,7 +41,9 @@ def parse_int_list(text: str | None, what: str = "layers") -> list[int] | None:
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
                 if hi < lo:
-                    raise click.BadParameter(f"{part!r} is an empty range (write {hi}-{lo})", param_hint=f"--{what}")
+                    raise click.BadParameter(
+                        f"{part!r} is an empty range (write {hi}-{lo})", param_hint=f"--{what}"
+                    )
                 out.extend(range(lo, hi + 1))
             else:
                 out.append(int(part))
@@ -243,6 +245,12 @@ def name_settings(command: click.Command, error: Exception) -> None:
     from actstore.core.errors import InvalidSetting
 
     if isinstance(error, InvalidSetting):
-        names = option_names(command.params)  # a setting ``layers`` is the option ``--layer`` where there is one
-        flag = names.get(error.setting) or names.get(error.setting.rstrip("s")) or "--" + error.setting.replace("_", "-")
+        names = option_names(
+            command.params
+        )  # a setting ``layers`` is the option ``--layer`` where there is one
+        flag = (
+            names.get(error.setting)
+            or names.get(error.setting.rstrip("s"))
+            or "--" + error.setting.replace("_", "-")
+        )
         error.args = (f"{flag}: {error.detail}",)

@@ -17,7 +17,7 @@ from actstore.cli._options import (
     store_argument,
     where_option,
 )
-from actstore.jobs.dfa import DfaConfig
+from actstore.jobs.settings import DfaConfig
 
 
 @command(example="actstore dfa /tmp/s --direction token:42 --k 20")

@@ -13,35 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from actstore.core.errors import InvalidSetting
-from actstore.core.settings import check_settings, save_setting, setting
 from actstore.core.store import StoreReader
 from actstore.jobs.record import record_run
+from actstore.jobs.settings import DfaConfig
 from actstore.query.analyses.dfa import DfaResult, dfa_top, load_direction
 from actstore.query.select.corpus_sources import require_sources
 from actstore.query.select.selection import Selection
-
-
-@dataclass(frozen=True)
-class DfaConfig:
-    """One ``actstore dfa`` run."""
-
-    direction: str | None = setting(
-        None,
-        "The direction: FILE.npy[:ROW], neuron:LAYER:INDEX (output weights), token:ID (unembedding through "
-        "the final norm), sae:PATH:INDEX[:dec|enc] (SAELens folder, dictionary_learning ae.pt or .npy).",
-        required=True,
-    )
-    k: int = setting(20, "Terms kept (largest |score|).", low=1)
-    layers: tuple[int, ...] | None = setting(None, "Layers decomposed (default: every layer with sources).")
-    where: str | None = setting(None, "SQL predicate over the examples table choosing the rows.", cli=False)
-    batch_rows: int = setting(1024, "Rows per read.", low=1)
-    save: bool = save_setting()
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        if self.direction is None:
-            raise InvalidSetting("direction", "name the direction")
 
 
 @dataclass

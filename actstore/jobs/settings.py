@@ -427,3 +427,25 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+
+@dataclass(frozen=True)
+class DfaConfig:
+    """One ``actstore dfa`` run."""
+
+    direction: str | None = setting(
+        None,
+        "The direction: FILE.npy[:ROW], neuron:LAYER:INDEX (output weights), token:ID (unembedding through "
+        "the final norm), sae:PATH:INDEX[:dec|enc] (SAELens folder, dictionary_learning ae.pt or .npy).",
+        required=True,
+    )
+    k: int = setting(20, "Terms kept (largest |score|).", low=1)
+    layers: tuple[int, ...] | None = setting(None, "Layers decomposed (default: every layer with sources).")
+    where: str | None = setting(None, "SQL predicate over the examples table choosing the rows.", cli=False)
+    batch_rows: int = setting(1024, "Rows per read.", low=1)
+    save: bool = save_setting()
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if self.direction is None:
+            raise InvalidSetting("direction", "name the direction")

@@ -21,7 +21,8 @@ from threadpoolctl import threadpool_limits
 from actstore.core.errors import QueryError
 from actstore.core.sql import subquery
 from actstore.core.store import StoreReader
-from actstore.query.select.features import HEAD_KINDS, weights
+from actstore.query.select.features import HEAD_KINDS
+from actstore.query.select.weights import weights
 from actstore.serve.common import MAX_PAGE_SIZE, block_sample, example_texts, jsonable, signature
 
 MAX_QUERY_CHARS = 20_000

@@ -149,9 +149,10 @@ def unit_values(
         if kind == "mlp":
             v = store.read_segment_rows(block.segment, "mlp", block.seg_rows, [layer])[:, 0, index]
         elif kind == "head":
+            assert spec is not None
             v = np.linalg.norm(compute_block(store, spec, block)[:, 0, 0], axis=-1)
         else:
-            assert vec is not None
+            assert vec is not None and spec is not None
             v = compute_block(store, spec, block).reshape(len(block.seg_rows), -1) @ vec
         v = np.asarray(v, dtype=np.float32)
         yield row_col[at : at + v.shape[0]], v
@@ -242,8 +243,10 @@ def _sample_values(
             if kind == "mlp":
                 x = store.read_segment_rows(block.segment, "mlp", block.seg_rows, [layer])[:, 0]
             elif kind == "head":
+                assert spec is not None
                 x = np.linalg.norm(compute_block(store, spec, block)[:, 0], axis=-1)  # [b, H]
             else:
+                assert spec is not None
                 x = compute_block(store, spec, block).reshape(len(block.seg_rows), -1)
             parts.append(np.asarray(x, dtype=np.float32))
         got = np.concatenate(parts)

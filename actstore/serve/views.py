@@ -17,7 +17,7 @@ from actstore.jobs import probe as probe_job
 from actstore.query.analyses.stats import proportion_interval
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
 from actstore.query.report.summary import CORPUS_WITH_TARGETS
-from actstore.query.select.features import weights
+from actstore.query.select.weights import weights
 from actstore.serve.common import (
     MAX_PAGE_SIZE,
     block_sample,

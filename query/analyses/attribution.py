@@ -50,8 +50,8 @@ import torch
 from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
 from actstore.query.analyses.probe_config import CONTRASTS, DEFAULT_CONTRAST
-from actstore.query.select.features import weights
 from actstore.query.select.selection import Selection
+from actstore.query.select.weights import weights
 
 TOKEN_KINDS = ("attn_head", "attn_entity", "attn")
 

@@ -32,7 +32,7 @@ import torch
 from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
 from actstore.query.select.corpus_sources import read_rows, require_sources
-from actstore.query.select.features import weights
+from actstore.query.select.weights import weights
 
 
 def _int(text: str, what: str) -> int:

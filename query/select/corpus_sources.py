@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from actstore.core.errors import QueryError
+from actstore.query.select.weights import weights
 
 if TYPE_CHECKING:
     from actstore.core.store import StoreReader
@@ -150,7 +151,6 @@ def contributions(store: StoreReader, f: SourceFactors) -> tuple[np.ndarray, np.
     """``Delta_att,h(t, j)`` of the kept sources [n, l, h, K, d_model] and the remainder's
     ``rem_h(t) W_O,h`` [n, l, h, d_model] (their sum over the sources plus the remainder is
     ``attn_head``)."""
-    from actstore.query.select.features import weights
 
     WO = weights(store).layers("W_O", list(f.layers))[:, list(f.heads)]  # [l, h, dh, d]
     av = torch.from_numpy(f.av)
@@ -172,7 +172,6 @@ def source_sum(
     f = source_factors(store, rows, layers, heads)
     inside = np.isin(f.source_row, np.asarray(sources, dtype=np.int64))
     z = (f.av * inside[..., None]).sum(3)
-    from actstore.query.select.features import weights
 
     WO = weights(store).layers("W_O", list(f.layers))[:, list(f.heads)]
     return torch.einsum("nlhd,lhde->nlhe", torch.from_numpy(z), WO).numpy()

@@ -19,17 +19,16 @@ only those heads (for ``mlp_group``: those groups).
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from actstore.core.errors import InvalidQuerySetting, InvalidSetting, QueryError
 from actstore.query.select.corpus_sources import contributions, corpus_sources, source_factors
+from actstore.query.select.weights import pick, weights
 
 if TYPE_CHECKING:
     from actstore.core.store import StoreReader
@@ -144,71 +143,6 @@ def group_bounds(d_mlp: int, groups: int) -> list[int]:
     return bounds
 
 
-class WeightCache:
-    """Weights as float32 torch tensors, loaded once per store (weights never change once written)."""
-
-    def __init__(self, store: StoreReader) -> None:
-        self._store = weakref.ref(store)  # the cache must not keep its store alive (see _CACHES)
-        self._w: dict[str, torch.Tensor] = {}
-        self._by_layer: dict[tuple[str, int], torch.Tensor] = {}
-        self._picked: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        self._chunked: dict[str, bool] = {}
-
-    def _of(self) -> StoreReader:
-        store = self._store()
-        if store is None:
-            raise QueryError("the store of this weight cache was closed")
-        return store
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._w:
-            self._w[name] = torch.from_numpy(self._of().weight(name))
-        return self._w[name]
-
-    def layers(self, name: str, layers: list[int]) -> torch.Tensor:
-        """Weight ``name`` (layers first: ``W_O``, ``b_O``, ``W_down``, ``b_down``) at ``layers`` only.
-        Unless the whole weight is loaded already, each layer is read alone and kept (a store chunks
-        these weights one layer per chunk), so a read of three layers of a freshly opened store reads
-        three layers' weights, not all of them (SmolLM2's ``W_O``: 40 MB)."""
-        store = self._of()
-        if name not in self._chunked:  # (asked once: opening the array is a read of its metadata)
-            self._chunked[name] = store.layer_chunked(name)
-        if name in self._w or len(layers) == store.geometry.n_layers or not self._chunked[name]:
-            return _pick(self[name], layers, 0)
-        key = (name, tuple(layers))
-        if key not in self._picked:  # (kept: every row block of a query asks again)
-            for layer in layers:
-                if (name, layer) not in self._by_layer:
-                    self._by_layer[name, layer] = torch.from_numpy(store.weight(name, layer))
-            self._picked[key] = torch.stack([self._by_layer[name, layer] for layer in layers])
-        return self._picked[key]
-
-
-_CACHES: weakref.WeakKeyDictionary[StoreReader, WeightCache] = weakref.WeakKeyDictionary()
-_CACHES_LOCK = threading.Lock()
-
-
-def weights(store: StoreReader) -> WeightCache:
-    """The weight cache of ``store``, made on first use and dropped with the store."""
-    with _CACHES_LOCK:
-        cache = _CACHES.get(store)
-        if cache is None:
-            cache = _CACHES[store] = WeightCache(store)
-        return cache
-
-
-def _pick(x: Any, idx: list[int], dim: int) -> Any:
-    """``x`` restricted to positions ``idx`` along ``dim`` (numpy or torch).
-
-    A contiguous ascending ``idx`` (all layers, a layer range) is a slice, i.e. a view; fancy
-    indexing would copy, e.g. all of ``W_down`` (106 MB for SmolLM2) for every row block.
-    """
-    pre = (slice(None),) * dim
-    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
-        return x[(*pre, slice(idx[0], idx[0] + len(idx)))]
-    return x[(*pre, idx)]
-
-
 def row_shape(store: StoreReader, spec: FeatureSpec, n_sources: int = 0) -> tuple[int, ...]:
     """The shape of one row of ``spec``'s features (``n_sources``: the source axis of the source kinds)."""
     g = store.geometry
@@ -290,7 +224,7 @@ def compute_block(
     if kind in ("z", "attn_head", "attn"):
         z = torch.from_numpy(store.read_segment_rows(seg, "z", rows, L))  # [n, l, H, dh]
         if kind == "z":
-            dst.copy_(_pick(z, Hs, 2))
+            dst.copy_(pick(z, Hs, 2))
             return out
         WO = W.layers("W_O", L)  # [l, H, dh, d]
         if kind == "attn":
@@ -298,7 +232,7 @@ def compute_block(
             WOf = WO.reshape(len(L), -1, g.d_model)
             torch.baddbmm(W.layers("b_O", L)[:, None], zf.transpose(0, 1), WOf, out=dst.transpose(0, 1))
             return out
-        _heads_matmul(_pick(z, Hs, 2), _pick(WO, Hs, 1), dst)
+        _heads_matmul(pick(z, Hs, 2), pick(WO, Hs, 1), dst)
         return out
     if K:  # a corpus store with sources: its top-K sources, zero-padded (corpus_sources.py)
         f = source_factors(store, store.manifest.segment_size * seg + rows, L, Hs)
@@ -317,9 +251,7 @@ def compute_block(
         lengths = np.where(has, block.subject_end - block.subject_start, 0)
     else:
         starts, lengths = block.src_start, block.n_src
-    A = torch.from_numpy(
-        _pick(store.read_segment_ranges(seg, "attn", starts, lengths, L), Hs, 2)
-    )  # [N, l, h]
+    A = torch.from_numpy(pick(store.read_segment_ranges(seg, "attn", starts, lengths, L), Hs, 2))  # [N, l, h]
     first = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # row r's sources: first[r] ..
     if kind == "attn_prob":
         for r in range(n):
@@ -330,7 +262,7 @@ def compute_block(
         return out
     V = torch.from_numpy(store.read_segment_ranges(seg, "v", starts, lengths, L))  # [N, l, Hkv, dh]
     AV = _weighted_values(A, V, Hs, g.kv_group)  # [N, l, h, dh]
-    WOs = _pick(W.layers("W_O", L), Hs, 1)  # [l, h, dh, d]
+    WOs = pick(W.layers("W_O", L), Hs, 1)  # [l, h, dh, d]
     if kind == "attn_entity":
         owner = torch.repeat_interleave(torch.arange(n), torch.as_tensor(lengths, dtype=torch.long))
         ze = torch.zeros((n, len(L), len(Hs), g.d_head))

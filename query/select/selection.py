@@ -446,7 +446,9 @@ class Selection:
         return to_hf_dataset(self, path, kind, **options)
 
     def to_activation_cache(
-        self, kinds: Sequence[str] = ("resid", "attn_head", "attn", "mlp", "z"), layers: Sequence[int] | None = None
+        self,
+        kinds: Sequence[str] = ("resid", "attn_head", "attn", "mlp", "z"),
+        layers: Sequence[int] | None = None,
     ) -> Any:
         """The rows as the cache TransformerLens's ``run_with_cache`` returns: hook name -> ``[rows, 1, ...]``
         (``blocks.3.hook_resid_pre``, ``blocks.3.attn.hook_result``, ...), a ``transformer_lens.ActivationCache``

@@ -1038,7 +1038,9 @@ VERIFY_CASES = [
     VerifyCase(
         "swapped-chunk",
         lambda c: swap_chunk,
-        ("segments/000001/attn: chunk 0 (rows 0:79, every layer 0..1) is corrupt: SHA-256 does not match the commit marker",),
+        (
+            "segments/000001/attn: chunk 0 (rows 0:79, every layer 0..1) is corrupt: SHA-256 does not match the commit marker",
+        ),
     ),
     VerifyCase(
         "nan-and-inf",

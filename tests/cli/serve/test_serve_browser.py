@@ -345,16 +345,9 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
     shot(pg, "corpus-home")
     assert _links_resolve(pg, base) > 20
     # a neuron with a precomputed top-k: contexts coloured, a histogram, logit effects
-    t0 = time.perf_counter()
+    # (its time, 300 ms at most, is measured by benchmarks/bench_serve.py --corpus-tokens, never asserted here)
     pg.goto(base + "/s/corpus/unit/mlp/1/7")
     ready(pg)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    pg.goto(base + "/s/corpus/unit/mlp/1/8")
-    ready(pg)
-    warm = time.perf_counter() - t0
-    # (the 300 ms target is benchmarks/bench_serve.py --corpus-tokens's; here, on a shared machine, a bound)
-    assert min(first, warm) < 2.0, (first, warm)
     assert "precomputed" in pg.inner_text("#unit-label")
     assert pg.locator("#top-contexts tbody tr").count() == 20
     assert pg.locator("#top-contexts .tok.at").count() == 20 and pg.locator("#histogram rect").count() >= 1

@@ -219,7 +219,11 @@ def test_masks_minibatches_and_seeds(store_factory: Callable[..., Path]) -> None
     # chunking rows changes nothing but summation order
     chunked = train_tuned_lens(readout, resid, TrainConfig(steps=30, chunk_elements=3 * 512))
     full = train_tuned_lens(readout, resid, cfg)
-    torch.testing.assert_close(chunked.D, full.D, rtol=1e-4, atol=1e-6)
+    # Two float32 summation orders, then 30 Adam steps that carry their last bits forward: a tolerance
+    # relative to the values' size (docs/testing.md, "Tolerances"); under the plain CPU kernels one
+    # element of 8,192 differed by 2.3e-6 against an absolute 1e-6.
+    scale = float(full.D.abs().max())
+    torch.testing.assert_close(chunked.D, full.D, rtol=1e-4, atol=1e-4 * scale)
     # mini-batches: deterministic with the seed, different across seeds
     a = train_tuned_lens(readout, resid, TrainConfig(steps=30, batch=4, seed=1))
     b = train_tuned_lens(readout, resid, TrainConfig(steps=30, batch=4, seed=1))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import actstore
-from actstore.core.errors import QueryError, ReadOnlySQLError
+from actstore.core.errors import EmptySelectionWarning, QueryError, ReadOnlySQLError
 from actstore.query.select.selection import Selection
 
 HOSTILE = [
@@ -136,5 +136,6 @@ def test_from_ids_keeps_store_order_and_drops_unknown_ids(store: actstore.Store)
     ids = sorted(store.table("examples", ["example_id"]).column(0).to_pylist())
     asked = [ids[3], ids[0], ids[3], 10**9]
     sel = Selection.from_ids(store, asked)
-    assert sel.example_ids.tolist() == [ids[0], ids[3]]
+    with pytest.warns(EmptySelectionWarning, match="no rows for example ids 1000000000"):  # named when read
+        assert sel.example_ids.tolist() == [ids[0], ids[3]]
     assert len(Selection.from_ids(store, [])) == 0

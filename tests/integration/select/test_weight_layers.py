@@ -10,7 +10,7 @@ import pytest
 from helpers import build_store
 
 import actstore
-from actstore.query.select.features import weights
+from actstore.query.select.weights import weights
 
 
 @pytest.fixture(scope="module")
