@@ -85,7 +85,7 @@ def test_estimate_comes_before_the_first_batch(tmp_path: Path) -> None:
         "--layers",
         "0,1",
     ]
-    result = CliRunner().invoke(main, [*args, "--out", str(out)])
+    result = CliRunner().invoke(main, [*args, "--out", str(out)], env={"ACTSTORE_PROGRESS": "1"})
     assert result.exit_code == 0, result.stderr
     err = result.stderr
     assert "size estimate:" in err and err.index("size estimate:") < err.index("ingest:")

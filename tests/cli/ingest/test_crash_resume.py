@@ -92,7 +92,8 @@ def cli_args(out: Path, resume: bool = False) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    # ACTSTORE_PROGRESS=1: the progress bar on a stderr that is a file, which the kill tests wait for
+    return {**os.environ, "OMP_NUM_THREADS": "1", "ACTSTORE_PROGRESS": "1"}
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:

@@ -138,7 +138,7 @@ def test_cli_maps_dynamic_workers(maps_store: Path) -> None:
     ]
     plain = CliRunner().invoke(main, [*base, "--quiet"])
     assert plain.exit_code == 0, plain.output
-    r = CliRunner().invoke(main, [*base, "--workers", "2"])
+    r = CliRunner().invoke(main, [*base, "--workers", "2"], env={"ACTSTORE_PROGRESS": "1"})  # progress piped
     assert r.exit_code == 0, r.output
     assert r.stderr.splitlines()[-1].startswith("task 1/1 done: 24 prompts in tasks of 256")
     a, b = json.loads(plain.stdout), json.loads(r.stdout)
@@ -150,10 +150,10 @@ def test_cli_dask_options_bad_input(maps_store: Path) -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    for extra, want in (
-        (["--dask", "tcp://127.0.0.1:1", "--workers", "2"], "not both"),
-        (["--workers", "0"], "--workers: must be at least 1"),
-        (["--dask", f"tcp://127.0.0.1:{port}"], "cannot reach the Dask scheduler"),
+    for extra, want, code in (  # a refused setting is a usage error (2); an unreachable scheduler, 1
+        (["--dask", "tcp://127.0.0.1:1", "--workers", "2"], "not both", 2),
+        (["--workers", "0"], "--workers: must be at least 1", 2),
+        (["--dask", f"tcp://127.0.0.1:{port}"], "cannot reach the Dask scheduler", 1),
     ):
         r = CliRunner().invoke(
             main,
@@ -169,7 +169,7 @@ def test_cli_dask_options_bad_input(maps_store: Path) -> None:
                 *extra,
             ],
         )
-        assert r.exit_code == 1
+        assert r.exit_code == code, (extra, r.exit_code)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and want in lines[0], r.stderr
 
@@ -324,9 +324,9 @@ def test_cli_correlate_dask(probe_run: tuple[Path, str], kg_files: list[Path], c
     assert json.loads(plain.stdout) == json.loads(r.stdout)
     bad = CliRunner().invoke(main, [*base, "--workers", "2", "--dask", "tcp://127.0.0.1:1"])
     # under --json the error is one JSON object on stdout (docs/commands.md, "Errors and exit codes")
-    assert bad.exit_code == 1 and bad.stderr == "" and len(bad.stdout.splitlines()) == 1
+    assert bad.exit_code == 2 and bad.stderr == "" and len(bad.stdout.splitlines()) == 1  # a usage error
     err = json.loads(bad.stdout)
-    assert err["exit_code"] == 1 and err["error"].startswith("--workers: give a Dask scheduler address")
+    assert err["exit_code"] == 2 and err["error"].startswith("--workers: give a Dask scheduler address")
 
 
 def test_cli_correlate_kb_by_name(probe_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:

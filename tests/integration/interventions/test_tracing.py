@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from helpers import KNOWN_STORE_KW
 
 import actstore
-from actstore.core.errors import PatchError
+from actstore.core.errors import EmptySelectionWarning, PatchError
 from actstore.ingest.capture.architectures import architecture_for as architecture_for_model
 from actstore.ingest.models.tiny import tiny_model
 from actstore.interventions.patching import ActivationPatcher, PatchPair
@@ -77,7 +77,8 @@ def test_stored_facts_of_chosen_examples(llama_store: Path) -> None:
     store = actstore.open(llama_store)
     every = stored_facts(store, correct_only=False)
     pick = [every[-1].example_id, every[0].example_id, 10**9]  # any order; an unknown id selects nothing
-    got = stored_facts(store, Selection.from_ids(store, pick), correct_only=False)
+    with pytest.warns(EmptySelectionWarning, match="1000000000"):  # and is named
+        got = stored_facts(store, Selection.from_ids(store, pick), correct_only=False)
     assert [f.example_id for f in got] == sorted(pick[:2]) and got[0] == every[0] and got[1] == every[-1]
     assert stored_facts(store, Selection.from_ids(store, []), correct_only=False) == []
 

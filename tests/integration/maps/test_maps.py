@@ -512,7 +512,8 @@ def test_automatic_controls_stored_equal_recomputed(store_factory: Callable[...,
     assert all(f"skipped {c:<40} base accuracy 0.00 <= 0.0" in r.stdout for _, _, c in expected), r.stdout
     other = store_factory("gemma3", limit=1)  # another model's store: its scores cannot stand in
     r = CliRunner().invoke(main, [*args, "--scores-store", str(other)])
-    assert r.exit_code == 1 and r.stderr.strip().count("\n") == 0 and "another model's weights" in r.stderr, (
+    # a refused setting: a usage error (docs/commands.md, "Errors and exit codes")
+    assert r.exit_code == 2 and r.stderr.strip().count("\n") == 0 and "another model's weights" in r.stderr, (
         r.stderr
     )
 
