@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actstore.cli.methods import SEED_CONSENSUS_TEXT, method_label
+from actstore.cli.methods import PAPER_CONSENSUS_TEXT, method_label
 
 PCT_METRICS = {"consistency", "verdict_consistency", "beats_random"}
 STUDY_METRICS = (
@@ -108,7 +108,7 @@ def _pair_rows(d: dict[str, Any], mode: str) -> list[str]:
         if x == "all":
             c = got["consensus"]
             lines.append(
-                f"| all methods (consensus) | {c['n']} | {_ci(c, True)} | {SEED_CONSENSUS_TEXT} | | | | | |"
+                f"| all methods (consensus) | {c['n']} | {_ci(c, True)} | {PAPER_CONSENSUS_TEXT} | | | | | |"
             )
             continue
 

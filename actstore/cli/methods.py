@@ -26,7 +26,7 @@ from actstore.cli._options import (
 )
 from actstore.jobs.settings import AgreeConfig, CorpusLensConfig, LensRunConfig
 
-SEED_CONSENSUS_TEXT = "47.6%"  # the seed paper's share of facts on which every method agrees
+PAPER_CONSENSUS_TEXT = "47.6%"  # share of facts on which every method agrees in An Empirical Study of Mechanistic Interpretability Approaches for Factual Recall (ACL 2025)
 
 
 def method_label(method: str, tuned: str | None) -> str:
@@ -267,7 +267,7 @@ def agree(
         )
     click.echo(
         f"{'all methods agree':<34} {result['consensus_facts']:>5} {_fmt(result['consensus']):>9}"
-        f"{'':>27}   {SEED_CONSENSUS_TEXT}"
+        f"{'':>27}   {PAPER_CONSENSUS_TEXT}"
     )
     _chance_table(result, label)
     cs = result.get("causal_shares")

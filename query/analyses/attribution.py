@@ -1,12 +1,12 @@
 """HeadScore and TokenScore for probe predictions ("Tracing Relational Knowledge Recall", ACL 2026 Findings).
 
 For a prediction c_hat with softmax pi over the episode's classes, the contrast direction is one of
-two readings of the seed (``contrast``, recorded with every run):
+two readings of Tracing Relational Knowledge Recall in Large Language Models, arXiv 2604.19934 (``contrast``, recorded with every run):
 
     renormalised (default, ours):  dW = W[:, c_hat] - sum_{c != c_hat} pi'_c W[:, c],   pi' = pi renormalised over c != c_hat
     seed (the formula as written): dW = W[:, c_hat] - sum_{c != c_hat} pi_c  W[:, c]
 
-They differ by the factor 1 - pi_c_hat on the competitor term: the seed's reading weighs the competitors
+They differ by the factor 1 - pi_c_hat on the competitor term: the paper's reading weighs the competitors
 less the more confident the prediction (dW -> W[:, c_hat] as pi_c_hat -> 1, so a confident prediction's
 HeadScore includes what raises every class's logit alike); ours keeps "the predicted class minus the
 expected competitor" at every confidence.  With x' the probe's (standardised) input features,
@@ -67,7 +67,7 @@ def contrast_coefficients(
 ) -> torch.Tensor:
     """Per prediction ([..., C]), dW = W @ coef: ``onehot(c_hat) - pi'`` (``"renormalised"``, pi' the
     softmax renormalised over the competitors) or ``onehot(c_hat) - pi * (1 - onehot)`` (``"seed"``,
-    the full softmax as the seed writes it)."""
+    the full softmax as arXiv 2604.19934 writes it)."""
     check_contrast(reading)
     onehot = torch.nn.functional.one_hot(pred, probs.shape[-1]).to(probs.dtype)
     comp = probs * (1 - onehot)

@@ -7,7 +7,7 @@ For a probe run (typically 16-way 5-shot over all relations), per relation:
   the lower-cased object text), and ``output_range_ratio`` = that count / the instances counted
   (fairer when relations differ in size).  With ``dataset_file`` (the FewRel JSON the store was
   ingested from) over *every* instance of the relation in that file, object-first ones included
-  (``output_range="dataset"``, the default when a file is given): our reading of the seed's output
+  (``output_range="dataset"``, the default when a file is given): our reading of arXiv 2604.19934's output
   range, which counts a relation's objects in Wikidata.  Without one, over the run's stored
   selection (``"sample"``: only the instances that qualified for ingest, e.g. P155 keeps 99);
   ``output_range_source`` says which;
@@ -21,7 +21,7 @@ For a probe run (typically 16-way 5-shot over all relations), per relation:
 - ``head_concentration``: the number of units (heads) needed to reach 95% of the relation's total
   HeadScore, largest first.  By default (``concentration="predicted-abs"``) over the predictions the
   probe *assigned* to the relation, summing each unit's |HeadScore| (``head_scores.pred_abs_score``):
-  a property of the probe that needs no labels, as the seed presents it, and every prediction's dW
+  a property of the probe that needs no labels, as Tracing Relational Knowledge Recall in Large Language Models (arXiv 2604.19934) presents it, and every prediction's dW
   points at the class it is grouped under.  ``"gold-signed"`` is the earlier version: predictions
   grouped by their gold relation (errors included, with a dW aimed at another class) and the
   |mean signed score| per unit (``head_scores.score``), where heads of opposite sign cancel.  A run
@@ -156,7 +156,7 @@ def relation_predictors(
             )
     range_source = (
         f"data set file {os.path.basename(os.fspath(dataset_file or ''))}: every instance, object-first "
-        "ones included (ours; the seed counts objects in Wikidata)"
+        "ones included (ours; arXiv 2604.19934 counts objects in Wikidata)"
         if file_ranges is not None
         else "stored sample: the run's selected instances"
     )

@@ -4,7 +4,7 @@ A raw agreement share (two methods' key layers within ``tolerance`` on 43.7% of 
 until it is set against what two methods would share if their readings had nothing to do with the
 fact: when each method's key layer is nearly a constant of the method, the raw share is high or
 low for that reason alone.  Every agreement figure of :mod:`actstore.query.methods.tables` is
-therefore reported with (all ours; the seed gives raw shares only):
+therefore reported with (all ours; the ACL 2025 method study gives raw shares only):
 
     chance      the mean agreement under the *permutation null*: method B's readings shuffled over
                 the facts of the same stratum (methods2k's relation x frequency band x uniqueness,

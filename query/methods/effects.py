@@ -4,10 +4,10 @@ The raw effect of a knock-out is a drop in P(object); a site that removes most o
 P by about p_clean, whatever the site.  Two methods whose sites both remove most of it then
 correlate across facts through p_clean alone (SmolLM2: patch vs logit lens r = +0.88 on raw drops,
 +0.12 on drops over p_clean).  Each located-site effect of ``site_effects`` is therefore read in
-three forms (ours; the seed does not define its "effect correlation"):
+three forms (ours; the ACL 2025 method study does not define its "effect correlation"):
 
     raw       the table's ``effect``: knock-out P(o | clean) - P(o | knocked out); restore
-              P(o | restored) - P(o | corrupted)  (the seed-comparable form, kept)
+              P(o | restored) - P(o | corrupted)  (the form comparable with the ACL 2025 method study, kept)
     relative  effect / p_clean: the share of the clean probability the site removes (restores)
     logodds   the same change in log-odds, logit(p) = log p - log(1 - p), p clipped to
               [1e-12, 1 - 1e-12]: knock-out logit(P clean) - logit(P knocked out); restore

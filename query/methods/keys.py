@@ -11,7 +11,7 @@ layer where P(object) jumps.  These variants read the same stored runs different
                    whose centre l - 0.5 is between two blocks: the reading takes the lower middle
                    block, ``(lo + hi) // 2`` = l - 1, so it is biased by -0.5 block against the
                    true centre (at the edges the clipped window's centre: label 0 -> block 2).
-                   Single-block restorations (w = 1, the seed's "precision down to layer") need new
+                   Single-block restorations (w = 1, the ACL 2025 method study's "precision down to layer") need new
                    trace runs (``TraceConfig(window=1)``); for them label = centre.
     patch@subject_last, patch@last   patching's profile at one position only (the recovery of
                    patching layer l's MLP / attention output at the subject's last token, or at the

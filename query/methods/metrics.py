@@ -1,4 +1,4 @@
-"""The seed-001 metrics of interpretability methods on factual recall, per method and per stratum.
+"""The metrics of An Empirical Study of Mechanistic Interpretability Approaches for Factual Recall (ACL 2025) of interpretability methods on factual recall, per method and per stratum.
 
 Every method's reading (:mod:`actstore.query.methods.readings`: a per-layer profile per fact, a key layer and an
 MLP-vs-attention verdict; tracing, patching and the lenses also give the two component profiles)

@@ -29,7 +29,7 @@ from actstore.query.methods.metrics import (
 )
 from actstore.query.methods.readings import SEED_001, SEED_001_CONSENSUS, MethodReading
 
-# The seed's cross-size table (GPT-2 small / medium / large): key MLP layer position (share of
+# The ACL 2025 method study's cross-size table (GPT-2 small / medium / large): key MLP layer position (share of
 # depth), MLP and attention shares of the causal effect (%), recall success rate (%).
 SEED_001_CROSS_SIZE = {
     "GPT-2 Small": {"key_mlp_layer": "50-70%", "mlp_share": 62.3, "attn_share": 37.7, "recall": 45.2},
@@ -253,7 +253,7 @@ def cross_size_rows(
     resamples: int = RESAMPLES,
     seed: int = 0,
 ) -> pa.Table:
-    """The seed's cross-size figures for one model: key MLP layer as a share of depth (at the
+    """The ACL 2025 method study's cross-size figures for one model: key MLP layer as a share of depth (at the
     subject's last token, ``subject_site`` from :func:`actstore.query.methods.readings.key_mlp_at_subject`, and over
     all positions from the tracing MLP profile), the MLP and attention shares of the causal effect
     (tracing: peak windowed-MLP effect / (peak MLP + peak attention), positive parts; patching:
