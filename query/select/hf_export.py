@@ -51,6 +51,7 @@ from actstore.core.errors import QueryError
 from actstore.query.select.features import FeatureSpec, RowBlock, compute_block
 from actstore.query.select.labelled import SOURCE_KINDS
 from actstore.query.select.loader_args import Selected
+from actstore.query.select.tl_cache import kind_names
 
 
 class Exported(Selected, Protocol):
@@ -66,18 +67,11 @@ HF_DTYPES = ("float32", "float16")
 
 
 def hook_name_of(kind: str, layer: int, n_layers: int) -> str:
-    """The TransformerLens hook name SAELens would cache ``kind`` at ``layer`` under."""
-    if kind == "resid":
-        return (
-            f"blocks.{layer}.hook_resid_pre" if layer < n_layers else f"blocks.{n_layers - 1}.hook_resid_post"
-        )
-    names = {
-        "mlp": "hook_mlp_out",
-        "attn": "hook_attn_out",
-        "z": "attn.hook_z",
-        "attn_head": "attn.hook_result",
-    }
-    return f"blocks.{layer}.{names.get(kind, f'actstore.{kind}')}"
+    """The TransformerLens hook name SAELens would cache ``kind`` at ``layer`` under (the store's
+    TransformerLens names, :func:`~actstore.query.select.tl_cache.kind_names`)."""
+    if kind in ("resid", "mlp", "attn", "z", "attn_head"):
+        return kind_names(kind, layer, n_layers)["hook"]
+    return f"blocks.{layer}.actstore.{kind}"
 
 
 # The transformers module holding the decoder blocks, and each block's attention and MLP modules.

@@ -44,14 +44,6 @@ MODULES = {
         "mlp",
         "mlp.down_proj",
     ),
-    "gemma3": (
-        "model.embed_tokens",
-        "model.layers.{l}",
-        "self_attn",
-        "self_attn.o_proj",
-        "mlp",
-        "mlp.down_proj",
-    ),
     "gpt2": ("transformer.drop", "transformer.h.{l}", "attn", "attn.c_proj", "mlp", "mlp.c_proj"),
     "gpt_neox": (
         "gpt_neox.emb_dropout",
@@ -62,6 +54,7 @@ MODULES = {
         "mlp.dense_4h_to_h",
     ),
 }
+MODULES["gemma3"] = MODULES["llama"]  # the same module names
 TL_KINDS = ("resid", "z", "attn_head", "attn", "attn_prob", "mlp", "mlp_post")
 
 
