@@ -10,8 +10,10 @@
 4. ``tiny-<arch>`` (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma3``, ``tiny-gpt2``,
    ``tiny-gpt_neox``): a random-weight tiny model built from a config (:mod:`actstore.ingest.models.tiny`);
 5. anything else that looks like a hub repository name (``owner/name``): the local hub cache
-   first, then a download, both through ``huggingface_hub``; with ``HF_HUB_OFFLINE=1`` only the
-   local cache is read, and a model missing from it is one error line saying so.
+   first, then a download, both through ``huggingface_hub``; with ``HF_HUB_OFFLINE=1`` or
+   ``ACTSTORE_OFFLINE=1``, or where the hub's host does not answer at once (:func:`hub_offline`), only
+   the local cache is read, and a model missing from it is one error line naming the aliases, with no
+   retries.
 """
 
 from __future__ import annotations
@@ -190,6 +192,35 @@ def _hub_failure(key: str, exc: BaseException) -> str:
     return f"cannot load {key!r} from {endpoint}: {short_reason(exc)}"
 
 
+#: Environment variables that keep the hub offline (any value but "", "0", "false", "no", "off").
+OFFLINE_ENV = ("ACTSTORE_OFFLINE", "HF_HUB_OFFLINE")
+
+
+def hub_offline(timeout: float = 1.5) -> str | None:
+    """Why the hub cannot be reached, or None where it may be: an offline variable of
+    :data:`OFFLINE_ENV` set (read now, not when huggingface_hub was imported), or the endpoint's host
+    not resolving or not taking a connection within ``timeout`` seconds (one try, no retries; skipped
+    behind a proxy, which only a request through it can test)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    for var in OFFLINE_ENV:
+        if os.environ.get(var, "").strip().lower() not in ("", "0", "false", "no", "off"):
+            return f"{var} is set"
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{constants.ENDPOINT} cannot be reached ({short_reason(e, 80)})"
+
+
 def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedModel:
     def unknown(reason: str, cls: type[ModelError] = ModelError) -> ModelError:
         return cls(
@@ -221,15 +252,13 @@ def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedMod
     try:
         model, tokenizer = fetch(True)  # the local hub cache first: no network
     except Exception as exc:  # transformers wraps the hub's errors in OSError, ValueError, ...
-        if constants.HF_HUB_OFFLINE:
-            from huggingface_hub.errors import LocalEntryNotFoundError
-
+        offline = hub_offline()
+        if offline:
             if not any(isinstance(cause, LocalEntryNotFoundError) for cause in _causes(exc)):
                 raise unknown(f"cannot load {key!r} from the local hub cache: {short_reason(exc)}") from exc
             raise unknown(
-                f"{key!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set: "
-                f"download it once with network access (without HF_HUB_OFFLINE, e.g. hf download {key}), "
-                "or pass a local folder"
+                f"{key!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and {offline}: "
+                f"download it once with network access (e.g. hf download {key}), or pass a local folder"
             ) from exc
         logger.info("%s is not in the local hub cache: fetching it from %s", key, constants.ENDPOINT)
         try:
