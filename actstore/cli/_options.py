@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -116,6 +117,48 @@ def progress_lines(quiet: bool, as_json: bool = False) -> Callable[[str], None] 
     if quiet or (as_json and not progress_wanted()):
         return None
     return lambda m: click.echo(printable(m), err=True)
+
+
+@contextlib.contextmanager
+def compute_threads(threads: int) -> Iterator[None]:
+    """``--threads`` while a command runs: torch's intra-op threads and numpy's BLAS/OpenMP pools
+    (threadpoolctl) set to ``threads``, restored afterwards; 0 leaves both as they are."""
+    if threads <= 0:
+        yield
+        return
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with threadpool_limits(threads):
+            yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def threads_option(fn: F) -> F:
+    """``--threads`` (:data:`actstore.core.settings.THREADS_HELP`, default
+    :data:`~actstore.core.settings.DEFAULT_THREADS`) of every command that computes, applied with
+    :func:`compute_threads` around the command.  A command whose settings declare ``threads``
+    themselves (ingest, probe: :func:`actstore.core.settings.threads_setting`) keeps that option and
+    is wrapped alike; place this decorator above the settings' options."""
+    from actstore.core.settings import DEFAULT_THREADS, THREADS_HELP
+
+    declared = any(p.name == "threads" for p in getattr(fn, "__click_params__", ()))
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        threads = kwargs["threads"] if declared else kwargs.pop("threads")
+        with compute_threads(threads):
+            return fn(*args, **kwargs)
+
+    if declared:
+        return wrapper  # type: ignore[return-value]
+    return click.option(
+        "--threads", type=click.IntRange(min=0), default=DEFAULT_THREADS, show_default=True, help=THREADS_HELP
+    )(wrapper)  # type: ignore[return-value]
 
 
 def no_save_option(fn: F) -> F:

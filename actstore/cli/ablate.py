@@ -16,6 +16,7 @@ from actstore.cli._options import (
     open_store_arg,
     quiet_option,
     store_argument,
+    threads_option,
     where_option,
 )
 from actstore.jobs.settings import AblateRequest  # torch-free: the help imports it
@@ -31,6 +32,7 @@ def _stderr(quiet: bool) -> Any:
 
 
 @command(example="actstore ablate /tmp/s --relation country_capital --pairs maps/ --random-draws 5")
+@threads_option
 @store_argument
 @options_from(AblateRequest, first=("relation",))
 @click.option("--no-controls", is_flag=True, help="Skip control relations.")

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from actstore.cli._config import config_from, options_from
-from actstore.cli._options import command
+from actstore.cli._options import command, threads_option
 from actstore.jobs.settings import DemoConfig
 
 
@@ -20,6 +20,7 @@ def _detail(text: str) -> None:
 
 
 @command(example="actstore demo --out demo-out --limit-per-relation 20")
+@threads_option
 @options_from(DemoConfig)
 def demo(**given: Any) -> None:
     """Ingest the demo corpus, run probes, HeadScore/TokenScore and MAPS, and write a report."""

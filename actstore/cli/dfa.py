@@ -15,12 +15,14 @@ from actstore.cli._options import (
     no_save_option,
     open_store_arg,
     store_argument,
+    threads_option,
     where_option,
 )
 from actstore.jobs.settings import DfaConfig
 
 
 @command(example="actstore dfa /tmp/s --direction token:42 --k 20")
+@threads_option
 @store_argument
 @options_from(DfaConfig)
 @where_option

@@ -7,13 +7,14 @@ from typing import Any
 
 import click
 
-from actstore.cli._options import command, parse_int_list, printable
+from actstore.cli._options import command, parse_int_list, printable, threads_option
 
 
 @command(
     "import",
     example="actstore import /tmp/hidden_states --layer-ids 1,9,17 --model smollm2-135m --out /tmp/s",
 )
+@threads_option
 @click.argument("source", nargs=-1, required=True, metavar="SOURCE...")
 @click.option("--out", required=True, help="The store to write (a path or URL).")
 @click.option(

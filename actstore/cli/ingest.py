@@ -9,7 +9,14 @@ from typing import Any
 import click
 
 from actstore.cli._config import config_from, options_from
-from actstore.cli._options import command, json_option, printable, progress_lines, quiet_option
+from actstore.cli._options import (
+    command,
+    json_option,
+    printable,
+    progress_lines,
+    quiet_option,
+    threads_option,
+)
 from actstore.ingest.settings import IngestRequest
 
 
@@ -17,6 +24,7 @@ from actstore.ingest.settings import IngestRequest
     example="actstore ingest --model smollm2-135m --dataset fewrel:val_wiki.json --limit-per-relation 50 "
     "--out /tmp/s"
 )
+@threads_option
 @options_from(IngestRequest, first=("model", "dataset", "relations", "limit_per_relation", "template"))
 @quiet_option
 @json_option

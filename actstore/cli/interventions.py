@@ -18,6 +18,7 @@ from actstore.cli._options import (
     open_store_arg,
     quiet_option,
     store_argument,
+    threads_option,
     where_option,
 )
 from actstore.jobs.settings import PatchRequest, TraceRequest  # torch-free: the help imports it
@@ -25,6 +26,7 @@ from actstore.jobs.settings import PatchRequest, TraceRequest  # torch-free: the
 
 # ----------------------------------------------------------------------------------- trace
 @command(example="actstore trace /tmp/s --limit 20 --samples 3 --figures figs")
+@threads_option
 @store_argument
 @where_option
 @options_from(TraceRequest)
@@ -103,6 +105,7 @@ def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
 
 
 @command(example="actstore patch /tmp/s --pair 0:1 --pair 5:8 --json")
+@threads_option
 @store_argument
 @where_option
 @click.option(

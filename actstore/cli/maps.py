@@ -22,6 +22,7 @@ from actstore.cli._options import (
     progress_lines,
     quiet_option,
     store_argument,
+    threads_option,
     where_option,
 )
 from actstore.jobs.settings import MapsDynamicConfig, MapsRunConfig  # torch-free: the help imports it
@@ -52,6 +53,7 @@ def _tokenizer(s: Any, name: str | None) -> Callable[[], Any]:
 
 
 @command("maps", example="actstore maps /tmp/s --pairs maps/ --relations country_capital --figures figs")
+@threads_option
 @store_argument
 @options_from(MapsRunConfig)
 @click.option(
@@ -139,6 +141,7 @@ def maps(
     "maps-dynamic",
     example="actstore maps-dynamic /tmp/s --where \"source = 'maps'\" --pairs maps/ --workers 2",
 )
+@threads_option
 @store_argument
 @where_option
 @options_from(MapsDynamicConfig, first=("relations", "k", "threshold", "multi_token", "min_pairs", "pairs"))

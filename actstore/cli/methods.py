@@ -22,6 +22,7 @@ from actstore.cli._options import (
     progress_lines,
     quiet_option,
     store_argument,
+    threads_option,
     where_option,
 )
 from actstore.jobs.settings import AgreeConfig, CorpusLensConfig, LensRunConfig
@@ -55,6 +56,7 @@ def _training_progress(label: str, steps: int, started: float) -> Callable[[int,
 
 # ------------------------------------------------------------------------------------ lens
 @command(example="actstore lens /tmp/s --correct-only --tuned adam --figures figs")
+@threads_option
 @store_argument
 @where_option
 @options_from(LensRunConfig)
@@ -116,6 +118,7 @@ def lens(
 
 # ------------------------------------------------------------------------------------ corpus-lens
 @command(example="actstore corpus-lens /tmp/corpus --steps 100 --batch 256")
+@threads_option
 @store_argument
 @options_from(CorpusLensConfig)
 @no_save_option
@@ -189,6 +192,7 @@ def _chance_table(result: dict[str, Any], label: Callable[[str], str]) -> None:
 @command(
     example="actstore agree /tmp/s --run trace-20261201T080351-97216b7b --methods trace,patch,logit_lens"
 )
+@threads_option
 @store_argument
 @options_from(AgreeConfig, first=("runs",))
 @figures_option(help="Folder for the profile curves (PNG).")

@@ -19,6 +19,7 @@ from actstore.cli._options import (
     open_store_arg,
     quiet_option,
     store_argument,
+    threads_option,
     where_option,
 )
 from actstore.jobs.settings import CorrelateConfig, ProbeRequest, ShortcutsConfig
@@ -50,6 +51,7 @@ def run_option(fn: Any) -> Any:
 
 # --------------------------------------------------------------------------------------- probe
 @command(example="actstore probe /tmp/s --kind attn_head --where \"split = 'val'\" --episodes 100 --seeds 1")
+@threads_option
 @store_argument
 @where_option
 @options_from(ProbeRequest)
@@ -156,6 +158,7 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
 
 # --------------------------------------------------------------------------------------- tokenscore
 @command(example="actstore tokenscore /tmp/s --run probe-20261201T080351-97216b7b --example 42")
+@threads_option
 @store_argument
 @run_option
 @click.option("--example", "example_id", type=int, required=True, help="Example id of the query prompt.")
@@ -226,6 +229,7 @@ def tokenscore(
     example="actstore correlate /tmp/s --run probe-20261201T080351-97216b7b --kb 'kb/*.txt' "
     "--dataset-file val_wiki.json --figures figs"
 )
+@threads_option
 @store_argument
 @click.argument("more_kb", nargs=-1)
 @run_option
@@ -341,6 +345,7 @@ def _kb_files(patterns: tuple[str, ...]) -> list[str]:
 
 # --------------------------------------------------------------------------------------- shortcuts
 @command(example="actstore shortcuts /tmp/s --run probe-20261201T080351-97216b7b --figures figs")
+@threads_option
 @store_argument
 @run_option
 @options_from(ShortcutsConfig)

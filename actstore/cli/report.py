@@ -15,10 +15,12 @@ from actstore.cli._options import (
     progress_lines,
     quiet_option,
     store_argument,
+    threads_option,
 )
 
 
 @command(example="actstore report /tmp/s --out report.html --max-runs 2")
+@threads_option
 @store_argument
 @click.option("--out", "out_path", default="report.html", show_default=True, help="HTML file to write.")
 @click.option("--title", default=None, help="Page title (default: 'actstore report: MODEL').")

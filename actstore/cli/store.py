@@ -19,6 +19,7 @@ from actstore.cli._options import (
     printable,
     sql_limit_options,
     store_argument,
+    threads_option,
     where_option,
 )
 from actstore.core.model_names import describe_model
@@ -139,6 +140,7 @@ FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, ml
     "--out x.npy"
 )
 @store_argument
+@threads_option
 @click.option("--kind", required=True, help=f"Feature kind: {FEATURE_KINDS}.")
 @where_option
 @layers_option()

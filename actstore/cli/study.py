@@ -22,6 +22,7 @@ from actstore.cli._options import (
     quiet_option,
     split_list,
     store_argument,
+    threads_option,
 )
 from actstore.core.errors import InvalidSetting
 from actstore.jobs.study_settings import (
@@ -102,6 +103,7 @@ def data(**given: Any) -> None:
     example="actstore study run S --state S.study.json --trace-minutes 30 --samples 10 --out S.out.json\n"
     "actstore study run S --state S.tail.json --start 440 --trace-only   # beside it, in another process",
 )
+@threads_option
 @store_argument
 @options_from(StudyRunConfig, first=("state",))
 @quiet_option
@@ -185,6 +187,7 @@ def restore(store: str, **given: Any) -> None:
 
 # ------------------------------------------------------------------------------------ chance
 @command("chance", example="actstore study chance S --state S.study.json --tuned adam --out chance.json.gz")
+@threads_option
 @store_argument
 @options_from(StudyChanceConfig, first=("state",))
 @quiet_option

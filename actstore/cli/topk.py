@@ -15,12 +15,14 @@ from actstore.cli._options import (
     no_save_option,
     open_store_arg,
     store_argument,
+    threads_option,
     where_option,
 )
 from actstore.jobs.settings import TopkConfig
 
 
 @command(example="actstore topk /tmp/s --kind mlp --layer 3 --k 20 --show 5")
+@threads_option
 @store_argument
 @options_from(TopkConfig)
 @where_option

@@ -109,14 +109,17 @@ def model_dtype_setting() -> str:
 
 #: ``--threads`` of every command that computes: 0, torch's default (one thread per core).
 DEFAULT_THREADS = 0
+#: What ``--threads`` means, in every command (its option: ``actstore.cli._options.threads_option``,
+#: or a settings field made with :func:`threads_setting`).
+THREADS_HELP = (
+    "torch CPU threads per process, also numpy's BLAS/OpenMP pools (0: torch's default, one per core)."
+)
 
 
 def threads_setting(advice: str) -> int:
     """``threads``: torch's CPU threads per process, the same meaning and default
     (:data:`DEFAULT_THREADS`) in every command; ``advice`` says when to change it."""
-    return setting(
-        DEFAULT_THREADS, f"torch CPU threads per process (0: torch's default, one per core). {advice}", low=0
-    )
+    return setting(DEFAULT_THREADS, f"{THREADS_HELP} {advice}", low=0)
 
 
 def check_model_dtype(model_dtype: str) -> None:
