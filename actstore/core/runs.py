@@ -109,25 +109,12 @@ def write_run(
     kind: str,
     started: float,
     config: Mapping[str, Any] | str,
-    *,
-    finished: float | None = None,
-    segments_written: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
+    **fields: Any,
 ) -> str:
-    """Add the run's row to the ``runs`` table of ``target`` (a Store or a StoreWriter), atomically;
-    return the file's path inside the store."""
+    """Add the run's row (:func:`run_record`, whose keywords ``fields`` are) to the ``runs`` table of
+    ``target`` (a Store or a StoreWriter), atomically; return the file's path inside the store."""
     rel = f"tables/{RUNS_TABLE}/{run_id}.parquet"
-    table = run_record(
-        run_id,
-        kind,
-        started,
-        config,
-        finished=finished,
-        segments_written=segments_written,
-        rank=rank,
-        world_size=world_size,
-    )
+    table = run_record(run_id, kind, started, config, **fields)
     target.location.write_bytes_atomic(rel, to_parquet_bytes(table))
     return rel
 

@@ -186,13 +186,6 @@ def run_agreement(
     if cfg.figures:
         from actstore.query.analyses.plotting import profile_curves
 
-        outcome.figures.append(
-            str(
-                profile_curves(
-                    ordered,
-                    Path(cfg.figures) / "method_profiles.png",
-                    f"{result['model']}: mean per-layer profiles",
-                )
-            )
-        )
+        title = f"{result['model']}: mean per-layer profiles"
+        outcome.figures.append(str(profile_curves(ordered, Path(cfg.figures) / "method_profiles.png", title)))
     return outcome

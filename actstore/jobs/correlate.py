@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from actstore.core.store import StoreReader
-from actstore.jobs.record import read_run_column, record_run
+from actstore.jobs.record import AnalysisOutcome, read_run_column
 from actstore.jobs.settings import CorrelateConfig
 from actstore.query.analyses.dask_tasks import dask_client
 from actstore.query.analyses.predictors import PredictorResult, relation_predictors, scatter_plots
 
-
-@dataclass
-class CorrelateOutcome:
-    run_id: str | None  # None when not saved
-    result: PredictorResult
-    figures: list[str] = field(default_factory=list)
-    tables: list[str] = field(default_factory=list)
+CorrelateOutcome = AnalysisOutcome[PredictorResult]
 
 
 def run_correlate(store: StoreReader, cfg: CorrelateConfig) -> CorrelateOutcome:
@@ -42,7 +36,7 @@ def run_correlate(store: StoreReader, cfg: CorrelateConfig) -> CorrelateOutcome:
             dataset_file=cfg.dataset_file,
             output_range=cfg.output_range,
         )
-    out = CorrelateOutcome(None, res, scatter_plots(res, cfg.figures) if cfg.figures else [])
+    out = CorrelateOutcome(res, figures=scatter_plots(res, cfg.figures) if cfg.figures else [])
     if cfg.save:
         tables = {
             "relation_predictors": read_run_column(res.relations, "probe_run"),
@@ -51,6 +45,5 @@ def run_correlate(store: StoreReader, cfg: CorrelateConfig) -> CorrelateOutcome:
         config = {
             k: v for k, v in asdict(cfg).items() if k not in ("save", "figures", "dask_address", "workers")
         }
-        recorded = record_run(store, "correlate", config, tables, started=started)
-        out.run_id, out.tables = recorded.run_id, recorded.tables
+        out.record(store, "correlate", config, tables, started)
     return out

@@ -86,15 +86,8 @@ def run_lens(
     if cfg.figures:
         from actstore.query.analyses.plotting import lens_curves
 
-        out.figures.append(
-            str(
-                lens_curves(
-                    summary,
-                    Path(cfg.figures) / "lens_curves.png",
-                    f"{store.manifest.model.get('name')}: {study.example_ids.size} held-out facts",
-                )
-            )
-        )
+        title = f"{store.manifest.model.get('name')}: {study.example_ids.size} held-out facts"
+        out.figures.append(str(lens_curves(summary, Path(cfg.figures) / "lens_curves.png", title)))
     training: dict[str, Any] = {}
     if tuned is not None and method != "ridge":
         training = {

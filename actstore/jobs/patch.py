@@ -90,19 +90,8 @@ def run_patch(store: StoreReader, req: PatchRequest) -> PatchOutcome:
         results = patcher.patch(pairs, progress=bar.update)
     out = PatchOutcome(new_run_id("patch"), results, skipped, dict(cfg.__dict__), time.time() - t0)
     if req.save:
-        out.tables += record_run(
-            store,
-            "patch",
-            {
-                **cfg.__dict__,
-                "model": model,
-                "where": req.where,
-                "limit": req.limit,
-                "pairs": [f"{c}:{x}" for c, x in req.pairs],
-                "skipped": skipped,
-            },
-            {"patch_effects": effects_table(results), "patch_pairs": pairs_table(results)},
-            started=started,
-            run_id=out.run_id,
-        ).tables
+        pairs_text = [f"{c}:{x}" for c, x in req.pairs]
+        config = {**cfg.__dict__, **req.facts_config(model), "pairs": pairs_text, "skipped": skipped}
+        tables = {"patch_effects": effects_table(results), "patch_pairs": pairs_table(results)}
+        out.tables += record_run(store, "patch", config, tables, started=started, run_id=out.run_id).tables
     return out

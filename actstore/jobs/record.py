@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
 
 from actstore.core.runs import new_run_id, with_run_id, write_run
 from actstore.core.store import StoreReader
 from actstore.core.writer import write_result_table
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,26 @@ def read_run_column(table: pa.Table, name: str) -> pa.Table:
     if "run_id" not in table.column_names:
         return table
     return table.rename_columns([name if c == "run_id" else c for c in table.column_names])
+
+
+@dataclass
+class AnalysisOutcome(Generic[R]):
+    """An analysis job's ``result``, its figures' paths, and the run it recorded (``run_id`` None and no
+    tables when not saved): ``correlate``, ``shortcuts``, ``topk``."""
+
+    result: R
+    run_id: str | None = None
+    figures: list[str] = field(default_factory=list)
+    tables: list[str] = field(default_factory=list)
+
+    def record(
+        self,
+        store: StoreReader,
+        kind: str,
+        config: Mapping[str, Any],
+        tables: Mapping[str, pa.Table],
+        started: float,
+    ) -> None:
+        """Record the run (:func:`record_run`) and keep its id and tables' paths."""
+        recorded = record_run(store, kind, config, tables, started=started)
+        self.run_id, self.tables = recorded.run_id, recorded.tables

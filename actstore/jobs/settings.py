@@ -15,6 +15,7 @@ facts traced or patched; :class:`ProbeRunReader`: the probe run read) or in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from actstore.core.errors import InvalidSetting, LensError, MethodsError
 from actstore.core.settings import (
@@ -331,6 +332,10 @@ class FactsRun(StoreModelRun):
         "Also facts the model gets wrong (default: object_rank = 0 only); patch takes them as "
         "counterfactuals too.",
     )
+
+    def facts_config(self, model: str) -> dict[str, Any]:
+        """What a run's ``runs`` config says beside its intervention settings: the model, the facts."""
+        return {"model": model, "where": self.where, "limit": self.limit}
 
 
 @dataclass(frozen=True)

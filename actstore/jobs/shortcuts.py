@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from actstore.core.store import StoreReader
-from actstore.jobs.record import read_run_column, record_run
+from actstore.jobs.record import AnalysisOutcome, read_run_column
 from actstore.jobs.settings import ShortcutsConfig
 from actstore.query.analyses.shortcuts import ShortcutResult, shortcut_analysis, shortcut_figure
 
 
 @dataclass
-class ShortcutsOutcome:
-    run_id: str | None  # None when not saved
-    result: ShortcutResult
-    figure: str | None = None
-    tables: list[str] = field(default_factory=list)
+class ShortcutsOutcome(AnalysisOutcome[ShortcutResult]):
+    figure: str | None = None  # the one figure (also in ``figures``)
 
 
 def run_shortcuts(store: StoreReader, cfg: ShortcutsConfig) -> ShortcutsOutcome:
@@ -34,13 +31,12 @@ def run_shortcuts(store: StoreReader, cfg: ShortcutsConfig) -> ShortcutsOutcome:
     if cfg.figures:
         os.makedirs(cfg.figures, exist_ok=True)
         figure = shortcut_figure(res, os.path.join(cfg.figures, f"shortcuts_{cfg.probe_run}.png"))
-    out = ShortcutsOutcome(None, res, figure)
+    out = ShortcutsOutcome(res, figures=[figure] if figure else [], figure=figure)
     if cfg.save:
         tables = {
             "shortcut_errors": read_run_column(res.errors, "probe_run"),
             "shortcut_summary": read_run_column(res.summary, "probe_run"),
         }
         config = {"probe_run": cfg.probe_run, "n_cues": cfg.n_cues}
-        recorded = record_run(store, "shortcuts", config, tables, started=started)
-        out.run_id, out.tables = recorded.run_id, recorded.tables
+        out.record(store, "shortcuts", config, tables, started)
     return out

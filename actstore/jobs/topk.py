@@ -9,24 +9,18 @@ result table of a ``topk`` run; its settings are :class:`~actstore.jobs.settings
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
-from actstore.jobs.record import record_run
+from actstore.jobs.record import AnalysisOutcome
 from actstore.jobs.settings import TopkConfig
 from actstore.query.analyses.topk import TopK, top_activations
 from actstore.query.select.selection import Selection
 
-
-@dataclass
-class TopkOutcome:
-    run_id: str | None  # None when not saved
-    result: TopK
-    tables: list[str] = field(default_factory=list)
+TopkOutcome = AnalysisOutcome[TopK]
 
 
 def load_directions(path: str) -> np.ndarray:
@@ -48,12 +42,11 @@ def run_topk(store: StoreReader, cfg: TopkConfig) -> TopkOutcome:
     res = top_activations(
         sel, cfg.kind, cfg.layer, cfg.k, on=cfg.on, directions=directions, batch_rows=cfg.batch_rows
     )
-    out = TopkOutcome(None, res)
+    out = TopkOutcome(res)
     if cfg.save:
         config: dict[str, Any] = {"kind": cfg.kind, "layer": cfg.layer, "k": cfg.k, "where": cfg.where}
         config["rows"] = len(sel)
         if cfg.kind == "direction":
             config.update(on=cfg.on, direction_file=cfg.direction_file, units=int(res.values.shape[0]))
-        recorded = record_run(store, "topk", config, {"topk_contexts": res.table}, started=started)
-        out.run_id, out.tables = recorded.run_id, recorded.tables
+        out.record(store, "topk", config, {"topk_contexts": res.table}, started)
     return out

@@ -76,21 +76,9 @@ def run_trace(store: StoreReader, req: TraceRequest) -> TraceOutcome:
         results = tracer.trace(facts, progress=bar.update)
     out = TraceOutcome(new_run_id("trace"), results, std, dict(cfg.__dict__), time.time() - t0)
     if req.save:
-        out.tables += record_run(
-            store,
-            "trace",
-            {
-                **cfg.__dict__,
-                "noise_std": std,
-                "model": model,
-                "where": req.where,
-                "limit": req.limit,
-                "all_facts": req.all_facts,
-            },
-            {"trace_effects": effects_table(results), "trace_facts": facts_table(results, cfg)},
-            started=started,
-            run_id=out.run_id,
-        ).tables
+        config = {**cfg.__dict__, **req.facts_config(model), "noise_std": std, "all_facts": req.all_facts}
+        tables = {"trace_effects": effects_table(results), "trace_facts": facts_table(results, cfg)}
+        out.tables += record_run(store, "trace", config, tables, started=started, run_id=out.run_id).tables
     if req.figures:
         from actstore.query.analyses.plotting import trace_average_heatmap, trace_heatmap
 

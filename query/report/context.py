@@ -301,8 +301,11 @@ def table_block(
     return Table(list(rows), cols, dict(headers or {}), cls)
 
 
-def figure_block(fig: MplFigure, alt: str, dpi: int) -> Figure:
-    """A matplotlib figure as an embedded PNG block."""
+def figure_block(fig: MplFigure, alt: str, dpi: int, suptitle: str | None = None) -> Figure:
+    """A matplotlib figure (with its ``suptitle``, when given) laid out tight, as an embedded PNG block."""
+    if suptitle is not None:
+        fig.suptitle(suptitle, fontsize=9)
+    fig.tight_layout()
     return Figure(plotting.data_uri(plotting.png_bytes(fig, dpi)), alt)
 
 

@@ -97,7 +97,6 @@ def _average_figure(sub: pa.Table, comps: list[str], value: str, n_facts: int, d
             ylabel=None,
             title=f"mean indirect effect: {c or value}",
         )
-    fig.tight_layout()
     return figure_block(fig, f"causal tracing, average over {n_facts} facts", dpi)
 
 
@@ -128,9 +127,7 @@ def _fact_figure(one: pa.Table, comps: list[str], value: str, title: str, dpi: i
             tick_fontsize=6 if len(ps) > 30 else 7,
             max_ticks=max(16, len(ps)),
         )
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    return figure_block(fig, f"causal tracing, {title}", dpi)
+    return figure_block(fig, f"causal tracing, {title}", dpi, title)
 
 
 def tracing_section(ctx: ReportContext) -> Section | None:
@@ -220,7 +217,6 @@ def _patching_layers_figure(whole: pa.Table, dpi: int) -> Block:
     ax.set_ylabel("mean recovery")
     ax.legend(fontsize=7)
     ax.set_title("patching recovery per layer", fontsize=9)
-    fig.tight_layout()
     return figure_block(fig, "activation patching per layer", dpi)
 
 

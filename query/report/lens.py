@@ -66,8 +66,6 @@ def lens_section(ctx: ReportContext) -> Section | None:
             ax.set_yscale("log")
         ax.legend(fontsize=7)
     n = len(set(sub.column("example_id").to_pylist())) if "example_id" in sub.column_names else sub.num_rows
-    fig.suptitle(f"lens curves, {n} facts", fontsize=9)
-    fig.tight_layout()
     return Section(
         "lens",
         "Logit and tuned lens",
@@ -77,7 +75,7 @@ def lens_section(ctx: ReportContext) -> Section | None:
                 "an affine translator per layer trained on stored residuals, evaluated on held-out facts."
             ),
             Heading(run_label(run)),
-            figure_block(fig, "logit and tuned lens per layer", ctx.opts.dpi),
+            figure_block(fig, "logit and tuned lens per layer", ctx.opts.dpi, f"lens curves, {n} facts"),
         ],
     )
 

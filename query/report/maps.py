@@ -53,9 +53,7 @@ def maps_figure(
             vmax=1.0,
             outline_at_least=threshold,
         )
-    fig.suptitle(f"MAPS {name}", fontsize=9)
-    fig.tight_layout()
-    return figure_block(fig, f"MAPS {name}: relation and suppression scores", dpi)
+    return figure_block(fig, f"MAPS {name}: relation and suppression scores", dpi, f"MAPS {name}")
 
 
 def maps_section(ctx: ReportContext) -> Section | None:
@@ -152,9 +150,7 @@ def _dynamic_figure(name: str, one: Any, value_cols: list[str], dpi: int) -> Blo
         ax.set_ylabel("dynamic score", fontsize=7)
         ax.legend(fontsize=6)
     ax.set_title("per head", fontsize=8)
-    fig.suptitle(f"MAPS static vs dynamic: {name}", fontsize=9)
-    fig.tight_layout()
-    return figure_block(fig, f"MAPS static vs dynamic, {name}", dpi)
+    return figure_block(fig, f"MAPS static vs dynamic, {name}", dpi, f"MAPS static vs dynamic: {name}")
 
 
 def maps_dynamic_section(ctx: ReportContext) -> Section | None:
@@ -231,7 +227,6 @@ def maps_ablation_section(ctx: ReportContext) -> Section | None:
         ax.set_ylabel("accuracy")
         ax.legend(fontsize=7)
         ax.set_title("accuracy with heads removed", fontsize=9)
-        fig.tight_layout()
         blocks.append(figure_block(fig, "MAPS head ablation", ctx.opts.dpi))
     blocks.append(
         table_block(

@@ -54,7 +54,6 @@ def _scatter(recs: list[dict[str, Any]], predictor: str, stats: dict[str, Any], 
         f"{predictor}: Spearman {fmt(stats.get('spearman_rho'), 2)} (p={fmt(stats.get('spearman_p'), 2)})",
         fontsize=8,
     )
-    fig.tight_layout()
     return figure_block(fig, f"F1 vs {predictor}", dpi)
 
 
@@ -147,6 +146,5 @@ def shortcuts_section(ctx: ReportContext) -> Section | None:
         a1.set_title("Spearman rho (TokenScore vs lexical cue) per error", fontsize=8)
         a2.hist(_finite(sub, "mass"), bins=20, range=(0, 1), color="#55a868")
         a2.set_title("TokenScore mass on lexical cues per error", fontsize=8)
-        fig.tight_layout()
         blocks.append(figure_block(fig, f"lexical shortcuts, {run_label(run)}", ctx.opts.dpi))
     return Section("shortcuts", "Lexical shortcuts in probe errors", blocks)

@@ -53,7 +53,6 @@ def _accuracy_figure(rows: list[dict[str, Any]], dpi: int) -> Block:
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 100)
     ax.set_title("probe accuracy per run (95% interval)", fontsize=9)
-    fig.tight_layout()
     return figure_block(fig, "probe accuracy per run", dpi)
 
 
