@@ -187,11 +187,14 @@ def tree_hash(root: Path) -> str:
 CORPUS_WORDS = "the river runs past an old stone bridge in a quiet town at night".split()
 
 
-def build_corpus_serve_store(out: Path, docs: int = 12, words: int = 12, topk: bool = True) -> Path:
-    """A tiny Llama corpus store (``--positions all``, every kind, float32) of ``docs`` random sentences
-    of ``words`` words (one with a tab and a double space, so that whitespace tokens exist), with a
-    precomputed ``topk`` run of MLP layer 1 (k 20) unless ``topk`` is False; and ``probe.npy``, three
-    residual directions, beside it.  Returns the store's path."""
+def build_corpus_serve_store(
+    out: Path, docs: int = 12, words: int = 12, topk: bool = True, sources: str | None = "4"
+) -> Path:
+    """A tiny Llama corpus store (``--positions all``, every kind, float32, ``--sources 4`` unless
+    ``sources`` says otherwise (None: none)) of ``docs`` random sentences of ``words`` words (one with
+    a tab and a double space, so that whitespace tokens exist), with a precomputed ``topk`` run of MLP
+    layer 1 (k 20) unless ``topk`` is False; and ``probe.npy``, three residual directions, beside it.
+    Returns the store's path."""
     import torch
 
     import actstore
@@ -214,6 +217,7 @@ def build_corpus_serve_store(out: Path, docs: int = 12, words: int = 12, topk: b
             storage_dtype="float32",
             batch_size=4,
             segment_size=64,
+            **({"sources": sources} if sources else {}),
         )
     finally:
         torch.set_num_threads(old)

@@ -269,6 +269,7 @@ api_corpus = api(corpus_api.api_corpus)
 api_tokens = api(corpus_api.api_tokens)
 api_unit = api(corpus_api.api_unit)
 api_document = api(corpus_api.api_document)
+api_attention = api(corpus_api.api_attention)
 
 
 #: (path, endpoint) of every API route; docs/explorer.md lists them, the tests call each.
@@ -289,6 +290,7 @@ API_ROUTES: list[tuple[str, Callable[[Request], Response]]] = [
     ("/api/s/{store}/tokens", api_tokens),
     ("/api/s/{store}/units/{kind}/{layer}/{index}", api_unit),
     ("/api/s/{store}/documents/{document}", api_document),
+    ("/api/s/{store}/documents/{document}/attention", api_attention),
 ]
 
 #: The query parameters of each route (docs/explorer.md says what each means).
@@ -304,6 +306,7 @@ QUERY_PARAMETERS: dict[str, tuple[str, ...]] = {
     "/api/s/{store}/tokens": ("q", "size"),
     "/api/s/{store}/units/{kind}/{layer}/{index}": ("direction", "k"),
     "/api/s/{store}/documents/{document}": ("kind", "layer", "index", "direction"),
+    "/api/s/{store}/documents/{document}/attention": ("layer", "head"),
 }
 
 

@@ -19,6 +19,7 @@ from actstore.core.errors import NotFoundError, QueryError
 from actstore.core.store import StoreReader
 from actstore.query.analyses.topk import position_contexts
 from actstore.query.select.features import FeatureSpec, check_corpus_kind, compute_block
+from actstore.serve.attention import attention_info
 from actstore.serve.catalog import Kept
 from actstore.serve.common import block_sample, has_table, jsonable, kept, runs_of, signature, sql
 
@@ -473,10 +474,6 @@ def document_view(
             "more": more,
             "values": values,
             "unit": label,
-            "attention": None,
-            "attention_note": (
-                "this corpus store keeps z at every position, not the attention rows: a head's attention "
-                "pattern is not stored (a prompt store keeps the target's row only: see its prompt view)"
-            ),
+            "attention": attention_info(store),
         }
     )

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from actstore.core.errors import NotFoundError, QueryError
-from actstore.serve import corpus
+from actstore.serve import attention, corpus
 from actstore.serve.catalog import Served
 from actstore.serve.common import int_param, layer_head, signature, sql
 
@@ -83,6 +83,17 @@ def api_document(request: Request, s: Served) -> Any:
     unit = _unit(request, s, kt, _q(request, "layer"), _q(request, "index")) if kt else None
     key = ("document", doc, unit, signature(s.store))
     return s.cached(key, lambda: corpus.document_view(s.store, doc, unit, _directions(request)))
+
+
+def api_attention(request: Request, s: Served) -> Any:
+    """A head's kept attention over a document (``layer``, ``head``): per token its kept sources and mass."""
+    _corpus(s)
+    doc = int_param(str(request.path_params["document"]), "document", low=0, high=2**62)
+    g = s.store.geometry
+    layer = int_param(_q(request, "layer"), "layer", low=0, high=g.n_layers - 1)
+    head = int_param(_q(request, "head"), "head", low=0, high=g.n_heads - 1)
+    key = ("attention", doc, layer, head, signature(s.store))
+    return s.cached(key, lambda: attention.attention_pattern(s.store, doc, layer, head))
 
 
 def redirect(request: Request, served: Served, view: str, params: dict[str, Any]) -> Response:

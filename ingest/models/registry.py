@@ -7,7 +7,7 @@
    (:mod:`actstore.ingest.models.gguf`), which every later load reads;
 2. a path to a local ``.gguf`` file (converted and cached the same way);
 3. an existing local folder holding a transformers checkpoint;
-4. ``tiny-<arch>`` (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma3``, ``tiny-gpt2``,
+4. ``tiny-<arch>`` (``tiny-llama``, ``tiny-qwen2``, ``tiny-qwen3``, ``tiny-gemma3``, ``tiny-gpt2``,
    ``tiny-gpt_neox``): a random-weight tiny model built from a config (:mod:`actstore.ingest.models.tiny`);
 5. anything else that looks like a hub repository name (``owner/name``): the local hub cache
    first, then a download, both through ``huggingface_hub``; with ``HF_HUB_OFFLINE=1`` or

@@ -20,7 +20,7 @@ from .base import LoadedModel, ModelError, prepare, weight_hash
 
 __all__ = ["TINY_ARCHS", "tiny_arch", "tiny_model", "tiny_tokenizer"]
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "gemma3", "gpt2", "gpt_neox")
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3", "gpt2", "gpt_neox")
 
 
 def tiny_model(arch: str, *, seed: int = 0, **overrides: Any) -> LoadedModel:
@@ -174,6 +174,11 @@ _TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         _SMALL | {"num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
     ),
     "qwen2": ("Qwen2Config", _SMALL | {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    # Qwen3: RMS-normed queries and keys per head (q_norm, k_norm), no q/k/v biases, head_dim set apart
+    "qwen3": (
+        "Qwen3Config",
+        _SMALL | {"num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True},
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         _SMALL

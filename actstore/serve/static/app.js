@@ -551,9 +551,56 @@ VIEWS.document = async () => {
     lim ? el("p", { class: "legend" }, colourBar(lim, true, 0.55, "· red positive, blue negative")) : null,
     d.more ? note("the document's first tokens only") : null,
     d.unit ? el("p", {}, link(unitUrl(p.kind, p.layer, p.index, p.direction), `the ${d.unit} unit page`)) : null)];
-  kids.push(section("Attention pattern", d.attention ? note("stored") : note(d.attention_note)));
+  kids.push(await attentionSection(d.attention));
   content.replaceChildren(...kids);
 };
+
+// A head's attention pattern over the document (CircuitsVis-like), from the stored top-K sources:
+// a query x key grid (green: the weight, 0 .. the largest shown), each token's kept mass beside its row, and the text
+// coloured by the weights from one token (click a row or a token to choose it).
+async function attentionSection(info) {
+  if (!info || !info.sources) return section("Attention pattern", note(info ? info.note : "no attention stored"));
+  const layer = Q.get("att_layer") ?? String(info.layers[0]);
+  const head = Q.get("att_head") ?? "0";
+  const form = el("form", { class: "search", id: "att-form" });
+  const ls = el("select", { name: "att_layer" }); for (const l of info.layers) ls.append(el("option", { value: l, text: l, selected: String(l) === layer ? "selected" : null }));
+  const hs = el("select", { name: "att_head" }); for (let h = 0; h < info.heads; h++) hs.append(el("option", { value: h, text: h, selected: String(h) === head ? "selected" : null }));
+  form.append(el("label", {}, "layer ", ls), el("label", {}, "head ", hs), el("button", { type: "submit", text: "show" }));
+  form.addEventListener("submit", (e) => { e.preventDefault(); const f = Object.fromEntries(new FormData(form)); setQuery(f); location.reload(); });
+  let a;
+  try { a = await api(`/documents/${D.document}/attention`, { layer, head }); } catch (e) { return section("Attention pattern", form, failed(e)); }
+  const lim = Math.max(1e-6, a.max_weight), n = a.tokens.length, c = Math.max(3, Math.min(14, Math.floor(560 / Math.max(1, n)))), left = 4, mw = 60;
+  const svg = svgEl("svg", { width: left + n * c + 8 + mw, height: n * c + 4, id: "att-grid", class: "attgrid" });
+  svg.append(svgEl("rect", { x: left, y: 0, width: n * c, height: n * c, fill: "#fafafa", stroke: "#ccc" }));
+  const strip = el("p", { class: "tokens plain", id: "att-tokens" });
+  const spans = a.tokens.map((t, j) => el("span", { class: "tok", "data-index": j, "data-row": a.rows[j], text: visible(t), title: `row ${a.rows[j]} ${JSON.stringify(t)}` }));
+  const info2 = el("p", { class: "note", id: "att-from" });
+  const choose = (t) => {
+    const w = new Map(a.sources[t].map(([j, v]) => [j, v]));
+    spans.forEach((sp, j) => { sp.style.background = j === t ? "" : colour(w.get(j) ?? null, lim, false, 0.55); sp.classList.toggle("at", j === t); sp.dataset.weight = w.get(j) ?? ""; });
+    info2.textContent = `weights from token ${t} (${visible(a.tokens[t])}, row ${a.rows[t]}): kept mass ${fmt(a.mass[t], 3)} on ${a.sources[t].length} source(s)`;
+  };
+  spans.forEach((sp, j) => { sp.addEventListener("click", () => choose(j)); strip.append(sp); });
+  a.sources.forEach((src, t) => {
+    for (const [j, w] of src) {
+      const r = svgEl("rect", { x: left + j * c, y: t * c, width: c, height: c, fill: colour(w, lim, false, 1), class: "att", "data-t": t, "data-j": j, "data-weight": w });
+      const tt = svgEl("title", {}); tt.textContent = `${visible(a.tokens[t])} (${t}) <- ${visible(a.tokens[j])} (${j}): ${fmt(w, 4)}`; r.append(tt); svg.append(r);
+    }
+    const m = svgEl("rect", { x: left + n * c + 8, y: t * c, width: Math.max(0.5, mw * a.mass[t]), height: Math.max(1, c - 1), fill: "#888", class: "mass", "data-t": t, "data-mass": a.mass[t] });
+    const mt = svgEl("title", {}); mt.textContent = `kept mass ${fmt(a.mass[t], 4)}`; m.append(mt); svg.append(m);
+    const hit = svgEl("rect", { x: left, y: t * c, width: n * c, height: c, fill: "transparent" });
+    hit.addEventListener("click", () => choose(t)); svg.append(hit);
+  });
+  for (let t = 1; t < n; t++) if (a.windows[t] !== a.windows[t - 1]) svg.append(svgEl("line", { x1: left, x2: left + n * c, y1: t * c, y2: t * c, stroke: "#999", "stroke-dasharray": "2,2" }));
+  const at = a.rows.indexOf(Number(Q.get("row")));
+  choose(at >= 0 ? at : n - 1);
+  return section(`Attention pattern of head ${a.layer}.${a.head}`, form,
+    el("p", { class: "sub", id: "att-kept", text: `kept: ${a.kept}. Rows are query tokens, columns key tokens (document order); the grey bar beside a row is its kept mass (1 = all of it).` }),
+    el("div", { class: "row" }, svg),
+    el("p", { class: "legend", id: "att-legend" }, "attention weight (the scale ends at the largest kept weight shown): ", colourBar(lim, false, 1), " · text below: weights from the chosen token (outlined) ", colourBar(lim, false, 0.55)),
+    info2, strip,
+    a.more ? note(`the document's first ${n} tokens only`) : null);
+}
 
 if (V && VIEWS[D.view]) {
   VIEWS[D.view]().then(() => document.body.setAttribute("data-ready", "1")).catch((e) => { content.replaceChildren(failed(e)); document.body.setAttribute("data-ready", "error"); });

@@ -21,6 +21,7 @@ from actstore.cli import main
 pytest.importorskip("starlette")
 from starlette.testclient import TestClient  # noqa: E402
 
+from actstore.query.select.corpus_sources import source_factors  # noqa: E402
 from actstore.serve.app import API_ROUTES, create_app  # noqa: E402
 from actstore.serve.catalog import Catalog  # noqa: E402
 
@@ -545,12 +546,57 @@ def test_document_view_colours_every_token(corpus_served: tuple[Path, TestClient
     ]
     by_row = dict(zip(rows.tolist(), a[:, 7].tolist()))
     np.testing.assert_allclose(d["values"], [by_row[r] for r in want["row"]], rtol=1e-6)
-    assert d["attention"] is None and "not stored" in d["attention_note"].replace(
-        "is not stored", "not stored"
-    )
+    assert d["attention"] == {"sources": 4, "layers": [0, 1], "heads": 4, "note": None}
     plain = get(c, "/api/s/{store}/documents/{document}", "/api/s/corpus/documents/1")
     assert plain["values"] is None
     assert c.get("/s/corpus/document/1?kind=mlp&layer=1&index=7").status_code == 200
+
+
+def test_attention_pattern_equals_the_stored_top_sources(corpus_served: tuple[Path, TestClient]) -> None:
+    """A head's pattern over a document: per token, the kept sources (document indices) and weights of
+    source_factors, read by a plain loop; the kept mass their sum; every source earlier in its window."""
+    path, c = corpus_served
+    s = actstore.open(path)
+    pos = s.sql("SELECT row, window_index FROM positions WHERE document = 2 ORDER BY row").to_pydict()
+    rows = np.array(pos["row"])
+    d = get(
+        c,
+        "/api/s/{store}/documents/{document}/attention",
+        "/api/s/corpus/documents/2/attention?layer=1&head=3",
+    )
+    assert d["rows"] == rows.tolist() and d["sources_kept"] == 4 and not d["more"]
+    f = source_factors(s, rows, [1], [3])
+    for t in range(len(rows)):
+        want = sorted(
+            [int(src - rows[0]), float(w)]
+            for src, w in zip(f.source_row[t, 0, 0], f.weight[t, 0, 0], strict=True)
+            if src >= 0
+        )
+        got = d["sources"][t]
+        assert [j for j, _ in got] == [j for j, _ in want]
+        np.testing.assert_allclose([w for _, w in got], [w for _, w in want], rtol=1e-6)
+        assert all(j <= t and pos["window_index"][j] == pos["window_index"][t] for j, _ in got)
+        assert 0 < d["mass"][t] <= 1 + 1e-6 and abs(d["mass"][t] - sum(w for _, w in got)) < 1e-5
+    assert c.get("/s/corpus/document/2?att_layer=1&att_head=3").status_code == 200
+    for url in (
+        "/api/s/corpus/documents/2/attention?layer=2&head=0",
+        "/api/s/corpus/documents/2/attention?layer=1&head=4",
+        "/api/s/corpus/documents/2/attention?layer=x&head=0",
+        "/api/s/corpus/documents/2/attention?head=0",
+        "/api/s/corpus/documents/99/attention?layer=0&head=0",
+    ):
+        r = c.get(url)
+        assert 400 <= r.status_code < 500 and "\n" not in r.json()["error"], url
+
+
+def test_a_corpus_store_without_sources_says_which_ingest_option(tmp_path: Path) -> None:
+    path = build_corpus_serve_store(tmp_path, docs=2, words=4, topk=False, sources=None)
+    c = TestClient(create_app(Catalog.open([str(path)]), warm_up=False), raise_server_exceptions=False)
+    d = c.get("/api/s/corpus/documents/0").json()
+    assert d["attention"]["sources"] == 0 and "--sources K" in d["attention"]["note"]
+    r = c.get("/api/s/corpus/documents/0/attention?layer=0&head=0")
+    assert r.status_code == 400 and "--sources K" in r.json()["error"] and "\n" not in r.json()["error"]
+    c.close()
 
 
 def test_bad_units_layers_directions_are_one_line_4xx(corpus_served: tuple[Path, TestClient]) -> None:

@@ -360,7 +360,16 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
     assert "/document/" in pg.url and pg.locator("#doc-tokens .tok.at").count() == 1
     values = pg.eval_on_selector_all("#doc-tokens .tok", "els => els.map(e => e.dataset.value)")
     assert values and all(v != "" for v in values)
-    assert "not stored" in pg.inner_text("#content") or "not the attention rows" in pg.inner_text("#content")
+    # the head's attention pattern (the stored top-4 sources): a grid cell per kept source, a mass bar
+    # per token, a legend; the text coloured by the weights from the outlined token
+    n_tok = pg.locator("#att-tokens .tok").count()
+    assert (
+        n_tok == pg.locator("#doc-tokens .tok").count() and pg.locator("#att-grid rect.mass").count() == n_tok
+    )
+    cells = pg.eval_on_selector_all("#att-grid rect.att", "els => els.map(e => [+e.dataset.t, +e.dataset.j])")
+    assert len(cells) >= n_tok and all(j <= t for t, j in cells)
+    assert pg.locator("#att-legend .colourbar").count() == 2 and "kept mass" in pg.inner_text("#att-kept")
+    assert pg.locator("#att-tokens .tok.at").count() == 1
     _links_resolve(pg, base)
     # whitespace tokens are visible: document 1 holds a tab and a double space
     pg.goto(base + "/s/corpus/document/1?kind=head&layer=0&index=1")
@@ -368,6 +377,18 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
     text = pg.inner_text("#doc-tokens")
     assert "⇥" in text or "␣" in text
     shot(pg, "document")
+    # another head, chosen with the form; a click on a token shows the weights from it
+    pg.select_option("#att-form select[name=att_layer]", "1")
+    pg.select_option("#att-form select[name=att_head]", "2")
+    pg.click("#att-form button")
+    ready(pg)
+    assert "att_layer=1" in pg.url and "head 1.2" in pg.inner_text("#content")
+    pg.locator("#att-tokens .tok").nth(6).click()
+    assert "from token 6" in pg.inner_text("#att-from")
+    weights = pg.eval_on_selector_all("#att-tokens .tok", "els => els.map(e => e.dataset.weight)")
+    assert any(w not in ("", None) for w in weights[:7]) and all(w in ("", None) for w in weights[7:])
+    shot(pg, "attention-pattern")
+    _links_resolve(pg, base)
     # a head (streamed top-k, no logit effects) and a direction of the served file
     pg.goto(base + "/s/corpus/head/1/2")  # the head page of a corpus store is its unit page
     ready(pg)
@@ -402,3 +423,5 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
     pg.click("#home")
     ready(pg)
     assert pg.url == base + "/s/corpus"
+    r = pg.goto(base + "/api/s/corpus/documents/1/attention?layer=1&head=9")  # a bad head: one line
+    assert r is not None and r.status == 400 and "head 9" in pg.inner_text("body")

@@ -98,7 +98,7 @@ def eager_windows(arch: str) -> list[dict[str, np.ndarray]]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_top_sources_equal_an_eager_forward(tmp_path: Path, arch: str) -> None:
     K = 3
     store = ingest(tmp_path, "s", arch=arch, sources=str(K))
