@@ -4,6 +4,7 @@ reads with their CRC32C, bypassing zarr's per-chunk overhead)."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -287,14 +288,8 @@ class ChunkGuard(WrapperStore[Store]):
         self._remote_index: dict[tuple[str, int], bytes] = {}
 
     def _with_store(self, store: Store) -> ChunkGuard:
-        guard = ChunkGuard(
-            store,
-            where=self._where,
-            strict=self._strict,
-            local_root=self._local_root,
-            max_bytes=self._max_bytes,
-        )
-        guard._shard_index, guard._remote_index = self._shard_index, self._remote_index
+        guard = copy.copy(self)  # the same settings and shard index caches, over ``store``
+        guard._store = store
         return guard
 
     async def get(

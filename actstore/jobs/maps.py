@@ -180,16 +180,10 @@ def run_maps(
                 ("static score", sc.score, ""),
                 ("suppression score", sc.suppression, "_suppression"),
             ):
+                path = f"{cfg.figures}/maps_{safe_name(name)}{suffix}.png"
+                title = f"MAPS {what}, {name} (k={kr})"
                 out.figures.append(
-                    str(
-                        head_heatmap(
-                            grid(kr),
-                            f"{cfg.figures}/maps_{safe_name(name)}{suffix}.png",
-                            f"MAPS {what}, {name} (k={kr})",
-                            vmax=1.0,
-                            threshold=cfg.threshold,
-                        )
-                    )
+                    str(head_heatmap(grid(kr), path, title, vmax=1.0, threshold=cfg.threshold))
                 )
     out_rel = []
     for summ in summaries:

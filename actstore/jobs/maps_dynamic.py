@@ -151,17 +151,10 @@ def run_maps_dynamic(
             if d.alt is not None:
                 maps_.append(("static_first_mlp", d.alt.static_up))
             for key, arr in (*maps_, ("dynamic_w_context", d.w_up), ("dynamic_wo_context", d.wo_up)):
-                out.figures.append(
-                    str(
-                        head_heatmap(
-                            d.per_template(arr, kr).mean(0),
-                            f"{cfg.figures}/maps_{key}_{safe_name(name)}.png",
-                            f"{key.replace('_', ' ')}, {name} (k={kr})",
-                            vmax=1.0,
-                            threshold=cfg.threshold,
-                        )
-                    )
-                )
+                grid = d.per_template(arr, kr).mean(0)
+                path = f"{cfg.figures}/maps_{key}_{safe_name(name)}.png"
+                title = f"{key.replace('_', ' ')}, {name} (k={kr})"
+                out.figures.append(str(head_heatmap(grid, path, title, vmax=1.0, threshold=cfg.threshold)))
     rel_out = []
     for summ, d in zip(summaries, variants):
         kr = ks[d.relation]

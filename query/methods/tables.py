@@ -29,15 +29,6 @@ from actstore.query.methods.metrics import (
 )
 from actstore.query.methods.readings import SEED_001, SEED_001_CONSENSUS, MethodReading
 
-# The ACL 2025 method study's cross-size table (GPT-2 small / medium / large): key MLP layer position (share of
-# depth), MLP and attention shares of the causal effect (%), recall success rate (%).
-SEED_001_CROSS_SIZE = {
-    "GPT-2 Small": {"key_mlp_layer": "50-70%", "mlp_share": 62.3, "attn_share": 37.7, "recall": 45.2},
-    "GPT-2 Medium": {"key_mlp_layer": "55-75%", "mlp_share": 58.7, "attn_share": 41.3, "recall": 63.8},
-    "GPT-2 Large": {"key_mlp_layer": "60-80%", "mlp_share": 55.2, "attn_share": 44.8, "recall": 78.1},
-}
-
-
 METRICS = pa.schema(
     [
         ("method", pa.string()),
