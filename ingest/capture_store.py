@@ -123,7 +123,9 @@ def open_writer(
 
         def create() -> StoreWriter:
             weights, attrs = arch.weights(model)
-            return StoreWriter.create(loc, manifest, weights, attrs, overwrite=cfg.overwrite, files=files)
+            return StoreWriter.create(
+                loc, manifest, weights, attrs, overwrite=cfg.overwrite, files=files, weights_mode=cfg.weights
+            )
 
         writer = rank_zero_first(
             create, lambda: StoreWriter.resume(loc, manifest), cfg.rank, cfg.world_size, loc

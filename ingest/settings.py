@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from actstore.core.errors import InvalidSetting
+from actstore.core.layout import WEIGHTS_MODES
 from actstore.core.manifest import STORAGE_DTYPES
 from actstore.core.settings import (
     check_settings,
@@ -68,6 +69,13 @@ class IngestConfig:
         low=0,
     )
     device: str = device_setting()
+    weights: str = setting(
+        "shared",
+        "Where the model's weights go: shared (one copy per model in the user cache, $ACTSTORE_WEIGHTS_DIR; "
+        "a remote store gets a copy), copy (in the store: to move or upload it), none (analyses that need "
+        "weights refuse; docs/storage.md).",
+        choices=WEIGHTS_MODES,
+    )
     resume: bool = setting(False, "Continue an interrupted ingest from its last commit.")
     overwrite: bool = setting(False, "Replace an existing store at --out.")
     rank: int = setting(0, "This process's rank (set from torchrun's environment).", cli=False)
@@ -84,6 +92,10 @@ class IngestConfig:
         if self.chunk_layers < 0:
             raise InvalidSetting(
                 "chunk_layers", f"must be 0 (all layers in one chunk) or positive, not {self.chunk_layers}"
+            )
+        if self.weights not in WEIGHTS_MODES:
+            raise InvalidSetting(
+                "weights", f"must be one of {', '.join(WEIGHTS_MODES)}, not {self.weights!r}"
             )
         if self.padding_side not in ("left", "right"):
             raise InvalidSetting("padding_side", f"must be left or right, not {self.padding_side!r}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,9 @@ from typing import Any
 import pytest
 import torch
 from helpers import BuildCache, build_store
+
+# The shared weights cache of every store the tests write (and of the commands they run): never the user's.
+os.environ.setdefault("ACTSTORE_WEIGHTS_DIR", tempfile.mkdtemp(prefix="actstore-test-weights-"))
 
 
 @pytest.fixture(autouse=True)

@@ -110,10 +110,12 @@ def build_store(
     padding_side: str = "right",
     chunk_layers: int = 1,
     compact_every: int = 64,
+    weights: str = "copy",
     **options: Any,
 ) -> Path:
     """Ingest a few prompts with a tiny random model into ``out`` and return the path (``chunk_layers``:
-    layers per chunk, 1 as ``actstore ingest`` writes by default; 0 the whole layer axis per chunk)."""
+    layers per chunk, 1 as ``actstore ingest`` writes by default; 0 the whole layer axis per chunk;
+    ``weights``: copy, so that a test may damage or measure the store's own ``weights/``)."""
     from actstore.ingest.align import tokenize_records
     from actstore.ingest.datasets.dispatch import load_dataset
     from actstore.ingest.models.tiny import tiny_model
@@ -135,6 +137,7 @@ def build_store(
         compact_every=compact_every,
         device=TEST_DEVICE,
         progress=False,
+        weights=weights,
     )
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
     ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg)

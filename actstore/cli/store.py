@@ -51,6 +51,7 @@ def info(store: str, as_json: bool) -> None:
     from actstore.core.sizes import human_size, store_size
 
     s = open_store_arg(store)
+    size = store_size(s)
     ingest = s.manifest.ingest
     corpus = ingest.get("positions") == "all"  # a corpus store's rows are token positions, no relations
     rel: list[dict[str, Any]] = []
@@ -81,7 +82,7 @@ def info(store: str, as_json: bool) -> None:
         "relations": rel,
         **({"corpus": {k: ingest.get(k) for k in CORPUS_FIELDS}} if corpus else {}),
         "tables": tables,
-        **store_size(s).to_dict(),  # the one size: the report and the explorer show the same
+        **size.to_dict(),  # the one size: the report and the explorer show the same
         "chunks": {
             "rows": s.manifest.chunk_rows,
             "flat": s.manifest.chunk_flat,
@@ -101,7 +102,7 @@ def info(store: str, as_json: bool) -> None:
         f"rows      {s.n_rows}/{s.manifest.n_examples} in {len(s.commits)}/{s.manifest.n_segments} "
         f"segments, {s.manifest.storage_dtype}{'' if s.complete else '  (INCOMPLETE: resume the ingest)'}",
         f"size      {human_size(d['bytes'])} on disk",
-        f"weights   {human_size(d['weights_bytes'])} of it",
+        f"weights   {size.weights_line()}",
         f"chunks    {s.manifest.chunk_rows} rows / {s.manifest.chunk_flat} flat entries x "
         + (f"{s.manifest.chunk_layers} layer(s)" if s.manifest.chunk_layers else "all layers"),
         f"tables    {', '.join(f'{k} ({v} files)' for k, v in tables.items())}",
@@ -254,4 +255,30 @@ def compact(store: str, incremental: bool, as_json: bool) -> None:
     )
 
 
-COMMANDS = [info, sql, features, verify, compact]
+@click.group(
+    "weights",
+    epilog="\b\nExample (make a store self-contained before copying it elsewhere):\n"
+    "  actstore weights materialise /tmp/s",
+)
+def weights() -> None:
+    """Where a store's weights live: in the store, or one shared copy per model in the user cache
+    ($ACTSTORE_WEIGHTS_DIR; ingest --weights shared, the default). docs/storage.md says which
+    analyses need them."""
+
+
+@weights.command(
+    "materialise",
+    cls=type(info),
+    epilog="\b\nExample:\n  actstore weights materialise /tmp/s",
+)
+@store_argument
+def materialise(store: str) -> None:
+    """Copy the shared weights a store uses into the store (checked against its recorded SHA-256), so
+    that it stays self-contained when copied, moved or uploaded."""
+    from actstore.core.weight_store import materialise as run_materialise
+
+    s = open_store_arg(store)  # a damaged or foreign store: one line before the lock is taken
+    click.echo(printable(run_materialise(s.location)))
+
+
+COMMANDS = [info, sql, features, verify, compact, weights]

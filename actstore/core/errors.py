@@ -35,6 +35,11 @@ class QueryError(ActstoreError, ValueError):
     """A selection, feature request or SQL statement is invalid."""
 
 
+class WeightsUnavailableError(QueryError):
+    """The store's weights are neither in the store nor in this machine's shared weights cache, or it
+    was ingested without them (``--weights none``); the message says what to do."""
+
+
 class NotFoundError(QueryError, LookupError):
     """A relation, prompt, run or table that a request names is not in the store (the explorer's 404)."""
 

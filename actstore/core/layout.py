@@ -9,3 +9,4 @@ TOKENIZER_DIR = (
     "tokenizer"  # the model's tokenizer files (save_pretrained); hashes in manifest model.tokenizer
 )
 MAX_TOKENIZER_FILE_BYTES = 1 << 28
+WEIGHTS_MODES = ("shared", "copy", "none")  # where an ingest puts the weights (actstore.core.weight_store)

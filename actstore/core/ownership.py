@@ -34,11 +34,12 @@ STORE_ENTRIES = frozenset(
         "snapshot",
         "tables",
         "weights",
+        "weights.json",
         "tokenizer",
         LOCK_NAME,
     }
 )
-_TEMP = re.compile(r"^(manifest\.json|\.creating)\.tmp-[0-9a-f]{32}$")
+_TEMP = re.compile(r"^((manifest|weights)\.json|\.creating)\.tmp-[0-9a-f]{32}$|^\.tmp-weights-[0-9a-f]{32}$")
 _MAX_SMALL_FILE = 16 * 1024 * 1024
 
 

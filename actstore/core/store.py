@@ -31,7 +31,7 @@ import zarr
 from actstore.core.array_meta import open_segment_array
 from actstore.core.arrays import NUMPY_DTYPE, check_array, read_ranges, read_rows
 from actstore.core.chunks import ChunkGuard
-from actstore.core.errors import CorruptStoreError, QueryError
+from actstore.core.errors import CorruptStoreError, QueryError, WeightsUnavailableError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, TOKENIZER_DIR
 from actstore.core.manifest import Geometry, SegmentCommit, read_manifest
 from actstore.core.segments import (
@@ -50,6 +50,7 @@ from actstore.core.storage.base import StoreLocation
 from actstore.core.store_html import store_html
 from actstore.core.store_tables import TableFiles
 from actstore.core.tables import sha256
+from actstore.core.weight_store import WeightsRecord, WeightsSource, missing_message, read_record, resolve
 
 if TYPE_CHECKING:
     import duckdb
@@ -214,7 +215,26 @@ class StoreReader(TableFiles):
         return read_ranges(arr, starts.tolist(), lengths.tolist(), where, self.manifest.storage_dtype, axis1)
 
     @cached_property
+    def weights_record(self) -> WeightsRecord | None:
+        """The store's ``weights.json`` (:mod:`actstore.core.weight_store`): the weights' hash and mode."""
+        return read_record(self.location)
+
+    @cached_property
+    def weights_source(self) -> WeightsSource | None:
+        """Where this store's weights are read from: its own ``weights/``, else the shared copy with the
+        record's hash; None when it has neither (an analysis that needs weights then refuses)."""
+        return resolve(self.location, self.weights_record)
+
+    @property
+    def _weights_where(self) -> str:
+        src = self.weights_source
+        return src.where if src is not None else f"{self.url}/weights"
+
+    @cached_property
     def _weights_group(self) -> zarr.Group:
+        src = self.weights_source
+        if src is None:
+            raise WeightsUnavailableError(missing_message(self.url, self.weights_record))
         try:
             g = self.geometry
             largest = 4 * max(
@@ -222,16 +242,24 @@ class StoreReader(TableFiles):
                 g.n_layers * g.d_mlp * g.d_model,
                 4 * g.vocab_size * g.d_model,
             )
-            return zarr.open_group(store=self._guarded("weights", largest + (1 << 20)), mode="r")
+            guard = ChunkGuard(
+                src.location.zarr_store(src.rel, read_only=True),
+                where=src.where,
+                local_root=src.location.os_path(src.rel),
+                max_bytes=largest + (1 << 20),
+            )
+            return zarr.open_group(store=guard, mode="r")
         except CorruptStoreError:
             raise
         except Exception as e:
-            raise CorruptStoreError(f"{self.url}/weights: cannot open ({e})") from None
+            raise CorruptStoreError(f"{src.where}: cannot open ({e})") from None
 
     def _has(self, name: str) -> bool:
         """Whether the weights group holds ``name`` (asked once a name per open store: weights are
         written with the store, never after; a listing of the whole group costs more)."""
         got = self._weight_present.get(name)
+        if got is None and self.weights_source is None:
+            return False  # no weights: weight() says why
         if got is None:
             got = self._weight_present[name] = name in self._weights_group
         return got
@@ -243,8 +271,8 @@ class StoreReader(TableFiles):
         if arr is None:
             got = self._weights_group[name]
             if not isinstance(got, zarr.Array):
-                raise CorruptStoreError(f"{self.url}/weights/{name}: not an array")
-            check_weight(self.geometry, name, got, f"{self.url}/weights/{name}")
+                raise CorruptStoreError(f"{self._weights_where}/{name}: not an array")
+            check_weight(self.geometry, name, got, f"{self._weights_where}/{name}")
             arr = self._weight_arrays[name] = got
         return arr
 
@@ -262,7 +290,7 @@ class StoreReader(TableFiles):
             return np.asarray(arr[...] if layer is None else arr[int(layer)], dtype=np.float32)
         except Exception as e:
             raise CorruptStoreError(
-                f"{self.url}/weights/{name}: read failed ({type(e).__name__}: {e})"
+                f"{self._weights_where}/{name}: read failed ({type(e).__name__}: {e})"
             ) from None
 
     def layer_chunked(self, name: str) -> bool:

@@ -11,7 +11,8 @@ Checks, collected rather than raised so that one run reports all of them:
 - every table file matches its SHA-256 (segment shards: the marker; other tables: the
   ``.sha256`` companion) and parses; the ragged offsets in the tables stay inside the flat
   arrays; ``heads`` is the table the geometry implies;
-- the weights decode, have the shapes the geometry implies and every chunk;
+- the weights the store uses (its own ``weights/``, or the shared copy its ``weights.json`` names)
+  decode, have the shapes the geometry implies and every chunk, and hash to the recorded SHA-256;
 - every tokenizer file the manifest records (``model.tokenizer``) exists and has its SHA-256;
 - the snapshot (when the store has one): each segment it lists has its marker with the same sizes,
   and each compacted file exists, matches the snapshot's SHA-256 and holds exactly the rows of the
@@ -41,6 +42,7 @@ from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTE
 from actstore.core.verify_report import VerifyReport, read_hashed
 from actstore.core.verify_snapshot import check_snapshot
 from actstore.core.verify_tables import check_segment_tables
+from actstore.core.weight_store import RECORD, group_hash, missing_message
 
 
 def _ranges(values: list[int]) -> str:
@@ -97,7 +99,7 @@ def _rows(arr: zarr.Array | ArrayMeta, i: int, where: str = "") -> str:
     chunk, n = int(arr.chunks[0]), int(arr.shape[0])
     lo, hi = i * chunk, min((i + 1) * chunk, n)
     name = where.rsplit("/", 1)[-1]
-    if where.startswith("weights/") and name in _LAYER_WEIGHTS:
+    if name in _LAYER_WEIGHTS and not where.startswith("segments/"):  # the store's or the shared weights
         return f"rows {lo}:{hi}, " + (f"layer {lo}" if hi - lo == 1 else f"layers {lo}..{hi - 1}")
     if where.startswith("segments/") and name in _LAYER_ARRAYS and len(arr.shape) > 1:
         return f"rows {lo}:{hi}, every layer 0..{int(arr.shape[1]) - 1}"
@@ -275,15 +277,30 @@ def _heads_ok(store: StoreReader, table: pa.Table) -> bool:
 
 
 def _check_weights(store: StoreReader, report: VerifyReport, values: bool) -> None:
+    """The copy of the weights the store uses (its own ``weights/``, or the shared copy its
+    ``weights.json`` names): every chunk there and decoding, and the content hash the record holds."""
+    try:
+        record = store.weights_record
+        src = store.weights_source
+    except ActstoreError as e:
+        report.problems.append(str(e))
+        return
+    if src is None:
+        if (
+            record is None or record.mode != "none"
+        ):  # a store ingested with --weights none has nothing to check
+            report.problems.append(missing_message(store.url, record))
+        return
     try:
         group = store._weights_group
         names = sorted(group.array_keys())
     except ActstoreError as e:
         report.problems.append(str(e))
         return
-    present = set(store.location.walk_files("weights"))
+    present = set(src.location.walk_files(src.rel))
+    before = len(report.problems)
     for name in names:
-        where = f"weights/{name}"
+        where = f"weights/{name}" if src.kind == "store" else f"{src.where}/{name}"
         try:
             arr = store.weight_array(name)
         except ActstoreError as e:
@@ -297,6 +314,17 @@ def _check_weights(store: StoreReader, report: VerifyReport, values: bool) -> No
                 continue
             report.chunks_checked += 1
             _scan_chunk(report, where, arr, i, None, values)
+    if record is not None and len(report.problems) == before:
+        try:
+            got = group_hash(group)
+        except Exception as e:
+            report.problems.append(f"{src.where}: unreadable ({type(e).__name__}: {e})")
+            return
+        if got != record.sha256:
+            report.problems.append(
+                f"{src.where}: the weights' sha256 {got[:16]}... is not {record.sha256[:16]}..., the hash "
+                f"{RECORD} records (corrupt or replaced)"
+            )
 
 
 def _check_tokenizer(store: StoreReader, report: VerifyReport) -> None:

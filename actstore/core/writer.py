@@ -24,6 +24,7 @@ from actstore.core.segments import read_commits, segment_name
 from actstore.core.storage.base import StoreLocation
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES, HEADS, sha256, to_parquet_bytes
+from actstore.core.weight_store import store_weights
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
 RESUME_KEYS = (
@@ -62,24 +63,16 @@ class StoreWriter:
         *,
         overwrite: bool = False,
         files: Mapping[str, bytes] | None = None,
+        weights_mode: str = "shared",
     ) -> StoreWriter:
         """A new store at ``loc``.  The caller holds the writer lock (:mod:`actstore.core.lock`); an existing
         store is replaced only with ``overwrite`` and only when it provably is one, and the signed
-        remains of a killed creation are cleared (:func:`actstore.core.ownership.prepare_root`)."""
+        remains of a killed creation are cleared (:func:`actstore.core.ownership.prepare_root`).
+        ``weights_mode``: where the weights go (shared, copy, none: :mod:`actstore.core.weight_store`)."""
         prepare_root(loc, overwrite=overwrite)
         loc.makedirs("")
         loc.write_bytes_atomic(CREATING, creating_marker())
-        with loc.zarr_group_writer("weights") as group:
-            group.attrs.update(dict(weight_attrs))
-            for name, value in weights.items():
-                create_array(
-                    group,
-                    name,
-                    np.ascontiguousarray(value, dtype=np.float32),
-                    _weight_chunk(name, value, manifest.geometry.n_layers),
-                    logical_dtype="float32",
-                    compress=False,
-                )
+        store_weights(loc, weights, weight_attrs, manifest.geometry.n_layers, weights_mode)
         g = manifest.geometry
         heads = pa.table(
             {
@@ -144,6 +137,19 @@ class StoreWriter:
         ``segment`` field disagrees with its file name is an error here too, not a skipped segment)."""
         return set(read_commits(self.location, self.manifest))
 
+    def _zero_blocks(self, name: str, data: np.ndarray) -> set[int]:
+        """The layer chunks of segment array ``name`` that hold no kept layer of a corpus store (the
+        manifest's ``ingest.kept``: the writer's callers give zeros there, :func:`actstore.ingest.corpus.
+        full_layers`, which the reader refuses), so they are written without being compressed again."""
+        kept = (self.manifest.ingest or {}).get("kept")
+        k1 = self.manifest.chunk_layers
+        if not isinstance(kept, dict) or name not in kept or k1 <= 0 or data.ndim < 2:
+            return set()
+        layers = {int(x) for x in kept[name]}
+        return {
+            j for j in range(-(-int(data.shape[1]) // k1)) if not layers & set(range(j * k1, (j + 1) * k1))
+        }
+
     def write_segment(
         self, seg: int, row_start: int, arrays: Mapping[str, np.ndarray], tables: Mapping[str, pa.Table]
     ) -> SegmentCommit:
@@ -159,7 +165,15 @@ class StoreWriter:
             for name in SEGMENT_ARRAYS:
                 data = np.ascontiguousarray(arrays[name])
                 chunk = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
-                create_array(group, name, data, chunk, logical_dtype=m.storage_dtype, chunk1=m.chunk_layers)
+                create_array(
+                    group,
+                    name,
+                    data,
+                    chunk,
+                    logical_dtype=m.storage_dtype,
+                    chunk1=m.chunk_layers,
+                    zero_blocks=self._zero_blocks(name, data),
+                )
         digests: dict[str, str] = {}
         for name in m.segment_tables:
             data_bytes = to_parquet_bytes(tables[name])
@@ -176,14 +190,6 @@ class StoreWriter:
         )
         self.location.write_bytes_atomic(f"commits/{segment_name(seg)}.json", commit.to_json())
         return commit
-
-
-def _weight_chunk(name: str, value: np.ndarray, n_layers: int) -> int:
-    """Rows per chunk of a stored weight: one layer for the weights indexed by layer first (a read of
-    a few layers reads their chunks only), the whole array for the others (embeddings, final norm)."""
-    if name not in ("embed", "unembed") and value.ndim >= 1 and value.shape[0] == n_layers:
-        return 1
-    return max(1, value.shape[0])
 
 
 def write_result_table(

@@ -54,6 +54,8 @@ INGEST = [
     "8",
     "--dtype",
     "float16",
+    "--weights",
+    "copy",  # the store's own weights/ are damaged below
     "--quiet",
 ]
 

@@ -39,6 +39,7 @@ ARGS = dict(
     segment_size=8,
     storage_dtype="float16",
     progress=False,
+    weights="copy",  # the store is compared file by file, its weights too
 )
 N_SEGMENTS = 23  # 6 relations x 30 prompts (a few relations have fewer templates x facts) in segments of 8
 
@@ -85,6 +86,8 @@ def cli_args(out: Path, resume: bool = False) -> list[str]:
         "8",
         "--dtype",
         "float16",
+        "--weights",
+        "copy",
         "--out",
         str(out),
         *(["--resume"] if resume else []),
