@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -152,39 +152,15 @@ def dynamic_ranks(
         templates = sorted(set(templates_col[m].tolist()))
         group = np.asarray([templates.index(t) for t in templates_col[m]])
         r = {key: arr[m] for key, arr in ranks.items()}
-        alt = (
-            None
-            if alt_proj is None
-            else DynamicRanks(
-                name,
-                templates,
-                group,
-                ids[m],
-                alt_up[m],
-                alt_down[m],
-                r["wu"],
-                r["wd"],
-                r["ou"],
-                r["od"],
-                k_max,
-                first_mlp=alt_proj.first_mlp is not None,
+        d = DynamicRanks(
+            name, templates, group, ids[m], r["su"], r["sd"], r["wu"], r["wd"], r["ou"], r["od"], k_max
+        )
+        alt = None
+        if alt_proj is not None:  # the same prompts, the other static side
+            alt = replace(
+                d, static_up=alt_up[m], static_down=alt_down[m], first_mlp=alt_proj.first_mlp is not None
             )
-        )
-        out[name] = DynamicRanks(
-            name,
-            templates,
-            group,
-            ids[m],
-            r["su"],
-            r["sd"],
-            r["wu"],
-            r["wd"],
-            r["ou"],
-            r["od"],
-            k_max,
-            first_mlp=proj.first_mlp is not None,
-            alt=alt,
-        )
+        out[name] = replace(d, first_mlp=proj.first_mlp is not None, alt=alt)
     return out
 
 

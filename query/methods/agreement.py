@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from actstore.query.analyses.stats import pearson
 from actstore.query.methods.chance import PERMUTATIONS, RESAMPLES, ChanceFigure, consensus_chance, pair_chance
-from actstore.query.methods.readings import SEED_001, SEED_001_CONSENSUS, MethodReading
+from actstore.query.methods.readings import SEED_001, SEED_001_CONSENSUS, MethodReading, common_keys
 
 
 def default_tolerance(n_layers: int) -> int:
@@ -73,16 +73,7 @@ def agreement(
                 "paper_correlation": seed[2] if seed else None,
             }
         )
-    common = readings[0].example_ids
-    for r in readings[1:]:
-        common = np.intersect1d(common, r.example_ids)
-    keys = (
-        np.stack(
-            [by[r.method].key_layer[np.searchsorted(by[r.method].example_ids, common)] for r in readings]
-        )
-        if len(common)
-        else np.zeros((len(readings), 0), np.int64)
-    )
+    _, keys = common_keys(readings)
     defined = (keys >= 0).all(axis=0)
     spread = keys.max(axis=0) - keys.min(axis=0) if keys.size else np.zeros(0)
     consensus = float((spread[defined] <= tolerance).mean()) if defined.any() else None

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from actstore.query.methods.readings import MethodReading
+from actstore.query.methods.readings import MethodReading, common_keys
 
 PERMUTATIONS = 1000
 RESAMPLES = 2000
@@ -324,10 +324,7 @@ def consensus_chance(
     seed: int = 0,
 ) -> ChanceFigure:
     """All-method consensus over the facts every reading reads with a key layer, against chance."""
-    common = readings[0].example_ids
-    for r in readings[1:]:
-        common = np.intersect1d(common, r.example_ids)
-    keys = np.stack([r.key_layer[np.searchsorted(r.example_ids, common)] for r in readings])
+    common, keys = common_keys(readings)
     ok = (keys >= 0).all(axis=0)
     return coded_consensus_chance(
         keys[:, ok], _labels(common[ok], strata), tolerance, permutations, resamples, seed

@@ -46,7 +46,7 @@ import pyarrow as pa
 from actstore.core.dependencies import scipy_stats as stats
 from actstore.core.errors import MethodsError
 from actstore.query.analyses.stats import bootstrap_interval, pearson
-from actstore.query.methods.readings import MethodReading
+from actstore.query.methods.readings import MethodReading, common_keys
 
 RESAMPLES = 2000
 COMPONENTS = ("mlp", "attn")
@@ -321,12 +321,9 @@ def reading_agreement(
 
 def consensus(readings: Sequence[MethodReading], tolerance: int) -> np.ndarray:
     """Per fact every method reads with a key layer: 1.0 when all key layers lie within ``tolerance``."""
-    common = readings[0].example_ids
-    for r in readings[1:]:
-        common = np.intersect1d(common, r.example_ids)
+    common, keys = common_keys(readings)
     if common.size == 0:
         return np.zeros(0)
-    keys = np.stack([r.key_layer[np.searchsorted(r.example_ids, common)] for r in readings])
     defined = (keys >= 0).all(axis=0)
     spread = keys.max(axis=0) - keys.min(axis=0)
     return (spread[defined] <= tolerance).astype(float)

@@ -46,6 +46,7 @@ those every method reads, whose key layers all lie within ``tolerance`` of each 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -436,3 +437,9 @@ def causal_shares(
         np.zeros(0) if subject_site is None else subject_site
     )
     return out
+
+
+def common_keys(readings: Sequence[MethodReading]) -> tuple[np.ndarray, np.ndarray]:
+    """The facts every reading reads (sorted example ids) and each reading's key layers of them: [m, n]."""
+    common = functools.reduce(np.intersect1d, [r.example_ids for r in readings])
+    return common, np.stack([r.key_layer[np.searchsorted(r.example_ids, common)] for r in readings])
