@@ -5,7 +5,10 @@ int64 ``[seq]``, ``hidden_states [seq, layers, d]``; docs/interop.md), for ``--m
 times (median of ``--repeats``) reading every file alone (``safetensors.numpy.load_file`` and a pass
 over its values) and ``actstore.write_corpus`` of the folder (checks, the store's commit protocol,
 compression and tables, the model load excluded: it is loaded once before).  Reports positions/s of
-each and their ratio (target >= 80%)::
+each and their ratio (target >= 80%), and beside them, in the same run: the import's marginal rate
+(the import of all the files against that of the first half: the store's creation, which writes the
+model's weights, cancels) and the write floor (the stored bytes, cast to the storage dtype, written
+to one file a request: what the disk alone takes)::
 
     python benchmarks/bench_import.py --model smollm2-135m --requests 64 --seq 128 --layer-ids 0,10,20,30
 """
@@ -72,13 +75,13 @@ def main() -> None:
             total += float(data["hidden_states"].sum(dtype=np.float64)) + int(data["token_ids"].sum())
         return time.perf_counter() - t0
 
-    def write() -> float:
+    def write(files: list[Path] | None = None) -> float:
         out = root / "store"
         shutil.rmtree(out, ignore_errors=True)  # the previous repeat's store, removed outside the timing
         t0 = time.perf_counter()
         import_acts.write_corpus(
             out,
-            folder,
+            folder if files is None else files,
             layer_ids=layer_ids,
             model=a.model,
             storage_dtype=a.dtype,
@@ -86,16 +89,38 @@ def main() -> None:
         )
         return time.perf_counter() - t0
 
-    reads = [read_alone() for _ in range(a.repeats)]
-    writes = [write() for _ in range(a.repeats)]
+    def write_floor() -> float:
+        out = root / "floor"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        t0 = time.perf_counter()
+        for k, f in enumerate(sorted(folder.glob("*.safetensors"))):
+            load_file(str(f))["hidden_states"].astype(a.dtype).tofile(out / f"{k}.bin")
+        return time.perf_counter() - t0
+
+    half = sorted(folder.glob("*.safetensors"))[: a.requests // 2]
+    reads, writes, halves, floors = [], [], [], []
+    for _ in range(a.repeats):  # interleaved: the machine's load falls on each alike
+        reads.append(read_alone())
+        writes.append(write())
+        halves.append(write(half))
+        floors.append(write_floor())
     r, w = statistics.median(reads), statistics.median(writes)
+    margin = statistics.median(x - y for x, y in zip(writes, halves))
+    fl = statistics.median(floors)
     result = {
         "positions": positions,
         "read_positions_per_s": positions / r,
         "import_positions_per_s": positions / w,
         "ratio": r / w,
+        "marginal_import_positions_per_s": (positions - len(half) * a.seq) / margin,
+        "marginal_ratio": r / positions * (positions - len(half) * a.seq) / margin,
+        "write_floor_positions_per_s": positions / fl,
+        "import_to_floor": fl / w,
         "read_s": reads,
         "import_s": writes,
+        "half_import_s": halves,
+        "floor_s": floors,
         "config": vars(a),
     }
     print(json.dumps(result, indent=1))

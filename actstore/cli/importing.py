@@ -34,7 +34,10 @@ from actstore.cli._options import command, parse_int_list, printable, threads_op
     help="Storage dtype of the written residuals.",
 )
 @click.option(
-    "--segment-size", default=256, show_default=True, type=click.IntRange(min=1), help="Positions per commit."
+    "--segment-size",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Positions per commit [default: about 16 MiB of stored residuals, a multiple of 256].",
 )
 @click.option("--resume", is_flag=True, help="Write the segments an interrupted import did not commit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")

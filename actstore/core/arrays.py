@@ -29,7 +29,7 @@ every other array (an object store, other codecs, a store that may lack chunks) 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import google_crc32c
@@ -64,6 +64,7 @@ def create_array(
     logical_dtype: str,
     compress: bool = True,
     chunk1: int = 0,
+    zero_blocks: Collection[int] = (),
 ) -> None:
     """Write ``data`` as a new array chunked along axis 0 (``chunk0`` rows per chunk).
 
@@ -71,7 +72,9 @@ def create_array(
     chunks of ``chunk1`` positions of axis 1 (the layers of a segment array): one file per chunk of
     rows, as without, whose inner chunks are read alone (zarr's sharding codec, index at the end).
     ``compress=False`` keeps only the checksum: float32 weights barely compress (about 5%)
-    and zstd on them would cost seconds at every store creation.
+    and zstd on them would cost seconds at every store creation.  ``zero_blocks``: the axis-1 chunks
+    the caller knows to be all zero (a corpus store's layers not kept), written without being read
+    or compressed again (:func:`write_shards`).
     """
     chunks: tuple[int, ...] = (max(1, min(chunk0, max(1, data.shape[0]))), *data.shape[1:])
     shards: tuple[int, ...] | None = None
@@ -93,19 +96,26 @@ def create_array(
         config={"write_empty_chunks": True},  # a missing chunk is then always a lost one
     )
     if data.size and shards is not None and compress:
-        write_shards(group, name, data, chunks)
+        write_shards(group, name, data, chunks, zero_blocks)
     elif data.size:
         arr[...] = data
 
 
-def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence[int]) -> None:
+def write_shards(
+    group: zarr.Group,
+    name: str,
+    data: np.ndarray,
+    inner: Sequence[int],
+    zero_blocks: Collection[int] = (),
+) -> None:
     """Array ``name`` of ``group`` (created by :func:`create_array` with layer chunks ``inner``) written
     shard by shard: each inner chunk (padded with zeros at the edges) Blosc/LZ4-compressed with byte
     shuffle and followed by its CRC32C, in C order, then the index of (offset, length) uint64 pairs and
     its CRC32C, exactly as zarr's sharding codec lays them out (tests/integration/core/test_local_chunks.py compares the
     bytes).  Written through the group's store, so the store's wrappers see every object.  zarr's own
     writer takes about 6x longer for these many small inner chunks (benchmarks/bench_layer_chunks.py),
-    which a GPU ingest's host side would pay."""
+    which a GPU ingest's host side would pay; the shards are stored together.  The axis-1 chunks in ``zero_blocks`` (all zero, the caller
+    says) take the bytes of one zero chunk compressed once: the same bytes, without reading them."""
 
     n0, n1 = int(data.shape[0]), int(data.shape[1])
     c0, k1 = int(inner[0]), int(inner[1])
@@ -113,8 +123,10 @@ def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence
     src = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<"))
     block = np.zeros((c0, k1, *data.shape[2:]), dtype=src.dtype)
     tail = "/0" * (data.ndim - 1)
+    zero_body: bytes | None = None
     store = group.store
     prefix = f"{group.path}/{name}" if group.path else name
+    shards: list[tuple[str, Any]] = []
     for i in range(-(-n0 // c0)):
         rows = src[i * c0 : (i + 1) * c0]
         parts: list[bytes] = []
@@ -122,6 +134,14 @@ def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence
         offset = 0
         for j in range(nb):
             piece = rows[:, j * k1 : (j + 1) * k1]
+            if j in zero_blocks:  # (padded at an edge, a zero chunk is the same zero block)
+                if zero_body is None:
+                    zero_body = _compress(np.zeros(block.shape, src.dtype))
+                    zero_body += int(google_crc32c.value(zero_body)).to_bytes(4, "little")
+                parts.append(zero_body)
+                index[j] = (offset, len(zero_body))
+                offset += len(zero_body)
+                continue
             if piece.shape == block.shape:
                 raw = np.ascontiguousarray(piece)
             else:  # an edge chunk: zarr stores it whole, padded with the fill value
@@ -129,15 +149,26 @@ def write_shards(group: zarr.Group, name: str, data: np.ndarray, inner: Sequence
                 block[: piece.shape[0], : piece.shape[1]] = piece
                 raw = block
             # the shuffle's type size is the array's item size (as zarr's codec passes it)
-            body = blosc.compress(raw.reshape(-1), b"lz4", 5, blosc.SHUFFLE, blosc.AUTOBLOCKS)
+            body = _compress(raw)
             crc = int(google_crc32c.value(body)).to_bytes(4, "little")
             parts += [body, crc]
             index[j] = (offset, len(body) + 4)
             offset += len(body) + 4
         table = index.tobytes()
         parts += [table, int(google_crc32c.value(table)).to_bytes(4, "little")]
-        buf = default_buffer_prototype().buffer.from_bytes(b"".join(parts))
-        sync(store.set(f"{prefix}/c/{i}{tail}", buf))
+        shards.append(
+            (f"{prefix}/c/{i}{tail}", default_buffer_prototype().buffer.from_bytes(b"".join(parts)))
+        )
+    sync(_set_all(store, shards))  # one hand-over to zarr's event loop for the array, not one a shard
+
+
+async def _set_all(store: Any, items: Sequence[tuple[str, Any]]) -> None:
+    await asyncio.gather(*(store.set(key, buf) for key, buf in items))
+
+
+def _compress(raw: np.ndarray) -> bytes:
+    """One inner chunk as zarr's Blosc codec writes it (LZ4, byte shuffle by the item size)."""
+    return bytes(blosc.compress(raw.reshape(-1), b"lz4", 5, blosc.SHUFFLE, blosc.AUTOBLOCKS))
 
 
 def widen(data: np.ndarray, logical_dtype: str) -> np.ndarray:

@@ -85,6 +85,18 @@ def read_source(paths: Sequence[str]) -> tuple[Any, Any]:
     return data, data.pop("tokens")
 
 
+SEGMENT_BYTES = 16 << 20  # stored residual bytes a segment, about: one commit (marker, tables, digests) each
+
+
+def segment_rows(n_layers: int, d_model: int, storage_dtype: str) -> int:
+    """Positions a segment of an import: about :data:`SEGMENT_BYTES` of stored residuals (``n_layers``
+    layers of ``d_model``), a multiple of 256, at least 256: a commit's fixed cost (its marker, tables,
+    digests and directory) is then small beside its bytes, and the host holds a few segments at most
+    (at most 16,384 positions: an interrupted import loses little)."""
+    row = max(1, n_layers) * d_model * (4 if storage_dtype == "float32" else 2)
+    return min(16384, max(256, SEGMENT_BYTES // row // 256 * 256))
+
+
 def write_corpus(
     out: str | os.PathLike[str],
     source: Any,
@@ -93,7 +105,7 @@ def write_corpus(
     tokens: Any = None,
     layer_ids: Sequence[int] | None = None,
     storage_dtype: str = "float32",
-    segment_size: int = 256,
+    segment_size: int | None = None,
     overwrite: bool = False,
     resume: bool = False,
     predict: bool = True,
@@ -101,7 +113,9 @@ def write_corpus(
     """Write ``source`` (see :func:`source_windows`) into a corpus store at ``out``; ``model``: the model
     it was captured from (an alias, hub name or folder: its weights, tokenizer and geometry go in the
     store and every shape is checked against it before anything is written); ``predict=False``: no
-    predictions from the last residual (its logits over the vocabulary cost more than the import)."""
+    predictions from the last residual (its logits over the vocabulary cost more than the import);
+    ``segment_size``: positions per commit (None: :func:`segment_rows`, about 16 MiB of stored
+    residuals a segment)."""
     windows, spec = source_windows(source, tokens, layer_ids)
     loc = locate(os.fspath(out))
     if not resume:
@@ -120,6 +134,9 @@ def write_corpus(
         "weight_hash": loaded.weight_hash,
         "dtype": "float32",
     }
+    g = architecture_for(loaded.model).geometry(loaded.model)
+    if segment_size is None:
+        segment_size = segment_rows(len(windows[0].resid), g.d_model, storage_dtype)
     cfg = IngestConfig(
         out=loc.url,
         batch_size=1,
