@@ -35,12 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import platformdirs
 import zarr
 from filelock import FileLock
 
 from actstore.core.arrays import create_array
 from actstore.core.errors import CorruptStoreError, WeightsUnavailableError
 from actstore.core.layout import WEIGHTS_MODES
+from actstore.core.lock import writer_lock
 from actstore.core.manifest import checksum_ok, parse_json_object, seal
 from actstore.core.storage import locate
 from actstore.core.storage.base import StoreLocation
@@ -57,8 +59,6 @@ def cache_root() -> Path:
     env = os.environ.get(ENV_DIR, "")
     if env:
         return Path(env).expanduser().absolute()
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("actstore")) / "weights"
 
 
@@ -254,8 +254,6 @@ def materialise(loc: StoreLocation) -> str:
     """Copy the shared weights a store refers to into the store (``weights/``), checked against the
     record's hash first, so that the store is self-contained when copied; under the store's writer
     lock. Returns what was done, in one line."""
-    from actstore.core.lock import writer_lock
-
     with writer_lock(loc, command="actstore weights materialise"):
         record = read_record(loc)
         src = resolve(loc, record)

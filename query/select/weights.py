@@ -1,6 +1,12 @@
 """The store's weights as float32 torch tensors, loaded once per store and kept while it lives: what
 the feature kinds (:mod:`~actstore.query.select.features`) and the per-source reads
-(:mod:`~actstore.query.select.corpus_sources`) multiply the stored factors by."""
+(:mod:`~actstore.query.select.corpus_sources`) multiply the stored factors by.
+
+They are read from the copy the store uses (:attr:`StoreReader.weights_source`: its own ``weights/``,
+else the shared copy of this machine's cache with the hash its ``weights.json`` records; see
+:mod:`actstore.core.weight_store`); a store with neither (``--weights none``, or a shared copy not on
+this machine) refuses at the first weight read with one line saying what to do
+(:class:`~actstore.core.errors.WeightsUnavailableError`)."""
 
 from __future__ import annotations
 
