@@ -34,9 +34,10 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
     "--direction",
     "direction_files",
     multiple=True,
-    metavar="FILE.npy",
-    help="A [d_model] or [m, d_model] array of residual directions (e.g. a probe's weights) whose unit "
-    "pages a corpus store shows, named by the file's stem (repeatable).",
+    metavar="FILE.npy|[NAME=]SPEC",
+    help="A [d_model] or [m, d_model] array of residual directions whose unit pages a corpus store "
+    "shows, named by the file's stem; or a direction spec of dfa (probe:[STORE:]RUN:RELATION[:L[.H]], "
+    "neuron:L:I, token:ID, sae:PATH:I[:enc]) read on the first store, named NAME or the spec (repeatable).",
 )
 def serve(
     store: tuple[str, ...],
@@ -68,7 +69,7 @@ def serve(
             f"--host {host} would expose the stores beyond this machine: add --allow-remote to do so"
         )
     catalog = Catalog.open(paths)
-    directions = load_direction_files(list(direction_files))
+    directions = load_direction_files(list(direction_files), next(iter(catalog)).store if paths else None)
     app = create_app(
         catalog, ConsoleLimits(sql_memory, sql_timeout, max_download_rows), directions=directions
     )

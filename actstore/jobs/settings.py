@@ -404,8 +404,9 @@ class TopkConfig:
     on: str = setting("resid", "--kind direction: the feature kind projected.")
     direction_file: str | None = setting(
         None,
-        "--kind direction: an [m, F] (or [F]) float array of directions, e.g. a probe's weights.",
-        metavar="FILE.npy",
+        "--kind direction: an [m, F] (or [F]) float array of directions in a .npy file, or a direction "
+        "spec of dfa (probe:[STORE:]RUN:RELATION[:L[.H]], neuron:L:I, token:ID, sae:PATH:I[:enc]).",
+        metavar="FILE.npy|SPEC",
         flag="--direction",
     )
     batch_rows: int = setting(1024, "Rows per read.", low=1)
@@ -441,7 +442,8 @@ class DfaConfig:
     direction: str | None = setting(
         None,
         "The direction: FILE.npy[:ROW], neuron:LAYER:INDEX (output weights), token:ID (unembedding through "
-        "the final norm), sae:PATH:INDEX[:dec|enc] (SAELens folder, dictionary_learning ae.pt or .npy).",
+        "the final norm), sae:PATH:INDEX[:dec|enc] (SAELens folder, dictionary_learning ae.pt or .npy), "
+        "probe:[STORE:]RUN:RELATION[:LAYER[.HEAD]] (a probe run's weights for a relation).",
         required=True,
     )
     k: int = setting(20, "Terms kept (largest |score|).", low=1)

@@ -23,8 +23,13 @@ from actstore.query.select.selection import Selection
 TopkOutcome = AnalysisOutcome[TopK]
 
 
-def load_directions(path: str) -> np.ndarray:
-    """The directions of ``--kind direction``: an [m, F] (or [F]) array in a .npy file."""
+def load_directions(path: str, store: StoreReader | None = None) -> np.ndarray:
+    """The directions of ``--kind direction``: an [m, F] (or [F]) array in a .npy file, or one direction
+    spec of dfa (``probe:``, ``neuron:``, ``token:``, ``sae:``) read on ``store``."""
+    if store is not None and path.split(":")[0] in ("probe", "neuron", "token", "sae"):
+        from actstore.query.analyses.dfa import load_direction
+
+        return load_direction(store, path)[None]
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
@@ -36,7 +41,7 @@ def run_topk(store: StoreReader, cfg: TopkConfig) -> TopkOutcome:
     unit, record the run (unless ``cfg.save`` is False)."""
 
     started = time.time()
-    directions = None if cfg.direction_file is None else load_directions(cfg.direction_file)
+    directions = None if cfg.direction_file is None else load_directions(cfg.direction_file, store)
     assert cfg.layer is not None  # TopkConfig refuses None
     sel = Selection.from_sql(store, cfg.where)
     res = top_activations(

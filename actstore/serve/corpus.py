@@ -36,10 +36,21 @@ def is_corpus(store: StoreReader) -> bool:
     return store.manifest.ingest.get("positions") == "all"
 
 
-def load_direction_files(paths: list[str]) -> dict[str, np.ndarray]:
-    """name (the file's stem) -> an [m, d] float32 array, for each ``--direction FILE.npy`` of serve."""
+def load_direction_files(paths: list[str], store: StoreReader | None = None) -> dict[str, np.ndarray]:
+    """name -> an [m, d] float32 array, for each ``--direction`` of serve: a ``FILE.npy`` (named by its
+    stem), or ``[NAME=]SPEC``, a direction spec of ``actstore dfa`` (``probe:``, ``neuron:``, ``token:``,
+    ``sae:``; :func:`actstore.query.analyses.dfa.load_direction`) resolved on ``store`` (the first
+    store served), named NAME or the spec itself."""
     out: dict[str, np.ndarray] = {}
     for p in paths:
+        name, _, spec = p.partition("=") if "=" in p.split(":")[0] else ("", "", p)
+        if spec.split(":")[0] in ("probe", "neuron", "token", "sae"):
+            if store is None:
+                raise QueryError(f"serve: direction {spec} needs a store to be resolved on")
+            from actstore.query.analyses.dfa import load_direction
+
+            out[name or spec] = load_direction(store, spec)[None]
+            continue
         try:
             a = np.load(p, allow_pickle=False)
         except (OSError, ValueError) as e:

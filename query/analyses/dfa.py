@@ -14,7 +14,10 @@ Directions (:func:`load_direction`): ``FILE.npy`` (a [d_model] vector, or ``FILE
 [m, d_model] array), ``neuron:LAYER:INDEX`` (the neuron's output weights, its row of ``W_down``),
 ``token:ID`` (the token's unembedding row through the final norm's weight), ``sae:PATH:INDEX[:dec|enc]``
 (a latent's decoder (default) or encoder row from a SAELens folder (cfg.json and
-sae_weights.safetensors), a dictionary_learning ``ae.pt``, or an SAE's .npy matrix).
+sae_weights.safetensors), a dictionary_learning ``ae.pt`` (read as its ``AutoEncoder.from_pretrained``
+reads it: decoder columns normalised, encoder rows scaled to match), or an SAE's .npy matrix),
+``probe:[STORE:]RUN:RELATION[:LAYER[.HEAD]]`` (a probe run's weights for a relation:
+:mod:`actstore.query.analyses.directions`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ def load_direction(store: StoreReader, spec: str) -> np.ndarray:
         u = (r.unembed[tid] * r.weight).numpy()
     elif kind == "sae":
         u = _sae_row(rest)
+    elif kind == "probe":
+        from actstore.query.analyses.directions import probe_direction
+
+        u = probe_direction(store, rest)
     else:
         spec = rest if kind == "npy" else spec
         path, _, row = (
@@ -134,6 +141,11 @@ def _sae_row(rest: str) -> np.ndarray:
             raise QueryError(f"direction: {path} is not a dictionary_learning checkpoint (no {key})")
         t = sd[key].float().numpy()
         mat = t.T if which == "dec" else t  # decoder.weight [d_in, d_sae], encoder.weight [d_sae, d_in]
+        # as dictionary_learning's AutoEncoder.from_pretrained loads it (normalize_decoder=True): unit
+        # decoder columns, the encoder rows scaled by the norms (the same function)
+        dn = np.linalg.norm(sd["decoder.weight"].float().numpy(), axis=0) if "decoder.weight" in sd else None
+        if dn is not None and dn.shape == (mat.shape[0],) and not np.allclose(dn, 1.0):
+            mat = mat / dn[:, None] if which == "dec" else mat * dn[:, None]
     else:
         raise QueryError(
             f"direction: {path} is not an SAE checkpoint (a SAELens folder with cfg.json and "

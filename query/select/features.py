@@ -110,14 +110,16 @@ def check_corpus_kind(store: StoreReader, kind: str, layers: Sequence[int]) -> N
     array = CORPUS_ARRAY.get(kind)
     if kind in SOURCE_KINDS and ingest.get("sources"):  # --sources K: top-K sources at the z layers
         array = "z"
+    if kind == "attn_entity":  # a corpus marks no subject span: the caller names the source rows
+        raise QueryError(
+            "attn_entity sums over a prompt's subject tokens, which a corpus store does not mark; "
+            "on a store ingested with --sources K, source_sum(store, rows, sources) sums the kept "
+            "sources' contributions over the rows you name (actstore.query.select.corpus_sources)"
+        )
     if array is None:
         raise QueryError(
             f"{kind} needs the per-source factors, which this corpus store (--positions all) does not keep; "
-            + (
-                "ingest with --positions target for it"
-                if kind == "attn_entity"
-                else "ingest it with --sources K (or all) for them"
-            )
+            "ingest it with --sources K (or all) for them"
         )
     have = kept.get(array) or []
     missing = [x for x in layers if x not in have]

@@ -103,8 +103,13 @@ def test_directions(store: actstore.Store, tmp_path: Path) -> None:
         {"encoder.weight": torch.from_numpy(dec), "decoder.weight": torch.from_numpy(dec.T.copy())},
         tmp_path / "ae.pt",
     )
-    np.testing.assert_array_equal(load_direction(store, f"sae:{tmp_path / 'ae.pt'}:2"), dec[2])
-    np.testing.assert_array_equal(load_direction(store, f"sae:{tmp_path / 'ae.pt'}:2:enc"), dec[2])
+    # read as dictionary_learning's from_pretrained reads it: the decoder column normalised, the encoder
+    # row scaled by its norm
+    n2 = np.linalg.norm(dec[2])
+    np.testing.assert_allclose(load_direction(store, f"sae:{tmp_path / 'ae.pt'}:2"), dec[2] / n2, rtol=1e-6)
+    np.testing.assert_allclose(
+        load_direction(store, f"sae:{tmp_path / 'ae.pt'}:2:enc"), dec[2] * n2, rtol=1e-6
+    )
     from safetensors.numpy import save_file
 
     lens = tmp_path / "saelens"

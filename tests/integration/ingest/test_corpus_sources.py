@@ -171,6 +171,45 @@ def test_all_sources_equal_the_eager_attention_row(tmp_path: Path) -> None:
     np.testing.assert_allclose(source_sum(store, rows, np.arange(5)), c[rows].sum(3), rtol=1e-5, atol=1e-6)
 
 
+def test_entity_sums_equal_a_plain_loop_and_attn_entity_names_source_sum(tmp_path: Path) -> None:
+    """A corpus marks no subject span, so ``attn_entity`` is refused with one line naming
+    ``source_sum``; ``source_sum`` over the rows a caller names (here an "entity": the first three
+    tokens of the second document) equals, per (layer, head), a plain loop over the eager forward's
+    attention of those rows that are among the top K, times V and W_O."""
+    K = 3
+    store = ingest(tmp_path, "s", sources=str(K))
+    with pytest.raises(QueryError) as e:
+        store.select().features("attn_entity")
+    assert "source_sum" in str(e.value) and "\n" not in str(e.value)
+    wins = eager_windows("llama")
+    start = np.concatenate([[0], np.cumsum([w["A"].shape[0] for w in wins])])
+    w = int(
+        np.searchsorted(
+            start,
+            store.sql("SELECT min(row) FROM positions WHERE document = 1").column(0)[0].as_py(),
+            side="right",
+        )
+        - 1
+    )
+    entity = [int(start[w] + j) for j in range(3)]
+    rows = np.arange(start[w], start[w + 1])
+    got = source_sum(store, rows, entity)
+    assert np.abs(got).max() > 0
+    g = store.geometry
+    win = wins[w]
+    for i, r in enumerate(rows):
+        t = int(r - start[w])
+        for lay in range(g.n_layers):
+            for h in range(g.n_heads):
+                a = win["A"][t, lay, h]
+                top = set(np.argsort(-a, kind="stable")[:K].tolist())
+                want = np.zeros(g.d_model)
+                for j in range(3):
+                    if j in top and a[j] > 0:
+                        want += a[j] * win["V"][j, lay, h // g.kv_group] @ win["WO"][lay, h]
+                np.testing.assert_allclose(got[i, lay, h], want, rtol=1e-4, atol=1e-5)
+
+
 def tree_hash(path: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
