@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from actstore.cli._options import command, parse_int_list, printable, threads_option
+from actstore.core.layout import WEIGHTS_MODES
 
 
 @command(
@@ -38,6 +39,14 @@ from actstore.cli._options import command, parse_int_list, printable, threads_op
     default=None,
     type=click.IntRange(min=1),
     help="Positions per commit [default: about 16 MiB of stored residuals, a multiple of 256].",
+)
+@click.option(
+    "--weights",
+    default="shared",
+    show_default=True,
+    type=click.Choice(WEIGHTS_MODES),
+    help="Where the model's weights go: shared (one copy per model in the user cache), copy (in the "
+    "store), none (docs/storage.md).",
 )
 @click.option("--resume", is_flag=True, help="Write the segments an interrupted import did not commit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")

@@ -109,13 +109,15 @@ def write_corpus(
     overwrite: bool = False,
     resume: bool = False,
     predict: bool = True,
+    weights: str = "shared",
 ) -> IngestReport:
     """Write ``source`` (see :func:`source_windows`) into a corpus store at ``out``; ``model``: the model
     it was captured from (an alias, hub name or folder: its weights, tokenizer and geometry go in the
     store and every shape is checked against it before anything is written); ``predict=False``: no
     predictions from the last residual (its logits over the vocabulary cost more than the import);
     ``segment_size``: positions per commit (None: :func:`segment_rows`, about 16 MiB of stored
-    residuals a segment)."""
+    residuals a segment); ``weights``: shared, copy or none, as ``actstore ingest --weights``
+    (docs/storage.md)."""
     windows, spec = source_windows(source, tokens, layer_ids)
     loc = locate(os.fspath(out))
     if not resume:
@@ -145,6 +147,7 @@ def write_corpus(
         resume=resume,
         overwrite=overwrite,
         progress=False,
+        weights=weights,
         extra={"dataset": spec, "kinds": ["resid"]},
     )
     with writer_lock(loc, command="actstore import"):

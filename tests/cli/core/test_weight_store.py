@@ -200,3 +200,20 @@ def test_two_ingests_write_the_same_cache_at_once(tmp_path: Path, cache: Path) -
     assert len(folders) == 1 and not [e for e in entries if e.startswith(".tmp-")], entries
     for n in ("a", "b"):
         assert run("verify", str(tmp_path / n))[0] == 0
+
+
+@pytest.mark.parametrize("mode", ["copy", "none"])
+def test_an_import_puts_the_weights_where_asked(tmp_path: Path, cache: Path, mode: str) -> None:
+    """``actstore import`` (``write_corpus``) writes weights as ``ingest`` does: here a copy, or none."""
+    import torch
+
+    from actstore.jobs.import_acts import write_corpus
+
+    ids = torch.tensor([[1, 5, 9, 12]])
+    report = write_corpus(
+        tmp_path / "s", {"blocks.0.hook_resid_pre": torch.randn(1, 4, 64)}, tokens=ids, weights=mode
+    )
+    assert report.n_examples == 4
+    record = read_record(locate(str(tmp_path / "s")))
+    assert record is not None and record.mode == mode
+    assert (tmp_path / "s" / "weights").is_dir() == (mode == "copy") and not cache.exists()
