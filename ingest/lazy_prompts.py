@@ -11,17 +11,20 @@ prompt at 10^5 prompts, measured in benchmarks/bench_scale.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Sequence
+from typing import Any
 
 from actstore.ingest.align import tokenize_records
+from actstore.ingest.datasets.common import SliceReader
 from actstore.ingest.records import PromptRecord, TokenizedPrompt
 
 CHUNK = 4096  # records per tokenizer call of a pass over the corpus
 
 
-class LazyPrompts(Sequence[TokenizedPrompt]):
+class LazyPrompts(SliceReader[TokenizedPrompt]):
     """``records`` tokenized on demand with ``tokenizer`` (see the module notes)."""
+
+    chunk = CHUNK
 
     def __init__(
         self, records: Sequence[PromptRecord], tokenizer: Any, max_length: int | None = None
@@ -44,26 +47,10 @@ class LazyPrompts(Sequence[TokenizedPrompt]):
                     raise type(e)(f"record {lo + int(head)} {rest}") from None
             raise
 
-    @overload
-    def __getitem__(self, i: int) -> TokenizedPrompt: ...
+    def _read(self, lo: int, hi: int) -> list[TokenizedPrompt]:
+        return self._tokenize(lo, hi)
 
-    @overload
-    def __getitem__(self, i: slice) -> list[TokenizedPrompt]: ...
-
-    def __getitem__(self, i: int | slice) -> TokenizedPrompt | list[TokenizedPrompt]:
-        if isinstance(i, slice):
-            lo, hi, step = i.indices(len(self))
-            if step != 1:
-                raise ValueError("LazyPrompts slices take no step")
-            if self._cached is None or self._cached[:2] != (lo, hi):
-                self._cached = (lo, hi, self._tokenize(lo, hi) if hi > lo else [])
-            return self._cached[2]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(i)
-        i %= n
-        return self._tokenize(i, i + 1)[0]
-
-    def __iter__(self) -> Iterator[TokenizedPrompt]:
-        for lo in range(0, len(self), CHUNK):
-            yield from self._tokenize(lo, min(lo + CHUNK, len(self)))
+    def _read_slice(self, lo: int, hi: int) -> list[TokenizedPrompt]:  # the last slice is kept
+        if self._cached is None or self._cached[:2] != (lo, hi):
+            self._cached = (lo, hi, self._tokenize(lo, hi) if hi > lo else [])
+        return self._cached[2]

@@ -39,7 +39,7 @@ import torch
 from actstore.core.errors import TraceError
 from actstore.interventions.facts import StoredFact, subject_embedding_std
 from actstore.interventions.runner import Intervention, InterventionRunner, RunItem
-from actstore.interventions.settings import TraceConfig
+from actstore.interventions.settings import TraceConfig, check_noise
 from actstore.interventions.tracing_incremental import Incremental
 
 if TYPE_CHECKING:
@@ -77,10 +77,7 @@ class EffectConfig:
             raise TraceError(f"unknown intervention mode {self.mode!r} (one of {', '.join(MODES)})")
         if self.random_draws < 1:
             raise TraceError(f"at least one random layer per fact is needed, not {self.random_draws}")
-        if self.samples < 1:
-            raise TraceError(f"the number of noise samples must be at least 1, not {self.samples}")
-        if self.noise_scale < 0:
-            raise TraceError(f"the noise scale must be >= 0, not {self.noise_scale}")
+        check_noise(self.samples, self.noise_scale)
 
 
 def random_layers(example_id: int, component: str, n_layers: int, draws: int, seed: int = 0) -> list[int]:
@@ -147,55 +144,46 @@ def site_effects(
         ]
         if tracer is not None and cfg.incremental:
             base, p_site = _restore_incremental(tracer, f, sorted({(c, layer) for c, layer, _ in todo}))
-            _append(
-                out,
-                f.example_id,
-                cfg.mode,
-                base,
-                [(c, layer, rnd, p_site[(c, layer)]) for c, layer, rnd in todo],
-            )
-            if progress:
-                progress(1)
-            continue
-        positions = tuple(range(f.subject_span[0], f.n_tokens))
-        items: list[RunItem] = []
-        rows: list[_Row] = []
-        if tracer is None:
-            items.append(RunItem(f.input_ids, (), f.target_id))
-            rows.append(_Row(0, "", -1, False, -1))
-            for c, layer, rnd in todo:
-                items.append(RunItem(f.input_ids, (Intervention(c, layer, "zero", positions),), f.target_id))
-                rows.append(_Row(0, c, layer, rnd, -1))
+            values = [(c, layer, rnd, p_site[(c, layer)]) for c, layer, rnd in todo]
         else:
-            clean = tracer.clean([f])[0]
-            s0, s1 = f.subject_span
-            for s in range(cfg.samples):
-                noise = Intervention("resid", 0, "add_noise", tuple(range(s0, s1)), value=tracer.noise(f, s))
-                items.append(RunItem(f.input_ids, (noise,), f.target_id))
-                rows.append(_Row(0, "", -1, False, s))
+            positions = tuple(range(f.subject_span[0], f.n_tokens))
+            items: list[RunItem] = []
+            rows: list[_Row] = []
+            if tracer is None:
+                items.append(RunItem(f.input_ids, (), f.target_id))
+                rows.append(_Row(0, "", -1, False, -1))
                 for c, layer, rnd in todo:
-                    value = clean.states[(c, layer)][s0:]
                     items.append(
-                        RunItem(
-                            f.input_ids,
-                            (noise, Intervention(c, layer, "set", positions, value=value)),
-                            f.target_id,
-                        )
+                        RunItem(f.input_ids, (Intervention(c, layer, "zero", positions),), f.target_id)
                     )
-                    rows.append(_Row(0, c, layer, rnd, s))
-        p = np.exp(runner.run(items, batch_size=cfg.batch_size).target_logprob.astype(np.float64))
-        base = p[[i for i, r in enumerate(rows) if r.component == ""]].mean()
-        sums: dict[tuple[str, int, bool], list[float]] = {}
-        for r, v in zip(rows, p):
-            if r.component:
-                sums.setdefault((r.component, r.layer, r.random), []).append(float(v))
-        _append(
-            out,
-            f.example_id,
-            cfg.mode,
-            float(base),
-            [(c, layer, rnd, float(np.mean(vals))) for (c, layer, rnd), vals in sums.items()],
-        )
+                    rows.append(_Row(0, c, layer, rnd, -1))
+            else:
+                clean = tracer.clean([f])[0]
+                s0, s1 = f.subject_span
+                for s in range(cfg.samples):
+                    noise = Intervention(
+                        "resid", 0, "add_noise", tuple(range(s0, s1)), value=tracer.noise(f, s)
+                    )
+                    items.append(RunItem(f.input_ids, (noise,), f.target_id))
+                    rows.append(_Row(0, "", -1, False, s))
+                    for c, layer, rnd in todo:
+                        value = clean.states[(c, layer)][s0:]
+                        items.append(
+                            RunItem(
+                                f.input_ids,
+                                (noise, Intervention(c, layer, "set", positions, value=value)),
+                                f.target_id,
+                            )
+                        )
+                        rows.append(_Row(0, c, layer, rnd, s))
+            p = np.exp(runner.run(items, batch_size=cfg.batch_size).target_logprob.astype(np.float64))
+            base = p[[i for i, r in enumerate(rows) if r.component == ""]].mean()
+            sums: dict[tuple[str, int, bool], list[float]] = {}
+            for r, v in zip(rows, p):
+                if r.component:
+                    sums.setdefault((r.component, r.layer, r.random), []).append(float(v))
+            values = [(c, layer, rnd, float(np.mean(v))) for (c, layer, rnd), v in sums.items()]
+        _append(out, f.example_id, cfg.mode, float(base), values)
         if progress:
             progress(1)
     return pa.table(out, schema=SITE_EFFECTS)

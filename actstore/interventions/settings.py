@@ -18,6 +18,14 @@ PATCH_COMPONENTS = ("resid", "attn", "mlp")  # patched per layer (heads apart)
 POSITIONS = ("subject_last", "last")  # the named positions that align two prompts
 
 
+def check_noise(samples: int, noise_scale: float) -> None:
+    """A corrupted run's noise: at least one sample, a scale >= 0 (:class:`TraceError` otherwise)."""
+    if samples < 1:
+        raise TraceError(f"the number of noise samples must be at least 1, not {samples}")
+    if noise_scale < 0:
+        raise TraceError(f"the noise scale must be >= 0, not {noise_scale}")
+
+
 @dataclass(frozen=True)
 class TraceConfig:
     """Causal tracing.  ``skip_before_subject``: positions before the subject have IE = 0 exactly and
@@ -46,10 +54,7 @@ class TraceConfig:
         check_settings(self)
         if not self.components:
             raise TraceError(f"unknown component '(none)' (one of {', '.join(TRACE_COMPONENTS)})")
-        if self.samples < 1:
-            raise TraceError(f"the number of noise samples must be at least 1, not {self.samples}")
-        if self.noise_scale < 0:
-            raise TraceError(f"the noise scale must be >= 0, not {self.noise_scale}")
+        check_noise(self.samples, self.noise_scale)
         if self.window < 1:
             raise TraceError(f"the window must be at least 1 layer, not {self.window}")
         if self.batch_size < 1:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,10 @@ from actstore.core.errors import MethodsError
 from actstore.core.store import StoreReader
 from actstore.interventions.settings import PatchConfig, TraceConfig
 from actstore.jobs.patch import PatchRequest, run_patch
-from actstore.jobs.study_metrics import measure_study, migrate_patch_state
+from actstore.jobs.study_metrics import Log, measure_study, migrate_patch_state
 from actstore.jobs.study_settings import StudyMergeConfig, StudyRunConfig
 from actstore.jobs.study_state import existing_state, load_state, save_state, stratified_order, where_ids
 from actstore.jobs.trace import TraceRequest, run_trace
-
-Log = Callable[[str], None]
 
 # The trace settings every run of one state must share (a merge refuses runs that differ in one).
 TRACE_KEYS = (
@@ -96,12 +93,12 @@ def run_study(store: StoreReader, cfg: StudyRunConfig, log: Log | None = None) -
     order, strata = study_order(store, cfg.seed, cfg.all_facts)
     state.update({"answered": answered, "facts": n_facts})
     say(f"{len(order)} facts to trace ({answered} answered of {n_facts}) in {strata} strata")
-    trace_facts(store, cfg, state, state_path, order, say)
+    trace_facts(store, cfg, state, order, say)
     if cfg.trace_only:
         return StudyOutcome(state)
     if cfg.patch:
-        patch_traced(store, cfg, state, state_path, say)
-    runs = measure_study(store, cfg, state, state_path, say)
+        patch_traced(store, cfg, state, say)
+    runs = measure_study(store, cfg, state, say)
     return StudyOutcome(state, runs, cfg.out)
 
 
@@ -109,7 +106,6 @@ def trace_facts(
     store: StoreReader,
     cfg: StudyRunConfig,
     state: dict[str, Any],
-    state_path: Path,
     order: list[int],
     say: Log,
 ) -> None:
@@ -136,7 +132,7 @@ def trace_facts(
         state["traced"] = traced
         state["trace_seconds"] = spent
         state["trace_cpu_note"] = "wall seconds of run_trace calls (model load included)"
-        save_state(state_path, state)
+        save_state(Path(cfg.state), state)
         say(
             f"traced {len(traced)} facts ({len(chunk)} in {dt:.0f}s, {60 * len(chunk) / dt:.2f} facts/min); "
             f"run {out.run_id}"
@@ -144,9 +140,7 @@ def trace_facts(
     say(f"tracing: {len(traced)} facts in {spent:.0f}s (this call {time.time() - t_start:.0f}s)")
 
 
-def patch_traced(
-    store: StoreReader, cfg: StudyRunConfig, state: dict[str, Any], state_path: Path, say: Log
-) -> None:
+def patch_traced(store: StoreReader, cfg: StudyRunConfig, state: dict[str, Any], say: Log) -> None:
     """Patch the traced facts not patched yet in one new patch run (the runs cover disjoint facts)."""
     migrate_patch_state(store, state)
     done = set(state["patched"])
@@ -170,7 +164,7 @@ def patch_traced(
     state["patch_seconds"] = float(state.get("patch_seconds", 0.0)) + dt
     state["patch_pairs"] = int(state.get("patch_pairs", 0)) + len(out.results)
     state["patch_skipped"] = int(state.get("patch_skipped", 0)) + len(out.skipped)
-    save_state(state_path, state)
+    save_state(Path(cfg.state), state)
     say(
         f"patched {len(out.results)} pairs of {len(todo)} newly traced facts ({len(out.skipped)} without "
         f"a counterfactual) in {dt:.0f}s; run {out.run_id}"

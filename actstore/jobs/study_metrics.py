@@ -52,7 +52,7 @@ def migrate_patch_state(store: StoreReader, state: dict[str, Any]) -> None:
 
 
 def _readings(
-    store: StoreReader, cfg: StudyRunConfig, state: dict[str, Any], state_path: Path, say: Log
+    store: StoreReader, cfg: StudyRunConfig, state: dict[str, Any], say: Log
 ) -> dict[str, MethodReading]:
     methods = list(cfg.methods)
     if not state["patch_runs"] and "patch" in methods:
@@ -85,7 +85,7 @@ def _readings(
     )
     if "tuned_lens" in readings:
         state["tuned_lens"] = readings["tuned_lens"].info
-        save_state(state_path, state)
+        save_state(Path(cfg.state), state)
         tl = state["tuned_lens"]
         say(f"tuned lens ({cfg.tuned}): {tl['train_facts']} training facts, {tl['seconds']:.0f}s")
     say("readings: " + ", ".join(f"{m} {len(r.example_ids)}" for m, r in readings.items()))
@@ -96,7 +96,6 @@ def _effects(
     store: StoreReader,
     cfg: StudyRunConfig,
     state: dict[str, Any],
-    state_path: Path,
     readings: dict[str, MethodReading],
     say: Log,
 ) -> dict[str, pa.Table]:
@@ -131,7 +130,7 @@ def _effects(
         state[key] = rid
         state[f"effects_{mode}_facts"] = ids
         state[f"effects_{mode}_seconds"] = time.time() - t0
-        save_state(state_path, state)
+        save_state(Path(cfg.state), state)
         effects[mode] = table
         say(
             f"{mode}: {table.num_rows} site effects of {len(facts)} facts in {time.time() - t0:.0f}s; run {rid}"
@@ -139,15 +138,13 @@ def _effects(
     return effects
 
 
-def measure_study(
-    store: StoreReader, cfg: StudyRunConfig, state: dict[str, Any], state_path: Path, say: Log
-) -> dict[str, str]:
+def measure_study(store: StoreReader, cfg: StudyRunConfig, state: dict[str, Any], say: Log) -> dict[str, str]:
     """Readings, interventions and metrics of the state's runs (the module docstring); return the
     ``methods`` run recorded per mode (``none`` when no mode is asked)."""
     started = time.time()
     migrate_patch_state(store, state)
-    readings = _readings(store, cfg, state, state_path, say)
-    effects = _effects(store, cfg, state, state_path, readings, say)
+    readings = _readings(store, cfg, state, say)
+    effects = _effects(store, cfg, state, readings, say)
     L = store.geometry.n_layers
     tol = default_tolerance(L)
     all_ids = np.unique(np.concatenate([r.example_ids for r in readings.values()]))
@@ -202,7 +199,7 @@ def measure_study(
         if cross is not None:
             summary["cross_size"] = cross.to_pylist()
         say(f"metrics ({mode}): run {rid}")
-    save_state(state_path, state)
+    save_state(Path(cfg.state), state)
     if cfg.out:
         write_summary(Path(cfg.out), {"state": state, **summary})
         say(f"wrote {cfg.out}")

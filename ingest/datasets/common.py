@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import re
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from actstore.core.errors import DatasetError
 from actstore.ingest.records import PromptRecord
+
+T = TypeVar("T")
 
 # The prompt data set kinds ``load_dataset`` dispatches on (``KIND:PATH``, or ``demo``).
 KINDS = ("fewrel", "lre", "known1000", "maps", "jsonl", "demo", "methods2k")
@@ -227,3 +229,39 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     """
     kind, colon, location = spec.partition(":")
     return kind.strip().lower(), location.strip() if colon else None
+
+
+class SliceReader(Sequence[T]):
+    """A sequence read a slice at a time (:meth:`_read`: items ``lo`` to ``hi - 1``): an item is a slice of
+    one, iteration reads :attr:`chunk` items at a time, a slice takes no step."""
+
+    chunk = 4096
+
+    def _read(self, lo: int, hi: int) -> list[T]:
+        raise NotImplementedError
+
+    def _read_slice(self, lo: int, hi: int) -> list[T]:
+        """What ``self[lo:hi]`` returns (a subclass may keep it)."""
+        return self._read(lo, hi)
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError(f"{type(self).__name__} slices take no step")
+            return self._read_slice(lo, hi)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        i %= n
+        return self._read(i, i + 1)[0]
+
+    def __iter__(self) -> Iterator[T]:
+        for lo in range(0, len(self), self.chunk):
+            yield from self._read(lo, min(lo + self.chunk, len(self)))

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 
 from actstore.core.errors import DatasetError
-from actstore.ingest.datasets.common import DatasetResult, existing, parse_spec
+from actstore.ingest.datasets.common import DatasetResult, SliceReader, existing, parse_spec
 from actstore.ingest.datasets.jsonl import (
     MAX_JSONL_BYTES,
     MAX_JSONL_LINE,
@@ -46,7 +46,7 @@ _BLANK[list(b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f")] = True
 _SUSPECT = _BLANK | (np.arange(256) >= 0x80)  # a line starting so may be blank (Unicode spaces too)
 
 
-class JsonlLines(Sequence[PromptRecord]):
+class JsonlLines(SliceReader[PromptRecord]):
     """The non-blank lines of ``path`` as records, parsed on demand (see the module notes)."""
 
     def __init__(self, path: str | Path) -> None:
@@ -76,28 +76,6 @@ class JsonlLines(Sequence[PromptRecord]):
                 raise DatasetError(f"{where}: not UTF-8 text ({e.reason})") from None
             out.append(_jsonl_record(_parse_json_value(line, where), where))
         return out
-
-    @overload
-    def __getitem__(self, i: int) -> PromptRecord: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[PromptRecord]: ...
-
-    def __getitem__(self, i: int | slice) -> PromptRecord | list[PromptRecord]:
-        if isinstance(i, slice):
-            lo, hi, step = i.indices(len(self))
-            if step != 1:
-                raise ValueError("JsonlLines slices take no step")
-            return self._read(lo, hi)
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(i)
-        i %= n
-        return self._read(i, i + 1)[0]
-
-    def __iter__(self) -> Iterator[PromptRecord]:
-        for lo in range(0, len(self), 4096):
-            yield from self._read(lo, min(lo + 4096, len(self)))
 
 
 def _index_lines(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
