@@ -102,7 +102,7 @@ def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, An
             "storage_dtype": m.storage_dtype,
             "size": human_size(size.total),
             "size_bytes": size.total,
-            "weights_size": human_size(size.weights),
+            "weights_size": human_size(size.weights) if size.where == "store" else size.weights_line(),
             "weights_bytes": size.weights,
             "relations": relations,
             "tables": tables,

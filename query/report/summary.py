@@ -49,7 +49,10 @@ def _store_info(store: StoreReader) -> list[dict[str, Any]]:
         },
         {"": "storage dtype", "value": m.storage_dtype},
         {"": "size on disk", "value": human_size(size.total)},
-        {"": "of which weights", "value": human_size(size.weights)},
+        {  # a store's own weights are part of its size; a shared copy is not, and says where it is
+            "": "of which weights",
+            "value": human_size(size.weights) if size.where == "store" else size.weights_line(),
+        },
     ]
 
 

@@ -18,6 +18,7 @@ from helpers import build_store
 
 import actstore
 from actstore.cli import main
+from actstore.core.sizes import human_size, store_size
 from actstore.core.storage import locate
 from actstore.core.weight_store import RECORD, content_hash, read_record, store_weights
 
@@ -83,6 +84,16 @@ def test_two_stores_of_one_model_share_one_copy(stores: dict[str, Path], cache: 
     assert d["weights_shared_bytes"] == du(shared) and d["weights_shared_path"] == str(shared)
     text = run("info", str(stores["none"]))[1]
     assert "weights   none (ingested with --weights none" in text
+    # the explorer's store page and the report's summary say the same line
+    from actstore.serve.views import store_summary
+
+    opened = actstore.open(str(stores["shared1"]))
+    page = store_summary(opened)
+    assert page["weights_bytes"] == 0 and page["weights_size"] == store_size(opened).weights_line()
+    assert (
+        page["weights_size"].startswith(human_size(du(shared)) + " shared")
+        and str(shared) in page["weights_size"]
+    )
 
 
 def test_a_shared_store_reads_what_a_copy_store_reads(stores: dict[str, Path]) -> None:
