@@ -270,7 +270,7 @@ def run_demo_analyses(
     proj_cache.clear()
     summary: dict[str, Any] = dict(runs.results)
     report_path = os.path.join(out, "report.html")
-    res = runs.run("report", "HTML report", lambda: _write_report(store, report_path))
+    res = runs.run("report", "HTML report", lambda: write_report(store, report_path))
     if res is not None:
         summary["report"] = res
     summary["timings"] = runs.timings
@@ -279,11 +279,6 @@ def run_demo_analyses(
     for n in runs.notes:
         log(f"    note: {n}")
     return summary
-
-
-def _write_report(store: StoreReader, path: str) -> str:
-
-    return write_report(store, path)
 
 
 def run_demo(cfg: DemoConfig, *, step: Step = _quiet, log: Step = _quiet) -> dict[str, Any]:

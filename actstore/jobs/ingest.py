@@ -47,6 +47,12 @@ def _model_record(loaded: LoadedModel, dtype: str) -> dict[str, str | None]:
     }
 
 
+def _dataset_options(req: IngestRequest) -> dict[str, object]:
+    """The data set's filters, as ``load_dataset`` takes them and the manifest records them."""
+    keys = ("relations", "limit_per_relation", "template", "keep_object_first")
+    return {k: getattr(req, k) for k in keys}
+
+
 def _log_nothing(message: str) -> None:
     pass
 
@@ -84,12 +90,7 @@ def _load(req: IngestRequest, log: Callable[[str], None]) -> DatasetResult | Doc
         return docs
     if req.dataset.startswith(("text:", "hf:")) and is_corpus_spec(req.dataset):
         raise InvalidSetting("dataset", f"{req.dataset} is a text corpus: ingest it with --positions all")
-    options: dict[str, object] = {
-        "relations": req.relations,
-        "limit_per_relation": req.limit_per_relation,
-        "template": req.template,
-        "keep_object_first": req.keep_object_first,
-    }
+    options = _dataset_options(req)
     # A JSON-lines file without filters streams (read and aligned a segment at a time); others load whole.
     data = stream_dataset(req.dataset, options) or load_dataset(req.dataset, **options)
     if not data.records:
@@ -148,14 +149,7 @@ def _ingest_locked(
     model_info = _model_record(loaded, req.model_dtype)
     cfg = req.capture_config(
         loc.url,
-        {
-            "dataset": req.dataset,
-            "relations": req.relations,
-            "limit_per_relation": req.limit_per_relation,
-            "template": req.template,
-            "keep_object_first": req.keep_object_first,
-            "skipped": data.skipped,
-        },
+        {"dataset": req.dataset, **_dataset_options(req), "skipped": data.skipped},
     )
     return capture_prompts(loc, loaded.model, loaded.tokenizer, model_info, prompts, cfg)
 
