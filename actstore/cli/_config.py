@@ -101,8 +101,9 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
         )
     elif meta.get("choices"):
         kw["type"] = click.Choice([str(c) for c in meta["choices"]])
-    elif base is int and meta.get("low") is not None:
-        kw["type"] = click.IntRange(min=int(meta["low"]))
+    elif base is int and (meta.get("low") is not None or meta.get("high") is not None):
+        high = meta.get("high")
+        kw["type"] = click.IntRange(min=meta.get("low"), max=None if high is None else int(high))
     elif base is float and meta.get("above") is not None:
         kw["type"] = click.FloatRange(min=float(meta["above"]), max=meta.get("high"), min_open=True)
     elif base is float and (meta.get("low") is not None or meta.get("high") is not None):

@@ -146,7 +146,12 @@ FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, ml
 @where_option
 @layers_option()
 @heads_option()
-@click.option("--groups", type=int, default=None, help="mlp_group: number of neuron groups (default: heads).")
+@click.option(
+    "--groups",
+    type=click.IntRange(min=1),
+    default=None,
+    help="mlp_group: number of neuron groups (default: heads).",
+)
 @click.option("--out", "out_path", required=True, help="Output .npy file.")
 @click.option("--ids-out", default=None, help="Parquet file of (example_id, row) in the array's order.")
 def features(

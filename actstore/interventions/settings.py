@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actstore.core.errors import PatchError, TraceError
+from actstore.core.errors import InvalidSetting, PatchError, TraceError
 from actstore.core.settings import check_settings, setting
 
 TRACE_COMPONENTS = ("resid", "mlp", "attn")  # restored by causal tracing
@@ -31,11 +31,14 @@ class TraceConfig:
     """Causal tracing.  ``skip_before_subject``: positions before the subject have IE = 0 exactly and
     are not run (``--all-positions`` runs them)."""
 
-    samples: int = setting(3, "Noise samples per fact.")  # ROME: 10
+    samples: int = setting(3, "Noise samples per fact.", low=1)  # ROME: 10
     noise_scale: float = setting(
-        3.0, "Noise std in multiples of the std of the store's subject-token embeddings.", flag="--noise"
+        3.0,
+        "Noise std in multiples of the std of the store's subject-token embeddings.",
+        flag="--noise",
+        low=0,
     )
-    window: int = setting(10, "Layers restored together for MLP and attention.")
+    window: int = setting(10, "Layers restored together for MLP and attention.", low=1)
     components: tuple[str, ...] = setting(
         TRACE_COMPONENTS, "Components restored (comma-separated).", choices=TRACE_COMPONENTS
     )
@@ -44,7 +47,7 @@ class TraceConfig:
     )
     seed: int = setting(0, "Seed of the noise.")
     # incremental: batch_size x longest prompt positions per forward pass
-    batch_size: int = setting(64, "Corrupted copies per forward pass.")
+    batch_size: int = setting(64, "Corrupted copies per forward pass.", low=1)
     max_rows_per_call: int = setting(8192, "Restorations held in memory at once (several facts).", cli=False)
     incremental: bool = setting(
         True, "Restorations reuse the corrupted run (False: recompute every row in full).", cli=False
@@ -55,16 +58,12 @@ class TraceConfig:
         if not self.components:
             raise TraceError(f"unknown component '(none)' (one of {', '.join(TRACE_COMPONENTS)})")
         check_noise(self.samples, self.noise_scale)
-        if self.window < 1:
-            raise TraceError(f"the window must be at least 1 layer, not {self.window}")
-        if self.batch_size < 1:
-            raise TraceError("the batch size must be positive")
 
     def validate(self, n_layers: int) -> None:
-        """What depends on the model: the window no larger than its ``n_layers``."""
+        """What depends on the model: the window no larger than its ``n_layers`` (a refused setting)."""
         if self.window > n_layers:
-            raise TraceError(
-                f"the window of {self.window} layers is larger than the model ({n_layers} layers)"
+            raise InvalidSetting(
+                "window", f"a window of {self.window} layers is larger than the model ({n_layers} layers)"
             )
 
 
@@ -85,7 +84,7 @@ class PatchConfig:
     head_positions: tuple[str, ...] = setting(
         ("last",), "Positions of the per-head patches.", choices=POSITIONS
     )
-    batch_size: int = setting(64, "Patched runs per forward pass.")
+    batch_size: int = setting(64, "Patched runs per forward pass.", low=1)
     min_denominator: float = setting(
         1e-3, "|LD_clean - LD_cf| below this: recovery undefined (NaN).", cli=False
     )
@@ -94,5 +93,3 @@ class PatchConfig:
         check_settings(self)
         if not self.components and not self.heads:
             raise PatchError("nothing to patch: give a component or heads")
-        if self.batch_size < 1:
-            raise PatchError("the batch size must be positive")

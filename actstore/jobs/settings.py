@@ -269,15 +269,16 @@ class AgreeConfig:
         above=0,
         high=1,
     )
-    probe_min_count: int = setting(5, "Objects with fewer facts in the store are not probe classes.")
-    probe_folds: int = setting(3, "Cross-validation folds of the probes.")
+    probe_min_count: int = setting(5, "Objects with fewer facts in the store are not probe classes.", low=1)
+    probe_folds: int = setting(3, "Cross-validation folds of the probes.", low=2)
     tuned: str = setting("adam", AGREE_TUNED_HELP, metavar="adam|sgd|ridge|corpus:STORE")
-    steps: int = setting(COMPARISON_STEPS, "Training steps (adam, sgd).", flag="--tuned-steps")
+    steps: int = setting(COMPARISON_STEPS, "Training steps (adam, sgd).", flag="--tuned-steps", low=1)
     batch: int = setting(
         COMPARISON_BATCH,
         "Training facts per step (adam, sgd), drawn from the facts not compared; at least their number = "
         "full batch (about a minute per step on SmolLM2 on one CPU thread).",
         flag="--tuned-batch",
+        low=1,
     )
     seed: int = setting(0, "Seed of the tuned lens's training.")
     permutations: int = setting(
@@ -343,9 +344,9 @@ class TraceRequest(FactsRun):
     """One ``actstore trace`` run: causal tracing (``trace``) of the selected facts."""
 
     trace: TraceConfig = nested(TraceConfig)
-    noise_std: float | None = setting(None, "Absolute noise std (overrides --noise).")
+    noise_std: float | None = setting(None, "Absolute noise std (overrides --noise).", low=0)
     figures: str | None = setting(None, "Folder for ROME-style heatmaps (PNG).", cli=False)
-    max_figures: int = setting(8, "Per-fact heatmaps drawn at most.")
+    max_figures: int = setting(8, "Per-fact heatmaps drawn at most.", low=0)
 
 
 @dataclass(frozen=True)
@@ -399,7 +400,7 @@ class TopkConfig:
         choices=TOPK_KINDS,
     )
     layer: int | None = setting(None, "The layer (for --on resid: the residual index).", required=True)
-    k: int = setting(20, "Contexts kept per unit (1..10000).")
+    k: int = setting(20, "Contexts kept per unit (1..10000).", low=1, high=10000)
     where: str | None = setting(None, "SQL predicate over the examples table choosing the rows.", cli=False)
     on: str = setting("resid", "--kind direction: the feature kind projected.")
     direction_file: str | None = setting(
@@ -428,8 +429,8 @@ class DemoConfig:
 
     out: str = setting("demo-out", "Folder for the store and the report.")
     model: str = setting(DEFAULT_MODEL, "Model to ingest with: alias, local folder or hub name.")
-    limit_per_relation: int | None = setting(None, "Fewer prompts for a quicker demo.")
-    episodes: int = setting(DEMO_EPISODES, "Probe episodes per seed.")
+    limit_per_relation: int | None = setting(None, "Fewer prompts for a quicker demo.", low=1)
+    episodes: int = setting(DEMO_EPISODES, "Probe episodes per seed.", low=1)
 
     def __post_init__(self) -> None:
         check_settings(self)

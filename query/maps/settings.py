@@ -88,7 +88,7 @@ class AblationConfig:
     heads: tuple[tuple[int, int], ...] | None = setting(
         None, "Explicit (layer, head) pairs removed instead of MAPS's.", cli=False
     )
-    random_draws: int = setting(5, "Draws of as many random heads.")
+    random_draws: int = setting(5, "Draws of as many random heads.", low=0)
     seed: int = setting(0, "Seed of the random draws.")
     mode: str = setting(
         "zero", "zero: z_h = 0; mean: z_h = its mean over the store's rows.", choices=ABLATION_MODES

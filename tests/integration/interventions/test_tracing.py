@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from helpers import KNOWN_STORE_KW
 
 import actstore
-from actstore.core.errors import EmptySelectionWarning, PatchError
+from actstore.core.errors import EmptySelectionWarning, InvalidSetting, PatchError
 from actstore.ingest.capture.architectures import architecture_for as architecture_for_model
 from actstore.ingest.models.tiny import tiny_model
 from actstore.interventions.patching import ActivationPatcher, PatchPair
@@ -140,9 +140,9 @@ def test_bad_tracing_input_is_refused() -> None:
     fact = StoredFact(7, "P1", "Mars", "Sol", (1, 2, 3), ("a", "b", "c"), (-1, -1), 5, True)
     with pytest.raises(TraceError, match="subject 'Mars' is not in its prompt"):
         fact.check()
-    with pytest.raises(TraceError, match="larger than the model"):
+    with pytest.raises(InvalidSetting, match="larger than the model"):  # a refused setting: exit 2
         TraceConfig(window=3).validate(2)
-    with pytest.raises(TraceError, match="samples"):
+    with pytest.raises(InvalidSetting, match="samples: must be at least 1, not 0"):
         TraceConfig(samples=0).validate(2)
 
 
@@ -180,9 +180,8 @@ def test_cli_trace_json_and_bad_input_exits(llama_store: Path) -> None:
     assert np.array(fact["indirect_effect"]["mlp"]).shape == (L, len(fact["tokens"]))
     assert "total_effect" in fact
     bad = runner.invoke(main, ["trace", *args, "--window", "99"])
-    assert (
-        bad.exit_code == 1 and bad.stderr.strip().count("\n") == 0 and "larger than the model" in bad.stderr
-    )
+    assert bad.exit_code == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "error: --window: a window of 99 layers is larger than the model (2 layers)" in bad.stderr
     s = actstore.open(llama_store)
     rel = s.sql("SELECT example_id, relation_id FROM examples ORDER BY 1").to_pylist()
     a = rel[0]
