@@ -89,6 +89,7 @@ def corpus_home(store: StoreReader, directions: dict[str, np.ndarray]) -> dict[s
             "dataset": ing.get("dataset"),
             "context_length": ing.get("context_length"),
             "kept": ing.get("kept") or {},
+            "sources": attention_info(store)["sources"],
             "geometry": store.geometry.to_dict(),
             "topk": topk,
             "directions": {

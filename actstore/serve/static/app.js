@@ -458,6 +458,7 @@ async function corpusHome(d0) {
   const g = d.geometry;
   const kept = Object.entries(d.kept).map(([kind, layers]) => ({ kind, layers: layers.join(", ") }));
   const kv = [["model", `${d0.model} (${d0.architecture})`], ["documents", d.documents], ["tokens", d.tokens], ["dataset", d.dataset], ["context length", d.context_length],
+    ["attention sources", d.sources ? `the top ${d.sources} per token and head (a document shows a head's pattern)` : "none (ingest with --sources K to keep them)"],
     ["geometry", `L=${g.n_layers} H=${g.n_heads} d_head=${g.d_head} d_model=${g.d_model} d_mlp=${g.d_mlp} vocab=${g.vocab_size}`], ["storage dtype", d0.storage_dtype], ["size on disk", d0.size], ["of which weights", d0.weights_size], ["url", d0.url]];
   // units to open: the first neurons and heads of each layer kept, and each direction served
   const units = el("div", { id: "units" });
@@ -569,13 +570,21 @@ async function attentionSection(info) {
   form.addEventListener("submit", (e) => { e.preventDefault(); const f = Object.fromEntries(new FormData(form)); setQuery(f); location.reload(); });
   let a;
   try { a = await api(`/documents/${D.document}/attention`, { layer, head }); } catch (e) { return section("Attention pattern", form, failed(e)); }
-  const lim = Math.max(1e-6, a.max_weight), n = a.tokens.length, c = Math.max(3, Math.min(14, Math.floor(560 / Math.max(1, n)))), left = 4, mw = 60;
-  const svg = svgEl("svg", { width: left + n * c + 8 + mw, height: n * c + 4, id: "att-grid", class: "attgrid" });
-  svg.append(svgEl("rect", { x: left, y: 0, width: n * c, height: n * c, fill: "#fafafa", stroke: "#ccc" }));
+  const lim = Math.max(1e-6, a.max_weight), n = a.tokens.length, c = Math.max(3, Math.min(14, Math.floor(560 / Math.max(1, n)))), mw = 60;
+  const labels = n <= 80, left = labels ? 96 : 4, top = labels ? 64 : 0;  // token labels on both axes
+  const svg = svgEl("svg", { width: left + n * c + 8 + mw, height: top + n * c + 4, id: "att-grid", class: "attgrid" });
+  svg.append(svgEl("rect", { x: left, y: top, width: n * c, height: n * c, fill: "#fafafa", stroke: "#ccc" }));
+  const short = (t) => { const v = visible(t); return v.length > 12 ? v.slice(0, 11) + "…" : v; };
+  if (labels) a.tokens.forEach((t, j) => {
+    const rl = svgEl("text", { x: left - 4, y: top + j * c + c * 0.8, "text-anchor": "end", class: "axis" }); rl.textContent = short(t); svg.append(rl);
+    const cx = left + j * c + c * 0.7, cl = svgEl("text", { x: cx, y: top - 4, transform: `rotate(-60 ${cx} ${top - 4})`, class: "axis" }); cl.textContent = short(t); svg.append(cl);
+  });
   const strip = el("p", { class: "tokens plain", id: "att-tokens" });
   const spans = a.tokens.map((t, j) => el("span", { class: "tok", "data-index": j, "data-row": a.rows[j], text: visible(t), title: `row ${a.rows[j]} ${JSON.stringify(t)}` }));
   const info2 = el("p", { class: "note", id: "att-from" });
+  const mark = svgEl("rect", { x: left - 1, width: n * c + 2, height: c, fill: "none", stroke: "#111", "stroke-width": 1.5, id: "att-chosen" });
   const choose = (t) => {
+    mark.setAttribute("y", top + t * c);
     const w = new Map(a.sources[t].map(([j, v]) => [j, v]));
     spans.forEach((sp, j) => { sp.style.background = j === t ? "" : colour(w.get(j) ?? null, lim, false, 0.55); sp.classList.toggle("at", j === t); sp.dataset.weight = w.get(j) ?? ""; });
     info2.textContent = `weights from token ${t} (${visible(a.tokens[t])}, row ${a.rows[t]}): kept mass ${fmt(a.mass[t], 3)} on ${a.sources[t].length} source(s)`;
@@ -583,19 +592,20 @@ async function attentionSection(info) {
   spans.forEach((sp, j) => { sp.addEventListener("click", () => choose(j)); strip.append(sp); });
   a.sources.forEach((src, t) => {
     for (const [j, w] of src) {
-      const r = svgEl("rect", { x: left + j * c, y: t * c, width: c, height: c, fill: colour(w, lim, false, 1), class: "att", "data-t": t, "data-j": j, "data-weight": w });
+      const r = svgEl("rect", { x: left + j * c, y: top + t * c, width: c, height: c, fill: colour(w, lim, false, 1), class: "att", "data-t": t, "data-j": j, "data-weight": w });
       const tt = svgEl("title", {}); tt.textContent = `${visible(a.tokens[t])} (${t}) <- ${visible(a.tokens[j])} (${j}): ${fmt(w, 4)}`; r.append(tt); svg.append(r);
     }
-    const m = svgEl("rect", { x: left + n * c + 8, y: t * c, width: Math.max(0.5, mw * a.mass[t]), height: Math.max(1, c - 1), fill: "#888", class: "mass", "data-t": t, "data-mass": a.mass[t] });
+    const m = svgEl("rect", { x: left + n * c + 8, y: top + t * c, width: Math.max(0.5, mw * a.mass[t]), height: Math.max(1, c - 1), fill: "#888", class: "mass", "data-t": t, "data-mass": a.mass[t] });
     const mt = svgEl("title", {}); mt.textContent = `kept mass ${fmt(a.mass[t], 4)}`; m.append(mt); svg.append(m);
-    const hit = svgEl("rect", { x: left, y: t * c, width: n * c, height: c, fill: "transparent" });
+    const hit = svgEl("rect", { x: left, y: top + t * c, width: n * c, height: c, fill: "transparent" });
     hit.addEventListener("click", () => choose(t)); svg.append(hit);
   });
-  for (let t = 1; t < n; t++) if (a.windows[t] !== a.windows[t - 1]) svg.append(svgEl("line", { x1: left, x2: left + n * c, y1: t * c, y2: t * c, stroke: "#999", "stroke-dasharray": "2,2" }));
+  for (let t = 1; t < n; t++) if (a.windows[t] !== a.windows[t - 1]) svg.append(svgEl("line", { x1: left, x2: left + n * c, y1: top + t * c, y2: top + t * c, stroke: "#999", "stroke-dasharray": "2,2" }));
+  svg.append(mark);  // the chosen query token's row, outlined
   const at = a.rows.indexOf(Number(Q.get("row")));
   choose(at >= 0 ? at : n - 1);
   return section(`Attention pattern of head ${a.layer}.${a.head}`, form,
-    el("p", { class: "sub", id: "att-kept", text: `kept: ${a.kept}. Rows are query tokens, columns key tokens (document order); the grey bar beside a row is its kept mass (1 = all of it).` }),
+    el("p", { class: "sub", id: "att-kept", text: `kept: ${a.kept}. Rows are query tokens, columns key tokens (document order); the grey bar beside a row is its kept mass (1 = all of it); the outlined row is the chosen token's.` }),
     el("div", { class: "row" }, svg),
     el("p", { class: "legend", id: "att-legend" }, "attention weight (the scale ends at the largest kept weight shown): ", colourBar(lim, false, 1), " · text below: weights from the chosen token (outlined) ", colourBar(lim, false, 0.55)),
     info2, strip,

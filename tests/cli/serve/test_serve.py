@@ -461,6 +461,7 @@ def test_corpus_home_search_and_no_relation_table(corpus_served: tuple[Path, Tes
     d = get(c, "/api/s/{store}/corpus", "/api/s/corpus/corpus")
     assert d["documents"] == 12 and d["tokens"] == s.n_rows
     assert set(d["kept"]) == {"mlp", "resid", "z"} and d["directions"] == {"probe": {"units": 3, "d": 64}}
+    assert d["sources"] == 4
     assert [(r["kind"], r["layer"], r["units"], r["k"]) for r in d["topk"]] == [("mlp", 1, 128, 20)]
     hits = get(c, "/api/s/{store}/tokens", "/api/s/corpus/tokens?q=OW")["hits"]
     want = s.sql("SELECT row FROM positions WHERE contains(lower(token), 'ow') ORDER BY row").column(0)

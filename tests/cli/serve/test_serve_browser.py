@@ -302,9 +302,9 @@ def corpus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(
-        Catalog.open([str(path)]), directions=load_direction_files([str(path.parent / "probe.npy")])
-    )
+    # a .npy of directions, and a token's unembedding through the final norm given as a dfa spec
+    dirs = load_direction_files([str(path.parent / "probe.npy"), "tok7=token:7"], actstore.open(path))
+    app = create_app(Catalog.open([str(path)]), directions=dirs)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -401,6 +401,10 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
         pg.locator("#top-contexts tbody tr").count() == 20 and pg.locator("#promoted tbody tr").count() == 12
     )
     shot(pg, "unit-direction")
+    _links_resolve(pg, base)
+    pg.goto(base + "/s/corpus/unit/direction/2/0?direction=tok7")  # a spec served as a direction
+    ready(pg)
+    assert "tok7" in pg.inner_text("#unit-label") and pg.locator("#top-contexts tbody tr").count() == 20
     _links_resolve(pg, base)
     assert not pg.errors, pg.errors  # type: ignore[attr-defined]
     # a bad unit, layer or direction: a 4xx page of one line with a way home
