@@ -237,19 +237,20 @@ def test_a_store_without_sources_names_the_option(tmp_path: Path) -> None:
         source_factors(store, [0])
 
 
-def test_all_equals_the_target_mode_store_of_the_same_prompts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_all_equals_the_target_mode_store_of_the_same_prompts(tmp_path: Path, arch: str) -> None:
     """``--sources all`` at each document's last token against a target-mode store of the same texts
-    (tiny Qwen2 adds no BOS, so every source of a target-mode prompt is a kept corpus position)."""
-    docs = [d for d in DOCS if len(tiny_model("qwen2").tokenizer(d)["input_ids"]) <= CONTEXT]
+    (tiny Qwen2 and Qwen3 add no BOS, so every source of a target-mode prompt is a kept corpus position)."""
+    docs = [d for d in DOCS if len(tiny_model(arch).tokenizer(d)["input_ids"]) <= CONTEXT]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     (tmp_path / "docs.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
     target = actstore.ingest_corpus(
-        tmp_path / "t", model="tiny-qwen2", dataset=f"jsonl:{prompts}", storage_dtype="float32"
+        tmp_path / "t", model=f"tiny-{arch}", dataset=f"jsonl:{prompts}", storage_dtype="float32"
     )
     corpus = actstore.ingest_corpus(
         tmp_path / "c",
-        model="tiny-qwen2",
+        model=f"tiny-{arch}",
         dataset=f"text:{tmp_path / 'docs.txt'}",
         positions="all",
         storage_dtype="float32",
