@@ -1,6 +1,7 @@
 """Corpus stores with per-source factors (``--positions all --sources K``) and ``actstore dfa``, side by side.
 
-For each size (tokens of a synthetic text corpus, one document a line), on a tiny random model:
+For each size (tokens of a synthetic text corpus, one document a line), on a tiny random model
+(``--model tiny-llama``, the default) or any model ``actstore ingest`` loads (``--model smollm2-135m``):
 
 - capture: the fused capture with ``K`` sources (every position a target, host copy included) / a
   plain forward of the same windows in the same batches (the model's own ``forward``, no hooks),
@@ -9,9 +10,13 @@ For each size (tokens of a synthetic text corpus, one document a line), on a tin
   same layers (and the uncompressed ratio SmolLM2-135M's geometry gives at this K, float16);
 - DFA at one position: median wall time of ``dfa_rows(store, [row], u)`` over random rows;
 - a new direction's top-k over every token (``dfa_top``) / reading those rows' ``attn``, ``z``, ``v``
-  and ``mlp`` once (``read_rows``, the same blocks).
+  and ``mlp`` once (``read_rows``, the same blocks), and that read's rate (rows/s, MB/s of float32).
+
+Both sides of each ratio run in the same process, interleaved where they can be (batch by batch
+for the capture), on ``--threads`` threads.
 
     python benchmarks/bench_sources.py --tokens 10000,100000 --k 16 --json OUT.json
+    python benchmarks/bench_sources.py --model smollm2-135m --tokens 10000 --no-plain-ingest
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import numpy as np
 import torch
 
 import actstore
-from actstore.ingest.models.tiny import tiny_model
+from actstore.ingest.models.registry import load_model
 from actstore.query.analyses.dfa import dfa_rows, dfa_top
 from actstore.query.select.corpus_sources import read_rows
 
@@ -95,7 +100,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--segment-size", type=int, default=4096)
-    ap.add_argument("--model", default="llama")
+    ap.add_argument("--model", default="tiny-llama", help="tiny-ARCH or any name actstore ingest loads")
+    ap.add_argument(
+        "--no-plain-ingest", action="store_true", help="skip the ingest without sources (its ratio)"
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the stores (default: removed after each size)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="/tmp/bench-sources")
     ap.add_argument("--json", default=None)
@@ -103,13 +112,14 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = tiny_model(a.model).model
+    name = a.model if a.model.startswith("tiny-") or "/" in a.model or "-" in a.model else f"tiny-{a.model}"
+    model = load_model(name).model
     results = []
     for n in [int(x) for x in a.tokens.split(",")]:
         text = out / f"docs-{n}.txt"
         corpus(text, n)
         common = dict(
-            model=f"tiny-{a.model}",
+            model=name,
             dataset=f"text:{text}",
             positions="all",
             batch_size=a.batch_size,
@@ -119,7 +129,8 @@ def main() -> None:
         )
         times = {}
         stores = {}
-        for label, extra in (("plain_ingest", {}), ("sources", {"sources": str(a.k)})):
+        runs: list[tuple[str, dict[str, str]]] = [("plain_ingest", {})] if not a.no_plain_ingest else []
+        for label, extra in runs + [("sources", {"sources": str(a.k)})]:
             path = out / f"s-{n}-{label}"
             shutil.rmtree(path, ignore_errors=True)
             t0 = time.perf_counter()
@@ -137,7 +148,9 @@ def main() -> None:
         u = np.random.default_rng(0).standard_normal(g.d_model).astype(np.float32)
         rng = np.random.default_rng(1)
         dfa_rows(s, [0], u)  # warm (weights cached)
-        one, again = [], []  # first read of a row (its segment's arrays opened then), and a second one
+        dfa_top(s, np.arange(min(rows, 64)), u, k=20)  # warm (the result table's first conversion)
+        one: list[float] = []
+        again: list[float] = []  # first read of a row (its segment's arrays opened then), and a second one
         for r in rng.integers(0, rows, 30):
             for acc in (one, again):
                 t0 = time.perf_counter()
@@ -156,16 +169,24 @@ def main() -> None:
             read_rows(s, "v", b, layers)
             read_rows(s, "mlp", b, layers)
         t_read = time.perf_counter() - t0
+        read_floats = (
+            rows
+            * len(layers)
+            * (2 * a.k * g.n_heads + g.n_heads * g.d_head + g.n_kv_heads * g.d_head + g.d_mlp)
+        )
         res = {
             "tokens": rows,
             "k": a.k,
             "ingest_sources_s": times["sources"],
-            "ingest_plain_s": times["plain_ingest"],
+            "ingest_plain_s": times.get("plain_ingest"),
             "forward_s": times["forward"],
             "capture_s": times["capture"],
             "capture_vs_forward": times["capture"] / times["forward"],
             "ingest_vs_forward": times["sources"] / times["forward"],
-            "capture_vs_ingest_without": times["sources"] / times["plain_ingest"],
+            "capture_vs_ingest_without": times["sources"] / times["plain_ingest"]
+            if "plain_ingest" in times
+            else None,
+            "model": name,
             "bytes_per_token_sources_raw": raw_src / rows,
             "bytes_per_token_resid_raw": raw_resid / rows,
             "sources_vs_resid_raw": raw_src / raw_resid,
@@ -176,11 +197,14 @@ def main() -> None:
             "dfa_top_s": t_top,
             "read_once_s": t_read,
             "dfa_top_vs_read_once": t_top / t_read,
+            "read_rows_per_s": rows / t_read,
+            "read_mb_per_s_float32": 4 * read_floats / t_read / 1e6,
         }
         print(json.dumps(res), flush=True)
         results.append(res)
-        for st in stores.values():
-            shutil.rmtree(st.url, ignore_errors=True)
+        if not a.keep:
+            for st in stores.values():
+                shutil.rmtree(st.url, ignore_errors=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
 

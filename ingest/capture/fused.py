@@ -11,6 +11,11 @@ computes exactly what it would without us) and, for the target positions only, r
 A pre-hook on the MLP down projection records its input a(t) [nT, d_mlp]; hooks on the
 decoder layers record the residual stream [nT, L+1, d_model].  Everything is gathered on the
 device into one buffer per array, cast to the storage dtype, and copied to host once per batch.
+
+Corpus mode with sources (``--sources K``) needs every query row's probabilities at the source
+layers; there the kernel is an eager attention instead of SDPA (``softmax(q k^T) V`` from the very
+probabilities whose top K it records, as transformers' eager attention computes it), so the
+attention is computed once, not twice.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AttentionInterface
@@ -45,7 +51,8 @@ class BatchIndex:
     # Corpus mode with sources (``--sources K``): every target keeps its top ``sources`` source
     # positions per (layer, head) among those ``src_rank >= 0`` marks (the kept positions, numbered
     # 0.. within each window), at the layers ``source_layers``; ``attn`` is then [nT * 2K, L, H]:
-    # per target, K weights then K row offsets (its row minus the source's), see _top_sources.
+    # per target, K weights then K row offsets (its row minus the source's), see _attend_with_sources.
+    # Targets are then in batch-row order (``target_b`` non-decreasing).
     sources: int = 0
     src_rank: torch.Tensor | None = None  # [B, T] int64, -1 where a position is not a source
     source_layers: tuple[int, ...] = ()
@@ -121,20 +128,21 @@ def _capture_attention(
     *args: Any,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     entry = _ACTIVE.get(id(module))
-    if entry is None or entry[0].state is None:
+    state, layer = (entry[0].state, entry[1]) if entry is not None else (None, -1)
+    if state is not None and state.index.sources and layer in state.index.source_layers:
+        # corpus mode with sources: the attention from the probabilities whose top K it records
+        out = _attend_with_sources(state, layer, query, key, value, attention_mask, kwargs)
+    else:
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    if state is None:
         return out, None
-    cap, layer = entry
-    state = cap.state
-    assert state is not None
     ix = state.index
     dt = state.z.dtype
     state.z[:, layer] = out[ix.target_b, ix.target_pos].to(dt)  # out: [B, T, H, d]
-    if ix.sources:
-        if layer in ix.source_layers:
-            _top_sources(state, layer, query, key, attention_mask, kwargs)
-    elif ix.src_t.numel():  # (corpus mode without --sources: its targets' rows are never computed)
+    if (
+        not ix.sources and ix.src_t.numel()
+    ):  # (corpus mode without --sources: its targets' rows are never computed)
         scaling = kwargs.get("scaling")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
@@ -153,66 +161,121 @@ def _capture_attention(
     return out, None
 
 
-SOURCE_CHUNK_BYTES = 1 << 27  # float32 probabilities computed at once by _top_sources
+SOURCE_CHUNK_BYTES = 1 << 27  # float32 probabilities computed at once by _attend_with_sources
+SELECT_BLOCK = 32  # fewest query rows scored together (a window of T rows goes in about 8 blocks)
 
 
-def _top_sources(
+def _attend_with_sources(
     state: _Capture,
     layer: int,
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
-) -> None:
-    """Corpus mode with sources: for every target row, per head, the ``K`` largest attention
-    probabilities over the kept positions (``src_rank >= 0``) and their row offsets (target's rank
-    minus source's: the source's store row is the target's row minus it), written to
-    ``state.attn`` viewed as [nT, 2, K, L, H] (0: weights, 1: offsets; a slot past the target's
-    kept sources has weight 0 and offset 0).  Rows go in chunks of bounded size."""
+) -> torch.Tensor:
+    """Corpus mode with sources, one layer: the attention itself, from the probabilities it stores.
+
+    As an eager attention: ``P = softmax(q k^T * scaling (+ softcap) + mask)`` in float32 (the
+    scaling folded into ``q``: exact for a power of two, else to rounding), and the output ``P V``
+    (``P`` in the model's dtype) in SDPA's layout [B, T, H, d_head] for the model to go on with, so
+    that nothing is computed twice.  Query rows go in blocks, each scored against the keys up to
+    its last row only (the later ones are masked anyway): about half the work of the full square.
+    For every target row, per head, the ``K`` largest of ``P`` over the kept positions
+    (``src_rank >= 0``), descending, and their row offsets (target's rank minus source's: the
+    source's store row is the target's row minus it) go to ``state.attn`` viewed as
+    [nT, 2, K, L, H] (0: weights, 1: offsets; a slot past the target's kept sources has weight 0
+    and offset 0).  Targets are in batch-row order (corpus mode), so a chunk of windows' targets
+    are one slice of them; a chunk holds at most ``SOURCE_CHUNK_BYTES`` of probabilities."""
     ix = state.index
     K = ix.sources
     assert ix.src_rank is not None
     scaling = kwargs.get("scaling")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    nT, H, T = ix.target_b.numel(), query.shape[1], key.shape[2]
-    B, Hkv, G = query.shape[0], key.shape[1], query.shape[1] // key.shape[1]
-    step = max(1, SOURCE_CHUNK_BYTES // (4 * H * T * T))  # batch rows whose [H, T, T] scores fit
+    nT, H, Tq, T = ix.target_b.numel(), query.shape[1], query.shape[2], key.shape[2]
+    B, Hkv, G, dv = query.shape[0], key.shape[1], query.shape[1] // key.shape[1], value.shape[-1]
+    k_top = min(K, T)  # (a batch of windows shorter than K keeps what it has)
+    square = Tq == T  # query row t is position t (no cache): its keys past t are masked
+    block = max(SELECT_BLOCK, -(-Tq // 8)) if square else Tq
+    step = max(1, SOURCE_CHUNK_BYTES // (4 * H * block * T))  # batch rows whose block scores fit
     dst = state.attn.view(nT, 2, K, *state.attn.shape[1:])
-    dt = state.attn.dtype
+    dev = query.device
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
-    cols = torch.arange(T, device=query.device)
-    for b0 in range(0, B, step):
+    out = torch.empty((B, Tq, H, dv), dtype=value.dtype, device=value.device)
+    edges = torch.arange(0, B + step, step, device=dev).clamp(max=B)
+    bounds = torch.searchsorted(ix.target_b, edges).tolist()
+    low = torch.finfo(torch.float32).min  # as eager attention: a masked score, never a NaN row
+    for c, b0 in enumerate(range(0, B, step)):
         b1 = min(B, b0 + step)
-        sel = torch.nonzero((ix.target_b >= b0) & (ix.target_b < b1)).flatten()
-        if not sel.numel():
+        nb = b1 - b0
+        qs = query[b0:b1].float() * float(scaling)
+        keys, vals = key[b0:b1].float(), value[b0:b1]
+        rank = ix.src_rank[b0:b1]  # [nb, T]
+        w_all = torch.full((nb, H, Tq, k_top), -1.0, device=dev)
+        j_all = torch.zeros((nb, H, Tq, k_top), dtype=torch.long, device=dev)
+        for a in range(0, Tq, block):
+            b = min(Tq, a + block)
+            n, e = b - a, (b if square else T)  # rows, keys
+            scores = torch.matmul(qs[:, :, a:b].reshape(nb, Hkv, G * n, -1), keys[:, :, :e].transpose(-1, -2))
+            if softcap is not None:
+                scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+            s5 = scores.view(nb, Hkv, G, n, e)
+            if attention_mask is None:
+                rows_at, cols = torch.arange(a, b, device=dev)[:, None], torch.arange(e, device=dev)[None, :]
+                keep = cols <= rows_at
+                if window is not None:
+                    keep &= cols > rows_at - window
+                s5.masked_fill_(~keep, low)
+            else:
+                m = attention_mask[b0:b1, :, a:b, :e][:, :, None]  # [nb, 1, 1, n, e]
+                if m.dtype == torch.bool:
+                    s5.masked_fill_(~m, low)
+                else:
+                    s5.add_(m.float())
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.matmul(probs.to(vals.dtype), vals[:, :, :e])  # [nb, Hkv, G * n, dv]
+            out[b0:b1, a:b] = o.view(nb, H, n, dv).transpose(1, 2)
+            kept = rank[:, a:b] >= 0
+            used = kept.any(1)
+            if bounds[c] == bounds[c + 1] or not bool(used.any()):
+                continue
+            p4 = probs.view(nb, H, n, e)
+            sub: slice | torch.Tensor = slice(None) if bool(used.all()) else torch.nonzero(used).flatten()
+            part = p4[sub]
+            part.masked_fill_((rank[sub, :e] < 0)[:, None, None, :], -1.0)  # no source: a position not kept
+            w, j = select_top(part, k_top)
+            w_all[sub, :, a:b, : w.shape[-1]] = w
+            j_all[sub, :, a:b, : w.shape[-1]] = j
+        t0, t1 = bounds[c], bounds[c + 1]
+        if t0 == t1:
             continue
-        # every query row of these windows at once (one matmul per kv head), then the targets' rows
-        q = query[b0:b1].float().reshape(b1 - b0, Hkv, G * query.shape[2], -1)
-        scores = (q @ key[b0:b1].float().transpose(-1, -2)).view(b1 - b0, H, query.shape[2], T) * float(
-            scaling
-        )
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        tb, tp = ix.target_b[sel] - b0, ix.target_pos[sel]
-        rows = scores[tb, :, tp]  # [n, H, T]
-        if attention_mask is None:
-            keep = cols[None, :] <= tp[:, None]
-            if window is not None:
-                keep &= cols[None, :] > tp[:, None] - window
-            rows = rows.masked_fill(~keep[:, None, :], float("-inf"))
-        else:
-            m = attention_mask[tb + b0, :, tp, :T]
-            rows = rows.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else rows + m.float()
-        probs = torch.softmax(rows, dim=-1)
-        rank = ix.src_rank[tb + b0]  # [n, T]
-        own = ix.src_rank[tb + b0, tp]  # [n]
-        probs = probs.masked_fill(((rank < 0) | (rank > own[:, None]))[:, None, :], -1.0)
-        w, j = torch.topk(probs, min(K, T), dim=-1)  # [n, H, K] (a batch of short windows: fewer)
+        tb, tp = ix.target_b[t0:t1] - b0, ix.target_pos[t0:t1]
+        w, j = w_all[tb, :, tp], j_all[tb, :, tp]  # [n, H, k]
+        src = rank.reshape(-1)[(tb * T)[:, None, None] + j]  # [n, H, k] each source's rank
         valid = w > 0  # (a source of weight 0, e.g. outside a sliding window, is no source)
-        offset = own[:, None, None] - torch.gather(rank[:, None, :].expand(-1, H, -1), 2, j)
-        dst[sel, 0, : w.shape[-1], layer] = torch.where(valid, w, 0.0).permute(0, 2, 1).to(dt)
-        dst[sel, 1, : w.shape[-1], layer] = torch.where(valid, offset, 0).permute(0, 2, 1).to(dt)
+        offset = rank[tb, tp][:, None, None] - src
+        both = torch.stack((w.masked_fill(~valid, 0.0), offset.masked_fill(~valid, 0).to(w.dtype)), 1)
+        dst[t0:t1, :, :k_top, layer] = both.transpose(2, 3).to(state.attn.dtype)  # [n, 2, k, H]
+    return out
+
+
+def select_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``min(k, n)`` largest entries of ``x`` [..., n] along the last axis, descending, and their
+    indices: ``torch.topk``'s answer up to the order of equal values.  On the CPU in float32,
+    ``numpy.argpartition`` finds them in linear time and only they are sorted (several times faster
+    than ``torch.topk`` on rows of a few hundred)."""
+    n = x.shape[-1]
+    k = min(k, n)
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return torch.topk(x, k, dim=-1)
+    if k < n:
+        idx = torch.from_numpy(np.argpartition(x.numpy(), n - k, axis=-1)[..., n - k :])
+        top = x.gather(-1, idx)
+    else:
+        idx, top = torch.arange(n).expand(x.shape), x
+    order = torch.from_numpy(np.argsort(-top.numpy(), axis=-1))
+    return top.gather(-1, order), idx.gather(-1, order)
 
 
 def register_capture_attention() -> None:

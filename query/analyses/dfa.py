@@ -182,25 +182,28 @@ def dfa_rows(
     uu = torch.from_numpy(np.asarray(u, dtype=np.float32))
     W = weights(store)
     p = torch.einsum("lhde,e->lhd", W.layers("W_O", L), uu).numpy()  # [l, H, dh]
-    a = read_rows(store, "attn", rows, L, per=2 * K)  # [n, 2K, l, H]
-    weight = a[:, :K].transpose(0, 2, 3, 1)  # [n, l, H, K]
-    src = np.where(
-        weight > 0, rows[:, None, None, None] - a[:, K:].transpose(0, 2, 3, 1).astype(np.int64), -1
-    )
+    # everything in the stored layout [n, K, l, H] (contiguous), turned to [n, l, H, K] once at the end
+    a = torch.from_numpy(read_rows(store, "attn", rows, L, per=2 * K))  # [n, 2K, l, H]
+    weight = a[:, :K]
+    valid = weight > 0
+    offset = a[:, K:].to(torch.int64)  # (exact integers in the storage dtype; 0 in an empty slot)
     z = torch.from_numpy(read_rows(store, "z", rows, L)[:, 0])  # [n, l, H, dh]
     pt = torch.from_numpy(p)
-    zp = (z * pt).sum(-1).numpy()  # [n, l, H]
-    score = np.zeros(weight.shape, dtype=np.float32)
-    used = np.unique(src[src >= 0])
-    if used.size:
+    zp = torch.einsum("nlhd,lhd->nlh", z, pt)  # [n, l, H]
+    score = torch.zeros(weight.shape, dtype=torch.float32)
+    rows_t = torch.from_numpy(rows)[:, None, None, None]
+    if bool(valid.any()):
+        used, at = _source_rows(rows_t - offset, valid, rows, int(offset.max()))
         V = torch.from_numpy(read_rows(store, "v", used, L)[:, 0])  # [u, l, Hkv, dh]
         # V . p per (source row, layer, head), each kv head against its group of query heads
         pg = pt.view(len(L), g.n_kv_heads, g.kv_group, g.d_head)
-        vp = torch.einsum("ulkd,lkgd->ulkg", V, pg).reshape(used.size, len(L), g.n_heads).numpy()
-        at = np.searchsorted(used, np.maximum(src, 0))
-        got = vp[at, np.arange(len(L))[None, :, None, None], np.arange(g.n_heads)[None, None, :, None]]
-        score = np.where(src >= 0, weight * got, 0.0).astype(np.float32)
-    rem = zp - score.sum(-1)
+        vp = torch.einsum("ulkd,lkgd->ulkg", V, pg).reshape(-1)  # [u * l * H]
+        lh = torch.arange(len(L) * g.n_heads).view(1, 1, len(L), g.n_heads)
+        got = vp[at.mul_(len(L) * g.n_heads).add_(lh)]  # [n, K, l, H]
+        score = torch.where(valid, weight * got, 0.0)
+    src = torch.where(valid, rows_t - offset, -1)
+    score, src = score.permute(0, 2, 3, 1).contiguous(), src.permute(0, 2, 3, 1).contiguous()
+    rem = (zp - score.sum(-1)).numpy()
     mlp = np.full((rows.size, len(L)), np.nan, dtype=np.float32)
     have = [i for i, x in enumerate(L) if x in (kept.get("mlp") or [])]
     if have:
@@ -209,7 +212,23 @@ def dfa_rows(
         q = torch.einsum("lme,e->lm", W.layers("W_down", ml), uu)
         b = W.layers("b_down", ml) @ uu
         mlp[:, have] = ((act * q).sum(-1) + b).numpy()
-    return RowScores(rows, tuple(L), score, src, rem.astype(np.float32), mlp)
+    return RowScores(rows, tuple(L), score.numpy(), src.numpy(), rem.astype(np.float32), mlp)
+
+
+def _source_rows(
+    src: torch.Tensor, valid: torch.Tensor, rows: np.ndarray, max_offset: int
+) -> tuple[np.ndarray, torch.Tensor]:
+    """The store rows whose ``V`` the kept sources ``src`` (``valid`` marks them) need, and each
+    slot's index among them (0 in an empty slot).  A source lies at most ``max_offset`` rows before
+    its target, so for a block of consecutive rows the sources span the block and at most one window
+    before it: that range is read whole (no sort of every source); a scattered selection reads its
+    distinct sources only."""
+    lo, hi = max(0, int(rows.min()) - max_offset), int(rows.max())
+    if hi - lo + 1 <= 2 * rows.size + max_offset:
+        return np.arange(lo, hi + 1, dtype=np.int64), torch.where(valid, src - lo, 0)
+    used = np.unique(src[valid].numpy())
+    at = torch.from_numpy(np.searchsorted(used, np.maximum(src.numpy(), 0)))
+    return used, torch.where(valid, at, 0)
 
 
 @dataclass(frozen=True)
@@ -250,7 +269,7 @@ def dfa_top(
         mlp_tot += r.mlp.sum(0)
         flat = r.source.reshape(-1)
         m = min(k, flat.size)
-        pick = np.argpartition(-np.abs(flat), m - 1)[:m] if m else np.zeros(0, np.int64)
+        pick = torch.topk(torch.from_numpy(flat).abs(), m, sorted=False).indices.numpy()
         n, nl, nh, nk = r.source.shape
         ri, li, hi, ki = np.unravel_index(pick, (n, nl, nh, nk))
         cand = np.stack([r.rows[ri], np.asarray(Ls)[li], hi, ki, r.source_row[ri, li, hi, ki]], 1)

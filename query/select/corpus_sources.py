@@ -100,15 +100,25 @@ def read_rows(store: StoreReader, name: str, rows: np.ndarray, layers: list[int]
         )
     out: np.ndarray | None = None
     for seg, at, local in _by_segment(store, rows):
-        uniq, inv = np.unique(local, return_inverse=True)
+        if local.size and local[-1] - local[0] + 1 == local.size and bool(np.all(local[1:] > local[:-1])):
+            uniq, inv = local, None  # consecutive rows (a block of a scan): one range, no gather
+        else:
+            uniq, inv = np.unique(local, return_inverse=True)
         if per == 1:
             got = store.read_segment_rows(seg, name, uniq, layers)[:, None]
         else:
-            got = store.read_segment_ranges(seg, name, uniq * per, np.full(uniq.size, per), layers)
+            first, count = np.array([uniq[0] * per]), np.array([uniq.size * per])
+            got = (
+                store.read_segment_ranges(seg, name, first, count, layers)
+                if inv is None
+                else store.read_segment_ranges(seg, name, uniq * per, np.full(uniq.size, per), layers)
+            )
             got = got.reshape(uniq.size, per, *got.shape[1:])
+        if inv is None and at.size == rows.size:
+            return got  # one segment, rows in order
         if out is None:
             out = np.empty((rows.size, *got.shape[1:]), dtype=np.float32)
-        out[at] = got[inv]
+        out[at] = got if inv is None else got[inv]
     if out is None:
         raise QueryError("no rows asked for")
     return out
