@@ -228,3 +228,46 @@ def test_an_import_puts_the_weights_where_asked(tmp_path: Path, cache: Path, mod
     record = read_record(locate(str(tmp_path / "s")))
     assert record is not None and record.mode == mode
     assert (tmp_path / "s" / "weights").is_dir() == (mode == "copy") and not cache.exists()
+
+
+def _share_at_once(cache: str, start: float, out: str) -> None:
+    """One writer of the race below: waits until ``start``, then shares the same 16 MB of weights."""
+    import time
+
+    from actstore.core.weight_store import share
+
+    os.environ["ACTSTORE_WEIGHTS_DIR"] = cache
+    w = {"W_down": np.arange(2 * 1024 * 2048, dtype=np.float32).reshape(2, 1024, 2048)}
+    digest = content_hash(w, {})
+    time.sleep(max(0.0, start - time.time()))
+    Path(out).write_text(str(share(w, {}, 2, digest)))
+
+
+def test_writers_racing_for_one_copy_leave_one_whole_copy(tmp_path: Path, cache: Path) -> None:
+    """Processes sharing the same weights at the same moment: each gets the same folder, holding the
+    whole copy (its content hash is the one they wrote), and no temporary folder is left."""
+    import multiprocessing
+    import time
+
+    import zarr
+
+    from actstore.core.weight_store import group_hash
+
+    ctx = multiprocessing.get_context("spawn")
+    start = time.time() + 4.0  # after the interpreters have started
+    procs = [
+        ctx.Process(target=_share_at_once, args=(str(cache), start, str(tmp_path / f"out{i}")))
+        for i in range(3)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    folders = {(tmp_path / f"out{i}").read_text() for i in range(3)}
+    assert len(folders) == 1
+    folder = Path(folders.pop())
+    w = {"W_down": np.arange(2 * 1024 * 2048, dtype=np.float32).reshape(2, 1024, 2048)}
+    assert folder.name == content_hash(w, {})
+    assert group_hash(zarr.open_group(str(folder), mode="r")) == folder.name
+    assert sorted(p.name for p in cache.iterdir()) == [folder.name, f"{folder.name}.lock"]
