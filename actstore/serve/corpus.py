@@ -135,9 +135,15 @@ def check_unit(
         if not 0 <= index < g.n_heads:
             raise NotFoundError(f"head {index} is not in 0..{g.n_heads - 1}")
         return None
+    if name and name not in directions and name.split(":")[0] in ("neuron", "token"):
+        from actstore.query.analyses.dfa import load_direction  # read from the store's weights only
+
+        directions = {name: load_direction(store, name)[None]}  # a direction on demand (no file read)
     if not name or name not in directions:
         known = ", ".join(directions) or "none: give serve --direction FILE.npy"
-        raise NotFoundError(f"no direction {str(name)[:40]!r} is served (known: {known})")
+        raise NotFoundError(
+            f"no direction {str(name)[:40]!r} is served (known: {known}; or neuron:L:I, token:ID)"
+        )
     d = directions[name]
     if not 0 <= index < d.shape[0]:
         raise NotFoundError(f"direction {name} has rows 0..{d.shape[0] - 1}, not {index}")

@@ -534,6 +534,23 @@ def test_unit_pages_equal_numpy(corpus_served: tuple[Path, TestClient]) -> None:
         "/s/corpus/unit/direction/2/2?direction=probe",
     ):
         assert c.get(u).status_code == 200
+    # a neuron's output weights or a token's unembedding, computed on demand from the store's weights
+    for spec, w in (("neuron:1:3", s.weight("W_down", 1)[3]), ("token:7", None)):
+        d = get(
+            c,
+            "/api/s/{store}/units/{kind}/{layer}/{index}",
+            f"/api/s/corpus/units/direction/2/0?direction={spec}",
+        )
+        if w is None:
+            u = s.weight("embed")[7] * s.weight("final_norm_weight")  # tiny Llama ties the unembedding
+            w = u
+        proj = sel.features("resid", layers=[2])[:, 0] @ w
+        order = np.lexsort((rows, -proj))[:20]
+        assert [t["row"] for t in d["top"]] == rows[order].tolist(), spec
+    r = c.get("/api/s/corpus/units/direction/2/0?direction=neuron:1:999")
+    assert r.status_code == 400 and "neuron 999" in r.json()["error"]
+    r = c.get("/api/s/corpus/units/direction/2/0?direction=sae:/etc/hostname:0")  # no file is read
+    assert r.status_code == 404 and "is served" in r.json()["error"]
 
 
 def test_document_view_colours_every_token(corpus_served: tuple[Path, TestClient]) -> None:
