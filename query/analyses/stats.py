@@ -34,40 +34,34 @@ from actstore.core.errors import StatsError
 NAN = float("nan")
 
 
-def _pairs(a: ArrayLike, b: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+def _correlation(
+    test: Callable[[np.ndarray, np.ndarray], Any], a: ArrayLike, b: ArrayLike
+) -> tuple[float, float]:
+    """``test``'s statistic and p-value over the finite pairs of ``a`` and ``b`` (flattened, of one
+    size), or (NaN, NaN) for fewer than three pairs or a constant input."""
     x = np.asarray(a, dtype=np.float64).ravel()
     y = np.asarray(b, dtype=np.float64).ravel()
     if x.size != y.size:
         raise StatsError(f"a correlation needs two inputs of one length, not {x.size} and {y.size}")
     ok = np.isfinite(x) & np.isfinite(y)
-    return x[ok], y[ok]
-
-
-def _correlatable(x: np.ndarray, y: np.ndarray) -> bool:
-    return x.size >= 3 and np.ptp(x) > 0 and np.ptp(y) > 0
+    x, y = x[ok], y[ok]
+    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return NAN, NAN
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nearly constant inputs warn about precision
+        res = test(x, y)
+    return float(res.statistic), float(res.pvalue)
 
 
 def pearson(a: ArrayLike, b: ArrayLike) -> tuple[float, float]:
     """Pearson's r and its two-sided p-value over the finite pairs of ``a`` and ``b`` (any shapes of
     one size, flattened): (r, p), or (NaN, NaN) for fewer than three pairs or a constant input."""
-    x, y = _pairs(a, b)
-    if not _correlatable(x, y):
-        return NAN, NAN
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # nearly constant inputs warn about precision
-        res = stats.pearsonr(x, y)
-    return float(res.statistic), float(res.pvalue)
+    return _correlation(stats.pearsonr, a, b)
 
 
 def spearman(a: ArrayLike, b: ArrayLike) -> tuple[float, float]:
     """Spearman's rho and its two-sided p-value over the finite pairs, as :func:`pearson`."""
-    x, y = _pairs(a, b)
-    if not _correlatable(x, y):
-        return NAN, NAN
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = stats.spearmanr(x, y)
-    return float(res.statistic), float(res.pvalue)
+    return _correlation(stats.spearmanr, a, b)
 
 
 def _check_level(level: float) -> None:

@@ -246,6 +246,13 @@ def floats(t: pa.Table, column: str) -> np.ndarray:
     )
 
 
+def strings(t: pa.Table, column: str, missing: str = "") -> np.ndarray:
+    """A column as strings ([rows]); ``missing`` in every row when the table lacks the column."""
+    if column not in t.column_names:
+        return np.full(t.num_rows, missing)
+    return np.asarray([str(x) for x in t.column(column).to_pylist()])
+
+
 def grid_mean(
     t: pa.Table, value: str, row: str = "layer", col: str = "head"
 ) -> tuple[np.ndarray, list[Any], list[Any]]:

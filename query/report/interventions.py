@@ -24,6 +24,7 @@ from actstore.query.report.context import (
     of_run,
     pick,
     run_label,
+    strings,
     table_block,
     where_equal,
 )
@@ -38,11 +39,7 @@ def trace_classes(t: pa.Table) -> np.ndarray:
     the subject)."""
     ex = np.asarray(t.column("example_id").to_pylist())
     pos = np.asarray(t.column("position").to_pylist())
-    role = (
-        np.asarray([str(x) for x in t.column("role").to_pylist()])
-        if "role" in t.column_names
-        else np.full(ex.size, "")
-    )
+    role = strings(t, "role")
     last: dict[int, int] = {}
     first_after: dict[int, int] = {}
     for e, p, r in zip(ex.tolist(), pos.tolist(), role.tolist()):
@@ -77,11 +74,7 @@ def _average_figure(sub: pa.Table, comps: list[str], value: str, n_facts: int, d
     cls = trace_classes(sub)
     layer = np.asarray(sub.column("layer").to_pylist())
     vals = floats(sub, value)
-    comp_col = (
-        np.asarray([str(c) for c in sub.column("component").to_pylist()])
-        if comps != [""]
-        else np.full(layer.size, "")
-    )
+    comp_col = strings(sub, "component")
     n_layers = int(layer.max()) + 1 if layer.size else 0
     fig, axes = plotting.new_figure(len(comps), figsize=(4.2 * len(comps), 3.0))
     for ax, c in zip(axes[0], comps):
@@ -194,12 +187,7 @@ def tracing_section(ctx: ReportContext) -> Section | None:
 def _patching_layers_figure(whole: pa.Table, dpi: int) -> Block:
     fig, axes = plotting.new_figure(figsize=(7, 3.2))
     ax = axes[0, 0]
-    comp = np.asarray([str(c) for c in whole.column("component").to_pylist()])
-    pos = (
-        np.asarray([str(p) for p in whole.column("position").to_pylist()])
-        if "position" in whole.column_names
-        else np.full(comp.size, "")
-    )
+    comp, pos = strings(whole, "component"), strings(whole, "position")
     layer = np.asarray(whole.column("layer").to_pylist())
     rec = floats(whole, "recovery")
     for c in sorted(set(comp.tolist())):

@@ -19,6 +19,7 @@ from actstore.query.report.context import (
     floats,
     pick,
     run_label,
+    strings,
     table_block,
 )
 
@@ -47,11 +48,7 @@ def lens_section(ctx: ReportContext) -> Section | None:
             "lens", "Logit and tuned lens", [Note("lens lacks a layer and an object_prob/object_rank column")]
         )
     run, sub = ctx.latest_run(t)
-    lens = (
-        np.asarray([str(x) for x in sub.column("lens").to_pylist()])
-        if "lens" in sub.column_names
-        else np.full(sub.num_rows, "lens")
-    )
+    lens = strings(sub, "lens", "lens")
     x = np.asarray(sub.column(xcol).to_pylist())
     fig, axes = plotting.new_figure(len(panels), figsize=(4.2 * len(panels), 3.2))
     for ax, (col, agg, label) in zip(axes[0], panels):
