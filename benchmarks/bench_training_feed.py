@@ -6,7 +6,9 @@ batches, and the SAELens-cache export's rate vs a raw read of the same chunks, i
 A corpus store of a tiny Llama (d_model 64, float16) is ingested packed (whole windows of
 ``--context``); dictionary_learning's trainSAE and SAELens's SAETrainer then train ``--steps`` steps
 of ``--batch`` rows from ``Selection.loader(epochs=None, flatten=True)`` and from a list of the same
-batches already in memory (the ratio is loader/in-memory); the export
+batches already in memory (the ratio is loader/in-memory), and likewise from the export read back
+(``to_hf_dataset(context_size=...)``'s Arrow file, its values memory-mapped, ``--batch // --context``
+windows a batch) against its batches in memory; the export
 (``to_hf_dataset(context_size=...)``) is timed in positions/s against ``Selection.features`` of the same
 rows (the raw chunk read)."""
 
@@ -87,6 +89,20 @@ def main() -> None:
         # the same rows and batches, in memory
         f = feed()
         mem = [x for _, x in zip(range(a.steps + 1), f)]
+        with quiet():
+            ds = sel.to_hf_dataset(t / "hf-feed", "resid", layers=[1], context_size=a.context)
+        col = next(c for c in ds.column_names if c != "token_ids")
+        per = max(1, a.batch // a.context)  # windows a batch
+
+        def export_feed() -> Any:
+            # the column's values, memory-mapped from the export's Arrow file (no copy): [windows * n, d]
+            values = ds.data.column(col).combine_chunks().storage.flatten().flatten().to_numpy()
+            x = values.reshape(-1, d)
+            while True:
+                for k in range(0, x.shape[0] - per * a.context + 1, per * a.context):
+                    yield torch.from_numpy(x[k : k + per * a.context]).float()
+
+        mem_export = [x for _, x in zip(range(a.steps + 1), export_feed())]
 
         from dictionary_learning import AutoEncoder
         from dictionary_learning.trainers import StandardTrainer
@@ -121,13 +137,21 @@ def main() -> None:
                 SAETrainer(cfg, sae, data_provider=data).fit()
 
         rows: dict[str, list[float]] = {
-            k: [] for k in ("dl_loader", "dl_mem", "sl_loader", "sl_mem", "export", "raw")
+            k: []
+            for k in (
+                *("dl_loader", "dl_mem", "sl_loader", "sl_mem"),
+                *("dl_export", "dl_export_mem", "sl_export", "sl_export_mem", "export", "raw"),
+            )
         }
         for _ in range(a.rounds):  # interleaved: load drifts on a shared machine
             rows["dl_loader"].append(a.steps / timed(lambda: dl(feed())))
             rows["dl_mem"].append(a.steps / timed(lambda: dl(iter(mem))))
             rows["sl_loader"].append(a.steps / timed(lambda: sl(feed())))
             rows["sl_mem"].append(a.steps / timed(lambda: sl(iter(mem))))
+            rows["dl_export"].append(a.steps / timed(lambda: dl(export_feed())))
+            rows["dl_export_mem"].append(a.steps / timed(lambda: dl(iter(mem_export))))
+            rows["sl_export"].append(a.steps / timed(lambda: sl(export_feed())))
+            rows["sl_export_mem"].append(a.steps / timed(lambda: sl(iter(mem_export))))
             out = t / "hf"
             shutil.rmtree(out, ignore_errors=True)
             with quiet():
@@ -147,6 +171,9 @@ def main() -> None:
             f"SAETrainer steps/s: loader {med['sl_loader']:.1f}, in memory {med['sl_mem']:.1f}: "
             f"{med['sl_loader'] / med['sl_mem']:.3f}x"
         )
+        for tool, key in (("trainSAE", "dl"), ("SAETrainer", "sl")):
+            got, ref = med[f"{key}_export"], med[f"{key}_export_mem"]
+            print(f"{tool} steps/s from the export: {got:.1f}, in memory {ref:.1f}: {got / ref:.3f}x")
         print(
             f"export positions/s {med['export']:.0f} vs raw read {med['raw']:.0f}: {med['export'] / med['raw']:.1%}"
         )

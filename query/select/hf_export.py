@@ -154,7 +154,6 @@ def to_hf_dataset(
     ``context_size=N``: SAELens's ``CacheActivationsRunner`` layout (module docstring)."""
     try:
         import datasets
-        from datasets.arrow_writer import ArrowWriter
     except ImportError:
         raise QueryError("to_hf_dataset needs the datasets package: pip install 'actstore[hf]'") from None
     store = selection.store
@@ -212,7 +211,7 @@ def to_hf_dataset(
         arrow = tmp / "data.arrow"
         rows = selection.rows.column("row").to_numpy()
         at = 0
-        with ArrowWriter(features=features, path=str(arrow)) as writer:
+        with _Writer(features, arrow) as writer:
             for ids, block in selection.blocks(batch_rows):
                 x = compute_block(store, spec, block)
                 b = x.shape[0]
@@ -222,7 +221,6 @@ def to_hf_dataset(
                 batch["example_id"] = ids
                 writer.write_batch(batch)
                 at += b
-            writer.finalize()
         ds = datasets.Dataset.from_file(str(arrow))
         ds.save_to_disk(str(out))
         del ds
@@ -231,6 +229,54 @@ def to_hf_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         if bars:
             datasets.enable_progress_bars()
+
+
+class _Writer:
+    """An Arrow stream file of ``features`` (what ``datasets.arrow_writer.ArrowWriter`` writes: the schema
+    with its ``huggingface`` metadata, then record batches), its batches built from the numpy blocks
+    without a copy: an ``Array2D`` column's storage is two levels of list offsets over the values, a
+    ``Sequence(length=n)`` a fixed-size list (ArrowWriter converts them value by value, which took more
+    than the store's read)."""
+
+    def __init__(self, features: Any, path: Path) -> None:
+        import pyarrow as pa
+
+        self.pa = pa
+        self.schema = features.arrow_schema
+        self.fields = [(f.name, f.type) for f in self.schema]  # (an extension type is rebuilt at each access)
+        self.sink = pa.OSFile(str(path), "wb")
+        self.writer = pa.ipc.new_stream(self.sink, self.schema)
+        self._offsets: dict[tuple[int, int], Any] = {}
+
+    def offsets(self, n: int, step: int) -> Any:
+        """List offsets ``0, step, .., n * step`` (int32), made once a size."""
+        key = (n, step)
+        if key not in self._offsets:
+            self._offsets[key] = self.pa.array(np.arange(0, n * step + 1, step, dtype=np.int32))
+        return self._offsets[key]
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.writer.close()
+        self.sink.close()
+
+    def write_batch(self, batch: dict[str, np.ndarray]) -> None:
+        pa = self.pa
+        cols = []
+        for name, typ in self.fields:
+            x = np.ascontiguousarray(batch[name])
+            if isinstance(typ, pa.ExtensionType):  # Array2D: [rows, a, b]
+                rows, a, b = x.shape
+                inner = pa.ListArray.from_arrays(self.offsets(rows * a, b), pa.array(x.reshape(-1)))
+                outer = pa.ListArray.from_arrays(self.offsets(rows, a), inner)
+                cols.append(pa.ExtensionArray.from_storage(typ, outer))
+            elif pa.types.is_fixed_size_list(typ):
+                cols.append(pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]))
+            else:
+                cols.append(pa.array(x, type=typ))
+        self.writer.write_batch(pa.RecordBatch.from_arrays(cols, schema=self.schema))
 
 
 PACK_HINT = "actstore ingest --positions all --pack --keep-special --context-length {n}"
@@ -288,7 +334,6 @@ def _write_windows(
 ) -> Any:
     """Write SAELens's cache layout: a row of ``[n, d_in]`` and ``n`` token ids per whole window."""
     import datasets
-    from datasets.arrow_writer import ArrowWriter
 
     store = selection.store
     whole, tok = windows
@@ -310,12 +355,13 @@ def _write_windows(
         carry_t: list[np.ndarray] = []
         held = 0
         step = max(n, batch_rows // n * n)
-        with ArrowWriter(features=features, path=str(arrow)) as writer:
+        with _Writer(features, arrow) as writer:
             for _ids, block in selection.blocks(step):
                 b = len(_ids)
                 keep = whole[at : at + b]
                 if keep.any():
-                    x = compute_block(store, spec, block).reshape(b, d_in)[keep].astype(dtype, copy=False)
+                    x = compute_block(store, spec, block).reshape(b, d_in)
+                    x = (x if keep.all() else x[keep]).astype(dtype, copy=False)
                     carry.append(x)
                     carry_t.append(tok[at : at + b][keep])
                     held += x.shape[0]
@@ -330,7 +376,6 @@ def _write_windows(
                         }
                     )
                     carry, carry_t, held = [xs[k:]], [ts[k:]], held - k
-            writer.finalize()
         ds = datasets.Dataset.from_file(str(arrow))
         if shuffle:
             ds = ds.shuffle(seed=seed).flatten_indices()

@@ -37,6 +37,9 @@ previous window: each batch is gathered by the window's permutation (``index_sel
 to ``dtype`` by torch, a tensor of its own.  Memory: at most three window buffers of ``buffer_rows``
 rows (the one being gathered from, one ready, one being filled; reused across windows and epochs)
 plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
+Where one window holds every selected row (one rank, ``buffer_rows`` at least the selection's rows),
+the first epoch's window stays in memory and the epochs after it are gathered from it in their own
+order, without reading the store again (one more buffer of the selection's rows, kept by the loader).
 ``workers=0`` reads in the consuming thread (no threads at all); ``workers=1`` (the default) reads and
 assembles in one background thread; ``workers=k >= 2`` adds a pool of ``k`` reader threads.
 
@@ -78,13 +81,17 @@ class _Window:
     ids: np.ndarray
     perm: np.ndarray | None
     buffer: np.ndarray
-    held: threading.Semaphore  # the iteration's count of buffers in use
-    pool: Buffers
+    held: threading.Semaphore | None  # the iteration's count of buffers in use (None: a resident window)
+    pool: Buffers | None
+    pos: np.ndarray | None = None  # the rows' positions in the selection
 
-    def release(self) -> None:
-        """Hand the buffer back for the next window (every row of this one is given)."""
-        self.pool.give(self.buffer)
-        self.held.release()
+    def release(self, keep: bool = False) -> None:
+        """Hand the buffer back for the next window (every row of this one is given); ``keep``: the
+        buffer stays the loader's (resident) and only the iteration's count is given back."""
+        if self.pool is not None and not keep:
+            self.pool.give(self.buffer)
+        if self.held is not None:
+            self.held.release()
 
 
 class ActivationLoader:
@@ -173,6 +180,10 @@ class ActivationLoader:
         self.n_rows = int(self._cols["segment"].size)
         self._fingerprint = hashlib.sha256(self._cols["row"].tobytes()).hexdigest()[:16]
         self._buffers = Buffers()
+        # One window holds every selected row (one rank, buffer_rows >= rows): the first epoch's window
+        # stays (rows, ids, positions) and later epochs are gathered from it, the store not read again.
+        self._whole = self.world_size == 1 and self.n_rows <= self.buffer_rows
+        self._resident: _Window | None = None
         self._reader = PieceReader(self.store, self.spec, self._cols, self._n_sources, self._stored)
         self.epoch = 0
         self.position = 0  # rows of this rank's share already given in the current epoch
@@ -311,6 +322,7 @@ class ActivationLoader:
                 top_up()
                 m = sizes[w]
                 ids = np.empty(m, dtype=np.int64)
+                pos = np.empty(m, dtype=np.int64)
                 while pending and pending[0][0].window == w:  # each piece placed as it arrives
                     p, fut = pending.popleft()
                     if fut is not None:
@@ -319,8 +331,10 @@ class ActivationLoader:
                         self._reader.fill(p, dest(p))
                     top_up()
                     ids[p.at : p.at + (p.hi - p.lo)] = self._cols["row"][p.lo : p.hi]
+                    pos[p.at : p.at + (p.hi - p.lo)] = np.arange(p.lo, p.hi)
                 buf = bufs.pop(w)
-                yield _Window(buf[:m], ids, self._order.window_perm(epoch, w, m), buf, held, self._buffers)
+                perm = self._order.window_perm(epoch, w, m)
+                yield _Window(buf[:m], ids, perm, buf, held, self._buffers, pos)
                 if stop.is_set():
                     return
         finally:
@@ -328,7 +342,15 @@ class ActivationLoader:
                 pool.shutdown(wait=True, cancel_futures=True)
 
     def _background(self, epoch: int, start: int) -> Iterator[_Window]:
-        """:meth:`_windows` assembled by a background thread, one window ahead of the consumer."""
+        """:meth:`_windows` assembled by a background thread, one window ahead of the consumer (or the
+        resident window, gathered in the epoch's order without a read)."""
+        r = self._resident
+        if r is not None and r.pos is not None:
+            at = np.empty(self.n_rows, dtype=np.int64)  # selection position -> its row in the resident window
+            at[r.pos] = np.arange(r.pos.size)
+            order = at[self._order.epoch_rows(np.arange(self.n_rows), epoch)]
+            yield _Window(r.rows, r.ids, order, r.buffer, None, None)
+            return
         if self.workers == 0:
             yield from self._windows(epoch, start, threading.Event())
             return
@@ -457,7 +479,10 @@ class ActivationLoader:
                         yield emit(torch.cat(carry_x), np.concatenate(carry_i))
                         carry_x, carry_i, n_carry = [], [], 0
             finally:
-                win.release()
+                keep = self._whole and self._resident is None and win.rows.shape[0] == self.n_rows
+                if keep:
+                    self._resident = win
+                win.release(keep)
         if n_carry:
             yield emit(
                 carry_x[0] if len(carry_x) == 1 else torch.cat(carry_x),

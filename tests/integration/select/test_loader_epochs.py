@@ -77,3 +77,24 @@ def test_epochs_k_gives_exactly_k_epochs_and_the_default_one(sel: Any) -> None:
         sel.loader("resid", layers=[0], epochs=0)
     with pytest.raises(QueryError, match="no rows per epoch"):
         next(iter(sel.loader("resid", layers=[0], epochs=None, batch_size=1000, drop_last=True)))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_epochs_after_the_first_come_from_the_resident_window_with_the_same_values(
+    sel: Any, workers: int
+) -> None:
+    """One window holds the whole selection: the epochs after the first are gathered from the first
+    epoch's window (the store not read again); every batch's values are still the store's rows of its
+    ids (Selection.features by position), in each epoch's own order."""
+    import numpy as np
+
+    feats = np.asarray(sel.features("resid", layers=[0]), dtype=np.float32)
+    where = {r: k for k, r in enumerate(sel.rows.column("row").to_pylist())}
+    kw = {**KW, "buffer_rows": len(sel), "workers": workers}
+    ld = sel.loader("resid", layers=[0], epochs=3, **kw)
+    got: list[int] = []
+    for i, x in ld:
+        np.testing.assert_array_equal(x.numpy(), feats[[where[r] for r in i.tolist()]])
+        got += i.tolist()
+    assert got == [r for e in range(3) for r in ld.epoch_rows(e).tolist()]
+    assert ld._resident is not None  # the epochs after the first were not read from the store
