@@ -108,6 +108,14 @@ def test_a_shared_store_reads_what_a_copy_store_reads(stores: dict[str, Path]) -
     for kind in ("attn_head", "attn", "mlp"):  # z W_O, its sum over heads, the MLP out through W_down
         x, y = a.select().features(kind), b.select().features(kind)
         assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), kind
+    # the logit lens (the residual through the final norm and the unembedding) reads the same numbers
+    lens = [
+        run("lens", str(stores[n]), "--no-tuned", "--no-save", "--json", "--quiet")
+        for n in ("shared1", "copy")
+    ]
+    assert lens[0][0] == lens[1][0] == 0
+    curves = [json.loads(out)["per_index"] for _, out, _ in lens]
+    assert len(curves[0]) == 3 and curves[0] == curves[1]  # every index's KL, probability and rank, exactly
     # and the shared store's attn_head is z @ W_O computed here by plain loops over heads
     z = a.select().features("z")  # [N, L, H, d_head]
     W_O = a.weight("W_O")  # [L, H, d_head, d_model]
