@@ -52,7 +52,7 @@ class BatchIndex:
     # positions per (layer, head) among those ``src_rank >= 0`` marks (the kept positions, numbered
     # 0.. within each window), at the layers ``source_layers``; ``attn`` is then [nT * 2K, L, H]:
     # per target, K weights then K row offsets (its row minus the source's), see _attend_with_sources.
-    # Targets are then in batch-row order (``target_b`` non-decreasing).
+    # Targets are then in batch-row order (``target_b`` non-decreasing), and windows right-padded.
     sources: int = 0
     src_rank: torch.Tensor | None = None  # [B, T] int64, -1 where a position is not a source
     source_layers: tuple[int, ...] = ()
@@ -212,6 +212,13 @@ def _attend_with_sources(
         qs = query[b0:b1].float() * float(scaling)
         keys, vals = key[b0:b1].float(), value[b0:b1]
         rank = ix.src_rank[b0:b1]  # [nb, T]
+        t0, t1 = bounds[c], bounds[c + 1]
+        # positions not kept (BOS, other special tokens) that some target of the window sees: never
+        # sources (padding, after every target, weighs 0 for them anyway)
+        last = torch.full((nb,), -1, dtype=torch.long, device=dev)
+        last.scatter_reduce_(0, ix.target_b[t0:t1] - b0, ix.target_pos[t0:t1], "amax")
+        special = (rank < 0) & (torch.arange(T, device=dev)[None, :] < last[:, None])
+        special_cols = torch.nonzero(special.any(0)).flatten()
         w_all = torch.full((nb, H, Tq, k_top), -1.0, device=dev)
         j_all = torch.zeros((nb, H, Tq, k_top), dtype=torch.long, device=dev)
         for a in range(0, Tq, block):
@@ -221,7 +228,12 @@ def _attend_with_sources(
             if softcap is not None:
                 scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
             s5 = scores.view(nb, Hkv, G, n, e)
-            if attention_mask is None:
+            if square and window is None and (attention_mask is None or attention_mask.dtype == torch.bool):
+                # causal, windows right-padded: a target sees no padded key, so the mask is the
+                # causal one, and only the keys a..b-1 are ever masked in these rows (padded rows
+                # may then see padded keys: their outputs reach no target)
+                s5[..., a:b].masked_fill_(_upper(n, dev), low)
+            elif attention_mask is None:
                 rows_at, cols = torch.arange(a, b, device=dev)[:, None], torch.arange(e, device=dev)[None, :]
                 keep = cols <= rows_at
                 if window is not None:
@@ -236,18 +248,18 @@ def _attend_with_sources(
             probs = torch.softmax(scores, dim=-1)
             o = torch.matmul(probs.to(vals.dtype), vals[:, :, :e])  # [nb, Hkv, G * n, dv]
             out[b0:b1, a:b] = o.view(nb, H, n, dv).transpose(1, 2)
-            kept = rank[:, a:b] >= 0
-            used = kept.any(1)
-            if bounds[c] == bounds[c + 1] or not bool(used.any()):
+            used = (rank[:, a:b] >= 0).any(1)
+            if t0 == t1 or not bool(used.any()):
                 continue
             p4 = probs.view(nb, H, n, e)
             sub: slice | torch.Tensor = slice(None) if bool(used.all()) else torch.nonzero(used).flatten()
             part = p4[sub]
-            part.masked_fill_((rank[sub, :e] < 0)[:, None, None, :], -1.0)  # no source: a position not kept
+            cols = special_cols[special_cols < e]
+            if cols.numel():  # no source: a position not kept
+                part[..., cols] = part[..., cols].masked_fill(special[sub][:, cols][:, None, None, :], -1.0)
             w, j = select_top(part, k_top)
             w_all[sub, :, a:b, : w.shape[-1]] = w
             j_all[sub, :, a:b, : w.shape[-1]] = j
-        t0, t1 = bounds[c], bounds[c + 1]
         if t0 == t1:
             continue
         tb, tp = ix.target_b[t0:t1] - b0, ix.target_pos[t0:t1]
@@ -258,6 +270,17 @@ def _attend_with_sources(
         both = torch.stack((w.masked_fill(~valid, 0.0), offset.masked_fill(~valid, 0).to(w.dtype)), 1)
         dst[t0:t1, :, :k_top, layer] = both.transpose(2, 3).to(state.attn.dtype)  # [n, 2, k, H]
     return out
+
+
+_UPPER: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _upper(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] True above the diagonal (a key after the query row), cached."""
+    key = (n, str(device))
+    if key not in _UPPER:
+        _UPPER[key] = torch.ones((n, n), dtype=torch.bool, device=device).triu(1)
+    return _UPPER[key]
 
 
 def select_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
