@@ -178,7 +178,7 @@ def dfa_rows(
     kept = store.manifest.ingest.get("kept") or {}
     L = list(kept.get("z") or []) if layers is None else [int(x) for x in layers]
     K = require_sources(store, L)
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    rows = np.array(rows, dtype=np.int64).reshape(-1)  # a copy: from_numpy warns on read-only (Arrow) arrays
     uu = torch.from_numpy(np.asarray(u, dtype=np.float32))
     W = weights(store)
     p = torch.einsum("lhde,e->lhd", W.layers("W_O", L), uu).numpy()  # [l, H, dh]
