@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -135,3 +137,9 @@ def needs_hash_file(rel: str) -> bool:
         and parts[1] not in ALL_SEGMENT_TABLES
         and parts[2].endswith(".parquet")
     )
+
+
+def rows_table(rows: Sequence[Sequence[Any]], schema: pa.Schema) -> pa.Table:
+    """An Arrow table of ``rows``, tuples of values in the order of ``schema``'s columns."""
+    columns = list(zip(*rows)) if rows else [()] * len(schema)
+    return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, schema)], schema=schema)

@@ -37,6 +37,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import TraceError
+from actstore.core.tables import rows_table
 from actstore.interventions.facts import StoredFact, subject_embedding_std
 from actstore.interventions.runner import Intervention, InterventionRunner, RunItem
 from actstore.interventions.settings import TraceConfig, check_noise
@@ -114,7 +115,7 @@ def site_effects(
         raise TraceError(f"restoring needs a positive noise std, not {noise_std}")
     for f in facts:
         f.check()
-    out: dict[str, list[Any]] = {n: [] for n in SITE_EFFECTS.names}
+    out: list[tuple[Any, ...]] = []
     tracer = None
     if cfg.mode == "restore":
         from actstore.interventions.tracing import CausalTracer
@@ -186,11 +187,11 @@ def site_effects(
         _append(out, f.example_id, cfg.mode, float(base), values)
         if progress:
             progress(1)
-    return pa.table(out, schema=SITE_EFFECTS)
+    return rows_table(out, SITE_EFFECTS)
 
 
 def _append(
-    out: dict[str, list[Any]],
+    out: list[tuple[Any, ...]],
     example_id: int,
     mode: str,
     base: float,
@@ -198,14 +199,9 @@ def _append(
 ) -> None:
     """One ``site_effects`` row per (component, layer, random, P(o) intervened) of a fact."""
     for c, layer, rnd, pi in sites:
-        out["example_id"].append(example_id)
-        out["mode"].append(mode)
-        out["component"].append(c)
-        out["layer"].append(layer)
-        out["random"].append(rnd)
-        out["p_base"].append(base)
-        out["p_intervened"].append(pi)
-        out["effect"].append(base - pi if mode == "knockout" else pi - base)
+        out.append(
+            (example_id, mode, c, layer, rnd, base, pi, base - pi if mode == "knockout" else pi - base)
+        )
 
 
 def _restore_incremental(

@@ -37,6 +37,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core.errors import PatchError
+from actstore.core.tables import rows_table
 from actstore.interventions.facts import StoredFact
 from actstore.interventions.runner import Intervention, InterventionRunner, RunItem
 from actstore.interventions.settings import PatchConfig
@@ -163,26 +164,14 @@ PATCH_PAIRS = pa.schema(
 
 def effects_table(results: Sequence[PatchResult]) -> pa.Table:
     """One row per (pair, component, layer[, head], position); head = -1 for whole components."""
-    cols: dict[str, list[Any]] = {n: [] for n in PATCH_EFFECTS.names}
-
-    def add(r: PatchResult, comp: str, layer: int, head: int, pos: str, v: float) -> None:
-        cols["example_id"].append(r.pair.clean.example_id)
-        cols["counterfactual_id"].append(r.pair.counterfactual.example_id)
-        cols["component"].append(comp)
-        cols["layer"].append(layer)
-        cols["head"].append(head)
-        cols["position"].append(pos)
-        cols["recovery"].append(float(v))
-
+    rows = []
     for r in results:
+        ids = (r.pair.clean.example_id, r.pair.counterfactual.example_id)
         for (comp, pos), v in r.recovery.items():
-            for layer, x in enumerate(v):
-                add(r, comp, layer, -1, pos, x)
+            rows += [(*ids, comp, layer, -1, pos, float(x)) for layer, x in enumerate(v)]
         for pos, grid in r.head_recovery.items():
-            for layer in range(grid.shape[0]):
-                for h in range(grid.shape[1]):
-                    add(r, "head", layer, h, pos, grid[layer, h])
-    return pa.table(cols, schema=PATCH_EFFECTS)
+            rows += [(*ids, "head", layer, h, pos, float(x)) for (layer, h), x in np.ndenumerate(grid)]
+    return rows_table(rows, PATCH_EFFECTS)
 
 
 def pairs_table(results: Sequence[PatchResult]) -> pa.Table:

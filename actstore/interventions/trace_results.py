@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from actstore.core.tables import rows_table
 from actstore.interventions.facts import StoredFact
 from actstore.interventions.settings import TraceConfig
 
@@ -91,23 +92,16 @@ TRACE_FACTS = pa.schema(
 
 def effects_table(results: Sequence[TraceResult]) -> pa.Table:
     """One row per (fact, component, layer, position): restored probability and indirect effect."""
-    cols: dict[str, list[Any]] = {n: [] for n in TRACE_EFFECTS.names}
+    rows = []
     for r in results:
         f = r.fact
         roles = [_role(p, f.subject_span) for p in range(f.n_tokens)]
         for c, grid in r.restored.items():
-            L, T = grid.shape
-            for layer in range(L):
-                for p in range(T):
-                    cols["example_id"].append(f.example_id)
-                    cols["component"].append(c)
-                    cols["layer"].append(layer)
-                    cols["position"].append(p)
-                    cols["token"].append(f.tokens[p])
-                    cols["role"].append(roles[p])
-                    cols["prob"].append(float(grid[layer, p]))
-                    cols["indirect_effect"].append(float(grid[layer, p] - r.p_corrupt))
-    return pa.table(cols, schema=TRACE_EFFECTS)
+            rows += [
+                (f.example_id, c, layer, p, f.tokens[p], roles[p], float(x), float(x - r.p_corrupt))
+                for (layer, p), x in np.ndenumerate(grid)
+            ]
+    return rows_table(rows, TRACE_EFFECTS)
 
 
 def facts_table(results: Sequence[TraceResult], cfg: TraceConfig) -> pa.Table:
