@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.core.errors import QueryError
+from actstore.core.errors import MissingDependency, QueryError
 
 MODULES = {
     "llama": (
@@ -110,7 +110,13 @@ class StoreModel:
 
     def __init__(self, store: Any) -> None:
         import torch
-        from transformer_lens import HookedTransformerConfig
+
+        try:
+            from transformer_lens import HookedTransformerConfig
+        except ImportError:
+            raise MissingDependency(
+                "transformer_lens is not installed: pip install 'actstore[tlens]'"
+            ) from None
 
         g = store.geometry
         attrs = store.weight_attrs
