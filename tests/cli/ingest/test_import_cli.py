@@ -82,3 +82,29 @@ def test_bad_input_one_line_no_store(tmp_path: Path) -> None:
     )
     assert r.exit_code != 0 and len(r.output.strip().splitlines()) == 1 and "layers=1" in r.output, r.output
     assert not out.exists()
+
+
+def test_the_documented_example_runs(tmp_path: Path) -> None:
+    """docs/commands.md's example of ``actstore import`` (SmolLM2-135M, three layer ids), run as written
+    on files in vLLM's layout written by the helper above, its /tmp/ paths under a temporary folder."""
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "commands.md").read_text()
+    section = doc.split("## actstore import\n", 1)[1].split("\n## ", 1)[0]
+    example = section.split("Example:\n", 1)[1].strip().splitlines()[0].strip()
+    argv = shlex.split(example.replace("/tmp/", f"{tmp_path}/"))
+    assert argv[:2] == ["actstore", "import"]
+    layer_ids = [int(x) for x in argv[argv.index("--layer-ids") + 1].split(",")]
+    folder = Path(argv[2])
+    rng = np.random.default_rng(5)
+    folder.mkdir()
+    for k in range(2):
+        ids = torch.from_numpy(rng.integers(3, 1000, size=6))
+        hs = torch.from_numpy(rng.standard_normal((6, len(layer_ids), 576)).astype(np.float32))
+        save_file({"hidden_states": hs, "token_ids": ids}, str(folder / f"r{k}.safetensors"))
+    r = CliRunner().invoke(main, argv[1:])
+    assert r.exit_code == 0, r.output
+    out = Path(argv[argv.index("--out") + 1])
+    s = actstore.open(out)
+    assert s.manifest.n_examples == 12 and s.geometry.d_model == 576
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
