@@ -41,6 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.core.errors import InvalidSetting, LensError
+from actstore.core.tables import rows_table
 from actstore.query.analyses.readout import (
     ALPHAS,
     TUNED_METHODS,
@@ -122,37 +123,16 @@ class LensStudy:
 
     def table(self) -> pa.Table:
         """One row per (fact, lens, residual index)."""
-        cols: dict[str, list[Any]] = {
-            k: []
-            for k in (
-                "example_id",
-                "lens",
-                "split",
-                "index",
-                "layer",
-                "object_prob",
-                "object_rank",
-                "top_token_id",
-            )
-        }
-        for name, r, ids, split in (
-            ("logit", self.logit, self.example_ids, "heldout"),
-            ("tuned", self.tuned, self.example_ids, "heldout"),
-        ):
+        rows = []
+        for name, r in (("logit", self.logit), ("tuned", self.tuned)):
             if r is None:
                 continue
-            n, K = r.prob.shape
-            for j in range(n):
-                for i in range(K):
-                    cols["example_id"].append(int(ids[j]))
-                    cols["lens"].append(name)
-                    cols["split"].append(split)
-                    cols["index"].append(i)
-                    cols["layer"].append(i - 1)
-                    cols["object_prob"].append(float(r.prob[j, i]))
-                    cols["object_rank"].append(int(r.rank[j, i]))
-                    cols["top_token_id"].append(int(r.top[j, i]))
-        return pa.table(cols, schema=LENS_SCHEMA)
+            rows += [
+                (int(self.example_ids[j]), name, "heldout", i, i - 1, float(r.prob[j, i]))
+                + (int(r.rank[j, i]), int(r.top[j, i]))
+                for j, i in np.ndindex(r.prob.shape)
+            ]
+        return rows_table(rows, LENS_SCHEMA)
 
 
 LENS_SCHEMA = pa.schema(

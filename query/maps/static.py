@@ -66,6 +66,7 @@ import torch
 
 from actstore.core.errors import MapsError
 from actstore.core.store import StoreReader
+from actstore.core.tables import rows_table
 from actstore.query.maps.defaults import DEFAULT_K, IMPLEMENTS_THRESHOLD, ROW_CHUNK, check_k, k_of
 from actstore.query.maps.pairs import TokenPairs
 from actstore.query.maps.projection import VocabProjection, head_list, target_ranks
@@ -254,44 +255,19 @@ def scores_table(
     scores: dict[str, StaticScores], k: int | Mapping[str, int], threshold: float, kv_group: int
 ) -> pa.Table:
     """One row per (relation, layer, head); ``k`` for all relations or per relation."""
-    cols: dict[str, list[Any]] = {
-        c: []
-        for c in (
-            "relation",
-            "layer",
-            "head",
-            "kv_head",
-            "score",
-            "suppression",
-            "implements",
-            "suppresses",
-            "k",
-            "n_pairs",
-            "n_used",
-            "n_multi_token",
-        )
-    }
+    rows = []
     for name, s in scores.items():
-        kr = k_of(k, name)
+        kr, p = k_of(k, name), s.pairs
         phi, sup = s.score(kr), s.suppression(kr)
-        L, H = phi.shape
-        for layer in range(L):
-            for h in range(H):
-                cols["relation"].append(name)
-                cols["layer"].append(layer)
-                cols["head"].append(h)
-                cols["kv_head"].append(h // kv_group)
-                cols["score"].append(float(phi[layer, h]))
-                cols["suppression"].append(float(sup[layer, h]))
-                cols["implements"].append(bool(phi[layer, h] >= threshold))
-                cols["suppresses"].append(bool(sup[layer, h] >= threshold))
-                cols["k"].append(kr)
-                cols["n_pairs"].append(s.pairs.n_pairs)
-                cols["n_used"].append(s.pairs.n_used)
-                cols["n_multi_token"].append(s.pairs.n_multi_token)
-    return pa.table(
-        cols,
-        schema=pa.schema(
+        rows += [
+            (name, layer, h, h // kv_group, float(phi[layer, h]), float(sup[layer, h]))
+            + (bool(phi[layer, h] >= threshold), bool(sup[layer, h] >= threshold), kr)
+            + (p.n_pairs, p.n_used, p.n_multi_token)
+            for layer, h in np.ndindex(phi.shape)
+        ]
+    return rows_table(
+        rows,
+        pa.schema(
             [
                 ("relation", pa.string()),
                 ("layer", pa.int32()),
@@ -333,25 +309,17 @@ def relation_summary(name: str, s: StaticScores, k: int, threshold: float) -> di
 
 def salient_table(ops: Sequence[SalientOps], decode: Any) -> pa.Table:
     """One row per (head, salient token) with its mapped tokens as lists; ``decode(ids) -> list[str]``."""
-    cols: dict[str, list[Any]] = {
-        c: [] for c in ("layer", "head", "rank", "token_id", "token", "sigma", "mapped_ids", "mapped_tokens")
-    }
+    rows = []
     for op in ops:
         names = decode(op.token_ids.tolist())
         for r, (tid, name, sig, mapped) in enumerate(
             zip(op.token_ids.tolist(), names, op.sigma.tolist(), op.mapped_ids)
         ):
-            cols["layer"].append(op.layer)
-            cols["head"].append(op.head)
-            cols["rank"].append(r)
-            cols["token_id"].append(int(tid))
-            cols["token"].append(name)
-            cols["sigma"].append(float(sig))
-            cols["mapped_ids"].append([int(i) for i in mapped])
-            cols["mapped_tokens"].append(decode([int(i) for i in mapped]))
-    return pa.table(
-        cols,
-        schema=pa.schema(
+            ids = [int(i) for i in mapped]
+            rows.append((op.layer, op.head, r, int(tid), name, float(sig), ids, decode(ids)))
+    return rows_table(
+        rows,
+        pa.schema(
             [
                 ("layer", pa.int32()),
                 ("head", pa.int32()),
