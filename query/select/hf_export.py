@@ -51,7 +51,7 @@ from actstore.core.errors import QueryError
 from actstore.query.select.features import FeatureSpec, RowBlock, compute_block
 from actstore.query.select.labelled import SOURCE_KINDS
 from actstore.query.select.loader_args import Selected
-from actstore.query.select.tl_cache import kind_names
+from actstore.query.select.tl_cache import MODULES, kind_names
 
 
 class Exported(Selected, Protocol):
@@ -74,37 +74,24 @@ def hook_name_of(kind: str, layer: int, n_layers: int) -> str:
     return f"blocks.{layer}.actstore.{kind}"
 
 
-# The transformers module holding the decoder blocks, and each block's attention and MLP modules.
-_MODULES = {
-    "llama": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
-    "qwen2": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
-    "gemma3": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
-    "gemma3_text": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
-    "mistral": ("model.layers", "self_attn", "mlp", "model.embed_tokens"),
-    "gpt2": ("transformer.h", "attn", "mlp", None),
-    "gpt_neox": ("gpt_neox.layers", "attention", "mlp", "gpt_neox.embed_in"),
-}
-
-
 def module_path(kind: str, layer: int, architecture: str) -> str:
     """The transformers module whose output SAELens caches for ``kind`` at ``layer`` (its hook name
     with ``model_class_name="AutoModelForCausalLM"``): residual index i is the output of block i-1
     (index 0 the token embeddings), ``mlp`` and ``attn`` the outputs of a block's MLP and attention."""
-    mods = _MODULES.get(architecture)
+    mods = MODULES.get(architecture)  # the store's one table of module names
     fix = "name the column with hook_name="
     if mods is None:
         raise QueryError(f"to_hf_dataset: no SAELens naming known for architecture {architecture!r}; {fix}")
-    blocks, attn, mlp, embed = mods
     if kind == "resid":
         if layer == 0:
-            if embed is None:
+            if mods.export_embed is None:
                 raise QueryError(
                     f"to_hf_dataset: residual index 0 of {architecture} is no module's output; {fix}"
                 )
-            return embed
-        return f"{blocks}.{layer - 1}"
+            return mods.export_embed
+        return mods.block.format(l=layer - 1)
     if kind in ("mlp", "attn"):
-        return f"{blocks}.{layer}.{mlp if kind == 'mlp' else attn}"
+        return f"{mods.block.format(l=layer)}.{mods.mlp if kind == 'mlp' else mods.attn}"
     raise QueryError(f"to_hf_dataset: no module of the model outputs {kind} as stored; {fix}")
 
 

@@ -29,32 +29,61 @@ geometry, final norm and unembedding, so ``stack_head_results``, ``accumulated_r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from actstore.core.errors import MissingDependency, QueryError
 
+
+@dataclass(frozen=True)
+class Modules:
+    """The transformers module names of one model family, the one table of them (``kind_names`` and
+    the SAELens export's column names, :func:`actstore.query.select.hf_export.module_path`, read it):
+    ``embed``, whose output is residual index 0; ``block``, block ``l``'s path; a block's attention,
+    its output projection, its MLP and the MLP's down projection; ``export_embed``, the export's name
+    for residual index 0 (None: refused, the caller names the column)."""
+
+    embed: str
+    block: str
+    attn: str
+    o_proj: str
+    mlp: str
+    down: str
+    export_embed: str | None
+
+
+_LLAMA = Modules(
+    "model.embed_tokens",
+    "model.layers.{l}",
+    "self_attn",
+    "self_attn.o_proj",
+    "mlp",
+    "mlp.down_proj",
+    "model.embed_tokens",
+)
+# Keyed by the store's architecture (``manifest.model["architecture"]``) or family; Qwen2, Mistral and
+# Gemma 3 name their modules as Llama does.
 MODULES = {
-    "llama": (
-        "model.embed_tokens",
-        "model.layers.{l}",
-        "self_attn",
-        "self_attn.o_proj",
-        "mlp",
-        "mlp.down_proj",
+    "llama": _LLAMA,
+    "qwen2": _LLAMA,
+    "mistral": _LLAMA,
+    "gemma3": _LLAMA,
+    "gemma3_text": _LLAMA,
+    "gpt2": Modules(
+        "transformer.drop", "transformer.h.{l}", "attn", "attn.c_proj", "mlp", "mlp.c_proj", None
     ),
-    "gpt2": ("transformer.drop", "transformer.h.{l}", "attn", "attn.c_proj", "mlp", "mlp.c_proj"),
-    "gpt_neox": (
+    "gpt_neox": Modules(
         "gpt_neox.emb_dropout",
         "gpt_neox.layers.{l}",
         "attention",
         "attention.dense",
         "mlp",
         "mlp.dense_4h_to_h",
+        "gpt_neox.embed_in",
     ),
 }
-MODULES["gemma3"] = MODULES["llama"]  # the same module names
 TL_KINDS = ("resid", "z", "attn_head", "attn", "attn_prob", "mlp", "mlp_post")
 
 
@@ -66,7 +95,8 @@ def kind_names(kind: str, layer: int, n_layers: int, family: str = "llama") -> d
     top = n_layers if kind == "resid" else n_layers - 1
     if not 0 <= layer <= top:
         raise QueryError(f"{kind} has layers 0..{top}, not {layer}")
-    embed, block, attn, o_proj, mlp, down = MODULES.get(family, MODULES["llama"])
+    m = MODULES.get(family, _LLAMA)
+    embed, block, attn, o_proj, mlp, down = m.embed, m.block, m.attn, m.o_proj, m.mlp, m.down
     b = block.format(l=layer)
     if kind == "resid":
         if layer == n_layers:

@@ -87,6 +87,62 @@ def test_activation_cache(tiny_store: Path) -> None:
     np.testing.assert_allclose(dla, final, rtol=0, atol=RTOL * np.abs(lens).max())
 
 
+@pytest.mark.parametrize(
+    ("arch", "names", "export"),
+    [
+        # architecture: kind_names' resid 0, resid 2, mlp 1, attn_prob 1 modules; the export's resid 0, 2, attn 1
+        *(
+            (
+                a,
+                ("model.embed_tokens", "model.layers.1", "model.layers.1.mlp", "model.layers.1.self_attn"),
+                ("model.embed_tokens", "model.layers.1", "model.layers.1.self_attn"),
+            )
+            for a in ("llama", "qwen2", "mistral", "gemma3", "gemma3_text")
+        ),
+        (
+            "gpt2",
+            ("transformer.drop", "transformer.h.1", "transformer.h.1.mlp", "transformer.h.1.attn"),
+            (None, "transformer.h.1", "transformer.h.1.attn"),  # index 0: the caller names it
+        ),
+        (
+            "gpt_neox",
+            (
+                "gpt_neox.emb_dropout",
+                "gpt_neox.layers.1",
+                "gpt_neox.layers.1.mlp",
+                "gpt_neox.layers.1.attention",
+            ),
+            ("gpt_neox.embed_in", "gpt_neox.layers.1", "gpt_neox.layers.1.attention"),
+        ),
+        (  # unknown: TransformerLens-side names fall back to Llama's, the export refuses
+            "mamba",
+            ("model.embed_tokens", "model.layers.1", "model.layers.1.mlp", "model.layers.1.self_attn"),
+            (None, None, None),
+        ),
+    ],
+)
+def test_one_module_table_for_names_and_the_export(
+    arch: str, names: tuple[str, ...], export: tuple[str | None, ...]
+) -> None:
+    """Store.hook_names' modules and the SAELens export's column names come from one table
+    (tl_cache.MODULES); their differences (GPT-2's residual 0, GPT-NeoX's embedding) are kept."""
+    from actstore.query.select.hf_export import module_path
+
+    got = (
+        kind_names("resid", 0, 2, arch)["module"],
+        kind_names("resid", 2, 2, arch)["module"],
+        kind_names("mlp", 1, 2, arch)["module"],
+        kind_names("attn_prob", 1, 2, arch)["module"],
+    )
+    assert got == names
+    for (kind, layer), want in zip((("resid", 0), ("resid", 2), ("attn", 1)), export):
+        if want is None:
+            with pytest.raises(QueryError, match="hook_name="):
+                module_path(kind, layer, arch)
+        else:
+            assert module_path(kind, layer, arch) == want
+
+
 def test_without_transformer_lens(tiny_store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
