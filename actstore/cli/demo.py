@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from actstore.cli._config import config_from, options_from
-from actstore.cli._options import command, threads_option
+from actstore.cli._options import command, quiet_option, threads_option
 from actstore.jobs.settings import DemoConfig
 
 
@@ -22,11 +22,17 @@ def _detail(text: str) -> None:
 @command(example="actstore demo --out demo-out --limit-per-relation 20")
 @threads_option
 @options_from(DemoConfig)
-def demo(**given: Any) -> None:
+@quiet_option
+def demo(quiet: bool, **given: Any) -> None:
     """Ingest the demo corpus, run probes, HeadScore/TokenScore and MAPS, and write a report."""
+    from actstore.core.progress import progress_wanted
     from actstore.jobs.demo import run_demo
 
-    summary = run_demo(config_from(DemoConfig, given), step=_step, log=_detail)
+    cfg = config_from(DemoConfig, given)
+    if quiet:
+        summary = run_demo(cfg)
+    else:
+        summary = run_demo(cfg, step=_step, log=_detail, progress=progress_wanted())
     report = summary.get("report")
     click.echo(
         f"done in {summary['seconds']}s. store: {summary['store']}"

@@ -17,6 +17,7 @@ from actstore.cli._options import (
     open_store_arg,
     parse_int_list,
     printable,
+    quiet_option,
     sql_limit_options,
     store_argument,
     threads_option,
@@ -140,8 +141,8 @@ FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, ml
     example="actstore features /tmp/s --kind attn_head --layers 0-3 --where \"relation_id = 'P177'\" "
     "--out x.npy"
 )
-@store_argument
 @threads_option
+@store_argument
 @click.option("--kind", required=True, help=f"Feature kind: {FEATURE_KINDS}.")
 @where_option
 @layers_option()
@@ -187,18 +188,22 @@ def features(
     is_flag=True,
     help="Only the markers, the snapshot and every table file's footer (no byte hashed).",
 )
+@quiet_option
 @json_option
-def verify(store: str, values: bool, quick: bool, as_json: bool) -> None:
+def verify(store: str, values: bool, quick: bool, quiet: bool, as_json: bool) -> None:
     """Check that every committed chunk and table is there with its recorded hash, offsets, the manifest.
 
     Exit status 3 when a problem is found (the store is damaged or incomplete), 1 when the store
     cannot be checked at all."""
+    from actstore.core.progress import progress_wanted
     from actstore.core.verify import quick_verify_store, verify_store
 
     if quick and values:
         raise click.UsageError("--quick and --values exclude each other (--values decodes every chunk)")
     s = open_store_arg(store)
-    report = quick_verify_store(s) if quick else verify_store(s, values=values)
+    report = (
+        quick_verify_store(s) if quick else verify_store(s, values=values, progress=progress_wanted(quiet))
+    )
     if as_json:
         click.echo(
             json.dumps(

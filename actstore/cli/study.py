@@ -38,7 +38,7 @@ Log = Callable[[str], None]
 C = TypeVar("C")
 
 
-def _settings(cls: type[C], given: dict[str, Any]) -> C:
+def _settings(cls: type[C], given: dict[str, Any], **values: Any) -> C:
     """The command's settings from its options; a required option left out, or a value the settings
     refuse, is a usage error (exit status 2) naming the option."""
     ctx = click.get_current_context()
@@ -47,7 +47,7 @@ def _settings(cls: type[C], given: dict[str, Any]) -> C:
         if f.metadata.get("required") and f.name in given and not given[f.name]:
             raise click.MissingParameter(ctx=ctx, param=params[f.name])
     try:
-        return config_from(cls, given)
+        return config_from(cls, given, **values)
     except InvalidSetting as e:
         flag = option_names(ctx.command.params).get(e.setting) or "--" + e.setting.replace("_", "-")
         raise click.BadParameter(e.detail, ctx=ctx, param_hint=f"'{flag}'") from None
@@ -121,9 +121,10 @@ def run(store: str, quiet: bool, **given: Any) -> None:
     5. the metrics per method, overall and per stratum, the pairs with bootstrap intervals and the
        cross-size row: one 'methods' run per mode (method_metrics, method_pair_metrics,
        method_cross_size), and the summary written to --out."""
+    from actstore.core.progress import progress_wanted
     from actstore.jobs.study import run_study
 
-    cfg = _settings(StudyRunConfig, given)
+    cfg = _settings(StudyRunConfig, given, progress=progress_wanted(quiet))
     out = run_study(open_store_arg(store), cfg, log=_log(quiet))
     st = out.state
     click.echo(

@@ -14,6 +14,7 @@ from actstore.cli._options import (
     json_option,
     no_save_option,
     open_store_arg,
+    quiet_option,
     store_argument,
     threads_option,
     where_option,
@@ -28,12 +29,16 @@ from actstore.jobs.settings import TopkConfig
 @where_option
 @click.option("--show", type=click.IntRange(min=0), default=5, show_default=True, help="Units printed.")
 @no_save_option
+@quiet_option
 @json_option
-def topk(store: str, where: str | None, show: int, no_save: bool, as_json: bool, **given: Any) -> None:
+def topk(
+    store: str, where: str | None, show: int, no_save: bool, quiet: bool, as_json: bool, **given: Any
+) -> None:
     """Top-k contexts of every unit of a layer in one streaming pass, stored as the topk_contexts table."""
+    from actstore.core.progress import progress_wanted
     from actstore.jobs.topk import run_topk
 
-    cfg = config_from(TopkConfig, given, where=where, save=not no_save)
+    cfg = config_from(TopkConfig, given, where=where, save=not no_save, progress=progress_wanted(quiet))
     kind, layer = cfg.kind, cfg.layer
     s = open_store_arg(store)
     out = run_topk(s, cfg)

@@ -36,6 +36,7 @@ from actstore.core.arrays import NUMPY_DTYPE, check_array, widen
 from actstore.core.errors import ActstoreError, CorruptStoreError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.manifest import SegmentCommit
+from actstore.core.progress import progress_bar
 from actstore.core.segments import expected_shape, read_commits, segment_name
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, sha256
@@ -346,9 +347,12 @@ def _check_tokenizer(store: StoreReader, report: VerifyReport) -> None:
         )
 
 
-def verify_store(store: StoreReader, *, values: bool = False, threads: int | None = None) -> VerifyReport:
+def verify_store(
+    store: StoreReader, *, values: bool = False, threads: int | None = None, progress: bool = False
+) -> VerifyReport:
     """Check ``store`` (see the module docstring); ``values`` also scans every chunk for NaN/Inf;
-    ``threads``: segments checked at once (default: one per core, at most 8)."""
+    ``threads``: segments checked at once (default: one per core, at most 8); ``progress``: a bar of
+    the segments checked on stderr."""
     report = VerifyReport(store.url, values_checked=values)
     _uncommitted(store, report)
     markers = read_commits(store.location, store.manifest)  # every marker, the snapshot's segments too
@@ -373,7 +377,8 @@ def verify_store(store: StoreReader, *, values: bool = False, threads: int | Non
     # Segments are independent: checked on threads (file reads and SHA-256 release the GIL), their
     # findings merged in segment order, so the report is the same as one thread's.
     with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
-        for part in pool.map(one, markers.values()):
+        parts = pool.map(one, markers.values())
+        for part in progress_bar(parts, total=len(markers), desc="verify", unit="segment", enabled=progress):
             report.segments_checked += 1
             report.chunks_checked += part.chunks_checked
             report.problems += part.problems

@@ -81,7 +81,12 @@ class DemoLog:
 
 # ----------------------------------------------------------------------------------- steps
 def probe_step(
-    store: StoreReader, kind: str, episodes: int, token_scores: str, log: Step = _quiet
+    store: StoreReader,
+    kind: str,
+    episodes: int,
+    token_scores: str,
+    log: Step = _quiet,
+    progress: bool = True,
 ) -> dict[str, Any]:
 
     cfg = ProbeConfig(
@@ -94,7 +99,7 @@ def probe_step(
         token_scores=token_scores,
         threads=1,
     )
-    out = run_probe(store, ProbeRequest(probe=cfg, progress=True)).output
+    out = run_probe(store, ProbeRequest(probe=cfg, progress=progress)).output
     lo, hi = out.ci95
     log(
         f"    {kind} 5-way 5-shot: accuracy {100 * out.accuracy:.1f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}) "
@@ -137,14 +142,19 @@ def store_token_pairs(store: StoreReader, relations: list[str] | None = None) ->
 
 
 def maps_step(
-    store: StoreReader, proj: Any, k: int = 10, threshold: float = 0.15, log: Step = _quiet
+    store: StoreReader,
+    proj: Any,
+    k: int = 10,
+    threshold: float = 0.15,
+    log: Step = _quiet,
+    progress: bool = True,
 ) -> dict[str, Any]:
 
     started = time.time()
     pairs = store_token_pairs(store)
     g = store.geometry
     parts = []  # one pass per layer, for the progress bar; other layers' ranks are -1 in each part
-    for layer in progress_bar(range(g.n_layers), desc="MAPS static", unit="layer"):
+    for layer in progress_bar(range(g.n_layers), desc="MAPS static", unit="layer", enabled=progress):
         parts.append(static_scores(proj, pairs, heads=[(layer, h) for h in range(g.n_heads)]))
     scores = {
         name: StaticScores(
@@ -211,11 +221,12 @@ def run_demo_analyses(
     dynamic_relations: int = 1,
     budget_s: float = 300.0,
     log: Step = _quiet,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Run the demo's analyses over ``store``, write ``out/report.html``; return a summary dict
     with ``report`` (the path), per-step results, ``timings`` and ``cpu_seconds`` per step, and
     ``notes`` (what was skipped and why).  ``step(title)`` is called as each step starts, ``log``
-    with the steps' detail lines.
+    with the steps' detail lines; ``progress``: the steps' progress bars on stderr.
 
     The main steps run first: the first probe kind with HeadScore and TokenScore (stored for
     every prediction, so the report shows correct predictions as well as errors), predictors,
@@ -237,7 +248,9 @@ def run_demo_analyses(
             "/TokenScore" if token_scores != "none" else ""
         )
         return runs.run(
-            f"probe_{kind}", title, functools.partial(probe_step, store, kind, episodes, token_scores, log)
+            f"probe_{kind}",
+            title,
+            functools.partial(probe_step, store, kind, episodes, token_scores, log, progress),
         )
 
     first = probe(probe_kinds[0], "all") if probe_kinds else None
@@ -255,7 +268,9 @@ def run_demo_analyses(
         return proj_cache["p"]
 
     runs.run(
-        "maps", "MAPS static scores of every head (weights only)", lambda: maps_step(store, proj(), log=log)
+        "maps",
+        "MAPS static scores of every head (weights only)",
+        lambda: maps_step(store, proj(), log=log, progress=progress),
     )
     for kind in probe_kinds[1:]:
         if not over_budget(f"probe_{kind}"):
@@ -281,10 +296,13 @@ def run_demo_analyses(
     return summary
 
 
-def run_demo(cfg: DemoConfig, *, step: Step = _quiet, log: Step = _quiet) -> dict[str, Any]:
+def run_demo(
+    cfg: DemoConfig, *, step: Step = _quiet, log: Step = _quiet, progress: bool = False
+) -> dict[str, Any]:
     """Ingest the demo corpus into ``cfg.out/store`` (resuming a store already there), run the analyses
     (:func:`actstore.jobs.demo.run_demo_analyses`) and write ``cfg.out/summary.json``; return the summary.
-    ``step(title)`` is called as each step starts, ``log`` with the detail lines."""
+    ``step(title)`` is called as each step starts, ``log`` with the detail lines; ``progress``: the
+    ingest's and the steps' progress bars on stderr."""
 
     started = time.time()
     out, model = cfg.out, cfg.model
@@ -299,6 +317,7 @@ def run_demo(cfg: DemoConfig, *, step: Step = _quiet, log: Step = _quiet) -> dic
             out=store_path,
             resume=resume,
             limit_per_relation=cfg.limit_per_relation,
+            progress=progress,
         ),
         log=lambda m: log(f"    {m}"),
     )
@@ -311,7 +330,9 @@ def run_demo(cfg: DemoConfig, *, step: Step = _quiet, log: Step = _quiet) -> dic
     for r in acc:
         log(f"    {r['relation_id']:<20} {r['n']:>4} prompts, model's top-1 = object for {r['top1']:.0%}")
     summary: dict[str, Any] = {"store": store_path}
-    summary.update(run_demo_analyses(store, out=out, episodes=cfg.episodes, step=step, log=log))
+    summary.update(
+        run_demo_analyses(store, out=out, episodes=cfg.episodes, step=step, log=log, progress=progress)
+    )
     summary["seconds"] = round(time.time() - started, 1)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)

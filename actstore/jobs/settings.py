@@ -412,6 +412,7 @@ class TopkConfig:
     )
     batch_rows: int = setting(1024, "Rows per read.", low=1)
     save: bool = save_setting()
+    progress: bool = setting(False, "A progress bar on stderr.", cli=False)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -122,7 +122,11 @@ def trace_facts(
         chunk, todo = todo[: cfg.chunk], todo[cfg.chunk :]
         t0 = time.time()
         request = TraceRequest(
-            where=where_ids(chunk), trace=trace, quiet=True, all_facts=cfg.all_facts, device=cfg.device
+            where=where_ids(chunk),
+            trace=trace,
+            quiet=not cfg.progress,
+            all_facts=cfg.all_facts,
+            device=cfg.device,
         )
         out = run_trace(store, request)
         dt = time.time() - t0
@@ -152,7 +156,7 @@ def patch_traced(store: StoreReader, cfg: StudyRunConfig, state: dict[str, Any],
         store,
         PatchRequest(
             where=where_ids(todo),
-            quiet=True,
+            quiet=not cfg.progress,
             device=cfg.device,
             all_facts=cfg.all_facts,
             patch=PatchConfig(components=("attn", "mlp"), heads=False),

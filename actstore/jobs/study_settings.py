@@ -117,6 +117,7 @@ class StudyRunConfig:
     tuned_batch: int = setting(64, "Training facts per step (adam, sgd).", low=1)
     tuned_lr: float | None = setting(None, "Learning rate (default: 1e-3 adam, 0.1 sgd).", above=0)
     tuned_seed: int = setting(0, "Seed of the tuned lens's batches.")
+    progress: bool = setting(False, "Progress bars of the trace and patch runs on stderr.", cli=False)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -45,7 +45,14 @@ def run_topk(store: StoreReader, cfg: TopkConfig) -> TopkOutcome:
     assert cfg.layer is not None  # TopkConfig refuses None
     sel = Selection.from_sql(store, cfg.where)
     res = top_activations(
-        sel, cfg.kind, cfg.layer, cfg.k, on=cfg.on, directions=directions, batch_rows=cfg.batch_rows
+        sel,
+        cfg.kind,
+        cfg.layer,
+        cfg.k,
+        on=cfg.on,
+        directions=directions,
+        batch_rows=cfg.batch_rows,
+        progress=cfg.progress,
     )
     out = TopkOutcome(res)
     if cfg.save:

@@ -179,6 +179,7 @@ def _run_probe(
         heads=cfg.heads,
         groups=cfg.groups,
         dtype=cfg.feature_dtype,
+        progress=progress,
     )
     ep = episodes or sample_seeds(
         fm.labels,

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from actstore.core.errors import QueryError
+from actstore.core.progress import progress_bar
 from actstore.core.store import StoreReader
 from actstore.query.analyses.probe_config import PROBE_KINDS
 from actstore.query.select.features import FeatureSpec, compute_block, row_shape
@@ -63,6 +64,7 @@ def load_features(
     groups: int | None = None,
     dtype: str = "float32",
     batch_rows: int = 64,
+    progress: bool = False,
 ) -> FeatureMatrix:
     """Stream the features of ``rows`` (every row of the store when None) into one preallocated
     ``[N, F]`` matrix of ``dtype``.
@@ -70,7 +72,7 @@ def load_features(
     float32: each block of at most ``batch_rows`` rows is computed straight into its rows of the
     matrix (:func:`actstore.query.select.features.compute_block` with ``out``), with no intermediate array; float16:
     into one reused float32 block buffer, then converted into the matrix's rows.  Memory: the matrix
-    plus one block (and that block's factors), whatever N."""
+    plus one block (and that block's factors), whatever N.  ``progress``: a bar of the rows on stderr."""
 
     if kind not in PROBE_KINDS:
         raise QueryError(f"feature kind {kind!r} cannot be probed (one of {', '.join(PROBE_KINDS)})")
@@ -88,8 +90,10 @@ def load_features(
     matrix = data.numpy()
     scratch = np.empty((batch_rows, *shape), dtype=np.float32) if dtype != "float32" else None
     i = 0
+    bar = progress_bar(total=len(ids), desc=f"features {kind}", unit="row", enabled=progress)
     for _, block in sel.blocks(batch_rows):
         n = len(block.seg_rows)
+        bar.update(n)
         if scratch is None:
             compute_block(store, spec, block, out=matrix[i : i + n].reshape(n, *shape))
         else:
@@ -98,6 +102,7 @@ def load_features(
                 torch.from_numpy(x.reshape(n, width))
             )  # torch's float16 conversion: ~10x numpy's
         i += n
+    bar.close()
     if i != len(ids):
         raise QueryError(f"the selection's blocks hold {i} rows, not {len(ids)}")
     return FeatureMatrix(kind, spec.layers, spec.heads, groups, ids, rels, data, shape)

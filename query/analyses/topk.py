@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from actstore.core.errors import QueryError
+from actstore.core.progress import progress_bar
 from actstore.query.select.features import KINDS, SOURCE_KINDS, FeatureSpec, compute_block
 
 if TYPE_CHECKING:
@@ -130,15 +131,19 @@ def top_activations(
     on: str = "resid",
     directions: np.ndarray | Sequence[Sequence[float]] | None = None,
     batch_rows: int = 1024,
+    progress: bool = False,
 ) -> TopK:
-    """The ``k`` largest values of every unit over the selection, in one pass (see the module)."""
+    """The ``k`` largest values of every unit over the selection, in one pass (see the module);
+    ``progress``: a bar of the rows read on stderr."""
     d = _check(selection, kind, layer, k, on, None if directions is None else np.asarray(directions))
     if len(selection) == 0:
         raise QueryError("topk: the selection is empty")
     k = int(k)
     best_v: np.ndarray | None = None  # [k', U]
     best_r: np.ndarray | None = None
+    bar = progress_bar(total=len(selection), desc=f"topk {kind} layer {layer}", unit="row", enabled=progress)
     for rows, v in _blocks(selection, kind, layer, on, d, batch_rows):
+        bar.update(len(rows))
         r = np.broadcast_to(rows[:, None], v.shape)
         if best_v is not None and best_r is not None:
             v = np.concatenate([best_v, v])
@@ -149,6 +154,7 @@ def top_activations(
             v = np.take_along_axis(v, keep, 0)
             r = np.take_along_axis(r, keep, 0)
         best_v, best_r = np.ascontiguousarray(v), np.ascontiguousarray(r)
+    bar.close()
     assert best_v is not None and best_r is not None
     order = np.lexsort((best_r, -best_v), axis=0)  # per unit: value desc, then row asc
     values = np.take_along_axis(best_v, order, 0).T  # [U, k']

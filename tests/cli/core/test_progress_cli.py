@@ -75,7 +75,7 @@ def store(store_factory: Callable[..., Path]) -> str:
 
 
 def long_commands(store: str, tmp: Path) -> dict[str, tuple[list[str], str]]:
-    """command -> (its arguments, a word of its progress on a terminal)."""
+    """command -> (its arguments, the words of its progress on a terminal, "|" between bars)."""
     return {
         "ingest": (
             ["ingest", "--model", "tiny-llama", "--limit-per-relation", "2", "--threads", "1"],
@@ -83,10 +83,12 @@ def long_commands(store: str, tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "probe": (
             ["probe", store, *PROBE, "--no-save"],
-            "ep",
+            "features attn_head|ep",  # the feature matrix's rows, then the episodes
         ),
         "maps": (["maps", store, *MAPS], "maps: scores"),
         "report": (["report", store, "--out", str(tmp / "r.html")], "report: "),
+        "topk": (["topk", store, "--layer", "0", "--no-save"], "topk mlp layer 0:|100%"),
+        "verify": (["verify", store], "verify:|segment"),
     }
 
 
@@ -97,7 +99,7 @@ def test_long_commands_show_progress_on_a_terminal_and_none_when_quiet_or_piped_
         out_args = ["--out", str(tmp_path / f"{name}-t")] if name == "ingest" else []
         rc, _, err = on_terminal(args + out_args)
         assert rc == 0, (name, err)
-        assert word in err, (name, err)
+        assert all(w in err for w in word.split("|")), (name, err)
         out_args = ["--out", str(tmp_path / f"{name}-j")] if name == "ingest" else []
         r = piped(args + out_args + ["--json"])
         assert r.returncode == 0 and r.stderr == "", (name, r.stderr)
@@ -118,3 +120,28 @@ def test_report_prints_each_progress_line_once(store: str, tmp_path: Path) -> No
     lines = [line.strip() for line in err.splitlines() if "report: " in line]
     assert rc == 0 and lines, err
     assert len(lines) == len(set(lines)), err
+
+
+def test_study_run_and_demo_show_progress_on_a_terminal_and_none_when_quiet(
+    store: str, tmp_path: Path
+) -> None:
+    """``study run``: its trace runs' bars beside its time-stamped lines; ``demo``: the ingest's, the
+    probe's and MAPS's bars beside its steps; ``--quiet``: nothing on stderr."""
+    study = ["study", "run", store, "--all-facts", "--max-facts", "1", "--trace-only", "--samples", "1"]
+    study += ["--window", "1"]
+    rc, _, err = on_terminal([*study, "--state", str(tmp_path / "a.json")])
+    assert rc == 0 and "trace: 100%" in err and "traced 1 facts" in err, err
+    rc, _, err = on_terminal([*study, "--state", str(tmp_path / "b.json"), "--quiet"])
+    assert rc == 0 and err.strip() == "", err
+    demo = ["demo", "--model", "tiny-llama", "--limit-per-relation", "2", "--episodes", "4", "--threads", "1"]
+    rc, out, err = on_terminal([*demo, "--out", str(tmp_path / "d1")])
+    assert rc == 0 and "done in" in out, err
+    for word in (
+        "==> ingest",
+        "ingest: 100%",
+        "features attn_head: 100%",
+        "MAPS static: 100%",
+    ):  # 2 a relation: too few for the probe's episodes
+        assert word in err, (word, err)
+    rc, out, err = on_terminal([*demo, "--out", str(tmp_path / "d2"), "--quiet"])
+    assert rc == 0 and "done in" in out and err.strip() == "", err
