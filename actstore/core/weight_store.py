@@ -15,8 +15,9 @@ An ingest picks one with ``--weights`` (ours; :data:`WEIGHTS_MODES`):
 
 Whatever the mode, the store's ``weights.json`` records the content hash (:func:`content_hash`: the
 arrays' float32 bytes, their names and shapes and the group's attributes), the mode and the cache it
-was shared into. Readers use the store's own ``weights/`` when it is there (a materialised copy,
-:func:`materialise`), else the shared copy with that hash (:func:`resolve`). ``verify`` recomputes
+was shared into. Readers use the store's own ``weights/`` when the record says copy (also after
+:func:`materialise`, which rewrites it), else the shared copy with that hash (:func:`resolve`; the
+record alone decides, so opening a store on object storage sends no HEAD or LIST for it). ``verify`` recomputes
 the hash of whichever copy the store uses.
 
 Part of the store core: imports nothing from ``ingest`` or ``query``.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -52,6 +54,7 @@ WEIGHTS_DIR = "weights"  # the store's own copy
 ENV_DIR = "ACTSTORE_WEIGHTS_DIR"
 _RECORD_FORMAT = "actstore-weights"
 _MAX_RECORD = 1 << 16
+log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -198,9 +201,10 @@ class WeightsSource:
 
 
 def resolve(loc: StoreLocation, record: WeightsRecord | None) -> WeightsSource | None:
-    """The copy a store's readers use: its own ``weights/`` when present, else the shared copy named by
-    its record; None when neither is found."""
-    if record is None or loc.exists(f"{WEIGHTS_DIR}/zarr.json"):
+    """The copy a store's readers use, from its record alone (no listing or HEAD request on object
+    storage): its own ``weights/`` for a copy (or a store written before records), the shared copy
+    with the record's hash for shared; None for none, or when no shared copy is found."""
+    if record is None or record.mode == "copy":
         return WeightsSource(loc, WEIGHTS_DIR, "store", f"{loc.url}/{WEIGHTS_DIR}")
     if record.mode == "none":
         return None
@@ -237,6 +241,9 @@ def store_weights(
     if mode not in WEIGHTS_MODES:
         raise ValueError(f"weights mode must be one of {', '.join(WEIGHTS_MODES)}, not {mode!r}")
     if mode == "shared" and not loc.paths_open_directly():
+        log.info(
+            "%s: a remote store gets its own copy of the weights (shared applies to local stores)", loc.url
+        )
         mode = "copy"
     digest = content_hash(weights, attrs)
     nbytes = sum(int(np.asarray(v).size) * 4 for v in weights.values())
@@ -269,6 +276,7 @@ def materialise(loc: StoreLocation) -> str:
                 f"{record.sha256[:16]}... (corrupt: delete that folder and ingest again)"
             )
         tmp = f".tmp-{WEIGHTS_DIR}-{uuid.uuid4().hex}"
+        loc.remove_tree(WEIGHTS_DIR)  # the remains of a materialise killed before its record was rewritten
         for rel in src.location.walk_files(""):  # every file of the group, then one rename into place
             loc.write_bytes_atomic(f"{tmp}/{rel}", src.location.read_bytes(rel))
         if loc.paths_open_directly():
