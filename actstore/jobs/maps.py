@@ -156,18 +156,12 @@ def run_maps(
             tables["maps_excluded"] = pa.Table.from_pylist(excluded)
         if ops:
             tables["maps_salient"] = salient_table(ops, decode)
-        config = {
-            "pairs": list(cfg.pairs),
+        settings = ("pairs", "k", "threshold", "multi_token", "min_pairs", "final_norm", "tokenizer")
+        config = {k: getattr(cfg, k) for k in settings} | {
             "relations": wanted,
-            "k": cfg.k,
             "k_policy": k_policy,
             "k_per_relation": ks,
-            "threshold": cfg.threshold,
-            "multi_token": cfg.multi_token,
-            "min_pairs": cfg.min_pairs,
             "excluded": [e["relation"] for e in excluded],
-            "final_norm": cfg.final_norm,
-            "tokenizer": cfg.tokenizer,
             "first_mlp": use_mlp,
         }
         out.tables += record_run(store, "maps", config, tables, started=started, run_id=run_id).tables

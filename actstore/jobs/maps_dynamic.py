@@ -126,20 +126,13 @@ def run_maps_dynamic(
         }
         if chosen.excluded:
             tables["maps_excluded"] = pa.Table.from_pylist(chosen.excluded)
-        config = {
-            "where": cfg.where,
+        settings = ("where", "k", "multi_token", "min_pairs", "pairs", "source_token", "final_norm")
+        config = {k: getattr(cfg, k) for k in (*settings, "compare_first_mlp")} | {
             "relations": wanted,
-            "k": cfg.k,
             "k_policy": k_policy,
             "k_per_relation": ks,
-            "multi_token": cfg.multi_token,
-            "min_pairs": cfg.min_pairs,
-            "pairs": list(cfg.pairs),
             "excluded": [e["relation"] for e in chosen.excluded],
-            "source_token": cfg.source_token,
-            "final_norm": cfg.final_norm,
             "first_mlp": use_mlp,
-            "compare_first_mlp": cfg.compare_first_mlp,
         }
         out.tables += record_run(store, "maps-dynamic", config, tables, started=started, run_id=run_id).tables
     if cfg.figures:

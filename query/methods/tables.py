@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -164,32 +164,14 @@ def compute_metrics(
                         continue
                     s = summarise(vals[m], resamples, seed)
                     rows.append(
-                        {
-                            "method": r.method,
-                            "grouping": grouping,
-                            "group": g,
-                            "metric": name,
-                            "n": s.n,
-                            "value": s.value,
-                            "low": s.low,
-                            "high": s.high,
-                        }
+                        {"method": r.method, "grouping": grouping, "group": g, "metric": name, **asdict(s)}
                     )
     pair_rows: list[dict[str, Any]] = []
 
     def add(
         a: str, b: str, metric: str, s: Summary, paper: float | None, ch: ChanceFigure | None = None
     ) -> None:
-        row: dict[str, Any] = {
-            "method_a": a,
-            "method_b": b,
-            "metric": metric,
-            "n": s.n,
-            "value": s.value,
-            "low": s.low,
-            "high": s.high,
-            "paper": paper,
-        }
+        row: dict[str, Any] = {"method_a": a, "method_b": b, "metric": metric, **asdict(s), "paper": paper}
         row.update(ch.columns() if ch is not None else dict.fromkeys(CHANCE_COLUMNS))
         pair_rows.append(row)
 
@@ -259,17 +241,7 @@ def cross_size_rows(
         s = summarise(v, resamples, seed)
         q25, q75 = (float(np.quantile(v, 0.25)), float(np.quantile(v, 0.75))) if v.size else (np.nan, np.nan)
         rows.append(
-            {
-                "model": model,
-                "n_layers": n_layers,
-                "metric": metric,
-                "n": s.n,
-                "value": s.value,
-                "low": s.low,
-                "high": s.high,
-                "q25": q25,
-                "q75": q75,
-            }
+            {"model": model, "n_layers": n_layers, "metric": metric, **asdict(s), "q25": q25, "q75": q75}
         )
 
     if subject_site is not None:
