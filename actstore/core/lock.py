@@ -30,16 +30,13 @@ from typing import NoReturn
 
 from actstore.core.errors import StorageError, StoreLockedError
 from actstore.core.lock_holder import Holder
+from actstore.core.progress import say_nothing
 from actstore.core.storage import locate
 from actstore.core.storage.base import StoreLocation
 
 LOCK_NAME = ".actstore-writer.lock"
 LOCK_ENV = "ACTSTORE_WRITER_LOCK"  # token of the lock a launcher holds for its ranks
 _MAX_RECORD = 64 * 1024
-
-
-def _log_nothing(message: str) -> None:
-    pass
 
 
 def held_message(loc: StoreLocation, holder: Holder | None) -> str:
@@ -123,7 +120,7 @@ def active_writer(url: str | os.PathLike[str] | StoreLocation) -> str | None:
     """The one-line "being written by ..." message when a writer holds the lock on ``url`` now (a
     record left by a dead one does not count), else None; takes and creates nothing."""
     loc = url if isinstance(url, StoreLocation) else locate(url)
-    state, record = WriterLock(loc, "", _log_nothing)._slot.state()
+    state, record = WriterLock(loc, "", say_nothing)._slot.state()
     if state == "free":
         return None
     holder = None if record is None else Holder.from_json(record)
@@ -135,7 +132,7 @@ def active_writer(url: str | os.PathLike[str] | StoreLocation) -> str | None:
 def read_holder(url: str | os.PathLike[str] | StoreLocation) -> Holder | None:
     """The record of the lock on ``url`` (None when there is none or it is unreadable); takes nothing."""
     loc = url if isinstance(url, StoreLocation) else locate(url)
-    record = WriterLock(loc, "", _log_nothing)._slot.read()
+    record = WriterLock(loc, "", say_nothing)._slot.read()
     return None if record is None else Holder.from_json(record)
 
 
@@ -214,7 +211,7 @@ def writer_lock(
     url: str | os.PathLike[str] | StoreLocation,
     *,
     command: str = "actstore ingest",
-    log: Callable[[str], None] = _log_nothing,
+    log: Callable[[str], None] = say_nothing,
 ) -> Iterator[WriterLock | None]:
     """Hold the writer lock of a store for the ``with`` block (re-entrant within a thread).
 

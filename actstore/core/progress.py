@@ -67,3 +67,7 @@ def progress_callback(bar: Any) -> Callable[[int], None]:
         bar.update(n)
 
     return update
+
+
+def say_nothing(message: str) -> None:
+    """A log that drops its lines: the default ``log`` of a job or a lock."""

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from actstore.core.progress import progress_bar
+from actstore.core.progress import progress_bar, say_nothing
 from actstore.core.store import StoreReader, open_reader
 from actstore.jobs.correlate import CorrelateConfig, run_correlate
 from actstore.jobs.ingest import IngestRequest, run_ingest
@@ -43,16 +43,12 @@ from actstore.query.report.builder import write_report
 Step = Callable[[str], None]
 
 
-def _quiet(text: str) -> None:
-    """The default log of the steps: nothing."""
-
-
 @dataclass
 class DemoLog:
     """What ran, how long it took, and what was skipped and why."""
 
     step: Step
-    log: Step = _quiet  # the steps' detail lines
+    log: Step = say_nothing  # the steps' detail lines
     timings: dict[str, float] = field(default_factory=dict)  # wall-clock seconds per step
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per step (all threads)
     notes: list[str] = field(default_factory=list)
@@ -85,7 +81,7 @@ def probe_step(
     kind: str,
     episodes: int,
     token_scores: str,
-    log: Step = _quiet,
+    log: Step = say_nothing,
     progress: bool = True,
 ) -> dict[str, Any]:
 
@@ -146,7 +142,7 @@ def maps_step(
     proj: Any,
     k: int = 10,
     threshold: float = 0.15,
-    log: Step = _quiet,
+    log: Step = say_nothing,
     progress: bool = True,
 ) -> dict[str, Any]:
 
@@ -180,7 +176,7 @@ def maps_step(
 
 
 def maps_dynamic_step(
-    store: StoreReader, proj: Any, relations: list[str], k: int = 10, log: Step = _quiet
+    store: StoreReader, proj: Any, relations: list[str], k: int = 10, log: Step = say_nothing
 ) -> dict[str, Any]:
 
     started = time.time()
@@ -216,11 +212,11 @@ def run_demo_analyses(
     *,
     out: str,
     episodes: int = DEMO_EPISODES,
-    step: Step = _quiet,
+    step: Step = say_nothing,
     probe_kinds: tuple[str, ...] = ("attn_head", "attn"),
     dynamic_relations: int = 1,
     budget_s: float = 300.0,
-    log: Step = _quiet,
+    log: Step = say_nothing,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the demo's analyses over ``store``, write ``out/report.html``; return a summary dict
@@ -297,7 +293,7 @@ def run_demo_analyses(
 
 
 def run_demo(
-    cfg: DemoConfig, *, step: Step = _quiet, log: Step = _quiet, progress: bool = False
+    cfg: DemoConfig, *, step: Step = say_nothing, log: Step = say_nothing, progress: bool = False
 ) -> dict[str, Any]:
     """Ingest the demo corpus into ``cfg.out/store`` (resuming a store already there), run the analyses
     (:func:`actstore.jobs.demo.run_demo_analyses`) and write ``cfg.out/summary.json``; return the summary.

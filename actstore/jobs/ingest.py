@@ -17,6 +17,7 @@ from actstore.core.dependencies import transformers_logging
 from actstore.core.errors import InvalidSetting, StoreExistsError, StoreLockedError
 from actstore.core.lock import LOCK_ENV, active_writer
 from actstore.core.ownership import check_root
+from actstore.core.progress import say_nothing
 from actstore.core.storage import locate
 from actstore.core.storage.base import StoreLocation
 from actstore.core.writer import creation_interrupted
@@ -53,11 +54,7 @@ def _dataset_options(req: IngestRequest) -> dict[str, object]:
     return {k: getattr(req, k) for k in keys}
 
 
-def _log_nothing(message: str) -> None:
-    pass
-
-
-def run_ingest(req: IngestRequest, log: Callable[[str], None] = _log_nothing) -> IngestReport:
+def run_ingest(req: IngestRequest, log: Callable[[str], None] = say_nothing) -> IngestReport:
     """Ingest ``req.dataset`` with ``req.model`` into ``req.out``; torch's thread count is restored after."""
     old = torch.get_num_threads()
     if req.threads > 0:

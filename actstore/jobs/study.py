@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.core.errors import MethodsError
+from actstore.core.progress import say_nothing
 from actstore.core.store import StoreReader
 from actstore.interventions.settings import PatchConfig, TraceConfig
 from actstore.jobs.patch import PatchRequest, run_patch
@@ -60,10 +61,6 @@ class StudyOutcome:
     summary: str | None = None
 
 
-def _quiet(message: str) -> None:
-    pass
-
-
 def _count(store: StoreReader, where: str) -> int:
     sql = f"SELECT count(*) AS n FROM examples JOIN targets USING (example_id) WHERE {where}"
     return int(store.sql(sql).column("n")[0].as_py())
@@ -84,7 +81,7 @@ def study_order(store: StoreReader, seed: int, all_facts: bool) -> tuple[list[in
 def run_study(store: StoreReader, cfg: StudyRunConfig, log: Log | None = None) -> StudyOutcome:
     """Trace, patch, intervene and measure as the module docstring says, the state saved after each
     run; with ``trace_only`` stop after tracing."""
-    say = log or _quiet
+    say = log or say_nothing
     state_path = Path(cfg.state)
     state = load_state(state_path)
     state.setdefault("started", time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -214,7 +211,7 @@ def merge_states(store: StoreReader, cfg: StudyMergeConfig, log: Log | None = No
         state["trace_runs"] = list(state["trace_runs"]) + list(o["trace_runs"])
         state["trace_seconds"] = float(state.get("trace_seconds", 0.0)) + float(o.get("trace_seconds", 0.0))
     save_state(state_path, state)
-    (log or _quiet)(
+    (log or say_nothing)(
         f"{cfg.state}: {len(state['traced'])} traced facts in {len(state['trace_runs'])} trace runs"
     )
     return state
