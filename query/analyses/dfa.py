@@ -170,65 +170,119 @@ class RowScores:
     mlp: np.ndarray
 
 
+@dataclass(frozen=True)
+class _Projections:
+    """``u`` through the weights the scores need, for layers ``L``: ``pg`` [l, H_kv, G, dh] (``W_O,h u``
+    by key/value head and its group), ``q`` [m, d_mlp] (``W_down u``) and ``b`` [m] (``b_down . u``)
+    at the layers ``mlp_at`` (indices into ``L``) whose MLP the store kept."""
+
+    layers: tuple[int, ...]
+    K: int
+    pg: torch.Tensor
+    mlp_at: tuple[int, ...]
+    q: torch.Tensor
+    b: torch.Tensor
+
+
+_PROJECTIONS: dict[tuple[int, bytes, tuple[int, ...]], tuple[Any, _Projections]] = {}
+
+
+def _projections(store: StoreReader, u: np.ndarray, layers: Sequence[int] | None) -> _Projections:
+    """The projections of ``u`` (see :class:`_Projections`), kept for the last few (store, ``u``,
+    layers): a page asking one position after another projects ``W_O`` and ``W_down`` once."""
+    g = store.geometry
+    kept = store.manifest.ingest.get("kept") or {}
+    L = tuple(kept.get("z") or []) if layers is None else tuple(int(x) for x in layers)
+    K = require_sources(store, list(L))
+    uu = np.ascontiguousarray(u, dtype=np.float32)
+    W = weights(store)
+    key = (id(W), uu.tobytes(), L)
+    hit = _PROJECTIONS.get(key)
+    if hit is not None and hit[0] is W:
+        return hit[1]
+    ut = torch.from_numpy(uu)
+    p = torch.einsum("lhde,e->lhd", W.layers("W_O", list(L)), ut)  # [l, H, dh]
+    have = tuple(i for i, x in enumerate(L) if x in (kept.get("mlp") or []))
+    ml = [L[i] for i in have]
+    q = torch.einsum("lme,e->lm", W.layers("W_down", ml), ut) if ml else torch.zeros((0, g.d_mlp))
+    bias = W.layers("b_down", ml) @ ut if ml else torch.zeros(0)
+    proj = _Projections(L, K, p.reshape(len(L), g.n_kv_heads, g.kv_group, g.d_head), have, q, bias)
+    while len(_PROJECTIONS) >= 8:
+        _PROJECTIONS.pop(next(iter(_PROJECTIONS)))
+    _PROJECTIONS[key] = (W, proj)  # (the cache is held, so its id is not reused while here)
+    return proj
+
+
+def _block_scores(
+    store: StoreReader, rows: np.ndarray, proj: _Projections
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+    """The scores of ``rows`` in the stored layout: ``score`` [n, K, l, H] (0 in an empty slot),
+    ``a`` the stored ``attn`` entries [n, 2K, l, H] (weights, then row offsets), ``rem`` [n, l, H]
+    and ``mlp`` [n, l] (NaN where the MLP is not kept).  One flat gather of ``V . p`` per term."""
+    g = store.geometry
+    L, K = list(proj.layers), proj.K
+    nl, H = len(L), g.n_heads
+    a = torch.from_numpy(read_rows(store, "attn", rows, L, per=2 * K))  # [n, 2K, l, H]
+    weight = a[:, :K]
+    z = torch.from_numpy(read_rows(store, "z", rows, L)[:, 0])  # [n, l, H, dh]
+    p = proj.pg.reshape(nl, H, g.d_head)
+    zp = torch.einsum("nlhd,lhd->nlh", z, p)  # [n, l, H]
+    offset = a[:, K:]  # exact integers in the storage dtype, 0 in an empty slot
+    max_offset = int(offset.max()) if offset.numel() else 0
+    used, base = _source_rows(rows, max_offset, weight, offset)
+    V = torch.from_numpy(read_rows(store, "v", used, L)[:, 0])  # [u, l, Hkv, dh]
+    # V . p per (source row, layer, head), each kv head against its group of query heads
+    vp = torch.einsum("ulkd,lkgd->ulkg", V, proj.pg).reshape(-1)  # [u * l * H]
+    wide = torch.int64 if used.size * nl * H >= 2**31 else torch.int32
+    lh = torch.arange(nl * H, dtype=wide).view(1, 1, nl, H)
+    idx = base.to(wide).mul_(nl * H).add_(lh)  # [n, K, l, H]; an empty slot points at a real row
+    score = weight * vp[idx]  # (weight 0 in an empty slot: score 0)
+    rem = zp - score.sum(1)
+    mlp = np.full((rows.size, nl), np.nan, dtype=np.float32)
+    if proj.mlp_at:
+        ml = [L[i] for i in proj.mlp_at]
+        act = torch.from_numpy(read_rows(store, "mlp", rows, ml)[:, 0])  # [n, m, d_mlp]
+        mlp[:, list(proj.mlp_at)] = (torch.einsum("nmd,md->nm", act, proj.q) + proj.b).numpy()
+    return score, a, rem, mlp
+
+
 def dfa_rows(
     store: StoreReader, rows: Sequence[int] | np.ndarray, u: np.ndarray, layers: Sequence[int] | None = None
 ) -> RowScores:
     """``u``'s share of every kept source, remainder and MLP at ``rows`` (global store rows)."""
-    g = store.geometry
-    kept = store.manifest.ingest.get("kept") or {}
-    L = list(kept.get("z") or []) if layers is None else [int(x) for x in layers]
-    K = require_sources(store, L)
-    rows = np.array(rows, dtype=np.int64).reshape(-1)  # a copy: from_numpy warns on read-only (Arrow) arrays
-    uu = torch.from_numpy(np.asarray(u, dtype=np.float32))
-    W = weights(store)
-    p = torch.einsum("lhde,e->lhd", W.layers("W_O", L), uu).numpy()  # [l, H, dh]
-    # everything in the stored layout [n, K, l, H] (contiguous), turned to [n, l, H, K] once at the end
-    a = torch.from_numpy(read_rows(store, "attn", rows, L, per=2 * K))  # [n, 2K, l, H]
+    proj = _projections(store, u, layers)
+    rows = np.array(rows, dtype=np.int64).reshape(-1)  # (writable: torch views it)
+    score, a, rem, mlp = _block_scores(store, rows, proj)
+    K = proj.K
     weight = a[:, :K]
-    valid = weight > 0
-    offset = a[:, K:].to(torch.int64)  # (exact integers in the storage dtype; 0 in an empty slot)
-    z = torch.from_numpy(read_rows(store, "z", rows, L)[:, 0])  # [n, l, H, dh]
-    pt = torch.from_numpy(p)
-    zp = torch.einsum("nlhd,lhd->nlh", z, pt)  # [n, l, H]
-    score = torch.zeros(weight.shape, dtype=torch.float32)
-    rows_t = torch.from_numpy(rows)[:, None, None, None]
-    if bool(valid.any()):
-        used, at = _source_rows(rows_t - offset, valid, rows, int(offset.max()))
-        V = torch.from_numpy(read_rows(store, "v", used, L)[:, 0])  # [u, l, Hkv, dh]
-        # V . p per (source row, layer, head), each kv head against its group of query heads
-        pg = pt.view(len(L), g.n_kv_heads, g.kv_group, g.d_head)
-        vp = torch.einsum("ulkd,lkgd->ulkg", V, pg).reshape(-1)  # [u * l * H]
-        lh = torch.arange(len(L) * g.n_heads).view(1, 1, len(L), g.n_heads)
-        got = vp[at.mul_(len(L) * g.n_heads).add_(lh)]  # [n, K, l, H]
-        score = torch.where(valid, weight * got, 0.0)
-    src = torch.where(valid, rows_t - offset, -1)
-    score, src = score.permute(0, 2, 3, 1).contiguous(), src.permute(0, 2, 3, 1).contiguous()
-    rem = (zp - score.sum(-1)).numpy()
-    mlp = np.full((rows.size, len(L)), np.nan, dtype=np.float32)
-    have = [i for i, x in enumerate(L) if x in (kept.get("mlp") or [])]
-    if have:
-        ml = [L[i] for i in have]
-        act = torch.from_numpy(read_rows(store, "mlp", rows, ml)[:, 0])  # [n, m, d_mlp]
-        q = torch.einsum("lme,e->lm", W.layers("W_down", ml), uu)
-        b = W.layers("b_down", ml) @ uu
-        mlp[:, have] = ((act * q).sum(-1) + b).numpy()
-    return RowScores(rows, tuple(L), score.numpy(), src.numpy(), rem.astype(np.float32), mlp)
+    src = torch.where(weight > 0, torch.from_numpy(rows)[:, None, None, None] - a[:, K:].to(torch.int64), -1)
+    return RowScores(
+        rows,
+        proj.layers,
+        score.permute(0, 2, 3, 1).contiguous().numpy(),
+        src.permute(0, 2, 3, 1).contiguous().numpy(),
+        rem.numpy().astype(np.float32, copy=False),
+        mlp,
+    )
 
 
 def _source_rows(
-    src: torch.Tensor, valid: torch.Tensor, rows: np.ndarray, max_offset: int
+    rows: np.ndarray, max_offset: int, weight: torch.Tensor, offset: torch.Tensor
 ) -> tuple[np.ndarray, torch.Tensor]:
-    """The store rows whose ``V`` the kept sources ``src`` (``valid`` marks them) need, and each
-    slot's index among them (0 in an empty slot).  A source lies at most ``max_offset`` rows before
-    its target, so for a block of consecutive rows the sources span the block and at most one window
-    before it: that range is read whole (no sort of every source); a scattered selection reads its
-    distinct sources only."""
+    """The store rows whose ``V`` the kept sources need, and each slot's index among them (an empty
+    slot's points at some row read anyway; its weight is 0).  A source lies at most ``max_offset``
+    rows before its target, so for a block of consecutive rows the sources span the block and at
+    most one window before it: that range is read whole (no sort of every source); a scattered
+    selection reads its distinct sources only."""
     lo, hi = max(0, int(rows.min()) - max_offset), int(rows.max())
+    src = torch.from_numpy(rows)[:, None, None, None] - offset.to(torch.int64)  # [n, K, l, H]
     if hi - lo + 1 <= 2 * rows.size + max_offset:
-        return np.arange(lo, hi + 1, dtype=np.int64), torch.where(valid, src - lo, 0)
-    used = np.unique(src[valid].numpy())
-    at = torch.from_numpy(np.searchsorted(used, np.maximum(src.numpy(), 0)))
-    return used, torch.where(valid, at, 0)
+        return np.arange(lo, hi + 1, dtype=np.int64), src.sub_(lo)
+    used = np.unique(src[weight > 0].numpy())
+    if not used.size:
+        used = rows[:1]
+    at = np.searchsorted(used, src.numpy()).clip(max=used.size - 1)
+    return used, torch.from_numpy(at)
 
 
 @dataclass(frozen=True)
@@ -254,26 +308,27 @@ def dfa_top(
         raise QueryError("dfa: k must be 1 or more")
     best_s = np.zeros(0, np.float32)
     best = np.zeros((0, 5), np.int64)  # row, layer, head, slot, source row
-    head_src: np.ndarray | None = None
-    head_rem = mlp_tot = np.zeros(0)
-    Ls: tuple[int, ...] = ()
+    rows = np.array(rows, dtype=np.int64).reshape(-1)  # (writable: torch views it)
+    proj = _projections(store, u, layers)  # once for the whole selection
+    Ls = proj.layers
+    K = proj.K
+    head_src = np.zeros((len(Ls), store.geometry.n_heads), np.float64)
+    head_rem = np.zeros_like(head_src)
+    mlp_tot = np.zeros(len(Ls), np.float64)
     for i in range(0, len(rows), batch_rows):
-        r = dfa_rows(store, rows[i : i + batch_rows], u, layers)
-        Ls = r.layers
-        if head_src is None:
-            head_src = np.zeros(r.remainder.shape[1:], np.float64)
-            head_rem = np.zeros_like(head_src)
-            mlp_tot = np.zeros(r.mlp.shape[1], np.float64)
-        head_src += r.source.sum((0, 3))
-        head_rem += r.remainder.sum(0)
-        mlp_tot += r.mlp.sum(0)
-        flat = r.source.reshape(-1)
-        m = min(k, flat.size)
-        pick = torch.topk(torch.from_numpy(flat).abs(), m, sorted=False).indices.numpy()
-        n, nl, nh, nk = r.source.shape
-        ri, li, hi, ki = np.unravel_index(pick, (n, nl, nh, nk))
-        cand = np.stack([r.rows[ri], np.asarray(Ls)[li], hi, ki, r.source_row[ri, li, hi, ki]], 1)
-        best_s = np.concatenate([best_s, flat[pick]])
+        block = rows[i : i + batch_rows]
+        score, a, rem, mlp = _block_scores(store, block, proj)  # score [n, K, l, H]
+        head_src += score.sum((0, 1)).numpy()
+        head_rem += rem.sum(0).numpy()
+        mlp_tot += mlp.sum(0)
+        flat = score.reshape(-1)
+        m = min(k, flat.numel())
+        pick = torch.topk(flat.abs(), m, sorted=False).indices.numpy()
+        ri, ki, li, hi = np.unravel_index(pick, tuple(score.shape))
+        w = a[ri, ki, li, hi].numpy()
+        src = np.where(w > 0, block[ri] - a[ri, K + ki, li, hi].numpy().astype(np.int64), -1)
+        cand = np.stack([block[ri], np.asarray(Ls)[li], hi, ki, src], 1)
+        best_s = np.concatenate([best_s, flat.numpy()[pick]])
         best = np.concatenate([best, cand])
         keep = np.argsort(-np.abs(best_s), kind="stable")[:k]
         best_s, best = best_s[keep], best[keep]
@@ -291,7 +346,7 @@ def dfa_top(
     lay: list[int] = []
     head: list[int] = []
     val: list[float] = []
-    if head_src is not None:
+    if len(rows):
         for at, layer in enumerate(Ls):
             for h in range(head_src.shape[1]):
                 parts += ["sources", "remainder"]
