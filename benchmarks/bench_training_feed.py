@@ -86,9 +86,11 @@ def main() -> None:
         def feed() -> Any:
             return sel.loader("resid", layers=[1], batch_size=a.batch, epochs=None, flatten=True, seed=0)
 
-        # the same rows and batches, in memory
+        # the same rows and batches, in memory (SAETrainer counts samples: an epoch's last batch is short,
+        # so it takes one batch more per epoch boundary)
+        extra = a.steps + a.steps * a.batch // n + 2
         f = feed()
-        mem = [x for _, x in zip(range(a.steps + 1), f)]
+        mem = [x for _, x in zip(range(extra), f)]
         with quiet():
             ds = sel.to_hf_dataset(t / "hf-feed", "resid", layers=[1], context_size=a.context)
         col = next(c for c in ds.column_names if c != "token_ids")
@@ -102,7 +104,7 @@ def main() -> None:
                 for k in range(0, x.shape[0] - per * a.context + 1, per * a.context):
                     yield torch.from_numpy(x[k : k + per * a.context]).float()
 
-        mem_export = [x for _, x in zip(range(a.steps + 1), export_feed())]
+        mem_export = [x for _, x in zip(range(extra), export_feed())]
 
         from dictionary_learning import AutoEncoder
         from dictionary_learning.trainers import StandardTrainer

@@ -85,6 +85,9 @@ def read_source(paths: Sequence[str]) -> tuple[Any, Any]:
     return data, data.pop("tokens")
 
 
+# Rows per chunk file of an import's arrays (the ingest's 32 made a file of a few KB per layer chunk:
+# creating the files cost more than writing their bytes); a read of a few rows reads 256-row chunks.
+IMPORT_CHUNK_ROWS = 256
 SEGMENT_BYTES = 16 << 20  # stored residual bytes a segment, about: one commit (marker, tables, digests) each
 
 
@@ -144,6 +147,7 @@ def write_corpus(
         batch_size=1,
         storage_dtype=storage_dtype,
         segment_size=segment_size,
+        chunk_rows=min(IMPORT_CHUNK_ROWS, segment_size),
         resume=resume,
         overwrite=overwrite,
         progress=False,
