@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,8 +15,11 @@ import pytest
 import torch
 from helpers import BuildCache, build_store
 
-# The shared weights cache of every store the tests write (and of the commands they run): never the user's.
-os.environ.setdefault("ACTSTORE_WEIGHTS_DIR", tempfile.mkdtemp(prefix="actstore-test-weights-"))
+# The shared weights cache of every store the tests write (and of the commands they run): never the user's,
+# and removed when the session ends (a SmolLM2 copy is 273 MB).
+if not os.environ.get("ACTSTORE_WEIGHTS_DIR"):
+    os.environ["ACTSTORE_WEIGHTS_DIR"] = tempfile.mkdtemp(prefix="actstore-test-weights-")
+    atexit.register(shutil.rmtree, os.environ["ACTSTORE_WEIGHTS_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
