@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -159,6 +160,48 @@ def threads_option(fn: F) -> F:
     return click.option(
         "--threads", type=click.IntRange(min=0), default=DEFAULT_THREADS, show_default=True, help=THREADS_HELP
     )(wrapper)  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What every command that runs a job takes alike (:func:`run_options`): ``--no-save``, ``--quiet``
+    and ``--json``."""
+
+    save: bool
+    quiet: bool
+    as_json: bool
+
+    @property
+    def progress(self) -> bool:
+        """Whether to show progress bars (:func:`actstore.core.progress.progress_wanted`)."""
+        from actstore.core.progress import progress_wanted
+
+        return progress_wanted(self.quiet)
+
+    def lines(self) -> Callable[[str], None] | None:
+        """The progress lines' callback (:func:`progress_lines`)."""
+        return progress_lines(self.quiet, self.as_json)
+
+
+def run_options(fn: F) -> F:
+    """``--no-save``, ``--quiet`` and ``--json``, given to the command as one argument ``run``
+    (:class:`Run`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, no_save: bool, quiet: bool, as_json: bool, **kwargs: Any) -> Any:
+        return fn(*args, run=Run(save=not no_save, quiet=quiet, as_json=as_json), **kwargs)
+
+    return no_save_option(quiet_option(json_option(wrapper)))  # type: ignore[return-value]
+
+
+def job(name: str | None = None, *, example: str) -> Callable[[Callable[..., Any]], click.Command]:
+    """The head of a command that runs a job on a store: :func:`command`, ``--threads``
+    (:func:`threads_option`) and STORE (:func:`store_argument`)."""
+
+    def deco(fn: Callable[..., Any]) -> click.Command:
+        return command(name, example=example)(store_argument(threads_option(fn)))
+
+    return deco
 
 
 def no_save_option(fn: F) -> F:

@@ -97,15 +97,27 @@ def _group_rows(d: dict[str, Any], rows: list[dict[str, Any]], grouping: str, mo
     return lines
 
 
+def _table_head(title: str, columns: str) -> list[str]:
+    """A table's title and header lines; ``columns``: its column names, ``|`` between them."""
+    n = columns.count("|") + 1
+    return [f"\n#### {title}\n", f"| {columns} |", "|" + "---|" * n]
+
+
+def _by_pair(rows: list[dict[str, Any]], metric_prefix: str = "") -> dict[tuple[str, str], dict[str, Any]]:
+    """(method a, method b) -> metric -> its row, of the rows whose metric starts with ``metric_prefix``."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        if r["metric"].startswith(metric_prefix):
+            out.setdefault((r["method_a"], r["method_b"]), {})[r["metric"]] = r
+    return out
+
+
 def _pair_rows(d: dict[str, Any], mode: str) -> list[str]:
-    lines = [f"\n#### Pairs ({mode})\n"]
-    lines.append(
-        "| methods | facts | key layer | ACL 2025 | exact | MLP/attn | ACL 2025 | effect r | ACL 2025 |"
+    lines = _table_head(
+        f"Pairs ({mode})",
+        "methods | facts | key layer | ACL 2025 | exact | MLP/attn | ACL 2025 | effect r | ACL 2025",
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
-    pairs: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in d[mode]["pairs"]:
-        pairs.setdefault((r["method_a"], r["method_b"]), {})[r["metric"]] = r
+    pairs = _by_pair(d[mode]["pairs"])
     for (x, y), got in pairs.items():
         if x == "all":
             c = got["consensus"]
@@ -176,15 +188,11 @@ def _kappa(r: dict[str, Any]) -> str:
 
 
 def _effect_rows(blk: dict[str, Any], subset: str, mode: str) -> list[str]:
-    lines = [f"\n#### Effect correlations ({subset}, {mode})\n"]
-    lines.append(
-        "| methods | raw r [95%] | relative r [95%] | log-odds r [95%] | partial r given p_clean [95%] | facts |"
+    lines = _table_head(
+        f"Effect correlations ({subset}, {mode})",
+        "methods | raw r [95%] | relative r [95%] | log-odds r [95%] | partial r given p_clean [95%] | facts",
     )
-    lines.append("|---|---|---|---|---|---|")
-    got: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in blk[mode]["pairs"]:
-        if r["metric"].startswith("effect_"):
-            got.setdefault((r["method_a"], r["method_b"]), {})[r["metric"]] = r
+    got = _by_pair(blk[mode]["pairs"], "effect_")
     for (x, y), m in got.items():
         cells = []
         for k in (

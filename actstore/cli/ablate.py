@@ -8,17 +8,7 @@ from typing import Any
 import click
 
 from actstore.cli._config import config_from, options_from
-from actstore.cli._options import (
-    check_where,
-    command,
-    json_option,
-    no_save_option,
-    open_store_arg,
-    quiet_option,
-    store_argument,
-    threads_option,
-    where_option,
-)
+from actstore.cli._options import Run, check_where, job, open_store_arg, run_options, where_option
 from actstore.jobs.settings import AblateRequest  # torch-free: the help imports it
 from actstore.query.maps.settings import AblationConfig
 
@@ -31,24 +21,18 @@ def _stderr(quiet: bool) -> Any:
     return None if quiet else (lambda m: click.echo(m, err=True))
 
 
-@command(example="actstore ablate /tmp/s --relation country_capital --pairs maps/ --random-draws 5")
-@threads_option
-@store_argument
+@job(example="actstore ablate /tmp/s --relation country_capital --pairs maps/ --random-draws 5")
 @options_from(AblateRequest, first=("relation",))
 @click.option("--no-controls", is_flag=True, help="Skip control relations.")
 @click.option("--heads", "heads_text", default=None, help="Remove these heads instead (LAYER.HEAD list).")
 @where_option
-@no_save_option
-@quiet_option
-@json_option
+@run_options
 def ablate(
     store: str,
     no_controls: bool,
     heads_text: str | None,
     where: str | None,
-    no_save: bool,
-    quiet: bool,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Accuracy on RELATION's prompts with no ablation, with its MAPS heads removed, with as many
@@ -59,9 +43,9 @@ def ablate(
     check_where(s, where)
     no_control: dict[str, Any] = {"controls": ()} if no_controls else {}  # () skips them; None chooses
     cfg = config_from(AblationConfig, given, heads=parse_heads_text(heads_text, s), where=where, **no_control)
-    req = config_from(AblateRequest, given, ablation=cfg, save=not no_save, quiet=quiet)
-    out = run_ablate(s, req, log=_stderr(quiet))
-    if as_json:
+    req = config_from(AblateRequest, given, ablation=cfg, save=run.save, quiet=run.quiet)
+    out = run_ablate(s, req, log=_stderr(run.quiet))
+    if run.as_json:
         click.echo(
             json.dumps(
                 {

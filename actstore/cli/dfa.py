@@ -9,35 +9,24 @@ from typing import Any
 import click
 
 from actstore.cli._config import config_from, options_from
-from actstore.cli._options import (
-    command,
-    json_option,
-    no_save_option,
-    open_store_arg,
-    store_argument,
-    threads_option,
-    where_option,
-)
+from actstore.cli._options import Run, job, open_store_arg, run_options, where_option
 from actstore.jobs.settings import DfaConfig
 
 
-@command(example="actstore dfa /tmp/s --direction token:42 --k 20")
-@threads_option
-@store_argument
+@job(example="actstore dfa /tmp/s --direction token:42 --k 20")
 @options_from(DfaConfig)
 @where_option
-@no_save_option
-@json_option
-def dfa(store: str, where: str | None, no_save: bool, as_json: bool, **given: Any) -> None:
+@run_options
+def dfa(store: str, where: str | None, run: Run, **given: Any) -> None:
     """Top-k source terms of a direction's direct attribution and per-head totals, stored as the
     dfa_terms and dfa_totals tables."""
     from actstore.jobs.dfa import run_dfa
 
-    cfg = config_from(DfaConfig, given, where=where, save=not no_save)
+    cfg = config_from(DfaConfig, given, where=where, save=run.save)
     s = open_store_arg(store)
     out = run_dfa(s, cfg)
     terms = out.result.terms.to_pylist()
-    if as_json:
+    if run.as_json:
         click.echo(json.dumps({"run_id": out.run_id, "rows": out.rows, "terms": terms}))
         return
     click.echo(f"{cfg.direction}: top {len(terms)} terms over {out.rows} positions")

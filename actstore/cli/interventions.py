@@ -10,54 +10,44 @@ import click
 
 from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
+    Run,
     check_where,
-    command,
     figures_option,
-    json_option,
-    no_save_option,
+    job,
     open_store_arg,
-    quiet_option,
-    store_argument,
-    threads_option,
+    run_options,
     where_option,
 )
 from actstore.jobs.settings import PatchRequest, TraceRequest  # torch-free: the help imports it
 
 
 # ----------------------------------------------------------------------------------- trace
-@command(example="actstore trace /tmp/s --limit 20 --samples 3 --figures figs")
-@threads_option
-@store_argument
+@job(example="actstore trace /tmp/s --limit 20 --samples 3 --figures figs")
 @where_option
 @options_from(TraceRequest)
 @figures_option(help="Folder for ROME-style heatmaps (PNG).")
-@no_save_option
-@quiet_option
-@json_option
+@run_options
 def trace(
     store: str,
     where: str | None,
     figures: str | None,
-    no_save: bool,
-    quiet: bool,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Causal tracing: noise on the subject, restore clean states per layer and position, measure P(object)."""
     import numpy as np
 
-    from actstore.core.progress import progress_wanted
     from actstore.jobs.trace import run_trace
 
     s = open_store_arg(store)
     check_where(s, where)
     req = config_from(
-        TraceRequest, given, where=where, figures=figures, save=not no_save, quiet=not progress_wanted(quiet)
+        TraceRequest, given, where=where, figures=figures, save=run.save, quiet=not run.progress
     )
     cfg = req.trace
     out = run_trace(s, req)
     rate = 60 * len(out.results) / out.seconds if out.seconds > 0 else None
-    if as_json:
+    if run.as_json:
         click.echo(
             json.dumps(
                 {
@@ -104,9 +94,7 @@ def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
         raise click.BadParameter(e.detail) from None
 
 
-@command(example="actstore patch /tmp/s --pair 0:1 --pair 5:8 --json")
-@threads_option
-@store_argument
+@job(example="actstore patch /tmp/s --pair 0:1 --pair 5:8 --json")
 @where_option
 @click.option(
     "--pair",
@@ -116,32 +104,25 @@ def _pairs(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
     help="CLEAN_ID:COUNTERFACTUAL_ID (repeatable) instead of choosing counterfactuals.",
 )
 @options_from(PatchRequest)
-@no_save_option
-@quiet_option
-@json_option
+@run_options
 def patch(
     store: str,
     where: str | None,
     pairs: tuple[tuple[int, int], ...],
-    no_save: bool,
-    quiet: bool,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Activation patching: clean activations into a counterfactual prompt of the same relation;
     logit-difference recovery per layer (attention, MLP, residual) and per head."""
     import numpy as np
 
-    from actstore.core.progress import progress_wanted
     from actstore.jobs.patch import run_patch
 
     s = open_store_arg(store)
     check_where(s, where)
-    req = config_from(
-        PatchRequest, given, where=where, pairs=pairs, save=not no_save, quiet=not progress_wanted(quiet)
-    )
+    req = config_from(PatchRequest, given, where=where, pairs=pairs, save=run.save, quiet=not run.progress)
     out = run_patch(s, req)
-    if as_json:
+    if run.as_json:
         click.echo(
             json.dumps(
                 {

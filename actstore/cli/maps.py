@@ -12,17 +12,13 @@ import click
 
 from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
+    Run,
     check_where,
-    command,
     figures_option,
-    json_option,
+    job,
     model_option,
-    no_save_option,
     open_store_arg,
-    progress_lines,
-    quiet_option,
-    store_argument,
-    threads_option,
+    run_options,
     where_option,
 )
 from actstore.jobs.settings import MapsDynamicConfig, MapsRunConfig  # torch-free: the help imports it
@@ -52,9 +48,7 @@ def _tokenizer(s: Any, name: str | None) -> Callable[[], Any]:
     return load
 
 
-@command("maps", example="actstore maps /tmp/s --pairs maps/ --relations country_capital --figures figs")
-@threads_option
-@store_argument
+@job("maps", example="actstore maps /tmp/s --pairs maps/ --relations country_capital --figures figs")
 @options_from(MapsRunConfig)
 @click.option(
     "--first-mlp/--no-first-mlp",
@@ -66,26 +60,21 @@ def _tokenizer(s: Any, name: str | None) -> Callable[[], Any]:
 )
 @model_option(FIRST_MLP_MODEL_HELP)
 @figures_option(help="Folder for a layer x head PNG per relation.")
-@no_save_option
-@quiet_option
-@json_option
+@run_options
 def maps(
     store: str,
     first_mlp: bool | None,
     model: str | None,
     figures: str | None,
-    no_save: bool,
-    quiet: bool,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Static MAPS scores of every head for each relation in --pairs, from STORE's weights."""
-    from actstore.core.progress import progress_wanted
     from actstore.jobs.maps import k_groups, run_maps, top_heads_text
     from actstore.query.maps.pairs import excluded_line
 
     s = open_store_arg(store)
-    cfg = config_from(MapsRunConfig, given, first_mlp=first_mlp, save=not no_save, figures=figures)
+    cfg = config_from(MapsRunConfig, given, first_mlp=first_mlp, save=run.save, figures=figures)
     k, threshold, multi_token, tokenizer, min_pairs = (
         cfg.k,
         cfg.threshold,
@@ -93,10 +82,8 @@ def maps(
         cfg.tokenizer,
         cfg.min_pairs,
     )
-    out = run_maps(
-        s, cfg, _tokenizer(s, tokenizer), first_mlp=_first_mlp(s, model), progress=progress_wanted(quiet)
-    )
-    if as_json:
+    out = run_maps(s, cfg, _tokenizer(s, tokenizer), first_mlp=_first_mlp(s, model), progress=run.progress)
+    if run.as_json:
         click.echo(json.dumps(out.result))
         return
     g = s.geometry
@@ -130,19 +117,17 @@ def maps(
     if out.salient:
         click.echo(
             f"salient operations for {len(out.salient)} heads (table maps_salient)"
-            if not no_save
+            if run.save
             else f"salient operations for {len(out.salient)} heads"
         )
     for f in out.tables:
         click.echo(f"wrote {f}")
 
 
-@command(
+@job(
     "maps-dynamic",
     example="actstore maps-dynamic /tmp/s --where \"source = 'maps'\" --pairs maps/ --workers 2",
 )
-@threads_option
-@store_argument
 @where_option
 @options_from(MapsDynamicConfig, first=("relations", "k", "threshold", "multi_token", "min_pairs", "pairs"))
 @click.option(
@@ -154,8 +139,6 @@ def maps(
 )
 @model_option(FIRST_MLP_MODEL_HELP)
 @figures_option(help="Folder for the static and dynamic heatmaps.")
-@no_save_option
-@quiet_option
 @click.option(
     "--dask",
     "dask_address",
@@ -166,18 +149,16 @@ def maps(
 @click.option(
     "--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes."
 )
-@json_option
+@run_options
 def maps_dynamic(
     store: str,
     where: str | None,
     first_mlp: bool | None,
     model: str | None,
     figures: str | None,
-    no_save: bool,
-    quiet: bool,
     dask_address: str | None,
     workers: int | None,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Dynamic MAPS scores from STORE's head outputs, and their correlation with the static scores."""
@@ -187,7 +168,7 @@ def maps_dynamic(
     s = open_store_arg(store)
     check_where(s, where)
     cfg = config_from(
-        MapsDynamicConfig, given, where=where, first_mlp=first_mlp, save=not no_save, figures=figures
+        MapsDynamicConfig, given, where=where, first_mlp=first_mlp, save=run.save, figures=figures
     )
     k, multi_token, tokenizer, min_pairs = cfg.k, cfg.multi_token, cfg.tokenizer, cfg.min_pairs
     compare_first_mlp = cfg.compare_first_mlp
@@ -199,9 +180,9 @@ def maps_dynamic(
             _tokenizer(s, tokenizer),
             mlp,
             client=client,
-            log=progress_lines(quiet, as_json),
+            log=run.lines(),
         )
-    if as_json:
+    if run.as_json:
         click.echo(json.dumps(out.result))
         return
     static_src = (

@@ -13,16 +13,12 @@ import numpy as np
 
 from actstore.cli._config import config_from, options_from
 from actstore.cli._options import (
+    Run,
     check_where,
-    command,
     figures_option,
-    json_option,
-    no_save_option,
+    job,
     open_store_arg,
-    progress_lines,
-    quiet_option,
-    store_argument,
-    threads_option,
+    run_options,
     where_option,
 )
 from actstore.jobs.settings import AgreeConfig, CorpusLensConfig, LensRunConfig
@@ -55,24 +51,18 @@ def _training_progress(label: str, steps: int, started: float) -> Callable[[int,
 
 
 # ------------------------------------------------------------------------------------ lens
-@command(example="actstore lens /tmp/s --correct-only --tuned adam --figures figs")
-@threads_option
-@store_argument
+@job(example="actstore lens /tmp/s --correct-only --tuned adam --figures figs")
 @where_option
 @options_from(LensRunConfig)
 @click.option("--no-tuned", is_flag=True, help="Logit lens only, on every selected fact.")
 @figures_option(help="Folder for the lens curves (PNG).")
-@no_save_option
-@quiet_option
-@json_option
+@run_options
 def lens(
     store: str,
     where: str | None,
     no_tuned: bool,
     figures: str | None,
-    no_save: bool,
-    quiet: bool,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Logit lens and tuned lens from the stored residual stream: object probability and rank per layer."""
@@ -83,11 +73,11 @@ def lens(
     check_where(s, where)
     if no_tuned:
         given["tuned"] = None
-    cfg = config_from(LensRunConfig, given, where=where, save=not no_save, figures=figures)
+    cfg = config_from(LensRunConfig, given, where=where, save=run.save, figures=figures)
     progress = _training_progress(f"tuned lens ({cfg.tuned})", cfg.steps, started)
-    out = run_lens(s, cfg, progress=None if progress_lines(quiet, as_json) is None else progress)
+    out = run_lens(s, cfg, progress=None if run.lines() is None else progress)
     r = out.result
-    if as_json:
+    if run.as_json:
         click.echo(json.dumps(r))
         return
     method = r["tuned_method"]
@@ -117,25 +107,21 @@ def lens(
 
 
 # ------------------------------------------------------------------------------------ corpus-lens
-@command(example="actstore corpus-lens /tmp/corpus --steps 100 --batch 256")
-@threads_option
-@store_argument
+@job(example="actstore corpus-lens /tmp/corpus --steps 100 --batch 256")
 @options_from(CorpusLensConfig)
-@no_save_option
-@quiet_option
-@json_option
-def corpus_lens(store: str, no_save: bool, quiet: bool, as_json: bool, **given: Any) -> None:
+@run_options
+def corpus_lens(store: str, run: Run, **given: Any) -> None:
     """The tuned lens as published: trained on a corpus store's positions (--positions all --kinds resid),
     compared with the logit lens by KL to the model's output on documents it never saw."""
     from actstore.jobs.corpus_lens import run_corpus_lens
 
     started = time.time()
     s = open_store_arg(store)
-    cfg = config_from(CorpusLensConfig, given, save=not no_save)
+    cfg = config_from(CorpusLensConfig, given, save=run.save)
     progress = _training_progress("tuned lens", cfg.steps, started)
-    out = run_corpus_lens(s, cfg, progress=None if progress_lines(quiet, as_json) is None else progress)
+    out = run_corpus_lens(s, cfg, progress=None if run.lines() is None else progress)
     r = out.result
-    if as_json:
+    if run.as_json:
         click.echo(json.dumps(r))
         return
     click.echo(
@@ -189,22 +175,14 @@ def _chance_table(result: dict[str, Any], label: Callable[[str], str]) -> None:
 
 
 # ------------------------------------------------------------------------------------ agree
-@command(
-    example="actstore agree /tmp/s --run trace-20261201T080351-97216b7b --methods trace,patch,logit_lens"
-)
-@threads_option
-@store_argument
+@job(example="actstore agree /tmp/s --run trace-20261201T080351-97216b7b --methods trace,patch,logit_lens")
 @options_from(AgreeConfig, first=("runs",))
 @figures_option(help="Folder for the profile curves (PNG).")
-@no_save_option
-@quiet_option
-@json_option
+@run_options
 def agree(
     store: str,
     figures: str | None,
-    no_save: bool,
-    quiet: bool,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Key layers and MLP-vs-attention verdicts of each method per fact, and how far the methods agree."""
@@ -212,13 +190,13 @@ def agree(
 
     started = time.time()
     s = open_store_arg(store)
-    cfg = config_from(AgreeConfig, given, save=not no_save, figures=figures)
+    cfg = config_from(AgreeConfig, given, save=run.save, figures=figures)
     progress = _training_progress(f"tuned lens ({cfg.tuned})", cfg.steps, started)
     out = run_agreement(
         s,
         cfg,
-        log=progress_lines(quiet, as_json),
-        progress=None if progress_lines(quiet, as_json) is None else progress,
+        log=run.lines(),
+        progress=None if run.lines() is None else progress,
     )
     result = dict(out.result)
     result.update(
@@ -230,7 +208,7 @@ def agree(
             "seconds": round(time.time() - started, 2),
         }
     )
-    if as_json:
+    if run.as_json:
         click.echo(json.dumps(result, default=float))
         return
     L, tol = result["n_layers"], result["tolerance"]

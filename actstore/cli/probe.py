@@ -12,12 +12,13 @@ import click
 
 from actstore.cli._config import config_from, defaults, options_from
 from actstore.cli._options import (
+    Run,
     command,
     figures_option,
+    job,
     json_option,
-    no_save_option,
     open_store_arg,
-    quiet_option,
+    run_options,
     store_argument,
     threads_option,
     where_option,
@@ -50,9 +51,7 @@ def run_option(fn: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------- probe
-@command(example="actstore probe /tmp/s --kind attn_head --where \"split = 'val'\" --episodes 100 --seeds 1")
-@threads_option
-@store_argument
+@job(example="actstore probe /tmp/s --kind attn_head --where \"split = 'val'\" --episodes 100 --seeds 1")
 @where_option
 @options_from(ProbeRequest)
 @click.option(
@@ -66,32 +65,27 @@ def run_option(fn: Any) -> Any:
 @click.option(
     "--seed-start", type=int, default=PROBE_DEFAULTS["seeds"][0], show_default=True, help="First seed."
 )
-@no_save_option
-@quiet_option
-@json_option
+@run_options
 def probe(
     store: str,
     where: str | None,
     n_seeds: int,
     seed_start: int,
-    no_save: bool,
-    quiet: bool,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Episodic n-way k-shot relation probes with RelSpec feature selection."""
-    from actstore.core.progress import progress_wanted
     from actstore.jobs.probe import contrast_text, run_probe
 
     cfg = config_from(ProbeConfig, given, where=where, seeds=tuple(range(seed_start, seed_start + n_seeds)))
-    req = config_from(ProbeRequest, given, probe=cfg, save=not no_save, progress=progress_wanted(quiet))
+    req = config_from(ProbeRequest, given, probe=cfg, save=run.save, progress=run.progress)
     s = open_store_arg(store)
     job = run_probe(s, req)
     out = job.output
     summary = out.summary()
-    if not no_save:
+    if run.save:
         summary["tables"] = sorted({p.split("/")[1] for p in job.tables})
-    if as_json:
+    if run.as_json:
         _echo_json(summary)
         return
     lo, hi = out.ci95
@@ -103,7 +97,7 @@ def probe(
         f"{out.seconds:.1f}s"
     )
     click.echo(f"HeadScore contrast: {contrast_text(cfg.contrast)}")
-    click.echo(f"run {out.run_id}" + ("" if no_save else f" (tables: {', '.join(summary['tables'])})"))
+    click.echo(f"run {out.run_id}" + ("" if not run.save else f" (tables: {', '.join(summary['tables'])})"))
 
 
 # --------------------------------------------------------------------------------------- headscore
@@ -158,8 +152,8 @@ def headscore(store: str, run_id: str, relation: str | None, figures: str | None
 
 # --------------------------------------------------------------------------------------- tokenscore
 @command(example="actstore tokenscore /tmp/s --run probe-20261201T080351-97216b7b --example 42")
-@threads_option
 @store_argument
+@threads_option
 @run_option
 @click.option("--example", "example_id", type=int, required=True, help="Example id of the query prompt.")
 @click.option(
@@ -225,12 +219,10 @@ def tokenscore(
 
 
 # --------------------------------------------------------------------------------------- correlate
-@command(
+@job(
     example="actstore correlate /tmp/s --run probe-20261201T080351-97216b7b --kb 'kb/*.txt' "
     "--dataset-file val_wiki.json --figures figs"
 )
-@threads_option
-@store_argument
 @click.argument("more_kb", nargs=-1)
 @run_option
 @click.option(
@@ -251,8 +243,7 @@ def tokenscore(
 @click.option(
     "--workers", type=int, default=None, help="Run them on a local Dask cluster of N worker processes."
 )
-@no_save_option
-@json_option
+@run_options
 def correlate(
     store: str,
     more_kb: tuple[str, ...],
@@ -261,8 +252,7 @@ def correlate(
     figures: str | None,
     dask_address: str | None,
     workers: int | None,
-    no_save: bool,
-    as_json: bool,
+    run: Run,
     **given: Any,
 ) -> None:
     """Per-relation F1 vs output range, KG connectivity, TF-IDF similarity, HeadScore concentration."""
@@ -276,14 +266,14 @@ def correlate(
         dask_address=dask_address,
         workers=workers,
         figures=figures,
-        save=not no_save,
+        save=run.save,
     )
     concentration = cfg.concentration
     out = run_correlate(open_store_arg(store), cfg)
     res, pngs, files = out.result, out.figures, cfg.kb
     rel_rows = res.relations.to_pylist()
     range_source = rel_rows[0]["output_range_source"] if rel_rows else None
-    if as_json:
+    if run.as_json:
         _echo_json(
             {
                 "run_id": out.run_id,
@@ -344,26 +334,21 @@ def _kb_files(patterns: tuple[str, ...]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------- shortcuts
-@command(example="actstore shortcuts /tmp/s --run probe-20261201T080351-97216b7b --figures figs")
-@threads_option
-@store_argument
+@job(example="actstore shortcuts /tmp/s --run probe-20261201T080351-97216b7b --figures figs")
 @run_option
 @options_from(ShortcutsConfig)
 @figures_option(help="Folder for the three-panel figure (shortcuts_RUN.png).")
-@no_save_option
-@json_option
-def shortcuts(
-    store: str, run_id: str, figures: str | None, no_save: bool, as_json: bool, **given: Any
-) -> None:
+@run_options
+def shortcuts(store: str, run_id: str, figures: str | None, run: Run, **given: Any) -> None:
     """Spearman rho, Mass and StrongAlign-x of the run's errors' TokenScores vs lexical cues."""
     from actstore.jobs.shortcuts import run_shortcuts
 
-    cfg = config_from(ShortcutsConfig, given, probe_run=run_id, figures=figures, save=not no_save)
+    cfg = config_from(ShortcutsConfig, given, probe_run=run_id, figures=figures, save=run.save)
     n_cues = cfg.n_cues
     out = run_shortcuts(open_store_arg(store), cfg)
     res, png = out.result, out.figure
     summ = res.summary.to_pylist()[0]
-    if as_json:
+    if run.as_json:
         _echo_json({**summ, "run_id": out.run_id, "probe_run": run_id, "plot": png})
         return
     click.echo(

@@ -20,8 +20,8 @@ from actstore.cli._options import (
 
 
 @command(example="actstore report /tmp/s --out report.html --max-runs 2")
-@threads_option
 @store_argument
+@threads_option
 @click.option("--out", "out_path", default="report.html", show_default=True, help="HTML file to write.")
 @click.option("--title", default=None, help="Page title (default: 'actstore report: MODEL').")
 @bounded_option("--max-runs", 3, "Most recent runs shown per analysis.")

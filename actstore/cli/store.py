@@ -141,8 +141,8 @@ FEATURE_KINDS = "z, attn_head, attn, attn_head_token, attn_entity, attn_prob, ml
     example="actstore features /tmp/s --kind attn_head --layers 0-3 --where \"relation_id = 'P177'\" "
     "--out x.npy"
 )
-@threads_option
 @store_argument
+@threads_option
 @click.option("--kind", required=True, help=f"Feature kind: {FEATURE_KINDS}.")
 @where_option
 @layers_option()

@@ -103,8 +103,8 @@ def data(**given: Any) -> None:
     example="actstore study run S --state S.study.json --trace-minutes 30 --samples 10 --out S.out.json\n"
     "actstore study run S --state S.tail.json --start 440 --trace-only   # beside it, in another process",
 )
-@threads_option
 @store_argument
+@threads_option
 @options_from(StudyRunConfig, first=("state",))
 @quiet_option
 def run(store: str, quiet: bool, **given: Any) -> None:
@@ -188,8 +188,8 @@ def restore(store: str, **given: Any) -> None:
 
 # ------------------------------------------------------------------------------------ chance
 @command("chance", example="actstore study chance S --state S.study.json --tuned adam --out chance.json.gz")
-@threads_option
 @store_argument
+@threads_option
 @options_from(StudyChanceConfig, first=("state",))
 @quiet_option
 def chance(store: str, quiet: bool, **given: Any) -> None:

@@ -9,43 +9,27 @@ from typing import Any
 import click
 
 from actstore.cli._config import config_from, options_from
-from actstore.cli._options import (
-    command,
-    json_option,
-    no_save_option,
-    open_store_arg,
-    quiet_option,
-    store_argument,
-    threads_option,
-    where_option,
-)
+from actstore.cli._options import Run, job, open_store_arg, run_options, where_option
 from actstore.jobs.settings import TopkConfig
 
 
-@command(example="actstore topk /tmp/s --kind mlp --layer 3 --k 20 --show 5")
-@threads_option
-@store_argument
+@job(example="actstore topk /tmp/s --kind mlp --layer 3 --k 20 --show 5")
 @options_from(TopkConfig)
 @where_option
 @click.option("--show", type=click.IntRange(min=0), default=5, show_default=True, help="Units printed.")
-@no_save_option
-@quiet_option
-@json_option
-def topk(
-    store: str, where: str | None, show: int, no_save: bool, quiet: bool, as_json: bool, **given: Any
-) -> None:
+@run_options
+def topk(store: str, where: str | None, show: int, run: Run, **given: Any) -> None:
     """Top-k contexts of every unit of a layer in one streaming pass, stored as the topk_contexts table."""
-    from actstore.core.progress import progress_wanted
     from actstore.jobs.topk import run_topk
 
-    cfg = config_from(TopkConfig, given, where=where, save=not no_save, progress=progress_wanted(quiet))
+    cfg = config_from(TopkConfig, given, where=where, save=run.save, progress=run.progress)
     kind, layer = cfg.kind, cfg.layer
     s = open_store_arg(store)
     out = run_topk(s, cfg)
     res = out.result
     units = list(range(min(show, res.values.shape[0])))
     contexts = _contexts(s, res.rows[units].reshape(-1).tolist()) if units else {}
-    if as_json:
+    if run.as_json:
         click.echo(
             json.dumps(
                 {
