@@ -48,7 +48,7 @@ from typing import Any, Protocol, TypedDict
 import numpy as np
 
 from actstore.core.errors import QueryError
-from actstore.query.select.features import FeatureSpec, RowBlock, compute_block
+from actstore.query.select.features import FeatureSpec, RowBlock, compute_block, row_shape
 from actstore.query.select.labelled import SOURCE_KINDS
 from actstore.query.select.loader_args import Selected
 from actstore.query.select.tl_cache import MODULES, kind_names
@@ -176,8 +176,7 @@ def to_hf_dataset(
             out.unlink()
     n_layers = store.geometry.n_layers
     first = FeatureSpec.parse(store, kind, [spec.layers[0]], heads, groups)
-    probe = compute_block(store, first, next(selection.blocks(1))[1])
-    d_in = int(np.prod(probe.shape[2:]))
+    d_in = int(np.prod(row_shape(store, first)[1:]))  # one layer's row (no source axis: refused above)
     if windows is not None:
         return _write_windows(selection, spec, out, names[0], d_in, dtype, batch_rows, windows, shuffle, seed)
     names = [hook_name_of(kind, layer, n_layers) for layer in spec.layers]
@@ -264,6 +263,25 @@ class _Writer:
             else:
                 cols.append(pa.array(x, type=typ))
         self.writer.write_batch(pa.RecordBatch.from_arrays(cols, schema=self.schema))
+
+
+def _flush(
+    writer: _Writer,
+    column: str,
+    carry: list[np.ndarray],
+    carry_t: list[np.ndarray],
+    held: int,
+    n: int,
+    d_in: int,
+) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+    """Write the whole windows of the rows held (``carry``, their token ids ``carry_t``); the rest
+    (the start of a window cut by a block's end) carried on."""
+    xs, ts = np.concatenate(carry), np.concatenate(carry_t)
+    k = held // n * n
+    writer.write_batch(
+        {column: xs[:k].reshape(-1, n, d_in), "token_ids": ts[:k].reshape(-1, n).astype(np.int32)}
+    )
+    return [xs[k:]], [ts[k:]], held - k
 
 
 PACK_HINT = "actstore ingest --positions all --pack --keep-special --context-length {n}"
@@ -353,16 +371,10 @@ def _write_windows(
                     carry_t.append(tok[at : at + b][keep])
                     held += x.shape[0]
                 at += b
-                if held >= n:
-                    xs, ts = np.concatenate(carry), np.concatenate(carry_t)
-                    k = held // n * n
-                    writer.write_batch(
-                        {
-                            column: xs[:k].reshape(-1, n, d_in),
-                            "token_ids": ts[:k].reshape(-1, n).astype(np.int32),
-                        }
-                    )
-                    carry, carry_t, held = [xs[k:]], [ts[k:]], held - k
+                if held >= step:  # whole windows of about batch_rows positions a record batch
+                    carry, carry_t, held = _flush(writer, column, carry, carry_t, held, n, d_in)
+            if held >= n:
+                _flush(writer, column, carry, carry_t, held, n, d_in)
         ds = datasets.Dataset.from_file(str(arrow))
         if shuffle:
             ds = ds.shuffle(seed=seed).flatten_indices()
