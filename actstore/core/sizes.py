@@ -16,8 +16,8 @@ import logging
 from dataclasses import dataclass
 
 from actstore.core.errors import ActstoreError
-from actstore.core.store import StoreReader
 from actstore.core.storage import locate
+from actstore.core.store import StoreReader
 
 log = logging.getLogger(__name__)
 

@@ -259,6 +259,7 @@ def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedMod
             raise unknown(
                 f"{key!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and {offline}: "
                 f"download it once with network access (e.g. hf download {key}), or pass a local folder"
+                + ("" if "is set" in offline else "; HF_HUB_OFFLINE=1 skips this check")
             ) from exc
         logger.info("%s is not in the local hub cache: fetching it from %s", key, constants.ENDPOINT)
         try:
