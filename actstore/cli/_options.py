@@ -122,18 +122,21 @@ def progress_lines(quiet: bool, as_json: bool = False) -> Callable[[str], None] 
 
 @contextlib.contextmanager
 def compute_threads(threads: int) -> Iterator[None]:
-    """``--threads`` while a command runs: torch's intra-op threads and numpy's BLAS/OpenMP pools
-    (threadpoolctl) set to ``threads``, restored afterwards; 0 leaves both as they are."""
+    """``--threads`` while a command runs: torch's intra-op threads, numpy's BLAS/OpenMP pools
+    (threadpoolctl) and the DuckDB connections opened meanwhile set to ``threads``, restored
+    afterwards; 0 leaves them as they are."""
     if threads <= 0:
         yield
         return
     import torch
     from threadpoolctl import threadpool_limits
 
+    from actstore.core.sql_connect import sql_threads
+
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with threadpool_limits(threads):
+        with threadpool_limits(threads), sql_threads(threads):
             yield
     finally:
         torch.set_num_threads(old)

@@ -112,7 +112,8 @@ DEFAULT_THREADS = 0
 #: What ``--threads`` means, in every command (its option: ``actstore.cli._options.threads_option``,
 #: or a settings field made with :func:`threads_setting`).
 THREADS_HELP = (
-    "torch CPU threads per process, also numpy's BLAS/OpenMP pools (0: torch's default, one per core)."
+    "torch CPU threads per process, also numpy's BLAS/OpenMP pools and DuckDB's threads "
+    "(0: their defaults: torch and numpy one per core, DuckDB 2)."
 )
 
 

@@ -11,9 +11,10 @@ file system (:mod:`actstore.core.sql_files`).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import pyarrow as pa
@@ -52,7 +53,20 @@ class TableSource(Protocol):
     def file_schema(self, rel: str) -> pa.Schema: ...
 
 
+#: DuckDB's threads a connection gets where no ``--threads`` is in force (:func:`sql_threads`).
 THREADS = 2
+_threads: contextvars.ContextVar[int] = contextvars.ContextVar("actstore_sql_threads", default=0)
+
+
+@contextlib.contextmanager
+def sql_threads(threads: int) -> Iterator[None]:
+    """Connections opened inside the block run DuckDB on ``threads`` threads (0: :data:`THREADS`):
+    ``--threads`` of every command reaches SQL through here, as it reaches torch and numpy."""
+    token = _threads.set(max(0, threads))
+    try:
+        yield
+    finally:
+        _threads.reset(token)
 
 
 def quote(name: str) -> str:
@@ -89,7 +103,7 @@ def new_connection(memory_limit: str, files: CheckedFiles | None = None) -> duck
             "autoinstall_known_extensions": False,
             "autoload_known_extensions": False,
             "allow_community_extensions": False,
-            "threads": THREADS,
+            "threads": _threads.get() or THREADS,
             "python_enable_replacements": False,
             "temp_directory": "",
             "max_temp_directory_size": "0B",

@@ -125,3 +125,21 @@ def test_threads_run_through_a_whole_command(tiny_store: Path, monkeypatch: pyte
         main, ["topk", str(tiny_store), "--kind", "mlp", "--layer", "0", "--threads", "-1"]
     )
     assert r.exit_code == 2 and "--threads" in r.stderr
+
+
+def test_threads_reach_duckdb(tiny_store: Path) -> None:
+    """A store's SQL connection opened while ``--threads N`` is in force runs DuckDB on N threads (read
+    back with DuckDB's own current_setting); outside it, the connection's default."""
+    import actstore
+    from actstore.cli._options import compute_threads
+    from actstore.core.sql_connect import THREADS
+
+    def duckdb_threads() -> int:
+        table = actstore.open(tiny_store).sql("SELECT current_setting('threads') AS t")
+        return int(table.column("t")[0].as_py())
+
+    assert duckdb_threads() == THREADS
+    for want in (1, 3):
+        with compute_threads(want):
+            assert duckdb_threads() == want
+    assert duckdb_threads() == THREADS
