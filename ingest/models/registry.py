@@ -34,6 +34,7 @@ from huggingface_hub.errors import (
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from actstore.core.errors import UnknownModelName
+from actstore.core.model_names import hub_offline
 
 from .base import LoadedModel, ModelError, prepare, short_reason, weight_hash
 from .cache import model_cache_dir
@@ -190,35 +191,6 @@ def _hub_failure(key: str, exc: BaseException) -> str:
         if isinstance(cause, EntryNotFoundError):
             return f"{key!r} on {endpoint} holds no transformers checkpoint ({short_reason(cause, 120)})"
     return f"cannot load {key!r} from {endpoint}: {short_reason(exc)}"
-
-
-#: Environment variables that keep the hub offline (any value but "", "0", "false", "no", "off").
-OFFLINE_ENV = ("ACTSTORE_OFFLINE", "HF_HUB_OFFLINE")
-
-
-def hub_offline(timeout: float = 1.5) -> str | None:
-    """Why the hub cannot be reached, or None where it may be: an offline variable of
-    :data:`OFFLINE_ENV` set (read now, not when huggingface_hub was imported), or the endpoint's host
-    not resolving or not taking a connection within ``timeout`` seconds (one try, no retries; skipped
-    behind a proxy, which only a request through it can test)."""
-    import os
-    import socket
-    from urllib.parse import urlparse
-
-    for var in OFFLINE_ENV:
-        if os.environ.get(var, "").strip().lower() not in ("", "0", "false", "no", "off"):
-            return f"{var} is set"
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set"
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return None
-    url = urlparse(constants.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        with socket.create_connection((url.hostname or "", port), timeout=timeout):
-            return None
-    except OSError as e:
-        return f"{constants.ENDPOINT} cannot be reached ({short_reason(e, 80)})"
 
 
 def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedModel:

@@ -22,6 +22,7 @@ from typing import Any
 
 from actstore.core.dependencies import transformers
 from actstore.core.errors import QueryError
+from actstore.core.model_names import hub_offline
 from actstore.core.store import StoreReader
 
 
@@ -59,9 +60,19 @@ def check_vocabulary(store: StoreReader, tok: Any, key: str) -> Any:
 
 def _auto(name: str, *, local: bool = False) -> Any:
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(
-            name, local_files_only=local, trust_remote_code=False
-        )
+        try:  # the local hub cache first: no network
+            tok = transformers.AutoTokenizer.from_pretrained(
+                name, local_files_only=True, trust_remote_code=False
+            )
+        except Exception:
+            if local:
+                raise
+            offline = hub_offline()
+            if offline:  # one line at once, not the hub client's retries
+                raise OSError(f"not in the local hub cache and {offline}") from None
+            tok = transformers.AutoTokenizer.from_pretrained(
+                name, local_files_only=False, trust_remote_code=False
+            )
     except Exception as e:  # transformers raises OSError, ValueError, HTTP errors, ...
         reason = " ".join(str(e).split())[:160]
         where = "the store's tokenizer files" if local else repr(name)

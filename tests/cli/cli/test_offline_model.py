@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from actstore.cli import main
-from actstore.ingest.models.registry import OFFLINE_ENV, hub_offline
+from actstore.core.model_names import OFFLINE_ENV, hub_offline
 
 
 @pytest.mark.parametrize("var", OFFLINE_ENV)

@@ -153,6 +153,35 @@ def test_an_explicit_tokenizer_folder_or_alias(tiny_store: Path, tmp_path: Path)
         stored_tokenizer(store, str(big_folder))
 
 
+def test_a_hub_tokenizer_offline_is_one_line_at_once(
+    tiny_store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub name the (empty) local cache lacks, with the hub unreachable (a closed port): one line
+    naming why, after one connection try, not the hub client's retries."""
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    for var in ("ACTSTORE_OFFLINE", "HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    start = time.monotonic()
+    with pytest.raises(QueryError) as err:
+        stored_tokenizer(actstore.open(tiny_store), "nobody/not-a-tokenizer-for-actstore")
+    message = str(err.value)
+    assert "\n" not in message and "nobody/not-a-tokenizer-for-actstore" in message
+    assert f"127.0.0.1:{port} cannot be reached" in message
+    assert time.monotonic() - start < 10  # one refused connection, where the hub client retries for ~30 s
+    monkeypatch.setenv("ACTSTORE_OFFLINE", "1")
+    with pytest.raises(QueryError, match="ACTSTORE_OFFLINE is set"):
+        stored_tokenizer(actstore.open(tiny_store), "nobody/not-a-tokenizer-for-actstore")
+
+
 def test_a_store_on_s3_keeps_and_serves_its_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Written and read through the storage layer: the same files on an S3-compatible server (moto)."""
     pytest.importorskip("s3fs")
