@@ -229,13 +229,10 @@ def _block_scores(
     zp = torch.einsum("nlhd,lhd->nlh", z, p)  # [n, l, H]
     offset = a[:, K:]  # exact integers in the storage dtype, 0 in an empty slot
     max_offset = int(offset.max()) if offset.numel() else 0
-    used, base = _source_rows(rows, max_offset, weight, offset)
+    used, idx = _source_index(rows, max_offset, weight, offset, nl * H)
     V = torch.from_numpy(read_rows(store, "v", used, L)[:, 0])  # [u, l, Hkv, dh]
     # V . p per (source row, layer, head), each kv head against its group of query heads
     vp = torch.einsum("ulkd,lkgd->ulkg", V, proj.pg).reshape(-1)  # [u * l * H]
-    wide = torch.int64 if used.size * nl * H >= 2**31 else torch.int32
-    lh = torch.arange(nl * H, dtype=wide).view(1, 1, nl, H)
-    idx = base.to(wide).mul_(nl * H).add_(lh)  # [n, K, l, H]; an empty slot points at a real row
     score = weight * vp[idx]  # (weight 0 in an empty slot: score 0)
     rem = zp - score.sum(1)
     mlp = np.full((rows.size, nl), np.nan, dtype=np.float32)
@@ -266,23 +263,28 @@ def dfa_rows(
     )
 
 
-def _source_rows(
-    rows: np.ndarray, max_offset: int, weight: torch.Tensor, offset: torch.Tensor
+def _source_index(
+    rows: np.ndarray, max_offset: int, weight: torch.Tensor, offset: torch.Tensor, per_row: int
 ) -> tuple[np.ndarray, torch.Tensor]:
-    """The store rows whose ``V`` the kept sources need, and each slot's index among them (an empty
-    slot's points at some row read anyway; its weight is 0).  A source lies at most ``max_offset``
-    rows before its target, so for a block of consecutive rows the sources span the block and at
-    most one window before it: that range is read whole (no sort of every source); a scattered
-    selection reads its distinct sources only."""
+    """The store rows whose ``V`` the kept sources need, and each slot's flat index into their
+    ``V . p`` [u, l, H] (``per_row = l * H``; an empty slot's points at some row read anyway, its
+    weight is 0).  A source lies at most ``max_offset`` rows before its target, so for a block of
+    consecutive rows the sources span the block and at most one window before it: that range is read
+    whole, and the index is one float32 multiply-add of the stored offsets (exact below 2^24); a
+    scattered selection reads its distinct sources only."""
     lo, hi = max(0, int(rows.min()) - max_offset), int(rows.max())
-    src = torch.from_numpy(rows)[:, None, None, None] - offset.to(torch.int64)  # [n, K, l, H]
-    if hi - lo + 1 <= 2 * rows.size + max_offset:
-        return np.arange(lo, hi + 1, dtype=np.int64), src.sub_(lo)
+    n, K, nl, H = offset.shape
+    lh = torch.arange(per_row, dtype=torch.float32).view(1, 1, nl, H)
+    if hi - lo + 1 <= 2 * rows.size + max_offset and (hi - lo + 1) * per_row < 2**24:
+        base = torch.from_numpy((rows - lo).astype(np.float32) * per_row)[:, None, None, None] + lh
+        idx = torch.add(base, offset, alpha=-per_row).to(torch.int32)  # [n, K, l, H]
+        return np.arange(lo, hi + 1, dtype=np.int64), idx
+    src = torch.from_numpy(rows)[:, None, None, None] - offset.to(torch.int64)
     used = np.unique(src[weight > 0].numpy())
     if not used.size:
         used = rows[:1]
-    at = np.searchsorted(used, src.numpy()).clip(max=used.size - 1)
-    return used, torch.from_numpy(at)
+    at = torch.from_numpy(np.searchsorted(used, src.numpy()).clip(max=used.size - 1))
+    return used, at.mul_(per_row).add_(lh.to(torch.int64))
 
 
 @dataclass(frozen=True)
