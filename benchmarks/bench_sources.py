@@ -10,7 +10,8 @@ For each size (tokens of a synthetic text corpus, one document a line), on a tin
   same layers (and the uncompressed ratio SmolLM2-135M's geometry gives at this K, float16);
 - DFA at one position: median wall time of ``dfa_rows(store, [row], u)`` over random rows;
 - a new direction's top-k over every token (``dfa_top``) / reading those rows' ``attn``, ``z``, ``v``
-  and ``mlp`` once (``read_rows``, the same blocks), and that read's rate (rows/s, MB/s of float32).
+  and ``mlp`` once (``read_rows``, in the same blocks: ``block_rows``), and that read's rate (rows/s,
+  MB/s of float32).
 
 Both sides of each ratio run in the same process, interleaved where they can be (batch by batch
 for the capture), on ``--threads`` threads.
@@ -32,7 +33,7 @@ import torch
 
 import actstore
 from actstore.ingest.models.registry import load_model
-from actstore.query.analyses.dfa import dfa_rows, dfa_top
+from actstore.query.analyses.dfa import block_rows, dfa_rows, dfa_top
 from actstore.query.select.corpus_sources import read_rows
 
 WORDS = "the of and a to in is was for on as with by he at from his an were are which this be".split()
@@ -161,9 +162,10 @@ def main() -> None:
         dfa_top(s, every, u, k=20, batch_rows=4096)
         t_top = time.perf_counter() - t0
         layers = s.manifest.ingest["kept"]["z"]
+        step = block_rows(s, 4096)  # the blocks dfa_top reads
         t0 = time.perf_counter()
-        for i in range(0, rows, 4096):
-            b = every[i : i + 4096]
+        for i in range(0, rows, step):
+            b = every[i : i + step]
             read_rows(s, "attn", b, layers, per=2 * a.k)
             read_rows(s, "z", b, layers)
             read_rows(s, "v", b, layers)

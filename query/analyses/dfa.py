@@ -287,6 +287,21 @@ def _source_index(
     return used, at.mul_(per_row).add_(lh.to(torch.int64))
 
 
+BLOCK_BYTES = 1 << 26  # float32 bytes of the arrays one block of dfa_top reads, about 64 MB
+
+
+def block_rows(store: StoreReader, batch_rows: int, layers: Sequence[int] | None = None) -> int:
+    """Rows per block of :func:`dfa_top`: at most ``batch_rows``, and few enough (at least 64) that the
+    block's ``attn``, ``z``, ``v`` and ``mlp`` rows, widened to float32, stay within ``BLOCK_BYTES``
+    (a SmolLM2-135M row of every layer is 311 KB: 215 rows; a tiny-llama row 2.8 KB)."""
+    g = store.geometry
+    kept = store.manifest.ingest.get("kept") or {}
+    nl = len(kept.get("z") or []) if layers is None else len(layers)
+    K = max(1, int(store.manifest.ingest.get("sources") or 1))
+    per = 4 * nl * (2 * K * g.n_heads + g.n_heads * g.d_head + g.n_kv_heads * g.d_head + g.d_mlp)
+    return max(64, min(int(batch_rows), BLOCK_BYTES // max(1, per)))
+
+
 @dataclass(frozen=True)
 class DfaResult:
     """The top ``k`` (row, layer, head, source) terms by absolute score, and the totals per head
@@ -304,8 +319,9 @@ def dfa_top(
     layers: Sequence[int] | None = None,
     batch_rows: int = 1024,
 ) -> DfaResult:
-    """Stream ``rows`` in blocks of ``batch_rows``: keep the ``k`` terms of largest ``|score|``
-    (memory: ``k`` plus one block) and sum each head's source and remainder shares and each MLP's."""
+    """Stream ``rows`` in blocks of ``batch_rows`` (fewer where a block's arrays would pass
+    ``BLOCK_BYTES``: :func:`block_rows`): keep the ``k`` terms of largest ``|score|`` (memory: ``k``
+    plus one block) and sum each head's source and remainder shares and each MLP's."""
     if k < 1:
         raise QueryError("dfa: k must be 1 or more")
     best_s = np.zeros(0, np.float32)
@@ -317,8 +333,9 @@ def dfa_top(
     head_src = np.zeros((len(Ls), store.geometry.n_heads), np.float64)
     head_rem = np.zeros_like(head_src)
     mlp_tot = np.zeros(len(Ls), np.float64)
-    for i in range(0, len(rows), batch_rows):
-        block = rows[i : i + batch_rows]
+    step = block_rows(store, batch_rows, Ls)
+    for i in range(0, len(rows), step):
+        block = rows[i : i + step]
         score, a, rem, mlp = _block_scores(store, block, proj)  # score [n, K, l, H]
         head_src += score.sum((0, 1)).numpy()
         head_rem += rem.sum(0).numpy()
