@@ -226,7 +226,7 @@ def _block_scores(
     weight = a[:, :K]
     z = torch.from_numpy(read_rows(store, "z", rows, L)[:, 0])  # [n, l, H, dh]
     p = proj.pg.reshape(nl, H, g.d_head)
-    zp = torch.einsum("nlhd,lhd->nlh", z, p)  # [n, l, H]
+    zp = (z * p).sum(-1)  # [n, l, H] (einsum would copy z into a batched matmul's layout first)
     offset = a[:, K:]  # exact integers in the storage dtype, 0 in an empty slot
     max_offset = int(offset.max()) if offset.numel() else 0
     used, idx = _source_index(rows, max_offset, weight, offset, nl * H)
@@ -239,7 +239,10 @@ def _block_scores(
     if proj.mlp_at:
         ml = [L[i] for i in proj.mlp_at]
         act = torch.from_numpy(read_rows(store, "mlp", rows, ml)[:, 0])  # [n, m, d_mlp]
-        mlp[:, list(proj.mlp_at)] = (torch.einsum("nmd,md->nm", act, proj.q) + proj.b).numpy()
+        dot = torch.empty((len(ml), rows.size), dtype=torch.float32)
+        for i in range(len(ml)):  # one matrix-vector product a layer, on the strided rows (no copy)
+            torch.mv(act[:, i], proj.q[i], out=dot[i])
+        mlp[:, list(proj.mlp_at)] = (dot.T + proj.b).numpy()
     return score, a, rem, mlp
 
 
