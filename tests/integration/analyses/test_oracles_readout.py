@@ -26,6 +26,7 @@ EPS = 0.5
 OVERRIDES: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": EPS},
     "qwen2": {"rms_norm_eps": EPS},
+    "qwen3": {"rms_norm_eps": EPS},
     "gemma3": {"rms_norm_eps": EPS, "final_logit_softcapping": 0.7},
     "gpt2": {"layer_norm_epsilon": EPS},
     "gpt_neox": {"layer_norm_eps": EPS},
@@ -37,6 +38,7 @@ def final_norm_module(arch: str, model: Any) -> torch.nn.Module:
     names = {
         "llama": "model.norm",
         "qwen2": "model.norm",
+        "qwen3": "model.norm",
         "gemma3": "model.norm",
         "gpt2": "transformer.ln_f",
         "gpt_neox": "gpt_neox.final_layer_norm",
