@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actstore.core.store import StoreReader
+from actstore.jobs.model import direction_for
 from actstore.jobs.record import record_run
 from actstore.jobs.settings import DfaConfig
-from actstore.query.analyses.dfa import DfaResult, dfa_top, load_direction
+from actstore.query.analyses.dfa import DfaResult, dfa_top
 from actstore.query.select.corpus_sources import require_sources
 from actstore.query.select.selection import Selection
 
@@ -35,7 +36,7 @@ def run_dfa(store: StoreReader, cfg: DfaConfig) -> DfaOutcome:
     assert cfg.direction is not None
     layers = (store.manifest.ingest.get("kept") or {}).get("z") if cfg.layers is None else list(cfg.layers)
     require_sources(store, layers or [])
-    u = load_direction(store, cfg.direction)
+    u = direction_for(store, cfg.direction)
     sel = Selection.from_sql(store, cfg.where)
     rows = sel.rows.column("row").to_numpy().astype(np.int64)
     res = dfa_top(store, rows, u, cfg.k, cfg.layers, cfg.batch_rows)

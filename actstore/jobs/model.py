@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from actstore.core.dependencies import transformers_logging
 from actstore.core.errors import InvalidSetting
 from actstore.core.settings import DEFAULT_DEVICE, DEFAULT_MODEL_DTYPE, check_model_dtype
 from actstore.core.store import StoreReader
+from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture.first_mlp import first_mlp_transform
 from actstore.ingest.models.registry import known_alias, load_model
 from actstore.jobs.settings import StoreModelRun
@@ -86,3 +88,38 @@ def first_mlp_for_store(store: StoreReader, model: str | None) -> Any:
 
     loaded = load_store_model(store, model)
     return first_mlp_transform(loaded.model)
+
+
+#: The input sides of a neuron a direction spec may name (``neuron:LAYER:INDEX:in|up``): ``in`` the
+#: activation's argument (a gated MLP's gate, else its one input projection), ``up`` a gated MLP's up.
+NEURON_INPUTS = {"in": "gate", "up": "up"}
+
+
+def direction_for(store: StoreReader, spec: str, model: str | None = None) -> np.ndarray:
+    """The direction ``spec`` names (:func:`actstore.query.analyses.dfa.load_direction`), where
+    ``neuron:LAYER:INDEX:in|up`` (a neuron's input weights, which a store does not keep) is read from
+    the store's model (:func:`load_store_model`) and folded with the norm the MLP reads through
+    (``Architecture.neuron_input``, ours)."""
+    from actstore.query.analyses.dfa import load_direction
+
+    kind, _, rest = spec.partition(":")
+    parts = rest.split(":")
+    if kind != "neuron" or len(parts) != 3 or parts[2] not in NEURON_INPUTS:
+        return load_direction(store, spec)
+    g = store.geometry
+    try:
+        layer, index = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise InvalidSetting(
+            "direction", f"neuron:LAYER:INDEX:{parts[2]} takes integers, not {spec!r}"
+        ) from None
+    if not 0 <= layer < g.n_layers:
+        raise InvalidSetting("direction", f"layer {layer} out of range 0..{g.n_layers - 1}")
+    if not 0 <= index < g.d_mlp:
+        raise InvalidSetting("direction", f"neuron {index} out of range 0..{g.d_mlp - 1}")
+    loaded = load_store_model(store, model, quiet=True)
+    try:
+        u = architecture_for(loaded.model).neuron_input(loaded.model, layer, index, NEURON_INPUTS[parts[2]])
+    except ValueError as e:
+        raise InvalidSetting("direction", str(e)) from None
+    return u

@@ -443,7 +443,8 @@ class DfaConfig:
 
     direction: str | None = setting(
         None,
-        "The direction: FILE.npy[:ROW], neuron:LAYER:INDEX (output weights), token:ID (unembedding through "
+        "The direction: FILE.npy[:ROW], neuron:LAYER:INDEX (output weights; :in or :up its input "
+        "weights folded with the MLP's norm, read from the store's model), token:ID (unembedding through "
         "the final norm), sae:PATH:INDEX[:dec|enc] (SAELens folder, dictionary_learning ae.pt or .npy), "
         "probe:[STORE:]RUN:RELATION[:LAYER[.HEAD]] (a probe run's weights for a relation).",
         required=True,

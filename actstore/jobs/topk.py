@@ -27,9 +27,9 @@ def load_directions(path: str, store: StoreReader | None = None) -> np.ndarray:
     """The directions of ``--kind direction``: an [m, F] (or [F]) array in a .npy file, or one direction
     spec of dfa (``probe:``, ``neuron:``, ``token:``, ``sae:``) read on ``store``."""
     if store is not None and path.split(":")[0] in ("probe", "neuron", "token", "sae"):
-        from actstore.query.analyses.dfa import load_direction
+        from actstore.jobs.model import direction_for
 
-        return load_direction(store, path)[None]
+        return direction_for(store, path)[None]
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:

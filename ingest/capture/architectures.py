@@ -85,6 +85,40 @@ class Architecture:
     def final_norm(self, model: Any) -> Any:
         return self.backbone(model).norm
 
+    def mlp_input(self, model: Any, layer: int, which: str) -> tuple[Any, nn.Module]:
+        """(the norm the MLP of ``layer`` reads the residual through, or None, and its input projection):
+        ``which`` is ``gate`` (the activation's argument) or ``up`` (gated MLPs)."""
+        block: Any = self.blocks(model).layers[layer]
+        mlp = block.mlp
+        if which not in ("gate", "up") or (which == "up" and not hasattr(mlp, "up_proj")):
+            raise ValueError(
+                f"this model's MLP has no {which!r} input weights (gate{', up' * hasattr(mlp, 'up_proj')})"
+            )
+        proj = mlp.gate_proj if which == "gate" else mlp.up_proj
+        norm = getattr(block, "pre_feedforward_layernorm", None)  # Gemma: a norm before the MLP of its own
+        if norm is None:
+            norm = getattr(block, "post_attention_layernorm", None)
+        if type(block).__name__.startswith("Olmo2"):
+            norm = None  # Olmo 2 normalises the MLP's output, not its input
+        return norm, proj
+
+    def neuron_input(self, model: Any, layer: int, index: int, which: str = "gate") -> np.ndarray:
+        """Neuron ``index`` of ``layer``'s input weights as a residual direction ``u`` [d_model] (ours):
+        the row folded with the norm's weight (``w * gamma``; a LayerNorm's centring folded too:
+        ``u - mean(u)``), so that the neuron's pre-activation is ``u . x / scale(x) + c`` for the
+        residual ``x`` entering the MLP, where ``scale`` is the norm's RMS or standard deviation
+        (positive, one per token) and ``c`` a constant of the weights (the biases)."""
+        norm, proj = self.mlp_input(model, layer, which)
+        u = self._linear(proj)[0][:, index].detach().to(torch.float32)
+        if norm is not None:
+            gamma = norm.weight.detach().to(torch.float32)
+            if type(norm).__name__.startswith("Gemma"):
+                gamma = 1.0 + gamma
+            u = u * gamma
+            if isinstance(norm, nn.LayerNorm):
+                u = u - u.mean()
+        return _np(u)
+
     def embedding(self, model: Any) -> Any:
         return model.get_input_embeddings()
 
@@ -174,6 +208,12 @@ class GPT2(Architecture):
     def final_norm(self, model: Any) -> Any:
         return self.backbone(model).ln_f
 
+    def mlp_input(self, model: Any, layer: int, which: str) -> tuple[Any, nn.Module]:
+        if which != "gate":
+            raise ValueError("GPT-2's MLP has one input projection: neuron:LAYER:INDEX:in")
+        block: Any = self.blocks(model).layers[layer]
+        return block.ln_2, block.mlp.c_fc
+
 
 class GPTNeoX(Architecture):
     name = "gpt_neox"
@@ -200,6 +240,12 @@ class GPTNeoX(Architecture):
 
     def final_norm(self, model: Any) -> Any:
         return self.backbone(model).final_layer_norm
+
+    def mlp_input(self, model: Any, layer: int, which: str) -> tuple[Any, nn.Module]:
+        if which != "gate":
+            raise ValueError("GPT-NeoX's MLP has one input projection: neuron:LAYER:INDEX:in")
+        block: Any = self.blocks(model).layers[layer]
+        return block.post_attention_layernorm, block.mlp.dense_h_to_4h
 
 
 _BY_TYPE: dict[str, type[Architecture]] = {

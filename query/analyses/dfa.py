@@ -11,7 +11,8 @@ vector per source.  :func:`dfa_top` streams a selection in blocks and keeps the 
 the per-head totals, in memory bounded by ``k`` and the block size.
 
 Directions (:func:`load_direction`): ``FILE.npy`` (a [d_model] vector, or ``FILE.npy:ROW`` of an
-[m, d_model] array), ``neuron:LAYER:INDEX`` (the neuron's output weights, its row of ``W_down``),
+[m, d_model] array), ``neuron:LAYER:INDEX`` (the neuron's output weights, its row of ``W_down``; its input weights,
+``neuron:LAYER:INDEX:in|up``, come from the store's model: :func:`actstore.jobs.model.direction_for`),
 ``token:ID`` (the token's unembedding row through the final norm's weight), ``sae:PATH:INDEX[:dec|enc]``
 (a latent's decoder (default) or encoder row from a SAELens folder (cfg.json and
 sae_weights.safetensors), a dictionary_learning ``ae.pt`` (read as its ``AutoEncoder.from_pretrained``
@@ -56,7 +57,8 @@ def load_direction(store: StoreReader, spec: str) -> np.ndarray:
         layer, index = _int(parts[0], "the layer"), _int(parts[1], "the neuron")
         if len(parts) == 3 and parts[2] != "out":
             raise QueryError(
-                "direction: a neuron's input weights are not stored (the store keeps W_down); use neuron:LAYER:INDEX"
+                "direction: a neuron's input weights are not stored (the store keeps W_down): the dfa and topk "
+                "commands (actstore.jobs.model.direction_for) read neuron:LAYER:INDEX:in|up from the store's model"
             )
         if not 0 <= layer < g.n_layers:
             raise QueryError(f"direction: layer {layer} out of range 0..{g.n_layers - 1}")
