@@ -31,7 +31,7 @@ from actstore.ingest.datasets.jsonl_stream import JsonlLines, stream_dataset
 from actstore.ingest.datasets.text_corpus import Documents, is_corpus_spec, load_documents
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.models.base import LoadedModel
-from actstore.ingest.models.registry import load_model
+from actstore.ingest.models.registry import check_model_name, load_model
 from actstore.ingest.pipeline import capture_prompts
 from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import CORPUS_KINDS, IngestRequest
@@ -103,6 +103,7 @@ def _load(req: IngestRequest, log: Callable[[str], None]) -> DatasetResult | Doc
 
 
 def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
+    check_model_name(req.model)  # a name that cannot load fails before the data set is read
     data = _load(req, log)
     loc = locate(req.out)
     loc.probe()  # a wrong S3 endpoint, credentials or bucket fails here, before the model loads

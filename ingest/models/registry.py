@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 import torch
-from huggingface_hub import constants
+from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -41,7 +41,7 @@ from .cache import model_cache_dir
 from .gguf import GGUF_ALIASES, converted_alias, converted_gguf
 from .tiny import TINY_ARCHS, tiny_arch, tiny_model
 
-__all__ = ["known_alias", "load_model"]
+__all__ = ["check_model_name", "known_alias", "load_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,26 +193,63 @@ def _hub_failure(key: str, exc: BaseException) -> str:
     return f"cannot load {key!r} from {endpoint}: {short_reason(exc)}"
 
 
-def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedModel:
-    def unknown(reason: str, cls: type[ModelError] = ModelError) -> ModelError:
-        return cls(
-            f"unknown model {name!r}: not an alias ({', '.join(GGUF_ALIASES)}, "
-            f"{', '.join('tiny-' + a for a in TINY_ARCHS)}), not a local folder, "
-            f"and not loadable from the hub: {reason}"
-        )
+def _unknown(name: str, reason: str, cls: type[ModelError] = ModelError) -> ModelError:
+    return cls(
+        f"unknown model {name!r}: not an alias ({', '.join(GGUF_ALIASES)}, "
+        f"{', '.join('tiny-' + a for a in TINY_ARCHS)}), not a local folder, "
+        f"and not loadable from the hub: {reason}"
+    )
 
+
+def _check_hub_name(name: str, key: str) -> None:
+    """Refuse at once (no network) what cannot be a hub repository name."""
     if key.lower().endswith(".gguf"):
-        raise unknown(f"no GGUF file {str(Path(key).expanduser())!r}", UnknownModelName)
+        raise _unknown(name, f"no GGUF file {str(Path(key).expanduser())!r}", UnknownModelName)
     if key.startswith(("/", "./", "../", "~", ".\\")) or key.count("/") > 1 or "\\" in key:
-        raise unknown(f"no folder {str(Path(key).expanduser())!r}", UnknownModelName)
+        raise _unknown(name, f"no folder {str(Path(key).expanduser())!r}", UnknownModelName)
     if not _REPO_ID.match(key) or "--" in key or ".." in key:
-        raise unknown("not a valid hub repository name", UnknownModelName)
+        raise _unknown(name, "not a valid hub repository name", UnknownModelName)
     if "/" not in key:  # not owner/name: refused at once, before any network access
-        raise unknown(
+        raise _unknown(
+            name,
             "a hub name is owner/name (e.g. HuggingFaceTB/SmolLM2-135M-Instruct); for a local "
             "transformers folder pass its path (e.g. ./my-model)",
             UnknownModelName,
         )
+
+
+def _not_cached(name: str, key: str, offline: str) -> ModelError:
+    return _unknown(
+        name,
+        f"{key!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and {offline}: "
+        f"download it once with network access (e.g. hf download {key}), or pass a local folder"
+        + ("" if "is set" in offline else "; HF_HUB_OFFLINE=1 skips this check"),
+    )
+
+
+def check_model_name(name: str) -> None:
+    """Refuse, in one line and without loading anything, a name :func:`load_model` could not load
+    here: neither an alias, a GGUF file, a folder nor a tiny model, and not a hub name that is in the
+    local hub cache or reachable (run before a data set is read, so that a wrong name fails at once)."""
+    key = name.strip()
+    path = Path(key).expanduser()
+    if key.lower() in GGUF_ALIASES or path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return
+    if key.lower().startswith("tiny-") and tiny_arch(key[5:]) is not None:
+        return
+    _check_hub_name(name, key)
+    if isinstance(try_to_load_from_cache(key, "config.json"), str):
+        return
+    offline = hub_offline()
+    if offline:
+        raise _not_cached(name, key, offline)
+
+
+def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedModel:
+    def unknown(reason: str, cls: type[ModelError] = ModelError) -> ModelError:
+        return _unknown(name, reason, cls)
+
+    _check_hub_name(name, key)
 
     def fetch(local_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         model = AutoModelForCausalLM.from_pretrained(
@@ -228,11 +265,7 @@ def _load_hub(name: str, key: str, device: str, dtype: torch.dtype) -> LoadedMod
         if offline:
             if not any(isinstance(cause, LocalEntryNotFoundError) for cause in _causes(exc)):
                 raise unknown(f"cannot load {key!r} from the local hub cache: {short_reason(exc)}") from exc
-            raise unknown(
-                f"{key!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and {offline}: "
-                f"download it once with network access (e.g. hf download {key}), or pass a local folder"
-                + ("" if "is set" in offline else "; HF_HUB_OFFLINE=1 skips this check")
-            ) from exc
+            raise _not_cached(name, key, offline) from exc
         logger.info("%s is not in the local hub cache: fetching it from %s", key, constants.ENDPOINT)
         try:
             model, tokenizer = fetch(False)

@@ -51,3 +51,19 @@ def test_the_offline_switch_reads_the_environment_now(monkeypatch: pytest.Monkey
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     reason = hub_offline()
     assert reason is not None and reason.startswith("http://127.0.0.1:9 cannot be reached")
+
+
+@pytest.mark.parametrize("model", ["nosuchmodel", "some-owner/no-such-model", "./no/such/folder"])
+def test_the_model_name_is_checked_before_the_data_set_is_read(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data set that does not exist is not what the one line names: the model is refused first."""
+    monkeypatch.setenv("ACTSTORE_OFFLINE", "1")
+    missing = tmp_path / "nowhere.jsonl"
+    r = CliRunner().invoke(
+        main, ["ingest", "--model", model, "--dataset", f"jsonl:{missing}", "--out", str(tmp_path / "s")]
+    )
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.exit_code in (1, 2) and len(lines) == 1, r.output
+    assert f"unknown model {model!r}" in lines[0] and "nowhere.jsonl" not in r.output
+    assert not (tmp_path / "s").exists()
