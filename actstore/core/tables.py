@@ -24,6 +24,16 @@ SEGMENT_TABLES = ("examples", "tokens", "targets")
 # of the three (written per segment, hashed in the marker, compacted into the snapshot) holds for it.
 POSITIONS_TABLE = "positions"
 ALL_SEGMENT_TABLES = (*SEGMENT_TABLES, POSITIONS_TABLE)
+
+
+def table_kind(name: str) -> str:
+    """What a store's table is, in the summaries (report and explorer): ``corpus`` (written by the
+    ingest), ``run log`` (``runs``) or ``result`` (an analysis's)."""
+    if name in ALL_SEGMENT_TABLES or name == "heads":
+        return "corpus"
+    return "run log" if name == "runs" else "result"
+
+
 HASH_SUFFIX = ".sha256"  # the companion of a non-segment table file: tables/<name>/<file>.parquet.sha256
 MAX_TABLE_BYTES = 8 << 30  # a table file larger than this is refused unread
 

@@ -12,7 +12,7 @@ import numpy as np
 from actstore.core.model_names import describe_model
 from actstore.core.sizes import StoreSize, human_size, store_size
 from actstore.core.store import StoreReader
-from actstore.core.tables import ALL_SEGMENT_TABLES
+from actstore.core.tables import table_kind
 from actstore.jobs import probe as probe_job
 from actstore.query.analyses.stats import proportion_interval
 from actstore.query.report.predictors import PREDICTOR_COLUMNS
@@ -61,11 +61,7 @@ def store_summary(store: StoreReader, *, with_size: bool = True) -> dict[str, An
         tables.append(
             {
                 "table": name,
-                "kind": "corpus"
-                if name in ALL_SEGMENT_TABLES or name == "heads"
-                else "run log"
-                if name == "runs"
-                else "result",
+                "kind": table_kind(name),
                 "files": len(fs),
                 "rows": n,
             }

@@ -8,7 +8,7 @@ from typing import Any
 from actstore.core.model_names import describe_model
 from actstore.core.sizes import human_size, store_size
 from actstore.core.store import StoreReader
-from actstore.core.tables import ALL_SEGMENT_TABLES
+from actstore.core.tables import table_kind
 from actstore.query.report.context import (
     READ_ERRORS,
     Block,
@@ -101,11 +101,7 @@ def summary_section(ctx: ReportContext) -> Section:
             "table": name,
             "files": len(files),
             "rows": _table_rows(ctx, name),
-            "kind": "corpus"
-            if name in ALL_SEGMENT_TABLES or name == "heads"
-            else "run log"
-            if name == "runs"
-            else "result",
+            "kind": table_kind(name),
         }
         for name, files in sorted(ctx.files.items())
     ]
