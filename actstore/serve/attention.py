@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from actstore.core.errors import NotFoundError, QueryError
+from actstore.core.errors import QueryError
 from actstore.core.store import StoreReader
 from actstore.query.select.corpus_sources import corpus_sources, read_rows, require_sources
-from actstore.serve.common import jsonable, sql
+from actstore.serve.common import document_positions, jsonable
 
 #: Tokens of a document whose pattern is shown (the document's first; the grid is n x n).
 PATTERN_TOKENS = 256
@@ -47,15 +47,7 @@ def attention_pattern(store: StoreReader, doc: int, layer: int, head: int) -> di
     if not 0 <= head < g.n_heads:
         raise QueryError(f"head {head} is out of range (0..{g.n_heads - 1})")
     K = require_sources(store, [layer])
-    pos = sql(
-        store,
-        "SELECT row, window_index, token FROM positions WHERE document = ? ORDER BY row LIMIT ?",
-        [doc, PATTERN_TOKENS + 1],
-    )
-    if not pos:
-        raise NotFoundError(f"no document {doc} in the store")
-    more = len(pos) > PATTERN_TOKENS
-    pos = pos[:PATTERN_TOKENS]
+    pos, more = document_positions(store, doc, "row, window_index, token", PATTERN_TOKENS)
     rows = np.array([int(p["row"]) for p in pos], dtype=np.int64)
     a = read_rows(store, "attn", rows, [layer], per=2 * K)[:, :, 0, head]  # [n, 2K]
     weight, offset = a[:, :K], a[:, K:].astype(np.int64)

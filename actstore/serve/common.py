@@ -363,3 +363,16 @@ def block_sample(
     cand = pool[taken[chunk[pool]]]
     pick = np.sort(rng.choice(cand, size=n, replace=False))
     return Selection(store, rows.take(pa.array(pick)))
+
+
+def document_positions(
+    store: StoreReader, doc: int, columns: str, limit: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The first ``limit`` positions of corpus document ``doc`` (``columns`` of the positions table, in
+    row order) and whether it has more; a 404 of one line where there is no such document."""
+    pos = sql(
+        store, f"SELECT {columns} FROM positions WHERE document = ? ORDER BY row LIMIT ?", [doc, limit + 1]
+    )
+    if not pos:
+        raise NotFoundError(f"no document {doc} in the store")
+    return pos[:limit], len(pos) > limit

@@ -21,7 +21,16 @@ from actstore.query.analyses.topk import position_contexts
 from actstore.query.select.features import FeatureSpec, check_corpus_kind, compute_block
 from actstore.serve.attention import attention_info
 from actstore.serve.catalog import Kept
-from actstore.serve.common import block_sample, has_table, jsonable, kept, runs_of, signature, sql
+from actstore.serve.common import (
+    block_sample,
+    document_positions,
+    has_table,
+    jsonable,
+    kept,
+    runs_of,
+    signature,
+    sql,
+)
 
 #: The unit kinds of a unit page: an MLP neuron, a head (its output norm), a direction file's row.
 UNIT_KINDS = ("mlp", "head", "direction")
@@ -461,16 +470,9 @@ def document_view(
     directions: dict[str, np.ndarray],
 ) -> dict[str, Any]:
     """Every token of document ``doc`` (its first :data:`DOC_TOKENS`), with a unit's value on each."""
-    pos = sql(
-        store,
-        "SELECT row, window_index, position, token, char_start, char_end FROM positions "
-        "WHERE document = ? ORDER BY row LIMIT ?",
-        [doc, DOC_TOKENS + 1],
+    pos, more = document_positions(
+        store, doc, "row, window_index, position, token, char_start, char_end", DOC_TOKENS
     )
-    if not pos:
-        raise NotFoundError(f"no document {doc} in the store")
-    more = len(pos) > DOC_TOKENS
-    pos = pos[:DOC_TOKENS]
     values = None
     label = None
     if unit is not None:
