@@ -32,7 +32,8 @@ from actstore.serve.common import (
     sql,
 )
 
-#: The unit kinds of a unit page: an MLP neuron, a head (its output norm), a direction file's row.
+#: The unit kinds of a unit page: an MLP neuron, a head (its output norm, or its output read along a
+#: direction: ``?direction=NAME``, the direction's first row), a direction's row at a residual index.
 UNIT_KINDS = ("mlp", "head", "direction")
 #: Positions the histogram of a unit is made of (a block sample, the same for every unit).
 HIST_SAMPLE = 4_000
@@ -143,7 +144,18 @@ def check_unit(
         check_corpus_kind(store, "attn_head", [layer])
         if not 0 <= index < g.n_heads:
             raise NotFoundError(f"head {index} is not in 0..{g.n_heads - 1}")
-        return None
+        return _direction_row(store, directions, name, 0) if name else None
+    vec = _direction_row(store, directions, name, index)
+    check_corpus_kind(store, "resid", [layer])
+    return vec
+
+
+def _direction_row(
+    store: StoreReader, directions: dict[str, np.ndarray], name: str | None, index: int
+) -> np.ndarray:
+    """Row ``index`` of the served direction ``name`` (or of ``neuron:L:I`` / ``token:ID`` computed from
+    the store's weights); a one-line 404/400 otherwise."""
+    g = store.geometry
     if name and name not in directions and name.split(":")[0] in ("neuron", "token"):
         from actstore.query.analyses.dfa import load_direction  # read from the store's weights only
 
@@ -158,8 +170,7 @@ def check_unit(
         raise NotFoundError(f"direction {name} has rows 0..{d.shape[0] - 1}, not {index}")
     if d.shape[1] != g.d_model:
         raise QueryError(f"direction {name} has {d.shape[1]} numbers, the residual stream {g.d_model}")
-    check_corpus_kind(store, "resid", [layer])
-    return d[index]
+    return np.asarray(d[index], dtype=np.float32)
 
 
 def unit_values(
@@ -178,7 +189,8 @@ def unit_values(
             v = store.read_segment_rows(block.segment, "mlp", block.seg_rows, [layer])[:, 0, index]
         elif kind == "head":
             assert spec is not None
-            v = np.linalg.norm(compute_block(store, spec, block)[:, 0, 0], axis=-1)
+            out = compute_block(store, spec, block)[:, 0, 0]  # [b, d_model]
+            v = out @ vec if vec is not None else np.linalg.norm(out, axis=-1)
         else:
             assert vec is not None and spec is not None
             v = compute_block(store, spec, block).reshape(len(block.seg_rows), -1) @ vec
@@ -208,8 +220,8 @@ def _stream_topk(
 def _precomputed(
     store: StoreReader, kind: str, layer: int, index: int, name: str | None
 ) -> tuple[str, list[dict[str, Any]]] | None:
-    if not has_table(store, "topk_contexts"):
-        return None
+    if not has_table(store, "topk_contexts") or kind == "head" and name:
+        return None  # (a head along a direction is never precomputed)
     tk = {"mlp": "mlp", "head": "attn_head", "direction": "direction"}[kind]
     for run in runs_of(store, "topk_contexts"):
         if kind == "direction":  # a direction run counts only when its file is the one served
@@ -258,7 +270,8 @@ def _sample_values(
     sel = hist_sample(store)
     if len(sel) == 0:
         return np.empty(0, np.float32)
-    key = (id(store), store.url, signature(store, "examples", "targets"), kind == "direction" or kind, layer)
+    along = kind == "head" and vec is not None  # a head read along a direction: its output vectors kept
+    key = (id(store), store.url, signature(store, "examples", "targets"), along or kind, layer)
     got = _SAMPLES.get(key)
     if got is None:
         spec = (
@@ -272,7 +285,8 @@ def _sample_values(
                 x = store.read_segment_rows(block.segment, "mlp", block.seg_rows, [layer])[:, 0]
             elif kind == "head":
                 assert spec is not None
-                x = np.linalg.norm(compute_block(store, spec, block)[:, 0], axis=-1)  # [b, H]
+                x = compute_block(store, spec, block)[:, 0]  # [b, H, d_model]
+                x = x if along else np.linalg.norm(x, axis=-1)  # [b, H]
             else:
                 assert spec is not None
                 x = compute_block(store, spec, block).reshape(len(block.seg_rows), -1)
@@ -282,6 +296,9 @@ def _sample_values(
     if kind == "direction":
         assert vec is not None
         return got @ vec  # type: ignore[no-any-return]
+    if along:
+        assert vec is not None
+        return got[:, index] @ vec  # type: ignore[no-any-return]
     return got[:, index]  # type: ignore[no-any-return]
 
 
@@ -325,12 +342,12 @@ def _token_names(store: StoreReader, ids: np.ndarray) -> dict[int, str]:
 def write_vector(
     store: StoreReader, kind: str, layer: int, index: int, vec: np.ndarray | None
 ) -> np.ndarray | None:
-    """The d_model direction the unit writes (a neuron's row of W_down; a direction itself; None for a
-    head, whose output is not one direction)."""
+    """The d_model direction the unit writes (a neuron's row of W_down; a direction itself, or the one a
+    head is read along; None for a head's norm, whose output is not one direction)."""
     if kind == "mlp" and store.has_weight("W_down"):
         w = kept(store, f"W_down:{layer}", (), lambda: store.weight("W_down", layer))  # [d_mlp, d_model]
         return np.asarray(w[index], dtype=np.float32)
-    if kind == "direction":
+    if kind in ("direction", "head"):
         return vec
     return None
 
@@ -372,7 +389,9 @@ def unit_view(
     active = float((vals > 0).mean()) if vals.size else None
     label = {
         "mlp": f"MLP neuron {layer}.{index}",
-        "head": f"head {layer}.{index} output norm",
+        "head": f"head {layer}.{index} output norm"
+        if vec is None
+        else f"head {layer}.{index} along {name}[0]",
         "direction": f"direction {name}[{index}] at residual {layer}",
     }[kind]
     return jsonable(
@@ -390,11 +409,11 @@ def unit_view(
                 "n": int(vals.size),
                 "of": store.n_rows,
                 "active": active,
-                "active_rule": "value > 0" if kind != "head" else "norm > 0",
+                "active_rule": "norm > 0" if kind == "head" and vec is None else "value > 0",
             },
             "logits": logit_effects(store, write_vector(store, kind, layer, index, vec)),
             "logits_note": None
-            if kind != "head"
+            if kind != "head" or vec is not None
             else "a head writes no single direction (its output depends on its values): no logit effects here",
         }
     )

@@ -469,7 +469,7 @@ async function corpusHome(d0) {
   const kind = el("select", { name: "kind" }); for (const k of ["mlp", "head", "direction"]) kind.append(el("option", { value: k, text: k }));
   const inp = (name, size = 5) => el("input", { name, size });
   form.append(el("label", {}, "unit ", kind), el("label", {}, "layer ", inp("layer")), el("label", {}, "index ", inp("index")), el("label", {}, "direction ", inp("direction", 12)), el("button", { type: "submit", text: "open" }));
-  form.addEventListener("submit", (e) => { e.preventDefault(); const f = Object.fromEntries(new FormData(form)); location.href = unitUrl(f.kind, f.layer, f.index, f.kind === "direction" ? f.direction : null); });
+  form.addEventListener("submit", (e) => { e.preventDefault(); const f = Object.fromEntries(new FormData(form)); location.href = unitUrl(f.kind, f.layer, f.index, f.kind !== "mlp" && f.direction ? f.direction : null); });
   const sform = el("form", { class: "search", id: "token-search" }, el("label", {}, "token text ", el("input", { type: "search", name: "q", value: Q.get("q") || "" })), el("button", { type: "submit", text: "search" }));
   const hits = el("div", { id: "token-hits" });
   const search = async (q) => {

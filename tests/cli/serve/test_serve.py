@@ -516,6 +516,19 @@ def test_unit_pages_equal_numpy(corpus_served: tuple[Path, TestClient]) -> None:
     d = get(c, "/api/s/{store}/units/{kind}/{layer}/{index}", "/api/s/corpus/units/head/1/2?k=5")
     order = np.lexsort((rows, -norm))[:5]
     assert [t["row"] for t in d["top"]] == rows[order].tolist() and d["logits"] is None and d["logits_note"]
+    # a head read along a direction (the served file's first row): u . z_h W_O,h, from the stored z
+    w0 = np.load(path.parent / "probe.npy")[0]
+    along = sel.features("attn_head", layers=[1])[:, 0, 2] @ w0
+    d = get(c, "/api/s/{store}/units/{kind}/{layer}/{index}", "/api/s/corpus/units/head/1/2?direction=probe")
+    order = np.lexsort((rows, -along))[:20]
+    assert [t["row"] for t in d["top"]] == rows[order].tolist() and d["source"].startswith("computed")
+    np.testing.assert_allclose([t["value"] for t in d["top"]], along[order], rtol=1e-4, atol=1e-6)
+    h = d["histogram"]
+    assert sum(h["counts"]) == h["n"] == s.n_rows and abs(h["active"] - float((along > 0).mean())) < 1e-9
+    assert "along probe" in d["label"] and d["logits"]["promoted"][0]["token_id"] == int(
+        np.argmax(s.weight("unembed") @ (w0 * s.weight("final_norm_weight")))
+    )
+    assert c.get("/s/corpus/unit/head/1/2?direction=probe").status_code == 200
     # a direction of the served file, at a residual index
     w = np.load(path.parent / "probe.npy")[2]
     proj = sel.features("resid", layers=[2])[:, 0] @ w
@@ -626,6 +639,7 @@ def test_bad_units_layers_directions_are_one_line_4xx(corpus_served: tuple[Path,
         ("/api/s/corpus/units/head/0/4", 404),
         ("/api/s/corpus/units/bogus/0/0", 404),
         ("/api/s/corpus/units/direction/2/0?direction=nope", 404),
+        ("/api/s/corpus/units/head/1/2?direction=nope", 404),
         ("/api/s/corpus/units/direction/2/3?direction=probe", 404),
         ("/api/s/corpus/units/direction/3/0?direction=probe", 400),
         ("/api/s/corpus/documents/99", 404),

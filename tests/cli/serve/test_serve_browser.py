@@ -402,6 +402,14 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
     )
     shot(pg, "unit-direction")
     _links_resolve(pg, base)
+    pg.goto(base + "/s/corpus/unit/head/1/2?direction=probe")  # the head read along a direction
+    ready(pg)
+    assert "head 1.2 along probe" in pg.inner_text("#unit-label")
+    assert (
+        pg.locator("#top-contexts tbody tr").count() == 20 and pg.locator("#promoted tbody tr").count() == 12
+    )
+    shot(pg, "unit-head-direction")
+    _links_resolve(pg, base)
     pg.goto(base + "/s/corpus/unit/direction/2/0?direction=tok7")  # a spec served as a direction
     ready(pg)
     assert "tok7" in pg.inner_text("#unit-label") and pg.locator("#top-contexts tbody tr").count() == 20
