@@ -100,26 +100,15 @@ def direction_for(store: StoreReader, spec: str, model: str | None = None) -> np
     ``neuron:LAYER:INDEX:in|up`` (a neuron's input weights, which a store does not keep) is read from
     the store's model (:func:`load_store_model`) and folded with the norm the MLP reads through
     (``Architecture.neuron_input``, ours)."""
-    from actstore.query.analyses.dfa import load_direction
+    from actstore.query.analyses.dfa import load_direction, neuron_spec
 
     kind, _, rest = spec.partition(":")
-    parts = rest.split(":")
-    if kind != "neuron" or len(parts) != 3 or parts[2] not in NEURON_INPUTS:
+    if kind != "neuron" or rest.rsplit(":", 1)[-1] not in NEURON_INPUTS:
         return load_direction(store, spec)
-    g = store.geometry
-    try:
-        layer, index = int(parts[0]), int(parts[1])
-    except ValueError:
-        raise InvalidSetting(
-            "direction", f"neuron:LAYER:INDEX:{parts[2]} takes integers, not {spec!r}"
-        ) from None
-    if not 0 <= layer < g.n_layers:
-        raise InvalidSetting("direction", f"layer {layer} out of range 0..{g.n_layers - 1}")
-    if not 0 <= index < g.d_mlp:
-        raise InvalidSetting("direction", f"neuron {index} out of range 0..{g.d_mlp - 1}")
+    layer, index, side = neuron_spec(store, rest)
     loaded = load_store_model(store, model, quiet=True)
     try:
-        u = architecture_for(loaded.model).neuron_input(loaded.model, layer, index, NEURON_INPUTS[parts[2]])
+        u = architecture_for(loaded.model).neuron_input(loaded.model, layer, index, NEURON_INPUTS[side])
     except ValueError as e:
         raise InvalidSetting("direction", str(e)) from None
     return u

@@ -10,6 +10,7 @@ unit, kept), so it too is flat in the store's size."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -271,8 +272,9 @@ def _sample_values(
     sel = hist_sample(store)
     if len(sel) == 0:
         return np.empty(0, np.float32)
-    along = kind == "head" and vec is not None  # a head read along a direction: its output vectors kept
-    key = (id(store), store.url, signature(store, "examples", "targets"), along or kind, layer)
+    along = kind == "head" and vec is not None  # a head read along a direction: every head's projection kept
+    what = ("head along", hashlib.sha1(np.asarray(vec, np.float32).tobytes()).hexdigest()) if along else kind
+    key = (id(store), store.url, signature(store, "examples", "targets"), what, layer)
     got = _SAMPLES.get(key)
     if got is None:
         spec = (
@@ -287,7 +289,7 @@ def _sample_values(
             elif kind == "head":
                 assert spec is not None
                 x = compute_block(store, spec, block)[:, 0]  # [b, H, d_model]
-                x = x if along else np.linalg.norm(x, axis=-1)  # [b, H]
+                x = x @ vec if along else np.linalg.norm(x, axis=-1)  # [b, H]
             else:
                 assert spec is not None
                 x = compute_block(store, spec, block).reshape(len(block.seg_rows), -1)
@@ -297,9 +299,6 @@ def _sample_values(
     if kind == "direction":
         assert vec is not None
         return got @ vec  # type: ignore[no-any-return]
-    if along:
-        assert vec is not None
-        return got[:, index] @ vec  # type: ignore[no-any-return]
     return got[:, index]  # type: ignore[no-any-return]
 
 

@@ -46,24 +46,32 @@ def _int(text: str, what: str) -> int:
         raise QueryError(f"direction: {what} must be an integer, not {text!r}") from None
 
 
+def neuron_spec(store: StoreReader, rest: str) -> tuple[int, int, str]:
+    """(layer, neuron, side) of ``neuron:LAYER:INDEX[:out|in|up]`` (``rest`` is what follows
+    ``neuron:``), each checked against the store's geometry; one QueryError otherwise."""
+    g = store.geometry
+    parts = rest.split(":")
+    if len(parts) not in (2, 3) or len(parts) == 3 and parts[2] not in ("out", "in", "up"):
+        raise QueryError("direction: neuron:LAYER:INDEX[:out|in|up] (out: the row of W_down)")
+    layer, index = _int(parts[0], "the layer"), _int(parts[1], "the neuron")
+    if not 0 <= layer < g.n_layers:
+        raise QueryError(f"direction: layer {layer} out of range 0..{g.n_layers - 1}")
+    if not 0 <= index < g.d_mlp:
+        raise QueryError(f"direction: neuron {index} out of range 0..{g.d_mlp - 1}")
+    return layer, index, parts[2] if len(parts) == 3 else "out"
+
+
 def load_direction(store: StoreReader, spec: str) -> np.ndarray:
     """The direction ``spec`` names (see the module docstring), as float32 [d_model], its width checked."""
     g = store.geometry
     kind, _, rest = spec.partition(":")
     if kind == "neuron":
-        parts = rest.split(":")
-        if len(parts) not in (2, 3):
-            raise QueryError("direction: neuron:LAYER:INDEX[:out] (its output weights, the row of W_down)")
-        layer, index = _int(parts[0], "the layer"), _int(parts[1], "the neuron")
-        if len(parts) == 3 and parts[2] != "out":
+        layer, index, side = neuron_spec(store, rest)
+        if side != "out":
             raise QueryError(
                 "direction: a neuron's input weights are not stored (the store keeps W_down): the dfa and topk "
                 "commands (actstore.jobs.model.direction_for) read neuron:LAYER:INDEX:in|up from the store's model"
             )
-        if not 0 <= layer < g.n_layers:
-            raise QueryError(f"direction: layer {layer} out of range 0..{g.n_layers - 1}")
-        if not 0 <= index < g.d_mlp:
-            raise QueryError(f"direction: neuron {index} out of range 0..{g.d_mlp - 1}")
         u = store.weight("W_down", layer)[index]
     elif kind == "token":
         from actstore.query.analyses.readout import FinalReadout
