@@ -11,6 +11,7 @@ unit, kept), so it too is flat in the store's size."""
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ from actstore.serve.common import (
 from actstore.serve.logit_effects import logit_effects, write_vector
 
 #: The unit kinds of a unit page: an MLP neuron, a head (its output norm, or its output read along a
-#: direction: ``?direction=NAME``, the direction's first row), a direction's row at a residual index.
+#: direction: ``?direction=NAME`` its first row, ``?direction=NAME[ROW]`` another), a direction's row at a
+#: residual index.
 UNIT_KINDS = ("mlp", "head", "direction")
 #: Positions the histogram of a unit is made of (a block sample, the same for every unit).
 HIST_SAMPLE = 4_000
@@ -146,10 +148,23 @@ def check_unit(
         check_corpus_kind(store, "attn_head", [layer])
         if not 0 <= index < g.n_heads:
             raise NotFoundError(f"head {index} is not in 0..{g.n_heads - 1}")
-        return _direction_row(store, directions, name, 0) if name else None
+        if not name:
+            return None
+        base, row = _row_of(name)
+        return _direction_row(store, directions, base, row)
+    if name and _row_of(name)[0] != name:
+        raise NotFoundError(
+            f"a direction unit's row is its index (/unit/direction/LAYER/ROW), not {name[:40]!r}"
+        )
     vec = _direction_row(store, directions, name, index)
     check_corpus_kind(store, "resid", [layer])
     return vec
+
+
+def _row_of(name: str) -> tuple[str, int]:
+    """``NAME[ROW]`` -> (NAME, ROW): a head read along row ROW of a served direction (row 0 without it)."""
+    m = re.fullmatch(r"(.+)\[(\d{1,9})\]", name)
+    return (m.group(1), int(m.group(2))) if m else (name, 0)
 
 
 def _direction_row(
@@ -341,7 +356,7 @@ def unit_view(
         "mlp": f"MLP neuron {layer}.{index}",
         "head": f"head {layer}.{index} output norm"
         if vec is None
-        else f"head {layer}.{index} along {name}[0]",
+        else f"head {layer}.{index} along {_row_of(name or '')[0]}[{_row_of(name or '')[1]}]",
         "direction": f"direction {name}[{index}] at residual {layer}",
     }[kind]
     return jsonable(

@@ -529,6 +529,15 @@ def test_unit_pages_equal_numpy(corpus_served: tuple[Path, TestClient]) -> None:
         np.argmax(s.weight("unembed") @ (w0 * s.weight("final_norm_weight")))
     )
     assert c.get("/s/corpus/unit/head/1/2?direction=probe").status_code == 200
+    # ... and along another row of the served file: NAME[ROW]
+    w1 = np.load(path.parent / "probe.npy")[1]
+    along1 = sel.features("attn_head", layers=[1])[:, 0, 2] @ w1
+    d = get(
+        c, "/api/s/{store}/units/{kind}/{layer}/{index}", "/api/s/corpus/units/head/1/2?direction=probe[1]"
+    )
+    order = np.lexsort((rows, -along1))[:20]
+    assert [t["row"] for t in d["top"]] == rows[order].tolist() and "along probe[1]" in d["label"]
+    np.testing.assert_allclose([t["value"] for t in d["top"]], along1[order], rtol=1e-4, atol=1e-6)
     # a direction of the served file, at a residual index
     w = np.load(path.parent / "probe.npy")[2]
     proj = sel.features("resid", layers=[2])[:, 0] @ w
@@ -641,6 +650,8 @@ def test_bad_units_layers_directions_are_one_line_4xx(corpus_served: tuple[Path,
         ("/api/s/corpus/units/direction/2/0?direction=nope", 404),
         ("/api/s/corpus/units/head/1/2?direction=nope", 404),
         ("/api/s/corpus/units/direction/2/3?direction=probe", 404),
+        ("/api/s/corpus/units/head/1/2?direction=probe[3]", 404),
+        ("/api/s/corpus/units/direction/2/0?direction=probe[1]", 404),
         ("/api/s/corpus/units/direction/3/0?direction=probe", 400),
         ("/api/s/corpus/documents/99", 404),
         ("/api/s/corpus/documents/1;DROP", 400),
