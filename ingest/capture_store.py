@@ -34,7 +34,7 @@ from actstore.core.segments import tokenizer_file_name_ok
 from actstore.core.storage.base import StoreLocation
 from actstore.core.tables import sha256
 from actstore.core.writer import StoreWriter
-from actstore.ingest.capture.architectures import Architecture, architecture_for
+from actstore.ingest.capture.architectures import Architecture, architecture_for, weights_key
 from actstore.ingest.capture.fused import FusedCapture
 from actstore.ingest.ranks import rank_zero_first
 from actstore.ingest.settings import IngestConfig
@@ -121,10 +121,16 @@ def open_writer(
         writer = StoreWriter.resume(loc, manifest)
     else:
 
-        def create() -> StoreWriter:
-            weights, attrs = arch.weights(model)
+        def create() -> StoreWriter:  # the weights extracted only when the cache's index lacks the model
+            key = weights_key(model, arch, str(manifest.model.get("weight_hash") or ""))
             return StoreWriter.create(
-                loc, manifest, weights, attrs, overwrite=cfg.overwrite, files=files, weights_mode=cfg.weights
+                loc,
+                manifest,
+                lambda: arch.weights(model),
+                overwrite=cfg.overwrite,
+                files=files,
+                weights_mode=cfg.weights,
+                weights_key=key,
             )
 
         writer = rank_zero_first(

@@ -20,6 +20,13 @@ was shared into. Readers use the store's own ``weights/`` when the record says c
 record alone decides, so opening a store on object storage sends no HEAD or LIST for it). ``verify`` recomputes
 the hash of whichever copy the store uses.
 
+The cache also keeps a small index (``sources/<key>.json``, ours): the content hash and size of the
+weights extracted from a model whose identity is ``key`` (:func:`store_model_weights`; the ingest's
+key hashes the SHA-256 of the model's weights as loaded, its config, its architecture and the source
+of the extraction code). A second store of the same model then neither extracts the weights again
+nor hashes them: its record is written from the index, when the shared copy it names is there. A
+changed model file changes the weights' SHA-256 and so the key: it is extracted and hashed again.
+
 Part of the store core: imports nothing from ``ingest`` or ``query``.
 """
 
@@ -31,7 +38,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +60,8 @@ RECORD = "weights.json"  # the store's record of its weights (hash, mode, cache)
 WEIGHTS_DIR = "weights"  # the store's own copy
 ENV_DIR = "ACTSTORE_WEIGHTS_DIR"
 _RECORD_FORMAT = "actstore-weights"
+_INDEX_FORMAT = "actstore-weights-source"
+INDEX_DIR = "sources"  # the cache's index: a model's identity -> its weights' content hash
 _MAX_RECORD = 1 << 16
 log = logging.getLogger(__name__)
 
@@ -289,3 +298,72 @@ def materialise(loc: StoreLocation) -> str:
         return (
             f"{loc.url}: copied the weights ({record.nbytes / 2**20:.1f} MiB) from {src.where} into the store"
         )
+
+
+Extracted = tuple[Mapping[str, np.ndarray], Mapping[str, Any]]
+
+
+def source_key(*parts: str) -> str:
+    """The index key of a model (ours): SHA-256 of ``parts`` (each its length, then its UTF-8 bytes)."""
+    h = hashlib.sha256()
+    for part in parts:
+        b = part.encode()
+        h.update(len(b).to_bytes(8, "little") + b)
+    return h.hexdigest()
+
+
+def _index_path(key: str) -> Path:
+    return cache_root() / INDEX_DIR / f"{key}.json"
+
+
+def indexed(key: str) -> WeightsRecord | None:
+    """The index's shared record for the model ``key`` (None: no entry, an unreadable or corrupt one, or
+    one whose shared copy is gone: the weights are then extracted and hashed again)."""
+    try:
+        data = _index_path(key).read_bytes()[:_MAX_RECORD]
+        d = json.loads(data)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict) or d.get("format") != _INDEX_FORMAT or not checksum_ok(d, set()):
+        return None
+    digest, nbytes = d.get("sha256"), d.get("bytes")
+    if not isinstance(digest, str) or len(digest) != 64 or not isinstance(nbytes, int):
+        return None
+    if not (cache_root() / digest / "zarr.json").is_file():
+        return None
+    return WeightsRecord(digest, "shared", nbytes, str(cache_root()))
+
+
+def remember(key: str, record: WeightsRecord) -> None:
+    """Write the index entry of ``key`` (written to a temporary file renamed into place: a reader sees
+    the whole entry or none; two writers of one key write the same bytes)."""
+    path = _index_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = seal({"format": _INDEX_FORMAT, "sha256": record.sha256, "bytes": record.nbytes})
+    tmp = path.with_name(f".tmp-{uuid.uuid4().hex}")
+    try:
+        tmp.write_bytes(json.dumps(doc, sort_keys=True).encode())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def store_model_weights(
+    loc: StoreLocation, extract: Callable[[], Extracted], key: str, n_layers: int, mode: str
+) -> WeightsRecord:
+    """:func:`store_weights` of the weights ``extract()`` gives, skipped when the index knows ``key`` (a
+    local store, shared or none, whose shared copy is in the cache): the record is then written from
+    the index, and ``extract`` is not called. After a shared store the index learns ``key``; ``copy``
+    and ``none`` leave the cache untouched."""
+    local = loc.paths_open_directly()
+    if key and mode in ("shared", "none") and (local or mode == "none"):
+        known = indexed(key)
+        if known is not None:
+            record = known if mode == "shared" else WeightsRecord(known.sha256, "none", known.nbytes)
+            loc.write_bytes_atomic(RECORD, record.to_json())
+            return record
+    weights, attrs = extract()
+    record = store_weights(loc, weights, attrs, n_layers, mode)
+    if key and record.mode == "shared":
+        remember(key, record)
+    return record

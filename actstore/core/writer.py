@@ -9,7 +9,7 @@ per process or GPU) can each take a disjoint set of segments.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from actstore.core.segments import read_commits, segment_name
 from actstore.core.storage.base import StoreLocation
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES, HEADS, sha256, to_parquet_bytes
-from actstore.core.weight_store import store_weights
+from actstore.core.weight_store import Extracted, store_model_weights, store_weights
 
 # Manifest fields a resume must match exactly, or the result would not equal an uninterrupted run.
 RESUME_KEYS = (
@@ -58,21 +58,29 @@ class StoreWriter:
         cls,
         loc: StoreLocation,
         manifest: Manifest,
-        weights: Mapping[str, np.ndarray],
-        weight_attrs: Mapping[str, Any],
+        weights: Mapping[str, np.ndarray] | Callable[[], Extracted],
+        weight_attrs: Mapping[str, Any] | None = None,
         *,
         overwrite: bool = False,
         files: Mapping[str, bytes] | None = None,
         weights_mode: str = "shared",
+        weights_key: str = "",
     ) -> StoreWriter:
         """A new store at ``loc``.  The caller holds the writer lock (:mod:`actstore.core.lock`); an existing
         store is replaced only with ``overwrite`` and only when it provably is one, and the signed
         remains of a killed creation are cleared (:func:`actstore.core.ownership.prepare_root`).
-        ``weights_mode``: where the weights go (shared, copy, none: :mod:`actstore.core.weight_store`)."""
+        ``weights_mode``: where the weights go (shared, copy, none: :mod:`actstore.core.weight_store`);
+        ``weights``: the arrays (with ``weight_attrs``), or a function giving both, called only when the
+        shared cache's index does not know ``weights_key`` (:func:`~actstore.core.weight_store.
+        store_model_weights`)."""
         prepare_root(loc, overwrite=overwrite)
         loc.makedirs("")
         loc.write_bytes_atomic(CREATING, creating_marker())
-        store_weights(loc, weights, weight_attrs, manifest.geometry.n_layers, weights_mode)
+        n_layers = manifest.geometry.n_layers
+        if callable(weights):
+            store_model_weights(loc, weights, weights_key, n_layers, weights_mode)
+        else:
+            store_weights(loc, weights, weight_attrs or {}, n_layers, weights_mode)
         g = manifest.geometry
         heads = pa.table(
             {

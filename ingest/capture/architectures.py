@@ -15,7 +15,10 @@ An :class:`Architecture` knows the modules of one family; :func:`architecture_fo
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from actstore.core.manifest import Geometry
+from actstore.core.weight_store import source_key
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -278,3 +282,16 @@ def architecture_for(model: Any) -> Architecture:
     if model_type.startswith("gemma"):
         arch.name = "gemma3"
     return arch
+
+
+def weights_key(model: Any, arch: Architecture, weight_hash: str) -> str:
+    """The shared weights cache's index key of ``model`` (ours; :func:`actstore.core.weight_store.
+    store_model_weights`): ``weight_hash`` (the SHA-256 of its weights as loaded, which ``load_model``
+    computes: a changed model file changes it), its config, ``arch`` and the source of the module that
+    extracts the weights (:meth:`Architecture.weights`: changed code is extracted again). "" (no
+    index) without a ``weight_hash``."""
+    if not weight_hash:
+        return ""
+    code = hashlib.sha256(Path(inspect.getfile(type(arch))).read_bytes()).hexdigest()
+    config = model.config.to_json_string(use_diff=False)
+    return source_key("actstore-weights-v1", weight_hash, config, arch.name, code)

@@ -20,7 +20,7 @@ import actstore
 from actstore.cli import main
 from actstore.core.sizes import human_size, store_size
 from actstore.core.storage import locate
-from actstore.core.weight_store import RECORD, content_hash, read_record, store_weights
+from actstore.core.weight_store import INDEX_DIR, RECORD, content_hash, read_record, store_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +65,7 @@ def stores(tmp_path: Path, cache: Path) -> dict[str, Path]:
 
 
 def test_two_stores_of_one_model_share_one_copy(stores: dict[str, Path], cache: Path) -> None:
-    copies = sorted(p.name for p in cache.iterdir() if p.is_dir())
+    copies = sorted(p.name for p in cache.iterdir() if p.is_dir() and p.name != INDEX_DIR)
     assert len(copies) == 1 and len(copies[0]) == 64  # one folder, named by the content hash
     shared = cache / copies[0]
     for name in ("shared1", "shared2", "none"):
@@ -219,7 +219,7 @@ def test_two_ingests_write_the_same_cache_at_once(tmp_path: Path, cache: Path) -
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     entries = sorted(p.name for p in cache.iterdir())
-    folders = [e for e in entries if (cache / e).is_dir()]
+    folders = [e for e in entries if (cache / e).is_dir() and e != INDEX_DIR]
     assert len(folders) == 1 and not [e for e in entries if e.startswith(".tmp-")], entries
     for n in ("a", "b"):
         assert run("verify", str(tmp_path / n))[0] == 0
