@@ -306,7 +306,7 @@ QUERY_PARAMETERS: dict[str, tuple[str, ...]] = {
     "/api/s/{store}/tokens": ("q", "size"),
     "/api/s/{store}/units/{kind}/{layer}/{index}": ("direction", "k"),
     "/api/s/{store}/documents/{document}": ("kind", "layer", "index", "direction"),
-    "/api/s/{store}/documents/{document}/attention": ("layer", "head"),
+    "/api/s/{store}/documents/{document}/attention": ("layer", "head", "start"),
 }
 
 

@@ -19,7 +19,7 @@ from actstore.core.store import StoreReader
 from actstore.query.select.corpus_sources import corpus_sources, read_rows, require_sources
 from actstore.serve.common import document_positions, jsonable
 
-#: Tokens of a document whose pattern is shown (the document's first; the grid is n x n).
+#: Tokens of a document whose pattern is shown at once (from ``start``; the grid is n x n).
 PATTERN_TOKENS = 256
 
 
@@ -38,16 +38,17 @@ def attention_info(store: StoreReader) -> dict[str, Any]:
     }
 
 
-def attention_pattern(store: StoreReader, doc: int, layer: int, head: int) -> dict[str, Any]:
-    """Head ``(layer, head)``'s kept attention over document ``doc``'s first :data:`PATTERN_TOKENS`
-    tokens: per token its kept sources (document indices, weights) and kept mass."""
+def attention_pattern(store: StoreReader, doc: int, layer: int, head: int, start: int = 0) -> dict[str, Any]:
+    """Head ``(layer, head)``'s kept attention over :data:`PATTERN_TOKENS` tokens of document ``doc``
+    from its ``start``-th: per token its kept sources (indices among the tokens shown, weights) and its
+    kept mass (sources before ``start`` count in the mass but are not drawn)."""
     g = store.geometry
     if not 0 <= layer < g.n_layers:
         raise QueryError(f"layer {layer} is out of range (0..{g.n_layers - 1})")
     if not 0 <= head < g.n_heads:
         raise QueryError(f"head {head} is out of range (0..{g.n_heads - 1})")
     K = require_sources(store, [layer])
-    pos, more = document_positions(store, doc, "row, window_index, token", PATTERN_TOKENS)
+    pos, more = document_positions(store, doc, "row, window_index, token", PATTERN_TOKENS, start)
     rows = np.array([int(p["row"]) for p in pos], dtype=np.int64)
     a = read_rows(store, "attn", rows, [layer], per=2 * K)[:, :, 0, head]  # [n, 2K]
     weight, offset = a[:, :K], a[:, K:].astype(np.int64)
@@ -64,6 +65,8 @@ def attention_pattern(store: StoreReader, doc: int, layer: int, head: int) -> di
     return jsonable(
         {
             "document": doc,
+            "start": start,
+            "page_tokens": PATTERN_TOKENS,
             "layer": layer,
             "head": head,
             "sources_kept": K,

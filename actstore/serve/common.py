@@ -366,13 +366,21 @@ def block_sample(
 
 
 def document_positions(
-    store: StoreReader, doc: int, columns: str, limit: int
+    store: StoreReader, doc: int, columns: str, limit: int, start: int = 0
 ) -> tuple[list[dict[str, Any]], bool]:
-    """The first ``limit`` positions of corpus document ``doc`` (``columns`` of the positions table, in
-    row order) and whether it has more; a 404 of one line where there is no such document."""
+    """``limit`` positions of corpus document ``doc`` from its ``start``-th (``columns`` of the positions
+    table, in row order) and whether it has more; a 404 of one line where there is no such document or
+    no token at ``start``."""
     pos = sql(
-        store, f"SELECT {columns} FROM positions WHERE document = ? ORDER BY row LIMIT ?", [doc, limit + 1]
+        store,
+        f"SELECT {columns} FROM positions WHERE document = ? ORDER BY row LIMIT ? OFFSET ?",
+        [doc, limit + 1, start],
     )
     if not pos:
-        raise NotFoundError(f"no document {doc} in the store")
+        there = start and sql(store, "SELECT count(*) AS n FROM positions WHERE document = ?", [doc])[0]["n"]
+        raise NotFoundError(
+            f"document {doc} has {there} tokens: none from {start}"
+            if there
+            else f"no document {doc} in the store"
+        )
     return pos[:limit], len(pos) > limit

@@ -92,8 +92,9 @@ def api_attention(request: Request, s: Served) -> Any:
     g = s.store.geometry
     layer = int_param(_q(request, "layer"), "layer", low=0, high=g.n_layers - 1)
     head = int_param(_q(request, "head"), "head", low=0, high=g.n_heads - 1)
-    key = ("attention", doc, layer, head, signature(s.store))
-    return s.cached(key, lambda: attention.attention_pattern(s.store, doc, layer, head))
+    start = int_param(_q(request, "start") or "0", "start", low=0, high=2**62)
+    key = ("attention", doc, layer, head, start, signature(s.store))
+    return s.cached(key, lambda: attention.attention_pattern(s.store, doc, layer, head, start))
 
 
 def redirect(request: Request, served: Served, view: str, params: dict[str, Any]) -> Response:

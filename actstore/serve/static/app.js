@@ -569,7 +569,7 @@ async function attentionSection(info) {
   form.append(el("label", {}, "layer ", ls), el("label", {}, "head ", hs), el("button", { type: "submit", text: "show" }));
   form.addEventListener("submit", (e) => { e.preventDefault(); const f = Object.fromEntries(new FormData(form)); setQuery(f); location.reload(); });
   let a;
-  try { a = await api(`/documents/${D.document}/attention`, { layer, head }); } catch (e) { return section("Attention pattern", form, failed(e)); }
+  try { a = await api(`/documents/${D.document}/attention`, { layer, head, start: Q.get("att_start") ?? "0" }); } catch (e) { return section("Attention pattern", form, failed(e)); }
   const lim = Math.max(1e-6, a.max_weight), n = a.tokens.length, c = Math.max(3, Math.min(14, Math.floor(560 / Math.max(1, n)))), mw = 60;
   const labels = n <= 80, left = labels ? 96 : 4, top = labels ? 64 : 0;  // token labels on both axes
   const svg = svgEl("svg", { width: left + n * c + 8 + mw, height: top + n * c + 4, id: "att-grid", class: "attgrid" });
@@ -587,13 +587,13 @@ async function attentionSection(info) {
     mark.setAttribute("y", top + t * c);
     const w = new Map(a.sources[t].map(([j, v]) => [j, v]));
     spans.forEach((sp, j) => { sp.style.background = j === t ? "" : colour(w.get(j) ?? null, lim, false, 0.55); sp.classList.toggle("at", j === t); sp.dataset.weight = w.get(j) ?? ""; });
-    info2.textContent = `weights from token ${t} (${visible(a.tokens[t])}, row ${a.rows[t]}): kept mass ${fmt(a.mass[t], 3)} on ${a.sources[t].length} source(s)`;
+    info2.textContent = `weights from token ${a.start + t} (${visible(a.tokens[t])}, row ${a.rows[t]}): kept mass ${fmt(a.mass[t], 3)} on ${a.sources[t].length} source(s)`;
   };
   spans.forEach((sp, j) => { sp.addEventListener("click", () => choose(j)); strip.append(sp); });
   a.sources.forEach((src, t) => {
     for (const [j, w] of src) {
       const r = svgEl("rect", { x: left + j * c, y: top + t * c, width: c, height: c, fill: colour(w, lim, false, 1), class: "att", "data-t": t, "data-j": j, "data-weight": w });
-      const tt = svgEl("title", {}); tt.textContent = `${visible(a.tokens[t])} (${t}) <- ${visible(a.tokens[j])} (${j}): ${fmt(w, 4)}`; r.append(tt); svg.append(r);
+      const tt = svgEl("title", {}); tt.textContent = `${visible(a.tokens[t])} (${a.start + t}) <- ${visible(a.tokens[j])} (${a.start + j}): ${fmt(w, 4)}`; r.append(tt); svg.append(r);
     }
     const m = svgEl("rect", { x: left + n * c + 8, y: top + t * c, width: Math.max(0.5, mw * a.mass[t]), height: Math.max(1, c - 1), fill: "#888", class: "mass", "data-t": t, "data-mass": a.mass[t] });
     const mt = svgEl("title", {}); mt.textContent = `kept mass ${fmt(a.mass[t], 4)}`; m.append(mt); svg.append(m);
@@ -609,7 +609,9 @@ async function attentionSection(info) {
     el("div", { class: "row" }, svg),
     el("p", { class: "legend", id: "att-legend" }, "attention weight (the scale ends at the largest kept weight shown): ", colourBar(lim, false, 1), " · text below: weights from the chosen token (outlined) ", colourBar(lim, false, 0.55)),
     info2, strip,
-    a.more ? note(`the document's first ${n} tokens only`) : null);
+    a.start || a.more ? el("div", { id: "att-pages" }, note(`tokens ${a.start}..${a.start + n - 1} of the document (${a.page_tokens} at a time; sources before token ${a.start} count in the kept mass but are not drawn)`),
+      el("div", { class: "pager" }, ...[["◀ earlier", a.start > 0, Math.max(0, a.start - a.page_tokens)], ["later ▶", a.more, a.start + n]].map(([text, on, to]) =>
+        el("button", { text, disabled: on ? null : "disabled", on: { click: () => { setQuery({ att_start: to }); location.reload(); } } })))) : null);
 }
 
 if (V && VIEWS[D.view]) {

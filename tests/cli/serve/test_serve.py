@@ -618,12 +618,22 @@ def test_attention_pattern_equals_the_stored_top_sources(corpus_served: tuple[Pa
         assert all(j <= t and pos["window_index"][j] == pos["window_index"][t] for j, _ in got)
         assert 0 < d["mass"][t] <= 1 + 1e-6 and abs(d["mass"][t] - sum(w for _, w in got)) < 1e-5
     assert c.get("/s/corpus/document/2?att_layer=1&att_head=3").status_code == 200
+    # from a later token: the same rows' sources, indexed among the tokens shown (earlier sources not drawn)
+    e = get(
+        c,
+        "/api/s/{store}/documents/{document}/attention",
+        "/api/s/corpus/documents/2/attention?layer=1&head=3&start=2",
+    )
+    assert e["start"] == 2 and e["rows"] == rows[2:].tolist() and e["mass"] == d["mass"][2:]
+    assert e["sources"] == [[[j - 2, w] for j, w in src if j >= 2] for src in d["sources"][2:]]
     for url in (
         "/api/s/corpus/documents/2/attention?layer=2&head=0",
         "/api/s/corpus/documents/2/attention?layer=1&head=4",
         "/api/s/corpus/documents/2/attention?layer=x&head=0",
         "/api/s/corpus/documents/2/attention?head=0",
         "/api/s/corpus/documents/99/attention?layer=0&head=0",
+        f"/api/s/corpus/documents/2/attention?layer=1&head=3&start={len(rows)}",
+        "/api/s/corpus/documents/2/attention?layer=1&head=3&start=-1",
     ):
         r = c.get(url)
         assert 400 <= r.status_code < 500 and "\n" not in r.json()["error"], url

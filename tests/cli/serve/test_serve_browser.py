@@ -383,12 +383,20 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
     pg.click("#att-form button")
     ready(pg)
     assert "att_layer=1" in pg.url and "head 1.2" in pg.inner_text("#content")
+    n_att = pg.locator("#att-grid rect.mass").count()
     pg.locator("#att-tokens .tok").nth(6).click()
     assert "from token 6" in pg.inner_text("#att-from")
     weights = pg.eval_on_selector_all("#att-tokens .tok", "els => els.map(e => e.dataset.weight)")
     assert any(w not in ("", None) for w in weights[:7]) and all(w in ("", None) for w in weights[7:])
     shot(pg, "attention-pattern")
     _links_resolve(pg, base)
+    # from a later token (att_start): fewer rows, "tokens 3.." said, a pager back to the first tokens
+    pg.goto(pg.url + "&att_start=3")
+    ready(pg)
+    assert pg.locator("#att-grid rect.mass").count() == n_att - 3 and "tokens 3.." in pg.inner_text("#att-pages")
+    pg.locator("#att-pages button").first.click()
+    ready(pg)
+    assert "att_start=0" in pg.url and pg.locator("#att-grid rect.mass").count() == n_att
     # a head (streamed top-k, no logit effects) and a direction of the served file
     pg.goto(base + "/s/corpus/head/1/2")  # the head page of a corpus store is its unit page
     ready(pg)
