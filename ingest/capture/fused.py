@@ -219,8 +219,9 @@ def _attend_with_sources(
         last.scatter_reduce_(0, ix.target_b[t0:t1] - b0, ix.target_pos[t0:t1], "amax")
         special = (rank < 0) & (torch.arange(T, device=dev)[None, :] < last[:, None])
         special_cols = torch.nonzero(special.any(0)).flatten()
-        w_all = torch.full((nb, H, Tq, k_top), -1.0, device=dev)
-        j_all = torch.zeros((nb, H, Tq, k_top), dtype=torch.long, device=dev)
+        tb, tp = ix.target_b[t0:t1] - b0, ix.target_pos[t0:t1]
+        w_t = torch.full((t1 - t0, H, k_top), -1.0, device=dev)  # per target of the chunk: its top K
+        j_t = torch.zeros((t1 - t0, H, k_top), dtype=torch.long, device=dev)
         for a in range(0, Tq, block):
             b = min(Tq, a + block)
             n, e = b - a, (b if square else T)  # rows, keys
@@ -248,27 +249,24 @@ def _attend_with_sources(
             probs = torch.softmax(scores, dim=-1)
             o = torch.matmul(probs.to(vals.dtype), vals[:, :, :e])  # [nb, Hkv, G * n, dv]
             out[b0:b1, a:b] = o.view(nb, H, n, dv).transpose(1, 2)
-            used = (rank[:, a:b] >= 0).any(1)
-            if t0 == t1 or not bool(used.any()):
+            # the block's target rows only (padded rows are never selected from)
+            here = torch.nonzero((tp >= a) & (tp < b)).flatten()
+            if not here.numel():
                 continue
-            p4 = probs.view(nb, H, n, e)
-            sub: slice | torch.Tensor = slice(None) if bool(used.all()) else torch.nonzero(used).flatten()
-            part = p4[sub]
+            hb = tb[here]
+            part = probs.view(nb, H, n, e)[hb, :, tp[here] - a]  # [m, H, e]
             cols = special_cols[special_cols < e]
             if cols.numel():  # no source: a position not kept
-                part[..., cols] = part[..., cols].masked_fill(special[sub][:, cols][:, None, None, :], -1.0)
-            w, j = select_top(part, k_top)
-            w_all[sub, :, a:b, : w.shape[-1]] = w
-            j_all[sub, :, a:b, : w.shape[-1]] = j
+                part[..., cols] = part[..., cols].masked_fill(special[hb][:, cols][:, None, :], -1.0)
+            w, j = select_top(part, k_top)  # (fewer than K columns where the block has fewer keys)
+            w_t[here, :, : w.shape[-1]], j_t[here, :, : w.shape[-1]] = w, j
         if t0 == t1:
             continue
-        tb, tp = ix.target_b[t0:t1] - b0, ix.target_pos[t0:t1]
-        w, j = w_all[tb, :, tp], j_all[tb, :, tp]  # [n, H, k]
-        src = rank.reshape(-1)[(tb * T)[:, None, None] + j]  # [n, H, k] each source's rank
-        valid = w > 0  # (a source of weight 0, e.g. outside a sliding window, is no source)
-        offset = rank[tb, tp][:, None, None] - src
-        both = torch.stack((w.masked_fill(~valid, 0.0), offset.masked_fill(~valid, 0).to(w.dtype)), 1)
-        dst[t0:t1, :, :k_top, layer] = both.transpose(2, 3).to(state.attn.dtype)  # [n, 2, k, H]
+        src = rank.reshape(-1)[(tb * T)[:, None, None] + j_t]  # [n, H, k] each source's rank
+        invalid = w_t <= 0  # (a source of weight 0, e.g. outside a sliding window, is no source)
+        offset = (rank[tb, tp][:, None, None] - src).masked_fill_(invalid, 0)
+        dst[t0:t1, 0, :k_top, layer] = w_t.masked_fill_(invalid, 0.0).transpose(1, 2)  # [n, k, H]
+        dst[t0:t1, 1, :k_top, layer] = offset.transpose(1, 2)
     return out
 
 
