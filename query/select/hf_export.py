@@ -38,6 +38,7 @@ Rows in window (generation) order, as the runner writes them (it does not shuffl
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -194,7 +195,8 @@ def to_hf_dataset(
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a library call prints nothing (restored below)
     try:
-        arrow = tmp / "data.arrow"
+        (tmp / "out").mkdir()
+        arrow = tmp / "out" / SHARD
         rows = selection.rows.column("row").to_numpy()
         at = 0
         with _Writer(features, arrow) as writer:
@@ -207,14 +209,41 @@ def to_hf_dataset(
                 batch["example_id"] = ids
                 writer.write_batch(batch)
                 at += b
-        ds = datasets.Dataset.from_file(str(arrow))
-        ds.save_to_disk(str(out))
-        del ds
+        _saved(tmp / "out", features)
+        os.replace(tmp / "out", out)
         return datasets.Dataset.load_from_disk(str(out))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if bars:
             datasets.enable_progress_bars()
+
+
+SHARD = "data-00000-of-00001.arrow"  # save_to_disk's file of a dataset of one shard
+
+
+def _saved(folder: Path, features: Any) -> None:
+    """Make ``folder``, which holds the Arrow stream file :data:`SHARD` of ``features``, what
+    ``Dataset.save_to_disk`` writes for the dataset of that file: its ``state.json`` (a dataset of
+    one file, no format, a random fingerprint) and ``dataset_info.json``, written as save_to_disk
+    (datasets 5) writes them, without save_to_disk's second copy of every value (a test compares
+    them with save_to_disk's).  One shard at any size (``load_from_disk`` reads any number)."""
+    import datasets
+    from datasets.utils.py_utils import asdict  # save_to_disk's (fields left at their defaults omitted)
+
+    state: dict[str, Any] = {
+        "_data_files": [{"filename": SHARD}],
+        "_fingerprint": os.urandom(8).hex(),
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    info = asdict(datasets.DatasetInfo(features=features))
+    with open(folder / "state.json", "w", encoding="utf-8") as f:
+        json.dump(state, f, indent=2, sort_keys=True)
+    with open(folder / "dataset_info.json", "w", encoding="utf-8") as f:
+        json.dump({key: info[key] for key in sorted(info)}, f, indent=2)
 
 
 class _Writer:
@@ -306,20 +335,26 @@ def _windows(selection: Exported, spec: FeatureSpec, n: int) -> tuple[np.ndarray
             f"to_hf_dataset: the store's windows are not {n} kept positions (context_length={got[0]}, "
             f"pack={got[1]}, special={got[2]}): ingest with {hint}"
         )
-    pos = store.sql("SELECT row, window_index, window_position, token_id FROM positions ORDER BY row")
-    prow = pos.column("row").to_numpy()
     rows = selection.rows.column("row").to_numpy()
-    at = np.searchsorted(prow, rows)
+    pos = store.sql(
+        "SELECT row, window_index, window_position, token_id FROM positions "
+        "WHERE row BETWEEN ? AND ? ORDER BY row",
+        [int(rows.min()), int(rows.max())],
+    )
+    prow = pos.column("row").to_numpy()
+    at = np.minimum(np.searchsorted(prow, rows), prow.size - 1)
+    if not np.array_equal(prow[at], rows):
+        raise QueryError(
+            "to_hf_dataset: selected rows missing from the positions table (run actstore verify)"
+        )
     win = pos.column("window_index").to_numpy()[at].astype(np.int64)
     wpos = pos.column("window_position").to_numpy()[at].astype(np.int64)
     tok = pos.column("token_id").to_numpy()[at].astype(np.int64)
     # a whole window: n selected rows of one window, at positions 0 .. n-1, consecutive in store order
     starts = np.flatnonzero(np.r_[True, win[1:] != win[:-1]])
     sizes = np.diff(np.r_[starts, win.size])
-    whole = np.zeros(win.size, dtype=bool)
-    for a, m in zip(starts, sizes):
-        if m == n and np.array_equal(wpos[a : a + m], np.arange(n)):
-            whole[a : a + m] = True
+    in_run = np.arange(win.size) - np.repeat(starts, sizes)  # each row's place in its run of one window
+    whole = np.repeat((sizes == n) & np.logical_and.reduceat(wpos == in_run, starts), sizes)
     if not whole.any():
         raise QueryError(f"to_hf_dataset: the selection holds no whole window of {n} positions ({hint})")
     return whole, tok
@@ -354,7 +389,8 @@ def _write_windows(
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        arrow = tmp / "data.arrow"
+        (tmp / "out").mkdir()
+        arrow = tmp / "out" / SHARD
         at = 0
         carry: list[np.ndarray] = []
         carry_t: list[np.ndarray] = []
@@ -375,12 +411,14 @@ def _write_windows(
                     carry, carry_t, held = _flush(writer, column, carry, carry_t, held, n, d_in)
             if held >= n:
                 _flush(writer, column, carry, carry_t, held, n, d_in)
-        ds = datasets.Dataset.from_file(str(arrow))
-        if shuffle:
-            ds = ds.shuffle(seed=seed).flatten_indices()
-        ds.save_to_disk(str(tmp / "out"))
-        del ds
-        os.replace(tmp / "out", out)
+        if shuffle:  # datasets' own shuffle and save (a second copy of the values)
+            ds = datasets.Dataset.from_file(str(arrow)).shuffle(seed=seed).flatten_indices()
+            ds.save_to_disk(str(tmp / "shuffled"))
+            del ds
+            os.replace(tmp / "shuffled", out)
+        else:
+            _saved(tmp / "out", features)
+            os.replace(tmp / "out", out)
         return datasets.Dataset.load_from_disk(str(out))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import runpy
 import sys
@@ -111,6 +112,13 @@ def test_the_export_is_what_saelens_cache_runner_writes(home: Path, tmp_path: Pa
         )
         CacheActivationsRunner(cfg, override_dataset=datasets.Dataset.from_dict({"input_ids": wins})).run()
     ref = datasets.Dataset.load_from_disk(str(tmp_path / "theirs"))  # as written, not as returned
+    # the folder is what save_to_disk writes for that dataset (its metadata files written directly)
+    datasets.Dataset.load_from_disk(str(tmp_path / "ours")).save_to_disk(str(tmp_path / "resaved"))
+    for name in ("state.json", "dataset_info.json"):
+        mine, saved = (json.loads((tmp_path / f / name).read_text()) for f in ("ours", "resaved"))
+        assert mine.keys() == saved.keys()
+        mine.pop("_fingerprint", None), saved.pop("_fingerprint", None)
+        assert mine == saved
     assert ds.column_names == ref.column_names == ["model.layers.0", "token_ids"]
     assert ds.features == ref.features
     assert ds.num_rows == ref.num_rows == len(wins)
