@@ -228,7 +228,6 @@ def _saved(folder: Path, features: Any) -> None:
     (datasets 5) writes them, without save_to_disk's second copy of every value (a test compares
     them with save_to_disk's).  One shard at any size (``load_from_disk`` reads any number)."""
     import datasets
-    from datasets.utils.py_utils import asdict  # save_to_disk's (fields left at their defaults omitted)
 
     state: dict[str, Any] = {
         "_data_files": [{"filename": SHARD}],
@@ -239,7 +238,8 @@ def _saved(folder: Path, features: Any) -> None:
         "_output_all_columns": False,
         "_split": None,
     }
-    info = asdict(datasets.DatasetInfo(features=features))
+    # save_to_disk's asdict (it leaves out the fields at their defaults)
+    info = datasets.utils.py_utils.asdict(datasets.DatasetInfo(features=features))
     with open(folder / "state.json", "w", encoding="utf-8") as f:
         json.dump(state, f, indent=2, sort_keys=True)
     with open(folder / "dataset_info.json", "w", encoding="utf-8") as f:
