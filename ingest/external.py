@@ -239,12 +239,12 @@ def write_windows(
     def capture_segment(capture: Any, seg: int, n_before: int, bar: Any) -> CapturedSegment:
         lo, hi = seg * S, min((seg + 1) * S, plan.n_rows)
         meta: dict[str, list[np.ndarray]] = {n: [] for n in ROW_FIELDS}
-        resid: list[np.ndarray] = []
+        spans: list[tuple[int, int, int]] = []  # (window, first, end) of the segment's rows
         nxt: list[np.ndarray] = []
         for w in plan.windows_of(lo, hi):
             a = max(lo, int(plan.row_start[w])) - int(plan.row_start[w])
             b = min(hi, int(plan.row_start[w + 1])) - int(plan.row_start[w])
-            win, ext = plan.windows[w], windows[w]
+            win = plan.windows[w]
             for name, values in (
                 ("document", win.document),
                 ("window_index", np.full(win.ids.size, win.number, np.int32)),
@@ -255,16 +255,34 @@ def write_windows(
                 ("char_end", win.char_end),
             ):
                 meta[name].append(values[a:b])
-            resid.append(np.stack([ext.resid[i][a:b] for i in layers], axis=1))
+            spans.append((w, a, b))
             nxt.append(np.append(win.ids, -1)[a + 1 : b + 1])
         rows = {n: np.concatenate(v) for n, v in meta.items()}
         n = rows["token_id"].size
-        r = torch.from_numpy(np.concatenate(resid))
+        # each window's layers cast once, straight into the segment's array (no stack, no concatenate);
+        # by numpy where it has the dtype (bit for bit torch's rounding; torch's strided copies are
+        # slower, and with more than one thread much slower on a loaded machine)
+        if cfg.storage_dtype in ("float16", "float32"):
+            buf = np.empty((n, len(layers), g.d_model), dtype=cfg.storage_dtype)
+            at = 0
+            for w, a, b in spans:
+                for k, i in enumerate(layers):
+                    buf[at : at + b - a, k] = windows[w].resid[i][a:b]
+                at += b - a
+            r = torch.from_numpy(buf)
+        else:
+            r = torch.empty((n, len(layers), g.d_model), dtype=dtype)
+            at = 0
+            for w, a, b in spans:
+                for k, i in enumerate(layers):
+                    r[at : at + b - a, k] = torch.from_numpy(windows[w].resid[i][a:b])
+                at += b - a
         next_ids = np.concatenate(nxt).astype(np.int64)
         if predict and g.n_layers in layers:
+            last = [windows[w].resid[g.n_layers][a:b] for w, a, b in spans]  # as given, not as stored
             with torch.inference_mode():
                 p = next(model.parameters())
-                final = r[:, layers.index(g.n_layers)].to(p.device, p.dtype)
+                final = torch.from_numpy(np.concatenate(last)).to(p.device, p.dtype)
                 logits = model.get_output_embeddings()(arch.final_norm(model)(final)).float()  # type: ignore[operator]
                 softcap = getattr(model.config, "final_logit_softcapping", None)
                 if softcap:
@@ -276,7 +294,7 @@ def write_windows(
             {
                 "z": torch.zeros((n, 0, g.n_heads, g.d_head), dtype=dtype),
                 "mlp": torch.zeros((n, 0, g.d_mlp), dtype=dtype),
-                "resid": r.to(dtype),
+                "resid": r,
                 "attn": torch.zeros((0, g.n_layers, g.n_heads), dtype=dtype),
                 "v": torch.zeros((0, g.n_layers, g.n_kv_heads, g.d_head), dtype=dtype),
             },
@@ -293,7 +311,8 @@ def write_windows(
         "kept": kept,
         "predict": predict,
     }
+    held: dict[str, np.ndarray] = {}  # the writer thread's full arrays, reused segment after segment
     mode = CaptureMode(
-        plan.n_rows, settings, "position", capture_segment, expand=lambda a: full_layers(a, kept, g)
+        plan.n_rows, settings, "position", capture_segment, expand=lambda a: full_layers(a, kept, g, held)
     )
     return capture_segments(loc, model, tokenizer, model_info, cfg, mode)
