@@ -294,23 +294,13 @@ class _Writer:
         self.writer.write_batch(pa.RecordBatch.from_arrays(cols, schema=self.schema))
 
 
-def _flush(
-    writer: _Writer,
-    column: str,
-    carry: list[np.ndarray],
-    carry_t: list[np.ndarray],
-    held: int,
-    n: int,
-    d_in: int,
-) -> tuple[list[np.ndarray], list[np.ndarray], int]:
-    """Write the whole windows of the rows held (``carry``, their token ids ``carry_t``); the rest
-    (the start of a window cut by a block's end) carried on."""
-    xs, ts = np.concatenate(carry), np.concatenate(carry_t)
+def _flush(writer: _Writer, column: str, xs: np.ndarray, ts: np.ndarray, held: int, n: int) -> int:
+    """Write the whole windows of the ``held`` rows at the start of ``xs`` (their token ids ``ts``) and
+    move the rest (the start of a window cut by a block's end) to the front; the rows left."""
     k = held // n * n
-    writer.write_batch(
-        {column: xs[:k].reshape(-1, n, d_in), "token_ids": ts[:k].reshape(-1, n).astype(np.int32)}
-    )
-    return [xs[k:]], [ts[k:]], held - k
+    writer.write_batch({column: xs[:k].reshape(-1, n, xs.shape[1]), "token_ids": ts[:k].reshape(-1, n)})
+    xs[: held - k], ts[: held - k] = xs[k:held], ts[k:held]  # written out already: the buffers are free
+    return held - k
 
 
 PACK_HINT = "actstore ingest --positions all --pack --keep-special --context-length {n}"
@@ -392,25 +382,27 @@ def _write_windows(
         (tmp / "out").mkdir()
         arrow = tmp / "out" / SHARD
         at = 0
-        carry: list[np.ndarray] = []
-        carry_t: list[np.ndarray] = []
         held = 0
         step = max(n, batch_rows // n * n)
+        # rows of whole windows gathered in the export's dtype (converted as they are placed: no
+        # concatenation), written a record batch of about batch_rows positions at a time
+        xs = np.empty((2 * step, d_in), dtype=dtype)
+        ts = np.empty(2 * step, dtype=np.int32)
         with _Writer(features, arrow) as writer:
             for _ids, block in selection.blocks(step):
                 b = len(_ids)
                 keep = whole[at : at + b]
                 if keep.any():
                     x = compute_block(store, spec, block).reshape(b, d_in)
-                    x = (x if keep.all() else x[keep]).astype(dtype, copy=False)
-                    carry.append(x)
-                    carry_t.append(tok[at : at + b][keep])
+                    x = x if keep.all() else x[keep]
+                    xs[held : held + x.shape[0]] = x
+                    ts[held : held + x.shape[0]] = tok[at : at + b][keep]
                     held += x.shape[0]
                 at += b
-                if held >= step:  # whole windows of about batch_rows positions a record batch
-                    carry, carry_t, held = _flush(writer, column, carry, carry_t, held, n, d_in)
+                if held >= step:
+                    held = _flush(writer, column, xs, ts, held, n)
             if held >= n:
-                _flush(writer, column, carry, carry_t, held, n, d_in)
+                _flush(writer, column, xs, ts, held, n)
         if shuffle:  # datasets' own shuffle and save (a second copy of the values)
             ds = datasets.Dataset.from_file(str(arrow)).shuffle(seed=seed).flatten_indices()
             ds.save_to_disk(str(tmp / "shuffled"))
