@@ -259,24 +259,18 @@ def write_windows(
             nxt.append(np.append(win.ids, -1)[a + 1 : b + 1])
         rows = {n: np.concatenate(v) for n, v in meta.items()}
         n = rows["token_id"].size
-        # each window's layers cast once, straight into the segment's array (no stack, no concatenate);
-        # by numpy where it has the dtype (bit for bit torch's rounding; torch's strided copies are
-        # slower, and with more than one thread much slower on a loaded machine)
-        if cfg.storage_dtype in ("float16", "float32"):
-            buf = np.empty((n, len(layers), g.d_model), dtype=cfg.storage_dtype)
-            at = 0
-            for w, a, b in spans:
-                for k, i in enumerate(layers):
-                    buf[at : at + b - a, k] = windows[w].resid[i][a:b]
-                at += b - a
-            r = torch.from_numpy(buf)
-        else:
-            r = torch.empty((n, len(layers), g.d_model), dtype=dtype)
-            at = 0
-            for w, a, b in spans:
-                for k, i in enumerate(layers):
-                    r[at : at + b - a, k] = torch.from_numpy(windows[w].resid[i][a:b])
-                at += b - a
+        # each window's layers cast once, straight into the segment's array (no stack, no concatenate),
+        # in pieces under torch's grain size (32,768 elements): one thread each, which on a loaded
+        # machine is 2-3x faster than torch's threaded strided copy and than numpy's cast
+        r = torch.empty((n, len(layers), g.d_model), dtype=dtype)
+        step = max(1, 32767 // g.d_model)
+        at = 0
+        for w, a, b in spans:
+            for k, i in enumerate(layers):
+                src = torch.from_numpy(windows[w].resid[i][a:b])
+                for c in range(0, b - a, step):
+                    r[at + c : at + min(b - a, c + step), k] = src[c : c + step]
+            at += b - a
         next_ids = np.concatenate(nxt).astype(np.int64)
         if predict and g.n_layers in layers:
             last = [windows[w].resid[g.n_layers][a:b] for w, a, b in spans]  # as given, not as stored
