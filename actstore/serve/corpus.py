@@ -197,13 +197,19 @@ def unit_values(
     row_col = sel.rows.column("row").to_numpy()
     at = 0
     spec = None
-    if kind == "head":
+    fold = None
+    if kind == "head" and vec is not None:  # u . (z_h W_O,h) = z_h . (W_O,h u): one dot a row
+        fold = store.weight("W_O", layer)[index] @ np.asarray(vec, np.float32)  # [d_head]
+    elif kind == "head":
         spec = FeatureSpec.parse(store, "attn_head", [layer], [index])
     elif kind == "direction":
         spec = FeatureSpec.parse(store, "resid", [layer], None)
     for _ids, block in sel.blocks(1024):
         if kind == "mlp":
             v = store.read_segment_rows(block.segment, "mlp", block.seg_rows, [layer])[:, 0, index]
+        elif fold is not None:
+            z = store.read_segment_rows(block.segment, "z", block.seg_rows, [layer])[:, 0, index]
+            v = z.astype(np.float32) @ fold
         elif kind == "head":
             assert spec is not None
             out = compute_block(store, spec, block)[:, 0, 0]  # [b, d_model]
