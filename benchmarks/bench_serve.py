@@ -23,9 +23,17 @@ precomputed ``topk`` run of MLP layer 1 (k 20); then a unit page with a precompu
 (``/s/NAME/unit/mlp/1/I`` for ``--rounds`` neurons not requested before) is loaded in Chromium until
 ``body[data-ready]``, and its API route called first for other neurons (``unit_api``); beside it, the
 load of a page that calls no API (``no_api_page``: the SQL console), the browser's own share on a
-loaded machine.
+loaded machine.  With ``--sources K`` the stores keep the top-K attention weights per token and head
+(``ingest --sources K``), and beside the unit page: a document's attention pattern (its API route
+``/documents/D/attention`` and the document page drawing it, distinct documents and heads; a pattern
+reads at most 256 positions of one document), and a head read along a direction
+(``/unit/head/1/H?direction=neuron:1:I``, a new direction each call: one streaming pass over every
+row), its API route and page, its rows/s and its ratio to reading those rows' ``z`` once in the same
+blocks (``read_once``, after one read that puts them in the page cache).  ``load_before`` /
+``load_after``: the load averages around each store's figures.
 
     python benchmarks/bench_serve.py --corpus-tokens 10000,100000 --rounds 7
+    python benchmarks/bench_serve.py --corpus-tokens 10000,100000,1000000 --sources 16 --rounds 7
 """
 
 from __future__ import annotations
@@ -75,9 +83,15 @@ def start(paths: list[str]) -> tuple[Any, str, list[str]]:
 
 
 def _get(con: http.client.HTTPConnection, url: str) -> tuple[int, bytes, float]:
-    t0 = time.perf_counter()
-    con.request("GET", url)
-    r = con.getresponse()
+    try:
+        t0 = time.perf_counter()
+        con.request("GET", url)
+        r = con.getresponse()
+    except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+        con.close()  # the server closed an idle keep-alive connection (a browser run in between)
+        t0 = time.perf_counter()
+        con.request("GET", url)
+        r = con.getresponse()
     body = r.read()
     return r.status, body, 1000 * (time.perf_counter() - t0)
 
@@ -252,13 +266,14 @@ def measure_page(host: str, name: str, page_urls: list[str]) -> dict[str, Any] |
     }
 
 
-def corpus_store(root: Path, tokens: int) -> str:
-    """A tiny-llama corpus store of about ``tokens`` positions (built once) with a topk run of MLP layer 1."""
+def corpus_store(root: Path, tokens: int, sources: int = 0) -> str:
+    """A tiny-llama corpus store of about ``tokens`` positions (built once) with a topk run of MLP layer 1
+    (``sources``: ``--sources K`` at ingest, the top-K attention weights per token and head)."""
     import random
 
     import actstore
 
-    path = root / f"corpus-{tokens}"
+    path = root / (f"corpus-{tokens}-s{sources}" if sources else f"corpus-{tokens}")
     if (path / "manifest.json").exists():
         return str(path)
     root.mkdir(parents=True, exist_ok=True)
@@ -266,6 +281,7 @@ def corpus_store(root: Path, tokens: int) -> str:
     lines = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(max(1, tokens // 95))]
     text = root / f"corpus-{tokens}.txt"
     text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    extra: dict[str, Any] = {"sources": str(sources)} if sources else {}
     store = actstore.ingest_corpus(
         path,
         model="tiny-llama",
@@ -275,6 +291,7 @@ def corpus_store(root: Path, tokens: int) -> str:
         storage_dtype="float16",
         batch_size=16,
         segment_size=4096,
+        **extra,
     )
     from actstore.jobs.settings import TopkConfig
     from actstore.jobs.topk import run_topk
@@ -283,23 +300,96 @@ def corpus_store(root: Path, tokens: int) -> str:
     return str(path)
 
 
-def measure_corpus(host: str, name: str, rounds: int) -> dict[str, Any]:
-    """A precomputed unit page: first API calls and first page loads in Chromium (distinct neurons)."""
+def _first_calls(con: http.client.HTTPConnection, urls: list[str]) -> dict[str, float]:
+    ms = []
+    for url in urls:
+        status, body, t = _get(con, url)
+        if status != 200:
+            raise SystemExit(f"{url}: {status} {body[:200]!r}")
+        ms.append(t)
+    return {"calls": len(ms), "first_ms": round(statistics.median(ms), 1), "max_ms": round(max(ms), 1)}
+
+
+def read_once(path: str, layer: int) -> tuple[float, int]:
+    """Seconds to read every row's ``z`` at ``layer`` once (the blocks a head's streaming pass reads,
+    without computing anything), and the rows read."""
+    from actstore.core.store import open_reader
+    from actstore.query.select.selection import Selection
+
+    store = open_reader(path)
+    n = 0
+    t0 = time.perf_counter()
+    for _ids, block in Selection.from_sql(store).blocks(1024):
+        n += store.read_segment_rows(block.segment, "z", block.seg_rows, [layer]).shape[0]
+    return time.perf_counter() - t0, n
+
+
+def measure_corpus(host: str, name: str, rounds: int, path: str, head_rounds: int) -> dict[str, Any]:
+    """A precomputed unit page (first API calls and first page loads in Chromium, distinct neurons);
+    a document's attention pattern (first API calls and document pages with the pattern, distinct
+    documents and heads); a head read along a direction (``neuron:1:I``, each a new direction: one
+    streaming pass over every row), its API and page, against reading those rows' ``z`` once."""
     con = http.client.HTTPConnection(host, timeout=600)
-    api_ms = []
-    for i in range(rounds):
-        status, _, ms = _get(con, f"/api/s/{name}/units/mlp/1/{100 + i}")
-        assert status == 200, status
-        api_ms.append(ms)
+    base = f"/api/s/{name}"
+    unit_api = _first_calls(con, [f"{base}/units/mlp/1/{100 + i}" for i in range(rounds)])
     page = measure_page(host, name, [f"/s/{name}/unit/mlp/1/{i}" for i in range(rounds)])
     # the browser's own share at the same moment: a page that calls no API (the SQL console, empty)
     baseline = measure_page(host, name, [f"/s/{name}/sql?r={i}" for i in range(rounds)])
-    return {
-        "unit_api_first_ms": round(statistics.median(api_ms), 1),
-        "unit_api_max_ms": round(max(api_ms), 1),
-        "unit_page": page,
-        "no_api_page": baseline,
+    q = f"SELECT DISTINCT document FROM positions ORDER BY hash(document) LIMIT {4 * rounds}"
+    docs = [r[0] for r in json.loads(_get(con, f"{base}/sql?q={quote(q)}&size=500")[1])["rows"]]
+    out: dict[str, Any] = {"unit_api": unit_api, "unit_page": page, "no_api_page": baseline}
+    g = json.loads(_get(con, f"{base}/summary")[1])["geometry"]
+    if corpus_sources_of(path):
+        H = g["n_heads"]
+        out["attention_api"] = _first_calls(
+            con,
+            [f"{base}/documents/{docs[i]}/attention?layer={i % 2}&head={i % H}" for i in range(rounds)],
+        )
+        out["document_attention_page"] = measure_page(
+            host,
+            name,
+            [
+                f"/s/{name}/document/{docs[rounds + i]}?att_layer={i % 2}&att_head={(i + 1) % H}"
+                for i in range(rounds)
+            ],
+        )
+        n_pos = sql_one(con, base, f"SELECT count(*) FROM positions WHERE document = {docs[0]}")
+        out["attention_tokens_of_a_document"] = min(256, int(n_pos))
+    # a head read along a direction: one streaming pass each (a new direction each: nothing cached)
+    layer = 1
+    read_once(path, layer)  # the rows in the page cache, as they are for the pass after it
+    heads = [(i % g["n_heads"], 10 + i) for i in range(2 * head_rounds)]
+    api = _first_calls(
+        con, [f"{base}/units/head/{layer}/{h}?direction=neuron:1:{i}" for h, i in heads[:head_rounds]]
+    )
+    along_page = measure_page(
+        host,
+        name,
+        [f"/s/{name}/unit/head/{layer}/{h}?direction=neuron:1:{i}" for h, i in heads[head_rounds:]],
+    )
+    t_read, rows = read_once(path, layer)
+    out["head_along_direction"] = {
+        "api": api,
+        "page": along_page,
+        "rows": rows,
+        "api_rows_per_s": round(rows / (api["first_ms"] / 1000)),
+        "read_once_s": round(t_read, 3),
+        "read_once_rows_per_s": round(rows / t_read),
+        "api_vs_read_once": round(api["first_ms"] / 1000 / t_read, 2),
     }
+    out["load_after"] = os.getloadavg()
+    con.close()
+    return out
+
+
+def sql_one(con: http.client.HTTPConnection, base: str, q: str) -> Any:
+    return json.loads(_get(con, f"{base}/sql?q={quote(q)}")[1])["rows"][0][0]
+
+
+def corpus_sources_of(path: str) -> int:
+    from actstore.core.store import open_reader
+
+    return int(open_reader(path).manifest.ingest.get("sources") or 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -309,6 +399,16 @@ def main(argv: list[str] | None = None) -> None:
         "--corpus-tokens", default="", help="comma-separated corpus store sizes (tokens) to build and time"
     )
     ap.add_argument("--corpus-dir", default="/tmp/serve-corpus-bench")
+    ap.add_argument(
+        "--sources", type=int, default=0, help="build the corpus stores with --sources K (attention pattern)"
+    )
+    ap.add_argument(
+        "--head-rounds",
+        type=int,
+        default=3,
+        help="heads read along a new direction (API calls and pages each)",
+    )
+    ap.add_argument("--build-only", action="store_true", help="build the corpus stores and stop")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument(
@@ -317,7 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.corpus_tokens:
         sizes = [int(x) for x in a.corpus_tokens.split(",")]
-        paths = [corpus_store(Path(a.corpus_dir), n) for n in sizes]
+        paths = [corpus_store(Path(a.corpus_dir), n, a.sources) for n in sizes]
+        if a.build_only:
+            return
         server, host, names = start(paths)
         out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "corpus": {}}
         try:
@@ -326,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
             for path, name in zip(paths, names):
                 out["corpus"][name] = {
                     "tokens": open_reader(path).n_rows,
-                    **measure_corpus(host, name, a.rounds),
+                    "load_before": os.getloadavg(),
+                    **measure_corpus(host, name, a.rounds, path, a.head_rounds),
                 }
                 print(f"{name}: {out['corpus'][name]}", file=sys.stderr)
         finally:
