@@ -1,47 +1,88 @@
-"""Import rate of vLLM ``extract_hidden_states`` files (``actstore import``) against reading them alone.
+"""Import rate of vLLM ``extract_hidden_states`` files (``actstore import``) against reading them alone,
+at several sizes, warm and cold, beside the disk's write floor.
 
-Writes ``--requests`` files in the layout vLLM's ExampleHiddenStatesConnector writes (``token_ids``
-int64 ``[seq]``, ``hidden_states [seq, layers, d]``; docs/interop.md), for ``--model``'s width, then
-times (median of ``--repeats``) reading every file alone (``safetensors.numpy.load_file`` and a pass
-over its values) and ``actstore.write_corpus`` of the folder (checks, the store's commit protocol,
-compression and tables, the model load excluded: it is loaded once before).  Reports positions/s of
-each and their ratio (target >= 80%), and beside them, in the same run: the import's marginal rate
-(the import of all the files against that of the first half: the store's creation, which writes the
-model's weights, cancels) and the write floor (the stored bytes, cast to the storage dtype, written
-to one file a request: what the disk alone takes)::
+Writes the largest of ``--requests`` files in the layout vLLM's ExampleHiddenStatesConnector writes
+(``token_ids`` int64 ``[seq]``, ``hidden_states [seq, layers, d]`` float32; docs/interop.md), for
+``--model``'s width; each size takes the first N files. For each size, in each repeat (interleaved, so
+that the machine's load falls on each alike), times:
 
-    python benchmarks/bench_import.py --model smollm2-135m --requests 64 --seq 128 --layer-ids 0,10,20,30
+- **read**: every file read alone (``safetensors.numpy.load_file`` and a pass over its values);
+- **import**: ``actstore.write_corpus`` of the files (checks, the store's commit protocol, compression,
+  digests and tables; the model loaded once before, its load not timed; the weights cache of this run,
+  which knows the model after the first import: the first import's time is given on its own);
+- **floor**: the same stored bytes (the hidden states cast to the storage dtype) written by plain numpy,
+  one file a segment of the import's size, each fsynced: what this disk takes for a durable write;
+
+each **warm** (the files in the page cache: they were just read) and **cold** (each file fsynced and
+evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` first; the bytes still resident are counted with
+``fincore`` and reported). Reports positions/s and the ratios import / read, floor / read and import /
+floor, and the load average at the start and end::
+
+    python benchmarks/bench_import.py --model smollm2-135m --requests 64,512,2048 --seq 128 --layer-ids 0,10,20,30
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 
+def evict(files: list[Path]) -> None:
+    """Drop ``files`` from the page cache (fsync first: dirty pages are not dropped)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident(files: list[Path]) -> int | None:
+    """Bytes of ``files`` in the page cache (``fincore``; None where it is missing)."""
+    if shutil.which("fincore") is None:
+        return None
+    total = 0
+    for k in range(0, len(files), 256):
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *map(str, files[k : k + 256])],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        total += sum(int(x) for x in out.split())
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", default="64,512,2048", help="sizes, comma-separated")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--layer-ids", default="0,10,20,30")
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="storage dtype")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-cold", action="store_true", help="warm figures only")
     ap.add_argument(
         "--predict", action="store_true", help="predictions from the last residual (the head's logits)"
     )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    root = Path(tempfile.mkdtemp(prefix="bench-import-"))
+    os.environ["ACTSTORE_WEIGHTS_DIR"] = str(root / "weights-cache")  # this run's cache, empty at first
     from safetensors.numpy import load_file
     from safetensors.torch import save_file
 
@@ -49,78 +90,118 @@ def main() -> None:
     from actstore.jobs import import_acts
 
     loaded = load_model(a.model)
-    import_acts.load_model = lambda name, **kw: (
-        loaded
-    )  # loaded once: the import, not the model load, is timed
+    import_acts.load_model = lambda name, **kw: loaded  # loaded once: the import, not the load, is timed
     d = loaded.model.config.hidden_size
     layer_ids = [int(x) for x in a.layer_ids.split(",")]
-    root = Path(tempfile.mkdtemp(prefix="bench-import-"))
+    sizes = sorted(int(x) for x in a.requests.split(","))
     folder = root / "hs"
     folder.mkdir()
     rng = np.random.default_rng(0)
     vocab = loaded.model.config.vocab_size
-    for k in range(a.requests):
+    for k in range(sizes[-1]):
         ids = torch.from_numpy(rng.integers(0, vocab, size=a.seq))
-        hs = torch.from_numpy(rng.standard_normal((a.seq, len(layer_ids), d), dtype=np.float32)).to(
-            torch.bfloat16
+        hs = torch.from_numpy(rng.standard_normal((a.seq, len(layer_ids), d), dtype=np.float32))
+        save_file(
+            {"hidden_states": hs.to(torch.bfloat16).float(), "token_ids": ids},
+            str(folder / f"req-{k:05d}.safetensors"),
         )
-        save_file({"hidden_states": hs.float(), "token_ids": ids}, str(folder / f"req-{k:05d}.safetensors"))
-    positions = a.requests * a.seq
+    every = sorted(folder.glob("*.safetensors"))
+    seg = import_acts.segment_rows(len(layer_ids), d, a.dtype)
+    load_start = os.getloadavg()
 
-    def read_alone() -> float:
+    def read_alone(files: list[Path]) -> float:
         t0 = time.perf_counter()
         total = 0.0
-        for f in sorted(folder.glob("*.safetensors")):
+        for f in files:
             data = load_file(str(f))
             total += float(data["hidden_states"].sum(dtype=np.float64)) + int(data["token_ids"].sum())
         return time.perf_counter() - t0
 
-    def write(files: list[Path] | None = None) -> float:
+    def write(files: list[Path]) -> float:
         out = root / "store"
-        shutil.rmtree(out, ignore_errors=True)  # the previous repeat's store, removed outside the timing
+        shutil.rmtree(out, ignore_errors=True)  # the previous store, removed outside the timing
         t0 = time.perf_counter()
         import_acts.write_corpus(
-            out,
-            folder if files is None else files,
-            layer_ids=layer_ids,
-            model=a.model,
-            storage_dtype=a.dtype,
-            predict=a.predict,
+            out, files, layer_ids=layer_ids, model=a.model, storage_dtype=a.dtype, predict=a.predict
         )
         return time.perf_counter() - t0
 
-    def write_floor() -> float:
+    def write_floor(files: list[Path]) -> float:
         out = root / "floor"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         t0 = time.perf_counter()
-        for k, f in enumerate(sorted(folder.glob("*.safetensors"))):
-            load_file(str(f))["hidden_states"].astype(a.dtype).tofile(out / f"{k}.bin")
+        buf = np.empty((seg, len(layer_ids), d), dtype=a.dtype)
+        at, n = 0, 0
+
+        def flush(rows: int) -> None:
+            nonlocal n
+            with open(out / f"{n}.bin", "wb") as f:
+                f.write(buf[:rows].data)
+                f.flush()
+                os.fsync(f.fileno())
+            n += 1
+
+        for f in files:
+            hs = load_file(str(f))["hidden_states"]
+            i = 0
+            while i < hs.shape[0]:
+                m = min(hs.shape[0] - i, seg - at)
+                buf[at : at + m] = hs[i : i + m]
+                at, i = at + m, i + m
+                if at == seg:
+                    flush(at)
+                    at = 0
+        if at:
+            flush(at)
         return time.perf_counter() - t0
 
-    half = sorted(folder.glob("*.safetensors"))[: a.requests // 2]
-    reads, writes, halves, floors = [], [], [], []
-    for _ in range(a.repeats):  # interleaved: the machine's load falls on each alike
-        reads.append(read_alone())
-        writes.append(write())
-        halves.append(write(half))
-        floors.append(write_floor())
-    r, w = statistics.median(reads), statistics.median(writes)
-    margin = statistics.median(x - y for x, y in zip(writes, halves))
-    fl = statistics.median(floors)
+    first_s = write(every[: sizes[0]])  # the first import: the weights extracted and hashed (fresh cache)
+    results = []
+    for n in sizes:
+        files = every[:n]
+        positions = n * a.seq
+        times: dict[str, list[float]] = {}
+        left: list[float] = []
+
+        def timed(name: str, fn: Callable[[list[Path]], float], cold: bool) -> None:
+            if cold:
+                evict(files)
+                r = resident(files)
+                if r is not None:
+                    left.append(r / sum(f.stat().st_size for f in files))
+            else:
+                read_alone(files)  # warm: in the page cache
+            times.setdefault(name, []).append(fn(files))
+
+        for _ in range(a.repeats):
+            for cold in (False,) if a.no_cold else (False, True):
+                tag = "cold" if cold else "warm"
+                timed(f"read_{tag}", read_alone, cold)
+                timed(f"import_{tag}", write, cold)
+                timed(f"floor_{tag}", write_floor, cold)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row: dict[str, object] = {"requests": n, "positions": positions}
+        for tag in ("warm",) if a.no_cold else ("warm", "cold"):
+            r, w, fl = med[f"read_{tag}"], med[f"import_{tag}"], med[f"floor_{tag}"]
+            row[tag] = {
+                "read_positions_per_s": round(positions / r),
+                "import_positions_per_s": round(positions / w),
+                "floor_positions_per_s": round(positions / fl),
+                "import_to_read": r / w,
+                "floor_to_read": r / fl,
+                "import_to_floor": fl / w,
+            }
+        row["seconds"] = times
+        row["resident_after_evict"] = max(left) if left else None
+        results.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "seconds"}), flush=True)
     result = {
-        "positions": positions,
-        "read_positions_per_s": positions / r,
-        "import_positions_per_s": positions / w,
-        "ratio": r / w,
-        "marginal_import_positions_per_s": (positions - len(half) * a.seq) / margin,
-        "marginal_ratio": r / positions * (positions - len(half) * a.seq) / margin,
-        "write_floor_positions_per_s": positions / fl,
-        "import_to_floor": fl / w,
-        "read_s": reads,
-        "import_s": writes,
-        "half_import_s": halves,
-        "floor_s": floors,
+        "first_import_s": first_s,
+        "first_import_positions": sizes[0] * a.seq,
+        "sizes": results,
+        "load_start": load_start,
+        "load_end": os.getloadavg(),
         "config": vars(a),
     }
     print(json.dumps(result, indent=1))
