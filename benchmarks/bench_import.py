@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -164,22 +163,18 @@ def main() -> None:
         times: dict[str, list[float]] = {}
         left: list[float] = []
 
-        def timed(name: str, fn: Callable[[list[Path]], float], cold: bool) -> None:
-            if cold:
-                evict(files)
-                r = resident(files)
-                if r is not None:
-                    left.append(r / sum(f.stat().st_size for f in files))
-            else:
-                read_alone(files)  # warm: in the page cache
-            times.setdefault(name, []).append(fn(files))
-
         for _ in range(a.repeats):
             for cold in (False,) if a.no_cold else (False, True):
                 tag = "cold" if cold else "warm"
-                timed(f"read_{tag}", read_alone, cold)
-                timed(f"import_{tag}", write, cold)
-                timed(f"floor_{tag}", write_floor, cold)
+                for name, fn in (("read", read_alone), ("import", write), ("floor", write_floor)):
+                    if cold:
+                        evict(files)
+                        kept = resident(files)
+                        if kept is not None:
+                            left.append(kept / sum(f.stat().st_size for f in files))
+                    else:
+                        read_alone(files)  # warm: in the page cache
+                    times.setdefault(f"{name}_{tag}", []).append(fn(files))
         med = {k: statistics.median(v) for k, v in times.items()}
         row: dict[str, object] = {"requests": n, "positions": positions}
         for tag in ("warm",) if a.no_cold else ("warm", "cold"):
