@@ -139,8 +139,15 @@ def windows_from_vllm(paths: Iterable[str | Path], layer_ids: Sequence[int]) -> 
     return out
 
 
-def check_windows(windows: Sequence[ExternalWindow], g: Geometry) -> list[int]:
-    """The residual indices every window holds (the same in each), after checking them against ``g``."""
+#: The largest magnitude a float16 store holds (a larger value would be stored as infinity).
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def check_windows(
+    windows: Sequence[ExternalWindow], g: Geometry, storage_dtype: str = "float32"
+) -> list[int]:
+    """The residual indices every window holds (the same in each), after checking them against ``g``
+    (and, for a float16 store, that every value fits float16's range)."""
     if not windows:
         raise InvalidSetting("source", "no windows to write")
     layers = sorted(windows[0].resid)
@@ -157,8 +164,15 @@ def check_windows(windows: Sequence[ExternalWindow], g: Geometry) -> list[int]:
                     "source",
                     f"window {k}, residual {i}: shape {tuple(a.shape)}, the model's is [{w.ids.size}, {g.d_model}]",
                 )
-            if not np.isfinite(a).all():
+            hi, lo = float(a.max()), float(a.min())  # NaN or infinite when any value is
+            if not (np.isfinite(hi) and np.isfinite(lo)):
                 raise InvalidSetting("source", f"window {k}, residual {i}: not finite")
+            if storage_dtype == "float16" and max(hi, -lo) > FLOAT16_MAX:
+                raise InvalidSetting(
+                    "dtype",
+                    f"window {k}, residual {i}: a value of magnitude {max(hi, -lo):.6g} is past float16's "
+                    f"{FLOAT16_MAX:g}; import it with --dtype float32",
+                )
     return layers
 
 
@@ -230,7 +244,7 @@ def write_windows(
     require_lock(loc)
     arch = architecture_for(model)
     g = arch.geometry(model)
-    layers = check_windows(windows, g)
+    layers = check_windows(windows, g, cfg.storage_dtype)
     plan, texts, sha = plan_windows(windows, tokenizer, spec)
     kept = {"z": [], "mlp": [], "resid": layers}  # type: dict[str, list[int]]
     dtype = getattr(torch, cfg.storage_dtype)

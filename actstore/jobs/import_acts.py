@@ -130,7 +130,7 @@ def write_corpus(
     from actstore.ingest.external import check_windows
 
     check_windows(
-        windows, architecture_for(loaded.model).geometry(loaded.model)
+        windows, architecture_for(loaded.model).geometry(loaded.model), storage_dtype
     )  # before the store is touched
     model_info = {
         "name": loaded.name,

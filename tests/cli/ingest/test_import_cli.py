@@ -84,6 +84,24 @@ def test_bad_input_one_line_no_store(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_a_value_past_float16_is_refused_for_a_float16_store(tmp_path: Path) -> None:
+    """A float16 store would hold it as infinity: one line naming --dtype float32, no store; float32 takes it."""
+    hs = vllm_files(tmp_path / "hs", n=1)[0]
+    hs[2, 1, 5] = -7.0e4  # past float16's 65504
+    save_file(
+        {"hidden_states": torch.from_numpy(hs), "token_ids": torch.arange(3, 3 + hs.shape[0])},
+        str(tmp_path / "hs" / "r0.safetensors"),
+    )
+    base = ["import", str(tmp_path / "hs"), "--layer-ids", "0,1", "--model", "tiny-llama"]
+    r = CliRunner().invoke(main, [*base, "--dtype", "float16", "--out", str(tmp_path / "s16")])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "70000" in r.output and "--dtype float32" in r.output and not (tmp_path / "s16").exists()
+    r = CliRunner().invoke(main, [*base, "--out", str(tmp_path / "s32")])
+    assert r.exit_code == 0, r.output
+    got = actstore.open(tmp_path / "s32").select().features("resid", layers=[1])[:, 0]
+    np.testing.assert_array_equal(got, hs[:, 1])
+
+
 def test_the_documented_example_runs(tmp_path: Path) -> None:
     """docs/commands.md's example of ``actstore import`` (SmolLM2-135M, three layer ids), run as written
     on files in vLLM's layout written by the helper above, its /tmp/ paths under a temporary folder."""
