@@ -1,22 +1,30 @@
 """Training steps/s of the field's tools fed by a store vs an in-memory tensor of the same rows and
 batches, and the SAELens-cache export's rate vs a raw read of the same chunks, in one run.
 
-    python benchmarks/bench_training_feed.py --docs 600 --context 64 --steps 200
+    python benchmarks/bench_training_feed.py --docs 400 --context 64 --steps 150,1000 --batch 256 \
+        --export-docs 1250 --export-sizes 10000,32000,100000
 
 A corpus store of a tiny Llama (d_model 64, float16) is ingested packed (whole windows of
-``--context``); dictionary_learning's trainSAE and SAELens's SAETrainer then train ``--steps`` steps
-of ``--batch`` rows from ``Selection.loader(epochs=None, flatten=True)`` and from a list of the same
-batches already in memory (the ratio is loader/in-memory), and likewise from the export read back
-(``to_hf_dataset(context_size=...)``'s Arrow file, its values memory-mapped, ``--batch // --context``
-windows a batch) against its batches in memory; the export
+``--context``); dictionary_learning's trainSAE and SAELens's SAETrainer then train each of ``--steps``
+steps of ``--batch`` rows from ``Selection.loader(epochs=None, flatten=True)`` and from a list of the
+same batches already in memory (the ratio is loader/in-memory).  Each run gives two rates: the whole
+run (from the loader's construction to the tool's return: the read of the first shuffle window
+included) and the steady state (from the first batch handed out to the return, as a training log's
+steps/s reports it); both arms' data pass through the same wrapper.  At the first ``--steps`` the tools
+also train from the export read back (``to_hf_dataset(context_size=...)``'s Arrow file, its values
+memory-mapped, ``--batch // --context`` windows a batch) against its batches in memory.  The export
 (``to_hf_dataset(context_size=...)``) is timed in positions/s against ``Selection.features`` of the same
-rows (the raw chunk read)."""
+rows (the raw chunk read) at each of ``--export-sizes`` positions (the first rows of the store, whole
+windows; with ``--export-docs`` a second store of that many documents is ingested for them, or
+``--export-store`` names one made before, e.g. by an earlier run's ingest), so that
+its fixed costs show as such."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
+import os
 import shutil
 import tempfile
 import time
@@ -46,51 +54,104 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
+class Clocked:
+    """A tool's data, wrapped alike in both arms: when its first batch was handed out."""
+
+    def __init__(self, data: Any) -> None:
+        self.it = iter(data)
+        self.first = 0.0
+
+    def __iter__(self) -> Clocked:
+        return self
+
+    def __next__(self) -> Any:
+        x = next(self.it)
+        if not self.first:
+            self.first = time.perf_counter()
+        return x
+
+
+def run(train: Any, make: Any, steps: int) -> tuple[float, float, float]:
+    """(whole-run steps/s, steady steps/s, seconds to the first batch) of ``train(data)`` for ``steps``
+    steps, ``make()`` (the feed's construction) timed with it."""
+    t0 = time.perf_counter()
+    data = Clocked(make())
+    train(data, steps)
+    t1 = time.perf_counter()
+    return steps / (t1 - t0), (steps - 1) / (t1 - data.first), data.first - t0
+
+
+def med(v: list[float]) -> float:
+    return sorted(v)[len(v) // 2]
+
+
+def ingest(t: Path, name: str, docs: int, context: int) -> Any:
+    g = torch.Generator().manual_seed(0)
+    text = [
+        " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (30,), generator=g)) for _ in range(docs)
+    ]
+    (t / f"{name}.txt").write_text("\n".join(text) + "\n")
+    with quiet():
+        return actstore.ingest_corpus(
+            t / name,
+            model=str(t / "model"),
+            dataset=f"text:{t / f'{name}.txt'}",
+            positions="all",
+            kinds=("resid",),
+            pack=True,
+            keep_special=True,
+            context_length=context,
+            batch_size=16,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--docs", type=int, default=600)
     ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", default="150,1000", help="comma-separated step counts, each run side by side")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--export-docs", type=int, default=0, help="a second store of this many documents")
+    ap.add_argument("--export-store", default="", help="an existing store of whole windows for the sizes")
+    ap.add_argument("--export-sizes", default="", help="positions exported (default: the whole store)")
     a = ap.parse_args()
+    steps_list = [int(v) for v in a.steps.split(",")]
     torch.set_num_threads(1)
     t = Path(tempfile.mkdtemp(prefix="bench-train-"))
     try:
         m = tiny_model("llama")
         m.model.save_pretrained(t / "model")
         m.tokenizer.save_pretrained(t / "model")
-        g = torch.Generator().manual_seed(0)
-        docs = [
-            " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (30,), generator=g))
-            for _ in range(a.docs)
-        ]
-        (t / "docs.txt").write_text("\n".join(docs) + "\n")
-        with quiet():
-            store = actstore.ingest_corpus(
-                t / "c",
-                model=str(t / "model"),
-                dataset=f"text:{t / 'docs.txt'}",
-                positions="all",
-                kinds=("resid",),
-                pack=True,
-                keep_special=True,
-                context_length=a.context,
-                batch_size=16,
-            )
+        store = ingest(t, "c", a.docs, a.context)
         sel = store.select()
         n = len(sel)
         d = store.geometry.d_model
-        print(f"store: {n} positions, d_model {d}, float16; steps {a.steps} x batch {a.batch}")
+        big = (
+            actstore.open(a.export_store).select()
+            if a.export_store
+            else ingest(t, "e", a.export_docs, a.context).select()
+            if a.export_docs
+            else sel
+        )
+        sizes = (
+            [int(v) // a.context * a.context for v in a.export_sizes.split(",")] if a.export_sizes else [n]
+        )
+        sizes = [k for k in sizes if k <= len(big)] or [len(big) // a.context * a.context]
+        print(f"load average at the start: {os.getloadavg()[0]:.1f}")
+        print(
+            f"store: {n} positions, d_model {d}, float16; steps {steps_list} x batch {a.batch}; "
+            f"export sizes {sizes} (store of {len(big)} positions)"
+        )
 
         def feed() -> Any:
             return sel.loader("resid", layers=[1], batch_size=a.batch, epochs=None, flatten=True, seed=0)
 
         # the same rows and batches, in memory (SAETrainer counts samples: an epoch's last batch is short,
         # so it takes one batch more per epoch boundary)
-        extra = a.steps + a.steps * a.batch // n + 2
-        f = feed()
-        mem = [x for _, x in zip(range(extra), f)]
+        top = max(steps_list)
+        extra = top + top * a.batch // n + 2
+        mem = [x for _, x in zip(range(extra), feed())]
         with quiet():
             ds = sel.to_hf_dataset(t / "hf-feed", "resid", layers=[1], context_size=a.context)
         col = next(c for c in ds.column_names if c != "token_ids")
@@ -110,7 +171,7 @@ def main() -> None:
         from dictionary_learning.trainers import StandardTrainer
         from dictionary_learning.training import trainSAE
 
-        def dl(data: Any) -> None:
+        def dl(data: Any, steps: int) -> None:
             cfg = dict(
                 trainer=StandardTrainer,
                 dict_class=AutoEncoder,
@@ -118,67 +179,78 @@ def main() -> None:
                 dict_size=4 * d,
                 lr=1e-3,
                 device="cpu",
-                steps=a.steps,
+                steps=steps,
                 layer=1,
                 lm_name="m",
                 warmup_steps=10,
                 sparsity_warmup_steps=10,
             )
             with quiet():
-                trainSAE(data=data, trainer_configs=[cfg], steps=a.steps, device="cpu")
+                trainSAE(data=data, trainer_configs=[cfg], steps=steps, device="cpu")
 
         from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
         from sae_lens.config import SAETrainerConfig
 
-        def sl(data: Any) -> None:
+        def sl(data: Any, steps: int) -> None:
             sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=d, d_sae=4 * d))
             cfg = SAETrainerConfig(
-                total_training_samples=a.steps * a.batch, train_batch_size_samples=a.batch, lr_end=3e-4
+                total_training_samples=steps * a.batch, train_batch_size_samples=a.batch, lr_end=3e-4
             )
             with quiet():
                 SAETrainer(cfg, sae, data_provider=data).fit()
 
-        rows: dict[str, list[float]] = {
-            k: []
-            for k in (
-                *("dl_loader", "dl_mem", "sl_loader", "sl_mem"),
-                *("dl_export", "dl_export_mem", "sl_export", "sl_export_mem", "export", "raw"),
-            )
+        tools = {"dl": ("trainSAE", dl), "sl": ("SAETrainer", sl)}
+        arms = {
+            "loader": feed,
+            "mem": lambda: iter(mem),
+            "export": export_feed,
+            "export_mem": lambda: iter(mem_export),
         }
-        for _ in range(a.rounds):  # interleaved: load drifts on a shared machine
-            rows["dl_loader"].append(a.steps / timed(lambda: dl(feed())))
-            rows["dl_mem"].append(a.steps / timed(lambda: dl(iter(mem))))
-            rows["sl_loader"].append(a.steps / timed(lambda: sl(feed())))
-            rows["sl_mem"].append(a.steps / timed(lambda: sl(iter(mem))))
-            rows["dl_export"].append(a.steps / timed(lambda: dl(export_feed())))
-            rows["dl_export_mem"].append(a.steps / timed(lambda: dl(iter(mem_export))))
-            rows["sl_export"].append(a.steps / timed(lambda: sl(export_feed())))
-            rows["sl_export_mem"].append(a.steps / timed(lambda: sl(iter(mem_export))))
-            out = t / "hf"
-            shutil.rmtree(out, ignore_errors=True)
-            with quiet():
-                rows["export"].append(
-                    n
-                    / timed(
-                        lambda out=out: sel.to_hf_dataset(out, "resid", layers=[1], context_size=a.context)
+        got: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {}
+        rates: dict[tuple[str, int], list[float]] = {}
+        subsets = {k: big.limit(k) for k in sizes}
+        for rnd in range(a.rounds):  # interleaved, and in reverse every other round: load drifts
+            for steps in steps_list:
+                for key, (_name, fn) in tools.items():
+                    for arm, make in list(arms.items())[:: 1 if rnd % 2 == 0 else -1]:
+                        if arm.startswith("export") and steps != steps_list[0]:
+                            continue
+                        got.setdefault((key, arm, steps), []).append(run(fn, make, steps))
+            for k, sub in subsets.items():
+                out = t / "hf"
+                shutil.rmtree(out, ignore_errors=True)
+                with quiet():
+                    rates.setdefault(("export", k), []).append(
+                        k
+                        / timed(
+                            lambda out=out, sub=sub: sub.to_hf_dataset(
+                                out, "resid", layers=[1], context_size=a.context
+                            )
+                        )
                     )
+                rates.setdefault(("raw", k), []).append(
+                    k / timed(lambda sub=sub: sub.features("resid", layers=[1]))
                 )
-            rows["raw"].append(n / timed(lambda: sel.features("resid", layers=[1])))
-        med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-        print(
-            f"trainSAE steps/s: loader {med['dl_loader']:.1f}, in memory {med['dl_mem']:.1f}: "
-            f"{med['dl_loader'] / med['dl_mem']:.3f}x"
-        )
-        print(
-            f"SAETrainer steps/s: loader {med['sl_loader']:.1f}, in memory {med['sl_mem']:.1f}: "
-            f"{med['sl_loader'] / med['sl_mem']:.3f}x"
-        )
-        for tool, key in (("trainSAE", "dl"), ("SAETrainer", "sl")):
-            got, ref = med[f"{key}_export"], med[f"{key}_export_mem"]
-            print(f"{tool} steps/s from the export: {got:.1f}, in memory {ref:.1f}: {got / ref:.3f}x")
-        print(
-            f"export positions/s {med['export']:.0f} vs raw read {med['raw']:.0f}: {med['export'] / med['raw']:.1%}"
-        )
+                shutil.rmtree(out, ignore_errors=True)
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+        for steps in steps_list:
+            for key, (name, _fn) in tools.items():
+                for arm, ref in (("loader", "mem"), ("export", "export_mem")):
+                    if (key, arm, steps) not in got:
+                        continue
+                    x, y = got[(key, arm, steps)], got[(key, ref, steps)]
+                    w = [med([r[i] for r in x]) for i in range(3)]
+                    v = [med([r[i] for r in y]) for i in range(3)]
+                    print(
+                        f"{name} {steps} steps from the {arm}: whole run {w[0]:.1f} vs {v[0]:.1f} steps/s "
+                        f"= {w[0] / v[0]:.3f}x; steady {w[1]:.1f} vs {v[1]:.1f} = {w[1] / v[1]:.3f}x; "
+                        f"first batch after {1e3 * w[2]:.0f} vs {1e3 * v[2]:.0f} ms"
+                    )
+        for k in sizes:
+            e, r = med(rates[("export", k)]), med(rates[("raw", k)])
+            print(
+                f"export of {k} positions: {e:.0f} vs raw read {r:.0f} positions/s: {e / r:.1%} ({k / e:.3f} vs {k / r:.3f} s)"
+            )
     finally:
         shutil.rmtree(t, ignore_errors=True)
 
