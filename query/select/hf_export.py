@@ -388,11 +388,16 @@ def _write_windows(
         # concatenation), written a record batch of about batch_rows positions at a time
         xs = np.empty((2 * step, d_in), dtype=dtype)
         ts = np.empty(2 * step, dtype=np.int32)
+        direct, shape = xs.dtype == np.float32, row_shape(store, spec)
         with _Writer(features, arrow) as writer:
             for _ids, block in selection.blocks(step):
                 b = len(_ids)
                 keep = whole[at : at + b]
-                if keep.any():
+                if direct and keep.all():  # computed straight into the buffer (float32)
+                    compute_block(store, spec, block, out=xs[held : held + b].reshape(b, *shape))
+                    ts[held : held + b] = tok[at : at + b]
+                    held += b
+                elif keep.any():
                     x = compute_block(store, spec, block).reshape(b, d_in)
                     x = x if keep.all() else x[keep]
                     xs[held : held + x.shape[0]] = x

@@ -129,6 +129,10 @@ def test_the_export_is_what_saelens_cache_runner_writes(home: Path, tmp_path: Pa
     # the store keeps float16: within half a float16 ulp of the runner's float32
     half_ulp = np.spacing(np.abs(b).astype(np.float16)).astype(np.float32) / 2
     assert np.all(np.abs(a - b) <= half_ulp + 1e-7)
+    half = store.select().to_hf_dataset(
+        tmp_path / "half", "resid", layers=[1], context_size=N, dtype="float16"
+    )
+    assert np.array_equal(half.with_format("numpy")[:]["model.layers.0"], a.astype(np.float16))
     again = store.select().to_hf_dataset(
         tmp_path / "shuf", "resid", layers=[1], context_size=N, shuffle=True, seed=3
     )
