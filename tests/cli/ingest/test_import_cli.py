@@ -84,6 +84,54 @@ def test_bad_input_one_line_no_store(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_bfloat16_and_float16_files_are_read_exactly(tmp_path: Path) -> None:
+    """vLLM writes the model's dtype (often bfloat16, which numpy has no type for): each file's rows are
+    read on demand in its own dtype and widened exactly into a float32 store."""
+    rng = np.random.default_rng(3)
+    want = []
+    (tmp_path / "hs").mkdir()
+    for k, dt in enumerate((torch.bfloat16, torch.float16)):
+        hs = torch.from_numpy(rng.standard_normal((4 + k, 2, D)).astype(np.float32)).to(dt)
+        ids = torch.from_numpy(rng.integers(3, 200, size=4 + k))
+        save_file({"hidden_states": hs, "token_ids": ids}, str(tmp_path / "hs" / f"r{k}.safetensors"))
+        want.append(hs.float().numpy())
+    r = CliRunner().invoke(
+        main,
+        [
+            "import",
+            str(tmp_path / "hs"),
+            "--layer-ids",
+            "0,2",
+            "--model",
+            "tiny-llama",
+            "--out",
+            str(tmp_path / "s"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    got = actstore.open(tmp_path / "s").select().features("resid", layers=[0, 2])
+    np.testing.assert_array_equal(got, np.concatenate(want))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "r0.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    r = CliRunner().invoke(
+        main,
+        [
+            "import",
+            str(tmp_path / "bad"),
+            "--layer-ids",
+            "0",
+            "--model",
+            "tiny-llama",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+    )
+    assert (
+        r.exit_code != 0 and len(r.output.strip().splitlines()) == 1 and "not a safetensors file" in r.output
+    )
+    assert not (tmp_path / "b").exists()
+
+
 def test_a_value_past_float16_is_refused_for_a_float16_store(tmp_path: Path) -> None:
     """A float16 store would hold it as infinity: one line naming --dtype float32, no store; float32 takes it."""
     hs = vllm_files(tmp_path / "hs", n=1)[0]
