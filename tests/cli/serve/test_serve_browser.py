@@ -393,7 +393,9 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
     # from a later token (att_start): fewer rows, "tokens 3.." said, a pager back to the first tokens
     pg.goto(pg.url + "&att_start=3")
     ready(pg)
-    assert pg.locator("#att-grid rect.mass").count() == n_att - 3 and "tokens 3.." in pg.inner_text("#att-pages")
+    assert pg.locator("#att-grid rect.mass").count() == n_att - 3 and "tokens 3.." in pg.inner_text(
+        "#att-pages"
+    )
     pg.locator("#att-pages button").first.click()
     ready(pg)
     assert "att_start=0" in pg.url and pg.locator("#att-grid rect.mass").count() == n_att
