@@ -29,6 +29,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,16 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-def evict(files: list[Path]) -> None:
-    """Drop ``files`` from the page cache (fsync first: dirty pages are not dropped)."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+from benchmarks.common import evict  # noqa: E402
 
 
 def resident(files: list[Path]) -> int | None:

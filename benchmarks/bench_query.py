@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, evict  # noqa: E402
 
 KINDS = ("attn_head", "attn", "mlp", "mlp_group", "attn_entity", "resid", "z", "attn_head_token")
 FIRST_QUERY = "SELECT count(*) AS n FROM examples"
@@ -61,17 +61,6 @@ def make_store(path: str, n_prompts: int, batch: int = 16, chunk_layers: int = 1
 
     loaded, prompts = load(n_prompts)
     time_ingest(loaded, prompts, batch, path, "float16", chunk_layers=chunk_layers)
-
-
-def evict(paths: list[str]) -> None:
-    """Drop these files' pages from the page cache (clean pages only; they are all fsynced first)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def files_under(path: str) -> list[str]:

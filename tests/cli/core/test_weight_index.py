@@ -26,13 +26,6 @@ IDS = torch.tensor([[1, 5, 9, 12, 3, 7]])
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("ACTSTORE_WEIGHTS_DIR", str(folder))
-    return folder
-
-
-@pytest.fixture
 def extractions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The architectures' weight extractions this test runs (one entry a call)."""
     calls: list[str] = []

@@ -48,13 +48,6 @@ def one_line(code: int, stderr: str) -> str:
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    folder = tmp_path / "cache"
-    monkeypatch.setenv("ACTSTORE_WEIGHTS_DIR", str(folder))
-    return folder
-
-
-@pytest.fixture
 def stores(tmp_path: Path, cache: Path) -> dict[str, Path]:
     return {
         "shared1": build_store(tmp_path / "shared1", weights="shared"),
