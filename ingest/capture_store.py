@@ -24,7 +24,7 @@ import torch
 
 from actstore.core._version import __version__
 from actstore.core.compact import compact_held
-from actstore.core.errors import RankError
+from actstore.core.errors import InvalidSetting, RankError
 from actstore.core.layout import TOKENIZER_DIR
 from actstore.core.lock import holding
 from actstore.core.manifest import Manifest
@@ -234,7 +234,16 @@ def _write(
     expand: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
     on_segment: Callable[[int], None] | None,
 ) -> None:
-    """Write and commit segment ``seg`` (its first row ``lo``), then tell ``on_segment``."""
+    """Write and commit segment ``seg`` (its first row ``lo``), then tell ``on_segment``; a float16
+    array holding infinity (an activation past float16's 65504, or one the model made infinite) is
+    refused before anything of the segment is written."""
+    for name, a in part.arrays.items():
+        if a.dtype == np.float16 and a.size and not np.isfinite(a).all():
+            raise InvalidSetting(
+                "storage_dtype",
+                f"segment {seg}: {name} holds values past float16's range (65504), stored as infinity: "
+                "ingest this model with --dtype bfloat16 or float32",
+            )
     writer.write_segment(seg, lo, part.arrays if expand is None else expand(part.arrays), part.tables)
     if on_segment is not None:
         on_segment(seg)
