@@ -168,9 +168,10 @@ def threads_option(fn: F) -> F:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """What every command that runs a job takes alike (:func:`run_options`): ``--no-save``, ``--quiet``
-    and ``--json``."""
+    and ``--json``.  (``save_results``, not ``save``: nnsight 0.8 gives every object a ``save``
+    attribute, which a dataclass field of that name with no default would take as its default.)"""
 
-    save: bool
+    save_results: bool
     quiet: bool
     as_json: bool
 
@@ -192,7 +193,7 @@ def run_options(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, no_save: bool, quiet: bool, as_json: bool, **kwargs: Any) -> Any:
-        return fn(*args, run=Run(save=not no_save, quiet=quiet, as_json=as_json), **kwargs)
+        return fn(*args, run=Run(save_results=not no_save, quiet=quiet, as_json=as_json), **kwargs)
 
     return no_save_option(quiet_option(json_option(wrapper)))  # type: ignore[return-value]
 

@@ -43,7 +43,7 @@ def ablate(
     check_where(s, where)
     no_control: dict[str, Any] = {"controls": ()} if no_controls else {}  # () skips them; None chooses
     cfg = config_from(AblationConfig, given, heads=parse_heads_text(heads_text, s), where=where, **no_control)
-    req = config_from(AblateRequest, given, ablation=cfg, save=run.save, quiet=run.quiet)
+    req = config_from(AblateRequest, given, ablation=cfg, save=run.save_results, quiet=run.quiet)
     out = run_ablate(s, req, log=_stderr(run.quiet))
     if run.as_json:
         click.echo(

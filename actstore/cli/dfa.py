@@ -22,7 +22,7 @@ def dfa(store: str, where: str | None, run: Run, **given: Any) -> None:
     dfa_terms and dfa_totals tables."""
     from actstore.jobs.dfa import run_dfa
 
-    cfg = config_from(DfaConfig, given, where=where, save=run.save)
+    cfg = config_from(DfaConfig, given, where=where, save=run.save_results)
     s = open_store_arg(store)
     out = run_dfa(s, cfg)
     terms = out.result.terms.to_pylist()

@@ -42,7 +42,7 @@ def trace(
     s = open_store_arg(store)
     check_where(s, where)
     req = config_from(
-        TraceRequest, given, where=where, figures=figures, save=run.save, quiet=not run.progress
+        TraceRequest, given, where=where, figures=figures, save=run.save_results, quiet=not run.progress
     )
     cfg = req.trace
     out = run_trace(s, req)
@@ -120,7 +120,9 @@ def patch(
 
     s = open_store_arg(store)
     check_where(s, where)
-    req = config_from(PatchRequest, given, where=where, pairs=pairs, save=run.save, quiet=not run.progress)
+    req = config_from(
+        PatchRequest, given, where=where, pairs=pairs, save=run.save_results, quiet=not run.progress
+    )
     out = run_patch(s, req)
     if run.as_json:
         click.echo(

@@ -74,7 +74,7 @@ def maps(
     from actstore.query.maps.pairs import excluded_line
 
     s = open_store_arg(store)
-    cfg = config_from(MapsRunConfig, given, first_mlp=first_mlp, save=run.save, figures=figures)
+    cfg = config_from(MapsRunConfig, given, first_mlp=first_mlp, save=run.save_results, figures=figures)
     k, threshold, multi_token, tokenizer, min_pairs = (
         cfg.k,
         cfg.threshold,
@@ -117,7 +117,7 @@ def maps(
     if out.salient:
         click.echo(
             f"salient operations for {len(out.salient)} heads (table maps_salient)"
-            if run.save
+            if run.save_results
             else f"salient operations for {len(out.salient)} heads"
         )
     for f in out.tables:
@@ -168,7 +168,7 @@ def maps_dynamic(
     s = open_store_arg(store)
     check_where(s, where)
     cfg = config_from(
-        MapsDynamicConfig, given, where=where, first_mlp=first_mlp, save=run.save, figures=figures
+        MapsDynamicConfig, given, where=where, first_mlp=first_mlp, save=run.save_results, figures=figures
     )
     k, multi_token, tokenizer, min_pairs = cfg.k, cfg.multi_token, cfg.tokenizer, cfg.min_pairs
     compare_first_mlp = cfg.compare_first_mlp

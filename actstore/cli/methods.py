@@ -73,7 +73,7 @@ def lens(
     check_where(s, where)
     if no_tuned:
         given["tuned"] = None
-    cfg = config_from(LensRunConfig, given, where=where, save=run.save, figures=figures)
+    cfg = config_from(LensRunConfig, given, where=where, save=run.save_results, figures=figures)
     progress = _training_progress(f"tuned lens ({cfg.tuned})", cfg.steps, started)
     out = run_lens(s, cfg, progress=None if run.lines() is None else progress)
     r = out.result
@@ -117,7 +117,7 @@ def corpus_lens(store: str, run: Run, **given: Any) -> None:
 
     started = time.time()
     s = open_store_arg(store)
-    cfg = config_from(CorpusLensConfig, given, save=run.save)
+    cfg = config_from(CorpusLensConfig, given, save=run.save_results)
     progress = _training_progress("tuned lens", cfg.steps, started)
     out = run_corpus_lens(s, cfg, progress=None if run.lines() is None else progress)
     r = out.result
@@ -190,7 +190,7 @@ def agree(
 
     started = time.time()
     s = open_store_arg(store)
-    cfg = config_from(AgreeConfig, given, save=run.save, figures=figures)
+    cfg = config_from(AgreeConfig, given, save=run.save_results, figures=figures)
     progress = _training_progress(f"tuned lens ({cfg.tuned})", cfg.steps, started)
     out = run_agreement(
         s,

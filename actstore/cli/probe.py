@@ -78,12 +78,12 @@ def probe(
     from actstore.jobs.probe import contrast_text, run_probe
 
     cfg = config_from(ProbeConfig, given, where=where, seeds=tuple(range(seed_start, seed_start + n_seeds)))
-    req = config_from(ProbeRequest, given, probe=cfg, save=run.save, progress=run.progress)
+    req = config_from(ProbeRequest, given, probe=cfg, save=run.save_results, progress=run.progress)
     s = open_store_arg(store)
     job = run_probe(s, req)
     out = job.output
     summary = out.summary()
-    if run.save:
+    if run.save_results:
         summary["tables"] = sorted({p.split("/")[1] for p in job.tables})
     if run.as_json:
         _echo_json(summary)
@@ -97,7 +97,9 @@ def probe(
         f"{out.seconds:.1f}s"
     )
     click.echo(f"HeadScore contrast: {contrast_text(cfg.contrast)}")
-    click.echo(f"run {out.run_id}" + ("" if not run.save else f" (tables: {', '.join(summary['tables'])})"))
+    click.echo(
+        f"run {out.run_id}" + ("" if not run.save_results else f" (tables: {', '.join(summary['tables'])})")
+    )
 
 
 # --------------------------------------------------------------------------------------- headscore
@@ -266,7 +268,7 @@ def correlate(
         dask_address=dask_address,
         workers=workers,
         figures=figures,
-        save=run.save,
+        save=run.save_results,
     )
     concentration = cfg.concentration
     out = run_correlate(open_store_arg(store), cfg)
@@ -343,7 +345,7 @@ def shortcuts(store: str, run_id: str, figures: str | None, run: Run, **given: A
     """Spearman rho, Mass and StrongAlign-x of the run's errors' TokenScores vs lexical cues."""
     from actstore.jobs.shortcuts import run_shortcuts
 
-    cfg = config_from(ShortcutsConfig, given, probe_run=run_id, figures=figures, save=run.save)
+    cfg = config_from(ShortcutsConfig, given, probe_run=run_id, figures=figures, save=run.save_results)
     n_cues = cfg.n_cues
     out = run_shortcuts(open_store_arg(store), cfg)
     res, png = out.result, out.figure

@@ -22,7 +22,7 @@ def topk(store: str, where: str | None, show: int, run: Run, **given: Any) -> No
     """Top-k contexts of every unit of a layer in one streaming pass, stored as the topk_contexts table."""
     from actstore.jobs.topk import run_topk
 
-    cfg = config_from(TopkConfig, given, where=where, save=run.save, progress=run.progress)
+    cfg = config_from(TopkConfig, given, where=where, save=run.save_results, progress=run.progress)
     kind, layer = cfg.kind, cfg.layer
     s = open_store_arg(store)
     out = run_topk(s, cfg)

@@ -3,6 +3,8 @@ written into a corpus store equal actstore's own corpus ingest of the same windo
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -198,3 +200,17 @@ def test_vllm_files_across_segments_are_stored_exactly(tmp_path: Path, storage_d
     for k, i in enumerate(layer_ids):
         np.testing.assert_array_equal(got[:, i], want[:, k])
     assert CliRunner().invoke(main, ["verify", str(tmp_path / "s")]).exit_code == 0
+
+
+def test_every_module_imports_after_nnsight() -> None:
+    """nnsight 0.8 gives every object a ``save`` attribute, which a dataclass field named ``save`` with
+    no default takes as its default (the command line's ``Run`` did, so importing actstore.cli after
+    nnsight failed): every module of the package imports in a fresh process that imported nnsight."""
+    code = (
+        "import importlib, pkgutil, nnsight, actstore\n"
+        "assert hasattr(object, 'save')\n"
+        "for m in pkgutil.walk_packages(actstore.__path__, 'actstore.'):\n"
+        "    importlib.import_module(m.name)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
