@@ -226,6 +226,10 @@ def capture_segments(
     return IngestReport(cfg.out, n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s)
 
 
+#: The largest magnitude float16 holds; a larger value is stored as infinity.
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
 def _write(
     writer: StoreWriter,
     seg: int,
@@ -241,7 +245,7 @@ def _write(
         if a.dtype == np.float16 and a.size and not np.isfinite(a).all():
             raise InvalidSetting(
                 "storage_dtype",
-                f"segment {seg}: {name} holds values past float16's range (65504), stored as infinity: "
+                f"segment {seg}: {name} holds values past float16's range ({FLOAT16_MAX:g}), stored as infinity: "
                 "ingest this model with --dtype bfloat16 or float32",
             )
     writer.write_segment(seg, lo, part.arrays if expand is None else expand(part.arrays), part.tables)

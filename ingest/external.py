@@ -43,6 +43,7 @@ from actstore.core.storage.base import StoreLocation
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture.host import predictions, to_host
 from actstore.ingest.capture_store import (
+    FLOAT16_MAX,
     CapturedSegment,
     CaptureMode,
     IngestReport,
@@ -178,10 +179,6 @@ def windows_from_vllm(paths: Iterable[str | Path], layer_ids: Sequence[int]) -> 
             )
         )
     return out
-
-
-#: The largest magnitude a float16 store holds (a larger value would be stored as infinity).
-FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
 def check_windows(
