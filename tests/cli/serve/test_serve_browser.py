@@ -396,6 +396,7 @@ def test_corpus_home_units_and_documents(corpus_server: tuple[Path, str], page: 
     assert pg.locator("#att-grid rect.mass").count() == n_att - 3 and "tokens 3.." in pg.inner_text(
         "#att-pages"
     )
+    shot(pg, "attention-pattern-later")
     pg.locator("#att-pages button").first.click()
     ready(pg)
     assert "att_start=0" in pg.url and pg.locator("#att-grid rect.mass").count() == n_att
