@@ -118,3 +118,29 @@ def test_select_top_is_topk() -> None:
     w, j = select_top(x[..., :5], 7)
     tw, tj = torch.topk(x[..., :5], 5)
     assert torch.equal(w, tw) and torch.equal(j, tj)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 40, 128])
+def test_select_top_with_ties_negatives_and_short_rows(n: int) -> None:
+    """Against a brute-force sort of every row (numpy) and ``torch.topk``: rows full of ties, negative
+    values, signed zeros and infinities, and rows with fewer entries than ``k``.  The values must be
+    the row's ``k`` largest, descending, bit for bit; the indices distinct and pointing at them."""
+    rng = np.random.default_rng(n)
+    pool = np.array([-np.inf, -3.5, -1.0, -1e-30, -0.0, 0.0, 1e-30, 0.25, 0.5, 2.0, np.inf], dtype=np.float32)
+    x = torch.from_numpy(rng.choice(pool, size=(3, 4, n)))
+    x[0] = torch.from_numpy(rng.standard_normal((4, n)).astype(np.float32))  # no ties
+    x[1, 0] = 0.0  # one row all equal
+    k = 16
+    w, j = select_top(x, k)
+    assert w.shape == j.shape == (3, 4, min(k, n)) and w.dtype == torch.float32 and j.dtype == torch.int64
+    flat_x, flat_w, flat_j = (
+        x.reshape(-1, n).numpy(),
+        w.reshape(-1, min(k, n)).numpy(),
+        j.reshape(-1, min(k, n)).numpy(),
+    )
+    for row, ww, jj in zip(flat_x, flat_w, flat_j, strict=True):
+        np.testing.assert_array_equal(ww, np.sort(row)[::-1][: min(k, n)])  # the k largest, descending
+        assert len(set(jj.tolist())) == jj.size and jj.min() >= 0 and jj.max() < n
+        assert np.array_equal(row[jj].view(np.int32), ww.view(np.int32))  # the very entries, -0.0 included
+    tw, _ = torch.topk(x, min(k, n))
+    assert torch.equal(w, tw)
