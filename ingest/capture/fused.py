@@ -202,7 +202,7 @@ def _attend_with_sources(
     dst = state.attn.view(nT, 2, K, *state.attn.shape[1:])
     dev = query.device
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
-    out = torch.empty((B, Tq, H, dv), dtype=value.dtype, device=value.device)
+    out = torch.zeros((B, Tq, H, dv), dtype=value.dtype, device=value.device)
     edges = torch.arange(0, B + step, step, device=dev).clamp(max=B)
     bounds = torch.searchsorted(ix.target_b, edges).tolist()
     low = torch.finfo(torch.float32).min  # as eager attention: a masked score, never a NaN row
@@ -225,10 +225,22 @@ def _attend_with_sources(
         for a in range(0, Tq, block):
             b = min(Tq, a + block)
             n, e = b - a, (b if square else T)  # rows, keys
-            scores = torch.matmul(qs[:, :, a:b].reshape(nb, Hkv, G * n, -1), keys[:, :, :e].transpose(-1, -2))
+            # the windows with a target at row a or later: the others' rows here (padding, or tokens
+            # after their last target) reach no target, and their outputs stay 0
+            live = torch.nonzero(last >= a).flatten()
+            nl = live.numel()
+            if not nl:
+                continue
+            if nl == nb:
+                q_b, k_b, v_b, rows_of = qs[:, :, a:b], keys[:, :, :e], vals[:, :, :e], None
+            else:
+                q_b, k_b, v_b = qs[live, :, a:b], keys[live, :, :e], vals[live, :, :e]
+                rows_of = torch.full((nb,), -1, dtype=torch.long, device=dev)
+                rows_of[live] = torch.arange(nl, device=dev)
+            scores = torch.matmul(q_b.reshape(nl, Hkv, G * n, -1), k_b.transpose(-1, -2))
             if softcap is not None:
                 scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-            s5 = scores.view(nb, Hkv, G, n, e)
+            s5 = scores.view(nl, Hkv, G, n, e)
             if square and window is None and (attention_mask is None or attention_mask.dtype == torch.bool):
                 # causal, windows right-padded: a target sees no padded key, so the mask is the
                 # causal one, and only the keys a..b-1 are ever masked in these rows (padded rows
@@ -241,20 +253,26 @@ def _attend_with_sources(
                     keep &= cols > rows_at - window
                 s5.masked_fill_(~keep, low)
             else:
-                m = attention_mask[b0:b1, :, a:b, :e][:, :, None]  # [nb, 1, 1, n, e]
+                m = attention_mask[b0:b1, :, a:b, :e]
+                m = (m if rows_of is None else m[live])[:, :, None]  # [nl, 1, 1, n, e]
                 if m.dtype == torch.bool:
                     s5.masked_fill_(~m, low)
                 else:
                     s5.add_(m.float())
             probs = torch.softmax(scores, dim=-1)
-            o = torch.matmul(probs.to(vals.dtype), vals[:, :, :e])  # [nb, Hkv, G * n, dv]
-            out[b0:b1, a:b] = o.view(nb, H, n, dv).transpose(1, 2)
+            o = torch.matmul(probs.to(v_b.dtype), v_b).view(nl, H, n, dv).transpose(1, 2)  # [nl, n, H, dv]
+            if rows_of is None:
+                out[b0:b1, a:b] = o
+            else:
+                out[b0 + live, a:b] = o
             # the block's target rows only (padded rows are never selected from)
             here = torch.nonzero((tp >= a) & (tp < b)).flatten()
             if not here.numel():
                 continue
             hb = tb[here]
-            part = probs.view(nb, H, n, e)[hb, :, tp[here] - a]  # [m, H, e]
+            part = probs.view(nl, H, n, e)[
+                hb if rows_of is None else rows_of[hb], :, tp[here] - a
+            ]  # [m, H, e]
             cols = special_cols[special_cols < e]
             if cols.numel():  # no source: a position not kept
                 part[..., cols] = part[..., cols].masked_fill(special[hb][:, cols][:, None, :], -1.0)
