@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ import torch
 
 from actstore.core.errors import InvalidSetting, StorageError
 from actstore.core.layout import SEGMENT_ARRAYS
-from actstore.core.manifest import Geometry
+from actstore.core.manifest import Geometry, Manifest, read_manifest
 from actstore.core.storage.base import StoreLocation
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture.fused import BatchIndex, FusedCapture
@@ -86,6 +86,60 @@ def bytes_per_row(g: Geometry, kept: dict[str, list[int]], storage_dtype: str) -
     return BYTES[storage_dtype] * sum(per_layer[k] * len(v) for k, v in kept.items())
 
 
+def stored_bytes_per_row(g: Geometry, kept: dict[str, list[int]], storage_dtype: str, sources: int) -> int:
+    """Uncompressed bytes one position costs with ``--sources K``: :func:`bytes_per_row`, plus per kept
+    attention layer ``2K`` values a head (weights, offsets) and the value vectors."""
+    per_row = bytes_per_row(g, kept, storage_dtype)
+    if sources:
+        per_row += BYTES[storage_dtype] * len(kept["z"]) * (2 * sources * g.n_heads + g.n_kv_heads * g.d_head)
+    return per_row
+
+
+SEGMENT_BYTES = 16 << 20  # stored bytes a corpus segment, about (one commit: marker, tables, digests)
+CHUNK_BYTES = 256 << 10  # bytes a chunk of the widest kept array, about (Zarr's advice: 100s of KB to 1 MB)
+MIN_CHUNK_ROWS = 32  # (the prompt stores' chunk)
+
+
+def corpus_segment_rows(row_bytes: int, batch_size: int) -> int:
+    """Positions a corpus segment holds by default: about :data:`SEGMENT_BYTES` of stored activations
+    (``row_bytes`` a position), a multiple of 256 from 256 to 16,384, rounded up to whole batches."""
+    rows = min(16384, max(256, SEGMENT_BYTES // max(1, row_bytes) // 256 * 256))
+    return -(-rows // batch_size) * batch_size
+
+
+def corpus_chunk_rows(
+    g: Geometry, kept: dict[str, list[int]], storage_dtype: str, chunk_layers: int, segment: int
+) -> int:
+    """Rows a chunk of a corpus store's ``z`` / ``mlp`` / ``resid`` by default: a chunk (``chunk_layers``
+    layers of one array; 0: all of them) of the widest kept array about :data:`CHUNK_BYTES`, the power
+    of two at or below it, at least 32 and at most the segment.  A corpus is read by the thousand
+    positions (the loader, exports, scans); 32-row chunks made a tiny model's chunk 4 KB, one file each."""
+    per_layer = {"z": g.n_heads * g.d_head, "mlp": g.d_mlp, "resid": g.d_model}
+    depth = {"z": g.n_layers, "mlp": g.n_layers, "resid": g.n_layers + 1}
+    widest = (
+        max((per_layer[k] * (chunk_layers or depth[k]) for k, v in kept.items() if v), default=g.d_model)
+        * BYTES[storage_dtype]
+    )
+    rows = 1 << max(0, (CHUNK_BYTES // widest).bit_length() - 1)
+    return max(1, min(segment, max(MIN_CHUNK_ROWS, rows)))
+
+
+def corpus_layout(
+    cfg: IngestConfig, g: Geometry, kept: dict[str, list[int]], sources: int, stored: Manifest | None
+) -> IngestConfig:
+    """``cfg`` with its automatic (0) ``segment_size`` and ``chunk_rows`` decided for a corpus store:
+    a resumed store's own (``stored``: its manifest; a store written before these defaults keeps its
+    256-position segments and 32-row chunks), else :func:`corpus_segment_rows` and :func:`corpus_chunk_rows`.
+    A function of the settings and the model alone, so every rank and every resume decides the same."""
+    if stored is not None:
+        seg, chunk = cfg.segment_size or stored.segment_size, cfg.chunk_rows or stored.chunk_rows
+    else:
+        row = stored_bytes_per_row(g, kept, cfg.storage_dtype, sources)
+        seg = cfg.segment_size or corpus_segment_rows(row, cfg.batch_size)
+        chunk = cfg.chunk_rows or corpus_chunk_rows(g, kept, cfg.storage_dtype, cfg.chunk_layers, seg)
+    return replace(cfg, segment_size=seg, chunk_rows=chunk)
+
+
 def free_bytes(loc: StoreLocation) -> int | None:
     """Free bytes where a local store would be written (None for object storage)."""
     return loc.free_bytes()
@@ -110,18 +164,14 @@ def capture_positions(
     one entry a row); see docs/format.md, Corpus stores with sources."""
     require_lock(loc)
     g = architecture_for(model).geometry(model)
+    stored = read_manifest(loc) if cfg.resume and loc.exists("manifest.json") else None
+    cfg = corpus_layout(cfg, g, kept, sources, stored)
     device = torch.device(cfg.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     S, B = cfg.segment_size, cfg.batch_size
 
     def check_space() -> None:
-        per_row = bytes_per_row(g, kept, cfg.storage_dtype)
-        if sources:  # per kept attention layer: 2K values a head (weights, offsets) and V
-            per_row += (
-                BYTES[cfg.storage_dtype]
-                * len(kept["z"])
-                * (2 * sources * g.n_heads + g.n_kv_heads * g.d_head)
-            )
+        per_row = stored_bytes_per_row(g, kept, cfg.storage_dtype, sources)
         estimate = per_row * plan.n_rows
         log(
             f"size estimate: {plan.n_rows} positions x {per_row} bytes ({', '.join(f'{k} {len(v)} layers' for k, v in kept.items() if v)}, "

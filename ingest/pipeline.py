@@ -35,7 +35,7 @@ from actstore.ingest.capture_store import (
 from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.prompt_tables import object_token_ids, segment_tables
 from actstore.ingest.records import PromptRecord, TokenizedPrompt
-from actstore.ingest.settings import IngestConfig
+from actstore.ingest.settings import IngestConfig, prompt_layout
 
 FLAT_ARRAYS = ("attn", "v")  # one entry per stored token of each example, examples concatenated
 
@@ -142,6 +142,7 @@ def capture_prompts(
     require_lock(loc)
     if not prompts:
         raise InvalidSetting("dataset", "the corpus is empty: no prompts to ingest")
+    cfg = prompt_layout(cfg)
     device = torch.device(cfg.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     S = cfg.segment_size

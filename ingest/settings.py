@@ -7,7 +7,7 @@ set and its filters)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from actstore.core.errors import InvalidSetting
@@ -45,8 +45,19 @@ class IngestConfig:
     storage_dtype: str = setting(
         "float16", "Storage dtype of the captured arrays.", choices=STORAGE_DTYPES, flag="--dtype"
     )
-    segment_size: int = setting(256, "Examples per commit, a multiple of --batch-size.")
-    chunk_rows: int = setting(32, "Rows per chunk of the per-target arrays (z, resid, mlp).", cli=False)
+    segment_size: int = setting(
+        0,
+        "Examples per commit, a multiple of --batch-size (0: 256; with --positions all, positions of "
+        "about 16 MiB of stored activations, a multiple of 256, at most 16,384).",
+        low=0,
+    )
+    chunk_rows: int = setting(
+        0,
+        "Rows per chunk of the per-position arrays (z, resid, mlp); 0: 32, or with --positions all "
+        "about 256 KiB a chunk of the widest kept array (a power of two, 32 to the segment).",
+        cli=False,
+        low=0,
+    )
     chunk_flat: int = setting(512, "Entries per chunk of the flat token/source arrays (attn, v).", cli=False)
     chunk_layers: int = setting(
         1,
@@ -89,6 +100,10 @@ class IngestConfig:
                 "storage_dtype", f"must be one of {', '.join(STORAGE_DTYPES)}, not {self.storage_dtype!r}"
             )
         check_sizes(self.batch_size, self.segment_size)
+        if self.chunk_rows < 0:
+            raise InvalidSetting(
+                "chunk_rows", f"must be 0 (decided by the mode) or positive, not {self.chunk_rows}"
+            )
         if self.chunk_layers < 0:
             raise InvalidSetting(
                 "chunk_layers", f"must be 0 (all layers in one chunk) or positive, not {self.chunk_layers}"
@@ -105,9 +120,25 @@ class IngestConfig:
             )
 
 
+PROMPT_SEGMENT_SIZE = 256  # examples a segment of a prompt (target-mode) store, by default
+PROMPT_CHUNK_ROWS = 32  # rows a chunk of a prompt store's z / resid / mlp, by default
+
+
+def prompt_layout(cfg: IngestConfig) -> IngestConfig:
+    """``cfg`` with the prompt-store defaults in place of 0 (automatic) ``segment_size`` and
+    ``chunk_rows``: 256 examples a segment, 32 rows a chunk (a target's rows are read a few at a time)."""
+    return replace(
+        cfg,
+        segment_size=cfg.segment_size or PROMPT_SEGMENT_SIZE,
+        chunk_rows=cfg.chunk_rows or PROMPT_CHUNK_ROWS,
+    )
+
+
 def check_sizes(batch_size: int, segment_size: int) -> None:
     """A segment holds whole batches: ``segment_size`` must be a positive multiple of ``batch_size``
-    (it is used as given, never rounded)."""
+    (it is used as given, never rounded); 0 passes (automatic: decided by the ingest's mode)."""
+    if segment_size == 0 and batch_size >= 1:
+        return
     if batch_size < 1 or segment_size < 1:
         raise InvalidSetting(
             "batch_size" if batch_size < 1 else "segment_size",

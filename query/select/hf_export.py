@@ -209,11 +209,11 @@ def to_hf_dataset(
                 batch["example_id"] = ids
                 writer.write_batch(batch)
                 at += b
-        _saved(tmp / "out", features)
+        fingerprint = _saved(tmp / "out", features)
         os.replace(tmp / "out", out)
-        return datasets.Dataset.load_from_disk(str(out))
+        return _opened(out, features, fingerprint)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         if bars:
             datasets.enable_progress_bars()
 
@@ -221,7 +221,32 @@ def to_hf_dataset(
 SHARD = "data-00000-of-00001.arrow"  # save_to_disk's file of a dataset of one shard
 
 
-def _saved(folder: Path, features: Any) -> None:
+def _remove(tmp: Path) -> None:
+    """Remove the export's temporary folder: empty once its output was moved (one ``rmdir``; shutil's
+    safe walk of an empty folder cost 0.3 ms), else whatever a failed export left in it."""
+    try:
+        tmp.rmdir()
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _opened(folder: Path, features: Any, fingerprint: str) -> Any:
+    """The dataset ``Dataset.load_from_disk(folder)`` gives for a folder :func:`_saved` wrote (one
+    file, memory-mapped unless datasets' ``IN_MEMORY_MAX_SIZE`` says it is small, no format, its
+    fingerprint), made from what the export already knows: load_from_disk's reading of the JSON files
+    back, its thread pool and its format copy were a fixed 3-5 ms (a test compares the two)."""
+    import datasets
+    from datasets.table import InMemoryTable, MemoryMappedTable
+    from datasets.utils.info_utils import is_small_dataset
+
+    path = folder / SHARD
+    table = (InMemoryTable if is_small_dataset(path.stat().st_size) else MemoryMappedTable).from_file(
+        str(path)
+    )
+    return datasets.Dataset(table, info=datasets.DatasetInfo(features=features), fingerprint=fingerprint)
+
+
+def _saved(folder: Path, features: Any) -> str:
     """Make ``folder``, which holds the Arrow stream file :data:`SHARD` of ``features``, what
     ``Dataset.save_to_disk`` writes for the dataset of that file: its ``state.json`` (a dataset of
     one file, no format, a random fingerprint) and ``dataset_info.json``, written as save_to_disk
@@ -244,6 +269,7 @@ def _saved(folder: Path, features: Any) -> None:
         json.dump(state, f, indent=2, sort_keys=True)
     with open(folder / "dataset_info.json", "w", encoding="utf-8") as f:
         json.dump({key: info[key] for key in sorted(info)}, f, indent=2)
+    return str(state["_fingerprint"])
 
 
 class _Writer:
@@ -326,20 +352,32 @@ def _windows(selection: Exported, spec: FeatureSpec, n: int) -> tuple[np.ndarray
             f"pack={got[1]}, special={got[2]}): ingest with {hint}"
         )
     rows = selection.rows.column("row").to_numpy()
-    pos = store.sql(
-        "SELECT row, window_index, window_position, token_id FROM positions "
-        "WHERE row BETWEEN ? AND ? ORDER BY row",
-        [int(rows.min()), int(rows.max())],
+    # the positions of the selected rows' segments, read from the table's files (no SQL statement:
+    # DuckDB's own cost was most of a 10^4-position export)
+    size = store.manifest.segment_size
+    pos = store.segments_table(
+        "positions",
+        int(rows.min()) // size,
+        int(rows.max()) // size,
+        ["row", "window_index", "window_position", "token_id"],
     )
     prow = pos.column("row").to_numpy()
-    at = np.minimum(np.searchsorted(prow, rows), prow.size - 1)
-    if not np.array_equal(prow[at], rows):
+    order = None
+    if prow.size > 1 and not (prow[1:] > prow[:-1]).all():
+        order = np.argsort(prow, kind="stable")
+        prow = prow[order]
+    at = np.minimum(np.searchsorted(prow, rows), max(prow.size - 1, 0))
+    if prow.size == 0 or not np.array_equal(prow[at], rows):
         raise QueryError(
             "to_hf_dataset: selected rows missing from the positions table (run actstore verify)"
         )
-    win = pos.column("window_index").to_numpy()[at].astype(np.int64)
-    wpos = pos.column("window_position").to_numpy()[at].astype(np.int64)
-    tok = pos.column("token_id").to_numpy()[at].astype(np.int64)
+    if order is not None:
+        at = order[at]
+
+    def column(name: str) -> np.ndarray:
+        return pos.column(name).to_numpy()[at].astype(np.int64)
+
+    win, wpos, tok = column("window_index"), column("window_position"), column("token_id")
     # a whole window: n selected rows of one window, at positions 0 .. n-1, consecutive in store order
     starts = np.flatnonzero(np.r_[True, win[1:] != win[:-1]])
     sizes = np.diff(np.r_[starts, win.size])
@@ -413,11 +451,11 @@ def _write_windows(
             ds.save_to_disk(str(tmp / "shuffled"))
             del ds
             os.replace(tmp / "shuffled", out)
-        else:
-            _saved(tmp / "out", features)
-            os.replace(tmp / "out", out)
-        return datasets.Dataset.load_from_disk(str(out))
+            return datasets.Dataset.load_from_disk(str(out))
+        fingerprint = _saved(tmp / "out", features)
+        os.replace(tmp / "out", out)
+        return _opened(out, features, fingerprint)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         if bars:
             datasets.enable_progress_bars()

@@ -119,6 +119,17 @@ def test_the_export_is_what_saelens_cache_runner_writes(home: Path, tmp_path: Pa
         assert mine.keys() == saved.keys()
         mine.pop("_fingerprint", None), saved.pop("_fingerprint", None)
         assert mine == saved
+    # what it returns is the dataset load_from_disk opens there (made without reading it back)
+    loaded = datasets.Dataset.load_from_disk(str(tmp_path / "ours"))
+    assert (ds.info, ds.split, ds.format, ds.cache_files) == (
+        loaded.info,
+        loaded.split,
+        loaded.format,
+        loaded.cache_files,
+    )
+    assert type(ds.data) is type(loaded.data) and ds.data.table.equals(loaded.data.table)
+    state = json.loads((tmp_path / "ours" / "state.json").read_text())
+    assert ds._fingerprint == state["_fingerprint"]
     assert ds.column_names == ref.column_names == ["model.layers.0", "token_ids"]
     assert ds.features == ref.features
     assert ds.num_rows == ref.num_rows == len(wins)
