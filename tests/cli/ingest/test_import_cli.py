@@ -150,6 +150,38 @@ def test_a_value_past_float16_is_refused_for_a_float16_store(tmp_path: Path) -> 
     np.testing.assert_array_equal(got, hs[:, 1])
 
 
+def test_a_bad_value_is_named_by_its_window_and_residual(tmp_path: Path) -> None:
+    """The values check reads each file once for all its layers: the line still names the window and the
+    residual index the file's layer maps to (--layer-ids 2,0: the file's layer 0 is residual 2)."""
+    hs = vllm_files(tmp_path / "hs", n=3)
+
+    def rewrite() -> None:
+        for k, h in enumerate(hs):
+            ids = torch.arange(3, 3 + h.shape[0])
+            save_file(
+                {"hidden_states": torch.from_numpy(h), "token_ids": ids},
+                str(tmp_path / "hs" / f"r{k}.safetensors"),
+            )
+
+    hs[1][3, 0, 7] = np.nan  # window 1, the file's layer 0: residual 2
+    hs[2][1, 1, 2] = 9.0e4  # window 2, the file's layer 1: residual 0, past float16
+    rewrite()
+    base = ["import", str(tmp_path / "hs"), "--layer-ids", "2,0", "--model", "tiny-llama"]
+    r = CliRunner().invoke(main, [*base, "--out", str(tmp_path / "a")])
+    assert r.exit_code != 0 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "window 1, residual 2: not finite" in r.output and not (tmp_path / "a").exists()
+    hs[1][3, 0, 7] = 0.5
+    rewrite()
+    r = CliRunner().invoke(main, [*base, "--dtype", "float16", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "window 2, residual 0: a value of magnitude 90000" in r.output and not (tmp_path / "b").exists()
+    r = CliRunner().invoke(main, [*base, "--out", str(tmp_path / "c")])  # float32 takes it
+    assert r.exit_code == 0, r.output
+    got = actstore.open(tmp_path / "c").select().features("resid", layers=[0, 2])
+    np.testing.assert_array_equal(got[:, 0], np.concatenate([h[:, 1] for h in hs]))
+    np.testing.assert_array_equal(got[:, 1], np.concatenate([h[:, 0] for h in hs]))
+
+
 def test_the_documented_example_runs(tmp_path: Path) -> None:
     """docs/commands.md's example of ``actstore import`` (SmolLM2-135M, three layer ids), run as written
     on files in vLLM's layout written by the helper above, its /tmp/ paths under a temporary folder."""
