@@ -280,9 +280,14 @@ def _attend_with_sources(
             w_t[here, :, : w.shape[-1]], j_t[here, :, : w.shape[-1]] = w, j
         if t0 == t1:
             continue
-        src = rank.reshape(-1)[(tb * T)[:, None, None] + j_t]  # [n, H, k] each source's rank
         invalid = w_t <= 0  # (a source of weight 0, e.g. outside a sliding window, is no source)
-        offset = (rank[tb, tp][:, None, None] - src).masked_fill_(invalid, 0)
+        if (
+            not special_cols.numel()
+        ):  # no position left out before a target: ranks are positions minus a constant
+            offset = (tp[:, None, None] - j_t).masked_fill_(invalid, 0)
+        else:
+            src = rank.reshape(-1)[(tb * T)[:, None, None] + j_t]  # [n, H, k] each source's rank
+            offset = (rank[tb, tp][:, None, None] - src).masked_fill_(invalid, 0)
         dst[t0:t1, 0, :k_top, layer] = w_t.masked_fill_(invalid, 0.0).transpose(1, 2)  # [n, k, H]
         dst[t0:t1, 1, :k_top, layer] = offset.transpose(1, 2)
     return out
