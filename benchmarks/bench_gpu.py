@@ -93,7 +93,7 @@ TINY = dict(
 # Per model: prompts a target-mode batch, windows a corpus-mode batch (of --context tokens).
 BATCH = {"smollm2-135m": (64, 32), "llama-3.2-1b": (64, 16), "llama-3.1-8b": (32, 4)}
 CORPUS_KINDS = ("all", "resid", "mlp", "z", "attn")  # "all": the four together (attn and z both keep z)
-PARTS = (
+PARTS: tuple[str, ...] = (
     "install",
     "env",
     "exactness-float32",
@@ -179,11 +179,7 @@ def ingest_corpus_store(
 ) -> Any:
     """A corpus-mode store at ``out`` (``kinds`` kept, ``layers`` or all); the capture's report."""
     from actstore.core.lock import writer_lock
-
-    try:
-        from actstore.core.storage import locate
-    except ImportError:  # before the storage package (actstore.core.fs)
-        from actstore.core.fs import locate  # type: ignore[no-redef]
+    from actstore.core.storage import locate
     from actstore.ingest.capture.architectures import architecture_for
     from actstore.ingest.corpus import capture_positions, kept_arrays
     from actstore.ingest.settings import IngestConfig

@@ -102,7 +102,7 @@ class ReadCounter:
             counter.chunks += 1
             counter.bytes += len(data)
 
-        LocalChunks._decode = decode  # type: ignore[method-assign]
+        LocalChunks._decode = decode  # type: ignore[method-assign,assignment]
 
     def count(self, fn: Callable[[], Any]) -> tuple[int, int]:
         c0, b0 = self.chunks, self.bytes

@@ -97,7 +97,7 @@ def profile(tracer: Any, facts: list[Any]) -> dict[str, Any]:
     tracer.trace(facts)
     prof.disable()
     total = time.perf_counter() - t0
-    stats: Any = pstats.Stats(prof).stats
+    stats: Any = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     parts = {v: 0.0 for v in PROFILE_PARTS.values()}
     for (_, _, name), (_, _, tottime, _, _) in stats.items():
         for key, heading in PROFILE_PARTS.items():

@@ -16,16 +16,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from actstore.serve import console, prompt, views
+from actstore.serve import console, prompt, search, views
 from actstore.serve.app import warm
 from actstore.serve.catalog import Catalog
 
-try:
-    from actstore.serve import search
-
-    page_fn = search.prompts_page
-except ImportError:
-    page_fn = views.prompts_page
+page_fn = search.prompts_page
 path = sys.argv[1]
 k = int(sys.argv[2]) if len(sys.argv) > 2 else 7
 cat = Catalog.open([path])
@@ -41,6 +36,8 @@ g = st.geometry
 heads = [(la, h) for la in range(g.n_layers) for h in range(g.n_heads)]
 heads = [heads[(i * 7919) % len(heads)] for i in range(k)]
 W = ["the", "city", "of", "river", "king", "music", "war", "film", "team", "church"]
+LIMITS = console.ConsoleLimits()
+SORTED = "SELECT example_id, relation_id, text FROM examples WHERE example_id % 97 <> {i} ORDER BY example_id"
 fns = {
     "prompt": lambda i: prompt.prompt_view(st, exs[2 * k + i]),
     "contributions": lambda i: prompt.contributions(s, exs[i], None, None, None),
@@ -50,11 +47,9 @@ fns = {
     # a statement never run before that sorts every row (each i another statement), its page 5
     "sql_new": lambda i: console.run_page(st, SORTED.format(i=i), 5, 100, LIMITS, s.cached),
 }
-SORTED = "SELECT example_id, relation_id, text FROM examples WHERE example_id % 97 <> {i} ORDER BY example_id"
-LIMITS = console.ConsoleLimits()
 only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else set(fns)
 fns = {n: f for n, f in fns.items() if n in only}
-out = {}
+out: dict[str, object] = {}
 for name, f in fns.items():
     cs, ws = [], []
     for i in range(k):

@@ -117,8 +117,8 @@ def run_package(work: Path, tokens: int, steps: int, optimizer: str, precision: 
         def __enter__(self) -> NoAutocast:
             return self
 
-        def __exit__(self, *exc: Any) -> bool:
-            return False
+        def __exit__(self, *exc: Any) -> None:
+            return None
 
     if precision == "fp32":  # the package wraps its lens forward in bfloat16 autocast: disable it
         torch.autocast = NoAutocast  # type: ignore[misc,assignment]
