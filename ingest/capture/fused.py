@@ -274,8 +274,9 @@ def _attend_with_sources(
                 hb if rows_of is None else rows_of[hb], :, tp[here] - a
             ]  # [m, H, e]
             cols = special_cols[special_cols < e]
-            if cols.numel():  # no source: a position not kept
-                part[..., cols] = part[..., cols].masked_fill(special[hb][:, cols][:, None, :], -1.0)
+            if cols.numel():  # no source: a position not kept (weight 0: below every kept source of
+                # positive weight, and a slot of weight 0 is no source; not negative: select_top's fast path)
+                part[..., cols] = part[..., cols].masked_fill(special[hb][:, cols][:, None, :], 0.0)
             w, j = select_top(part, k_top)  # (fewer than K columns where the block has fewer keys)
             w_t[here, :, : w.shape[-1]], j_t[here, :, : w.shape[-1]] = w, j
         if t0 == t1:
