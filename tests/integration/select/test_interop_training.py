@@ -177,6 +177,22 @@ def test_bad_exports_are_one_line_and_leave_nothing(home: Path, tmp_path: Path, 
     )
     assert named.column_names == ["blocks.1.hook_resid_pre", "token_ids"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # no half-written folder
+    # an export stopped while it writes (here: the disk fills at its second block) leaves nothing either
+    import actstore.query.select.hf_export as hf_export
+
+    real, calls = hf_export.compute_block, []
+
+    def fills(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_export, "compute_block", fills)
+        with pytest.raises(OSError, match="No space"):
+            sel.to_hf_dataset(tmp_path / "g", "resid", layers=[1], context_size=N, batch_rows=N)
+    assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
 def test_a_missing_client_is_one_line(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
