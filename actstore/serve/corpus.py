@@ -277,7 +277,11 @@ def hist_sample(store: StoreReader) -> Any:
         store,
         f"hist_sample:{HIST_SAMPLE}",
         ("examples", "targets"),
-        lambda: block_sample(store, HIST_SAMPLE, seed=0),
+        # clusters of at most 32 positions, as before corpus stores had longer chunks (a 2,048-row
+        # chunk of tiny-llama would make the sample two runs of neighbouring positions)
+        lambda: block_sample(
+            store, HIST_SAMPLE, seed=0, chunk_rows=None if store.manifest.chunk_rows <= 32 else 32
+        ),
     )
 
 
