@@ -362,11 +362,12 @@ def unit_view(
     vals = _sample_values(store, kind, layer, index, vec)
     counts, edges = np.histogram(vals, bins=HIST_BINS) if vals.size else (np.zeros(0), np.zeros(0))
     active = float((vals > 0).mean()) if vals.size else None
+    along, along_row = _row_of(name or "")
     label = {
         "mlp": f"MLP neuron {layer}.{index}",
         "head": f"head {layer}.{index} output norm"
         if vec is None
-        else f"head {layer}.{index} along {_row_of(name or '')[0]}[{_row_of(name or '')[1]}]",
+        else f"head {layer}.{index} along {along}[{along_row}]",
         "direction": f"direction {name}[{index}] at residual {layer}",
     }[kind]
     return jsonable(
