@@ -282,9 +282,7 @@ def _attend_with_sources(
         if t0 == t1:
             continue
         invalid = w_t <= 0  # (a source of weight 0, e.g. outside a sliding window, is no source)
-        if (
-            not special_cols.numel()
-        ):  # no position left out before a target: ranks are positions minus a constant
+        if not special_cols.numel():  # no position left out before a target: its rank is its position
             offset = (tp[:, None, None] - j_t).masked_fill_(invalid, 0)
         else:
             src = rank.reshape(-1)[(tb * T)[:, None, None] + j_t]  # [n, H, k] each source's rank
@@ -318,8 +316,8 @@ def select_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.topk(x, k, dim=-1)
     bits = x.contiguous().numpy().view(np.int32)
     key = np.empty(bits.shape, dtype=np.int64)
-    negative = bool(bits.min() < 0)  # a negative value (or -0.0): as int32, its order is reversed
-    if negative:  # (so its lower 31 bits are flipped as well as all of them)
+    negative = bool(bits.min() < 0)  # a negative value or -0.0: as int32 their order is reversed
+    if negative:  # so theirs get the lower 31 bits flipped (monotone), then all 32 (the complement)
         np.bitwise_xor(bits, ~(bits >> 31) | np.int32(-(2**31)), out=key)
     else:
         np.invert(bits, out=key)
