@@ -10,8 +10,8 @@ The order of an epoch, for ``N`` selected rows, is fixed before anything is read
 
 1. **Units.** The selected rows are grouped by storage chunks: a unit is a run of ``unit_rows // chunk_rows``
    whole chunks of one segment (``chunk_rows`` rows of ``z``, ``mlp`` and ``resid`` per chunk file or
-   shard of layer chunks; ``unit_rows`` defaults to 256 rows, a whole segment of the default
-   ingest, read in one call), holding the selected rows among them.  ``shuffle=True`` permutes the
+   shard of layer chunks; ``unit_rows`` defaults to 256 rows, or one chunk where chunks are longer
+   (a corpus store's), read in one call), holding the selected rows among them.  ``shuffle=True`` permutes the
    units with ``numpy.random.default_rng([seed, epoch])``; ``shuffle=False`` keeps store order.
 2. **Ranks.** The rows, in that unit order, are cut into ``world_size`` contiguous shares: rank ``r``
    gets positions ``r*N//W .. (r+1)*N//W`` (counts differ by at most one; every rank sees whole
