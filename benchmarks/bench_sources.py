@@ -11,7 +11,8 @@ For each size (tokens of a synthetic text corpus, one document a line), on a tin
 - DFA at one position: median wall time of ``dfa_rows(store, [row], u)`` over random rows;
 - a new direction's top-k over every token (``dfa_top``) / reading those rows' ``attn``, ``z``, ``v``
   and ``mlp`` once (``read_rows``, in the same blocks: ``block_rows``), and that read's rate (rows/s,
-  MB/s of float32).
+  MB/s of float32); each arm cold (the store's files evicted from the page cache first, the ratio
+  reported as ``dfa_top_vs_read_once``) then warm, the arms' order alternating over ``--top-rounds``.
 
 Both sides of each ratio run in the same process, interleaved where they can be (batch by batch
 for the capture), on ``--threads`` threads.
@@ -25,16 +26,24 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-import actstore
-from actstore.ingest.models.registry import load_model
-from actstore.query.analyses.dfa import block_rows, dfa_rows, dfa_top
-from actstore.query.select.corpus_sources import read_rows
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import actstore  # noqa: E402
+from actstore.ingest.models.registry import load_model  # noqa: E402
+from actstore.query.analyses.dfa import block_rows, dfa_rows, dfa_top  # noqa: E402
+from actstore.query.select.corpus_sources import read_rows  # noqa: E402
+from benchmarks.common import evict  # noqa: E402
 
 WORDS = "the of and a to in is was for on as with by he at from his an were are which this be".split()
 
@@ -94,6 +103,21 @@ def capture_forward(model: torch.nn.Module, store: actstore.Store, k: int, batch
     return t_cap, t_plain
 
 
+def top_arm(s: Any, every: np.ndarray, u: np.ndarray) -> None:
+    """A direction's top-k over every row, as ``actstore dfa`` streams it."""
+    dfa_top(s, every, u, k=20, batch_rows=4096)
+
+
+def read_arm(s: Any, every: np.ndarray, step: int, layers: list[int], k: int) -> None:
+    """The rows' ``attn``, ``z``, ``v`` and ``mlp`` read once, in the blocks ``dfa_top`` reads."""
+    for i in range(0, every.size, step):
+        b = every[i : i + step]
+        read_rows(s, "attn", b, layers, per=2 * k)
+        read_rows(s, "z", b, layers)
+        read_rows(s, "v", b, layers)
+        read_rows(s, "mlp", b, layers)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="10000,100000")
@@ -104,6 +128,12 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-llama", help="tiny-ARCH or any name actstore ingest loads")
     ap.add_argument(
         "--no-plain-ingest", action="store_true", help="skip the ingest without sources (its ratio)"
+    )
+    ap.add_argument("--top-rounds", type=int, default=2, help="rounds of the top-k / read pair (cold, warm)")
+    ap.add_argument(
+        "--no-capture-timing",
+        action="store_true",
+        help="skip the capture / forward timing (the store is built)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the stores (default: removed after each size)")
     ap.add_argument("--threads", type=int, default=1)
@@ -138,7 +168,8 @@ def main() -> None:
             stores[label] = actstore.ingest_corpus(path, **(common | extra))
             times[label] = time.perf_counter() - t0
         s = stores["sources"]
-        times["capture"], times["forward"] = capture_forward(model, s, a.k, a.batch_size)
+        if not a.no_capture_timing:
+            times["capture"], times["forward"] = capture_forward(model, s, a.k, a.batch_size)
         rows = s.manifest.n_examples
         g = s.geometry
         L = len(s.manifest.ingest["kept"]["z"])
@@ -158,19 +189,27 @@ def main() -> None:
                 dfa_rows(s, [int(r)], u)
                 acc.append(time.perf_counter() - t0)
         every = np.arange(rows)
-        t0 = time.perf_counter()
-        dfa_top(s, every, u, k=20, batch_rows=4096)
-        t_top = time.perf_counter() - t0
         layers = s.manifest.ingest["kept"]["z"]
         step = block_rows(s, 4096)  # the blocks dfa_top reads
-        t0 = time.perf_counter()
-        for i in range(0, rows, step):
-            b = every[i : i + step]
-            read_rows(s, "attn", b, layers, per=2 * a.k)
-            read_rows(s, "z", b, layers)
-            read_rows(s, "v", b, layers)
-            read_rows(s, "mlp", b, layers)
-        t_read = time.perf_counter() - t0
+
+        # each arm cold (the store's files evicted from the page cache first) and then warm (again at
+        # once), the arms' order alternating between rounds: a store larger than the page cache
+        # leaves whichever arm runs second partly warm, and would favour it
+        files = [f for f in Path(s.url).rglob("*") if f.is_file()]
+        arms = {
+            "top": partial(top_arm, s, every, u),
+            "read": partial(read_arm, s, every, step, layers, a.k),
+        }
+        timed: dict[str, list[float]] = {f"{arm}_{state}": [] for arm in arms for state in ("cold", "warm")}
+        for rnd in range(a.top_rounds):
+            for arm in list(arms)[:: 1 if rnd % 2 == 0 else -1]:
+                evict(files)
+                for state in ("cold", "warm"):
+                    t0 = time.perf_counter()
+                    arms[arm]()
+                    timed[f"{arm}_{state}"].append(time.perf_counter() - t0)
+        med = {key: float(np.median(v)) for key, v in timed.items()}
+        t_top, t_read = med["top_cold"], med["read_cold"]
         read_floats = (
             rows
             * len(layers)
@@ -181,10 +220,10 @@ def main() -> None:
             "k": a.k,
             "ingest_sources_s": times["sources"],
             "ingest_plain_s": times.get("plain_ingest"),
-            "forward_s": times["forward"],
-            "capture_s": times["capture"],
-            "capture_vs_forward": times["capture"] / times["forward"],
-            "ingest_vs_forward": times["sources"] / times["forward"],
+            "forward_s": times.get("forward"),
+            "capture_s": times.get("capture"),
+            "capture_vs_forward": times["capture"] / times["forward"] if "forward" in times else None,
+            "ingest_vs_forward": times["sources"] / times["forward"] if "forward" in times else None,
             "capture_vs_ingest_without": times["sources"] / times["plain_ingest"]
             if "plain_ingest" in times
             else None,
@@ -199,6 +238,10 @@ def main() -> None:
             "dfa_top_s": t_top,
             "read_once_s": t_read,
             "dfa_top_vs_read_once": t_top / t_read,
+            "dfa_top_warm_s": med["top_warm"],
+            "read_once_warm_s": med["read_warm"],
+            "dfa_top_vs_read_once_warm": med["top_warm"] / med["read_warm"],
+            "top_read_seconds": timed,
             "read_rows_per_s": rows / t_read,
             "read_mb_per_s_float32": 4 * read_floats / t_read / 1e6,
         }
