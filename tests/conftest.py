@@ -43,7 +43,7 @@ def client() -> Iterator[Any]:
     from dask.distributed import Client, LocalCluster
 
     cluster = LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=logging.ERROR
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", silence_logs=logging.ERROR
     )
     with Client(cluster) as c:
         yield c
