@@ -83,23 +83,20 @@ class ExternalWindow:
 
 
 def _extremes(w: ExternalWindow) -> dict[int, tuple[float, float]]:
-    """(max, min) of each residual of ``w`` as floats (NaN or infinite when any value is); the layers of
-    one vLLM file are read in one pass over it (not one strided pass a layer)."""
-    files = {a.path for a in w.resid.values() if isinstance(a, FileRows)}
-    if len(files) == 1 and all(isinstance(a, FileRows) for a in w.resid.values()):
-        from safetensors import safe_open
+    """(max, min) of each residual of ``w`` as floats (NaN or infinite when any value is); a vLLM file is
+    read whole once for all its layers (not one strided read a layer)."""
+    from safetensors import safe_open
 
-        path = files.pop()
-        with safe_open(path, "pt") as f:
-            t = f.get_tensor("hidden_states")  # [seq, layers, d]
-        x = (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # numpy's reductions: 3-5x torch's here
-        hi, lo = x.max(axis=(0, 2)), x.min(axis=(0, 2))
-        return {i: (float(hi[a.k]), float(lo[a.k])) for i, a in w.resid.items()}  # type: ignore[union-attr]
+    whole: dict[str, np.ndarray] = {}
     out = {}
     for i, a in w.resid.items():
         if isinstance(a, FileRows):
-            t = a[:]
-            x = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+            if a.path not in whole:
+                with safe_open(a.path, "pt") as f:
+                    t = f.get_tensor("hidden_states")  # [seq, layers, d]
+                # (numpy's reductions: 3-5x torch's here)
+                whole[a.path] = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+            x = whole[a.path][:, a.k]
         else:
             x = a
         out[i] = (float(x.max()), float(x.min()))
