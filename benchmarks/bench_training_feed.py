@@ -17,12 +17,18 @@ memory-mapped, ``--batch // --context`` windows a batch) against its batches in 
 rows (the raw chunk read) at each of ``--export-sizes`` positions (the first rows of the store, whole
 windows; with ``--export-docs`` a second store of that many documents is ingested for them, or
 ``--export-store`` names one made before, e.g. by an earlier run's ingest), so that
-its fixed costs show as such."""
+its fixed costs show as such.  ``--only export`` times the export alone (no training store, no tools):
+
+    python benchmarks/bench_training_feed.py --context 64 --rounds 7 --export-docs 12500 \
+        --export-sizes 10000,100000,1000000 --only export
+
+``--keep-store DIR`` keeps the export store ingested there (for ``--export-store DIR`` next time)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import os
 import shutil
@@ -85,7 +91,9 @@ def med(v: list[float]) -> float:
     return sorted(v)[len(v) // 2]
 
 
-def ingest(t: Path, name: str, docs: int, context: int) -> Any:
+def ingest(t: Path, name: str, docs: int, context: int, where: Path | None = None) -> Any:
+    """A packed corpus store of ``docs`` documents of the tiny Llama saved in ``t / "model"``, at
+    ``where`` (default ``t / name``)."""
     g = torch.Generator().manual_seed(0)
     text = [
         " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (30,), generator=g)) for _ in range(docs)
@@ -93,7 +101,7 @@ def ingest(t: Path, name: str, docs: int, context: int) -> Any:
     (t / f"{name}.txt").write_text("\n".join(text) + "\n")
     with quiet():
         return actstore.ingest_corpus(
-            t / name,
+            where or t / name,
             model=str(t / "model"),
             dataset=f"text:{t / f'{name}.txt'}",
             positions="all",
@@ -103,6 +111,61 @@ def ingest(t: Path, name: str, docs: int, context: int) -> Any:
             context_length=context,
             batch_size=16,
         )
+
+
+def load_export(path: str) -> Any:
+    """``to_hf_dataset`` of another copy of query/select/hf_export.py (e.g. a git worktree of the code
+    before), imported under its own name, so that both are timed in one run on the same rows."""
+    spec = importlib.util.spec_from_file_location("hf_export_before", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.to_hf_dataset
+
+
+class Exports:
+    """The export timed against the raw read of the same rows (and a second export, ``before``, when
+    given), each of ``sizes`` positions, one round at a time, the arms in alternating order."""
+
+    def __init__(self, big: Any, sizes: list[int], context: int, t: Path, before: Any) -> None:
+        self.subsets = {k: big.limit(k) for k in sizes}
+        self.context, self.t = context, t
+        self.rates: dict[tuple[str, int], list[float]] = {}
+        self.kw: dict[str, Any] = dict(kind="resid", layers=[1], context_size=context)
+        self.arms: dict[str, Any] = {"export": lambda sub, out: sub.to_hf_dataset(out, **self.kw)}
+        if before is not None:
+            self.arms["before"] = lambda sub, out: before(sub, out, **self.kw)
+
+    def round(self, rnd: int) -> None:
+        for k, sub in self.subsets.items():
+            for arm in list(self.arms)[:: 1 if rnd % 2 == 0 else -1]:
+                out = self.t / "hf"
+                shutil.rmtree(out, ignore_errors=True)
+                with quiet():
+                    took = timed(lambda sub=sub, out=out, arm=arm: self.arms[arm](sub, out))
+                self.rates.setdefault((arm, k), []).append(k / took)
+                shutil.rmtree(out, ignore_errors=True)
+            self.rates.setdefault(("raw", k), []).append(
+                k / timed(lambda sub=sub: sub.features("resid", layers=[1]))
+            )
+
+    def report(self) -> None:
+        for k in self.subsets:
+            r = med(self.rates[("raw", k)])
+            for arm in self.arms:
+                e = med(self.rates[(arm, k)])
+                print(
+                    f"{'export' if arm == 'export' else 'export before'} of {k} positions: {e:.0f} vs raw "
+                    f"read {r:.0f} positions/s: {e / r:.1%} ({k / e:.4f} vs {k / r:.4f} s)"
+                )
+
+
+def export_sizes(a: Any, big: Any, default: list[int]) -> list[int]:
+    """``--export-sizes`` in whole windows, those the store holds (or all of its whole windows)."""
+    sizes = (
+        [int(v) // a.context * a.context for v in a.export_sizes.split(",")] if a.export_sizes else default
+    )
+    return [k for k in sizes if k <= len(big)] or [len(big) // a.context * a.context]
 
 
 def main() -> None:
@@ -115,6 +178,9 @@ def main() -> None:
     ap.add_argument("--export-docs", type=int, default=0, help="a second store of this many documents")
     ap.add_argument("--export-store", default="", help="an existing store of whole windows for the sizes")
     ap.add_argument("--export-sizes", default="", help="positions exported (default: the whole store)")
+    ap.add_argument("--only", default="", choices=("", "export"), help="export: time the export alone")
+    ap.add_argument("--keep-store", default="", help="ingest the --export-docs store here and keep it")
+    ap.add_argument("--before", default="", help="another hf_export.py, timed beside this one")
     a = ap.parse_args()
     steps_list = [int(v) for v in a.steps.split(",")]
     torch.set_num_threads(1)
@@ -123,136 +189,131 @@ def main() -> None:
         m = tiny_model("llama")
         m.model.save_pretrained(t / "model")
         m.tokenizer.save_pretrained(t / "model")
-        store = ingest(t, "c", a.docs, a.context)
-        sel = store.select()
-        n = len(sel)
-        d = store.geometry.d_model
-        big = (
-            actstore.open(a.export_store).select()
-            if a.export_store
-            else ingest(t, "e", a.export_docs, a.context).select()
-            if a.export_docs
-            else sel
-        )
-        sizes = (
-            [int(v) // a.context * a.context for v in a.export_sizes.split(",")] if a.export_sizes else [n]
-        )
-        sizes = [k for k in sizes if k <= len(big)] or [len(big) // a.context * a.context]
-        print(f"load average at the start: {os.getloadavg()[0]:.1f}")
-        print(
-            f"store: {n} positions, d_model {d}, float16; steps {steps_list} x batch {a.batch}; "
-            f"export sizes {sizes} (store of {len(big)} positions)"
-        )
-
-        def feed() -> Any:
-            return sel.loader("resid", layers=[1], batch_size=a.batch, epochs=None, flatten=True, seed=0)
-
-        # the same rows and batches, in memory (SAETrainer counts samples: an epoch's last batch is short,
-        # so it takes one batch more per epoch boundary)
-        top = max(steps_list)
-        extra = top + top * a.batch // n + 2
-        mem = [x for _, x in zip(range(extra), feed())]
-        with quiet():
-            ds = sel.to_hf_dataset(t / "hf-feed", "resid", layers=[1], context_size=a.context)
-        col = next(c for c in ds.column_names if c != "token_ids")
-        per = max(1, a.batch // a.context)  # windows a batch
-
-        def export_feed() -> Any:
-            # the column's values, memory-mapped from the export's Arrow file (no copy): [windows * n, d]
-            values = ds.data.column(col).combine_chunks().storage.flatten().flatten().to_numpy()
-            x = values.reshape(-1, d)
-            while True:
-                for k in range(0, x.shape[0] - per * a.context + 1, per * a.context):
-                    yield torch.from_numpy(x[k : k + per * a.context]).float()
-
-        mem_export = [x for _, x in zip(range(extra), export_feed())]
-
-        from dictionary_learning import AutoEncoder
-        from dictionary_learning.trainers import StandardTrainer
-        from dictionary_learning.training import trainSAE
-
-        def dl(data: Any, steps: int) -> None:
-            cfg = dict(
-                trainer=StandardTrainer,
-                dict_class=AutoEncoder,
-                activation_dim=d,
-                dict_size=4 * d,
-                lr=1e-3,
-                device="cpu",
-                steps=steps,
-                layer=1,
-                lm_name="m",
-                warmup_steps=10,
-                sparsity_warmup_steps=10,
-            )
-            with quiet():
-                trainSAE(data=data, trainer_configs=[cfg], steps=steps, device="cpu")
-
-        from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
-        from sae_lens.config import SAETrainerConfig
-
-        def sl(data: Any, steps: int) -> None:
-            sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=d, d_sae=4 * d))
-            cfg = SAETrainerConfig(
-                total_training_samples=steps * a.batch, train_batch_size_samples=a.batch, lr_end=3e-4
-            )
-            with quiet():
-                SAETrainer(cfg, sae, data_provider=data).fit()
-
-        tools = {"dl": ("trainSAE", dl), "sl": ("SAETrainer", sl)}
-        arms = {
-            "loader": feed,
-            "mem": lambda: iter(mem),
-            "export": export_feed,
-            "export_mem": lambda: iter(mem_export),
-        }
-        got: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {}
-        rates: dict[tuple[str, int], list[float]] = {}
-        subsets = {k: big.limit(k) for k in sizes}
-        for rnd in range(a.rounds):  # interleaved, and in reverse every other round: load drifts
-            for steps in steps_list:
-                for key, (_name, fn) in tools.items():
-                    for arm, make in list(arms.items())[:: 1 if rnd % 2 == 0 else -1]:
-                        if arm.startswith("export") and steps != steps_list[0]:
-                            continue
-                        got.setdefault((key, arm, steps), []).append(run(fn, make, steps))
-            for k, sub in subsets.items():
-                out = t / "hf"
-                shutil.rmtree(out, ignore_errors=True)
-                with quiet():
-                    rates.setdefault(("export", k), []).append(
-                        k
-                        / timed(
-                            lambda out=out, sub=sub: sub.to_hf_dataset(
-                                out, "resid", layers=[1], context_size=a.context
-                            )
-                        )
-                    )
-                rates.setdefault(("raw", k), []).append(
-                    k / timed(lambda sub=sub: sub.features("resid", layers=[1]))
-                )
-                shutil.rmtree(out, ignore_errors=True)
-        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
-        for steps in steps_list:
-            for key, (name, _fn) in tools.items():
-                for arm, ref in (("loader", "mem"), ("export", "export_mem")):
-                    if (key, arm, steps) not in got:
-                        continue
-                    x, y = got[(key, arm, steps)], got[(key, ref, steps)]
-                    w = [med([r[i] for r in x]) for i in range(3)]
-                    v = [med([r[i] for r in y]) for i in range(3)]
-                    print(
-                        f"{name} {steps} steps from the {arm}: whole run {w[0]:.1f} vs {v[0]:.1f} steps/s "
-                        f"= {w[0] / v[0]:.3f}x; steady {w[1]:.1f} vs {v[1]:.1f} = {w[1] / v[1]:.3f}x; "
-                        f"first batch after {1e3 * w[2]:.0f} vs {1e3 * v[2]:.0f} ms"
-                    )
-        for k in sizes:
-            e, r = med(rates[("export", k)]), med(rates[("raw", k)])
-            print(
-                f"export of {k} positions: {e:.0f} vs raw read {r:.0f} positions/s: {e / r:.1%} ({k / e:.3f} vs {k / r:.3f} s)"
-            )
+        if a.export_store:
+            big = actstore.open(a.export_store).select()
+        elif a.export_docs:
+            keep = Path(a.keep_store) if a.keep_store else None
+            big = ingest(t, "e", a.export_docs, a.context, keep).select()
+        else:
+            big = None
+        if a.only == "export":
+            if big is None:
+                raise SystemExit("--only export needs --export-store or --export-docs")
+            sizes = export_sizes(a, big, [])
+            print(f"load average at the start: {os.getloadavg()[0]:.1f}")
+            print(f"export sizes {sizes} (store of {len(big)} positions)")
+            ex = Exports(big, sizes, a.context, t, load_export(a.before) if a.before else None)
+            for rnd in range(a.rounds):
+                ex.round(rnd)
+            print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+            ex.report()
+            return
+        train(a, t, steps_list, big)
     finally:
         shutil.rmtree(t, ignore_errors=True)
+
+
+def train(a: Any, t: Path, steps_list: list[int], big: Any) -> None:
+    """The training arms (and the export's, interleaved with them round by round)."""
+    store = ingest(t, "c", a.docs, a.context)
+    sel = store.select()
+    n = len(sel)
+    d = store.geometry.d_model
+    big = big if big is not None else sel
+    sizes = export_sizes(a, big, [n])
+    print(f"load average at the start: {os.getloadavg()[0]:.1f}")
+    print(
+        f"store: {n} positions, d_model {d}, float16; steps {steps_list} x batch {a.batch}; "
+        f"export sizes {sizes} (store of {len(big)} positions)"
+    )
+
+    def feed() -> Any:
+        return sel.loader("resid", layers=[1], batch_size=a.batch, epochs=None, flatten=True, seed=0)
+
+    # the same rows and batches, in memory (SAETrainer counts samples: an epoch's last batch is short,
+    # so it takes one batch more per epoch boundary)
+    top = max(steps_list)
+    extra = top + top * a.batch // n + 2
+    mem = [x for _, x in zip(range(extra), feed())]
+    with quiet():
+        ds = sel.to_hf_dataset(t / "hf-feed", "resid", layers=[1], context_size=a.context)
+    col = next(c for c in ds.column_names if c != "token_ids")
+    per = max(1, a.batch // a.context)  # windows a batch
+
+    def export_feed() -> Any:
+        # the column's values, memory-mapped from the export's Arrow file (no copy): [windows * n, d]
+        values = ds.data.column(col).combine_chunks().storage.flatten().flatten().to_numpy()
+        x = values.reshape(-1, d)
+        while True:
+            for k in range(0, x.shape[0] - per * a.context + 1, per * a.context):
+                yield torch.from_numpy(x[k : k + per * a.context]).float()
+
+    mem_export = [x for _, x in zip(range(extra), export_feed())]
+
+    from dictionary_learning import AutoEncoder
+    from dictionary_learning.trainers import StandardTrainer
+    from dictionary_learning.training import trainSAE
+
+    def dl(data: Any, steps: int) -> None:
+        cfg = dict(
+            trainer=StandardTrainer,
+            dict_class=AutoEncoder,
+            activation_dim=d,
+            dict_size=4 * d,
+            lr=1e-3,
+            device="cpu",
+            steps=steps,
+            layer=1,
+            lm_name="m",
+            warmup_steps=10,
+            sparsity_warmup_steps=10,
+        )
+        with quiet():
+            trainSAE(data=data, trainer_configs=[cfg], steps=steps, device="cpu")
+
+    from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
+    from sae_lens.config import SAETrainerConfig
+
+    def sl(data: Any, steps: int) -> None:
+        sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=d, d_sae=4 * d))
+        cfg = SAETrainerConfig(
+            total_training_samples=steps * a.batch, train_batch_size_samples=a.batch, lr_end=3e-4
+        )
+        with quiet():
+            SAETrainer(cfg, sae, data_provider=data).fit()
+
+    tools = {"dl": ("trainSAE", dl), "sl": ("SAETrainer", sl)}
+    arms = {
+        "loader": feed,
+        "mem": lambda: iter(mem),
+        "export": export_feed,
+        "export_mem": lambda: iter(mem_export),
+    }
+    got: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {}
+    ex = Exports(big, sizes, a.context, t, load_export(a.before) if a.before else None)
+    for rnd in range(a.rounds):  # interleaved, and in reverse every other round: load drifts
+        for steps in steps_list:
+            for key, (_name, fn) in tools.items():
+                for arm, make in list(arms.items())[:: 1 if rnd % 2 == 0 else -1]:
+                    if arm.startswith("export") and steps != steps_list[0]:
+                        continue
+                    got.setdefault((key, arm, steps), []).append(run(fn, make, steps))
+        ex.round(rnd)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    for steps in steps_list:
+        for key, (name, _fn) in tools.items():
+            for arm, ref in (("loader", "mem"), ("export", "export_mem")):
+                if (key, arm, steps) not in got:
+                    continue
+                x, y = got[(key, arm, steps)], got[(key, ref, steps)]
+                w = [med([r[i] for r in x]) for i in range(3)]
+                v = [med([r[i] for r in y]) for i in range(3)]
+                print(
+                    f"{name} {steps} steps from the {arm}: whole run {w[0]:.1f} vs {v[0]:.1f} steps/s "
+                    f"= {w[0] / v[0]:.3f}x; steady {w[1]:.1f} vs {v[1]:.1f} = {w[1] / v[1]:.3f}x; "
+                    f"first batch after {1e3 * w[2]:.0f} vs {1e3 * v[2]:.0f} ms"
+                )
+    ex.report()
 
 
 if __name__ == "__main__":
