@@ -38,11 +38,13 @@ Rows in window (generation) order, as the runner writes them (it does not shuffl
 
 from __future__ import annotations
 
-import json
+import ast
+import importlib.util
 import os
-import secrets
 import shutil
+import sys
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
 
@@ -50,6 +52,7 @@ import numpy as np
 
 from actstore.core.errors import QueryError
 from actstore.query.select.features import FeatureSpec, RowBlock, compute_block, row_shape
+from actstore.query.select.hf_arrow import SHARD, Layout, Writer, opened, saved, staging, window_layout
 from actstore.query.select.labelled import SOURCE_KINDS
 from actstore.query.select.loader_args import Selected
 from actstore.query.select.tl_cache import MODULES, kind_names
@@ -97,12 +100,53 @@ def module_path(kind: str, layer: int, architecture: str) -> str:
 
 
 def _tlens_knows(name: str) -> bool:
-    """Whether TransformerLens knows the model ``name`` (SAELens then hooks it by TL hook names)."""
+    """Whether TransformerLens knows the model ``name`` (SAELens then hooks it by TL hook names): its
+    ``OFFICIAL_MODEL_NAMES``, read from its source file where it is a literal (importing
+    TransformerLens to look up a name took 4 s here), else from the imported module."""
+    if "transformer_lens" in sys.modules and sys.modules["transformer_lens"] is None:
+        return False  # blocked
+    loaded = sys.modules.get("transformer_lens.supported_models")
+    if loaded is not None:
+        return name in getattr(loaded, "OFFICIAL_MODEL_NAMES", ())
     try:
+        spec = importlib.util.find_spec("transformer_lens")
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    for folder in spec.submodule_search_locations or ():
+        names = _literal_names(os.path.join(folder, "supported_models.py"))
+        if names is not None:
+            return name in names
+    try:  # another layout of TransformerLens: ask it
         from transformer_lens.loading_from_pretrained import OFFICIAL_MODEL_NAMES
     except Exception:  # TransformerLens absent or broken: SAELens could not load it by TL either
         return False
     return name in OFFICIAL_MODEL_NAMES
+
+
+@lru_cache(maxsize=4)
+def _literal_names(path: str) -> frozenset[str] | None:
+    """The literal list ``OFFICIAL_MODEL_NAMES`` of the Python file ``path`` (None: no such list)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        target: ast.expr
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "OFFICIAL_MODEL_NAMES" and value is not None:
+            try:
+                return frozenset(ast.literal_eval(value))
+            except ValueError:
+                return None
+    return None
 
 
 class ExportOptions(TypedDict, total=False):
@@ -190,26 +234,27 @@ def to_hf_dataset(
             "example_id": datasets.Value("int64"),
         }
     )
-    tmp = _staging(out)
+    layout = Layout(features)
+    tmp = staging(out)
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # a library call prints nothing (restored below)
     try:
         arrow = tmp / SHARD
         rows = selection.rows.column("row").to_numpy()
         at = 0
-        with _Writer(features, arrow) as writer:
-            for ids, block in selection.blocks(batch_rows):
-                x = compute_block(store, spec, block)
+        with Writer(layout, arrow) as writer:
+            for k, (ids, block) in enumerate(selection.blocks(batch_rows)):
+                x = compute_block(store, spec, block)  # a new array a block: written as it is
                 b = x.shape[0]
                 x = x.reshape(b, len(names), 1, d_in).astype(dtype, copy=False)
                 batch: dict[str, Any] = {name: x[:, j] for j, name in enumerate(names)}
                 batch["row"] = rows[at : at + b]
                 batch["example_id"] = ids
-                writer.write_batch(batch)
+                writer.write(batch, slot=k % 2)  # at most two blocks held
                 at += b
-        fingerprint = _saved(tmp, features)
+        fingerprint = saved(tmp, layout)
         os.replace(tmp, out)
-        return _opened(out, features, fingerprint)
+        return opened(out, features, fingerprint)
     finally:
         if tmp.exists():  # a failed export (or the shuffled one's first file)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -217,119 +262,18 @@ def to_hf_dataset(
             datasets.enable_progress_bars()
 
 
-SHARD = "data-00000-of-00001.arrow"  # save_to_disk's file of a dataset of one shard
+Buffers = list[tuple[np.ndarray, np.ndarray]]
 
 
-def _staging(out: Path) -> Path:
-    """A new empty folder beside ``out`` (hidden, a random name, the umask's permissions) that the
-    export fills and then renames to ``out``: nothing is left to remove after a complete export (an
-    empty temporary folder's ``rmdir`` took 0.3-3 ms here)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = out.parent / f".hf-export-{secrets.token_hex(8)}"
-        try:
-            tmp.mkdir()
-            return tmp
-        except FileExistsError:
-            continue
-
-
-def _opened(folder: Path, features: Any, fingerprint: str) -> Any:
-    """The dataset ``Dataset.load_from_disk(folder)`` gives for a folder :func:`_saved` wrote (one
-    file, memory-mapped unless datasets' ``IN_MEMORY_MAX_SIZE`` says it is small, no format, its
-    fingerprint), made from what the export already knows: load_from_disk's reading of the JSON files
-    back, its thread pool and its format copy were a fixed 3-5 ms (a test compares the two)."""
-    import datasets
-    from datasets.table import InMemoryTable, MemoryMappedTable
-    from datasets.utils.info_utils import is_small_dataset
-
-    path = folder / SHARD
-    table = (InMemoryTable if is_small_dataset(path.stat().st_size) else MemoryMappedTable).from_file(
-        str(path)
-    )
-    return datasets.Dataset(table, info=datasets.DatasetInfo(features=features), fingerprint=fingerprint)
-
-
-def _saved(folder: Path, features: Any) -> str:
-    """Make ``folder``, which holds the Arrow stream file :data:`SHARD` of ``features``, what
-    ``Dataset.save_to_disk`` writes for the dataset of that file: its ``state.json`` (a dataset of
-    one file, no format, a random fingerprint) and ``dataset_info.json``, written as save_to_disk
-    (datasets 5) writes them, without save_to_disk's second copy of every value (a test compares
-    them with save_to_disk's).  One shard at any size (``load_from_disk`` reads any number)."""
-    import datasets
-
-    state: dict[str, Any] = {
-        "_data_files": [{"filename": SHARD}],
-        "_fingerprint": os.urandom(8).hex(),
-        "_format_columns": None,
-        "_format_kwargs": {},
-        "_format_type": None,
-        "_output_all_columns": False,
-        "_split": None,
-    }
-    # save_to_disk's asdict (it leaves out the fields at their defaults)
-    info = datasets.utils.py_utils.asdict(datasets.DatasetInfo(features=features))
-    with open(folder / "state.json", "w", encoding="utf-8") as f:
-        json.dump(state, f, indent=2, sort_keys=True)
-    with open(folder / "dataset_info.json", "w", encoding="utf-8") as f:
-        json.dump({key: info[key] for key in sorted(info)}, f, indent=2)
-    return str(state["_fingerprint"])
-
-
-class _Writer:
-    """An Arrow stream file of ``features`` (what ``datasets.arrow_writer.ArrowWriter`` writes: the schema
-    with its ``huggingface`` metadata, then record batches), its batches built from the numpy blocks
-    without a copy: an ``Array2D`` column's storage is two levels of list offsets over the values, a
-    ``Sequence(length=n)`` a fixed-size list (ArrowWriter converts them value by value, which took more
-    than the store's read)."""
-
-    def __init__(self, features: Any, path: Path) -> None:
-        import pyarrow as pa
-
-        self.pa = pa
-        self.schema = features.arrow_schema
-        self.fields = [(f.name, f.type) for f in self.schema]  # (an extension type is rebuilt at each access)
-        self.sink = pa.OSFile(str(path), "wb")
-        self.writer = pa.ipc.new_stream(self.sink, self.schema)
-        self._offsets: dict[tuple[int, int], Any] = {}
-
-    def offsets(self, n: int, step: int) -> Any:
-        """List offsets ``0, step, .., n * step`` (int32), made once a size."""
-        key = (n, step)
-        if key not in self._offsets:
-            self._offsets[key] = self.pa.array(np.arange(0, n * step + 1, step, dtype=np.int32))
-        return self._offsets[key]
-
-    def __enter__(self) -> _Writer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.writer.close()
-        self.sink.close()
-
-    def write_batch(self, batch: dict[str, np.ndarray]) -> None:
-        pa = self.pa
-        cols = []
-        for name, typ in self.fields:
-            x = np.ascontiguousarray(batch[name])
-            if isinstance(typ, pa.ExtensionType):  # Array2D: [rows, a, b]
-                rows, a, b = x.shape
-                inner = pa.ListArray.from_arrays(self.offsets(rows * a, b), pa.array(x.reshape(-1)))
-                outer = pa.ListArray.from_arrays(self.offsets(rows, a), inner)
-                cols.append(pa.ExtensionArray.from_storage(typ, outer))
-            elif pa.types.is_fixed_size_list(typ):
-                cols.append(pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1]))
-            else:
-                cols.append(pa.array(x, type=typ))
-        self.writer.write_batch(pa.RecordBatch.from_arrays(cols, schema=self.schema))
-
-
-def _flush(writer: _Writer, column: str, xs: np.ndarray, ts: np.ndarray, held: int, n: int) -> int:
-    """Write the whole windows of the ``held`` rows at the start of ``xs`` (their token ids ``ts``) and
-    move the rest (the start of a window cut by a block's end) to the front; the rows left."""
+def _flush(writer: Writer, column: str, bufs: Buffers, cur: int, held: int, n: int) -> int:
+    """Hand the whole windows of the ``held`` rows at the start of buffer ``cur`` (values, token ids)
+    to the writer, and move the rest (the start of a window cut by a block's end) to the front of the
+    other buffer once its own batch is written; the rows left there."""
+    (xs, ts), (nx, nt) = bufs[cur], bufs[1 - cur]
     k = held // n * n
-    writer.write_batch({column: xs[:k].reshape(-1, n, xs.shape[1]), "token_ids": ts[:k].reshape(-1, n)})
-    xs[: held - k], ts[: held - k] = xs[k:held], ts[k:held]  # written out already: the buffers are free
+    writer.wait(1 - cur)
+    nx[: held - k], nt[: held - k] = xs[k:held], ts[k:held]
+    writer.write({column: xs[:k].reshape(-1, n, xs.shape[1]), "token_ids": ts[:k].reshape(-1, n)}, cur)
     return held - k
 
 
@@ -338,8 +282,8 @@ PACK_HINT = "actstore ingest --positions all --pack --keep-special --context-len
 
 def _windows(selection: Exported, spec: FeatureSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
     """For each selected row (in selection order) whether it belongs to a whole window of ``n`` kept
-    positions, and each row's token id; refused with one line where the store's windows are not
-    ``n`` kept positions."""
+    positions, and each row's token id (int32); refused with one line where the store's windows are
+    not ``n`` kept positions."""
     store = selection.store
     if isinstance(n, bool) or n < 1:
         raise QueryError(f"to_hf_dataset: context_size must be a positive integer (got {n!r})")
@@ -356,15 +300,28 @@ def _windows(selection: Exported, spec: FeatureSpec, n: int) -> tuple[np.ndarray
             f"pack={got[1]}, special={got[2]}): ingest with {hint}"
         )
     rows = selection.rows.column("row").to_numpy()
-    # the positions of the selected rows' segments, read from the table's files (no SQL statement:
-    # DuckDB's own cost was most of a 10^4-position export)
+    win, wpos, tok = _positions(store, rows)
+    whole = _whole(win, wpos, n)
+    if not whole.any():
+        raise QueryError(f"to_hf_dataset: the selection holds no whole window of {n} positions ({hint})")
+    return whole, tok
+
+
+POSITIONS = ["row", "window_index", "window_position", "token_id"]
+
+
+def _positions(store: Any, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The window index, window position and token id of each of ``rows``, read from the positions
+    table's files of their segments (no SQL statement: DuckDB's own cost was most of a 10^4-position
+    export).  The table's rows ``min(rows)..max(rows)`` are cut out first (a file holds 16 segments);
+    when they are ``rows`` themselves (a run of rows, as ``limit`` gives), they are taken as they are,
+    else each row is looked up."""
     size = store.manifest.segment_size
-    pos = store.segments_table(
-        "positions",
-        int(rows.min()) // size,
-        int(rows.max()) // size,
-        ["row", "window_index", "window_position", "token_id"],
-    )
+    lo, hi = int(rows.min()), int(rows.max())
+    pos = store.segments_table("positions", lo // size, hi // size, POSITIONS)
+    part = _row_range(pos, lo, hi)
+    if part.num_rows == rows.size and np.array_equal(part.column("row").to_numpy(), rows):
+        return tuple(part.column(name).to_numpy() for name in POSITIONS[1:])
     prow = pos.column("row").to_numpy()
     order = None
     if prow.size > 1 and not (prow[1:] > prow[:-1]).all():
@@ -377,19 +334,39 @@ def _windows(selection: Exported, spec: FeatureSpec, n: int) -> tuple[np.ndarray
         )
     if order is not None:
         at = order[at]
+    return tuple(pos.column(name).to_numpy()[at] for name in POSITIONS[1:])
 
-    def column(name: str) -> np.ndarray:
-        return pos.column(name).to_numpy()[at].astype(np.int64)
 
-    win, wpos, tok = column("window_index"), column("window_position"), column("token_id")
-    # a whole window: n selected rows of one window, at positions 0 .. n-1, consecutive in store order
+def _row_range(pos: Any, lo: int, hi: int) -> Any:
+    """The rows of ``pos`` (an Arrow table) from the first ``row`` >= ``lo`` to the last <= ``hi``,
+    found by bisection, each file's chunk taken as sorted (the caller checks what it gets)."""
+    start = stop = None
+    off = 0
+    for chunk in pos.column("row").chunks:
+        r = chunk.to_numpy()
+        if r.size:
+            if start is None and r[-1] >= lo:
+                start = off + int(np.searchsorted(r, lo))
+            if r[0] <= hi:
+                stop = off + int(np.searchsorted(r, hi, "right"))
+        off += r.size
+    if start is None or stop is None or stop <= start:
+        return pos.slice(0, 0)
+    return pos.slice(start, stop - start)
+
+
+def _whole(win: np.ndarray, wpos: np.ndarray, n: int) -> np.ndarray:
+    """Whether each row belongs to a whole window: ``n`` rows of one window, at window positions
+    0 .. n-1, consecutive in selection order."""
+    m = win.size
+    if m % n == 0:  # every run of n rows one whole window, and no two neighbours one window
+        w, p = win.reshape(-1, n), wpos.reshape(-1, n)
+        if (p == np.arange(n)).all() and (w == w[:, :1]).all() and (w[1:, 0] != w[:-1, 0]).all():
+            return np.ones(m, dtype=bool)
     starts = np.flatnonzero(np.r_[True, win[1:] != win[:-1]])
-    sizes = np.diff(np.r_[starts, win.size])
-    in_run = np.arange(win.size) - np.repeat(starts, sizes)  # each row's place in its run of one window
-    whole = np.repeat((sizes == n) & np.logical_and.reduceat(wpos == in_run, starts), sizes)
-    if not whole.any():
-        raise QueryError(f"to_hf_dataset: the selection holds no whole window of {n} positions ({hint})")
-    return whole, tok
+    sizes = np.diff(np.r_[starts, m])
+    in_run = np.arange(m) - np.repeat(starts, sizes)  # each row's place in its run of one window
+    return np.repeat((sizes == n) & np.logical_and.reduceat(wpos == in_run, starts), sizes)
 
 
 def _write_windows(
@@ -410,29 +387,27 @@ def _write_windows(
     store = selection.store
     whole, tok = windows
     n = int(store.manifest.ingest["context_length"])
-    features = datasets.Features(
-        {
-            column: datasets.Array2D(shape=(n, d_in), dtype=dtype),
-            "token_ids": datasets.Sequence(datasets.Value("int32"), length=n),
-        }
-    )
-    tmp = _staging(out)
+    layout = window_layout(column, n, d_in, dtype)
+    tmp = staging(out)
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
         arrow = tmp / SHARD
-        at = 0
-        held = 0
+        at = held = cur = 0
         step = max(n, batch_rows // n * n)
         # rows of whole windows gathered in the export's dtype (converted as they are placed: no
-        # concatenation), written a record batch of about batch_rows positions at a time
-        xs = np.empty((2 * step, d_in), dtype=dtype)
-        ts = np.empty(2 * step, dtype=np.int32)
-        direct, shape = xs.dtype == np.float32, row_shape(store, spec)
-        with _Writer(features, arrow) as writer:
+        # concatenation), handed to the writer about batch_rows positions at a time; two buffers,
+        # one filled while the other is written
+        cap = step + n
+        bufs = [(np.empty((cap, d_in), dtype=dtype), np.empty(cap, dtype=np.int32)) for _ in range(2)]
+        direct, shape = bufs[0][0].dtype == np.float32, row_shape(store, spec)
+        with Writer(layout, arrow) as writer:
             for _ids, block in selection.blocks(step):
                 b = len(_ids)
                 keep = whole[at : at + b]
+                if held + b > cap:  # (held < step, so it holds a whole window)
+                    held, cur = _flush(writer, column, bufs, cur, held, n), 1 - cur
+                xs, ts = bufs[cur]
                 if direct and keep.all():  # computed straight into the buffer (float32)
                     compute_block(store, spec, block, out=xs[held : held + b].reshape(b, *shape))
                     ts[held : held + b] = tok[at : at + b]
@@ -445,18 +420,18 @@ def _write_windows(
                     held += x.shape[0]
                 at += b
                 if held >= step:
-                    held = _flush(writer, column, xs, ts, held, n)
+                    held, cur = _flush(writer, column, bufs, cur, held, n), 1 - cur
             if held >= n:
-                _flush(writer, column, xs, ts, held, n)
+                _flush(writer, column, bufs, cur, held, n)
         if shuffle:  # datasets' own shuffle and save (a second copy of the values)
             ds = datasets.Dataset.from_file(str(arrow)).shuffle(seed=seed).flatten_indices()
             ds.save_to_disk(str(tmp / "shuffled"))
             del ds
             os.replace(tmp / "shuffled", out)
             return datasets.Dataset.load_from_disk(str(out))
-        fingerprint = _saved(tmp, features)
+        fingerprint = saved(tmp, layout)
         os.replace(tmp, out)
-        return _opened(out, features, fingerprint)
+        return opened(out, layout.features, fingerprint)
     finally:
         if tmp.exists():  # a failed export (or the shuffled one's first file)
             shutil.rmtree(tmp, ignore_errors=True)

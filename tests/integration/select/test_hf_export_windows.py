@@ -1,0 +1,176 @@
+"""Selection.to_hf_dataset(context_size=N) against an independent computation: the store's positions
+table read with pyarrow and grouped into windows by hand, and Selection.features of the same rows;
+for selections that are a run of rows, that cut a window, that skip windows, and on a store whose
+windows straddle its segments (a window's rows in two blocks).  Also: an error of the writing thread
+ends the export with nothing left, and the TransformerLens names read from its source file are the
+ones it imports."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import actstore
+from actstore.ingest.models.tiny import tiny_model
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+datasets = pytest.importorskip("datasets")
+N = 8
+DOCS = [
+    "the quiet river runs past an old stone bridge and the road goes on",
+    "a red house stands on the hill near the lake",
+    "kings and queens of the north built great halls",
+] * 5
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """Packed corpus stores of whole windows of N kept positions: segments of 16 rows (two windows)
+    and of 12 rows (a window in two segments every other segment)."""
+    t = tmp_path_factory.mktemp("hfwin")
+    m = tiny_model("llama")
+    m.model.save_pretrained(t / "model")
+    m.tokenizer.save_pretrained(t / "model")
+    (t / "docs.txt").write_text("\n".join(DOCS) + "\n", encoding="utf-8")
+    out = {}
+    for size in (16, 12):
+        with quiet():
+            out[size] = actstore.ingest_corpus(
+                t / f"s{size}",
+                model=str(t / "model"),
+                dataset=f"text:{t / 'docs.txt'}",
+                positions="all",
+                kinds=("resid",),
+                pack=True,
+                keep_special=True,
+                context_length=N,
+                batch_size=4,
+                segment_size=size,
+            )
+    return out
+
+
+def expected(sel: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The windows of ``sel`` computed by hand: the positions table (pyarrow), the selection's rows in
+    order, grouped into runs of one window; a run of N rows at window positions 0..N-1 is a row of
+    the export, its values the rows of ``features`` (float32) and its token ids the table's."""
+    pos = sel.store.table("positions", ["row", "window_index", "window_position", "token_id"])
+    by_row = {r: i for i, r in enumerate(pos.column("row").to_pylist())}
+    win = pos.column("window_index").to_pylist()
+    wpos = pos.column("window_position").to_pylist()
+    tok = pos.column("token_id").to_pylist()
+    rows = sel.rows.column("row").to_pylist()
+    feats = sel.features("resid", layers=[1])[:, 0]
+    xs, ts = [], []
+    i = 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and win[by_row[rows[j]]] == win[by_row[rows[i]]]:
+            j += 1
+        if j - i == N and [wpos[by_row[r]] for r in rows[i:j]] == list(range(N)):
+            xs.append(feats[i:j])
+            ts.append([tok[by_row[r]] for r in rows[i:j]])
+        i = j
+    return np.array(xs, dtype=np.float32), np.array(ts, dtype=np.int64)
+
+
+def selections(store: Any) -> dict[str, Any]:
+    n = len(store.select())
+    return {
+        "all": store.select(),
+        "a run cutting its last window": store.select().limit(5 * N + 3),
+        "from row 3 (the first window cut)": store.select(
+            query="SELECT example_id FROM positions WHERE row >= 3"
+        ),
+        "every other window": store.select(
+            query="SELECT example_id FROM positions WHERE window_index % 2 = 0"
+        ),
+        "windows 1 and 4..": store.select(
+            query=f"SELECT example_id FROM positions WHERE window_index = 1 OR (window_index >= 4 AND row < {n - 5})"
+        ),
+    }
+
+
+@pytest.mark.parametrize("size", [16, 12])
+@pytest.mark.parametrize("batch_rows", [N, 3 * N + 1, 4096])
+def test_the_export_is_the_windows_of_the_rows(
+    stores: dict[int, Any], size: int, batch_rows: int, tmp_path: Path
+) -> None:
+    store = stores[size]
+    for name, sel in selections(store).items():
+        xs, ts = expected(sel)
+        assert len(xs), name
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}"
+        ds = sel.to_hf_dataset(out, "resid", layers=[1], context_size=N, batch_rows=batch_rows)
+        got = ds.with_format("numpy")[:]
+        col = next(c for c in ds.column_names if c != "token_ids")
+        assert got[col].dtype == np.float32 and got[col].shape == xs.shape, name
+        assert np.array_equal(got[col], xs), name
+        assert np.array_equal(got["token_ids"], ts), name
+        again = datasets.Dataset.load_from_disk(str(out)).with_format("numpy")[:]  # as written
+        assert np.array_equal(again[col], xs) and np.array_equal(again["token_ids"], ts), name
+        half = sel.to_hf_dataset(
+            tmp_path / f"h{out.name}",
+            "resid",
+            layers=[1],
+            context_size=N,
+            batch_rows=batch_rows,
+            dtype="float16",
+        )
+        assert np.array_equal(half.with_format("numpy")[:][col], xs.astype(np.float16)), name
+
+
+def test_an_error_of_the_writing_thread_ends_the_export_with_nothing_left(
+    stores: dict[int, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import actstore.query.select.hf_arrow as hf_arrow
+
+    real, calls = hf_arrow._pool, []
+
+    class FillsAtTheSecondBatch:
+        def submit(self, fn: Any, *args: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+
+                def full() -> None:
+                    raise OSError(28, "No space left on device")
+
+                return real().submit(full)
+            return real().submit(fn, *args)
+
+    monkeypatch.setattr(hf_arrow, "_pool", FillsAtTheSecondBatch)
+    sel = stores[16].select()
+    with pytest.raises(OSError, match="No space"):
+        sel.to_hf_dataset(tmp_path / "x", "resid", layers=[1], context_size=N, batch_rows=N)
+    assert len(calls) >= 2 and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(hf_arrow, "_pool", real)
+    ds = sel.to_hf_dataset(tmp_path / "x", "resid", layers=[1], context_size=N, batch_rows=N)
+    assert np.array_equal(ds.with_format("numpy")[:]["token_ids"], expected(sel)[1])
+
+
+def test_transformer_lens_names_read_from_its_source_are_the_imported_ones() -> None:
+    with quiet():
+        supported = pytest.importorskip("transformer_lens.supported_models")
+    from actstore.query.select.hf_export import _literal_names
+
+    assert _literal_names(str(Path(supported.__file__))) == frozenset(supported.OFFICIAL_MODEL_NAMES)
+    assert len(supported.OFFICIAL_MODEL_NAMES) > 100  # a list of names, not an empty match
