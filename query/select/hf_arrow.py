@@ -180,12 +180,18 @@ class Writer:
         if done is not None:
             done.result()
 
-    def write(self, batch: dict[str, np.ndarray], slot: int = 0) -> None:
-        """Write ``batch`` (numpy arrays by column) on the writing thread, after the batch last handed
-        over as ``slot``."""
+    def write(self, batch: dict[str, np.ndarray], slot: int = 0, rows: int | None = None) -> None:
+        """Write ``batch`` (numpy arrays by column, rows first) on the writing thread, after the batch
+        last handed over as ``slot``; ``rows``: as record batches of at most that many rows."""
         self.wait(slot)
-        rb = self.record_batch(batch)
-        self._pending[slot] = _pool().submit(self.writer.write_batch, rb)
+        n = len(next(iter(batch.values())))
+        step = rows or max(n, 1)
+        rbs = [self.record_batch({k: v[i : i + step] for k, v in batch.items()}) for i in range(0, n, step)]
+        self._pending[slot] = _pool().submit(self._write_all, rbs)
+
+    def _write_all(self, rbs: list[Any]) -> None:
+        for rb in rbs:
+            self.writer.write_batch(rb)
 
     def record_batch(self, batch: dict[str, np.ndarray]) -> Any:
         pa = self.pa

@@ -108,13 +108,7 @@ def _tlens_knows(name: str) -> bool:
     loaded = sys.modules.get("transformer_lens.supported_models")
     if loaded is not None:
         return name in getattr(loaded, "OFFICIAL_MODEL_NAMES", ())
-    try:
-        spec = importlib.util.find_spec("transformer_lens")
-    except (ImportError, ValueError):
-        return False
-    if spec is None:
-        return False
-    for folder in spec.submodule_search_locations or ():
+    for folder in _tlens_folders():
         names = _literal_names(os.path.join(folder, "supported_models.py"))
         if names is not None:
             return name in names
@@ -123,6 +117,16 @@ def _tlens_knows(name: str) -> bool:
     except Exception:  # TransformerLens absent or broken: SAELens could not load it by TL either
         return False
     return name in OFFICIAL_MODEL_NAMES
+
+
+@lru_cache(maxsize=1)
+def _tlens_folders() -> tuple[str, ...]:
+    """Where the package ``transformer_lens`` would be imported from (none: it is not installed)."""
+    try:
+        spec = importlib.util.find_spec("transformer_lens")
+    except (ImportError, ValueError):
+        return ()
+    return tuple(spec.submodule_search_locations or ()) if spec is not None else ()
 
 
 @lru_cache(maxsize=4)
@@ -265,17 +269,21 @@ def to_hf_dataset(
 Buffers = list[tuple[np.ndarray, np.ndarray]]
 
 
-def _flush(writer: Writer, column: str, bufs: Buffers, cur: int, held: int, n: int) -> int:
+def _flush(writer: Writer, column: str, bufs: Buffers, cur: int, held: int, n: int, step: int) -> int:
     """Hand the whole windows of the ``held`` rows at the start of buffer ``cur`` (values, token ids)
-    to the writer, and move the rest (the start of a window cut by a block's end) to the front of the
-    other buffer once its own batch is written; the rows left there."""
+    to the writer (record batches of ``step`` rows), and move the rest (the start of a window cut by a
+    block's end) to the front of the other buffer once its own batches are written; the rows left
+    there."""
     (xs, ts), (nx, nt) = bufs[cur], bufs[1 - cur]
     k = held // n * n
     writer.wait(1 - cur)
     nx[: held - k], nt[: held - k] = xs[k:held], ts[k:held]
-    writer.write({column: xs[:k].reshape(-1, n, xs.shape[1]), "token_ids": ts[:k].reshape(-1, n)}, cur)
+    batch = {column: xs[:k].reshape(-1, n, xs.shape[1]), "token_ids": ts[:k].reshape(-1, n)}
+    writer.write(batch, cur, rows=step // n)
     return held - k
 
+
+READ_BYTES = 4 << 20  # the export's read blocks: of at most 4 MiB of values, or one record batch
 
 PACK_HINT = "actstore ingest --positions all --pack --keep-special --context-length {n}"
 
@@ -394,19 +402,21 @@ def _write_windows(
     try:
         arrow = tmp / SHARD
         at = held = cur = 0
-        step = max(n, batch_rows // n * n)
+        step = max(n, batch_rows // n * n)  # positions a record batch
         # rows of whole windows gathered in the export's dtype (converted as they are placed: no
-        # concatenation), handed to the writer about batch_rows positions at a time; two buffers,
-        # one filled while the other is written
-        cap = step + n
+        # concatenation), read in blocks of up to READ_BYTES of values (at least a record batch; a
+        # store read costs less a row in larger blocks) and handed to the writer a block at a time;
+        # two buffers, one filled while the other is written
+        read = max(step, READ_BYTES // (d_in * np.dtype(dtype).itemsize) // n * n)
+        cap = read + n
         bufs = [(np.empty((cap, d_in), dtype=dtype), np.empty(cap, dtype=np.int32)) for _ in range(2)]
         direct, shape = bufs[0][0].dtype == np.float32, row_shape(store, spec)
         with Writer(layout, arrow) as writer:
-            for _ids, block in selection.blocks(step):
+            for _ids, block in selection.blocks(read):
                 b = len(_ids)
                 keep = whole[at : at + b]
-                if held + b > cap:  # (held < step, so it holds a whole window)
-                    held, cur = _flush(writer, column, bufs, cur, held, n), 1 - cur
+                if held + b > cap:  # (held < read, so it holds a whole window)
+                    held, cur = _flush(writer, column, bufs, cur, held, n, step), 1 - cur
                 xs, ts = bufs[cur]
                 if direct and keep.all():  # computed straight into the buffer (float32)
                     compute_block(store, spec, block, out=xs[held : held + b].reshape(b, *shape))
@@ -419,10 +429,10 @@ def _write_windows(
                     ts[held : held + x.shape[0]] = tok[at : at + b][keep]
                     held += x.shape[0]
                 at += b
-                if held >= step:
-                    held, cur = _flush(writer, column, bufs, cur, held, n), 1 - cur
+                if held >= read:
+                    held, cur = _flush(writer, column, bufs, cur, held, n, step), 1 - cur
             if held >= n:
-                _flush(writer, column, bufs, cur, held, n)
+                _flush(writer, column, bufs, cur, held, n, step)
         if shuffle:  # datasets' own shuffle and save (a second copy of the values)
             ds = datasets.Dataset.from_file(str(arrow)).shuffle(seed=seed).flatten_indices()
             ds.save_to_disk(str(tmp / "shuffled"))

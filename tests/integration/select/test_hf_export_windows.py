@@ -146,10 +146,10 @@ def test_an_error_of_the_writing_thread_ends_the_export_with_nothing_left(
 
     real, calls = hf_arrow._pool, []
 
-    class FillsAtTheSecondBatch:
+    class FillsAtTheFirstWrite:
         def submit(self, fn: Any, *args: Any) -> Any:
             calls.append(1)
-            if len(calls) == 2:
+            if len(calls) == 1:
 
                 def full() -> None:
                     raise OSError(28, "No space left on device")
@@ -157,11 +157,11 @@ def test_an_error_of_the_writing_thread_ends_the_export_with_nothing_left(
                 return real().submit(full)
             return real().submit(fn, *args)
 
-    monkeypatch.setattr(hf_arrow, "_pool", FillsAtTheSecondBatch)
+    monkeypatch.setattr(hf_arrow, "_pool", FillsAtTheFirstWrite)
     sel = stores[16].select()
     with pytest.raises(OSError, match="No space"):
         sel.to_hf_dataset(tmp_path / "x", "resid", layers=[1], context_size=N, batch_rows=N)
-    assert len(calls) >= 2 and list(tmp_path.iterdir()) == []
+    assert calls and list(tmp_path.iterdir()) == []
     monkeypatch.setattr(hf_arrow, "_pool", real)
     ds = sel.to_hf_dataset(tmp_path / "x", "resid", layers=[1], context_size=N, batch_rows=N)
     assert np.array_equal(ds.with_format("numpy")[:]["token_ids"], expected(sel)[1])
