@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import actstore
-from actstore.ingest.capture.fused import SELECT_BLOCK, select_top
+from actstore.ingest.capture.fused import SELECT_BLOCK, SORT_WHOLE, heads_at, rows_at, select_top
 from actstore.ingest.models.tiny import TINY_ARCHS, tiny_model
 from actstore.query.select.corpus_sources import source_factors
 
@@ -111,8 +111,9 @@ def test_blocks_of_query_rows_equal_a_plain_and_an_eager_forward(tmp_path: Path,
 
 
 def test_select_top_is_topk() -> None:
-    """The CPU selection (argpartition, then a sort of the chosen) against ``torch.topk``, on rows
-    without ties; past the row's length it keeps the whole row."""
+    """The CPU selection (a sort of each row's keys, or past ``SORT_WHOLE`` entries a partition and a
+    sort of the chosen) against ``torch.topk``, on rows without ties; past the row's length it keeps
+    the whole row."""
     g = torch.Generator().manual_seed(0)
     x = torch.rand((3, 5, 97), generator=g)
     w, j = select_top(x, 7)
@@ -121,9 +122,35 @@ def test_select_top_is_topk() -> None:
     w, j = select_top(x[..., :5], 7)
     tw, tj = torch.topk(x[..., :5], 5)
     assert torch.equal(w, tw) and torch.equal(j, tj)
+    x = torch.rand((2, 3, SORT_WHOLE + 45), generator=g)  # the partition's path
+    w, j = select_top(x, 7)
+    tw, tj = torch.topk(x, 7)
+    assert torch.equal(w, tw) and torch.equal(j, tj)
 
 
-@pytest.mark.parametrize("n", [1, 5, 16, 17, 40, 128])
+def test_rows_and_heads_at_equal_the_advanced_index() -> None:
+    """The capture's gathers (``index_select`` of flattened rows) against ``x[b, p]`` and ``x[b, :, p]``
+    on each layout they meet: contiguous, a projection's heads transposed, and one whose axes do not
+    merge (the advanced index then)."""
+    g = torch.Generator().manual_seed(1)
+    B, T, H, d = 5, 9, 3, 4
+    b, p = torch.nonzero(torch.rand((B, T), generator=g) < 0.6, as_tuple=True)
+    for x in (
+        torch.randn(B, T, H, d),
+        torch.randn(B, H, T, d).transpose(1, 2),
+        torch.randn(T, B, d).transpose(0, 1),
+    ):
+        assert torch.equal(rows_at(x, b, p), x[b, p])
+    for x in (
+        torch.randn(B, H, T, d),
+        torch.randn(B, T, H, d).transpose(1, 2),
+        torch.randn(B, H, d, T).transpose(2, 3),
+        torch.randn(B, H, T),
+    ):
+        assert torch.equal(heads_at(x, b, p), x[b, :, p])
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 40, 128, 300])
 def test_select_top_with_ties_negatives_and_short_rows(n: int) -> None:
     """Against a brute-force sort of every row (numpy) and ``torch.topk``: rows full of ties, negative
     values, signed zeros and infinities, and rows with fewer entries than ``k``.  The values must be
