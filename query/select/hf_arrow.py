@@ -1,7 +1,7 @@
 """The files of a ``datasets`` folder as ``Dataset.save_to_disk`` writes them for a dataset of one
 Arrow file, written by the export (:mod:`actstore.query.select.hf_export`) without datasets' writer:
 the Arrow stream file (:class:`Writer`, its record batches written on a second thread while the next
-block is read), ``state.json`` and ``dataset_info.json`` (:func:`saved`), the hidden folder they are
+block is read, for an export of several blocks), ``state.json`` and ``dataset_info.json`` (:func:`saved`), the hidden folder they are
 written in before it is renamed (:func:`staging`), and the ``Dataset`` ``load_from_disk`` gives for
 them (:func:`opened`)."""
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
@@ -107,28 +106,6 @@ def saved(folder: Path, layout: Layout) -> str:
     return str(state["_fingerprint"])
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The one thread that writes the exports' record batches (started once, on first use)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actstore-hf-write")
-        return _POOL
-
-
-def _forget_pool() -> None:
-    """In a forked child the pool's thread does not exist: start another on first use."""
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
 class Writer:
     """An Arrow stream file of a :class:`Layout` (what ``datasets.arrow_writer.ArrowWriter`` writes: the
     schema with its ``huggingface`` metadata, then record batches), its batches built from the numpy
@@ -136,13 +113,15 @@ class Writer:
     values, a ``Sequence(length=n)`` a fixed-size list (ArrowWriter converts them value by value, which
     took more than the store's read).
 
-    :meth:`write` hands a batch to a second thread, which writes it (pyarrow writes without the GIL)
-    while the caller reads the next block; a batch's arrays must stay untouched until the next
-    :meth:`write` of the same ``slot`` (or the end) returns: the caller fills one buffer while the
-    other is written.  The thread's error (a full disk) is raised by the next :meth:`write` or
-    :meth:`close`; leaving the ``with`` block waits for every batch handed over."""
+    ``background=True`` (for an export of more than one block): :meth:`write` hands a batch to a
+    thread of this writer's own, which writes it (pyarrow writes without the GIL) while the caller
+    reads the next block; a batch's arrays must stay untouched until :meth:`wait` for its ``slot``
+    (or the next :meth:`write` of it) returns: the caller fills one buffer while the other is
+    written.  The thread's error (a full disk) is raised by that wait; leaving the ``with`` block
+    waits for every batch handed over and ends the thread (none outlives the export: a process that
+    forks later has no thread of ours)."""
 
-    def __init__(self, layout: Layout, path: Path) -> None:
+    def __init__(self, layout: Layout, path: Path, background: bool = False) -> None:
         import pyarrow as pa
 
         self.pa = pa
@@ -151,6 +130,7 @@ class Writer:
         self.writer = pa.ipc.new_stream(self.sink, layout.schema)
         self._offsets: dict[tuple[int, int], Any] = {}
         self._pending: dict[int, Future[None]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="actstore-hf-write") if background else None
 
     def offsets(self, n: int, step: int) -> Any:
         """List offsets ``0, step, .., n * step`` (int32), made once a size."""
@@ -171,6 +151,8 @@ class Writer:
                     if kind is None:  # an error of the writing thread, not one raised already
                         raise
         finally:
+            if self._pool is not None:
+                self._pool.shutdown()
             self.writer.close()
             self.sink.close()
 
@@ -187,9 +169,13 @@ class Writer:
         n = len(next(iter(batch.values())))
         step = rows or max(n, 1)
         rbs = [self.record_batch({k: v[i : i + step] for k, v in batch.items()}) for i in range(0, n, step)]
-        self._pending[slot] = _pool().submit(self._write_all, rbs)
+        if self._pool is None:
+            self._write_all(rbs)
+        else:
+            self._pending[slot] = self._pool.submit(self._write_all, rbs)
 
     def _write_all(self, rbs: list[Any]) -> None:
+        """Write record batches ``rbs`` (on the writing thread when there is one)."""
         for rb in rbs:
             self.writer.write_batch(rb)
 

@@ -246,7 +246,7 @@ def to_hf_dataset(
         arrow = tmp / SHARD
         rows = selection.rows.column("row").to_numpy()
         at = 0
-        with Writer(layout, arrow) as writer:
+        with Writer(layout, arrow, background=len(selection) > batch_rows) as writer:
             for k, (ids, block) in enumerate(selection.blocks(batch_rows)):
                 x = compute_block(store, spec, block)  # a new array a block: written as it is
                 b = x.shape[0]
@@ -411,7 +411,7 @@ def _write_windows(
         cap = read + n
         bufs = [(np.empty((cap, d_in), dtype=dtype), np.empty(cap, dtype=np.int32)) for _ in range(2)]
         direct, shape = bufs[0][0].dtype == np.float32, row_shape(store, spec)
-        with Writer(layout, arrow) as writer:
+        with Writer(layout, arrow, background=len(selection) > read) as writer:
             for _ids, block in selection.blocks(read):
                 b = len(_ids)
                 keep = whole[at : at + b]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import actstore
+import actstore.query.select.hf_export as hf_export
 from actstore.ingest.models.tiny import tiny_model
 
 pytestmark = [
@@ -112,9 +114,17 @@ def selections(store: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("size", [16, 12])
 @pytest.mark.parametrize("batch_rows", [N, 3 * N + 1, 4096])
+@pytest.mark.parametrize("small_reads", [False, True])
 def test_the_export_is_the_windows_of_the_rows(
-    stores: dict[int, Any], size: int, batch_rows: int, tmp_path: Path
+    stores: dict[int, Any],
+    size: int,
+    batch_rows: int,
+    small_reads: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if small_reads:  # reads of batch_rows positions: many blocks, both buffers, the writing thread
+        monkeypatch.setattr(hf_export, "READ_BYTES", 0)
     store = stores[size]
     for name, sel in selections(store).items():
         xs, ts = expected(sel)
@@ -142,27 +152,27 @@ def test_the_export_is_the_windows_of_the_rows(
 def test_an_error_of_the_writing_thread_ends_the_export_with_nothing_left(
     stores: dict[int, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import actstore.query.select.hf_arrow as hf_arrow
+    from actstore.query.select.hf_arrow import Writer
 
-    real, calls = hf_arrow._pool, []
+    real, threads = Writer._write_all, []
 
-    class FillsAtTheFirstWrite:
-        def submit(self, fn: Any, *args: Any) -> Any:
-            calls.append(1)
-            if len(calls) == 1:
+    def fills_at_the_second(self: Any, rbs: Any) -> None:
+        threads.append(threading.current_thread())
+        if len(threads) == 2:
+            raise OSError(28, "No space left on device")
+        real(self, rbs)
 
-                def full() -> None:
-                    raise OSError(28, "No space left on device")
-
-                return real().submit(full)
-            return real().submit(fn, *args)
-
-    monkeypatch.setattr(hf_arrow, "_pool", FillsAtTheFirstWrite)
+    monkeypatch.setattr(hf_export, "READ_BYTES", 0)  # blocks of N rows: written on the thread
+    monkeypatch.setattr(Writer, "_write_all", fills_at_the_second)
     sel = stores[16].select()
     with pytest.raises(OSError, match="No space"):
         sel.to_hf_dataset(tmp_path / "x", "resid", layers=[1], context_size=N, batch_rows=N)
-    assert calls and list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(hf_arrow, "_pool", real)
+    assert len(threads) >= 2 and threading.main_thread() not in threads
+    assert list(tmp_path.iterdir()) == []
+    assert not [
+        t for t in threading.enumerate() if t.name.startswith("actstore-hf-write")
+    ]  # none outlives it
+    monkeypatch.setattr(Writer, "_write_all", real)
     ds = sel.to_hf_dataset(tmp_path / "x", "resid", layers=[1], context_size=N, batch_rows=N)
     assert np.array_equal(ds.with_format("numpy")[:]["token_ids"], expected(sel)[1])
 
