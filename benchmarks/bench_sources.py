@@ -5,7 +5,8 @@ For each size (tokens of a synthetic text corpus, one document a line), on a tin
 
 - capture: the fused capture with ``K`` sources (every position a target, host copy included) / a
   plain forward of the same windows in the same batches (the model's own ``forward``, no hooks),
-  alternating batch by batch; and the whole ingest with ``--sources K`` / without sources;
+  alternating batch by batch after one untimed batch each; and the whole ingest with ``--sources K``
+  / without sources;
 - bytes per token of the sources (``attn`` + ``v`` on disk and uncompressed) against ``resid`` at the
   same layers (and the uncompressed ratio SmolLM2-135M's geometry gives at this K, float16);
 - DFA at one position: median wall time of ``dfa_rows(store, [row], u)`` over random rows;
@@ -64,8 +65,8 @@ def tree_bytes(root: Path, name: str) -> int:
 
 def capture_forward(model: torch.nn.Module, store: actstore.Store, k: int, batch: int) -> tuple[float, float]:
     """The same windows (the positions table's, every position a target) through the fused capture
-    with ``k`` sources (host copy included) and through the model alone, batch by batch alternately:
-    (capture seconds, plain forward seconds)."""
+    with ``k`` sources (host copy included) and through the model alone, batch by batch alternately,
+    after one untimed batch through each: (capture seconds, plain forward seconds)."""
     from actstore.ingest.capture.architectures import architecture_for
     from actstore.ingest.capture.fused import BatchIndex, FusedCapture
     from actstore.ingest.capture.host import to_host
@@ -77,7 +78,9 @@ def capture_forward(model: torch.nn.Module, store: actstore.Store, k: int, batch
     t_cap = t_plain = 0.0
     empty = torch.zeros(0, dtype=torch.long)
     with FusedCapture(model, arch, "float16") as cap:
-        for i in range(0, len(wins), batch):
+        # the first batch once more before the timed ones, through both, not counted: each side's
+        # one-time costs (first calls, caches) would otherwise weigh on a small store's few batches
+        for n_batch, i in enumerate([0, *range(0, len(wins), batch)]):
             part = wins[i : i + batch]
             T = max(w.size for w in part)
             ids = torch.zeros((len(part), T), dtype=torch.long)
@@ -93,12 +96,12 @@ def capture_forward(model: torch.nn.Module, store: actstore.Store, k: int, batch
             t0 = time.perf_counter()
             out = cap.run(ids, mask, index, (torch.cumsum(mask, 1) - 1).clamp(min=0))
             to_host(out, ("z", "attn", "v", "resid", "mlp"))
-            t_cap += time.perf_counter() - t0
+            t_cap += (time.perf_counter() - t0) * (n_batch > 0)
             cap.remove()
             t0 = time.perf_counter()
             with torch.inference_mode():
                 model(input_ids=ids, attention_mask=mask, use_cache=False)
-            t_plain += time.perf_counter() - t0
+            t_plain += (time.perf_counter() - t0) * (n_batch > 0)
             cap.install()
     return t_cap, t_plain
 
