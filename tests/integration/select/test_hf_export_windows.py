@@ -184,3 +184,31 @@ def test_transformer_lens_names_read_from_its_source_are_the_imported_ones() -> 
 
     assert _literal_names(str(Path(supported.__file__))) == frozenset(supported.OFFICIAL_MODEL_NAMES)
     assert len(supported.OFFICIAL_MODEL_NAMES) > 100  # a list of names, not an empty match
+
+
+@pytest.mark.parametrize("batch_rows", [5, 4096])
+def test_the_per_position_export_is_the_features_in_blocks_on_the_thread(
+    stores: dict[int, Any], batch_rows: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without context_size (one row a position): blocks of 5 rows are written on the writing thread,
+    one block inline; both equal ``features`` of the rows, with their row and example ids."""
+    from actstore.query.select.hf_arrow import Writer
+
+    real, flags = Writer.__init__, []
+
+    def noted(self: Any, layout: Any, path: Any, background: bool = False) -> None:
+        flags.append(background)
+        real(self, layout, path, background)
+
+    monkeypatch.setattr(Writer, "__init__", noted)
+    sel = stores[12].select(query="SELECT example_id FROM positions WHERE row % 3 <> 1")
+    ds = sel.to_hf_dataset(tmp_path / "p", "resid", layers=[0, 2], batch_rows=batch_rows)
+    assert flags == [batch_rows == 5]
+    got = datasets.Dataset.load_from_disk(str(tmp_path / "p")).with_format("numpy")[:]
+    x = sel.features("resid", layers=[0, 2])
+    names = [c for c in ds.column_names if c not in ("row", "example_id")]
+    assert len(names) == 2 and (batch_rows == 4096 or len(x) > 2 * batch_rows)
+    for j, name in enumerate(names):
+        assert np.array_equal(got[name][:, 0], x[:, j])
+    assert np.array_equal(got["row"], sel.rows.column("row").to_numpy())
+    assert np.array_equal(got["example_id"], sel.rows.column("example_id").to_numpy())
