@@ -162,13 +162,11 @@ class Writer:
         if done is not None:
             done.result()
 
-    def write(self, batch: dict[str, np.ndarray], slot: int = 0, rows: int | None = None) -> None:
-        """Write ``batch`` (numpy arrays by column, rows first) on the writing thread, after the batch
-        last handed over as ``slot``; ``rows``: as record batches of at most that many rows."""
+    def write(self, batch: dict[str, np.ndarray], slot: int = 0) -> None:
+        """Write ``batch`` (numpy arrays by column) as one record batch, after the batch last handed
+        over as ``slot``."""
         self.wait(slot)
-        n = len(next(iter(batch.values())))
-        step = rows or max(n, 1)
-        rbs = [self.record_batch({k: v[i : i + step] for k, v in batch.items()}) for i in range(0, n, step)]
+        rbs = [self.record_batch(batch)]
         if self._pool is None:
             self._write_all(rbs)
         else:

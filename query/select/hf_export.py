@@ -269,21 +269,20 @@ def to_hf_dataset(
 Buffers = list[tuple[np.ndarray, np.ndarray]]
 
 
-def _flush(writer: Writer, column: str, bufs: Buffers, cur: int, held: int, n: int, step: int) -> int:
+def _flush(writer: Writer, column: str, bufs: Buffers, cur: int, held: int, n: int) -> int:
     """Hand the whole windows of the ``held`` rows at the start of buffer ``cur`` (values, token ids)
-    to the writer (record batches of ``step`` rows), and move the rest (the start of a window cut by a
-    block's end) to the front of the other buffer once its own batches are written; the rows left
-    there."""
+    to the writer (one record batch), and move the rest (the start of a window cut by a block's end)
+    to the front of the other buffer once its own batch is written; the rows left there."""
     (xs, ts), (nx, nt) = bufs[cur], bufs[1 - cur]
     k = held // n * n
     writer.wait(1 - cur)
     nx[: held - k], nt[: held - k] = xs[k:held], ts[k:held]
     batch = {column: xs[:k].reshape(-1, n, xs.shape[1]), "token_ids": ts[:k].reshape(-1, n)}
-    writer.write(batch, cur, rows=step // n)
+    writer.write(batch, cur)
     return held - k
 
 
-READ_BYTES = 4 << 20  # the export's read blocks: of at most 4 MiB of values, or one record batch
+READ_BYTES = 4 << 20  # the export's read blocks and record batches: up to 4 MiB of values, or batch_rows
 
 PACK_HINT = "actstore ingest --positions all --pack --keep-special --context-length {n}"
 
@@ -402,11 +401,11 @@ def _write_windows(
     try:
         arrow = tmp / SHARD
         at = held = cur = 0
-        step = max(n, batch_rows // n * n)  # positions a record batch
+        step = max(n, batch_rows // n * n)  # positions a read and record batch, at least
         # rows of whole windows gathered in the export's dtype (converted as they are placed: no
-        # concatenation), read in blocks of up to READ_BYTES of values (at least a record batch; a
-        # store read costs less a row in larger blocks) and handed to the writer a block at a time;
-        # two buffers, one filled while the other is written
+        # concatenation), read in blocks of up to READ_BYTES of values, at least batch_rows positions
+        # (a store read and a file write cost less a row in larger blocks), each handed to the writer
+        # as one record batch; two buffers, one filled while the other is written
         read = max(step, READ_BYTES // (d_in * np.dtype(dtype).itemsize) // n * n)
         cap = read + n
         bufs = [(np.empty((cap, d_in), dtype=dtype), np.empty(cap, dtype=np.int32)) for _ in range(2)]
@@ -416,7 +415,7 @@ def _write_windows(
                 b = len(_ids)
                 keep = whole[at : at + b]
                 if held + b > cap:  # (held < read, so it holds a whole window)
-                    held, cur = _flush(writer, column, bufs, cur, held, n, step), 1 - cur
+                    held, cur = _flush(writer, column, bufs, cur, held, n), 1 - cur
                 xs, ts = bufs[cur]
                 if direct and keep.all():  # computed straight into the buffer (float32)
                     compute_block(store, spec, block, out=xs[held : held + b].reshape(b, *shape))
@@ -430,9 +429,9 @@ def _write_windows(
                     held += x.shape[0]
                 at += b
                 if held >= read:
-                    held, cur = _flush(writer, column, bufs, cur, held, n, step), 1 - cur
+                    held, cur = _flush(writer, column, bufs, cur, held, n), 1 - cur
             if held >= n:
-                _flush(writer, column, bufs, cur, held, n, step)
+                _flush(writer, column, bufs, cur, held, n)
         if shuffle:  # datasets' own shuffle and save (a second copy of the values)
             ds = datasets.Dataset.from_file(str(arrow)).shuffle(seed=seed).flatten_indices()
             ds.save_to_disk(str(tmp / "shuffled"))
