@@ -32,31 +32,31 @@ Reads: the window's rows are read one unit at a time, in store order, into a win
 stored kinds ``resid`` and ``z`` in the storage dtype, decoded by the store's chunk reader straight
 into the buffer when their chunks hold exactly the chosen layers; the others by
 :func:`actstore.query.select.features.compute_block`; a unit cut by a window or share boundary is read once
-per side), ``prefetch`` units ahead, by a background thread while the consumer cuts batches from the
-previous window: each batch is gathered by the window's permutation (``index_select``) and converted
-to ``dtype`` by torch, a tensor of its own.  Memory: at most three window buffers of ``buffer_rows``
-rows (the one being gathered from, one ready, one being filled; reused across windows and epochs)
-plus ``prefetch`` units of at most ``unit_rows`` rows, whatever the selection's size.
+per side), ``prefetch`` units ahead; the window is then permuted as a whole into a second buffer
+(one gather of its rows, torch, the GIL released), the first buffer handed back, and the batches are
+consecutive slices of the permuted window, each copied and converted to ``dtype`` by torch: a tensor
+of its own.  The first window is read by the consuming thread when the iteration starts (it waits for
+it anyway); the next ones, across epoch boundaries too, by a background thread one window ahead.
+Memory: at most three window buffers of ``buffer_rows`` rows in use (the one being cut, one ready,
+one being read or permuted; reused across windows and epochs) plus ``prefetch`` units of at most
+``unit_rows`` rows, whatever the selection's size.
 Where one window holds every selected row (one rank, ``buffer_rows`` at least the selection's rows),
-the first epoch's window stays in memory and the epochs after it are gathered from it in their own
+the first epoch's window stays in memory and each epoch after it is permuted from it in its own
 order, without reading the store again (one more buffer of the selection's rows, kept by the loader).
 ``workers=0`` reads in the consuming thread (no threads at all); ``workers=1`` (the default) reads and
 assembles in one background thread; ``workers=k >= 2`` adds a pool of ``k`` reader threads.
 
 The order is computed in :mod:`actstore.query.select.loader_order`, the pieces are read by
-:mod:`actstore.query.select.loader_reads`; this module holds the feed: its settings and state, the
-threads that assemble the windows, and the batches.
+:mod:`actstore.query.select.loader_reads`, the windows assembled and permuted (and the thread that
+does it) in :mod:`actstore.query.select.loader_windows`; this module holds the feed: its settings and
+state, and the batches.
 """
 
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
-from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -66,32 +66,11 @@ from actstore.core.errors import QueryError
 from actstore.query.select.features import FeatureSpec, row_shape
 from actstore.query.select.labelled import SOURCE_KINDS
 from actstore.query.select.loader_args import Selected, dtype_arg, int_arg
-from actstore.query.select.loader_order import EpochOrder, Piece
+from actstore.query.select.loader_order import EpochOrder
 from actstore.query.select.loader_reads import Buffers, PieceReader
+from actstore.query.select.loader_windows import IN_USE, Window, WindowSource
 
 STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class _Window:
-    """A window's rows in store order (a view of a recycled buffer), their store row ids, and the
-    permutation that gives the output order (output position ``q`` holds ``rows[perm[q]]``)."""
-
-    rows: np.ndarray
-    ids: np.ndarray
-    perm: np.ndarray | None
-    buffer: np.ndarray
-    held: threading.Semaphore | None  # the iteration's count of buffers in use (None: a resident window)
-    pool: Buffers | None
-    pos: np.ndarray | None = None  # the rows' positions in the selection
-
-    def release(self, keep: bool = False) -> None:
-        """Hand the buffer back for the next window (every row of this one is given); ``keep``: the
-        buffer stays the loader's (resident) and only the iteration's count is given back."""
-        if self.pool is not None and not keep:
-            self.pool.give(self.buffer)
-        if self.held is not None:
-            self.held.release()
 
 
 class ActivationLoader:
@@ -178,13 +157,22 @@ class ActivationLoader:
             drop_last=self.drop_last,
         )
         self.n_rows = int(self._cols["segment"].size)
-        self._fingerprint = hashlib.sha256(self._cols["row"].tobytes()).hexdigest()[:16]
         self._buffers = Buffers()
+        self._shape = (min(self.buffer_rows, self.rows_per_epoch), *self._row_shape)
         # One window holds every selected row (one rank, buffer_rows >= rows): the first epoch's window
         # stays (rows, ids, positions) and later epochs are gathered from it, the store not read again.
-        self._whole = self.world_size == 1 and self.n_rows <= self.buffer_rows
-        self._resident: _Window | None = None
-        self._reader = PieceReader(self.store, self.spec, self._cols, self._n_sources, self._stored)
+        self._source = WindowSource(
+            self._order,
+            PieceReader(self.store, self.spec, self._cols, self._n_sources, self._stored),
+            self._buffers,
+            self._shape,
+            self._win_dtype,
+            self._cols["row"],
+            workers=self.workers,
+            prefetch=self.prefetch,
+            with_ids=self.with_ids,
+            whole=self.world_size == 1 and self.n_rows <= self.buffer_rows,
+        )
         self.epoch = 0
         self.position = 0  # rows of this rank's share already given in the current epoch
         self._next: Iterator[Any] | None = None  # the iteration ``next(feed)`` pulls from
@@ -230,6 +218,10 @@ class ActivationLoader:
             **self._settings(),
         }
 
+    @cached_property
+    def _fingerprint(self) -> str:
+        return hashlib.sha256(self._cols["row"].tobytes()).hexdigest()[:16]
+
     def _settings(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
@@ -259,139 +251,6 @@ class ActivationLoader:
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def _windows(
-        self, epoch: int, start: int, stop: threading.Event, threads: int | None = None
-    ) -> Iterator[_Window]:
-        """Each window from the one holding ``start``, in the epoch's order: its rows in store order
-        (storage dtype, in a recycled buffer), their ids and the window's permutation."""
-        pieces = self._order.pieces(epoch, start)
-        # workers=1: the background thread that assembles the windows reads them too (no pool: one
-        # thread fewer to schedule); workers=k >= 2: k reader threads feed it.
-        pool = (
-            ThreadPoolExecutor(
-                self.workers,
-                thread_name_prefix="actstore-loader",
-                initializer=torch.set_num_threads,
-                initargs=(threads or torch.get_num_threads(),),
-            )
-            if self.workers >= 2
-            else None
-        )
-        sizes: dict[int, int] = {}  # rows of each window: its pieces cover 0 .. m
-        for p in pieces:
-            sizes[p.window] = max(sizes.get(p.window, 0), p.at + (p.hi - p.lo))
-        # At most three window buffers in use (the one the consumer gathers from, one ready, one being
-        # filled), taken from the loader's idle ones (reused across windows and epochs).  The reader
-        # threads decode into the buffer of the piece's window: a piece of the next window is handed to
-        # them only when a buffer is free for it (never waited for: the window being filled comes first).
-        held = threading.Semaphore(3)
-        shape = (min(self.buffer_rows, self.rows_per_epoch), *self._row_shape)
-        bufs: dict[int, np.ndarray] = {}  # window -> its buffer, from its first read until it is handed on
-
-        def claim(w: int, wait: bool) -> np.ndarray | None:
-            if w not in bufs:
-                if wait:
-                    while not held.acquire(timeout=0.1):
-                        if stop.is_set():
-                            return None
-                elif not held.acquire(blocking=False):
-                    return None
-                bufs[w] = self._buffers.take(shape, self._win_dtype)
-            return bufs[w]
-
-        def dest(p: Piece) -> np.ndarray:
-            return bufs[p.window][p.at : p.at + (p.hi - p.lo)]
-
-        pending: deque[tuple[Piece, Future[None] | None]] = deque()
-        nxt = 0  # the next piece to hand on
-
-        def top_up() -> None:
-            nonlocal nxt
-            while len(pending) < self.prefetch and nxt < len(pieces):
-                p = pieces[nxt]
-                if pool is not None and claim(p.window, wait=False) is None:
-                    return  # no buffer free for the next window yet
-                pending.append((p, pool.submit(self._reader.fill, p, dest(p)) if pool is not None else None))
-                nxt += 1
-
-        try:
-            while nxt < len(pieces) or pending:
-                w = pending[0][0].window if pending else pieces[nxt].window
-                if claim(w, wait=True) is None:
-                    return
-                top_up()
-                m = sizes[w]
-                ids = np.empty(m, dtype=np.int64)
-                pos = np.empty(m, dtype=np.int64)
-                while pending and pending[0][0].window == w:  # each piece placed as it arrives
-                    p, fut = pending.popleft()
-                    if fut is not None:
-                        fut.result()
-                    else:
-                        self._reader.fill(p, dest(p))
-                    top_up()
-                    ids[p.at : p.at + (p.hi - p.lo)] = self._cols["row"][p.lo : p.hi]
-                    pos[p.at : p.at + (p.hi - p.lo)] = np.arange(p.lo, p.hi)
-                buf = bufs.pop(w)
-                perm = self._order.window_perm(epoch, w, m)
-                yield _Window(buf[:m], ids, perm, buf, held, self._buffers, pos)
-                if stop.is_set():
-                    return
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-
-    def _background(self, epoch: int, start: int) -> Iterator[_Window]:
-        """:meth:`_windows` assembled by a background thread, one window ahead of the consumer (or the
-        resident window, gathered in the epoch's order without a read)."""
-        r = self._resident
-        if r is not None and r.pos is not None:
-            at = np.empty(self.n_rows, dtype=np.int64)  # selection position -> its row in the resident window
-            at[r.pos] = np.arange(r.pos.size)
-            order = at[self._order.epoch_rows(np.arange(self.n_rows), epoch)]
-            yield _Window(r.rows, r.ids, order, r.buffer, None, None)
-            return
-        if self.workers == 0:
-            yield from self._windows(epoch, start, threading.Event())
-            return
-        q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
-        stop = threading.Event()
-        threads = torch.get_num_threads()  # torch's intra-op setting is per thread (OpenMP): pass it on
-
-        def put(item: tuple[str, Any]) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def run() -> None:
-            torch.set_num_threads(threads)
-            try:
-                for window in self._windows(epoch, start, stop, threads):
-                    if not put(("window", window)):
-                        return
-                put(("end", None))
-            except BaseException as e:  # handed to the consumer, raised there
-                put(("error", e))
-
-        th = threading.Thread(target=run, name="actstore-loader-windows", daemon=True)
-        th.start()
-        try:
-            while True:
-                what, item = q.get()
-                if what == "window":
-                    yield item
-                elif what == "error":
-                    raise item
-                else:
-                    return
-        finally:
-            stop.set()
-            th.join()
-
     def _tensor(self, rows: np.ndarray) -> torch.Tensor:
         """Window rows (storage dtype) as a torch tensor sharing their memory, flattened if asked."""
         t = (
@@ -406,15 +265,24 @@ class ActivationLoader:
         resumed), then ``epochs - 1`` whole ones (``epochs=None``: without end, as a training loop that
         counts its own steps takes it); at the end of each the epoch advances, and the next is
         reshuffled by its number.  ``state_dict()`` holds the epoch and the position in it, so a
-        resumed feed continues in whichever epoch it stopped."""
+        resumed feed continues in whichever epoch it stopped.  The windows of all of them come from one
+        background thread (:mod:`actstore.query.select.loader_windows`), the next epoch's first window
+        read while the last one of this epoch is cut."""
         if self.epochs is None and self.rows_per_epoch == 0:
             raise QueryError(
                 "loader: epochs=None with no rows per epoch on this rank (drop_last, batch_size)"
             )
-        done = 0
-        while self.epochs is None or done < self.epochs:
-            yield from self._epoch()
-            done += 1
+        # the window buffers allocated here, by the consuming thread: a buffer freed by an earlier
+        # loader is reused without the page faults of fresh memory (a new thread's arena has none)
+        self._buffers.reserve(self._shape, self._win_dtype, IN_USE)
+        windows = self._source.background(self.epoch, self.position, self.epochs)
+        try:
+            done = 0
+            while self.epochs is None or done < self.epochs:
+                yield from self._epoch(windows)
+                done += 1
+        finally:
+            windows.close()  # the background thread stopped and joined
 
     def __next__(self) -> Any:
         """The next batch of one running iteration, for loops that call ``next`` on their data (SAELens's
@@ -428,68 +296,63 @@ class ActivationLoader:
             self._next = None
             raise
 
-    def _epoch(self) -> Iterator[Any]:
-        """The rest of the current epoch (all of it unless resumed); at its end the epoch advances.
+    def _epoch(self, windows: Iterator[tuple[int, Window | None]]) -> Iterator[Any]:
+        """The rest of the current epoch (all of it unless resumed), from its windows in ``windows`` up to
+        the epoch's end mark; at its end the epoch advances.
 
-        Each batch is gathered from its window (``index_select`` by the window's permutation) and
-        converted to ``dtype`` by torch in one pass over the batch: a new tensor, never a view of
-        the window (whose buffer is reused once all its rows are given)."""
+        Each batch is a slice of consecutive rows of a permuted window, copied and converted to
+        ``dtype`` by torch in one pass: a new tensor, never a view of the window (whose buffer is reused
+        once all its rows are given)."""
         epoch, start = self.epoch, self.position
-        lo, hi = self._order.share()
-        total = hi - lo
-        B, bs = self.buffer_rows, self.batch_size
-        skip = start - (start // B) * B
+        total = self.rows_per_epoch
+        bs, dtype = self.batch_size, self.dtype
+        skip = start % self.buffer_rows
         carry_x: list[torch.Tensor] = []
         carry_i: list[np.ndarray] = []
         n_carry = 0
         given = start
 
-        def emit(x: torch.Tensor, i: np.ndarray) -> Any:
-            nonlocal given
-            given += x.shape[0]
-            self.epoch, self.position = epoch, given
-            return (torch.from_numpy(i), x) if self.with_ids else x
-
-        for win in self._background(epoch, start):
+        for _e, win in windows:
+            if win is None:  # the epoch's end
+                break
             try:
                 src = self._tensor(win.rows)
-                wp = win.perm
-                perm = None if wp is None else torch.from_numpy(wp)
-                m = win.rows.shape[0]
+                m = src.shape[0]
                 at, skip = skip, 0
                 while at < m:
                     take = min(bs - n_carry, m - at)
-                    if perm is None or wp is None:
-                        x = src[at : at + take]
-                        i = win.ids[at : at + take]
-                        x = x.to(self.dtype) if x.dtype != self.dtype else x.clone()
-                    else:
-                        x = src.index_select(0, perm[at : at + take])
-                        i = win.ids[wp[at : at + take]]
-                        if x.dtype != self.dtype:
-                            x = x.to(self.dtype)
+                    x = src[at : at + take]
+                    x = x.to(dtype) if x.dtype != dtype else x.clone()
+                    i = win.ids[at : at + take] if win.ids is not None else None
                     at += take
                     if n_carry == 0 and take == bs:
-                        yield emit(x, i)
+                        given += take
+                        self.epoch, self.position = epoch, given
+                        yield (torch.from_numpy(i.copy()), x) if i is not None else x
                         continue
                     carry_x.append(x)
-                    carry_i.append(i)
+                    if i is not None:
+                        carry_i.append(i)
                     n_carry += take
                     if n_carry == bs:
-                        yield emit(torch.cat(carry_x), np.concatenate(carry_i))
+                        given += n_carry
+                        self.epoch, self.position = epoch, given
+                        yield self._joined(carry_x, carry_i)
                         carry_x, carry_i, n_carry = [], [], 0
             finally:
-                keep = self._whole and self._resident is None and win.rows.shape[0] == self.n_rows
-                if keep:
-                    self._resident = win
-                win.release(keep)
+                win.release()
         if n_carry:
-            yield emit(
-                carry_x[0] if len(carry_x) == 1 else torch.cat(carry_x),
-                carry_i[0] if len(carry_i) == 1 else np.concatenate(carry_i),
-            )
+            given += n_carry
+            self.epoch, self.position = epoch, given
+            yield self._joined(carry_x, carry_i)
         if given >= total:
             self.epoch, self.position = epoch + 1, 0
+
+    def _joined(self, xs: list[torch.Tensor], ids: list[np.ndarray]) -> Any:
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        if not self.with_ids:
+            return x
+        return torch.from_numpy(ids[0].copy() if len(ids) == 1 else np.concatenate(ids)), x
 
     def __repr__(self) -> str:
         return (

@@ -45,6 +45,14 @@ class Buffers:
                     return buf
         return np.empty(shape, dtype=dtype)
 
+    def reserve(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> None:
+        """At least ``count`` (at most ``keep``) idle buffers of this shape, allocated by the calling
+        thread where missing (untouched: memory only as they are written)."""
+        with self._lock:
+            self._idle = [b for b in self._idle if b.shape == shape and b.dtype == dtype]
+            while len(self._idle) < min(count, self.keep):
+                self._idle.append(np.empty(shape, dtype=dtype))
+
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
             if len(self._idle) < self.keep:

@@ -97,4 +97,4 @@ def test_epochs_after_the_first_come_from_the_resident_window_with_the_same_valu
         np.testing.assert_array_equal(x.numpy(), feats[[where[r] for r in i.tolist()]])
         got += i.tolist()
     assert got == [r for e in range(3) for r in ld.epoch_rows(e).tolist()]
-    assert ld._resident is not None  # the epochs after the first were not read from the store
+    assert ld._source.resident is not None  # the epochs after the first were not read from the store
