@@ -330,9 +330,7 @@ def _upper(n: int, device: torch.device) -> torch.Tensor:
     return _UPPER[key]
 
 
-SORT_WHOLE = (
-    256  # rows this short are sorted whole: numpy's vectorised sort beats a partition and a sort of k
-)
+SORT_WHOLE = 256  # rows this short are sorted whole (numpy's vectorised sort beats partition + sort)
 
 
 def select_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
