@@ -175,7 +175,39 @@ def widen(data: np.ndarray, logical_dtype: str) -> np.ndarray:
     """Stored values as float32 (bfloat16 bits are shifted into the high half of a float32)."""
     if logical_dtype == "bfloat16":
         return (data.astype(np.uint32, order="C") << 16).view(np.float32)
-    return data.astype(np.float32, order="C", copy=False)
+    if data.dtype == np.float32:
+        return np.ascontiguousarray(data)
+    out = np.empty(data.shape, dtype=np.float32)
+    widen_into(out, data)
+    return out
+
+
+WIDEN_BLOCK = 1 << 15  # float16 values a torch copy converts at once (see widen_into)
+
+
+def widen_into(out: np.ndarray, data: np.ndarray) -> None:
+    """``out[...] = data`` (float32 from float16 or float32; ``data`` of ``out``'s shape, any strides).
+    Float16 goes through torch's vectorised conversion, ``WIDEN_BLOCK`` values a copy: numpy 2.4
+    converts one value at a time (6.4M values into the same array: 12.4 ms against 2.7 ms so), and a
+    copy no larger than torch's parallel grain (32,768) runs on the calling thread alone (one copy of
+    them all went to the intra-op pool, and on busy cores took 5x numpy's time).  The values are the
+    same, float16 being exact in float32.  Read-only values (which torch would warn about), negative
+    strides (which it cannot view) and small reads go by numpy."""
+    if (
+        data.dtype != np.float16
+        or data.ndim == 0
+        or data.size < WIDEN_BLOCK
+        or not data.flags.writeable
+        or min(data.strides) < 0
+    ):
+        out[...] = data
+        return
+    import torch  # (only where torch is loaded anyway: a read of float16 values)
+
+    src, dst = torch.from_numpy(data), torch.from_numpy(out)
+    step = max(1, WIDEN_BLOCK // max(1, data.size // data.shape[0]))  # rows a copy
+    for i in range(0, data.shape[0], step):
+        dst[i : i + step].copy_(src[i : i + step])
 
 
 def runs(sorted_chunks: np.ndarray) -> list[tuple[int, int]]:
@@ -267,7 +299,7 @@ def read_rows(
         if logical_dtype == "bfloat16":
             out[i : i + sel.size] = widen(piece, logical_dtype)
         else:
-            out[i : i + sel.size] = piece  # float16 -> float32 while copying
+            widen_into(out[i : i + sel.size], piece)  # float16 -> float32 while copying
         i += sel.size
     assert out is not None
     return out

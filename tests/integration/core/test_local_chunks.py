@@ -23,7 +23,7 @@ from zarr.codecs import BytesCodec
 from zarr.storage import LocalStore
 
 import actstore
-from actstore.core.arrays import read_ranges, read_rows, widen
+from actstore.core.arrays import WIDEN_BLOCK, read_ranges, read_rows, widen, widen_into
 from actstore.core.chunks import ChunkGuard, local_chunks
 from actstore.core.errors import CorruptStoreError
 
@@ -68,6 +68,27 @@ def test_fast_reads_equal_zarr(
             )
             checked += 1
     assert checked >= 10
+
+
+def test_widen_equals_numpys_conversion() -> None:
+    """float16 -> float32 (torch's conversion, ``WIDEN_BLOCK`` values a copy) against numpy's
+    ``astype`` bit for bit, on the layouts reads hand it: contiguous, one layer of several (strided),
+    rows wider than a block, every other row, read-only and reversed (numpy's path), a small read;
+    NaN, infinities, signed zeros and subnormals included."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3 * WIDEN_BLOCK // 64 + 5, 4, 16)) * 100).astype(np.float16)
+    x.reshape(-1)[:7] = [np.nan, np.inf, -np.inf, -0.0, 0.0, 6e-8, -6e-8]
+    wide = rng.standard_normal((3, WIDEN_BLOCK + 9)).astype(np.float16)
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    for data in (x, x[:, 2], x[:, 1:3], x[::2], wide, frozen, x[::-1], x[:10]):
+        want = data.astype(np.float32)
+        got = widen(data, "float16")
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        out = np.full(data.shape, -1.0, dtype=np.float32)
+        widen_into(out, data)
+        np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
 def test_partial_last_chunk(store_factory: Callable[..., Path]) -> None:
