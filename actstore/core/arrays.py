@@ -264,6 +264,7 @@ def read_rows(
     where: str,
     logical_dtype: str | None = None,
     axis1: Sequence[int] | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """``arr[rows][:, axis1]`` for sorted row indices, reading each touched run of whole chunks once.
 
@@ -271,19 +272,25 @@ def read_rows(
     they are copied out of the decoded chunks (no second copy); a run of consecutive rows is taken
     as a slice of its chunks, not gathered.  ``axis1`` (e.g. layers) is applied before widening, so
     only the kept part of each row is converted; an array chunked along axis 1 as well (layer
-    chunks) fetches only the axis-1 chunks that ``axis1`` touches."""
+    chunks) fetches only the axis-1 chunks that ``axis1`` touches.  ``out``: a C-contiguous array of
+    the result's shape and dtype, written (no array of the result made and copied) and returned."""
     rows = np.asarray(rows, dtype=np.int64)
     dtype = np.dtype(np.float32) if logical_dtype is not None else arr.dtype
     tail = (len(axis1) if axis1 is not None else int(arr.shape[1]), *arr.shape[2:]) if arr.ndim > 1 else ()
     if axis1 is not None and arr.ndim < 2:
         raise ValueError("axis1 needs an array of at least 2 dimensions")
+    if out is not None and (
+        out.shape != (rows.size, *tail) or out.dtype != dtype or not out.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"read_rows: out is {out.dtype} {out.shape}, expected C-contiguous {dtype} {(rows.size, *tail)}"
+        )
     if rows.size == 0:
-        return np.zeros((0, *tail), dtype=dtype)
+        return np.zeros((0, *tail), dtype=dtype) if out is None else out
     blocks, positions = axis1_plan(arr.shape, arr.chunks, axis1)
     chunk = int(arr.chunks[0])
     touched = np.unique(rows // chunk)
     spans = runs(touched)
-    out: np.ndarray | None = None
     i = 0
     for c0, c1 in spans:
         lo, hi = c0 * chunk, min(c1 * chunk, int(arr.shape[0]))
@@ -292,14 +299,14 @@ def read_rows(
         consecutive = sel[-1] - sel[0] + 1 == sel.size and bool(np.all(sel[1:] != sel[:-1]))
         kept = take1(block, positions)  # a view: the rows are gathered (and widened) from the kept part only
         piece = kept[sel[0] : sel[-1] + 1] if consecutive else kept[sel]
-        if len(spans) == 1:
+        if len(spans) == 1 and out is None:
             return widen(piece, logical_dtype) if logical_dtype is not None else np.ascontiguousarray(piece)
         if out is None:
             out = np.empty((rows.size, *tail), dtype=dtype)
         if logical_dtype == "bfloat16":
             out[i : i + sel.size] = widen(piece, logical_dtype)
         else:
-            widen_into(out[i : i + sel.size], piece)  # float16 -> float32 while copying
+            widen_into(out[i : i + sel.size], piece)  # float16 -> float32 (or as stored) while copying
         i += sel.size
     assert out is not None
     return out

@@ -186,10 +186,12 @@ class StoreReader(TableFiles):
         axis1: Sequence[int] | None = None,
         *,
         stored: bool = False,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """Rows (sorted, segment-local) of a per-target array, as float32; ``axis1``: only these positions
         of its second axis (layers), converted alone.  ``stored=True``: in the storage dtype, unconverted
-        (float16, float32, or bfloat16 as its uint16 bits), for a caller that converts them itself."""
+        (float16, float32, or bfloat16 as its uint16 bits), for a caller that converts them itself.
+        ``out``: written instead of a new array (:func:`~actstore.core.arrays.read_rows`)."""
         arr = self.array(seg, name)
         where = f"{self.url}/segments/{segment_name(seg)}/{name}"
         rows = np.asarray(rows, dtype=np.int64)
@@ -198,7 +200,7 @@ class StoreReader(TableFiles):
                 f"{where}: rows {int(rows.min())}..{int(rows.max())} asked for, the array has "
                 f"{arr.shape[0]} (the targets table disagrees with the arrays; run actstore verify)"
             )
-        return read_rows(arr, rows, where, None if stored else self.manifest.storage_dtype, axis1)
+        return read_rows(arr, rows, where, None if stored else self.manifest.storage_dtype, axis1, out)
 
     def read_segment_ranges(
         self, seg: int, name: str, starts: np.ndarray, lengths: np.ndarray, axis1: Sequence[int] | None = None

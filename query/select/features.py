@@ -207,7 +207,7 @@ def compute_block(
         return out
     dst = torch.from_numpy(out)
     if kind == "resid":
-        np.copyto(out, store.read_segment_rows(seg, "resid", rows, L))
+        store.read_segment_rows(seg, "resid", rows, L, out=out.reshape(n, len(L), -1))
         return out
     if kind in ("mlp", "mlp_group"):
         a = torch.from_numpy(store.read_segment_rows(seg, "mlp", rows, L))  # [n, l, d_mlp]

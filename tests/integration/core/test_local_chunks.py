@@ -44,7 +44,7 @@ def test_fast_reads_equal_zarr(
     path = store_factory(arch, storage_dtype=dtype, segment_size=8, limit=4, chunk_layers=chunk_layers)
     store = actstore.open(path)
     rng = np.random.default_rng(0)
-    checked = 0
+    checked = several = 0
     for seg in store.commits:
         for name in ("z", "mlp", "resid", "attn", "v"):
             arr = store.array(seg, name)
@@ -57,6 +57,13 @@ def test_fast_reads_equal_zarr(
             rows = np.sort(rng.choice(n, size=max(1, n // 2), replace=False))
             layers = sorted(rng.choice(truth.shape[1], size=min(2, truth.shape[1]), replace=False).tolist())
             np.testing.assert_array_equal(read_rows(arr, rows, name, dtype), truth[rows])
+            several += n > int(arr.chunks[0])
+            for sel in (rows, np.arange(n)):  # into a given array: one run of chunks, and several
+                buf = np.full(truth[sel].shape, -7.0, dtype=np.float32)
+                assert read_rows(arr, sel, name, dtype, out=buf) is buf
+                np.testing.assert_array_equal(buf, truth[sel])
+            with pytest.raises(ValueError, match="read_rows: out is"):
+                read_rows(arr, rows, name, dtype, out=np.empty((rows.size + 1, *truth.shape[1:]), np.float32))
             np.testing.assert_array_equal(read_rows(arr, rows, name, dtype, layers), truth[rows][:, layers])
             np.testing.assert_array_equal(
                 read_rows(arr, np.arange(n), name, dtype), truth
@@ -67,7 +74,7 @@ def test_fast_reads_equal_zarr(
                 np.concatenate([truth[n - 1 : n], truth[: min(3, n)]]),
             )
             checked += 1
-    assert checked >= 10
+    assert checked >= 10 and several >= 1
 
 
 def test_widen_equals_numpys_conversion() -> None:
