@@ -305,7 +305,7 @@ class ActivationLoader:
 
         Each batch is a slice of consecutive rows of a permuted window, copied and converted to
         ``dtype`` by torch in one pass: a new tensor, never a view of the window (whose buffer is reused
-        once all its rows are given).  The whole batches are cut ``_burst`` at a time (about
+        once all its rows are given).  The whole batches are cut up to ``_burst`` at a time (about
         ``BURST_BYTES`` of them), in one tight loop: cut one at a time between a training loop's
         steps, each paid its cold caches (about 20 us against 5 a batch, tiny-llama batches of 256)."""
         epoch, start = self.epoch, self.position
@@ -316,6 +316,7 @@ class ActivationLoader:
         carry_i: list[np.ndarray] = []
         n_carry = 0
         given = start
+        burst = 1  # the first batch as soon as it is cut, then bursts twice as long up to ``_burst``
 
         for _e, win in windows:
             if win is None:  # the epoch's end
@@ -339,7 +340,8 @@ class ActivationLoader:
                         yield self._joined(carry_x, carry_i)
                         carry_x, carry_i, n_carry = [], [], 0
                 while m - at >= bs:  # whole batches, cut a burst at a time (in one tight loop)
-                    k = min((m - at) // bs, self._burst)
+                    k = min((m - at) // bs, burst)
+                    burst = min(2 * burst, self._burst)
                     xs = [src[a : a + bs] for a in range(at, at + k * bs, bs)]
                     xs = [x.to(dtype) for x in xs] if src.dtype != dtype else [x.clone() for x in xs]
                     for x in xs:
