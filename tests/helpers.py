@@ -11,9 +11,12 @@ Chromium or a missing model package is a failure instead of a skip.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,14 @@ GET_DATA = (
     "set ACTSTORE_DATA to a folder holding the public data sets "
     "(fewrel/, lre_relations/, maps/, known_1000/, codex_m/; see tests/data/README.md for their sources)"
 )
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """The peer tools' own warnings and progress bars silenced (pytest turns warnings into errors)."""
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
 
 
 def missing(what: str, how: str) -> None:

@@ -7,16 +7,13 @@ ones it imports."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import threading
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import quiet
 
 import actstore
 import actstore.query.select.hf_export as hf_export
@@ -35,13 +32,6 @@ DOCS = [
     "a red house stands on the hill near the lake",
     "kings and queens of the north built great halls",
 ] * 5
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.fixture(scope="module")

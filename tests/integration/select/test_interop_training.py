@@ -6,19 +6,16 @@ training snippets run as written."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import runpy
 import sys
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import quiet
 
 import actstore
 from actstore.core.errors import QueryError
@@ -38,14 +35,6 @@ DOCS = [
     "a red house stands on the hill near the lake",
     "kings and queens of the north built great halls",
 ] * 4
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """The tools' own warnings and progress bars (pytest turns warnings into errors)."""
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-        warnings.simplefilter("ignore")
-        yield
 
 
 @pytest.fixture(scope="module")
