@@ -301,11 +301,8 @@ def _attend_with_sources(
                 # positive weight, and a slot of weight 0 is no source; not negative: select_top's fast path)
                 part[..., cols] = part[..., cols].masked_fill(special[hb][:, cols][:, None, :], 0.0)
             w, j = select_top(part, k_top)  # (fewer than K columns where the block has fewer keys)
-            if w.shape[-1] == k_top:
-                w_t.index_copy_(0, here, w)
-                j_t.index_copy_(0, here, j)
-            else:
-                w_t[here, :, : w.shape[-1]], j_t[here, :, : w.shape[-1]] = w, j
+            w_t[..., : w.shape[-1]].index_copy_(0, here, w)
+            j_t[..., : w.shape[-1]].index_copy_(0, here, j)
         if t0 == t1:
             continue
         invalid = w_t <= 0  # (a source of weight 0, e.g. outside a sliding window, is no source)

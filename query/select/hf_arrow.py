@@ -166,16 +166,15 @@ class Writer:
         """Write ``batch`` (numpy arrays by column) as one record batch, after the batch last handed
         over as ``slot``."""
         self.wait(slot)
-        rbs = [self.record_batch(batch)]
+        rb = self.record_batch(batch)
         if self._pool is None:
-            self._write_all(rbs)
+            self._write_one(rb)
         else:
-            self._pending[slot] = self._pool.submit(self._write_all, rbs)
+            self._pending[slot] = self._pool.submit(self._write_one, rb)
 
-    def _write_all(self, rbs: list[Any]) -> None:
-        """Write record batches ``rbs`` (on the writing thread when there is one)."""
-        for rb in rbs:
-            self.writer.write_batch(rb)
+    def _write_one(self, rb: Any) -> None:
+        """Write record batch ``rb`` (on the writing thread when there is one)."""
+        self.writer.write_batch(rb)
 
     def record_batch(self, batch: dict[str, np.ndarray]) -> Any:
         pa = self.pa

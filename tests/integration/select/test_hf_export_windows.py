@@ -144,16 +144,16 @@ def test_an_error_of_the_writing_thread_ends_the_export_with_nothing_left(
 ) -> None:
     from actstore.query.select.hf_arrow import Writer
 
-    real, threads = Writer._write_all, []
+    real, threads = Writer._write_one, []
 
-    def fills_at_the_second(self: Any, rbs: Any) -> None:
+    def fills_at_the_second(self: Any, rb: Any) -> None:
         threads.append(threading.current_thread())
         if len(threads) == 2:
             raise OSError(28, "No space left on device")
-        real(self, rbs)
+        real(self, rb)
 
     monkeypatch.setattr(hf_export, "READ_BYTES", 0)  # blocks of N rows: written on the thread
-    monkeypatch.setattr(Writer, "_write_all", fills_at_the_second)
+    monkeypatch.setattr(Writer, "_write_one", fills_at_the_second)
     sel = stores[16].select()
     with pytest.raises(OSError, match="No space"):
         sel.to_hf_dataset(tmp_path / "x", "resid", layers=[1], context_size=N, batch_rows=N)
@@ -162,7 +162,7 @@ def test_an_error_of_the_writing_thread_ends_the_export_with_nothing_left(
     assert not [
         t for t in threading.enumerate() if t.name.startswith("actstore-hf-write")
     ]  # none outlives it
-    monkeypatch.setattr(Writer, "_write_all", real)
+    monkeypatch.setattr(Writer, "_write_one", real)
     ds = sel.to_hf_dataset(tmp_path / "x", "resid", layers=[1], context_size=N, batch_rows=N)
     assert np.array_equal(ds.with_format("numpy")[:]["token_ids"], expected(sel)[1])
 
