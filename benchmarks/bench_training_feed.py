@@ -7,10 +7,15 @@ batches, and the SAELens-cache export's rate vs a raw read of the same chunks, i
 A corpus store of a tiny Llama (d_model 64, float16) is ingested packed (whole windows of
 ``--context``); dictionary_learning's trainSAE and SAELens's SAETrainer then train each of ``--steps``
 steps of ``--batch`` rows from ``Selection.loader(epochs=None, flatten=True)`` and from a list of the
-same batches already in memory (the ratio is loader/in-memory).  Each run gives two rates: the whole
-run (from the loader's construction to the tool's return: the read of the first shuffle window
-included) and the steady state (from the first batch handed out to the return, as a training log's
-steps/s reports it); both arms' data pass through the same wrapper.  At the first ``--steps`` the tools
+same batches already in memory (the ratio is loader/in-memory).  Each tool runs in a process of its
+own, as a researcher runs it (dictionary_learning imports nnsight, which mounts ``.save`` on every
+Python object and so changes the speed of everything after it; in one process SAETrainer's figures
+moved with it).  Each run gives three rates: the whole run (from the loader's construction to the
+tool's return: the read of the first shuffle window included), the steady state (from the first batch
+handed out to the return, as a training log's steps/s reports it) and the whole run per CPU-second of
+the process (every thread's, the loader's own included: steadier than wall time on a shared machine);
+the report gives medians of ``--rounds`` and the best round of each arm (the run least disturbed by
+other processes); both arms' data pass through the same wrapper.  At the first ``--steps`` the tools
 also train from the export read back (``to_hf_dataset(context_size=...)``'s Arrow file, its values
 memory-mapped, ``--batch // --context`` windows a batch) against its batches in memory.  The export
 (``to_hf_dataset(context_size=...)``) is timed in positions/s against ``Selection.features`` of the same
@@ -30,8 +35,11 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -77,14 +85,15 @@ class Clocked:
         return x
 
 
-def run(train: Any, make: Any, steps: int) -> tuple[float, float, float]:
-    """(whole-run steps/s, steady steps/s, seconds to the first batch) of ``train(data)`` for ``steps``
-    steps, ``make()`` (the feed's construction) timed with it."""
-    t0 = time.perf_counter()
+def run(train: Any, make: Any, steps: int) -> tuple[float, float, float, float]:
+    """(whole-run steps/s, steady steps/s, seconds to the first batch, whole-run steps per CPU-second of
+    the process: every thread's, the loader's own included) of ``train(data)`` for ``steps`` steps,
+    ``make()`` (the feed's construction) timed with it."""
+    c0, t0 = time.process_time(), time.perf_counter()
     data = Clocked(make())
     train(data, steps)
-    t1 = time.perf_counter()
-    return steps / (t1 - t0), (steps - 1) / (t1 - data.first), data.first - t0
+    t1, c1 = time.perf_counter(), time.process_time()
+    return steps / (t1 - t0), (steps - 1) / (t1 - data.first), data.first - t0, steps / (c1 - c0)
 
 
 def med(v: list[float]) -> float:
@@ -181,7 +190,14 @@ def main() -> None:
     ap.add_argument("--only", default="", choices=("", "export"), help="export: time the export alone")
     ap.add_argument("--keep-store", default="", help="ingest the --export-docs store here and keep it")
     ap.add_argument("--before", default="", help="another hf_export.py, timed beside this one")
+    ap.add_argument("--tool", default="", choices=("", *TOOLS), help=argparse.SUPPRESS)
+    ap.add_argument("--tool-store", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--tool-out", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.tool:
+        torch.set_num_threads(1)
+        tool_arms(a)
+        return
     steps_list = [int(v) for v in a.steps.split(",")]
     torch.set_num_threads(1)
     t = Path(tempfile.mkdtemp(prefix="bench-train-"))
@@ -214,18 +230,57 @@ def main() -> None:
 
 
 def train(a: Any, t: Path, steps_list: list[int], big: Any) -> None:
-    """The training arms (and the export's, interleaved with them round by round)."""
+    """The training arms, each tool in a process of its own (as a researcher runs it: importing one
+    tool's package changes the other's speed, e.g. dictionary_learning imports nnsight, which mounts
+    ``.save`` on every Python object), then the export's rounds in this process."""
     store = ingest(t, "c", a.docs, a.context)
     sel = store.select()
     n = len(sel)
-    d = store.geometry.d_model
     big = big if big is not None else sel
     sizes = export_sizes(a, big, [n])
     print(f"load average at the start: {os.getloadavg()[0]:.1f}")
     print(
-        f"store: {n} positions, d_model {d}, float16; steps {steps_list} x batch {a.batch}; "
-        f"export sizes {sizes} (store of {len(big)} positions)"
+        f"store: {n} positions, d_model {store.geometry.d_model}, float16; steps {steps_list} x batch "
+        f"{a.batch}; export sizes {sizes} (store of {len(big)} positions)"
     )
+    for key in TOOLS:
+        out = t / f"{key}.json"
+        cmd = [sys.executable, __file__, "--tool", key, "--tool-store", str(t / "c"), "--tool-out", str(out)]
+        cmd += ["--context", str(a.context), "--steps", a.steps, "--batch", str(a.batch)]
+        subprocess.run([*cmd, "--rounds", str(a.rounds)], check=True)
+        got = {tuple(k.split("|")): v for k, v in json.loads(out.read_text()).items()}
+        for steps in steps_list:
+            for arm, ref in (("loader", "mem"), ("export", "export_mem")):
+                if (arm, str(steps)) not in got:
+                    continue
+                x, y = got[(arm, str(steps))], got[(ref, str(steps))]
+                w = [med([r[i] for r in x]) for i in range(4)]
+                v = [med([r[i] for r in y]) for i in range(4)]
+                bw, bv = max(r[0] for r in x), max(r[0] for r in y)
+                print(
+                    f"{TOOLS[key]} {steps} steps from the {arm}: whole run {w[0]:.1f} vs {v[0]:.1f} steps/s "
+                    f"= {w[0] / v[0]:.3f}x (best of {len(x)}: {bw:.1f} vs {bv:.1f} = {bw / bv:.3f}x); "
+                    f"steady {w[1]:.1f} vs {v[1]:.1f} = {w[1] / v[1]:.3f}x; per CPU-second {w[3]:.1f} vs "
+                    f"{v[3]:.1f} = {w[3] / v[3]:.3f}x; first batch after {1e3 * w[2]:.0f} vs {1e3 * v[2]:.0f} ms"
+                )
+    ex = Exports(big, sizes, a.context, t, load_export(a.before) if a.before else None)
+    for rnd in range(a.rounds):
+        ex.round(rnd)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    ex.report()
+
+
+TOOLS = {"dl": "trainSAE", "sl": "SAETrainer"}
+
+
+def tool_arms(a: Any) -> None:
+    """One tool's four arms (``--tool``), run in this process only: rounds interleaved, in reverse every
+    other round (load drifts); the (whole, steady, first-batch) triples written to ``--tool-out``."""
+    steps_list = [int(v) for v in a.steps.split(",")]
+    store = actstore.open(a.tool_store)
+    sel = store.select()
+    n = len(sel)
+    d = store.geometry.d_model
 
     def feed() -> Any:
         return sel.loader("resid", layers=[1], batch_size=a.batch, epochs=None, flatten=True, seed=0)
@@ -236,7 +291,9 @@ def train(a: Any, t: Path, steps_list: list[int], big: Any) -> None:
     extra = top + top * a.batch // n + 2
     mem = [x for _, x in zip(range(extra), feed())]
     with quiet():
-        ds = sel.to_hf_dataset(t / "hf-feed", "resid", layers=[1], context_size=a.context)
+        ds = sel.to_hf_dataset(
+            Path(a.tool_out).with_suffix(".hf"), "resid", layers=[1], context_size=a.context
+        )
     col = next(c for c in ds.column_names if c != "token_ids")
     per = max(1, a.batch // a.context)  # windows a batch
 
@@ -250,70 +307,54 @@ def train(a: Any, t: Path, steps_list: list[int], big: Any) -> None:
 
     mem_export = [x for _, x in zip(range(extra), export_feed())]
 
-    from dictionary_learning import AutoEncoder
-    from dictionary_learning.trainers import StandardTrainer
-    from dictionary_learning.training import trainSAE
+    if a.tool == "dl":
+        from dictionary_learning import AutoEncoder
+        from dictionary_learning.trainers import StandardTrainer
+        from dictionary_learning.training import trainSAE
 
-    def dl(data: Any, steps: int) -> None:
-        cfg = dict(
-            trainer=StandardTrainer,
-            dict_class=AutoEncoder,
-            activation_dim=d,
-            dict_size=4 * d,
-            lr=1e-3,
-            device="cpu",
-            steps=steps,
-            layer=1,
-            lm_name="m",
-            warmup_steps=10,
-            sparsity_warmup_steps=10,
-        )
-        with quiet():
-            trainSAE(data=data, trainer_configs=[cfg], steps=steps, device="cpu")
+        def fn(data: Any, steps: int) -> None:
+            cfg = dict(
+                trainer=StandardTrainer,
+                dict_class=AutoEncoder,
+                activation_dim=d,
+                dict_size=4 * d,
+                lr=1e-3,
+                device="cpu",
+                steps=steps,
+                layer=1,
+                lm_name="m",
+                warmup_steps=10,
+                sparsity_warmup_steps=10,
+            )
+            with quiet():
+                trainSAE(data=data, trainer_configs=[cfg], steps=steps, device="cpu")
 
-    from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
-    from sae_lens.config import SAETrainerConfig
+    else:
+        from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
+        from sae_lens.config import SAETrainerConfig
 
-    def sl(data: Any, steps: int) -> None:
-        sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=d, d_sae=4 * d))
-        cfg = SAETrainerConfig(
-            total_training_samples=steps * a.batch, train_batch_size_samples=a.batch, lr_end=3e-4
-        )
-        with quiet():
-            SAETrainer(cfg, sae, data_provider=data).fit()
+        def fn(data: Any, steps: int) -> None:
+            sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=d, d_sae=4 * d))
+            cfg = SAETrainerConfig(
+                total_training_samples=steps * a.batch, train_batch_size_samples=a.batch, lr_end=3e-4
+            )
+            with quiet():
+                SAETrainer(cfg, sae, data_provider=data).fit()
 
-    tools = {"dl": ("trainSAE", dl), "sl": ("SAETrainer", sl)}
     arms = {
         "loader": feed,
         "mem": lambda: iter(mem),
         "export": export_feed,
         "export_mem": lambda: iter(mem_export),
     }
-    got: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {}
-    ex = Exports(big, sizes, a.context, t, load_export(a.before) if a.before else None)
-    for rnd in range(a.rounds):  # interleaved, and in reverse every other round: load drifts
+    got: dict[str, list[tuple[float, float, float, float]]] = {}
+    for rnd in range(a.rounds):
         for steps in steps_list:
-            for key, (_name, fn) in tools.items():
-                for arm, make in list(arms.items())[:: 1 if rnd % 2 == 0 else -1]:
-                    if arm.startswith("export") and steps != steps_list[0]:
-                        continue
-                    got.setdefault((key, arm, steps), []).append(run(fn, make, steps))
-        ex.round(rnd)
-    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
-    for steps in steps_list:
-        for key, (name, _fn) in tools.items():
-            for arm, ref in (("loader", "mem"), ("export", "export_mem")):
-                if (key, arm, steps) not in got:
+            for arm, make in list(arms.items())[:: 1 if rnd % 2 == 0 else -1]:
+                if arm.startswith("export") and steps != steps_list[0]:
                     continue
-                x, y = got[(key, arm, steps)], got[(key, ref, steps)]
-                w = [med([r[i] for r in x]) for i in range(3)]
-                v = [med([r[i] for r in y]) for i in range(3)]
-                print(
-                    f"{name} {steps} steps from the {arm}: whole run {w[0]:.1f} vs {v[0]:.1f} steps/s "
-                    f"= {w[0] / v[0]:.3f}x; steady {w[1]:.1f} vs {v[1]:.1f} = {w[1] / v[1]:.3f}x; "
-                    f"first batch after {1e3 * w[2]:.0f} vs {1e3 * v[2]:.0f} ms"
-                )
-    ex.report()
+                got.setdefault(f"{arm}|{steps}", []).append(run(fn, make, steps))
+    Path(a.tool_out).write_text(json.dumps(got))
 
 
 if __name__ == "__main__":
