@@ -8,9 +8,8 @@ A corpus store of a tiny Llama (d_model 64, float16) is ingested packed (whole w
 ``--context``); dictionary_learning's trainSAE and SAELens's SAETrainer then train each of ``--steps``
 steps of ``--batch`` rows from ``Selection.loader(epochs=None, flatten=True)`` and from a list of the
 same batches already in memory (the ratio is loader/in-memory).  Each tool runs in a process of its
-own, as a researcher runs it (dictionary_learning imports nnsight, which mounts ``.save`` on every
-Python object and so changes the speed of everything after it; in one process SAETrainer's figures
-moved with it).  Each run gives three rates: the whole run (from the loader's construction to the
+own, as a researcher runs it: one tool's imports do not reach the other's arms (dictionary_learning
+imports nnsight, which mounts ``.save`` on every Python object).  Each run gives three rates: the whole run (from the loader's construction to the
 tool's return: the read of the first shuffle window included), the steady state (from the first batch
 handed out to the return, as a training log's steps/s reports it) and the whole run per CPU-second of
 the process (every thread's, the loader's own included: steadier than wall time on a shared machine);
