@@ -7,6 +7,7 @@ them (:func:`opened`)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -18,6 +19,35 @@ from typing import Any
 import numpy as np
 
 SHARD = "data-00000-of-00001.arrow"  # save_to_disk's file of a dataset of one shard
+
+
+@lru_cache(maxsize=1)
+def _fallocate() -> Any:
+    """libc's ``fallocate`` (Linux), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate64
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def preallocate(path: Path, size: int) -> int:
+    """Give the new file ``path`` ``size`` bytes of disk (``fallocate(2)``, mode 0: unwritten extents,
+    the file's size set to ``size``) before it is written from its start; the bytes given (0 where the
+    file system or the platform cannot: the writes then go as they would have).  A write into
+    allocated extents skips ext4's delayed allocation of each page: 256 MiB written in 4 MiB writes
+    took 37 ms so against 55 ms (HISTORY.md).  No emulation (glibc's ``posix_fallocate`` writes a
+    byte a block where the file system cannot)."""
+    fn = _fallocate()
+    if fn is None or size <= 0:
+        return 0
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        return size if fn(fd, 0, 0, size) == 0 else 0
+    finally:
+        os.close(fd)
 
 
 class Layout:
@@ -119,14 +149,19 @@ class Writer:
     (or the next :meth:`write` of it) returns: the caller fills one buffer while the other is
     written.  The thread's error (a full disk) is raised by that wait; leaving the ``with`` block
     waits for every batch handed over and ends the thread (none outlives the export: a process that
-    forks later has no thread of ours)."""
+    forks later has no thread of ours).
 
-    def __init__(self, layout: Layout, path: Path, background: bool = False) -> None:
+    ``size``: the bytes the file is expected to take, given it before the first write
+    (:func:`preallocate`) and cut back to those written when the ``with`` block ends."""
+
+    def __init__(self, layout: Layout, path: Path, background: bool = False, size: int = 0) -> None:
         import pyarrow as pa
 
         self.pa = pa
         self.layout = layout
+        self.path = path
         self.sink = pa.OSFile(str(path), "wb")
+        self.allocated = preallocate(path, size)  # cut back to the bytes written at the end
         self.writer = pa.ipc.new_stream(self.sink, layout.schema)
         self._offsets: dict[tuple[int, int], Any] = {}
         self._pending: dict[int, Future[None]] = {}
@@ -154,7 +189,10 @@ class Writer:
             if self._pool is not None:
                 self._pool.shutdown()
             self.writer.close()
+            end = self.sink.tell()
             self.sink.close()
+            if self.allocated > end:
+                os.truncate(self.path, end)
 
     def wait(self, slot: int) -> None:
         """Until the batch last handed over as ``slot`` is written (its buffers free again)."""

@@ -246,7 +246,10 @@ def to_hf_dataset(
         arrow = tmp / SHARD
         rows = selection.rows.column("row").to_numpy()
         at = 0
-        with Writer(layout, arrow, background=len(selection) > batch_rows) as writer:
+        # the file's bytes at least (values, offsets, row and example ids: the schema and headers
+        # come on top), preallocated (nothing to cut back at the end)
+        size = len(selection) * (len(names) * (d_in * np.dtype(dtype).itemsize + 8) + 16)
+        with Writer(layout, arrow, len(selection) > batch_rows, size) as writer:
             for k, (ids, block) in enumerate(selection.blocks(batch_rows)):
                 x = compute_block(store, spec, block)  # a new array a block: written as it is
                 b = x.shape[0]
@@ -410,7 +413,10 @@ def _write_windows(
         cap = read + n
         bufs = [(np.empty((cap, d_in), dtype=dtype), np.empty(cap, dtype=np.int32)) for _ in range(2)]
         direct, shape = bufs[0][0].dtype == np.float32, row_shape(store, spec)
-        with Writer(layout, arrow, background=len(selection) > read) as writer:
+        # the file's bytes at least: each window's values, token ids and two levels of offsets (the
+        # schema and the batches' headers come on top), preallocated (nothing to cut back at the end)
+        size = int(whole.sum()) // n * (n * (d_in * np.dtype(dtype).itemsize + 8) + 4)
+        with Writer(layout, arrow, len(selection) > read, size) as writer:
             for _ids, block in selection.blocks(read):
                 b = len(_ids)
                 keep = whole[at : at + b]

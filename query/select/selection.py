@@ -282,15 +282,15 @@ class Selection:
         segs = cols["segment"]
         if segs.size == 0:
             return
-        bounds = np.flatnonzero(np.diff(segs)) + 1
-        for part in np.split(np.arange(segs.size), bounds):
-            step = batch_rows or part.size
-            for i in range(0, part.size, step):
-                p = part[i : i + step]
+        bounds = [0, *(np.flatnonzero(segs[1:] != segs[:-1]) + 1).tolist(), segs.size]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):  # each segment's run of rows, cut by slices
+            step = batch_rows or hi - lo
+            for i in range(lo, hi, step):
+                p = slice(i, min(i + step, hi))
                 yield (
-                    cols["example_id"][p],
+                    cols["example_id"][p].copy(),  # (a slice of the column: a copy, as a gather gave)
                     RowBlock(
-                        segment=int(segs[p[0]]),
+                        segment=int(segs[i]),
                         seg_rows=cols["seg_row"][p].astype(np.int64),
                         src_start=cols["src_start"][p].astype(np.int64),
                         n_src=cols["n_src"][p].astype(np.int64),

@@ -57,6 +57,8 @@ def test_fast_reads_equal_zarr(
             rows = np.sort(rng.choice(n, size=max(1, n // 2), replace=False))
             layers = sorted(rng.choice(truth.shape[1], size=min(2, truth.shape[1]), replace=False).tolist())
             np.testing.assert_array_equal(read_rows(arr, rows, name, dtype), truth[rows])
+            again = np.sort(np.r_[rows, rows[::3], n - 1])  # sorted, some rows twice
+            np.testing.assert_array_equal(read_rows(arr, again, name, dtype), truth[again])
             several += n > int(arr.chunks[0])
             for sel in (rows, np.arange(n)):  # into a given array: one run of chunks, and several
                 buf = np.full(truth[sel].shape, -7.0, dtype=np.float32)

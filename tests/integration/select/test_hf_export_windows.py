@@ -186,9 +186,9 @@ def test_the_per_position_export_is_the_features_in_blocks_on_the_thread(
 
     real, flags = Writer.__init__, []
 
-    def noted(self: Any, layout: Any, path: Any, background: bool = False) -> None:
+    def noted(self: Any, layout: Any, path: Any, background: bool = False, size: int = 0) -> None:
         flags.append(background)
-        real(self, layout, path, background)
+        real(self, layout, path, background, size)
 
     monkeypatch.setattr(Writer, "__init__", noted)
     sel = stores[12].select(query="SELECT example_id FROM positions WHERE row % 3 <> 1")
@@ -202,3 +202,42 @@ def test_the_per_position_export_is_the_features_in_blocks_on_the_thread(
         assert np.array_equal(got[name][:, 0], x[:, j])
     assert np.array_equal(got["row"], sel.rows.column("row").to_numpy())
     assert np.array_equal(got["example_id"], sel.rows.column("example_id").to_numpy())
+
+
+@pytest.mark.parametrize("size", ["none", "at least", "too much"])
+def test_a_preallocated_file_holds_the_same_stream(tmp_path: Path, size: str) -> None:
+    """The Writer's file given its bytes before it is written (fallocate) is byte for byte the file
+    written without (and cut back where more was given); pyarrow reads the batches' values back."""
+    import pyarrow as pa
+
+    from actstore.query.select.hf_arrow import Writer, preallocate, window_layout
+
+    rng = np.random.default_rng(0)
+    layout = window_layout("h", N, 4, "float32")
+    batches = [
+        {
+            "h": rng.standard_normal((w, N, 4)).astype(np.float32),
+            "token_ids": rng.integers(0, 1000, (w, N)).astype(np.int32),
+        }
+        for w in (3, 1, 5)
+    ]
+    lower = 9 * (N * (4 * 4 + 8) + 4)  # the export's estimate: values, token ids, offsets
+    given = {"none": 0, "at least": lower, "too much": 10 << 20}[size]
+    files = {}
+    for name, n_bytes in (("plain", 0), ("given", given)):
+        files[name] = tmp_path / f"{name}.arrow"
+        with Writer(layout, files[name], background=True, size=n_bytes) as writer:
+            for k, batch in enumerate(batches):
+                writer.write(batch, slot=k % 2)
+    assert files["given"].read_bytes() == files["plain"].read_bytes()
+    assert files["plain"].stat().st_size > lower  # the estimate is a lower bound
+    with pa.OSFile(str(files["given"])) as f:
+        got = pa.ipc.open_stream(f).read_all()
+    assert np.array_equal(
+        np.array(got.column("h").to_pylist(), dtype=np.float32), np.concatenate([b["h"] for b in batches])
+    )
+    assert got.column("token_ids").to_pylist() == np.concatenate([b["token_ids"] for b in batches]).tolist()
+    probe = tmp_path / "probe"
+    probe.touch()
+    if preallocate(probe, 1 << 20):  # where the file system can: the bytes are the file's
+        assert probe.stat().st_size == 1 << 20 and probe.stat().st_blocks * 512 >= 1 << 20
