@@ -52,7 +52,16 @@ import numpy as np
 
 from actstore.core.errors import QueryError
 from actstore.query.select.features import FeatureSpec, RowBlock, compute_block, row_shape
-from actstore.query.select.hf_arrow import SHARD, Layout, Writer, opened, saved, staging, window_layout
+from actstore.query.select.hf_arrow import (
+    SHARD,
+    Layout,
+    Writer,
+    free_core,
+    opened,
+    saved,
+    staging,
+    window_layout,
+)
 from actstore.query.select.labelled import SOURCE_KINDS
 from actstore.query.select.loader_args import Selected
 from actstore.query.select.tl_cache import MODULES, kind_names
@@ -249,7 +258,7 @@ def to_hf_dataset(
         # the file's bytes at least (values, offsets, row and example ids: the schema and headers
         # come on top), preallocated (nothing to cut back at the end)
         size = len(selection) * (len(names) * (d_in * np.dtype(dtype).itemsize + 8) + 16)
-        with Writer(layout, arrow, len(selection) > batch_rows, size) as writer:
+        with Writer(layout, arrow, len(selection) > batch_rows and free_core(), size) as writer:
             for k, (ids, block) in enumerate(selection.blocks(batch_rows)):
                 x = compute_block(store, spec, block)  # a new array a block: written as it is
                 b = x.shape[0]
@@ -416,7 +425,7 @@ def _write_windows(
         # the file's bytes at least: each window's values, token ids and two levels of offsets (the
         # schema and the batches' headers come on top), preallocated (nothing to cut back at the end)
         size = int(whole.sum()) // n * (n * (d_in * np.dtype(dtype).itemsize + 8) + 4)
-        with Writer(layout, arrow, len(selection) > read, size) as writer:
+        with Writer(layout, arrow, len(selection) > read and free_core(), size) as writer:
             for _ids, block in selection.blocks(read):
                 b = len(_ids)
                 keep = whole[at : at + b]

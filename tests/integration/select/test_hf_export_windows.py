@@ -1,9 +1,10 @@
 """Selection.to_hf_dataset(context_size=N) against an independent computation: the store's positions
 table read with pyarrow and grouped into windows by hand, and Selection.features of the same rows;
 for selections that are a run of rows, that cut a window, that skip windows, and on a store whose
-windows straddle its segments (a window's rows in two blocks).  Also: an error of the writing thread
-ends the export with nothing left, and the TransformerLens names read from its source file are the
-ones it imports."""
+windows straddle its segments (a window's rows in two blocks), written on the writing thread or
+inline.  Also: an error of the writing thread ends the export with nothing left, the TransformerLens
+names read from its source file are the ones it imports, a preallocated file is the plain one, and
+whether a core is free is read from the machine's running tasks."""
 
 from __future__ import annotations
 
@@ -104,17 +105,19 @@ def selections(store: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("size", [16, 12])
 @pytest.mark.parametrize("batch_rows", [N, 3 * N + 1, 4096])
-@pytest.mark.parametrize("small_reads", [False, True])
+@pytest.mark.parametrize("reads", ["large", "small, on the thread", "small, inline"])
 def test_the_export_is_the_windows_of_the_rows(
     stores: dict[int, Any],
     size: int,
     batch_rows: int,
-    small_reads: bool,
+    reads: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if small_reads:  # reads of batch_rows positions: many blocks, both buffers, the writing thread
+    if reads != "large":  # reads of batch_rows positions: many blocks, both buffers
         monkeypatch.setattr(hf_export, "READ_BYTES", 0)
+    # written by the writing thread, or inline (where no core is free)
+    monkeypatch.setattr(hf_export, "free_core", lambda: reads != "small, inline")
     store = stores[size]
     for name, sel in selections(store).items():
         xs, ts = expected(sel)
@@ -153,6 +156,7 @@ def test_an_error_of_the_writing_thread_ends_the_export_with_nothing_left(
         real(self, rb)
 
     monkeypatch.setattr(hf_export, "READ_BYTES", 0)  # blocks of N rows: written on the thread
+    monkeypatch.setattr(hf_export, "free_core", lambda: True)  # (as where a core is free)
     monkeypatch.setattr(Writer, "_write_one", fills_at_the_second)
     sel = stores[16].select()
     with pytest.raises(OSError, match="No space"):
@@ -176,12 +180,14 @@ def test_transformer_lens_names_read_from_its_source_are_the_imported_ones() -> 
     assert len(supported.OFFICIAL_MODEL_NAMES) > 100  # a list of names, not an empty match
 
 
+@pytest.mark.parametrize("free", [True, False])
 @pytest.mark.parametrize("batch_rows", [5, 4096])
 def test_the_per_position_export_is_the_features_in_blocks_on_the_thread(
-    stores: dict[int, Any], batch_rows: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stores: dict[int, Any], batch_rows: int, free: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without context_size (one row a position): blocks of 5 rows are written on the writing thread,
-    one block inline; both equal ``features`` of the rows, with their row and example ids."""
+    """Without context_size (one row a position): blocks of 5 rows are written on the writing thread
+    where a core is free, else inline, one block inline; all equal ``features`` of the rows, with
+    their row and example ids."""
     from actstore.query.select.hf_arrow import Writer
 
     real, flags = Writer.__init__, []
@@ -191,9 +197,10 @@ def test_the_per_position_export_is_the_features_in_blocks_on_the_thread(
         real(self, layout, path, background, size)
 
     monkeypatch.setattr(Writer, "__init__", noted)
+    monkeypatch.setattr(hf_export, "free_core", lambda: free)
     sel = stores[12].select(query="SELECT example_id FROM positions WHERE row % 3 <> 1")
     ds = sel.to_hf_dataset(tmp_path / "p", "resid", layers=[0, 2], batch_rows=batch_rows)
-    assert flags == [batch_rows == 5]
+    assert flags == [batch_rows == 5 and free]
     got = datasets.Dataset.load_from_disk(str(tmp_path / "p")).with_format("numpy")[:]
     x = sel.features("resid", layers=[0, 2])
     names = [c for c in ds.column_names if c not in ("row", "example_id")]
@@ -241,3 +248,33 @@ def test_a_preallocated_file_holds_the_same_stream(tmp_path: Path, size: str) ->
     probe.touch()
     if preallocate(probe, 1 << 20):  # where the file system can: the bytes are the file's
         assert probe.stat().st_size == 1 << 20 and probe.stat().st_blocks * 512 >= 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("loadavg", "cpus", "free"),
+    [
+        ("0.5 0.4 0.3 1/200 77\n", 2, True),
+        ("2.9 2.8 2.4 3/150 77\n", 2, False),
+        ("3.0 3.0 3.0 3/150 77\n", 8, True),
+    ],
+)
+def test_a_core_is_free_where_fewer_tasks_run_than_the_machine_has_cpus(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, loadavg: str, cpus: int, free: bool
+) -> None:
+    import builtins
+
+    from actstore.query.select import hf_arrow
+
+    if not hasattr(hf_arrow.os, "sched_getaffinity"):
+        pytest.skip("no sched_getaffinity here")
+    fake = tmp_path / "loadavg"
+    fake.write_text(loadavg, encoding="ascii")
+    real_open = builtins.open
+    monkeypatch.setattr(
+        builtins, "open", lambda f, *a, **k: real_open(fake if f == "/proc/loadavg" else f, *a, **k)
+    )
+    monkeypatch.setattr(hf_arrow.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(hf_arrow.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert hf_arrow.free_core() is free
+    monkeypatch.setattr(hf_arrow.os, "sched_getaffinity", lambda pid: {0})  # one usable CPU: never
+    assert hf_arrow.free_core() is False
