@@ -13,7 +13,8 @@ fetches only their bytes (:func:`axis1_plan`) while a full scan still reads one 
 rows; every later axis is whole.
 
 Every chunk is written, all-zero ones included (zarr skips those by default, and then a lost
-chunk would be indistinguishable from one never written).  Readers open arrays through
+chunk would be indistinguishable from one never written), except those of an array the manifest
+says is all zeros (:func:`actstore.core.segments.unwritten_arrays`: no chunk of it is written).  Readers open arrays through
 :class:`ChunkGuard`, which turns a missing chunk of a store that writes every chunk into an
 error instead of zarr's silent fill value, and refuses special files (a named pipe as a chunk
 would block the read forever).
@@ -65,6 +66,7 @@ def create_array(
     compress: bool = True,
     chunk1: int = 0,
     zero_blocks: Collection[int] = (),
+    chunks_written: bool = True,
 ) -> None:
     """Write ``data`` as a new array chunked along axis 0 (``chunk0`` rows per chunk).
 
@@ -74,7 +76,8 @@ def create_array(
     ``compress=False`` keeps only the checksum: float32 weights barely compress (about 5%)
     and zstd on them would cost seconds at every store creation.  ``zero_blocks``: the axis-1 chunks
     the caller knows to be all zero (a corpus store's layers not kept), written without being read
-    or compressed again (:func:`write_shards`).
+    or compressed again (:func:`write_shards`).  ``chunks_written=False``: the metadata only (an array
+    of zeros whose chunks the store does not write: :func:`actstore.core.segments.unwritten_arrays`).
     """
     chunks: tuple[int, ...] = (max(1, min(chunk0, max(1, data.shape[0]))), *data.shape[1:])
     shards: tuple[int, ...] | None = None
@@ -95,6 +98,8 @@ def create_array(
         attributes={"logical_dtype": logical_dtype},
         config={"write_empty_chunks": True},  # a missing chunk is then always a lost one
     )
+    if not chunks_written:
+        return
     if data.size and shards is not None and compress:
         write_shards(group, name, data, chunks, zero_blocks)
     elif data.size:

@@ -28,6 +28,17 @@ def tokenizer_file_name_ok(name: str) -> bool:
     )
 
 
+def unwritten_arrays(manifest: Manifest) -> frozenset[str]:
+    """The segment arrays whose chunks a store does not write: the kinds a corpus store's ingest kept
+    no layer of (``ingest.kept[kind] == []``: all zeros by that record, their ``zarr.json`` only; since
+    2026-12-07, docs/format.md, Chunks). Readers read them as zeros; an older store that wrote their
+    zero chunks reads as before."""
+    kept = (manifest.ingest or {}).get("kept")
+    if not isinstance(kept, dict):
+        return frozenset()
+    return frozenset(k for k in ("z", "mlp", "resid") if isinstance(kept.get(k), list) and not kept[k])
+
+
 def segment_name(seg: int) -> str:
     return f"{seg:06d}"
 

@@ -41,6 +41,7 @@ from actstore.core.segments import (
     read_commits,
     segment_name,
     tokenizer_file_name_ok,
+    unwritten_arrays,
 )
 from actstore.core.snapshot import Snapshot, read_snapshot
 from actstore.core.sql import relation, run_sql
@@ -149,7 +150,7 @@ class StoreReader(TableFiles):
             rel = f"segments/{segment_name(seg)}"
             commit = self.commits[seg]
             try:
-                guard = self._guarded(rel, MAX_CHUNK_BYTES + (1 << 20))
+                guard = self._guarded(rel, MAX_CHUNK_BYTES + (1 << 20), strict=name not in self._unwritten)
                 arr = open_segment_array(self.location, rel, name, guard, f"{self.url}/{rel}/{name}")
             except CorruptStoreError:
                 raise
@@ -167,13 +168,19 @@ class StoreReader(TableFiles):
             self._arrays[key] = arr
         return self._arrays[key]
 
-    def _guarded(self, rel: str, max_bytes: int) -> ChunkGuard:
+    @property
+    def _unwritten(self) -> frozenset[str]:
+        """Segment arrays of zeros whose chunks need not exist (:func:`unwritten_arrays`)."""
+        return unwritten_arrays(self.manifest)
+
+    def _guarded(self, rel: str, max_bytes: int, strict: bool = True) -> ChunkGuard:
         """The zarr store at ``rel``, read through :class:`ChunkGuard` (missing chunks, special files and
-        local files over ``max_bytes`` refused)."""
+        local files over ``max_bytes`` refused; with ``strict=False`` a missing chunk reads as zeros)."""
         loc = self.location
         return ChunkGuard(
             loc.zarr_store(rel, read_only=True),
             where=f"{self.url}/{rel}",
+            strict=strict,
             local_root=loc.os_path(rel),
             max_bytes=max_bytes,
         )

@@ -7,7 +7,8 @@ Checks, collected rather than raised so that one run reports all of them:
 - every segment the manifest promises is committed; a segment whose data is there without its
   marker (a deleted marker, or an ingest still running or killed) is named;
 - every object a commit marker lists (every chunk and ``zarr.json`` of the segment) exists and
-  has the recorded SHA-256; every array has the shape the marker implies and the full chunk grid;
+  has the recorded SHA-256; every array has the shape the marker implies and the full chunk grid
+  (an array of a kind the corpus ingest kept no layer of: none, :func:`unwritten_arrays`);
 - every table file matches its SHA-256 (segment shards: the marker; other tables: the
   ``.sha256`` companion) and parses; the ragged offsets in the tables stay inside the flat
   arrays; ``heads`` is the table the geometry implies;
@@ -37,7 +38,7 @@ from actstore.core.errors import ActstoreError, CorruptStoreError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.manifest import SegmentCommit
 from actstore.core.progress import progress_bar
-from actstore.core.segments import expected_shape, read_commits, segment_name
+from actstore.core.segments import expected_shape, read_commits, segment_name, unwritten_arrays
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, sha256
 from actstore.core.verify_report import VerifyReport, read_hashed
@@ -210,7 +211,10 @@ def _check_objects(
             report.chunks_checked += 1
             if values and isinstance(arr, zarr.Array):
                 _scan_chunk(report, f"{rel}/{name}", arr, i, store.manifest.storage_dtype, True)
+    unwritten = unwritten_arrays(store.manifest)  # (zeros by the manifest: no chunk need exist)
     for name, arr in arrays.items():
+        if name in unwritten:
+            continue
         listed = {_chunk_index(k.partition("/")[2]) for k in objects if k.startswith(name + "/")}
         unlisted = [i for i in _grid_keys(arr).values() if i not in listed]
         if unlisted:

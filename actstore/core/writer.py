@@ -20,7 +20,7 @@ from actstore.core.errors import StoreMismatchError
 from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.manifest import Manifest, SegmentCommit, read_manifest
 from actstore.core.ownership import CREATING, creating_marker, prepare_root, signed_creating
-from actstore.core.segments import read_commits, segment_name
+from actstore.core.segments import read_commits, segment_name, unwritten_arrays
 from actstore.core.storage.base import StoreLocation
 from actstore.core.store import StoreReader
 from actstore.core.tables import ALL_SEGMENT_TABLES, HEADS, sha256, to_parquet_bytes
@@ -48,6 +48,11 @@ def creation_interrupted(loc: StoreLocation) -> bool:
 
 class StoreWriter:
     """Writes segments of one store.  Use :meth:`create` or :meth:`resume`."""
+
+    #: The chunks of a kind the corpus ingest kept no layer of are not written (all zeros by the
+    #: manifest: :func:`~actstore.core.segments.unwritten_arrays`); False writes them, as stores written
+    #: before 2026-12-07 did (tests read such stores).
+    skip_unkept = True
 
     def __init__(self, location: StoreLocation, manifest: Manifest) -> None:
         self.location = location
@@ -169,6 +174,7 @@ class StoreWriter:
         rel = f"segments/{segment_name(seg)}"
         self.location.remove_tree(rel)  # leftovers of a killed attempt
         objects: dict[str, str] = {}  # SHA-256 of every object of the segment's group, for the marker
+        unwritten = unwritten_arrays(m) if self.skip_unkept else frozenset()
         with self.location.zarr_group_writer(rel, digests=objects) as group:
             for name in SEGMENT_ARRAYS:
                 data = np.ascontiguousarray(arrays[name])
@@ -181,6 +187,7 @@ class StoreWriter:
                     logical_dtype=m.storage_dtype,
                     chunk1=m.chunk_layers,
                     zero_blocks=self._zero_blocks(name, data),
+                    chunks_written=name not in unwritten,
                 )
         digests: dict[str, str] = {}
         for name in m.segment_tables:

@@ -279,6 +279,17 @@ def to_hf_dataset(
 
 
 Buffers = list[tuple[np.ndarray, np.ndarray]]
+_SPARE: list[Buffers] = []  # the last export's two buffers (their pages mapped already), for the next
+SPARE_BYTES = 8 << 20  # kept where each holds at most this many bytes of values
+
+
+def _buffers(cap: int, d_in: int, dtype: str) -> Buffers:
+    """Two buffers of ``cap`` rows (values, token ids): the last export's where they fit, else new
+    ones (8.4 MB of fresh pages cost 2.2-2.6 ms to fault in and zero; reused, 0.35 ms)."""
+    spare = _SPARE.pop() if _SPARE else None  # (one list op: a concurrent export takes it or not)
+    if spare is not None and spare[0][0].shape == (cap, d_in) and spare[0][0].dtype == np.dtype(dtype):
+        return spare
+    return [(np.empty((cap, d_in), dtype=dtype), np.empty(cap, dtype=np.int32)) for _ in range(2)]
 
 
 def _flush(writer: Writer, column: str, bufs: Buffers, cur: int, held: int, n: int) -> int:
@@ -420,7 +431,7 @@ def _write_windows(
         # as one record batch; two buffers, one filled while the other is written
         read = max(step, READ_BYTES // (d_in * np.dtype(dtype).itemsize) // n * n)
         cap = read + n
-        bufs = [(np.empty((cap, d_in), dtype=dtype), np.empty(cap, dtype=np.int32)) for _ in range(2)]
+        bufs = _buffers(cap, d_in, dtype)
         direct, shape = bufs[0][0].dtype == np.float32, row_shape(store, spec)
         # the file's bytes at least: each window's values, token ids and two levels of offsets (the
         # schema and the batches' headers come on top), preallocated (nothing to cut back at the end)
@@ -447,6 +458,8 @@ def _write_windows(
                     held, cur = _flush(writer, column, bufs, cur, held, n), 1 - cur
             if held >= n:
                 _flush(writer, column, bufs, cur, held, n)
+        if bufs[0][0].nbytes <= SPARE_BYTES:  # every batch written: kept for the next export
+            _SPARE[:] = [bufs]
         if shuffle:  # datasets' own shuffle and save (a second copy of the values)
             ds = datasets.Dataset.from_file(str(arrow)).shuffle(seed=seed).flatten_indices()
             ds.save_to_disk(str(tmp / "shuffled"))

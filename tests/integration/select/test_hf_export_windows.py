@@ -278,3 +278,21 @@ def test_a_core_is_free_where_fewer_tasks_run_than_the_machine_has_cpus(
     assert hf_arrow.free_core() is free
     monkeypatch.setattr(hf_arrow.os, "sched_getaffinity", lambda pid: {0})  # one usable CPU: never
     assert hf_arrow.free_core() is False
+
+
+def test_an_export_reuses_the_last_ones_buffers_and_none_of_their_values(
+    stores: dict[int, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hf_export, "READ_BYTES", 0)  # blocks of 3 windows: both buffers filled
+    monkeypatch.setattr(hf_export, "_SPARE", [])
+    store = stores[16]
+    store.select().to_hf_dataset(tmp_path / "a", "resid", layers=[1], context_size=N, batch_rows=3 * N)
+    (kept,) = hf_export._SPARE
+    for xs, ts in kept:  # what the next export must overwrite or leave out
+        xs[...], ts[...] = np.nan, -1
+    sel = selections(store)["windows 1 and 4.."]
+    ds = sel.to_hf_dataset(tmp_path / "b", "resid", layers=[1], context_size=N, batch_rows=3 * N)
+    assert hf_export._SPARE == [kept] and hf_export._SPARE[0] is kept  # taken, and handed back
+    xs, ts = expected(sel)
+    got = ds.with_format("numpy")[:]
+    assert np.array_equal(got[ds.column_names[0]], xs) and np.array_equal(got["token_ids"], ts)
