@@ -17,11 +17,11 @@ the report gives medians of ``--rounds`` and the best round of each arm (the run
 other processes); both arms' data pass through the same wrapper.  At the first ``--steps`` the tools
 also train from the export read back (``to_hf_dataset(context_size=...)``'s Arrow file, its values
 memory-mapped, ``--batch // --context`` windows a batch) against its batches in memory.  The export
-(``to_hf_dataset(context_size=...)``) is timed in positions/s against ``Selection.features`` of the same
-rows (the raw chunk read) at each of ``--export-sizes`` positions (the first rows of the store, whole
-windows; with ``--export-docs`` a second store of that many documents is ingested for them, or
-``--export-store`` names one made before, e.g. by an earlier run's ingest), so that
-its fixed costs show as such.  ``--only export`` times the export alone (no training store, no tools):
+(``to_hf_dataset(context_size=...)``) is timed in positions/s (and CPU seconds) against
+``Selection.features`` of the same rows (the raw chunk read) at each of ``--export-sizes`` positions
+(the first rows of the store, whole windows; with ``--export-docs`` a second store of that many
+documents is ingested for them, or ``--export-store`` names one made before, e.g. by an earlier run's
+ingest), so that its fixed costs show as such.  ``--only export`` times the export alone (no training store, no tools):
 
     python benchmarks/bench_training_feed.py --context 64 --rounds 7 --export-docs 12500 \
         --export-sizes 10000,100000,1000000 --only export
@@ -139,6 +139,7 @@ class Exports:
         self.subsets = {k: big.limit(k) for k in sizes}
         self.context, self.t = context, t
         self.rates: dict[tuple[str, int], list[float]] = {}
+        self.cpu: dict[tuple[str, int], list[float]] = {}  # CPU seconds a call
         self.kw: dict[str, Any] = dict(kind="resid", layers=[1], context_size=context)
         self.arms: dict[str, Any] = {"export": lambda sub, out: sub.to_hf_dataset(out, **self.kw)}
         if before is not None:
@@ -149,22 +150,28 @@ class Exports:
             for arm in list(self.arms)[:: 1 if rnd % 2 == 0 else -1]:
                 out = self.t / "hf"
                 shutil.rmtree(out, ignore_errors=True)
+                c0 = time.process_time()
                 with quiet():
                     took = timed(lambda sub=sub, out=out, arm=arm: self.arms[arm](sub, out))
+                self.cpu.setdefault((arm, k), []).append(time.process_time() - c0)
                 self.rates.setdefault((arm, k), []).append(k / took)
                 shutil.rmtree(out, ignore_errors=True)
-            self.rates.setdefault(("raw", k), []).append(
-                k / timed(lambda sub=sub: sub.features("resid", layers=[1]))
-            )
+            c0 = time.process_time()
+            took = timed(lambda sub=sub: sub.features("resid", layers=[1]))
+            self.cpu.setdefault(("raw", k), []).append(time.process_time() - c0)
+            self.rates.setdefault(("raw", k), []).append(k / took)
 
     def report(self) -> None:
+        """Wall-clock rates, and beside them the process's CPU seconds (every thread's; on shared
+        cores less moved by the time spent waiting for one)."""
         for k in self.subsets:
-            r = med(self.rates[("raw", k)])
+            r, rc = med(self.rates[("raw", k)]), med(self.cpu[("raw", k)])
             for arm in self.arms:
-                e = med(self.rates[(arm, k)])
+                e, ec = med(self.rates[(arm, k)]), med(self.cpu[(arm, k)])
                 print(
                     f"{'export' if arm == 'export' else 'export before'} of {k} positions: {e:.0f} vs raw "
-                    f"read {r:.0f} positions/s: {e / r:.1%} ({k / e:.4f} vs {k / r:.4f} s)"
+                    f"read {r:.0f} positions/s: {e / r:.1%} ({k / e:.4f} vs {k / r:.4f} s); CPU "
+                    f"{ec:.4f} vs {rc:.4f} s: {rc / ec:.1%}"
                 )
 
 

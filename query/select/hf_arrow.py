@@ -26,7 +26,7 @@ def _fallocate() -> Any:
     """libc's ``fallocate`` (Linux), or None."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).fallocate64
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # (no such function; no C library by that name)
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     fn.restype = ctypes.c_int
