@@ -73,6 +73,22 @@ class FileRows:
             return f.get_slice("hidden_states")[rows, self.k]  # type: ignore[no-any-return]
 
 
+def window_rows(
+    resid: Mapping[int, np.ndarray | FileRows], layers: Sequence[int], a: int, b: int
+) -> list[Any]:
+    """Rows ``a:b`` of each of ``layers`` of a window: where they all lie in one vLLM file, one read of
+    its ``hidden_states[a:b]`` (a contiguous range of the file, opened once) and a view a layer; else
+    each layer's own rows."""
+    parts = [resid[i] for i in layers]
+    if parts and all(isinstance(p, FileRows) for p in parts) and len({p.path for p in parts}) == 1:  # type: ignore[union-attr]
+        from safetensors import safe_open
+
+        with safe_open(parts[0].path, "pt") as f:  # type: ignore[union-attr]
+            block = f.get_slice("hidden_states")[a:b]  # [b - a, layers in the file, d]
+        return [block[:, p.k] for p in parts]  # type: ignore[union-attr]
+    return [p[a:b] for p in parts]
+
+
 @dataclass(frozen=True)
 class ExternalWindow:
     """One sequence captured elsewhere: its token ids (int64 ``[T]``) and, by residual index, ``[T, d]``
@@ -332,8 +348,8 @@ def write_windows(
         step = max(1, 32767 // g.d_model)
         at = 0
         for w, a, b in spans:
-            for k, i in enumerate(layers):
-                src = torch.as_tensor(windows[w].resid[i][a:b])
+            for k, got in enumerate(window_rows(windows[w].resid, layers, a, b)):
+                src = torch.as_tensor(got)
                 for c in range(0, b - a, step):
                     r[at + c : at + min(b - a, c + step), k] = src[c : c + step]
             at += b - a
