@@ -30,12 +30,13 @@ every other array (an object store, other codecs, a store that may lack chunks) 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, MutableMapping, Sequence
 from typing import Any
 
 import google_crc32c
 import numpy as np
 import zarr
+import zarr.storage
 from numcodecs import blosc
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 from zarr.core.buffer import default_buffer_prototype
@@ -85,12 +86,50 @@ def create_array(
         n1 = int(data.shape[1])
         shards = (chunks[0], -(-n1 // chunk1) * chunk1, *chunks[2:])
         chunks = (chunks[0], chunk1, *chunks[2:])
-    arr = group.create_array(
+    spec = (tuple(int(n) for n in data.shape), chunks, shards, data.dtype.str, compress, logical_dtype)
+    held = memory_dict(group.store)
+    if held is not None and (not data.size or not chunks_written or (shards is not None and compress)):
+        # a group built in memory (a segment): the array's zarr.json as zarr writes it for these settings,
+        # made once and put in the group's dict (zarr's create_array took 3-4 ms a call on the loaded machine)
+        meta = _METADATA.get(spec)
+        if meta is None:
+            made: dict[str, Any] = {}
+            scratch = zarr.open_group(store=zarr.storage.MemoryStore(made), mode="w")
+            _create(scratch, "a", *spec)
+            meta = _METADATA[spec] = made["a/zarr.json"].to_bytes()
+        prefix = f"{group.path}/{name}" if group.path else name
+        held[f"{prefix}/zarr.json"] = default_buffer_prototype().buffer.from_bytes(meta)
+        if chunks_written and data.size:
+            write_shards(group, name, data, chunks, zero_blocks)
+        return
+    arr = _create(group, name, *spec)
+    if not chunks_written:
+        return
+    if data.size and shards is not None and compress:
+        write_shards(group, name, data, chunks, zero_blocks)
+    elif data.size:
+        arr[...] = data
+
+
+_METADATA: dict[tuple[Any, ...], bytes] = {}  # an array's zarr.json by its settings (create_array)
+
+
+def _create(
+    group: zarr.Group,
+    name: str,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    shards: tuple[int, ...] | None,
+    dtype: str,
+    compress: bool,
+    logical_dtype: str,
+) -> zarr.Array:
+    return group.create_array(
         name,
-        shape=data.shape,
+        shape=shape,
         chunks=chunks,
         shards=shards,
-        dtype=data.dtype,
+        dtype=np.dtype(dtype),
         serializer=BytesCodec(),
         compressors=compressors() if compress else [Crc32cCodec()],
         fill_value=0,
@@ -98,12 +137,15 @@ def create_array(
         attributes={"logical_dtype": logical_dtype},
         config={"write_empty_chunks": True},  # a missing chunk is then always a lost one
     )
-    if not chunks_written:
-        return
-    if data.size and shards is not None and compress:
-        write_shards(group, name, data, chunks, zero_blocks)
-    elif data.size:
-        arr[...] = data
+
+
+def memory_dict(store: Any) -> Any:
+    """The mapping a writable zarr ``MemoryStore`` keeps its objects in (the ``store_dict`` it was made
+    with: a segment's group built in memory before it is stored), or None for any other store."""
+    if isinstance(store, zarr.storage.MemoryStore) and not store.read_only:
+        held = getattr(store, "_store_dict", None)
+        return held if isinstance(held, MutableMapping) else None
+    return None
 
 
 def write_shards(
@@ -164,7 +206,11 @@ def write_shards(
         shards.append(
             (f"{prefix}/c/{i}{tail}", default_buffer_prototype().buffer.from_bytes(b"".join(parts)))
         )
-    sync(_set_all(store, shards))  # one hand-over to zarr's event loop for the array, not one a shard
+    held = memory_dict(store)
+    if held is not None:  # a group built in memory: its dict, without a hand-over to zarr's event loop
+        held.update(shards)
+    else:
+        sync(_set_all(store, shards))  # one hand-over to zarr's event loop for the array, not one a shard
 
 
 async def _set_all(store: Any, items: Sequence[tuple[str, Any]]) -> None:
