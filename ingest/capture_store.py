@@ -151,7 +151,7 @@ class CapturedSegment:
     seconds its forward passes took."""
 
     arrays: dict[str, np.ndarray]
-    tables: dict[str, pa.Table]
+    tables: dict[str, pa.Table | bytes]  # (or their Parquet bytes: StoreWriter.write_segment)
     forward_seconds: float
 
 

@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from actstore.core.errors import InvalidSetting
 from actstore.core.layout import SEGMENT_ARRAYS
 from actstore.core.manifest import Geometry
 from actstore.core.storage.base import StoreLocation
+from actstore.core.tables import to_parquet_bytes
 from actstore.ingest.capture.architectures import architecture_for
 from actstore.ingest.capture.host import predictions, to_host
 from actstore.ingest.capture_store import (
@@ -377,8 +379,10 @@ def write_windows(
             SEGMENT_ARRAYS,
         )
         tables = segment_corpus_tables(seg, lo, rows, texts, _NoTop(tokenizer), preds, next_ids, spec)
+        # encoded here: this thread waits for the writer's, which has the segment's files to write
+        encoded: dict[str, pa.Table | bytes] = {k: to_parquet_bytes(t) for k, t in tables.items()}
         bar.update(hi - lo)
-        return CapturedSegment(host, tables, 0.0)
+        return CapturedSegment(host, encoded, 0.0)
 
     settings = {
         "padding_side": "right",

@@ -164,9 +164,15 @@ class StoreWriter:
         }
 
     def write_segment(
-        self, seg: int, row_start: int, arrays: Mapping[str, np.ndarray], tables: Mapping[str, pa.Table]
+        self,
+        seg: int,
+        row_start: int,
+        arrays: Mapping[str, np.ndarray],
+        tables: Mapping[str, pa.Table | bytes],
     ) -> SegmentCommit:
-        """Write one segment's arrays and tables, then commit it (the marker is the last write)."""
+        """Write one segment's arrays and tables, then commit it (the marker is the last write); a table
+        may come as its Parquet bytes already (:func:`~actstore.core.tables.to_parquet_bytes`, encoded by
+        a thread with time to spare)."""
         m = self.manifest
         missing = set(SEGMENT_ARRAYS) - set(arrays)
         if missing or set(m.segment_tables) - set(tables):
@@ -191,7 +197,8 @@ class StoreWriter:
                 )
         digests: dict[str, str] = {}
         for name in m.segment_tables:
-            data_bytes = to_parquet_bytes(tables[name])
+            given = tables[name]
+            data_bytes = given if isinstance(given, bytes) else to_parquet_bytes(given)
             digests[name] = sha256(data_bytes)
             self.location.write_bytes_atomic(f"tables/{name}/{segment_name(seg)}.parquet", data_bytes)
         commit = SegmentCommit(
