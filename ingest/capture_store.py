@@ -23,7 +23,7 @@ import pyarrow as pa
 import torch
 
 from actstore.core._version import __version__
-from actstore.core.compact import compact_held
+from actstore.core.compact import compact_held, compacted_fully
 from actstore.core.errors import InvalidSetting, RankError
 from actstore.core.layout import TOKENIZER_DIR
 from actstore.core.lock import holding
@@ -221,7 +221,9 @@ def capture_segments(
             f.result()
     bar.close()
     record_ingest_run(writer, cfg, manifest, started, len(todo))
-    if cfg.world_size == 1:  # ranks: rank 0 compacts once every rank is done (actstore.jobs.ingest)
+    # ranks: rank 0 compacts once every rank is done (actstore.jobs.ingest); a resume of a store whose
+    # final snapshot is current already (killed as it exited) has nothing to compact
+    if cfg.world_size == 1 and not compacted_fully(loc):
         compact_held(loc, full=True, log=quiet)
     return IngestReport(cfg.out, n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s)
 

@@ -177,6 +177,29 @@ def compact(
         return compact_held(loc, full=full, log=log)
 
 
+def compacted_fully(loc: StoreLocation) -> bool:
+    """Whether the current snapshot is what a full compaction would write now: every committed segment
+    in it, in the files a full compaction groups them into, with the relation index and the fast
+    digests.  An ingest resumed after its own final compaction (killed as it exited) then has nothing to
+    compact, and writes no second snapshot of the same files."""
+    store = StoreReader(loc)
+    old = store.snapshot
+    commits = store.commits
+    if old is None or not commits or store.manifest.format_version < FORMAT_VERSION:
+        return False
+    if set(old.segments) != set(commits) or old.segment_bytes < 0:
+        return False
+    rows = {s: c.n_rows for s, c in commits.items()}
+    spans = [(min(g), max(g)) for g in _groups(_units(sorted(commits), old), rows, FILE_EXAMPLES)]
+    tables = store.manifest.segment_tables
+    indexed = spans if "examples" in tables else []
+    return (
+        all([(f.first, f.last) for f in old.tables[t]] == spans for t in tables)
+        and [(f.first, f.last) for f in old.relation_index] == indexed
+        and all(f.xxh3 for f in old.files().values())
+    )
+
+
 def compact_held(
     loc: StoreLocation, *, full: bool = True, log: Callable[[str], None] = lambda m: None
 ) -> CompactReport:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from actstore.core.compact import compact_held
+from actstore.core.compact import compact_held, compacted_fully
 from actstore.core.dependencies import transformers_logging
 from actstore.core.errors import InvalidSetting, StoreExistsError, StoreLockedError
 from actstore.core.lock import LOCK_ENV, active_writer
@@ -128,7 +128,7 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
         if req.world_size > 1:  # one snapshot of every rank's segments, written by rank 0 alone
             if grouped:
                 barrier()
-            if req.rank == 0 and grouped:
+            if req.rank == 0 and grouped and not compacted_fully(loc):
                 compact_held(loc, full=True)
         return report
 

@@ -232,6 +232,21 @@ def test_resumed_ingest_killed_again(reference: Path, tmp_path: Path) -> None:
     assert_same_store(out, reference)
 
 
+def test_killed_after_its_last_snapshot_then_resumed(reference: Path, tmp_path: Path) -> None:
+    """Killed after the final compaction made its snapshot current (the process exiting: what a random
+    kill meets when the ingest is fast), the resumed ingest has nothing to write and makes no second
+    snapshot of the same files."""
+    out = tmp_path / "store"
+    kill_at(out, "snapshot/CURRENT", tmp_path)  # paused on CURRENT's write: let it finish, then resume
+    (out / "snapshot" / "CURRENT").write_text((reference / "snapshot" / "CURRENT").read_text())
+    for junk in (out / "snapshot").glob("CURRENT.tmp-*"):
+        junk.unlink()
+    whole = actstore.open(out)  # every segment committed, the final snapshot current
+    assert len(whole.commits) == N_SEGMENTS and whole.snapshot is not None and whole.snapshot.number == 1
+    ingest_in_process(out, resume=True)
+    assert_same_store(out, reference)
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_sigkill_at_a_random_moment_then_resume(seed: int, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "store"

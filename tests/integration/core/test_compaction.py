@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 
 import actstore
 from actstore.cli import main
-from actstore.core.compact import compact
+from actstore.core.compact import compact, compacted_fully
 from actstore.core.errors import CorruptStoreError
 from actstore.core.manifest import seal
 from actstore.core.snapshot import CURRENT
+from actstore.core.storage import locate
 from actstore.core.storage.base import StoreLocation
 from actstore.core.verify import verify_store
 
@@ -480,3 +481,26 @@ def test_a_snapshot_without_xxh3_is_checked_by_sha256_and_compact_adds_it(base: 
     snap = actstore.open(s).snapshot
     assert snap is not None and snap.number == 2 and all(f.xxh3 for f in snap.files().values())
     assert answers(s) == answers(base) and verify_store(actstore.open(s)).ok
+
+
+def test_compacted_fully_only_when_a_full_compaction_would_write_the_same_files(
+    base: Path, tmp_path: Path
+) -> None:
+    """What an ingest's resume asks before its final compaction: True only where the current snapshot
+    holds every committed segment in a full compaction's files (then the same store results without
+    it); a snapshot missing a segment, an incremental one of other files, or none at all: False."""
+    s = uncompact(copy(base, tmp_path / "s"))
+    loc = locate(str(s))
+    assert not compacted_fully(loc)  # no snapshot
+    first_snapshot(s, tmp_path, all_segments=False)  # every segment but the last
+    assert not compacted_fully(loc)
+    compact(str(s), full=False)  # the last one added in a file of its own: not a full compaction's files
+    snap = actstore.open(s).snapshot
+    assert snap is not None and len(snap.tables["examples"]) == 2
+    assert not compacted_fully(loc)
+    compact(str(s))
+    snap = actstore.open(s).snapshot
+    assert snap is not None and len(snap.tables["examples"]) == 1 and compacted_fully(loc)
+    before = sorted(p.relative_to(s).as_posix() for p in s.rglob("*"))
+    assert compacted_fully(loc)  # asking writes nothing
+    assert sorted(p.relative_to(s).as_posix() for p in s.rglob("*")) == before
