@@ -221,9 +221,10 @@ def capture_segments(
             f.result()
     bar.close()
     record_ingest_run(writer, cfg, manifest, started, len(todo))
-    # ranks: rank 0 compacts once every rank is done (actstore.jobs.ingest); a resume of a store whose
-    # final snapshot is current already (killed as it exited) has nothing to compact
-    if cfg.world_size == 1 and not compacted_fully(loc):
+    # ranks: rank 0 compacts once every rank is done (actstore.jobs.ingest); a resume that wrote nothing,
+    # of a store whose final snapshot is current already (killed as it exited), has nothing to compact
+    # (asked only then: a run that wrote segments compacts without reading the commits twice)
+    if cfg.world_size == 1 and (todo or not compacted_fully(loc)):
         compact_held(loc, full=True, log=quiet)
     return IngestReport(cfg.out, n_rows, len(todo), len(mine) - len(todo), time.time() - started, forward_s)
 
