@@ -272,3 +272,33 @@ def assert_within_ulps(actual: Any, desired: Any, dtype: str, ulps: int = 1) -> 
             f"{int(bad.sum())} of {a.size} values differ by more than {ulps} ulp of {dtype}; first at {i}: "
             f"{a[i]!r} vs {d[i]!r} (ulp {tol[i] / ulps!r})"
         )
+
+
+def import_vllm_files(
+    tmp_path: Path, name: str, layer_ids: tuple[int, ...] = (2, 0)
+) -> tuple[Any, np.ndarray]:
+    """Three vLLM-layout files (tiny-llama, the given residual indices) written under ``tmp_path`` and
+    imported into the store ``tmp_path / name`` in segments of 8 rows; the store and the hidden states
+    given ([21, len(layer_ids), 64] float32)."""
+    from safetensors.torch import save_file
+
+    import actstore
+    from actstore.jobs.import_acts import write_corpus
+
+    rng = np.random.default_rng(5)
+    folder = tmp_path / f"hs-{name}"
+    folder.mkdir()
+    given = []
+    for k, n in enumerate([7, 9, 5]):
+        hidden = rng.standard_normal((n, len(layer_ids), 64)).astype(np.float32)
+        ids = torch.from_numpy(rng.integers(0, 200, n).astype(np.int64))
+        save_file(
+            {"hidden_states": torch.from_numpy(hidden), "token_ids": ids}, str(folder / f"r{k}.safetensors")
+        )
+        given.append(hidden)
+    out = tmp_path / name
+    write_corpus(
+        out, folder, layer_ids=list(layer_ids), model="tiny-llama", storage_dtype="float16", segment_size=8,
+        predict=False,
+    )  # fmt: skip
+    return actstore.open(out), np.concatenate(given)

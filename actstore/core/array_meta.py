@@ -26,6 +26,7 @@ class ArrayMeta:
     dtype: np.dtype
     chunks: tuple[int, ...]  # the inner chunks of a sharded array, as zarr.Array.chunks
     shards: tuple[int, ...] | None  # the shard (file) shape, as zarr.Array.shards
+    separator: str = "/"  # of the chunk keys (zarr's default encoding): "/" or "."
 
     @property
     def ndim(self) -> int:
@@ -61,6 +62,7 @@ def parse_array_meta(data: bytes, where: str) -> ArrayMeta:
     if not isinstance(conf, dict):
         raise CorruptStoreError(f"{where}: zarr.json chunk grid is not regular")
     outer = _ints(conf.get("chunk_shape"), len(shape), where, "chunk_shape")
+    sep = _separator(d.get("chunk_key_encoding"), where)
     codecs = d.get("codecs")
     if not isinstance(codecs, list) or not codecs or not all(isinstance(c, dict) for c in codecs):
         raise CorruptStoreError(f"{where}: zarr.json codecs are not a list of codecs")
@@ -69,8 +71,23 @@ def parse_array_meta(data: bytes, where: str) -> ArrayMeta:
         if len(codecs) != 1 or not isinstance(inner_conf, dict):
             raise CorruptStoreError(f"{where}: zarr.json sharding codec is malformed")
         inner = _ints(inner_conf.get("chunk_shape"), len(shape), where, "sharding chunk_shape")
-        return ArrayMeta(shape, np.dtype(dtype_name), inner, outer)
-    return ArrayMeta(shape, np.dtype(dtype_name), outer, None)
+        return ArrayMeta(shape, np.dtype(dtype_name), inner, outer, sep)
+    return ArrayMeta(shape, np.dtype(dtype_name), outer, None, sep)
+
+
+def _separator(encoding: Any, where: str) -> str:
+    """The separator of zarr's default chunk key encoding ("/" where the metadata or its configuration
+    gives none, as the zarr v3 specification says); any other encoding or separator is refused with
+    one line."""
+    if encoding is None:
+        return "/"
+    if not isinstance(encoding, dict) or encoding.get("name") != "default":
+        raise CorruptStoreError(f"{where}: zarr.json chunk key encoding is not zarr's default one")
+    conf = encoding.get("configuration", {})
+    sep = conf.get("separator", "/") if isinstance(conf, dict) else None
+    if sep not in ("/", "."):
+        raise CorruptStoreError(f"{where}: zarr.json chunk key separator is not '/' or '.'")
+    return str(sep)
 
 
 def open_array_from_metadata(store: Any, name: str, data: bytes, where: str) -> Any:

@@ -68,6 +68,7 @@ def create_array(
     chunk1: int = 0,
     zero_blocks: Collection[int] = (),
     chunks_written: bool = True,
+    separator: str = "/",
 ) -> None:
     """Write ``data`` as a new array chunked along axis 0 (``chunk0`` rows per chunk).
 
@@ -79,14 +80,27 @@ def create_array(
     the caller knows to be all zero (a corpus store's layers not kept), written without being read
     or compressed again (:func:`write_shards`).  ``chunks_written=False``: the metadata only (an array
     of zeros whose chunks the store does not write: :func:`actstore.core.segments.unwritten_arrays`).
+    ``separator``: of zarr's default chunk keys: ``"/"`` (chunk ``i`` is the file ``c/i/0/..``, two
+    folders of its own) or ``"."`` (the file ``c.i.0..`` beside ``zarr.json``: segments since
+    2026-12-07, docs/format.md).
     """
+    if separator not in CHUNK_SEPARATORS:
+        raise ValueError(f"chunk key separator must be one of {CHUNK_SEPARATORS} (got {separator!r})")
     chunks: tuple[int, ...] = (max(1, min(chunk0, max(1, data.shape[0]))), *data.shape[1:])
     shards: tuple[int, ...] | None = None
     if chunk1 > 0 and data.ndim >= 2 and 0 < chunk1 < data.shape[1]:
         n1 = int(data.shape[1])
         shards = (chunks[0], -(-n1 // chunk1) * chunk1, *chunks[2:])
         chunks = (chunks[0], chunk1, *chunks[2:])
-    spec = (tuple(int(n) for n in data.shape), chunks, shards, data.dtype.str, compress, logical_dtype)
+    spec = (
+        tuple(int(n) for n in data.shape),
+        chunks,
+        shards,
+        data.dtype.str,
+        compress,
+        logical_dtype,
+        separator,
+    )
     held = memory_dict(group.store)
     if held is not None and (not data.size or not chunks_written or (shards is not None and compress)):
         # a group built in memory (a segment): the array's zarr.json as zarr writes it for these settings,
@@ -100,18 +114,19 @@ def create_array(
         prefix = f"{group.path}/{name}" if group.path else name
         held[f"{prefix}/zarr.json"] = default_buffer_prototype().buffer.from_bytes(meta)
         if chunks_written and data.size:
-            write_shards(group, name, data, chunks, zero_blocks)
+            write_shards(group, name, data, chunks, zero_blocks, separator)
         return
     arr = _create(group, name, *spec)
     if not chunks_written:
         return
     if data.size and shards is not None and compress:
-        write_shards(group, name, data, chunks, zero_blocks)
+        write_shards(group, name, data, chunks, zero_blocks, separator)
     elif data.size:
         arr[...] = data
 
 
 _METADATA: dict[tuple[Any, ...], bytes] = {}  # an array's zarr.json by its settings (create_array)
+CHUNK_SEPARATORS = ("/", ".")  # zarr's default chunk key encoding: the separators written
 
 
 def _create(
@@ -123,6 +138,7 @@ def _create(
     dtype: str,
     compress: bool,
     logical_dtype: str,
+    separator: str,
 ) -> zarr.Array:
     return group.create_array(
         name,
@@ -135,6 +151,7 @@ def _create(
         fill_value=0,
         overwrite=True,
         attributes={"logical_dtype": logical_dtype},
+        chunk_key_encoding={"name": "default", "separator": separator},
         config={"write_empty_chunks": True},  # a missing chunk is then always a lost one
     )
 
@@ -154,22 +171,25 @@ def write_shards(
     data: np.ndarray,
     inner: Sequence[int],
     zero_blocks: Collection[int] = (),
+    separator: str = "/",
 ) -> None:
-    """Array ``name`` of ``group`` (created by :func:`create_array` with layer chunks ``inner``) written
-    shard by shard: each inner chunk (padded with zeros at the edges) Blosc/LZ4-compressed with byte
-    shuffle and followed by its CRC32C, in C order, then the index of (offset, length) uint64 pairs and
-    its CRC32C, exactly as zarr's sharding codec lays them out (tests/integration/core/test_local_chunks.py compares the
-    bytes).  Written through the group's store, so the store's wrappers see every object.  zarr's own
-    writer takes about 6x longer for these many small inner chunks (benchmarks/bench_layer_chunks.py),
-    which a GPU ingest's host side would pay; the shards are stored together.  The axis-1 chunks in ``zero_blocks`` (all zero, the caller
-    says) take the bytes of one zero chunk compressed once: the same bytes, without reading them."""
+    """Array ``name`` of ``group`` (created by :func:`create_array` with layer chunks ``inner`` and
+    chunk keys of ``separator``) written shard by shard: each inner chunk (padded with zeros at the
+    edges) Blosc/LZ4-compressed with byte shuffle and followed by its CRC32C, in C order, then the
+    index of (offset, length) uint64 pairs and its CRC32C, exactly as zarr's sharding codec lays them
+    out (tests/integration/core/test_local_chunks.py compares the bytes).  Written through the group's
+    store, so the store's wrappers see every object.  zarr's own writer takes about 6x longer for
+    these many small inner chunks (benchmarks/bench_layer_chunks.py), which a GPU ingest's host side
+    would pay; the shards are stored together.  The axis-1 chunks in ``zero_blocks`` (all zero, the
+    caller says) take the bytes of one zero chunk compressed once: the same bytes, without reading
+    them."""
 
     n0, n1 = int(data.shape[0]), int(data.shape[1])
     c0, k1 = int(inner[0]), int(inner[1])
     nb = -(-n1 // k1)
     src = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<"))
     block = np.zeros((c0, k1, *data.shape[2:]), dtype=src.dtype)
-    tail = "/0" * (data.ndim - 1)
+    tail = f"{separator}0" * (data.ndim - 1)
     zero_body: bytes | None = None
     store = group.store
     prefix = f"{group.path}/{name}" if group.path else name
@@ -204,7 +224,7 @@ def write_shards(
         table = index.tobytes()
         parts += [table, int(google_crc32c.value(table)).to_bytes(4, "little")]
         shards.append(
-            (f"{prefix}/c/{i}{tail}", default_buffer_prototype().buffer.from_bytes(b"".join(parts)))
+            (f"{prefix}/c{separator}{i}{tail}", default_buffer_prototype().buffer.from_bytes(b"".join(parts)))
         )
     held = memory_dict(store)
     if held is not None:  # a group built in memory: its dict, without a hand-over to zarr's event loop

@@ -33,7 +33,8 @@ _SHARD_INDEX_MAX = 1 << 14  # shard indexes a guard keeps (a 30-layer index is 4
 class LocalChunks:
     """Where and how the chunks of one local array are stored, for reads without zarr's dispatch.
 
-    Without ``inner1``, chunk ``i`` is the file ``c/i/0/...`` and holds rows ``i * chunks[0]``
+    Without ``inner1``, chunk ``i`` is the file ``c/i/0/...`` (``c.i.0...`` with the separator ".")
+    and holds rows ``i * chunks[0]``
     onwards, whole along every other axis.  With ``inner1`` (a sharded array: layer chunks), that
     file is a shard of inner chunks of ``inner1`` positions of axis 1 (``chunks`` is then the inner
     chunk's shape), followed by its index: one (offset, length) pair of little-endian uint64 per
@@ -48,13 +49,14 @@ class LocalChunks:
     inner1: int = 0  # positions of axis 1 per inner chunk of a shard (0: not sharded)
     # checked shard indexes, kept by the array's ChunkGuard: key (path, dev, inode, size, mtime)
     index_cache: dict[tuple[object, ...], np.ndarray] | None = field(default=None, compare=False, repr=False)
+    separator: str = "/"  # of the chunk keys (zarr's default encoding): "/" or "."
 
     def key(self, i: int) -> str:
-        return "/".join(("c", str(i), *("0" * (len(self.shape) - 1))))
+        return self.separator.join(("c", str(i), *("0" * (len(self.shape) - 1))))
 
     def path(self, i: int) -> str:
         """The file of chunk (or shard) ``i``."""
-        return os.path.join(self.folder, "c", str(i), *("0" * (len(self.shape) - 1)))
+        return os.path.join(self.folder, *self.key(i).split("/"))
 
     @property
     def n_inner(self) -> int:
@@ -198,7 +200,7 @@ class LocalChunks:
 def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     """How to read ``arr``'s chunks without zarr's dispatch, or None when they must go through zarr:
     only an array of a local store opened through a strict :class:`ChunkGuard` (a missing chunk is
-    an error, not zeros), chunked along axis 0 with zarr's default "/" chunk keys (or sharded as
+    an error, not zeros), chunked along axis 0 with zarr's default chunk keys, "/" or "." (or sharded as
     :func:`create_array` shards: rows x every layer, index at the end with CRC32C), whose codecs are
     exactly those :func:`create_array` writes (little-endian bytes, optional Blosc, CRC32C).
     A few attribute checks: cheap enough to make on every read."""
@@ -210,7 +212,7 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     if (
         not isinstance(meta, ArrayV3Metadata)
         or not isinstance(meta.chunk_key_encoding, DefaultChunkKeyEncoding)
-        or meta.chunk_key_encoding.separator != "/"
+        or meta.chunk_key_encoding.separator not in ("/", ".")
     ):
         return None
     codecs = list(meta.codecs)
@@ -253,13 +255,18 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
         guard._max_bytes,
         inner1,
         guard._shard_index,
+        meta.chunk_key_encoding.separator,
     )
 
 
 def is_chunk_key(key: str) -> bool:
-    """True for a zarr v3 chunk key (``c/0/1`` below an array, ``z/c/0/0/0/0`` below a group)."""
+    """True for a zarr v3 chunk key of the default encoding: ``c/0/1`` below an array, ``z/c/0/0/0/0``
+    below a group ("/" separator), or ``c.0.1``, ``z/c.0.0.0.0`` ("." separator)."""
     parts = key.split("/")
-    return "c" in parts[:-1]
+    if "c" in parts[:-1]:
+        return True
+    head, dot, rest = parts[-1].partition(".")
+    return head == "c" and bool(dot) and all(p.isdigit() for p in rest.split("."))
 
 
 class ChunkGuard(WrapperStore[Store]):

@@ -236,7 +236,8 @@ class Geometry:
 class SegmentCommit:
     """The commit marker of one segment: its row range, the sizes of its ragged axes, the SHA-256 of
     its table shards and (``objects``, stores of integrity 1) of every object under its
-    ``segments/NNNNNN/`` folder, keyed by the path below that folder (``z/c/0/0/0/0``, ``z/zarr.json``)."""
+    ``segments/NNNNNN/`` folder, keyed by the path below that folder (``z/c.0.0.0.0``, ``z/zarr.json``;
+    ``z/c/0/0/0/0`` in segments written before 2026-12-07)."""
 
     segment: int
     row_start: int

@@ -58,11 +58,21 @@ def _ranges(values: list[int]) -> str:
 
 
 def _chunk_index(key: str) -> int | None:
-    """The axis-0 chunk index of an array-relative chunk key ``c/i/0/...`` (None otherwise)."""
-    parts = key.split("/")
-    if len(parts) >= 2 and parts[0] == "c" and parts[1].isdigit():
-        return int(parts[1])
+    """The axis-0 chunk index of an array-relative chunk key ``c/i/0/...`` or ``c.i.0...`` (zarr's
+    default encoding with either separator; None otherwise)."""
+    for sep in ("/", "."):
+        parts = key.split(sep)
+        if len(parts) >= 2 and parts[0] == "c" and parts[1].isdigit():
+            return int(parts[1])
     return None
+
+
+def _separator(arr: zarr.Array | ArrayMeta) -> str:
+    """The separator of ``arr``'s chunk keys ("/" or ".")."""
+    if isinstance(arr, ArrayMeta):
+        return arr.separator
+    encoding = getattr(arr.metadata, "chunk_key_encoding", None)  # (a v3 array's; v2 has none)
+    return str(getattr(encoding, "separator", "/"))
 
 
 def _array_meta(store: StoreReader, seg: int, name: str) -> ArrayMeta:
@@ -85,9 +95,9 @@ def _array_meta(store: StoreReader, seg: int, name: str) -> ArrayMeta:
 
 def _grid_keys(arr: zarr.Array | ArrayMeta) -> dict[str, int]:
     """The chunk keys (relative to the array) of the full grid of an array chunked along axis 0."""
-    n, chunk = int(arr.shape[0]), int(arr.chunks[0])
-    tail = "/0" * (arr.ndim - 1)
-    return {f"c/{i}{tail}": i for i in range(-(-n // chunk))}
+    n, chunk, sep = int(arr.shape[0]), int(arr.chunks[0]), _separator(arr)
+    tail = f"{sep}0" * (arr.ndim - 1)
+    return {f"c{sep}{i}{tail}": i for i in range(-(-n // chunk))}
 
 
 # Stored weights whose first axis is the layer (one layer per chunk); segment arrays hold every layer

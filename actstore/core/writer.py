@@ -53,6 +53,10 @@ class StoreWriter:
     #: manifest: :func:`~actstore.core.segments.unwritten_arrays`); False writes them, as stores written
     #: before 2026-12-07 did (tests read such stores).
     skip_unkept = True
+    #: The separator of the segment arrays' chunk keys: "." puts each chunk file (``c.3.0.0``) beside
+    #: its array's ``zarr.json``, where "/" (stores written before 2026-12-07; tests read such
+    #: stores) gave it two folders of its own (``c/3/0/0``).
+    chunk_separator = "."
 
     def __init__(self, location: StoreLocation, manifest: Manifest) -> None:
         self.location = location
@@ -194,6 +198,7 @@ class StoreWriter:
                     chunk1=m.chunk_layers,
                     zero_blocks=self._zero_blocks(name, data),
                     chunks_written=name not in unwritten,
+                    separator=self.chunk_separator,
                 )
         digests: dict[str, str] = {}
         for name in m.segment_tables:

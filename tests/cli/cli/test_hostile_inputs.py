@@ -37,6 +37,7 @@ from helpers import uncompact
 from s3server import S3Server, free_port, moto_server, use_server_env
 
 from actstore.cli import main
+from actstore.core.chunks import is_chunk_key
 from actstore.core.manifest import FORMAT_VERSION, seal
 from actstore.core.tables import to_parquet_bytes
 
@@ -237,7 +238,7 @@ def nan_and_inf(store: Path) -> None:
     x[0, 0, 0, :3] = np.nan
     x[1, 0, 0, :2] = np.inf
     arr[...] = x
-    rehash_object(store, 1, "z/c/0/0/0/0")
+    rehash_object(store, 1, "z/c.0.0.0.0")
 
 
 def repeat_segment(store: Path) -> None:
@@ -554,7 +555,7 @@ CASES = [
         "deleted-chunk",
         lambda c: [
             "features",
-            str(c.damaged("chunk", delete("segments/000001/z/c/0/0/0/0"))),
+            str(c.damaged("chunk", delete("segments/000001/z/c.0.0.0.0"))),
             "--kind",
             "z",
             "--out",
@@ -578,7 +579,7 @@ CASES = [
         "chunk-named-pipe",
         lambda c: [
             "features",
-            str(c.damaged("chunk-fifo", make_fifo(c, "segments/000001/z/c/0/0/0/0"))),
+            str(c.damaged("chunk-fifo", make_fifo(c, "segments/000001/z/c.0.0.0.0"))),
             "--kind",
             "z",
             "--out",
@@ -1010,14 +1011,14 @@ def rehash_heads(store: Path) -> None:
 
 def swap_chunk(store: Path) -> None:
     """Segment 1's attn chunk replaced by segment 0's: a valid chunk (its CRC passes), but not this one."""
-    a, b = (store / "segments" / f"00000{i}" / "attn" / "c" / "0" / "0" / "0" for i in (0, 1))
+    a, b = (store / "segments" / f"00000{i}" / "attn" / "c.0.0.0" for i in (0, 1))
     b.write_bytes(a.read_bytes())
 
 
 VERIFY_CASES = [
     VerifyCase(
         "deleted-chunk",
-        lambda c: delete("segments/000001/z/c/0/0/0/0"),
+        lambda c: delete("segments/000001/z/c.0.0.0.0"),
         ("segments/000001/z: chunk 0 (rows 0:4, every layer 0..1) is missing",),
     ),
     VerifyCase(
@@ -1115,7 +1116,7 @@ VERIFY_CASES = [
     ),
     VerifyCase(
         "chunk-named-pipe",
-        lambda c: make_fifo(c, "segments/000001/z/c/0/0/0/0"),
+        lambda c: make_fifo(c, "segments/000001/z/c.0.0.0.0"),
         ("segments/000001/z: chunk 0 (rows 0:4, every layer 0..1) cannot be read",),
     ),
 ]
@@ -1142,12 +1143,12 @@ def test_nan_passes_without_values_and_the_intact_store_verifies(ctx: Ctx) -> No
     store = ctx.damaged("verify-nan-and-inf", nan_and_inf)
     for path in (store, ctx.store):
         result = CliRunner().invoke(main, ["verify", str(path)])
-        chunks = sum(  # every chunk file of the segments' and the weights' arrays (below their c/ keys)
+        chunks = sum(  # every chunk file of the segments' and the weights' arrays (c/0/.., c.0...)
             1
             for f in path.rglob("*")
             if f.is_file()
             and f.relative_to(path).parts[0] in ("segments", "weights")
-            and "c" in f.relative_to(path).parts[:-1]
+            and is_chunk_key(f.relative_to(path).as_posix())
         )
         assert result.exit_code == 0 and result.stdout.startswith(
             f"ok: 2 segments, {chunks} chunks checked"

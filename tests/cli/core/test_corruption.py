@@ -58,7 +58,7 @@ def one_error_line(stderr: str) -> str:
 
 def test_every_byte_of_a_chunk_is_protected(store: Path) -> None:
     s = actstore.open(store)
-    chunk = store / "segments" / "000001" / "z" / "c" / "1" / "0" / "0" / "0"
+    chunk = store / "segments" / "000001" / "z" / "c.1.0.0.0"
     assert chunk.exists()
     good = chunk.read_bytes()
     arr = s.array(1, "z")
@@ -72,7 +72,7 @@ def test_every_byte_of_a_chunk_is_protected(store: Path) -> None:
 
 
 def test_flipped_chunk_byte_is_reported_by_verify_and_queries(store: Path) -> None:
-    flip(store / "segments" / "000001" / "attn" / "c" / "0" / "0" / "0", 40)
+    flip(store / "segments" / "000001" / "attn" / "c.0.0.0", 40)
     report = verify_store(actstore.open(store))
     assert not report.ok and len(report.problems) == 1
     assert report.problems[0].startswith("segments/000001/attn: chunk 0 (rows 0:")

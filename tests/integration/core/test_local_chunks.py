@@ -152,7 +152,7 @@ def test_a_valid_frame_of_the_wrong_size_is_refused(
 
     path = tmp_path / "s"
     shutil.copytree(store_factory("llama", storage_dtype="float16", segment_size=8, limit=4), path)
-    chunk = path / "segments" / "000000" / "z" / "c" / "0" / "0" / "0" / "0"
+    chunk = path / "segments" / "000000" / "z" / "c.0.0.0.0"
     frame = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE).encode(np.zeros(10, dtype=np.float16))
     chunk.write_bytes(bytes(frame) + int(google_crc32c.value(bytes(frame))).to_bytes(4, "little"))
     store = actstore.open(path)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import import_vllm_files
 
 import actstore
 from actstore.cli import main
@@ -22,32 +23,14 @@ from actstore.core.errors import CorruptStoreError
 from actstore.core.segments import unwritten_arrays
 from actstore.core.storage import locate
 from actstore.core.writer import StoreWriter
-from actstore.jobs.import_acts import write_corpus
 
 LAYER_IDS = [2, 0]
 
 
 def _import(tmp_path: Path, name: str) -> tuple[actstore.Store, np.ndarray]:
     """Three vLLM-layout files (tiny-llama, residual indices 2 and 0) imported in segments of 8 rows."""
-    from safetensors.torch import save_file
-
-    rng = np.random.default_rng(5)
-    folder = tmp_path / f"hs-{name}"
-    folder.mkdir()
-    given = []
-    for k, n in enumerate([7, 9, 5]):
-        hidden = rng.standard_normal((n, len(LAYER_IDS), 64)).astype(np.float32)
-        ids = torch.from_numpy(rng.integers(0, 200, n).astype(np.int64))
-        save_file(
-            {"hidden_states": torch.from_numpy(hidden), "token_ids": ids}, str(folder / f"r{k}.safetensors")
-        )
-        given.append(hidden)
-    out = tmp_path / name
-    write_corpus(
-        out, folder, layer_ids=LAYER_IDS, model="tiny-llama", storage_dtype="float16", segment_size=8,
-        predict=False,
-    )  # fmt: skip
-    return actstore.open(out), np.concatenate(given)
+    store, given = import_vllm_files(tmp_path, name, tuple(LAYER_IDS))
+    return store, given
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -70,7 +53,7 @@ def test_import_writes_no_chunk_of_what_it_kept_none_of(tmp_path: Path) -> None:
         for name in ("z", "mlp", "attn", "v"):
             assert sorted(os.listdir(folder / name)) == ["zarr.json"], name  # the metadata only
             assert [k for k in marker["objects"] if k.startswith(name + "/")] == [f"{name}/zarr.json"]
-        assert any(k.startswith("resid/c/") for k in marker["objects"])
+        assert any(k.startswith("resid/c.") for k in marker["objects"])
         n = marker["n_rows"]
         for name, shape in (
             ("z", (n, g.n_layers, g.n_heads, g.d_head)),
@@ -93,7 +76,7 @@ def test_import_writes_no_chunk_of_what_it_kept_none_of(tmp_path: Path) -> None:
 
 def test_verify_still_catches_a_lost_chunk_of_a_kept_array(tmp_path: Path) -> None:
     _import(tmp_path, "s")
-    shard = tmp_path / "s" / "segments" / "000001" / "resid" / "c" / "0" / "0" / "0"
+    shard = tmp_path / "s" / "segments" / "000001" / "resid" / "c.0.0.0"
     assert shard.is_file()
     shard.unlink()
     code, out = _verify(tmp_path / "s")
@@ -105,6 +88,7 @@ def test_verify_still_catches_a_lost_chunk_of_a_kept_array(tmp_path: Path) -> No
 def test_a_store_that_wrote_the_zero_chunks_reads_and_verifies_as_before(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(StoreWriter, "chunk_separator", "/")  # the writer before 2026-12-07 (both stores)
     new, _ = _import(tmp_path, "new")
     monkeypatch.setattr(StoreWriter, "skip_unkept", False)  # the writer before 2026-12-07
     old, _ = _import(tmp_path, "old")
@@ -126,10 +110,11 @@ def test_a_store_that_wrote_the_zero_chunks_reads_and_verifies_as_before(
     assert code != 0 and "segments/000000/z: chunk 0" in out, out
 
 
-def test_segment_files_are_the_bytes_zarr_writes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("separator", ["/", "."])
+def test_segment_files_are_the_bytes_zarr_writes(tmp_path: Path, separator: str) -> None:
     """A segment group written by the local writer (built in memory, each file written and hashed
     directly) holds exactly the files zarr's local store writes for the same arrays, and the digests
-    are the SHA-256 of those files."""
+    are the SHA-256 of those files; with either separator of the chunk keys."""
     import hashlib
 
     loc = locate(str(tmp_path / "st"))
@@ -145,6 +130,7 @@ def test_segment_files_are_the_bytes_zarr_writes(tmp_path: Path) -> None:
             create_array(
                 group, name, data, 16, logical_dtype="float16", chunk1=1,  # type: ignore[arg-type]
                 zero_blocks={1, 3} if name == "resid" else (), chunks_written=not (unwritten and name == "z"),
+                separator=separator,
             )  # fmt: skip
 
     digests: dict[str, str] = {}
@@ -158,5 +144,8 @@ def test_segment_files_are_the_bytes_zarr_writes(tmp_path: Path) -> None:
     with loc.zarr_group_writer("direct", digests=(again := {})) as group:  # replaces the folder
         fill(group, unwritten=True)
     left = _files(tmp_path / "st" / "direct")
-    assert set(left) == set(again) == {k for k in ref if not k.startswith("z/c/")}
+    assert set(left) == set(again) == {k for k in ref if not k.startswith(f"z/c{separator}")}
+    assert any(
+        k.startswith(f"resid/c{separator}1{separator}0{separator}0") for k in ref
+    )  # the keys asked for
     assert all(left[k] == ref[k] for k in left)

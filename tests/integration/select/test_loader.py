@@ -451,7 +451,7 @@ def test_a_corrupt_chunk_is_one_line(
     src = store_factory("llama", limit=2, storage_dtype="float16")
     dst = tmp_path / "s"
     shutil.copytree(src, dst)
-    shard = dst / "segments" / "000000" / "resid" / "c" / "0" / "0" / "0"
+    shard = dst / "segments" / "000000" / "resid" / "c.0.0.0"
     data = bytearray(shard.read_bytes())
     for k in range(20, len(data) - 400, 97):  # every inner chunk's data (the index at the end kept)
         data[k] ^= 0xFF

@@ -164,7 +164,7 @@ def test_a_corrupt_chunk_read_in_the_background_is_one_line(
     dst = tmp_path / "s"
     shutil.copytree(src, dst)
     segs = sorted(p.name for p in (dst / "segments").iterdir())
-    shard = dst / "segments" / segs[-1] / "resid" / "c" / "0" / "0" / "0"
+    shard = dst / "segments" / segs[-1] / "resid" / "c.0.0.0"
     data = bytearray(shard.read_bytes())
     for k in range(20, len(data) - 400, 97):
         data[k] ^= 0xFF
