@@ -10,8 +10,11 @@ that the machine's load falls on each alike), times:
 - **import**: ``actstore.write_corpus`` of the files (checks, the store's commit protocol, compression,
   digests and tables; the model loaded once before, its load not timed; the weights cache of this run,
   which knows the model after the first import: the first import's time is given on its own);
-- **floor**: the same stored bytes (the hidden states cast to the storage dtype) written by plain numpy,
+- **floor**: the same stored bytes (the hidden states cast to the storage dtype by torch) written plainly,
   one file a segment of the import's size, each fsynced: what this disk takes for a durable write;
+- **cache floor**: the same without the fsync (the bytes left to the page cache): the like-for-like floor,
+  since the import fsyncs its commit markers and tables but not its chunk files (docs/format.md, Commit
+  protocol);
 
 each **warm** (the files in the page cache: they were just read) and **cold** (each file fsynced and
 evicted with ``posix_fadvise(POSIX_FADV_DONTNEED)`` first; the bytes still resident are counted with
@@ -121,7 +124,7 @@ def main() -> None:
         )
         return time.perf_counter() - t0
 
-    def write_floor(files: list[Path]) -> float:
+    def write_floor(files: list[Path], durable: bool = True) -> float:
         out = root / "floor"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
@@ -133,8 +136,9 @@ def main() -> None:
             nonlocal n
             with open(out / f"{n}.bin", "wb") as f:
                 f.write(buf[:rows].data)
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             n += 1
 
         for f in files:
@@ -142,7 +146,8 @@ def main() -> None:
             i = 0
             while i < hs.shape[0]:
                 m = min(hs.shape[0] - i, seg - at)
-                buf[at : at + m] = hs[i : i + m]
+                # cast by torch, as the import casts (numpy converts to float16 a value at a time)
+                torch.from_numpy(buf[at : at + m]).copy_(torch.from_numpy(hs[i : i + m]))
                 at, i = at + m, i + m
                 if at == seg:
                     flush(at)
@@ -162,7 +167,12 @@ def main() -> None:
         for _ in range(a.repeats):
             for cold in (False,) if a.no_cold else (False, True):
                 tag = "cold" if cold else "warm"
-                for name, fn in (("read", read_alone), ("import", write), ("floor", write_floor)):
+                for name, fn in (
+                    ("read", read_alone),
+                    ("import", write),
+                    ("floor", write_floor),
+                    ("cache_floor", lambda files: write_floor(files, durable=False)),
+                ):
                     if cold:
                         evict(files)
                         kept = resident(files)
@@ -174,7 +184,7 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         row: dict[str, object] = {"requests": n, "positions": positions}
         for tag in ("warm",) if a.no_cold else ("warm", "cold"):
-            r, w, fl = med[f"read_{tag}"], med[f"import_{tag}"], med[f"floor_{tag}"]
+            r, w, fl, cf = (med[f"{k}_{tag}"] for k in ("read", "import", "floor", "cache_floor"))
             row[tag] = {
                 "read_positions_per_s": round(positions / r),
                 "import_positions_per_s": round(positions / w),
@@ -182,6 +192,9 @@ def main() -> None:
                 "import_to_read": r / w,
                 "floor_to_read": r / fl,
                 "import_to_floor": fl / w,
+                "cache_floor_positions_per_s": round(positions / cf),
+                "cache_floor_to_read": r / cf,
+                "import_to_cache_floor": cf / w,
             }
         row["seconds"] = times
         row["resident_after_evict"] = max(left) if left else None

@@ -173,6 +173,20 @@ class Exports:
                     f"read {r:.0f} positions/s: {e / r:.1%} ({k / e:.4f} vs {k / r:.4f} s); CPU "
                     f"{ec:.4f} vs {rc:.4f} s: {rc / ec:.1%}"
                 )
+        # the cost of the positions added from one size to the next (median seconds), which leaves
+        # out what each call pays whatever its size: the streaming rate beside the whole call's
+        sizes = sorted(self.subsets)
+        for small, large in zip(sizes, sizes[1:]):
+            secs = {
+                arm: large / med(self.rates[(arm, large)]) - small / med(self.rates[(arm, small)])
+                for arm in ("raw", *self.arms)
+            }
+            for arm in self.arms:
+                print(
+                    f"{'export' if arm == 'export' else 'export before'} from {small} to {large} positions "
+                    f"(the added positions only): {secs[arm]:.4f} vs raw read {secs['raw']:.4f} s: "
+                    f"{secs['raw'] / secs[arm]:.1%}"
+                )
 
 
 def export_sizes(a: Any, big: Any, default: list[int]) -> list[int]:
