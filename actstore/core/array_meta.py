@@ -15,6 +15,7 @@ from zarr.core.array import AsyncArray
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.storage import StorePath
 
+from actstore.core.chunks import CHUNK_SEPARATORS
 from actstore.core.errors import CorruptStoreError
 
 _DTYPES = {"float16", "float32", "uint16", "bfloat16", "float64", "int64", "int32"}
@@ -85,7 +86,7 @@ def _separator(encoding: Any, where: str) -> str:
         raise CorruptStoreError(f"{where}: zarr.json chunk key encoding is not zarr's default one")
     conf = encoding.get("configuration", {})
     sep = conf.get("separator", "/") if isinstance(conf, dict) else None
-    if sep not in ("/", "."):
+    if sep not in CHUNK_SEPARATORS:
         raise CorruptStoreError(f"{where}: zarr.json chunk key separator is not '/' or '.'")
     return str(sep)
 

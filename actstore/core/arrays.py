@@ -43,7 +43,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from actstore.core.array_meta import ArrayMeta
-from actstore.core.chunks import local_chunks, sharded_ok
+from actstore.core.chunks import CHUNK_SEPARATORS, local_chunks, sharded_ok
 from actstore.core.errors import CorruptStoreError, MissingChunkError
 
 NUMPY_DTYPE: dict[str, np.dtype] = {
@@ -126,7 +126,6 @@ def create_array(
 
 
 _METADATA: dict[tuple[Any, ...], bytes] = {}  # an array's zarr.json by its settings (create_array)
-CHUNK_SEPARATORS = ("/", ".")  # zarr's default chunk key encoding: the separators written
 
 
 def _create(

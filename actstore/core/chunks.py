@@ -29,6 +29,9 @@ _MISSING = (1 << 64) - 1  # a shard index entry of an inner chunk that was never
 _SHARD_INDEX_MAX = 1 << 14  # shard indexes a guard keeps (a 30-layer index is 480 bytes)
 
 
+CHUNK_SEPARATORS = ("/", ".")  # of zarr's default chunk key encoding: those a store writes and reads
+
+
 @dataclass(frozen=True)
 class LocalChunks:
     """Where and how the chunks of one local array are stored, for reads without zarr's dispatch.
@@ -212,7 +215,7 @@ def local_chunks(arr: zarr.Array) -> LocalChunks | None:
     if (
         not isinstance(meta, ArrayV3Metadata)
         or not isinstance(meta.chunk_key_encoding, DefaultChunkKeyEncoding)
-        or meta.chunk_key_encoding.separator not in ("/", ".")
+        or meta.chunk_key_encoding.separator not in CHUNK_SEPARATORS
     ):
         return None
     codecs = list(meta.codecs)

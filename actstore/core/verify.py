@@ -34,6 +34,7 @@ import zarr
 
 from actstore.core.array_meta import ArrayMeta, parse_array_meta
 from actstore.core.arrays import NUMPY_DTYPE, check_array, widen
+from actstore.core.chunks import CHUNK_SEPARATORS
 from actstore.core.errors import ActstoreError, CorruptStoreError
 from actstore.core.layout import MAX_CHUNK_BYTES, MAX_TOKENIZER_FILE_BYTES, SEGMENT_ARRAYS, TOKENIZER_DIR
 from actstore.core.manifest import SegmentCommit
@@ -60,7 +61,7 @@ def _ranges(values: list[int]) -> str:
 def _chunk_index(key: str) -> int | None:
     """The axis-0 chunk index of an array-relative chunk key ``c/i/0/...`` or ``c.i.0...`` (zarr's
     default encoding with either separator; None otherwise)."""
-    for sep in ("/", "."):
+    for sep in CHUNK_SEPARATORS:
         parts = key.split(sep)
         if len(parts) >= 2 and parts[0] == "c" and parts[1].isdigit():
             return int(parts[1])
