@@ -161,7 +161,8 @@ class CaptureMode:
     manifest, the unit the progress bar counts, and ``capture_segment(capture, seg, n_before, bar)``:
     segment ``seg`` captured (``n_before``: the segments committed before it, by earlier ingests and this
     one); ``check``: run once the manifest is made, before the store is touched; ``expand``: what the
-    writer thread does to a segment's arrays before writing them."""
+    writer thread does to a segment's arrays before writing them; ``values_checked``: ``capture_segment``
+    checked every value (the writer thread does not test float16 arrays for infinity again)."""
 
     n_rows: int
     ingest: dict[str, Any]
@@ -169,6 +170,7 @@ class CaptureMode:
     capture_segment: Callable[[FusedCapture, int, int, Any], CapturedSegment]
     check: Callable[[], None] | None = None
     expand: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+    values_checked: bool = False
 
 
 def require_lock(loc: StoreLocation) -> None:
@@ -213,7 +215,9 @@ def capture_segments(
             forward_s += part.forward_seconds
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
-            pending.append(pool.submit(_write, writer, seg, seg * S, part, mode.expand, on_segment))
+            pending.append(
+                pool.submit(_write, writer, seg, seg * S, part, mode.expand, on_segment, mode.values_checked)
+            )
             if cfg.world_size == 1 and cfg.compact_every and (k + 1) % cfg.compact_every == 0:
                 # (the pool's one thread runs it after the writes before it: a snapshot of committed segments)
                 pending.append(pool.submit(compact_held, loc, full=False, log=quiet))
@@ -233,7 +237,7 @@ def capture_segments(
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
-def _finite16(a: np.ndarray) -> bool:
+def finite16(a: np.ndarray) -> bool:
     """Every value of float16 ``a`` finite: no exponent field of all ones (infinity, NaN), tested on
     the bits (numpy's ``isfinite`` converts float16 one value at a time: 3-4x longer)."""
     bits = np.ascontiguousarray(a).view(np.uint16)
@@ -247,12 +251,13 @@ def _write(
     part: CapturedSegment,
     expand: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
     on_segment: Callable[[int], None] | None,
+    checked: bool = False,
 ) -> None:
     """Write and commit segment ``seg`` (its first row ``lo``), then tell ``on_segment``; a float16
     array holding infinity (an activation past float16's 65504, or one the model made infinite) is
-    refused before anything of the segment is written."""
+    refused before anything of the segment is written (unless ``checked``: by the capture already)."""
     for name, a in part.arrays.items():
-        if a.dtype == np.float16 and a.size and not _finite16(a):
+        if not checked and a.dtype == np.float16 and a.size and not finite16(a):
             raise InvalidSetting(
                 "storage_dtype",
                 f"segment {seg}: {name} holds values past float16's range ({FLOAT16_MAX:g}), stored as infinity: "

@@ -15,8 +15,11 @@ before the final norm):
   ``[seq, n_layer_ids, d]``, the layers being ``eagle_aux_hidden_state_layer_ids`` (vLLM collects
   layer id ``i`` as ``hidden_states + residual`` entering layer ``i``: residual index ``i``).
 
-Every window is checked against the model before the store is touched (a wrong width, a layer past
-the model, ids and activations of different lengths: one line, nothing written).  The rows are written
+Every window's shapes are checked against the model before the store is touched (a wrong width, a
+layer past the model, ids and activations of different lengths: one line, nothing written).  Its values
+(finite; within float16's range for a float16 store) are checked as each segment is cast, so that a new
+store reads every file once; a bad one gives one line and the store is removed (with a store to
+overwrite or resume, they are checked before it is touched: :func:`write_corpus`).  The rows are written
 by the corpus writer path (:func:`actstore.ingest.capture_store.capture_segments`): the same commit
 protocol, resume, ``verify``, tables and weights as ``actstore ingest --positions all``; every position
 of a window is a row.  ``z`` and ``mlp`` are not captured (zero chunks, refused on read), only
@@ -50,6 +53,7 @@ from actstore.ingest.capture_store import (
     CaptureMode,
     IngestReport,
     capture_segments,
+    finite16,
     require_lock,
 )
 from actstore.ingest.corpus import ROW_FIELDS, full_layers
@@ -235,15 +239,31 @@ def check_windows(
         if not values:
             continue
         for i, (hi, lo) in sorted(_extremes(w).items()):
-            if not (np.isfinite(hi) and np.isfinite(lo)):
-                raise InvalidSetting("source", f"window {k}, residual {i}: not finite")
-            if storage_dtype == "float16" and max(hi, -lo) > FLOAT16_MAX:
-                raise InvalidSetting(
-                    "dtype",
-                    f"window {k}, residual {i}: a value of magnitude {max(hi, -lo):.6g} is past float16's "
-                    f"{FLOAT16_MAX:g}; import it with --dtype float32",
-                )
+            problem = _value_problem(k, i, hi, lo, storage_dtype)
+            if problem is not None:
+                raise problem
     return layers
+
+
+def _value_problem(k: int, i: int, hi: float, lo: float, storage_dtype: str) -> InvalidSetting | None:
+    """The error for window ``k``'s residual ``i`` whose largest and smallest values are ``hi`` and ``lo``
+    (None when a store of ``storage_dtype`` holds them)."""
+    if not (np.isfinite(hi) and np.isfinite(lo)):
+        return InvalidSetting("source", f"window {k}, residual {i}: not finite")
+    if storage_dtype == "float16" and max(hi, -lo) > FLOAT16_MAX:
+        return InvalidSetting(
+            "dtype",
+            f"window {k}, residual {i}: a value of magnitude {max(hi, -lo):.6g} is past float16's "
+            f"{FLOAT16_MAX:g}; import it with --dtype float32",
+        )
+    return None
+
+
+def _all_finite(r: torch.Tensor) -> bool:
+    """Every value of the float16 or float32 ``r`` finite (a float16 value past 65504 was cast to infinity)."""
+    if r.dtype == torch.float16:
+        return finite16(r.numpy())
+    return bool(torch.isfinite(r).all())
 
 
 def plan_windows(
@@ -308,13 +328,18 @@ def write_windows(
     spec: str,
     cfg: IngestConfig,
     predict: bool = True,
+    check_values: bool = False,
 ) -> IngestReport:
-    """Write ``windows`` (checked, values included: :func:`check_windows`) as a corpus store at ``loc`` (writer lock held);
-    ``predict=False``: no predictions from the last residual (-1/NaN, as without it)."""
+    """Write ``windows`` as a corpus store at ``loc`` (writer lock held); ``predict=False``: no
+    predictions from the last residual (-1/NaN, as without it).  Their values are checked by the caller
+    before the store is touched (:func:`check_windows`), or with ``check_values`` here, each segment's
+    after its cast and before it is written (one read of the files instead of two): a value the store
+    cannot hold then raises :class:`InvalidSetting` naming the first such window and residual, with the
+    segments before it committed (a caller that created the store removes it)."""
     require_lock(loc)
     arch = architecture_for(model)
     g = arch.geometry(model)
-    layers = check_windows(windows, g, cfg.storage_dtype, values=False)  # (values: by the caller, unwritten)
+    layers = check_windows(windows, g, cfg.storage_dtype, values=False)
     plan, texts, sha = plan_windows(windows, tokenizer, spec)
     kept = {"z": [], "mlp": [], "resid": layers}  # type: dict[str, list[int]]
     dtype = getattr(torch, cfg.storage_dtype)
@@ -355,6 +380,8 @@ def write_windows(
                 for c in range(0, b - a, step):
                     r[at + c : at + min(b - a, c + step), k] = src[c : c + step]
             at += b - a
+        if check_values and not _all_finite(r):
+            raise _first_problem(spans, r)
         next_ids = np.concatenate(nxt).astype(np.int64)
         if predict and g.n_layers in layers:
             last = [torch.as_tensor(windows[w].resid[g.n_layers][a:b]) for w, a, b in spans]  # as given
@@ -384,6 +411,23 @@ def write_windows(
         bar.update(hi - lo)
         return CapturedSegment(host, encoded, 0.0)
 
+    def _first_problem(spans: list[tuple[int, int, int]], r: torch.Tensor) -> InvalidSetting:
+        """The error for the first of ``spans`` whose cast rows in ``r`` are not all finite, from its
+        values as given (a NaN, or a magnitude past float16's)."""
+        at = 0
+        for w, a, b in spans:
+            for k, got in enumerate(window_rows(windows[w].resid, layers, a, b)):
+                if not _all_finite(r[at : at + b - a, k]):
+                    x = torch.as_tensor(got).float()
+                    hi, lo = float(x.max()), float(x.min())
+                    return _value_problem(w, layers[k], hi, lo, cfg.storage_dtype) or InvalidSetting(
+                        "dtype",
+                        f"window {w}, residual {layers[k]}: a value of magnitude {max(hi, -lo):.6g} is past "
+                        f"{cfg.storage_dtype}'s range; import it with --dtype float32",
+                    )
+            at += b - a
+        raise AssertionError("a segment that is not finite holds no window that is not")
+
     settings = {
         "padding_side": "right",
         "corpus_sha256": sha,
@@ -393,6 +437,11 @@ def write_windows(
     }
     held: dict[str, np.ndarray] = {}  # the writer thread's full arrays, reused segment after segment
     mode = CaptureMode(
-        plan.n_rows, settings, "position", capture_segment, expand=lambda a: full_layers(a, kept, g, held)
+        plan.n_rows,
+        settings,
+        "position",
+        capture_segment,
+        expand=lambda a: full_layers(a, kept, g, held),
+        values_checked=check_values,
     )
     return capture_segments(loc, model, tokenizer, model_info, cfg, mode)

@@ -155,9 +155,29 @@ def prepare_root(loc: StoreLocation, *, overwrite: bool) -> None:
     """
     if check_root(loc, overwrite=overwrite) is None:
         return
+    _wipe(loc)
+
+
+def _wipe(loc: StoreLocation) -> None:
+    """Everything under the root but the lock and ``.creating`` removed, ``.creating`` written first."""
     names = entries(loc)
     loc.write_bytes_atomic(CREATING, creating_marker())
     for name in ["manifest.json"] + sorted(n for n in names if n not in ("manifest.json", CREATING)):
         if name not in names:
             continue
         loc.remove_tree(name)  # does not follow symbolic links (and none were found)
+
+
+def discard_created(loc: StoreLocation) -> None:
+    """Remove the store this process created at ``loc`` (the root was missing or empty before; the
+    caller holds the writer lock), leaving the root as empty as it found it: a write that failed half
+    way on bad input.  The same order as :func:`prepare_root`: killed half way, it leaves signed
+    remains the next create may delete; nothing when the root holds what :func:`check_root` would
+    not delete."""
+    try:
+        if check_root(loc, overwrite=True) is None:
+            return
+    except (StoreExistsError, NotOursError):
+        return
+    _wipe(loc)
+    loc.remove_tree(CREATING)

@@ -13,7 +13,7 @@ import torch
 
 from actstore.core.errors import InvalidSetting
 from actstore.core.lock import writer_lock
-from actstore.core.ownership import check_root
+from actstore.core.ownership import check_root, discard_created
 from actstore.core.storage import locate
 from actstore.ingest.capture_store import IngestReport
 from actstore.ingest.external import ExternalWindow, windows_from_mapping, windows_from_vllm, write_windows
@@ -123,15 +123,17 @@ def write_corpus(
     (docs/storage.md)."""
     windows, spec = source_windows(source, tokens, layer_ids)
     loc = locate(os.fspath(out))
-    if not resume:
-        check_root(loc, overwrite=overwrite)
+    # a new store (the root missing or empty): the values are checked as each segment is cast, one read
+    # of the files, and a store that meets a bad one is removed; else (a store to overwrite, a resume)
+    # they are checked first, so that nothing stored is lost to a bad file
+    fresh = not resume and check_root(loc, overwrite=overwrite) is None
     loaded = load_model(model, dtype=torch.float32)
     from actstore.ingest.capture.architectures import architecture_for
     from actstore.ingest.external import check_windows
 
-    check_windows(
-        windows, architecture_for(loaded.model).geometry(loaded.model), storage_dtype
-    )  # before the store is touched
+    check_windows(  # the shapes (and, unless fresh, the values) before the store is touched
+        windows, architecture_for(loaded.model).geometry(loaded.model), storage_dtype, values=not fresh
+    )
     model_info = {
         "name": loaded.name,
         "source": loaded.source,
@@ -155,4 +157,19 @@ def write_corpus(
         extra={"dataset": spec, "kinds": ["resid"]},
     )
     with writer_lock(loc, command="actstore import"):
-        return write_windows(loc, loaded.model, loaded.tokenizer, model_info, windows, spec, cfg, predict)
+        try:
+            return write_windows(
+                loc,
+                loaded.model,
+                loaded.tokenizer,
+                model_info,
+                windows,
+                spec,
+                cfg,
+                predict,
+                check_values=fresh,
+            )
+        except InvalidSetting:
+            if fresh:
+                discard_created(loc)
+            raise

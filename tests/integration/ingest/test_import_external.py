@@ -214,3 +214,85 @@ def test_every_module_imports_after_nnsight() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _files(folder: Path, bad: float | None = None) -> list[np.ndarray]:
+    """Five vLLM-layout files of 5, 11, 3, 9 and 6 positions (residual indices 2, 0, 1); with ``bad``,
+    window 3's position 6 holds it in the file's layer 1 (residual 0): row 25, segment 3 of 8 rows."""
+    rng = np.random.default_rng(11)
+    folder.mkdir()
+    given = []
+    for k, n in enumerate([5, 11, 3, 9, 6]):
+        hidden = rng.standard_normal((n, 3, 64)).astype(np.float32)
+        if bad is not None and k == 3:
+            hidden[6, 1, 9] = bad
+        vllm_file(folder / f"req-{k}.safetensors", rng.integers(0, 200, n).astype(np.int64), hidden)
+        given.append(hidden)
+    return given
+
+
+@pytest.mark.parametrize(
+    ("storage_dtype", "bad", "line"),
+    [
+        ("float16", -7.0e4, "window 3, residual 0: a value of magnitude 70000 is past float16's 65504"),
+        ("float32", np.nan, "window 3, residual 0: not finite"),
+    ],
+)
+def test_a_new_store_that_meets_a_bad_value_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, storage_dtype: str, bad: float, line: str
+) -> None:
+    """A new store reads each file once: no pass over the values before the store is touched (the
+    check runs on each segment's cast rows).  A value the store cannot hold, met in segment 3 after
+    segments 0-2 were committed, gives the line naming its window and residual, and the store is
+    removed: a missing root is missing again, an empty folder is left empty."""
+    import actstore.ingest.external as external
+    from actstore.core.writer import StoreWriter
+
+    def no_pre_pass(w: object) -> None:
+        raise AssertionError("the values were read before the store was touched")
+
+    monkeypatch.setattr(external, "_extremes", no_pre_pass)
+    written: list[int] = []
+    real = StoreWriter.write_segment
+
+    def spy(self: StoreWriter, seg: int, *args: object, **kw: object) -> None:
+        written.append(seg)
+        real(self, seg, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StoreWriter, "write_segment", spy)
+    _files(tmp_path / "hs", bad)
+    kw = dict(
+        layer_ids=[2, 0, 1], model="tiny-llama", storage_dtype=storage_dtype, segment_size=8, predict=False
+    )
+    for out in (tmp_path / "missing", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        written.clear()
+        with pytest.raises(InvalidSetting, match=line):
+            write_corpus(out, tmp_path / "hs", **kw)  # type: ignore[arg-type]
+        assert written == [0, 1, 2]  # committed before the bad segment was met
+        assert (list(out.iterdir()) == []) if out.name == "empty" else not out.exists()
+    written.clear()
+    _files(tmp_path / "good")  # the same files without the bad value: every segment, the values as given
+    write_corpus(tmp_path / "ok", tmp_path / "good", **kw)  # type: ignore[arg-type]
+    assert written == [0, 1, 2, 3, 4]
+
+
+def test_a_bad_value_costs_nothing_of_the_store_it_would_overwrite(tmp_path: Path) -> None:
+    """With a store to overwrite (or resume), the values are checked before anything is deleted or
+    written: the bad file is refused and the store there reads and verifies as before."""
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    kw = dict(layer_ids=[2, 0, 1], model="tiny-llama", storage_dtype="float32", segment_size=8, predict=False)
+    given = _files(tmp_path / "good")
+    write_corpus(tmp_path / "s", tmp_path / "good", **kw)  # type: ignore[arg-type]
+    _files(tmp_path / "bad", np.inf)
+    with pytest.raises(InvalidSetting, match="window 3, residual 0: not finite"):
+        write_corpus(tmp_path / "s", tmp_path / "bad", overwrite=True, **kw)  # type: ignore[arg-type]
+    got = actstore.open(tmp_path / "s").select().features("resid", layers=[0, 1, 2])
+    every = np.concatenate(given)
+    for k, i in enumerate([2, 0, 1]):
+        np.testing.assert_array_equal(got[:, i], every[:, k])
+    assert CliRunner().invoke(main, ["verify", str(tmp_path / "s")]).exit_code == 0
