@@ -160,16 +160,16 @@ class CaptureMode:
     """What a mode brings to :func:`capture_segments`: the store's rows, its own ``ingest`` settings for the
     manifest, the unit the progress bar counts, and ``capture_segment(capture, seg, n_before, bar)``:
     segment ``seg`` captured (``n_before``: the segments committed before it, by earlier ingests and this
-    one); ``check``: run once the manifest is made, before the store is touched; ``expand``: what the
-    writer thread does to a segment's arrays before writing them; ``values_checked``: ``capture_segment``
-    checked every value (the writer thread does not test float16 arrays for infinity again)."""
+    one); ``check``: run once the manifest is made, before the store is touched; ``values_checked``:
+    ``capture_segment`` checked every value (the writer thread does not test float16 arrays for
+    infinity again).  A corpus store's arrays hold its kept layers only (the writer writes the others
+    as zeros: :meth:`~actstore.core.writer.StoreWriter.write_segment`)."""
 
     n_rows: int
     ingest: dict[str, Any]
     unit: str
     capture_segment: Callable[[FusedCapture, int, int, Any], CapturedSegment]
     check: Callable[[], None] | None = None
-    expand: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
     values_checked: bool = False
 
 
@@ -215,9 +215,7 @@ def capture_segments(
             forward_s += part.forward_seconds
             while len(pending) >= 2:  # backpressure: bounded host memory
                 pending.pop(0).result()
-            pending.append(
-                pool.submit(_write, writer, seg, seg * S, part, mode.expand, on_segment, mode.values_checked)
-            )
+            pending.append(pool.submit(_write, writer, seg, seg * S, part, on_segment, mode.values_checked))
             if cfg.world_size == 1 and cfg.compact_every and (k + 1) % cfg.compact_every == 0:
                 # (the pool's one thread runs it after the writes before it: a snapshot of committed segments)
                 pending.append(pool.submit(compact_held, loc, full=False, log=quiet))
@@ -249,7 +247,6 @@ def _write(
     seg: int,
     lo: int,
     part: CapturedSegment,
-    expand: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
     on_segment: Callable[[int], None] | None,
     checked: bool = False,
 ) -> None:
@@ -263,7 +260,7 @@ def _write(
                 f"segment {seg}: {name} holds values past float16's range ({FLOAT16_MAX:g}), stored as infinity: "
                 "ingest this model with --dtype bfloat16 or float32",
             )
-    writer.write_segment(seg, lo, part.arrays if expand is None else expand(part.arrays), part.tables)
+    writer.write_segment(seg, lo, part.arrays, part.tables)
     if on_segment is not None:
         on_segment(seg)
 

@@ -235,8 +235,7 @@ def capture_positions(
         settings,
         "position",
         capture_segment,
-        check=check_space,
-        expand=lambda arrays: full_layers(arrays, kept, g),
+        check=check_space,  # (the arrays go to the writer with their kept layers only)
     )
     return capture_segments(loc, model, tokenizer, model_info, cfg, mode)
 
@@ -329,37 +328,3 @@ def _batch(
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
     """Each window's own positions 0.. (right padding: padded slots get the last one)."""
     return (torch.cumsum(mask, 1) - 1).clamp(min=0)
-
-
-def full_layers(
-    arrays: dict[str, np.ndarray],
-    kept: dict[str, list[int]],
-    g: Geometry,
-    reuse: dict[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    """A segment's arrays whose ``z``, ``mlp`` and ``resid`` hold the kept layers only, each given its
-    full layer axis, zeros where nothing is kept (never stored activations; zero chunks compress to a
-    few bytes and the reader refuses them).  Run by the writer thread, so that only the segment being
-    written has full arrays (the zeros are calloc'ed pages that reading does not copy).  ``reuse``: the
-    full arrays of the previous segment, kept by one writer thread that is done with them: only their
-    kept layers are written again (their other layers stay zero), so a segment costs no fresh pages
-    (the page faults of touching new zeros took longer than the copy)."""
-    n_layers = {"z": g.n_layers, "mlp": g.n_layers, "resid": g.n_layers + 1}
-    full = dict(arrays)
-    for name, layers in kept.items():
-        part = arrays[name]
-        shape = (part.shape[0], n_layers[name], *part.shape[2:])
-        held = None if reuse is None else reuse.get(name)
-        if held is not None and held.dtype == part.dtype and held.shape[1:] == shape[1:]:
-            if held.shape[0] < shape[0]:
-                held = None
-        else:
-            held = None
-        if held is None:
-            held = np.zeros(shape, dtype=part.dtype)
-            if reuse is not None:
-                reuse[name] = held
-        out = held[: shape[0]]
-        out[:, layers] = part
-        full[name] = out
-    return full

@@ -56,7 +56,7 @@ from actstore.ingest.capture_store import (
     finite16,
     require_lock,
 )
-from actstore.ingest.corpus import ROW_FIELDS, full_layers
+from actstore.ingest.corpus import ROW_FIELDS
 from actstore.ingest.corpus_windows import CorpusPlan, Window, segment_corpus_tables
 from actstore.ingest.settings import IngestConfig
 
@@ -435,13 +435,6 @@ def write_windows(
         "kept": kept,
         "predict": predict,
     }
-    held: dict[str, np.ndarray] = {}  # the writer thread's full arrays, reused segment after segment
-    mode = CaptureMode(
-        plan.n_rows,
-        settings,
-        "position",
-        capture_segment,
-        expand=lambda a: full_layers(a, kept, g, held),
-        values_checked=check_values,
-    )
+    # (the arrays go to the writer with their kept layers only: it writes the others as zeros)
+    mode = CaptureMode(plan.n_rows, settings, "position", capture_segment, values_checked=check_values)
     return capture_segments(loc, model, tokenizer, model_info, cfg, mode)

@@ -69,6 +69,8 @@ def create_array(
     zero_blocks: Collection[int] = (),
     chunks_written: bool = True,
     separator: str = "/",
+    layers: Sequence[int] | None = None,
+    n_layers: int = 0,
 ) -> None:
     """Write ``data`` as a new array chunked along axis 0 (``chunk0`` rows per chunk).
 
@@ -82,18 +84,27 @@ def create_array(
     of zeros whose chunks the store does not write: :func:`actstore.core.segments.unwritten_arrays`).
     ``separator``: of zarr's default chunk keys: ``"/"`` (chunk ``i`` is the file ``c/i/0/..``, two
     folders of its own) or ``"."`` (the file ``c.i.0..`` beside ``zarr.json``: segments since
-    2026-12-07, docs/format.md).
+    2026-12-07, docs/format.md).  ``layers``: ``data`` holds only these positions of axis 1, in this
+    order, of an array of ``n_layers`` there whose other positions are zeros (a corpus store's kept
+    layers): the array written is the same, without the full array being made (where the shards are
+    written here; zarr's own path is given it whole).
     """
     if separator not in CHUNK_SEPARATORS:
         raise ValueError(f"chunk key separator must be one of {CHUNK_SEPARATORS} (got {separator!r})")
-    chunks: tuple[int, ...] = (max(1, min(chunk0, max(1, data.shape[0]))), *data.shape[1:])
+    shape = tuple(int(n) for n in data.shape)
+    if layers is not None:
+        if data.ndim < 2 or len(layers) != data.shape[1] or not all(0 <= i < n_layers for i in layers):
+            raise ValueError(f"layers {list(layers)} do not fit data {shape} of {n_layers} layers")
+        shape = (shape[0], n_layers, *shape[2:])
+    size = int(np.prod(shape))
+    chunks: tuple[int, ...] = (max(1, min(chunk0, max(1, shape[0]))), *shape[1:])
     shards: tuple[int, ...] | None = None
-    if chunk1 > 0 and data.ndim >= 2 and 0 < chunk1 < data.shape[1]:
-        n1 = int(data.shape[1])
+    if chunk1 > 0 and len(shape) >= 2 and 0 < chunk1 < shape[1]:
+        n1 = shape[1]
         shards = (chunks[0], -(-n1 // chunk1) * chunk1, *chunks[2:])
         chunks = (chunks[0], chunk1, *chunks[2:])
     spec = (
-        tuple(int(n) for n in data.shape),
+        shape,
         chunks,
         shards,
         data.dtype.str,
@@ -102,7 +113,7 @@ def create_array(
         separator,
     )
     held = memory_dict(group.store)
-    if held is not None and (not data.size or not chunks_written or (shards is not None and compress)):
+    if held is not None and (not size or not chunks_written or (shards is not None and compress)):
         # a group built in memory (a segment): the array's zarr.json as zarr writes it for these settings,
         # made once and put in the group's dict (zarr's create_array took 3-4 ms a call on the loaded machine)
         meta = _METADATA.get(spec)
@@ -113,15 +124,19 @@ def create_array(
             meta = _METADATA[spec] = made["a/zarr.json"].to_bytes()
         prefix = f"{group.path}/{name}" if group.path else name
         held[f"{prefix}/zarr.json"] = default_buffer_prototype().buffer.from_bytes(meta)
-        if chunks_written and data.size:
-            write_shards(group, name, data, chunks, zero_blocks, separator)
+        if chunks_written and size:
+            write_shards(group, name, data, chunks, zero_blocks, separator, layers, n_layers)
         return
     arr = _create(group, name, *spec)
     if not chunks_written:
         return
-    if data.size and shards is not None and compress:
-        write_shards(group, name, data, chunks, zero_blocks, separator)
-    elif data.size:
+    if size and shards is not None and compress:
+        write_shards(group, name, data, chunks, zero_blocks, separator, layers, n_layers)
+    elif size:
+        if layers is not None:
+            whole = np.zeros(shape, dtype=data.dtype)
+            whole[:, list(layers)] = data
+            data = whole
         arr[...] = data
 
 
@@ -171,6 +186,8 @@ def write_shards(
     inner: Sequence[int],
     zero_blocks: Collection[int] = (),
     separator: str = "/",
+    layers: Sequence[int] | None = None,
+    n_layers: int = 0,
 ) -> None:
     """Array ``name`` of ``group`` (created by :func:`create_array` with layer chunks ``inner`` and
     chunk keys of ``separator``) written shard by shard: each inner chunk (padded with zeros at the
@@ -181,10 +198,21 @@ def write_shards(
     these many small inner chunks (benchmarks/bench_layer_chunks.py), which a GPU ingest's host side
     would pay; the shards are stored together.  The axis-1 chunks in ``zero_blocks`` (all zero, the
     caller says) take the bytes of one zero chunk compressed once: the same bytes, without reading
-    them."""
+    them.  ``layers``: ``data`` holds these positions of axis 1 (of ``n_layers``) only, the others zero
+    (:func:`create_array`): each inner chunk is gathered from them, and one that holds none of them is
+    a zero chunk."""
 
-    n0, n1 = int(data.shape[0]), int(data.shape[1])
+    n0 = int(data.shape[0])
     c0, k1 = int(inner[0]), int(inner[1])
+    where: dict[int, int] | None = None
+    if layers is None:
+        n1 = int(data.shape[1])
+    else:
+        n1 = n_layers
+        where = {int(i): k for k, i in enumerate(layers)}
+        zero_blocks = set(zero_blocks) | {
+            j for j in range(-(-n1 // k1)) if not any(x in where for x in range(j * k1, (j + 1) * k1))
+        }
     nb = -(-n1 // k1)
     src = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<"))
     block = np.zeros((c0, k1, *data.shape[2:]), dtype=src.dtype)
@@ -199,7 +227,6 @@ def write_shards(
         index = np.empty((nb, 2), dtype="<u8")
         offset = 0
         for j in range(nb):
-            piece = rows[:, j * k1 : (j + 1) * k1]
             if j in zero_blocks:  # (padded at an edge, a zero chunk is the same zero block)
                 if zero_body is None:
                     zero_body = _compress(np.zeros(block.shape, src.dtype))
@@ -208,7 +235,16 @@ def write_shards(
                 index[j] = (offset, len(zero_body))
                 offset += len(zero_body)
                 continue
-            if piece.shape == block.shape:
+            if where is not None:  # the chunk's layers gathered from the ones given, zeros elsewhere
+                if k1 == 1 and rows.shape[0] == c0:
+                    raw = np.ascontiguousarray(rows[:, where[j] : where[j] + 1])
+                else:
+                    block[...] = 0
+                    for layer in range(j * k1, min((j + 1) * k1, n1)):
+                        if layer in where:
+                            block[: rows.shape[0], layer - j * k1] = rows[:, where[layer]]
+                    raw = block
+            elif (piece := rows[:, j * k1 : (j + 1) * k1]).shape == block.shape:
                 raw = np.ascontiguousarray(piece)
             else:  # an edge chunk: zarr stores it whole, padded with the fill value
                 block[...] = 0

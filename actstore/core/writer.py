@@ -154,10 +154,27 @@ class StoreWriter:
         ``segment`` field disagrees with its file name is an error here too, not a skipped segment)."""
         return set(read_commits(self.location, self.manifest))
 
+    def _given_layers(self, name: str, data: np.ndarray) -> tuple[list[int] | None, int]:
+        """The kept layers (the manifest's ``ingest.kept``) when segment array ``name`` came with those
+        layers only, in that order, and its full axis-1 length; (None, 0) when it came whole."""
+        kept = (self.manifest.ingest or {}).get("kept")
+        if (
+            not isinstance(kept, dict)
+            or name not in kept
+            or data.ndim < 2
+            or name not in ("z", "mlp", "resid")
+        ):
+            return None, 0
+        n1 = self.manifest.geometry.n_layers + (name == "resid")
+        layers = [int(x) for x in kept[name]]
+        if len(layers) == n1 or data.shape[1] != len(layers):
+            return None, 0
+        return layers, n1
+
     def _zero_blocks(self, name: str, data: np.ndarray) -> set[int]:
         """The layer chunks of segment array ``name`` that hold no kept layer of a corpus store (the
-        manifest's ``ingest.kept``: the writer's callers give zeros there, :func:`actstore.ingest.corpus.
-        full_layers`, which the reader refuses), so they are written without being compressed again."""
+        manifest's ``ingest.kept``: zeros there, which the reader refuses), so they are written without
+        being compressed again."""
         kept = (self.manifest.ingest or {}).get("kept")
         k1 = self.manifest.chunk_layers
         if not isinstance(kept, dict) or name not in kept or k1 <= 0 or data.ndim < 2:
@@ -176,7 +193,9 @@ class StoreWriter:
     ) -> SegmentCommit:
         """Write one segment's arrays and tables, then commit it (the marker is the last write); a table
         may come as its Parquet bytes already (:func:`~actstore.core.tables.to_parquet_bytes`, encoded by
-        a thread with time to spare)."""
+        a thread with time to spare).  A corpus store's ``z``, ``mlp`` and ``resid`` may come with their
+        kept layers only (the manifest's ``ingest.kept``, in that order): the layers not kept are
+        written as zeros without being made."""
         m = self.manifest
         missing = set(SEGMENT_ARRAYS) - set(arrays)
         if missing or set(m.segment_tables) - set(tables):
@@ -189,6 +208,7 @@ class StoreWriter:
             for name in SEGMENT_ARRAYS:
                 data = np.ascontiguousarray(arrays[name])
                 chunk = m.chunk_flat if name in ("attn", "v") else m.chunk_rows
+                layers, n1 = self._given_layers(name, data)
                 create_array(
                     group,
                     name,
@@ -196,9 +216,11 @@ class StoreWriter:
                     chunk,
                     logical_dtype=m.storage_dtype,
                     chunk1=m.chunk_layers,
-                    zero_blocks=self._zero_blocks(name, data),
+                    zero_blocks=self._zero_blocks(name, data) if layers is None else (),
                     chunks_written=name not in unwritten,
                     separator=self.chunk_separator,
+                    layers=layers,
+                    n_layers=n1,
                 )
         digests: dict[str, str] = {}
         for name in m.segment_tables:

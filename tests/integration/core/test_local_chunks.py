@@ -352,3 +352,47 @@ def test_shards_are_written_byte_for_byte_as_zarr_writes_them(
     np.testing.assert_array_equal(
         np.asarray(zarr.open_array(str(tmp_path / "ours" / "a"), mode="r")[...]), data
     )
+
+
+@pytest.mark.parametrize(
+    ("chunk1", "layers"),
+    [(1, [5, 0, 3]), (2, [6, 1, 2]), (3, [4]), (1, []), (0, [1, 6])],
+)
+@pytest.mark.parametrize("memory", [False, True])
+def test_given_layers_write_the_array_the_whole_one_writes(
+    tmp_path: Path, chunk1: int, layers: list[int], memory: bool
+) -> None:
+    """:func:`create_array` given only some layers of axis 1 (``layers``, in any order; a corpus store's
+    kept layers) against the same array made whole with numpy (zeros elsewhere) and written by the
+    same function compressing every chunk: every object is the same bytes, with layer chunks of 1, 2
+    (the last one partial) and 3, none kept, and no layer chunks (zarr's own writer, given it whole);
+    rows end in a partial chunk; on disk and in a memory store (a segment's group)."""
+    from actstore.core.arrays import create_array
+
+    rng = np.random.default_rng(4)
+    given = rng.standard_normal((10, len(layers), 5)).astype(np.float16)
+    whole = np.zeros((10, 7, 5), np.float16)
+    for k, i in enumerate(layers):
+        whole[:, i] = given[:, k]
+    objects: dict[str, dict[str, bytes]] = {}
+    for name, data, kw in (
+        ("given", given, {"layers": layers, "n_layers": 7}),
+        ("whole", whole, {}),
+    ):
+        if memory:
+            held: dict = {}
+            group = zarr.open_group(store=zarr.storage.MemoryStore(held), mode="w")
+        else:
+            group = zarr.open_group(str(tmp_path / name), mode="w")
+        create_array(group, "a", data, 4, logical_dtype="float16", chunk1=chunk1, separator=".", **kw)
+        if memory:
+            objects[name] = {k: v.to_bytes() for k, v in held.items() if k.startswith("a/")}
+        else:
+            objects[name] = {
+                str(p.relative_to(tmp_path / name)): p.read_bytes()
+                for p in sorted((tmp_path / name).rglob("*"))
+                if p.is_file() and p.parent.name == "a"
+            }
+        np.testing.assert_array_equal(group["a"][...], whole)
+    assert len(objects["whole"]) == 4  # zarr.json and 3 chunks of rows (shards where chunk1)
+    assert objects["given"] == objects["whole"]

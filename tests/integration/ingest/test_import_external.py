@@ -296,3 +296,35 @@ def test_a_bad_value_costs_nothing_of_the_store_it_would_overwrite(tmp_path: Pat
     for k, i in enumerate([2, 0, 1]):
         np.testing.assert_array_equal(got[:, i], every[:, k])
     assert CliRunner().invoke(main, ["verify", str(tmp_path / "s")]).exit_code == 0
+
+
+def test_kept_layers_of_a_partial_chunk_of_rows_are_stored_exactly(tmp_path: Path) -> None:
+    """Residuals 2 and 0 of tiny-llama's 0..2 (the writer is given those two layers only and writes
+    residual 1 as zeros it never makes), 300 positions in one segment of 256-row chunks (the last one
+    partial): every stored row is the file's value, the layer not kept is refused, and the store
+    verifies, values included."""
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    rng = np.random.default_rng(8)
+    (tmp_path / "hs").mkdir()
+    given = []
+    for k in range(3):
+        hidden = rng.standard_normal((100, 2, 64)).astype(np.float32)
+        vllm_file(tmp_path / "hs" / f"r{k}.safetensors", rng.integers(0, 200, 100).astype(np.int64), hidden)
+        given.append(hidden)
+    write_corpus(
+        tmp_path / "s", tmp_path / "hs", layer_ids=[2, 0], model="tiny-llama", storage_dtype="float32",
+        segment_size=512, predict=False,
+    )  # fmt: skip
+    store = actstore.open(tmp_path / "s")
+    assert store.manifest.n_segments == 1 and store.manifest.chunk_rows == 256
+    every = np.concatenate(given)
+    got = store.select().features("resid", layers=[0, 2])
+    np.testing.assert_array_equal(got[:, 0], every[:, 1])
+    np.testing.assert_array_equal(got[:, 1], every[:, 0])
+    with pytest.raises(Exception, match="not kept|not captured|kept"):
+        store.select().features("resid", layers=[1])
+    r = CliRunner().invoke(main, ["verify", "--values", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
