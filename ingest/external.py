@@ -19,7 +19,7 @@ Every window's shapes are checked against the model before the store is touched 
 layer past the model, ids and activations of different lengths: one line, nothing written).  Its values
 (finite; within float16's range for a float16 store) are checked as each segment is cast, so that a new
 store reads every file once; a bad one gives one line and the store is removed (with a store to
-overwrite or resume, they are checked before it is touched: :func:`write_corpus`).  The rows are written
+overwrite or resume, they are checked before it is touched: ``actstore.write_corpus``).  The rows are written
 by the corpus writer path (:func:`actstore.ingest.capture_store.capture_segments`): the same commit
 protocol, resume, ``verify``, tables and weights as ``actstore ingest --positions all``; every position
 of a window is a row.  ``z`` and ``mlp`` are not captured (zero chunks, refused on read), only

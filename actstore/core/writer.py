@@ -158,31 +158,13 @@ class StoreWriter:
         """The kept layers (the manifest's ``ingest.kept``) when segment array ``name`` came with those
         layers only, in that order, and its full axis-1 length; (None, 0) when it came whole."""
         kept = (self.manifest.ingest or {}).get("kept")
-        if (
-            not isinstance(kept, dict)
-            or name not in kept
-            or data.ndim < 2
-            or name not in ("z", "mlp", "resid")
-        ):
+        if not isinstance(kept, dict) or name not in kept or data.ndim < 2:
             return None, 0
         n1 = self.manifest.geometry.n_layers + (name == "resid")
         layers = [int(x) for x in kept[name]]
         if len(layers) == n1 or data.shape[1] != len(layers):
             return None, 0
         return layers, n1
-
-    def _zero_blocks(self, name: str, data: np.ndarray) -> set[int]:
-        """The layer chunks of segment array ``name`` that hold no kept layer of a corpus store (the
-        manifest's ``ingest.kept``: zeros there, which the reader refuses), so they are written without
-        being compressed again."""
-        kept = (self.manifest.ingest or {}).get("kept")
-        k1 = self.manifest.chunk_layers
-        if not isinstance(kept, dict) or name not in kept or k1 <= 0 or data.ndim < 2:
-            return set()
-        layers = {int(x) for x in kept[name]}
-        return {
-            j for j in range(-(-int(data.shape[1]) // k1)) if not layers & set(range(j * k1, (j + 1) * k1))
-        }
 
     def write_segment(
         self,
@@ -195,7 +177,8 @@ class StoreWriter:
         may come as its Parquet bytes already (:func:`~actstore.core.tables.to_parquet_bytes`, encoded by
         a thread with time to spare).  A corpus store's ``z``, ``mlp`` and ``resid`` may come with their
         kept layers only (the manifest's ``ingest.kept``, in that order): the layers not kept are
-        written as zeros without being made."""
+        written as the one compressed zero chunk, without being made or read (given whole, every chunk
+        is compressed: the same bytes)."""
         m = self.manifest
         missing = set(SEGMENT_ARRAYS) - set(arrays)
         if missing or set(m.segment_tables) - set(tables):
@@ -216,7 +199,6 @@ class StoreWriter:
                     chunk,
                     logical_dtype=m.storage_dtype,
                     chunk1=m.chunk_layers,
-                    zero_blocks=self._zero_blocks(name, data) if layers is None else (),
                     chunks_written=name not in unwritten,
                     separator=self.chunk_separator,
                     layers=layers,
