@@ -122,6 +122,7 @@ def build_store(
     chunk_layers: int = 1,
     compact_every: int = 64,
     weights: str = "copy",
+    resume: bool = False,
     **options: Any,
 ) -> Path:
     """Ingest a few prompts with a tiny random model into ``out`` and return the path (``chunk_layers``:
@@ -149,6 +150,7 @@ def build_store(
         device=TEST_DEVICE,
         progress=False,
         weights=weights,
+        resume=resume,
     )
     info = {"name": loaded.name, "architecture": loaded.architecture, "weight_hash": loaded.weight_hash}
     ingest_prompts(loaded.model, loaded.tokenizer, info, prompts, cfg)

@@ -28,13 +28,15 @@ if TYPE_CHECKING:
     from actstore.core.storage.base import StoreLocation
 
 FORMAT_NAME = "actstore"
-FORMAT_VERSION = 3  # 2: segment arrays may be chunked along the layer axis too (chunk_layers);
-#                     3: a snapshot (snapshot/CURRENT) may list compacted segment tables
+FORMAT_VERSION = 4  # 2: segment arrays may be chunked along the layer axis too (chunk_layers);
+#                     3: a snapshot (snapshot/CURRENT) may list compacted segment tables;
+#                     4: a commit marker may list its objects' XXH3-128 (object_hash "xxh3")
+OBJECT_HASH_FROM = 4  # the format version whose writers hash a segment's objects with XXH3-128
 OLDEST_READ = 2  # format 2 reads as a store without a snapshot; `actstore compact` upgrades it in place
 # What a store's writer guarantees beyond format version 1 (readers of older levels ignore it):
 #   0  stores written before 2026-12: all-zero chunks may be absent, markers carry no object list;
 #   1  every chunk is written (all-zero ones too), each commit marker lists every object of its
-#      segment with its SHA-256, and every non-segment table file has a ``.sha256`` companion.
+#      segment with its hash (SHA-256; XXH3-128 from format 4), and every non-segment table file has a ``.sha256`` companion.
 INTEGRITY = 1
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 CHECKSUM_KEY = "checksum"  # SHA-256 of the rest of the JSON object, so a flipped byte is caught
@@ -58,17 +60,23 @@ GEOMETRY_LIMITS: dict[str, int] = {
 MAX_HEADS_TOTAL = 1 << 20  # n_layers * n_heads
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 _OBJECT_KEY = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 # the same checks over a marker's whole object list at once, its entries joined by newlines
-_HEX64_LINES = re.compile(r"(?:[0-9a-f]{64}\n)*")
+_HEX_LINES = {
+    "sha256": re.compile(r"(?:[0-9a-f]{64}\n)*"),
+    "xxh3": re.compile(r"(?:[0-9a-f]{32}\n)*"),
+}
+_HEX = {"sha256": _HEX64, "xxh3": _HEX32}
 _OBJECT_KEY_LINES = re.compile(r"(?:[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*\n)*")
 _DOTDOT = re.compile(r"(?:^|[/\n])\.\.(?:[/\n]|$)")
 
 
-def _objects_ok(objects: dict[str, Any]) -> bool:
+def _objects_ok(objects: dict[str, Any], algorithm: str) -> bool:
     """True when every key of a marker's ``objects`` is an object key (path components of
-    ``[A-Za-z0-9_.-]``, none ``..``, at most 512 characters) and every value a SHA-256 hex digest: the
-    per-entry checks in two regular-expression matches (a marker lists about 70 objects)."""
+    ``[A-Za-z0-9_.-]``, none ``..``, at most 512 characters) and every value a hex digest of
+    ``algorithm`` (SHA-256 or XXH3-128): the per-entry checks in two regular-expression matches (a
+    marker lists about 70 objects)."""
     keys, values = list(objects), list(objects.values())
     if not all(type(v) is str for v in values) or (keys and max(map(len, keys)) > 512):
         return False
@@ -78,7 +86,7 @@ def _objects_ok(objects: dict[str, Any]) -> bool:
         joined.count("\n") == len(keys) == digests.count("\n")
         and _OBJECT_KEY_LINES.fullmatch(joined) is not None
         and _DOTDOT.search(joined) is None
-        and _HEX64_LINES.fullmatch(digests) is not None
+        and _HEX_LINES[algorithm].fullmatch(digests) is not None
     )
 
 
@@ -235,9 +243,10 @@ class Geometry:
 @dataclass(frozen=True)
 class SegmentCommit:
     """The commit marker of one segment: its row range, the sizes of its ragged axes, the SHA-256 of
-    its table shards and (``objects``, stores of integrity 1) of every object under its
+    its table shards and (``objects``, stores of integrity 1) the hash of every object under its
     ``segments/NNNNNN/`` folder, keyed by the path below that folder (``z/c.0.0.0.0``, ``z/zarr.json``;
-    ``z/c/0/0/0/0`` in segments written before 2026-12-07)."""
+    ``z/c/0/0/0/0`` in segments written before 2026-12-07): XXH3-128 where ``object_hash`` is
+    ``"xxh3"`` (format 4), else SHA-256 (the field is absent from such markers)."""
 
     segment: int
     row_start: int
@@ -246,11 +255,14 @@ class SegmentCommit:
     n_tokens: int
     table_sha256: dict[str, str]
     objects: dict[str, str] | None = None  # None: a marker written before object lists
+    object_hash: str = "sha256"  # what ``objects`` holds: "sha256" or "xxh3" (XXH3-128, format 4)
 
     def to_json(self) -> bytes:
         d = asdict(self)
         if self.objects is None:
             d.pop("objects")
+        if self.object_hash == "sha256":  # (a format 3 marker, byte for byte)
+            d.pop("object_hash")
         return json.dumps(seal(d), sort_keys=True).encode()
 
     @classmethod
@@ -266,16 +278,21 @@ class SegmentCommit:
             raise CorruptStoreError(
                 f"{where} field 'table_sha256' must map {', '.join(SEGMENT_TABLES)} to SHA-256 hex digests"
             )
+        algorithm = d.get("object_hash", "sha256")
+        if algorithm not in _HEX:
+            raise CorruptStoreError(
+                f"{where} field 'object_hash' must be one of {', '.join(_HEX)}, got {_show(algorithm)}"
+            )
         objects: dict[str, str] | None = None
         if "objects" in d:
             raw = _field_dict(d, "objects", where)
-            for k, v in [] if _objects_ok(raw) else raw.items():  # (the loop finds the bad entry)
+            for k, v in [] if _objects_ok(raw, algorithm) else raw.items():  # (the loop finds the bad entry)
                 if (
                     not _OBJECT_KEY.fullmatch(k)
                     or ".." in k.split("/")
                     or len(k) > 512
                     or not isinstance(v, str)
-                    or not _HEX64.fullmatch(v)
+                    or not _HEX[algorithm].fullmatch(v)
                 ):
                     raise CorruptStoreError(f"{where} field 'objects' has a bad entry {_show(k)}: {_show(v)}")
             objects = dict(raw)
@@ -287,6 +304,7 @@ class SegmentCommit:
             n_tokens=field_int(d, "n_tokens", where, 0, MAX_COUNT),
             table_sha256=dict(tables),
             objects=objects,
+            object_hash=algorithm,
         )
 
     def check_against(self, manifest: Manifest, name: str, where: str) -> None:

@@ -137,6 +137,19 @@ def xxh3(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+#: The hashes a commit marker may list its segment's objects with (its ``object_hash``; format 4).
+OBJECT_HASHES = ("sha256", "xxh3")
+
+
+def digest(data: Any, algorithm: str) -> str:
+    """``data``'s hex digest by ``algorithm``, one of :data:`OBJECT_HASHES`."""
+    if algorithm == "xxh3":
+        return xxhash.xxh3_128_hexdigest(data)
+    if algorithm == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    raise ValueError(f"unknown object hash {algorithm!r} (one of {', '.join(OBJECT_HASHES)})")
+
+
 def needs_hash_file(rel: str) -> bool:
     """True for a non-segment table file (``tables/<name>/<file>.parquet``, name not a segment table),
     which is written with a ``.sha256`` companion."""

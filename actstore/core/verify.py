@@ -7,7 +7,7 @@ Checks, collected rather than raised so that one run reports all of them:
 - every segment the manifest promises is committed; a segment whose data is there without its
   marker (a deleted marker, or an ingest still running or killed) is named;
 - every object a commit marker lists (every chunk and ``zarr.json`` of the segment) exists and
-  has the recorded SHA-256; every array has the shape the marker implies and the full chunk grid
+  has the recorded hash (XXH3-128 in markers of format 4, SHA-256 before); every array has the shape the marker implies and the full chunk grid
   (an array of a kind the corpus ingest kept no layer of: none, :func:`unwritten_arrays`);
 - every table file matches its SHA-256 (segment shards: the marker; other tables: the
   ``.sha256`` companion) and parses; the ragged offsets in the tables stay inside the flat
@@ -41,7 +41,7 @@ from actstore.core.manifest import SegmentCommit
 from actstore.core.progress import progress_bar
 from actstore.core.segments import expected_shape, read_commits, segment_name, unwritten_arrays
 from actstore.core.store import StoreReader
-from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, sha256
+from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, digest, sha256
 from actstore.core.verify_report import VerifyReport, read_hashed
 from actstore.core.verify_snapshot import check_snapshot
 from actstore.core.verify_tables import check_segment_tables
@@ -105,6 +105,7 @@ def _grid_keys(arr: zarr.Array | ArrayMeta) -> dict[str, int]:
 # of their rows in each chunk (axis 1; resid has one slot more, the embedding).
 _LAYER_WEIGHTS = frozenset({"W_O", "b_O", "W_V", "b_V", "W_down", "b_down"})
 _LAYER_ARRAYS = frozenset({"z", "attn", "v", "mlp", "resid"})
+_HASH_NAMES = {"sha256": "SHA-256", "xxh3": "XXH3-128"}  # (a commit marker's object_hash)
 
 
 def _rows(arr: zarr.Array | ArrayMeta, i: int, where: str = "") -> str:
@@ -177,9 +178,10 @@ def _uncommitted(store: StoreReader, report: VerifyReport) -> None:
 
 
 def _check_objects(
-    store: StoreReader, report: VerifyReport, seg: int, objects: dict[str, str], values: bool
+    store: StoreReader, report: VerifyReport, seg: int, objects: dict[str, str], values: bool, algorithm: str
 ) -> None:
-    """A segment whose marker lists its objects: every one present with its SHA-256, the full chunk grid listed."""
+    """A segment whose marker lists its objects: every one present with its hash (``algorithm``: the
+    marker's ``object_hash``), the full chunk grid listed."""
     loc = store.location
     rel = f"segments/{segment_name(seg)}"
     present = set(loc.walk_files(rel))
@@ -215,8 +217,10 @@ def _check_objects(
         except (ActstoreError, OSError) as e:
             report.problems.append(f"{what} cannot be read: {e}")
             continue
-        if sha256(data) != objects[key]:
-            report.problems.append(f"{what} is corrupt: SHA-256 does not match the commit marker")
+        if digest(data, algorithm) != objects[key]:
+            report.problems.append(
+                f"{what} is corrupt: {_HASH_NAMES[algorithm]} does not match the commit marker"
+            )
             continue
         if i is not None:
             report.chunks_checked += 1
@@ -385,7 +389,7 @@ def verify_store(
     def one(commit: SegmentCommit) -> VerifyReport:
         part = VerifyReport(store.url, values_checked=values)
         if commit.objects is not None:
-            _check_objects(store, part, commit.segment, commit.objects, values)
+            _check_objects(store, part, commit.segment, commit.objects, values, commit.object_hash)
         check_segment_tables(store, part, commit)
         return part
 

@@ -276,11 +276,12 @@ class StoreLocation(ABC):
 
     @abstractmethod
     def zarr_group_writer(
-        self, rel: str, digests: dict[str, str] | None = None
+        self, rel: str, digests: dict[str, str] | None = None, algorithm: str = "sha256"
     ) -> AbstractContextManager[Any]:
         """A new, empty zarr group at ``rel`` to fill inside the ``with`` block; its objects are stored
         when the block ends (the bytes are the same on every backend).  ``digests``, when given,
-        receives the SHA-256 of every object written, keyed by its path below ``rel``."""
+        receives the hash (``algorithm``: ``"sha256"`` or ``"xxh3"``, XXH3-128) of every object
+        written, keyed by its path below ``rel``."""
 
     # ------------------------------------------------------------------ the writer lock
 

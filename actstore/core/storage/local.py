@@ -33,6 +33,7 @@ import xxhash
 from actstore.core.errors import StorageError
 from actstore.core.fs import open_regular_file, pread_exact, read_local_file
 from actstore.core.storage.base import LockPolicy, LockSlot, LockState, StoreLocation, check_range
+from actstore.core.tables import digest as object_digest
 
 T = TypeVar("T")
 
@@ -194,7 +195,9 @@ class LocalLocation(StoreLocation):
         return zarr.storage.LocalStore(self.path(rel), read_only=read_only)
 
     @contextmanager
-    def zarr_group_writer(self, rel: str, digests: dict[str, str] | None = None) -> Iterator[Any]:
+    def zarr_group_writer(
+        self, rel: str, digests: dict[str, str] | None = None, algorithm: str = "sha256"
+    ) -> Iterator[Any]:
         """With ``digests`` (a segment: tens of MB), built in zarr's memory store, then each object
         written to its file by plain descriptor writes on this thread and hashed from memory (zarr's
         local store handed every file to its event loop and a worker thread, and the digests re-read
@@ -234,7 +237,7 @@ class LocalLocation(StoreLocation):
                     view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
-            return hashlib.sha256(data).hexdigest()
+            return object_digest(data, algorithm)
 
         with ThreadPoolExecutor(max_workers=2) as pool:
             digests.update(zip(objects, pool.map(put, list(objects))))

@@ -24,6 +24,7 @@ from zarr.core.sync import sync
 
 from actstore.core.errors import ActstoreError, CorruptStoreError, StorageError, StoreNotFoundError
 from actstore.core.storage.base import LockPolicy, LockSlot, LockState, StoreLocation, check_range
+from actstore.core.tables import digest as object_digest
 from actstore.core.tables import xxh3
 
 T = TypeVar("T")
@@ -177,7 +178,9 @@ class ObjectLocation(StoreLocation):
         return zarr.storage.FsspecStore(self._async_fs(), path=self.path(rel), read_only=read_only)
 
     @contextmanager
-    def zarr_group_writer(self, rel: str, digests: dict[str, str] | None = None) -> Iterator[Any]:
+    def zarr_group_writer(
+        self, rel: str, digests: dict[str, str] | None = None, algorithm: str = "sha256"
+    ) -> Iterator[Any]:
         """Built in memory; its objects are uploaded together on exit (concurrent PUTs instead of
         zarr's many small sequential requests)."""
         import zarr
@@ -189,7 +192,7 @@ class ObjectLocation(StoreLocation):
         if digests is not None:
             digests.update(
                 {
-                    key: hashlib.sha256(payload[posixpath.join(self.path(rel), key)]).hexdigest()
+                    key: object_digest(payload[posixpath.join(self.path(rel), key)], algorithm)
                     for key in objects
                 }
             )

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import xxhash
 import zarr
 from click.testing import CliRunner
 from helpers import uncompact
@@ -39,6 +40,7 @@ from s3server import S3Server, free_port, moto_server, use_server_env
 from actstore.cli import main
 from actstore.core.chunks import is_chunk_key
 from actstore.core.manifest import FORMAT_VERSION, seal
+from actstore.core.tables import digest as object_digest
 from actstore.core.tables import to_parquet_bytes
 
 INGEST = [
@@ -188,9 +190,12 @@ def alter_table(which: str) -> Callable[[Path], None]:
 
 
 def rehash_object(store: Path, seg: int, key: str) -> None:
-    """Record the current SHA-256 of ``segments/NNNNNN/<key>`` in the segment's marker (a consistent forgery)."""
-    digest = hashlib.sha256((store / "segments" / f"{seg:06d}" / key).read_bytes()).hexdigest()
-    reseal(store / "commits" / f"{seg:06d}.json", lambda d: d["objects"].__setitem__(key, digest))
+    """Record the current hash (the marker's ``object_hash``) of ``segments/NNNNNN/<key>`` in the
+    segment's marker (a consistent forgery)."""
+    marker = store / "commits" / f"{seg:06d}.json"
+    algorithm = json.loads(marker.read_text()).get("object_hash", "sha256")
+    digest = object_digest((store / "segments" / f"{seg:06d}" / key).read_bytes(), algorithm)
+    reseal(marker, lambda d: d["objects"].__setitem__(key, digest))
 
 
 def huge_shape(rel: str, seg: int | None = None) -> Callable[[Path], None]:
@@ -1042,7 +1047,7 @@ VERIFY_CASES = [
         "swapped-chunk",
         lambda c: swap_chunk,
         (
-            "segments/000001/attn: chunk 0 (rows 0:79, every layer 0..1) is corrupt: SHA-256 does not match the commit marker",
+            "segments/000001/attn: chunk 0 (rows 0:79, every layer 0..1) is corrupt: XXH3-128 does not match the commit marker",
         ),
     ),
     VerifyCase(
@@ -1165,8 +1170,9 @@ def test_every_chunk_is_written_and_listed(ctx: Ctx) -> None:
     for seg in (0, 1):
         marker = json.loads((ctx.store / "commits" / f"00000{seg}.json").read_text())
         folder = ctx.store / "segments" / f"00000{seg}"
+        assert marker["object_hash"] == "xxh3"  # (format 4)
         on_disk = {
-            p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            p.relative_to(folder).as_posix(): xxhash.xxh3_128_hexdigest(p.read_bytes())
             for p in folder.rglob("*")
             if p.is_file()
         }

@@ -24,7 +24,7 @@ import actstore
 from actstore.cli import main
 from actstore.core.compact import compact, compacted_fully
 from actstore.core.errors import CorruptStoreError
-from actstore.core.manifest import seal
+from actstore.core.manifest import FORMAT_VERSION, seal
 from actstore.core.snapshot import CURRENT
 from actstore.core.storage import locate
 from actstore.core.storage.base import StoreLocation
@@ -276,7 +276,7 @@ def test_a_format_2_store_reads_and_compact_upgrades_it(base: Path, tmp_path: Pa
     assert actstore.open(s).manifest.format_version == 2
     result = CliRunner().invoke(main, ["compact", str(s)])
     assert result.exit_code == 0 and "upgraded to the current format" in result.stdout, result.output
-    assert actstore.open(s).manifest.format_version == 3
+    assert actstore.open(s).manifest.format_version == FORMAT_VERSION
     assert answers(s) == want and verify_store(actstore.open(s)).ok
 
 

@@ -110,12 +110,17 @@ def test_a_store_that_wrote_the_zero_chunks_reads_and_verifies_as_before(
     assert code != 0 and "segments/000000/z: chunk 0" in out, out
 
 
-@pytest.mark.parametrize("separator", ["/", "."])
-def test_segment_files_are_the_bytes_zarr_writes(tmp_path: Path, separator: str) -> None:
+@pytest.mark.parametrize(("separator", "algorithm"), [("/", "sha256"), (".", "sha256"), (".", "xxh3")])
+def test_segment_files_are_the_bytes_zarr_writes(tmp_path: Path, separator: str, algorithm: str) -> None:
     """A segment group written by the local writer (built in memory, each file written and hashed
     directly) holds exactly the files zarr's local store writes for the same arrays, and the digests
-    are the SHA-256 of those files; with either separator of the chunk keys."""
+    are the SHA-256 (format 3) or XXH3-128 (format 4) of those files; with either separator of the
+    chunk keys."""
     import hashlib
+
+    import xxhash
+
+    hashed = {"sha256": lambda b: hashlib.sha256(b).hexdigest(), "xxh3": xxhash.xxh3_128_hexdigest}[algorithm]
 
     loc = locate(str(tmp_path / "st"))
     rng = np.random.default_rng(0)
@@ -134,13 +139,13 @@ def test_segment_files_are_the_bytes_zarr_writes(tmp_path: Path, separator: str)
             )  # fmt: skip
 
     digests: dict[str, str] = {}
-    with loc.zarr_group_writer("direct", digests=digests) as group:
+    with loc.zarr_group_writer("direct", digests=digests, algorithm=algorithm) as group:
         fill(group, unwritten=False)
     with loc.zarr_group_writer("zarr") as group:  # (no digests: zarr's local store, in place)
         fill(group, unwritten=False)
     direct, ref = _files(tmp_path / "st" / "direct"), _files(tmp_path / "st" / "zarr")
     assert direct == ref and len(ref) > 8
-    assert digests == {k: hashlib.sha256(v).hexdigest() for k, v in ref.items()}
+    assert digests == {k: hashed(v) for k, v in ref.items()}
     with loc.zarr_group_writer("direct", digests=(again := {})) as group:  # replaces the folder
         fill(group, unwritten=True)
     left = _files(tmp_path / "st" / "direct")
