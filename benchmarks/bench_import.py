@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import evict  # noqa: E402
+from benchmarks.common import evict, write_vllm_files  # noqa: E402
 
 
 def resident(files: list[Path]) -> int | None:
@@ -82,7 +82,6 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-import-"))
     os.environ["ACTSTORE_WEIGHTS_DIR"] = str(root / "weights-cache")  # this run's cache, empty at first
     from safetensors.numpy import load_file
-    from safetensors.torch import save_file
 
     from actstore.ingest.models.registry import load_model
     from actstore.jobs import import_acts
@@ -92,18 +91,7 @@ def main() -> None:
     d = loaded.model.config.hidden_size
     layer_ids = [int(x) for x in a.layer_ids.split(",")]
     sizes = sorted(int(x) for x in a.requests.split(","))
-    folder = root / "hs"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    vocab = loaded.model.config.vocab_size
-    for k in range(sizes[-1]):
-        ids = torch.from_numpy(rng.integers(0, vocab, size=a.seq))
-        hs = torch.from_numpy(rng.standard_normal((a.seq, len(layer_ids), d), dtype=np.float32))
-        save_file(
-            {"hidden_states": hs.to(torch.bfloat16).float(), "token_ids": ids},
-            str(folder / f"req-{k:05d}.safetensors"),
-        )
-    every = sorted(folder.glob("*.safetensors"))
+    every = write_vllm_files(root / "hs", sizes[-1], a.seq, len(layer_ids), d, loaded.model.config.vocab_size)
     seg = import_acts.segment_rows(len(layer_ids), d, a.dtype)
     load_start = os.getloadavg()
 

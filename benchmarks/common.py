@@ -30,3 +30,25 @@ def evict(paths: list[str] | list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def write_vllm_files(
+    folder: Path, n: int, seq: int, n_layers: int, d: int, vocab: int, seed: int = 0
+) -> list[Path]:
+    """``n`` files in the layout vLLM's ExampleHiddenStatesConnector writes (``token_ids`` int64 ``[seq]``,
+    ``hidden_states [seq, n_layers, d]`` float32 holding bfloat16 values, as a bfloat16 model's are;
+    docs/interop.md), sorted by name."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for k in range(n):
+        ids = torch.from_numpy(rng.integers(0, vocab, size=seq))
+        hs = torch.from_numpy(rng.standard_normal((seq, n_layers, d), dtype=np.float32))
+        save_file(
+            {"hidden_states": hs.to(torch.bfloat16).float(), "token_ids": ids},
+            str(folder / f"req-{k:05d}.safetensors"),
+        )
+    return sorted(folder.glob("*.safetensors"))

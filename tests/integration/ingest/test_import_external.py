@@ -172,7 +172,8 @@ def test_bad_shapes_write_nothing(reference: tuple, tmp_path: Path) -> None:
 def test_vllm_files_across_segments_are_stored_exactly(tmp_path: Path, storage_dtype: str) -> None:
     """Windows straddling small segments (the last one shorter), layer ids out of order, stored as
     float16 or bfloat16: every stored row is the file's value cast by torch here, bit for bit, and the
-    store verifies."""
+    store verifies; each position's token and text are the tokenizer's string for the file's id (asked
+    one id at a time here), and no prediction's top token is empty."""
     from click.testing import CliRunner
 
     from actstore.cli import main
@@ -181,12 +182,13 @@ def test_vllm_files_across_segments_are_stored_exactly(tmp_path: Path, storage_d
     layer_ids = [2, 0, 1]
     folder = tmp_path / "hs"
     folder.mkdir()
-    given = []
+    given, token_ids = [], []
     for k, n in enumerate([5, 11, 3, 9, 6]):
         hidden = (rng.standard_normal((n, len(layer_ids), 64)) * 10.0 ** rng.integers(-3, 4)).astype(
             np.float32
         )
-        vllm_file(folder / f"req-{k}.safetensors", rng.integers(0, 200, n).astype(np.int64), hidden)
+        token_ids.append(rng.integers(0, 200, n).astype(np.int64))
+        vllm_file(folder / f"req-{k}.safetensors", token_ids[-1], hidden)
         given.append(hidden)
     write_corpus(
         tmp_path / "s", folder, layer_ids=layer_ids, model="tiny-llama", storage_dtype=storage_dtype,
@@ -200,6 +202,13 @@ def test_vllm_files_across_segments_are_stored_exactly(tmp_path: Path, storage_d
     for k, i in enumerate(layer_ids):
         np.testing.assert_array_equal(got[:, i], want[:, k])
     assert CliRunner().invoke(main, ["verify", str(tmp_path / "s")]).exit_code == 0
+    tokenizer = load_model("tiny-llama").tokenizer
+    ids = np.concatenate(token_ids).tolist()
+    strings = [str(tokenizer.convert_ids_to_tokens([i])[0]) for i in ids]
+    pos = store.sql("SELECT token_id, token FROM positions ORDER BY row").to_pydict()
+    assert pos == {"token_id": ids, "token": strings} and len(set(strings)) > 5
+    assert store.sql("SELECT text FROM examples ORDER BY example_id").column("text").to_pylist() == strings
+    assert set(store.sql("SELECT top_token FROM targets").column("top_token").to_pylist()) == {""}
 
 
 def test_every_module_imports_after_nnsight() -> None:
