@@ -84,6 +84,12 @@ def test_incremental_compaction_during_ingest(tmp_path: Path) -> None:
     assert report.files_written == 4 and snap is not None  # three tables and the relation index
     assert [(f.first, f.last) for f in snap.tables["examples"]] == [(0, 7), (8, 8)]
     assert [(f.first, f.last) for f in snap.relation_index] == [(0, 7), (8, 8)]
+    # (the tables are compacted on threads: each file listed under its own table, counted once)
+    new = [f for files in (*snap.tables.values(), snap.relation_index) for f in files if f.first == 8]
+    assert (
+        report.bytes_written == sum((part / f.path).stat().st_size for f in new) == sum(f.bytes for f in new)
+    )
+    assert all(f"/{t}/" in f.path for t, files in snap.tables.items() for f in files)
     assert answers(part) == answers(plain)
     assert verify_store(actstore.open(part)).ok
 
