@@ -211,7 +211,7 @@ def compact_held(
     store = StoreReader(loc)
     old = store.snapshot
     upgraded = False
-    if store.manifest.format_version < FORMAT_VERSION:  # format 2 -> 3: the same files, plus a snapshot
+    if store.manifest.format_version < FORMAT_VERSION:  # 2 -> 3: a snapshot; 3 -> 4: markers of either hash
         from dataclasses import replace
 
         loc.write_bytes_atomic(

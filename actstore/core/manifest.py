@@ -36,7 +36,8 @@ OLDEST_READ = 2  # format 2 reads as a store without a snapshot; `actstore compa
 # What a store's writer guarantees beyond format version 1 (readers of older levels ignore it):
 #   0  stores written before 2026-12: all-zero chunks may be absent, markers carry no object list;
 #   1  every chunk is written (all-zero ones too), each commit marker lists every object of its
-#      segment with its hash (SHA-256; XXH3-128 from format 4), and every non-segment table file has a ``.sha256`` companion.
+#      segment with its hash (SHA-256; XXH3-128 from format 4), and every non-segment table file
+#      has a ``.sha256`` companion.
 INTEGRITY = 1
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 CHECKSUM_KEY = "checksum"  # SHA-256 of the rest of the JSON object, so a flipped byte is caught

@@ -7,8 +7,9 @@ Checks, collected rather than raised so that one run reports all of them:
 - every segment the manifest promises is committed; a segment whose data is there without its
   marker (a deleted marker, or an ingest still running or killed) is named;
 - every object a commit marker lists (every chunk and ``zarr.json`` of the segment) exists and
-  has the recorded hash (XXH3-128 in markers of format 4, SHA-256 before); every array has the shape the marker implies and the full chunk grid
-  (an array of a kind the corpus ingest kept no layer of: none, :func:`unwritten_arrays`);
+  has the recorded hash (XXH3-128 in markers of format 4, SHA-256 before); every array has the
+  shape the marker implies and the full chunk grid (an array of a kind the corpus ingest kept no
+  layer of: none, :func:`unwritten_arrays`);
 - every table file matches its SHA-256 (segment shards: the marker; other tables: the
   ``.sha256`` companion) and parses; the ragged offsets in the tables stay inside the flat
   arrays; ``heads`` is the table the geometry implies;
