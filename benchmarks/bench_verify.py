@@ -8,8 +8,9 @@ version set to 3, which is what the code before format 4 wrote (the same bytes u
 Then, rounds interleaved, times ``actstore verify`` in a fresh process (Python's start and imports
 included) and ``verify_store`` in this one (the store opened, the checks alone), on each store, and the
 read of every file of the store once, on threads (``bench_scale.read_all``: what verify must at least
-do).  Reports medians, verify / read as a rate ratio (read seconds / verify seconds), the CPU seconds
-of each command, and xxh3 / sha256::
+do), and that read together with the model's shared weights (``--weights shared``: outside the
+store's root, and checked by verify too).  Reports medians, verify / read as a rate ratio (read
+seconds / verify seconds), the CPU seconds of each command, and xxh3 / sha256::
 
     python benchmarks/bench_verify.py --positions 10000,100000,1000000 --rounds 3
 """
@@ -109,6 +110,7 @@ def main() -> None:
         for _ in range(a.rounds):
             for (n, algorithm), store in stores.items():
                 runs.setdefault(f"{n} read", []).append(read_all(store))
+                runs.setdefault(f"{n} weights read", []).append(read_all(root / "weights-cache"))
                 wall, cpu = verify_once(store)
                 runs.setdefault(f"{n} {algorithm} verify", []).append(wall)
                 runs.setdefault(f"{n} {algorithm} verify cpu", []).append(cpu)
@@ -123,6 +125,7 @@ def main() -> None:
                 "store_bytes": sum(p.stat().st_size for p in files),
                 "files": len(files),
                 "read_s": round(med[f"{n} read"], 4),
+                "weights_read_s": round(med[f"{n} weights read"], 4),
             }
             for algorithm in ("sha256", "xxh3"):
                 v = med[f"{n} {algorithm} verify"]
@@ -132,6 +135,8 @@ def main() -> None:
                 c = med[f"{n} {algorithm} checks"]
                 row[f"checks_{algorithm}_s"] = round(c, 4)
                 row[f"checks_{algorithm}_of_read_rate"] = round(med[f"{n} read"] / c, 3)
+                both = med[f"{n} read"] + med[f"{n} weights read"]
+                row[f"checks_{algorithm}_of_read_with_weights_rate"] = round(both / c, 3)
             row["xxh3_over_sha256_time"] = round(row["verify_xxh3_s"] / row["verify_sha256_s"], 3)
             row["checks_xxh3_over_sha256_time"] = round(row["checks_xxh3_s"] / row["checks_sha256_s"], 3)
             result[str(n)] = row
