@@ -238,17 +238,17 @@ def compact_held(
         index = list(old.relation_index) if old.relation_index or not old.segments else None
 
     def one_table(table: str) -> tuple[list[TableFile], list[TableFile]]:
-        """``table``'s files of the new snapshot, and the relation index files made beside them."""
-        files, indexed = kept[table], []
-        before = len(files)
-        for k, segs in enumerate(groups, start=before):
+        """The files of ``table`` this compaction writes, and the relation index files made beside them."""
+        made: list[TableFile] = []
+        indexed: list[TableFile] = []
+        for k, segs in enumerate(groups, start=len(kept[table])):
             path = compacted_name(table, number, k)
             pairs: list[pa.Table] | None = [] if table == "examples" and index is not None else None
             (n_rows, min_id, max_id), digest, size, fast = loc.write_stream_atomic(
                 path,
                 functools.partial(_compacted_file, store=store, table=table, segs=segs, old=old, keep=pairs),
             )
-            files.append(TableFile(path, digest, n_rows, size, min(segs), max(segs), min_id, max_id, fast))
+            made.append(TableFile(path, digest, n_rows, size, min(segs), max(segs), min_id, max_id, fast))
             if pairs is not None:  # the relation index of this examples file
                 ipath = index_name(number, k)
                 n_index, idigest, isize, ifast = loc.write_stream_atomic(
@@ -257,22 +257,18 @@ def compact_held(
                 indexed.append(
                     TableFile(ipath, idigest, n_index, isize, min(segs), max(segs), min_id, max_id, ifast)
                 )
-        return files[before:], indexed
+        return made, indexed
 
     # The tables are independent files: compacted on threads (Parquet's decoding and encoding, the
     # hashes and the writes release the GIL; 0.24 s of an import of 65,536 positions on one thread).
     names = list(store.manifest.segment_tables)
     with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
         done = dict(zip(names, pool.map(one_table, names), strict=True))
-    written = bytes_written = 0
-    tables: dict[str, tuple[TableFile, ...]] = {}
-    for table in names:
-        new_files, indexed = done[table]
-        tables[table] = tuple(kept[table])
-        if index is not None:
-            index.extend(indexed)
-        written += len(new_files) + len(indexed)
-        bytes_written += sum(f.bytes for f in (*new_files, *indexed))
+    tables = {t: (*kept[t], *done[t][0]) for t in names}
+    new = [f for t in names for part in done[t] for f in part]
+    if index is not None:
+        index += [f for t in names for f in done[t][1]]
+    written, bytes_written = len(new), sum(f.bytes for f in new)
     segments = {s: (c.n_sources, c.n_tokens) for s, c in commits.items()}
     counted = old is not None and old.segment_bytes >= 0
     seg_bytes = (old.segment_bytes if counted and old else 0) + sum(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from actstore.core.errors import CorruptStoreError, FormatVersionError, StoreNotFoundError
-from actstore.core.tables import ALL_SEGMENT_TABLES, SEGMENT_TABLES, store_segment_tables
+from actstore.core.tables import ALL_SEGMENT_TABLES, OBJECT_HASHES, SEGMENT_TABLES, store_segment_tables
 
 if TYPE_CHECKING:
     from actstore.core.storage.base import StoreLocation
@@ -61,14 +61,10 @@ GEOMETRY_LIMITS: dict[str, int] = {
 MAX_HEADS_TOTAL = 1 << 20  # n_layers * n_heads
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_HEX32 = re.compile(r"[0-9a-f]{32}")
 _OBJECT_KEY = re.compile(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*")
 # the same checks over a marker's whole object list at once, its entries joined by newlines
-_HEX_LINES = {
-    "sha256": re.compile(r"(?:[0-9a-f]{64}\n)*"),
-    "xxh3": re.compile(r"(?:[0-9a-f]{32}\n)*"),
-}
-_HEX = {"sha256": _HEX64, "xxh3": _HEX32}
+_HEX = {a: re.compile(f"[0-9a-f]{{{n}}}") for a, (_, n) in OBJECT_HASHES.items()}  # (object digests)
+_HEX_LINES = {a: re.compile(f"(?:[0-9a-f]{{{n}}}\n)*") for a, (_, n) in OBJECT_HASHES.items()}
 _OBJECT_KEY_LINES = re.compile(r"(?:[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*\n)*")
 _DOTDOT = re.compile(r"(?:^|[/\n])\.\.(?:[/\n]|$)")
 

@@ -137,12 +137,13 @@ def xxh3(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-#: The hashes a commit marker may list its segment's objects with (its ``object_hash``; format 4).
-OBJECT_HASHES = ("sha256", "xxh3")
+#: The hashes a commit marker may list its segment's objects with (its ``object_hash``; format 4):
+#: each one's name in messages and the hex digits of its digest.
+OBJECT_HASHES = {"sha256": ("SHA-256", 64), "xxh3": ("XXH3-128", 32)}
 
 
 def digest(data: Any, algorithm: str) -> str:
-    """``data``'s hex digest by ``algorithm``, one of :data:`OBJECT_HASHES`."""
+    """``data``'s hex digest by ``algorithm``, a key of :data:`OBJECT_HASHES`."""
     if algorithm == "xxh3":
         return xxhash.xxh3_128_hexdigest(data)
     if algorithm == "sha256":

@@ -42,7 +42,14 @@ from actstore.core.manifest import SegmentCommit
 from actstore.core.progress import progress_bar
 from actstore.core.segments import expected_shape, read_commits, segment_name, unwritten_arrays
 from actstore.core.store import StoreReader
-from actstore.core.tables import ALL_SEGMENT_TABLES, HASH_SUFFIX, MAX_TABLE_BYTES, digest, sha256
+from actstore.core.tables import (
+    ALL_SEGMENT_TABLES,
+    HASH_SUFFIX,
+    MAX_TABLE_BYTES,
+    OBJECT_HASHES,
+    digest,
+    sha256,
+)
 from actstore.core.verify_report import VerifyReport, read_hashed
 from actstore.core.verify_snapshot import check_snapshot
 from actstore.core.verify_tables import check_segment_tables
@@ -106,7 +113,6 @@ def _grid_keys(arr: zarr.Array | ArrayMeta) -> dict[str, int]:
 # of their rows in each chunk (axis 1; resid has one slot more, the embedding).
 _LAYER_WEIGHTS = frozenset({"W_O", "b_O", "W_V", "b_V", "W_down", "b_down"})
 _LAYER_ARRAYS = frozenset({"z", "attn", "v", "mlp", "resid"})
-_HASH_NAMES = {"sha256": "SHA-256", "xxh3": "XXH3-128"}  # (a commit marker's object_hash)
 
 
 def _rows(arr: zarr.Array | ArrayMeta, i: int, where: str = "") -> str:
@@ -220,7 +226,7 @@ def _check_objects(
             continue
         if digest(data, algorithm) != objects[key]:
             report.problems.append(
-                f"{what} is corrupt: {_HASH_NAMES[algorithm]} does not match the commit marker"
+                f"{what} is corrupt: {OBJECT_HASHES[algorithm][0]} does not match the commit marker"
             )
             continue
         if i is not None:
