@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,11 +215,16 @@ def windows_from_vllm(paths: Iterable[str | Path], layer_ids: Sequence[int]) -> 
 
 
 def check_windows(
-    windows: Sequence[ExternalWindow], g: Geometry, storage_dtype: str = "float32", values: bool = True
+    windows: Sequence[ExternalWindow],
+    g: Geometry,
+    storage_dtype: str = "float32",
+    values: bool = True,
+    only: Collection[int] | None = None,
 ) -> list[int]:
     """The residual indices every window holds (the same in each), after checking them against ``g``
     and, with ``values``, that every value is finite (for a float16 store: within float16's range;
-    one read of every value, so a caller that checked them does not again)."""
+    one read of every value, so a caller that checked them does not again); ``only``: the values of
+    these windows alone (a rank's)."""
     if not windows:
         raise InvalidSetting("source", "no windows to write")
     layers = sorted(windows[0].resid)
@@ -236,7 +241,7 @@ def check_windows(
                     "source",
                     f"window {k}, residual {i}: shape {tuple(a.shape)}, the model's is [{w.ids.size}, {g.d_model}]",
                 )
-        if not values:
+        if not values or (only is not None and k not in only):
             continue
         for i, (hi, lo) in sorted(_extremes(w).items()):
             problem = _value_problem(k, i, hi, lo, storage_dtype)

@@ -105,7 +105,12 @@ def rank_zero_first(
 
 @contextlib.contextmanager
 def ranks_writer_lock(
-    loc: StoreLocation, rank: int, world: int, grouped: bool, log: Callable[[str], None]
+    loc: StoreLocation,
+    rank: int,
+    world: int,
+    grouped: bool,
+    log: Callable[[str], None],
+    command: str = "actstore ingest",
 ) -> Iterator[None]:
     """Hold the store's writer lock for this ingest: taken here (one process), checked (ranks under
     ``--procs``, whose launcher holds it), or taken by rank 0 for every rank (bare torchrun)."""
@@ -115,7 +120,7 @@ def ranks_writer_lock(
             yield
         return
     if world == 1:
-        with writer_lock(loc, log=log):
+        with writer_lock(loc, command=command, log=log):
             yield
         return
     if not grouped:
@@ -126,7 +131,7 @@ def ranks_writer_lock(
     with contextlib.ExitStack() as stack:
         if rank == 0:
             try:
-                stack.enter_context(writer_lock(loc, log=log))
+                stack.enter_context(writer_lock(loc, command=command, log=log))
             except BaseException as e:
                 dist.broadcast_object_list([" ".join(str(e).split()) or type(e).__name__], src=0)
                 raise
@@ -186,9 +191,10 @@ def safe_python(module: str, *, unbuffered: bool = False) -> list[str]:
     return [sys.executable, *(["-u"] if unbuffered else []), "-c", _BOOTSTRAP, module]
 
 
-def torchrun_command(procs: int, ingest_args: Sequence[str]) -> list[str]:
-    """``torchrun --standalone --nproc_per_node N --no-python python -m actstore.cli ingest ...``, both
-    Pythons started by :func:`safe_python` (torchrun's own ``-m`` would put the cwd on sys.path)."""
+def torchrun_command(procs: int, ingest_args: Sequence[str], command: str = "ingest") -> list[str]:
+    """``torchrun --standalone --nproc_per_node N --no-python python -m actstore.cli ingest ...`` (or
+    ``import``), both Pythons started by :func:`safe_python` (torchrun's own ``-m`` would put the cwd
+    on sys.path)."""
     return [
         *safe_python("torch.distributed.run"),
         "--standalone",
@@ -196,7 +202,7 @@ def torchrun_command(procs: int, ingest_args: Sequence[str]) -> list[str]:
         str(procs),
         "--no-python",
         *safe_python("actstore.cli", unbuffered=True),
-        "ingest",
+        command,
         *ingest_args,
     ]
 
@@ -209,8 +215,11 @@ def launch_ranks(
     stderr: TextIO | None = None,
     log: Callable[[str], None] | None = None,
     precheck: Callable[[], None] | None = None,
+    command: str = "ingest",
+    after: Callable[[int], None] | None = None,
 ) -> tuple[int, str | None]:
-    """Run the ingest as ``procs`` ranks under torchrun on this machine and wait for it.
+    """Run the ingest (or ``command``: ``import``) as ``procs`` ranks under torchrun on this machine and
+    wait for it.
 
     With ``out``, the store's writer lock is taken first and held until torchrun has exited
     (its token goes to the ranks in ``ACTSTORE_WRITER_LOCK``; locally the locked file stays
@@ -219,8 +228,10 @@ def launch_ranks(
     a rank's arithmetic that of a one-thread single-process ingest).  The ranks' output passes
     through (progress on stderr, one summary line per rank on stdout), except their ``error:``
     lines and torchrun's own report of a failed rank.  Returns (exit status, the first error
-    line of a rank, without ``error: ``).  An exception here (Ctrl-C, SIGTERM) stops torchrun
-    and its ranks before the lock is let go.
+    line of a rank, without ``error: ``; one naming what went wrong before an internal error, which
+    is what the other ranks say when the failed one went away).  An exception here (Ctrl-C, SIGTERM) stops torchrun
+    and its ranks before the lock is let go.  ``after(status)`` runs once torchrun has exited, still
+    under the lock (an import removes the store its ranks created when one of them failed).
     """
     if procs < 1:
         raise RankError(f"--procs must be at least 1, not {procs}")
@@ -232,21 +243,29 @@ def launch_ranks(
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS and k != LOCK_ENV}
     env.setdefault("OMP_NUM_THREADS", "1")
     if out is None:
-        return _run_torchrun(procs, ingest_args, env, err, ())
-    with writer_lock(out, command=f"actstore ingest --procs {procs}", log=log or (lambda m: None)) as lock:
+        return _run_torchrun(procs, ingest_args, env, err, (), command)
+    with writer_lock(out, command=f"actstore {command} --procs {procs}", log=log or (lambda m: None)) as lock:
         if lock is None:
             raise RankError(f"this process already writes {out}")
         if precheck is not None:  # e.g. refuse an existing store with one line before any rank starts
             precheck()
         env[LOCK_ENV] = lock.token
-        return _run_torchrun(procs, ingest_args, env, err, lock.inheritable_fds())
+        rc, error = _run_torchrun(procs, ingest_args, env, err, lock.inheritable_fds(), command)
+        if after is not None:
+            after(rc)
+        return rc, error
 
 
 def _run_torchrun(
-    procs: int, ingest_args: Sequence[str], env: dict[str, str], err: TextIO, fds: tuple[int, ...]
+    procs: int,
+    ingest_args: Sequence[str],
+    env: dict[str, str],
+    err: TextIO,
+    fds: tuple[int, ...],
+    command: str = "ingest",
 ) -> tuple[int, str | None]:
     proc = subprocess.Popen(
-        torchrun_command(procs, ingest_args), env=env, stderr=subprocess.PIPE, pass_fds=fds
+        torchrun_command(procs, ingest_args, command), env=env, stderr=subprocess.PIPE, pass_fds=fds
     )
     try:
         return _follow(proc, err)
@@ -291,4 +310,6 @@ def _follow(proc: subprocess.Popen[bytes], err: TextIO) -> tuple[int, str | None
     if buf:
         handle(buf)
     rc = proc.wait()
-    return rc, (errors[0] if errors else None)
+    # a rank's own error before the others' "internal error" (a peer that went away while they waited)
+    named = [e for e in errors if not e.startswith("internal error: ")]
+    return rc, (named or errors)[0] if errors else None

@@ -110,6 +110,31 @@ def quiet_option(fn: F) -> F:
     return click.option("--quiet", is_flag=True, help="No progress bars or progress lines on stderr.")(fn)
 
 
+def procs_option(fn: F) -> F:
+    return click.option(
+        "--procs",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Run as N ranks on this machine (torchrun --nproc_per_node N, gloo; one summary line per rank).",
+    )(fn)
+
+
+def rank_args(ctx: click.Context) -> list[str]:
+    """The command line of ``ctx`` again without ``--procs``, as each rank of ``--procs`` runs it: the
+    options given (flags that are set), then ``--`` and the positional arguments."""
+    options: list[str] = []
+    positional: list[str] = []
+    for p in ctx.command.params:
+        value = ctx.params.get(p.name or "")
+        if p.name == "procs" or value is None or value is False:
+            continue
+        if isinstance(p, click.Argument):
+            positional += [str(v) for v in (value if isinstance(value, tuple) else (value,))]
+        elif isinstance(p, click.Option):
+            options += [p.opts[-1]] if p.is_flag else [p.opts[-1], str(value)]
+    return [*options, *(["--", *positional] if positional else [])]
+
+
 def progress_lines(quiet: bool, as_json: bool = False) -> Callable[[str], None] | None:
     """The callback that prints a command's progress lines on stderr, or None: none with ``--quiet``,
     none with ``--json`` unless stderr is a terminal (a piped ``--json`` keeps stderr silent)."""

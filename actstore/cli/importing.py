@@ -7,7 +7,14 @@ from typing import Any
 
 import click
 
-from actstore.cli._options import command, parse_int_list, printable, threads_option
+from actstore.cli._options import (
+    command,
+    parse_int_list,
+    printable,
+    procs_option,
+    rank_args,
+    threads_option,
+)
 from actstore.core.layout import WEIGHTS_MODES
 
 
@@ -50,21 +57,62 @@ from actstore.core.layout import WEIGHTS_MODES
 )
 @click.option("--resume", is_flag=True, help="Write the segments an interrupted import did not commit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")
-def import_(source: tuple[str, ...], layer_ids: str | None, **settings: Any) -> None:
+@procs_option
+def import_(source: tuple[str, ...], layer_ids: str | None, procs: int | None, **settings: Any) -> None:
     """Write SOURCE into the corpus store OUT: a folder of (or files) vLLM extract_hidden_states
     safetensors (token_ids, hidden_states [seq, layers, d]; give --layer-ids), or a .safetensors /
     .pt file of a cache (TransformerLens hook names or transformers module paths -> [batch, pos, d])
     with its token ids under "tokens"."""
+    from actstore.ingest.ranks import leave_process_group, ranks_from_env
     from actstore.jobs.import_acts import read_source, write_corpus
 
+    if procs is not None and procs > 1:
+        _launch(procs, settings["out"], resume=settings["resume"], overwrite=settings["overwrite"])
+        return
     src, tokens = read_source(list(source))
     ids = parse_int_list(layer_ids) if layer_ids else None
-    report = write_corpus(settings.pop("out"), src, tokens=tokens, layer_ids=ids, **settings)
+    rank, world = ranks_from_env()  # set by torchrun: each rank writes every world-th segment
+    try:
+        report = write_corpus(
+            settings.pop("out"), src, tokens=tokens, layer_ids=ids, rank=rank, world_size=world, **settings
+        )
+    finally:
+        leave_process_group()
     click.echo(
         printable(
             f"{report.store}: {report.n_examples} positions, {report.segments_written} segments written"
         )
     )
+
+
+def _launch(procs: int, out: str, *, resume: bool, overwrite: bool) -> None:
+    """The same command, without --procs, as ``procs`` ranks under torchrun; the launcher holds the
+    writer lock throughout, and removes a store its ranks created when one of them failed (a bad value
+    in a file: one line, no store)."""
+    from actstore.core.ownership import check_root, discard_created
+    from actstore.core.storage import locate
+    from actstore.ingest.ranks import launch_ranks
+
+    created = {"fresh": False}
+
+    def look() -> None:  # under the lock, before any rank starts (the ranks look again)
+        if not resume:
+            created["fresh"] = check_root(locate(out), overwrite=overwrite) is None
+
+    def after(status: int) -> None:  # every rank has exited; the lock is still held
+        if status != 0 and created["fresh"]:
+            discard_created(locate(out))
+
+    rc, error = launch_ranks(
+        procs,
+        rank_args(click.get_current_context()),
+        out=out,
+        precheck=look,
+        command="import",
+        after=after,
+    )
+    if rc != 0:
+        raise click.ClickException(error or f"torchrun exited with status {rc}")
 
 
 COMMANDS = [import_]

@@ -13,8 +13,10 @@ from actstore.cli._options import (
     command,
     json_option,
     printable,
+    procs_option,
     progress_lines,
     quiet_option,
+    rank_args,
     threads_option,
 )
 from actstore.ingest.settings import IngestRequest
@@ -28,12 +30,7 @@ from actstore.ingest.settings import IngestRequest
 @options_from(IngestRequest, first=("model", "dataset", "relations", "limit_per_relation", "template"))
 @quiet_option
 @json_option
-@click.option(
-    "--procs",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Run as N ranks on this machine (torchrun --nproc_per_node N, gloo; one summary line per rank).",
-)
+@procs_option
 def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
     from actstore.core.progress import progress_wanted
@@ -43,14 +40,6 @@ def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
     out, resume, overwrite = given["out"], given["resume"], given["overwrite"]
 
     if procs is not None and procs > 1:  # the same command, without --procs, under torchrun
-        ctx = click.get_current_context()
-        args: list[str] = []
-        for p in ctx.command.params:
-            value = ctx.params.get(p.name or "")
-            if p.name == "procs" or value is None or not isinstance(p, click.Option) or value is False:
-                continue
-            args += [p.opts[-1]] if p.is_flag else [p.opts[-1], str(value)]
-
         # The launcher holds the store's writer lock until torchrun exits; the ranks run under it.
         def refuse_existing() -> None:  # under the lock, before any rank starts (the ranks check again)
             from actstore.core.ownership import check_root
@@ -61,7 +50,7 @@ def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
 
         rc, error = launch_ranks(
             procs,
-            args,
+            rank_args(click.get_current_context()),
             out=out,
             precheck=refuse_existing,
             log=lambda m: click.echo(printable(m), err=True) if not quiet else None,

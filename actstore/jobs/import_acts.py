@@ -9,15 +9,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from actstore.core.compact import compact_held, compacted_fully
 from actstore.core.errors import InvalidSetting
-from actstore.core.lock import writer_lock
+from actstore.core.lock import LOCK_ENV
 from actstore.core.ownership import check_root, discard_created
 from actstore.core.storage import locate
+from actstore.core.storage.base import StoreLocation
 from actstore.ingest.capture_store import IngestReport
 from actstore.ingest.external import ExternalWindow, windows_from_mapping, windows_from_vllm, write_windows
 from actstore.ingest.models.registry import load_model
+from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import IngestConfig
 
 
@@ -113,6 +117,8 @@ def write_corpus(
     resume: bool = False,
     predict: bool = True,
     weights: str = "shared",
+    rank: int = 0,
+    world_size: int = 1,
 ) -> IngestReport:
     """Write ``source`` (see :func:`source_windows`) into a corpus store at ``out``; ``model``: the model
     it was captured from (an alias, hub name or folder: its weights, tokenizer and geometry go in the
@@ -120,20 +126,93 @@ def write_corpus(
     predictions from the last residual (its logits over the vocabulary cost more than the import);
     ``segment_size``: positions per commit (None: :func:`segment_rows`, about 16 MiB of stored
     residuals a segment); ``weights``: shared, copy or none, as ``actstore ingest --weights``
-    (docs/storage.md)."""
+    (docs/storage.md); ``rank``, ``world_size``: this process's place among ranks that write one store
+    together (``actstore import --procs N``, or torchrun: :mod:`actstore.ingest.ranks`), each the
+    segments ``s % world_size == rank``, rank 0 creating the store and compacting it at the end."""
     windows, spec = source_windows(source, tokens, layer_ids)
     loc = locate(os.fspath(out))
-    # a new store (the root missing or empty): the values are checked as each segment is cast, one read
-    # of the files, and a store that meets a bad one is removed; else (a store to overwrite, a resume)
-    # they are checked first, so that nothing stored is lost to a bad file
-    fresh = not resume and check_root(loc, overwrite=overwrite) is None
+    if not resume:
+        check_root(
+            loc, overwrite=overwrite
+        )  # a store there without --overwrite: refused before the model loads
+    launched = bool(os.environ.get(LOCK_ENV))  # under --procs, whose launcher removes a failed new store
     loaded = load_model(model, dtype=torch.float32)
     from actstore.ingest.capture.architectures import architecture_for
     from actstore.ingest.external import check_windows
 
-    check_windows(  # the shapes (and, unless fresh, the values) before the store is touched
-        windows, architecture_for(loaded.model).geometry(loaded.model), storage_dtype, values=not fresh
-    )
+    g = architecture_for(loaded.model).geometry(loaded.model)
+    check_windows(windows, g, storage_dtype, values=False)  # the shapes, before the store is touched
+    if segment_size is None:
+        segment_size = segment_rows(len(windows[0].resid), g.d_model, storage_dtype)
+    grouped = join_process_group(rank, world_size)
+    with ranks_writer_lock(loc, rank, world_size, grouped, lambda m: None, "actstore import"):
+        # a new store (the root missing or empty): the values are checked as each segment is cast, one
+        # read of the files, and a store that meets a bad one is removed (by --procs's launcher when
+        # ranks write it); else (a store to overwrite, a resume, ranks under a bare torchrun) they are
+        # checked first, each rank its own segments' windows, so that nothing stored is lost to a bad file
+        fresh = not resume and check_root(loc, overwrite=overwrite) is None
+        cast_check = fresh and (world_size == 1 or launched)
+        if not cast_check:
+            mine = None if world_size == 1 else rank_windows(windows, segment_size, rank, world_size)
+            check_windows(windows, g, storage_dtype, only=mine)
+        if grouped:
+            barrier()  # every rank has looked and checked before rank 0 can create (or overwrite) the store
+        try:
+            report = _write(
+                loc,
+                loaded,
+                windows,
+                spec,
+                storage_dtype,
+                segment_size,
+                resume,
+                overwrite,
+                weights,
+                predict,
+                cast_check,
+                rank,
+                world_size,
+            )
+        except InvalidSetting:
+            if fresh and world_size == 1:
+                discard_created(loc)
+            raise
+        if grouped:  # one snapshot of every rank's segments, written by rank 0 alone
+            barrier()
+            if rank == 0 and not compacted_fully(loc):
+                compact_held(loc, full=True)
+        return report
+
+
+def rank_windows(windows: Sequence[ExternalWindow], segment_size: int, rank: int, world: int) -> set[int]:
+    """The windows holding rows of the segments ``s % world == rank`` (one after another, in order)."""
+    ends = np.cumsum([w.ids.size for w in windows])
+    starts = ends - np.array([w.ids.size for w in windows])
+    return {
+        k
+        for k in range(len(windows))
+        if any(
+            s % world == rank
+            for s in range(int(starts[k]) // segment_size, (int(ends[k]) - 1) // segment_size + 1)
+        )
+    }
+
+
+def _write(
+    loc: StoreLocation,
+    loaded: Any,
+    windows: list[ExternalWindow],
+    spec: str,
+    storage_dtype: str,
+    segment_size: int,
+    resume: bool,
+    overwrite: bool,
+    weights: str,
+    predict: bool,
+    check_values: bool,
+    rank: int,
+    world_size: int,
+) -> IngestReport:
     model_info = {
         "name": loaded.name,
         "source": loaded.source,
@@ -141,9 +220,6 @@ def write_corpus(
         "weight_hash": loaded.weight_hash,
         "dtype": "float32",
     }
-    g = architecture_for(loaded.model).geometry(loaded.model)
-    if segment_size is None:
-        segment_size = segment_rows(len(windows[0].resid), g.d_model, storage_dtype)
     cfg = IngestConfig(
         out=loc.url,
         batch_size=1,
@@ -154,22 +230,18 @@ def write_corpus(
         overwrite=overwrite,
         progress=False,
         weights=weights,
+        rank=rank,
+        world_size=world_size,
         extra={"dataset": spec, "kinds": ["resid"]},
     )
-    with writer_lock(loc, command="actstore import"):
-        try:
-            return write_windows(
-                loc,
-                loaded.model,
-                loaded.tokenizer,
-                model_info,
-                windows,
-                spec,
-                cfg,
-                predict,
-                check_values=fresh,
-            )
-        except InvalidSetting:
-            if fresh:
-                discard_created(loc)
-            raise
+    return write_windows(
+        loc,
+        loaded.model,
+        loaded.tokenizer,
+        model_info,
+        windows,
+        spec,
+        cfg,
+        predict,
+        check_values=check_values,
+    )
