@@ -126,12 +126,14 @@ def rank_args(ctx: click.Context) -> list[str]:
     positional: list[str] = []
     for p in ctx.command.params:
         value = ctx.params.get(p.name or "")
-        if p.name == "procs" or value is None or value is False:
+        if p.name == "procs" or value is None:
             continue
         if isinstance(p, click.Argument):
             positional += [str(v) for v in (value if isinstance(value, tuple) else (value,))]
+        elif isinstance(p, click.Option) and p.is_flag:  # --x, or --x/--no-x either way
+            options += [p.opts[-1]] if value else p.secondary_opts[-1:]
         elif isinstance(p, click.Option):
-            options += [p.opts[-1]] if p.is_flag else [p.opts[-1], str(value)]
+            options += [p.opts[-1], str(value)]
     return [*options, *(["--", *positional] if positional else [])]
 
 

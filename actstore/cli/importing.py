@@ -55,6 +55,14 @@ from actstore.core.layout import WEIGHTS_MODES
     help="Where the model's weights go: shared (one copy per model in the user cache), copy (in the "
     "store), none (docs/storage.md).",
 )
+@click.option(
+    "--predict/--no-predict",
+    default=True,
+    show_default=True,
+    help="The model's next-token predictions from the last residual, when it is imported (the targets "
+    "table's top_token_id, object_logprob, object_rank). Its logits over the vocabulary can cost far more than the import "
+    "(SmolLM2-135M, 2,048 requests, 2 CPU cores: 12.6x the whole command); --no-predict stores -1 / NaN.",
+)
 @click.option("--resume", is_flag=True, help="Write the segments an interrupted import did not commit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")
 @procs_option

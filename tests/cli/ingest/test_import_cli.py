@@ -206,3 +206,16 @@ def test_the_documented_example_runs(tmp_path: Path) -> None:
     s = actstore.open(out)
     assert s.manifest.n_examples == 12 and s.geometry.d_model == 576
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
+
+
+def test_no_predict(tmp_path: Path) -> None:
+    """``--no-predict``: the last residual is stored, and no prediction is made from it (-1 / NaN)."""
+    hs = vllm_files(tmp_path / "hs")
+    base = ["import", str(tmp_path / "hs"), "--layer-ids", "2,0", "--model", "tiny-llama"]
+    r = CliRunner().invoke(main, [*base, "--no-predict", "--out", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
+    s = actstore.open(tmp_path / "s")
+    got = s.sql("SELECT top_token_id AS t, object_logprob AS lp, object_rank AS r FROM targets").to_pylist()
+    assert len(got) == sum(h.shape[0] for h in hs)
+    assert all(row["t"] == -1 and row["lp"] != row["lp"] and row["r"] == -1 for row in got)  # NaN != NaN
+    np.testing.assert_array_equal(s.select().features("resid", layers=[2])[:, 0], np.concatenate(hs)[:, 0])

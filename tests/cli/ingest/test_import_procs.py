@@ -139,3 +139,24 @@ def test_rank_windows_against_a_plain_loop() -> None:
                 if (row // seg) % world == rank
             }
             assert rank_windows(ws, seg, rank, world) == want
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["a", "b", "--out", "s", "--procs", "2"],
+        ["--no-predict", "--resume", "--out", "-odd name", "--procs", "3", "--", "-first", "second"],
+        ["x", "--predict", "--layer-ids", "0,2", "--procs", "2", "--weights", "copy", "--out", "s"],
+    ],
+)
+def test_rank_args_give_each_rank_the_same_command(argv: list[str]) -> None:
+    """What each rank of ``--procs`` parses is what the launcher parsed, ``--procs`` aside (a flag pair
+    set either way, a positional that looks like an option, a value with a space)."""
+    from actstore.cli._options import rank_args
+    from actstore.cli.importing import import_
+
+    ctx = import_.make_context("import", list(argv))
+    again = import_.make_context("import", rank_args(ctx))
+    assert "--procs" not in rank_args(ctx)
+    want = {k: v for k, v in ctx.params.items() if k != "procs"}
+    assert {k: v for k, v in again.params.items() if k != "procs"} == want and again.params["procs"] is None
