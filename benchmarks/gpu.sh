@@ -104,7 +104,8 @@ step env 40 "$PY" "$B" env --out "$WORK/parts/env.json" --site "$SITE"
 # a. The capture's identities and oracles on the tiny families, on the device, float32 then bfloat16
 #    (tolerances: tests/helpers.py, docs/testing.md "Tolerances").  -W default: a library's deprecation
 #    warning is shown, not a failure, there.
-TESTS=(tests/integration/capture/test_oracles_capture.py tests/integration/capture/test_exactness.py)
+TESTS=(tests/integration/capture/test_oracles_capture.py tests/integration/capture/test_exactness.py
+       tests/integration/ingest/test_import_device.py)  # the last: an import's predictions on the device
 PYTEST=(-q -p no:cacheprovider -m "not slow and not real_data" -W default --durations=5)
 if [ "$MODE" = cpu ]; then
   PYTEST+=(-k "llama-right and (attn_prob_equals or reconstructs_module)")  # the dry run: two tests

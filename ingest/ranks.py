@@ -57,6 +57,16 @@ def ranks_from_env() -> tuple[int, int]:
     return rank, world
 
 
+def rank_device(device: str, world: int) -> str:
+    """``device`` for this rank: under ranks on one node, ``cuda`` becomes ``cuda:LOCAL_RANK`` (modulo the
+    GPUs there: ranks share them when there are fewer); anything else as it is."""
+    if device == "cuda" and world > 1 and os.environ.get("LOCAL_RANK", "").isdigit():
+        import torch
+
+        return f"cuda:{int(os.environ['LOCAL_RANK']) % max(1, torch.cuda.device_count())}"
+    return device
+
+
 def join_process_group(rank: int, world: int) -> bool:
     """Join the gloo group torchrun describes (``MASTER_ADDR``/``MASTER_PORT``); False without one."""
     if world == 1 or not dist.is_available() or "MASTER_ADDR" not in os.environ:

@@ -16,6 +16,7 @@ from actstore.cli._options import (
     threads_option,
 )
 from actstore.core.layout import WEIGHTS_MODES
+from actstore.core.settings import DEFAULT_DEVICE
 
 
 @command(
@@ -63,6 +64,12 @@ from actstore.core.layout import WEIGHTS_MODES
     "table's top_token_id, object_logprob, object_rank). Its logits over the vocabulary can cost far more than the import "
     "(SmolLM2-135M, 2,048 requests, 2 CPU cores: 12.6x the whole command); --no-predict stores -1 / NaN.",
 )
+@click.option(
+    "--device",
+    default=DEFAULT_DEVICE,
+    show_default=True,
+    help="torch device of the model, which computes the predictions (cuda: under --procs, cuda:LOCAL_RANK).",
+)
 @click.option("--resume", is_flag=True, help="Write the segments an interrupted import did not commit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")
 @procs_option
@@ -71,7 +78,7 @@ def import_(source: tuple[str, ...], layer_ids: str | None, procs: int | None, *
     safetensors (token_ids, hidden_states [seq, layers, d]; give --layer-ids), or a .safetensors /
     .pt file of a cache (TransformerLens hook names or transformers module paths -> [batch, pos, d])
     with its token ids under "tokens"."""
-    from actstore.ingest.ranks import leave_process_group, ranks_from_env
+    from actstore.ingest.ranks import leave_process_group, rank_device, ranks_from_env
     from actstore.jobs.import_acts import read_source, write_corpus
 
     if procs is not None and procs > 1:
@@ -80,9 +87,17 @@ def import_(source: tuple[str, ...], layer_ids: str | None, procs: int | None, *
     src, tokens = read_source(list(source))
     ids = parse_int_list(layer_ids) if layer_ids else None
     rank, world = ranks_from_env()  # set by torchrun: each rank writes every world-th segment
+    device = rank_device(settings.pop("device"), world)
     try:
         report = write_corpus(
-            settings.pop("out"), src, tokens=tokens, layer_ids=ids, rank=rank, world_size=world, **settings
+            settings.pop("out"),
+            src,
+            tokens=tokens,
+            layer_ids=ids,
+            rank=rank,
+            world_size=world,
+            device=device,
+            **settings,
         )
     finally:
         leave_process_group()

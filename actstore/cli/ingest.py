@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import click
@@ -34,7 +33,7 @@ from actstore.ingest.settings import IngestRequest
 def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
     """Run MODEL once over DATASET with fused capture and write the store OUT."""
     from actstore.core.progress import progress_wanted
-    from actstore.ingest.ranks import launch_ranks, leave_process_group, ranks_from_env
+    from actstore.ingest.ranks import launch_ranks, leave_process_group, rank_device, ranks_from_env
     from actstore.jobs.ingest import run_ingest
 
     out, resume, overwrite = given["out"], given["resume"], given["overwrite"]
@@ -60,11 +59,7 @@ def ingest(quiet: bool, as_json: bool, procs: int | None, **given: Any) -> None:
         return
 
     rank, world = ranks_from_env()  # set by torchrun: each rank ingests every world-th segment
-    device = given.pop("device")
-    if device == "cuda" and world > 1 and os.environ.get("LOCAL_RANK", "").isdigit():
-        import torch  # one GPU per rank on each node (ranks share GPUs when there are fewer)
-
-        device = f"cuda:{int(os.environ['LOCAL_RANK']) % max(1, torch.cuda.device_count())}"
+    device = rank_device(given.pop("device"), world)  # one GPU per rank on each node
     req = config_from(
         IngestRequest, given, device=device, progress=progress_wanted(quiet), rank=rank, world_size=world
     )

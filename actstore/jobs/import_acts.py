@@ -119,6 +119,7 @@ def write_corpus(
     weights: str = "shared",
     rank: int = 0,
     world_size: int = 1,
+    device: str = "cpu",
 ) -> IngestReport:
     """Write ``source`` (see :func:`source_windows`) into a corpus store at ``out``; ``model``: the model
     it was captured from (an alias, hub name or folder: its weights, tokenizer and geometry go in the
@@ -128,7 +129,9 @@ def write_corpus(
     residuals a segment); ``weights``: shared, copy or none, as ``actstore ingest --weights``
     (docs/storage.md); ``rank``, ``world_size``: this process's place among ranks that write one store
     together (``actstore import --procs N``, or torchrun: :mod:`actstore.ingest.ranks`), each the
-    segments ``s % world_size == rank``, rank 0 creating the store and compacting it at the end."""
+    segments ``s % world_size == rank``, rank 0 creating the store and compacting it at the end;
+    ``device``: where the model computes the predictions (``cuda``: the head's logits over the
+    vocabulary on the GPU; the activations are read, checked and written on the host)."""
     windows, spec = source_windows(source, tokens, layer_ids)
     loc = locate(os.fspath(out))
     if not resume:
@@ -136,7 +139,7 @@ def write_corpus(
             loc, overwrite=overwrite
         )  # a store there without --overwrite: refused before the model loads
     launched = bool(os.environ.get(LOCK_ENV))  # under --procs, whose launcher removes a failed new store
-    loaded = load_model(model, dtype=torch.float32)
+    loaded = load_model(model, device=device, dtype=torch.float32)
     from actstore.ingest.capture.architectures import architecture_for
     from actstore.ingest.external import check_windows
 

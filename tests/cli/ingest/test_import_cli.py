@@ -219,3 +219,17 @@ def test_no_predict(tmp_path: Path) -> None:
     assert len(got) == sum(h.shape[0] for h in hs)
     assert all(row["t"] == -1 and row["lp"] != row["lp"] and row["r"] == -1 for row in got)  # NaN != NaN
     np.testing.assert_array_equal(s.select().features("resid", layers=[2])[:, 0], np.concatenate(hs)[:, 0])
+
+
+def test_a_device_torch_cannot_use_is_one_line_and_no_store(tmp_path: Path) -> None:
+    """``--device`` names where the model computes the predictions; one torch cannot reach (a CUDA device
+    on a machine or build without one, a name torch does not know) is one line and no store."""
+    vllm_files(tmp_path / "hs")
+    base = ["import", str(tmp_path / "hs"), "--layer-ids", "2,0", "--model", "tiny-llama"]
+    bad = ["nonsense"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for k, device in enumerate(bad):
+        r = CliRunner().invoke(main, [*base, "--device", device, "--out", str(tmp_path / f"s{k}")])
+        assert r.exit_code != 0 and len(r.output.strip().splitlines()) == 1, r.output
+        assert r.output.startswith("error: ") and device in r.output and not (tmp_path / f"s{k}").exists()
+    r = CliRunner().invoke(main, [*base, "--device", "cpu", "--out", str(tmp_path / "cpu")])
+    assert r.exit_code == 0, r.output
