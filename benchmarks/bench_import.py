@@ -26,7 +26,6 @@ floor, and the load average at the start and end::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -44,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import evict, write_vllm_files  # noqa: E402
+from benchmarks.common import evict, vllm_parser, write_vllm_files  # noqa: E402
 
 
 def resident(files: list[Path]) -> int | None:
@@ -64,11 +63,9 @@ def resident(files: list[Path]) -> int | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--requests", default="64,512,2048", help="sizes, comma-separated")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--layer-ids", default="0,10,20,30")
+    ap = vllm_parser(
+        __doc__, "smollm2-135m", ("--requests", "64,512,2048", "sizes, comma-separated"), "0,10,20,30"
+    )
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="storage dtype")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -76,7 +73,6 @@ def main() -> None:
     ap.add_argument(
         "--predict", action="store_true", help="predictions from the last residual (the head's logits)"
     )
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     root = Path(tempfile.mkdtemp(prefix="bench-import-"))

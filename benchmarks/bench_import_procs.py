@@ -11,7 +11,6 @@ Writes the largest of ``--requests`` files in the layout vLLM's ExampleHiddenSta
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,20 +25,17 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import write_vllm_files  # noqa: E402
+from benchmarks.common import vllm_parser, write_vllm_files  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--requests", default="79,782,7813", help="sizes in files, comma-separated")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--layer-ids", default="0,2")
+    ap = vllm_parser(
+        __doc__, "tiny-llama", ("--requests", "79,782,7813", "sizes in files, comma-separated"), "0,2"
+    )
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="storage dtype")
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--predict", action="store_true", help="predictions from the last residual")
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
     from actstore.ingest.models.registry import load_model

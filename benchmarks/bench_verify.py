@@ -17,7 +17,6 @@ seconds / verify seconds), the CPU seconds of each command, and xxh3 / sha256::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -35,7 +34,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_scale import read_all  # noqa: E402
-from benchmarks.common import emit, write_vllm_files  # noqa: E402
+from benchmarks.common import emit, vllm_parser, write_vllm_files  # noqa: E402
 
 
 def as_format_3(store: Path) -> None:
@@ -64,13 +63,10 @@ def verify_once(store: Path) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-llama")
-    ap.add_argument("--positions", default="10000,100000,1000000", help="sizes, comma-separated")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--layer-ids", default="0,2")
+    ap = vllm_parser(
+        __doc__, "tiny-llama", ("--positions", "10000,100000,1000000", "sizes, comma-separated"), "0,2"
+    )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-verify-"))
     os.environ["ACTSTORE_WEIGHTS_DIR"] = str(root / "weights-cache")

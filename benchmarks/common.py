@@ -52,3 +52,17 @@ def write_vllm_files(
             str(folder / f"req-{k:05d}.safetensors"),
         )
     return sorted(folder.glob("*.safetensors"))
+
+
+def vllm_parser(doc: str | None, model: str, sizes: tuple[str, str, str], layer_ids: str) -> Any:
+    """The options the vLLM-file benchmarks share: ``--model``, the sizes (``sizes``: the option's name,
+    its default and its help), ``--seq``, ``--layer-ids`` and ``--json``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=model)
+    ap.add_argument(sizes[0], default=sizes[1], help=sizes[2])
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--layer-ids", default=layer_ids)
+    ap.add_argument("--json", default=None)
+    return ap
