@@ -171,6 +171,7 @@ class CaptureMode:
     capture_segment: Callable[[FusedCapture, int, int, Any], CapturedSegment]
     check: Callable[[], None] | None = None
     values_checked: bool = False
+    desc: str = "ingest"  # the progress bar's name
 
 
 def require_lock(loc: StoreLocation) -> None:
@@ -208,7 +209,7 @@ def capture_segments(
     pending: list[Future[Any]] = []
     S = cfg.segment_size
     n_todo = sum(min(S, n_rows - s * S) for s in todo)
-    bar = progress_bar(total=n_todo, unit=mode.unit, desc="ingest", enabled=cfg.progress and cfg.rank == 0)
+    bar = progress_bar(total=n_todo, unit=mode.unit, desc=mode.desc, enabled=cfg.progress and cfg.rank == 0)
     with FusedCapture(model, arch, cfg.storage_dtype) as capture, ThreadPoolExecutor(max_workers=1) as pool:
         for k, seg in enumerate(todo):
             part = mode.capture_segment(capture, seg, len(done) + k, bar)

@@ -441,5 +441,7 @@ def write_windows(
         "predict": predict,
     }
     # (the arrays go to the writer with their kept layers only: it writes the others as zeros)
-    mode = CaptureMode(plan.n_rows, settings, "position", capture_segment, values_checked=check_values)
+    mode = CaptureMode(
+        plan.n_rows, settings, "position", capture_segment, values_checked=check_values, desc="import"
+    )
     return capture_segments(loc, model, tokenizer, model_info, cfg, mode)

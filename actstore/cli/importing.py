@@ -3,15 +3,18 @@ TransformerLens cache or nnsight saves) written into a corpus store (docs/intero
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import click
 
 from actstore.cli._options import (
     command,
+    json_option,
     parse_int_list,
     printable,
     procs_option,
+    quiet_option,
     rank_args,
     threads_option,
 )
@@ -72,12 +75,22 @@ from actstore.core.settings import DEFAULT_DEVICE
 )
 @click.option("--resume", is_flag=True, help="Write the segments an interrupted import did not commit.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@quiet_option
+@json_option
 @procs_option
-def import_(source: tuple[str, ...], layer_ids: str | None, procs: int | None, **settings: Any) -> None:
+def import_(
+    source: tuple[str, ...],
+    layer_ids: str | None,
+    procs: int | None,
+    quiet: bool,
+    as_json: bool,
+    **settings: Any,
+) -> None:
     """Write SOURCE into the corpus store OUT: a folder of (or files) vLLM extract_hidden_states
     safetensors (token_ids, hidden_states [seq, layers, d]; give --layer-ids), or a .safetensors /
     .pt file of a cache (TransformerLens hook names or transformers module paths -> [batch, pos, d])
     with its token ids under "tokens"."""
+    from actstore.core.progress import progress_wanted
     from actstore.ingest.ranks import leave_process_group, rank_device, ranks_from_env
     from actstore.jobs.import_acts import read_source, write_corpus
 
@@ -97,10 +110,21 @@ def import_(source: tuple[str, ...], layer_ids: str | None, procs: int | None, *
             rank=rank,
             world_size=world,
             device=device,
+            progress=progress_wanted(quiet),
             **settings,
         )
     finally:
         leave_process_group()
+    if as_json:
+        summary = {
+            "store": report.store,
+            "positions": report.n_examples,
+            "segments_written": report.segments_written,
+            "segments_already_committed": report.segments_skipped,
+            "seconds": round(report.seconds, 2),
+        }
+        click.echo(json.dumps(summary))
+        return
     click.echo(
         printable(
             f"{report.store}: {report.n_examples} positions, {report.segments_written} segments written"

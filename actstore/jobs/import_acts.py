@@ -120,6 +120,7 @@ def write_corpus(
     rank: int = 0,
     world_size: int = 1,
     device: str = "cpu",
+    progress: bool = False,
 ) -> IngestReport:
     """Write ``source`` (see :func:`source_windows`) into a corpus store at ``out``; ``model``: the model
     it was captured from (an alias, hub name or folder: its weights, tokenizer and geometry go in the
@@ -131,7 +132,8 @@ def write_corpus(
     together (``actstore import --procs N``, or torchrun: :mod:`actstore.ingest.ranks`), each the
     segments ``s % world_size == rank``, rank 0 creating the store and compacting it at the end;
     ``device``: where the model computes the predictions (``cuda``: the head's logits over the
-    vocabulary on the GPU; the activations are read, checked and written on the host)."""
+    vocabulary on the GPU; the activations are read, checked and written on the host); ``progress``: a
+    bar of the positions written on stderr (rank 0's)."""
     windows, spec = source_windows(source, tokens, layer_ids)
     loc = locate(os.fspath(out))
     if not resume:
@@ -175,6 +177,7 @@ def write_corpus(
                 cast_check,
                 rank,
                 world_size,
+                progress,
             )
         except InvalidSetting:
             if fresh and world_size == 1:
@@ -215,6 +218,7 @@ def _write(
     check_values: bool,
     rank: int,
     world_size: int,
+    progress: bool,
 ) -> IngestReport:
     model_info = {
         "name": loaded.name,
@@ -231,7 +235,7 @@ def _write(
         chunk_rows=min(IMPORT_CHUNK_ROWS, segment_size),
         resume=resume,
         overwrite=overwrite,
-        progress=False,
+        progress=progress,
         weights=weights,
         rank=rank,
         world_size=world_size,

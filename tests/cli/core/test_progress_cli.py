@@ -89,23 +89,45 @@ def long_commands(store: str, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "report": (["report", store, "--out", str(tmp / "r.html")], "report: "),
         "topk": (["topk", store, "--layer", "0", "--no-save"], "topk mlp layer 0:|100%"),
         "verify": (["verify", store], "verify:|segment"),
+        "import": (
+            ["import", vllm_folder(tmp), "--layer-ids", "0,2", "--model", "tiny-llama"],
+            "import: 100%",
+        ),
     }
+
+
+def vllm_folder(tmp: Path) -> str:
+    """Two files in vLLM's extract_hidden_states layout (tiny-llama's width)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp / "hs"
+    folder.mkdir(exist_ok=True)
+    for k in range(2):
+        ids = torch.arange(3, 10 + k)
+        save_file(
+            {"hidden_states": torch.randn(ids.numel(), 2, 64), "token_ids": ids},
+            str(folder / f"r{k}.safetensors"),
+        )
+    return str(folder)
 
 
 def test_long_commands_show_progress_on_a_terminal_and_none_when_quiet_or_piped_json(
     store: str, tmp_path: Path
 ) -> None:
     for name, (args, word) in long_commands(store, tmp_path).items():
-        out_args = ["--out", str(tmp_path / f"{name}-t")] if name == "ingest" else []
+        out_args = ["--out", str(tmp_path / f"{name}-t")] if name in ("ingest", "import") else []
         rc, _, err = on_terminal(args + out_args)
         assert rc == 0, (name, err)
         assert all(w in err for w in word.split("|")), (name, err)
-        out_args = ["--out", str(tmp_path / f"{name}-j")] if name == "ingest" else []
+        out_args = ["--out", str(tmp_path / f"{name}-j")] if name in ("ingest", "import") else []
         r = piped(args + out_args + ["--json"])
         assert r.returncode == 0 and r.stderr == "", (name, r.stderr)
         json.loads(r.stdout)
         rc, _, err = on_terminal(
-            args + ["--quiet"] + (["--out", str(tmp_path / f"{name}-q")] if name == "ingest" else [])
+            args
+            + ["--quiet"]
+            + (["--out", str(tmp_path / f"{name}-q")] if name in ("ingest", "import") else [])
         )
         assert rc == 0 and err.strip() == "", (name, err)
 
