@@ -64,8 +64,9 @@ from actstore.core.settings import DEFAULT_DEVICE
     default=True,
     show_default=True,
     help="The model's next-token predictions from the last residual, when it is imported (the targets "
-    "table's top_token_id, object_logprob, object_rank). Its logits over the vocabulary can cost far more than the import "
-    "(SmolLM2-135M, 2,048 requests, 2 CPU cores: 12.6x the whole command); --no-predict stores -1 / NaN.",
+    "table's top_token_id, object_logprob, object_rank). Its logits over the vocabulary can cost far "
+    "more than the import (SmolLM2-135M, 2,048 requests, 2 CPU cores: 12.6x the whole command); "
+    "--no-predict stores -1 / NaN.",
 )
 @click.option(
     "--device",

@@ -17,7 +17,6 @@ from actstore.core.errors import InvalidSetting
 from actstore.core.lock import LOCK_ENV
 from actstore.core.ownership import check_root, discard_created
 from actstore.core.storage import locate
-from actstore.core.storage.base import StoreLocation
 from actstore.ingest.capture_store import IngestReport
 from actstore.ingest.external import ExternalWindow, windows_from_mapping, windows_from_vllm, write_windows
 from actstore.ingest.models.registry import load_model
@@ -136,10 +135,8 @@ def write_corpus(
     bar of the positions written on stderr (rank 0's)."""
     windows, spec = source_windows(source, tokens, layer_ids)
     loc = locate(os.fspath(out))
-    if not resume:
-        check_root(
-            loc, overwrite=overwrite
-        )  # a store there without --overwrite: refused before the model loads
+    if not resume:  # a store there without --overwrite: refused before the model loads
+        check_root(loc, overwrite=overwrite)
     launched = bool(os.environ.get(LOCK_ENV))  # under --procs, whose launcher removes a failed new store
     loaded = load_model(model, device=device, dtype=torch.float32)
     from actstore.ingest.capture.architectures import architecture_for
@@ -162,22 +159,30 @@ def write_corpus(
             check_windows(windows, g, storage_dtype, only=mine)
         if grouped:
             barrier()  # every rank has looked and checked before rank 0 can create (or overwrite) the store
+        model_info = {
+            "name": loaded.name,
+            "source": loaded.source,
+            "architecture": loaded.architecture,
+            "weight_hash": loaded.weight_hash,
+            "dtype": "float32",
+        }
+        cfg = IngestConfig(
+            out=loc.url,
+            batch_size=1,
+            storage_dtype=storage_dtype,
+            segment_size=segment_size,
+            chunk_rows=min(IMPORT_CHUNK_ROWS, segment_size),
+            resume=resume,
+            overwrite=overwrite,
+            progress=progress,
+            weights=weights,
+            rank=rank,
+            world_size=world_size,
+            extra={"dataset": spec, "kinds": ["resid"]},
+        )
         try:
-            report = _write(
-                loc,
-                loaded,
-                windows,
-                spec,
-                storage_dtype,
-                segment_size,
-                resume,
-                overwrite,
-                weights,
-                predict,
-                cast_check,
-                rank,
-                world_size,
-                progress,
+            report = write_windows(
+                loc, loaded.model, loaded.tokenizer, model_info, windows, spec, cfg, predict, cast_check
             )
         except InvalidSetting:
             if fresh and world_size == 1:
@@ -202,53 +207,3 @@ def rank_windows(windows: Sequence[ExternalWindow], segment_size: int, rank: int
             for s in range(int(starts[k]) // segment_size, (int(ends[k]) - 1) // segment_size + 1)
         )
     }
-
-
-def _write(
-    loc: StoreLocation,
-    loaded: Any,
-    windows: list[ExternalWindow],
-    spec: str,
-    storage_dtype: str,
-    segment_size: int,
-    resume: bool,
-    overwrite: bool,
-    weights: str,
-    predict: bool,
-    check_values: bool,
-    rank: int,
-    world_size: int,
-    progress: bool,
-) -> IngestReport:
-    model_info = {
-        "name": loaded.name,
-        "source": loaded.source,
-        "architecture": loaded.architecture,
-        "weight_hash": loaded.weight_hash,
-        "dtype": "float32",
-    }
-    cfg = IngestConfig(
-        out=loc.url,
-        batch_size=1,
-        storage_dtype=storage_dtype,
-        segment_size=segment_size,
-        chunk_rows=min(IMPORT_CHUNK_ROWS, segment_size),
-        resume=resume,
-        overwrite=overwrite,
-        progress=progress,
-        weights=weights,
-        rank=rank,
-        world_size=world_size,
-        extra={"dataset": spec, "kinds": ["resid"]},
-    )
-    return write_windows(
-        loc,
-        loaded.model,
-        loaded.tokenizer,
-        model_info,
-        windows,
-        spec,
-        cfg,
-        predict,
-        check_values=check_values,
-    )
