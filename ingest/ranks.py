@@ -86,6 +86,19 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def compact_after_ranks(loc: StoreLocation, rank: int, grouped: bool) -> None:
+    """Once every rank of a group has written its segments, rank 0 alone writes one snapshot of them all
+    (nothing without a group: ranks under a launcher's lock with no process group compact nothing)."""
+    if not grouped:
+        return
+    barrier()
+    if rank == 0:
+        from actstore.core.compact import compact_held, compacted_fully
+
+        if not compacted_fully(loc):
+            compact_held(loc, full=True)
+
+
 def rank_zero_first(
     create: Callable[[], T], open_existing: Callable[[], T], rank: int, world: int, loc: StoreLocation
 ) -> T:
@@ -201,7 +214,7 @@ def safe_python(module: str, *, unbuffered: bool = False) -> list[str]:
     return [sys.executable, *(["-u"] if unbuffered else []), "-c", _BOOTSTRAP, module]
 
 
-def torchrun_command(procs: int, ingest_args: Sequence[str], command: str = "ingest") -> list[str]:
+def torchrun_command(procs: int, args: Sequence[str], command: str = "ingest") -> list[str]:
     """``torchrun --standalone --nproc_per_node N --no-python python -m actstore.cli ingest ...`` (or
     ``import``), both Pythons started by :func:`safe_python` (torchrun's own ``-m`` would put the cwd
     on sys.path)."""
@@ -213,13 +226,13 @@ def torchrun_command(procs: int, ingest_args: Sequence[str], command: str = "ing
         "--no-python",
         *safe_python("actstore.cli", unbuffered=True),
         command,
-        *ingest_args,
+        *args,
     ]
 
 
 def launch_ranks(
     procs: int,
-    ingest_args: Sequence[str],
+    args: Sequence[str],
     *,
     out: str | None = None,
     stderr: TextIO | None = None,
@@ -239,9 +252,9 @@ def launch_ranks(
     through (progress on stderr, one summary line per rank on stdout), except their ``error:``
     lines and torchrun's own report of a failed rank.  Returns (exit status, the first error
     line of a rank, without ``error: ``; one naming what went wrong before an internal error, which
-    is what the other ranks say when the failed one went away).  An exception here (Ctrl-C, SIGTERM) stops torchrun
-    and its ranks before the lock is let go.  ``after(status)`` runs once torchrun has exited, still
-    under the lock (an import removes the store its ranks created when one of them failed).
+    is what the other ranks say when the failed one went away).  An exception here (Ctrl-C, SIGTERM)
+    stops torchrun and its ranks before the lock is let go.  ``after(status)`` runs once torchrun has
+    exited, still under the lock (an import removes the store its ranks created when one failed).
     """
     if procs < 1:
         raise RankError(f"--procs must be at least 1, not {procs}")
@@ -253,14 +266,14 @@ def launch_ranks(
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS and k != LOCK_ENV}
     env.setdefault("OMP_NUM_THREADS", "1")
     if out is None:
-        return _run_torchrun(procs, ingest_args, env, err, (), command)
+        return _run_torchrun(procs, args, env, err, (), command)
     with writer_lock(out, command=f"actstore {command} --procs {procs}", log=log or (lambda m: None)) as lock:
         if lock is None:
             raise RankError(f"this process already writes {out}")
         if precheck is not None:  # e.g. refuse an existing store with one line before any rank starts
             precheck()
         env[LOCK_ENV] = lock.token
-        rc, error = _run_torchrun(procs, ingest_args, env, err, lock.inheritable_fds(), command)
+        rc, error = _run_torchrun(procs, args, env, err, lock.inheritable_fds(), command)
         if after is not None:
             after(rc)
         return rc, error
@@ -268,14 +281,14 @@ def launch_ranks(
 
 def _run_torchrun(
     procs: int,
-    ingest_args: Sequence[str],
+    args: Sequence[str],
     env: dict[str, str],
     err: TextIO,
     fds: tuple[int, ...],
     command: str = "ingest",
 ) -> tuple[int, str | None]:
     proc = subprocess.Popen(
-        torchrun_command(procs, ingest_args, command), env=env, stderr=subprocess.PIPE, pass_fds=fds
+        torchrun_command(procs, args, command), env=env, stderr=subprocess.PIPE, pass_fds=fds
     )
     try:
         return _follow(proc, err)

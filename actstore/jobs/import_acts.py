@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.core.compact import compact_held, compacted_fully
 from actstore.core.errors import InvalidSetting
 from actstore.core.lock import LOCK_ENV
 from actstore.core.ownership import check_root, discard_created
@@ -20,7 +19,7 @@ from actstore.core.storage import locate
 from actstore.ingest.capture_store import IngestReport
 from actstore.ingest.external import ExternalWindow, windows_from_mapping, windows_from_vllm, write_windows
 from actstore.ingest.models.registry import load_model
-from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
+from actstore.ingest.ranks import barrier, compact_after_ranks, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import IngestConfig
 
 
@@ -188,10 +187,7 @@ def write_corpus(
             if fresh and world_size == 1:
                 discard_created(loc)
             raise
-        if grouped:  # one snapshot of every rank's segments, written by rank 0 alone
-            barrier()
-            if rank == 0 and not compacted_fully(loc):
-                compact_held(loc, full=True)
+        compact_after_ranks(loc, rank, grouped)  # one snapshot of every rank's segments, by rank 0
         return report
 
 

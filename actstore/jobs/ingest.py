@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import torch
 
-from actstore.core.compact import compact_held, compacted_fully
 from actstore.core.dependencies import transformers_logging
 from actstore.core.errors import InvalidSetting, StoreExistsError, StoreLockedError
 from actstore.core.lock import LOCK_ENV, active_writer
@@ -33,7 +32,7 @@ from actstore.ingest.lazy_prompts import LazyPrompts
 from actstore.ingest.models.base import LoadedModel
 from actstore.ingest.models.registry import check_model_name, load_model
 from actstore.ingest.pipeline import capture_prompts
-from actstore.ingest.ranks import barrier, join_process_group, ranks_writer_lock
+from actstore.ingest.ranks import barrier, compact_after_ranks, join_process_group, ranks_writer_lock
 from actstore.ingest.settings import CORPUS_KINDS, IngestRequest
 
 
@@ -126,10 +125,7 @@ def _run_ingest(req: IngestRequest, log: Callable[[str], None]) -> IngestReport:
         else:
             report = _ingest_locked(req, loc, data, log)
         if req.world_size > 1:  # one snapshot of every rank's segments, written by rank 0 alone
-            if grouped:
-                barrier()
-            if req.rank == 0 and grouped and not compacted_fully(loc):
-                compact_held(loc, full=True)
+            compact_after_ranks(loc, req.rank, grouped)
         return report
 
 
